@@ -1,0 +1,269 @@
+"""Block pool, paged/contiguous allocation and the prefix cache, as in vLLM V1.
+
+Mechanism (`BlockPool`): reference counts, a free queue in LRU order, the hash -> block
+map. Policy (`KVCacheManager`): how many blocks a request gets this step, which cached
+blocks it hits. No notion of time; the scheduler calls these between steps.
+
+vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
+- block 0 is the null block, never handed out;
+- only full blocks are hashed; a hash chains the parent's hash with the block's tokens;
+- hashes are registered when slots are allocated (schedule time), not after the step;
+- freed blocks keep their hash and stay reusable until popped for reuse (lazy eviction),
+  a request's blocks are freed last-first, so its tail is evicted before its head;
+- lookup happens only for requests with nothing computed, stops at the first miss and
+  always leaves at least the last prompt token to compute.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+from sim.memory import cdiv
+from sim.request import Request
+
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    """Physical blocks: ref counts, an LRU free queue and the prefix-cache hash map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.ref_cnt[NULL_BLOCK] = 1
+        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        # OrderedDict as an O(1) doubly linked list: pop the head, remove from the middle, append.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[int, int] = {}      # block hash -> block id
+        self.num_cached_free = 0              # free blocks that still hold a hash (revivable)
+        self.evictions = 0
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.usable_blocks - len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        pop = self.free_queue.popitem
+        for _ in range(n):
+            block, _ = pop(last=False)
+            h = self.block_hash[block]
+            if h is not None:                    # lazy eviction of a cached block
+                if self.cached.get(h) == block:
+                    del self.cached[h]
+                self.block_hash[block] = None
+                self.num_cached_free -= 1
+                self.evictions += 1
+            self.ref_cnt[block] = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
+        for block in blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free_queue[block]
+                self.num_cached_free -= 1
+            self.ref_cnt[block] += 1
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
+        for block in blocks:
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is not None:
+                    self.num_cached_free += 1
+
+    def cache_block(self, block: int, block_hash: int) -> None:
+        """Register a full block. A hash already mapped to a live block keeps that block."""
+        if self.block_hash[block] is not None:
+            return
+        current = self.cached.get(block_hash)
+        if current is not None:
+            if self.ref_cnt[current] > 0:
+                return
+            # The old copy sits unreferenced in the free queue: the live block replaces it.
+            self.block_hash[current] = None
+            self.num_cached_free -= 1
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+
+    def lookup(self, block_hash: int) -> Optional[int]:
+        return self.cached.get(block_hash)
+
+    def check_invariants(self) -> None:
+        """Assert the pool's internal consistency (tests call this after every operation)."""
+        free = set(self.free_queue)
+        assert len(free) == len(self.free_queue)
+        assert NULL_BLOCK not in free and self.ref_cnt[NULL_BLOCK] >= 1
+        for b in range(1, self.num_blocks):
+            assert (self.ref_cnt[b] == 0) == (b in free), f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
+            assert self.ref_cnt[b] >= 0
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h
+        assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
+
+
+class PrefixCacheStats:
+    """Token counts of prefix-cache lookups, as vLLM's PrefixCacheStats (first admissions only)."""
+
+    __slots__ = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+
+    def __init__(self) -> None:
+        self.requests = self.queries = self.hits = 0
+        self.preempted_requests = self.preempted_queries = self.preempted_hits = 0
+
+    def record(self, num_tokens: int, hit_tokens: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += hit_tokens
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Decides how many blocks a request holds and which cached blocks it reuses.
+
+    `allocation="paged"` grows a request block by block as tokens are scheduled.
+    `allocation="contiguous"` reserves `reserve_len(request)` tokens' worth of blocks at
+    admission (the traditional max-length reservation), so nothing is allocated later.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 allocation: str = "paged", max_model_len: Optional[int] = None,
+                 contiguous_reserve: str = "max_model_len"):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if allocation not in ("paged", "contiguous"):
+            raise ValueError(f"allocation must be 'paged' or 'contiguous', got {allocation!r}")
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.contiguous = allocation == "contiguous"
+        self.max_model_len = max_model_len
+        self.contiguous_reserve = contiguous_reserve
+        self.stats = PrefixCacheStats()
+
+    # -- sizes ---------------------------------------------------------------------------
+    def reserve_tokens(self, req: Request) -> int:
+        """Tokens a request's allocation must cover by the time it finishes."""
+        if self.contiguous and self.contiguous_reserve == "max_model_len" and self.max_model_len:
+            return self.max_model_len
+        return req.max_len
+
+    def blocks_needed_at_most(self, req: Request) -> int:
+        return cdiv(self.reserve_tokens(req), self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def find_cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """The longest run of cached full blocks at the start of the request, and its tokens.
+
+        Only for a request with nothing computed; at most floor((num_tokens - 1) / bs)
+        blocks, so the last token is always computed (it produces the next token's logits).
+        """
+        if not self.enable_caching or req.num_computed:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        req.extend_block_hashes(max_blocks, bs)
+        hits = []
+        lookup = self.pool.cached.get
+        for h in req.block_hashes[:max_blocks]:
+            block = lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: Optional[list[int]] = None,
+                       gate_tokens: int = 0, reserve_free: int = 0, lookahead_tokens: int = 0) -> bool:
+        """Give `req` slots for `num_new_tokens` more tokens (after any `hit_blocks`).
+
+        For admission, `gate_tokens` > 0 also requires blocks for that many tokens to be
+        free (vLLM's reserve-full-prompt gate) and `reserve_free` blocks to stay free (the
+        V0 watermark). `lookahead_tokens` are allocated but not published to the prefix
+        cache (their KV is computed in a later step). Returns False, changing nothing,
+        when the pool is too small.
+        """
+        pool = self.pool
+        bs = self.block_size
+        hit_blocks = hit_blocks or []
+        held = len(req.blocks)
+        covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+        if self.contiguous and held == 0:
+            target = self.blocks_needed_at_most(req)
+        else:
+            target = cdiv(covered + lookahead_tokens, bs)
+        need = max(target - held - len(hit_blocks), 0)
+        if gate_tokens or reserve_free or hit_blocks:
+            gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
+            hit_in_free = sum(1 for b in hit_blocks if pool.ref_cnt[b] == 0)
+            if gate + hit_in_free + reserve_free > pool.num_free:
+                return False
+            if hit_blocks:
+                pool.touch(hit_blocks)
+                req.blocks.extend(hit_blocks)
+                req.num_registered = len(req.blocks)   # hit blocks are already registered
+        elif need > pool.num_free:
+            return False
+        if need:
+            req.blocks.extend(pool.get_new_blocks(need))
+        if self.enable_caching:
+            self.register_full_blocks(req, min(covered, req.num_tokens))
+        return True
+
+    def register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
+        full = num_tokens // self.block_size
+        if full <= req.num_registered:
+            return
+        req.extend_block_hashes(full, self.block_size)
+        blocks, hashes, cache = req.blocks, req.block_hashes, self.pool.cache_block
+        for i in range(req.num_registered, full):
+            cache(blocks[i], hashes[i])
+        req.num_registered = full
+
+    def free(self, req: Request) -> None:
+        """Release a request's blocks, last block first (it is evicted first)."""
+        blocks = req.blocks
+        if blocks:
+            blocks.reverse()
+            self.pool.free_blocks(blocks)
+        req.blocks = []
+        req.num_registered = 0
+
+    # -- counters -------------------------------------------------------------------------
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    @property
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage: referenced blocks / usable blocks (cached-free count as free)."""
+        return self.pool.num_used / self.pool.usable_blocks

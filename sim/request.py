@@ -1,0 +1,199 @@
+"""Requests and their token content, described as segments so nothing long is materialised.
+
+A prompt is a list of segments. A *keyed* segment is a tuple (key, length): its token ids
+are a pure function of the 64-bit key (`segment_tokens`), so equal keys mean equal tokens
+and a block's identity can be hashed from (key, start, end) pieces. A *literal* segment is
+a list of token ids (requests that arrive as ids, and the live output of the server).
+Every request ends with its output segment: keyed and scripted for workload requests (the
+engine appends the scripted token, so simulator and engine hash the same blocks), literal
+and growing for live requests.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+from functools import lru_cache
+from typing import Optional, Union
+
+import numpy as np
+
+Segment = Union[tuple, list]  # (key, length) | [token ids]
+
+
+def stable_key(*parts: object) -> int:
+    """A 63-bit key that is the same in every process (Python's str hash is salted per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@lru_cache(maxsize=4096)
+def _segment_tokens_cached(key: int, length: int, vocab_size: int) -> np.ndarray:
+    rng = np.random.Generator(np.random.PCG64(key))
+    tokens = rng.integers(0, vocab_size, size=length, dtype=np.int64)
+    tokens.setflags(write=False)
+    return tokens
+
+
+def segment_tokens(key: int, length: int, vocab_size: int) -> np.ndarray:
+    """Token ids of a keyed segment. A prefix of a longer segment with the same key is identical."""
+    # Generate in chunks of 4096 so any length of the same key shares its prefix.
+    chunk = 4096
+    parts = []
+    for c in range(0, length, chunk):
+        block = _segment_tokens_cached(stable_key(key, c // chunk), chunk, vocab_size)
+        parts.append(block[: min(chunk, length - c)])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def segment_len(seg: Segment) -> int:
+    return seg[1] if isinstance(seg, tuple) else len(seg)
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2   # back in the waiting queue, to be recomputed
+    FINISHED = 3
+    REJECTED = 4
+    ABORTED = 5
+
+
+class Request:
+    """A request's workload description plus the scheduling state the policy keeps on it."""
+
+    __slots__ = (
+        # workload
+        "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
+        "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id",
+        # scheduling state
+        "status", "num_output", "num_computed", "blocks", "block_hashes", "num_registered",
+        "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
+        # step bookkeeping (step indices; drivers turn them into times)
+        "admit_step", "first_token_step", "finish_step", "emit_runs", "emit_start", "last_emit",
+        "sched_runs", "sched_start", "last_sched",
+    )
+
+    def __init__(self, id: int, arrival: Optional[float], segments: list[Segment], output_len: int,
+                 output_segment: Segment, tenant: Optional[str] = None, salt: int = 0,
+                 priority: int = 0, is_warmup: bool = False):
+        self.id = id
+        self.arrival = arrival
+        self.segments = list(segments) + [output_segment]
+        self.prompt_len = sum(segment_len(s) for s in segments)
+        self.output_len = output_len
+        self.tenant = tenant
+        self.salt = salt
+        self.priority = priority
+        self.is_warmup = is_warmup
+        self.next_turn: Optional[Request] = None
+        self.think_time = 0.0
+        self.conversation: Optional[int] = None
+        self.eos_token_id: Optional[int] = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Clear all scheduling state, so one workload can be replayed by several runs."""
+        self.status = Status.WAITING
+        self.num_output = 0
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_registered = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.reject_reason: Optional[str] = None
+        self._hash_cursor = (0, 0)
+        self.admit_step = -1
+        self.first_token_step = -1
+        self.finish_step = -1
+        self.emit_runs: list[int] = []
+        self.emit_start = -1
+        self.last_emit = -2
+        self.sched_runs: list[int] = []
+        self.sched_start = -1
+        self.last_sched = -2
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far: the prompt plus every output token appended."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= Status.FINISHED
+
+    # -- content -----------------------------------------------------------------------
+    def extend_block_hashes(self, num_blocks: int, block_size: int) -> None:
+        """Hash full blocks up to `num_blocks`, each chained to its parent's hash.
+
+        A block's identity is the sequence of pieces it covers: (key, start, end) for keyed
+        segments, the token ids themselves for literal ones. The chain starts from the
+        request's salt, so different tenants never share a block.
+        """
+        hashes = self.block_hashes
+        if len(hashes) >= num_blocks:
+            return
+        segs = self.segments
+        seg_i, off = self._hash_cursor
+        parent = hashes[-1] if hashes else self.salt
+        while len(hashes) < num_blocks:
+            seg = segs[seg_i]
+            if isinstance(seg, tuple) and seg[1] - off >= block_size:   # fast path: one piece
+                parent = hash((parent, seg[0], off, off + block_size))
+                off += block_size
+                if off == seg[1]:
+                    seg_i, off = seg_i + 1, 0
+            else:
+                pieces: list = [parent]
+                need = block_size
+                while need:
+                    seg = segs[seg_i]
+                    take = min(need, segment_len(seg) - off)
+                    if isinstance(seg, tuple):
+                        pieces += (seg[0], off, off + take)
+                    else:
+                        pieces += seg[off: off + take]
+                        pieces.append(-1)  # piece separator: literal ids are >= 0
+                    off += take
+                    need -= take
+                    if off == segment_len(seg):
+                        seg_i, off = seg_i + 1, 0
+                parent = hash(tuple(pieces))
+            hashes.append(parent)
+        self._hash_cursor = (seg_i, off)
+
+    def token_ids(self, start: int, end: int, vocab_size: int) -> np.ndarray:
+        """Materialise token ids [start, end) of prompt + output (the engine's input ids)."""
+        out = []
+        pos = 0
+        for seg in self.segments:
+            n = segment_len(seg)
+            lo, hi = max(start, pos), min(end, pos + n)
+            if lo < hi:
+                if isinstance(seg, tuple):
+                    out.append(segment_tokens(seg[0], hi - pos, vocab_size)[lo - pos:])
+                else:
+                    out.append(np.asarray(seg[lo - pos: hi - pos], dtype=np.int64))
+            pos += n
+            if pos >= end:
+                break
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.id}, prompt={self.prompt_len}, output={self.num_output}/"
+                f"{self.output_len}, computed={self.num_computed}, status={self.status.name})")
+
+
+def make_request(id: int, arrival: Optional[float], prompt: list[Segment], output_len: int,
+                 seed: int = 0, tenant: Optional[str] = None, salted: bool = False,
+                 priority: int = 0, is_warmup: bool = False) -> Request:
+    """A workload request with a scripted output segment keyed by (seed, id)."""
+    salt = stable_key("tenant", tenant) if (salted and tenant is not None) else 0
+    output = (stable_key("output", seed, id), output_len)
+    return Request(id, arrival, prompt, output_len, output, tenant=tenant, salt=salt,
+                   priority=priority, is_warmup=is_warmup)

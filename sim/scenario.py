@@ -1,0 +1,561 @@
+"""Scenario schema: one validated YAML file describes model, device, engine, workload and SLOs.
+
+Unknown keys, wrong types and out-of-range values are errors that name the full path
+(`engine.blok_size`), the value and what is allowed, with the closest valid key when a
+key is misspelt. `--set path=value` overrides go through the same validation.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from sim.catalog import (DeviceSpec, ModelSpec, StrictModel, catalog_entry,
+                         model_fields_from_hf_config)
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be used; `problems` holds one line per offending field."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        head = f"{source}: " if source else ""
+        if len(problems) == 1:
+            super().__init__(f"{head}{problems[0]}")
+        else:
+            lines = "\n".join(f"  - {p}" for p in problems)
+            super().__init__(f"{head}{len(problems)} problems:\n{lines}")
+
+
+# ----------------------------------------------------------------------------- model/device
+
+def _resolve_catalog(kind: str, value: Any, base_dir: Path | None) -> Any:
+    """`name` or {base: name, ...overrides} or {hf_config: path, ...} -> a plain field dict."""
+    if isinstance(value, (ModelSpec, DeviceSpec)):
+        return value
+    if isinstance(value, str):
+        return catalog_entry(kind, value)
+    if not isinstance(value, dict):
+        return value  # let pydantic report the type error
+    value = dict(value)
+    fields: dict[str, Any] = {}
+    if "base" in value:
+        fields.update(catalog_entry(kind, value.pop("base")))
+    if kind == "models" and "hf_config" in value:
+        fields.update(model_fields_from_hf_config(_resolve_path(value.pop("hf_config"), base_dir)))
+    fields.update(value)
+    return fields
+
+
+def _resolve_path(p: Any, base_dir: Path | None) -> Path:
+    path = Path(p).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return path
+
+
+# ----------------------------------------------------------------------------- engine
+
+class Parallelism(StrictModel):
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree (modelled, not run)")
+
+
+class EngineConfig(StrictModel):
+    batching: Literal["continuous", "static"] = "continuous"
+    allocation: Literal["paged", "contiguous"] = "paged"
+    block_size: int = Field(default=16, ge=1, le=1024)
+    # Pool size including vLLM's null block 0; derived from device memory when unset.
+    num_blocks: Optional[int] = Field(default=None, ge=2)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # Defaults follow vLLM's API server: 1024 / 8192 on >= 70 GiB non-A100 GPUs, else 256 / 2048.
+    max_num_seqs: Optional[int] = Field(default=None, ge=1)
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
+    max_model_len: Optional[int] = Field(default=None, ge=2)
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    preemption: Literal["recompute"] = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # mixed = vLLM V1 (decodes and prefill chunks share a step); prefill_first = vLLM V0 / nano-vllm.
+    step_composition: Literal["mixed", "prefill_first"] = "mixed"
+    # Fraction of blocks kept free when admitting a waiting request (V0: 0.01, V1: 0).
+    admission_watermark: float = Field(default=0.0, ge=0, lt=1)
+    # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt's blocks fit now.
+    reserve_full_prompt: bool = True
+    # What `contiguous` reserves per request: max_model_len (the server cannot know the
+    # answer's length) or the request's own prompt + max output (an oracle baseline).
+    contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
+    # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
+    activation_mib: Optional[float] = Field(default=None, ge=0)
+
+
+# ----------------------------------------------------------------------------- workload
+
+class LengthDist(StrictModel):
+    """A token-length distribution. An integer in YAML is shorthand for {dist: fixed, value: N}."""
+
+    dist: Literal["fixed", "uniform", "normal", "lognormal", "empirical", "sharegpt"] = "fixed"
+    value: Optional[int] = Field(default=None, ge=0)
+    min: Optional[int] = Field(default=None, ge=0)
+    max: Optional[int] = Field(default=None, ge=1)
+    mean: Optional[float] = Field(default=None, gt=0)
+    std: Optional[float] = Field(default=None, ge=0)
+    values: Optional[list[int]] = None
+    file: Optional[Path] = None
+    column: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            return {"dist": "fixed", "value": v}
+        return v
+
+    @model_validator(mode="after")
+    def _required(self) -> "LengthDist":
+        need = {"fixed": ["value"], "uniform": ["min", "max"], "normal": ["mean", "std"],
+                "lognormal": ["mean", "std"], "empirical": [], "sharegpt": []}[self.dist]
+        missing = [k for k in need if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"dist '{self.dist}' needs {', '.join(missing)}")
+        if self.dist == "empirical" and (self.values is None) == (self.file is None):
+            raise ValueError("dist 'empirical' needs exactly one of 'values' or 'file'")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
+class Arrival(StrictModel):
+    process: Literal["poisson", "gamma", "fixed", "offline"] = "poisson"
+    rate: Optional[float] = Field(default=None, gt=0, description="requests per second")
+    # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
+    # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
+    cv: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _needs_rate(self) -> "Arrival":
+        if self.process != "offline" and self.rate is None:
+            raise ValueError(f"arrival process '{self.process}' needs a rate (requests per second)")
+        return self
+
+
+class SharedPrefix(StrictModel):
+    """Shared system prompts: `groups` distinct prefixes; `fraction` of requests carry one."""
+
+    groups: int = Field(default=1, ge=1)
+    length: LengthDist = Field(default_factory=lambda: LengthDist(value=512))
+    fraction: float = Field(default=1.0, ge=0, le=1)
+    popularity: Literal["uniform", "zipf"] = "uniform"
+    zipf_s: float = Field(default=1.0, gt=0)
+
+
+class DynamicSegment(StrictModel):
+    """A per-request segment (a timestamp, a request id) placed before or after the shared prefix."""
+
+    length: int = Field(default=8, ge=1)
+    position: Literal["first", "last"] = "last"
+
+
+class MultiTurn(StrictModel):
+    """Conversations: each turn's prompt = earlier turns + previous answer + a new user message."""
+
+    turns: LengthDist = Field(default_factory=lambda: LengthDist(value=3))
+    user_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="uniform", min=32, max=256))
+    think_time_s: float = Field(default=5.0, ge=0)
+    think_dist: Literal["fixed", "exponential"] = "exponential"
+
+
+class Tenant(StrictModel):
+    name: str
+    share: float = Field(default=1.0, gt=0)
+    # A cache salt isolates this tenant's prefix-cache blocks (vLLM's cache_salt).
+    salt: bool = True
+
+
+class Priorities(StrictModel):
+    values: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    weights: Optional[list[float]] = None
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "Priorities":
+        if self.weights is not None and len(self.weights) != len(self.values):
+            raise ValueError(f"weights has {len(self.weights)} entries, values has {len(self.values)}")
+        return self
+
+
+class PromptSegment(StrictModel):
+    """Part of an explicit prompt: equal `segment` names mean equal tokens."""
+
+    segment: str
+    len: int = Field(ge=1)
+
+
+class ExplicitRequest(StrictModel):
+    arrival_s: float = Field(default=0.0, ge=0)
+    prompt_len: Optional[int] = Field(default=None, ge=1)
+    prompt: Optional[list[PromptSegment]] = None
+    output_len: int = Field(ge=1)
+    tenant: Optional[str] = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "ExplicitRequest":
+        if (self.prompt_len is None) == (self.prompt is None):
+            raise ValueError("give exactly one of prompt_len or prompt (a list of segments)")
+        return self
+
+
+class Trace(StrictModel):
+    format: Literal["azure", "mooncake", "burstgpt", "jsonl"]
+    path: Path
+    time_scale: float = Field(default=1.0, gt=0, description="replay at k x speed")
+    window_s: Optional[tuple[float, float]] = None
+    sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
+    max_requests: Optional[int] = Field(default=None, ge=1)
+    # Mooncake: tokens per hash id block.
+    hash_block_tokens: int = Field(default=512, ge=1)
+
+    @field_validator("window_s")
+    @classmethod
+    def _window(cls, w: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
+        if w is not None and not (0 <= w[0] < w[1]):
+            raise ValueError(f"window_s must be [start, end] with 0 <= start < end, got {list(w)}")
+        return w
+
+
+class Workload(StrictModel):
+    num_requests: Optional[int] = Field(default=None, ge=1)
+    duration_s: Optional[float] = Field(default=None, gt=0)
+    # The first N requests warm the engine; steady-state figures exclude them.
+    warmup_requests: int = Field(default=0, ge=0)
+    arrival: Arrival = Field(default_factory=lambda: Arrival(process="offline"))
+    prompt_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
+    output_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
+    # Rank correlation between prompt and output lengths (Gaussian copula); 0 = independent.
+    length_correlation: float = Field(default=0.0, ge=-1, le=1)
+    shared_prefix: Optional[SharedPrefix] = None
+    dynamic_segment: Optional[DynamicSegment] = None
+    multi_turn: Optional[MultiTurn] = None
+    tenants: Optional[list[Tenant]] = None
+    priorities: Optional[Priorities] = None
+    requests: Optional[list[ExplicitRequest]] = None
+    trace: Optional[Trace] = None
+
+    @model_validator(mode="after")
+    def _sources(self) -> "Workload":
+        if self.requests is not None and self.trace is not None:
+            raise ValueError("give at most one of 'requests' and 'trace'")
+        synthetic = self.requests is None and self.trace is None
+        if synthetic and self.num_requests is None and self.duration_s is None:
+            self.num_requests = 100
+        if synthetic and self.arrival.process == "offline" and self.num_requests is None:
+            raise ValueError("offline arrivals need num_requests (duration_s means nothing at t=0)")
+        return self
+
+
+# ----------------------------------------------------------------------------- the rest
+
+class Slo(StrictModel):
+    """Per-request targets; goodput counts requests meeting every target that is set."""
+
+    ttft_s: Optional[float] = Field(default=None, gt=0)
+    tpot_s: Optional[float] = Field(default=None, gt=0)
+    itl_s: Optional[float] = Field(default=None, gt=0)
+    e2e_s: Optional[float] = Field(default=None, gt=0)
+
+
+class Cluster(StrictModel):
+    replicas: int = Field(default=1, ge=1)
+    router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware"] = "round_robin"
+    # prefix_aware: a replica may take at most this many times the mean outstanding tokens.
+    load_bound: float = Field(default=1.5, ge=1.0)
+
+
+class Scenario(StrictModel):
+    name: str = "scenario"
+    description: str = ""
+    seed: int = 0
+    model: ModelSpec
+    device: DeviceSpec
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    workload: Workload = Field(default_factory=Workload)
+    slo: Slo = Field(default_factory=Slo)
+    cluster: Cluster = Field(default_factory=Cluster)
+    # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        """The effective limit: the engine setting, else the model's context length."""
+        return self.engine.max_model_len or self.model.max_position_embeddings
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs or (1024 if self._big_gpu() else 256)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        default = 8192 if self._big_gpu() else 2048
+        budget = self.engine.max_num_batched_tokens or default
+        if not self.engine.chunked_prefill and self.engine.max_num_batched_tokens is None:
+            budget = max(budget, self.max_model_len)  # vLLM: must hold a whole prompt then
+        return budget
+
+    def _big_gpu(self) -> bool:
+        return self.device.memory_mib >= 70 * 1024 and not self.device.name.startswith("a100")
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _resolve_sections(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
+    raw = dict(raw)
+    for key, kind in (("model", "models"), ("device", "devices")):
+        if key in raw:
+            try:
+                raw[key] = _resolve_catalog(kind, raw[key], base_dir)
+            except (KeyError, ValueError) as e:
+                raise ScenarioError([f"{key}: {e.args[0]}"]) from None
+    for key in ("model", "device"):
+        for field in ("weights", "profile"):
+            if isinstance(raw.get(key), dict) and raw[key].get(field) is not None:
+                raw[key] = {**raw[key], field: _resolve_path(raw[key][field], base_dir)}
+    return raw
+
+
+def _resolve_workload_paths(workload: Workload, base_dir: Path | None) -> None:
+    if workload.trace is not None:
+        workload.trace.path = _resolve_path(workload.trace.path, base_dir)
+    for dist in _length_dists(workload):
+        if dist.file is not None:
+            dist.file = _resolve_path(dist.file, base_dir)
+
+
+def _length_dists(w: Workload) -> list[LengthDist]:
+    dists = [w.prompt_len, w.output_len]
+    if w.shared_prefix:
+        dists.append(w.shared_prefix.length)
+    if w.multi_turn:
+        dists += [w.multi_turn.turns, w.multi_turn.user_len]
+    return dists
+
+
+def _cross_checks(s: Scenario) -> list[str]:
+    problems = []
+    tp, m = s.parallelism.tp, s.model
+    if m.num_heads % tp:
+        problems.append(f"parallelism.tp: {tp} does not divide the model's {m.num_heads} attention "
+                        f"heads (allowed: a divisor of {m.num_heads})")
+    elif m.num_kv_heads % tp and tp % m.num_kv_heads:
+        problems.append(f"parallelism.tp: {tp} neither divides nor is a multiple of the model's "
+                        f"{m.num_kv_heads} KV heads")
+    if s.max_model_len > m.max_position_embeddings:
+        problems.append(f"engine.max_model_len: {s.max_model_len} is beyond the model's "
+                        f"max_position_embeddings ({m.max_position_embeddings})")
+    if s.max_num_batched_tokens < s.max_num_seqs and s.engine.max_num_batched_tokens is not None:
+        problems.append(f"engine.max_num_batched_tokens: {s.max_num_batched_tokens} is below "
+                        f"max_num_seqs ({s.max_num_seqs}); vLLM requires at least one token per sequence")
+    if not s.engine.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
+        problems.append(f"engine.max_num_batched_tokens: {s.max_num_batched_tokens} is below "
+                        f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
+                        f"could never be scheduled")
+    if s.engine.batching == "static" and s.engine.step_composition != "mixed":
+        problems.append("engine.step_composition: only 'mixed' applies to static batching")
+    return problems
+
+
+def validate_scenario(raw: dict[str, Any], base_dir: Path | None = None,
+                      source: str | None = None) -> Scenario:
+    """Validate a raw scenario mapping (already merged with overrides) into a Scenario."""
+    if not isinstance(raw, dict):
+        raise ScenarioError([f"top level: expected a mapping of sections, got {type(raw).__name__}"], source)
+    for required in ("model", "device"):
+        if required not in raw:
+            raise ScenarioError([f"{required}: missing (a catalog name or a mapping of fields)"], source)
+    try:
+        resolved = _resolve_sections(raw, base_dir)
+        scenario = Scenario.model_validate(resolved)
+    except ScenarioError as e:
+        raise ScenarioError(e.problems, source) from None
+    except ValidationError as e:
+        raise ScenarioError(_describe(e, Scenario), source) from None
+    _resolve_workload_paths(scenario.workload, base_dir)
+    problems = _cross_checks(scenario)
+    if problems:
+        raise ScenarioError(problems, source)
+    return scenario
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ScenarioError([f"no such file: {path}"]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ScenarioError([f"{where}not valid YAML ({getattr(e, 'problem', e)})"], str(path)) from None
+    if raw is None:
+        raise ScenarioError(["the file is empty"], str(path))
+    return raw
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None,
+                  seed: int | None = None) -> Scenario:
+    """Load, apply `--set` overrides and validate. Relative paths resolve against the file."""
+    path = Path(path)
+    raw = load_raw(path)
+    if overrides:
+        raw = apply_overrides(raw, overrides, source=str(path))
+    if seed is not None:
+        raw["seed"] = seed
+    return validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path))
+
+
+def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[str, Scenario]:
+    """{variant name: full scenario}; a scenario without variants maps its own name to itself."""
+    if not scenario.variants:
+        return {scenario.name: scenario}
+    base = scenario.model_dump(exclude={"variants"}, exclude_none=True)
+    out = {}
+    for name, patch in scenario.variants.items():
+        if not isinstance(patch, dict):
+            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {patch!r}"])
+        merged = deep_merge(base, patch)
+        merged["name"] = f"{scenario.name}/{name}"
+        try:
+            out[name] = validate_scenario(merged, base_dir=base_dir)
+        except ScenarioError as e:
+            raise ScenarioError([f"variants.{name}.{p}" for p in e.problems]) from None
+    return out
+
+
+def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("model", "device"):
+            out[key] = deep_merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            # model/device: a patch with `base` replaces the entry; otherwise it overrides fields.
+            out[key] = copy.deepcopy(value) if "base" in value or "hf_config" in value else {**out[key], **value}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+# ----------------------------------------------------------------------------- --set
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'engine.block_size=32' -> (['engine', 'block_size'], 32); values parse as YAML scalars."""
+    if "=" not in text:
+        raise ScenarioError([f"--set {text!r}: expected PATH=VALUE, e.g. engine.block_size=32"])
+    path, _, value = text.partition("=")
+    keys = [k for k in path.strip().split(".")]
+    if not all(keys):
+        raise ScenarioError([f"--set {text!r}: the path {path!r} has an empty part"])
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return keys, parsed
+
+
+def set_path(raw: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:
+    """A copy of `raw` with the nested key set; a catalog name is expanded so a field can be set."""
+    out = copy.deepcopy(raw)
+    node = out
+    for i, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if isinstance(child, str) and i == 0 and key in ("model", "device"):
+            child = {"base": child}
+        elif child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise ScenarioError([f"{'.'.join(keys[: i + 1])}: is {child!r}, not a mapping, "
+                                 f"so '{'.'.join(keys)}' cannot be set"])
+        node[key] = child
+        node = child
+    node[keys[-1]] = value
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str | None = None) -> dict[str, Any]:
+    for text in overrides:
+        keys, value = parse_override(text)
+        raw = set_path(raw, keys, value)
+    return raw
+
+
+# ----------------------------------------------------------------------------- error text
+
+def _loc_str(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "top level"
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Optional[X] / list[X] / dict[str, X] -> X, for walking the schema by path."""
+    while True:
+        args = typing.get_args(annotation)
+        origin = typing.get_origin(annotation)
+        if origin in (list, tuple, dict) and args:
+            annotation = args[-1]
+        elif origin is typing.Union or str(origin) == "types.UnionType":
+            non_none = [a for a in args if a is not type(None)]
+            annotation = non_none[0] if len(non_none) == 1 else annotation
+            if len(non_none) != 1:
+                return annotation
+        else:
+            return annotation
+
+
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    node: Any = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return None
+        field = node.model_fields.get(part)
+        if field is None:
+            return None
+        node = _unwrap(field.annotation)
+    return node if isinstance(node, type) and issubclass(node, BaseModel) else None
+
+
+def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
+    problems = []
+    for err in error.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        path = _loc_str(loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(root, loc[:-1])
+            valid = sorted(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            known = f" (valid keys: {', '.join(valid)})" if valid else ""
+            problems.append(f"{path}: unknown key{hint}{known}")
+        elif kind == "missing":
+            problems.append(f"{path}: missing (required)")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = err.get("input")
+            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            problems.append(f"{path}: {msg}{shown}")
+    return problems

@@ -1,0 +1,397 @@
+"""Batching policies: continuous (vLLM V1 iteration-level, or V0 prefill-first) and static.
+
+The scheduler owns no clock. A driver (the SimPy simulator, or the engine in wall-clock
+time) calls `add`, `schedule` and `finish_step`; steps are counted, never timed.
+
+Continuous, `mixed` composition (vLLM V1, research/VLLM_SEMANTICS.md section 4):
+RUNNING requests first, in admission order, each taking what it still needs (1 token for
+a decode, the rest of a prompt chunked to the budget); when a block cannot be had, the
+last-admitted (FCFS) or lowest-priority (PRIORITY) running request is preempted and will
+be recomputed. Then, if nothing was preempted, WAITING requests are admitted head first
+until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
+`prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
+be scheduled, otherwise all decodes. `static`: a batch is formed only when none is running
+and runs until its last member finishes; finished members' slots stay empty.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from sim.kvcache import KVCacheManager
+from sim.memory import cdiv
+from sim.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    batching: str = "continuous"            # continuous | static
+    chunked_prefill: bool = True
+    policy: str = "fcfs"                    # fcfs | priority
+    step_composition: str = "mixed"         # mixed | prefill_first
+    admission_watermark: float = 0.0
+    reserve_full_prompt: bool = True
+
+    @classmethod
+    def from_scenario(cls, s) -> "SchedulerConfig":
+        e = s.engine
+        return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, e.batching,
+                   e.chunked_prefill, e.scheduling_policy, e.step_composition,
+                   e.admission_watermark, e.reserve_full_prompt)
+
+
+class Batch:
+    """One step's work: which requests compute how many new tokens, plus its composition."""
+
+    __slots__ = ("step", "reqs", "num_new", "num_decode", "decode_ctx", "num_prefill_tokens",
+                 "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
+
+    def __init__(self, step: int):
+        self.step = step
+        self.reqs: list[Request] = []
+        self.num_new: list[int] = []
+        self.num_decode = 0          # sequences feeding one generated token
+        self.decode_ctx = 0          # sum of their context lengths (tokens attended)
+        self.num_prefill_tokens = 0  # prompt tokens computed (whole prompts and chunks)
+        self.prefill_ctx = 0         # sum of cached context the chunks attend to
+        self.prefill_attn = 0        # sum over chunks of q x (context + (q + 1) / 2): causal score pairs
+        self.blocks_read = 0         # KV blocks the attention kernels walk
+        self.preempted: list[Request] = []
+        self.admitted: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode
+
+    def starts(self) -> list[int]:
+        """Context length before this step, per sequence (positions of the first new token)."""
+        return [r.num_computed - n for r, n in zip(self.reqs, self.num_new)]
+
+    def add(self, req: Request, n: int, block_size: int) -> None:
+        start = req.num_computed
+        self.reqs.append(req)
+        self.num_new.append(n)
+        ctx = start + n
+        self.blocks_read += -(-ctx // block_size)
+        if n == 1 and req.num_output:
+            self.num_decode += 1
+            self.decode_ctx += ctx
+        else:
+            self.num_prefill_tokens += n
+            self.prefill_ctx += start
+            self.prefill_attn += n * start + n * (n + 1) // 2
+        step = self.step
+        if req.last_sched != step - 1:
+            if req.sched_start >= 0:
+                req.sched_runs += (req.sched_start, req.last_sched)
+            req.sched_start = step
+        req.last_sched = step
+        req.num_computed = ctx
+
+    def remove(self, req: Request, block_size: int) -> int:
+        """Take a request back out (it was preempted after being scheduled); returns its tokens."""
+        i = self.reqs.index(req)
+        n = self.num_new.pop(i)
+        del self.reqs[i]
+        start = req.num_computed - n
+        ctx = start + n
+        self.blocks_read -= -(-ctx // block_size)
+        if n == 1 and req.num_output:
+            self.num_decode -= 1
+            self.decode_ctx -= ctx
+        else:
+            self.num_prefill_tokens -= n
+            self.prefill_ctx -= start
+            self.prefill_attn -= n * start + n * (n + 1) // 2
+        if req.sched_start == self.step:
+            req.sched_start = -1
+            req.last_sched = -2
+            if req.sched_runs:
+                req.last_sched = req.sched_runs.pop()
+                req.sched_start = req.sched_runs.pop()
+        else:
+            req.last_sched = self.step - 1
+        return n
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.priority = config.policy == "priority"
+        self.static = config.batching == "static"
+        self.waiting_fifo: deque[Request] = deque()
+        self.waiting_heap: list = []
+        self.running: list[Request] = []
+        self.step = 0
+        self.num_added = self.num_finished = self.num_rejected = self.num_aborted = 0
+        self.num_preemptions = 0
+        self._heap_seq = 0
+        self._returned = 0
+        self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
+
+    # -- intake --------------------------------------------------------------------------
+    def add(self, req: Request) -> bool:
+        """Queue a request, or reject it with a reason when it can never run. Returns accepted."""
+        self.num_added += 1
+        reason = self._reject_reason(req)
+        if reason:
+            req.status = Status.REJECTED
+            req.reject_reason = reason
+            self.num_rejected += 1
+            return False
+        req.status = Status.WAITING
+        self._push_waiting(req, front=False)
+        return True
+
+    def _reject_reason(self, req: Request) -> Optional[str]:
+        limit = self.config.max_model_len
+        if req.prompt_len >= limit:
+            return f"prompt of {req.prompt_len} tokens leaves no room for output within max_model_len {limit}"
+        if req.max_len > limit:
+            return (f"prompt ({req.prompt_len}) + max output ({req.output_len}) = {req.max_len} tokens "
+                    f"exceeds max_model_len {limit}")
+        need = self.kv.blocks_needed_at_most(req)
+        usable = self.kv.pool.usable_blocks
+        if need > usable:
+            return f"needs {need} KV blocks at full length but the pool has {usable} usable blocks"
+        if not self.config.chunked_prefill and req.max_len > self.config.max_num_batched_tokens:
+            return (f"{req.max_len} tokens cannot be recomputed within max_num_batched_tokens "
+                    f"{self.config.max_num_batched_tokens} without chunked prefill")
+        return None
+
+    def abort(self, req: Request) -> None:
+        """Drop a queued or running request (a client went away), freeing its blocks."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif self.priority:
+            self.waiting_heap = [e for e in self.waiting_heap if e[-1] is not req]
+            heapq.heapify(self.waiting_heap)
+        elif req in self.waiting_fifo:
+            self.waiting_fifo.remove(req)
+        self.kv.free(req)
+        req.status = Status.ABORTED
+        req.reject_reason = "aborted"
+        self._close_runs(req)
+        self.num_aborted += 1
+
+    # -- queues --------------------------------------------------------------------------
+    def _push_waiting(self, req: Request, front: bool) -> None:
+        if self.priority:
+            self._heap_seq += 1
+            arrival = req.arrival if req.arrival is not None else 0.0
+            heapq.heappush(self.waiting_heap, (req.priority, arrival, self._heap_seq, req))
+        elif front:
+            self.waiting_fifo.appendleft(req)
+        else:
+            self.waiting_fifo.append(req)
+
+    def _peek_waiting(self) -> Optional[Request]:
+        if self.priority:
+            return self.waiting_heap[0][-1] if self.waiting_heap else None
+        return self.waiting_fifo[0] if self.waiting_fifo else None
+
+    def _pop_waiting(self) -> None:
+        if self.priority:
+            heapq.heappop(self.waiting_heap)
+        else:
+            self.waiting_fifo.popleft()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting_heap) if self.priority else len(self.waiting_fifo)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> Optional[Batch]:
+        """Choose this step's work. Returns None when nothing can run."""
+        batch = Batch(self.step)
+        budget = self.config.max_num_batched_tokens
+        if self.config.step_composition == "prefill_first" and not self.static:
+            budget = self._schedule_running(batch, budget, want="prefill")
+            if not batch.preempted:
+                budget = self._schedule_waiting(batch, budget)
+            if not batch.reqs:
+                self._schedule_running(batch, budget, want="decode")
+        else:
+            admit = not (self.static and self.running)
+            budget = self._schedule_running(batch, budget, want="all")
+            if admit and not batch.preempted:
+                self._schedule_waiting(batch, budget)
+        if not batch.reqs:
+            return None
+        self.step += 1
+        return batch
+
+    def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
+        kv, bs = self.kv, self.block_size
+        caching = kv.enable_caching
+        running = self.running
+        chunked = self.config.chunked_prefill
+        i = 0
+        self._returned = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            i += 1
+            n = req.num_tokens - req.num_computed
+            if want != "all":
+                is_decode = n == 1 and req.num_output > 0
+                if is_decode != (want == "decode"):
+                    continue
+            if n > budget:
+                if not chunked and req.num_computed == 0:
+                    continue        # a whole prompt must fit one step without chunking
+                n = budget
+            covered = req.num_computed + n
+            if covered <= len(req.blocks) * bs:            # fast path: the slots are there
+                if caching and covered // bs > req.num_registered:
+                    kv.register_full_blocks(req, covered)
+            else:
+                preempted_before = len(batch.preempted)
+                if not self._allocate_or_preempt(req, n, batch):
+                    break                                      # it preempted itself
+                if len(batch.preempted) > preempted_before:
+                    budget += self._returned                   # victims scheduled earlier give tokens back
+                    self._returned = 0
+                    i = running.index(req) + 1
+            budget -= n
+            batch.add(req, n, bs)
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
+        """Allocate slots, preempting victims until they fit; False if `req` itself was preempted."""
+        while not self.kv.allocate_slots(req, n):
+            victim = self._pick_victim()
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self) -> Request:
+        if self.priority:
+            return max(self.running, key=lambda r: (r.priority, r.arrival or 0.0, r.id))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, batch: Batch) -> None:
+        if self.priority:
+            self.running.remove(victim)
+        else:
+            self.running.pop()
+        if victim.last_sched == batch.step:
+            self._returned += batch.remove(victim, self.block_size)
+        self.kv.free(victim)
+        victim.num_computed = 0
+        victim.status = Status.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(victim)
+        self._push_waiting(victim, front=True)
+
+    def _schedule_waiting(self, batch: Batch, budget: int) -> int:
+        cfg, kv, bs = self.config, self.kv, self.block_size
+        running = self.running
+        while len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
+            req = self._peek_waiting()
+            if req is None:
+                break
+            resumed = req.status is Status.PREEMPTED
+            hits, hit_tokens = kv.find_cached_prefix(req)
+            n = req.num_tokens - hit_tokens
+            if not cfg.chunked_prefill and n > budget:
+                break
+            n_now = min(n, budget)
+            gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
+            # A static batch is formed in one step: reserve its prompts now, compute them as budget allows.
+            lookahead = (n - n_now) if self.static else 0
+            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate,
+                                     reserve_free=self._watermark_blocks, lookahead_tokens=lookahead):
+                break
+            self._pop_waiting()
+            kv.stats.record(req.num_tokens, hit_tokens, resumed)
+            if not resumed:
+                req.num_cached_tokens = hit_tokens
+                req.admit_step = batch.step
+            req.status = Status.RUNNING
+            req.num_computed = hit_tokens
+            running.append(req)
+            batch.admitted.append(req)
+            if n_now:
+                budget -= n_now
+                batch.add(req, n_now, bs)
+        return budget
+
+    # -- after the step ------------------------------------------------------------------
+    def finish_step(self, batch: Batch) -> list[Request]:
+        """Append each completed sequence's next token; retire finished requests. Returns them."""
+        step = batch.step
+        finished = []
+        for req in batch.reqs:
+            if req.num_computed < req.num_tokens:
+                continue                       # a prefill chunk that does not end the prompt
+            if req.last_emit != step - 1:
+                if req.emit_start >= 0:
+                    req.emit_runs += (req.emit_start, req.last_emit)
+                req.emit_start = step
+                if req.first_token_step < 0:
+                    req.first_token_step = step
+            req.last_emit = step
+            req.num_output += 1
+            if req.num_output >= req.output_len or self._hit_stop(req):
+                finished.append(req)
+        if finished:
+            for req in finished:
+                req.status = Status.FINISHED
+                req.finish_step = step
+                self.kv.free(req)
+                self._close_runs(req)
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+            self.num_finished += len(finished)
+        return finished
+
+    @staticmethod
+    def _hit_stop(req: Request) -> bool:
+        """Live requests (the server) stop at EOS unless ignore_eos; scripted ones never do."""
+        if req.eos_token_id is None:
+            return False
+        out = req.segments[-1]
+        return isinstance(out, list) and bool(out) and out[-1] == req.eos_token_id
+
+    @staticmethod
+    def _close_runs(req: Request) -> None:
+        if req.emit_start >= 0:
+            req.emit_runs += (req.emit_start, req.last_emit)
+            req.emit_start = -1
+        if req.sched_start >= 0:
+            req.sched_runs += (req.sched_start, req.last_sched)
+            req.sched_start = -1
+
+    # -- checks --------------------------------------------------------------------------
+    def check_accounting(self) -> None:
+        """Every added request is finished, rejected, aborted, waiting or running."""
+        live = self.num_waiting + len(self.running)
+        ended = self.num_finished + self.num_rejected + self.num_aborted
+        if self.num_added != ended + live:
+            raise AssertionError(f"request accounting broken: added {self.num_added} != finished "
+                                 f"{self.num_finished} + rejected {self.num_rejected} + aborted "
+                                 f"{self.num_aborted} + waiting {self.num_waiting} + running {len(self.running)}")
