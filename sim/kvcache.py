@@ -56,20 +56,20 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        out = []
-        pop = self.free_queue.popitem
-        for _ in range(n):
-            block, _ = pop(last=False)
-            h = self.block_hash[block]
-            if h is not None:                    # lazy eviction of a cached block
-                if self.cached.get(h) == block:
-                    del self.cached[h]
-                self.block_hash[block] = None
-                self.num_cached_free -= 1
-                self.evictions += 1
-            self.ref_cnt[block] = 1
-            out.append(block)
-        return out
+        return [self.take_one() for _ in range(n)]
+
+    def take_one(self) -> int:
+        """Pop the least recently freed block, evicting its cached hash if it still has one."""
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:                    # lazy eviction of a cached block
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            self.num_cached_free -= 1
+            self.evictions += 1
+        self.ref_cnt[block] = 1
+        return block
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""

@@ -66,11 +66,11 @@ class Request:
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id",
         # scheduling state
-        "status", "num_output", "num_computed", "blocks", "block_hashes", "num_registered",
+        "status", "num_output", "num_tokens", "num_computed", "blocks", "block_hashes", "num_registered",
         "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "first_token_step", "finish_step", "emit_runs", "emit_start", "last_emit",
-        "sched_runs", "sched_start", "last_sched",
+        "chunk_steps",
     )
 
     def __init__(self, id: int, arrival: Optional[float], segments: list[Segment], output_len: int,
@@ -95,6 +95,7 @@ class Request:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
         self.status = Status.WAITING
         self.num_output = 0
+        self.num_tokens = self.prompt_len   # prompt + outputs appended so far (kept in step for speed)
         self.num_computed = 0
         self.blocks: list[int] = []
         self.block_hashes: list[int] = []
@@ -109,15 +110,13 @@ class Request:
         self.emit_runs: list[int] = []
         self.emit_start = -1
         self.last_emit = -2
-        self.sched_runs: list[int] = []
-        self.sched_start = -1
-        self.last_sched = -2
+        self.chunk_steps: list[int] = []   # steps of prefill chunks that emitted no token
 
     # -- sizes -------------------------------------------------------------------------
-    @property
-    def num_tokens(self) -> int:
-        """Tokens known so far: the prompt plus every output token appended."""
-        return self.prompt_len + self.num_output
+    def append_output(self) -> None:
+        """One more output token is known (the scripted one, or the live one just sampled)."""
+        self.num_output += 1
+        self.num_tokens += 1
 
     @property
     def max_len(self) -> int:

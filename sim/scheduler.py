@@ -10,8 +10,9 @@ last-admitted (FCFS) or lowest-priority (PRIORITY) running request is preempted 
 be recomputed. Then, if nothing was preempted, WAITING requests are admitted head first
 until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
 `prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
-be scheduled, otherwise all decodes. `static`: a batch is formed only when none is running
-and runs until its last member finishes; finished members' slots stay empty.
+be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
+`static`: a batch is formed only when none is running and runs until its last member
+finishes; finished members' slots stay empty.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sim.kvcache import KVCacheManager
-from sim.memory import cdiv
 from sim.request import Request, Status
 
 
@@ -46,83 +46,91 @@ class SchedulerConfig:
 
 
 class Batch:
-    """One step's work: which requests compute how many new tokens, plus its composition."""
+    """One step's work: which requests compute how many new tokens, plus its composition.
 
-    __slots__ = ("step", "reqs", "num_new", "num_decode", "decode_ctx", "num_prefill_tokens",
+    Decodes (one generated token fed back) and prefills (whole prompts, chunks, recomputes)
+    are kept apart, so the hot decode path needs no per-sequence token count.
+    """
+
+    __slots__ = ("step", "decodes", "prefills", "prefill_new", "decode_ctx", "num_prefill_tokens",
                  "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
 
     def __init__(self, step: int):
         self.step = step
-        self.reqs: list[Request] = []
-        self.num_new: list[int] = []
-        self.num_decode = 0          # sequences feeding one generated token
-        self.decode_ctx = 0          # sum of their context lengths (tokens attended)
+        self.decodes: list[Request] = []
+        self.prefills: list[Request] = []
+        self.prefill_new: list[int] = []
+        self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
         self.num_prefill_tokens = 0  # prompt tokens computed (whole prompts and chunks)
-        self.prefill_ctx = 0         # sum of cached context the chunks attend to
+        self.prefill_ctx = 0         # sum of cached context the prefill chunks attend to
         self.prefill_attn = 0        # sum over chunks of q x (context + (q + 1) / 2): causal score pairs
         self.blocks_read = 0         # KV blocks the attention kernels walk
         self.preempted: list[Request] = []
         self.admitted: list[Request] = []
 
     def __len__(self) -> int:
-        return len(self.reqs)
+        return len(self.decodes) + len(self.prefills)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decodes)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.reqs)
+        return len(self.decodes) + len(self.prefills)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode
+        return self.num_prefill_tokens + len(self.decodes)
+
+    @property
+    def reqs(self) -> list[Request]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_new(self) -> list[int]:
+        return [1] * len(self.decodes) + self.prefill_new
 
     def starts(self) -> list[int]:
-        """Context length before this step, per sequence (positions of the first new token)."""
+        """Context length before this step, per sequence in `reqs` order."""
         return [r.num_computed - n for r, n in zip(self.reqs, self.num_new)]
 
     def add(self, req: Request, n: int, block_size: int) -> None:
+        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM)."""
         start = req.num_computed
-        self.reqs.append(req)
-        self.num_new.append(n)
         ctx = start + n
         self.blocks_read += -(-ctx // block_size)
         if n == 1 and req.num_output:
-            self.num_decode += 1
+            self.decodes.append(req)
             self.decode_ctx += ctx
         else:
+            self.prefills.append(req)
+            self.prefill_new.append(n)
             self.num_prefill_tokens += n
             self.prefill_ctx += start
             self.prefill_attn += n * start + n * (n + 1) // 2
-        step = self.step
-        if req.last_sched != step - 1:
-            if req.sched_start >= 0:
-                req.sched_runs += (req.sched_start, req.last_sched)
-            req.sched_start = step
-        req.last_sched = step
+            if ctx < req.num_tokens:             # a chunk that emits nothing: remember its step
+                req.chunk_steps.append(self.step)
         req.num_computed = ctx
 
     def remove(self, req: Request, block_size: int) -> int:
         """Take a request back out (it was preempted after being scheduled); returns its tokens."""
-        i = self.reqs.index(req)
-        n = self.num_new.pop(i)
-        del self.reqs[i]
-        start = req.num_computed - n
-        ctx = start + n
-        self.blocks_read -= -(-ctx // block_size)
-        if n == 1 and req.num_output:
-            self.num_decode -= 1
+        ctx = req.num_computed
+        if req in self.decodes:
+            self.decodes.remove(req)
+            n = 1
             self.decode_ctx -= ctx
         else:
+            i = self.prefills.index(req)
+            del self.prefills[i]
+            n = self.prefill_new.pop(i)
+            start = ctx - n
             self.num_prefill_tokens -= n
             self.prefill_ctx -= start
             self.prefill_attn -= n * start + n * (n + 1) // 2
-        if req.sched_start == self.step:
-            req.sched_start = -1
-            req.last_sched = -2
-            if req.sched_runs:
-                req.last_sched = req.sched_runs.pop()
-                req.sched_start = req.sched_runs.pop()
-        else:
-            req.last_sched = self.step - 1
+            if req.chunk_steps and req.chunk_steps[-1] == self.step:
+                req.chunk_steps.pop()
+        self.blocks_read -= -(-ctx // block_size)
         return n
 
 
@@ -133,6 +141,7 @@ class Scheduler:
         self.block_size = kv.block_size
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
+        self.mixed = config.step_composition == "mixed" or self.static
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
         self.running: list[Request] = []
@@ -187,7 +196,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = Status.ABORTED
         req.reject_reason = "aborted"
-        self._close_runs(req)
+        _close_emit_run(req)
         self.num_aborted += 1
 
     # -- queues --------------------------------------------------------------------------
@@ -228,56 +237,88 @@ class Scheduler:
         """Choose this step's work. Returns None when nothing can run."""
         batch = Batch(self.step)
         budget = self.config.max_num_batched_tokens
-        if self.config.step_composition == "prefill_first" and not self.static:
-            budget = self._schedule_running(batch, budget, want="prefill")
-            if not batch.preempted:
-                budget = self._schedule_waiting(batch, budget)
-            if not batch.reqs:
-                self._schedule_running(batch, budget, want="decode")
-        else:
+        if self.mixed:
             admit = not (self.static and self.running)
             budget = self._schedule_running(batch, budget, want="all")
             if admit and not batch.preempted:
                 self._schedule_waiting(batch, budget)
-        if not batch.reqs:
+        else:
+            budget = self._schedule_running(batch, budget, want="prefill")
+            if not batch.preempted:
+                budget = self._schedule_waiting(batch, budget)
+            if not len(batch):
+                self._schedule_running(batch, budget, want="decode")
+        if not len(batch):
             return None
         self.step += 1
         return batch
 
     def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
+        """RUNNING requests in admission order: decodes and the rest of their prompts."""
         kv, bs = self.kv, self.block_size
         caching = kv.enable_caching
-        running = self.running
-        chunked = self.config.chunked_prefill
-        i = 0
-        self._returned = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            i += 1
-            n = req.num_tokens - req.num_computed
-            if want != "all":
-                is_decode = n == 1 and req.num_output > 0
-                if is_decode != (want == "decode"):
+        paged = not kv.contiguous
+        free_queue = kv.pool.free_queue
+        take_block = kv.pool.take_one
+        decodes = batch.decodes
+        decode_ctx = blocks_read = 0
+        running = Status.RUNNING
+        # FCFS victims leave from the tail, which a list iterator tolerates; PRIORITY victims
+        # can sit anywhere, so iterate a snapshot. Either way, skip requests preempted meanwhile.
+        for req in (list(self.running) if self.priority else self.running):
+            if budget <= 0:
+                break
+            computed = req.num_computed
+            if req.num_tokens - computed == 1 and req.num_output:          # a decode
+                if want == "prefill" or req.status is not running:
                     continue
-            if n > budget:
-                if not chunked and req.num_computed == 0:
-                    continue        # a whole prompt must fit one step without chunking
-                n = budget
-            covered = req.num_computed + n
-            if covered <= len(req.blocks) * bs:            # fast path: the slots are there
-                if caching and covered // bs > req.num_registered:
-                    kv.register_full_blocks(req, covered)
-            else:
-                preempted_before = len(batch.preempted)
-                if not self._allocate_or_preempt(req, n, batch):
-                    break                                      # it preempted itself
-                if len(batch.preempted) > preempted_before:
-                    budget += self._returned                   # victims scheduled earlier give tokens back
-                    self._returned = 0
-                    i = running.index(req) + 1
-            budget -= n
-            batch.add(req, n, bs)
+                # Hot path, inlined (bench/policy_speed.py): a paged request holds exactly
+                # cdiv(computed, bs) blocks, so it needs a fresh block when computed % bs == 0.
+                if paged and computed % bs == 0:
+                    if not free_queue:
+                        budget = self._schedule_slow(req, 1, batch, budget)
+                        if req.status is not running:
+                            break                                      # it preempted itself
+                        continue
+                    req.blocks.append(take_block())
+                computed += 1
+                req.num_computed = computed
+                if caching and computed % bs == 0:
+                    kv.register_full_blocks(req, computed)
+                decodes.append(req)
+                decode_ctx += computed
+                blocks_read += (computed + bs - 1) // bs
+                budget -= 1
+            elif want != "decode" and req.status is running:
+                n = req.num_tokens - computed
+                if n > budget:
+                    if not self.config.chunked_prefill and computed == 0:
+                        continue        # a whole prompt must fit one step without chunking
+                    n = budget
+                budget = self._schedule_slow(req, n, batch, budget)
+                if req.status is not running:
+                    break
+        batch.decode_ctx += decode_ctx
+        batch.blocks_read += blocks_read
         return budget
+
+    def _schedule_slow(self, req: Request, n: int, batch: Batch, budget: int) -> int:
+        """Schedule `n` tokens of a running request that may need blocks (and preemptions)."""
+        kv, bs = self.kv, self.block_size
+        covered = req.num_computed + n
+        if covered <= len(req.blocks) * bs:
+            if kv.enable_caching and covered // bs > req.num_registered:
+                kv.register_full_blocks(req, covered)
+        elif not self._allocate_or_preempt(req, n, batch):
+            return budget + self._take_returned()                  # it preempted itself
+        budget += self._take_returned()
+        batch.add(req, n, bs)
+        return budget - n
+
+    def _take_returned(self) -> int:
+        """Tokens given back by victims that had already been scheduled this step."""
+        returned, self._returned = self._returned, 0
+        return returned
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
         """Allocate slots, preempting victims until they fit; False if `req` itself was preempted."""
@@ -298,7 +339,7 @@ class Scheduler:
             self.running.remove(victim)
         else:
             self.running.pop()
-        if victim.last_sched == batch.step:
+        if victim in batch.decodes or victim in batch.prefills:
             self._returned += batch.remove(victim, self.block_size)
         self.kv.free(victim)
         victim.num_computed = 0
@@ -309,7 +350,8 @@ class Scheduler:
         self._push_waiting(victim, front=True)
 
     def _schedule_waiting(self, batch: Batch, budget: int) -> int:
-        cfg, kv, bs = self.config, self.kv, self.block_size
+        """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
+        cfg, kv = self.config, self.kv
         running = self.running
         while len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self._peek_waiting()
@@ -318,7 +360,9 @@ class Scheduler:
             resumed = req.status is Status.PREEMPTED
             hits, hit_tokens = kv.find_cached_prefix(req)
             n = req.num_tokens - hit_tokens
-            if not cfg.chunked_prefill and n > budget:
+            # prefill_first (nano-vllm): only the step's first prefill may be chunked.
+            may_chunk = cfg.chunked_prefill and (self.mixed or not len(batch))
+            if not may_chunk and n > budget:
                 break
             n_now = min(n, budget)
             gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
@@ -338,53 +382,43 @@ class Scheduler:
             batch.admitted.append(req)
             if n_now:
                 budget -= n_now
-                batch.add(req, n_now, bs)
+                batch.add(req, n_now, self.block_size)
         return budget
 
     # -- after the step ------------------------------------------------------------------
     def finish_step(self, batch: Batch) -> list[Request]:
-        """Append each completed sequence's next token; retire finished requests. Returns them."""
+        """Append each completed sequence's next token; retire finished requests. Returns them.
+
+        A live request (the server) that samples EOS has had its output_len cut to its
+        length by the runner, so one length test covers scripted and live requests.
+        """
         step = batch.step
         finished = []
-        for req in batch.reqs:
-            if req.num_computed < req.num_tokens:
-                continue                       # a prefill chunk that does not end the prompt
+        for req in batch.decodes:          # every decode emits; inlined for speed
             if req.last_emit != step - 1:
-                if req.emit_start >= 0:
-                    req.emit_runs += (req.emit_start, req.last_emit)
-                req.emit_start = step
-                if req.first_token_step < 0:
-                    req.first_token_step = step
+                _start_emit_run(req, step)
             req.last_emit = step
             req.num_output += 1
-            if req.num_output >= req.output_len or self._hit_stop(req):
+            req.num_tokens += 1
+            if req.num_output >= req.output_len:
+                finished.append(req)
+        for req in batch.prefills:
+            if req.num_computed < req.num_tokens:
+                continue                       # a prefill chunk that does not end the prompt
+            _start_emit_run(req, step)
+            req.last_emit = step
+            req.append_output()
+            if req.num_output >= req.output_len:
                 finished.append(req)
         if finished:
             for req in finished:
                 req.status = Status.FINISHED
                 req.finish_step = step
                 self.kv.free(req)
-                self._close_runs(req)
+                _close_emit_run(req)
             self.running = [r for r in self.running if r.status is Status.RUNNING]
             self.num_finished += len(finished)
         return finished
-
-    @staticmethod
-    def _hit_stop(req: Request) -> bool:
-        """Live requests (the server) stop at EOS unless ignore_eos; scripted ones never do."""
-        if req.eos_token_id is None:
-            return False
-        out = req.segments[-1]
-        return isinstance(out, list) and bool(out) and out[-1] == req.eos_token_id
-
-    @staticmethod
-    def _close_runs(req: Request) -> None:
-        if req.emit_start >= 0:
-            req.emit_runs += (req.emit_start, req.last_emit)
-            req.emit_start = -1
-        if req.sched_start >= 0:
-            req.sched_runs += (req.sched_start, req.last_sched)
-            req.sched_start = -1
 
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:
@@ -395,3 +429,20 @@ class Scheduler:
             raise AssertionError(f"request accounting broken: added {self.num_added} != finished "
                                  f"{self.num_finished} + rejected {self.num_rejected} + aborted "
                                  f"{self.num_aborted} + waiting {self.num_waiting} + running {len(self.running)}")
+
+
+def _start_emit_run(req: Request, step: int) -> None:
+    """Close the previous run of consecutive token emissions and start one at `step`."""
+    if req.last_emit == step - 1:
+        return
+    if req.emit_start >= 0:
+        req.emit_runs += (req.emit_start, req.last_emit)
+    req.emit_start = step
+    if req.first_token_step < 0:
+        req.first_token_step = step
+
+
+def _close_emit_run(req: Request) -> None:
+    if req.emit_start >= 0:
+        req.emit_runs += (req.emit_start, req.last_emit)
+        req.emit_start = -1

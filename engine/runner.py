@@ -1,0 +1,230 @@
+"""Runs a scheduler Batch on the model: packs tensors, forwards, samples, appends live tokens.
+
+The runner owns the KV pool, one tensor [layers, 2 (K, V), num_blocks, block_size,
+kv_heads, head_dim]; each layer reads views of it. Block ids come from the same
+KVCacheManager the simulator uses, so block 0 (the null block) is never written and pads
+the block tables.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.model import CausalLM, Sampler
+from engine.weights import build_model
+from sim.catalog import MIB
+from sim.memory import InsufficientMemoryError, MemoryPlan, cdiv, plan_memory
+from sim.scheduler import Batch
+
+
+class InconsistentBatchError(RuntimeError):
+    """The scheduler handed the runner a batch whose state cannot be executed."""
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, int]          # request id -> sampled token, for requests that emitted one
+    logits: torch.Tensor             # [len(sampled), vocab] fp32, rows in the order of `sampled`
+    host_s: float                    # Python around the forward: tensor building, logits, sampling
+    device_s: float                  # the forward: CUDA events on GPU, wall time on CPU
+
+
+def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
+                        block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and paged-attention metadata for sequences packed back to back.
+
+    Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and reads its KV
+    through block_lists[s] (only the blocks its context covers go into the table).
+    """
+    starts_np, q_lens = np.asarray(starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+    seq_lens = starts_np + q_lens
+    query_start_loc = np.concatenate([[0], np.cumsum(q_lens)])
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+    positions = np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token] + starts_np[seq_of_token]
+    num_blocks = -(-seq_lens // block_size)
+    block_tables = np.zeros((len(q_lens), int(num_blocks.max())), dtype=np.int32)
+    for s, blocks in enumerate(block_lists):
+        block_tables[s, :num_blocks[s]] = blocks[:num_blocks[s]]
+    slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=_to(slot_mapping, device), block_tables=_to(block_tables, device),
+        seq_lens=_to(seq_lens.astype(np.int32), device),
+        query_start_loc=_to(query_start_loc.astype(np.int32), device),
+        max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
+        host_query_start_loc=query_start_loc.tolist(), host_seq_lens=seq_lens.tolist())
+    return _to(positions, device), meta
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
+                 max_model_len: Optional[int] = None, temperature: float = 0.0, seed: int = 0):
+        spec = model.spec
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = min(max_model_len or model.max_positions, model.max_positions)
+        self.vocab_size = spec.vocab_size
+        self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
+                                    spec.head_dim, dtype=model.dtype, device=self.device)
+        model.bind_kv_cache(self.kv_cache)
+        self.sampler = Sampler(temperature, seed, self.device)
+        self.plan: Optional[MemoryPlan] = None
+
+    @classmethod
+    def from_scenario(cls, scenario, device: torch.device | str | None = None,
+                      attention_backend: Optional[str] = None, temperature: float = 0.0) -> "ModelRunner":
+        """Build the model, size the KV pool as vLLM does (profile, then plan) and allocate it."""
+        model = build_model(scenario.model, device, attention_backend, scenario.seed,
+                            max_positions=scenario.max_model_len)
+        plan = profile_and_plan(scenario, model)
+        runner = cls(model, plan.num_blocks, scenario.engine.block_size, scenario.max_model_len,
+                     temperature, scenario.seed)
+        runner.plan = plan
+        return runner
+
+    # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> StepResult:
+        t0 = time.perf_counter()
+        self.check_batch(batch)
+        reqs, num_new = batch.reqs, batch.num_new
+        starts = batch.starts()
+        input_ids = np.concatenate([r.token_ids(s, s + n, self.vocab_size)
+                                    for r, s, n in zip(reqs, starts, num_new)])
+        positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
+                                              self.block_size, self.device)
+        input_ids = _to(input_ids, self.device)
+        hidden, t1, device_s = self._timed_forward(input_ids, positions, meta)
+        t2 = time.perf_counter()
+        # A sequence emits iff its chunk reaches the end of its known tokens (a decode, or a
+        # prompt's last chunk): the row of its last new token predicts the next one.
+        emit = [s for s, r in enumerate(reqs) if r.num_computed >= r.num_tokens]
+        emitted = [reqs[s] for s in emit]
+        rows = torch.tensor([meta.host_query_start_loc[s + 1] - 1 for s in emit], dtype=torch.long,
+                            device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = self.sampler(logits).tolist() if emit else []
+        for req, token in zip(emitted, tokens):
+            if isinstance(req.segments[-1], list):      # live request: the sample is its output
+                req.segments[-1].append(token)
+        host_s = (t1 - t0) + (time.perf_counter() - t2)
+        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, device_s)
+
+    def _timed_forward(self, input_ids, positions, meta):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t1 = time.perf_counter()
+            start.record()
+            hidden = self.model(input_ids, positions, meta)
+            end.record()
+            end.synchronize()
+            return hidden, t1, start.elapsed_time(end) / 1e3
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, meta)
+        return hidden, t1, time.perf_counter() - t1
+
+    def check_batch(self, batch: Batch) -> None:
+        """Refuse, loudly, a batch the scheduler should never have produced."""
+        if not batch.reqs:
+            raise InconsistentBatchError(f"step {batch.step}: empty batch")
+        if len({r.id for r in batch.reqs}) != len(batch.reqs):
+            raise InconsistentBatchError(f"step {batch.step}: a request appears twice")
+        bs = self.block_size
+        for req, n in zip(batch.reqs, batch.num_new):
+            seq_len = req.num_computed
+            problem = None
+            if n < 1 or seq_len - n < 0:
+                problem = f"{n} new tokens with {seq_len} computed"
+            elif seq_len > req.num_tokens:
+                problem = f"{seq_len} tokens computed but only {req.num_tokens} are known"
+            elif seq_len > self.max_model_len:
+                problem = f"context {seq_len} exceeds max_model_len {self.max_model_len}"
+            elif len(req.blocks) < cdiv(seq_len, bs):
+                problem = f"{len(req.blocks)} blocks cannot hold {seq_len} tokens of block size {bs}"
+            else:
+                used = req.blocks[:cdiv(seq_len, bs)]
+                if min(used) < 1 or max(used) >= self.num_blocks:
+                    problem = f"block ids {used} outside 1..{self.num_blocks - 1}"
+            if problem:
+                raise InconsistentBatchError(f"step {batch.step}, request {req.id}: {problem}")
+
+    # -- memory --------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held: on GPU the allocator's peak, on CPU weights + KV pool (no allocator stats)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        pool = self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = weights + pool
+        return {"weight_bytes": weights, "kv_pool_bytes": pool, "num_blocks": self.num_blocks,
+                "peak_bytes": peak}
+
+
+# -- KV pool sizing ------------------------------------------------------------------------
+
+def profile_and_plan(scenario, model: CausalLM) -> MemoryPlan:
+    """vLLM's sizing: a profiling forward measures the activation peak, sim.memory does the rest.
+
+    The peak is measured on CUDA only (CPU has no allocator stats: sim.memory's estimate
+    stands). An explicit engine.num_blocks or engine.activation_mib skips the measurement.
+    """
+    eng = scenario.engine
+    if eng.num_blocks is not None or eng.activation_mib is not None:
+        return plan_memory(scenario)
+    activation = profile_run(model, scenario.max_num_batched_tokens, scenario.max_num_seqs)
+    if activation is None:
+        return plan_memory(scenario)
+    measured = scenario.model_copy(deep=True)
+    measured.engine.activation_mib = activation / MIB
+    plan = plan_memory(measured)
+    free, _ = torch.cuda.mem_get_info(model.device)
+    if plan.kv_pool_bytes > free:
+        raise InsufficientMemoryError(
+            f"the planned KV pool ({plan.kv_pool_bytes / MIB:,.1f} MiB, {plan.num_blocks} blocks) exceeds "
+            f"the {free / MIB:,.1f} MiB free on {model.device}; lower engine.gpu_memory_utilization "
+            f"or set engine.num_blocks")
+    return plan
+
+
+@torch.inference_mode()
+def profile_run(model: CausalLM, num_tokens: int, max_num_seqs: int) -> Optional[int]:
+    """One dummy forward of `num_tokens` tokens over min(num_tokens, max_num_seqs) sequences,
+    then logits and sampling for one row each; returns the CUDA activation peak in bytes.
+
+    Sequences get the tokens evenly, the remainder to the last (as vLLM's profile_run). The
+    forward runs without a KV cache, as vLLM's does, so no pool is needed yet.
+    """
+    num_seqs = min(num_tokens, max_num_seqs)
+    query_lens = [num_tokens // num_seqs] * num_seqs
+    query_lens[-1] += num_tokens % num_seqs
+    device = model.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    meta = AttentionMetadata.dense(query_lens, device)
+    positions = torch.cat([torch.arange(n, device=device) for n in query_lens])
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(input_ids, positions, meta)
+    last_rows = meta.query_start_loc[1:].long() - 1
+    Sampler(temperature=1.0, device=device)(model.compute_logits(hidden[last_rows]))
+    if not cuda:
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline

@@ -1,0 +1,327 @@
+"""Trace loaders: recorded request logs -> Requests, every excluded row counted in `notes`.
+
+Formats (shared/traces/README.md describes the public files):
+  azure     CSV   TIMESTAMP ('YYYY-MM-DD HH:MM:SS.fffffff'), ContextTokens, GeneratedTokens
+  mooncake  JSONL {"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}; one
+                  hash id per `hash_block_tokens` input tokens, chained, so equal leading ids
+                  mean an equal prompt prefix: block j becomes the keyed segment
+                  (stable_key("mooncake", id), 512), the last one holding the remainder.
+  burstgpt  CSV   Timestamp (s), Request tokens, Response tokens (+ Session ID, Elapsed time,
+                  Model, Total tokens, Log Type, unused); 0 response tokens = a failed request.
+  jsonl     JSONL {"arrival_s" | "timestamp" (s), "prompt": [token ids] | "prompt_len",
+                  "output_len", "tenant"?, "priority"?}; other keys are ignored.
+Prompts without prefix information are one unique segment per row.
+
+Time: a row's time is seconds after the earliest row of the file (rows need not be sorted).
+`window_s` [start, end) selects on that clock, before scaling; a kept row arrives at
+(t - start) / time_scale. Then `sample` keeps each row with that probability (one seeded
+draw per file row, so a row's fate does not depend on the window), then `max_requests` keeps
+the first N. Rows with 0 prompt or 0 output tokens are excluded; nothing is dropped silently:
+every exclusion is counted in `LoadedTrace.notes`. Malformed input raises TraceError naming
+path:line, what is wrong and what was expected.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from sim.request import Request, Segment, make_request, stable_key
+from sim.scenario import Trace
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message starts with path:line."""
+
+
+@dataclass
+class LoadedTrace:
+    requests: list[Request]
+    notes: list[str]
+
+
+@dataclass
+class _Rows:
+    """Parsed rows, columnar. `prompt_of(i, seed)` gives row i's prompt segments."""
+
+    times: np.ndarray            # seconds, on the file's own clock
+    prompt_len: np.ndarray       # int64
+    output_len: np.ndarray       # int64
+    lines: np.ndarray            # file line of each row
+    prompt_of: Callable[[int, int], list[Segment]]
+    tenants: Optional[list[Optional[str]]] = None
+    priorities: Optional[list[int]] = None
+
+
+def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozenset()) -> LoadedTrace:
+    """Requests (ids 0..N-1 in arrival order) and notes on what was excluded and why.
+
+    A jsonl row's tenant gets a cache salt when it is in `salted_tenants`.
+    """
+    path = Path(trace.path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such file (workload.trace.path)")
+    reader = {"azure": _read_azure, "mooncake": _read_mooncake,
+              "burstgpt": _read_burstgpt, "jsonl": _read_jsonl}[trace.format]
+    rows = reader(path, trace)
+    kept, arrivals, notes = _select(rows, trace, seed)
+    if len(kept) == 0:
+        raise TraceError(f"{path}: no rows left to replay ({'; '.join(notes)})")
+    notes.insert(0, f"{path}: {len(kept)} of {len(rows.times)} rows replayed ({trace.format} trace)")
+    requests = []
+    for new_id, (i, arrival) in enumerate(zip(kept.tolist(), arrivals.tolist())):
+        tenant = rows.tenants[i] if rows.tenants else None
+        requests.append(make_request(
+            new_id, arrival, rows.prompt_of(i, seed), int(rows.output_len[i]), seed=seed,
+            tenant=tenant, salted=tenant in salted_tenants,
+            priority=rows.priorities[i] if rows.priorities else 0))
+    return LoadedTrace(requests, notes)
+
+
+# ----------------------------------------------------------------------------- selection
+
+def _select(rows: _Rows, trace: Trace, seed: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Row indices to replay, in arrival order, with their arrival times and the notes."""
+    notes = []
+    n = len(rows.times)
+    if n == 0:
+        raise TraceError(f"{trace.path}: no rows (expected one JSON object per line)")
+    rel = rows.times - rows.times.min()
+    keep = np.ones(n, dtype=bool)
+    for column, what in ((rows.prompt_len, "prompt"), (rows.output_len, "output")):
+        empty = keep & (column == 0)
+        if empty.any():
+            why = " (failed requests)" if trace.format == "burstgpt" and what == "output" else ""
+            notes.append(f"excluded {int(empty.sum())} rows with 0 {what} tokens{why}")
+            keep &= ~empty
+    start = 0.0
+    if trace.window_s is not None:
+        start, end = trace.window_s
+        outside = keep & ((rel < start) | (rel >= end))
+        notes.append(f"window_s [{start:g}, {end:g}): excluded {int(outside.sum())} rows outside it")
+        keep &= ~outside
+    if trace.sample is not None:
+        rng = np.random.Generator(np.random.PCG64(stable_key("trace-sample", seed)))
+        dropped = keep & (rng.random(n) >= trace.sample)
+        notes.append(f"sample {trace.sample:g}: excluded {int(dropped.sum())} of {int(keep.sum())} rows")
+        keep &= ~dropped
+    idx = np.flatnonzero(keep)
+    kept = idx[np.argsort(rel[idx], kind="stable")]   # ties keep file order
+    if trace.max_requests is not None and len(kept) > trace.max_requests:
+        notes.append(f"max_requests {trace.max_requests}: excluded the last "
+                     f"{len(kept) - trace.max_requests} rows")
+        kept = kept[: trace.max_requests]
+    if np.any(np.diff(rows.times) < 0):
+        notes.append("rows were not in time order; replayed in time order")
+    return kept, (rel[kept] - start) / trace.time_scale, notes
+
+
+# ----------------------------------------------------------------------------- CSV formats
+
+def _read_azure(path: Path, trace: Trace) -> _Rows:
+    table, lines = _read_csv(path, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+    stamps = table["TIMESTAMP"]
+    try:   # numpy keeps all 7 fractional digits (datetime.strptime's %f takes at most 6)
+        parsed = np.array(stamps, dtype="datetime64[ns]")
+    except ValueError:
+        parsed = None
+    if parsed is None or np.isnat(parsed).any():
+        _raise_first_bad(path, lines, stamps, "TIMESTAMP", "a time like 2023-11-16 18:17:03.9799600",
+                         lambda s: not np.isnat(np.datetime64(s, "ns")))
+    seconds = (parsed - parsed.min()).astype(np.int64) / 1e9
+    prompt = _counts(path, lines, table, "ContextTokens")
+    return _Rows(seconds, prompt, _counts(path, lines, table, "GeneratedTokens"), lines,
+                 _unique_prompt(lines, prompt))
+
+
+def _read_burstgpt(path: Path, trace: Trace) -> _Rows:
+    table, lines = _read_csv(path, ["Timestamp", "Request tokens", "Response tokens"])
+    prompt = _counts(path, lines, table, "Request tokens")
+    return _Rows(_numbers(path, lines, table, "Timestamp"), prompt,
+                 _counts(path, lines, table, "Response tokens"), lines, _unique_prompt(lines, prompt))
+
+
+def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.ndarray]:
+    """The needed columns as lists of strings, and the file line of each data row."""
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = [h.strip() for h in next(reader, [])]
+        missing = [c for c in needed if c not in header]
+        if missing:
+            raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
+                             f"(found {header}; expected {needed})")
+        cols = [header.index(c) for c in needed]
+        values: list[list[str]] = [[] for _ in needed]
+        lines = []
+        for row in reader:
+            if not row:
+                continue
+            if len(row) < len(header):
+                raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
+                                 f"{len(header)} ({', '.join(header)})")
+            for out, c in zip(values, cols):
+                out.append(row[c])
+            lines.append(reader.line_num)
+    if not lines:
+        raise TraceError(f"{path}: no rows after the header")
+    return dict(zip(needed, values)), np.array(lines, dtype=np.int64)
+
+
+def _numbers(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: str) -> np.ndarray:
+    strings = table[column]
+    try:
+        values = np.array(strings, dtype=np.float64)
+    except ValueError:
+        values = None
+    if values is None or not np.isfinite(values).all():
+        _raise_first_bad(path, lines, strings, column, "a finite number",
+                         lambda s: math.isfinite(float(s)))
+    return values
+
+
+def _counts(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: str) -> np.ndarray:
+    """A token-count column: finite, whole and >= 0."""
+    values = _numbers(path, lines, table, column)
+    bad = np.flatnonzero((values < 0) | (values != np.floor(values)))
+    if len(bad):
+        i = bad[0]
+        raise TraceError(f"{path}:{lines[i]}: {column} is {table[column][i]!r}, "
+                         f"expected a whole number of tokens >= 0")
+    return values.astype(np.int64)
+
+
+def _raise_first_bad(path: Path, lines: np.ndarray, strings: list[str], column: str,
+                     expected: str, ok: Callable[[str], bool]) -> None:
+    for line, s in zip(lines.tolist(), strings):
+        try:
+            good = ok(s)
+        except ValueError:
+            good = False
+        if not good:
+            raise TraceError(f"{path}:{line}: {column} is {s!r}, expected {expected}")
+    raise AssertionError("a column failed to parse but no value is bad")
+
+
+def _unique_prompt(lines: np.ndarray, prompt_len: np.ndarray) -> Callable[[int, int], list[Segment]]:
+    """Rows without prefix information: one segment per row, keyed by its file line."""
+    return lambda i, seed: [(stable_key("trace", seed, int(lines[i])), int(prompt_len[i]))]
+
+
+# ----------------------------------------------------------------------------- JSON lines
+
+def _json_rows(path: Path):
+    """(line number, object) per non-blank line."""
+    with path.open() as f:
+        for line_no, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{line_no}: not valid JSON ({e.msg}), expected one object per line") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{path}:{line_no}: a JSON {type(obj).__name__}, expected an object")
+            yield line_no, obj
+
+
+def _field(obj: dict, key: str, where: str, expected: str, check: Callable[[Any], bool]) -> Any:
+    if key not in obj:
+        raise TraceError(f"{where}: missing {key!r}, expected {expected}")
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not check(value):
+        raise TraceError(f"{where}: {key} is {value!r}, expected {expected}")
+    return value
+
+
+def _count(obj: dict, key: str, where: str) -> int:
+    return int(_field(obj, key, where, "a whole number of tokens >= 0",
+                      lambda v: math.isfinite(v) and v >= 0 and v == int(v)))
+
+
+def _time(obj: dict, key: str, where: str, expected: str) -> float:
+    return float(_field(obj, key, where, expected, math.isfinite))
+
+
+def _read_mooncake(path: Path, trace: Trace) -> _Rows:
+    block = trace.hash_block_tokens
+    times, prompts, outputs, lines, hash_ids = [], [], [], [], []
+    for line_no, obj in _json_rows(path):
+        where = f"{path}:{line_no}"
+        times.append(_time(obj, "timestamp", where, "a finite time in ms") / 1000.0)
+        n_in = _count(obj, "input_length", where)
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+            raise TraceError(f"{where}: hash_ids is not a list of integers, expected one id per "
+                             f"{block}-token block")
+        if len(ids) != -(-n_in // block):
+            raise TraceError(f"{where}: hash_ids has {len(ids)} ids, expected ceil({n_in}/{block}) = "
+                             f"{-(-n_in // block)} (one id per {block}-token block)")
+        prompts.append(n_in)
+        outputs.append(_count(obj, "output_length", where))
+        lines.append(line_no)
+        hash_ids.append(ids)
+    keys: dict[int, int] = {}   # ids repeat across rows; hash each once
+
+    def key(h: int) -> int:
+        k = keys.get(h)
+        if k is None:
+            k = keys[h] = stable_key("mooncake", h)
+        return k
+
+    def prompt_of(i: int, seed: int) -> list[Segment]:
+        ids = hash_ids[i]
+        segs = [(key(h), block) for h in ids]
+        if segs:   # the last block holds the remainder
+            segs[-1] = (segs[-1][0], prompts[i] - block * (len(ids) - 1))
+        return segs
+
+    return _Rows(np.array(times, dtype=np.float64), np.array(prompts, dtype=np.int64),
+                 np.array(outputs, dtype=np.int64), np.array(lines, dtype=np.int64), prompt_of)
+
+
+def _read_jsonl(path: Path, trace: Trace) -> _Rows:
+    times, prompts, outputs, lines, literal, tenants, priorities = [], [], [], [], [], [], []
+    for line_no, obj in _json_rows(path):
+        where = f"{path}:{line_no}"
+        times.append(_time(obj, "arrival_s" if "arrival_s" in obj else "timestamp", where,
+                           "the arrival as a finite number of seconds ('arrival_s' or 'timestamp')"))
+        tokens = _literal_prompt(obj, where)
+        literal.append(tokens)
+        prompts.append(len(tokens) if tokens is not None else _count(obj, "prompt_len", where))
+        outputs.append(_count(obj, "output_len", where))
+        tenants.append(_tenant(obj, where))
+        priorities.append(int(_field(obj, "priority", where, "an integer", lambda v: v == int(v)))
+                          if "priority" in obj else 0)
+        lines.append(line_no)
+
+    def prompt_of(i: int, seed: int) -> list[Segment]:
+        if literal[i] is not None:
+            return [list(literal[i])]
+        return [(stable_key("trace", seed, lines[i]), prompts[i])]
+
+    return _Rows(np.array(times, dtype=np.float64), np.array(prompts, dtype=np.int64),
+                 np.array(outputs, dtype=np.int64), np.array(lines, dtype=np.int64), prompt_of,
+                 tenants=tenants, priorities=priorities)
+
+
+def _literal_prompt(obj: dict, where: str) -> Optional[list[int]]:
+    if ("prompt" in obj) == ("prompt_len" in obj):
+        raise TraceError(f"{where}: expected exactly one of 'prompt' (token ids) or 'prompt_len'")
+    tokens = obj.get("prompt")
+    if tokens is None:
+        return None
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise TraceError(f"{where}: prompt is not a list of token ids, expected integers >= 0")
+    return tokens
+
+
+def _tenant(obj: dict, where: str) -> Optional[str]:
+    tenant = obj.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        raise TraceError(f"{where}: tenant is {tenant!r}, expected a name (string)")
+    return tenant

@@ -1,0 +1,425 @@
+"""Workload: a scenario's `workload` section -> a deterministic list of Requests.
+
+Three sources: synthetic (an arrival process, length distributions and a prompt layout),
+explicit `requests`, or a recorded `trace` (sim/traces.py). The same scenario and seed give
+the same requests bit for bit in any process: each kind of random choice has its own numpy
+PCG64 stream seeded through stable_key, and every segment key comes from stable_key.
+
+Synthetic workloads
+- Arrivals start conversations; a single-turn request is a conversation of one turn. The
+  first arrival is one gap after t=0 (like vLLM's benchmark client): fixed = every 1/rate s,
+  poisson = exponential gaps, gamma = Gamma(shape k = 1/cv^2, scale 1/(rate k)) gaps,
+  offline = all at t=0. Bounded by num_requests alone, random gaps are rescaled so the last
+  conversation starts at exactly n/rate, as vLLM's benchmark does to steady throughput across
+  seeds. With duration_s, conversations start until duration_s (and stop early once they
+  hold num_requests requests, when that is set too).
+- Lengths: every distribution is a quantile function of a standard-normal score z (at
+  u = Phi(z)), so one Gaussian copula correlates prompt and output lengths whatever their
+  distributions. `length_correlation` is Spearman's rank correlation of the continuous
+  lengths; rounding, clipping and discrete distributions pull the realised value towards 0.
+  Lengths are rounded and clipped to [max(min, 1), max].
+- Prompt = [shared prefix, dynamic segment] (position 'last') or [dynamic segment, shared
+  prefix] (position 'first'), then the request's own part. `prompt_len` sizes the own part
+  only: the shared prefix and dynamic segment come on top. A conversation carries one of the
+  `groups` prefixes with probability `fraction`; the prefix keys do not depend on the tenant,
+  so only a tenant's cache salt keeps tenants from sharing prefix blocks.
+- Multi-turn: turn 1's own part is drawn from prompt_len (the opening message may be long),
+  later turns' from multi_turn.user_len; output lengths from output_len. Turn k's prompt =
+  turn k-1's segments, its scripted output segment, then a new user message. Follow-up turns
+  have arrival None and hang off `prev.next_turn`; `prev.think_time` is the pre-drawn pause
+  between prev finishing and the next turn arriving. Tenant, priority, shared prefix and
+  dynamic segment belong to the conversation. num_requests counts turns: the last
+  conversation may be cut short.
+- The list is in id order, conversation by conversation with each conversation's turns
+  together, so the known arrival times never decrease along it.
+
+All sources: the first `warmup_requests` requests of the list are marked warm-up.
+"""
+from __future__ import annotations
+
+import csv
+import gc
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from sim.request import Request, Segment, make_request, stable_key
+from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
+from sim.traces import load_trace
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built; the message names the field path or file:line."""
+
+
+@dataclass
+class BuiltWorkload:
+    requests: list[Request]
+    # What a trace excluded and why, settings the chosen source ignores, and the like.
+    notes: list[str] = field(default_factory=list)
+
+
+def build_requests(scenario: Scenario) -> list[Request]:
+    """Every request of the workload, ids 0..N-1 in list order (see the module docstring)."""
+    return build_workload(scenario).requests
+
+
+def build_workload(scenario: Scenario) -> BuiltWorkload:
+    """The requests plus notes meant for the user (nothing is excluded silently)."""
+    w, seed = scenario.workload, scenario.seed
+    with _gc_paused():
+        if w.trace is not None:
+            loaded = load_trace(w.trace, seed, _salted_tenants(w))
+            built = BuiltWorkload(loaded.requests, loaded.notes + _ignored(w, "trace"))
+        elif w.requests is not None:
+            built = BuiltWorkload(_explicit_requests(w, seed), _ignored(w, "requests"))
+        else:
+            built = BuiltWorkload(_synthetic_requests(w, seed))
+    _mark_warmup(built, w.warmup_requests)
+    return built
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Building 100k requests allocates millions of small objects, none of them in a cycle;
+    the cyclic collector's repeated passes over them would cost more than the build itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _stream(seed: int, purpose: str) -> np.random.Generator:
+    """One stream per purpose, so e.g. adding tenants leaves arrivals and lengths unchanged."""
+    return np.random.Generator(np.random.PCG64(stable_key("workload", seed, purpose)))
+
+
+def _mark_warmup(built: BuiltWorkload, count: int) -> None:
+    for req in built.requests[:count]:
+        req.is_warmup = True
+    if count and count >= len(built.requests):
+        built.notes.append(f"workload.warmup_requests ({count}) covers all {len(built.requests)} "
+                           f"requests: no steady-state request is left")
+
+
+# ----------------------------------------------------------------------------- synthetic
+
+def _synthetic_requests(w: Workload, seed: int) -> list[Request]:
+    starts, turns = _conversations(w, seed)
+    n_conv = len(turns)
+    conv = np.repeat(np.arange(n_conv), turns)
+    opening = np.ones(len(conv), dtype=bool)
+    opening[1:] = conv[1:] != conv[:-1]
+    own, output = _request_lengths(w, seed, opening)
+    prefixes, group = _prefix_groups(w.shared_prefix, seed, n_conv)
+    tenants = w.tenants or []
+    tenant_of = _draw(_stream(seed, "tenants"), n_conv, [t.share for t in tenants], "workload.tenants")
+    priority_of = _priorities(w, seed, n_conv)
+    think = _think_times(w, seed, len(conv))
+
+    starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
+    requests: list[Request] = []
+    for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
+                                                         own.tolist(), output.tolist())):
+        user = (stable_key("user", seed, i), own_len)
+        if first:
+            prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
+        else:
+            prompt = requests[-1].segments + [user]
+        tenant: Optional[Tenant] = tenants[tenant_l[c]] if tenants else None
+        req = make_request(i, starts_l[c] if first else None, prompt, out_len, seed=seed,
+                           tenant=tenant.name if tenant else None, salted=bool(tenant and tenant.salt),
+                           priority=priority_of[c])
+        if not first:
+            requests[-1].next_turn, requests[-1].think_time = req, think[i - 1]
+        if w.multi_turn is not None:
+            req.conversation = c
+        requests.append(req)
+    return requests
+
+
+def _conversations(w: Workload, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Start time and number of turns of each conversation."""
+    arrivals, turns_rng = _stream(seed, "arrivals"), _stream(seed, "turns")
+    if w.duration_s is None:
+        turns = _cut_to(w.num_requests, _turn_counts(w, turns_rng, w.num_requests))
+        return _arrival_times(w.arrival, arrivals, len(turns), None), turns
+    starts = _arrival_times(w.arrival, arrivals, w.num_requests, w.duration_s)
+    if len(starts) == 0:
+        raise WorkloadError(f"workload.duration_s: no request arrives within {w.duration_s:g} s "
+                            f"at workload.arrival.rate {w.arrival.rate:g}/s")
+    turns = _turn_counts(w, turns_rng, len(starts))
+    if w.num_requests is not None:
+        turns = _cut_to(w.num_requests, turns)
+    return starts[: len(turns)], turns
+
+
+def _turn_counts(w: Workload, rng: np.random.Generator, n: int) -> np.ndarray:
+    if w.multi_turn is None:
+        return np.ones(n, dtype=np.int64)
+    return _lengths(w.multi_turn.turns, rng.standard_normal(n), "workload.multi_turn.turns", "turns")
+
+
+def _cut_to(num_requests: int, turns: np.ndarray) -> np.ndarray:
+    """The leading conversations that hold num_requests requests; the last may lose turns."""
+    ends = np.cumsum(turns)
+    if ends[-1] <= num_requests:
+        return turns
+    n_conv = int(np.searchsorted(ends, num_requests)) + 1
+    turns = turns[:n_conv].copy()
+    turns[-1] -= ends[n_conv - 1] - num_requests
+    return turns
+
+
+def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[int],
+                   duration: Optional[float]) -> np.ndarray:
+    if arrival.process == "offline":
+        return np.zeros(count)
+    if duration is None:
+        times = _process_times(arrival, rng, count)
+        if arrival.process != "fixed":
+            times *= count / arrival.rate / times[-1]   # vLLM bench: last one at exactly n/rate
+        return times
+    times = _process_times(arrival, rng, int(duration * arrival.rate * 1.1) + 16)
+    while times[-1] < duration and (count is None or len(times) < count):
+        times = np.concatenate([times, times[-1] + _process_times(arrival, rng, len(times))])
+    return times[times < duration][:count]
+
+
+def _process_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.ndarray:
+    """The first n arrival times of the process started at t=0."""
+    rate = arrival.rate
+    if arrival.process == "fixed":
+        return np.arange(1, n + 1) / rate
+    if arrival.process == "poisson":
+        return np.cumsum(rng.exponential(1.0 / rate, n))
+    shape = 1.0 / arrival.cv ** 2
+    return np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
+
+
+def _request_lengths(w: Workload, seed: int, opening: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Own prompt part and output length of each request, through one Gaussian copula."""
+    rng = _stream(seed, "lengths")
+    n = len(opening)
+    z_prompt = rng.standard_normal(n)
+    rho = 2.0 * math.sin(math.pi * w.length_correlation / 6.0)   # Spearman's r -> normal rho
+    z_output = rho * z_prompt + math.sqrt(max(0.0, 1.0 - rho * rho)) * rng.standard_normal(n)
+    own = np.empty(n, dtype=np.int64)
+    own[opening] = _lengths(w.prompt_len, z_prompt[opening], "workload.prompt_len", "prompt")
+    if not opening.all():
+        own[~opening] = _lengths(w.multi_turn.user_len, z_prompt[~opening],
+                                 "workload.multi_turn.user_len", "prompt")
+    return own, _lengths(w.output_len, z_output, "workload.output_len", "output")
+
+
+def _prefix_groups(sp: Optional[SharedPrefix], seed: int, n_conv: int) -> tuple[list[Segment], np.ndarray]:
+    """The shared prefixes, and each conversation's prefix group (-1: none)."""
+    if sp is None:
+        return [], np.full(n_conv, -1)
+    rng = _stream(seed, "shared_prefix")
+    lengths = _lengths(sp.length, rng.standard_normal(sp.groups), "workload.shared_prefix.length", "prompt")
+    prefixes = [(stable_key("prefix", seed, g), n) for g, n in enumerate(lengths.tolist())]
+    rank = np.arange(1, sp.groups + 1, dtype=np.float64)
+    popularity = rank ** -sp.zipf_s if sp.popularity == "zipf" else np.ones(sp.groups)
+    group = rng.choice(sp.groups, size=n_conv, p=popularity / popularity.sum())
+    carries = rng.random(n_conv) < sp.fraction
+    return prefixes, np.where(carries, group, -1)
+
+
+def _head(w: Workload, seed: int, conv: int, prefixes: list[Segment], group: int) -> list[Segment]:
+    """The segments before a conversation's first user message."""
+    head = [prefixes[group]] if group >= 0 else []
+    dyn = w.dynamic_segment
+    if dyn is not None:
+        segment = (stable_key("dynamic", seed, conv), dyn.length)
+        head = [segment] + head if dyn.position == "first" else head + [segment]
+    return head
+
+
+def _priorities(w: Workload, seed: int, n_conv: int) -> list[int]:
+    if w.priorities is None:
+        return [0] * n_conv
+    p = w.priorities
+    pick = _draw(_stream(seed, "priorities"), n_conv, p.weights or [1.0] * len(p.values),
+                 "workload.priorities.weights")
+    return np.asarray(p.values)[pick].tolist()
+
+
+def _draw(rng: np.random.Generator, n: int, weights: list[float], where: str) -> np.ndarray:
+    """n indices drawn by weight (all 0 when there is nothing to choose from)."""
+    if len(weights) <= 1:
+        return np.zeros(n, dtype=np.int64)
+    w = np.asarray(weights, dtype=np.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise WorkloadError(f"{where}: {weights} must be >= 0 with a positive sum")
+    return rng.choice(len(w), size=n, p=w / w.sum())
+
+
+def _think_times(w: Workload, seed: int, n: int) -> list[float]:
+    mt = w.multi_turn
+    if mt is None:
+        return [0.0] * n
+    if mt.think_dist == "fixed":
+        return [mt.think_time_s] * n
+    return _stream(seed, "think").exponential(mt.think_time_s, n).tolist()
+
+
+# ----------------------------------------------------------------------------- lengths
+
+def _sharegpt(role: str, where: str) -> tuple[float, float, int, int]:
+    """The `sharegpt` preset: (mean, std, min, max) of a rounded, clipped lognormal length.
+
+    An APPROXIMATION of ShareGPT (V3 unfiltered, cleaned split) after vLLM's benchmark
+    filtering (drops prompt < 4, output < 4, prompt > 1024, prompt + output > 2048), not the
+    data set itself:
+      prompt: lognormal mean 240, std 300 tokens, clipped to [4, 1024] -> mean ~227, median ~150
+      output: lognormal mean 205, std 210 tokens, clipped to [4, 1024] -> mean ~201, median ~143
+    The means match the totals vLLM's benchmark reports for 1000 sampled ShareGPT prompts
+    (~230k input and ~200k output tokens, Llama-3 tokenizer); the shapes are not fitted.
+    Prompt and output lengths are independent unless length_correlation is set.
+    """
+    if role == "turns":
+        raise WorkloadError(f"{where}.dist: 'sharegpt' is a token-length preset, not a turn count")
+    return (205.0, 210.0, 4, 1024) if role == "output" else (240.0, 300.0, 4, 1024)
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _phi(z: np.ndarray) -> np.ndarray:
+    """The standard normal CDF (no scipy)."""
+    return 0.5 * (1.0 + _erf(z / math.sqrt(2.0)).astype(np.float64))
+
+
+def _lognormal(mean: float, std: float, z: np.ndarray) -> np.ndarray:
+    """Lognormal with this mean and std of the length itself (not of its logarithm)."""
+    sigma2 = math.log1p((std / mean) ** 2)
+    return np.exp(math.log(mean) - sigma2 / 2 + math.sqrt(sigma2) * z)
+
+
+def _lengths(dist: LengthDist, z: np.ndarray, where: str, role: str) -> np.ndarray:
+    """Lengths at standard-normal scores z: the distribution's quantile at Phi(z)."""
+    lo, hi = 1, math.inf
+    if dist.dist == "fixed":
+        if dist.value == 0:
+            raise WorkloadError(f"{where}.value: 0 tokens; a length is at least 1")
+        x = np.full(len(z), float(dist.value))
+    elif dist.dist == "uniform":
+        x = dist.min + np.floor(_phi(z) * (dist.max - dist.min + 1))
+    elif dist.dist == "normal":
+        x = dist.mean + dist.std * z
+    elif dist.dist == "lognormal":
+        x = _lognormal(dist.mean, dist.std, z)
+    elif dist.dist == "empirical":
+        values = np.sort(_empirical_values(dist, where)).astype(np.float64)
+        x = values[np.minimum((_phi(z) * len(values)).astype(np.int64), len(values) - 1)]
+    else:
+        mean, std, lo, hi = _sharegpt(role, where)
+        x = _lognormal(mean, std, z)
+    lo = max(dist.min if dist.min is not None else lo, 1)
+    hi = dist.max if dist.max is not None else hi
+    return np.clip(np.rint(x), lo, hi).astype(np.int64)
+
+
+def _empirical_values(dist: LengthDist, where: str) -> np.ndarray:
+    if dist.file is not None:
+        return _read_lengths(Path(dist.file), dist.column, where)
+    bad = [i for i, v in enumerate(dist.values) if v < 0]
+    if not dist.values or bad:
+        what = f"values[{bad[0]}] is {dist.values[bad[0]]}" if bad else "values is empty"
+        raise WorkloadError(f"{where}.{what}; expected token lengths >= 0")
+    return np.asarray(dist.values, dtype=np.int64)
+
+
+def _read_lengths(path: Path, column: Optional[str], where: str) -> np.ndarray:
+    """Lengths from a CSV column, or from a plain file with one whole number per line."""
+    if not path.is_file():
+        raise WorkloadError(f"{where}.file: no such file: {path}")
+    with path.open(newline="") as f:
+        if column is None:
+            expected = "one whole number >= 0 per line (for a CSV, give `column`)"
+            items = [(n, text.strip()) for n, text in enumerate(f, start=1) if text.strip()]
+        else:
+            expected = f"a whole number >= 0 in column {column!r}"
+            reader = csv.DictReader(f)
+            if column not in (reader.fieldnames or []):
+                raise WorkloadError(f"{path}:1: no column {column!r} (columns: {reader.fieldnames}; "
+                                    f"{where}.column)")
+            items = [(reader.line_num, (row[column] or "").strip()) for row in reader]
+    if not items:
+        raise WorkloadError(f"{path}: no lengths in the file ({where}.file)")
+    return np.array([_whole(text, f"{path}:{line}", expected) for line, text in items], dtype=np.int64)
+
+
+def _whole(text: str, where: str, expected: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise WorkloadError(f"{where}: {text!r} is not a token length; expected {expected}")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------- explicit, trace
+
+def _tenant_table(w: Workload) -> Optional[dict[str, Tenant]]:
+    if w.tenants is None:
+        return None
+    table: dict[str, Tenant] = {}
+    for i, tenant in enumerate(w.tenants):
+        if tenant.name in table:
+            raise WorkloadError(f"workload.tenants[{i}].name: {tenant.name!r} is listed twice")
+        table[tenant.name] = tenant
+    return table
+
+
+def _explicit_requests(w: Workload, seed: int) -> list[Request]:
+    """Requests as written; equal segment names mean equal tokens across requests."""
+    specs = w.requests
+    if not specs:
+        raise WorkloadError("workload.requests: empty; expected at least one request")
+    tenants = _tenant_table(w)
+    unknown = [f"workload.requests[{i}].tenant: {r.tenant!r} is not in workload.tenants "
+               f"(known: {', '.join(tenants)})"
+               for i, r in enumerate(specs) if tenants is not None and r.tenant not in (None, *tenants)]
+    if unknown:
+        raise WorkloadError("\n".join(unknown))
+    order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival_s, i))
+    requests = []
+    for new_id, i in enumerate(order):
+        r = specs[i]
+        if r.prompt is not None:
+            prompt = [(stable_key("named", s.segment), s.len) for s in r.prompt]
+        else:
+            prompt = [(stable_key("user", seed, new_id), r.prompt_len)]
+        salted = bool(tenants and r.tenant and tenants[r.tenant].salt)
+        requests.append(make_request(new_id, r.arrival_s, prompt, r.output_len, seed=seed,
+                                     tenant=r.tenant, salted=salted, priority=r.priority))
+    return requests
+
+
+def _salted_tenants(w: Workload) -> frozenset[str]:
+    table = _tenant_table(w) or {}
+    return frozenset(name for name, t in table.items() if t.salt)
+
+
+_SYNTHETIC_ONLY = ("num_requests", "duration_s", "arrival", "prompt_len", "output_len",
+                   "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn", "priorities")
+
+
+def _ignored(w: Workload, source: str) -> list[str]:
+    """Notes for synthetic-only settings given alongside explicit requests or a trace."""
+    fields = Workload.model_fields
+    names = [f for f in _SYNTHETIC_ONLY
+             if getattr(w, f) != fields[f].get_default(call_default_factory=True)]
+    if source == "trace" and w.tenants and w.trace.format != "jsonl":
+        names.append("tenants")
+    return [f"workload.{name} is ignored with workload.{source}" for name in names]

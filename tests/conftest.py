@@ -1,0 +1,14 @@
+"""Test-wide settings: Triton kernels run through the interpreter when there is no GPU."""
+import os
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+try:  # must precede any @triton.jit decoration (the knob is read then)
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+except ImportError:  # the simulator's tests run without the engine extra
+    pass

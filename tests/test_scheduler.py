@@ -1,0 +1,186 @@
+"""Batching policies as specifications: the seed's example, vLLM's rules, and invariants."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.kvcache import KVCacheManager
+from sim.request import Status, make_request
+from sim.scheduler import Scheduler, SchedulerConfig
+
+
+def make(num_blocks=1000, block_size=16, caching=True, allocation="paged", **cfg):
+    cfg.setdefault("max_num_seqs", 8)
+    cfg.setdefault("max_num_batched_tokens", 256)
+    cfg.setdefault("max_model_len", 4096)
+    kv = KVCacheManager(num_blocks, block_size, caching, allocation, cfg["max_model_len"])
+    return Scheduler(SchedulerConfig(**cfg), kv)
+
+
+def drive(sched, max_steps=100_000):
+    """Run to completion; returns a snapshot per step."""
+    steps = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch is not None, "work remains but nothing could be scheduled"
+        steps.append(dict(n=len(batch), tokens=batch.num_tokens, decode=batch.num_decode,
+                          prefill=batch.num_prefill_tokens, running=sched.num_running,
+                          admitted=len(batch.admitted), preempted=len(batch.preempted)))
+        sched.finish_step(batch)
+        steps[-1]["running_after"] = sched.num_running
+        assert len(steps) < max_steps
+    sched.check_accounting()
+    return steps
+
+
+def seed_example(batching):
+    s = make(max_num_seqs=2, batching=batching)
+    for i, out in enumerate([10, 500, 10, 500]):
+        s.add(make_request(i, 0.0, [(100 + i, 20)], out))
+    return drive(s)
+
+
+def test_seed_static_vs_continuous_step_counts():
+    static, continuous = len(seed_example("static")), len(seed_example("continuous"))
+    assert 995 <= static <= 1005        # two batches, each as long as its 500-token member
+    assert 515 <= continuous <= 525     # short requests leave, the next joins at once
+    assert static / continuous > 1.9
+
+
+def test_static_admits_only_into_an_empty_batch():
+    steps = seed_example("static")
+    admissions = [i for i, s in enumerate(steps) if s["admitted"]]
+    assert len(admissions) == 2 and all(steps[i - 1]["running_after"] == 0 for i in admissions[1:])
+    # while the long member runs alone, the finished short member's slot stays empty
+    assert all(s["running"] == 1 for s in steps[20:400])
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
+    s = make(max_num_batched_tokens=64)
+    s.add(make_request(0, 0.0, [(1, 200)], 2))
+    steps = drive(s)
+    assert [st["prefill"] for st in steps[:4]] == [64, 64, 64, 8]
+    assert steps[3]["tokens"] == 8 and steps[4]["decode"] == 1
+
+
+def test_decodes_and_prefill_chunks_share_a_step_in_mixed_mode():
+    s = make(max_num_batched_tokens=64)
+    s.add(make_request(0, 0.0, [(1, 10)], 50))
+    s.add(make_request(1, 0.0, [(2, 300)], 2))
+    steps = drive(s)
+    assert any(st["decode"] and st["prefill"] for st in steps)
+    assert all(st["tokens"] <= 64 for st in steps)
+
+
+def test_prefill_first_never_mixes():
+    s = make(max_num_batched_tokens=512, step_composition="prefill_first")
+    for i in range(6):
+        s.add(make_request(i, 0.0, [(i, 100)], 20))
+    steps = drive(s)
+    assert all(not (st["decode"] and st["prefill"]) for st in steps)
+    assert steps[0]["prefill"] == 500  # 5 whole prompts fit the budget, the 6th waits
+
+
+def test_prompt_over_max_model_len_is_rejected_with_a_reason():
+    s = make(max_model_len=128)
+    r = make_request(0, 0.0, [(1, 100)], 50)
+    assert not s.add(r)
+    assert r.status is Status.REJECTED and "exceeds max_model_len 128" in r.reject_reason
+    s.check_accounting()
+
+
+def test_request_larger_than_the_pool_is_rejected_not_looped_forever():
+    s = make(num_blocks=5)  # 4 usable blocks = 64 tokens
+    r = make_request(0, 0.0, [(1, 60)], 10)
+    assert not s.add(r) and "pool has 4 usable blocks" in r.reject_reason
+
+
+def test_preemption_under_a_tiny_pool_makes_progress_and_finishes_everything():
+    s = make(num_blocks=12, max_num_seqs=8)    # 11 usable blocks
+    reqs = [make_request(i, 0.0, [(i, 30)], 60) for i in range(6)]
+    for r in reqs:
+        s.add(r)
+    steps = drive(s)
+    assert s.num_preemptions > 0
+    assert all(r.status is Status.FINISHED and r.num_output == 60 for r in reqs)
+    assert all(not st["admitted"] for st in steps if st["preempted"])  # no admission in a preempting step
+    assert s.kv.num_used_blocks == 0
+
+
+def test_fcfs_preempts_the_last_admitted_and_requeues_it_first():
+    s = make(num_blocks=7, max_num_seqs=4, caching=False)   # 6 usable blocks
+    a, b = make_request(0, 0.0, [(1, 40)], 40), make_request(1, 1.0, [(2, 40)], 40)
+    s.add(a), s.add(b)
+    while not (a.num_preemptions or b.num_preemptions):
+        s.finish_step(s.schedule())
+    assert b.num_preemptions == 1 and a.num_preemptions == 0
+    assert s.waiting_fifo[0] is b and b.num_computed == 0
+
+
+def test_priority_policy_preempts_the_lowest_priority():
+    s = make(num_blocks=7, max_num_seqs=4, caching=False, policy="priority")
+    low = make_request(0, 0.0, [(1, 40)], 40, priority=5)
+    high = make_request(1, 1.0, [(2, 40)], 40, priority=0)
+    s.add(low), s.add(high)
+    drive(s)
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+
+
+def test_priority_policy_admits_high_priority_first():
+    s = make(max_num_seqs=1, policy="priority")
+    late_high = make_request(1, 5.0, [(2, 10)], 2, priority=0)
+    early_low = make_request(0, 0.0, [(1, 10)], 2, priority=1)
+    s.add(early_low), s.add(late_high)
+    batch = s.schedule()
+    assert batch.reqs == [late_high]
+
+
+def test_prefix_hits_cut_prefill_and_are_counted_once_per_request():
+    s = make()
+    shared = (999, 64)
+    s.add(make_request(0, 0.0, [shared, (1, 10)], 3))
+    drive(s)
+    second = make_request(1, 0.0, [shared, (2, 10)], 3)
+    s.add(second)
+    batch = s.schedule()
+    assert batch.num_prefill_tokens == 10 and second.num_cached_tokens == 64
+    drive(s)
+    assert (s.kv.stats.queries, s.kv.stats.hits) == (74 + 74, 64)
+
+
+def test_watermark_keeps_blocks_free_at_admission():
+    s = make(num_blocks=101, admission_watermark=0.1, max_num_seqs=100, caching=False,
+             max_num_batched_tokens=4096)
+    for i in range(30):
+        s.add(make_request(i, 0.0, [(i, 64)], 2))   # 4 blocks each
+    batch = s.schedule()
+    assert len(batch.admitted) == 22 and s.kv.pool.num_free == 12   # 100 - 22 x 4 >= 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 80), st.integers(0, 3)), min_size=1, max_size=25),
+    num_blocks=st.integers(12, 200),
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    max_num_seqs=st.integers(1, 16),
+    budget=st.integers(16, 512),
+    batching=st.sampled_from(["continuous", "static"]),
+    composition=st.sampled_from(["mixed", "prefill_first"]),
+    allocation=st.sampled_from(["paged", "contiguous"]),
+    chunked=st.booleans(),
+)
+def test_budget_and_seq_limits_hold_and_no_request_is_lost(lens, num_blocks, block_size, max_num_seqs,
+                                                          budget, batching, composition, allocation, chunked):
+    if batching == "static":
+        composition = "mixed"
+    budget = max(budget, max_num_seqs)
+    s = make(num_blocks, block_size, True, allocation, max_num_seqs=max_num_seqs,
+             max_num_batched_tokens=budget, max_model_len=400, batching=batching,
+             step_composition=composition, chunked_prefill=chunked)
+    reqs = [make_request(i, 0.0, [(g, p)], o) for i, (p, o, g) in enumerate(lens)]
+    for r in reqs:
+        s.add(r)
+    for st_ in drive(s):
+        assert st_["tokens"] <= budget and st_["n"] <= max_num_seqs and st_["running"] <= max_num_seqs
+    for r in reqs:
+        assert r.status in (Status.FINISHED, Status.REJECTED)
+        assert (r.status is Status.FINISHED) == (r.num_output == r.output_len)
+    assert s.kv.num_used_blocks == 0
