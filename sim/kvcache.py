@@ -164,6 +164,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.contiguous_reserve = contiguous_reserve
         self.stats = PrefixCacheStats()
+        # Slots in blocks held, counted once per owner (a shared block counts for each holder,
+        # as do its tokens), so held_slots - tokens computed = unfilled slots (slack).
+        self.held_slots = 0
 
     # -- sizes ---------------------------------------------------------------------------
     def reserve_tokens(self, req: Request) -> int:
@@ -230,6 +233,7 @@ class KVCacheManager:
             return False
         if need:
             req.blocks.extend(pool.get_new_blocks(need))
+        self.held_slots += (len(req.blocks) - held) * bs
         if self.enable_caching:
             self.register_full_blocks(req, min(covered, req.num_tokens))
         return True
@@ -249,6 +253,7 @@ class KVCacheManager:
         """Release a request's blocks, last block first (it is evicted first)."""
         blocks = req.blocks
         if blocks:
+            self.held_slots -= len(blocks) * self.block_size
             blocks.reverse()
             self.pool.free_blocks(blocks)
         req.blocks = []

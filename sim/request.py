@@ -64,7 +64,7 @@ class Request:
     __slots__ = (
         # workload
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
-        "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id",
+        "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica",
         # scheduling state
         "status", "num_output", "num_tokens", "num_computed", "blocks", "block_hashes", "num_registered",
         "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
@@ -89,6 +89,7 @@ class Request:
         self.think_time = 0.0
         self.conversation: Optional[int] = None
         self.eos_token_id: Optional[int] = None
+        self.replica = 0
         self.reset()
 
     def reset(self) -> None:

@@ -100,7 +100,7 @@ class LengthDist(StrictModel):
     """A token-length distribution. An integer in YAML is shorthand for {dist: fixed, value: N}."""
 
     dist: Literal["fixed", "uniform", "normal", "lognormal", "empirical", "sharegpt"] = "fixed"
-    value: Optional[int] = Field(default=None, ge=0)
+    value: Optional[int] = Field(default=None, ge=1)
     min: Optional[int] = Field(default=None, ge=0)
     max: Optional[int] = Field(default=None, ge=1)
     mean: Optional[float] = Field(default=None, gt=0)
@@ -129,6 +129,8 @@ class LengthDist(StrictModel):
             raise ValueError("dist 'empirical' needs exactly one of 'values' or 'file'")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        if self.values is not None and (not self.values or min(self.values) < 1):
+            raise ValueError("values must be a non-empty list of lengths >= 1")
         return self
 
 
@@ -138,6 +140,9 @@ class Arrival(StrictModel):
     # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
     # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
     cv: float = Field(default=1.0, gt=0)
+    # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
+    # (only when num_requests, not duration_s, bounds the workload).
+    rescale: bool = True
 
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
@@ -185,8 +190,11 @@ class Priorities(StrictModel):
 
     @model_validator(mode="after")
     def _same_length(self) -> "Priorities":
-        if self.weights is not None and len(self.weights) != len(self.values):
-            raise ValueError(f"weights has {len(self.weights)} entries, values has {len(self.values)}")
+        if self.weights is not None:
+            if len(self.weights) != len(self.values):
+                raise ValueError(f"weights has {len(self.weights)} entries, values has {len(self.values)}")
+            if min(self.weights) < 0 or sum(self.weights) <= 0:
+                raise ValueError(f"weights must be >= 0 with a positive sum, got {self.weights}")
         return self
 
 
@@ -230,6 +238,10 @@ class Trace(StrictModel):
         return w
 
 
+SYNTHETIC_ONLY = {"num_requests", "duration_s", "arrival", "prompt_len", "output_len",
+                  "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn", "priorities"}
+
+
 class Workload(StrictModel):
     num_requests: Optional[int] = Field(default=None, ge=1)
     duration_s: Optional[float] = Field(default=None, gt=0)
@@ -252,6 +264,15 @@ class Workload(StrictModel):
     def _sources(self) -> "Workload":
         if self.requests is not None and self.trace is not None:
             raise ValueError("give at most one of 'requests' and 'trace'")
+        source = "requests" if self.requests is not None else "trace" if self.trace is not None else None
+        synthetic_only = sorted(self.model_fields_set & SYNTHETIC_ONLY)
+        if source and synthetic_only:
+            raise ValueError(f"{', '.join(synthetic_only)} describe a synthetic workload and "
+                             f"would be ignored with '{source}'; remove them")
+        if self.tenants is not None and len({t.name for t in self.tenants}) != len(self.tenants):
+            raise ValueError("tenant names must be unique")
+        if self.multi_turn is not None and self.multi_turn.turns.dist == "sharegpt":
+            raise ValueError("multi_turn.turns cannot use the sharegpt preset (it describes token lengths)")
         synthetic = self.requests is None and self.trace is None
         if synthetic and self.num_requests is None and self.duration_s is None:
             self.num_requests = 100
@@ -267,7 +288,6 @@ class Slo(StrictModel):
 
     ttft_s: Optional[float] = Field(default=None, gt=0)
     tpot_s: Optional[float] = Field(default=None, gt=0)
-    itl_s: Optional[float] = Field(default=None, gt=0)
     e2e_s: Optional[float] = Field(default=None, gt=0)
 
 

@@ -148,6 +148,7 @@ class Scheduler:
         self.step = 0
         self.num_added = self.num_finished = self.num_rejected = self.num_aborted = 0
         self.num_preemptions = 0
+        self.tokens_held = 0           # sum of num_computed over running requests
         self._heap_seq = 0
         self._returned = 0
         self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
@@ -193,6 +194,8 @@ class Scheduler:
             heapq.heapify(self.waiting_heap)
         elif req in self.waiting_fifo:
             self.waiting_fifo.remove(req)
+        if req.status is Status.RUNNING:
+            self.tokens_held -= req.num_computed
         self.kv.free(req)
         req.status = Status.ABORTED
         req.reject_reason = "aborted"
@@ -250,8 +253,14 @@ class Scheduler:
                 self._schedule_running(batch, budget, want="decode")
         if not len(batch):
             return None
+        self.tokens_held += batch.num_tokens
         self.step += 1
         return batch
+
+    @property
+    def slack_tokens(self) -> int:
+        """Slots allocated to running requests but holding no token (tails, reservations)."""
+        return self.kv.held_slots - self.tokens_held
 
     def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
         """RUNNING requests in admission order: decodes and the rest of their prompts."""
@@ -281,6 +290,7 @@ class Scheduler:
                             break                                      # it preempted itself
                         continue
                     req.blocks.append(take_block())
+                    kv.held_slots += bs
                 computed += 1
                 req.num_computed = computed
                 if caching and computed % bs == 0:
@@ -339,8 +349,11 @@ class Scheduler:
             self.running.remove(victim)
         else:
             self.running.pop()
+        scheduled_now = 0
         if victim in batch.decodes or victim in batch.prefills:
-            self._returned += batch.remove(victim, self.block_size)
+            scheduled_now = batch.remove(victim, self.block_size)
+            self._returned += scheduled_now
+        self.tokens_held -= victim.num_computed - scheduled_now
         self.kv.free(victim)
         victim.num_computed = 0
         victim.status = Status.PREEMPTED
@@ -378,6 +391,7 @@ class Scheduler:
                 req.admit_step = batch.step
             req.status = Status.RUNNING
             req.num_computed = hit_tokens
+            self.tokens_held += hit_tokens
             running.append(req)
             batch.admitted.append(req)
             if n_now:
@@ -414,6 +428,7 @@ class Scheduler:
             for req in finished:
                 req.status = Status.FINISHED
                 req.finish_step = step
+                self.tokens_held -= req.num_computed
                 self.kv.free(req)
                 _close_emit_run(req)
             self.running = [r for r in self.running if r.status is Status.RUNNING]

@@ -52,7 +52,6 @@ class _Rows:
     times: np.ndarray            # seconds, on the file's own clock
     prompt_len: np.ndarray       # int64
     output_len: np.ndarray       # int64
-    lines: np.ndarray            # file line of each row
     prompt_of: Callable[[int, int], list[Segment]]
     tenants: Optional[list[Optional[str]]] = None
     priorities: Optional[list[int]] = None
@@ -135,7 +134,7 @@ def _read_azure(path: Path, trace: Trace) -> _Rows:
                          lambda s: not np.isnat(np.datetime64(s, "ns")))
     seconds = (parsed - parsed.min()).astype(np.int64) / 1e9
     prompt = _counts(path, lines, table, "ContextTokens")
-    return _Rows(seconds, prompt, _counts(path, lines, table, "GeneratedTokens"), lines,
+    return _Rows(seconds, prompt, _counts(path, lines, table, "GeneratedTokens"),
                  _unique_prompt(lines, prompt))
 
 
@@ -143,7 +142,7 @@ def _read_burstgpt(path: Path, trace: Trace) -> _Rows:
     table, lines = _read_csv(path, ["Timestamp", "Request tokens", "Response tokens"])
     prompt = _counts(path, lines, table, "Request tokens")
     return _Rows(_numbers(path, lines, table, "Timestamp"), prompt,
-                 _counts(path, lines, table, "Response tokens"), lines, _unique_prompt(lines, prompt))
+                 _counts(path, lines, table, "Response tokens"), _unique_prompt(lines, prompt))
 
 
 def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.ndarray]:
@@ -249,7 +248,7 @@ def _time(obj: dict, key: str, where: str, expected: str) -> float:
 
 def _read_mooncake(path: Path, trace: Trace) -> _Rows:
     block = trace.hash_block_tokens
-    times, prompts, outputs, lines, hash_ids = [], [], [], [], []
+    times, prompts, outputs, hash_ids = [], [], [], []
     for line_no, obj in _json_rows(path):
         where = f"{path}:{line_no}"
         times.append(_time(obj, "timestamp", where, "a finite time in ms") / 1000.0)
@@ -263,7 +262,6 @@ def _read_mooncake(path: Path, trace: Trace) -> _Rows:
                              f"{-(-n_in // block)} (one id per {block}-token block)")
         prompts.append(n_in)
         outputs.append(_count(obj, "output_length", where))
-        lines.append(line_no)
         hash_ids.append(ids)
     keys: dict[int, int] = {}   # ids repeat across rows; hash each once
 
@@ -281,7 +279,7 @@ def _read_mooncake(path: Path, trace: Trace) -> _Rows:
         return segs
 
     return _Rows(np.array(times, dtype=np.float64), np.array(prompts, dtype=np.int64),
-                 np.array(outputs, dtype=np.int64), np.array(lines, dtype=np.int64), prompt_of)
+                 np.array(outputs, dtype=np.int64), prompt_of)
 
 
 def _read_jsonl(path: Path, trace: Trace) -> _Rows:
@@ -301,12 +299,11 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
 
     def prompt_of(i: int, seed: int) -> list[Segment]:
         if literal[i] is not None:
-            return [list(literal[i])]
+            return [literal[i]]
         return [(stable_key("trace", seed, lines[i]), prompts[i])]
 
     return _Rows(np.array(times, dtype=np.float64), np.array(prompts, dtype=np.int64),
-                 np.array(outputs, dtype=np.int64), np.array(lines, dtype=np.int64), prompt_of,
-                 tenants=tenants, priorities=priorities)
+                 np.array(outputs, dtype=np.int64), prompt_of, tenants=tenants, priorities=priorities)
 
 
 def _literal_prompt(obj: dict, where: str) -> Optional[list[int]]:

@@ -28,8 +28,8 @@ Synthetic workloads
   turn k-1's segments, its scripted output segment, then a new user message. Follow-up turns
   have arrival None and hang off `prev.next_turn`; `prev.think_time` is the pre-drawn pause
   between prev finishing and the next turn arriving. Tenant, priority, shared prefix and
-  dynamic segment belong to the conversation. num_requests counts turns: the last
-  conversation may be cut short.
+  dynamic segment belong to the conversation, and `req.conversation` is its index (None
+  without multi_turn). num_requests counts turns: the last conversation may be cut short.
 - The list is in id order, conversation by conversation with each conversation's turns
   together, so the known arrival times never decrease along it.
 
@@ -120,7 +120,7 @@ def _synthetic_requests(w: Workload, seed: int) -> list[Request]:
     own, output = _request_lengths(w, seed, opening)
     prefixes, group = _prefix_groups(w.shared_prefix, seed, n_conv)
     tenants = w.tenants or []
-    tenant_of = _draw(_stream(seed, "tenants"), n_conv, [t.share for t in tenants], "workload.tenants")
+    tenant_of = _draw(_stream(seed, "tenants"), n_conv, [t.share for t in tenants])
     priority_of = _priorities(w, seed, n_conv)
     think = _think_times(w, seed, len(conv))
 
@@ -184,10 +184,11 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
         return np.zeros(count)
     if duration is None:
         times = _process_times(arrival, rng, count)
-        if arrival.process != "fixed":
+        if arrival.process != "fixed" and arrival.rescale:
             times *= count / arrival.rate / times[-1]   # vLLM bench: last one at exactly n/rate
         return times
-    times = _process_times(arrival, rng, int(duration * arrival.rate * 1.1) + 16)
+    expected = int(duration * arrival.rate * 1.1) + 16
+    times = _process_times(arrival, rng, expected if count is None else min(expected, count))
     while times[-1] < duration and (count is None or len(times) < count):
         times = np.concatenate([times, times[-1] + _process_times(arrival, rng, len(times))])
     return times[times < duration][:count]
@@ -247,18 +248,15 @@ def _priorities(w: Workload, seed: int, n_conv: int) -> list[int]:
     if w.priorities is None:
         return [0] * n_conv
     p = w.priorities
-    pick = _draw(_stream(seed, "priorities"), n_conv, p.weights or [1.0] * len(p.values),
-                 "workload.priorities.weights")
+    pick = _draw(_stream(seed, "priorities"), n_conv, p.weights or [1.0] * len(p.values))
     return np.asarray(p.values)[pick].tolist()
 
 
-def _draw(rng: np.random.Generator, n: int, weights: list[float], where: str) -> np.ndarray:
-    """n indices drawn by weight (all 0 when there is nothing to choose from)."""
+def _draw(rng: np.random.Generator, n: int, weights: list[float]) -> np.ndarray:
+    """n indices drawn by weight (the schema guarantees weights >= 0 with a positive sum)."""
     if len(weights) <= 1:
         return np.zeros(n, dtype=np.int64)
     w = np.asarray(weights, dtype=np.float64)
-    if (w < 0).any() or w.sum() <= 0:
-        raise WorkloadError(f"{where}: {weights} must be >= 0 with a positive sum")
     return rng.choice(len(w), size=n, p=w / w.sum())
 
 
@@ -285,8 +283,6 @@ def _sharegpt(role: str, where: str) -> tuple[float, float, int, int]:
     (~230k input and ~200k output tokens, Llama-3 tokenizer); the shapes are not fitted.
     Prompt and output lengths are independent unless length_correlation is set.
     """
-    if role == "turns":
-        raise WorkloadError(f"{where}.dist: 'sharegpt' is a token-length preset, not a turn count")
     return (205.0, 210.0, 4, 1024) if role == "output" else (240.0, 300.0, 4, 1024)
 
 
@@ -308,8 +304,6 @@ def _lengths(dist: LengthDist, z: np.ndarray, where: str, role: str) -> np.ndarr
     """Lengths at standard-normal scores z: the distribution's quantile at Phi(z)."""
     lo, hi = 1, math.inf
     if dist.dist == "fixed":
-        if dist.value == 0:
-            raise WorkloadError(f"{where}.value: 0 tokens; a length is at least 1")
         x = np.full(len(z), float(dist.value))
     elif dist.dist == "uniform":
         x = dist.min + np.floor(_phi(z) * (dist.max - dist.min + 1))
@@ -371,14 +365,7 @@ def _whole(text: str, where: str, expected: str) -> int:
 # ----------------------------------------------------------------------------- explicit, trace
 
 def _tenant_table(w: Workload) -> Optional[dict[str, Tenant]]:
-    if w.tenants is None:
-        return None
-    table: dict[str, Tenant] = {}
-    for i, tenant in enumerate(w.tenants):
-        if tenant.name in table:
-            raise WorkloadError(f"workload.tenants[{i}].name: {tenant.name!r} is listed twice")
-        table[tenant.name] = tenant
-    return table
+    return None if w.tenants is None else {t.name: t for t in w.tenants}   # names are unique (schema)
 
 
 def _explicit_requests(w: Workload, seed: int) -> list[Request]:
@@ -411,15 +398,8 @@ def _salted_tenants(w: Workload) -> frozenset[str]:
     return frozenset(name for name, t in table.items() if t.salt)
 
 
-_SYNTHETIC_ONLY = ("num_requests", "duration_s", "arrival", "prompt_len", "output_len",
-                   "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn", "priorities")
-
-
 def _ignored(w: Workload, source: str) -> list[str]:
-    """Notes for synthetic-only settings given alongside explicit requests or a trace."""
-    fields = Workload.model_fields
-    names = [f for f in _SYNTHETIC_ONLY
-             if getattr(w, f) != fields[f].get_default(call_default_factory=True)]
+    """Notes for settings that the chosen source cannot honour (the schema rejects the rest)."""
     if source == "trace" and w.tenants and w.trace.format != "jsonl":
-        names.append("tenants")
-    return [f"workload.{name} is ignored with workload.{source}" for name in names]
+        return [f"workload.tenants is ignored with a {w.trace.format} trace (it names no tenants)"]
+    return []

@@ -21,6 +21,8 @@ def drive(sched, max_steps=100_000):
     while sched.has_unfinished():
         batch = sched.schedule()
         assert batch is not None, "work remains but nothing could be scheduled"
+        bs = sched.block_size
+        assert sched.slack_tokens == sum(len(r.blocks) * bs - r.num_computed for r in sched.running) >= 0
         steps.append(dict(n=len(batch), tokens=batch.num_tokens, decode=batch.num_decode,
                           prefill=batch.num_prefill_tokens, running=sched.num_running,
                           admitted=len(batch.admitted), preempted=len(batch.preempted)))
@@ -184,3 +186,25 @@ def test_budget_and_seq_limits_hold_and_no_request_is_lost(lens, num_blocks, blo
         assert r.status in (Status.FINISHED, Status.REJECTED)
         assert (r.status is Status.FINISHED) == (r.num_output == r.output_len)
     assert s.kv.num_used_blocks == 0
+
+
+def test_slack_counts_unfilled_slots_of_running_requests():
+    s = make(caching=False)
+    for i, n in enumerate([35, 17, 64]):            # PRIMER.md: 13 + 15 + 0 unused slots
+        s.add(make_request(i, 0.0, [(i, n)], 1))
+    s.schedule()
+    assert s.kv.num_used_blocks == 9 and s.slack_tokens == 28
+
+
+def test_slack_with_shared_blocks_and_contiguous_reservation():
+    s = make(caching=True)
+    s.add(make_request(0, 0.0, [(5, 40)], 30))
+    s.finish_step(s.schedule())
+    s.add(make_request(1, 0.0, [(5, 40)], 30))     # hits the first 32 tokens
+    s.schedule()
+    expected = sum(len(r.blocks) * 16 - r.num_computed for r in s.running)
+    assert s.slack_tokens == expected
+    c = make(caching=False, allocation="contiguous", max_model_len=256)
+    c.add(make_request(0, 0.0, [(1, 20)], 5))
+    c.schedule()
+    assert c.slack_tokens == 256 - 20

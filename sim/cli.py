@@ -1,0 +1,156 @@
+"""`simrun`: predict a scenario (the default command) and the other entry points.
+
+    simrun SCENARIO.yaml [--out DIR] [--set PATH=VALUE ...] [--seed N] [--trace]
+    simrun validate | calibrate | plan | serve | bench | compare ...   (see `simrun COMMAND -h`)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from sim.memory import InsufficientMemoryError
+from sim.scenario import ScenarioError, expand_variants, load_scenario
+
+# subcommand -> "module:function" taking argv; imported lazily so `simrun x.yaml` stays light.
+SUBCOMMANDS = {
+    "run": "sim.cli:run_main",
+}
+
+console = Console(stderr=False, highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+class UserError(Exception):
+    """A problem with the user's input; printed without a traceback, exit code 2."""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
+    if argv and argv[0] == command:
+        argv = argv[1:]
+    module, func = SUBCOMMANDS[command].split(":")
+    handler: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    try:
+        return handler(argv)
+    except (UserError, ScenarioError, InsufficientMemoryError, ValueError, FileNotFoundError) as e:
+        err_console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+
+
+def scenario_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments every scenario-taking command shares."""
+    parser.add_argument("scenario", type=Path, help="scenario YAML file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="override a scenario field, e.g. --set engine.block_size=32 (repeatable)")
+    parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="simrun", description="Predict KV memory, throughput and latency of an LLM-serving scenario.",
+        epilog=f"other commands: {', '.join(sorted(c for c in SUBCOMMANDS if c != 'run'))} "
+               f"(simrun COMMAND -h)")
+    scenario_args(p)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return p
+
+
+def run_main(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
+    scenario = load_scenario(args.scenario, args.overrides, args.seed)
+    variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
+    out = args.out or Path("runs") / args.scenario.stem
+    results = {}
+    for name, variant in variants.items():
+        result = predict_with_progress(variant, name, quiet=args.quiet)
+        folder = out / name if len(variants) > 1 else out
+        from sim.predict import write_run
+
+        write_run(result, folder, trace=args.trace)
+        results[name] = result
+    if len(results) > 1:
+        write_comparison(results, out, args.trace)
+    if not args.quiet:
+        print_results(results, out)
+    return 0
+
+
+def predict_with_progress(scenario, name: str, quiet: bool = False):
+    """Run a prediction, showing a progress bar once it has taken more than a second."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sim.predict import predict
+
+    total = scenario.workload.num_requests
+    state: dict = {"t0": time.monotonic(), "bar": None}
+
+    def progress(done: int) -> None:
+        if quiet or total is None:
+            return
+        if state["bar"] is None and time.monotonic() - state["t0"] > 1.0:
+            bar = Progress(TextColumn(f"simulating {name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                           TimeElapsedColumn(), console=err_console, transient=True)
+            bar.start()
+            state["bar"], state["task"] = bar, bar.add_task(name, total=total)
+        if state["bar"] is not None:
+            state["bar"].update(state["task"], completed=done)
+
+    try:
+        return predict(scenario, name, progress=progress)
+    finally:
+        if state["bar"] is not None:
+            state["bar"].stop()
+
+
+def write_comparison(results: dict, out: Path, trace: bool) -> None:
+    """Variants side by side: one table, overlay plots, one HTML page."""
+    from sim.predict import view_of
+    from sim.report import plot_run_figures, write_html_report, write_perfetto_trace
+
+    views = {name: view_of(r, name) for name, r in results.items()}
+    figures = plot_run_figures(views, out)
+    manifests = {name: r.manifest for name, r in results.items()}
+    write_html_report(out / "report.html", "kvtwin prediction: variants compared", views, figures, manifests)
+    if trace:
+        write_perfetto_trace(out / "trace.json", views)
+
+
+def print_results(results: dict, out: Path) -> None:
+    from sim.predict import view_of
+    from sim.report import summary_table
+
+    views = {name: view_of(r, name) for name, r in results.items()}
+    frame = summary_table(views)
+    table = Table(title=None, show_header=True, header_style="bold")
+    table.add_column("metric")
+    for col in frame.columns:
+        table.add_column(str(col), justify="right")
+    for metric, row in frame.iterrows():
+        table.add_row(str(metric), *[str(v) for v in row])
+    console.print(table)
+    first = next(iter(results.values()))
+    calibrated = "calibrated profile" if first.cost_model.calibrated else \
+        "UNCALIBRATED: datasheet peaks x default efficiencies (run `simrun calibrate` to fit them)"
+    console.print(f"cost model: {calibrated}")
+    for name, r in results.items():
+        notes = r.manifest.get("workload", {}).get("notes") or []
+        for note in notes:
+            console.print(f"[yellow]note[/] ({name}): {note}")
+    console.print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json, plots, report.html)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

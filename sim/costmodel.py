@@ -1,0 +1,148 @@
+"""Step time from a batch's composition: host overhead plus a roofline per layer group.
+
+    step = host + device
+    host   = step_host_s + seq_host_s x sequences
+    device = step_device_s + layers x (layer_overhead_s
+                 + max(linear FLOPs / (peak x flops_eff), weight bytes / (bw x bw_eff))
+                 + max(attention FLOPs / (peak x attn_flops_eff), KV bytes / (bw x attn_bw_eff))
+                 + blocks walked x block_overhead_s
+                 + tp all-reduce)
+             + max(LM-head FLOPs, LM-head bytes) + sampling bytes
+
+Linear layers read their weights once per step whatever the batch, so small batches are
+bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
+or computes causal scores over new tokens against their context (prefill); the per-block
+term is the cost of walking block tables, which is what makes a small block size slower.
+Coefficients are datasheet peaks times default efficiencies, or a calibrated profile
+(validate/calibrate.py fits them against the real engine and writes the YAML loaded here).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from sim.catalog import DeviceSpec, ModelSpec
+from sim.memory import kv_bytes_per_token, kv_heads_per_rank
+
+
+@dataclass
+class CostCoefficients:
+    flops_eff: float = 0.55           # fraction of peak FLOP/s reached by the GEMMs
+    bw_eff: float = 0.80              # fraction of peak bandwidth reached streaming weights
+    attn_flops_eff: float = 0.35      # fraction of peak reached by prefill attention
+    attn_bw_eff: float = 0.70         # fraction of peak bandwidth reached reading KV
+    block_overhead_s: float = 2e-9    # per KV block walked, per layer
+    layer_overhead_s: float = 8e-6    # kernel launches and small ops, per layer
+    step_device_s: float = 50e-6      # per step on the device (embedding, sampling launches)
+    step_host_s: float = 150e-6       # per step on the host (scheduling, input preparation)
+    seq_host_s: float = 3e-6          # per sequence per step on the host
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class DeviceProfile:
+    """A cost-model profile: coefficients plus where they came from."""
+
+    coefficients: CostCoefficients = field(default_factory=CostCoefficients)
+    calibrated: bool = False
+    source: str = "datasheet peaks x default efficiencies"
+    device_name: Optional[str] = None
+    model_name: Optional[str] = None
+    activation_scale: Optional[float] = None     # measured/estimated activation peak
+    fit: dict = field(default_factory=dict)      # fit quality, as calibrate reported it
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["coefficients"] = asdict(self.coefficients)
+        return d
+
+    @classmethod
+    def load(cls, path: Path) -> "DeviceProfile":
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"device profile {path} does not exist") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("coefficients"), dict):
+            raise ValueError(f"{path}: a device profile needs a 'coefficients' mapping")
+        unknown = set(raw["coefficients"]) - set(CostCoefficients.names())
+        if unknown:
+            raise ValueError(f"{path}: unknown coefficients {sorted(unknown)} "
+                             f"(known: {', '.join(CostCoefficients.names())})")
+        known = {f.name for f in fields(cls)} - {"coefficients"}
+        extra = {k: v for k, v in raw.items() if k in known}
+        return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
+
+
+class CostModel:
+    """Turns a Batch's composition into (host seconds, device seconds)."""
+
+    def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
+                 profile: Optional[DeviceProfile] = None):
+        self.model, self.device, self.tp = model, device, tp
+        self.profile = profile or DeviceProfile()
+        self.coefficients = self.profile.coefficients
+        self._precompute()
+
+    @classmethod
+    def for_scenario(cls, scenario) -> "CostModel":
+        profile = DeviceProfile.load(scenario.device.profile) if scenario.device.profile else None
+        return cls(scenario.model, scenario.device, scenario.parallelism.tp, profile)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.profile.calibrated
+
+    def _precompute(self) -> None:
+        m, tp, c = self.model, self.tp, self.coefficients
+        peak_flops = self.device.bf16_tflops * 1e12
+        if m.dtype == "float32":
+            peak_flops /= 8       # no bf16 tensor-core rate for fp32 (TF32 at best); a rough cut
+        bw = self.device.hbm_gbps * 1e9
+        d, h = m.head_dim, m.hidden_size
+        q = m.num_heads // tp * d
+        kv = kv_heads_per_rank(m, tp) * d
+        inter = m.intermediate_size // tp
+        linear_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+        s = m.dtype_bytes
+        # seconds per unit, so step_time is a few multiply-adds
+        self._linear_flop_s = 2 * linear_params / (peak_flops * c.flops_eff)
+        self._linear_weight_s = linear_params * s / (bw * c.bw_eff)
+        self._linear_act_s = 2 * (h + q + 2 * kv + 2 * inter) * s / (bw * c.bw_eff)
+        self._attn_pair_s = 4 * (m.num_heads // tp) * d / (peak_flops * c.attn_flops_eff)
+        self._kv_token_s = kv_bytes_per_token(m, tp) / m.num_layers / (bw * c.attn_bw_eff)
+        self._head_flop_s = 2 * h * m.vocab_size / tp / (peak_flops * c.flops_eff)
+        self._head_weight_s = h * m.vocab_size / tp * s / (bw * c.bw_eff)
+        self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
+        if tp > 1:
+            link = self.device.link_gbps * 1e9
+            ring = 2 * (tp - 1) / tp
+            self._allreduce_token_s = 2 * ring * h * s / link          # two all-reduces per layer
+            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6
+        else:
+            self._allreduce_token_s = self._allreduce_fixed_s = 0.0
+
+    def step_time(self, batch) -> tuple[float, float]:
+        """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
+        c = self.coefficients
+        seqs = len(batch.decodes) + len(batch.prefills)
+        tokens = batch.num_prefill_tokens + len(batch.decodes)
+        linear = max(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
+        kv_tokens = batch.decode_ctx + batch.prefill_ctx + batch.num_prefill_tokens
+        attention = max(batch.prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
+        per_layer = (c.layer_overhead_s + linear + attention + batch.blocks_read * c.block_overhead_s
+                     + (tokens * self._allreduce_token_s + self._allreduce_fixed_s))
+        rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
+        head = max(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
+        device = c.step_device_s + self.model.num_layers * per_layer + head
+        host = c.step_host_s + c.seq_host_s * seqs
+        return host, device
+
+    def describe(self) -> dict:
+        return {"calibrated": self.calibrated, "source": self.profile.source,
+                "coefficients": asdict(self.coefficients), "tp": self.tp}

@@ -1,0 +1,138 @@
+"""Records -> summary, with vLLM's benchmark definitions (research/VLLM_SEMANTICS.md section 6).
+
+TTFT = first token - arrival; E2E = last token - arrival; TPOT = (E2E - TTFT) / (output - 1),
+over requests with more than one output token; ITL = gaps between successive tokens of a
+request, pooled over all requests; goodput = requests meeting every SLO per second.
+Warm-up requests are excluded from every figure; throughput is over the span from the
+first measured arrival to the last measured finish.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+from sim.records import RunRecords, itl_samples, requests_frame
+
+PERCENTILES = (50, 90, 99)
+
+
+def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """np.percentile(np.repeat(values, weights), q) without building the repeated array."""
+    order = np.argsort(values, kind="stable")
+    v, cum = values[order], np.cumsum(weights[order])
+    total = int(cum[-1])
+    pos = q / 100 * (total - 1)
+    lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+    v_lo = v[np.searchsorted(cum, lo, side="right")]
+    v_hi = v[np.searchsorted(cum, hi, side="right")]
+    return float(v_lo + (v_hi - v_lo) * (pos - lo))
+
+
+def distribution(values: np.ndarray, weights: Optional[np.ndarray] = None) -> dict[str, Optional[float]]:
+    """mean, p50, p90, p99 (and max) of a sample; None entries when it is empty."""
+    values = np.asarray(values, dtype=float)
+    keep = ~np.isnan(values)
+    values = values[keep]
+    if weights is not None:
+        weights = np.asarray(weights)[keep]
+    if values.size == 0 or (weights is not None and weights.sum() == 0):
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
+    if weights is None:
+        out = {"mean": float(values.mean()),
+               **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
+    else:
+        out = {"mean": float(np.average(values, weights=weights)),
+               **{f"p{p}": weighted_percentile(values, weights, p) for p in PERCENTILES}}
+    out["max"] = float(values.max())
+    return out
+
+
+def meets_slo(df: pd.DataFrame, slo) -> pd.Series:
+    """Per request: every SLO that is set is met (a 1-token answer has TPOT 0, as in vLLM)."""
+    ok = pd.Series(True, index=df.index)
+    if slo.ttft_s is not None:
+        ok &= df["ttft_s"] <= slo.ttft_s
+    if slo.tpot_s is not None:
+        ok &= df["tpot_s"].fillna(0.0) <= slo.tpot_s
+    if slo.e2e_s is not None:
+        ok &= df["e2e_s"] <= slo.e2e_s
+    return ok
+
+
+def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = None,
+              steps: Optional[pd.DataFrame] = None) -> dict[str, Any]:
+    """The summary.json figures of one run."""
+    df = requests if requests is not None else requests_frame(records)
+    steps = steps if steps is not None else records.steps_frame()
+    finished = df[df["status"] == "finished"]
+    measured = finished[~finished["is_warmup"]]
+    duration = _duration(measured)
+    n_out = measured["output_tokens"].sum()
+    n_in = measured["prompt_tokens"].sum()
+    itl_values, itl_weights = itl_samples(records, measured["id"].to_numpy())
+    has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
+    rate = (lambda x: x / duration if duration > 0 else None)   # noqa: E731
+    summary = {
+        "requests_total": int(len(df)),
+        "requests_finished": int(len(finished)),
+        "requests_rejected": int((df["status"] == "rejected").sum()),
+        "requests_aborted": int((df["status"] == "aborted").sum()),
+        "requests_measured": int(len(measured)),
+        "warmup_requests": int(df["is_warmup"].sum()),
+        "duration_s": duration,
+        "request_throughput": rate(len(measured)),
+        "output_token_throughput": rate(float(n_out)),
+        "total_token_throughput": rate(float(n_in + n_out)),
+        "ttft_s": distribution(measured["ttft_s"].to_numpy()),
+        "tpot_s": distribution(measured["tpot_s"].to_numpy()),
+        "itl_s": distribution(itl_values, itl_weights),
+        "e2e_s": distribution(measured["e2e_s"].to_numpy()),
+        "goodput": rate(float(meets_slo(measured, slo).sum())) if has_slo else None,
+        "slo_attainment": float(meets_slo(measured, slo).mean()) if has_slo and len(measured) else None,
+        "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
+        "preemptions": int(steps["preemptions"].sum()) if len(steps) else 0,
+        "latency_split": _latency_split(measured),
+        **_kv_figures(records, steps),
+        **_step_figures(steps),
+    }
+    return summary
+
+
+def _duration(measured: pd.DataFrame) -> float:
+    if measured.empty:
+        return 0.0
+    return float(measured["finish_s"].max() - measured["arrival_s"].min())
+
+
+def _latency_split(measured: pd.DataFrame) -> dict[str, Optional[float]]:
+    total = measured["e2e_s"].sum()
+    if not total:
+        return {"queue": None, "host": None, "device": None}
+    return {k: float(measured[f"{k}_s"].sum() / total) for k in ("queue", "host", "device")}
+
+
+def _kv_figures(records: RunRecords, steps: pd.DataFrame) -> dict[str, Any]:
+    total = records.kv_blocks_total
+    if steps.empty:
+        return {"kv_blocks_total": total, "kv_blocks_peak": 0, "kv_blocks_mean": 0.0,
+                "kv_usage_mean": 0.0, "kv_usage_peak": 0.0, "kv_slack_tokens_peak": 0}
+    # time-weighted over busy time: a step's KV state holds for the step's duration
+    dur = (steps["end_s"] - steps["start_s"]).to_numpy()
+    used = steps["kv_blocks_used"].to_numpy()
+    mean_used = float(np.average(used, weights=dur)) if dur.sum() > 0 else float(used.mean())
+    peak = int(steps.groupby("replica")["kv_blocks_used"].max().max())
+    return {"kv_blocks_total": total, "kv_blocks_peak": peak, "kv_blocks_mean": mean_used,
+            "kv_usage_mean": mean_used / total if total else 0.0,
+            "kv_usage_peak": peak / total if total else 0.0,
+            "kv_slack_tokens_peak": int(steps["slack_tokens"].max())}
+
+
+def _step_figures(steps: pd.DataFrame) -> dict[str, Any]:
+    if steps.empty:
+        return {"num_steps": 0, "mean_batch_seqs": 0.0, "mean_batch_tokens": 0.0, "peak_running": 0}
+    return {"num_steps": int(len(steps)), "mean_batch_seqs": float(steps["num_seqs"].mean()),
+            "mean_batch_tokens": float(steps["batch_tokens"].mean()),
+            "peak_running": int(steps["running"].max()),
+            "mean_step_s": float((steps["end_s"] - steps["start_s"]).mean())}

@@ -1,0 +1,153 @@
+"""One prediction end to end: simulate a scenario, summarise it, write its files.
+
+Used by `simrun` (each variant), by sweeps and searches, and by the validation harness
+(the predicted side of predicted-vs-measured).
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+
+from sim.costmodel import CostModel
+from sim.io import write_csv, write_json
+from sim.memory import MemoryPlan
+from sim.metrics import summarise
+from sim.records import RunRecords, requests_frame
+from sim.request import Request
+from sim.simulator import simulate
+from sim.workload import build_workload
+
+
+@dataclass
+class RunResult:
+    name: str
+    scenario: Any
+    records: RunRecords
+    plan: MemoryPlan
+    cost_model: CostModel
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    manifest: dict = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def predict(scenario, name: Optional[str] = None,
+            progress: Optional[Callable[[int], None]] = None) -> RunResult:
+    """Simulate and summarise; nothing is written."""
+    workload = build_workload(scenario)
+    records, plan, cost_model = simulate(scenario, workload.requests, progress=progress)
+    req_df = requests_frame(records)
+    steps_df = records.steps_frame()
+    summary = summarise(records, scenario.slo, req_df, steps_df)
+    summary["calibrated"] = cost_model.calibrated
+    summary["memory"] = memory_summary(plan)
+    manifest = simulation_manifest(scenario, cost_model, plan, workload.requests, workload.notes)
+    manifest["simulation_wall_s"] = records.meta.get("wall_s")
+    return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary,
+                     req_df, steps_df, manifest)
+
+
+def write_run(result: RunResult, out_dir: Path, trace: bool = False) -> dict[str, Path]:
+    """summary.json, requests.csv, steps.csv, manifest.json, plots, report.html (+ trace.json)."""
+    from sim.report import RunView, plot_run_figures, write_html_report, write_perfetto_trace
+
+    out_dir = Path(out_dir)
+    files = {
+        "summary": write_json(out_dir / "summary.json", result.summary),
+        "requests": write_csv(out_dir / "requests.csv", result.requests),
+        "steps": write_csv(out_dir / "steps.csv", result.steps),
+        "manifest": write_json(out_dir / "manifest.json", result.manifest),
+    }
+    views = {result.name: view_of(result)}
+    figures = plot_run_figures(views, out_dir)
+    files.update(figures)
+    files["report"] = write_html_report(out_dir / "report.html", f"kvtwin prediction: {result.name}",
+                                        views, figures, result.manifest)
+    if trace:
+        files["trace"] = write_perfetto_trace(out_dir / "trace.json", views)
+    result.files = files
+    return files
+
+
+def view_of(result: RunResult, label: Optional[str] = None):
+    from sim.report import RunView
+
+    return RunView.from_records(label or result.name, result.records, result.summary,
+                                result.requests, result.steps)
+
+
+def memory_summary(plan: MemoryPlan) -> dict:
+    return {"kv_bytes_per_token": plan.kv_bytes_per_token, "block_bytes": plan.block_bytes,
+            "num_blocks": plan.num_blocks, "usable_blocks": plan.usable_blocks,
+            "kv_pool_bytes": plan.kv_pool_bytes, "weight_bytes": plan.weight_bytes,
+            "activation_bytes": plan.activation_bytes, "reserved_bytes": plan.reserved_bytes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes, "max_tokens": plan.max_tokens}
+
+
+# ----------------------------------------------------------------------------- manifest
+
+def kvtwin_version() -> str:
+    try:
+        return metadata.version("kvtwin")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def workload_digest(requests: list[Request]) -> str:
+    """A fingerprint of the workload: arrivals, lengths and prompt segments of every request."""
+    h = hashlib.sha256()
+    for r in requests:
+        segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in r.segments[:-1]]
+        h.update(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)).encode())
+    return h.hexdigest()[:16]
+
+
+def length_stats(requests: list[Request]) -> dict:
+    import numpy as np
+
+    out = {}
+    for key, values in (("prompt_tokens", [r.prompt_len for r in requests]),
+                        ("output_tokens", [r.output_len for r in requests])):
+        a = np.asarray(values, dtype=float)
+        out[key] = ({"mean": float(a.mean()), "p50": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+                     "p99": float(np.percentile(a, 99)), "min": int(a.min()), "max": int(a.max())}
+                    if a.size else {})
+    return out
+
+
+def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, requests: list[Request],
+                        notes: list[str]) -> dict:
+    return {
+        "kind": "prediction",
+        "kvtwin_version": kvtwin_version(),
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "seed": scenario.seed,
+        "calibrated": cost_model.calibrated,
+        "cost_model": cost_model.describe(),
+        "memory_plan": plan.to_dict(),
+        "workload": {"requests": len(requests), "digest": workload_digest(requests),
+                     "lengths": length_stats(requests), "notes": notes},
+        "scenario": scenario.model_dump(mode="json"),
+    }

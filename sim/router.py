@@ -1,0 +1,74 @@
+"""Routing requests across replicas: round-robin, least outstanding tokens, prefix-aware."""
+from __future__ import annotations
+
+from sim.request import Request, Status
+
+
+class Router:
+    def __init__(self, replicas: list):
+        self.replicas = replicas
+        self._next = 0
+
+    def route(self, req: Request) -> None:
+        replica = self.replicas[0] if len(self.replicas) == 1 else self.choose(req)
+        replica.submit(req)
+        if req.status is Status.REJECTED:
+            reject_follow_ups(req)
+
+    def choose(self, req: Request):
+        raise NotImplementedError
+
+
+class RoundRobin(Router):
+    def choose(self, req: Request):
+        replica = self.replicas[self._next % len(self.replicas)]
+        self._next += 1
+        return replica
+
+
+class LeastOutstandingTokens(Router):
+    """The replica with the fewest prompt + output tokens routed to it and not yet finished."""
+
+    def choose(self, req: Request):
+        return min(self.replicas, key=lambda r: (r.outstanding_tokens, r.index))
+
+
+class PrefixAware(LeastOutstandingTokens):
+    """The replica whose cache holds the longest prefix of the request, unless it is overloaded.
+
+    A replica is eligible while its outstanding tokens stay within `load_bound` x the mean
+    (plus this request), so one hot prefix cannot pin all traffic to one replica.
+    """
+
+    def __init__(self, replicas: list, load_bound: float):
+        super().__init__(replicas)
+        self.load_bound = load_bound
+
+    def choose(self, req: Request):
+        mean = sum(r.outstanding_tokens for r in self.replicas) / len(self.replicas)
+        limit = self.load_bound * mean + req.max_len
+        best, best_hit = None, 0
+        for replica in self.replicas:
+            if replica.outstanding_tokens > limit:
+                continue
+            hit = replica.kv.find_cached_prefix(req)[1]
+            if hit > best_hit:
+                best, best_hit = replica, hit
+        return best if best is not None else super().choose(req)
+
+
+def make_router(cluster, replicas: list) -> Router:
+    if cluster.router == "round_robin":
+        return RoundRobin(replicas)
+    if cluster.router == "least_outstanding_tokens":
+        return LeastOutstandingTokens(replicas)
+    return PrefixAware(replicas, cluster.load_bound)
+
+
+def reject_follow_ups(req: Request) -> None:
+    """Later turns of a rejected conversation can never arrive: reject them with the reason."""
+    turn = req.next_turn
+    while turn is not None:
+        turn.status = Status.REJECTED
+        turn.reject_reason = f"an earlier turn (request {req.id}) was rejected"
+        turn = turn.next_turn
