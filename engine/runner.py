@@ -119,8 +119,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         tokens = self.sampler(logits).tolist() if emit else []
         for req, token in zip(emitted, tokens):
-            if isinstance(req.segments[-1], list):      # live request: the sample is its output
-                req.segments[-1].append(token)
+            output = req.segments[-1]
+            if isinstance(output, list):                # live request: the sample is its output
+                output.append(token)
+                if token == req.eos_token_id:           # finish_step retires it at this length
+                    req.output_len = req.num_output + 1
         host_s = (t1 - t0) + (time.perf_counter() - t2)
         return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, device_s)
 
@@ -180,15 +183,13 @@ class ModelRunner:
 def profile_and_plan(scenario, model: CausalLM) -> MemoryPlan:
     """vLLM's sizing: a profiling forward measures the activation peak, sim.memory does the rest.
 
-    The peak is measured on CUDA only (CPU has no allocator stats: sim.memory's estimate
-    stands). An explicit engine.num_blocks or engine.activation_mib skips the measurement.
+    Measured on CUDA only: CPU has no allocator stats, so sim.memory's estimate stands there.
+    An explicit engine.num_blocks or engine.activation_mib also skips the measurement.
     """
     eng = scenario.engine
-    if eng.num_blocks is not None or eng.activation_mib is not None:
+    if model.device.type != "cuda" or eng.num_blocks is not None or eng.activation_mib is not None:
         return plan_memory(scenario)
     activation = profile_run(model, scenario.max_num_batched_tokens, scenario.max_num_seqs)
-    if activation is None:
-        return plan_memory(scenario)
     measured = scenario.model_copy(deep=True)
     measured.engine.activation_mib = activation / MIB
     plan = plan_memory(measured)
@@ -206,12 +207,9 @@ def profile_run(model: CausalLM, num_tokens: int, max_num_seqs: int) -> Optional
     """One dummy forward of `num_tokens` tokens over min(num_tokens, max_num_seqs) sequences,
     then logits and sampling for one row each; returns the CUDA activation peak in bytes.
 
-    Sequences get the tokens evenly, the remainder to the last (as vLLM's profile_run). The
-    forward runs without a KV cache, as vLLM's does, so no pool is needed yet.
+    The forward runs without a KV cache, as vLLM's does, so no pool is needed yet.
     """
-    num_seqs = min(num_tokens, max_num_seqs)
-    query_lens = [num_tokens // num_seqs] * num_seqs
-    query_lens[-1] += num_tokens % num_seqs
+    query_lens = profile_query_lens(num_tokens, max_num_seqs)
     device = model.device
     cuda = device.type == "cuda"
     if cuda:
@@ -228,3 +226,11 @@ def profile_run(model: CausalLM, num_tokens: int, max_num_seqs: int) -> Optional
         return None
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - baseline
+
+
+def profile_query_lens(num_tokens: int, max_num_seqs: int) -> list[int]:
+    """vLLM's dummy batch: the tokens split evenly over the sequences, the remainder to the last."""
+    num_seqs = min(num_tokens, max_num_seqs)
+    query_lens = [num_tokens // num_seqs] * num_seqs
+    query_lens[-1] += num_tokens % num_seqs
+    return query_lens

@@ -50,21 +50,8 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
 
 # -- Hugging Face checkpoints -----------------------------------------------------------------
 
-def hf_model_fields(folder: Path) -> dict[str, Any]:
-    """ModelSpec fields from a folder's config.json, including transformers 5's `rope_parameters`."""
-    fields = model_fields_from_hf_config(folder)
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    rope = cfg.get("rope_parameters")     # transformers >= 5 nests rope_theta and the scaling here
-    if rope:
-        if "rope_theta" in rope:
-            fields["rope_theta"] = rope["rope_theta"]
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        fields["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
-    return fields
-
-
 def spec_from_hf_folder(folder: Path | str) -> ModelSpec:
-    return ModelSpec(**hf_model_fields(Path(folder)))
+    return ModelSpec(**model_fields_from_hf_config(Path(folder)))
 
 
 def checkpoint_names(spec: ModelSpec) -> dict[str, tuple[str, Optional[slice]]]:
@@ -155,7 +142,7 @@ _CHECKED_FIELDS = ("architecture", "num_layers", "hidden_size", "num_heads", "nu
 def check_config(spec: ModelSpec, folder: Path) -> None:
     """The folder's config.json must describe the model the spec builds."""
     try:
-        cfg = hf_model_fields(folder)
+        cfg = model_fields_from_hf_config(folder)
     except (ValueError, FileNotFoundError) as e:
         raise WeightsError(f"weights folder {folder}: {e}") from None
     diffs = [f"{k}: config.json has {cfg[k]!r}, the model spec {getattr(spec, k)!r}"

@@ -179,11 +179,17 @@ def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
     for hf_key, ours in _HF_KEYS.items():
         if cfg.get(hf_key) is not None:
             fields[ours] = cfg[hf_key]
+    rope = cfg.get("rope_parameters")   # transformers >= 5 nests rope_theta and the scaling here
+    if rope:
+        if "rope_theta" in rope:
+            fields["rope_theta"] = rope["rope_theta"]
+        fields["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if "num_kv_heads" not in fields and "num_heads" in fields:
         fields["num_kv_heads"] = fields["num_heads"]
     if "head_dim" not in fields and "num_heads" in fields:
         fields["head_dim"] = fields["hidden_size"] // fields["num_heads"]
-    if fields.get("rope_scaling") and fields["rope_scaling"].get("rope_type", "default") == "default":
+    scaling = fields.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         fields["rope_scaling"] = None
     if any(folder.glob("*.safetensors")):
         fields["weights"] = folder

@@ -146,7 +146,7 @@ class Request:
             if isinstance(seg, tuple) and seg[1] - off >= block_size:   # fast path: one piece
                 parent = hash((parent, seg[0], off, off + block_size))
                 off += block_size
-                if off == seg[1]:
+                if off == seg[1] and seg_i + 1 < len(segs):
                     seg_i, off = seg_i + 1, 0
             else:
                 pieces: list = [parent]
@@ -154,6 +154,9 @@ class Request:
                 while need:
                     seg = segs[seg_i]
                     take = min(need, segment_len(seg) - off)
+                    if take <= 0:
+                        raise ValueError(f"request {self.id}: cannot hash block {len(hashes)}, "
+                                         f"its tokens are not known yet")
                     if isinstance(seg, tuple):
                         pieces += (seg[0], off, off + take)
                     else:
@@ -161,7 +164,8 @@ class Request:
                         pieces.append(-1)  # piece separator: literal ids are >= 0
                     off += take
                     need -= take
-                    if off == segment_len(seg):
+                    # stay on the last segment: a live output list keeps growing
+                    if off == segment_len(seg) and seg_i + 1 < len(segs):
                         seg_i, off = seg_i + 1, 0
                 parent = hash(tuple(pieces))
             hashes.append(parent)

@@ -446,7 +446,7 @@ def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[st
     """{variant name: full scenario}; a scenario without variants maps its own name to itself."""
     if not scenario.variants:
         return {scenario.name: scenario}
-    base = scenario.model_dump(exclude={"variants"}, exclude_none=True)
+    base = scenario.model_dump(exclude={"variants"}, exclude_unset=True)
     out = {}
     for name, patch in scenario.variants.items():
         if not isinstance(patch, dict):

@@ -192,3 +192,14 @@ def test_block_pool_rejects_too_few_blocks():
     with pytest.raises(ValueError, match="at least 2 blocks"):
         BlockPool(1)
     assert stable_key("a") == stable_key("a") != stable_key("b")
+
+
+def test_live_output_blocks_hash_as_the_list_grows():
+    live = Request(0, 0.0, [(1, 10)], 8, [])
+    live.segments[-1].extend([5, 6])
+    live.extend_block_hashes(3, 4)                 # the third block ends exactly at the known end
+    live.segments[-1].extend([7, 8, 9, 10])
+    live.extend_block_hashes(4, 4)
+    same = Request(1, 0.0, [(1, 10)], 8, [5, 6, 7, 8, 9, 10])
+    same.extend_block_hashes(4, 4)
+    assert live.block_hashes == same.block_hashes
