@@ -5,22 +5,17 @@
 Each wrapper is run on small CPU tensors with its kernel swapped for a recorder, so the
 compiled signature, constexprs and launch options are exactly those the wrapper launches
 with; then triton.compile lowers the real kernel to PTX and cubin with Triton's bundled
-ptxas. This proves the source is valid compiled Triton, not only interpretable. It must
-run in a process where TRITON_INTERPRET is off when the kernels are decorated: `main`
-sets it before importing them, so run it as its own process.
+ptxas. This proves the source is valid compiled Triton, not only interpretable. Run it
+with TRITON_INTERPRET unset or 0: the kernels are decorated when engine.kernels is imported.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import sys
 import time
 from contextlib import contextmanager
-
-_TYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32", "int64": "i64"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
-
 
 class _Recorder:
     """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records the call."""
@@ -42,55 +37,46 @@ def _recording(module, attr):
         setattr(module, attr, recorder.kernel)
 
 
-def _arg_type(value) -> str:
-    import torch
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPE_NAMES[str(value.dtype).removeprefix("torch.")]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"unsupported kernel argument {value!r}")
-
-
-def signature_of(kernel, args, kwargs):
-    """Map a recorded launch onto the kernel's parameters the way the launcher does:
-    positional values fill the non-constexpr parameters, keywords the constexprs."""
-    params = kernel.params
-    runtime = [p.name for p in params if not p.is_constexpr]
-    consts = [p.name for p in params if p.is_constexpr]
-    if len(args) != len(runtime):
-        raise TypeError(f"{kernel.__name__}: {len(args)} positional args for {len(runtime)} runtime parameters")
-    given = {k for k in kwargs if k not in _LAUNCH_OPTIONS}
-    if given != set(consts):
-        raise TypeError(f"{kernel.__name__}: keyword args {sorted(given)} != constexprs {sorted(consts)}")
-    signature = {name: _arg_type(v) for name, v in zip(runtime, args)}
-    signature.update({name: "constexpr" for name in consts})
-    signature = {p.name: signature[p.name] for p in params}          # parameter order
-    constexprs = {name: kwargs[name] for name in consts}
-    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
-    return signature, constexprs, options
+def launch_spec(kernel, target, args, kwargs):
+    """(signature, constexprs, attrs, options) exactly as `kernel[grid](*args, **kwargs)` would
+    compile them on `target`: Triton's own launch binder maps the arguments onto the parameters
+    (a mismatch raises TypeError) and applies the runtime specialisations (ints equal to 1
+    become constants, 16-divisible ints and pointers get alignment hints)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options.__dict__
 
 
 def _attention_cases():
-    """(label, kwargs for make_attention_inputs, paged_attention kwargs) covering both paths."""
+    """(label, make_attention_inputs kwargs, force_split): both paths (and the split path's
+    reduce) for each dtype and head_dim 64/128 at GQA group 4, plus Qwen2.5-0.5B's group 7."""
     import torch
+    cases = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for head_dim in (64, 128):
             for label, q_lens, split in (("prefill", [24, 8], False), ("decode", [1, 1], False),
                                          ("split", [1, 1], True)):
-                yield (f"{label}/{str(dtype)[6:]}/d{head_dim}",
-                       dict(q_lens=q_lens, seq_lens=[40, 40], num_heads=32, num_kv_heads=8,
-                            head_dim=head_dim, block_size=16, dtype=dtype), split)
+                cases.append((f"{label}/{str(dtype)[6:]}/d{head_dim}",
+                              dict(q_lens=q_lens, seq_lens=[40, 40], num_heads=32, num_kv_heads=8,
+                                   head_dim=head_dim, block_size=16, dtype=dtype), split))
+    for label, q_lens in (("prefill", [24, 8]), ("decode", [1, 1])):
+        cases.append((f"{label}/bfloat16/d64/group7",
+                      dict(q_lens=q_lens, seq_lens=[40, 40], num_heads=14, num_kv_heads=2,
+                           head_dim=64, block_size=16, dtype=torch.bfloat16), False))
+    return cases
 
 
 def recorded_launches():
     """[(label, kernel, args, kwargs)] for every kernel launch the wrappers make in the cases."""
     import torch
-    from . import kv_write, paged_attention
+
     from .testing import make_attention_inputs
+    kv_write = importlib.import_module(".kv_write", __package__)
+    paged_attention = importlib.import_module(".paged_attention", __package__)  # the package attr is the function
     launches = []
     for label, spec, split in _attention_cases():
         inputs = make_attention_inputs(**spec)
@@ -108,34 +94,37 @@ def recorded_launches():
     return launches
 
 
-def compile_all(arch: int = 90) -> list[dict]:
+def compile_all(arch: int = 90, shard: int = 0, num_shards: int = 1) -> list[dict]:
+    """Compile every recorded launch (those with index % num_shards == shard) for sm_<arch>."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     target = GPUTarget("cuda", arch, 32)
     results = []
-    for label, kernel, args, kwargs in recorded_launches():
+    for label, kernel, args, kwargs in recorded_launches()[shard::num_shards]:
         t0 = time.perf_counter()
-        signature, constexprs, options = signature_of(kernel, args, kwargs)
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=target, options=options)
+        signature, constexprs, attrs, options = launch_spec(kernel, target, args, kwargs)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options)
         ptx = compiled.asm["ptx"]
         results.append(dict(
             label=label, kernel=kernel.__name__, ptx_bytes=len(ptx), cubin_bytes=len(compiled.asm["cubin"]),
             mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
-            shared=compiled.metadata.shared, seconds=round(time.perf_counter() - t0, 2), **options))
+            shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+            seconds=round(time.perf_counter() - t0, 2)))
     return results
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--shard", default="0/1", help="I/N: compile only every N-th launch from the I-th")
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     args = ap.parse_args(argv)
-    if any(f"{__package__}.{m}" in sys.modules for m in ("paged_attention", "kv_write")):
-        raise RuntimeError("kernels already decorated in this process; run engine.kernels.aot in a fresh one")
-    os.environ["TRITON_INTERPRET"] = "0"
-    results = compile_all(args.arch)
+    shard, num_shards = map(int, args.shard.split("/"))
+    if importlib.import_module(".paged_attention", __package__)._INTERPRET:
+        ap.error("the kernels were decorated for the interpreter: run with TRITON_INTERPRET=0")
+    results = compile_all(args.arch, shard, num_shards)
     if args.json:
         print(json.dumps(results))
     else:

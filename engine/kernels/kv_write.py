@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_last_dim_contiguous, check_same_device, check_shape
+from ._checks import check_dtype, check_last_dim_contiguous, check_same_device, check_shape
 
 
 @triton.jit
@@ -33,8 +33,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + src * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_dst = block * stride_kcb + offset * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
     v_dst = block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_cache_ptr + k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + k_dst, k, mask=mask)
+    tl.store(v_cache_ptr + v_dst, v, mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -64,11 +64,11 @@ def _check_write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
     check_shape("slot_mapping", slot_mapping, (key.shape[0],))
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    for name, t in (("key", key), ("value", value)):
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    # One dtype throughout: a converting store would round differently in the interpreter.
+    check_dtype("k_cache", k_cache, (torch.float16, torch.bfloat16, torch.float32))
+    for name, t in (("key", key), ("value", value), ("v_cache", v_cache)):
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} must match k_cache's {k_cache.dtype}")
     check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
     if not slot_mapping.is_contiguous():

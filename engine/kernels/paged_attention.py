@@ -41,28 +41,32 @@ class AttentionConfig:
     block_m: int           # query rows per program (tokens x heads of a group), power of 2 >= 16
     tile_size: int         # context tokens per inner-loop step, power of 2 >= 16
     num_warps: int = 4
-    num_stages: int = 2
-    num_segments: int = 16  # split-KV path only; power of 2
+    num_stages: int = 3
+    num_segments: int = 16  # split-KV path only; power of 2 >= 2
 
 
-def default_config(max_query_len: int, group: int, head_dim: int,
+@functools.lru_cache(maxsize=None)
+def default_config(decode: bool, group: int, head_dim: int,
                    dtype: torch.dtype = torch.float16) -> AttentionConfig:
-    """Decode: 16-row blocks (the smallest MMA tile), memory-bound, so small tiles and 4 warps.
-    Prefill: 128-row blocks so each K/V tile serves many queries (wgmma on Hopper), 8 warps.
-    fp32 runs exact (non-tensor-core) dots, so it keeps tiles small to stay in registers."""
+    """Chosen from register/shared-memory use of the sm_90 builds (ptxas -v), not GPU timings.
+
+    Decode: 16 rows (the smallest MMA tile) and 32-token tiles: ~80 registers, so many
+    programs per SM to hide the memory latency of this bandwidth-bound loop.
+    Prefill: 128 rows so each K/V tile serves many queries (wgmma), 64-token tiles, 8 warps.
+    fp32 runs exact (non-tensor-core) dots, so it keeps tiles small to stay in registers.
+    """
     rows = triton.next_power_of_2(group)
-    decode = max_query_len <= 1
     if dtype == torch.float32:
         return AttentionConfig(block_m=max(16 if decode else 32, rows), tile_size=32 if head_dim <= 64 else 16)
     if decode:
         return AttentionConfig(block_m=max(16, rows), tile_size=32 if head_dim <= 128 else 16)
     if head_dim <= 128:
-        return AttentionConfig(block_m=max(128, rows), tile_size=64, num_warps=8)
-    return AttentionConfig(block_m=max(64, rows), tile_size=32, num_warps=8)
+        return AttentionConfig(block_m=max(128, rows), tile_size=64, num_warps=8, num_stages=2)
+    return AttentionConfig(block_m=max(64, rows), tile_size=32, num_warps=8, num_stages=2)
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H100/H200, so the interpreter makes the same choices
@@ -92,7 +96,8 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
-@triton.jit
+# num_seqs changes every step: specialising on it (== 1, % 16 == 0) would mean mid-run recompiles.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
@@ -214,11 +219,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    cfg = config or default_config(max_query_len, group, head_dim, q.dtype)
-    _check_config(cfg, group)
+    if config is not None:
+        _check_config(config, group)
+    cfg = config or default_config(max_query_len <= 1, group, head_dim, q.dtype)
     split = force_split
     if split is None:
-        split = use_split_kv(max_query_len, num_seqs, num_kv_heads, max_seq_len, cfg, _num_sms(q.device))
+        split = use_split_kv(max_query_len, num_seqs, num_kv_heads, max_seq_len, cfg, sm_count(q.device))
     num_segments = cfg.num_segments if split else 1
 
     block_q = cfg.block_m // group
@@ -245,11 +251,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _split_scratch(q: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, ...]:
-    """fp32 partial outputs, maxima and sums; the 2D path gets 1-element dummies."""
-    num_tokens, num_heads, head_dim = q.shape
-    rows = (num_tokens, num_heads, num_segments) if num_segments > 1 else (1,)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    return (torch.empty(*rows, head_dim, **f32), torch.empty(*rows, **f32), torch.empty(*rows, **f32))
+    """fp32 partial outputs, maxima and sums of the split path; unused dummies otherwise."""
+    if num_segments == 1:
+        return (_dummy(q.device),) * 3
+    rows = (*q.shape[:2], num_segments)
+    return (torch.empty(*rows, q.shape[2], dtype=torch.float32, device=q.device),
+            torch.empty(rows, dtype=torch.float32, device=q.device),
+            torch.empty(rows, dtype=torch.float32, device=q.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> None:
@@ -293,8 +306,8 @@ def _check_config(cfg: AttentionConfig, group: int) -> None:
         raise ValueError(f"config.block_m must be a power of two >= max(16, group={group}), got {cfg.block_m}")
     if not (pow2(cfg.tile_size) and cfg.tile_size >= 16):
         raise ValueError(f"config.tile_size must be a power of two >= 16, got {cfg.tile_size}")
-    if not pow2(cfg.num_segments):
-        raise ValueError(f"config.num_segments must be a power of two, got {cfg.num_segments}")
+    if not (pow2(cfg.num_segments) and cfg.num_segments >= 2):
+        raise ValueError(f"config.num_segments must be a power of two >= 2, got {cfg.num_segments}")
 
 
-__all__ = ["AttentionConfig", "default_config", "paged_attention", "use_split_kv"]
+__all__ = ["AttentionConfig", "default_config", "paged_attention", "sm_count", "use_split_kv"]
