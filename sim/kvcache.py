@@ -249,6 +249,11 @@ class KVCacheManager:
             cache(blocks[i], hashes[i])
         req.num_registered = full
 
+    def register_block(self, req: Request, index: int) -> None:
+        """Publish block `index` of a request whose hashes are already computed (the cohort's path)."""
+        self.pool.cache_block(req.blocks[index], req.block_hashes[index])
+        req.num_registered = index + 1
+
     def free(self, req: Request) -> None:
         """Release a request's blocks, last block first (it is evicted first)."""
         blocks = req.blocks

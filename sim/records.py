@@ -22,11 +22,20 @@ STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "d
 
 
 class StepRecorder:
-    """Collects one row per engine step (a tuple: cheap enough for 100k-request runs)."""
+    """Collects one row per engine step.
+
+    Rows are appended as tuples (cheap per step) and packed into float64 chunks every
+    CHUNK steps, so a 100k-request run holds 120 bytes per step, not a Python object per value.
+    """
+
+    CHUNK = 32_768
 
     def __init__(self, replica: int = 0):
         self.replica = replica
         self.rows: list[tuple] = []
+        self._chunks: list[np.ndarray] = []
+        self._packed = 0
+        self._columns: Optional[dict[str, np.ndarray]] = None
 
     def record(self, batch, scheduler, start_s: float, end_s: float, host_s: float, device_s: float,
                kv_used: int, kv_cached: int, slack: int) -> None:
@@ -36,21 +45,45 @@ class StepRecorder:
         self.rows.append((batch.step, start_s, end_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
                           kv_used, kv_cached, slack, len(batch.preempted), host_s, device_s))
+        if len(self.rows) == self.CHUNK:
+            self._pack()
+
+    def _pack(self) -> None:
+        if self.rows:
+            self._chunks.append(np.array(self.rows, dtype=np.float64))
+            self._packed += len(self.rows)
+            self.rows = []
+        self._columns = None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self._packed + len(self.rows)
+
+    @property
+    def table(self) -> np.ndarray:
+        self._pack()
+        if not self._chunks:
+            return np.zeros((0, len(STEP_COLUMNS)))
+        if len(self._chunks) > 1:
+            self._chunks = [np.concatenate(self._chunks)]
+        return self._chunks[0]
 
     @property
     def columns(self) -> dict[str, np.ndarray]:
-        if not self.rows:
-            return {name: np.zeros(0) for name in STEP_COLUMNS}
-        table = np.array(self.rows, dtype=float)
-        return {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
+        if self._columns is None or self.rows:
+            table = self.table
+            self._columns = {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
+        return self._columns
 
     def frame(self) -> pd.DataFrame:
-        df = pd.DataFrame(self.rows, columns=list(STEP_COLUMNS))
+        df = pd.DataFrame(self.table, columns=list(STEP_COLUMNS))
+        for name in _INT_COLUMNS:
+            df[name] = df[name].astype(np.int64)
         df.insert(0, "replica", self.replica)
         return df
+
+
+_INT_COLUMNS = ("step", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens", "batch_tokens",
+                "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions")
 
 
 @dataclass

@@ -59,17 +59,23 @@ class Status(enum.IntEnum):
 
 
 class Request:
-    """A request's workload description plus the scheduling state the policy keeps on it."""
+    """A request's workload description plus the scheduling state the policy keeps on it.
+
+    While a request decodes steadily it may belong to the scheduler's DecodeCohort
+    (sim/cohort.py), which advances all its members by one token per step in O(1):
+    then `_computed` and `_output` hold offsets from the cohort's step counters, and the
+    properties below add them back, so every reader sees the true values.
+    """
 
     __slots__ = (
         # workload
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica",
         # scheduling state
-        "status", "num_output", "num_tokens", "num_computed", "blocks", "block_hashes", "num_registered",
-        "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
+        "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "block_hashes",
+        "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         # step bookkeeping (step indices; drivers turn them into times)
-        "admit_step", "first_token_step", "finish_step", "emit_runs", "emit_start", "last_emit",
+        "admit_step", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
         "chunk_steps",
     )
 
@@ -95,9 +101,10 @@ class Request:
     def reset(self) -> None:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
         self.status = Status.WAITING
-        self.num_output = 0
-        self.num_tokens = self.prompt_len   # prompt + outputs appended so far (kept in step for speed)
-        self.num_computed = 0
+        self._output = 0
+        self._computed = 0
+        self._cohort = None
+        self.cohort_gen = 0
         self.blocks: list[int] = []
         self.block_hashes: list[int] = []
         self.num_registered = 0
@@ -110,14 +117,51 @@ class Request:
         self.finish_step = -1
         self.emit_runs: list[int] = []
         self.emit_start = -1
-        self.last_emit = -2
+        self._last_emit = -2
         self.chunk_steps: list[int] = []   # steps of prefill chunks that emitted no token
 
-    # -- sizes -------------------------------------------------------------------------
+    # -- progress (see the class docstring for the cohort offsets) -----------------------
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is computed or scheduled to be (vLLM commits at schedule time)."""
+        c = self._cohort
+        return self._computed if c is None else self._computed + c.scheduled_step
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        assert self._cohort is None, "a cohort member's progress is the cohort's to change"
+        self._computed = value
+
+    @property
+    def num_output(self) -> int:
+        c = self._cohort
+        return self._output if c is None else self._output + c.finished_step
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far: the prompt plus every output token appended."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def last_emit(self) -> int:
+        """The step that emitted this request's latest token (members emit every step)."""
+        c = self._cohort
+        return self._last_emit if c is None else c.finished_step
+
+    @last_emit.setter
+    def last_emit(self, step: int) -> None:
+        assert self._cohort is None
+        self._last_emit = step
+
     def append_output(self) -> None:
         """One more output token is known (the scripted one, or the live one just sampled)."""
-        self.num_output += 1
-        self.num_tokens += 1
+        assert self._cohort is None
+        self._output += 1
+
+    @property
+    def is_live(self) -> bool:
+        """Output sampled live (the server), not scripted by the workload."""
+        return isinstance(self.segments[-1], list)
 
     @property
     def max_len(self) -> int:

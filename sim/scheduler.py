@@ -21,7 +21,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from sim.cohort import DecodeCohort
 from sim.kvcache import KVCacheManager
+from sim.memory import cdiv
 from sim.request import Request, Status
 
 
@@ -36,6 +38,8 @@ class SchedulerConfig:
     step_composition: str = "mixed"         # mixed | prefill_first
     admission_watermark: float = 0.0
     reserve_full_prompt: bool = True
+    # Advance steady decodes as a cohort (sim/cohort.py); False forces the one-by-one loop.
+    lazy_decode: bool = True
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
@@ -52,12 +56,13 @@ class Batch:
     are kept apart, so the hot decode path needs no per-sequence token count.
     """
 
-    __slots__ = ("step", "decodes", "prefills", "prefill_new", "decode_ctx", "num_prefill_tokens",
-                 "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
+    __slots__ = ("step", "decodes", "cohort_size", "prefills", "prefill_new", "decode_ctx",
+                 "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
 
     def __init__(self, step: int):
         self.step = step
-        self.decodes: list[Request] = []
+        self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
+        self.cohort_size = 0
         self.prefills: list[Request] = []
         self.prefill_new: list[int] = []
         self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
@@ -117,7 +122,9 @@ class Batch:
         """Take a request back out (it was preempted after being scheduled); returns its tokens."""
         ctx = req.num_computed
         if req in self.decodes:
-            self.decodes.remove(req)
+            i = self.decodes.index(req)
+            del self.decodes[i]
+            self.cohort_size -= i < self.cohort_size
             n = 1
             self.decode_ctx -= ctx
         else:
@@ -142,6 +149,8 @@ class Scheduler:
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
+        self.lazy = config.lazy_decode and self.mixed
+        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
         self.running: list[Request] = []
@@ -187,6 +196,8 @@ class Scheduler:
         """Drop a queued or running request (a client went away), freeing its blocks."""
         if req.is_finished:
             return
+        if req._cohort is not None:
+            self.cohort.leave(req)
         if req in self.running:
             self.running.remove(req)
         elif self.priority:
@@ -264,53 +275,69 @@ class Scheduler:
 
     def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
         """RUNNING requests in admission order: decodes and the rest of their prompts."""
-        kv, bs = self.kv, self.block_size
-        caching = kv.enable_caching
-        paged = not kv.contiguous
-        free_queue = kv.pool.free_queue
-        take_block = kv.pool.take_one
-        decodes = batch.decodes
-        decode_ctx = blocks_read = 0
-        running = Status.RUNNING
-        # FCFS victims leave from the tail, which a list iterator tolerates; PRIORITY victims
-        # can sit anywhere, so iterate a snapshot. Either way, skip requests preempted meanwhile.
-        for req in (list(self.running) if self.priority else self.running):
+        cohort = self.cohort
+        candidates = self.running
+        if cohort.members:
+            others = self._cohort_can_take(batch.step, budget)
+            if others is None:
+                cohort.dissolve()              # some member may not get its token: go one by one
+            else:
+                cohort.advance(batch.step, self.kv)
+                n = len(cohort)
+                batch.decodes.extend(cohort.members)
+                batch.cohort_size = n
+                batch.decode_ctx += cohort.ctx_offset_sum + n * batch.step
+                batch.blocks_read += cohort.blocks_walked
+                budget -= n
+                candidates = others
+        cohort.scheduled_step = batch.step
+        # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
+        if self.priority:
+            candidates = list(candidates)
+        for req in candidates:
             if budget <= 0:
                 break
-            computed = req.num_computed
-            if req.num_tokens - computed == 1 and req.num_output:          # a decode
-                if want == "prefill" or req.status is not running:
-                    continue
-                # Hot path, inlined (bench/policy_speed.py): a paged request holds exactly
-                # cdiv(computed, bs) blocks, so it needs a fresh block when computed % bs == 0.
-                if paged and computed % bs == 0:
-                    if not free_queue:
-                        budget = self._schedule_slow(req, 1, batch, budget)
-                        if req.status is not running:
-                            break                                      # it preempted itself
-                        continue
-                    req.blocks.append(take_block())
-                    kv.held_slots += bs
-                computed += 1
-                req.num_computed = computed
-                if caching and computed % bs == 0:
-                    kv.register_full_blocks(req, computed)
-                decodes.append(req)
-                decode_ctx += computed
-                blocks_read += (computed + bs - 1) // bs
-                budget -= 1
-            elif want != "decode" and req.status is running:
-                n = req.num_tokens - computed
-                if n > budget:
-                    if not self.config.chunked_prefill and computed == 0:
-                        continue        # a whole prompt must fit one step without chunking
-                    n = budget
-                budget = self._schedule_slow(req, n, batch, budget)
-                if req.status is not running:
-                    break
-        batch.decode_ctx += decode_ctx
-        batch.blocks_read += blocks_read
+            if req.status is not Status.RUNNING:
+                continue
+            n = req.num_tokens - req.num_computed
+            if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
+                continue               # prefill_first: this pass takes only prefills or only decodes
+            if n > budget:
+                if not self.config.chunked_prefill and req.num_computed == 0:
+                    continue           # a whole prompt must fit one step without chunking
+                n = budget
+            budget = self._schedule_slow(req, n, batch, budget)
+            if req.status is not Status.RUNNING:
+                break                  # it preempted itself
         return budget
+
+    def _cohort_can_take(self, step: int, budget: int) -> Optional[list[Request]]:
+        """The running non-members (admission order) if every member gets its token this step.
+
+        That holds when no member sits after the point where the token budget runs out and
+        the free blocks cover every allocation of the step, so no preemption can happen.
+        """
+        cohort, kv = self.cohort, self.kv
+        left = budget - len(cohort)
+        if left < 0:
+            return None
+        others = [r for r in self.running if r._cohort is None]
+        blocks = cohort.due_blocks(step)
+        for req in others:
+            n = req.num_tokens - req.num_computed
+            if n > left:
+                if not self.config.chunked_prefill and req.num_computed == 0:
+                    continue
+                n = left
+            if not kv.contiguous:
+                blocks += max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
+            left -= n
+            if left == 0:
+                later = self.running[self.running.index(req) + 1:]
+                if any(r._cohort is not None for r in later):
+                    return None
+                break
+        return others if blocks <= kv.pool.num_free else None
 
     def _schedule_slow(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request that may need blocks (and preemptions)."""
@@ -345,6 +372,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
+        if victim._cohort is not None:
+            self.cohort.leave(victim)
         if self.priority:
             self.running.remove(victim)
         else:
@@ -407,32 +436,32 @@ class Scheduler:
         length by the runner, so one length test covers scripted and live requests.
         """
         step = batch.step
-        finished = []
-        for req in batch.decodes:          # every decode emits; inlined for speed
-            if req.last_emit != step - 1:
-                _start_emit_run(req, step)
-            req.last_emit = step
-            req.num_output += 1
-            req.num_tokens += 1
-            if req.num_output >= req.output_len:
-                finished.append(req)
-        for req in batch.prefills:
-            if req.num_computed < req.num_tokens:
-                continue                       # a prefill chunk that does not end the prompt
+        emitted = []
+        for i in range(batch.cohort_size, len(batch.decodes)):
+            emitted.append(batch.decodes[i])
+        emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
+        for req in emitted:
             _start_emit_run(req, step)
             req.last_emit = step
             req.append_output()
-            if req.num_output >= req.output_len:
-                finished.append(req)
+        self.cohort.finished_step = step
+        finished = self.cohort.finishing(step)
+        for req in finished:
+            self.cohort.leave(req)
+        finished += [r for r in emitted if r.num_output >= r.output_len]
+        for req in finished:
+            req.status = Status.FINISHED
+            req.finish_step = step
+            self.tokens_held -= req.num_computed
+            self.kv.free(req)
+            _close_emit_run(req)
         if finished:
-            for req in finished:
-                req.status = Status.FINISHED
-                req.finish_step = step
-                self.tokens_held -= req.num_computed
-                self.kv.free(req)
-                _close_emit_run(req)
             self.running = [r for r in self.running if r.status is Status.RUNNING]
             self.num_finished += len(finished)
+        if self.lazy:
+            for req in emitted:
+                if req.status is Status.RUNNING and not req.is_live:
+                    self.cohort.join(req, step)
         return finished
 
     # -- checks --------------------------------------------------------------------------

@@ -208,3 +208,55 @@ def test_slack_with_shared_blocks_and_contiguous_reservation():
     c.add(make_request(0, 0.0, [(1, 20)], 5))
     c.schedule()
     assert c.slack_tokens == 256 - 20
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 200), st.integers(1, 60), st.integers(0, 2),
+                            st.integers(0, 2)), min_size=1, max_size=20),
+    num_blocks=st.integers(10, 120),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_num_seqs=st.integers(1, 12),
+    budget=st.integers(12, 300),
+    batching=st.sampled_from(["continuous", "static"]),
+    allocation=st.sampled_from(["paged", "contiguous"]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    chunked=st.booleans(),
+    caching=st.booleans(),
+)
+def test_decode_cohort_matches_the_one_by_one_loop(reqs, num_blocks, block_size, max_num_seqs, budget,
+                                                   batching, allocation, policy, chunked, caching):
+    """The O(1)-per-step cohort is an optimisation: every step and every request come out the same."""
+    budget = max(budget, max_num_seqs)
+
+    def build(lazy):
+        s = make(num_blocks, block_size, caching, allocation, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens=budget, max_model_len=300, batching=batching, policy=policy,
+                 chunked_prefill=chunked, lazy_decode=lazy)
+        return s, [make_request(i, float(at), [(900 + g, 32), (i, p)], o, priority=pr)
+                   for i, (at, p, o, g, pr) in enumerate(reqs)]
+
+    (lazy, lazy_reqs), (exact, exact_reqs) = build(True), build(False)
+    step = 0
+    while True:
+        for s, rs in ((lazy, lazy_reqs), (exact, exact_reqs)):
+            for r in rs:
+                if r.arrival == step:
+                    s.add(r)
+        if not (lazy.has_unfinished() or exact.has_unfinished()) and step > 30:
+            break
+        a, b = lazy.schedule(), exact.schedule()
+        assert (a is None) == (b is None)
+        if a is not None:
+            shape = lambda x: (x.num_decode, x.decode_ctx, x.num_prefill_tokens, x.prefill_ctx,  # noqa: E731
+                               x.prefill_attn, x.blocks_read, len(x.preempted), len(x.admitted))
+            assert shape(a) == shape(b), f"step {step}"
+            assert (lazy.kv.num_used_blocks, lazy.slack_tokens) == (exact.kv.num_used_blocks, exact.slack_tokens)
+            lazy.finish_step(a)
+            exact.finish_step(b)
+        step += 1
+        assert step < 20_000
+    fields = ("status", "num_output", "num_computed", "first_token_step", "finish_step", "emit_runs",
+              "chunk_steps", "num_preemptions", "num_cached_tokens", "admit_step")
+    for x, y in zip(lazy_reqs, exact_reqs):
+        assert [getattr(x, f) for f in fields] == [getattr(y, f) for f in fields]
