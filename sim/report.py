@@ -1,0 +1,513 @@
+"""Plots, the one-page HTML report and the Chrome/Perfetto trace of one or more runs.
+
+Every function takes {label: RunView}, so the same code draws one run, scenario variants
+overlaid, and predicted vs measured side by side. Figures use matplotlib's Agg canvas
+without pyplot, so importing this module changes no global backend and figures never pile
+up in pyplot's registry. Step series are reduced onto a fixed number of time buckets
+(keeping each bucket's maximum where peaks matter), so a 200k-step run plots as fast as a
+small one. Data are in seconds; tables and axes show milliseconds.
+"""
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from sim.io import atomic_path, write_bytes, write_text
+from sim.records import STEP_COLUMNS, RunRecords, requests_frame
+
+TIMELINE_BUCKETS = 1500        # about a plot's width in pixels: finer buckets show nothing more
+CDF_POINTS = 2000
+TRACE_MAX_REQUESTS = 5000      # request slices per run in the trace; steps are never capped
+DPI = 110
+EMPTY = "—"
+
+
+@dataclass(eq=False)           # frames do not compare with ==
+class RunView:
+    """One run as the report sees it: a prediction, an engine measurement or a variant."""
+
+    label: str
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    kv_blocks_total: int           # usable blocks per replica
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps.empty:       # a run without steps yields object columns; keep them numeric
+            self.steps = pd.DataFrame({c: np.zeros(0) for c in ("replica", *STEP_COLUMNS)})
+
+    @classmethod
+    def from_records(cls, label: str, records: RunRecords, summary: dict,
+                     requests: Optional[pd.DataFrame] = None,
+                     steps: Optional[pd.DataFrame] = None) -> "RunView":
+        return cls(label, summary,
+                   requests if requests is not None else requests_frame(records),
+                   steps if steps is not None else records.steps_frame(),
+                   records.kv_blocks_total, max(1, len(records.recorders)))
+
+    @property
+    def measured(self) -> pd.DataFrame:
+        """Finished, non-warm-up requests: what every latency figure is over (as in metrics)."""
+        r = self.requests
+        return r[(r["status"] == "finished") & ~r["is_warmup"].astype(bool)]
+
+
+# ----------------------------------------------------------------------------- downsampling
+
+def timeline(steps: pd.DataFrame, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
+             combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
+    """Step series on equal time buckets: (bucket edges in s, one row per bucket).
+
+    Each column is reduced per replica and bucket with its `agg` ('max' keeps peaks such as
+    KV blocks used; 'mean' for per-step sizes). A bucket in which a replica starts no step
+    holds that replica's previous value, as the records' step function does. Replicas are
+    then combined with `combine` ('sum' for cluster-wide states such as blocks used).
+    """
+    cols = list(agg)
+    if steps.empty:
+        return np.zeros(0), pd.DataFrame(columns=cols, dtype=float)
+    t0, t1 = float(steps["start_s"].min()), float(steps["end_s"].max())
+    width = (t1 - t0) / buckets if t1 > t0 else 1.0
+    bucket = np.minimum(((steps["start_s"].to_numpy() - t0) / width).astype(np.int64), buckets - 1)
+    per = steps.groupby([steps["replica"].to_numpy(), bucket])[cols].agg(dict(agg))
+    wide = per.unstack(0).reindex(range(buckets)).ffill().fillna(0.0)
+    combined = wide.T.groupby(level=0).agg(combine).T
+    return t0 + width * np.arange(buckets + 1), combined[cols]
+
+
+def cdf_points(values: np.ndarray, points: int = CDF_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted values, cumulative fraction), thinned to `points` evenly spaced ranks (min and max kept)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    rank = np.unique(np.linspace(0, len(v) - 1, min(points, len(v))).round().astype(np.int64))
+    return v[rank], (rank + 1) / len(v)
+
+
+# ----------------------------------------------------------------------------- plots
+
+def _figure(ncols: int = 1, nrows: int = 1, **subplot_kw: Any) -> tuple[Figure, list]:
+    width, height = (10 if ncols == 1 else 14), (4 if nrows == 1 else 7)
+    fig = Figure(figsize=(width, height))
+    # Fixed margins (in inches): a layout engine would double the time to save a figure.
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.2 / width, bottom=0.5 / height, top=1 - 0.35 / height,
+                        wspace=0.22, hspace=0.35)
+    return fig, list(fig.subplots(nrows, ncols, squeeze=False, **subplot_kw).ravel())
+
+
+def _colours(views: Mapping[str, RunView]) -> list[str]:
+    return [f"C{i % 10}" for i in range(len(views))]
+
+
+def _stairs(ax, edges: np.ndarray, values, baseline=None, **kw) -> None:
+    """A step function over bucket edges (Line2D: Axes.stairs' patch is slow for long series)."""
+    hi = np.append(values, np.asarray(values)[-1])
+    if baseline is None:
+        ax.plot(edges, hi, drawstyle="steps-post", **kw)
+    else:
+        ax.fill_between(edges, np.append(baseline, np.asarray(baseline)[-1]), hi, step="post", lw=0, **kw)
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.45")
+
+
+def _finish(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
+    ax.set_title(title)
+    if counts:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if ax.get_yscale() == "linear":
+        ax.yaxis.set_major_formatter(_short_number)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small", loc="best")
+
+
+@FuncFormatter
+def _short_number(x: float, _pos: int) -> str:
+    return f"{x / 1000:g}k" if abs(x) >= 10_000 else f"{x:g}"
+
+
+def _across_replicas(views: Mapping[str, RunView]) -> str:
+    return " (sum over replicas)" if any(v.replicas > 1 for v in views.values()) else ""
+
+
+def plot_kv_blocks(views: Mapping[str, RunView]) -> Figure:
+    """Used and cached-free blocks in two panels: a prefix cache can fill the whole pool
+    with cached blocks, which would flatten the used series on a shared axis."""
+    fig, axes = _figure(nrows=2, sharex=True)
+    lines = {label: timeline(v.steps, {"kv_blocks_used": "max", "kv_blocks_cached": "max"})
+             for label, v in views.items()}
+    for ax, (column, what, ls) in zip(axes, (("kv_blocks_used", "used", "-"),
+                                             ("kv_blocks_cached", "cached-free", ":"))):
+        _kv_panel(ax, views, lines, column, what, ls)
+    axes[0].set_xlabel("")
+    return fig
+
+
+def _kv_panel(ax, views: Mapping[str, RunView], lines: dict, column: str, what: str, ls: str) -> None:
+    top = max((tl[column].max() for _, tl in lines.values() if len(tl)), default=0.0)
+    totals = {label: v.kv_blocks_total * v.replicas for label, v in views.items()}
+    # A pool far above the series would flatten them: stop the axis short and say so.
+    ceiling = 1.1 * max([top, *(t for t in totals.values() if t <= 3 * top)])
+    for (label, (edges, tl)), colour in zip(lines.items(), _colours(views)):
+        if len(tl):
+            _stairs(ax, edges, tl[column], color=colour, ls=ls, label=f"{label}: {what}")
+        above = " (above the axis)" if top and totals[label] > ceiling else ""
+        ax.axhline(totals[label], color=colour, ls="--", lw=1,
+                   label=f"{label}: total {totals[label]:,}{above}")
+    if top:
+        ax.set_ylim(0, ceiling)
+    elif not any(len(tl) for _, tl in lines.values()):
+        ax.set_ylim(0, 1.1 * max(totals.values(), default=1))
+        _note(ax, "no steps recorded")
+    _finish(ax, f"KV cache blocks {what} (bucket max)", "blocks" + _across_replicas(views), counts=True)
+
+
+def plot_queue(views: Mapping[str, RunView]) -> Figure:
+    fig, (ax,) = _figure()
+    for (label, v), colour in zip(views.items(), _colours(views)):
+        edges, tl = timeline(v.steps, {"running": "max", "waiting": "max"})
+        if len(tl):
+            _stairs(ax, edges, tl["running"], color=colour, label=f"{label}: running")
+            _stairs(ax, edges, tl["waiting"], color=colour, ls="--", label=f"{label}: waiting")
+    if not any(len(v.steps) for v in views.values()):
+        _note(ax, "no steps recorded")
+    _finish(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
+            counts=True)
+    return fig
+
+
+def plot_batch_tokens(views: Mapping[str, RunView]) -> Figure:
+    fig, (ax,) = _figure()
+    if len(views) == 1:            # one run: split each step's tokens into decode and prefill
+        (label, v), = views.items()
+        edges, tl = timeline(v.steps, {"decode_seqs": "mean", "prefill_tokens": "mean"}, combine="mean")
+        if len(tl):
+            decode = tl["decode_seqs"].to_numpy()
+            _stairs(ax, edges, decode, baseline=np.zeros_like(decode), alpha=0.7, color="C0",
+                    label=f"{label}: decode")
+            _stairs(ax, edges, decode + tl["prefill_tokens"].to_numpy(), baseline=decode, alpha=0.7,
+                    color="C1", label=f"{label}: prefill")
+    else:
+        for (label, v), colour in zip(views.items(), _colours(views)):
+            edges, tl = timeline(v.steps, {"batch_tokens": "mean"}, combine="mean")
+            if len(tl):
+                _stairs(ax, edges, tl["batch_tokens"], color=colour, label=label)
+    if not any(len(v.steps) for v in views.values()):
+        _note(ax, "no steps recorded")
+    _finish(ax, "Tokens per step (bucket mean)", "tokens per step", counts=True)
+    return fig
+
+
+LATENCY_PANELS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E", "e2e_s"))
+
+
+def plot_latency_cdf(views: Mapping[str, RunView]) -> Figure:
+    fig, axes = _figure(len(LATENCY_PANELS), sharey=True)
+    for ax, (name, column) in zip(axes, LATENCY_PANELS):
+        samples = {label: v.measured[column].dropna().to_numpy() * 1e3 for label, v in views.items()}
+        for (label, ms), colour in zip(samples.items(), _colours(views)):
+            if len(ms):
+                x, p = cdf_points(ms)
+                ax.plot(x, p, drawstyle="steps-post", color=colour, label=f"{label} (n={len(ms):,})")
+        pooled = np.concatenate(list(samples.values()))
+        if not len(pooled):
+            _note(ax, "no finished requests")
+        elif pooled.min() > 0 and pooled.max() > 50 * pooled.min():   # wide spread: log axis
+            ax.set_xscale("log")
+        _finish(ax, f"{name} CDF", "fraction of requests" if ax is axes[0] else "", f"{name} (ms)")
+    return fig
+
+
+def plot_step_time(views: Mapping[str, RunView]) -> Figure:
+    fig, (ax, hist) = _figure(2, width_ratios=(3, 1))
+    durations = {label: (v.steps["end_s"] - v.steps["start_s"]).to_numpy() * 1e3
+                 for label, v in views.items()}
+    for (label, v), colour in zip(views.items(), _colours(views)):
+        ms = v.steps.assign(step_ms=durations[label])
+        edges, mean = timeline(ms, {"step_ms": "mean"}, combine="mean")
+        if len(mean):
+            _, peak = timeline(ms, {"step_ms": "max"}, combine="max")
+            _stairs(ax, edges, peak["step_ms"], color=colour, alpha=0.3, lw=0.8)
+            _stairs(ax, edges, mean["step_ms"], color=colour, label=f"{label}: mean (light: max)")
+    pooled = np.concatenate(list(durations.values()))
+    if len(pooled):
+        bins = np.histogram_bin_edges(pooled, bins=60)
+        for (label, ms), colour in zip(durations.items(), _colours(views)):
+            _stairs(hist, bins, np.histogram(ms, bins)[0], color=colour, label=label)
+        hist.set_yscale("log")
+    else:
+        _note(ax, "no steps recorded")
+        _note(hist, "no steps recorded")
+    _finish(ax, "Step time (per bucket)", "step time (ms)")
+    _finish(hist, "Step time distribution", "steps", "step time (ms)")
+    return fig
+
+
+PLOTS: dict[str, Callable[[Mapping[str, RunView]], Figure]] = {
+    "kv_blocks": plot_kv_blocks, "queue": plot_queue, "batch_tokens": plot_batch_tokens,
+    "latency_cdf": plot_latency_cdf, "step_time": plot_step_time,
+}
+
+CAPTIONS = {
+    "kv_blocks": "KV cache blocks used (top) and cached-free (bottom); dashed: each run's pool total.",
+    "queue": "Requests running (solid) and waiting (dashed).",
+    "batch_tokens": "Tokens per engine step.",
+    "latency_cdf": "Latency CDFs over finished, non-warm-up requests.",
+    "step_time": "Engine step time over the run, and its distribution.",
+}
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI)
+    return Path(path)
+
+
+def plot_run_figures(views: Mapping[str, RunView], out_dir: str | Path) -> dict[str, Path]:
+    """Write every plot in PLOTS as out_dir/<name>.png; returns {name: path}."""
+    out_dir = Path(out_dir)
+    return {name: save_figure(plot(views), out_dir / f"{name}.png") for name, plot in PLOTS.items()}
+
+
+# ----------------------------------------------------------------------------- tables
+
+def _latency_rows() -> list[tuple[str, str, float]]:
+    return [(f"{name} {stat} (ms)", f"{key}.{stat}", 1e3)
+            for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
+            for stat in ("mean", "p50", "p90", "p99")]
+
+
+# (row label with unit, dotted summary key, scale from summary units to display units)
+SUMMARY_ROWS: tuple[tuple[str, str, float], ...] = (
+    ("requests finished", "requests_finished", 1),
+    ("requests rejected", "requests_rejected", 1),
+    ("duration (s)", "duration_s", 1),
+    ("request throughput (req/s)", "request_throughput", 1),
+    ("output throughput (tok/s)", "output_token_throughput", 1),
+    ("total throughput (tok/s)", "total_token_throughput", 1),
+    ("goodput (req/s)", "goodput", 1),
+    *_latency_rows(),
+    ("KV blocks total", "kv_blocks_total", 1),
+    ("KV blocks peak", "kv_blocks_peak", 1),
+    ("KV usage peak (%)", "kv_usage_peak", 100),
+    ("KV usage mean (%)", "kv_usage_mean", 100),
+    ("KV slack peak (tokens)", "kv_slack_tokens_peak", 1),
+    ("prefix hit rate (%)", "prefix_hit_rate", 100),
+    ("preemptions", "preemptions", 1),
+    ("latency split: queue (%)", "latency_split.queue", 100),
+    ("latency split: host (%)", "latency_split.host", 100),
+    ("latency split: device (%)", "latency_split.device", 100),
+    ("steps", "num_steps", 1),
+    ("mean batch (seqs)", "mean_batch_seqs", 1),
+)
+
+
+def _lookup(summary: Mapping, dotted: str) -> float:
+    value: Any = summary
+    for key in dotted.split("."):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    numeric = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+    return float(value) if numeric else math.nan
+
+
+def summary_table(views: Mapping[str, RunView], formatted: bool = True) -> pd.DataFrame:
+    """Headline metrics: one row per metric (unit in the label), one column per run.
+
+    Formatted as display strings by default (what the CLI and the HTML show); with
+    formatted=False, floats in the display units (ms, %), NaN where a figure is undefined.
+    """
+    table = pd.DataFrame({label: [_lookup(v.summary, key) * scale for _, key, scale in SUMMARY_ROWS]
+                          for label, v in views.items()},
+                         index=pd.Index([row for row, _, _ in SUMMARY_ROWS], name="metric"))
+    return table.map(format_value) if formatted else table
+
+
+def format_value(value: Any) -> str:
+    """A table cell: counts with thousands separators, other numbers to about 3-4 digits."""
+    if value is None:
+        return EMPTY
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        return str(value)
+    v = float(value)
+    if math.isnan(v):
+        return EMPTY
+    if v.is_integer() and abs(v) < 1e15:
+        return f"{int(v):,}"
+    size = abs(v)
+    if size >= 1000:
+        return f"{v:,.0f}"
+    if size >= 100:
+        return f"{v:.1f}"
+    if size >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+# ----------------------------------------------------------------------------- HTML
+
+CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
+       max-width: 1150px; margin: 2em auto; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+th, td { padding: 0.25em 0.8em; border-bottom: 1px solid #eee; }
+th { background: #f6f6f6; } th, td { text-align: right; }
+th:first-child, td.label { text-align: left; }
+figure { margin: 1.2em 0; } img { max-width: 100%; } figcaption { color: #555; font-size: 0.9em; }
+.warning { background: #fff4d6; border-left: 4px solid #e0a800; padding: 0.5em 0.8em; }
+pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 12px; }
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def html_table(frame: pd.DataFrame) -> str:
+    """An escaped HTML table; numbers formatted with format_value; a default index is left out."""
+    show_index = not isinstance(frame.index, pd.RangeIndex)
+    head = ([_esc(frame.index.name or "")] if show_index else []) + [_esc(c) for c in frame.columns]
+    rows = []
+    for key, row in frame.iterrows():
+        cells = [f'<td class="label">{_esc(key)}</td>'] if show_index else []
+        cells += [f"<td>{_esc(format_value(v))}</td>" for v in row]
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    header = "".join(f"<th>{h}</th>" for h in head)
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _html_figure(name: str, path: Path) -> str:
+    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    caption = CAPTIONS.get(name, name)
+    return (f'<figure><img alt="{_esc(name)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{_esc(caption)}</figcaption></figure>")
+
+
+def _warnings(views: Mapping[str, RunView]) -> list[str]:
+    uncalibrated = [label for label, v in views.items() if v.summary.get("calibrated") is False]
+    if not uncalibrated:
+        return []
+    return [f'<p class="warning">Uncalibrated cost model ({_esc(", ".join(uncalibrated))}): '
+            "step times come from datasheet peaks and default efficiencies, not a fitted profile.</p>"]
+
+
+def write_html_report(path: str | Path, title: str, views: Mapping[str, RunView],
+                      figures: Mapping[str, Path], manifest: Mapping,
+                      extra_tables: Sequence[tuple[str, pd.DataFrame]] = ()) -> Path:
+    """One self-contained page (images inlined): summary, extra tables, figures, manifest."""
+    body = [f"<h1>{_esc(title)}</h1>", *_warnings(views),
+            "<h2>Summary</h2>", html_table(summary_table(views, formatted=False))]
+    for table_title, frame in extra_tables:
+        body += [f"<h2>{_esc(table_title)}</h2>", html_table(frame)]
+    body += ["<h2>Figures</h2>", *(_html_figure(name, p) for name, p in figures.items())]
+    manifest_json = json.dumps(manifest, indent=2, default=str)
+    body.append(f"<details><summary>Manifest</summary><pre>{_esc(manifest_json)}</pre></details>")
+    page = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{_esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+    return write_text(path, page)
+
+
+# ----------------------------------------------------------------------------- trace
+
+def _us(seconds: pd.Series | np.ndarray) -> list[float]:
+    return np.round(np.asarray(seconds, dtype=float) * 1e6, 3).tolist()
+
+
+def _metadata_events(pid: int, label: str, replicas: int) -> list[dict]:
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}},
+              {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
+    return events + [{"name": "thread_name", "ph": "M", "pid": pid, "tid": r + 1,
+                      "args": {"name": f"replica {r} steps"}} for r in range(replicas)]
+
+
+def _step_events(pid: int, steps: pd.DataFrame) -> list[dict]:
+    ints = [steps[c].to_numpy().astype(np.int64).tolist()
+            for c in ("step", "replica", "decode_seqs", "prefill_tokens", "kv_blocks_used", "preemptions")]
+    ts, dur = _us(steps["start_s"]), _us(steps["end_s"] - steps["start_s"])
+    return [{"name": f"step {k}", "ph": "X", "pid": pid, "tid": r + 1, "ts": t, "dur": d,
+             "args": {"decode_seqs": a, "prefill_tokens": b, "kv_blocks_used": c, "preemptions": e}}
+            for k, r, a, b, c, e, t, d in zip(*ints, ts, dur)]
+
+
+def _counter_events(pid: int, steps: pd.DataFrame, replicas: int) -> list[dict]:
+    """kv_blocks_used, running, waiting per replica, emitted only when the value changes."""
+    events = []
+    for replica, g in steps.groupby("replica"):
+        ts = _us(g["start_s"])
+        for column in ("kv_blocks_used", "running", "waiting"):
+            values = g[column].to_numpy().astype(np.int64)
+            name = column if replicas == 1 else f"{column} r{int(replica)}"
+            changed = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+            events += [{"name": name, "ph": "C", "pid": pid, "ts": ts[i],
+                        "args": {"value": int(values[i])}} for i in changed]
+    return events
+
+
+def _async(ph: str, name: str, pid: int, rid: str, t_s: float, args: Optional[dict] = None) -> dict:
+    event = {"name": name, "cat": "request", "ph": ph, "id": rid, "pid": pid, "ts": round(t_s * 1e6, 3)}
+    if args:
+        event["args"] = args
+    return event
+
+
+def _request_events(pid: int, requests: pd.DataFrame) -> list[dict]:
+    """Per request one async track: 'request N' enclosing queue, prefill and decode.
+
+    Events sharing cat and id nest, so the phases sit under their request; the id carries
+    the run's pid because trace ids are global across processes.
+    """
+    events = []
+    for r in requests.itertuples(index=False):
+        rid = f"{pid}:{r.id}"
+        times = (r.arrival_s, r.admitted_s, r.first_token_s, r.finish_s)
+        if all(math.isfinite(t) for t in times):
+            args = {"prompt_tokens": int(r.prompt_tokens), "output_tokens": int(r.output_tokens),
+                    "cached_tokens": int(r.cached_tokens), "preemptions": int(r.preemptions)}
+            events.append(_async("b", f"request {r.id}", pid, rid, r.arrival_s, args))
+            for phase, start, end in zip(("queue", "prefill", "decode"), times, times[1:]):
+                events += [_async("b", phase, pid, rid, start), _async("e", phase, pid, rid, end)]
+            events.append(_async("e", f"request {r.id}", pid, rid, r.finish_s))
+        elif math.isfinite(r.arrival_s):      # rejected or aborted: an instant at arrival
+            events.append(_async("n", str(r.status), pid, rid, r.arrival_s,
+                                 {"reason": r.reject_reason} if isinstance(r.reject_reason, str) else None))
+    return events
+
+
+def write_perfetto_trace(path: str | Path, views: Mapping[str, RunView],
+                         max_requests: int = TRACE_MAX_REQUESTS) -> Path:
+    """Chrome trace-event JSON for ui.perfetto.dev or chrome://tracing (gzipped if path ends .gz).
+
+    One process per run; per replica a thread of step slices; counters for KV blocks used
+    and running/waiting requests; async request slices for the first `max_requests`
+    requests by arrival (the rest would bloat the file; otherData says how many are shown).
+    """
+    events: list[dict] = []
+    shown: dict[str, str] = {}
+    for pid, (label, v) in enumerate(views.items(), start=1):
+        requests = v.requests.sort_values(["arrival_s", "id"], kind="stable").head(max_requests)
+        events += _metadata_events(pid, label, v.replicas)
+        events += _step_events(pid, v.steps)
+        events += _counter_events(pid, v.steps, v.replicas)
+        events += _request_events(pid, requests)
+        shown[label] = f"first {len(requests):,} of {len(v.requests):,} requests by arrival"
+    trace = {"traceEvents": events, "displayTimeUnit": "ms",
+             "otherData": {"generator": "kvtwin sim/report.py", "request_slices": shown}}
+    text = json.dumps(trace, separators=(",", ":"))      # json.dump would use the slow Python encoder
+    if Path(path).suffix == ".gz":                       # both viewers open gzipped traces
+        return write_bytes(path, gzip.compress(text.encode(), compresslevel=6))
+    return write_text(path, text)

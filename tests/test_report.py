@@ -1,0 +1,261 @@
+"""Report: plots, the HTML page and the Perfetto trace, over real (small) simulated runs."""
+import gzip
+import json
+from collections import Counter, defaultdict
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.metrics import summarise
+from sim.records import requests_frame
+from sim.report import (CDF_POINTS, PLOTS, RunView, cdf_points, format_value, plot_latency_cdf,
+                        plot_run_figures, summary_table, timeline, write_html_report,
+                        write_perfetto_trace)
+from sim.scenario import validate_scenario
+from sim.simulator import simulate
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def simulated_view(label, engine=None, workload=None, cluster=None):
+    scenario = validate_scenario({
+        "model": "qwen2.5-0.5b", "device": "h100-sxm",
+        "engine": {"max_model_len": 1024, "num_blocks": 400, **(engine or {})},
+        "workload": {"num_requests": 80, "warmup_requests": 10, "arrival": {"process": "poisson", "rate": 40},
+                     "prompt_len": {"dist": "uniform", "min": 32, "max": 400},
+                     "output_len": {"dist": "uniform", "min": 1, "max": 200}, **(workload or {})},
+        "cluster": cluster or {}})
+    records, _, _ = simulate(scenario)
+    requests, steps = requests_frame(records), records.steps_frame()
+    summary = summarise(records, scenario.slo, requests, steps)
+    return RunView.from_records(label, records, summary, requests, steps)
+
+
+@pytest.fixture(scope="module")
+def views():
+    return {"continuous": simulated_view("continuous"),
+            "static": simulated_view("static", engine={"batching": "static"})}
+
+
+@pytest.fixture(scope="module")
+def rejected():
+    # every prompt is longer than max_model_len: no request is admitted, no step runs
+    view = simulated_view("rejected", workload={"num_requests": 5, "warmup_requests": 0, "prompt_len": 2000})
+    assert (view.requests["status"] == "rejected").all() and view.steps.empty
+    return view
+
+
+@pytest.fixture(scope="module")
+def two_replicas():
+    return simulated_view("two replicas", cluster={"replicas": 2})
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, path
+
+
+# ----------------------------------------------------------------------------- downsampling
+
+def synthetic_steps(start_s, values, replica=0, dur_s=1e-3):
+    start_s = np.asarray(start_s, dtype=float)
+    return pd.DataFrame({"replica": replica, "start_s": start_s, "end_s": start_s + dur_s,
+                         "kv_blocks_used": np.asarray(values, dtype=float)})
+
+
+def test_timeline_keeps_the_peak_of_a_long_run():
+    rng = np.random.default_rng(0)
+    used = rng.integers(100, 200, size=200_000)
+    used[123_457] = 5_000                                    # one step's spike among 200k
+    steps = synthetic_steps(np.arange(200_000) * 1e-3, used)
+    edges, tl = timeline(steps, {"kv_blocks_used": "max"}, buckets=1000)
+    assert len(tl) == 1000 and len(edges) == 1001
+    assert tl["kv_blocks_used"].max() == 5_000
+    assert tl["kv_blocks_used"].idxmax() == np.searchsorted(edges, 123.457, side="right") - 1
+    _, mean = timeline(steps, {"kv_blocks_used": "mean"}, buckets=1000)
+    assert mean["kv_blocks_used"].max() < 5_000
+
+
+def test_timeline_holds_values_between_steps_and_sums_replicas():
+    steps = pd.concat([synthetic_steps([0.0, 9.0], [5, 7], replica=0, dur_s=1.0),
+                       synthetic_steps([0.0], [3], replica=1, dur_s=10.0)])
+    edges, tl = timeline(steps, {"kv_blocks_used": "max"}, buckets=10)
+    np.testing.assert_allclose(edges, np.arange(11.0))
+    assert tl["kv_blocks_used"].tolist() == [8.0] * 9 + [10.0]
+
+
+def test_timeline_of_no_steps_is_empty(rejected):
+    edges, tl = timeline(rejected.steps, {"kv_blocks_used": "max"})
+    assert len(edges) == 0 and len(tl) == 0
+
+
+def test_cdf_points_are_thinned_but_keep_both_ends():
+    values = np.random.default_rng(1).exponential(size=50_000)
+    x, p = cdf_points(values, points=500)
+    assert len(x) == 500 and x[0] == values.min() and x[-1] == values.max()
+    assert p[-1] == 1.0 and np.all(np.diff(p) > 0)
+
+
+# ----------------------------------------------------------------------------- plots
+
+@pytest.mark.parametrize("labels", [["continuous"], ["continuous", "static"]])
+def test_plot_run_figures_writes_every_png(views, tmp_path, labels):
+    figures = plot_run_figures({k: views[k] for k in labels}, tmp_path)
+    assert set(figures) == set(PLOTS)
+    for name, path in figures.items():
+        assert path == tmp_path / f"{name}.png"
+        assert_png(path)
+    # written atomically: no temporary files left beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{n}.png" for n in PLOTS)
+
+
+def test_latency_cdf_counts_only_finished_measured_requests(views):
+    fig = plot_latency_cdf(views)
+    ttft = fig.axes[0]
+    for line, (label, view) in zip(ttft.get_lines(), views.items()):
+        measured = view.summary["requests_measured"]
+        assert measured == 70                                 # 80 requests less 10 warm-up
+        assert line.get_label() == f"{label} (n={measured})"
+        assert line.get_ydata()[-1] == 1.0 and len(line.get_xdata()) <= CDF_POINTS
+        assert line.get_xdata()[-1] == pytest.approx(view.summary["ttft_s"]["max"] * 1e3)
+
+
+def test_all_rejected_run_renders_everything(rejected, views, tmp_path):
+    for group in ({"rejected": rejected}, {"rejected": rejected, "continuous": views["continuous"]}):
+        figures = plot_run_figures(group, tmp_path)
+        for path in figures.values():
+            assert_png(path)
+        page = write_html_report(tmp_path / "report.html", "all rejected", group, figures, {}).read_text()
+        assert "<td>5</td>" in page                           # requests rejected
+        trace = json.loads(write_perfetto_trace(tmp_path / "trace.json", group).read_text())
+        instants = [e for e in trace["traceEvents"] if e["ph"] == "n" and e["pid"] == 1]
+        assert len(instants) == 5 and instants[0]["name"] == "rejected"
+        assert "2000" in instants[0]["args"]["reason"]
+
+
+def test_multi_replica_plots_sum_over_replicas(two_replicas, tmp_path):
+    fig = PLOTS["kv_blocks"]({"two": two_replicas})
+    assert "sum over replicas" in fig.axes[0].get_ylabel()
+    total_line = [ln for ln in fig.axes[1].get_lines() if "total" in ln.get_label()][0]
+    assert total_line.get_ydata()[0] == 2 * two_replicas.kv_blocks_total
+
+
+# ----------------------------------------------------------------------------- tables and HTML
+
+def test_summary_table_rows_carry_units_and_display_scale(views, rejected):
+    all_views = {**views, "rejected": rejected}
+    numeric = summary_table(all_views, formatted=False)
+    assert list(numeric.columns) == ["continuous", "static", "rejected"]
+    s = views["static"].summary
+    assert numeric.loc["TTFT p50 (ms)", "static"] == pytest.approx(s["ttft_s"]["p50"] * 1e3)
+    assert numeric.loc["KV usage peak (%)", "static"] == pytest.approx(s["kv_usage_peak"] * 100)
+    queue_share = s["latency_split"]["queue"] * 100
+    assert numeric.loc["latency split: queue (%)", "static"] == pytest.approx(queue_share)
+    text = summary_table(all_views)
+    assert text.loc["request throughput (req/s)", "continuous"] == format_value(
+        views["continuous"].summary["request_throughput"])
+    assert text.loc["goodput (req/s)", "continuous"] == "—"          # no SLO set
+    assert text.loc["request throughput (req/s)", "rejected"] == "—"
+    assert text.loc["requests rejected", "rejected"] == "5"
+
+
+@pytest.mark.parametrize("value, text", [
+    (None, "—"), (float("nan"), "—"), (375389, "375,389"), (4048.06, "4,048"), (236.84, "236.8"),
+    (19.2554, "19.26"), (0.000639, "0.000639"), (-3.25, "-3.25"), (np.int64(7), "7"), ("static", "static"),
+])
+def test_format_value(value, text):
+    assert format_value(value) == text
+
+
+def test_html_report_is_one_self_contained_escaped_page(views, tmp_path):
+    figures = plot_run_figures(views, tmp_path)
+    extra = pd.DataFrame({"predicted": [1.5, 2.0], "measured": [1.6, 2.1], "error (%)": [-6.25, -4.76]},
+                         index=pd.Index(["TTFT p50 (ms)", "TPOT p50 (ms)"], name="metric"))
+    manifest = {"note": "<script>alert(1)</script>", "seed": 0}
+    path = write_html_report(tmp_path / "report.html", "continuous vs static <b>", views, figures, manifest,
+                             extra_tables=[("predicted vs measured & errors", extra)])
+    page = path.read_text()
+    for label, view in views.items():
+        assert f"<th>{label}</th>" in page
+        assert f"<td>{format_value(view.summary['request_throughput'])}</td>" in page
+    assert page.count('src="data:image/png;base64,') == len(PLOTS)
+    assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "continuous vs static &lt;b&gt;" in page and "predicted vs measured &amp; errors" in page
+    assert "<td>-6.25</td>" in page and '<td class="label">TTFT p50 (ms)</td>' in page
+    assert "<details><summary>Manifest</summary>" in page
+    assert "http://" not in page and "https://" not in page          # nothing external to load
+
+
+def test_html_report_flags_an_uncalibrated_prediction(views, tmp_path):
+    view = views["continuous"]
+    flagged = RunView(view.label, {**view.summary, "calibrated": False}, view.requests, view.steps,
+                      view.kv_blocks_total)
+    page = write_html_report(tmp_path / "r.html", "t", {"p": flagged}, {}, {}).read_text()
+    assert 'class="warning">Uncalibrated cost model (p)' in page
+
+
+# ----------------------------------------------------------------------------- trace
+
+def load_trace(path):
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def assert_async_slices_nest(events):
+    """Per (pid, id): b/e pairs match by name, nest properly and never run backwards."""
+    tracks = defaultdict(list)
+    for e in events:
+        if e["ph"] in "be":
+            tracks[(e["pid"], e["id"])].append(e)
+    for track in tracks.values():
+        stack, last = [], -np.inf
+        for e in track:
+            assert e["ts"] >= last
+            last = e["ts"]
+            if e["ph"] == "b":
+                stack.append(e["name"])
+            else:
+                assert stack.pop() == e["name"]
+        assert not stack
+    return tracks
+
+
+def test_perfetto_trace_has_steps_counters_and_request_slices(views, two_replicas, tmp_path):
+    all_views = {**views, "two replicas": two_replicas}
+    trace = load_trace(write_perfetto_trace(tmp_path / "trace.json", all_views))
+    events = trace["traceEvents"]
+    for pid, view in enumerate(all_views.values(), start=1):
+        mine = [e for e in events if e.get("pid") == pid]
+        steps = [e for e in mine if e["ph"] == "X"]
+        assert len(steps) == len(view.steps)
+        assert Counter(e["tid"] for e in steps) == Counter((view.steps["replica"] + 1).tolist())
+        first = view.steps.iloc[0]
+        assert steps[0]["name"] == f"step {int(first['step'])}"
+        assert steps[0]["ts"] == pytest.approx(first["start_s"] * 1e6)
+        assert steps[0]["dur"] == pytest.approx((first["end_s"] - first["start_s"]) * 1e6)
+        assert set(steps[0]["args"]) == {"decode_seqs", "prefill_tokens", "kv_blocks_used", "preemptions"}
+        counters = {e["name"] for e in mine if e["ph"] == "C"}
+        expected = {"kv_blocks_used", "running", "waiting"}
+        if view.replicas > 1:
+            expected = {f"{c} r{r}" for c in expected for r in range(view.replicas)}
+        assert counters == expected
+        tracks = assert_async_slices_nest(mine)
+        finished = int((view.requests["status"] == "finished").sum())
+        assert len(tracks) == finished
+        assert all([e["name"] for e in t if e["ph"] == "b"][1:] == ["queue", "prefill", "decode"]
+                   for t in tracks.values())
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == set(all_views)
+    # The peak kv counter equals the summary's peak (counters are emitted on every change).
+    kv = [e["args"]["value"] for e in events if e["pid"] == 1 and e.get("name") == "kv_blocks_used"]
+    assert max(kv) == views["continuous"].summary["kv_blocks_peak"]
+
+
+def test_perfetto_trace_caps_request_slices_and_says_so(views, tmp_path):
+    trace = load_trace(write_perfetto_trace(tmp_path / "trace.json.gz", views, max_requests=10))
+    tracks = assert_async_slices_nest(trace["traceEvents"])
+    assert Counter(pid for pid, _ in tracks) == {1: 10, 2: 10}
+    # the first ten arrivals are requests 0-9 (arrivals are in id order)
+    assert {rid for pid, rid in tracks if pid == 1} == {f"1:{i}" for i in range(10)}
+    assert trace["otherData"]["request_slices"]["static"] == "first 10 of 80 requests by arrival"
