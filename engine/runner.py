@@ -99,6 +99,8 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        """One step. device_s covers what the cost model calls device time: the forward, the
+        LM head and sampling; host_s is the Python around it (inputs, outputs)."""
         t0 = time.perf_counter()
         self.check_batch(batch)
         reqs, num_new = batch.reqs, batch.num_new
@@ -108,37 +110,26 @@ class ModelRunner:
         positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
                                               self.block_size, self.device)
         input_ids = _to(input_ids, self.device)
-        hidden, t1, device_s = self._timed_forward(input_ids, positions, meta)
-        t2 = time.perf_counter()
         # A sequence emits iff its chunk reaches the end of its known tokens (a decode, or a
         # prompt's last chunk): the row of its last new token predicts the next one.
         emit = [s for s, r in enumerate(reqs) if r.num_computed >= r.num_tokens]
+        rows = _to(np.array([meta.host_query_start_loc[s + 1] - 1 for s in emit], dtype=np.int64),
+                   self.device)
+        with _DeviceTimer(self.device) as timer:
+            hidden = self.model(input_ids, positions, meta)
+            logits = self.model.compute_logits(hidden[rows])
+            sampled = self.sampler(logits) if emit else rows
+        t1 = time.perf_counter()
+        tokens = sampled.tolist()
         emitted = [reqs[s] for s in emit]
-        rows = torch.tensor([meta.host_query_start_loc[s + 1] - 1 for s in emit], dtype=torch.long,
-                            device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler(logits).tolist() if emit else []
         for req, token in zip(emitted, tokens):
             output = req.segments[-1]
             if isinstance(output, list):                # live request: the sample is its output
                 output.append(token)
                 if token == req.eos_token_id:           # finish_step retires it at this length
                     req.output_len = req.num_output + 1
-        host_s = (t1 - t0) + (time.perf_counter() - t2)
-        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, device_s)
-
-    def _timed_forward(self, input_ids, positions, meta):
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t1 = time.perf_counter()
-            start.record()
-            hidden = self.model(input_ids, positions, meta)
-            end.record()
-            end.synchronize()
-            return hidden, t1, start.elapsed_time(end) / 1e3
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, meta)
-        return hidden, t1, time.perf_counter() - t1
+        host_s = (timer.start - t0) + (time.perf_counter() - t1)
+        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, timer.seconds)
 
     def check_batch(self, batch: Batch) -> None:
         """Refuse, loudly, a batch the scheduler should never have produced."""
@@ -176,6 +167,30 @@ class ModelRunner:
             peak = weights + pool
         return {"weight_bytes": weights, "kv_pool_bytes": pool, "num_blocks": self.num_blocks,
                 "peak_bytes": peak}
+
+
+class _DeviceTimer:
+    """Times a block on the device: CUDA events (waited for on exit) on GPU, wall time on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start = self.seconds = 0.0
+
+    def __enter__(self) -> "_DeviceTimer":
+        self.start = time.perf_counter()
+        if self.cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._begin.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.start
 
 
 # -- KV pool sizing ------------------------------------------------------------------------

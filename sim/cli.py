@@ -1,6 +1,7 @@
 """`simrun`: predict a scenario (the default command) and the other entry points.
 
     simrun SCENARIO.yaml [--out DIR] [--set PATH=VALUE ...] [--seed N] [--trace]
+    simrun SCENARIO.yaml --set PATH=A,B,C [--set PATH2=X,Y] [--zip] [--jobs N | --ray [ADDRESS]]  (a sweep)
     simrun validate | calibrate | plan | serve | bench | compare ...   (see `simrun COMMAND -h`)
 """
 from __future__ import annotations
@@ -21,6 +22,9 @@ from sim.scenario import ScenarioError, expand_variants, load_scenario
 # subcommand -> "module:function" taking argv; imported lazily so `simrun x.yaml` stays light.
 SUBCOMMANDS = {
     "run": "sim.cli:run_main",
+    "plan": "sim.plan:plan_main",
+    "validate": "validate.cli:validate_main",
+    "calibrate": "validate.cli:calibrate_main",
 }
 
 console = Console(stderr=False, highlight=False)
@@ -52,7 +56,8 @@ def scenario_args(parser: argparse.ArgumentParser) -> None:
     """The arguments every scenario-taking command shares."""
     parser.add_argument("scenario", type=Path, help="scenario YAML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                        help="override a scenario field, e.g. --set engine.block_size=32 (repeatable)")
+                        help="override a scenario field, e.g. --set engine.block_size=32 (repeatable); "
+                             "with several values (A,B,C) `simrun SCENARIO` sweeps them")
     parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
 
 
@@ -65,11 +70,19 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario name>)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    from sim.sweep import add_sweep_args
+
+    add_sweep_args(p)
     return p
 
 
 def run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
+    from sim.sweep import check_sweep_flags, is_sweep, sweep_main
+
+    if is_sweep(args.overrides):          # a --set with several values: one run per point
+        return sweep_main(args)
+    check_sweep_flags(args)
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
@@ -149,6 +162,11 @@ def print_results(results: dict, out: Path) -> None:
         notes = r.manifest.get("workload", {}).get("notes") or []
         for note in notes:
             console.print(f"[yellow]note[/] ({name}): {note}")
+        if r.summary.get("replicas"):
+            from sim.metrics import replica_frame
+            from sim.sweep import print_frame
+
+            print_frame(replica_frame(r.summary), title=f"per replica ({name})")
     console.print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json, plots, report.html)")
 
 

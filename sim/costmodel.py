@@ -1,11 +1,13 @@
 """Step time from a batch's composition: host overhead plus a roofline per layer group.
 
     step = host + device
-    host   = step_host_s + seq_host_s x sequences
+    host   = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
+             + token_host_s x tokens
     device = step_device_s + layers x (layer_overhead_s
                  + max(linear FLOPs / (peak x flops_eff), weight bytes / (bw x bw_eff))
                  + max(attention FLOPs / (peak x attn_flops_eff), KV bytes / (bw x attn_bw_eff))
                  + blocks walked x block_overhead_s
+                 + prefill sequences x prefill_seq_overhead_s
                  + tp all-reduce)
              + max(LM-head FLOPs, LM-head bytes) + sampling bytes
 
@@ -24,8 +26,15 @@ from typing import Optional
 
 import yaml
 
+import numpy as np
+
 from sim.catalog import DeviceSpec, ModelSpec
 from sim.memory import kv_bytes_per_token, kv_heads_per_rank
+
+
+# The batch composition a step's time depends on (columns of the step records).
+STEP_SHAPE = ("num_seqs", "decode_seqs", "prefill_tokens", "decode_ctx", "prefill_ctx", "prefill_attn",
+              "blocks_read")
 
 
 @dataclass
@@ -36,9 +45,12 @@ class CostCoefficients:
     attn_bw_eff: float = 0.70         # fraction of peak bandwidth reached reading KV
     block_overhead_s: float = 2e-9    # per KV block walked, per layer
     layer_overhead_s: float = 8e-6    # kernel launches and small ops, per layer
+    prefill_seq_overhead_s: float = 1e-6  # per prefill sequence per layer (its own attention setup)
     step_device_s: float = 50e-6      # per step on the device (embedding, sampling launches)
     step_host_s: float = 150e-6       # per step on the host (scheduling, input preparation)
     seq_host_s: float = 3e-6          # per sequence per step on the host
+    prefill_seq_host_s: float = 20e-6  # per prefill sequence (admission: prefix lookup, allocation)
+    token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -129,19 +141,36 @@ class CostModel:
 
     def step_time(self, batch) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
+        decodes = len(batch.decodes)
+        seqs = decodes + len(batch.prefills)
+        return (self._host_time(seqs, decodes, batch.num_prefill_tokens),
+                self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
+                                  batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max))
+
+    def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
+        """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
+        col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
+        return self._host_time(*col[:3]), self._device_time(*col, np.maximum)
+
+    def _host_time(self, seqs, decodes, prefill_tokens):
         c = self.coefficients
-        seqs = len(batch.decodes) + len(batch.prefills)
-        tokens = batch.num_prefill_tokens + len(batch.decodes)
-        linear = max(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
-        kv_tokens = batch.decode_ctx + batch.prefill_ctx + batch.num_prefill_tokens
-        attention = max(batch.prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
-        per_layer = (c.layer_overhead_s + linear + attention + batch.blocks_read * c.block_overhead_s
-                     + (tokens * self._allreduce_token_s + self._allreduce_fixed_s))
+        return (c.step_host_s + c.seq_host_s * seqs + c.prefill_seq_host_s * (seqs - decodes)
+                + c.token_host_s * (prefill_tokens + decodes))
+
+    def _device_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
+                     blocks_read, maximum):
+        """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for arrays."""
+        c = self.coefficients
+        tokens = prefill_tokens + decodes
+        linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
+        kv_tokens = decode_ctx + prefill_ctx + prefill_tokens
+        attention = maximum(prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
+        per_layer = (c.layer_overhead_s + linear + attention + blocks_read * c.block_overhead_s
+                     + (seqs - decodes) * c.prefill_seq_overhead_s
+                     + tokens * self._allreduce_token_s + self._allreduce_fixed_s)
         rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
-        head = max(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
-        device = c.step_device_s + self.model.num_layers * per_layer + head
-        host = c.step_host_s + c.seq_host_s * seqs
-        return host, device
+        head = maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
+        return c.step_device_s + self.model.num_layers * per_layer + head
 
     def describe(self) -> dict:
         return {"calibrated": self.calibrated, "source": self.profile.source,

@@ -31,7 +31,7 @@ class RunResult:
     scenario: Any
     records: RunRecords
     plan: MemoryPlan
-    cost_model: CostModel
+    cost_model: Optional[CostModel]        # None for a measured run
     summary: dict
     requests: pd.DataFrame
     steps: pd.DataFrame
@@ -55,9 +55,10 @@ def predict(scenario, name: Optional[str] = None,
                      req_df, steps_df, manifest)
 
 
-def write_run(result: RunResult, out_dir: Path, trace: bool = False) -> dict[str, Path]:
-    """summary.json, requests.csv, steps.csv, manifest.json, plots, report.html (+ trace.json)."""
-    from sim.report import RunView, plot_run_figures, write_html_report, write_perfetto_trace
+def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True) -> dict[str, Path]:
+    """summary.json, requests.csv, steps.csv, manifest.json, and unless `report` is False the
+    plots and report.html (+ trace.json when asked)."""
+    from sim.report import plot_run_figures, write_html_report, write_perfetto_trace
 
     out_dir = Path(out_dir)
     files = {
@@ -66,6 +67,9 @@ def write_run(result: RunResult, out_dir: Path, trace: bool = False) -> dict[str
         "steps": write_csv(out_dir / "steps.csv", result.steps),
         "manifest": write_json(out_dir / "manifest.json", result.manifest),
     }
+    if not report:
+        result.files = files
+        return files
     views = {result.name: view_of(result)}
     figures = plot_run_figures(views, out_dir)
     files.update(figures)

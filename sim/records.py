@@ -17,8 +17,8 @@ import pandas as pd
 from sim.request import Request, Status
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
-                "prefill_tokens", "batch_tokens", "kv_blocks_used", "kv_blocks_cached",
-                "slack_tokens", "preemptions", "host_s", "device_s")
+                "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
+                "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
 
 
 class StepRecorder:
@@ -44,6 +44,7 @@ class StepRecorder:
         prefill = batch.num_prefill_tokens
         self.rows.append((batch.step, start_s, end_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
+                          batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read,
                           kv_used, kv_cached, slack, len(batch.preempted), host_s, device_s))
         if len(self.rows) == self.CHUNK:
             self._pack()
@@ -83,7 +84,8 @@ class StepRecorder:
 
 
 _INT_COLUMNS = ("step", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens", "batch_tokens",
-                "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions")
+                "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read", "kv_blocks_used",
+                "kv_blocks_cached", "slack_tokens", "preemptions")
 
 
 @dataclass

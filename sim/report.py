@@ -96,7 +96,7 @@ def cdf_points(values: np.ndarray, points: int = CDF_POINTS) -> tuple[np.ndarray
 
 # ----------------------------------------------------------------------------- plots
 
-def _figure(ncols: int = 1, nrows: int = 1, **subplot_kw: Any) -> tuple[Figure, list]:
+def new_figure(ncols: int = 1, nrows: int = 1, **subplot_kw: Any) -> tuple[Figure, list]:
     width, height = (10 if ncols == 1 else 14), (4 if nrows == 1 else 7)
     fig = Figure(figsize=(width, height))
     # Fixed margins (in inches): a layout engine would double the time to save a figure.
@@ -122,7 +122,7 @@ def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.45")
 
 
-def _finish(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
+def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
     ax.set_title(title)
     if counts:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -147,7 +147,7 @@ def _across_replicas(views: Mapping[str, RunView]) -> str:
 def plot_kv_blocks(views: Mapping[str, RunView]) -> Figure:
     """Used and cached-free blocks in two panels: a prefix cache can fill the whole pool
     with cached blocks, which would flatten the used series on a shared axis."""
-    fig, axes = _figure(nrows=2, sharex=True)
+    fig, axes = new_figure(nrows=2, sharex=True)
     lines = {label: timeline(v.steps, {"kv_blocks_used": "max", "kv_blocks_cached": "max"})
              for label, v in views.items()}
     for ax, (column, what, ls) in zip(axes, (("kv_blocks_used", "used", "-"),
@@ -173,11 +173,11 @@ def _kv_panel(ax, views: Mapping[str, RunView], lines: dict, column: str, what: 
     elif not any(len(tl) for _, tl in lines.values()):
         ax.set_ylim(0, 1.1 * max(totals.values(), default=1))
         _note(ax, "no steps recorded")
-    _finish(ax, f"KV cache blocks {what} (bucket max)", "blocks" + _across_replicas(views), counts=True)
+    finish_axes(ax, f"KV cache blocks {what} (bucket max)", "blocks" + _across_replicas(views), counts=True)
 
 
 def plot_queue(views: Mapping[str, RunView]) -> Figure:
-    fig, (ax,) = _figure()
+    fig, (ax,) = new_figure()
     for (label, v), colour in zip(views.items(), _colours(views)):
         edges, tl = timeline(v.steps, {"running": "max", "waiting": "max"})
         if len(tl):
@@ -185,13 +185,13 @@ def plot_queue(views: Mapping[str, RunView]) -> Figure:
             _stairs(ax, edges, tl["waiting"], color=colour, ls="--", label=f"{label}: waiting")
     if not any(len(v.steps) for v in views.values()):
         _note(ax, "no steps recorded")
-    _finish(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
+    finish_axes(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
             counts=True)
     return fig
 
 
 def plot_batch_tokens(views: Mapping[str, RunView]) -> Figure:
-    fig, (ax,) = _figure()
+    fig, (ax,) = new_figure()
     if len(views) == 1:            # one run: split each step's tokens into decode and prefill
         (label, v), = views.items()
         edges, tl = timeline(v.steps, {"decode_seqs": "mean", "prefill_tokens": "mean"}, combine="mean")
@@ -208,7 +208,7 @@ def plot_batch_tokens(views: Mapping[str, RunView]) -> Figure:
                 _stairs(ax, edges, tl["batch_tokens"], color=colour, label=label)
     if not any(len(v.steps) for v in views.values()):
         _note(ax, "no steps recorded")
-    _finish(ax, "Tokens per step (bucket mean)", "tokens per step", counts=True)
+    finish_axes(ax, "Tokens per step (bucket mean)", "tokens per step", counts=True)
     return fig
 
 
@@ -216,7 +216,7 @@ LATENCY_PANELS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E", "e2e_s"))
 
 
 def plot_latency_cdf(views: Mapping[str, RunView]) -> Figure:
-    fig, axes = _figure(len(LATENCY_PANELS), sharey=True)
+    fig, axes = new_figure(len(LATENCY_PANELS), sharey=True)
     for ax, (name, column) in zip(axes, LATENCY_PANELS):
         samples = {label: v.measured[column].dropna().to_numpy() * 1e3 for label, v in views.items()}
         for (label, ms), colour in zip(samples.items(), _colours(views)):
@@ -228,12 +228,12 @@ def plot_latency_cdf(views: Mapping[str, RunView]) -> Figure:
             _note(ax, "no finished requests")
         elif pooled.min() > 0 and pooled.max() > 50 * pooled.min():   # wide spread: log axis
             ax.set_xscale("log")
-        _finish(ax, f"{name} CDF", "fraction of requests" if ax is axes[0] else "", f"{name} (ms)")
+        finish_axes(ax, f"{name} CDF", "fraction of requests" if ax is axes[0] else "", f"{name} (ms)")
     return fig
 
 
 def plot_step_time(views: Mapping[str, RunView]) -> Figure:
-    fig, (ax, hist) = _figure(2, width_ratios=(3, 1))
+    fig, (ax, hist) = new_figure(2, width_ratios=(3, 1))
     durations = {label: (v.steps["end_s"] - v.steps["start_s"]).to_numpy() * 1e3
                  for label, v in views.items()}
     for (label, v), colour in zip(views.items(), _colours(views)):
@@ -252,8 +252,8 @@ def plot_step_time(views: Mapping[str, RunView]) -> Figure:
     else:
         _note(ax, "no steps recorded")
         _note(hist, "no steps recorded")
-    _finish(ax, "Step time (per bucket)", "step time (ms)")
-    _finish(hist, "Step time distribution", "steps", "step time (ms)")
+    finish_axes(ax, "Step time (per bucket)", "step time (ms)")
+    finish_axes(hist, "Step time distribution", "steps", "step time (ms)")
     return fig
 
 

@@ -1,0 +1,182 @@
+"""`simrun validate` and `simrun calibrate`."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+import yaml
+
+from sim.cli import UserError, console, err_console, scenario_args
+from sim.scenario import expand_variants, load_scenario, validate_scenario
+from sim.io import write_csv
+
+
+def _device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="where the engine runs (default: cuda when available, else cpu)")
+
+
+def _engine_device(choice: Optional[str]) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    return choice or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ----------------------------------------------------------------------------- validate
+
+def validate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="simrun validate",
+                                description="Predict a scenario, replay it on the engine, compare the two.")
+    scenario_args(p)
+    _device_arg(p)
+    p.add_argument("--profile", type=Path, help="a calibrated device profile (simrun calibrate writes one)")
+    p.add_argument("--out", type=Path, help="output folder (default runs/validate/<scenario name>)")
+    p.add_argument("--offline", action="store_true", help="release every request at t=0")
+    p.add_argument("--cold", action="store_true",
+                   help="no kernel warm-up before the measured run (the seed's cold-start case)")
+    p.add_argument("--tolerances", help="'gpu' for the issue's H200 targets, or a YAML file of "
+                                        "{metric row: relative tolerance}")
+    args = p.parse_args(argv)
+    from validate.run import validate, write_validation
+
+    device = _engine_device(args.device)
+    scenario = load_scenario(args.scenario, args.overrides, args.seed)
+    variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
+    out = args.out or Path("runs") / "validate" / args.scenario.stem
+    tolerances = load_tolerances(args.tolerances)
+    failures = []
+    for name, variant in variants.items():
+        folder = out / name if len(variants) > 1 else out
+        result = validate(variant, device, args.profile, online=not args.offline, cold=args.cold,
+                          tolerances=tolerances, progress=lambda msg: err_console.print(f"{name}: {msg}"))
+        write_validation(result, folder)
+        print_validation(name, result, folder)
+        failures += [f"{name}: {line}" for line in _failures(result.table)]
+    for line in failures:
+        err_console.print(f"[red]outside tolerance[/] {line}")
+    return 1 if failures else 0
+
+
+def load_tolerances(spec: Optional[str]) -> Optional[dict[str, float]]:
+    from validate.compare import GPU_TARGETS
+
+    if spec is None:
+        return None
+    if spec == "gpu":
+        return dict(GPU_TARGETS)
+    try:
+        data = yaml.safe_load(Path(spec).read_text())
+    except FileNotFoundError:
+        raise UserError(f"--tolerances: no such file {spec}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
+        raise UserError(f"--tolerances {spec}: expected a mapping of metric row -> relative tolerance")
+    return {str(k): float(v) for k, v in data.items()}
+
+
+def _failures(table) -> list[str]:
+    from validate.compare import check_within
+
+    return check_within(table)
+
+
+def print_validation(name: str, result, folder: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{name}: predicted vs measured", header_style="bold")
+    for col in ("metric", "predicted", "measured", "error", "tolerance"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for metric, row in result.table.iterrows():
+        err = "" if pd.isna(row.relative_error) else f"{row.relative_error:+.1%}"
+        tol = "" if pd.isna(row.tolerance) else f"±{row.tolerance:.0%}"
+        style = {True: "green", False: "red"}.get(row.within, "")
+        table.add_row(metric, _fmt(row.predicted), _fmt(row.measured), err, tol, style=style)
+    console.print(table)
+    steps = result.step_errors["all"]
+    console.print(f"step time: median error {steps['median_rel_error']:.1%}, p90 {steps['p90_rel_error']:.1%} "
+                  f"over {steps['steps']} measured steps")
+    calibrated = result.predicted.cost_model.calibrated
+    console.print("cost model: " + ("calibrated profile" if calibrated else
+                                     "UNCALIBRATED (datasheet defaults); pass --profile from `simrun calibrate`"))
+    console.print(f"wrote {folder}/ (report.html, comparison.csv, step_times.csv, predicted/, measured/)")
+
+
+def _fmt(value) -> str:
+    if pd.isna(value):
+        return "n/a"
+    return f"{value:,.4g}"
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("L40S", "l40s"), ("L4", "l4"), ("4090", "rtx-4090"))
+
+
+def catalog_device_for_cuda() -> str:
+    """The catalog entry matching the visible GPU, or an error asking for --catalog-device."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    if "A100" in props.name:
+        return "a100-80g" if props.total_memory > 50 * 2**30 else "a100-40g"
+    for token, name in DEVICE_NAMES:
+        if token in props.name:
+            return name
+    raise UserError(f"no catalog entry matches '{props.name}'; pass --catalog-device NAME "
+                    f"(or a device YAML mapping through --scenario)")
+
+
+def calibrate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="simrun calibrate",
+                                description="Profile the engine and fit the cost model; writes a device profile.")
+    _device_arg(p)
+    p.add_argument("--model", help="catalog model name, or a Hugging Face folder (config.json + weights)")
+    p.add_argument("--scenario", type=Path, help="take model, device and engine settings from a scenario")
+    p.add_argument("--catalog-device", help="the device catalog entry to fit (default: detected, or 'cpu')")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml)")
+    args = p.parse_args(argv)
+    from validate.calibrate import calibrate, coefficients_table, write_profile
+
+    device = _engine_device(args.device)
+    scenario = calibration_base(args, device)
+    console.print(f"calibrating {scenario.model.name} ({scenario.model.dtype}) on {device} "
+                  f"as catalog device '{scenario.device.name}'")
+    cal = calibrate(scenario, device, progress=None)
+    out = args.out or Path("profiles") / f"{scenario.device.name}_{scenario.model.name}.yaml"
+    write_profile(out, cal)
+    write_csv(out.with_suffix(".samples.csv"), cal.samples)
+    console.print(coefficients_table(cal.profile).to_string())
+    fit = cal.profile.fit
+    for part in ("device_train", "device_held_out"):
+        q = fit.get(part) or {}
+        if q:
+            kinds = ", ".join(f"{k} {q[k]['median_rel_error']:.1%}/{q[k]['p90_rel_error']:.1%}"
+                              for k in ("decode", "prefill", "mixed") if k in q)
+            console.print(f"{part}: R^2 {q['r2']:.3f}, median/p90 relative error {q['median_rel_error']:.1%}/"
+                          f"{q['p90_rel_error']:.1%} over {q['points']} points ({kinds})")
+    console.print(f"host terms: median relative error {fit['host_median_rel_error']:.1%} over "
+                  f"{fit['replayed_steps']} replayed steps")
+    console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out})")
+    return 0
+
+
+def calibration_base(args, device: str):
+    """The scenario calibration profiles: --scenario, else the model on the detected device."""
+    if args.scenario:
+        scenario = load_scenario(args.scenario, args.overrides)
+        return next(iter(expand_variants(scenario, args.scenario.parent.resolve()).values()))
+    if not args.model:
+        raise UserError("give --model NAME (or --scenario FILE)")
+    catalog_device = args.catalog_device or ("cpu" if device == "cpu" else catalog_device_for_cuda())
+    model = {"hf_config": args.model} if Path(args.model).exists() else args.model
+    raw = {"model": model, "device": catalog_device,
+           "engine": {"max_model_len": 2048 if device == "cpu" else 8192}}
+    if device == "cpu":
+        raw["engine"].update(num_blocks=1024, max_num_seqs=32, max_num_batched_tokens=512)
+    from sim.scenario import apply_overrides
+
+    return validate_scenario(apply_overrides(raw, args.overrides), base_dir=Path.cwd())
