@@ -1,0 +1,152 @@
+"""The shipped scenarios as specifications: each one's key figures, plus determinism."""
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.metrics import summarise
+from sim.predict import predict
+from sim.records import requests_frame
+from sim.scenario import expand_variants, load_scenario, validate_scenario
+from sim.simulator import simulate
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
+
+REQUIRED_KEYS = ("requests_finished", "requests_rejected", "duration_s", "request_throughput",
+                 "output_token_throughput", "total_token_throughput", "ttft_s", "tpot_s", "itl_s", "e2e_s",
+                 "goodput", "kv_blocks_total", "kv_blocks_peak", "kv_usage_mean", "kv_slack_tokens_peak",
+                 "prefix_hit_rate", "preemptions", "latency_split")
+
+
+def run_variants(name, *overrides):
+    path = SCENARIOS / f"{name}.yaml"
+    scenario = load_scenario(path, list(overrides))
+    return {v: predict(s, v).summary for v, s in expand_variants(scenario, path.parent).items()}
+
+
+def test_seed_paging_reproduces_the_primer_numbers():
+    runs = run_variants("seed_paging")
+    assert (runs["lengths_35_17_64"]["kv_blocks_peak"], runs["lengths_35_17_64"]["kv_slack_tokens_peak"]) == (9, 28)
+    assert (runs["lengths_17_33_64"]["kv_blocks_peak"], runs["lengths_17_33_64"]["kv_slack_tokens_peak"]) == (9, 30)
+
+
+def test_seed_static_vs_continuous():
+    runs = run_variants("seed_static_vs_continuous")
+    static, continuous = runs["static"], runs["continuous"]
+    assert 995 <= static["num_steps"] <= 1005 and 515 <= continuous["num_steps"] <= 525
+    assert continuous["request_throughput"] > 1.8 * static["request_throughput"]
+    assert continuous["e2e_s"]["mean"] < 0.6 * static["e2e_s"]["mean"]
+    # the contiguous reservation holds max_model_len per request: far more slack than paging
+    assert static["kv_slack_tokens_peak"] > 10 * continuous["kv_slack_tokens_peak"]
+
+
+def test_seed_prefix_timestamp_first_destroys_the_hit_rate():
+    runs = run_variants("seed_prefix_timestamp", "workload.num_requests=120")
+    assert runs["timestamp_first"]["prefix_hit_rate"] < 0.02
+    assert runs["timestamp_last"]["prefix_hit_rate"] > 0.75
+
+
+def test_seed_tenant_isolation_salt_prevents_cross_tenant_sharing():
+    path = SCENARIOS / "seed_tenant_isolation.yaml"
+    scenario = load_scenario(path, ["workload.num_requests=80"])
+    results = {v: predict(s, v) for v, s in expand_variants(scenario, path.parent).items()}
+    for name, result in results.items():
+        df = result.requests.sort_values("arrival_s")
+        first_of_second_tenant = df[df["tenant"] != df["tenant"].iloc[0]].iloc[0]
+        if name == "salted":
+            assert first_of_second_tenant["cached_tokens"] == 0     # its identical prompt is not shared
+        else:
+            assert first_of_second_tenant["cached_tokens"] >= 768 - 16
+    salted, shared = results["salted"].summary, results["shared"].summary
+    assert salted["prefix_hit_rate"] < shared["prefix_hit_rate"]
+    assert salted["kv_blocks_peak"] > shared["kv_blocks_peak"]       # two copies of the system prompt
+
+
+def test_seed_block_size_tradeoff():
+    runs = run_variants("seed_block_size", "workload.num_requests=150")
+    sizes = [1, 4, 8, 16, 32, 64]
+    slack = [runs[f"bs{b}"]["kv_slack_tokens_peak"] for b in sizes]
+    assert slack == sorted(slack) and slack[0] == 0
+    tpot = {b: runs[f"bs{b}"]["tpot_s"]["p50"] for b in sizes}
+    assert tpot[1] > tpot[4] > tpot[16]        # more blocks to walk per token
+
+
+def test_bench_cases_are_distinct():
+    cold = run_variants("bench_cold", "workload.num_requests=150")["bench_cold"]
+    steady = run_variants("bench_steady_nocache", "workload.num_requests=150")["bench_steady_nocache"]
+    reuse = run_variants("bench_prefix_reuse", "workload.num_requests=150")["bench_prefix_reuse"]
+    assert cold["warmup_requests"] == 0 and cold["requests_measured"] == 150
+    assert steady["warmup_requests"] == 50 and steady["requests_measured"] == 100
+    assert steady["prefix_hit_rate"] == 0.0
+    assert reuse["prefix_hit_rate"] > 0.8 > cold["prefix_hit_rate"] > 0.1
+
+
+def test_quickstart_summary_has_every_key_and_meets_its_slo():
+    summary = run_variants("quickstart", "workload.num_requests=300")["quickstart"]
+    for key in REQUIRED_KEYS:
+        assert key in summary, key
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(summary[key]) >= {"mean", "p50", "p90", "p99"}
+    assert summary["requests_finished"] == 300 and summary["goodput"] > 0
+    assert abs(sum(summary["latency_split"].values()) - 1) < 1e-9
+    assert summary["calibrated"] is False
+
+
+def test_trace_scenario_replays_the_shared_azure_trace():
+    scenario = load_scenario(SCENARIOS / "trace_azure_conv.yaml", ["workload.trace.window_s=[0,60]"])
+    if not scenario.workload.trace.path.exists():
+        pytest.skip("../shared/traces is not beside this checkout")
+    import pandas as pd
+
+    stamps = pd.to_datetime(pd.read_csv(scenario.workload.trace.path)["TIMESTAMP"])
+    in_window = int(((stamps - stamps.min()).dt.total_seconds() < 60).sum())
+    summary = predict(scenario).summary
+    assert summary["requests_total"] == in_window
+    assert summary["requests_finished"] + summary["requests_rejected"] == in_window
+
+
+def test_same_scenario_and_seed_give_identical_predictions():
+    a = run_variants("quickstart", "workload.num_requests=200")
+    b = run_variants("quickstart", "workload.num_requests=200")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    c = run_variants("quickstart", "workload.num_requests=200", "seed=1")
+    assert json.dumps(a, sort_keys=True) != json.dumps(c, sort_keys=True)
+
+
+def base(**workload):
+    return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm",
+                              "engine": {"max_model_len": 4096}, "workload": workload})
+
+
+def test_multi_turn_follow_ups_wait_for_the_answer_and_hit_the_cache():
+    s = base(num_requests=60, arrival={"process": "poisson", "rate": 5},
+             prompt_len=200, output_len=40, multi_turn={"turns": 3, "user_len": 30, "think_time_s": 1.0,
+                                                        "think_dist": "fixed"})
+    records, _, _ = simulate(s)
+    df = requests_frame(records)
+    by_id = {r.id: r for r in records.requests}
+    for r in records.requests:
+        if r.next_turn is not None:
+            follow = df.set_index("id").loc[r.next_turn.id]
+            prev = df.set_index("id").loc[r.id]
+            assert follow["arrival_s"] == pytest.approx(prev["finish_s"] + 1.0)
+            assert follow["cached_tokens"] >= 200 - 16      # the previous turn's prompt is cached
+    assert len(by_id) == 60 and (df["status"] == "finished").all()
+
+
+def test_rejected_requests_end_with_a_reason_and_are_counted():
+    s = base(requests=[{"prompt_len": 5000, "output_len": 1}, {"prompt_len": 10, "output_len": 5}])
+    records, _, _ = simulate(s)
+    df = requests_frame(records)
+    assert list(df["status"]) == ["rejected", "finished"]
+    assert "leaves no room for output within max_model_len 4096" in df["reject_reason"].iloc[0]
+    assert summarise(records, s.slo)["requests_rejected"] == 1
+
+
+def test_replicas_share_the_load():
+    s = validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": {"max_model_len": 4096},
+                           "cluster": {"replicas": 3}, "workload": {"num_requests": 90,
+                                                                    "arrival": {"process": "poisson", "rate": 50}}})
+    records, _, _ = simulate(s)
+    df = requests_frame(records)
+    assert sorted(df.groupby("replica").size()) == [30, 30, 30]
