@@ -204,6 +204,7 @@ def profile_and_plan(scenario, model: CausalLM) -> MemoryPlan:
     eng = scenario.engine
     if model.device.type != "cuda" or eng.num_blocks is not None or eng.activation_mib is not None:
         return plan_memory(scenario)
+    torch.cuda.empty_cache()    # memory cached from an earlier pool counts as used in mem_get_info
     activation = profile_run(model, scenario.max_num_batched_tokens, scenario.max_num_seqs)
     measured = scenario.model_copy(deep=True)
     measured.engine.activation_mib = activation / MIB

@@ -25,6 +25,9 @@ SUBCOMMANDS = {
     "plan": "sim.plan:plan_main",
     "validate": "validate.cli:validate_main",
     "calibrate": "validate.cli:calibrate_main",
+    "serve": "engine.server:serve_main",
+    "bench": "validate.bench:bench_main",
+    "compare": "validate.bench:compare_main",
 }
 
 console = Console(stderr=False, highlight=False)

@@ -88,7 +88,7 @@ class MemoryPlan:
 
     @property
     def usable_blocks(self) -> int:
-        return self.num_blocks - 1
+        return max(self.num_blocks - 1, 0)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -153,6 +153,7 @@ def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
     mib = lambda b: f"{b / MIB:,.1f} MiB"  # noqa: E731
     short = (need_blocks - plan.usable_blocks) * plan.block_bytes
     fits = plan.max_tokens
+    advice = (f"The largest max_model_len that fits is {fits}" if fits else "Not even one block fits")
     if plan.from_override:
         cause = f"engine.num_blocks={plan.num_blocks} gives {plan.usable_blocks} usable blocks"
     else:
@@ -163,5 +164,5 @@ def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
     raise InsufficientMemoryError(
         f"max_model_len {max_model_len} needs {need_blocks} blocks of {plan.block_size} tokens "
         f"({mib(need_blocks * plan.block_bytes)}) but {cause}: short by {mib(short)}. "
-        f"The largest max_model_len that fits is {fits}; lower engine.max_model_len, raise "
+        f"{advice}; lower engine.max_model_len, raise "
         f"engine.gpu_memory_utilization, shrink max_num_batched_tokens, or raise parallelism.tp.")

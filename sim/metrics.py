@@ -97,7 +97,45 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         **_kv_figures(records, steps),
         **_step_figures(steps),
     }
+    if len(records.recorders) > 1:
+        summary["replicas"] = _replica_figures(measured, steps, duration, len(records.recorders))
     return summary
+
+
+def _replica_figures(measured: pd.DataFrame, steps: pd.DataFrame, duration: float,
+                     replicas: int) -> list[dict[str, Any]]:
+    """Per replica: its share of the measured requests and their figures. Throughputs are
+    over the cluster's duration, so the replicas' throughputs add up to the cluster's."""
+    out = []
+    for index in range(replicas):
+        mine = measured[measured["replica"] == index]
+        own_steps = steps[steps["replica"] == index]
+        n_in = mine["prompt_tokens"].sum()
+        out.append({
+            "replica": index,
+            "requests": int(len(mine)),
+            "request_throughput": len(mine) / duration if duration > 0 else None,
+            "output_token_throughput": float(mine["output_tokens"].sum()) / duration if duration > 0 else None,
+            "ttft_s_p99": distribution(mine["ttft_s"].to_numpy())["p99"],
+            "tpot_s_p99": distribution(mine["tpot_s"].to_numpy())["p99"],
+            "kv_blocks_peak": int(own_steps["kv_blocks_used"].max()) if len(own_steps) else 0,
+            "prefix_hit_rate": float(mine["cached_tokens"].sum() / n_in) if n_in else 0.0,
+            "preemptions": int(own_steps["preemptions"].sum()) if len(own_steps) else 0,
+        })
+    return out
+
+
+def replica_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """The per-replica figures as a table in display units (ms, %)."""
+    frame = pd.DataFrame(summary.get("replicas") or [])
+    if frame.empty:
+        return frame
+    for column in ("ttft_s_p99", "tpot_s_p99"):
+        frame[column] = pd.to_numeric(frame[column]) * 1e3
+    frame["prefix_hit_rate"] = frame["prefix_hit_rate"] * 100
+    return frame.rename(columns={"request_throughput": "req/s", "output_token_throughput": "output tok/s",
+                                 "ttft_s_p99": "TTFT p99 (ms)", "tpot_s_p99": "TPOT p99 (ms)",
+                                 "kv_blocks_peak": "KV blocks peak", "prefix_hit_rate": "prefix hit (%)"})
 
 
 def _duration(measured: pd.DataFrame) -> float:

@@ -190,7 +190,7 @@ def tiny_scenario(**engine):
 
 
 def test_from_scenario_sizes_the_pool_with_sim_memory():
-    scenario = tiny_scenario(gpu_memory_utilization=0.001)
+    scenario = tiny_scenario(gpu_memory_utilization=0.01)
     runner = ModelRunner.from_scenario(scenario, device="cpu")
     plan = plan_memory(scenario)
     assert runner.plan == plan and runner.num_blocks == plan.num_blocks

@@ -8,6 +8,7 @@ from typing import Optional
 import pandas as pd
 import yaml
 
+from engine.hardware import catalog_device_for_cuda
 from sim.cli import UserError, console, err_console, scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.io import write_csv
@@ -111,23 +112,6 @@ def _fmt(value) -> str:
 
 
 # ----------------------------------------------------------------------------- calibrate
-
-DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("L40S", "l40s"), ("L4", "l4"), ("4090", "rtx-4090"))
-
-
-def catalog_device_for_cuda() -> str:
-    """The catalog entry matching the visible GPU, or an error asking for --catalog-device."""
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    if "A100" in props.name:
-        return "a100-80g" if props.total_memory > 50 * 2**30 else "a100-40g"
-    for token, name in DEVICE_NAMES:
-        if token in props.name:
-            return name
-    raise UserError(f"no catalog entry matches '{props.name}'; pass --catalog-device NAME "
-                    f"(or a device YAML mapping through --scenario)")
-
 
 def calibrate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun calibrate",

@@ -1,0 +1,152 @@
+"""Regenerate docs/whatif/*.png and docs/whatif/results.md from the what-if scenarios.
+
+    .venv/bin/python scripts/make_whatif_plots.py [--jobs N] [--only NAME ...]
+
+Each question runs the exact `simrun` command the README shows (QUESTIONS below) into a
+scratch folder; a sweep's figure is then drawn from the sweep.csv that command wrote, a
+plan's is the plan.png it wrote. So the README's images always come from its commands.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sim.cli import main as simrun, run_parser  # noqa: E402
+from sim.report import format_value  # noqa: E402
+from sim.sweep import Metric, Sweep, plot_metrics, save_png, split_sets, sweep_points  # noqa: E402
+
+DOCS = ROOT / "docs" / "whatif"
+GIB = 1 / 2**30
+
+
+@dataclass(frozen=True)
+class Question:
+    name: str                       # docs/whatif/<name>.png
+    title: str
+    argv: tuple[str, ...]           # simrun's arguments, as the README shows them
+    metrics: tuple = ()             # a sweep's panels (headline names or Metric)
+    table: tuple[str, ...] = field(default=())   # sweep.csv columns for results.md
+
+    @property
+    def is_plan(self) -> bool:
+        return self.argv[0] == "plan"
+
+    @property
+    def command(self) -> str:
+        return "simrun " + " ".join(self.argv)
+
+
+QUESTIONS = (
+    Question("block_size", "Which block size?",
+             ("scenarios/whatif_block_size.yaml", "--set", "engine.block_size=1,4,16,64,128,256",
+              "--set", "workload.arrival.rate=3,4"),
+             ("ttft_p99", "tpot_p99", "kv_usage_peak", "preemptions"),
+             ("engine.block_size", "workload.arrival.rate", "ttft_s.p99", "tpot_s.p99", "preemptions")),
+    Question("rate_slo", "How much load does one replica take within the SLOs?",
+             ("plan", "scenarios/whatif_rate_slo.yaml", "--slo", "ttft_p99=1", "--slo", "tpot_p99=0.1",
+              "--curve", "6"),
+             table=("rate", "ok", "steady.served_rate", "ttft_s.p99", "tpot_s.p99", "failed")),
+    Question("replicas", "How many GPUs, and which?",
+             ("plan", "scenarios/whatif_replicas.yaml", "--target-rate", "20", "--devices",
+              "l4,a100-80g,h100-sxm", "--tp", "1,2"),
+             table=("device", "tp", "replicas", "gpus", "$/hour", "TTFT p99 (ms)", "TPOT p99 (ms)")),
+    Question("prefix_caching", "What does prefix caching buy?",
+             ("scenarios/whatif_prefix_caching.yaml", "--set", "workload.arrival.rate=0.5,1,1.5,2,3,4",
+              "--set", "engine.prefix_caching=false,true"),
+             ("ttft_p99", "request_throughput", "tpot_p99", "prefix_hit_rate"),
+             ("workload.arrival.rate", "engine.prefix_caching", "request_throughput", "ttft_s.p99",
+              "prefix_hit_rate")),
+    Question("tp", "tp=2 on two L4s or tp=1 on one H100?",
+             ("scenarios/whatif_tp.yaml", "--set", "device=l4,l4,h100-sxm", "--set", "parallelism.tp=1,2,1",
+              "--zip"),
+             (Metric("weights", "memory.weight_bytes", "weights per GPU (GiB)", GIB),
+              Metric("kv_pool", "memory.kv_pool_bytes", "KV pool per GPU (GiB)", GIB),
+              Metric("step", "mean_step_s", "mean step time (ms)", 1e3),
+              "goodput", "ttft_p99", "tpot_p99"),
+             ("device", "parallelism.tp", "gpus", "cost_per_hour", "goodput", "ttft_s.p99", "tpot_s.p99")),
+    Question("router", "Which router?",
+             ("scenarios/whatif_router.yaml", "--set", "workload.arrival.rate=4,8,12,16", "--set",
+              "cluster.router=round_robin,least_outstanding_tokens,prefix_aware"),
+             ("prefix_hit_rate", "ttft_p99", "request_throughput", "kv_usage_peak"),
+             ("workload.arrival.rate", "cluster.router", "prefix_hit_rate", "request_throughput", "ttft_s.p99")),
+)
+
+
+def run_question(q: Question, scratch: Path, jobs: int) -> str:
+    """Run q's command, write docs/whatif/<name>.png; returns its results.md section."""
+    out = scratch / q.name
+    if simrun([*q.argv, "--out", str(out), "--quiet", "--jobs", str(jobs)]) != 0:
+        raise SystemExit(f"{q.command} failed")
+    target = DOCS / f"{q.name}.png"
+    if q.is_plan:
+        shutil.copyfile(out / "plan.png", target)
+        return section(q, (out / "plan.csv"), verdict=plan_verdict(out))
+    sweep = read_sweep(q, out / "sweep.csv")
+    save_png(plot_metrics(sweep, q.metrics, ncols=3 if len(q.metrics) > 4 else 2, title=q.title), target)
+    return section(q, out / "sweep.csv")
+
+
+def read_sweep(q: Question, csv: Path) -> Sweep:
+    """The sweep q's command ran, rebuilt from its flags and the sweep.csv it wrote."""
+    args = run_parser().parse_args(list(q.argv))
+    _, axes = split_sets(args.overrides)
+    return Sweep(axes, sweep_points(axes, args.zip), args.zip, pd.read_csv(csv))
+
+
+def plan_verdict(out: Path) -> str:
+    """The verdict line plan.html carries (its first paragraph)."""
+    page = (out / "plan.html").read_text()
+    return page.split("<p>", 1)[1].split("</p>", 1)[0].replace("&lt;", "<").replace("&gt;", ">")
+
+
+def section(q: Question, csv: Path, verdict: str = "") -> str:
+    lines = [f"## {q.title}", "", "```", q.command, "```", "", f"![{q.name}]({q.name}.png)", ""]
+    if verdict:
+        lines += [verdict, ""]
+    frame = pd.read_csv(csv)
+    lines += markdown_table(frame[list(q.table)])
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(frame: pd.DataFrame) -> list[str]:
+    head = "| " + " | ".join(frame.columns) + " |"
+    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
+    rows = ["| " + " | ".join(format_value(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return [head, rule, *rows]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--only", nargs="+", choices=[q.name for q in QUESTIONS], help="regenerate only these")
+    args = p.parse_args()
+    os.chdir(ROOT)                  # the commands name scenarios/ relative to the checkout
+    DOCS.mkdir(parents=True, exist_ok=True)
+    sections = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for q in QUESTIONS:
+            if args.only and q.name not in args.only:
+                continue
+            t0 = time.monotonic()
+            sections.append(run_question(q, Path(scratch), args.jobs))
+            print(f"{q.name}: {time.monotonic() - t0:.1f} s -> docs/whatif/{q.name}.png")
+    if not args.only:
+        header = ("# What-if results\n\nGenerated by `scripts/make_whatif_plots.py` from the commands below "
+                  "(uncalibrated cost model: datasheet peaks x default efficiencies).\n\n")
+        (DOCS / "results.md").write_text(header + "\n".join(sections))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""`simrun serve` on CPU with the tiny model, and `simrun bench` against it: the CI check.
+
+The server runs in a subprocess on 127.0.0.1 (a free port), configured from the same
+scenario the bench replays, so the prediction and the endpoint share one engine setup.
+"""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+
+from engine.replay import new_scheduler
+from engine.runner import ModelRunner
+from engine.server import ApiError, CompletionParams, EngineLoop, Event, ServedModel, parse_completion
+from sim.cli import main
+from sim.scenario import load_scenario
+from sim.workload import build_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO = ROOT / "scenarios" / "serve_smoke.yaml"
+MAX_MODEL_LEN = 512      # serve_smoke.yaml's engine.max_model_len
+VOCAB = 1024             # the tiny model's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}     # a tiny model steps fastest on one thread
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "serve", "--scenario", str(SCENARIO),
+                             "--device", "cpu", "--port", str(port), *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy within 60 s")
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    try:
+        yield url
+    finally:
+        code, err = stop(proc)
+    assert code == 0 and "shut down on SIGTERM: 0 request(s) in flight" in err, err
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+
+
+# ----------------------------------------------------------------------------- bench
+
+def test_bench_against_live_server_measures_every_request(server, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", str(SCENARIO), "--endpoint", server, "--out", str(out), "--scrape-interval", "0.1"]) == 0
+    requests = pd.read_csv(out / "measured" / "requests.csv")
+    scripted = {r.id: r for r in build_workload(load_scenario(SCENARIO)).requests}
+    assert len(requests) == len(scripted) and (requests["status"] == "finished").all()
+    assert all(row.output_tokens == scripted[row.id].output_len for row in requests.itertuples())
+    assert (requests["ttft_s"] > 0).all() and (requests["e2e_s"] > requests["ttft_s"]).all()
+    summary = json.loads((out / "measured" / "summary.json").read_text())
+    assert summary["partial"] is False and summary["requests_measured"] == 18
+    for metric in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        assert summary[metric]["p50"] > 0, metric
+    assert summary["kv_blocks_total"] == 255                  # from vllm:cache_config_info
+    manifest = json.loads((out / "measured" / "manifest.json").read_text())
+    assert manifest["smoke"]["tokens"] == 8 and manifest["server"]["model"] == manifest["server"]["root"]
+    assert manifest["sampling"]["ignore_eos"] is True and manifest["notes"] == []
+    timeline = pd.read_csv(out / "measured" / "metrics_timeline.csv")
+    assert len(timeline) >= 3 and {"kv_usage", "running", "waiting"} <= set(timeline.columns)
+    table = pd.read_csv(out / "comparison.csv").set_index("metric")
+    assert table.loc["KV pool blocks", "relative_error"] == 0
+    # Same workload, same policy code: the prefix cache hits the same tokens on both sides (up to
+    # an arrival that lands on the other side of a step boundary in the prediction).
+    assert table.loc["prefix hit rate", "measured"] == pytest.approx(table.loc["prefix hit rate", "predicted"],
+                                                                     abs=0.05)
+    assert "Predicted vs measured" in (out / "report.html").read_text()
+    assert "predicted vs measured" in capsys.readouterr().out
+
+
+def test_bench_endpoint_down_is_a_clear_error(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", str(SCENARIO), "--endpoint", url, "--out", str(tmp_path / "o")]) == 2
+    assert f"cannot reach {url}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- the API
+
+def test_streamed_and_whole_completions_agree(server):
+    prompt = list(range(40))
+    whole = complete(server, prompt=prompt, max_tokens=6).json()
+    choice = whole["choices"][0]
+    assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
+    assert choice["text"] == " ".join(map(str, choice["token_ids"]))
+    assert whole["usage"]["prompt_tokens"] == 40 and whole["usage"]["completion_tokens"] == 6
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=30,
+                      json={"prompt": prompt, "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert tokens == choice["token_ids"]             # greedy: the same answer either way
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    # the second request found the first's prompt blocks in the prefix cache
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"prompt": "Hello", "max_tokens": 4}, 400, "prompt as text is not supported"),
+    ({"prompt": [1, 2, VOCAB], "max_tokens": 4}, 400, f"prompt[2] = {VOCAB} is outside the vocabulary"),
+    ({"prompt": [1, -1], "max_tokens": 4}, 400, "outside the vocabulary"),
+    ({"prompt": [1, "2"], "max_tokens": 4}, 400, "token ids must be integers"),
+    ({"prompt": [], "max_tokens": 4}, 400, "non-empty list"),
+    ({"prompt": [[1, 2], [3]], "max_tokens": 4}, 400, "batched prompts"),
+    ({"prompt": list(range(500)), "max_tokens": 13}, 400,
+     f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested 513 tokens"),
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ({"prompt": [1, 2], "max_tokens": "8"}, 400, "max_tokens must be an integer"),
+    ({"prompt": [1, 2], "stream": "yes"}, 400, "stream must be true or false"),
+    ({"prompt": [1, 2], "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": [1, 2], "temperature": 0.7}, 400, "samples every request at temperature 0.0"),
+    ({"prompt": [1, 2], "top_p": 0.5}, 400, "top_p=0.5 is not supported"),
+    ({"prompt": [1, 2], "frobnicate": 1}, 400, "unsupported field(s): frobnicate"),
+    ({"prompt": [1, 2], "model": "gpt-4"}, 404, "The model `gpt-4` does not exist."),
+])
+def test_bad_requests_are_refused_with_a_reason(server, body, status, message):
+    reply = complete(server, **body)
+    assert reply.status_code == status
+    assert message in reply.json()["error"]["message"]
+    assert reply.json()["error"]["code"] == status
+
+
+def test_server_keeps_serving_after_bad_requests(server):
+    assert httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=10).status_code == 400
+    assert httpx.post(f"{server}/v1/completions", json=[1, 2], timeout=10).status_code == 400
+    # vLLM's benchmark client sends these neutral sampling fields: accepted
+    reply = complete(server, prompt=[5, 6, 7], max_tokens=3, repetition_penalty=1.0, logprobs=None,
+                     temperature=0.0, best_of=1, ignore_eos=True)
+    assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 3
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_models_version_and_metrics_names(server):
+    card = httpx.get(f"{server}/v1/models").json()["data"][0]
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server}/version").json()["server"] == "kvtwin"
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count"):
+        assert name in text, name
+
+
+def wait_for_aborts(url: str, model: str, count: float) -> dict[str, float]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = scrape(url)
+        if now[f'vllm:request_success_total{{model_name="{model}",finished_reason="abort"}}'] == count:
+            return now
+        time.sleep(0.05)
+    raise AssertionError(f"the server never counted {count} aborted requests")
+
+
+def test_client_disconnect_frees_its_blocks(server):
+    model = httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+    gauge = f'{{model_name="{model}"}}'
+    aborted = scrape(server)[f'vllm:request_success_total{{model_name="{model}",finished_reason="abort"}}']
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=30,
+                      json={"prompt": list(range(200)), "max_tokens": 300, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                assert scrape(server)[f"vllm:kv_cache_usage_perc{gauge}"] > 0   # it holds blocks while streaming
+                break
+    now = wait_for_aborts(server, model, aborted + 1)
+    assert now[f"vllm:kv_cache_usage_perc{gauge}"] == 0.0 and now[f"vllm:num_requests_running{gauge}"] == 0.0
+    # a client waiting for a whole (non-streamed) answer that gives up is noticed too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json={"prompt": [1, 2], "max_tokens": 500}, timeout=0.2)
+    now = wait_for_aborts(server, model, aborted + 2)
+    assert now[f"vllm:kv_cache_usage_perc{gauge}"] == 0.0
+
+
+def test_sigterm_drains_then_aborts_and_reports():
+    proc, url = start_server("--shutdown-grace", "0.3")
+    try:
+        received: list[str] = []
+
+        def long_request():
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                              json={"prompt": [1, 2, 3], "max_tokens": 509, "stream": True}) as r:
+                received.extend(line for line in r.iter_lines() if line)
+
+        client = threading.Thread(target=long_request)
+        client.start()
+        while not received:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        code, err = stop(proc)
+        client.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, err
+    assert "shut down on SIGTERM: 1 request(s) in flight, 0 finished during the grace period, 1 aborted" in err
+    assert "[DONE]" not in received[-1] and "shutting down" in received[-1]   # told, not silently cut
+
+
+# ----------------------------------------------------------------------------- in process, no HTTP
+
+SERVED = ServedModel("m", "m", vocab_size=100, max_model_len=64, temperature=0.0, eos_token_id=None)
+
+
+def test_parse_completion_defaults_follow_vllm():
+    params = parse_completion({"prompt": [1, 2, 3]}, SERVED)
+    assert params.max_tokens == 61 and not params.stream and not params.ignore_eos   # max_model_len - prompt
+    params = parse_completion({"prompt": [1] * 63, "max_tokens": 1, "stream": True,
+                               "stream_options": {"include_usage": True}}, SERVED)
+    assert params.include_usage and params.stream
+    with pytest.raises(ApiError, match="maximum context length is 64"):
+        parse_completion({"prompt": [1] * 64}, SERVED)          # no room for one output token
+    with pytest.raises(ApiError, match="must be integers"):
+        parse_completion({"prompt": [True, 2]}, SERVED)         # a bool is not a token id
+
+
+def test_engine_loop_stops_at_eos_and_relays_scheduler_rejections():
+    """In process: EOS ends a request unless ignore_eos; a request the scheduler refuses is
+    answered with the scheduler's reason (the HTTP layer turns that into a 400)."""
+    scenario = load_scenario(SCENARIO, ["engine.max_model_len=64"])   # the HTTP side believes 512
+    runner = ModelRunner.from_scenario(scenario, "cpu")
+    prompt = [1, 2, 3, 4]
+
+    async def run(ignore_eos: bool, eos: int | None, prompt=prompt, max_tokens=5) -> list:
+        served = ServedModel("m", "m", VOCAB, MAX_MODEL_LEN, 0.0, eos)
+        engine = EngineLoop(new_scheduler(scenario, runner.num_blocks), runner, served)
+        engine.start(asyncio.get_running_loop())
+        stream = engine.submit(CompletionParams(prompt, max_tokens, ignore_eos, True, False))
+        events = [await stream.next()]
+        while not stream.ended:
+            events.append(await stream.next())
+        await asyncio.to_thread(engine.stop)
+        return events
+
+    greedy = [e.token for e in asyncio.run(run(True, None))[1:]]
+    eos = greedy[-1]
+    events = asyncio.run(run(False, eos))
+    assert [e.token for e in events[1:]] == greedy[:greedy.index(eos) + 1] and events[-1].finish_reason == "stop"
+    events = asyncio.run(run(True, eos))
+    assert len(events) == 6 and events[-1].finish_reason == "length"
+    refused = asyncio.run(run(True, None, prompt=list(range(100)), max_tokens=10))
+    assert refused == [Event("rejected", message="prompt of 100 tokens leaves no room for output within "
+                                                  "max_model_len 64")]

@@ -1,0 +1,165 @@
+"""Sweeps: --set value lists, grid and zip points, per-point validation, sweep.csv, backends."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from sim.cli import main
+from sim.predict import predict
+from sim.scenario import ScenarioError, apply_overrides, load_raw, load_scenario
+from sim.sweep import (Axis, SweepError, flatten, run_sweep, split_sets, split_values, sweep_points)
+
+SMALL = {
+    "name": "small", "seed": 0, "model": "llama-3.1-8b", "device": "l4",
+    "engine": {"max_model_len": 1024, "prefix_caching": False, "max_num_seqs": 16},
+    "workload": {"num_requests": 80, "warmup_requests": 5, "arrival": {"process": "poisson", "rate": 2},
+                 "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                 "output_len": {"dist": "uniform", "min": 16, "max": 64}},
+}
+
+
+@pytest.fixture
+def scenario_file(tmp_path) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    return path
+
+
+def sweep_of(path: Path, overrides: list[str], zipped: bool = False, jobs: int = 1, ray=None):
+    plain, axes = split_sets(overrides)
+    raw = apply_overrides(load_raw(path), plain)
+    return run_sweep(raw, path.parent, str(path), axes, zipped, jobs, ray, quiet=True)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+@pytest.mark.parametrize("text, expected", [
+    ("8,16,32", ["8", "16", "32"]),
+    ("16", ["16"]),
+    ("l4, h100-sxm", ["l4", "h100-sxm"]),
+    ("[0,600]", ["[0,600]"]),                           # a YAML flow list is one value
+    ("{base: l4, memory_mib: 20000}", ["{base: l4, memory_mib: 20000}"]),
+])
+def test_commas_split_values_unless_the_value_is_a_yaml_collection(text, expected):
+    assert split_values(text) == expected
+
+
+def test_single_values_stay_plain_overrides_and_lists_become_axes():
+    plain, axes = split_sets(["engine.block_size=8,16", "workload.trace.window_s=[0,600]",
+                              "engine.prefix_caching=true,false", "seed=3"])
+    assert plain == ["workload.trace.window_s=[0,600]", "seed=3"]
+    assert axes == [Axis("engine.block_size", ("8", "16"), (8, 16)),
+                    Axis("engine.prefix_caching", ("true", "false"), (True, False))]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.block_size=8,,16"], "empty value"),
+    (["engine.block_size=8,16", "engine.block_size=32"], "given twice"),
+    (["engine.block_size=8,8,16"], "more than once"),
+])
+def test_malformed_sweeps_are_named(overrides, message):
+    with pytest.raises(SweepError, match=message):
+        _, axes = split_sets(overrides)
+        sweep_points(axes)
+
+
+def test_grid_takes_every_combination_with_the_first_field_outermost():
+    _, axes = split_sets(["a=1,2", "b=x,y,z"])
+    points = sweep_points(axes)
+    assert [p.texts for p in points] == [("1", "x"), ("1", "y"), ("1", "z"), ("2", "x"), ("2", "y"), ("2", "z")]
+
+
+def test_zip_pairs_values_and_needs_equal_lengths():
+    _, axes = split_sets(["device=l4,l4,h100-sxm", "parallelism.tp=1,2,1"])
+    assert [p.values for p in sweep_points(axes, zipped=True)] == [("l4", 1), ("l4", 2), ("h100-sxm", 1)]
+    _, uneven = split_sets(["a=1,2", "b=x,y,z"])
+    with pytest.raises(SweepError, match="a has 2, b has 3"):
+        sweep_points(uneven, zipped=True)
+
+
+def test_flatten_dots_nested_keys_and_drops_lists():
+    assert flatten({"ttft_s": {"p99": 1.0}, "replicas": [{"replica": 0}], "preemptions": 2}) == \
+        {"ttft_s.p99": 1.0, "preemptions": 2}
+
+
+# ----------------------------------------------------------------------------- running
+
+def test_grid_rows_match_individual_runs(scenario_file):
+    sweep = sweep_of(scenario_file, ["engine.block_size=16,32", "workload.arrival.rate=1,3"])
+    frame = sweep.frame
+    assert list(frame.columns[:3]) == ["engine.block_size", "workload.arrival.rate", "requests_total"]
+    assert "ttft_s.p99" in frame and "memory.num_blocks" in frame and "cost_per_hour" in frame
+    assert frame[["engine.block_size", "workload.arrival.rate"]].values.tolist() == [[16, 1], [16, 3], [32, 1], [32, 3]]
+    alone = predict(load_scenario(scenario_file, ["engine.block_size=32", "workload.arrival.rate=1"])).summary
+    row = frame.iloc[2]
+    for key in ("request_throughput", "ttft_s.p99", "tpot_s.p99", "kv_blocks_peak", "memory.num_blocks"):
+        assert row[key] == flatten(alone)[key], key
+
+
+def test_a_bad_value_names_the_field_and_the_point(scenario_file):
+    with pytest.raises(ScenarioError) as e:
+        sweep_of(scenario_file, ["engine.block_size=16,0"])
+    assert "(at engine.block_size=0): engine.block_size:" in str(e.value)
+
+
+def test_a_point_that_does_not_fit_is_a_row_with_an_error(scenario_file):
+    frame = sweep_of(scenario_file, ["model=llama-3.1-8b,llama-3.1-70b"]).frame
+    assert frame.columns[-1] == "error"
+    assert pd.isna(frame["error"][0]) and frame["error"][1].startswith("does not fit")
+    assert pd.isna(frame["request_throughput"][1])
+
+
+def test_variants_need_dropping_before_a_sweep(tmp_path):
+    path = tmp_path / "v.yaml"
+    path.write_text(yaml.safe_dump({**SMALL, "variants": {"a": {}, "b": {}}}))
+    with pytest.raises(SweepError, match="variants=\\{\\}"):
+        sweep_of(path, ["engine.block_size=16,32"])
+    assert sweep_of(path, ["engine.block_size=16,32", "variants={}"]).frame.shape[0] == 2
+
+
+def run_cli(path: Path, out: Path, *extra: str) -> bytes:
+    assert main([str(path), "--set", "engine.block_size=16,32", "--set", "workload.arrival.rate=1,3",
+                 "--out", str(out), "--quiet", *extra]) == 0
+    return (out / "sweep.csv").read_bytes()
+
+
+def test_cli_sweep_writes_csv_plots_and_page_identically_for_any_jobs(scenario_file, tmp_path):
+    one = run_cli(scenario_file, tmp_path / "one", "--jobs", "1")
+    two = run_cli(scenario_file, tmp_path / "two", "--jobs", "2")
+    assert one == two
+    names = {p.name for p in (tmp_path / "two").iterdir()}
+    assert {"sweep.csv", "sweep.html", "sweep_ttft_p99.png", "sweep_kv_usage_peak.png"} <= names
+    assert "sweep_goodput.png" not in names             # no SLO, no goodput: no empty plot
+
+
+def test_point_outputs_write_each_run(scenario_file, tmp_path):
+    assert main([str(scenario_file), "--set", "engine.block_size=16,32", "--out", str(tmp_path),
+                 "--quiet", "--jobs", "1", "--point-outputs"]) == 0
+    folders = sorted(p.name for p in (tmp_path / "points").iterdir())
+    assert folders == ["000_block_size=16", "001_block_size=32"]
+    assert (tmp_path / "points" / folders[0] / "summary.json").exists()
+
+
+def test_sweep_flags_without_a_sweep_are_an_error(scenario_file, tmp_path, capsys):
+    assert main([str(scenario_file), "--zip", "--out", str(tmp_path), "--quiet"]) == 2
+    assert "--zip applies to sweeps" in capsys.readouterr().err
+
+
+def test_ray_backend_gives_the_same_csv(scenario_file, tmp_path):
+    ray = pytest.importorskip("ray")
+    local = run_cli(scenario_file, tmp_path / "local", "--jobs", "1")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)   # the test's own local instance
+    try:
+        assert run_cli(scenario_file, tmp_path / "in_process", "--ray") == local
+        assert ray.is_initialized()                                      # the sweep left it running
+        address = ray.get_runtime_context().gcs_address                  # a second driver connects by address
+        out = tmp_path / "by_address"
+        subprocess.run([sys.executable, "-m", "sim.cli", str(scenario_file), "--set", "engine.block_size=16,32",
+                        "--set", "workload.arrival.rate=1,3", "--out", str(out), "--quiet", "--ray", address],
+                       check=True, timeout=120)
+        assert (out / "sweep.csv").read_bytes() == local
+    finally:
+        ray.shutdown()
