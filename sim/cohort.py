@@ -7,10 +7,12 @@ a straight line in the step number, so the cohort stores it as offsets from two 
 (see Request's docstring) and only visits a member at its *events*:
 
   cross  - the step whose token starts a new block: allocate it (paged), count it walked;
-  full   - the step whose token fills a block: publish its hash to the prefix cache;
+  fill   - the step whose token completes a block: publish its hash to the prefix cache;
   finish - the step that emits the member's last token.
 
-Per step that is O(members crossing a block boundary + finishing), ~batch / block_size.
+Members are grouped by the phase of their context within a block, so the members crossing
+or filling a block at a step are one group: per step the work is O(members at a block
+boundary + finishing), ~batch / block_size.
 The scheduler uses the cohort only when every running request gets all it asks for this
 step (budget and free blocks suffice): then the order in which vLLM would visit them
 cannot matter and the outcome equals the one-by-one loop exactly. Otherwise it dissolves
@@ -34,8 +36,10 @@ class DecodeCohort:
         self.finished_step = -1       # latest step whose tokens were emitted
         self.ctx_offset_sum = 0       # sum of members' _computed (context - scheduled_step)
         self.blocks_walked = 0        # sum of members' cdiv(context, block_size) at scheduled_step
-        self._cross: dict[int, list] = defaultdict(list)
-        self._full: dict[int, list] = defaultdict(list)
+        # A member's context at step t is _computed + t, so its block boundaries fall on the steps
+        # t with t = -_computed (mod block_size): members grouped by _computed % block_size all
+        # cross (start a block) and fill (complete one) on the same steps, with no per-member events.
+        self._by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
         self._finish: dict[int, list] = defaultdict(list)
 
     def __len__(self) -> int:
@@ -51,21 +55,20 @@ class DecodeCohort:
         req._cohort = self
         req.cohort_gen += 1
         self.members[req] = None
+        self._by_phase[req._computed % bs][req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
-        finish = step + req.output_len - output
-        self._at(self._finish, finish, req)
-        self._at_if(self._cross, step + 1 + (-computed) % bs, finish, req)
+        self._finish[step + req.output_len - output].append((req, req.cohort_gen))
         if self.caching:
             # Scripted outputs are known up front: hash every block the member will fill, in bulk.
             req.extend_block_hashes((req.max_len - 1) // bs, bs)
-            self._at_if(self._full, step + 1 + (-computed - 1) % bs, finish, req)
 
     def leave(self, req: Request) -> None:
         """Materialise a member's progress and let it go (finished, preempted, dissolved)."""
         computed, output = req.num_computed, req.num_output
         self.ctx_offset_sum -= req._computed
         self.blocks_walked -= -(-computed // self.block_size)
+        del self._by_phase[req._computed % self.block_size][req]
         req._computed, req._output = computed, output
         req._last_emit = self.finished_step
         req._cohort = None
@@ -79,40 +82,29 @@ class DecodeCohort:
         return members
 
     # -- one step --------------------------------------------------------------------------
+    def _crossing(self, step: int) -> dict[Request, None]:
+        """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
+        return self._by_phase[(1 - step) % self.block_size]
+
     def due_blocks(self, step: int) -> int:
-        """Blocks the members will need at `step` (an upper bound: stale events included)."""
-        return len(self._cross.get(step, ())) if self.paged else 0
+        """Blocks the members need at `step`."""
+        return len(self._crossing(step)) if self.paged else 0
 
     def advance(self, step: int, kv) -> None:
-        """Schedule one token for every member at `step`, handling the members' block events."""
+        """Schedule one token for every member at `step`, handling the members' block boundaries."""
         self.scheduled_step = step
         bs = self.block_size
-        for req, gen in self._cross.pop(step, ()):
-            if req.cohort_gen == gen:
-                self.blocks_walked += 1
-                if self.paged:
-                    req.blocks.append(kv.pool.take_one())
-                    kv.held_slots += bs
-                self._at_if(self._cross, step + bs, self._finish_step(req), req)
-        for req, gen in self._full.pop(step, ()):
-            if req.cohort_gen == gen:
+        crossing = self._crossing(step)
+        self.blocks_walked += len(crossing)
+        if self.paged and crossing:
+            take_block = kv.pool.take_one
+            for req in crossing:
+                req.blocks.append(take_block())
+            kv.held_slots += bs * len(crossing)
+        if self.caching:
+            for req in self._by_phase[-step % bs]:               # their token completes a block
                 kv.register_block(req, (req._computed + step) // bs - 1)
-                self._at_if(self._full, step + bs, self._finish_step(req), req)
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after setting finished_step)."""
         return [req for req, gen in self._finish.pop(step, ()) if req.cohort_gen == gen]
-
-    # -- events ----------------------------------------------------------------------------
-    @staticmethod
-    def _finish_step(req: Request) -> int:
-        return req.output_len - req._output
-
-    @staticmethod
-    def _at(events: dict, step: int, req: Request) -> None:
-        events[step].append((req, req.cohort_gen))
-
-    def _at_if(self, events: dict, step: int, last: int, req: Request) -> None:
-        """An event at `step`, unless the member is gone by then (its last step is `last`)."""
-        if step <= last:
-            events[step].append((req, req.cohort_gen))

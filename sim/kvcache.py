@@ -56,15 +56,15 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        return [self.take_one() for _ in range(n)]
+        take = self.take_one
+        return [take() for _ in range(n)]
 
     def take_one(self) -> int:
         """Pop the least recently freed block, evicting its cached hash if it still has one."""
-        block, _ = self.free_queue.popitem(last=False)
+        block = self.free_queue.popitem(last=False)[0]
         h = self.block_hash[block]
-        if h is not None:                    # lazy eviction of a cached block
-            if self.cached.get(h) == block:
-                del self.cached[h]
+        if h is not None:                    # lazy eviction (a block holds a hash only while the map points at it)
+            del self.cached[h]
             self.block_hash[block] = None
             self.num_cached_free -= 1
             self.evictions += 1
@@ -81,12 +81,15 @@ class BlockPool:
 
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
+        ref, queue, hashes = self.ref_cnt, self.free_queue, self.block_hash
+        revivable = 0
         for block in blocks:
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is not None:
-                    self.num_cached_free += 1
+            ref[block] -= 1
+            if not ref[block]:
+                queue[block] = None
+                if hashes[block] is not None:
+                    revivable += 1
+        self.num_cached_free += revivable
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Register a full block. A hash already mapped to a live block keeps that block."""
@@ -115,6 +118,8 @@ class BlockPool:
             assert self.ref_cnt[b] >= 0
         for h, b in self.cached.items():
             assert self.block_hash[b] == h
+        hashed = [b for b in range(1, self.num_blocks) if self.block_hash[b] is not None]
+        assert len(hashed) == len(self.cached), "a block holds a hash the map does not point to"
         assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
 
 

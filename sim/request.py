@@ -180,40 +180,55 @@ class Request:
         request's salt, so different tenants never share a block.
         """
         hashes = self.block_hashes
-        if len(hashes) >= num_blocks:
+        need = num_blocks - len(hashes)
+        if need <= 0:
             return
         segs = self.segments
+        last = len(segs) - 1
         seg_i, off = self._hash_cursor
         parent = hashes[-1] if hashes else self.salt
-        while len(hashes) < num_blocks:
+        append = hashes.append
+        while need:
             seg = segs[seg_i]
-            if isinstance(seg, tuple) and seg[1] - off >= block_size:   # fast path: one piece
-                parent = hash((parent, seg[0], off, off + block_size))
-                off += block_size
-                if off == seg[1] and seg_i + 1 < len(segs):
+            if isinstance(seg, tuple):      # fast path: whole blocks inside one keyed segment
+                key, length = seg
+                whole = min((length - off) // block_size, need)
+                for _ in range(whole):
+                    parent = hash((parent, key, off, off + block_size))
+                    append(parent)
+                    off += block_size
+                need -= whole
+                if off == length and seg_i < last:     # stay on the last segment: it may grow
                     seg_i, off = seg_i + 1, 0
-            else:
-                pieces: list = [parent]
-                need = block_size
-                while need:
-                    seg = segs[seg_i]
-                    take = min(need, segment_len(seg) - off)
-                    if take <= 0:
-                        raise ValueError(f"request {self.id}: cannot hash block {len(hashes)}, "
-                                         f"its tokens are not known yet")
-                    if isinstance(seg, tuple):
-                        pieces += (seg[0], off, off + take)
-                    else:
-                        pieces += seg[off: off + take]
-                        pieces.append(-1)  # piece separator: literal ids are >= 0
-                    off += take
-                    need -= take
-                    # stay on the last segment: a live output list keeps growing
-                    if off == segment_len(seg) and seg_i + 1 < len(segs):
-                        seg_i, off = seg_i + 1, 0
-                parent = hash(tuple(pieces))
-            hashes.append(parent)
+                    continue
+                if not need:
+                    break
+            parent, seg_i, off = self._hash_spanning_block(parent, seg_i, off, block_size)
+            append(parent)
+            need -= 1
         self._hash_cursor = (seg_i, off)
+
+    def _hash_spanning_block(self, parent: int, seg_i: int, off: int, block_size: int) -> tuple[int, int, int]:
+        """One block that spans segments or lies in a literal one: hash all its pieces."""
+        segs = self.segments
+        pieces: list = [parent]
+        need = block_size
+        while need:
+            seg = segs[seg_i]
+            take = min(need, segment_len(seg) - off)
+            if take <= 0:
+                raise ValueError(f"request {self.id}: cannot hash block {len(self.block_hashes)}, "
+                                 f"its tokens are not known yet")
+            if isinstance(seg, tuple):
+                pieces += (seg[0], off, off + take)
+            else:
+                pieces += seg[off: off + take]
+                pieces.append(-1)  # piece separator: literal ids are >= 0
+            off += take
+            need -= take
+            if off == segment_len(seg) and seg_i + 1 < len(segs):
+                seg_i, off = seg_i + 1, 0
+        return hash(tuple(pieces)), seg_i, off
 
     def token_ids(self, start: int, end: int, vocab_size: int) -> np.ndarray:
         """Materialise token ids [start, end) of prompt + output (the engine's input ids)."""

@@ -154,6 +154,8 @@ class Scheduler:
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
         self.running: list[Request] = []
+        # Running requests outside the decode cohort, in admission order (usually a few prefills).
+        self.active: dict[Request, None] = {}
         self.step = 0
         self.num_added = self.num_finished = self.num_rejected = self.num_aborted = 0
         self.num_preemptions = 0
@@ -200,6 +202,7 @@ class Scheduler:
             self.cohort.leave(req)
         if req in self.running:
             self.running.remove(req)
+            self.active.pop(req, None)
         elif self.priority:
             self.waiting_heap = [e for e in self.waiting_heap if e[-1] is not req]
             heapq.heapify(self.waiting_heap)
@@ -281,6 +284,7 @@ class Scheduler:
             others = self._cohort_can_take(batch.step, budget)
             if others is None:
                 cohort.dissolve()              # some member may not get its token: go one by one
+                self.active = dict.fromkeys(self.running)
             else:
                 cohort.advance(batch.step, self.kv)
                 n = len(cohort)
@@ -321,7 +325,7 @@ class Scheduler:
         left = budget - len(cohort)
         if left < 0:
             return None
-        others = [r for r in self.running if r._cohort is None]
+        others = list(self.active)
         blocks = cohort.due_blocks(step)
         for req in others:
             n = req.num_tokens - req.num_computed
@@ -378,6 +382,7 @@ class Scheduler:
             self.running.remove(victim)
         else:
             self.running.pop()
+        self.active.pop(victim, None)
         scheduled_now = 0
         if victim in batch.decodes or victim in batch.prefills:
             scheduled_now = batch.remove(victim, self.block_size)
@@ -422,6 +427,7 @@ class Scheduler:
             req.num_computed = hit_tokens
             self.tokens_held += hit_tokens
             running.append(req)
+            self.active[req] = None
             batch.admitted.append(req)
             if n_now:
                 budget -= n_now
@@ -455,13 +461,15 @@ class Scheduler:
             self.tokens_held -= req.num_computed
             self.kv.free(req)
             _close_emit_run(req)
-        if finished:
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-            self.num_finished += len(finished)
+        for req in finished:
+            self.running.remove(req)
+            self.active.pop(req, None)
+        self.num_finished += len(finished)
         if self.lazy:
             for req in emitted:
                 if req.status is Status.RUNNING and not req.is_live:
                     self.cohort.join(req, step)
+                    del self.active[req]
         return finished
 
     # -- checks --------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """Batching policies as specifications: the seed's example, vLLM's rules, and invariants."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ def drive(sched, max_steps=100_000):
         assert batch is not None, "work remains but nothing could be scheduled"
         bs = sched.block_size
         assert sched.slack_tokens == sum(len(r.blocks) * bs - r.num_computed for r in sched.running) >= 0
+        assert list(sched.active) == [r for r in sched.running if r._cohort is None]
         steps.append(dict(n=len(batch), tokens=batch.num_tokens, decode=batch.num_decode,
                           prefill=batch.num_prefill_tokens, running=sched.num_running,
                           admitted=len(batch.admitted), preempted=len(batch.preempted)))
@@ -252,6 +254,7 @@ def test_decode_cohort_matches_the_one_by_one_loop(reqs, num_blocks, block_size,
                                x.prefill_attn, x.blocks_read, len(x.preempted), len(x.admitted))
             assert shape(a) == shape(b), f"step {step}"
             assert (lazy.kv.num_used_blocks, lazy.slack_tokens) == (exact.kv.num_used_blocks, exact.slack_tokens)
+            assert list(lazy.active) == [r for r in lazy.running if r._cohort is None]
             lazy.finish_step(a)
             exact.finish_step(b)
         step += 1
@@ -260,3 +263,27 @@ def test_decode_cohort_matches_the_one_by_one_loop(reqs, num_blocks, block_size,
               "chunk_steps", "num_preemptions", "num_cached_tokens", "admit_step")
     for x, y in zip(lazy_reqs, exact_reqs):
         assert [getattr(x, f) for f in fields] == [getattr(y, f) for f in fields]
+
+
+@pytest.mark.parametrize("num_blocks, policy", [(40, "fcfs"), (40, "priority"), (400, "fcfs")])
+def test_decode_cohort_is_used_and_exact_under_pressure(num_blocks, policy):
+    """A fixed workload where the cohort carries most steps and the small pool forces preemptions."""
+    def run(lazy):
+        s = make(num_blocks, 4, True, max_num_seqs=8, max_num_batched_tokens=64, policy=policy, lazy_decode=lazy)
+        reqs = [make_request(i, 0.0, [(7, 12), (i, 5 + 3 * (i % 4))], 20 + 7 * (i % 5), priority=i % 3)
+                for i in range(24)]
+        for r in reqs:
+            s.add(r)
+        shapes, cohort_steps = [], 0
+        while s.has_unfinished():
+            b = s.schedule()
+            cohort_steps += b.cohort_size > 0
+            shapes.append((b.num_decode, b.decode_ctx, b.num_prefill_tokens, b.blocks_read, len(b.preempted),
+                           s.kv.num_used_blocks, s.slack_tokens))
+            s.finish_step(b)
+        return shapes, cohort_steps, s.num_preemptions, [(r.emit_runs, r.num_cached_tokens) for r in reqs]
+
+    lazy, exact = run(True), run(False)
+    assert lazy[0] == exact[0] and lazy[2:] == exact[2:]
+    assert lazy[1] > len(lazy[0]) // 2            # the cohort carried most steps
+    assert (lazy[2] > 0) == (num_blocks == 40)     # the small pool preempts
