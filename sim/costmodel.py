@@ -2,7 +2,8 @@
 
     step = host + device
     host   = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
-             + token_host_s x tokens
+             + token_host_s x tokens (+ wake_s on the first step after the engine sat idle:
+             cold caches and clocks; calibration measures it)
     device = step_device_s + layers x (layer_overhead_s
                  + max(linear FLOPs / (peak x flops_eff), weight bytes / (bw x bw_eff))
                  + max(attention FLOPs / (peak x attn_flops_eff), KV bytes / (bw x attn_bw_eff))
@@ -51,6 +52,7 @@ class CostCoefficients:
     seq_host_s: float = 3e-6          # per sequence per step on the host
     prefill_seq_host_s: float = 20e-6  # per prefill sequence (admission: prefix lookup, allocation)
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
+    wake_s: float = 0.0               # extra time of the first step after the engine sat idle
 
     @classmethod
     def names(cls) -> list[str]:
@@ -89,6 +91,23 @@ class DeviceProfile:
         known = {f.name for f in fields(cls)} - {"coefficients"}
         extra = {k: v for k, v in raw.items() if k in known}
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
+
+
+IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
+
+
+def after_idle(steps) -> np.ndarray:
+    """Per recorded step: did the engine sit idle before it? (The first step always did;
+    calibration probes, which carry no times, run back to back.)"""
+    if "start_s" not in steps:
+        return np.zeros(len(steps[STEP_SHAPE[0]]), dtype=bool)
+    start = np.asarray(steps["start_s"], dtype=float)
+    end = np.asarray(steps["end_s"], dtype=float)
+    gap = start - np.concatenate([[-np.inf], end[:-1]])
+    if "replica" in getattr(steps, "columns", ()):
+        replica = np.asarray(steps["replica"])
+        gap[1:][replica[1:] != replica[:-1]] = np.inf
+    return gap > IDLE_GAP_S
 
 
 class CostModel:
@@ -139,18 +158,21 @@ class CostModel:
         else:
             self._allreduce_token_s = self._allreduce_fixed_s = 0.0
 
-    def step_time(self, batch) -> tuple[float, float]:
+    def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = len(batch.decodes)
         seqs = decodes + len(batch.prefills)
-        return (self._host_time(seqs, decodes, batch.num_prefill_tokens),
-                self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
-                                  batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max))
+        host = self._host_time(seqs, decodes, batch.num_prefill_tokens)
+        if after_idle:
+            host += self.coefficients.wake_s
+        return host, self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
+                                       batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max)
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
         col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
-        return self._host_time(*col[:3]), self._device_time(*col, np.maximum)
+        host = self._host_time(*col[:3]) + self.coefficients.wake_s * after_idle(steps)
+        return host, self._device_time(*col, np.maximum)
 
     def _host_time(self, seqs, decodes, prefill_tokens):
         c = self.coefficients

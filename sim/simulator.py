@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import simpy
 
-from sim.costmodel import CostModel
+from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.kvcache import KVCacheManager
 from sim.memory import MemoryPlan, plan_memory
 from sim.records import RunRecords, StepRecorder
@@ -93,6 +93,7 @@ class Simulation:
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
         step_time = self.cost_model.step_time
+        last_end = float("-inf")
         while True:
             batch = sched.schedule()
             if batch is None:
@@ -101,10 +102,11 @@ class Simulation:
                 replica.wakeup = None
                 continue
             kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, sched.slack_tokens
-            host, device = step_time(batch)
+            host, device = step_time(batch, env.now - last_end > IDLE_GAP_S)
             start = env.now
             yield env.timeout(host + device)
             recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
+            last_end = env.now
             for req in sched.finish_step(batch):
                 replica.outstanding_tokens -= req.max_len
                 if req.next_turn is not None:

@@ -207,20 +207,35 @@ class Calibration:
     test_quality: dict
 
 
-def calibration_scenario(scenario):
-    """The scenario with a fixed synthetic workload: its replay exercises the whole engine loop
-    (admissions, prefix hits, chunked prefills, decodes) so the host terms can be fitted."""
+def calibration_scenario(scenario, isolated: bool = False):
+    """The scenario with a fixed synthetic workload. The default replay exercises the whole
+    engine loop (admissions, prefix hits, chunked prefills, decodes) to fit the host terms;
+    the `isolated` one sends short requests far apart, so each starts on an idle engine."""
     from sim.scenario import validate_scenario
 
     raw = scenario.model_dump(mode="json", exclude={"variants", "workload", "name"}, exclude_none=True)
     budget = scenario.max_num_batched_tokens
-    raw["workload"] = {
-        "num_requests": 6 * min(scenario.max_num_seqs, 32), "arrival": {"process": "offline"},
-        "prompt_len": {"dist": "uniform", "min": 8, "max": max(16, min(budget, scenario.max_model_len // 2))},
-        "output_len": {"dist": "uniform", "min": 2, "max": 48},
-        "shared_prefix": {"groups": 2, "length": 32, "fraction": 0.5}}
-    raw["name"] = f"calibration-{scenario.model.name}"
+    if isolated:
+        raw["workload"] = {"num_requests": 12, "arrival": {"process": "fixed", "rate": 8},
+                           "prompt_len": 32, "output_len": 4}
+    else:
+        raw["workload"] = {
+            "num_requests": 6 * min(scenario.max_num_seqs, 32), "arrival": {"process": "offline"},
+            "prompt_len": {"dist": "uniform", "min": 8, "max": max(16, min(budget, scenario.max_model_len // 2))},
+            "output_len": {"dist": "uniform", "min": 2, "max": 48},
+            "shared_prefix": {"groups": 2, "length": 32, "fraction": 0.5}}
+    raw["name"] = f"calibration-{scenario.model.name}{'-isolated' if isolated else ''}"
     return validate_scenario(raw)
+
+
+def fit_wake(steps: pd.DataFrame, cost: CostModel) -> float:
+    """Median extra time of steps that follow an idle engine, beyond what the fit predicts."""
+    from sim.costmodel import after_idle
+
+    idle = after_idle(steps)
+    host, device = cost.step_times(steps)
+    extra = (steps["end_s"] - steps["start_s"]).to_numpy() - (host + device)
+    return max(float(np.median(extra[idle])), 0.0) if idle.any() else 0.0
 
 
 def calibrate(scenario, device: str = "cpu", grid: Optional[Grid] = None,
@@ -239,6 +254,9 @@ def calibrate(scenario, device: str = "cpu", grid: Optional[Grid] = None,
     device_train = pd.concat([probes[~test], _subsample(loop, 200)], ignore_index=True)
     coeffs = fit_device(device_train, scenario.model, scenario.device, scenario.parallelism.tp)
     coeffs = replace(coeffs, **fit_host(loop))
+    isolated = replay(calibration_scenario(scenario, isolated=True), runner=base).steps
+    coeffs = replace(coeffs, wake_s=fit_wake(isolated, CostModel(
+        scenario.model, scenario.device, scenario.parallelism.tp, DeviceProfile(coeffs))))
     profile = DeviceProfile(coeffs, calibrated=True, device_name=scenario.device.name,
                             model_name=scenario.model.name,
                             source=f"calibrated on {device} with {scenario.model.name} "
