@@ -17,3 +17,24 @@ def catalog_device_for_cuda() -> str:
             return name
     raise ValueError(f"no device catalog entry matches '{props.name}'; name one explicitly "
                      f"(--catalog-device NAME, or a device mapping in a scenario)")
+
+
+def pick_device(choice: str | None) -> str:
+    """'cuda' or 'cpu': the user's choice, checked, else CUDA when one is visible."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    return choice or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def add_device_args(parser) -> None:
+    """--device and --threads, shared by the commands that run the engine."""
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="where the engine runs (default: cuda when available, else cpu)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default on CPU: 1, fastest for small models on a shared "
+                             "machine, where spinning OpenMP threads fight each other)")
+
+
+def set_cpu_threads(device: str, threads: int | None) -> None:
+    if device == "cpu" or threads is not None:
+        torch.set_num_threads(threads or 1)

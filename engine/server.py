@@ -663,6 +663,8 @@ def shutdown_report(drain: Optional[dict], counts: dict) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 def serve_parser() -> argparse.ArgumentParser:
+    from engine.hardware import add_device_args
+
     p = argparse.ArgumentParser(prog="simrun serve",
                                 description="Serve the paged engine behind an OpenAI-compatible HTTP API.")
     p.add_argument("--model", help="catalog model name (e.g. tiny) or a Hugging Face folder")
@@ -670,8 +672,7 @@ def serve_parser() -> argparse.ArgumentParser:
                                                    "(its workload is ignored)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override an engine setting, e.g. --set engine.max_num_seqs=8 (repeatable)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="where the engine runs (default: cuda when available, else cpu)")
+    add_device_args(p)
     p.add_argument("--catalog-device", help="device catalog entry that sizes the KV pool "
                                             "(default: cpu, or the entry matching the visible GPU)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
@@ -695,7 +696,10 @@ def serve_main(argv: list[str]) -> int:
 
     if not args.model and not args.scenario:
         raise UserError("give --model NAME|PATH (or --scenario FILE)")
-    device = _engine_device(args.device)
+    from engine.hardware import pick_device, set_cpu_threads
+
+    device = pick_device(args.device)
+    set_cpu_threads(device, args.threads)
     scenario = serving_scenario(args, device)
     engine, version = _start_engine(scenario, device, args)
     served = engine.served
@@ -704,16 +708,6 @@ def serve_main(argv: list[str]) -> int:
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     _run_http(build_app(engine, version), engine, args)
     return 0 if engine.error is None else 1
-
-
-def _engine_device(choice: Optional[str]) -> str:
-    import torch
-
-    from sim.cli import UserError
-
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is visible here (use --device cpu)")
-    return choice or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def serving_scenario(args, device: str):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sim.memory import InsufficientMemoryError
@@ -48,7 +49,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return handler(argv)
     except (UserError, ScenarioError, InsufficientMemoryError, ValueError, FileNotFoundError) as e:
-        err_console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -265,7 +265,9 @@ class Workload(StrictModel):
         if self.requests is not None and self.trace is not None:
             raise ValueError("give at most one of 'requests' and 'trace'")
         source = "requests" if self.requests is not None else "trace" if self.trace is not None else None
-        synthetic_only = sorted(self.model_fields_set & SYNTHETIC_ONLY)
+        # Set and not at its default: a resolved scenario (a manifest's dump) lists every field.
+        synthetic_only = sorted(f for f in self.model_fields_set & SYNTHETIC_ONLY
+                                if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True))
         if source and synthetic_only:
             raise ValueError(f"{', '.join(synthetic_only)} describe a synthetic workload and "
                              f"would be ignored with '{source}'; remove them")

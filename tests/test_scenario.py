@@ -1,5 +1,6 @@
 """Scenario schema: clear errors that name the path, the value and what is allowed."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,13 @@ def test_variants_merge_over_the_base_and_validate_with_their_path():
     bad = validate_scenario({**BASE, "variants": {"x": {"engine": {"blok_size": 1}}}})
     with pytest.raises(ScenarioError, match="variants.x.engine.blok_size: unknown key"):
         expand_variants(bad)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "scenarios").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_scenario_round_trips_through_its_manifest_dump(path):
+    """A manifest stores the resolved scenario; loading it back must give the same scenario."""
+    scenario = load_scenario(path)
+    for variant in expand_variants(scenario, path.parent).values():
+        again = validate_scenario(variant.model_dump(mode="json"))
+        assert again.model_dump() == variant.model_dump()

@@ -8,23 +8,10 @@ from typing import Optional
 import pandas as pd
 import yaml
 
-from engine.hardware import catalog_device_for_cuda
+from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.cli import UserError, console, err_console, scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.io import write_csv
-
-
-def _device_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                        help="where the engine runs (default: cuda when available, else cpu)")
-
-
-def _engine_device(choice: Optional[str]) -> str:
-    import torch
-
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is visible here (use --device cpu)")
-    return choice or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # ----------------------------------------------------------------------------- validate
@@ -33,7 +20,7 @@ def validate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun validate",
                                 description="Predict a scenario, replay it on the engine, compare the two.")
     scenario_args(p)
-    _device_arg(p)
+    add_device_args(p)
     p.add_argument("--profile", type=Path, help="a calibrated device profile (simrun calibrate writes one)")
     p.add_argument("--out", type=Path, help="output folder (default runs/validate/<scenario name>)")
     p.add_argument("--offline", action="store_true", help="release every request at t=0")
@@ -44,7 +31,8 @@ def validate_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from validate.run import validate, write_validation
 
-    device = _engine_device(args.device)
+    device = pick_device(args.device)
+    set_cpu_threads(device, args.threads)
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / "validate" / args.scenario.stem
@@ -116,7 +104,7 @@ def _fmt(value) -> str:
 def calibrate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun calibrate",
                                 description="Profile the engine and fit the cost model; writes a device profile.")
-    _device_arg(p)
+    add_device_args(p)
     p.add_argument("--model", help="catalog model name, or a Hugging Face folder (config.json + weights)")
     p.add_argument("--scenario", type=Path, help="take model, device and engine settings from a scenario")
     p.add_argument("--catalog-device", help="the device catalog entry to fit (default: detected, or 'cpu')")
@@ -125,7 +113,8 @@ def calibrate_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from validate.calibrate import calibrate, coefficients_table, write_profile
 
-    device = _engine_device(args.device)
+    device = pick_device(args.device)
+    set_cpu_threads(device, args.threads)
     scenario = calibration_base(args, device)
     console.print(f"calibrating {scenario.model.name} ({scenario.model.dtype}) on {device} "
                   f"as catalog device '{scenario.device.name}'")

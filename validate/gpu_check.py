@@ -196,23 +196,22 @@ def write_tolerances(folder: Path, table) -> None:
 
 
 def saturation_point(check: Check) -> dict:
-    """Validate a Poisson rate at ~85% of the saturation rate the calibrated model predicts."""
-    from sim.predict import predict
-    from validate.run import with_profile
+    """Validate a Poisson rate at 85% of the highest rate the calibrated simulator says one
+    replica sustains (`simrun plan`'s steady-state search, no SLOs)."""
+    from sim.plan import Traffic, search_rate
+    from sim.sweep import PointTask
 
-    base = check.scenario("bench_steady_nocache", ["engine.prefix_caching=false"])
-    base = with_profile(base, getattr(check, "profile", None))
-    rate, sustained = 1.0, 0.0
-    while rate < 1e4:      # double until throughput stops following the offered rate
-        s = base.model_copy(deep=True)
-        s.workload.arrival.rate = rate
-        thr = predict(s).summary["request_throughput"] or 0.0
-        if thr < 0.9 * rate:
-            break
-        sustained, rate = rate, rate * 2
-    point = round(0.85 * max(sustained, rate / 2), 2)
-    result = validation(check, "bench_steady_nocache", [f"workload.arrival.rate={point}"], label="poisson_near_saturation")
-    return {"rate": point, "predicted_saturation_between": [sustained, rate], **result}
+    scenario = check.scenario("bench_steady_nocache")
+    raw = scenario.model_dump(mode="json", exclude={"variants"}, exclude_none=True)
+    raw["device"]["profile"] = str(getattr(check, "profile", "")) or None
+    base = PointTask(raw, str(ROOT / "scenarios"), "bench_steady_nocache", ())
+    curve = search_rate(base, Traffic.of(scenario), [], lowest=0.05, highest=1e5, tolerance=0.05)
+    if curve.knee is None:
+        raise RuntimeError("the simulator sustains no rate at all for this scenario")
+    point = float(f"{0.85 * curve.knee:.3g}")
+    result = validation(check, "bench_steady_nocache", [f"workload.arrival.rate={point}"],
+                        label="poisson_near_saturation")
+    return {"rate": point, "predicted_knee": curve.knee, **result}
 
 
 def archive(check: Check) -> Path:
@@ -230,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:       # interpreted kernels; must precede the first import of engine.kernels
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        import torch
+
+        torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     check = Check(args.out, args.dry_run)
     steps = [("environment", lambda: environment(check)), ("kernels", lambda: kernels(check)),
