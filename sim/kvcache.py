@@ -59,6 +59,7 @@ class BlockPool:
         take = self.take_one
         return [take() for _ in range(n)]
 
+
     def take_one(self) -> int:
         """Pop the least recently freed block, evicting its cached hash if it still has one."""
         block = self.free_queue.popitem(last=False)[0]

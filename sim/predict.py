@@ -6,6 +6,7 @@ Used by `simrun` (each variant), by sweeps and searches, and by the validation h
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import subprocess
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ def kvtwin_version() -> str:
 
 
 def git_commit() -> Optional[str]:
+    """HEAD (with -dirty), or KVTWIN_GIT_COMMIT where the tree travelled without .git (a GPU box)."""
+    if os.environ.get("KVTWIN_GIT_COMMIT"):
+        return os.environ["KVTWIN_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)

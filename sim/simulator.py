@@ -19,7 +19,7 @@ from sim.records import RunRecords, StepRecorder
 from sim.request import Request
 from sim.router import make_router
 from sim.scheduler import Scheduler, SchedulerConfig
-from sim.workload import build_requests
+from sim.workload import build_requests, gc_paused
 
 
 @dataclass
@@ -61,6 +61,10 @@ class Simulation:
     progress: Optional[Callable[[int], None]] = None
 
     def run(self) -> RunRecords:
+        with gc_paused():
+            return self._run()
+
+    def _run(self) -> RunRecords:
         env = simpy.Environment()
         self.replicas = [build_replica(i, self.scenario, self.plan)
                          for i in range(self.scenario.cluster.replicas)]

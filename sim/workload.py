@@ -71,7 +71,7 @@ def build_requests(scenario: Scenario) -> list[Request]:
 def build_workload(scenario: Scenario) -> BuiltWorkload:
     """The requests plus notes meant for the user (nothing is excluded silently)."""
     w, seed = scenario.workload, scenario.seed
-    with _gc_paused():
+    with gc_paused():
         if w.trace is not None:
             loaded = load_trace(w.trace, seed, _salted_tenants(w))
             built = BuiltWorkload(loaded.requests, loaded.notes + _ignored(w, "trace"))
@@ -84,9 +84,9 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Building 100k requests allocates millions of small objects, none of them in a cycle;
-    the cyclic collector's repeated passes over them would cost more than the build itself."""
+def gc_paused() -> Iterator[None]:
+    """Building (and simulating) 100k requests allocates millions of small objects, none of
+    them in a cycle; the cyclic collector's repeated passes over them cost more than the work."""
     enabled = gc.isenabled()
     gc.disable()
     try:
