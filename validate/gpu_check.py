@@ -33,9 +33,10 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATED = ("seed_static_vs_continuous", "bench_steady_nocache", "bench_prefix_reuse")
 # The rehearsal maps the GPU scenarios onto the CPU engine: the tiny model, a small pool, fewer requests.
-DRY_RUN_OVERRIDES = ["model=tiny", "device=cpu", "engine.num_blocks=512", "engine.max_model_len=1024",
-                     "engine.max_num_seqs=16", "engine.max_num_batched_tokens=512"]
-DRY_RUN_SYNTHETIC = ["workload.num_requests=60", "workload.warmup_requests=10"]
+DRY_RUN_OVERRIDES = ["model=tiny", "device=cpu", "engine.num_blocks=1024", "engine.max_model_len=2048"]
+DRY_RUN_SYNTHETIC = ["engine.max_num_seqs=16", "engine.max_num_batched_tokens=512", "workload.num_requests=60",
+                     "workload.warmup_requests=10", "workload.output_len={dist: uniform, min: 8, max: 64}"]
+DRY_RUN_EXTRA = {"bench_prefix_reuse": ["workload.shared_prefix.length=256"]}
 
 
 class Check:
@@ -83,7 +84,8 @@ class Check:
         overrides = list(extra)
         if self.dry_run:
             synthetic = load_scenario(path).workload.requests is None
-            overrides = DRY_RUN_OVERRIDES + (DRY_RUN_SYNTHETIC if synthetic else []) + overrides
+            overrides = (DRY_RUN_OVERRIDES + (DRY_RUN_SYNTHETIC if synthetic else [])
+                         + DRY_RUN_EXTRA.get(name, []) + overrides)
         return load_scenario(path, overrides)
 
 
