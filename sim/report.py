@@ -268,6 +268,10 @@ CAPTIONS = {
     "batch_tokens": "Tokens per engine step.",
     "latency_cdf": "Latency CDFs over finished, non-warm-up requests.",
     "step_time": "Engine step time over the run, and its distribution.",
+    # figures only a predicted-vs-measured pair has (validate/)
+    "step_scatter": "The cost model on each measured step's composition against that step's measured time.",
+    "errors": "Relative error of each headline figure; green within tolerance, red outside.",
+    "endpoint_timeline": "KV usage and queue scraped from the endpoint's /metrics next to the prediction.",
 }
 
 
