@@ -70,7 +70,7 @@ def replay(scenario, runner: Optional[ModelRunner] = None, device: Optional[str]
     req_df, steps_df = requests_frame(records), records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)
     memory = runner.memory_report()
-    summary["memory"] = {**memory_summary(runner.plan), **memory} if runner.plan else memory
+    summary["memory"] = {**memory_summary(runner.plan, scenario.max_model_len), **memory} if runner.plan else memory
     # The CPU has no allocator statistics: its "peak" would only restate the pool and weights.
     summary["peak_device_memory_bytes"] = memory["peak_bytes"] if runner.device.type == "cuda" else None
     manifest = measurement_manifest(scenario, runner, requests, workload.notes, online, cold, startup)
@@ -112,7 +112,8 @@ def run_in_wall_clock(scheduler: Scheduler, runner: ModelRunner, requests: list[
     stuck = [r for r in requests if not r.is_finished]
     if stuck:
         raise AssertionError(f"{len(stuck)} requests never ended, e.g. {stuck[0]!r}")
-    return RunRecords(requests, [recorder], kv_blocks_total=kv.pool.usable_blocks, block_size=kv.block_size)
+    return RunRecords(requests, [recorder], kv_blocks_total=kv.pool.usable_blocks, block_size=kv.block_size,
+                      meta={"kv_evictions": kv.pool.evictions})
 
 
 def _release(scheduler: Scheduler, arrivals: deque, follow_ups: list, now: float) -> None:

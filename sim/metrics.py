@@ -93,6 +93,7 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         "slo_attainment": float(meets_slo(measured, slo).mean()) if has_slo and len(measured) else None,
         "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
         "preemptions": int(steps["preemptions"].sum()) if len(steps) else 0,
+        "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens
         "latency_split": _latency_split(measured),
         **_kv_figures(records, steps),
         **_step_figures(steps),

@@ -49,7 +49,7 @@ def predict(scenario, name: Optional[str] = None,
     steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)
     summary["calibrated"] = cost_model.calibrated
-    summary["memory"] = memory_summary(plan)
+    summary["memory"] = memory_summary(plan, scenario.max_model_len)
     manifest = simulation_manifest(scenario, cost_model, plan, workload.requests, workload.notes)
     manifest["simulation_wall_s"] = records.meta.get("wall_s")
     return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary,
@@ -89,12 +89,14 @@ def view_of(result: RunResult, label: Optional[str] = None):
                                 result.requests, result.steps)
 
 
-def memory_summary(plan: MemoryPlan) -> dict:
+def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:
+    """Where the memory goes; vLLM's "Maximum concurrency" is the pool over max_model_len requests."""
     return {"kv_bytes_per_token": plan.kv_bytes_per_token, "block_bytes": plan.block_bytes,
             "num_blocks": plan.num_blocks, "usable_blocks": plan.usable_blocks,
             "kv_pool_bytes": plan.kv_pool_bytes, "weight_bytes": plan.weight_bytes,
             "activation_bytes": plan.activation_bytes, "reserved_bytes": plan.reserved_bytes,
-            "predicted_peak_bytes": plan.predicted_peak_bytes, "max_tokens": plan.max_tokens}
+            "predicted_peak_bytes": plan.predicted_peak_bytes, "max_tokens": plan.max_tokens,
+            "max_concurrency_at_max_model_len": plan.max_concurrency(max_model_len) if max_model_len else None}
 
 
 # ----------------------------------------------------------------------------- manifest

@@ -81,7 +81,8 @@ class Simulation:
         self._check_every_request_ended()
         return RunRecords(self.requests, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
-                          block_size=self.scenario.engine.block_size)
+                          block_size=self.scenario.engine.block_size,
+                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
 
     def _arrivals(self, env: simpy.Environment, requests: list[Request], router):
         for req in requests:

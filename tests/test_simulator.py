@@ -150,3 +150,11 @@ def test_replicas_share_the_load():
     records, _, _ = simulate(s)
     df = requests_frame(records)
     assert sorted(df.groupby("replica").size()) == [30, 30, 30]
+
+
+def test_evictions_are_counted_when_the_pool_recycles_cached_blocks():
+    small = run_variants("quickstart", "workload.num_requests=300", "engine.num_blocks=400")["quickstart"]
+    large = run_variants("quickstart", "workload.num_requests=300")["quickstart"]
+    assert small["kv_evictions"] > 0 and large["kv_evictions"] == 0
+    assert large["memory"]["max_concurrency_at_max_model_len"] == pytest.approx(
+        large["memory"]["num_blocks"] / (4096 // 16))

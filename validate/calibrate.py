@@ -13,7 +13,6 @@ error reported. Nothing is tuned per scenario.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
