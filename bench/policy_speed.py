@@ -4,7 +4,9 @@
 
 Decode-only steady state at batch 64 / 256 / 1024 with prefix caching on (every 16th
 step per sequence crosses a block boundary and registers a hash), plus a mixed step
-(decodes + one prefill chunk). Target: a decode-only step at batch 256 under 100 us.
+(decodes + one prefill chunk), each with the decode cohort and, as the baseline in the
+same run, with it off (every sequence visited every step). Target: a decode-only step at
+batch 256 under 100 us.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from sim.request import make_request  # noqa: E402
 from sim.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
-def steady_scheduler(batch: int, prompt: int = 200, mixed: bool = False) -> Scheduler:
+def steady_scheduler(batch: int, prompt: int = 200, mixed: bool = False, cohort: bool = True) -> Scheduler:
     """`batch` requests in decode (and, if mixed, a stream of long prompts to chunk)."""
     kv = KVCacheManager(num_blocks=batch * 200 + 10_000, block_size=16, enable_caching=True)
-    cfg = SchedulerConfig(max_num_seqs=batch + 1, max_num_batched_tokens=batch + 512, max_model_len=65_536)
+    cfg = SchedulerConfig(max_num_seqs=batch + 1, max_num_batched_tokens=batch + 512, max_model_len=65_536,
+                          lazy_decode=cohort)
     sched = Scheduler(cfg, kv)
     for i in range(batch):
         sched.add(make_request(i, 0.0, [(7, 64), (10_000 + i, prompt - 64)], 60_000))
@@ -51,16 +54,19 @@ def run(batches: list[int], steps: int) -> list[dict]:
     rows = []
     for batch in batches:
         for mixed in (False, True):
-            sched = steady_scheduler(batch, mixed=mixed)
-            time_steps(sched, 32)                   # warm up
-            samples = time_steps(sched, steps)
-            med = statistics.median(samples)
-            rows.append({"batch": batch, "step": "mixed" if mixed else "decode",
-                         "median_us": round(med * 1e6, 1),
-                         "p90_us": round(sorted(samples)[int(0.9 * len(samples))] * 1e6, 1),
-                         "per_seq_us": round(med * 1e6 / batch, 3)})
-            print(f"batch {batch:>5} {rows[-1]['step']:>6}: median {rows[-1]['median_us']:>8.1f} us/step "
-                  f"(p90 {rows[-1]['p90_us']:.1f}), {rows[-1]['per_seq_us']:.3f} us/seq")
+            row = {"batch": batch, "step": "mixed" if mixed else "decode"}
+            for cohort in (True, False):      # the decode cohort vs the one-by-one baseline
+                sched = steady_scheduler(batch, mixed=mixed, cohort=cohort)
+                time_steps(sched, 32)         # warm up
+                samples = time_steps(sched, steps)
+                key = "" if cohort else "baseline_"
+                row[f"{key}median_us"] = round(statistics.median(samples) * 1e6, 1)
+                row[f"{key}p90_us"] = round(sorted(samples)[int(0.9 * len(samples))] * 1e6, 1)
+            row["speedup"] = round(row["baseline_median_us"] / row["median_us"], 2)
+            rows.append(row)
+            print(f"batch {batch:>5} {row['step']:>6}: median {row['median_us']:>7.1f} us/step "
+                  f"(p90 {row['p90_us']:.1f}); one by one {row['baseline_median_us']:.1f} us: "
+                  f"{row['speedup']:.1f}x")
     return rows
 
 
