@@ -275,9 +275,9 @@ CAPTIONS = {
 }
 
 
-def save_figure(fig: Figure, path: str | Path) -> Path:
+def save_figure(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=DPI)
+        fig.savefig(tmp, format="png", dpi=dpi)
     return Path(path)
 
 
@@ -394,11 +394,20 @@ def html_table(frame: pd.DataFrame) -> str:
     return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def _html_figure(name: str, path: Path) -> str:
+def html_figure(name: str, path: Path) -> str:
+    """A PNG inlined as base64 (so a page is one file), with its caption when it has one."""
     data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
-    caption = CAPTIONS.get(name, name)
+    caption = CAPTIONS.get(name)
     return (f'<figure><img alt="{_esc(name)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{_esc(caption)}</figcaption></figure>")
+            + (f"<figcaption>{_esc(caption)}</figcaption>" if caption else "") + "</figure>")
+
+
+def write_html_page(path: str | Path, title: str, body: Sequence[str]) -> Path:
+    """A self-contained page in the report's style around already-escaped body parts."""
+    page = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{_esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
+            f"<h1>{_esc(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n")
+    return write_text(path, page)
 
 
 def _warnings(views: Mapping[str, RunView]) -> list[str]:
@@ -413,17 +422,13 @@ def write_html_report(path: str | Path, title: str, views: Mapping[str, RunView]
                       figures: Mapping[str, Path], manifest: Mapping,
                       extra_tables: Sequence[tuple[str, pd.DataFrame]] = ()) -> Path:
     """One self-contained page (images inlined): summary, extra tables, figures, manifest."""
-    body = [f"<h1>{_esc(title)}</h1>", *_warnings(views),
-            "<h2>Summary</h2>", html_table(summary_table(views, formatted=False))]
+    body = [*_warnings(views), "<h2>Summary</h2>", html_table(summary_table(views, formatted=False))]
     for table_title, frame in extra_tables:
         body += [f"<h2>{_esc(table_title)}</h2>", html_table(frame)]
-    body += ["<h2>Figures</h2>", *(_html_figure(name, p) for name, p in figures.items())]
+    body += ["<h2>Figures</h2>", *(html_figure(name, p) for name, p in figures.items())]
     manifest_json = json.dumps(manifest, indent=2, default=str)
     body.append(f"<details><summary>Manifest</summary><pre>{_esc(manifest_json)}</pre></details>")
-    page = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>{_esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
-    return write_text(path, page)
+    return write_html_page(path, title, body)
 
 
 # ----------------------------------------------------------------------------- trace

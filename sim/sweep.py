@@ -18,7 +18,6 @@ summary), DIR/sweep_<metric>.png per headline metric, DIR/sweep.html.
 from __future__ import annotations
 
 import argparse
-import base64
 import html
 import itertools
 import math
@@ -443,11 +442,9 @@ def plot_metrics(sweep: Sweep, metrics: Sequence[Metric | str], ncols: int = 2, 
 
 
 def save_png(fig, path: Path, dpi: int = PLOT_DPI) -> Path:
-    from sim.io import atomic_path
+    from sim.report import save_figure
 
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=dpi)
-    return Path(path)
+    return save_figure(fig, path, dpi)
 
 
 def write_metric_plots(sweep: Sweep, out: Path) -> dict[str, Path]:
@@ -481,20 +478,13 @@ def display_table(frame: pd.DataFrame, key_columns: Sequence[str],
 def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tuple[str, pd.DataFrame]],
                figures: Mapping[str, Path]) -> Path:
     """A self-contained HTML page (images inlined) in the run report's style."""
-    from sim.io import write_text
-    from sim.report import CSS, html_table
+    from sim.report import html_figure, html_table, write_html_page
 
-    esc = html.escape
-    body = [f"<h1>{esc(title)}</h1>", *(f"<p>{esc(n)}</p>" for n in notes)]
+    body = [f"<p>{html.escape(n)}</p>" for n in notes]
     for heading, frame in tables:
-        body += [f"<h2>{esc(heading)}</h2>", html_table(frame)]
-    body.append("<h2>Figures</h2>")
-    for name, file in figures.items():
-        data = base64.b64encode(Path(file).read_bytes()).decode("ascii")
-        body.append(f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{data}"></figure>')
-    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f"<style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
-    return write_text(path, page)
+        body += [f"<h2>{html.escape(heading)}</h2>", html_table(frame)]
+    body += ["<h2>Figures</h2>", *(html_figure(name, file) for name, file in figures.items())]
+    return write_html_page(path, title, body)
 
 
 def write_sweep(sweep: Sweep, out: Path, title: str) -> dict[str, Path]:
