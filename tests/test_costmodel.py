@@ -1,0 +1,44 @@
+"""The cost model: one formula for a step and for recorded steps, and the idle rule."""
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+
+from sim.costmodel import IDLE_GAP_S, CostModel, DeviceProfile, after_idle
+from sim.predict import predict
+from sim.scenario import validate_scenario
+
+
+def scenario(**engine):
+    return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm",
+                              "engine": {"max_model_len": 4096, **engine},
+                              "workload": {"num_requests": 120, "arrival": {"process": "poisson", "rate": 20}}})
+
+
+def test_recorded_steps_reprice_exactly_as_the_simulator_priced_them():
+    result = predict(scenario())
+    host, device = result.cost_model.step_times(result.steps)
+    assert np.allclose(host, result.steps["host_s"], rtol=0, atol=1e-15)
+    assert np.allclose(device, result.steps["device_s"], rtol=0, atol=1e-15)
+
+
+def test_after_idle_marks_the_first_step_and_steps_after_a_gap_only():
+    # back to back, a short pause (under the threshold), a long one
+    steps = pd.DataFrame({"start_s": [0.0, 1.0, 2.0 + IDLE_GAP_S / 2, 3.0 + 2 * IDLE_GAP_S],
+                          "end_s": [1.0, 2.0, 3.0, 4.0]})
+    assert after_idle(steps).tolist() == [True, False, False, True]
+
+
+def test_wake_cost_is_charged_once_per_idle_period():
+    s = scenario()
+    base = predict(s)
+    woken = CostModel(s.model, s.device, 1, DeviceProfile(replace(base.cost_model.coefficients, wake_s=0.01)))
+    host, _ = woken.step_times(base.steps)
+    idle = after_idle(base.steps)
+    assert 0 < idle.sum() < len(idle)
+    assert np.allclose(host - base.steps["host_s"], 0.01 * idle)
+
+
+def test_per_block_term_makes_small_blocks_slower():
+    fine, coarse = predict(scenario(block_size=1)).summary, predict(scenario(block_size=64)).summary
+    assert fine["tpot_s"]["p50"] > coarse["tpot_s"]["p50"]
