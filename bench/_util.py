@@ -5,7 +5,7 @@ import os
 import platform
 from datetime import datetime, timezone
 
-from sim.io import write_json  # noqa: F401  (re-exported for the bench scripts)
+from sim.output.io import write_json  # noqa: F401  (re-exported for the bench scripts)
 
 
 def machine() -> dict:

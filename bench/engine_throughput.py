@@ -6,7 +6,7 @@ requests, in one run. Random weights (throughput does not depend on their values
   python bench/engine_throughput.py                     # CUDA: qwen2.5-0.5b bf16, Triton, 256 requests
   python bench/engine_throughput.py --num-requests 32   # CPU: the tiny model, the torch backend
 
-Prints a table and writes JSON (atomically, sim.io.write_json) to --out.
+Prints a table and writes JSON (atomically, sim.output.io.write_json) to --out.
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import machine, write_json  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
-from sim.catalog import MIB  # noqa: E402
-from sim.kvcache import KVCacheManager  # noqa: E402
-from sim.request import Request, make_request, stable_key  # noqa: E402
+from sim.core.catalog import MIB  # noqa: E402
+from sim.core.kvcache import KVCacheManager  # noqa: E402
+from sim.core.request import Request, make_request, stable_key  # noqa: E402
 from sim.scenario import validate_scenario  # noqa: E402
-from sim.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from sim.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 MODES = [("continuous", "paged"), ("static", "contiguous")]
 CUDA = torch.cuda.is_available()

@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import machine, write_json  # noqa: E402
-from sim.kvcache import KVCacheManager  # noqa: E402
-from sim.request import make_request  # noqa: E402
-from sim.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from sim.core.kvcache import KVCacheManager  # noqa: E402
+from sim.core.request import make_request  # noqa: E402
+from sim.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
 def steady_scheduler(batch: int, prompt: int = 200, mixed: bool = False, cohort: bool = True) -> Scheduler:

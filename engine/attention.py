@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.reference import write_kv_reference
-from sim.memory import cdiv
+from sim.core.memory import cdiv
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, make_attention
-from sim.catalog import ModelSpec
+from sim.core.catalog import ModelSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -23,13 +23,13 @@ from typing import Callable, Optional
 import torch
 
 from engine.runner import ModelRunner
-from sim.kvcache import KVCacheManager
+from sim.core.kvcache import KVCacheManager
 from sim.metrics import summarise
 from sim.predict import RunResult, git_commit, kvtwin_version, length_stats, memory_summary, workload_digest
 from sim.records import RunRecords, StepRecorder, requests_frame
-from sim.request import Request, Status, make_request, stable_key
+from sim.core.request import Request, Status, make_request, stable_key
 from sim.router import reject_follow_ups
-from sim.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.workload import build_workload
 
 SMOKE_PROMPT_TOKENS = 16

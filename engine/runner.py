@@ -17,9 +17,9 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.model import CausalLM, Sampler
 from engine.weights import build_model
-from sim.catalog import MIB
-from sim.memory import InsufficientMemoryError, MemoryPlan, cdiv, plan_memory
-from sim.scheduler import Batch
+from sim.core.catalog import MIB
+from sim.core.memory import InsufficientMemoryError, MemoryPlan, cdiv, plan_memory
+from sim.core.scheduler import Batch
 
 
 class InconsistentBatchError(RuntimeError):
@@ -196,9 +196,9 @@ class _DeviceTimer:
 # -- KV pool sizing ------------------------------------------------------------------------
 
 def profile_and_plan(scenario, model: CausalLM) -> MemoryPlan:
-    """vLLM's sizing: a profiling forward measures the activation peak, sim.memory does the rest.
+    """vLLM's sizing: a profiling forward measures the activation peak, sim.core.memory does the rest.
 
-    Measured on CUDA only: CPU has no allocator stats, so sim.memory's estimate stands there.
+    Measured on CUDA only: CPU has no allocator stats, so sim.core.memory's estimate stands there.
     An explicit engine.num_blocks or engine.activation_mib also skips the measurement.
     """
     eng = scenario.engine

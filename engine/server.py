@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
-from sim.request import Request
+from sim.core.request import Request
 
 # Fields a completion request may carry. Sampling is the runner's (one temperature for the
 # whole server), so per-request sampling options are accepted only at the value that
@@ -692,7 +692,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
-    from sim.cli import UserError
+    from sim.errors import UserError
 
     if not args.model and not args.scenario:
         raise UserError("give --model NAME|PATH (or --scenario FILE)")
@@ -731,7 +731,7 @@ def serving_scenario(args, device: str):
     scenario = validate_scenario(apply_overrides(raw, args.overrides), base_dir=base_dir)
     variants = expand_variants(scenario, base_dir)
     if len(variants) > 1:
-        from sim.cli import UserError
+        from sim.errors import UserError
 
         raise UserError(f"{args.scenario} has variants ({', '.join(variants)}); the server runs one "
                         f"configuration: write it as its own scenario")

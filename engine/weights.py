@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model import CausalLM
-from sim.catalog import ModelSpec, model_fields_from_hf_config
+from sim.core.catalog import ModelSpec, model_fields_from_hf_config
 
 
 class WeightsError(ValueError):

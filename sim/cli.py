@@ -13,31 +13,24 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sim.memory import InsufficientMemoryError
-from sim.scenario import ScenarioError, expand_variants, load_scenario
+from sim.core.memory import InsufficientMemoryError
+from sim.errors import UserError
+from sim.output.console import console, err_console
+from sim.scenario import ScenarioError, expand_variants, load_scenario, scenario_args
 
 # subcommand -> "module:function" taking argv; imported lazily so `simrun x.yaml` stays light.
 SUBCOMMANDS = {
     "run": "sim.cli:run_main",
-    "plan": "sim.plan:plan_main",
+    "plan": "sim.whatif.plan:plan_main",
     "validate": "validate.cli:validate_main",
     "calibrate": "validate.cli:calibrate_main",
     "serve": "engine.server:serve_main",
     "bench": "validate.bench:bench_main",
     "compare": "validate.bench:compare_main",
 }
-
-console = Console(stderr=False, highlight=False)
-err_console = Console(stderr=True, highlight=False)
-
-
-class UserError(Exception):
-    """A problem with the user's input; printed without a traceback, exit code 2."""
-
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -56,15 +49,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
 
 
-def scenario_args(parser: argparse.ArgumentParser) -> None:
-    """The arguments every scenario-taking command shares."""
-    parser.add_argument("scenario", type=Path, help="scenario YAML file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                        help="override a scenario field, e.g. --set engine.block_size=32 (repeatable); "
-                             "with several values (A,B,C) `simrun SCENARIO` sweeps them")
-    parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
-
-
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="simrun", description="Predict KV memory, throughput and latency of an LLM-serving scenario.",
@@ -74,7 +58,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario name>)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    from sim.sweep import add_sweep_args
+    from sim.whatif.sweep import add_sweep_args
 
     add_sweep_args(p)
     return p
@@ -82,7 +66,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 def run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
-    from sim.sweep import check_sweep_flags, is_sweep, sweep_main
+    from sim.whatif.sweep import check_sweep_flags, is_sweep, sweep_main
 
     if is_sweep(args.overrides):          # a --set with several values: one run per point
         return sweep_main(args)
@@ -94,7 +78,7 @@ def run_main(argv: list[str]) -> int:
     for name, variant in variants.items():
         result = predict_with_progress(variant, name, quiet=args.quiet)
         folder = out / name if len(variants) > 1 else out
-        from sim.predict import write_run
+        from sim.output.run_files import write_run
 
         write_run(result, folder, trace=args.trace)
         results[name] = result
@@ -134,8 +118,8 @@ def predict_with_progress(scenario, name: str, quiet: bool = False):
 
 def write_comparison(results: dict, out: Path, trace: bool) -> None:
     """Variants side by side: one table, overlay plots, one HTML page."""
-    from sim.predict import view_of
-    from sim.report import plot_run_figures, write_html_report, write_perfetto_trace
+    from sim.output.run_files import view_of
+    from sim.output.report import plot_run_figures, write_html_report, write_perfetto_trace
 
     views = {name: view_of(r, name) for name, r in results.items()}
     figures = plot_run_figures(views, out)
@@ -146,8 +130,8 @@ def write_comparison(results: dict, out: Path, trace: bool) -> None:
 
 
 def print_results(results: dict, out: Path) -> None:
-    from sim.predict import view_of
-    from sim.report import summary_table
+    from sim.output.run_files import view_of
+    from sim.output.report import summary_table
 
     views = {name: view_of(r, name) for name, r in results.items()}
     frame = summary_table(views)
@@ -168,7 +152,7 @@ def print_results(results: dict, out: Path) -> None:
             console.print(f"[yellow]note[/] ({name}): {note}")
         if r.summary.get("replicas"):
             from sim.metrics import replica_frame
-            from sim.sweep import print_frame
+            from sim.whatif.sweep import print_frame
 
             print_frame(replica_frame(r.summary), title=f"per replica ({name})")
     console.print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json, plots, report.html)")

@@ -29,8 +29,8 @@ import yaml
 
 import numpy as np
 
-from sim.catalog import DeviceSpec, ModelSpec
-from sim.memory import kv_bytes_per_token, kv_heads_per_rank
+from sim.core.catalog import DeviceSpec, ModelSpec
+from sim.core.memory import kv_bytes_per_token, kv_heads_per_rank
 
 
 # The batch composition a step's time depends on (columns of the step records).

@@ -17,11 +17,10 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 from sim.costmodel import CostModel
-from sim.io import write_csv, write_json
-from sim.memory import MemoryPlan
+from sim.core.memory import MemoryPlan
 from sim.metrics import summarise
 from sim.records import RunRecords, requests_frame
-from sim.request import Request
+from sim.core.request import Request
 from sim.simulator import simulate
 from sim.workload import build_workload
 
@@ -54,39 +53,6 @@ def predict(scenario, name: Optional[str] = None,
     manifest["simulation_wall_s"] = records.meta.get("wall_s")
     return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary,
                      req_df, steps_df, manifest)
-
-
-def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True) -> dict[str, Path]:
-    """summary.json, requests.csv, steps.csv, manifest.json, and unless `report` is False the
-    plots and report.html (+ trace.json when asked)."""
-    from sim.report import plot_run_figures, write_html_report, write_perfetto_trace
-
-    out_dir = Path(out_dir)
-    files = {
-        "summary": write_json(out_dir / "summary.json", result.summary),
-        "requests": write_csv(out_dir / "requests.csv", result.requests),
-        "steps": write_csv(out_dir / "steps.csv", result.steps),
-        "manifest": write_json(out_dir / "manifest.json", result.manifest),
-    }
-    if not report:
-        result.files = files
-        return files
-    views = {result.name: view_of(result)}
-    figures = plot_run_figures(views, out_dir)
-    files.update(figures)
-    files["report"] = write_html_report(out_dir / "report.html", f"kvtwin prediction: {result.name}",
-                                        views, figures, result.manifest)
-    if trace:
-        files["trace"] = write_perfetto_trace(out_dir / "trace.json", views)
-    result.files = files
-    return files
-
-
-def view_of(result: RunResult, label: Optional[str] = None):
-    from sim.report import RunView
-
-    return RunView.from_records(label or result.name, result.records, result.summary,
-                                result.requests, result.steps)
 
 
 def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from sim.request import Request, Status
+from sim.core.request import Request, Status
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",

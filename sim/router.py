@@ -1,7 +1,7 @@
 """Routing requests across replicas: round-robin, least outstanding tokens, prefix-aware."""
 from __future__ import annotations
 
-from sim.request import Request, Status
+from sim.core.request import Request, Status
 
 
 class Router:

@@ -6,6 +6,8 @@ key is misspelt. `--set path=value` overrides go through the same validation.
 """
 from __future__ import annotations
 
+import argparse
+
 import copy
 import difflib
 import typing
@@ -15,7 +17,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.catalog import (DeviceSpec, ModelSpec, StrictModel, catalog_entry,
+from sim.core.catalog import (DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
 
@@ -581,3 +583,12 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
             shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
             problems.append(f"{path}: {msg}{shown}")
     return problems
+
+
+def scenario_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments every scenario-taking command shares."""
+    parser.add_argument("scenario", type=Path, help="scenario YAML file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="override a scenario field, e.g. --set engine.block_size=32 (repeatable); "
+                             "with several values (A,B,C) `simrun SCENARIO` sweeps them")
+    parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")

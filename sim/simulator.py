@@ -13,12 +13,12 @@ from typing import Callable, Optional
 import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
-from sim.kvcache import KVCacheManager
-from sim.memory import MemoryPlan, plan_memory
+from sim.core.kvcache import KVCacheManager
+from sim.core.memory import MemoryPlan, plan_memory
 from sim.records import RunRecords, StepRecorder
-from sim.request import Request
+from sim.core.request import Request
 from sim.router import make_router
-from sim.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.workload import build_requests, gc_paused
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.request import Request, Segment, make_request, stable_key
+from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Trace
 
 

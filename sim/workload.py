@@ -47,7 +47,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from sim.request import Request, Segment, make_request, stable_key
+from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
 

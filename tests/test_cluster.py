@@ -4,13 +4,13 @@ from types import SimpleNamespace
 import pytest
 
 import sim.router
-from sim.catalog import get_device, get_model
+from sim.core.catalog import get_device, get_model
 from sim.costmodel import CostModel
-from sim.memory import kv_bytes_per_token, plan_memory
+from sim.core.memory import kv_bytes_per_token, plan_memory
 from sim.predict import predict
 from sim.scenario import validate_scenario
-from sim.scheduler import Batch
-from sim.sweep import run_sweep, split_sets
+from sim.core.scheduler import Batch
+from sim.whatif.sweep import run_sweep, split_sets
 
 
 def cluster_scenario(router: str, replicas: int = 3, **workload):

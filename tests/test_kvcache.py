@@ -3,9 +3,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sim.kvcache import BlockPool, KVCacheManager
-from sim.memory import cdiv
-from sim.request import Request, make_request, stable_key
+from sim.core.kvcache import BlockPool, KVCacheManager
+from sim.core.memory import cdiv
+from sim.core.request import Request, make_request, stable_key
 
 VOCAB = 50
 

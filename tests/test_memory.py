@@ -1,8 +1,8 @@
 """KV memory arithmetic: every worked number of PRIMER.md, and vLLM's sizing rules."""
 import pytest
 
-from sim.catalog import MIB, get_model
-from sim.memory import (InsufficientMemoryError, blocks_for_tokens, kv_bytes_per_block,
+from sim.core.catalog import MIB, get_model
+from sim.core.memory import (InsufficientMemoryError, blocks_for_tokens, kv_bytes_per_block,
                         kv_bytes_per_token, kv_heads_per_rank, plan_memory, slack_tokens,
                         unused_slots)
 from sim.scenario import validate_scenario

@@ -6,11 +6,11 @@ import pytest
 import yaml
 
 from sim.cli import main
-from sim.plan import (Candidate, PlanError, Traffic, fewest_passing, highest_passing, parse_slo, plan_replicas,
+from sim.whatif.plan import (Candidate, PlanError, Traffic, fewest_passing, highest_passing, parse_slo, plan_replicas,
                       run_probe, search_rate, steady_state, with_settings)
 from sim.predict import predict
 from sim.scenario import load_scenario
-from sim.sweep import PointTask, load_raw
+from sim.whatif.sweep import PointTask, load_raw
 
 # One L4 at max_num_seqs 16 serves about 5 requests/s of this traffic; a run takes ~0.05 s.
 SMALL = {

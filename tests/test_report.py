@@ -9,7 +9,7 @@ import pytest
 
 from sim.metrics import summarise
 from sim.records import requests_frame
-from sim.report import (CDF_POINTS, PLOTS, RunView, cdf_points, format_value, plot_latency_cdf,
+from sim.output.report import (CDF_POINTS, PLOTS, RunView, cdf_points, format_value, plot_latency_cdf,
                         plot_run_figures, summary_table, timeline, write_html_report,
                         write_perfetto_trace)
 from sim.scenario import validate_scenario

@@ -15,12 +15,12 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.runner import InconsistentBatchError, ModelRunner, profile_query_lens, profile_run
 from engine.weights import build_model, init_random_weights
-from sim.catalog import get_model
-from sim.kvcache import KVCacheManager
-from sim.memory import InsufficientMemoryError, plan_memory
-from sim.request import Request, make_request
+from sim.core.catalog import get_model
+from sim.core.kvcache import KVCacheManager
+from sim.core.memory import InsufficientMemoryError, plan_memory
+from sim.core.request import Request, make_request
 from sim.scenario import validate_scenario
-from sim.scheduler import Batch, Scheduler, SchedulerConfig
+from sim.core.scheduler import Batch, Scheduler, SchedulerConfig
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 BLOCK = 4

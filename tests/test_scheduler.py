@@ -3,9 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.kvcache import KVCacheManager
-from sim.request import Status, make_request
-from sim.scheduler import Scheduler, SchedulerConfig
+from sim.core.kvcache import KVCacheManager
+from sim.core.request import Status, make_request
+from sim.core.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=1000, block_size=16, caching=True, allocation="paged", **cfg):

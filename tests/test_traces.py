@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.request import stable_key
+from sim.core.request import stable_key
 from sim.scenario import Trace, validate_scenario
 from sim.traces import TraceError, load_trace
 from sim.workload import build_workload

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from engine.weights import (WeightsError, build_model, checkpoint_names, init_random_weights,
                             spec_from_hf_folder)
-from sim.catalog import ModelSpec, get_model
+from sim.core.catalog import ModelSpec, get_model
 
 
 HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

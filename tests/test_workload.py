@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sim.request import stable_key
+from sim.core.request import stable_key
 from sim.scenario import ScenarioError, validate_scenario
 from sim.workload import WorkloadError, build_requests, build_workload
 

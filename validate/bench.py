@@ -38,9 +38,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pandas as pd
 
-from sim.cli import UserError, console, err_console, scenario_args
-from sim.io import write_csv, write_json
-from sim.request import Request, make_request, stable_key
+from sim.errors import UserError
+from sim.output.console import console, err_console
+from sim.scenario import scenario_args
+from sim.output.io import write_csv, write_json
+from sim.core.request import Request, make_request, stable_key
 
 # The seed's smoke step (the same request as engine/replay.py's smoke check).
 SMOKE_PROMPT_TOKENS = 16
@@ -68,7 +70,7 @@ class Measured:
     timeline: Optional[pd.DataFrame] = None     # scraped /metrics, when there was one
 
     def view(self):
-        from sim.report import RunView
+        from sim.output.report import RunView
 
         return RunView("measured", self.summary, self.requests, pd.DataFrame(), self.kv_blocks_total)
 
@@ -519,7 +521,7 @@ def bench_manifest(scenario, endpoint: str, server: dict, bench: Bench, workload
 
 def endpoint_notes(scenario, server: dict, bench: Bench) -> list[str]:
     """Where the endpoint's configuration visibly differs from the scenario's."""
-    from sim.memory import plan_memory
+    from sim.core.memory import plan_memory
 
     notes = []
     if server.get("max_model_len") not in (None, scenario.max_model_len):
@@ -662,8 +664,8 @@ TIMELINE_FIGURE = "endpoint_timeline"
 
 def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tuple[pd.DataFrame, dict]:
     """measured/, predicted/, comparison.csv, plots and report.html (validate's tables and plots)."""
-    from sim.predict import view_of, write_run
-    from sim.report import plot_run_figures, write_html_report
+    from sim.output.run_files import view_of, write_run
+    from sim.output.report import plot_run_figures, write_html_report
     from validate.compare import comparison_table
     from validate.plots import plot_relative_errors
 
@@ -700,7 +702,7 @@ def write_measured(measured: Measured, folder: Path) -> dict[str, Path]:
 
 def plot_endpoint_timeline(predicted, scraped: pd.DataFrame, path: Path) -> Path:
     """KV usage (%) and running/waiting: the predicted steps against the scraped /metrics."""
-    from sim.report import finish_axes, new_figure, save_figure, timeline
+    from sim.output.report import finish_axes, new_figure, save_figure, timeline
 
     fig, (kv_ax, queue_ax) = new_figure(nrows=2, sharex=True)
     edges, tl = timeline(predicted.steps, {"kv_blocks_used": "max", "running": "max", "waiting": "max"})

@@ -25,11 +25,11 @@ import yaml
 
 from engine.runner import ModelRunner
 from sim.costmodel import STEP_SHAPE, CostCoefficients, CostModel, DeviceProfile
-from sim.io import write_text
-from sim.kvcache import KVCacheManager
-from sim.memory import activation_peak_bytes
-from sim.request import make_request, stable_key
-from sim.scheduler import Batch
+from sim.output.io import write_text
+from sim.core.kvcache import KVCacheManager
+from sim.core.memory import activation_peak_bytes
+from sim.core.request import make_request, stable_key
+from sim.core.scheduler import Batch
 
 # Device-time coefficients the fit moves (host ones are fitted separately, linearly).
 DEVICE_COEFFICIENTS = ("flops_eff", "bw_eff", "attn_flops_eff", "attn_bw_eff", "block_overhead_s",
@@ -306,7 +306,7 @@ def _subsample(steps: pd.DataFrame, n: int) -> pd.DataFrame:
 
 
 def _activation_scale(scenario, runner: ModelRunner) -> Optional[float]:
-    """Measured activation peak / sim.memory's estimate (GPU only; None keeps the estimate)."""
+    """Measured activation peak / sim.core.memory's estimate (GPU only; None keeps the estimate)."""
     plan = runner.plan
     if plan is None or runner.device.type != "cuda" or scenario.engine.activation_mib is not None:
         return None

@@ -9,9 +9,11 @@ import pandas as pd
 import yaml
 
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
-from sim.cli import UserError, console, err_console, scenario_args
+from sim.errors import UserError
+from sim.output.console import console, err_console
+from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
-from sim.io import write_csv
+from sim.output.io import write_csv
 
 
 # ----------------------------------------------------------------------------- validate

@@ -200,8 +200,8 @@ def write_tolerances(folder: Path, table) -> None:
 def saturation_point(check: Check) -> dict:
     """Validate a Poisson rate at 85% of the highest rate the calibrated simulator says one
     replica sustains (`simrun plan`'s steady-state search, no SLOs)."""
-    from sim.plan import Traffic, search_rate
-    from sim.sweep import PointTask
+    from sim.whatif.plan import Traffic, search_rate
+    from sim.whatif.sweep import PointTask
 
     scenario = check.scenario("bench_steady_nocache")
     raw = scenario.model_dump(mode="json", exclude={"variants"}, exclude_none=True)

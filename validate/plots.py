@@ -1,4 +1,4 @@
-"""Plots that only a predicted-vs-measured pair has; the run plots come from sim/report.py."""
+"""Plots that only a predicted-vs-measured pair has; the run plots come from sim/output/report.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.report import finish_axes, new_figure, save_figure
+from sim.output.report import finish_axes, new_figure, save_figure
 
 KIND_COLOURS = {"decode": "C0", "prefill": "C1", "mixed": "C2"}
 

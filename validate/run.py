@@ -14,8 +14,9 @@ from typing import Callable, Optional
 
 import pandas as pd
 
-from sim.io import write_csv, write_json
-from sim.predict import RunResult, predict, view_of, write_run
+from sim.output.io import write_csv, write_json
+from sim.output.run_files import view_of, write_run
+from sim.predict import RunResult, predict
 from validate.compare import comparison_table, step_time_comparison, step_time_errors
 from validate.plots import plot_relative_errors, plot_step_scatter
 
@@ -56,7 +57,7 @@ def validate(scenario, device: str = "cpu", profile: Optional[Path] = None, onli
 
 
 def write_validation(v: Validation, out: Path, title: Optional[str] = None) -> dict[str, Path]:
-    from sim.report import plot_run_figures, write_html_report
+    from sim.output.report import plot_run_figures, write_html_report
 
     out = Path(out)
     files = {f"predicted_{k}": p for k, p in write_run(v.predicted, out / "predicted", report=False).items()}

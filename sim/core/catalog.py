@@ -106,7 +106,7 @@ class DeviceSpec(StrictModel):
 
 @lru_cache(maxsize=None)
 def _catalog(kind: str) -> dict[str, dict[str, Any]]:
-    text = resources.files("sim").joinpath("catalog", f"{kind}.yaml").read_text()
+    text = resources.files("sim.core").joinpath("catalog", f"{kind}.yaml").read_text()
     return yaml.safe_load(text)
 
 

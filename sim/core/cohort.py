@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from sim.request import Request
+from sim.core.request import Request
 
 
 class DecodeCohort:

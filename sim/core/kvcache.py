@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from sim.memory import cdiv
-from sim.request import Request
+from sim.core.memory import cdiv
+from sim.core.request import Request
 
 NULL_BLOCK = 0
 

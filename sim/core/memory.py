@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from sim.catalog import MIB, ModelSpec
+from sim.core.catalog import MIB, ModelSpec
 
 
 class InsufficientMemoryError(ValueError):

@@ -62,7 +62,7 @@ class Request:
     """A request's workload description plus the scheduling state the policy keeps on it.
 
     While a request decodes steadily it may belong to the scheduler's DecodeCohort
-    (sim/cohort.py), which advances all its members by one token per step in O(1):
+    (sim/core/cohort.py), which advances all its members by one token per step in O(1):
     then `_computed` and `_output` hold offsets from the cohort's step counters, and the
     properties below add them back, so every reader sees the true values.
     """

@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from sim.cohort import DecodeCohort
-from sim.kvcache import KVCacheManager
-from sim.memory import cdiv
-from sim.request import Request, Status
+from sim.core.cohort import DecodeCohort
+from sim.core.kvcache import KVCacheManager
+from sim.core.memory import cdiv
+from sim.core.request import Request, Status
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SchedulerConfig:
     step_composition: str = "mixed"         # mixed | prefill_first
     admission_watermark: float = 0.0
     reserve_full_prompt: bool = True
-    # Advance steady decodes as a cohort (sim/cohort.py); False forces the one-by-one loop.
+    # Advance steady decodes as a cohort (sim/core/cohort.py); False forces the one-by-one loop.
     lazy_decode: bool = True
 
     @classmethod

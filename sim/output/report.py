@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from sim.io import atomic_path, write_bytes, write_text
+from sim.output.io import atomic_path, write_bytes, write_text
 from sim.records import STEP_COLUMNS, RunRecords, requests_frame
 
 TIMELINE_BUCKETS = 1500        # about a plot's width in pixels: finer buckets show nothing more
@@ -515,7 +515,7 @@ def write_perfetto_trace(path: str | Path, views: Mapping[str, RunView],
         events += _request_events(pid, requests)
         shown[label] = f"first {len(requests):,} of {len(v.requests):,} requests by arrival"
     trace = {"traceEvents": events, "displayTimeUnit": "ms",
-             "otherData": {"generator": "kvtwin sim/report.py", "request_slices": shown}}
+             "otherData": {"generator": "kvtwin sim/output/report.py", "request_slices": shown}}
     text = json.dumps(trace, separators=(",", ":"))      # json.dump would use the slow Python encoder
     if Path(path).suffix == ".gz":                       # both viewers open gzipped traces
         return write_bytes(path, gzip.compress(text.encode(), compresslevel=6))

@@ -41,9 +41,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from sim.memory import InsufficientMemoryError
+from sim.core.memory import InsufficientMemoryError
 from sim.scenario import ScenarioError
-from sim.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
+from sim.whatif.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
                        print_frame, save_png, split_sets, write_page)
 
 RATE = "workload.arrival.rate"
@@ -476,7 +476,7 @@ def plot_replica_plan(plan: ReplicaPlan, title: str = ""):
 # ----------------------------------------------------------------------------- CLI
 
 def plan_parser() -> argparse.ArgumentParser:
-    from sim.cli import scenario_args
+    from sim.scenario import scenario_args
 
     p = argparse.ArgumentParser(
         prog="simrun plan", description="Capacity searches. Without --target-rate: the highest request rate "
@@ -558,9 +558,9 @@ def positive(value: float, flag: str) -> float:
 
 
 def run_rate_search(args, base: PointTask, scenario, slos: list[SloTarget]) -> RateCurve:
-    from sim.cli import err_console
+    from sim.output.console import err_console
     from sim.costmodel import CostModel
-    from sim.memory import plan_memory
+    from sim.core.memory import plan_memory
 
     plan_memory(scenario, CostModel.for_scenario(scenario).profile.activation_scale)   # fits at all?
     traffic = Traffic.of(scenario)
@@ -578,7 +578,7 @@ def run_rate_search(args, base: PointTask, scenario, slos: list[SloTarget]) -> R
 
 
 def candidates(args, scenario) -> list[Candidate]:
-    from sim.catalog import catalog_entry, device_names
+    from sim.core.catalog import catalog_entry, device_names
 
     names = [d.strip() for d in args.devices.split(",")] if args.devices else [scenario.device.name]
     prices = dict(parse_cost(c) for c in args.cost)
@@ -617,7 +617,7 @@ def parse_tp(text: str) -> list[int]:
 # ----------------------------------------------------------------------------- output
 
 def write_rate_plan(curve: RateCurve, out: Path, name: str) -> dict[str, Path]:
-    from sim.io import write_csv
+    from sim.output.io import write_csv
 
     title = f"kvtwin plan: highest sustainable rate for {name}"
     files = {"csv": write_csv(out / "plan.csv", curve.frame),
@@ -637,7 +637,7 @@ def rate_verdict(curve: RateCurve) -> str:
 
 
 def print_rate_plan(curve: RateCurve, out: Path, wall_s: float) -> None:
-    from sim.cli import console
+    from sim.output.console import console
 
     print_frame(curve_table(curve, compact=True))
     console.print(rate_verdict(curve))
@@ -645,7 +645,7 @@ def print_rate_plan(curve: RateCurve, out: Path, wall_s: float) -> None:
 
 
 def write_replica_plan(plan: ReplicaPlan, out: Path, name: str) -> dict[str, Path]:
-    from sim.io import write_csv
+    from sim.output.io import write_csv
 
     title = f"kvtwin plan: replicas for {plan.target_rate:g} req/s of {name}"
     files = {"csv": write_csv(out / "plan.csv", plan.table),
@@ -667,7 +667,7 @@ def replica_verdict(plan: ReplicaPlan) -> str:
 
 
 def print_replica_plan(plan: ReplicaPlan, out: Path, wall_s: float) -> None:
-    from sim.cli import console
+    from sim.output.console import console
 
     print_frame(plan.table)
     console.print(replica_verdict(plan))

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import pandas as pd
 
-from sim.memory import InsufficientMemoryError
+from sim.core.memory import InsufficientMemoryError
 from sim.scenario import apply_overrides, load_raw, parse_override, set_path, validate_scenario
 
 
@@ -145,7 +145,8 @@ def run_point(task: PointTask) -> dict[str, Any]:
     A point whose model does not fit the device is a row with an `error`, not a failed
     sweep: "does not fit" is one of the answers a device sweep is asked for.
     """
-    from sim.predict import predict, write_run
+    from sim.output.run_files import write_run
+    from sim.predict import predict
 
     scenario = task.scenario()
     try:
@@ -442,7 +443,7 @@ def plot_metrics(sweep: Sweep, metrics: Sequence[Metric | str], ncols: int = 2, 
 
 
 def save_png(fig, path: Path, dpi: int = PLOT_DPI) -> Path:
-    from sim.report import save_figure
+    from sim.output.report import save_figure
 
     return save_figure(fig, path, dpi)
 
@@ -478,7 +479,7 @@ def display_table(frame: pd.DataFrame, key_columns: Sequence[str],
 def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tuple[str, pd.DataFrame]],
                figures: Mapping[str, Path]) -> Path:
     """A self-contained HTML page (images inlined) in the run report's style."""
-    from sim.report import html_figure, html_table, write_html_page
+    from sim.output.report import html_figure, html_table, write_html_page
 
     body = [f"<p>{html.escape(n)}</p>" for n in notes]
     for heading, frame in tables:
@@ -488,7 +489,7 @@ def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tu
 
 
 def write_sweep(sweep: Sweep, out: Path, title: str) -> dict[str, Path]:
-    from sim.io import write_csv
+    from sim.output.io import write_csv
 
     files = {"csv": write_csv(out / "sweep.csv", sweep.frame)}
     figures = write_metric_plots(sweep, out)
@@ -554,8 +555,8 @@ def print_frame(frame: pd.DataFrame, title: Optional[str] = None) -> None:
     """A frame as a rich table on stdout, numbers formatted as in the run report."""
     from rich.table import Table
 
-    from sim.cli import console
-    from sim.report import format_value
+    from sim.output.console import console
+    from sim.output.report import format_value
 
     table = Table(title=title, show_header=True, header_style="bold", title_justify="left")
     for i, col in enumerate(frame.columns):
@@ -566,7 +567,7 @@ def print_frame(frame: pd.DataFrame, title: Optional[str] = None) -> None:
 
 
 def print_sweep(sweep: Sweep, out: Path, wall_s: float) -> None:
-    from sim.cli import console
+    from sim.output.console import console
 
     short = [METRICS_BY_NAME[n] for n in ("request_throughput", "ttft_p99", "tpot_p99", "e2e_p99",
                                           "kv_usage_peak", "preemptions")]
