@@ -287,3 +287,24 @@ def test_decode_cohort_is_used_and_exact_under_pressure(num_blocks, policy):
     assert lazy[0] == exact[0] and lazy[2:] == exact[2:]
     assert lazy[1] > len(lazy[0]) // 2            # the cohort carried most steps
     assert (lazy[2] > 0) == (num_blocks == 40)     # the small pool preempts
+
+
+def test_a_one_token_recompute_chunk_is_not_a_decode():
+    """D1 (issue 15): a resumed request whose recompute chunk is cut to 1 token by the budget
+    must not emit a token (it has not recomputed its context yet) nor join the cohort.
+    Minimal case found by differential fuzzing."""
+    s = make(num_blocks=6, block_size=4, caching=False, max_num_seqs=3, max_num_batched_tokens=7,
+             max_model_len=64)
+    reqs = [make_request(0, 0.0, [(1, 8)], 8), make_request(1, 0.0, [(1, 1)], 8),
+            make_request(2, 0.0, [(0, 3)], 8)]
+    for r in reqs:
+        s.add(r)
+    chunks_of_one = 0
+    while s.has_unfinished():
+        batch = s.schedule()
+        for r in batch.decodes:
+            assert r.num_computed == r.num_tokens, f"step {batch.step}: {r} booked as a decode"
+        chunks_of_one += sum(1 for r, n in zip(batch.prefills, batch.prefill_new) if n == 1 and r.num_output)
+        s.finish_step(batch)
+    assert chunks_of_one >= 1                      # the case really has such a chunk
+    assert all(r.num_output == r.output_len and r.status is Status.FINISHED for r in reqs)

@@ -105,7 +105,9 @@ class Batch:
         start = req.num_computed
         ctx = start + n
         self.blocks_read += -(-ctx // block_size)
-        if n == 1 and req.num_output:
+        # A decode is the one token that completes the sequence. A resumed request's 1-token
+        # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
+        if n == 1 and req.num_output and ctx == req.num_tokens:
             self.decodes.append(req)
             self.decode_ctx += ctx
         else:
