@@ -308,3 +308,17 @@ def test_a_one_token_recompute_chunk_is_not_a_decode():
         s.finish_step(batch)
     assert chunks_of_one >= 1                      # the case really has such a chunk
     assert all(r.num_output == r.output_len and r.status is Status.FINISHED for r in reqs)
+
+
+def test_watermark_is_skipped_when_nothing_runs():
+    """D3 (issue 15): a request that fits the pool but not pool - watermark starts when the
+    engine is empty (vLLM skips the watermark then), instead of waiting forever."""
+    s = make(num_blocks=101, admission_watermark=0.1, caching=False, max_num_batched_tokens=2048,
+             max_model_len=2048)
+    big, small = make_request(0, 0.0, [(1, 95 * 16)], 2), make_request(1, 0.0, [(2, 16)], 2)
+    s.add(big), s.add(small)
+    batch = s.schedule()
+    assert batch is not None and batch.admitted == [big]
+    assert s.kv.pool.num_free == 5            # the watermark (10 blocks) holds against the second request
+    drive(s)
+    assert big.status is Status.FINISHED and small.status is Status.FINISHED

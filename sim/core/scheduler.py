@@ -417,8 +417,11 @@ class Scheduler:
             gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
             # A static batch is formed in one step: reserve its prompts now, compute them as budget allows.
             lookahead = (n - n_now) if self.static else 0
+            # The watermark keeps room for running requests to grow; with none running it
+            # would only stop a request that fits the pool from ever starting (vLLM skips it then).
+            reserve = self._watermark_blocks if running else 0
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate,
-                                     reserve_free=self._watermark_blocks, lookahead_tokens=lookahead):
+                                     reserve_free=reserve, lookahead_tokens=lookahead):
                 break
             self._pop_waiting()
             kv.stats.record(req.num_tokens, hit_tokens, resumed)
