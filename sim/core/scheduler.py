@@ -11,8 +11,10 @@ be recomputed. Then, if nothing was preempted, WAITING requests are admitted hea
 until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
 `prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
 be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
-`static`: a batch is formed only when none is running and runs until its last member
-finishes; finished members' slots stay empty.
+`static` (HF `generate`, research/VLLM_SEMANTICS.md section 5): a batch is formed only
+when none is running, its prompts computed in one padded forward (no token budget, no
+chunks), and it runs until its last member finishes. Every step computes all B rows, padded
+to the longest prompt: a finished member's row keeps being computed (`Batch.pad_rows`).
 """
 from __future__ import annotations
 
@@ -56,13 +58,14 @@ class Batch:
     are kept apart, so the hot decode path needs no per-sequence token count.
     """
 
-    __slots__ = ("step", "decodes", "cohort_size", "prefills", "prefill_new", "decode_ctx",
+    __slots__ = ("step", "decodes", "pad_rows", "cohort_size", "prefills", "prefill_new", "decode_ctx",
                  "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
 
     def __init__(self, step: int):
         self.step = step
         self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
         self.cohort_size = 0
+        self.pad_rows = 0            # static batching: rows computed for members that finished
         self.prefills: list[Request] = []
         self.prefill_new: list[int] = []
         self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
@@ -78,15 +81,17 @@ class Batch:
 
     @property
     def num_decode(self) -> int:
-        return len(self.decodes)
+        """Decode rows computed (live decodes plus a static batch's padding rows)."""
+        return len(self.decodes) + self.pad_rows
 
     @property
     def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
+        return len(self.decodes) + self.pad_rows + len(self.prefills)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decodes)
+        """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
+        return self.num_prefill_tokens + len(self.decodes) + self.pad_rows
 
     @property
     def reqs(self) -> list[Request]:
@@ -165,6 +170,8 @@ class Scheduler:
         self._heap_seq = 0
         self._returned = 0
         self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
+        # The static batch running now: its rows, padded prompt length and first step.
+        self._static_rows = self._static_len = self._static_step = 0
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -191,7 +198,8 @@ class Scheduler:
         usable = self.kv.pool.usable_blocks
         if need > usable:
             return f"needs {need} KV blocks at full length but the pool has {usable} usable blocks"
-        if not self.config.chunked_prefill and req.max_len > self.config.max_num_batched_tokens:
+        if (not self.config.chunked_prefill and not self.static
+                and req.max_len > self.config.max_num_batched_tokens):
             return (f"{req.max_len} tokens cannot be recomputed within max_num_batched_tokens "
                     f"{self.config.max_num_batched_tokens} without chunked prefill")
         return None
@@ -270,8 +278,34 @@ class Scheduler:
         if not len(batch):
             return None
         self.tokens_held += batch.num_tokens
+        if self.static:
+            self._pad_static(batch)
         self.step += 1
         return batch
+
+    def _pad_static(self, batch: Batch) -> None:
+        """Make a static batch's step the padded one HF `generate` computes (issue 15, D4).
+
+        The forming step is one [B, P] prefill, P the longest sequence; step k after it feeds
+        one token per row to all B rows, each attending P + k positions, whether its member
+        finished or not. Only the cost figures change: the members' own progress is untouched.
+        """
+        bs = self.block_size
+        if batch.admitted:
+            self._static_rows = len(batch.admitted)
+            self._static_len = max(r.num_tokens for r in batch.admitted)
+            self._static_step = batch.step
+        rows, length = self._static_rows, self._static_len
+        if batch.step == self._static_step:
+            batch.num_prefill_tokens = rows * length
+            batch.prefill_ctx = 0
+            batch.prefill_attn = rows * (length * (length + 1) // 2)
+            batch.blocks_read = rows * -(-length // bs)
+            return
+        ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
+        batch.pad_rows = rows - len(batch.decodes)
+        batch.decode_ctx = rows * ctx
+        batch.blocks_read = rows * -(-ctx // bs)
 
     @property
     def slack_tokens(self) -> int:
@@ -411,17 +445,15 @@ class Scheduler:
             n = req.num_tokens - hit_tokens
             # prefill_first (nano-vllm): only the step's first prefill may be chunked.
             may_chunk = cfg.chunked_prefill and (self.mixed or not len(batch))
-            if not may_chunk and n > budget:
+            if not may_chunk and n > budget and not self.static:
                 break
-            n_now = min(n, budget)
+            n_now = n if self.static else min(n, budget)    # a static batch: one padded forward
             gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
-            # A static batch is formed in one step: reserve its prompts now, compute them as budget allows.
-            lookahead = (n - n_now) if self.static else 0
             # The watermark keeps room for running requests to grow; with none running it
             # would only stop a request that fits the pool from ever starting (vLLM skips it then).
             reserve = self._watermark_blocks if running else 0
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate,
-                                     reserve_free=reserve, lookahead_tokens=lookahead):
+                                     reserve_free=reserve):
                 break
             self._pop_waiting()
             kv.stats.record(req.num_tokens, hit_tokens, resumed)
