@@ -26,6 +26,10 @@ from collections import defaultdict
 from sim.core.request import Request
 
 
+def _run_seq(req: Request) -> int:
+    return req.run_seq
+
+
 class DecodeCohort:
     def __init__(self, block_size: int, paged: bool, caching: bool):
         self.block_size = block_size
@@ -86,6 +90,11 @@ class DecodeCohort:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
         return self._by_phase[(1 - step) % self.block_size]
 
+    def first_crossing_seq(self, step: int) -> float:
+        """The earliest running position among members that need a block at `step`."""
+        crossing = self._crossing(step) if self.paged else ()
+        return min(map(_run_seq, crossing)) if crossing else float("inf")
+
     def due_blocks(self, step: int) -> int:
         """Blocks the members need at `step`."""
         return len(self._crossing(step)) if self.paged else 0
@@ -98,6 +107,9 @@ class DecodeCohort:
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             take_block = kv.pool.take_one
+            # In the running list's order, as the one-by-one loop hands out blocks.
+            if len(crossing) > 1:
+                crossing = sorted(crossing, key=_run_seq)
             for req in crossing:
                 req.blocks.append(take_block())
             kv.held_slots += bs * len(crossing)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from sim.core.cohort import DecodeCohort
+from sim.core.cohort import DecodeCohort, _run_seq
 from sim.core.kvcache import KVCacheManager
 from sim.core.memory import cdiv
 from sim.core.request import Request, Status
@@ -156,7 +156,7 @@ class Scheduler:
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
-        self.lazy = config.lazy_decode and self.mixed
+        self.lazy = config.lazy_decode
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
@@ -168,6 +168,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.tokens_held = 0           # sum of num_computed over running requests
         self._heap_seq = 0
+        self._run_seq = 0
         self._returned = 0
         self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
         # The static batch running now: its rows, padded prompt length and first step.
@@ -273,7 +274,9 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, want="prefill")
             if not batch.preempted:
                 budget = self._schedule_waiting(batch, budget)
-            if not len(batch):
+            if len(batch):
+                self._pause_decodes(batch.step)
+            else:
                 self._schedule_running(batch, budget, want="decode")
         if not len(batch):
             return None
@@ -307,6 +310,14 @@ class Scheduler:
         batch.decode_ctx = rows * ctx
         batch.blocks_read = rows * -(-ctx // bs)
 
+    def _pause_decodes(self, step: int) -> None:
+        """prefill_first: a prefill step, so the decodes wait. The cohort's members advance one
+        token per step by construction, so they leave it (and rejoin as they emit again)."""
+        if self.cohort.members:
+            self.cohort.dissolve()
+            self.active = dict.fromkeys(self.running)
+        self.cohort.scheduled_step = step
+
     @property
     def slack_tokens(self) -> int:
         """Slots allocated to running requests but holding no token (tails, reservations)."""
@@ -316,7 +327,9 @@ class Scheduler:
         """RUNNING requests in admission order: decodes and the rest of their prompts."""
         cohort = self.cohort
         candidates = self.running
-        if cohort.members:
+        if want == "prefill":              # prefill_first's prefill pass: the cohort holds decodes only
+            candidates = list(self.active) if cohort.members else candidates
+        elif cohort.members:
             others = self._cohort_can_take(batch.step, budget)
             if others is None:
                 cohort.dissolve()              # some member may not get its token: go one by one
@@ -330,7 +343,8 @@ class Scheduler:
                 batch.blocks_read += cohort.blocks_walked
                 budget -= n
                 candidates = others
-        cohort.scheduled_step = batch.step
+        if want != "prefill":
+            cohort.scheduled_step = batch.step
         # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
         if self.priority:
             candidates = list(candidates)
@@ -363,6 +377,7 @@ class Scheduler:
             return None
         others = list(self.active)
         blocks = cohort.due_blocks(step)
+        first_crossing = cohort.first_crossing_seq(step)
         for req in others:
             n = req.num_tokens - req.num_computed
             if n > left:
@@ -370,7 +385,10 @@ class Scheduler:
                     continue
                 n = left
             if not kv.contiguous:
-                blocks += max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
+                new = max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
+                if new and req.run_seq < first_crossing:
+                    return None        # it takes its blocks before a member would: keep vLLM's order
+                blocks += new
             left -= n
             if left == 0:
                 later = self.running[self.running.index(req) + 1:]
@@ -463,6 +481,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.num_computed = hit_tokens
             self.tokens_held += hit_tokens
+            self._run_seq += 1
+            req.run_seq = self._run_seq
             running.append(req)
             self.active[req] = None
             batch.admitted.append(req)
@@ -492,6 +512,8 @@ class Scheduler:
         for req in finished:
             self.cohort.leave(req)
         finished += [r for r in emitted if r.num_output >= r.output_len]
+        if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
+            finished.sort(key=_run_seq)
         for req in finished:
             req.status = Status.FINISHED
             req.finish_step = step
