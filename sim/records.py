@@ -21,6 +21,9 @@ STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "d
                 "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
 
 
+_COLUMN_INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
+
+
 class StepRecorder:
     """Collects one row per engine step.
 
@@ -34,6 +37,8 @@ class StepRecorder:
         self.replica = replica
         self.rows: list[tuple] = []
         self._chunks: list[np.ndarray] = []
+        self._small: list[np.ndarray] = []     # recent short blocks (leaps), merged every CHUNK rows
+        self._small_rows = 0
         self._packed = 0
         self._columns: Optional[dict[str, np.ndarray]] = None
 
@@ -49,15 +54,49 @@ class StepRecorder:
         if len(self.rows) == self.CHUNK:
             self._pack()
 
+    def record_leap(self, first_step: int, starts: np.ndarray, ends: np.ndarray, rows: int, decode_ctx: np.ndarray,
+                    blocks_read: np.ndarray, running: int, waiting: int, kv_used: np.ndarray,
+                    kv_cached: np.ndarray, slack: np.ndarray, host: np.ndarray, device: np.ndarray) -> None:
+        """Append the k decode-only steps of a leap (sim/core/leap.py) as one block of rows."""
+        k = len(ends)
+        block = np.zeros((k, len(STEP_COLUMNS)))
+        col = _COLUMN_INDEX
+        block[:, col["step"]] = np.arange(first_step, first_step + k)
+        block[:, col["start_s"]] = starts
+        block[:, col["end_s"]] = ends
+        block[:, col["running"]] = running
+        block[:, col["waiting"]] = waiting
+        for name in ("num_seqs", "decode_seqs", "batch_tokens"):
+            block[:, col[name]] = rows
+        block[:, col["decode_ctx"]] = decode_ctx
+        block[:, col["blocks_read"]] = blocks_read
+        block[:, col["kv_blocks_used"]] = kv_used
+        block[:, col["kv_blocks_cached"]] = kv_cached
+        block[:, col["slack_tokens"]] = slack
+        block[:, col["host_s"]] = host
+        block[:, col["device_s"]] = device
+        if self.rows:
+            self._small.append(np.array(self.rows, dtype=np.float64))
+            self._small_rows += len(self.rows)
+            self.rows = []
+        self._small.append(block)
+        self._small_rows += k
+        if self._small_rows >= self.CHUNK:
+            self._pack()
+
     def _pack(self) -> None:
         if self.rows:
-            self._chunks.append(np.array(self.rows, dtype=np.float64))
-            self._packed += len(self.rows)
+            self._small.append(np.array(self.rows, dtype=np.float64))
+            self._small_rows += len(self.rows)
             self.rows = []
+        if self._small:
+            self._chunks.append(self._small[0] if len(self._small) == 1 else np.concatenate(self._small))
+            self._packed += self._small_rows
+            self._small, self._small_rows = [], 0
         self._columns = None
 
     def __len__(self) -> int:
-        return self._packed + len(self.rows)
+        return self._packed + self._small_rows + len(self.rows)
 
     @property
     def table(self) -> np.ndarray:
@@ -70,7 +109,7 @@ class StepRecorder:
 
     @property
     def columns(self) -> dict[str, np.ndarray]:
-        if self._columns is None or self.rows:
+        if self._columns is None or self.rows or self._small:
             table = self.table
             self._columns = {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
         return self._columns

@@ -2,18 +2,25 @@
 
 Each engine loop reads like the engine it models: schedule a batch with the shared
 policy, spend the cost model's step time, finish the step, repeat; sleep when there is
-nothing to do and wake on the next arrival. One SimPy event per engine step, never per token.
+nothing to do and wake on the next arrival. One SimPy event per engine step, never per token,
+and one per *leap* where it can (sim/core/leap.py): a stretch of pure decode steps between
+two events runs as one, priced in bulk, and ends before the next request reaches a router
+(so every routing decision sees the same replica states as the step-by-step path).
 """
 from __future__ import annotations
 
+import heapq
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+import numpy as np
 import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager
+from sim.core.leap import LeapPlan, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, plan_memory
 from sim.records import RunRecords, StepRecorder
 from sim.core.request import Request
@@ -44,11 +51,15 @@ class Replica:
             self.wakeup.succeed()
 
 
-def build_replica(index: int, scenario, plan: MemoryPlan) -> Replica:
+def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True) -> Replica:
     e = scenario.engine
     kv = KVCacheManager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation,
                         scenario.max_model_len, e.contiguous_reserve)
-    return Replica(index, Scheduler(SchedulerConfig.from_scenario(scenario), kv), StepRecorder(index))
+    config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
+    return Replica(index, Scheduler(config, kv), StepRecorder(index))
+
+
+LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
 @dataclass
@@ -59,6 +70,8 @@ class Simulation:
     cost_model: CostModel
     replicas: list[Replica] = field(default_factory=list)
     progress: Optional[Callable[[int], None]] = None
+    # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
+    fast: bool = True
 
     def run(self) -> RunRecords:
         with gc_paused():
@@ -66,8 +79,10 @@ class Simulation:
 
     def _run(self) -> RunRecords:
         env = simpy.Environment()
-        self.replicas = [build_replica(i, self.scenario, self.plan)
+        self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
                          for i in range(self.scenario.cluster.replicas)]
+        self._next_arrival = math.inf
+        self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
@@ -87,19 +102,42 @@ class Simulation:
     def _arrivals(self, env: simpy.Environment, requests: list[Request], router):
         for req in requests:
             if req.arrival > env.now:
+                self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
                 yield env.timeout(req.arrival - env.now)
             router.route(req)
+        self._next_arrival = math.inf
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
+        heapq.heappush(self._follow_up_times, env.now + delay)
         yield env.timeout(delay)
+        heapq.heappop(self._follow_up_times)
         req.arrival = env.now
         self._router.route(req)
+
+    def _next_route_time(self) -> float:
+        """The earliest moment a request may reach the router (a leap must end before it)."""
+        follow = self._follow_up_times[0] if self._follow_up_times else math.inf
+        return min(self._next_arrival, follow)
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
         step_time = self.cost_model.step_time
         last_end = float("-inf")
         while True:
+            if self.fast and env.now == last_end:
+                leap = self._plan_leap(sched, env.now)
+                if leap is not None:
+                    plan, ends, host, device = leap
+                    running, waiting = len(sched.running), sched.num_waiting
+                    used, cached, slack = apply_leap(sched, plan, len(ends))
+                    yield env.timeout(_delay_to(env.now, ends[-1]))
+                    starts = np.concatenate(([last_end], ends[:-1]))
+                    recorder.record_leap(plan.first_step, starts, ends, plan.rows, plan.decode_ctx[:len(ends)],
+                                         plan.blocks_read[:len(ends)], running, waiting, used, cached, slack,
+                                         host, device)
+                    last_end = env.now
+                    self._retire(env, replica, finish_leap(sched))
+                    continue
             batch = sched.schedule()
             if batch is None:
                 replica.wakeup = env.event()
@@ -112,13 +150,51 @@ class Simulation:
             yield env.timeout(host + device)
             recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
             last_end = env.now
-            for req in sched.finish_step(batch):
-                replica.outstanding_tokens -= req.max_len
-                if req.next_turn is not None:
-                    env.process(self._follow_up(env, req.next_turn, req.think_time))
-                self._finished += 1
-                if self.progress is not None and self._finished % 256 == 0:
-                    self.progress(self._finished)
+            self._retire(env, replica, sched.finish_step(batch))
+
+    def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
+        for req in finished:
+            replica.outstanding_tokens -= req.max_len
+            if req.next_turn is not None:
+                env.process(self._follow_up(env, req.next_turn, req.think_time))
+            self._finished += 1
+            if self.progress is not None and self._finished % 256 == 0:
+                self.progress(self._finished)
+
+    def _plan_leap(self, sched: Scheduler, now: float):
+        """A leap from `now`: (plan, end times, host s, device s) of its steps, all ending
+        before the next request reaches a router; None when fewer than one step qualifies."""
+        horizon = self._next_route_time()
+        plan = plan_leap(sched, max_steps=1 << 30)
+        if plan is None:
+            return None
+        step_time = self.cost_model.step_time
+        ends, hosts, devices = [], [], []
+        t = now
+        for k in range(min(plan.max_steps, LEAP_SCALAR_STEPS)):
+            h, d = step_time(plan.shape(k), False)
+            t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
+            if t >= horizon:
+                break
+            ends.append(t)
+            hosts.append(h)
+            devices.append(d)
+        else:
+            if plan.max_steps > LEAP_SCALAR_STEPS:
+                return self._bulk_times(plan, now, ends, hosts, devices, horizon)
+        if not ends:
+            return None
+        return plan, np.array(ends), np.array(hosts), np.array(devices)
+
+    def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
+        """The rest of a long leap priced with numpy (the same float operations, element-wise)."""
+        host, device = self.cost_model.step_times(plan.columns(plan.max_steps))
+        host, device = host[len(ends):], device[len(ends):]
+        start = ends[-1] if ends else now
+        tail = np.cumsum(np.concatenate(([start], host + device)))[1:]   # sequential, as SimPy adds
+        keep = int(np.searchsorted(tail, horizon, side="left"))
+        return (plan, np.concatenate((ends, tail[:keep])), np.concatenate((hosts, host[:keep])),
+                np.concatenate((devices, device[:keep])))
 
     def _check_every_request_ended(self) -> None:
         """Every request that entered the run ends finished or rejected (with a reason)."""
@@ -130,8 +206,19 @@ class Simulation:
             raise AssertionError(f"{len(never_sent)} follow-up turns were never released, e.g. {never_sent[0]!r}")
 
 
+def _delay_to(now: float, end: float) -> float:
+    """A delay d with now + d == end exactly in floats, so a leap ends where its last step would."""
+    delay = end - now
+    while now + delay < end:
+        delay = math.nextafter(delay, math.inf)
+    while now + delay > end:
+        delay = math.nextafter(delay, -math.inf)
+    return delay
+
+
 def simulate(scenario, requests: Optional[list[Request]] = None,
-             progress: Optional[Callable[[int], None]] = None) -> tuple[RunRecords, MemoryPlan, CostModel]:
+             progress: Optional[Callable[[int], None]] = None,
+             fast: bool = True) -> tuple[RunRecords, MemoryPlan, CostModel]:
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
@@ -140,7 +227,7 @@ def simulate(scenario, requests: Optional[list[Request]] = None,
     else:
         for r in requests:
             r.reset()
-    sim = Simulation(scenario, requests, plan, cost_model, progress=progress)
+    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast)
     t0 = time.perf_counter()
     records = sim.run()
     records.meta["wall_s"] = time.perf_counter() - t0

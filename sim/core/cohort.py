@@ -21,6 +21,7 @@ forces that path; tests compare the two).
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 from sim.core.request import Request
@@ -45,6 +46,7 @@ class DecodeCohort:
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events.
         self._by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
         self._finish: dict[int, list] = defaultdict(list)
+        self._finish_steps: list[int] = []          # heap of the keys of _finish
 
     def __len__(self) -> int:
         return len(self.members)
@@ -62,7 +64,10 @@ class DecodeCohort:
         self._by_phase[req._computed % bs][req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
-        self._finish[step + req.output_len - output].append((req, req.cohort_gen))
+        finish = step + req.output_len - output
+        if finish not in self._finish:
+            heapq.heappush(self._finish_steps, finish)
+        self._finish[finish].append((req, req.cohort_gen))
         if self.caching:
             # Scripted outputs are known up front: hash every block the member will fill, in bulk.
             req.extend_block_hashes((req.max_len - 1) // bs, bs)
@@ -116,6 +121,17 @@ class DecodeCohort:
         if self.caching:
             for req in self._by_phase[-step % bs]:               # their token completes a block
                 kv.register_block(req, (req._computed + step) // bs - 1)
+
+    def next_finish(self) -> float:
+        """The earliest step at which a member may emit its last token (inf if none)."""
+        heap = self._finish_steps
+        while heap and heap[0] not in self._finish:
+            heapq.heappop(heap)
+        return heap[0] if heap else float("inf")
+
+    def phase_sizes(self) -> list[int]:
+        """Members per phase: at step s, phase (1 - s) % block_size crosses into a new block."""
+        return [len(group) for group in self._by_phase]
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after setting finished_step)."""

@@ -239,29 +239,44 @@ class KVCacheManager:
         bs = self.block_size
         hit_blocks = hit_blocks or []
         held = len(req.blocks)
+        need, required = self._blocks_required(req, num_new_tokens, hit_blocks, gate_tokens, reserve_free,
+                                               lookahead_tokens)
+        if required > pool.num_free:
+            return False
+        if hit_blocks:
+            pool.touch(hit_blocks)
+            req.blocks.extend(hit_blocks)
+            req.num_registered = len(req.blocks)   # hit blocks are already registered
+        if need:
+            req.blocks.extend(pool.get_new_blocks(need))
+        self.held_slots += (len(req.blocks) - held) * bs
+        if self.enable_caching:
+            covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.num_tokens))
+        return True
+
+    def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
+                  reserve_free: int, free_blocks: int) -> bool:
+        """Would `allocate_slots` succeed with `free_blocks` free? (No state changes.)"""
+        return self._blocks_required(req, num_new_tokens, hit_blocks, gate_tokens, reserve_free, 0)[1] <= free_blocks
+
+    def _blocks_required(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
+                         reserve_free: int, lookahead_tokens: int) -> tuple[int, int]:
+        """(new blocks an allocation takes, free blocks it requires to go ahead)."""
+        bs = self.block_size
+        held = len(req.blocks)
         covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
             target = cdiv(covered + lookahead_tokens, bs)
         need = max(target - held - len(hit_blocks), 0)
-        if gate_tokens or reserve_free or hit_blocks:
-            gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
-            hit_in_free = sum(1 for b in hit_blocks if pool.ref_cnt[b] == 0)
-            if gate + hit_in_free + reserve_free > pool.num_free:
-                return False
-            if hit_blocks:
-                pool.touch(hit_blocks)
-                req.blocks.extend(hit_blocks)
-                req.num_registered = len(req.blocks)   # hit blocks are already registered
-        elif need > pool.num_free:
-            return False
-        if need:
-            req.blocks.extend(pool.get_new_blocks(need))
-        self.held_slots += (len(req.blocks) - held) * bs
-        if self.enable_caching:
-            self.register_full_blocks(req, min(covered, req.num_tokens))
-        return True
+        if not (gate_tokens or reserve_free or hit_blocks):
+            return need, need
+        gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
+        ref = self.pool.ref_cnt
+        hit_in_free = sum(1 for b in hit_blocks if ref[b] == 0)
+        return need, gate + hit_in_free + reserve_free
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""

@@ -459,19 +459,11 @@ class Scheduler:
             if req is None:
                 break
             resumed = req.status is Status.PREEMPTED
-            hits, hit_tokens = kv.find_cached_prefix(req)
-            n = req.num_tokens - hit_tokens
-            # prefill_first (nano-vllm): only the step's first prefill may be chunked.
-            may_chunk = cfg.chunked_prefill and (self.mixed or not len(batch))
-            if not may_chunk and n > budget and not self.static:
+            args = self._admission(req, budget, not len(batch))
+            if args is None:
                 break
-            n_now = n if self.static else min(n, budget)    # a static batch: one padded forward
-            gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
-            # The watermark keeps room for running requests to grow; with none running it
-            # would only stop a request that fits the pool from ever starting (vLLM skips it then).
-            reserve = self._watermark_blocks if running else 0
-            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate,
-                                     reserve_free=reserve):
+            hits, hit_tokens, n_now, gate, reserve = args
+            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
             self._pop_waiting()
             kv.stats.record(req.num_tokens, hit_tokens, resumed)
@@ -490,6 +482,37 @@ class Scheduler:
                 budget -= n_now
                 batch.add(req, n_now, self.block_size)
         return budget
+
+    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
+        """How the waiting head would be admitted now: (hits, hit tokens, tokens now, gate tokens,
+        blocks kept free), or None when the token budget stops it before the pool is asked."""
+        cfg = self.config
+        hits, hit_tokens = self.kv.find_cached_prefix(req)
+        n = req.num_tokens - hit_tokens
+        # prefill_first (nano-vllm): only the step's first prefill may be chunked.
+        may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
+        if not may_chunk and n > budget and not self.static:
+            return None
+        n_now = n if self.static else min(n, budget)    # a static batch: one padded forward
+        gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
+        # The watermark keeps room for running requests to grow; with none running it
+        # would only stop a request that fits the pool from ever starting (vLLM skips it then).
+        reserve = self._watermark_blocks if self.running else 0
+        return hits, hit_tokens, n_now, gate, reserve
+
+    def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
+        """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
+        (No state changes; the leap planner asks this, sim/core/leap.py.)"""
+        if len(self.running) >= self.config.max_num_seqs or (budget <= 0 and not self.static):
+            return False
+        req = self._peek_waiting()
+        if req is None:
+            return False
+        args = self._admission(req, budget, batch_empty)
+        if args is None:
+            return False
+        hits, _, n_now, gate, reserve = args
+        return self.kv.would_fit(req, n_now, hits, gate, reserve, free_blocks)
 
     # -- after the step ------------------------------------------------------------------
     def finish_step(self, batch: Batch) -> list[Request]:
