@@ -37,6 +37,7 @@ class Replica:
     scheduler: Scheduler
     recorder: StepRecorder
     wakeup: Optional[simpy.Event] = None
+    busy_until: float = math.inf         # end of the step or leap in flight (inf while idle)
     outstanding_tokens: int = 0          # prompt + output tokens routed here and not yet finished
 
     @property
@@ -83,6 +84,9 @@ class Simulation:
                          for i in range(self.scenario.cluster.replicas)]
         self._next_arrival = math.inf
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
+        # A finish on one replica can send a follow-up turn to another after its think time.
+        turns = [r.think_time for r in self.requests if r.next_turn is not None]
+        self._min_think = min(turns) if turns else math.inf
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
@@ -108,16 +112,22 @@ class Simulation:
         self._next_arrival = math.inf
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
-        heapq.heappush(self._follow_up_times, env.now + delay)
         yield env.timeout(delay)
         heapq.heappop(self._follow_up_times)
         req.arrival = env.now
         self._router.route(req)
 
-    def _next_route_time(self) -> float:
-        """The earliest moment a request may reach the router (a leap must end before it)."""
+    def _next_route_time(self, replica: Replica) -> float:
+        """The earliest moment a request may reach the router (a leap must end before it):
+        the next arrival, a pending follow-up turn, or one that another replica's next finish
+        could release (no earlier than the end of its step in flight plus the shortest think time)."""
         follow = self._follow_up_times[0] if self._follow_up_times else math.inf
-        return min(self._next_arrival, follow)
+        horizon = min(self._next_arrival, follow)
+        if self._min_think < math.inf:
+            for other in self.replicas:
+                if other is not replica:
+                    horizon = min(horizon, other.busy_until + self._min_think)
+        return horizon
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
@@ -125,12 +135,13 @@ class Simulation:
         last_end = float("-inf")
         while True:
             if self.fast and env.now == last_end:
-                leap = self._plan_leap(sched, env.now)
+                leap = self._plan_leap(sched, env.now, self._next_route_time(replica))
                 if leap is not None:
                     plan, ends, host, device = leap
                     running, waiting = len(sched.running), sched.num_waiting
                     used, cached, slack = apply_leap(sched, plan, len(ends))
-                    yield env.timeout(_delay_to(env.now, ends[-1]))
+                    replica.busy_until = ends[-1]
+                    yield _At(env, float(ends[-1]))
                     starts = np.concatenate(([last_end], ends[:-1]))
                     recorder.record_leap(plan.first_step, starts, ends, plan.rows, plan.decode_ctx[:len(ends)],
                                          plan.blocks_read[:len(ends)], running, waiting, used, cached, slack,
@@ -141,12 +152,14 @@ class Simulation:
             batch = sched.schedule()
             if batch is None:
                 replica.wakeup = env.event()
+                replica.busy_until = math.inf
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
             kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, sched.slack_tokens
             host, device = step_time(batch, env.now - last_end > IDLE_GAP_S)
             start = env.now
+            replica.busy_until = start + (host + device)
             yield env.timeout(host + device)
             recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
             last_end = env.now
@@ -156,15 +169,16 @@ class Simulation:
         for req in finished:
             replica.outstanding_tokens -= req.max_len
             if req.next_turn is not None:
+                # known now, though the process starts later: a leap planned meanwhile must see it
+                heapq.heappush(self._follow_up_times, env.now + req.think_time)
                 env.process(self._follow_up(env, req.next_turn, req.think_time))
             self._finished += 1
             if self.progress is not None and self._finished % 256 == 0:
                 self.progress(self._finished)
 
-    def _plan_leap(self, sched: Scheduler, now: float):
+    def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
         """A leap from `now`: (plan, end times, host s, device s) of its steps, all ending
-        before the next request reaches a router; None when fewer than one step qualifies."""
-        horizon = self._next_route_time()
+        before `horizon` (the next routing); None when not even one step qualifies."""
         plan = plan_leap(sched, max_steps=1 << 30)
         if plan is None:
             return None
@@ -206,14 +220,18 @@ class Simulation:
             raise AssertionError(f"{len(never_sent)} follow-up turns were never released, e.g. {never_sent[0]!r}")
 
 
-def _delay_to(now: float, end: float) -> float:
-    """A delay d with now + d == end exactly in floats, so a leap ends where its last step would."""
-    delay = end - now
-    while now + delay < end:
-        delay = math.nextafter(delay, math.inf)
-    while now + delay > end:
-        delay = math.nextafter(delay, -math.inf)
-    return delay
+class _At(simpy.events.Event):
+    """An event at an absolute time. A leap must end exactly where its last step would have
+    (now + d1 + d2 + ..., added step by step); SimPy's timeout computes now + delay, and no
+    float delay reaches every such sum, so the event goes on SimPy's queue as a Timeout does."""
+
+    def __init__(self, env: simpy.Environment, when: float):
+        super().__init__(env)
+        if when < env.now:
+            raise ValueError(f"cannot schedule at {when} before now ({env.now})")
+        self._ok = True
+        self._value = None
+        heapq.heappush(env._queue, (when, simpy.events.NORMAL, next(env._eid), self))
 
 
 def simulate(scenario, requests: Optional[list[Request]] = None,

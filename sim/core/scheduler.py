@@ -169,6 +169,7 @@ class Scheduler:
         self.tokens_held = 0           # sum of num_computed over running requests
         self._heap_seq = 0
         self._run_seq = 0
+        self._empty_preempted: list[Request] = []
         self._returned = 0
         self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
         # The static batch running now: its rows, padded prompt length and first step.
@@ -262,8 +263,29 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
-        """Choose this step's work. Returns None when nothing can run."""
+        """Choose this step's work. Returns None when nothing can run.
+
+        A pass can preempt every request it tried and schedule nothing (the last running
+        request preempts itself); vLLM's next step then admits from the waiting queue. That
+        empty step takes no time, so it is folded into the next one (its preemptions with it)
+        rather than returned as nothing to do, which would leave the engine asleep.
+        """
+        batch = self._schedule_step()
+        while batch is None and self._empty_preempted:
+            preempted = self._empty_preempted
+            batch = self._schedule_step()
+            if batch is not None:
+                batch.preempted[:0] = preempted
+            elif not self._empty_preempted:
+                break
+            else:
+                self._empty_preempted = preempted + self._empty_preempted
+        self._empty_preempted = []
+        return batch
+
+    def _schedule_step(self) -> Optional[Batch]:
         batch = Batch(self.step)
+        self._empty_preempted = []
         budget = self.config.max_num_batched_tokens
         if self.mixed:
             admit = not (self.static and self.running)
@@ -279,6 +301,7 @@ class Scheduler:
             else:
                 self._schedule_running(batch, budget, want="decode")
         if not len(batch):
+            self._empty_preempted = batch.preempted
             return None
         self.tokens_held += batch.num_tokens
         if self.static:
