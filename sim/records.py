@@ -54,27 +54,36 @@ class StepRecorder:
         if len(self.rows) == self.CHUNK:
             self._pack()
 
-    def record_leap(self, first_step: int, starts: np.ndarray, ends: np.ndarray, rows: int, decode_ctx: np.ndarray,
-                    blocks_read: np.ndarray, running: int, waiting: int, kv_used: np.ndarray,
-                    kv_cached: np.ndarray, slack: np.ndarray, host: np.ndarray, device: np.ndarray) -> None:
-        """Append the k decode-only steps of a leap (sim/core/leap.py) as one block of rows."""
+    def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
+                    running: int, waiting: int, kv_used, kv_cached, slack, host, device) -> None:
+        """Append the k decode-only steps of a leap (sim/core/leap.py): step i starts where
+        step i-1 ended, the first at `start_s`. Short leaps go in as rows, long ones as a block."""
         k = len(ends)
+        if k <= 16:
+            starts = [start_s, *ends[:-1]]
+            step = first_step
+            for i in range(k):
+                self.rows.append((step + i, starts[i], ends[i], running, waiting, rows, rows, 0, rows,
+                                  decode_ctx[i], 0, 0, blocks_read[i], kv_used[i], kv_cached[i], slack[i], 0,
+                                  host[i], device[i]))
+            if len(self.rows) >= self.CHUNK:
+                self._pack()
+            return
         block = np.zeros((k, len(STEP_COLUMNS)))
         col = _COLUMN_INDEX
+        ends = np.asarray(ends)
         block[:, col["step"]] = np.arange(first_step, first_step + k)
-        block[:, col["start_s"]] = starts
+        block[0, col["start_s"]] = start_s
+        block[1:, col["start_s"]] = ends[:-1]
         block[:, col["end_s"]] = ends
         block[:, col["running"]] = running
         block[:, col["waiting"]] = waiting
         for name in ("num_seqs", "decode_seqs", "batch_tokens"):
             block[:, col[name]] = rows
-        block[:, col["decode_ctx"]] = decode_ctx
-        block[:, col["blocks_read"]] = blocks_read
-        block[:, col["kv_blocks_used"]] = kv_used
-        block[:, col["kv_blocks_cached"]] = kv_cached
-        block[:, col["slack_tokens"]] = slack
-        block[:, col["host_s"]] = host
-        block[:, col["device_s"]] = device
+        for name, values in (("decode_ctx", decode_ctx), ("blocks_read", blocks_read), ("kv_blocks_used", kv_used),
+                             ("kv_blocks_cached", kv_cached), ("slack_tokens", slack), ("host_s", host),
+                             ("device_s", device)):
+            block[:, col[name]] = values
         if self.rows:
             self._small.append(np.array(self.rows, dtype=np.float64))
             self._small_rows += len(self.rows)

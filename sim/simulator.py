@@ -20,7 +20,7 @@ import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager
-from sim.core.leap import LeapPlan, apply_leap, finish_leap, plan_leap
+from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, plan_memory
 from sim.records import RunRecords, StepRecorder
 from sim.core.request import Request
@@ -137,15 +137,13 @@ class Simulation:
             if self.fast and env.now == last_end:
                 leap = self._plan_leap(sched, env.now, self._next_route_time(replica))
                 if leap is not None:
-                    plan, ends, host, device = leap
+                    plan, ends, host, device, ctx, blocks = leap
                     running, waiting = len(sched.running), sched.num_waiting
                     used, cached, slack = apply_leap(sched, plan, len(ends))
                     replica.busy_until = ends[-1]
                     yield _At(env, float(ends[-1]))
-                    starts = np.concatenate(([last_end], ends[:-1]))
-                    recorder.record_leap(plan.first_step, starts, ends, plan.rows, plan.decode_ctx[:len(ends)],
-                                         plan.blocks_read[:len(ends)], running, waiting, used, cached, slack,
-                                         host, device)
+                    recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
+                                         waiting, used, cached, slack, host, device)
                     last_end = env.now
                     self._retire(env, replica, finish_leap(sched))
                     continue
@@ -177,16 +175,20 @@ class Simulation:
                 self.progress(self._finished)
 
     def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
-        """A leap from `now`: (plan, end times, host s, device s) of its steps, all ending
-        before `horizon` (the next routing); None when not even one step qualifies."""
+        """A leap from `now`: (plan, end times, host s, device s, decode ctx, blocks read) of its
+        steps, all ending before `horizon` (the next routing); None when not one step qualifies."""
         plan = plan_leap(sched, max_steps=1 << 30)
         if plan is None:
             return None
+        first = min(plan.max_steps, LEAP_SCALAR_STEPS)
+        ctx, blocks = plan.shapes(first)
         step_time = self.cost_model.step_time
+        shape = StepShape(plan.rows, 0, 0)
         ends, hosts, devices = [], [], []
         t = now
-        for k in range(min(plan.max_steps, LEAP_SCALAR_STEPS)):
-            h, d = step_time(plan.shape(k), False)
+        for k in range(first):
+            shape.decode_ctx, shape.blocks_read = ctx[k], blocks[k]
+            h, d = step_time(shape, False)
             t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
             if t >= horizon:
                 break
@@ -194,21 +196,22 @@ class Simulation:
             hosts.append(h)
             devices.append(d)
         else:
-            if plan.max_steps > LEAP_SCALAR_STEPS:
+            if plan.max_steps > first:
                 return self._bulk_times(plan, now, ends, hosts, devices, horizon)
         if not ends:
             return None
-        return plan, np.array(ends), np.array(hosts), np.array(devices)
+        k = len(ends)
+        return plan, ends, hosts, devices, ctx[:k], blocks[:k]
 
     def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
-        """The rest of a long leap priced with numpy (the same float operations, element-wise)."""
-        host, device = self.cost_model.step_times(plan.columns(plan.max_steps))
-        host, device = host[len(ends):], device[len(ends):]
+        """A long leap priced with numpy (the same float operations, element by element)."""
+        columns = plan.columns(plan.max_steps)
+        host, device = self.cost_model.step_times(columns)
         start = ends[-1] if ends else now
-        tail = np.cumsum(np.concatenate(([start], host + device)))[1:]   # sequential, as SimPy adds
-        keep = int(np.searchsorted(tail, horizon, side="left"))
-        return (plan, np.concatenate((ends, tail[:keep])), np.concatenate((hosts, host[:keep])),
-                np.concatenate((devices, device[:keep])))
+        tail = np.cumsum(np.concatenate(([start], host[len(ends):] + device[len(ends):])))[1:]
+        k = len(ends) + int(np.searchsorted(tail, horizon, side="left"))   # steps ending before it
+        ends = np.concatenate((ends, tail[:k - len(ends)]))
+        return plan, ends, host[:k], device[:k], columns["decode_ctx"][:k], columns["blocks_read"][:k]
 
     def _check_every_request_ended(self) -> None:
         """Every request that entered the run ends finished or rejected (with a reason)."""

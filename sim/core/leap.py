@@ -24,7 +24,7 @@ in bulk; equal, bit for bit, to pricing the steps one by one (same float operati
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import accumulate
 from typing import Optional
 
 import numpy as np
@@ -32,29 +32,45 @@ import numpy as np
 from sim.core.scheduler import Batch, Scheduler
 
 
-@dataclass
 class LeapPlan:
-    """Up to `max_steps` pure decode steps from `first_step`, with their shapes."""
+    """Up to `max_steps` pure decode steps from `first_step`; step k's shape on demand."""
 
-    first_step: int
-    max_steps: int
-    rows: int                    # decode rows computed per step (a static batch counts its padding)
-    members: int                 # live decodes per step (tokens held grow by this much per step)
-    decode_ctx: np.ndarray       # int64 per step
-    blocks_read: np.ndarray      # int64 per step
-    crossings: np.ndarray        # blocks allocated per step (0 when the pool is contiguous)
+    __slots__ = ("first_step", "max_steps", "rows", "members", "_ctx0", "_ctx_per_step", "_walked",
+                 "_walked_before", "_static")
 
-    def shape(self, k: int) -> "StepShape":
-        """Step k of the plan as a batch-like object for `CostModel.step_time`."""
-        return StepShape(self.rows, int(self.decode_ctx[k]), int(self.blocks_read[k]))
+    def __init__(self, sched: Scheduler, max_steps: int, walked: list[int]):
+        cohort = sched.cohort
+        self.first_step = sched.step
+        self.max_steps = max_steps
+        self.members = len(cohort)
+        self._walked = walked              # blocks the members start walking at each step
+        self._walked_before = cohort.blocks_walked
+        if sched.static:                   # every row of the padded batch attends the same length
+            self.rows = sched._static_rows
+            self._static = (sched._static_len - sched._static_step, sched.block_size)
+            self._ctx0, self._ctx_per_step = self.rows * (sched._static_len - sched._static_step), self.rows
+        else:
+            self.rows = self.members
+            self._static = None
+            self._ctx0, self._ctx_per_step = cohort.ctx_offset_sum, self.members
+
+    def shapes(self, k: int) -> tuple[list[int], list[int]]:
+        """(decode context, blocks read) of the first k steps."""
+        t = self.first_step
+        ctx = [self._ctx0 + self._ctx_per_step * (t + i) for i in range(k)]
+        if self._static is not None:
+            offset, bs = self._static
+            return ctx, [self.rows * -(-(offset + t + i) // bs) for i in range(k)]
+        return ctx, list(accumulate(self._walked[:k], initial=self._walked_before))[1:]
 
     def columns(self, k: int) -> dict[str, np.ndarray]:
         """The first k steps as step-record columns (`CostModel.step_times` prices them in bulk)."""
+        ctx, blocks = self.shapes(k)
         zeros = np.zeros(k, dtype=np.int64)
         rows = np.full(k, self.rows, dtype=np.int64)
         return {"num_seqs": rows, "decode_seqs": rows, "prefill_tokens": zeros,
-                "decode_ctx": self.decode_ctx[:k], "prefill_ctx": zeros, "prefill_attn": zeros,
-                "blocks_read": self.blocks_read[:k]}
+                "decode_ctx": np.asarray(ctx, dtype=np.int64), "prefill_ctx": zeros, "prefill_attn": zeros,
+                "blocks_read": np.asarray(blocks, dtype=np.int64)}
 
 
 class StepShape:
@@ -80,26 +96,20 @@ def plan_leap(sched: Scheduler, max_steps: int) -> Optional[LeapPlan]:
     if max_steps < 1:
         return None
     bs = kv.block_size
-    sizes = np.asarray(cohort.phase_sizes(), dtype=np.int64)
-    steps = np.arange(t, t + max_steps, dtype=np.int64)
-    walked = sizes[(1 - steps) % bs]                  # members starting a block at each step
-    crossings = walked if not kv.contiguous else np.zeros(max_steps, dtype=np.int64)
-    taken = np.cumsum(crossings)
+    sizes = cohort.phase_sizes()
     free = kv.pool.num_free
-    fits = int(np.searchsorted(taken, free, side="right"))     # steps whose blocks are all free
-    if fits < 1 or _head_starts(sched, members, free - int(crossings[0])):
+    paged = not kv.contiguous
+    walked, taken = [], 0
+    for i in range(max_steps):              # stop where the members' next blocks are not all free
+        w = sizes[(1 - t - i) % bs]
+        if paged:
+            taken += w
+            if taken > free:
+                break
+        walked.append(w)
+    if not walked or _head_starts(sched, members, free - (walked[0] if paged else 0)):
         return None
-    max_steps = fits
-    steps, crossings, taken = steps[:fits], crossings[:fits], taken[:fits]
-    if sched.static:
-        rows = sched._static_rows
-        ctx = sched._static_len + steps - sched._static_step
-        decode_ctx, blocks_read = rows * ctx, rows * -(-ctx // bs)
-    else:
-        rows = members
-        decode_ctx = cohort.ctx_offset_sum + members * steps
-        blocks_read = cohort.blocks_walked + np.cumsum(walked[:fits])
-    return LeapPlan(t, max_steps, rows, members, decode_ctx, blocks_read, crossings)
+    return LeapPlan(sched, len(walked), walked)
 
 
 def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
@@ -113,22 +123,20 @@ def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
     return sched.head_would_start(budget, True, sched.kv.pool.num_free)
 
 
-def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
     """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
     Call `finish_leap` once they have run."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
     cohort, kv, pool = sched.cohort, sched.kv, sched.kv.pool
-    used = np.empty(k, dtype=np.int64)
-    cached = np.empty(k, dtype=np.int64)
-    slack = np.empty(k, dtype=np.int64)
+    used, cached, slack = [], [], []
     t = plan.first_step
     advance = cohort.advance
     for i in range(k):
         advance(t + i, kv)
         sched.tokens_held += plan.members
-        used[i] = pool.num_used
-        cached[i] = pool.num_cached_free
-        slack[i] = kv.held_slots - sched.tokens_held
+        used.append(pool.num_used)
+        cached.append(pool.num_cached_free)
+        slack.append(kv.held_slots - sched.tokens_held)
     sched.step = t + k
     return used, cached, slack
 
