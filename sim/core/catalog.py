@@ -45,14 +45,21 @@ class WeightQuant(StrictModel):
     quantized_activations: bool = True
     experts_only: bool = False                                      # only the MoE experts (gpt-oss mxfp4)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, v: Any) -> Any:
+        """int4 and mxfp4 formats are weight-only with group scales; fill what they imply."""
+        if not isinstance(v, dict) or v.get("method") not in ("awq", "gptq", "mxfp4"):
+            return v
+        v = {**v, "quantized_activations": False}
+        if v["method"] == "mxfp4":
+            v.setdefault("group_size", 32)
+        if v.get("group_size") is not None and v.get("scales") in (None, "channel"):
+            v["scales"] = "group"
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> "WeightQuant":
-        if self.method in ("awq", "gptq", "mxfp4"):
-            self.quantized_activations = False
-            if self.method == "mxfp4":
-                self.group_size = self.group_size or 32
-            if self.scales != "group" and self.group_size is not None:
-                self.scales = "group"
         if self.scales == "block" and self.block is None:
             raise ValueError("scales 'block' needs block: [out, in] (e.g. [128, 128])")
         if self.scales == "group" and self.group_size is None:

@@ -40,7 +40,13 @@ READ = {"architectures", "_name_or_path", "intermediate_size", "torch_dtype", "d
         "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts",
         "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "kv_lora_rank",
         "q_lora_rank", "attention_bias", "mlp_bias", "text_config", "vision_config",
-        "attention_chunk_size", "model_type", "num_nextn_predict_layers"}
+        "attention_chunk_size", "model_type", "num_nextn_predict_layers", "_sliding_window_pattern",
+        "use_bidirectional_attention"}
+
+# transformers' per-family default where a config omits tie_word_embeddings (Gemma ties).
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+# Words in a checkpoint's name that say its weights are quantized.
+_QUANTIZED_NAMES = ("fp8", "awq", "gptq", "int4", "int8", "w4a16", "w8a8", "4bit", "8bit", "nvfp4", "mxfp4")
 
 # Keys that change neither memory nor step cost in our model (token ids, training-only
 # settings, activation function choice within the same GEMM shapes, logit soft-capping, norms'
@@ -55,7 +61,8 @@ HARMLESS = {
     "residual_dropout", "is_decoder", "tokenizer_class", "torchscript", "use_bfloat16",
     "mlp_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "classifier_dropout",
     "qkv_bias_init", "use_return_dict", "output_attentions", "output_hidden_states",
-    "chat_template", "generation_config", "eos_token_ids", "rope_type",
+    "chat_template", "generation_config", "eos_token_ids", "rope_type", "_attn_implementation",
+    "_attn_implementation_autoset", "unsloth_version", "attn_implementation",
 }
 
 ARCHITECTURES = {
@@ -84,10 +91,12 @@ def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ValueError(f"{config_file}: expected a JSON object")
     try:
+        if cfg.get("quantization_config") is None:
+            cfg = {**cfg, "quantization_config": _separate_quant_config(folder, config_file, cfg)}
         fields = fields_from_config(cfg)
     except UnsupportedConfigError as e:
         raise UnsupportedConfigError(f"{config_file}: {e}") from None
-    fields.setdefault("name", folder.name)
+    fields.setdefault("name", folder.name if path.is_dir() else config_file.stem)
     if any(folder.glob("*.safetensors")):
         fields["weights"] = folder
     return fields
@@ -95,15 +104,19 @@ def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
 
 def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelSpec fields from a parsed config.json; UnsupportedConfigError names what is refused."""
-    _refuse_unknown_keys(cfg)
+    _refuse_unmodelled(cfg)
     archs = cfg.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedConfigError(f"architectures {archs} not supported "
                                      f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    _refuse_unknown_keys(cfg)
     fields: dict[str, Any] = {"architecture": arch}
-    if cfg.get("_name_or_path"):
-        fields["name"] = cfg["_name_or_path"]
+    name = str(cfg.get("_name_or_path") or "")
+    if name.count("/") == 1 and not name.startswith(("/", ".")):     # an org/repo id, not a local path
+        fields["name"] = name
+    if cfg.get("tie_word_embeddings") is None and cfg.get("model_type") in _TIED_BY_DEFAULT:
+        fields["tie_word_embeddings"] = True
     for hf_key, ours in DIRECT.items():
         if cfg.get(hf_key) is not None:
             fields[ours] = cfg[hf_key]
@@ -120,13 +133,34 @@ def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedConfigError("mlp_bias: true is not modelled (MLP biases)")
     if cfg.get("intermediate_size") is not None:
         fields["intermediate_size"] = cfg["intermediate_size"]
-    _refuse_unmodelled(cfg)
     fields.update(_rope(cfg, fields))
     fields.update(_sliding_window(cfg, fields.get("num_layers")))
     fields.update(_experts(cfg, archs))
     if cfg.get("quantization_config") is not None:
         fields["quantization"] = quantization_from_config(cfg["quantization_config"])
     return fields
+
+
+def _separate_quant_config(folder: Path, config_file: Path, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """ModelOpt checkpoints keep their scheme in hf_quant_config.json beside config.json; a config
+    whose name says it is quantized but that carries no scheme is refused, not planned in 16 bits."""
+    side = folder / "hf_quant_config.json"
+    if side.is_file():
+        try:
+            algo = json.loads(side.read_text()).get("quantization", {}).get("quant_algo")
+        except (json.JSONDecodeError, AttributeError):
+            raise UnsupportedConfigError(f"{side}: not a valid ModelOpt hf_quant_config.json") from None
+        if str(algo).upper() == "FP8":
+            return {"quant_method": "fp8"}
+        raise UnsupportedConfigError(f"{side}: quantization.quant_algo '{algo}' is not modelled (FP8)")
+    names = f"{cfg.get('_name_or_path', '')} {config_file.stem} {folder.name}".lower()
+    hit = next((w for w in _QUANTIZED_NAMES if w in names), None)
+    if hit:
+        raise UnsupportedConfigError(
+            f"quantization_config: absent, yet the checkpoint's name says '{hit}'. Its scheme may live in a "
+            "separate file (ModelOpt's hf_quant_config.json); set model.quantization explicitly "
+            "(e.g. {method: fp8, scales: tensor}) rather than planning 16-bit weights")
+    return None
 
 
 def _refuse_unknown_keys(cfg: dict[str, Any]) -> None:
@@ -149,6 +183,8 @@ def _refuse_unmodelled(cfg: dict[str, Any]) -> None:
         raise UnsupportedConfigError(
             "vision_config/text_config: a multimodal checkpoint (its vision encoder's weights and "
             "activations are not modelled); describe the language model alone with ModelSpec fields")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedConfigError("use_bidirectional_attention: true is an encoder setting, not modelled")
     if cfg.get("attention_chunk_size"):
         raise UnsupportedConfigError("attention_chunk_size: chunked local attention (Llama 4) is not modelled")
     if cfg.get("first_k_dense_replace"):
@@ -215,7 +251,7 @@ def _sliding_window(cfg: dict[str, Any], num_layers: int | None) -> dict[str, An
         return {"sliding_window": window,
                 "layer_types": ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]}
     model_type = cfg.get("model_type")
-    pattern = cfg.get("sliding_window_pattern")
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
     if model_type == "gemma2":
         pattern = 2        # Gemma-2: even layers local, odd global
     if model_type in ("gemma3", "gemma3_text") and pattern is None:
