@@ -296,15 +296,32 @@ def device_names() -> list[str]:
 
 
 def catalog_entry(kind: str, name: str) -> dict[str, Any]:
-    """The raw catalog entry (a fresh dict), or KeyError naming the valid choices."""
+    """The raw catalog entry (a fresh dict), or KeyError naming the closest and the valid choices."""
     table = _catalog(kind)
     if name not in table:
-        import difflib
-
-        close = difflib.get_close_matches(name, table, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = closest_names(name, table)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise KeyError(f"unknown {kind[:-1]} '{name}'{hint} (known: {', '.join(sorted(table))})")
     return {"name": name, **table[name]}
+
+
+def _squash(text: str) -> str:
+    return "".join(ch for ch in str(text).lower() if ch.isalnum())
+
+
+def closest_names(name: str, known) -> list[str]:
+    """Catalog names a mistyped one most likely meant: every name containing it once case and
+    punctuation are ignored ('H100' -> h100-nvl, h100-pcie, h100-sxm), else the nearest spelling."""
+    import difflib
+
+    want = _squash(name)
+    if not want:
+        return []
+    containing = sorted(k for k in known if want in _squash(k))
+    if containing:
+        return containing
+    squashed = {_squash(k): k for k in known}
+    return [squashed[c] for c in difflib.get_close_matches(want, list(squashed), n=2, cutoff=0.6)]
 
 
 def get_model(name: str) -> ModelSpec:
