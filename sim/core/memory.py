@@ -219,9 +219,11 @@ class MemoryPlan:
     @property
     def max_tokens(self) -> int:
         """Tokens the pool holds at once (vLLM's "GPU KV cache size: N tokens"); with hybrid
-        groups, tokens of long requests, each costing a slot in every full-attention group."""
-        full_groups = self.kv_groups.full_groups if self.kv_groups is not None else 1
-        return self.usable_blocks * self.block_size // max(full_groups, 1)
+        groups, vLLM's figure: the blocks shared out evenly over the groups."""
+        groups = self.kv_groups
+        if groups is None or groups.full_groups + groups.sliding_groups <= 1:
+            return self.usable_blocks * self.block_size
+        return self.num_blocks // (groups.full_groups + groups.sliding_groups) * self.block_size
 
     def longest_request_that_fits(self) -> int:
         """The largest request length whose blocks fit in the pool (vLLM's estimated max_model_len)."""
