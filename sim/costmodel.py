@@ -214,8 +214,10 @@ class CostModel:
         link = self.device.link_gbps * 1e9
         s = m.dtype_bytes
         if self.ep > 1:
-            # all-to-all dispatch and combine: each of a rank's tokens goes to k experts, (ep-1)/ep remote
-            self._moe_comm_token_s = 2 * m.num_experts_per_tok * h * s * (self.ep - 1) / self.ep / self.tp / link
+            # all-to-all dispatch and combine: a token travels once to each other rank holding one of
+            # its k experts, (ep - 1)(1 - (1 - 1/ep)^k) ranks on average (DeepEP-style, deduplicated)
+            remote = (self.ep - 1) * (1 - (1 - 1 / self.ep) ** m.num_experts_per_tok)
+            self._moe_comm_token_s = 2 * remote * h * s / self.tp / link
         elif self.dp > 1:
             # vLLM's naive DP dispatch: all-gather the dp ranks' tokens, reduce-scatter the outputs
             self._moe_comm_token_s = 2 * (self.dp - 1) * h * s / link
