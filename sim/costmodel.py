@@ -293,5 +293,4 @@ class CostModel:
 
     def describe(self) -> dict:
         return {"calibrated": self.calibrated, "source": self.profile.source,
-                "coefficients": asdict(self.coefficients), "tp": self.tp, "dp": self.dp, "ep": self.ep,
-                "kv_cache_dtype": self.kv_cache_dtype}
+                "coefficients": asdict(self.coefficients), "tp": self.tp}
