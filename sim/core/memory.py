@@ -113,6 +113,12 @@ def kv_cache_groups(model: ModelSpec) -> KVCacheGroups:
     return KVCacheGroups(size, cdiv(full, size), cdiv(sliding, size), model.sliding_window)
 
 
+def pool_block_bytes(model: ModelSpec, block_size: int, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one pool block: block_size tokens of one KV cache group's layers (every layer for
+    a uniform model; group_size layers for a hybrid one). vLLM's num_gpu_blocks = KV memory // this."""
+    return kv_bytes_per_token_per_layer(model, tp, kv_cache_dtype) * kv_cache_groups(model).group_size * block_size
+
+
 def sliding_window_blocks_kept(num_computed: int, block_size: int, window: int) -> int:
     """Blocks a sliding-window layer still holds for a request with `num_computed` tokens: vLLM's
     SlidingWindowManager frees (returns to the pool, null in the table) every block whose tokens
@@ -270,8 +276,7 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     kv_dtype = getattr(eng, "kv_cache_dtype", "auto")
     groups = kv_cache_groups(model)
     per_token = kv_bytes_per_token(model, tp, kv_dtype)
-    # a pool block: block_size tokens of one group's layers (every layer when there is one group)
-    block_bytes = kv_bytes_per_token_per_layer(model, tp, kv_dtype) * groups.group_size * eng.block_size
+    block_bytes = pool_block_bytes(model, eng.block_size, tp, kv_dtype)
     budget = int(device.memory_bytes * eng.gpu_memory_utilization)
     weights = weight_bytes_per_gpu(model, tp, dp)
     if eng.activation_mib is not None:
