@@ -267,3 +267,17 @@ def test_whatif_moe_key_figures():
     assert 4 * plans["dp4"].max_concurrency(8192) == pytest.approx(283.1, abs=0.1)   # four ranks
     costs = {k: CostModel.for_scenario(s) for k, s in scen.items()}
     assert costs["dp4ep4"].moe_layer_time(32) < costs["dp4"].moe_layer_time(32)
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("rtx-pro-6000", ["rtx-pro-6000-server", "rtx-pro-6000-workstation"]),
+    ("H100", ["h100-nvl", "h100-pcie", "h100-sxm"]),
+    ("MI300", ["mi300x"]),
+    ("gb-200", ["gb200"]),
+])
+def test_unknown_device_names_suggest_the_closest(typed, meant):
+    from sim.core.catalog import device_names, get_device as device
+    from sim.core.catalog import closest_names
+    assert closest_names(typed, device_names()) == meant
+    with pytest.raises(KeyError, match=meant[0]):
+        device(typed)
