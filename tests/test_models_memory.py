@@ -34,6 +34,14 @@ def oss20b():
     return model_fields_from_hf_config(DATA / "hf_configs" / "openai__gpt-oss-20b.json")
 
 
+def oss120b():
+    """gpt-oss-120b's shape (its config.json: 36 layers alternating 128-token windows and full
+    attention, 128 experts top-4, mxfp4 experts)."""
+    fields = oss20b()
+    return {**fields, "name": "gpt-oss-120b", "num_layers": 36, "num_heads": 64, "num_experts": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 18}
+
+
 def gemma2_27b():
     return model_fields_from_hf_config(DATA / "hf_configs" / "lunahr__SystemGemma2-27b-it.json")
 
@@ -63,6 +71,8 @@ CASES = {
         (gemma(48, 3840, 16, 8, 256, 15360, 1024, 6), "auto", 1, False),
     # mxfp4 experts; vLLM pads them for its kernels, so its weights are ~9% above the checkpoint's
     "planner-openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192": (oss20b(), "auto", 2, False),
+    # another vLLM (0.10.1.1), GPU (A100) and batch budget (2048): gpt-oss-120b at tp 4
+    "dennislee-vllm-120B-4gpuA10080GB-0.8GRAM-diff-nodes": (oss120b(), "auto", 4, False),
 }
 
 
@@ -281,3 +291,16 @@ def test_unknown_device_names_suggest_the_closest(typed, meant):
     assert closest_names(typed, device_names()) == meant
     with pytest.raises(KeyError, match=meant[0]):
         device(typed)
+
+
+def test_data_parallel_ranks_are_engines_sharing_the_router():
+    """dp=2 runs two engines (each its own KV pool and scheduler) behind the cluster's router."""
+    from sim.simulator import simulate
+    base = {"model": "qwen3-30b-a3b", "device": "h100-sxm", "engine": {"max_model_len": 2048},
+            "workload": {"num_requests": 16, "arrival": {"process": "poisson", "rate": 50},
+                         "prompt_len": 64, "output_len": 8}}
+    one = simulate(validate_scenario({**base, "parallelism": {"tp": 2}}))[0]
+    two = simulate(validate_scenario({**base, "parallelism": {"tp": 1, "dp": 2, "ep": 2}}))[0]
+    assert len(one.recorders) == 1 and len(two.recorders) == 2
+    assert all(len(r.frame()) > 0 for r in two.recorders)      # round-robin gave both ranks work
+    assert all(r.is_finished for r in two.requests)
