@@ -54,6 +54,10 @@ class WeightQuant(StrictModel):
         v = {**v, "quantized_activations": False}
         if v["method"] == "mxfp4":
             v.setdefault("group_size", 32)
+        elif v.get("scales") in (None, "group"):
+            v.setdefault("group_size", 128)          # what AutoAWQ and GPTQ checkpoints use
+        if v["method"] == "awq":
+            v.setdefault("zero_point", True)         # AWQ's GEMM format is asymmetric
         if v.get("group_size") is not None and v.get("scales") in (None, "channel"):
             v["scales"] = "group"
         return v
