@@ -12,6 +12,10 @@
                  + tp all-reduce)
              + max(LM-head FLOPs, LM-head bytes) + sampling bytes
 
+Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
+max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
+(moe_layer_time); sliding-window layers read at most the window (attention_time).
+
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
 or computes causal scores over new tokens against their context (prefill); the per-block
@@ -153,8 +157,8 @@ class CostModel:
     def for_scenario(cls, scenario) -> "CostModel":
         profile = DeviceProfile.load(scenario.device.profile) if scenario.device.profile else None
         par = scenario.parallelism
-        return cls(scenario.model, scenario.device, par.tp, profile, dp=getattr(par, "dp", 1),
-                   ep=getattr(par, "ep", 1), kv_cache_dtype=getattr(scenario.engine, "kv_cache_dtype", "auto"))
+        return cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
+                   kv_cache_dtype=scenario.engine.kv_cache_dtype)
 
     @property
     def calibrated(self) -> bool:

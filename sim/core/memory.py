@@ -272,8 +272,8 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     max_model_len request fits.
     """
     model, device, eng = scenario.model, scenario.device, scenario.engine
-    tp, dp = scenario.parallelism.tp, getattr(scenario.parallelism, "dp", 1)
-    kv_dtype = getattr(eng, "kv_cache_dtype", "auto")
+    tp, dp = scenario.parallelism.tp, scenario.parallelism.dp
+    kv_dtype = eng.kv_cache_dtype
     groups = kv_cache_groups(model)
     per_token = kv_bytes_per_token(model, tp, kv_dtype)
     block_bytes = pool_block_bytes(model, eng.block_size, tp, kv_dtype)
