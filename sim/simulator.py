@@ -135,7 +135,7 @@ def simulate(scenario, requests: Optional[list[Request]] = None,
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
-    check_block_pool_supports(scenario.model)
+    check_block_pool_supports(scenario.model, plan, scenario.max_model_len)
     if requests is None:
         requests = build_requests(scenario)
     else:

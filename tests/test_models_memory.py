@@ -162,6 +162,9 @@ def test_block_pool_refuses_sliding_window_models_rather_than_full_attention():
     with pytest.raises(BlockPoolUnsupportedError, match="sliding_window"):
         check_block_pool_supports(get_model("mistral-7b-v0.1"))
     check_block_pool_supports(get_model("mixtral-8x7b"))
+    scenario = validate_scenario({"model": "mistral-7b-v0.1", "device": "h100-sxm", "engine": {"max_model_len": 8192}})
+    with pytest.raises(BlockPoolUnsupportedError, match=r"maximum concurrency [\d.]+ at 8192"):
+        check_block_pool_supports(scenario.model, plan_memory(scenario), 8192)
 
 
 def test_experts_touched_grow_with_the_batch():

@@ -20,17 +20,25 @@ class BlockPoolUnsupportedError(ValueError):
     """The model's KV cache is not one full-attention group, which the simulated block pool assumes."""
 
 
-def check_block_pool_supports(model: ModelSpec) -> None:
+def check_block_pool_supports(model: ModelSpec, plan: "MemoryPlan | None" = None,
+                              max_model_len: int | None = None) -> None:
     """Refuse, rather than silently simulate as full attention, a sliding-window model: its memory
     plan (plan_memory) and step cost are modelled, but the block pool does not yet free blocks
-    behind the window nor keep one block table per KV cache group as vLLM's hybrid manager does."""
-    if model.num_sliding_layers:
-        raise BlockPoolUnsupportedError(
-            f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
-            f"(sliding_window={model.sliding_window}): the simulated block pool would hold their KV "
-            "as full attention, so the run is refused. Its memory plan and step cost are modelled; "
-            "to simulate it anyway as full attention (an upper bound on KV use, vLLM's "
-            "--disable-hybrid-kv-cache-manager), set model.sliding_window: null")
+    behind the window nor keep one block table per KV cache group as vLLM's hybrid manager does.
+    With the plan, the refusal still reports it (the memory answer the run would have started from)."""
+    if not model.num_sliding_layers:
+        return
+    figures = ""
+    if plan is not None and max_model_len:
+        figures = (f" Its memory plan, as vLLM's hybrid KV cache manager sizes it: {plan.num_blocks} blocks "
+                   f"of {plan.block_size} tokens ({plan.kv_pool_bytes / 2**30:.2f} GiB), maximum concurrency "
+                   f"{plan.max_concurrency(max_model_len):.2f} at {max_model_len} tokens per request.")
+    raise BlockPoolUnsupportedError(
+        f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
+        f"(sliding_window={model.sliding_window}): the simulated block pool would hold their KV "
+        "as full attention, so the run is refused." + figures + " To simulate it anyway as full "
+        "attention (an upper bound on KV use, vLLM's --disable-hybrid-kv-cache-manager), set "
+        "model.sliding_window: null")
 
 
 def cdiv(a: int, b: int) -> int:
