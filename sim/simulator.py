@@ -21,7 +21,7 @@ import simpy
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager
 from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
-from sim.core.memory import MemoryPlan, plan_memory
+from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RunRecords, StepRecorder
 from sim.core.request import Request
 from sim.router import make_router
@@ -81,7 +81,7 @@ class Simulation:
     def _run(self) -> RunRecords:
         env = simpy.Environment()
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
-                         for i in range(self.scenario.cluster.replicas)]
+                         for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         # A finish on one replica can send a follow-up turn to another after its think time.
@@ -207,6 +207,12 @@ class Simulation:
         """A long leap priced with numpy (the same float operations, element by element)."""
         columns = plan.columns(plan.max_steps)
         host, device = self.cost_model.step_times(columns)
+        if hosts and (host[0] != hosts[0] or device[0] != devices[0]):
+            # an element-wise function (a power, say) rounded differently from its scalar form:
+            # price this leap step by step, so that it stays exact
+            host, device = zip(*(self.cost_model.step_time(StepShape(plan.rows, int(c), int(b)), False)
+                                 for c, b in zip(columns["decode_ctx"], columns["blocks_read"])))
+            host, device = np.array(host), np.array(device)
         start = ends[-1] if ends else now
         tail = np.cumsum(np.concatenate(([start], host[len(ends):] + device[len(ends):])))[1:]
         k = len(ends) + int(np.searchsorted(tail, horizon, side="left"))   # steps ending before it
@@ -243,6 +249,7 @@ def simulate(scenario, requests: Optional[list[Request]] = None,
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
+    check_block_pool_supports(scenario.model, plan, scenario.max_model_len)
     if requests is None:
         requests = build_requests(scenario)
     else:
