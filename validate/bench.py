@@ -43,6 +43,7 @@ from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
 from sim.core.request import Request, make_request, stable_key
+from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, series_on_run_clock, timeline_row
 
 # The seed's smoke step (the same request as engine/replay.py's smoke check).
 SMOKE_PROMPT_TOKENS = 16
@@ -68,6 +69,10 @@ class Measured:
     manifest: dict
     kv_blocks_total: int = 0
     timeline: Optional[pd.DataFrame] = None     # scraped /metrics, when there was one
+    # running / waiting / KV % over time (sim.vllm.timeseries): the scrapes, or a server log
+    series: Optional[pd.DataFrame] = None
+    series_offset: Optional[float] = None       # run time = series t_s + offset, when known
+    run_t0_wall: Optional[float] = None         # the run's start, seconds since the epoch (log clock)
 
     def view(self):
         from sim.output.report import RunView
@@ -128,54 +133,6 @@ def apply_timeline(summary: dict, scraped: Optional[pd.DataFrame], kv_blocks_tot
     queries = last["prefix_queries"] - first["prefix_queries"]
     if summary["prefix_hit_rate"] is None and queries > 0:   # per-request cached counts win when present
         summary["prefix_hit_rate"] = float((last["prefix_hits"] - first["prefix_hits"]) / queries)
-
-
-# ----------------------------------------------------------------------------- Prometheus text
-
-METRIC_ALIASES = {     # our column -> vLLM names, newest first (V0 used the gpu_ prefixes)
-    "running": ("vllm:num_requests_running",),
-    "waiting": ("vllm:num_requests_waiting",),
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "preemptions": ("vllm:num_preemptions",),
-    "prefix_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
-    "prefix_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
-}
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> tuple[dict[str, list[float]], dict[str, dict[str, str]]]:
-    """Samples per metric name (counters without `_total`, one value per label set), and the
-    labels of each name's last sample (vllm:cache_config_info carries the pool size there)."""
-    values: dict[str, list[float]] = {}
-    labels: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or line.startswith("#"):
-            continue
-        name = match.group(1).removesuffix("_total")
-        try:
-            values.setdefault(name, []).append(float(match.group(3)))
-        except ValueError:
-            continue
-        labels[name] = dict(_LABEL.findall(match.group(2) or ""))
-    return values, labels
-
-
-def timeline_row(values: dict[str, list[float]]) -> Optional[dict[str, float]]:
-    """One scrape as a timeline row; None when the text has none of vLLM's gauges. Gauges
-    add up over engines (data parallel), except KV usage, a fraction, which is averaged."""
-    row = {}
-    for column, names in METRIC_ALIASES.items():
-        found = next((values[n] for n in names if n in values), None)
-        row[column] = math.nan if found is None else (np.mean(found) if column == "kv_usage" else sum(found))
-    return None if math.isnan(row["running"]) and math.isnan(row["kv_usage"]) else row
-
-
-def pool_blocks(labels: dict[str, dict[str, str]]) -> int:
-    """Usable KV blocks from vllm:cache_config_info (num_gpu_blocks includes the null block)."""
-    blocks = labels.get("vllm:cache_config_info", {}).get("num_gpu_blocks")
-    return int(blocks) - 1 if blocks and blocks.isdigit() else 0
 
 
 # ----------------------------------------------------------------------------- the load generator
@@ -376,10 +333,12 @@ class Bench:
         self.scraped: list[dict] = []
         self.pool_blocks = 0
         self.smoke: dict = {}
+        self.t0_wall: Optional[float] = None
 
     async def run(self) -> None:
         await self.smoke_check()
         self.client.t0 = time.perf_counter()
+        self.t0_wall = local_wall_clock()
         metrics = await self.client.metrics()      # the baseline: counters count from here
         scraper = asyncio.ensure_future(self._scrape()) if metrics and self._scrape_once(metrics) else None
         last = max((t.request.arrival for t in self.trips.values() if t.request.arrival is not None), default=0)
@@ -489,7 +448,16 @@ def run_bench(scenario, endpoint: str, model: Optional[str], request_timeout: fl
     apply_timeline(summary, timeline, bench.pool_blocks)
     summary["interrupted"] = interrupted
     manifest = bench_manifest(scenario, client.base, server, bench, workload, summary)
-    return Measured(summary, frame, manifest, bench.pool_blocks, timeline)
+    series = series_on_run_clock(bench.scraped) if bench.scraped else None
+    return Measured(summary, frame, manifest, bench.pool_blocks, timeline, series=series,
+                    run_t0_wall=bench.t0_wall)
+
+
+def local_wall_clock() -> float:
+    """Now, on the clock vLLM's log lines use (local time, read as UTC by sim.vllm.timeseries)."""
+    import datetime as dt
+
+    return dt.datetime.now().replace(tzinfo=dt.timezone.utc).timestamp()
 
 
 def bench_manifest(scenario, endpoint: str, server: dict, bench: Bench, workload, summary: dict) -> dict:
@@ -558,7 +526,20 @@ def read_vllm_result(path: Path, scenario) -> Measured:
     manifest = {"kind": "vLLM benchmark result", "file": str(path), "per_request": detailed,
                 "vllm": {k: data[k] for k in meta_keys if k in data}, "notes": notes,
                 "scenario": scenario.model_dump(mode="json")}
-    return Measured(summary, frame if frame is not None else complete_frame([]), manifest)
+    return Measured(summary, frame if frame is not None else complete_frame([]), manifest,
+                    run_t0_wall=_result_start_wall(data))
+
+
+def _result_start_wall(data: dict) -> Optional[float]:
+    """When the benchmark started, from its `date` (local time, written at the end) less its
+    duration; on the log's clock (local time read as UTC). None when the file has no date."""
+    import datetime as dt
+
+    try:
+        end = dt.datetime.strptime(str(data.get("date")), "%Y%m%d-%H%M%S").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        return None
+    return end.timestamp() - float(data["duration"])
 
 
 def _detailed_summary(data: dict, scenario) -> tuple[dict, pd.DataFrame]:
@@ -671,24 +652,48 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
 
     out = Path(out)
     files = {f"predicted_{k}": p for k, p in write_run(predicted, out / "predicted", report=False).items()}
-    files.update(write_measured(measured, out / "measured"))
     table = comparison_table(predicted.summary, measured.summary)
     files["comparison"] = write_csv(out / "comparison.csv", table.reset_index())
     views = {"predicted": view_of(predicted, "predicted"), "measured": measured.view()}
     figures = plot_run_figures(views, out)
     figures["errors"] = plot_relative_errors(table, out / "errors.png")
-    if measured.timeline is not None:
-        figures[TIMELINE_FIGURE] = plot_endpoint_timeline(views["predicted"], measured.timeline,
-                                                          out / f"{TIMELINE_FIGURE}.png")
+    extra = [("Predicted vs measured", table)]
+    if measured.series is not None:
+        series_table, aligned = series_comparison(views["predicted"], measured)
+        measured.manifest["series_table"] = series_table.to_dict("records")
+        files["series"] = write_csv(out / "series_comparison.csv", aligned)
+        figures[TIMELINE_FIGURE] = plot_series(views["predicted"], aligned, measured.manifest["series"],
+                                               out / f"{TIMELINE_FIGURE}.png")
+        extra.append(("Running, waiting, KV %: mean absolute difference over time", series_table))
+    files.update(write_measured(measured, out / "measured"))
     files.update(figures)
     notes = measured.manifest.get("notes") or []
-    extra = [("Predicted vs measured", table)]
     if notes:
         extra.insert(0, ("Warnings", pd.DataFrame({"warning": notes})))
     files["report"] = write_html_report(out / "report.html", title, views, figures,
                                         {"predicted": predicted.manifest, "measured": measured.manifest},
                                         extra_tables=extra)
     return table, files
+
+
+def series_comparison(predicted, measured: Measured) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The measured series on the run's clock beside the prediction, and the difference table;
+    the alignment used is recorded in the manifest."""
+    from sim.vllm.timeseries import align_offset, compare_series
+
+    series = measured.series
+    steps = predicted.steps
+    if measured.series_offset is not None:
+        offset, how = measured.series_offset, "given"
+    elif series.attrs.get("on_run_clock"):
+        offset, how = 0.0, "none needed (scraped by this run's client)"
+    else:
+        offset, how = align_offset(series, steps, predicted.kv_blocks_total, measured.run_t0_wall)
+    aligned, table = compare_series(series, steps, predicted.kv_blocks_total, offset)
+    measured.manifest["series"] = {"source": series.attrs.get("source", "/metrics scrapes"),
+                                   "kind": series.attrs.get("kind"), "samples": len(series),
+                                   "offset_s": offset, "alignment": how}
+    return table, aligned
 
 
 def write_measured(measured: Measured, folder: Path) -> dict[str, Path]:
@@ -700,32 +705,32 @@ def write_measured(measured: Measured, folder: Path) -> dict[str, Path]:
     return files
 
 
-def plot_endpoint_timeline(predicted, scraped: pd.DataFrame, path: Path) -> Path:
-    """KV usage (%) and running/waiting: the predicted steps against the scraped /metrics."""
-    from sim.output.report import finish_axes, new_figure, save_figure, timeline
+def plot_series(predicted, aligned: pd.DataFrame, info: dict, path: Path) -> Path:
+    """Running, waiting and KV usage (%): the predicted step curves against the measured samples."""
+    from sim.output.report import finish_axes, new_figure, save_figure
+    from sim.vllm.timeseries import predicted_at
 
-    fig, (kv_ax, queue_ax) = new_figure(nrows=2, sharex=True)
-    edges, tl = timeline(predicted.steps, {"kv_blocks_used": "max", "running": "max", "waiting": "max"})
-    if len(tl):
-        usage = tl["kv_blocks_used"] / max(predicted.kv_blocks_total, 1) * 100
-        kv_ax.plot(edges[:-1], usage, drawstyle="steps-post", color="C0", label="predicted")
-        queue_ax.plot(edges[:-1], tl["running"], drawstyle="steps-post", color="C0", label="predicted: running")
-        queue_ax.plot(edges[:-1], tl["waiting"], drawstyle="steps-post", color="C0", ls="--",
-                      label="predicted: waiting")
-    kv_ax.plot(scraped["t_s"], scraped["kv_usage"] * 100, drawstyle="steps-post", color="C1", marker=".",
-               label="measured (/metrics)")
-    queue_ax.plot(scraped["t_s"], scraped["running"], drawstyle="steps-post", color="C1", marker=".",
-                  label="measured: running")
-    queue_ax.plot(scraped["t_s"], scraped["waiting"], drawstyle="steps-post", color="C1", ls="--",
-                  label="measured: waiting")
-    finish_axes(kv_ax, "KV cache usage: predicted steps vs the endpoint's /metrics samples", "usage (%)", xlabel="")
-    finish_axes(queue_ax, "Running and waiting requests", "requests", counts=True)
+    fig, axes = new_figure(nrows=3, sharex=True)
+    end = max(float(predicted.steps["end_s"].max()) if not predicted.steps.empty else 0.0,
+              float(aligned["t_s"].max()) if len(aligned) else 0.0)
+    grid = np.linspace(min(0.0, float(aligned["t_s"].min()) if len(aligned) else 0.0), end, 2000)
+    curve = predicted_at(predicted.steps, predicted.kv_blocks_total, grid)
+    titles = {"running": "Running requests", "waiting": "Waiting requests", "kv_usage_pct": "KV cache usage (%)"}
+    for ax, (q, title) in zip(axes, titles.items()):
+        ax.plot(grid, curve[q], drawstyle="steps-post", color="C0", label="predicted")
+        ax.plot(aligned["t_s"], aligned[f"measured_{q}"], ls="none", marker=".", color="C1",
+                label=f"measured ({info.get('kind') or 'series'})")
+        finish_axes(ax, title, "%" if q == "kv_usage_pct" else "requests", counts=q != "kv_usage_pct",
+                    xlabel="time since the first arrival (s)" if q == "kv_usage_pct" else "")
+    axes[0].set_title(f"Running requests (measured shifted by {info['offset_s']:+.1f} s: {info['alignment']})")
     return save_figure(fig, path)
 
 
 def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None:
     from rich.table import Table
 
+    for note in measured.manifest.get("notes") or []:        # before the table: read them first
+        err_console.print(f"[yellow]warning[/] {note}")
     view = Table(title="predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error"):
         view.add_column(col, justify="left" if col == "metric" else "right")
@@ -735,13 +740,29 @@ def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None
         error = "" if pd.isna(row.relative_error) else f"{row.relative_error:+.1%}"
         view.add_row(metric, _fmt(row.predicted), _fmt(row.measured), error)
     console.print(view)
-    for note in measured.manifest.get("notes") or []:
-        err_console.print(f"[yellow]warning[/] {note}")
+    print_series_table(measured)
     s = measured.summary
     if s.get("partial"):
         err_console.print(f"[yellow]partial[/]: {s.get('requests_finished')} of {s.get('requests_total')} "
                           f"requests finished; failures: {s.get('failures') or s.get('requests_failed')}")
     console.print(f"wrote {out}/ (report.html, comparison.csv, measured/, predicted/)")
+
+
+def print_series_table(measured: Measured) -> None:
+    rows = measured.manifest.get("series_table")
+    if not rows:
+        return
+    from rich.table import Table
+
+    info = measured.manifest["series"]
+    view = Table(title=f"over time: {info['samples']} samples of {info['source']}, offset {info['offset_s']:+.2f} s "
+                       f"({info['alignment']})", header_style="bold")
+    for col in ("quantity", "mean |predicted - measured|", "measured mean", "predicted mean", "samples"):
+        view.add_column(col, justify="left" if col == "quantity" else "right")
+    for row in rows:
+        view.add_row(row["quantity"], _fmt(row["mean_abs_diff"]), _fmt(row["measured_mean"]),
+                     _fmt(row["predicted_mean"]), str(row["samples"]))
+    console.print(view)
 
 
 def _fmt(value) -> str:
@@ -761,6 +782,24 @@ def _single_scenario(args):
     return scenario
 
 
+def series_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-log", type=Path, metavar="FILE",
+                   help="the vLLM server's log, /metrics scrapes (each headed by '# TIME <unix s>') or a "
+                        "Prometheus query_range JSON, covering the run: its running / waiting / KV %% "
+                        "curves are compared with the prediction's")
+    p.add_argument("--series-offset", type=float, metavar="S",
+                   help="run time = series time + S (default: from the wall clocks when both are known, "
+                        "else the offset that fits the curves best)")
+    p.add_argument("--log-year", type=int, help="the year of the log's MM-DD times (default: this year)")
+
+
+def attach_series(measured: Measured, args) -> None:
+    if args.server_log is not None:
+        measured.series = load_series(args.server_log, year=args.log_year)
+    if args.series_offset is not None:
+        measured.series_offset = args.series_offset
+
+
 def bench_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun bench",
                                 description="Replay a scenario's workload against an OpenAI-compatible "
@@ -772,6 +811,7 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait for its next streamed chunk")
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics samples")
+    series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
 
@@ -782,6 +822,7 @@ def bench_main(argv: list[str]) -> int:
                              say=lambda msg: err_console.print(f"bench: {msg}"))
     except BenchError as e:
         raise UserError(str(e)) from None
+    attach_series(measured, args)
     table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
                                 f"kvtwin bench: {scenario.name} against {normalise_endpoint(args.endpoint)}")
     print_comparison(table, measured, out)
@@ -795,11 +836,13 @@ def compare_main(argv: list[str]) -> int:
     scenario_args(p)
     p.add_argument("--vllm-result", type=Path, required=True, help="the JSON file vLLM's benchmark saved")
     p.add_argument("--out", type=Path, help="output folder (default runs/compare/<scenario name>)")
+    series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
 
     scenario = _single_scenario(args)
     measured = read_vllm_result(args.vllm_result, scenario)
+    attach_series(measured, args)
     out = args.out or Path("runs") / "compare" / args.scenario.stem
     table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
                                 f"kvtwin vs vLLM benchmark: {scenario.name} ({args.vllm_result.name})")
