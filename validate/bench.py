@@ -506,28 +506,65 @@ def endpoint_notes(scenario, server: dict, bench: Bench) -> list[str]:
 
 # ----------------------------------------------------------------------------- vLLM result files
 
-def read_vllm_result(path: Path, scenario) -> Measured:
-    """A `vllm bench serve --save-result` JSON file as a measured run of `scenario`."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"--vllm-result: no such file {path}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--vllm-result {path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or "duration" not in data:
-        raise UserError(f"--vllm-result {path}: not a `vllm bench serve` result (no 'duration')")
+def read_vllm_result(path: Path, scenario, run=None, file_workload: bool = False) -> Measured:
+    """A `vllm bench serve --save-result` run (the file's only one, or `run`) as a measured run
+    of `scenario`. With `file_workload` the scenario replays the file's own requests, so the
+    workload is not checked against it."""
+    if run is None:
+        runs = load_vllm_runs(path)
+        if len(runs) > 1:
+            raise UserError(f"--vllm-result {path}: {len(runs)} runs (--append-result); compare them "
+                            f"as a sweep with `simrun compare` (it does so for such files)")
+        run = runs[0]
+    data = {**run.config, **run.metrics, **run.per_request}
+    if "duration" not in data:
+        raise UserError(f"--vllm-result {run.source}: not a `vllm bench serve` result (no 'duration')")
     detailed = all(k in data for k in ("ttfts", "itls", "input_lens", "output_lens"))
     summary, frame = (_detailed_summary(data, scenario) if detailed else (_aggregate_summary(data), None))
-    notes = workload_mismatches(data, scenario, detailed)
+    notes = [] if file_workload else workload_mismatches(data, scenario, detailed)
     if notes:
-        notes.append("the file's workload is not the scenario's: until they match, this comparison means nothing")
+        notes.append("the file's workload is not the scenario's: until they match, this comparison means "
+                     "nothing (--use-file-workload replays the file's own requests)")
     meta_keys = ("date", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
                  "burstiness", "max_concurrency", "duration", "completed", "failed")
-    manifest = {"kind": "vLLM benchmark result", "file": str(path), "per_request": detailed,
+    manifest = {"kind": "vLLM benchmark result", "file": run.source, "per_request": detailed,
                 "vllm": {k: data[k] for k in meta_keys if k in data}, "notes": notes,
-                "scenario": scenario.model_dump(mode="json")}
+                "workload_from_file": file_workload, "scenario": scenario.model_dump(mode="json")}
     return Measured(summary, frame if frame is not None else complete_frame([]), manifest,
                     run_t0_wall=_result_start_wall(data))
+
+
+def load_vllm_runs(path: Path) -> list:
+    """Every run of a result file (JSON, a JSON array, or --append-result JSON Lines)."""
+    from sim.vllm.results import VllmResultError, load_results
+
+    try:
+        return load_results(path)
+    except VllmResultError as e:
+        raise UserError(f"--vllm-result {e}") from None
+
+
+def file_workload_scenario(scenario, run) -> tuple[Any, list[str]]:
+    """`scenario` with the run's own requests as its workload: each request's send time (start_times,
+    else vLLM's arrival process drawn again), prompt and output length; failed requests left out."""
+    from sim.scenario import ExplicitRequest, Workload
+    from sim.vllm.results import arrival_times
+
+    if not run.detailed:
+        raise UserError(f"--use-file-workload: {run.source} has no per-request lengths; run `vllm bench "
+                        f"serve` with --save-detailed")
+    rows = run.requests()
+    times, notes = arrival_times(run, len(rows), scenario.seed)
+    t0 = float(times.min()) if len(times) else 0.0
+    requests = [ExplicitRequest(arrival_s=float(t - t0), prompt_len=max(inp, 1), output_len=max(out, 1))
+                for t, (_, inp, out) in zip(times.tolist(), rows)]
+    if not requests:
+        raise UserError(f"--use-file-workload: {run.source} holds no finished request to replay")
+    workload = Workload(requests=requests, tenants=scenario.workload.tenants)
+    notes += run.excluded_notes()
+    notes.append(f"workload: the {len(requests)} requests of {run.source} (their send times and lengths); "
+                 f"each prompt is unique (vLLM's file records no prefix sharing)")
+    return scenario.model_copy(update={"workload": workload}), notes
 
 
 def _result_start_wall(data: dict) -> Optional[float]:
@@ -729,8 +766,7 @@ def plot_series(predicted, aligned: pd.DataFrame, info: dict, path: Path) -> Pat
 def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None:
     from rich.table import Table
 
-    for note in measured.manifest.get("notes") or []:        # before the table: read them first
-        err_console.print(f"[yellow]warning[/] {note}")
+    print_banner(measured.manifest.get("notes") or [], measured.manifest.get("kind") == "vLLM benchmark result")
     view = Table(title="predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error"):
         view.add_column(col, justify="left" if col == "metric" else "right")
@@ -746,6 +782,16 @@ def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None
         err_console.print(f"[yellow]partial[/]: {s.get('requests_finished')} of {s.get('requests_total')} "
                           f"requests finished; failures: {s.get('failures') or s.get('requests_failed')}")
     console.print(f"wrote {out}/ (report.html, comparison.csv, measured/, predicted/)")
+
+
+def print_banner(notes: list[str], workload: bool) -> None:
+    """Differences that make the comparison doubtful, shown before any number."""
+    if not notes:
+        return
+    from rich.panel import Panel
+
+    title = "WORKLOAD MISMATCH" if workload else "warning"
+    err_console.print(Panel("\n".join(f"- {n}" for n in notes), title=title, border_style="yellow"))
 
 
 def print_series_table(measured: Measured) -> None:
@@ -832,19 +878,41 @@ def bench_main(argv: list[str]) -> int:
 def compare_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun compare",
                                 description="Compare a `vllm bench serve --save-result` file with the "
-                                            "prediction of the same workload.")
+                                            "prediction of the same workload. A file of several runs "
+                                            "(--append-result, a rate sweep) is compared run by run "
+                                            "against the scenario at each run's rate.")
     scenario_args(p)
-    p.add_argument("--vllm-result", type=Path, required=True, help="the JSON file vLLM's benchmark saved")
+    p.add_argument("--vllm-result", type=Path, required=True,
+                   help="the JSON (or --append-result JSON Lines) file vLLM's benchmark saved")
+    p.add_argument("--use-file-workload", action="store_true",
+                   help="replay the file's own requests (send times, prompt and output lengths; needs "
+                        "--save-detailed) instead of the scenario's workload")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="exit 0 even when the file's workload differs from the scenario's")
     p.add_argument("--out", type=Path, help="output folder (default runs/compare/<scenario name>)")
     series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
 
     scenario = _single_scenario(args)
-    measured = read_vllm_result(args.vllm_result, scenario)
-    attach_series(measured, args)
+    runs = load_vllm_runs(args.vllm_result)
     out = args.out or Path("runs") / "compare" / args.scenario.stem
+    if len(runs) > 1:
+        from validate.compare_sweep import compare_sweep
+
+        return compare_sweep(scenario, runs, out, args.use_file_workload, args.allow_mismatch)
+    notes: list[str] = []
+    if args.use_file_workload:
+        scenario, notes = file_workload_scenario(scenario, runs[0])
+    measured = read_vllm_result(args.vllm_result, scenario, runs[0], args.use_file_workload)
+    measured.manifest["workload_notes"] = notes
+    attach_series(measured, args)
     table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
                                 f"kvtwin vs vLLM benchmark: {scenario.name} ({args.vllm_result.name})")
     print_comparison(table, measured, out)
+    mismatch = bool(measured.manifest["notes"])
+    if mismatch and not args.allow_mismatch:
+        err_console.print("[bold red]workload mismatch[/]: exit status 1 (--allow-mismatch to accept it, "
+                          "--use-file-workload to replay the file's own requests)")
+        return 1
     return 0
