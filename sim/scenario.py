@@ -222,15 +222,36 @@ class ExplicitRequest(StrictModel):
         return self
 
 
+TRACE_FIELDS = ("arrival", "prompt", "prompt_len", "output_len", "tenant", "priority")
+
+
 class Trace(StrictModel):
-    format: Literal["azure", "mooncake", "burstgpt", "jsonl"]
+    format: Literal["azure", "mooncake", "burstgpt", "jsonl", "csv"]
     path: Path
+    # jsonl/csv: our field -> the file's key or column, e.g. {arrival: arrival_time_ns, prompt_len: input_toks}
+    fields: Optional[dict[str, str]] = None
+    # Unit of the arrival times (jsonl, csv, burstgpt: s by default; mooncake: ms; azure has dates).
+    time_unit: Optional[Literal["s", "ms", "us", "ns"]] = None
     time_scale: float = Field(default=1.0, gt=0, description="replay at k x speed")
     window_s: Optional[tuple[float, float]] = None
     sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
     max_requests: Optional[int] = Field(default=None, ge=1)
     # Mooncake: tokens per hash id block.
     hash_block_tokens: int = Field(default=512, ge=1)
+
+    @model_validator(mode="after")
+    def _fields_and_unit(self) -> "Trace":
+        if self.fields is not None:
+            if self.format not in ("jsonl", "csv"):
+                raise ValueError(f"fields applies to the jsonl and csv formats, not {self.format}")
+            unknown = sorted(set(self.fields) - set(TRACE_FIELDS))
+            if unknown:
+                raise ValueError(f"fields: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(TRACE_FIELDS)})")
+            if self.format == "csv" and "prompt" in self.fields:
+                raise ValueError("fields.prompt (token ids) needs the jsonl format; a csv gives prompt_len")
+        if self.time_unit is not None and self.format == "azure":
+            raise ValueError("time_unit does not apply to azure traces (their times are dates)")
+        return self
 
     @field_validator("window_s")
     @classmethod
