@@ -56,7 +56,7 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 class ApiError(Exception):
     """An error answered to the client (OpenAI's error object); the engine is unaffected."""
 
-    KINDS = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError",
+    KINDS = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError",
              500: "InternalServerError"}
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
@@ -360,6 +360,14 @@ class EngineLoop:
     def abort(self, req_id: int) -> None:
         self.commands.put(("abort", req_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's /reset_prefix_cache); False while requests are in flight."""
+        import concurrent.futures
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.commands.put(("reset_prefix_cache", done))
+        return await asyncio.wrap_future(done)
+
     def begin_drain(self, signal_name: str, grace_s: float) -> None:
         """Called from the signal handler: remember what was in flight, and abort what is
         still running after the grace period (its clients get an error event, not a cut)."""
@@ -407,6 +415,8 @@ class EngineLoop:
             self._add(arg)
         elif kind == "abort" and arg in self.live:
             self._abort(self.live[arg], "aborted: the client went away")
+        elif kind == "reset_prefix_cache":
+            arg.set_result(self._reset_prefix_cache())
         elif kind in ("abort_all", "stop"):         # nothing in flight survives either
             for live in list(self.live.values()):
                 self._abort(live, "aborted: the server is shutting down")
@@ -414,6 +424,26 @@ class EngineLoop:
             self._flush()
             return False
         self.metrics.set_state(self.scheduler)
+        return True
+
+    def _reset_prefix_cache(self) -> bool:
+        """A fresh pool and scheduler (no block holds a hash any more), keeping the counters that
+        /metrics reports; refused, as vLLM refuses it, while a request holds blocks."""
+        from sim.core.kvcache import KVCacheManager
+        from sim.core.scheduler import Scheduler
+
+        old = self.scheduler
+        if self.live or old.num_running or old.num_waiting:
+            return False
+        kv = old.kv
+        fresh_kv = KVCacheManager(kv.pool.num_blocks, kv.block_size, kv.enable_caching,
+                                  "contiguous" if kv.contiguous else "paged", kv.max_model_len,
+                                  kv.contiguous_reserve)
+        fresh_kv.stats = kv.stats
+        fresh = Scheduler(old.config, fresh_kv)
+        for counter in ("step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions"):
+            setattr(fresh, counter, getattr(old, counter))
+        self.scheduler = fresh
         return True
 
     def _abort(self, live: _Live, message: str) -> None:
@@ -518,6 +548,13 @@ def build_app(engine: EngineLoop, version: str):
         return {"object": "list", "data": [{
             "id": served.name, "object": "model", "created": int(time.time()), "owned_by": "kvtwin",
             "root": served.root, "max_model_len": served.max_model_len}]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        if not await engine.reset_prefix_cache():
+            raise ApiError("requests are in flight: the prefix cache can be reset only when the server is idle",
+                           409)
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():

@@ -136,6 +136,15 @@ class LengthDist(StrictModel):
         return self
 
 
+class RampUp(StrictModel):
+    """vLLM bench's --ramp-up-strategy: request i of N arrives at rate start + (end - start) i/(N-1)
+    (linear) or start (end/start)^(i/(N-1)) (exponential) instead of `rate`; gaps are not rescaled."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float = Field(gt=0)
+    end_rps: float = Field(gt=0)
+
+
 class Arrival(StrictModel):
     process: Literal["poisson", "gamma", "fixed", "offline"] = "poisson"
     rate: Optional[float] = Field(default=None, gt=0, description="requests per second")
@@ -145,10 +154,13 @@ class Arrival(StrictModel):
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True
+    ramp_up: Optional[RampUp] = None
 
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
-        if self.process != "offline" and self.rate is None:
+        if self.process == "offline" and self.ramp_up is not None:
+            raise ValueError("ramp_up needs an arrival process (poisson, gamma or fixed), not offline")
+        if self.process != "offline" and self.rate is None and self.ramp_up is None:
             raise ValueError(f"arrival process '{self.process}' needs a rate (requests per second)")
         return self
 
@@ -270,6 +282,10 @@ class Workload(StrictModel):
     duration_s: Optional[float] = Field(default=None, gt=0)
     # The first N requests warm the engine; steady-state figures exclude them.
     warmup_requests: int = Field(default=0, ge=0)
+    # A closed-loop client (vLLM bench's --max-concurrency): at most this many requests in
+    # flight; a request due while the client is full is sent when one finishes (its TTFT
+    # counts from then, as vLLM's does).
+    max_concurrency: Optional[int] = Field(default=None, ge=1)
     arrival: Arrival = Field(default_factory=lambda: Arrival(process="offline"))
     prompt_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
     output_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
@@ -303,6 +319,9 @@ class Workload(StrictModel):
             self.num_requests = 100
         if synthetic and self.arrival.process == "offline" and self.num_requests is None:
             raise ValueError("offline arrivals need num_requests (duration_s means nothing at t=0)")
+        if synthetic and self.arrival.ramp_up is not None and (self.num_requests is None or self.duration_s):
+            raise ValueError("arrival.ramp_up needs num_requests without duration_s (the ramp runs over "
+                             "the N requests, as vLLM's benchmark does)")
         return self
 
 

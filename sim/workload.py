@@ -182,6 +182,8 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
                    duration: Optional[float]) -> np.ndarray:
     if arrival.process == "offline":
         return np.zeros(count)
+    if arrival.ramp_up is not None:       # the schema ensures count is set and duration is not
+        return _ramp_times(arrival, rng, count)
     if duration is None:
         times = _process_times(arrival, rng, count)
         if arrival.process != "fixed" and arrival.rescale:
@@ -192,6 +194,24 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
     while times[-1] < duration and (count is None or len(times) < count):
         times = np.concatenate([times, times[-1] + _process_times(arrival, rng, len(times))])
     return times[times < duration][:count]
+
+
+def _ramp_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.ndarray:
+    """vLLM bench's ramp-up: gap i drawn at request i's rate; no rescaling."""
+    ramp = arrival.ramp_up
+    progress = np.arange(n) / max(n - 1, 1)
+    if ramp.strategy == "linear":
+        rates = ramp.start_rps + (ramp.end_rps - ramp.start_rps) * progress
+    else:
+        rates = ramp.start_rps * (ramp.end_rps / ramp.start_rps) ** progress
+    if arrival.process == "fixed":
+        gaps = 1.0 / rates
+    elif arrival.process == "poisson":
+        gaps = rng.exponential(1.0, n) / rates
+    else:
+        shape = 1.0 / arrival.cv ** 2
+        gaps = rng.gamma(shape, 1.0, n) / (rates * shape)
+    return np.cumsum(gaps)
 
 
 def _process_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.ndarray:

@@ -298,3 +298,19 @@ def test_engine_loop_stops_at_eos_and_relays_scheduler_rejections():
     refused = asyncio.run(run(True, None, prompt=list(range(100)), max_tokens=10))
     assert refused == [Event("rejected", message="prompt of 100 tokens leaves no room for output within "
                                                   "max_model_len 64")]
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_and_keeps_counters(server):
+    prompt = [7] * 64
+
+    def cached() -> int:
+        reply = complete(server, prompt=prompt, max_tokens=1)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() == 48                      # three whole blocks (the last token is always computed)
+    hits = scrape(server)['vllm:prefix_cache_hits_total{model_name="tiny"}']
+    assert httpx.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 200
+    assert cached() == 0
+    assert scrape(server)['vllm:prefix_cache_hits_total{model_name="tiny"}'] == hits     # counters stay monotonic

@@ -137,6 +137,17 @@ def apply_timeline(summary: dict, scraped: Optional[pd.DataFrame], kv_blocks_tot
 
 # ----------------------------------------------------------------------------- the load generator
 
+# The warm-cache probe: long enough for whole blocks at any usual block size (16..128).
+PROBE_TOKENS = 257
+
+
+def _prefix_hits(text: Optional[str]) -> Optional[float]:
+    if not text:
+        return None
+    row = timeline_row(parse_prometheus(text)[0])
+    return None if row is None or math.isnan(row["prefix_hits"]) else row["prefix_hits"]
+
+
 class BenchError(Exception):
     """The endpoint cannot be benchmarked (down, failing its smoke request)."""
 
@@ -175,12 +186,12 @@ class Trip:
 class Client:
     """The endpoint seen from outside: OpenAI completions, /v1/models, /version, /metrics."""
 
-    def __init__(self, endpoint: str, request_timeout: float):
+    def __init__(self, endpoint: str, request_timeout: float, headers: Optional[dict[str, str]] = None):
         import httpx
 
         self.base = normalise_endpoint(endpoint)
         self.http = httpx.AsyncClient(
-            base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0),
+            base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0), headers=headers or {},
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.model: Optional[str] = None
         self.t0 = time.perf_counter()
@@ -218,6 +229,21 @@ class Client:
             return reply.json().get("version") if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    async def reset_prefix_cache(self) -> str:
+        """POST /reset_prefix_cache (ours; vLLM's when started with VLLM_SERVER_DEV_MODE=1): 'reset',
+        or why not."""
+        import httpx
+
+        try:
+            reply = await self.http.post("/reset_prefix_cache", timeout=30.0)
+        except httpx.HTTPError as e:
+            return f"failed ({type(e).__name__})"
+        if reply.status_code == 200:
+            return "reset"
+        if reply.status_code in (404, 405):
+            return f"not offered (HTTP {reply.status_code})"
+        return f"refused (HTTP {reply.status_code}: {error_message(reply.content)})"
 
     async def metrics(self) -> Optional[str]:
         import httpx
@@ -334,9 +360,14 @@ class Bench:
         self.pool_blocks = 0
         self.smoke: dict = {}
         self.t0_wall: Optional[float] = None
+        self.max_concurrency: Optional[int] = None
+        self._gate: Optional[asyncio.Semaphore] = None
+        self.probe_tokens = PROBE_TOKENS
+        self.cache: dict = {}
 
     async def run(self) -> None:
         await self.smoke_check()
+        await self.prepare_cache()
         self.client.t0 = time.perf_counter()
         self.t0_wall = local_wall_clock()
         metrics = await self.client.metrics()      # the baseline: counters count from here
@@ -345,6 +376,8 @@ class Bench:
         self.say(f"smoke request passed (TTFT {self.smoke['ttft_s'] * 1e3:.1f} ms); sending {len(self.trips)} "
                  f"requests, the last first turn at {last:.1f} s; /metrics "
                  f"{'scraped' if scraper else 'not offered'}")
+        if self.max_concurrency is not None:     # closed loop, as vLLM bench's --max-concurrency
+            self._gate = asyncio.Semaphore(self.max_concurrency)
         try:
             firsts = [t for t in self.trips.values() if t.request.arrival is not None]
             await asyncio.gather(*(self._conversation(t) for t in firsts))
@@ -366,6 +399,27 @@ class Bench:
                       "tokens": trip.tokens, "ttft_s": trip.chunks[0] - trip.sent,
                       "e2e_s": self.client.now() - t0}
 
+    async def prepare_cache(self) -> None:
+        """Start from a cold prefix cache, or say that it is warm. A fixed probe prompt (the same
+        on every run of this client) shows whether the server still caches an earlier run's blocks:
+        its hits (usage cached_tokens, else the /metrics hit counter) mean it does. Then
+        /reset_prefix_cache is tried (ours; vLLM's with VLLM_SERVER_DEV_MODE=1)."""
+        probe = make_request(-2, 0.0, [(stable_key("kvtwin-warm-probe"), self.probe_tokens)], 1)
+        trip = Trip(probe)
+        before = _prefix_hits(await self.client.metrics())
+        await self.client.send(trip, self._prompt(probe))
+        after = _prefix_hits(await self.client.metrics())
+        counted = None if before is None or after is None else int(after - before)
+        hit = trip.cached if trip.cached is not None else counted
+        reset = await self.client.reset_prefix_cache()
+        self.cache = {"probe_prompt_tokens": self.probe_tokens, "probe_hit_tokens": hit,
+                      "warm_before": None if hit is None else hit > 0, "reset": reset,
+                      "probe": trip.status if trip.status == "finished" else f"{trip.status}: {trip.error}"}
+        if self.cache["warm_before"] and reset != "reset":
+            self.say(f"WARNING: the server's prefix cache is warm (the probe prompt of an earlier run hit {hit} "
+                     f"tokens) and /reset_prefix_cache {reset}: hit rates and TTFTs will beat a cold start's; "
+                     f"restart the server, or start vLLM with VLLM_SERVER_DEV_MODE=1 so it can be reset")
+
     def _prompt(self, req: Request) -> list[int]:
         # Materialised at send time: cheap, and a long trace never holds every prompt at once.
         return req.token_ids(0, req.prompt_len, self.vocab_size).tolist()
@@ -375,7 +429,7 @@ class Bench:
         after the previous turn's last token. A failed turn ends the conversation."""
         await asyncio.sleep(max(0.0, trip.request.arrival - self.client.now()))
         while True:
-            await self.client.send(trip, self._prompt(trip.request))
+            await self._send(trip)
             req = trip.request
             if req.next_turn is None:
                 return
@@ -384,6 +438,14 @@ class Bench:
                 return
             await asyncio.sleep(req.think_time)
             trip = self.trips[req.next_turn.id]
+
+    async def _send(self, trip: Trip) -> None:
+        """Send now, or, with a concurrency cap, once a slot is free (TTFT counts from the send)."""
+        if self._gate is None:
+            await self.client.send(trip, self._prompt(trip.request))
+            return
+        async with self._gate:
+            await self.client.send(trip, self._prompt(trip.request))
 
     def _skip_rest(self, req: Request) -> None:
         turn = req.next_turn
@@ -418,14 +480,18 @@ class Bench:
 
 
 def run_bench(scenario, endpoint: str, model: Optional[str], request_timeout: float,
-              scrape_s: float, say: Callable[[str], None] = lambda _: None) -> Measured:
+              scrape_s: float, say: Callable[[str], None] = lambda _: None,
+              headers: Optional[dict[str, str]] = None) -> Measured:
     """Smoke-check the endpoint, replay the workload, summarise what the client saw. Ctrl-C
     keeps what was measured: unfinished requests are marked aborted and the run partial."""
     from sim.workload import build_workload
 
     workload = build_workload(scenario)
-    client = Client(endpoint, request_timeout)
+    client = Client(endpoint, request_timeout, headers)
     bench = Bench(client, workload.requests, scenario.model.vocab_size, scrape_s, say)
+    bench.max_concurrency = scenario.workload.max_concurrency
+    bench.probe_tokens = min(PROBE_TOKENS, scenario.max_model_len - 2)
+    header_names = sorted(headers or {})
     server: dict = {}
     interrupted = False
 
@@ -448,6 +514,7 @@ def run_bench(scenario, endpoint: str, model: Optional[str], request_timeout: fl
     apply_timeline(summary, timeline, bench.pool_blocks)
     summary["interrupted"] = interrupted
     manifest = bench_manifest(scenario, client.base, server, bench, workload, summary)
+    manifest["headers"] = header_names             # names only: values may be secrets
     series = series_on_run_clock(bench.scraped) if bench.scraped else None
     return Measured(summary, frame, manifest, bench.pool_blocks, timeline, series=series,
                     run_t0_wall=bench.t0_wall)
@@ -471,6 +538,8 @@ def bench_manifest(scenario, endpoint: str, server: dict, bench: Bench, workload
         "endpoint": endpoint,
         "server": server,
         "client": {"kvtwin_version": kvtwin_version(), "git_commit": git_commit(), "httpx": httpx.__version__},
+        "load": {"max_concurrency": bench.max_concurrency},
+        "prefix_cache": bench.cache,
         "sampling": {"temperature": 0.0, "ignore_eos": True, "stream": True, "n": 1,
                      "max_tokens": "each request's output length from the workload",
                      "max_generation_len": max((r.output_len for r in requests), default=0)},
@@ -501,6 +570,14 @@ def endpoint_notes(scenario, server: dict, bench: Bench) -> list[str]:
                      f"planned {planned}: compare KV usage (%), not block counts")
     if not bench.scraped:
         notes.append("the endpoint offers no vLLM /metrics: no KV or queue timeline was measured")
+    cache = bench.cache
+    if cache.get("warm_before") and cache.get("reset") != "reset":
+        notes.append(f"the server's prefix cache was warm from an earlier run (the probe hit "
+                     f"{cache['probe_hit_tokens']} tokens) and could not be reset ({cache['reset']}): "
+                     f"measured prefix hits and TTFTs are better than a cold start's")
+    elif cache.get("warm_before") is None and cache.get("reset") != "reset":
+        notes.append(f"whether the server's prefix cache was warm is unknown (no cached-token count, no "
+                     f"prefix-cache counters) and it could not be reset ({cache.get('reset')})")
     return notes
 
 
@@ -560,7 +637,10 @@ def file_workload_scenario(scenario, run) -> tuple[Any, list[str]]:
                 for t, (_, inp, out) in zip(times.tolist(), rows)]
     if not requests:
         raise UserError(f"--use-file-workload: {run.source} holds no finished request to replay")
-    workload = Workload(requests=requests, tenants=scenario.workload.tenants)
+    starts_known = bool(rows) and rows[0][0] is not None
+    # Without send times the arrivals are redrawn, and the client's cap has to be simulated.
+    cap = None if starts_known else run.max_concurrency
+    workload = Workload(requests=requests, tenants=scenario.workload.tenants, max_concurrency=cap)
     notes += run.excluded_notes()
     notes.append(f"workload: the {len(requests)} requests of {run.source} (their send times and lengths); "
                  f"each prompt is unique (vLLM's file records no prefix sharing)")
@@ -651,6 +731,12 @@ def workload_mismatches(data: dict, scenario, detailed: bool) -> list[str]:
     for what, theirs, ours in pairs:
         notes += _length_mismatch(what, np.asarray(theirs, dtype=float), np.asarray(ours, dtype=float), detailed)
     notes += _arrival_mismatch(data, scenario.workload.arrival)
+    theirs, ours = data.get("max_concurrency"), scenario.workload.max_concurrency
+    if theirs not in (None, "None", "") and int(theirs) != ours:
+        notes.append(f"the file's client kept at most {theirs} requests in flight (--max-concurrency), the "
+                     f"scenario {ours or 'no limit'} (workload.max_concurrency)")
+    elif theirs in (None, "None", "") and ours is not None and "max_concurrency" in data:
+        notes.append(f"the scenario's client keeps at most {ours} requests in flight, the file's had no limit")
     return notes
 
 
@@ -828,6 +914,22 @@ def _single_scenario(args):
     return scenario
 
 
+def request_headers(lines: list[str], api_key: Optional[str]) -> dict[str, str]:
+    """--header 'Name: value' lines and --api-key (else $OPENAI_API_KEY, as vLLM's bench) as headers."""
+    import os
+
+    headers = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip() or any(c in line for c in "\r\n"):
+            raise UserError(f"--header {line!r}: expected 'Name: value' on one line")
+        headers[name.strip()] = value.strip()
+    key = api_key or os.environ.get("OPENAI_API_KEY")
+    if key and "Authorization" not in headers:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
 def series_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-log", type=Path, metavar="FILE",
                    help="the vLLM server's log, /metrics scrapes (each headed by '# TIME <unix s>') or a "
@@ -857,6 +959,9 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait for its next streamed chunk")
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics samples")
+    p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="an HTTP header sent with every request (repeatable)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY when set)")
     series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
@@ -865,7 +970,8 @@ def bench_main(argv: list[str]) -> int:
     out = args.out or Path("runs") / "bench" / args.scenario.stem
     try:
         measured = run_bench(scenario, args.endpoint, args.model, args.request_timeout, args.scrape_interval,
-                             say=lambda msg: err_console.print(f"bench: {msg}"))
+                             say=lambda msg: err_console.print(f"bench: {msg}", markup=False),
+                             headers=request_headers(args.header, args.api_key))
     except BenchError as e:
         raise UserError(str(e)) from None
     attach_series(measured, args)
