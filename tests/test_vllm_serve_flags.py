@@ -88,3 +88,34 @@ def test_readme_table_lists_every_modelled_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert flag_table_markdown() in readme, "README's from-vllm table is out of date: paste flag_table_markdown()"
     assert len(MODELLED) == flag_table_markdown().count("\n") - 1
+
+
+def test_public_vllm_commands_and_logged_args_translate_without_unknown_flags():
+    """Real `vllm serve` lines and `non-default args:` dicts (tests/data/vllm_public, cited there)."""
+    from pathlib import Path
+
+    from sim.vllm.serve_flags import mapping_flags
+
+    data = Path(__file__).resolve().parent / "data" / "vllm_public"
+    fast = getattr(yaml, "CSafeLoader", yaml.SafeLoader)        # the same safe loader, in C when built
+    runs = yaml.load((data / "bench_runs.yaml").read_text(), Loader=fast)["runs"]
+    commands = {r["server_command"] for r in runs if (r.get("server_command") or "").startswith("vllm serve")}
+    assert len(commands) >= 10
+    for command in commands:
+        t = translate(command, "h100-sxm", model_name="tiny")
+        assert not t.unknown, command
+    logs = yaml.load((data / "startup_logs.yaml").read_text(), Loader=fast)["entries"]
+    seen = 0
+    for entry in logs:
+        args = {k: v for k, v in (entry.get("non_default_args") or {}).items() if k != "model"}
+        words = ["vllm", "serve", "tiny"]
+        for flag, value in mapping_flags(args):
+            words += [flag] if value is None else [flag, value]
+        t = translate(words, "h100-sxm")
+        assert not t.unknown, entry["id"]
+        if args.get("max_model_len") is not None:
+            assert t.raw["engine"]["max_model_len"] == args["max_model_len"]
+            seen += 1
+        if args.get("enable_prefix_caching") is not None:
+            assert t.raw["engine"]["prefix_caching"] == args["enable_prefix_caching"], entry["id"]
+    assert seen >= 60

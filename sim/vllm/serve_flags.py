@@ -272,6 +272,11 @@ def config_file_flags(path: Path) -> list[tuple[str, Optional[str]]]:
         raise UserError(f"--config {path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path}: expected a mapping of flag names to values")
+    return mapping_flags(data)
+
+
+def mapping_flags(data: dict[str, Any]) -> list[tuple[str, Optional[str]]]:
+    """{flag_name: value} (a --config file, the `non-default args:` vLLM logs) as (flag, value) pairs."""
     out = []
     for key, value in data.items():
         name = _canonical(f"--{key}")
