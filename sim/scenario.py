@@ -273,8 +273,47 @@ class Trace(StrictModel):
         return w
 
 
+class Dataset(StrictModel):
+    """Prompts from a data set, as `vllm bench serve --dataset-name` builds them; arrivals come from
+    `workload.arrival` and `num_requests` prompts are drawn (seeded).
+
+    sharegpt  ShareGPT-format JSON: [{conversations: [{from: human|gpt|system, value}]}]; `turns: first`
+              is vLLM's (the first human message, its answer's token count as output length, vLLM's
+              length filter), `all` replays whole conversations as multi-turn requests.
+    text      a plain text file, one prompt per line; output lengths from `workload.output_len`.
+    random    vLLM's random set: input_len and output_len uniform in [L(1-r), L(1+r)], after a
+              shared prefix of prefix_len tokens (no file, no tokenizer).
+    sonnet    vLLM's sonnet set: lines of `path` (a poem) drawn until input_len tokens, the first
+              lines making a prefix of about prefix_len tokens shared by every request.
+    """
+
+    format: Literal["sharegpt", "text", "random", "sonnet"]
+    path: Optional[Path] = None
+    # tokenizer.json (the `tokenizers` package) or a transformers folder; sharegpt/text/sonnet need one
+    tokenizer: Optional[Path] = None
+    turns: Literal["first", "all"] = "first"
+    filter: bool = True                       # sharegpt: vLLM's length filter (drops <4, >1024, sum >2048)
+    think_time_s: float = Field(default=0.0, ge=0)     # sharegpt all turns: pause before a follow-up
+    input_len: int = Field(default=1024, ge=1)         # random / sonnet
+    output_len: Optional[int] = Field(default=None, ge=1)   # random (128) / sonnet (150); sharegpt override
+    range_ratio: float = Field(default=0.0, ge=0, lt=1)
+    prefix_len: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _needs(self) -> "Dataset":
+        if self.format != "random" and (self.path is None or self.tokenizer is None):
+            raise ValueError(f"dataset format '{self.format}' needs path and tokenizer")
+        if self.format == "random" and (self.path is not None or self.tokenizer is not None):
+            raise ValueError("the random dataset reads no file: remove path and tokenizer")
+        return self
+
+
 SYNTHETIC_ONLY = {"num_requests", "duration_s", "arrival", "prompt_len", "output_len",
                   "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn", "priorities"}
+
+
+# What a dataset supplies itself (its prompts); arrivals, num_requests and, for text, output_len stay.
+DATASET_REPLACES = {"prompt_len", "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn"}
 
 
 class Workload(StrictModel):
@@ -298,11 +337,19 @@ class Workload(StrictModel):
     priorities: Optional[Priorities] = None
     requests: Optional[list[ExplicitRequest]] = None
     trace: Optional[Trace] = None
+    dataset: Optional[Dataset] = None
 
     @model_validator(mode="after")
     def _sources(self) -> "Workload":
-        if self.requests is not None and self.trace is not None:
-            raise ValueError("give at most one of 'requests' and 'trace'")
+        given = [k for k in ("requests", "trace", "dataset") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of 'requests', 'trace' and 'dataset' (got {', '.join(given)})")
+        if self.dataset is not None:
+            prompt_side = sorted(f for f in self.model_fields_set & DATASET_REPLACES
+                                 if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True))
+            if prompt_side:
+                raise ValueError(f"{', '.join(prompt_side)} describe synthetic prompts and would be ignored with "
+                                 f"'dataset'; remove them")
         source = "requests" if self.requests is not None else "trace" if self.trace is not None else None
         # Set and not at its default: a resolved scenario (a manifest's dump) lists every field.
         synthetic_only = sorted(f for f in self.model_fields_set & SYNTHETIC_ONLY
@@ -397,6 +444,10 @@ def _resolve_sections(raw: dict[str, Any], base_dir: Path | None) -> dict[str, A
 def _resolve_workload_paths(workload: Workload, base_dir: Path | None) -> None:
     if workload.trace is not None:
         workload.trace.path = _resolve_path(workload.trace.path, base_dir)
+    if workload.dataset is not None:
+        for key in ("path", "tokenizer"):
+            if getattr(workload.dataset, key) is not None:
+                setattr(workload.dataset, key, _resolve_path(getattr(workload.dataset, key), base_dir))
     for dist in _length_dists(workload):
         if dist.file is not None:
             dist.file = _resolve_path(dist.file, base_dir)

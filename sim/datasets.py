@@ -1,0 +1,215 @@
+"""Data-set prompts for `workload.dataset`: ShareGPT-format JSON, plain text and sonnet-style
+line files tokenized with a local tokenizer, and vLLM's `random` set (sim/workload.py turns
+them into requests with the workload's arrivals).
+
+Tokenizer: a `tokenizer.json` (or a folder holding one) through the `tokenizers` package, or a
+transformers folder (AutoTokenizer, local files only). Every text of a file is tokenized once:
+the token ids are cached beside the file in `<file>.kvtwin-tokens-<digest>.json`, the digest
+covering the file's and the tokenizer's bytes, so an edit to either makes a new cache. The
+cache is written atomically (a temporary file, then a rename); a folder that cannot be written
+only costs the caching (noted). Texts are tokenized as they are: no chat template (vLLM's
+`completions` backend sends them so; the chat backend adds the model's template on the server).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from sim.scenario import Dataset
+
+CACHE_VERSION = 1
+MAX_DATASET_BYTES = 2 << 30          # a ShareGPT dump is ~650 MB; anything over 2 GiB is refused
+SHAREGPT_FILTER = (4, 1024, 2048)    # vLLM: drop prompt or output < 4, prompt > 1024, prompt + output > 2048
+SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
+
+
+class DatasetError(ValueError):
+    """A data set or tokenizer that cannot be used; the message names the file."""
+
+
+@dataclass
+class Turn:
+    prompt: list[int]                 # the user's message (turn 1: with any system text before it)
+    answer_len: Optional[int]         # tokens of the recorded answer; None when the file has none
+
+
+@dataclass
+class Prompts:
+    conversations: list[list[Turn]]
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def load_tokenizer(path: Path) -> tuple[Callable[[list[str]], list[list[int]]], str, int]:
+    """(encode a batch of texts, digest of the tokenizer's files, vocabulary size)."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if file.is_file() and file.suffix == ".json":
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DatasetError("workload.dataset.tokenizer: the `tokenizers` package is missing "
+                               "(pip install 'kvtwin[text]')") from None
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as e:              # noqa: BLE001 - the library raises its own exception types
+            raise DatasetError(f"{file}: not a tokenizer.json the `tokenizers` package can read ({e})") from None
+        encode = lambda texts: [e.ids for e in tok.encode_batch(texts)]   # noqa: E731
+        return encode, _digest([file]), tok.get_vocab_size()
+    if path.is_dir():
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise DatasetError(f"{path}: a transformers tokenizer folder needs the `transformers` package") from None
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        encode = lambda texts: [list(ids) for ids in tok(texts)["input_ids"]]   # noqa: E731
+        return encode, _digest(sorted(p for p in path.iterdir() if p.is_file() and "token" in p.name)), len(tok)
+    raise DatasetError(f"workload.dataset.tokenizer: {path} is neither a tokenizer.json nor a folder holding one")
+
+
+def _digest(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def tokenized(path: Path, texts: list[str], tokenizer: Path) -> tuple[list[list[int]], list[str], int]:
+    """The token ids of `texts` (all the texts of `path`, in a fixed order), from the cache beside
+    the file when it matches, else encoded and cached. Returns (ids, notes, vocabulary size)."""
+    encode, tok_digest, vocab = load_tokenizer(tokenizer)
+    digest = hashlib.sha256(path.read_bytes() + tok_digest.encode()).hexdigest()
+    cache = path.with_name(f"{path.name}.kvtwin-tokens-{digest[:16]}.json")
+    if cache.is_file():
+        try:
+            data = json.loads(cache.read_text())
+            if data.get("version") == CACHE_VERSION and data.get("digest") == digest and len(data["ids"]) == len(texts):
+                return data["ids"], [f"{path}: token ids from the cache {cache.name}"], vocab
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass                                  # a damaged cache is rebuilt
+    ids = encode(texts) if texts else []
+    notes = [f"{path}: {len(texts)} texts tokenized with {tokenizer}"]
+    try:
+        _write_atomically(cache, json.dumps({"version": CACHE_VERSION, "digest": digest, "source": path.name,
+                                             "ids": ids}, separators=(",", ":")))
+        notes.append(f"token ids cached in {cache.name}")
+    except OSError as e:
+        notes.append(f"token ids not cached ({cache.parent} is not writable: {e.strerror})")
+    return ids, notes, vocab
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A temporary file beside `path`, renamed over it (the simulation layer does not reach
+    sim/output/io.py, whose writer does the same)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file (workload.dataset.path)")
+    if path.stat().st_size > MAX_DATASET_BYTES:
+        raise DatasetError(f"{path}: over the {MAX_DATASET_BYTES >> 30} GiB limit for a data set")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------- formats
+
+def load_prompts(ds: Dataset) -> tuple[Prompts, int]:
+    """The data set's conversations as token ids, and the tokenizer's vocabulary size."""
+    if ds.format == "sharegpt":
+        return _sharegpt(ds)
+    if ds.format == "text":
+        lines = [line.strip() for line in _read(ds.path).splitlines() if line.strip()]
+        if not lines:
+            raise DatasetError(f"{ds.path}: no prompt (expected one prompt per line)")
+        ids, notes, vocab = tokenized(ds.path, lines, ds.tokenizer)
+        return Prompts([[Turn(p, None)] for p in ids], notes), vocab
+    raise ValueError(f"load_prompts: {ds.format} has no file of prompts")
+
+
+def _sharegpt(ds: Dataset) -> tuple[Prompts, int]:
+    try:
+        data = json.loads(_read(ds.path))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{ds.path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{ds.path}: expected a JSON list of {{'conversations': [...]}} objects (ShareGPT format)")
+    convs = []
+    for i, item in enumerate(data):
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("value"), str)
+                                                  for t in turns):
+            raise DatasetError(f"{ds.path}: entry {i}: expected 'conversations', a list of {{'from', 'value'}}")
+        convs.append(turns)
+    texts = [t["value"] for turns in convs for t in turns]
+    ids, notes, vocab = tokenized(ds.path, texts, ds.tokenizer)
+    it = iter(ids)
+    tokens = [[(t.get("from"), next(it)) for t in turns] for turns in convs]
+    build = _first_turns if ds.turns == "first" else _all_turns
+    out, dropped = build(tokens, ds.filter)
+    notes.append(f"{ds.path}: {len(out)} of {len(convs)} conversations usable ({ds.turns} turns)"
+                 + (f"; {dropped} dropped ({'vLLM length filter, ' if ds.filter else ''}fewer than two messages)"
+                    if dropped else ""))
+    if not out:
+        raise DatasetError(f"{ds.path}: no usable conversation ({notes[-1]})")
+    return Prompts(out, notes), vocab
+
+
+def _kept(prompt_len: int, answer_len: int, filter_: bool) -> bool:
+    lo, max_prompt, max_total = SHAREGPT_FILTER
+    return not filter_ or not (prompt_len < lo or answer_len < lo or prompt_len > max_prompt
+                               or prompt_len + answer_len > max_total)
+
+
+def _first_turns(convs: list[list[tuple[Any, list[int]]]], filter_: bool) -> tuple[list[list[Turn]], int]:
+    """vLLM's sharegpt: the first two messages as prompt and completion, whatever their roles."""
+    out = [[Turn(turns[0][1], len(turns[1][1]))] for turns in convs
+           if len(turns) >= 2 and _kept(len(turns[0][1]), len(turns[1][1]), filter_)]
+    return out, len(convs) - len(out)
+
+
+def _all_turns(convs: list[list[tuple[Any, list[int]]]], filter_: bool) -> tuple[list[list[Turn]], int]:
+    """Every answered human message is a request; system text opens the first one; the answer's
+    length is its output length. The filter judges a conversation by its first exchange."""
+    out = []
+    for turns in convs:
+        conv: list[Turn] = []
+        pending: list[int] = []
+        for role, ids in turns:
+            if role in ("human", "user"):
+                conv.append(Turn(pending + ids, None))
+                pending = []
+            elif role == "system" and not conv:
+                pending = pending + ids
+            elif role != "system" and conv and conv[-1].answer_len is None:     # gpt, assistant, ...
+                conv[-1].answer_len = len(ids)
+        while conv and conv[-1].answer_len is None:        # a last message nobody answered
+            conv.pop()
+        if conv and all(t.answer_len is not None for t in conv) and \
+                _kept(len(conv[0].prompt), conv[0].answer_len, filter_):
+            out.append(conv)
+    return out, len(convs) - len(out)
+
+
+def sonnet_lines(ds: Dataset) -> tuple[list[int], list[list[int]], list[str], int]:
+    """(base prompt ids, each line's ids, notes, vocabulary size) for vLLM's sonnet set."""
+    lines = [line for line in _read(ds.path).splitlines() if line.strip()]
+    if not lines:
+        raise DatasetError(f"{ds.path}: no line to draw from")
+    ids, notes, vocab = tokenized(ds.path, [SONNET_BASE_PROMPT] + [line + "\n" for line in lines], ds.tokenizer)
+    return ids[0], ids[1:], notes, vocab
