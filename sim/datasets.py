@@ -46,31 +46,72 @@ class Prompts:
 
 # ----------------------------------------------------------------------------- tokenizers
 
-def load_tokenizer(path: Path) -> tuple[Callable[[list[str]], list[list[int]]], str, int]:
-    """(encode a batch of texts, digest of the tokenizer's files, vocabulary size)."""
+@dataclass
+class TextTokenizer:
+    """A local tokenizer: encode texts, decode ids, and (transformers folders) a chat template."""
+
+    encode_batch: Callable[[list[str]], list[list[int]]]
+    decode: Callable[[list[int]], str]
+    vocab_size: int
+    digest: str                       # of the tokenizer's files, for caches
+    apply_chat_template: Optional[Callable[[list[dict]], list[int]]] = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+
+def text_tokenizer(path: Path) -> TextTokenizer:
+    """A tokenizer.json (or a folder holding one) via `tokenizers`, else a transformers folder."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if file.is_file() and file.suffix == ".json":
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DatasetError("workload.dataset.tokenizer: the `tokenizers` package is missing "
-                               "(pip install 'kvtwin[text]')") from None
+            raise DatasetError("tokenizer: the `tokenizers` package is missing (pip install 'kvtwin[text]')") from None
         try:
             tok = Tokenizer.from_file(str(file))
         except Exception as e:              # noqa: BLE001 - the library raises its own exception types
             raise DatasetError(f"{file}: not a tokenizer.json the `tokenizers` package can read ({e})") from None
-        encode = lambda texts: [e.ids for e in tok.encode_batch(texts)]   # noqa: E731
-        return encode, _digest([file]), tok.get_vocab_size()
+        template = _folder_chat_template(path) if path.is_dir() else None
+        return TextTokenizer(lambda texts: [e.ids for e in tok.encode_batch(texts)],
+                             lambda ids: tok.decode(ids, skip_special_tokens=False), tok.get_vocab_size(),
+                             _digest([file]), template)
     if path.is_dir():
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise DatasetError(f"{path}: a transformers tokenizer folder needs the `transformers` package") from None
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        encode = lambda texts: [list(ids) for ids in tok(texts)["input_ids"]]   # noqa: E731
-        return encode, _digest(sorted(p for p in path.iterdir() if p.is_file() and "token" in p.name)), len(tok)
-    raise DatasetError(f"workload.dataset.tokenizer: {path} is neither a tokenizer.json nor a folder holding one")
+        return _transformers_tokenizer(path)
+    raise DatasetError(f"tokenizer: {path} is neither a tokenizer.json nor a folder holding one")
+
+
+def _transformers_tokenizer(path: Path) -> TextTokenizer:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DatasetError(f"{path}: a transformers tokenizer folder needs the `transformers` package") from None
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    template = None
+    if getattr(tok, "chat_template", None):
+        template = lambda messages: list(tok.apply_chat_template(messages, add_generation_prompt=True,  # noqa: E731
+                                                                 tokenize=True))
+    return TextTokenizer(lambda texts: [list(ids) for ids in tok(texts)["input_ids"]],
+                         lambda ids: tok.decode(ids), len(tok),
+                         _digest(sorted(p for p in path.iterdir() if p.is_file() and "token" in p.name)), template)
+
+
+def _folder_chat_template(path: Path) -> Optional[Callable[[list[dict]], list[int]]]:
+    """A folder's transformers chat template, when it has one and transformers is installed."""
+    config = path / "tokenizer_config.json"
+    if not config.is_file() or "chat_template" not in config.read_text(errors="replace"):
+        return None
+    try:
+        return _transformers_tokenizer(path).apply_chat_template
+    except (DatasetError, OSError, ValueError):
+        return None
+
+
+def load_tokenizer(path: Path) -> tuple[Callable[[list[str]], list[list[int]]], str, int]:
+    """(encode a batch of texts, digest of the tokenizer's files, vocabulary size)."""
+    tok = text_tokenizer(path)
+    return tok.encode_batch, tok.digest, tok.vocab_size
 
 
 def _digest(files: list[Path]) -> str:
