@@ -154,7 +154,7 @@ def test_streamed_and_whole_completions_agree(server):
 
 
 @pytest.mark.parametrize("body, status, message", [
-    ({"prompt": "Hello", "max_tokens": 4}, 400, "prompt as text is not supported"),
+    ({"prompt": "Hello", "max_tokens": 4}, 400, "prompt as text needs a tokenizer"),
     ({"prompt": [1, 2, VOCAB], "max_tokens": 4}, 400, f"prompt[2] = {VOCAB} is outside the vocabulary"),
     ({"prompt": [1, -1], "max_tokens": 4}, 400, "outside the vocabulary"),
     ({"prompt": [1, "2"], "max_tokens": 4}, 400, "token ids must be integers"),
