@@ -9,15 +9,26 @@ ITL = gaps between chunks, E2E = last chunk - send). Before the run one fixed sh
 (16 tokens, max_tokens 8) must come back with 8 tokens; during it /metrics is scraped for
 KV usage and queue lengths when the endpoint offers vLLM's metric names.
 
+Before the run a fixed probe prompt shows whether the server's prefix cache is warm from an
+earlier run, and /reset_prefix_cache is tried; `workload.max_concurrency` makes the client
+closed-loop (a semaphore, as vLLM's --max-concurrency); --header / --api-key reach endpoints
+behind authentication.
+
 `simrun compare SCENARIO --vllm-result FILE` reads what `vllm bench serve --save-result`
-writes (per-request ttfts, itls, input_lens, output_lens with --save-detailed; the
-aggregate mean/median/p99 fields otherwise) and checks the file's workload against the
-scenario's before comparing: a comparison on a different workload is meaningless.
+writes (sim.vllm.results: per-request ttfts, itls, input_lens, output_lens with --save-detailed;
+the aggregate mean/median/p99 fields otherwise) and checks the file's workload against the
+scenario's before comparing: a comparison on a different workload is meaningless, so differences
+are a banner before the table and exit status 1 (unless --allow-mismatch).
+--use-file-workload replays the file's own requests instead; a file of several runs
+(--append-result) is compared rate by rate (validate/compare_sweep.py).
+
+Both take --server-log (a vLLM log or /metrics scrapes; sim.vllm.timeseries) and compare its
+running / waiting / KV % over time with the prediction's; bench uses its own scrapes otherwise.
 
 Both write, beside `simrun validate`'s layout:
     out/measured/    summary.json, requests.csv, manifest.json (+ metrics_timeline.csv)
     out/predicted/   simrun's prediction of the same scenario
-    out/comparison.csv, out/*.png, out/report.html
+    out/comparison.csv, out/*.png, out/report.html (+ series_comparison.csv with a time series)
 Measured summaries come from sim.metrics.summarise on a requests frame of records.py's
 schema plus the client's ITL samples; what a black-box endpoint cannot show (steps, the
 queue/host/device split) is None, and KV figures come from the scraped timeline.

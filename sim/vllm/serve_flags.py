@@ -305,7 +305,9 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
         raise UserError(f"unexpected word(s) {' '.join(extra)!r} in the vLLM command: after the model, "
                         f"vLLM takes only --flags")
     if model_arg is None and model_name is None:
-        raise UserError("the vLLM command names no model (vllm serve MODEL ...)")
+        took = [f"{f} {v}" for f, v in flags if v is not None and f not in _BY_NAME and f not in IGNORED]
+        hint = f" (did an unknown flag take it as its value? {', '.join(took)})" if took else ""
+        raise UserError(f"the vLLM command names no model (vllm serve MODEL ...){hint}")
     model = model_name or catalog_model(model_arg, base_dir)
     from sim.scenario import set_path
 
