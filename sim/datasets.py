@@ -4,7 +4,7 @@ them into requests with the workload's arrivals).
 
 Tokenizer: a `tokenizer.json` (or a folder holding one) through the `tokenizers` package, or a
 transformers folder (AutoTokenizer, local files only). Every text of a file is tokenized once:
-the token ids are cached beside the file in `<file>.kvtwin-tokens-<digest>.json`, the digest
+the token ids are cached beside the file in `<file>.kvtwin-tokens-<digest>.npz`, the digest
 covering the file's and the tokenizer's bytes, so an edit to either makes a new cache. The
 cache is written atomically (a temporary file, then a rename); a folder that cannot be written
 only costs the caching (noted). Texts are tokenized as they are: no chat template (vLLM's
@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 from sim.scenario import Dataset
 
@@ -122,37 +124,52 @@ def _digest(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def tokenized(path: Path, texts: list[str], tokenizer: Path) -> tuple[list[list[int]], list[str], int]:
-    """The token ids of `texts` (all the texts of `path`, in a fixed order), from the cache beside
-    the file when it matches, else encoded and cached. Returns (ids, notes, vocabulary size)."""
+def tokenized(path: Path, texts: list[str], tokenizer: Path, selection: str = "all") -> tuple[list[list[int]], list[str], int]:
+    """The token ids of `texts` (the texts of `path` that `selection` names, in a fixed order), from
+    the cache beside the file when it matches, else encoded and cached. Returns (ids, notes,
+    vocabulary size). The cache is one .npz: every id as int32 and each text's start offset."""
     encode, tok_digest, vocab = load_tokenizer(tokenizer)
-    digest = hashlib.sha256(path.read_bytes() + tok_digest.encode()).hexdigest()
-    cache = path.with_name(f"{path.name}.kvtwin-tokens-{digest[:16]}.json")
-    if cache.is_file():
-        try:
-            data = json.loads(cache.read_text())
-            if data.get("version") == CACHE_VERSION and data.get("digest") == digest and len(data["ids"]) == len(texts):
-                return data["ids"], [f"{path}: token ids from the cache {cache.name}"], vocab
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass                                  # a damaged cache is rebuilt
+    digest = hashlib.sha256(path.read_bytes() + tok_digest.encode() + selection.encode()).hexdigest()
+    cache = path.with_name(f"{path.name}.kvtwin-tokens-{digest[:16]}.npz")
+    cached = _read_cache(cache, digest, len(texts))
+    if cached is not None:
+        return cached, [f"{path}: token ids from the cache {cache.name}"], vocab
     ids = encode(texts) if texts else []
     notes = [f"{path}: {len(texts)} texts tokenized with {tokenizer}"]
+    offsets = np.cumsum([0] + [len(t) for t in ids], dtype=np.int64)
+    flat = np.fromiter((i for t in ids for i in t), dtype=np.int32, count=int(offsets[-1]))
     try:
-        _write_atomically(cache, json.dumps({"version": CACHE_VERSION, "digest": digest, "source": path.name,
-                                             "ids": ids}, separators=(",", ":")))
+        _write_atomically(cache, lambda f: np.savez(f, version=CACHE_VERSION, digest=digest, ids=flat,
+                                                    offsets=offsets))
         notes.append(f"token ids cached in {cache.name}")
     except OSError as e:
         notes.append(f"token ids not cached ({cache.parent} is not writable: {e.strerror})")
     return ids, notes, vocab
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """A temporary file beside `path`, renamed over it (the simulation layer does not reach
-    sim/output/io.py, whose writer does the same)."""
+def _read_cache(cache: Path, digest: str, count: int) -> Optional[list[list[int]]]:
+    if not cache.is_file():
+        return None
+    try:
+        with np.load(cache, allow_pickle=False) as data:
+            if int(data["version"]) != CACHE_VERSION or str(data["digest"]) != digest:
+                return None
+            offsets, flat = data["offsets"], data["ids"]
+    except (OSError, KeyError, ValueError):
+        return None                                   # a damaged cache is rebuilt
+    if len(offsets) != count + 1:
+        return None
+    flat = flat.tolist()
+    return [flat[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """`write(file)` into a temporary file beside `path`, then renamed over it (the simulation
+    layer does not reach sim/output/io.py, whose writer does the same)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
@@ -197,12 +214,15 @@ def _sharegpt(ds: Dataset) -> tuple[Prompts, int]:
                                                   for t in turns):
             raise DatasetError(f"{ds.path}: entry {i}: expected 'conversations', a list of {{'from', 'value'}}")
         convs.append(turns)
-    texts = [t["value"] for turns in convs for t in turns]
-    ids, notes, vocab = tokenized(ds.path, texts, ds.tokenizer)
+    # first turns: only the two messages vLLM reads are tokenized (a ShareGPT dump holds ~100M tokens)
+    usable = [turns[:2] for turns in convs if len(turns) >= 2] if ds.turns == "first" else convs
+    texts = [t["value"] for turns in usable for t in turns]
+    ids, notes, vocab = tokenized(ds.path, texts, ds.tokenizer, selection=ds.turns)
     it = iter(ids)
-    tokens = [[(t.get("from"), next(it)) for t in turns] for turns in convs]
+    tokens = [[(t.get("from"), next(it)) for t in turns] for turns in usable]
     build = _first_turns if ds.turns == "first" else _all_turns
     out, dropped = build(tokens, ds.filter)
+    dropped += len(convs) - len(usable)
     notes.append(f"{ds.path}: {len(out)} of {len(convs)} conversations usable ({ds.turns} turns)"
                  + (f"; {dropped} dropped ({'vLLM length filter, ' if ds.filter else ''}fewer than two messages)"
                     if dropped else ""))

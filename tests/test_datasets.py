@@ -45,7 +45,7 @@ def test_sharegpt_first_turns_are_vllms_prompt_and_answer_length(data):
     for r in built.requests:
         assert (tuple(r.segments[0]), r.output_len) in pairs and r.next_turn is None
     assert any("kvtwin-tokens" in n or "tokenized" in n for n in built.notes)
-    cache = list(data.glob("sharegpt_small.json.kvtwin-tokens-*.json"))
+    cache = list(data.glob("sharegpt_small.json.kvtwin-tokens-*.npz"))
     assert len(cache) == 1
     again = build_workload(s)                              # the second build reads the cache
     assert any("from the cache" in n for n in again.notes)
