@@ -24,6 +24,16 @@ def test_modelled_flags_land_in_their_fields():
     assert not t.ignored and not t.unknown
 
 
+def test_quantization_kv_dtype_and_parallel_flags():
+    t = translate("vllm serve qwen3-30b-a3b -tp 2 -dp 4 --enable-expert-parallel --kv-cache-dtype fp8 "
+                  "--quantization fp8", "h100-sxm")
+    assert t.raw["parallelism"] == {"tp": 2, "dp": 4, "ep": 8}
+    assert t.raw["engine"] == {"kv_cache_dtype": "fp8"}
+    assert t.raw["model"] == {"base": "qwen3-30b-a3b", "quantization": {"method": "fp8", "scales": "tensor"}}
+    with pytest.raises(UserError, match="--quantization bitsandbytes: 'bitsandbytes' is not a method"):
+        translate("vllm serve tiny --quantization bitsandbytes", "cpu")
+
+
 def test_other_flags_are_listed_never_dropped():
     t = translate(["vllm", "serve", "tiny", "--host", "0.0.0.0", "--trust-remote-code", "--port", "9",
                    "--brand-new-flag", "x", "--enforce-eager", "--max-num-seqs", "4"], "cpu")

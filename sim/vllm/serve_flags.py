@@ -71,6 +71,18 @@ def _dtype(text: str) -> Optional[str]:
     return _DTYPES[text]
 
 
+_QUANT = {"fp8": {"method": "fp8", "scales": "tensor"},      # vLLM quantizes a 16-bit checkpoint per tensor
+          "awq": {"method": "awq"}, "awq_marlin": {"method": "awq"}, "gptq": {"method": "gptq"},
+          "gptq_marlin": {"method": "gptq"}, "mxfp4": {"method": "mxfp4", "experts_only": True}}
+
+
+def _quantization(text: str) -> dict:
+    if text not in _QUANT:
+        raise ValueError(f"{text!r} is not a method kvtwin models ({', '.join(_QUANT)}); a pre-quantized "
+                         f"checkpoint's config.json (model: {{hf_config: ...}}) carries its own")
+    return dict(_QUANT[text])
+
+
 @dataclass(frozen=True)
 class Modelled:
     """A vLLM flag kvtwin models: where its value goes and vLLM's default (for the README)."""
@@ -96,6 +108,12 @@ MODELLED = (
     Modelled("--tensor-parallel-size", "parallelism.tp", int, "1", ("-tp",)),
     Modelled("--scheduling-policy", "engine.scheduling_policy", _choice("fcfs", "priority"), "fcfs"),
     Modelled("--dtype", "model.dtype", _dtype, "auto (the checkpoint's dtype)"),
+    Modelled("--kv-cache-dtype", "engine.kv_cache_dtype", _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+             "auto (the model dtype)"),
+    Modelled("--quantization", "model.quantization", _quantization,
+             "none (the checkpoint's quantization_config)", ("-q",)),
+    Modelled("--data-parallel-size", "parallelism.dp", int, "1", ("-dp",)),
+    Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", boolean=True),
 )
 
 # Flags vLLM has that kvtwin leaves out, with why. True/False: whether the flag is a bare switch
@@ -135,18 +153,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "-O": (False, "compilation level changes step times: calibrate the cost model on the same setting"),
     "--async-scheduling": (True, "kvtwin models one step after another (async scheduling overlaps the "
                                  "host's work with the device's: the calibrated host time covers it)"),
-    "--kv-cache-dtype": (False, _NOT_MODELLED + " (KV in the model dtype)"),
-    "--quantization": (False, _NOT_MODELLED + " (weights in the model dtype)"),
-    "-q": (False, _NOT_MODELLED + " (weights in the model dtype)"),
     "--calculate-kv-scales": (True, _NOT_MODELLED),
     "--kv-cache-memory": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
     "--kv-cache-memory-bytes": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
     "--pipeline-parallel-size": (False, _NOT_MODELLED + " (pipeline parallel 1)"),
     "-pp": (False, _NOT_MODELLED + " (pipeline parallel 1)"),
-    "--data-parallel-size": (False, "set cluster.replicas for data-parallel engines (the router differs "
-                                    "from vLLM's internal load balancer)"),
-    "-dp": (False, "set cluster.replicas for data-parallel engines"),
-    "--enable-expert-parallel": (True, _NOT_MODELLED + " (dense models only)"),
     "--distributed-executor-backend": (False, "how workers are launched: no effect on the prediction"),
     "--swap-space": (False, "CPU swap space: V1 preempts by recompute only, as kvtwin does"),
     "--preemption-mode": (False, "kvtwin (and vLLM V1) preempt by recompute only"),
@@ -326,7 +337,15 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
             result.mapped.append((name if value is None else f"{name} {value}", outcome.field, parsed))
             if parsed is not None:
                 result.raw = set_path(result.raw, outcome.field.split("."), parsed)
+    _expert_parallel(result)
     return _sorted_out(result, flags)
+
+
+def _expert_parallel(result: Translation) -> None:
+    """--enable-expert-parallel: whole experts over every GPU of the engine, ep = tp x dp."""
+    par = result.raw.get("parallelism", {})
+    if "ep" in par:
+        par["ep"] = par.get("tp", 1) * par.get("dp", 1) if par["ep"] else 1
 
 
 def _one_flag(name: str, value: Optional[str]):
