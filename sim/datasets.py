@@ -92,8 +92,10 @@ def _transformers_tokenizer(path: Path) -> TextTokenizer:
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     template = None
     if getattr(tok, "chat_template", None):
-        template = lambda messages: list(tok.apply_chat_template(messages, add_generation_prompt=True,  # noqa: E731
-                                                                 tokenize=True))
+        def template(messages: list[dict]) -> list[int]:
+            # rendered, then tokenized without special tokens (the template writes its own), as vLLM does
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
     return TextTokenizer(lambda texts: [list(ids) for ids in tok(texts)["input_ids"]],
                          lambda ids: tok.decode(ids), len(tok),
                          _digest(sorted(p for p in path.iterdir() if p.is_file() and "token" in p.name)), template)
@@ -102,7 +104,9 @@ def _transformers_tokenizer(path: Path) -> TextTokenizer:
 def _folder_chat_template(path: Path) -> Optional[Callable[[list[dict]], list[int]]]:
     """A folder's transformers chat template, when it has one and transformers is installed."""
     config = path / "tokenizer_config.json"
-    if not config.is_file() or "chat_template" not in config.read_text(errors="replace"):
+    in_config = config.is_file() and "chat_template" in config.read_text(errors="replace")
+    # newer transformers keep it in a file of its own
+    if not (in_config or (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()):
         return None
     try:
         return _transformers_tokenizer(path).apply_chat_template

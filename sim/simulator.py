@@ -55,7 +55,9 @@ def build_replica(index: int, scenario, plan: MemoryPlan) -> Replica:
 class Client:
     """The load generator's side: open loop (every request sent when due), or closed loop with
     at most `max_concurrency` in flight, as vLLM bench's semaphore: a request due while the
-    client is full waits for a finish (or a rejection), and its arrival is when it is sent."""
+    client is full waits for a finish (or a rejection), and its arrival is when it is sent.
+    While requests wait here, any replica's finish routes one: `pending` says so, for anything
+    that plans ahead to the next routing."""
 
     def __init__(self, env: simpy.Environment, router, max_concurrency: Optional[int]):
         self.env, self.router, self.limit = env, router, max_concurrency
@@ -69,6 +71,10 @@ class Client:
             self._go(req)
         else:
             self.queue.append(req)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue)
 
     def done(self) -> None:
         if self.limit is None:

@@ -111,3 +111,17 @@ def test_dataset_errors_name_the_problem(data, tmp_path):
                                        "tokenizer": str(data / "tokenizer.json")}}})
     with pytest.raises(WorkloadError, match="more than the model's vocab_size"):
         build_workload(small_vocab)
+
+
+def test_a_transformers_folder_brings_its_chat_template(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from sim.datasets import text_tokenizer
+
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_file(str(DATA / "tokenizer.json")))
+    fast.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    fast.save_pretrained(tmp_path)
+    tok = text_tokenizer(tmp_path)
+    assert tok.apply_chat_template is not None
+    assert tok.apply_chat_template([{"role": "user", "content": "Why batch?"}]) == \
+        tok.encode("<user>Why batch?<assistant>")
+    assert text_tokenizer(DATA / "tokenizer.json").apply_chat_template is None
