@@ -30,11 +30,14 @@ from sim.errors import UserError
 # ----------------------------------------------------------------------------- value parsers
 
 def _human_int(text: str) -> int:
-    """vLLM's human-readable sizes: 1k = 1000, 1K = 1024 (and m/M, g/G); plain integers too."""
-    units = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    """vLLM's human_readable_int: 1k = 1000, 1K = 1024 (and m/M, g/G, t/T); 25.6k = 25600; plain integers."""
+    units = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+             "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
     text = text.strip()
     scale = units.get(text[-1:], 1)
     number = text[:-1] if scale != 1 else text
+    if "." in number and text[-1:] in "KMGT":
+        raise ValueError(f"{text!r}: decimals only go with the decimal suffixes k, m, g, t (as vLLM reads it)")
     value = float(number) * scale
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number")
