@@ -81,7 +81,7 @@ def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozens
     reader = {"azure": _read_azure, "mooncake": _read_mooncake, "burstgpt": _read_burstgpt,
               "jsonl": _read_jsonl, "csv": _read_generic_csv}[trace.format]
     rows = reader(path, trace)
-    check_plausible(path, rows.times, trace, getattr(rows, "lines", None))
+    check_plausible(path, rows.times, trace, rows.lines)
     kept, arrivals, notes = _select(rows, trace, seed)
     if len(kept) == 0:
         raise TraceError(f"{path}: no rows left to replay ({'; '.join(notes)})")
