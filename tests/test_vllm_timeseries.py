@@ -141,3 +141,13 @@ def test_compare_with_a_server_log_writes_the_series_figure_and_table(tmp_path, 
     running = next(r for r in manifest["series_table"] if r["quantity"] == "running")
     assert running["mean_abs_diff"] == pytest.approx((130 + 1) / 2)      # the prediction is idle then
     assert "measured mean" in capsys.readouterr().out
+
+
+def test_request_lines_give_the_offset(tmp_path):
+    log = ("INFO 07-24 14:10:05 [logger.py:41] Received request cmpl-1: prompt: 'hi'\n" + V1_LOG)
+    path = tmp_path / "server.log"
+    path.write_text(log)
+    s = load_series(path, year=2025)
+    assert s.attrs["first_request_wall"] == s.attrs["t0_wall"] - 3          # 14:10:05 vs 14:10:08
+    offset, how = align_offset(s, _steps(), 100, run_t0_wall=0.0, first_arrival_s=0.25)
+    assert offset == pytest.approx(3.25) and how.startswith("request time stamps")

@@ -176,10 +176,16 @@ _ENGINE = re.compile(r"Engine (\d+):")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+_REQUEST_LINE = re.compile(r"\b(?:Received request|Added request)\b")
+
+
 def _log(path: Path, text: str, year: Optional[int]) -> pd.DataFrame:
     rows = []
+    first_request = None
     year = year or dt.datetime.now(dt.timezone.utc).year
     for line_no, line in enumerate(text.splitlines(), start=1):
+        if first_request is None and _REQUEST_LINE.search(line):     # --enable-log-requests
+            first_request = _line_time(_ANSI.sub("", line), year)
         if "Running:" not in line or "reqs" not in line:
             continue
         line = _ANSI.sub("", line)
@@ -202,7 +208,9 @@ def _log(path: Path, text: str, year: Optional[int]) -> pd.DataFrame:
         prompt_tps=("prompt_tps", "sum"), generation_tps=("generation_tps", "sum")).reset_index()
     t0 = float(per_time["wall"].iloc[0])
     per_time["t_s"] = per_time["wall"] - t0
-    return _finish(per_time.drop(columns="wall"), t0, "log")
+    frame = _finish(per_time.drop(columns="wall"), t0, "log")
+    frame.attrs["first_request_wall"] = first_request
+    return frame
 
 
 def _line_time(line: str, year: int) -> Optional[float]:
@@ -338,13 +346,19 @@ class _StepStates:
 
 
 def align_offset(measured: pd.DataFrame, steps: pd.DataFrame, kv_blocks_total: int,
-                 run_t0_wall: Optional[float] = None) -> tuple[float, str]:
-    """(offset, how): run time = measured t_s + offset. From wall clocks when both are known
-    and the run then overlaps the series; else the offset whose predicted curves differ least
-    from the measured ones (running + waiting and KV %, each scaled by its measured peak); of
-    equally good offsets, the middle one."""
+                 run_t0_wall: Optional[float] = None, first_arrival_s: Optional[float] = None) -> tuple[float, str]:
+    """(offset, how): run time = measured t_s + offset. In order of preference: the log's first
+    request line (vLLM's --enable-log-requests) is the run's first arrival (`first_arrival_s`);
+    the wall clocks of the series and of the run's start, when both are known and the run then
+    overlaps the series; else the offset whose predicted curves differ least from the measured
+    ones (running + waiting and KV %, each scaled by its measured peak; of equally good offsets,
+    the middle one)."""
     t0_wall = measured.attrs.get("t0_wall")
     span = float(steps["end_s"].max()) if not steps.empty else 0.0
+    first_request = measured.attrs.get("first_request_wall")
+    if t0_wall is not None and first_request is not None and first_arrival_s is not None:
+        return (float(t0_wall - first_request + first_arrival_s),
+                "request time stamps (the log's first request line is the first arrival)")
     if t0_wall is not None and run_t0_wall is not None:
         offset = float(t0_wall - run_t0_wall)
         t = measured["t_s"].to_numpy() + offset
