@@ -1019,6 +1019,10 @@ def compare_main(argv: list[str]) -> int:
     if len(runs) > 1:
         from validate.compare_sweep import compare_sweep
 
+        if args.server_log is not None or args.series_offset is not None:
+            raise UserError(f"--server-log compares one run's time series; {args.vllm_result} holds {len(runs)} "
+                            f"runs: cut the file to the run the log covers")
+
         return compare_sweep(scenario, runs, out, args.use_file_workload, args.allow_mismatch)
     notes: list[str] = []
     if args.use_file_workload:
