@@ -144,10 +144,13 @@ def test_compare_with_a_server_log_writes_the_series_figure_and_table(tmp_path, 
 
 
 def test_request_lines_give_the_offset(tmp_path):
-    log = ("INFO 07-24 14:10:05 [logger.py:41] Received request cmpl-1: prompt: 'hi'\n" + V1_LOG)
+    """The client's test prompt logs a request line first; the run's own lines are the last N."""
+    lines = ["INFO 07-24 14:10:01 [logger.py:41] Received request cmpl-test: prompt: 'test'"]
+    lines += [f"INFO 07-24 14:10:{5 + i:02d} [logger.py:41] Received request cmpl-{i}: prompt: 'hi'" for i in range(3)]
     path = tmp_path / "server.log"
-    path.write_text(log)
+    path.write_text("\n".join(lines) + "\n" + V1_LOG)
     s = load_series(path, year=2025)
-    assert s.attrs["first_request_wall"] == s.attrs["t0_wall"] - 3          # 14:10:05 vs 14:10:08
-    offset, how = align_offset(s, _steps(), 100, run_t0_wall=0.0, first_arrival_s=0.25)
-    assert offset == pytest.approx(3.25) and how.startswith("request time stamps")
+    assert len(s.attrs["request_walls"]) == 4
+    # arrivals at 0.25, 1.25, 2.25 s: the run began at 14:10:04.75, 3.25 s before the first stats line
+    offset, how = align_offset(s, _steps(), 100, run_t0_wall=0.0, arrivals_s=np.array([0.25, 1.25, 2.25]))
+    assert offset == pytest.approx(3.25) and how.startswith("request time stamps (the last 3 of the log's 4")

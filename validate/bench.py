@@ -822,9 +822,8 @@ def series_comparison(predicted, measured: Measured) -> tuple[pd.DataFrame, pd.D
     elif series.attrs.get("on_run_clock"):
         offset, how = 0.0, "none needed (scraped by this run's client)"
     else:
-        arrivals = predicted.requests["arrival_s"].dropna()
         offset, how = align_offset(series, steps, predicted.kv_blocks_total, measured.run_t0_wall,
-                                   float(arrivals.min()) if len(arrivals) else None)
+                                   predicted.requests["arrival_s"].dropna().to_numpy())
     aligned, table = compare_series(series, steps, predicted.kv_blocks_total, offset)
     measured.manifest["series"] = {"source": series.attrs.get("source", "/metrics scrapes"),
                                    "kind": series.attrs.get("kind"), "samples": len(series),

@@ -176,16 +176,19 @@ _ENGINE = re.compile(r"Engine (\d+):")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-_REQUEST_LINE = re.compile(r"\b(?:Received request|Added request)\b")
+_REQUEST_LINE = re.compile(r"\b(Received request|Added request)\b")
 
 
 def _log(path: Path, text: str, year: Optional[int]) -> pd.DataFrame:
     rows = []
-    first_request = None
+    requests: dict[str, list[float]] = {}          # per kind of request line, its times
     year = year or dt.datetime.now(dt.timezone.utc).year
     for line_no, line in enumerate(text.splitlines(), start=1):
-        if first_request is None and _REQUEST_LINE.search(line):     # --enable-log-requests
-            first_request = _line_time(_ANSI.sub("", line), year)
+        kind = _REQUEST_LINE.search(line)          # with vLLM's --enable-log-requests
+        if kind:
+            stamp = _line_time(_ANSI.sub("", line), year)
+            if stamp is not None:
+                requests.setdefault(kind.group(1), []).append(stamp)
         if "Running:" not in line or "reqs" not in line:
             continue
         line = _ANSI.sub("", line)
@@ -209,7 +212,8 @@ def _log(path: Path, text: str, year: Optional[int]) -> pd.DataFrame:
     t0 = float(per_time["wall"].iloc[0])
     per_time["t_s"] = per_time["wall"] - t0
     frame = _finish(per_time.drop(columns="wall"), t0, "log")
-    frame.attrs["first_request_wall"] = first_request
+    # one line per request: "Added request" (the engine's) when the log has it, else "Received request"
+    frame.attrs["request_walls"] = sorted(requests.get("Added request") or requests.get("Received request") or [])
     return frame
 
 
@@ -346,19 +350,23 @@ class _StepStates:
 
 
 def align_offset(measured: pd.DataFrame, steps: pd.DataFrame, kv_blocks_total: int,
-                 run_t0_wall: Optional[float] = None, first_arrival_s: Optional[float] = None) -> tuple[float, str]:
-    """(offset, how): run time = measured t_s + offset. In order of preference: the log's first
-    request line (vLLM's --enable-log-requests) is the run's first arrival (`first_arrival_s`);
-    the wall clocks of the series and of the run's start, when both are known and the run then
-    overlaps the series; else the offset whose predicted curves differ least from the measured
-    ones (running + waiting and KV %, each scaled by its measured peak; of equally good offsets,
-    the middle one)."""
+                 run_t0_wall: Optional[float] = None, arrivals_s: Optional[np.ndarray] = None) -> tuple[float, str]:
+    """(offset, how): run time = measured t_s + offset. In order of preference:
+    - request time stamps: the log's request lines (vLLM's --enable-log-requests), the last N of
+      them matched with the run's N arrivals (earlier lines are the benchmark client's test
+      prompt and warm-ups); the run's start is the median of (line time - arrival);
+    - the wall clocks of the series and of the run's start, when both are known and the run then
+      overlaps the series;
+    - else the offset whose predicted curves differ least from the measured ones (running +
+      waiting and KV %, each scaled by its measured peak; of equally good offsets, the middle one)."""
     t0_wall = measured.attrs.get("t0_wall")
     span = float(steps["end_s"].max()) if not steps.empty else 0.0
-    first_request = measured.attrs.get("first_request_wall")
-    if t0_wall is not None and first_request is not None and first_arrival_s is not None:
-        return (float(t0_wall - first_request + first_arrival_s),
-                "request time stamps (the log's first request line is the first arrival)")
+    lines = np.asarray(measured.attrs.get("request_walls") or [], dtype=float)
+    arrivals = np.sort(np.asarray(arrivals_s if arrivals_s is not None else [], dtype=float))
+    if t0_wall is not None and len(arrivals) and len(lines) >= len(arrivals):
+        start = float(np.median(lines[-len(arrivals):] - arrivals))
+        return float(t0_wall - start), (f"request time stamps (the last {len(arrivals)} of the log's "
+                                        f"{len(lines)} request lines matched with the arrivals)")
     if t0_wall is not None and run_t0_wall is not None:
         offset = float(t0_wall - run_t0_wall)
         t = measured["t_s"].to_numpy() + offset
