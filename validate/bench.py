@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import math
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
