@@ -112,7 +112,7 @@ def main() -> None:
         leap = v["leap"]
         print(f"vidur {args.vidur}: leap {leap['simulate_cpu_s']} s CPU, one-by-one "
               f"{v['one_by_one']['simulate_cpu_s']} s ({v['speedup']}x), identical: {v['identical_predictions']}; "
-              f"Vidur {VIDUR_REFERENCE['simulate_cpu_s_100k']} s per 100k")
+              f"Vidur {VIDUR_REFERENCE['simulate_cpu_s_100k']} s per 100k", flush=True)
         for key in ("ttft_p50_s", "tpot_p50_s", "e2e_p50_s", "kv_blocks"):
             print(f"  {key:12} kvtwin {leap[key]:>10.4g}   Vidur {VIDUR_REFERENCE[key]:>8}")
     rows = []
@@ -121,13 +121,13 @@ def main() -> None:
         if size <= args.pair_up_to:
             row.update(pair("quickstart", size, quick))
         rows.append(row)
-        fresh = row["fresh_process"]
-        line = (f"quickstart {size:>8}: leap {fresh['simulate_cpu_s']:7.2f} s CPU "
-                f"({fresh['us_per_request']} us/request, {fresh['steps']} steps, batch {fresh['mean_batch_seqs']}), "
-                f"peak RSS {fresh['peak_rss_mb']} MB")
+        own = row["fresh_process"]
+        line = (f"quickstart {size:>8}: leap {own['simulate_cpu_s']:7.2f} s CPU "
+                f"({own['us_per_request']} us/request, {own['steps']} steps, batch {own['mean_batch_seqs']}), "
+                f"peak RSS {own['peak_rss_mb']} MB")
         if "speedup" in row:
             line += f"; one-by-one {row['one_by_one']['simulate_cpu_s']} s in the same process ({row['speedup']}x)"
-        print(line)
+        print(line, flush=True)
     result["quickstart"] = rows
     if args.sweep:
         t0 = time.process_time()

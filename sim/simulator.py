@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -23,7 +24,7 @@ from sim.core.kvcache import KVCacheManager
 from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RunRecords, StepRecorder
-from sim.core.request import Request
+from sim.core.request import Request, Status
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.workload import build_requests, gc_paused
@@ -63,6 +64,45 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
 LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
+class Client:
+    """The load generator's side: open loop (every request sent when due), or closed loop with
+    at most `max_concurrency` in flight, as vLLM bench's semaphore: a request due while the
+    client is full waits for a finish (or a rejection), and its arrival is when it is sent.
+    While requests wait here, any replica's finish routes one: `pending` says so, for anything
+    that plans ahead to the next routing."""
+
+    def __init__(self, env: simpy.Environment, router, max_concurrency: Optional[int]):
+        self.env, self.router, self.limit = env, router, max_concurrency
+        self.in_flight = 0
+        self.queue: deque[Request] = deque()
+
+    def send(self, req: Request) -> None:
+        if self.limit is None:
+            self.router.route(req)
+        elif self.in_flight < self.limit:
+            self._go(req)
+        else:
+            self.queue.append(req)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def done(self) -> None:
+        if self.limit is None:
+            return
+        self.in_flight -= 1
+        while self.queue and self.in_flight < self.limit:
+            self._go(self.queue.popleft())
+
+    def _go(self, req: Request) -> None:
+        self.in_flight += 1
+        req.arrival = self.env.now
+        self.router.route(req)
+        if req.status is Status.REJECTED:           # answered at once: the slot frees
+            self.in_flight -= 1
+
+
 @dataclass
 class Simulation:
     scenario: object
@@ -92,6 +132,7 @@ class Simulation:
         for replica in self.replicas:
             env.process(self._engine_loop(env, replica))
         first_turns = [r for r in self.requests if r.arrival is not None]
+        self._client = Client(env, router, self.scenario.workload.max_concurrency)
         env.process(self._arrivals(env, first_turns, router))
         self._router = router
         env.run()
@@ -108,14 +149,14 @@ class Simulation:
             if req.arrival > env.now:
                 self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
                 yield env.timeout(req.arrival - env.now)
-            router.route(req)
+            self._client.send(req)
         self._next_arrival = math.inf
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
         yield env.timeout(delay)
         heapq.heappop(self._follow_up_times)
         req.arrival = env.now
-        self._router.route(req)
+        self._client.send(req)
 
     def _next_route_time(self, replica: Replica) -> float:
         """The earliest moment a request may reach the router (a leap must end before it):
@@ -123,10 +164,12 @@ class Simulation:
         could release (no earlier than the end of its step in flight plus the shortest think time)."""
         follow = self._follow_up_times[0] if self._follow_up_times else math.inf
         horizon = min(self._next_arrival, follow)
-        if self._min_think < math.inf:
+        # A closed-loop client holding requests sends one at any replica's finish.
+        think = 0.0 if self._client.pending else self._min_think
+        if think < math.inf:
             for other in self.replicas:
                 if other is not replica:
-                    horizon = min(horizon, other.busy_until + self._min_think)
+                    horizon = min(horizon, other.busy_until + think)
         return horizon
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
@@ -165,6 +208,7 @@ class Simulation:
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
+            self._client.done()
             replica.outstanding_tokens -= req.max_len
             if req.next_turn is not None:
                 # known now, though the process starts later: a leap planned meanwhile must see it

@@ -121,6 +121,8 @@ def random_scenario(seed):
         workload["tenants"] = [{"name": "a", "share": 1.0, "salt": True}, {"name": "b", "share": 1.0, "salt": False}]
     if rnd.random() < 0.3:
         workload["priorities"] = {"values": [0, 1, 2]}
+    if rnd.random() < 0.25:
+        workload["max_concurrency"] = rnd.choice([3, 8])        # a closed-loop client
     block_size = rnd.choice([4, 16])
     raw = {
         "name": f"fuzz{seed}", "seed": seed, "model": "tiny", "device": "cpu",
