@@ -51,6 +51,9 @@ class Replica:
             self.outstanding_tokens += req.max_len
         if self.wakeup is not None and not self.wakeup.triggered:
             self.wakeup.succeed()
+            # It starts a step later at this same instant; until it does, another replica
+            # planning a leap must not count on it staying idle.
+            self.busy_until = -math.inf
 
 
 def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True) -> Replica:
