@@ -172,6 +172,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= Status.FINISHED
 
+    def drop_block_hashes(self) -> None:
+        """Forget the block hashes of a request that ended (they are recomputed if ever needed)."""
+        self.block_hashes = []
+        self._hash_cursor = (0, 0)
+
     # -- content -----------------------------------------------------------------------
     def extend_block_hashes(self, num_blocks: int, block_size: int) -> None:
         """Hash full blocks up to `num_blocks`, each chained to its parent's hash.

@@ -566,6 +566,7 @@ class Scheduler:
             self.tokens_held -= req.num_computed
             self.kv.free(req)
             _close_emit_run(req)
+            req.drop_block_hashes()        # never looked up again: 40 B a block, most of a finished request
         for req in finished:
             self.running.remove(req)
             self.active.pop(req, None)
