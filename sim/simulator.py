@@ -64,6 +64,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
 
+MIN_LEAP_STEPS = 4         # shorter stretches go step by step (cheaper than planning a leap)
 LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
@@ -179,9 +180,13 @@ class Simulation:
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
         step_time = self.cost_model.step_time
         last_end = float("-inf")
+        last_step = 0.0
         while True:
-            if self.fast and env.now == last_end:
-                leap = self._plan_leap(sched, env.now, self._next_route_time(replica))
+            # Leap only where one can pay for its planning: several steps before the next event
+            # (judged by the last step's length; the leap itself is cut exactly either way).
+            if (self.fast and env.now == last_end
+                    and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
+                leap = self._plan_leap(sched, env.now, horizon)
                 if leap is not None:
                     plan, ends, host, device, ctx, blocks = leap
                     running, waiting = len(sched.running), sched.num_waiting
@@ -190,6 +195,7 @@ class Simulation:
                     yield _At(env, float(ends[-1]))
                     recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
                                          waiting, used, cached, slack, host, device)
+                    last_step = (env.now - last_end) / len(ends)
                     last_end = env.now
                     self._retire(env, replica, finish_leap(sched))
                     continue
@@ -206,6 +212,7 @@ class Simulation:
             replica.busy_until = start + (host + device)
             yield env.timeout(host + device)
             recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
+            last_step = env.now - start
             last_end = env.now
             self._retire(env, replica, sched.finish_step(batch))
 
@@ -224,7 +231,7 @@ class Simulation:
     def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
         """A leap from `now`: (plan, end times, host s, device s, decode ctx, blocks read) of its
         steps, all ending before `horizon` (the next routing); None when not one step qualifies."""
-        plan = plan_leap(sched, max_steps=1 << 30)
+        plan = plan_leap(sched, max_steps=1 << 30, min_steps=MIN_LEAP_STEPS)
         if plan is None:
             return None
         first = min(plan.max_steps, LEAP_SCALAR_STEPS)

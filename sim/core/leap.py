@@ -84,8 +84,9 @@ class StepShape:
         self.num_decode, self.decode_ctx, self.blocks_read = rows, decode_ctx, blocks_read
 
 
-def plan_leap(sched: Scheduler, max_steps: int) -> Optional[LeapPlan]:
-    """The pure-decode stretch starting at the scheduler's next step, or None if there is none."""
+def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[LeapPlan]:
+    """The pure-decode stretch starting at the scheduler's next step, or None if there is none
+    (or if a member finishes within fewer than `min_steps`: a short leap does not pay)."""
     cohort, kv, cfg = sched.cohort, sched.kv, sched.config
     members = len(cohort)
     t = sched.step
@@ -93,7 +94,7 @@ def plan_leap(sched: Scheduler, max_steps: int) -> Optional[LeapPlan]:
             or cohort.finished_step != t - 1 or members > cfg.max_num_batched_tokens):
         return None
     max_steps = int(min(max_steps, cohort.next_finish() - t + 1))
-    if max_steps < 1:
+    if max_steps < max(1, min_steps):
         return None
     bs = kv.block_size
     sizes = cohort.phase_sizes()
