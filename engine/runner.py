@@ -68,6 +68,35 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
+def check_batch(batch: Batch, block_size: int, max_model_len: int, num_blocks: int) -> None:
+    """Refuse, loudly, a batch the scheduler should never have produced (an engine with these
+    limits could not execute it)."""
+    if not batch.reqs:
+        raise InconsistentBatchError(f"step {batch.step}: empty batch")
+    if len({r.id for r in batch.reqs}) != len(batch.reqs):
+        raise InconsistentBatchError(f"step {batch.step}: a request appears twice")
+    for req, n in zip(batch.reqs, batch.num_new):
+        problem = _sequence_problem(req, n, block_size, max_model_len, num_blocks)
+        if problem:
+            raise InconsistentBatchError(f"step {batch.step}, request {req.id}: {problem}")
+
+
+def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_blocks: int) -> Optional[str]:
+    seq_len = req.num_computed
+    if n < 1 or seq_len - n < 0:
+        return f"{n} new tokens with {seq_len} computed"
+    if seq_len > req.num_tokens:
+        return f"{seq_len} tokens computed but only {req.num_tokens} are known"
+    if seq_len > max_model_len:
+        return f"context {seq_len} exceeds max_model_len {max_model_len}"
+    if len(req.blocks) < cdiv(seq_len, block_size):
+        return f"{len(req.blocks)} blocks cannot hold {seq_len} tokens of block size {block_size}"
+    used = req.blocks[:cdiv(seq_len, block_size)]
+    if min(used) < 1 or max(used) >= num_blocks:
+        return f"block ids {used} outside 1..{num_blocks - 1}"
+    return None
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  max_model_len: Optional[int] = None, temperature: float = 0.0, seed: int = 0):
@@ -132,29 +161,7 @@ class ModelRunner:
         return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, timer.seconds)
 
     def check_batch(self, batch: Batch) -> None:
-        """Refuse, loudly, a batch the scheduler should never have produced."""
-        if not batch.reqs:
-            raise InconsistentBatchError(f"step {batch.step}: empty batch")
-        if len({r.id for r in batch.reqs}) != len(batch.reqs):
-            raise InconsistentBatchError(f"step {batch.step}: a request appears twice")
-        bs = self.block_size
-        for req, n in zip(batch.reqs, batch.num_new):
-            seq_len = req.num_computed
-            problem = None
-            if n < 1 or seq_len - n < 0:
-                problem = f"{n} new tokens with {seq_len} computed"
-            elif seq_len > req.num_tokens:
-                problem = f"{seq_len} tokens computed but only {req.num_tokens} are known"
-            elif seq_len > self.max_model_len:
-                problem = f"context {seq_len} exceeds max_model_len {self.max_model_len}"
-            elif len(req.blocks) < cdiv(seq_len, bs):
-                problem = f"{len(req.blocks)} blocks cannot hold {seq_len} tokens of block size {bs}"
-            else:
-                used = req.blocks[:cdiv(seq_len, bs)]
-                if min(used) < 1 or max(used) >= self.num_blocks:
-                    problem = f"block ids {used} outside 1..{self.num_blocks - 1}"
-            if problem:
-                raise InconsistentBatchError(f"step {batch.step}, request {req.id}: {problem}")
+        check_batch(batch, self.block_size, self.max_model_len, self.num_blocks)
 
     # -- memory --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

@@ -96,8 +96,9 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
-# num_seqs changes every step: specialising on it (== 1, % 16 == 0) would mean mid-run recompiles.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and stride_bt (the block-table width) change every step: specialising on them
+# (== 1, % 16 == 0) would mean recompiles inside timed runs.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
