@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -35,11 +36,14 @@ class StepResult:
 
 
 def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
-                        block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+                        block_size: int, device: torch.device,
+                        table: Optional["BlockTable"] = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions and paged-attention metadata for sequences packed back to back.
 
     Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and reads its KV
-    through block_lists[s] (only the blocks its context covers go into the table).
+    through block_lists[s] (only the blocks its context covers go into the table). Built with
+    array operations, no per-sequence loop but the one that flattens the block lists. With a
+    `table`, the block table lands in its persistent device buffer (fixed row stride).
     """
     starts_np, q_lens = np.asarray(starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
     seq_lens = starts_np + q_lens
@@ -47,18 +51,56 @@ def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_l
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token] + starts_np[seq_of_token]
     num_blocks = -(-seq_lens // block_size)
-    block_tables = np.zeros((len(q_lens), int(num_blocks.max())), dtype=np.int32)
-    for s, blocks in enumerate(block_lists):
-        block_tables[s, :num_blocks[s]] = blocks[:num_blocks[s]]
+    block_tables = pack_block_tables(block_lists, num_blocks)
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    device_tables = table.update(block_tables) if table is not None else _to(block_tables, device)
     meta = AttentionMetadata(
-        slot_mapping=_to(slot_mapping, device), block_tables=_to(block_tables, device),
+        slot_mapping=_to(slot_mapping, device), block_tables=device_tables,
         seq_lens=_to(seq_lens.astype(np.int32), device),
         query_start_loc=_to(query_start_loc.astype(np.int32), device),
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
         host_query_start_loc=query_start_loc.tolist(), host_seq_lens=seq_lens.tolist())
     return _to(positions, device), meta
+
+
+def pack_block_tables(block_lists: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
+    """[seqs, max(num_blocks)] int32: row s holds block_lists[s][:num_blocks[s]], 0-padded."""
+    counts = num_blocks.tolist()
+    total = int(num_blocks.sum())
+    flat = np.fromiter(chain.from_iterable(b[:n] for b, n in zip(block_lists, counts)), np.int32, total)
+    rows = np.repeat(np.arange(len(counts)), num_blocks)
+    cols = np.arange(total) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
+    tables = np.zeros((len(counts), int(num_blocks.max(initial=0))), dtype=np.int32)
+    tables[rows, cols] = flat
+    return tables
+
+
+class BlockTable:
+    """The device block table, allocated once: [rows, max_model_len / block_size] int32.
+    Each step copies its rows in (one host-to-device copy) and the kernels get a view of the
+    first rows at full width, so the row stride never changes (no recompiles, graph-safe)."""
+
+    def __init__(self, max_blocks_per_seq: int, device: torch.device, rows: int = 256):
+        self.width, self.device = max_blocks_per_seq, device
+        self._alloc(rows)
+
+    def _alloc(self, rows: int) -> None:
+        self.device_table = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
+        pin = self.device.type == "cuda"
+        self.staging = torch.zeros(rows, self.width, dtype=torch.int32, pin_memory=pin)
+
+    def update(self, tables: np.ndarray) -> torch.Tensor:
+        seqs, width = tables.shape
+        if width > self.width:
+            raise InconsistentBatchError(f"a block table of {width} blocks exceeds max_model_len's {self.width}")
+        if seqs > self.device_table.shape[0]:
+            self._alloc(max(seqs, 2 * self.device_table.shape[0]))
+        staged = self.staging[:seqs]
+        # Safe to overwrite: the previous step's copy finished when that step was synchronised.
+        staged.numpy()[:, :width] = tables
+        self.device_table[:seqs].copy_(staged, non_blocking=True)
+        return self.device_table[:seqs]
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -70,15 +112,26 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def check_batch(batch: Batch, block_size: int, max_model_len: int, num_blocks: int) -> None:
     """Refuse, loudly, a batch the scheduler should never have produced (an engine with these
-    limits could not execute it)."""
-    if not batch.reqs:
+    limits could not execute it). Array checks over the whole step; the per-sequence message
+    is only worked out when one fails."""
+    reqs = batch.reqs
+    if not reqs:
         raise InconsistentBatchError(f"step {batch.step}: empty batch")
-    if len({r.id for r in batch.reqs}) != len(batch.reqs):
+    if len({r.id for r in reqs}) != len(reqs):
         raise InconsistentBatchError(f"step {batch.step}: a request appears twice")
-    for req, n in zip(batch.reqs, batch.num_new):
-        problem = _sequence_problem(req, n, block_size, max_model_len, num_blocks)
-        if problem:
-            raise InconsistentBatchError(f"step {batch.step}, request {req.id}: {problem}")
+    state = np.array([(r.num_computed, r.num_tokens, len(r.blocks)) for r in reqs], dtype=np.int64)
+    computed, known, held = state.T
+    new = np.asarray(batch.num_new, dtype=np.int64)
+    needed = -(-computed // block_size)
+    bad = (new < 1) | (computed < new) | (computed > known) | (computed > max_model_len) | (held < needed)
+    if not bad.any():
+        used = pack_block_tables([r.blocks for r in reqs], needed)
+        in_use = np.arange(used.shape[1])[None, :] < needed[:, None]
+        bad = ((used < 1) | (used >= num_blocks)).any(axis=1, where=in_use)
+    if bad.any():
+        s = int(np.flatnonzero(bad)[0])
+        problem = _sequence_problem(reqs[s], batch.num_new[s], block_size, max_model_len, num_blocks)
+        raise InconsistentBatchError(f"step {batch.step}, request {reqs[s].id}: {problem}")
 
 
 def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_blocks: int) -> Optional[str]:
@@ -110,6 +163,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
                                     spec.head_dim, dtype=model.dtype, device=self.device)
         model.bind_kv_cache(self.kv_cache)
+        self.block_table = BlockTable(cdiv(self.max_model_len, block_size), self.device)
         self.sampler = Sampler(temperature, seed, self.device)
         self.plan: Optional[MemoryPlan] = None
 
@@ -137,13 +191,12 @@ class ModelRunner:
         input_ids = np.concatenate([r.token_ids(s, s + n, self.vocab_size)
                                     for r, s, n in zip(reqs, starts, num_new)])
         positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
-                                              self.block_size, self.device)
+                                              self.block_size, self.device, self.block_table)
         input_ids = _to(input_ids, self.device)
         # A sequence emits iff its chunk reaches the end of its known tokens (a decode, or a
         # prompt's last chunk): the row of its last new token predicts the next one.
         emit = [s for s, r in enumerate(reqs) if r.num_computed >= r.num_tokens]
-        rows = _to(np.array([meta.host_query_start_loc[s + 1] - 1 for s in emit], dtype=np.int64),
-                   self.device)
+        rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][emit] - 1, self.device)
         with _DeviceTimer(self.device) as timer:
             hidden = self.model(input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[rows])

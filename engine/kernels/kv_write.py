@@ -38,9 +38,10 @@ def _write_kv_kernel(
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, check: bool = True) -> None:
     """Write key/value ([num_tokens, num_kv_heads, head_dim]) into cache slots; slot -1 = skip."""
-    _check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    if check:
+        _check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -204,14 +204,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None, *,
                     force_split: bool | None = None,
-                    config: AttentionConfig | None = None) -> torch.Tensor:
+                    config: AttentionConfig | None = None, check: bool = True) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
 
     max_query_len / max_seq_len only steer the launch configuration (no device sync);
     results do not depend on them. force_split: None = heuristic, True/False = force the
     split-KV path on/off. Rows of `out` past query_start_loc[-1] are left unspecified.
+    check=False skips the argument checks (a caller that checked the same shapes already).
     """
-    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if check:
+        _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
