@@ -100,4 +100,4 @@ def test_the_torch_path_launches_many_more(counter):
     """The reference path, for scale: what fusing saves."""
     counts = decode_step_counts(counter, "torch")
     per_layer = sum(counts["layer0"].values())
-    assert per_layer > 2 * MAX_PER_LAYER, counts["layer0"]
+    assert per_layer > 2 * MAX_PER_LAYER, counts["layer0"]     # 48 on the tiny model (torch attention)
