@@ -131,6 +131,7 @@ def host_step(model, block_size: int, batch_size: int = 256, context: int = 128,
 
     bs = block_size
     runner = ModelRunner(model, batch_size * -(-(context + 1) // bs) + 1, bs)
+    graphs = runner.capture_graphs(batch_size)
     kv = KVCacheManager(runner.num_blocks, bs, enable_caching=False)
     batch = probe_batch(kv, [(context, 1, True)] * batch_size, tag=0)
     samples = []
@@ -139,9 +140,11 @@ def host_step(model, block_size: int, batch_size: int = 256, context: int = 128,
             req.num_computed = context + 1
         result = runner.execute(batch)
         if i >= 2:
-            samples.append(result.host_s)
+            samples.append((result.host_s, result.device_s))
     release(kv, batch)
-    return {"batch": batch_size, "context": context, "host_ms_per_step": 1e3 * median(samples)}
+    return {"batch": batch_size, "context": context, "cuda_graphs": graphs > 0,
+            "host_ms_per_step": 1e3 * median(h for h, _ in samples),
+            "device_ms_per_step": 1e3 * median(d for _, d in samples)}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -159,11 +162,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = make_runner(args)
     run(runner, args, "continuous", "paged", make_requests(args, 4, "warmup"))   # JIT, allocator
+    graphs = runner.capture_graphs(args.max_num_seqs)                         # CUDA: decode graphs
     requests = make_requests(args, args.num_requests, "bench")
     rows = [run(runner, args, batching, allocation, requests) for batching, allocation in MODES]
     per_request = -(-args.max_model_len // args.block_size)
     plan = runner.plan.to_dict() if runner.plan else None
-    print(f"{args.model} ({runner.model.spec.dtype}, {args.backend}) on "
+    print(f"{args.model} ({runner.model.spec.dtype}, {args.backend}, {graphs} decode CUDA graphs) on "
           f"{torch.cuda.get_device_name() if CUDA else platform.processor() or 'cpu'}: "
           f"{args.num_requests} requests, pool {runner.num_blocks} blocks of {args.block_size} "
           f"(contiguous fits {(runner.num_blocks - 1) // per_request} max_model_len requests at once)")
@@ -178,8 +182,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         host = host_step(model, args.block_size, args.host_batch)
     if host:
-        print(f"host time per decode step at batch {host['batch']} (context {host['context']}): "
-              f"{host['host_ms_per_step']:.2f} ms")
+        print(f"decode step at batch {host['batch']} (context {host['context']}, CUDA graphs "
+              f"{'on' if host['cuda_graphs'] else 'off'}): host {host['host_ms_per_step']:.2f} ms, "
+              f"device {host['device_ms_per_step']:.2f} ms")
     write_json(args.out, {
         "bench": "engine_throughput", "machine": machine(), "args": vars(args),
         "device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__,

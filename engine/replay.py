@@ -193,6 +193,7 @@ def warm_up(scenario, runner: ModelRunner) -> float:
                 break
             runner.execute(batch)
             scheduler.finish_step(batch)
+    runner.capture_graphs(scenario.max_num_seqs)     # CUDA only: decode graphs, after compiling
     return time.perf_counter() - t0
 
 

@@ -8,6 +8,7 @@ the block tables.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from itertools import chain
 from typing import Optional
@@ -37,31 +38,40 @@ class StepResult:
 
 def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
                         block_size: int, device: torch.device,
-                        table: Optional["BlockTable"] = None) -> tuple[torch.Tensor, AttentionMetadata]:
+                        table_buffer: Optional["BlockTable"] = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions and paged-attention metadata for sequences packed back to back.
 
     Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and reads its KV
     through block_lists[s] (only the blocks its context covers go into the table). Built with
     array operations, no per-sequence loop but the one that flattens the block lists. With a
-    `table`, the block table lands in its persistent device buffer (fixed row stride).
+    `table_buffer`, the block table lands in its persistent device buffer (fixed row stride).
     """
+    host = host_step_arrays(block_lists, starts, query_lens, block_size)
+    table = host.pop("block_tables")
+    device_tables = table_buffer.update(table) if table_buffer is not None else _to(table, device)
+    meta = AttentionMetadata(
+        slot_mapping=_to(host["slot_mapping"], device), block_tables=device_tables,
+        seq_lens=_to(host["seq_lens"], device), query_start_loc=_to(host["query_start_loc"], device),
+        max_query_len=int(host["query_lens"].max()), max_seq_len=int(host["seq_lens"].max()),
+        block_size=block_size, host_query_start_loc=host["query_start_loc"].tolist(),
+        host_seq_lens=host["seq_lens"].tolist())
+    return _to(host["positions"], device), meta
+
+
+def host_step_arrays(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
+                     block_size: int) -> dict[str, np.ndarray]:
+    """The step's metadata as host arrays (what build_attn_metadata and the graphs copy in)."""
     starts_np, q_lens = np.asarray(starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
     seq_lens = starts_np + q_lens
     query_start_loc = np.concatenate([[0], np.cumsum(q_lens)])
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token] + starts_np[seq_of_token]
-    num_blocks = -(-seq_lens // block_size)
-    block_tables = pack_block_tables(block_lists, num_blocks)
+    block_tables = pack_block_tables(block_lists, -(-seq_lens // block_size))
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    device_tables = table.update(block_tables) if table is not None else _to(block_tables, device)
-    meta = AttentionMetadata(
-        slot_mapping=_to(slot_mapping, device), block_tables=device_tables,
-        seq_lens=_to(seq_lens.astype(np.int32), device),
-        query_start_loc=_to(query_start_loc.astype(np.int32), device),
-        max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
-        host_query_start_loc=query_start_loc.tolist(), host_seq_lens=seq_lens.tolist())
-    return _to(positions, device), meta
+    return {"positions": positions, "slot_mapping": slot_mapping, "seq_lens": seq_lens.astype(np.int32),
+            "query_start_loc": query_start_loc.astype(np.int32), "query_lens": q_lens,
+            "block_tables": block_tables}
 
 
 def pack_block_tables(block_lists: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
@@ -90,12 +100,16 @@ class BlockTable:
         pin = self.device.type == "cuda"
         self.staging = torch.zeros(rows, self.width, dtype=torch.int32, pin_memory=pin)
 
+    def reserve(self, rows: int) -> None:
+        """At least `rows` rows (a reallocation moves the table: captured graphs notice)."""
+        if rows > self.device_table.shape[0]:
+            self._alloc(max(rows, 2 * self.device_table.shape[0]))
+
     def update(self, tables: np.ndarray) -> torch.Tensor:
         seqs, width = tables.shape
         if width > self.width:
             raise InconsistentBatchError(f"a block table of {width} blocks exceeds max_model_len's {self.width}")
-        if seqs > self.device_table.shape[0]:
-            self._alloc(max(seqs, 2 * self.device_table.shape[0]))
+        self.reserve(seqs)
         staged = self.staging[:seqs]
         # Safe to overwrite: the previous step's copy finished when that step was synchronised.
         staged.numpy()[:, :width] = tables
@@ -164,6 +178,7 @@ class ModelRunner:
                                     spec.head_dim, dtype=model.dtype, device=self.device)
         model.bind_kv_cache(self.kv_cache)
         self.block_table = BlockTable(cdiv(self.max_model_len, block_size), self.device)
+        self.graphs = None                      # DecodeGraphs once capture_graphs ran (CUDA only)
         self.sampler = Sampler(temperature, seed, self.device)
         self.plan: Optional[MemoryPlan] = None
 
@@ -190,17 +205,24 @@ class ModelRunner:
         starts = batch.starts()
         input_ids = np.concatenate([r.token_ids(s, s + n, self.vocab_size)
                                     for r, s, n in zip(reqs, starts, num_new)])
-        positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
-                                              self.block_size, self.device, self.block_table)
-        input_ids = _to(input_ids, self.device)
         # A sequence emits iff its chunk reaches the end of its known tokens (a decode, or a
         # prompt's last chunk): the row of its last new token predicts the next one.
         emit = [s for s, r in enumerate(reqs) if r.num_computed >= r.num_tokens]
-        rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][emit] - 1, self.device)
-        with _DeviceTimer(self.device) as timer:
-            hidden = self.model(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self.sampler(logits) if emit else rows
+        graph = self._graph_for(batch, emit)
+        if graph is not None:
+            host = host_step_arrays([r.blocks for r in reqs], starts, num_new, self.block_size)
+            self.block_table.update(host["block_tables"])
+            with _DeviceTimer(self.device) as timer:
+                logits, sampled = self.graphs.run(graph, {**host, "input_ids": input_ids}, len(reqs))
+        else:
+            positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
+                                                  self.block_size, self.device, self.block_table)
+            input_ids = _to(input_ids, self.device)
+            rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][emit] - 1, self.device)
+            with _DeviceTimer(self.device) as timer:
+                hidden = self.model(input_ids, positions, meta)
+                logits = self.model.compute_logits(hidden[rows])
+                sampled = self.sampler(logits) if emit else rows
         t1 = time.perf_counter()
         tokens = sampled.tolist()
         emitted = [reqs[s] for s in emit]
@@ -215,6 +237,30 @@ class ModelRunner:
 
     def check_batch(self, batch: Batch) -> None:
         check_batch(batch, self.block_size, self.max_model_len, self.num_blocks)
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+    def capture_graphs(self, max_num_seqs: int) -> int:
+        """Capture the decode graphs (CUDA, Triton backend, greedy only); the number captured.
+        A capture that fails leaves the runner eager, loudly."""
+        from engine.cuda_graphs import DecodeGraphs, graphs_wanted
+
+        if not graphs_wanted(self.device, self.model.attention_backend, self.sampler.temperature):
+            return 0
+        try:
+            graphs = DecodeGraphs(self, max_num_seqs)
+            count = graphs.capture_all()
+        except RuntimeError as e:       # e.g. an op that cannot be captured: stay eager, say so
+            warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}")
+            self.graphs = None
+            return 0
+        self.graphs = graphs
+        return count
+
+    def _graph_for(self, batch: Batch, emit: list[int]):
+        """The graph key for a decode-only step whose every sequence emits, else None."""
+        if self.graphs is None or len(emit) != len(batch.reqs) or max(batch.num_new) != 1:
+            return None
+        return self.graphs.key(len(batch.reqs), max(r.num_computed for r in batch.reqs))
 
     # -- memory --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

@@ -39,6 +39,9 @@ def test_every_kernel_builds_a_cubin(compiled):
                 assert compiled[f"{path}/{dtype}/d{d}"]["cubin_bytes"] > 0
             assert compiled[f"split/{dtype}/d{d}/reduce"]["kernel"] == "_reduce_segments_kernel"
     assert compiled["decode/bfloat16/d64/group7"]["cubin_bytes"] > 0
+    for dtype in ("float16", "bfloat16", "float32"):
+        for kernel in ("_add_rms_norm", "_rotary", "_silu_mul"):
+            assert compiled[f"fused{kernel}/{dtype}"]["cubin_bytes"] > 0
     assert all(r["ptx_bytes"] > 0 for r in compiled.values())
 
 

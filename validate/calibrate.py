@@ -347,9 +347,12 @@ def calibrate(scenario, device: str = "cpu", grid: Optional[Grid] = None,
 def _measure_grid(scenario, base: ModelRunner, grid: Grid, progress) -> list[dict]:
     limits = ProbeLimits.of(scenario, base.num_blocks, base.block_size)
     pools = probe_pools(grid, limits, extra_pool_tokens(base))
+    # Decode probes run as the served steps will: through CUDA graphs where the engine uses them.
+    base.capture_graphs(scenario.max_num_seqs)
     rows = measure_points(base, pools[0].points, grid.repeats, progress)
     for pool in pools[1:]:
         runner = ModelRunner(base.model, pool.num_blocks, pool.block_size, scenario.max_model_len)
+        runner.capture_graphs(max(len(seqs) for _, seqs in pool.points))
         rows += measure_points(runner, pool.points, grid.repeats, progress)
         del runner
         if torch.cuda.is_available():

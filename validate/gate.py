@@ -52,4 +52,24 @@ def correctness_gate(scenario, device: str) -> dict:
     if not worst < MAX_ROW_REL_ERROR:
         raise AssertionError(f"Triton vs torch logits differ: worst row relative error {worst:.3g} "
                              f"> {MAX_ROW_REL_ERROR} ({result})")
+    result["cuda_graphs"] = graph_check(runner, pool, seqs)
     return result
+
+
+def graph_check(runner: ModelRunner, pool: torch.Tensor, seqs: list) -> dict | str:
+    """The decode sequences of the probe replayed through a CUDA graph against eager launches."""
+    from validate.calibrate import probe_batch
+
+    decodes = [s for s in seqs if s[2]]
+    if not runner.capture_graphs(len(decodes)):
+        return "not used on this device"
+    logits = {}
+    for mode, graphs in (("eager", None), ("graph", runner.graphs)):
+        runner.kv_cache.copy_(pool)
+        runner.graphs = graphs
+        kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_caching=False)
+        logits[mode] = runner.execute(probe_batch(kv, decodes, tag=0)).logits.float()
+    errors = ((logits["graph"] - logits["eager"]).norm(dim=-1) / logits["eager"].norm(dim=-1)).tolist()
+    if not max(errors) < 1e-3:
+        raise AssertionError(f"CUDA graph vs eager decode logits differ: row relative errors {errors}")
+    return {"row_rel_errors": [round(e, 6) for e in errors]}

@@ -91,6 +91,30 @@ def recorded_launches():
         with _recording(kv_write, "_write_kv_kernel") as rec:
             kv_write.write_kv(key, key, kv, kv.clone(), torch.tensor([0, -1, 5]))
         launches += [(f"write_kv/{str(dtype)[6:]}", rec.kernel, *call) for call in rec.calls]
+    launches += _fused_launches()
+    return launches
+
+
+def _fused_launches():
+    """The fused elementwise kernels at Qwen2.5-0.5B's shapes (hidden 896, 14/2 heads of 64,
+    intermediate 4864), each dtype; q and k as views of the qkv projection, as the model has them."""
+    import torch
+
+    fused = importlib.import_module(".fused", __package__)
+    launches = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        name = str(dtype)[6:]
+        x = torch.zeros(3, 896, dtype=dtype)
+        qkv = torch.zeros(3, (14 + 4) * 64, dtype=dtype)
+        q, k = qkv[:, :896].view(3, 14, 64), qkv[:, 896:1024].view(3, 2, 64)
+        table = torch.zeros(16, 32)
+        calls = {"_add_rms_norm_kernel": lambda: fused.add_rms_norm(x, x[0], 1e-6, x.clone()),
+                 "_rotary_kernel": lambda: fused.rotary(torch.zeros(3, dtype=torch.long), q, k, table, table),
+                 "_silu_mul_kernel": lambda: fused.silu_mul(torch.zeros(3, 2 * 4864, dtype=dtype))}
+        for attr, call in calls.items():
+            with _recording(fused, attr) as rec:
+                call()
+            launches += [(f"fused{attr[:-7]}/{name}", rec.kernel, *c) for c in rec.calls]
     return launches
 
 
