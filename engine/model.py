@@ -8,12 +8,14 @@ grad: weights.py fills them.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, make_attention
+from engine.moe import MoE, MoESpec
 from sim.core.catalog import ModelSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -124,12 +126,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, moe: Optional[MoESpec] = None):
+        """moe: the layer's feed-forward is a mixture of experts (engine/moe.py); by default
+        the model's own (MoESpec.from_model), a dense SwiGLU MLP for a dense model."""
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = Attention(spec, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = MLP(spec, dtype)
+        moe = moe or MoESpec.from_model(spec)
+        self.mlp = MoE(moe, dtype) if moe else MLP(spec, dtype)
 
     def forward(self, h, residual, positions, rotary, attention, ops):
         """(this layer's output, the residual stream before it): the next layer (or the final
