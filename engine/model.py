@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, make_attention
+from engine.attention import FULL, AttentionMetadata, LayerKV, make_attention
 from engine.moe import MoE, MoESpec
 from sim.core.catalog import ModelSpec
 
@@ -102,6 +102,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
         self.qk_norm = spec.qk_norm
         self.k_cache = self.v_cache = None      # views of the runner's pool, set by bind_kv_cache
+        self.kv = FULL                          # fp8 scales and sliding window, set by bind_kv_cache
 
     def forward(self, x, positions, rotary: RotaryEmbedding, attention, ops) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         if self.qk_norm:                        # Qwen3: per-head RMSNorm before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(positions, q, k, rotary)
-        o = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        o = attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.kv)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -154,6 +155,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
+def layer_window(spec: ModelSpec, layer: int) -> Optional[int]:
+    """The sliding window of a layer: every layer's when the model has one and no layer_types
+    (Mistral v0.1), the `sliding_attention` layers' otherwise (Gemma-2/3, gpt-oss)."""
+    window = getattr(spec, "sliding_window", None)
+    kinds = getattr(spec, "layer_types", None)
+    if window is None or (kinds is not None and kinds[layer] != "sliding_attention"):
+        return None
+    return window
+
+
 class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, attention_backend: str = "torch", max_positions: int | None = None):
         super().__init__()
@@ -169,10 +180,14 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.device
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Point each layer at its K and V slices of the pool [layers, 2, blocks, bs, kv_heads, d]."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
+        """Point each layer at its K and V slices of the pool [layers, 2, blocks, bs, kv_heads, d],
+        with its fp8 scales (kv_scales [layers, 2, kv_heads] fp32, fp8 pools only) and window."""
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            scales = (kv_scales[i, 0], kv_scales[i, 1]) if kv_scales is not None else (None, None)
+            attn.kv = LayerKV(*scales, window=layer_window(self.spec, i))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -166,7 +166,8 @@ def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_bloc
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 max_model_len: Optional[int] = None, temperature: float = 0.0, seed: int = 0):
+                 max_model_len: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):
         spec = model.spec
         self.model = model
         self.device = model.device
@@ -174,9 +175,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = min(max_model_len or model.max_positions, model.max_positions)
         self.vocab_size = spec.vocab_size
+        dtype = kv_pool_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
-                                    spec.head_dim, dtype=model.dtype, device=self.device)
-        model.bind_kv_cache(self.kv_cache)
+                                    spec.head_dim, dtype=dtype, device=self.device)
+        # fp8: per-layer, per-KV-head scales, 1.0 as vLLM uses when the checkpoint brings none
+        self.kv_scales = (torch.ones(spec.num_layers, 2, spec.num_kv_heads, device=self.device)
+                          if dtype != model.dtype else None)
+        self.bind()
         self.block_table = BlockTable(cdiv(self.max_model_len, block_size), self.device)
         self.graphs = None                      # DecodeGraphs once capture_graphs ran (CUDA only)
         self.sampler = Sampler(temperature, seed, self.device)
@@ -190,7 +195,7 @@ class ModelRunner:
                             max_positions=scenario.max_model_len)
         plan = profile_and_plan(scenario, model)
         runner = cls(model, plan.num_blocks, scenario.engine.block_size, scenario.max_model_len,
-                     temperature, scenario.seed)
+                     temperature, scenario.seed, getattr(scenario.engine, "kv_cache_dtype", "auto"))
         runner.plan = plan
         return runner
 
@@ -238,6 +243,10 @@ class ModelRunner:
     def check_batch(self, batch: Batch) -> None:
         check_batch(batch, self.block_size, self.max_model_len, self.num_blocks)
 
+    def bind(self) -> None:
+        """Point the model's layers at this runner's pool (runners sharing a model take turns)."""
+        self.model.bind_kv_cache(self.kv_cache, self.kv_scales)
+
     # -- CUDA graphs ---------------------------------------------------------------------
     def capture_graphs(self, max_num_seqs: int) -> int:
         """Capture the decode graphs (CUDA, Triton backend, greedy only); the number captured.
@@ -273,6 +282,18 @@ class ModelRunner:
             peak = weights + pool
         return {"weight_bytes": weights, "kv_pool_bytes": pool, "num_blocks": self.num_blocks,
                 "peak_bytes": peak}
+
+
+KV_POOL_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for a scenario's kv_cache_dtype (vLLM's names)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_POOL_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, {', '.join(KV_POOL_DTYPES)}")
+    return KV_POOL_DTYPES[kv_cache_dtype]
 
 
 class _DeviceTimer:

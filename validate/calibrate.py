@@ -357,7 +357,7 @@ def _measure_grid(scenario, base: ModelRunner, grid: Grid, progress) -> list[dic
         del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    base.model.bind_kv_cache(base.kv_cache)     # each ModelRunner binds the model to its own pool
+    base.bind()                                 # each ModelRunner binds the model to its own pool
     return rows
 
 
