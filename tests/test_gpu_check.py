@@ -168,9 +168,9 @@ def test_the_gate_fails_a_wrong_kernel(monkeypatch):
 
     original = attention.TritonPagedAttention.__call__
 
-    def short_context(self, q, k, v, k_cache, v_cache, scale):
+    def short_context(self, q, k, v, k_cache, v_cache, scale, layer=attention.FULL):
         self.meta.seq_lens = self.meta.seq_lens - 1
-        return original(self, q, k, v, k_cache, v_cache, scale)
+        return original(self, q, k, v, k_cache, v_cache, scale, layer)
 
     monkeypatch.setattr(attention.TritonPagedAttention, "__call__", short_context)
     with pytest.raises(AssertionError, match="Triton vs torch"):
