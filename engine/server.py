@@ -29,6 +29,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -323,6 +324,9 @@ class Stream:
             self.engine.abort(self.req_id)
 
 
+MAX_CONSECUTIVE_FAILURES = 3       # failing steps in a row that take the engine down
+
+
 class EngineLoop:
     """The scheduler and runner on one thread, fed by commands from the event loop."""
 
@@ -332,8 +336,10 @@ class EngineLoop:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[int, _Live] = {}
         self.ids = itertools.count()
-        self.counts = {"finished": 0, "aborted": 0, "rejected": 0}
-        self.error: Optional[BaseException] = None
+        self.counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0}
+        self.error: Optional[BaseException] = None     # set when the engine went down
+        self.failed_steps = self.consecutive_failures = 0
+        self._batch = None                              # the step being run, for its failure
         self.drain: Optional[dict] = None      # set when a signal asks to shut down
         self._outbox: list[tuple[asyncio.Queue, Event]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -379,17 +385,64 @@ class EngineLoop:
 
     # -- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        """Steps until stopped. A failing step fails its own requests (their blocks freed) and
+        the loop goes on; MAX_CONSECUTIVE_FAILURES failing steps in a row, or an error outside a
+        step, take the engine down: every request in flight fails, and every later one is
+        answered at once with an error (HTTP 503), as /health is. No request waits forever."""
         try:
             idle = True
             while self._take_commands(wait=idle):
-                idle = not self._step()
+                idle = not self._guarded_step()
                 self._flush()
         except Exception as e:              # noqa: BLE001 - report it to every client, then /health
-            self.error = e
-            for live in list(self.live.values()):
-                self._end(live, Event("error", message=f"engine error: {e!r}"), count=None)
-            self._flush()
-            raise
+            traceback.print_exc()
+            print("kvtwin serve: the engine is down; every request is now answered with 503",
+                  file=sys.stderr, flush=True)
+            self._go_down(e)
+            self._serve_down()
+
+    def _guarded_step(self) -> bool:
+        try:
+            ran = self._step()
+        except Exception as e:              # noqa: BLE001 - the step's requests fail, the engine goes on
+            self.failed_steps += 1
+            self.consecutive_failures += 1
+            print(f"kvtwin serve: a step failed ({e!r}); its requests fail, the engine goes on",
+                  file=sys.stderr, flush=True)
+            self._fail(list(self._batch.reqs) if self._batch is not None else [], e)
+            if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                raise
+            return True
+        if ran:                         # an idle turn proves nothing: only a step that ran resets
+            self.consecutive_failures = 0
+        return ran
+
+    def _fail(self, reqs: list[Request], error: BaseException) -> None:
+        """End these requests with an error event and free their blocks."""
+        for req in reqs:
+            live = self.live.get(req.id)
+            if live is None:
+                continue
+            with contextlib.suppress(Exception):    # a scheduler left half-updated must not stop the rest
+                self.scheduler.abort(req)
+            self._end(live, Event("error", message=f"engine error: {error!r}"), count="failed")
+        self._batch = None
+
+    def _go_down(self, error: BaseException) -> None:
+        self.error = error
+        self._fail([live.req for live in self.live.values()], error)
+        self._flush()
+
+    def _serve_down(self) -> None:
+        """The engine is down: answer every command until stop, so nothing queued hangs."""
+        while True:
+            kind, arg = self.commands.get()
+            if kind == "stop":
+                return
+            if kind == "add":
+                self.counts["failed"] += 1
+                self._post(arg, Event("error", message=f"the engine is down: {self.error!r}"))
+                self._flush()
 
     def _take_commands(self, wait: bool) -> bool:
         """Apply queued commands (blocking for the first one when idle). False after stop."""
@@ -431,7 +484,7 @@ class EngineLoop:
 
     def _step(self) -> bool:
         """One engine step; False when there was nothing to run (then wait for a command)."""
-        batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        self._batch = batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         if batch is None:
             return False
         result = self.runner.execute(batch)
@@ -651,7 +704,8 @@ async def _disconnected(request) -> None:
 
 
 def shutdown_report(drain: Optional[dict], counts: dict) -> str:
-    served = f"{counts['finished']} finished, {counts['aborted']} aborted, {counts['rejected']} rejected in total"
+    served = f"{counts['finished']} finished, {counts['aborted']} aborted, {counts['rejected']} rejected"
+    served += f", {counts['failed']} failed in total" if counts.get("failed") else " in total"
     if drain is None:
         return f"kvtwin serve: stopped; {served}"
     done = counts["finished"] - drain["finished"]
