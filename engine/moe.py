@@ -47,16 +47,15 @@ class MoESpec:
 
     @classmethod
     def from_model(cls, spec) -> Optional["MoESpec"]:
-        """The MoE block of a catalog ModelSpec, or None for a dense model. Reads the fields
-        the catalog gives MoE models (num_experts, num_experts_per_tok, moe_intermediate_size);
-        architecture mixtral routes as Mixtral, anything else as Qwen3-MoE."""
-        experts = getattr(spec, "num_experts", 0) or 0
-        if not experts:
+        """The MoE block of a catalog ModelSpec, or None for a dense model: qwen3 routes as
+        Qwen3-MoE (norm_topk_prob, which its checkpoints set), the llama family as Mixtral."""
+        if not spec.num_experts:
             return None
-        args = (spec.hidden_size, experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
-        if getattr(spec, "architecture", "") == "mixtral":
-            return cls.mixtral(*args)
-        return cls.qwen3_moe(*args, norm_topk_prob=getattr(spec, "norm_topk_prob", True))
+        if spec.shared_expert_intermediate_size:
+            raise NotImplementedError(f"{spec.name}: shared experts (Qwen2-MoE, DeepSeek style) are modelled by "
+                                      f"the simulator but not built by the engine")
+        args = (spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size)
+        return cls.qwen3_moe(*args) if spec.architecture == "qwen3" else cls.mixtral(*args)
 
 
 class Router(nn.Module):

@@ -134,3 +134,43 @@ def test_routing_picks_distinct_experts_and_weights_sum_to_one():
 def test_bad_top_k_is_refused():
     with pytest.raises(ValueError, match="top_k"):
         MoESpec.mixtral(16, 4, 5, 8)
+
+
+def test_a_catalog_moe_model_builds_and_runs_a_step():
+    """A tiny Qwen3-MoE-shaped catalog model through the engine (paged, torch backend)."""
+    from engine.runner import ModelRunner
+    from engine.weights import build_model
+    from sim.core.kvcache import KVCacheManager
+    from validate.calibrate import probe_batch
+
+    spec = ModelSpec(name="tiny-moe", architecture="qwen3", num_layers=2, hidden_size=64, num_heads=4,
+                     num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=100, dtype="float32",
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    model = build_model(spec, "cpu")
+    assert isinstance(model.model.layers[0].mlp, MoE) and model.model.layers[0].mlp.spec.renormalize
+    runner = ModelRunner(model, 9, 16, 64)
+    kv = KVCacheManager(9, 16, enable_caching=False)
+    result = runner.execute(probe_batch(kv, [(0, 20, False), (0, 7, False)], tag=0))
+    assert result.logits.shape == (2, 100) and torch.isfinite(result.logits).all()
+    mixtral_like = spec.model_copy(update={"architecture": "llama"})
+    assert MoESpec.from_model(mixtral_like).fp32_weights
+
+
+def test_the_engine_refuses_what_it_does_not_build():
+    from engine.weights import build_model
+
+    spec = ModelSpec(name="shared", architecture="qwen2", num_layers=1, hidden_size=64, num_heads=4,
+                     num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=100, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    with pytest.raises(NotImplementedError, match="shared experts"):
+        build_model(spec, "cpu")
+
+
+def test_quantized_weights_are_simulator_only():
+    from engine.weights import build_model
+    from sim.core.catalog import WeightQuant
+
+    spec = ModelSpec(name="q", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                     intermediate_size=128, vocab_size=100, quantization=WeightQuant(method="fp8"))
+    with pytest.raises(NotImplementedError, match="simulator-only"):
+        build_model(spec, "cpu")
