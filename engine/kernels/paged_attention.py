@@ -44,6 +44,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_segments: int = 16  # split-KV path only; power of 2 >= 2
+    prefetch: bool = False  # load tile t+1 while computing tile t (double-buffered K/V registers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +60,8 @@ def default_config(decode: bool, group: int, head_dim: int,
     rows = triton.next_power_of_2(group)
     if dtype == torch.float32:
         return AttentionConfig(block_m=max(16 if decode else 32, rows), tile_size=32 if head_dim <= 64 else 16)
-    if decode:
-        return AttentionConfig(block_m=max(16, rows), tile_size=32 if head_dim <= 128 else 16)
+    if decode:  # bandwidth-bound: keep the next tile's loads in flight (not measured on a GPU yet)
+        return AttentionConfig(block_m=max(16, rows), tile_size=32 if head_dim <= 128 else 16, prefetch=True)
     if head_dim <= 128:
         return AttentionConfig(block_m=max(128, rows), tile_size=64, num_warps=8, num_stages=2)
     return AttentionConfig(block_m=max(64, rows), tile_size=32, num_warps=8, num_stages=2)
@@ -97,6 +98,30 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
+@triton.jit
+def _load_tile(t, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+               BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr):
+    """Positions, in-context mask, K^T [d, tile] and V [tile, d] of context tile t. A tile
+    inside one block reads one block-table entry (contiguous rows); otherwise each token its
+    own. Tiles past the context (a prefetch beyond the last) load nothing: every K/V load is
+    masked, and the block-table index is clamped to the last tile so it stays in the row."""
+    pos = t * TILE_SIZE + tl.arange(0, TILE_SIZE)
+    in_ctx = pos < kv_end
+    if BLOCK_SIZE % TILE_SIZE == 0:
+        first = tl.minimum(t, num_tiles - 1) * TILE_SIZE
+        phys = tl.load(block_table + first // BLOCK_SIZE).to(tl.int64)
+        slot = first % BLOCK_SIZE + tl.arange(0, TILE_SIZE)
+    else:
+        phys = tl.load(block_table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+    k_off = phys * stride_kb + slot * stride_kt + kv_head * stride_kh
+    v_off = phys * stride_vb + slot * stride_vt + kv_head * stride_vh
+    k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+    return pos, in_ctx, k, v
+
+
 # num_seqs and stride_bt (the block-table width) change every step: specialising on them
 # (== 1, % 16 == 0) would mean recompiles inside timed runs.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
@@ -109,7 +134,7 @@ def _attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    DOT_F32: tl.constexpr, FP8_KV: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_KV: tl.constexpr, WINDOW: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -155,16 +180,22 @@ def _attention_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     block_table = block_tables_ptr + seq * stride_bt
+    if PREFETCH:  # double buffering: tile t+1's K/V loads are in flight while tile t is computed
+        pos, in_ctx, k, v = _load_tile(tile_lo, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head,
+                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+                                       BLOCK_SIZE, TILE_SIZE)
     for t in range(tile_lo, tile_hi):
-        pos = t * TILE_SIZE + tl.arange(0, TILE_SIZE)
-        in_ctx = pos < kv_end
-        phys = tl.load(block_table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_off = phys * stride_kb + slot * stride_kt + kv_head * stride_kh
-        v_off = phys * stride_vb + slot * stride_vt + kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
+        if PREFETCH:
+            next_pos, next_in_ctx, next_k, next_v = _load_tile(
+                t + 1, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head, stride_kb, stride_kt,
+                stride_kh, stride_vb, stride_vt, stride_vh, offs_d, BLOCK_SIZE, TILE_SIZE)
+        else:
+            pos, in_ctx, k, v = _load_tile(t, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head,
+                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+                                           BLOCK_SIZE, TILE_SIZE)
         if DOT_F32 or FP8_KV:  # fp8 widens exactly to q's type (or fp32 in the interpreter)
             k = k.to(q.dtype)
+            v = v.to(q.dtype)
         # ieee: exact fp32 (not tf32) for fp32 inputs; 16-bit inputs use MMA either way.
         s = tl.dot(q, k, input_precision="ieee") * (qk_scale * k_scale)  # [BLOCK_M, TILE_SIZE], log2 domain
         visible = pos[None, :] <= q_pos[:, None]
@@ -177,11 +208,10 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-        if DOT_F32 or FP8_KV:
-            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee") * v_scale
         m_i = m_new
+        if PREFETCH:
+            pos, in_ctx, k, v = next_pos, next_in_ctx, next_k, next_v
 
     if NUM_SEGMENTS == 1:
         out = acc / l_i[:, None]
@@ -265,6 +295,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], TILE_SIZE=cfg.tile_size, NUM_SEGMENTS=num_segments,
         DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, FP8_KV=fp8, WINDOW=sliding_window or 0,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
