@@ -151,7 +151,7 @@ def test_a_step_past_its_time_is_killed_and_recorded(tmp_path):
 
 
 def small_gate_scenario():
-    return gpu_check.gpu_scenario("bench_steady_nocache", dry_run=True, extra=["engine.max_model_len=160"])
+    return gpu_check.gpu_scenario("bench_steady_nocache", dry_run=True, extra=["engine.max_model_len=96"])
 
 
 def test_the_gate_passes_a_correct_engine():

@@ -118,18 +118,19 @@ def test_bad_window_is_refused():
         paged_attention(**inputs, sliding_window=0)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["single", "double-buffered"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_size,tile", [(16, 32), (32, 16), (16, 16)],
-                         ids=["tile-spans-blocks", "tile-in-block", "tile-is-block"])
-def test_decode_tiles_prefetched_or_not(prefetch, dtype, block_size, tile):
+@pytest.mark.parametrize("prefetch,dtype,block_size,tile,split", [
+    (True, torch.bfloat16, 16, 32, False),      # the default decode config: tiles span two blocks
+    (True, torch.float32, 32, 16, True),        # a tile inside a block: one block-table load
+    (True, torch.float32, 16, 16, False),       # a tile is a block
+    (False, torch.float32, 32, 16, False),      # no prefetch, tile inside a block
+], ids=["prefetch-spans-bf16", "prefetch-in-block-split", "prefetch-is-block", "single-in-block"])
+def test_decode_tiles_prefetched_or_not(prefetch, dtype, block_size, tile, split):
     """The decode loop with the next tile's K/V loaded ahead (the default decode config) and
     without, with tiles spanning blocks or inside one (one block-table load per tile)."""
     from engine.kernels.paged_attention import AttentionConfig
 
     inputs = make_attention_inputs([1, 1, 1], [70, 33, 1], 4, 2, 32, block_size, dtype)
     config = AttentionConfig(block_m=16, tile_size=tile, prefetch=prefetch)
-    for split in (False, True):
-        out, ref = run_both(inputs, config=config, force_split=split)
-        torch.testing.assert_close(out, ref, **(dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32
-                                                 else dict(atol=5e-2, rtol=5e-2)))
+    out, ref = run_both(inputs, config=config, force_split=split)
+    torch.testing.assert_close(out, ref, **(dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32
+                                             else dict(atol=5e-2, rtol=5e-2)))
