@@ -140,4 +140,6 @@ class DecodeGraphs:
             getattr(self, name)[:size].copy_(torch.from_numpy(values), non_blocking=True)
         graph, logits, sampled = self.graphs[key]
         graph.replay()
-        return logits[:num_seqs], sampled[:num_seqs]
+        # the outputs live in the graph's static memory: copies, so the next replay cannot
+        # change a step result a caller still holds
+        return logits[:num_seqs].clone(), sampled[:num_seqs].clone()

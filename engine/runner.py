@@ -256,8 +256,9 @@ class ModelRunner:
         if not graphs_wanted(self.device, self.model.attention_backend, self.sampler.temperature):
             return 0
         try:
-            graphs = DecodeGraphs(self, max_num_seqs)
-            count = graphs.capture_all()
+            with torch.inference_mode():        # as execute() runs: the buffers and outputs alike
+                graphs = DecodeGraphs(self, max_num_seqs)
+                count = graphs.capture_all()
         except RuntimeError as e:       # e.g. an op that cannot be captured: stay eager, say so
             warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}")
             self.graphs = None
