@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from sim.names import MAX_NAME, name_problem
 from sim.core.catalog import (DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -315,6 +316,16 @@ class Scenario(StrictModel):
     cluster: Cluster = Field(default_factory=Cluster)
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_names(cls, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # A variant's name becomes its output folder: refuse anything that is not a plain name.
+        for name in variants:
+            problem = name_problem(name)
+            if problem:
+                raise ValueError(f"variant name {name[:MAX_NAME + 1]!r}: {problem}")
+        return variants
 
     @property
     def max_model_len(self) -> int:

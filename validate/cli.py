@@ -11,6 +11,7 @@ import yaml
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.errors import UserError
 from sim.output.console import console, err_console
+from sim.names import folder_name
 from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.output.io import write_csv
@@ -121,7 +122,8 @@ def calibrate_main(argv: list[str]) -> int:
     console.print(f"calibrating {scenario.model.name} ({scenario.model.dtype}) on {device} "
                   f"as catalog device '{scenario.device.name}'")
     cal = calibrate(scenario, device, progress=None)
-    out = args.out or Path("profiles") / f"{scenario.device.name}_{scenario.model.name}.yaml"
+    # model and device names come from user files (an HF config's _name_or_path may hold '/')
+    out = args.out or Path("profiles") / f"{folder_name(scenario.device.name)}_{folder_name(scenario.model.name)}.yaml"
     write_profile(out, cal)
     write_csv(out.with_suffix(".samples.csv"), cal.samples)
     console.print(coefficients_table(cal.profile).to_string())

@@ -22,7 +22,6 @@ import html
 import itertools
 import math
 import os
-import re
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import pandas as pd
 
 from sim.core.memory import InsufficientMemoryError
+from sim.names import folder_name
 from sim.scenario import apply_overrides, load_raw, parse_override, set_path, validate_scenario
 
 
@@ -282,7 +282,7 @@ def point_tasks(raw: dict, base_dir: Path, source: str, axes: Sequence[Axis], po
 def point_folder(point: Point, axes: Sequence[Axis]) -> str:
     """'003_block_size=16,rate=20': index first so folders sort in point order."""
     parts = ",".join(f"{a.path.rsplit('.', 1)[-1]}={t}" for a, t in zip(axes, point.texts))
-    return f"{point.index:03d}_" + re.sub(r"[^A-Za-z0-9._=,+-]", "_", parts)
+    return f"{point.index:03d}_" + folder_name(parts)
 
 
 def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
