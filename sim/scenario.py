@@ -14,11 +14,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from sim.core.memory import kv_bytes_per_block
+from sim.core.files import FileFormatError, load_yaml, read_text
 from sim.names import MAX_NAME, name_problem
-from sim.core.catalog import (DeviceSpec, ModelSpec, StrictModel, catalog_entry,
+from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
 
@@ -34,6 +35,16 @@ class ScenarioError(ValueError):
         else:
             lines = "\n".join(f"  - {p}" for p in problems)
             super().__init__(f"{head}{len(problems)} problems:\n{lines}")
+
+
+# Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
+# clear error rather than a MemoryError after minutes. README "Security and limits" lists them.
+MAX_REQUESTS = 1_000_000
+MAX_TOKENS = 2**27            # a prompt, an answer, a context (134M tokens)
+MAX_DURATION_S = 30 * 86400.0
+MAX_REPLICAS = 1024
+MAX_VARIANTS = 64
+MAX_LIST = 10_000             # tenants, priorities, prompt segments
 
 
 # ----------------------------------------------------------------------------- model/device
@@ -66,7 +77,7 @@ def _resolve_path(p: Any, base_dir: Path | None) -> Path:
 # ----------------------------------------------------------------------------- engine
 
 class Parallelism(StrictModel):
-    tp: int = Field(default=1, ge=1, description="tensor-parallel degree (modelled, not run)")
+    tp: int = Field(default=1, ge=1, le=1024, description="tensor-parallel degree (modelled, not run)")
 
 
 class EngineConfig(StrictModel):
@@ -74,12 +85,12 @@ class EngineConfig(StrictModel):
     allocation: Literal["paged", "contiguous"] = "paged"
     block_size: int = Field(default=16, ge=1, le=1024)
     # Pool size including vLLM's null block 0; derived from device memory when unset.
-    num_blocks: Optional[int] = Field(default=None, ge=2)
+    num_blocks: Optional[int] = Field(default=None, ge=2, le=2**32)     # and checked against device memory
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # Defaults follow vLLM's API server: 1024 / 8192 on >= 70 GiB non-A100 GPUs, else 256 / 2048.
-    max_num_seqs: Optional[int] = Field(default=None, ge=1)
-    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
-    max_model_len: Optional[int] = Field(default=None, ge=2)
+    max_num_seqs: Optional[int] = Field(default=None, ge=1, le=2**20)
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_model_len: Optional[int] = Field(default=None, ge=2, le=MAX_TOKENS)
     chunked_prefill: bool = True
     prefix_caching: bool = True
     preemption: Literal["recompute"] = "recompute"
@@ -94,7 +105,7 @@ class EngineConfig(StrictModel):
     # answer's length) or the request's own prompt + max output (an oracle baseline).
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
-    activation_mib: Optional[float] = Field(default=None, ge=0)
+    activation_mib: Optional[float] = Field(default=None, ge=0, le=MAX_DEVICE_MIB)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -103,12 +114,12 @@ class LengthDist(StrictModel):
     """A token-length distribution. An integer in YAML is shorthand for {dist: fixed, value: N}."""
 
     dist: Literal["fixed", "uniform", "normal", "lognormal", "empirical", "sharegpt"] = "fixed"
-    value: Optional[int] = Field(default=None, ge=1)
-    min: Optional[int] = Field(default=None, ge=0)
-    max: Optional[int] = Field(default=None, ge=1)
-    mean: Optional[float] = Field(default=None, gt=0)
-    std: Optional[float] = Field(default=None, ge=0)
-    values: Optional[list[int]] = None
+    value: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    min: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS)
+    max: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    mean: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS)
+    std: Optional[float] = Field(default=None, ge=0, le=MAX_TOKENS)
+    values: Optional[list[int]] = Field(default=None, max_length=MAX_REQUESTS)
     file: Optional[Path] = None
     column: Optional[str] = None
 
@@ -132,17 +143,17 @@ class LengthDist(StrictModel):
             raise ValueError("dist 'empirical' needs exactly one of 'values' or 'file'")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
-        if self.values is not None and (not self.values or min(self.values) < 1):
-            raise ValueError("values must be a non-empty list of lengths >= 1")
+        if self.values is not None and (not self.values or min(self.values) < 1 or max(self.values) > MAX_TOKENS):
+            raise ValueError(f"values must be a non-empty list of lengths from 1 to {MAX_TOKENS}")
         return self
 
 
 class Arrival(StrictModel):
     process: Literal["poisson", "gamma", "fixed", "offline"] = "poisson"
-    rate: Optional[float] = Field(default=None, gt=0, description="requests per second")
+    rate: Optional[float] = Field(default=None, gt=0, le=1e7, description="requests per second")
     # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
     # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
-    cv: float = Field(default=1.0, gt=0)
+    cv: float = Field(default=1.0, gt=0, le=1000)
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True
@@ -157,17 +168,17 @@ class Arrival(StrictModel):
 class SharedPrefix(StrictModel):
     """Shared system prompts: `groups` distinct prefixes; `fraction` of requests carry one."""
 
-    groups: int = Field(default=1, ge=1)
+    groups: int = Field(default=1, ge=1, le=MAX_REQUESTS)
     length: LengthDist = Field(default_factory=lambda: LengthDist(value=512))
     fraction: float = Field(default=1.0, ge=0, le=1)
     popularity: Literal["uniform", "zipf"] = "uniform"
-    zipf_s: float = Field(default=1.0, gt=0)
+    zipf_s: float = Field(default=1.0, gt=0, le=100)
 
 
 class DynamicSegment(StrictModel):
     """A per-request segment (a timestamp, a request id) placed before or after the shared prefix."""
 
-    length: int = Field(default=8, ge=1)
+    length: int = Field(default=8, ge=1, le=MAX_TOKENS)
     position: Literal["first", "last"] = "last"
 
 
@@ -176,20 +187,20 @@ class MultiTurn(StrictModel):
 
     turns: LengthDist = Field(default_factory=lambda: LengthDist(value=3))
     user_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="uniform", min=32, max=256))
-    think_time_s: float = Field(default=5.0, ge=0)
+    think_time_s: float = Field(default=5.0, ge=0, le=MAX_DURATION_S)
     think_dist: Literal["fixed", "exponential"] = "exponential"
 
 
 class Tenant(StrictModel):
-    name: str
-    share: float = Field(default=1.0, gt=0)
+    name: str = Field(max_length=200)
+    share: float = Field(default=1.0, gt=0, le=1e9)
     # A cache salt isolates this tenant's prefix-cache blocks (vLLM's cache_salt).
     salt: bool = True
 
 
 class Priorities(StrictModel):
-    values: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    weights: Optional[list[float]] = None
+    values: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_LIST)
+    weights: Optional[list[float]] = Field(default=None, max_length=MAX_LIST)
 
     @model_validator(mode="after")
     def _same_length(self) -> "Priorities":
@@ -204,17 +215,17 @@ class Priorities(StrictModel):
 class PromptSegment(StrictModel):
     """Part of an explicit prompt: equal `segment` names mean equal tokens."""
 
-    segment: str
-    len: int = Field(ge=1)
+    segment: str = Field(max_length=200)
+    len: int = Field(ge=1, le=MAX_TOKENS)
 
 
 class ExplicitRequest(StrictModel):
-    arrival_s: float = Field(default=0.0, ge=0)
-    prompt_len: Optional[int] = Field(default=None, ge=1)
-    prompt: Optional[list[PromptSegment]] = None
-    output_len: int = Field(ge=1)
-    tenant: Optional[str] = None
-    priority: int = 0
+    arrival_s: float = Field(default=0.0, ge=0, le=MAX_DURATION_S)
+    prompt_len: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    prompt: Optional[list[PromptSegment]] = Field(default=None, max_length=MAX_LIST)
+    output_len: int = Field(ge=1, le=MAX_TOKENS)
+    tenant: Optional[str] = Field(default=None, max_length=200)
+    priority: int = Field(default=0, ge=-2**31, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "ExplicitRequest":
@@ -226,12 +237,12 @@ class ExplicitRequest(StrictModel):
 class Trace(StrictModel):
     format: Literal["azure", "mooncake", "burstgpt", "jsonl"]
     path: Path
-    time_scale: float = Field(default=1.0, gt=0, description="replay at k x speed")
+    time_scale: float = Field(default=1.0, gt=0, le=1e9, description="replay at k x speed")
     window_s: Optional[tuple[float, float]] = None
     sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
-    max_requests: Optional[int] = Field(default=None, ge=1)
+    max_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
     # Mooncake: tokens per hash id block.
-    hash_block_tokens: int = Field(default=512, ge=1)
+    hash_block_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS)
 
     @field_validator("window_s")
     @classmethod
@@ -246,10 +257,10 @@ SYNTHETIC_ONLY = {"num_requests", "duration_s", "arrival", "prompt_len", "output
 
 
 class Workload(StrictModel):
-    num_requests: Optional[int] = Field(default=None, ge=1)
-    duration_s: Optional[float] = Field(default=None, gt=0)
+    num_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
+    duration_s: Optional[float] = Field(default=None, gt=0, le=MAX_DURATION_S)
     # The first N requests warm the engine; steady-state figures exclude them.
-    warmup_requests: int = Field(default=0, ge=0)
+    warmup_requests: int = Field(default=0, ge=0, le=MAX_REQUESTS)
     arrival: Arrival = Field(default_factory=lambda: Arrival(process="offline"))
     prompt_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
     output_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
@@ -258,9 +269,9 @@ class Workload(StrictModel):
     shared_prefix: Optional[SharedPrefix] = None
     dynamic_segment: Optional[DynamicSegment] = None
     multi_turn: Optional[MultiTurn] = None
-    tenants: Optional[list[Tenant]] = None
+    tenants: Optional[list[Tenant]] = Field(default=None, max_length=MAX_LIST)
     priorities: Optional[Priorities] = None
-    requests: Optional[list[ExplicitRequest]] = None
+    requests: Optional[list[ExplicitRequest]] = Field(default=None, max_length=MAX_REQUESTS)
     trace: Optional[Trace] = None
 
     @model_validator(mode="after")
@@ -283,6 +294,10 @@ class Workload(StrictModel):
             self.num_requests = 100
         if synthetic and self.arrival.process == "offline" and self.num_requests is None:
             raise ValueError("offline arrivals need num_requests (duration_s means nothing at t=0)")
+        expected = (self.arrival.rate or 0) * (self.duration_s or 0)
+        if synthetic and self.num_requests is None and expected > MAX_REQUESTS:
+            raise ValueError(f"arrival.rate x duration_s = {expected:.3g} requests, more than the "
+                             f"{MAX_REQUESTS:,} allowed; shorten duration_s or set num_requests")
         return self
 
 
@@ -297,16 +312,16 @@ class Slo(StrictModel):
 
 
 class Cluster(StrictModel):
-    replicas: int = Field(default=1, ge=1)
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
     router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware"] = "round_robin"
     # prefix_aware: a replica may take at most this many times the mean outstanding tokens.
     load_bound: float = Field(default=1.5, ge=1.0)
 
 
 class Scenario(StrictModel):
-    name: str = "scenario"
-    description: str = ""
-    seed: int = 0
+    name: str = Field(default="scenario", max_length=200)
+    description: str = Field(default="", max_length=10_000)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     model: ModelSpec
     device: DeviceSpec
     parallelism: Parallelism = Field(default_factory=Parallelism)
@@ -315,7 +330,7 @@ class Scenario(StrictModel):
     slo: Slo = Field(default_factory=Slo)
     cluster: Cluster = Field(default_factory=Cluster)
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
-    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_VARIANTS)
 
     @field_validator("variants")
     @classmethod
@@ -401,6 +416,12 @@ def _cross_checks(s: Scenario) -> list[str]:
         problems.append(f"engine.max_num_batched_tokens: {s.max_num_batched_tokens} is below "
                         f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
                         f"could never be scheduled")
+    if s.engine.num_blocks is not None:
+        pool = s.engine.num_blocks * kv_bytes_per_block(m, s.engine.block_size, tp)
+        if pool > s.device.memory_bytes:
+            problems.append(f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens "
+                            f"need {pool / 2**30:.4g} GiB of KV cache per GPU, more than the device's "
+                            f"{s.device.memory_bytes / 2**30:.4g} GiB")
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
     return problems
@@ -429,17 +450,12 @@ def validate_scenario(raw: dict[str, Any], base_dir: Path | None = None,
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
+    """The scenario file as a mapping: UTF-8 YAML, no duplicate keys, bounded size and nesting."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ScenarioError([f"no such file: {path}"]) from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ScenarioError([f"{where}not valid YAML ({getattr(e, 'problem', e)})"], str(path)) from None
+        raw = load_yaml(read_text(path, "scenario YAML file"), path)
+    except FileFormatError as e:
+        raise ScenarioError([str(e)]) from None     # the message starts with path[:line]
     if raw is None:
         raise ScenarioError(["the file is empty"], str(path))
     return raw
@@ -499,9 +515,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(keys):
         raise ScenarioError([f"--set {text!r}: the path {path!r} has an empty part"])
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        parsed = value
+        parsed = load_yaml(value, f"--set {path}") if value.strip() else None
+    except FileFormatError as e:
+        if "not valid YAML" not in str(e):
+            raise ScenarioError([str(e)]) from None   # duplicate keys, an alias bomb, deep nesting
+        parsed = value                                 # plain text that only looks like YAML
     return keys, parsed
 
 
@@ -520,7 +538,14 @@ def set_path(raw: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]
                                  f"so '{'.'.join(keys)}' cannot be set"])
         node[key] = child
         node = child
-    node[keys[-1]] = value
+    old = node.get(keys[-1])
+    if len(keys) == 1 and keys[0] in ("model", "device") and isinstance(old, str):
+        old = {"base": old}     # --set 'model={max_position_embeddings: 8192}' overrides the entry
+    # A mapping merges into the mapping it replaces (--set 'engine={block_size: 8}' keeps the
+    # other engine fields); an empty mapping {} clears it.
+    merge = isinstance(value, dict) and value and isinstance(old, dict)
+    key = keys[-1]
+    node[key] = deep_merge({key: old}, {key: value})[key] if merge else value
     return out
 
 

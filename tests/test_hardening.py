@@ -49,3 +49,102 @@ def test_plain_names_pass_and_folder_name_makes_any_text_safe():
         assert name_problem(name) is None, name
     for text in HOSTILE_NAMES + ["meta-llama/Llama-3.1-8B"]:
         assert name_problem(folder_name(text)) is None, text
+
+
+# ----------------------------------------------------------------------------- 2. YAML and bounds
+
+ALIAS_BOMB = """model:
+  base: qwen2.5-0.5b
+  rope_scaling:
+    a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+    i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+device: h100-sxm
+"""
+
+
+def load_text(tmp_path, text: str, name: str = "s.yaml", overrides=None):
+    from sim.scenario import load_scenario
+
+    path = tmp_path / name
+    path.write_text(text)
+    return load_scenario(path, overrides)
+
+
+def test_alias_bomb_fails_fast_with_a_clean_error(tmp_path):
+    import time
+
+    t0 = time.process_time()
+    with pytest.raises(ScenarioError, match=r"s\.yaml:\d+: expands to more than"):
+        load_text(tmp_path, ALIAS_BOMB)
+    assert time.process_time() - t0 < 2.0
+
+
+def test_rope_scaling_given_as_python_data_is_bounded_too():
+    shared = ["x"] * 10
+    for _ in range(6):
+        shared = [shared] * 10      # a billion leaves by reference, a few kB in memory
+    with pytest.raises(ScenarioError, match="rope_scaling"):
+        validate_scenario({**BASE, "model": {"base": "qwen2.5-0.5b", "rope_scaling": {"a": shared}}})
+
+
+def test_duplicate_keys_are_errors_with_both_lines(tmp_path):
+    text = "model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 1024}\nworkload: {num_requests: 3}\nengine:\n  block_size: 8\n"
+    with pytest.raises(ScenarioError, match=r"s\.yaml: line 5, column 1: not valid YAML \(duplicate key 'engine' \(first at line 3\)"):
+        load_text(tmp_path, text)
+    nested = "model: qwen2.5-0.5b\ndevice: h100-sxm\nengine:\n  block_size: 8\n  block_size: 16\n"
+    with pytest.raises(ScenarioError, match=r"line 5.*duplicate key 'block_size' \(first at line 4\)"):
+        load_text(tmp_path, nested)
+
+
+def test_yaml_merge_keys_still_override():
+    from sim.core.files import load_yaml
+
+    assert load_yaml("base: &b {x: 1, y: 2}\nnew:\n  <<: *b\n  y: 3\n")["new"] == {"x": 1, "y": 3}
+
+
+INFINITE = ["workload.arrival.rate=.inf", "workload.duration_s=.inf", "engine.gpu_memory_utilization=.nan",
+            "slo.ttft_s=.inf", "device.memory_mib=.inf", "model.rope_theta=.inf", "cluster.load_bound=.inf",
+            "workload.prompt_len={dist: normal, mean: .inf, std: 1}", "workload.arrival.cv=.nan",
+            "engine.activation_mib=-.inf", "device.hbm_gbps=.inf"]
+
+
+@pytest.mark.parametrize("override", INFINITE)
+def test_every_float_field_is_finite(tmp_path, override):
+    with pytest.raises(ScenarioError, match="finite number"):
+        load_text(tmp_path, SMALL, overrides=[override])
+
+
+TOO_BIG = {"cluster.replicas=1000000": "cluster.replicas", "workload.num_requests=1e12": "workload.num_requests",
+           "workload.num_requests=1000000000000": "workload.num_requests",
+           "engine.num_blocks=1000000000000": "engine.num_blocks", "engine.num_blocks=10000000": "GiB of KV cache",
+           "device.memory_mib=1e30": "device.memory_mib", "workload.duration_s=1e9": "workload.duration_s",
+           "engine.max_model_len=1000000000": "engine.max_model_len",
+           "workload.output_len=1000000000": "workload.output_len"}
+
+
+@pytest.mark.parametrize("override", list(TOO_BIG), ids=list(TOO_BIG))
+def test_sizes_have_upper_bounds(tmp_path, override):
+    with pytest.raises(ScenarioError, match=TOO_BIG[override].replace(".", r"\.")):
+        load_text(tmp_path, SMALL, overrides=[override])
+
+
+def test_rate_times_duration_is_bounded(tmp_path):
+    with pytest.raises(ScenarioError, match="rate x duration_s"):
+        load_text(tmp_path, "model: qwen2.5-0.5b\ndevice: h100-sxm\n"
+                  "workload: {duration_s: 100000, arrival: {process: poisson, rate: 100}}\n")
+
+
+def test_set_mapping_merges_into_the_section(tmp_path):
+    text = "model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 1024, block_size: 32}\n"
+    s = load_text(tmp_path, text, overrides=["engine={block_size: 8}"])
+    assert s.engine.block_size == 8 and s.engine.max_model_len == 1024
+    s = load_text(tmp_path, text, overrides=["model={max_position_embeddings: 8192}"])
+    assert s.model.max_position_embeddings == 8192 and s.model.num_layers == 24
+    assert load_text(tmp_path, text + "variants: {a: {}}\n", overrides=["variants={}"]).variants == {}

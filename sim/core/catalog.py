@@ -5,45 +5,58 @@ The simulator (memory, cost model) and the engine (model construction) both read
 """
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sim.core.files import check_bounded, excerpt, load_json, read_text
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 Dtype = Literal["float32", "float16", "bfloat16"]
 MIB = 1024 * 1024
+MAX_DEVICE_MIB = 2**24          # 16 TiB: far above any accelerator, and int64-safe in bytes
 
 
 class StrictModel(BaseModel):
     """Base for every schema object: unknown keys are errors, values are re-validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: every float field of every schema object is finite (`gt=0` admits .inf)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class ModelSpec(StrictModel):
     name: str = "custom"
     hf_id: Optional[str] = None
     architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    max_position_embeddings: int = Field(default=4096, gt=0)
+    # Upper bounds far above any real model: they keep products (KV bytes, FLOPs) in range.
+    num_layers: int = Field(gt=0, le=4096)
+    hidden_size: int = Field(gt=0, le=2**20)
+    num_heads: int = Field(gt=0, le=2**14)
+    num_kv_heads: int = Field(gt=0, le=2**14)
+    head_dim: int = Field(gt=0, le=2**14)
+    intermediate_size: int = Field(gt=0, le=2**22)
+    vocab_size: int = Field(gt=0, le=2**24)
+    max_position_embeddings: int = Field(default=4096, gt=0, le=2**27)
     rope_theta: float = Field(default=10000.0, gt=0)
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: Optional[dict[str, Any]] = None     # free-form: bounded by _bounded_rope_scaling
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     tie_word_embeddings: bool = False
     dtype: Dtype = "bfloat16"
     # A local Hugging Face folder (config.json + *.safetensors) for the engine; random weights when unset.
     weights: Optional[Path] = None
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _bounded_rope_scaling(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # HF's rope_scaling is a flat mapping of scalars and short factor lists; refuse anything
+        # bigger before a dump or a copy walks it.
+        if v is not None:
+            check_bounded(v, "rope_scaling", max_depth=3, max_items=4096)
+        return v
 
     @model_validator(mode="after")
     def _heads_group(self) -> "ModelSpec":
@@ -85,12 +98,12 @@ class ModelSpec(StrictModel):
 class DeviceSpec(StrictModel):
     name: str = "custom"
     full_name: Optional[str] = None
-    memory_mib: float = Field(gt=0)
+    memory_mib: float = Field(gt=0, le=MAX_DEVICE_MIB)
     bf16_tflops: float = Field(gt=0)
     hbm_gbps: float = Field(gt=0)
     link_gbps: float = Field(default=32.0, gt=0)
     link_latency_us: float = Field(default=10.0, ge=0)
-    reserved_mib: float = Field(default=0.0, ge=0)
+    reserved_mib: float = Field(default=0.0, ge=0, le=MAX_DEVICE_MIB)
     cost_per_hour: Optional[float] = Field(default=None, ge=0)
     # A calibrated cost-model profile (validate/calibrate.py writes it); datasheet defaults when unset.
     profile: Optional[Path] = None
@@ -164,33 +177,38 @@ def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_file = path / "config.json" if path.is_dir() else path
-    try:
-        cfg = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no Hugging Face config at {config_file}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    cfg = load_json(read_text(config_file, "Hugging Face config.json"), config_file)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{config_file}: a JSON {type(cfg).__name__}, expected an object (a Hugging Face config)")
     archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None)
+    if not isinstance(archs, list):
+        raise ValueError(f"{config_file}: architectures is {type(archs).__name__}, expected a list of class names")
+    arch = next((_HF_ARCH[a] for a in archs if isinstance(a, str) and a in _HF_ARCH), None)
     if arch is None:
-        raise ValueError(f"{config_file}: architectures {archs} not supported "
+        raise ValueError(f"{config_file}: architectures {excerpt(archs, 120)} not supported "
                          f"(supported: {', '.join(sorted(_HF_ARCH))})")
     fields: dict[str, Any] = {"architecture": arch, "name": cfg.get("_name_or_path") or folder.name}
     for hf_key, ours in _HF_KEYS.items():
         if cfg.get(hf_key) is not None:
             fields[ours] = cfg[hf_key]
     rope = cfg.get("rope_parameters")   # transformers >= 5 nests rope_theta and the scaling here
+    if rope and not isinstance(rope, dict):
+        raise ValueError(f"{config_file}: rope_parameters is a {type(rope).__name__}, expected an object")
     if rope:
         if "rope_theta" in rope:
             fields["rope_theta"] = rope["rope_theta"]
         fields["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if "num_kv_heads" not in fields and "num_heads" in fields:
         fields["num_kv_heads"] = fields["num_heads"]
-    if "head_dim" not in fields and "num_heads" in fields:
+    if "head_dim" not in fields and _positive_ints(fields.get("hidden_size"), fields.get("num_heads")):
         fields["head_dim"] = fields["hidden_size"] // fields["num_heads"]
     scaling = fields.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         fields["rope_scaling"] = None
     if any(folder.glob("*.safetensors")):
         fields["weights"] = folder
     return fields
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(type(v) is int and v > 0 for v in values)
