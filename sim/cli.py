@@ -19,6 +19,7 @@ from rich.table import Table
 from sim.core.memory import InsufficientMemoryError
 from sim.errors import UserError
 from sim.output.console import console, err_console
+from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import ScenarioError, expand_variants, load_scenario, scenario_args
 
 # subcommand -> "module:function" taking argv; imported lazily so `simrun x.yaml` stays light.
@@ -55,7 +56,8 @@ def run_parser() -> argparse.ArgumentParser:
         epilog=f"other commands: {', '.join(sorted(c for c in SUBCOMMANDS if c != 'run'))} "
                f"(simrun COMMAND -h)")
     scenario_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     from sim.whatif.sweep import add_sweep_args
@@ -75,15 +77,16 @@ def run_main(argv: list[str]) -> int:
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
     results = {}
-    for name, variant in variants.items():
-        result = predict_with_progress(variant, name, quiet=args.quiet)
-        folder = out / name if len(variants) > 1 else out
-        from sim.output.run_files import write_run
+    with owned_run_folder(out, force=args.force):      # checked before simulating
+        for name, variant in variants.items():
+            result = predict_with_progress(variant, name, quiet=args.quiet)
+            folder = out / name if len(variants) > 1 else out
+            from sim.output.run_files import write_run
 
-        write_run(result, folder, trace=args.trace)
-        results[name] = result
-    if len(results) > 1:
-        write_comparison(results, out, args.trace)
+            write_run(result, folder, trace=args.trace)
+            results[name] = result
+        if len(results) > 1:
+            write_comparison(results, out, args.trace)
     if not args.quiet:
         print_results(results, out)
     return 0

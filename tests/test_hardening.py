@@ -148,3 +148,88 @@ def test_set_mapping_merges_into_the_section(tmp_path):
     s = load_text(tmp_path, text, overrides=["model={max_position_embeddings: 8192}"])
     assert s.model.max_position_embeddings == 8192 and s.model.num_layers == 24
     assert load_text(tmp_path, text + "variants: {a: {}}\n", overrides=["variants={}"]).variants == {}
+
+
+# ----------------------------------------------------------------------------- 3. output folders
+
+def small_scenario(tmp_path) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL)
+    return path
+
+
+def test_rerun_removes_stale_files_of_the_earlier_run(tmp_path):
+    from sim.output.run_dir import INCOMPLETE, MARKER
+
+    out = tmp_path / "out"
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--trace", "--quiet"]) == 0
+    assert (out / "trace.json").exists() and (out / MARKER).exists() and not (out / INCOMPLETE).exists()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert not (out / "trace.json").exists()          # stale: this run did not ask for a trace
+    assert (out / "summary.json").exists()
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+def test_folder_with_foreign_files_is_refused_before_simulating(tmp_path, capsys, monkeypatch):
+    import sim.predict
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(sim.predict, "predict", lambda *a, **k: pytest.fail("simulated before checking --out"))
+    assert main([str(small_scenario(tmp_path)), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "notes.txt" in err and "--force" in err
+    monkeypatch.undo()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "summary.json").exists()
+    # a second forced run still leaves the foreign file alone
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("bad", ["", "  "])
+def test_empty_out_is_refused(tmp_path, capsys, bad, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main([str(small_scenario(tmp_path)), "--out", bad])
+    assert exc.value.code == 2 and "empty path" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.yaml"]
+
+
+def test_out_that_is_a_file_is_refused_before_simulating(tmp_path, capsys):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    assert main([str(small_scenario(tmp_path)), "--out", str(target)]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main([str(small_scenario(tmp_path)), "--out", str(target / "sub")]) == 2
+
+
+def test_interrupted_run_leaves_incomplete_and_the_next_run_cleans_up(tmp_path, monkeypatch):
+    import sim.output.run_files as run_files
+    from sim.output.run_dir import INCOMPLETE
+
+    out = tmp_path / "out"
+    real = run_files.write_csv
+
+    def dies_midway(path, frame):
+        if Path(path).name == "steps.csv":
+            (Path(path).parent / ".steps.csv.abc.tmp").write_text("half")    # what kill -9 leaves
+            raise KeyboardInterrupt
+        return real(path, frame)
+
+    monkeypatch.setattr(run_files, "write_csv", dies_midway)
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 130
+    assert (out / INCOMPLETE).exists() and (out / "summary.json").exists()
+    monkeypatch.undo()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert not (out / INCOMPLETE).exists() and not list(out.glob(".*.tmp"))
+
+
+def test_summary_json_is_valid_json_without_nan(tmp_path):
+    from sim.output.io import write_json
+
+    path = write_json(tmp_path / "s.json", {"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
