@@ -89,7 +89,17 @@ def run_main(argv: list[str]) -> int:
             write_comparison(results, out, args.trace)
     if not args.quiet:
         print_results(results, out)
-    return 0
+    return exit_code_of(results)
+
+
+def exit_code_of(results: dict) -> int:
+    """1 when a run finished no request (every figure would be empty), with the reasons counted."""
+    from sim.output.run_files import nothing_finished
+
+    empty = [msg for name, r in results.items() if (msg := nothing_finished(name, r.summary))]
+    for msg in empty:
+        err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+    return 1 if empty else 0
 
 
 def predict_with_progress(scenario, name: str, quiet: bool = False):
