@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from rich.markup import escape
 from rich.table import Table
 
 from sim.core.memory import InsufficientMemoryError
 from sim.errors import UserError
-from sim.output.console import console, err_console
+from sim.output.console import console, err_console, print_error, print_note
 from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import ScenarioError, expand_variants, load_scenario, scenario_args
 
@@ -42,8 +41,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     handler: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
     try:
         return handler(argv)
-    except (UserError, ScenarioError, InsufficientMemoryError, ValueError, FileNotFoundError) as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+    except (UserError, ScenarioError, InsufficientMemoryError, ValueError, OSError) as e:
+        print_error(str(e))
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -98,7 +97,7 @@ def exit_code_of(results: dict) -> int:
 
     empty = [msg for name, r in results.items() if (msg := nothing_finished(name, r.summary))]
     for msg in empty:
-        err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+        print_error(msg)
     return 1 if empty else 0
 
 
@@ -162,7 +161,7 @@ def print_results(results: dict, out: Path) -> None:
     for name, r in results.items():
         notes = r.manifest.get("workload", {}).get("notes") or []
         for note in notes:
-            console.print(f"[yellow]note[/] ({name}): {note}")
+            print_note("note", f"({name}): {note}")
         if r.summary.get("replicas"):
             from sim.metrics import replica_frame
             from sim.whatif.sweep import print_frame

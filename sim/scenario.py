@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from sim.core.memory import kv_bytes_per_block
-from sim.core.files import FileFormatError, load_yaml, read_text
-from sim.names import MAX_NAME, name_problem
+from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
+from sim.names import name_problem
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -339,7 +339,7 @@ class Scenario(StrictModel):
         for name in variants:
             problem = name_problem(name)
             if problem:
-                raise ValueError(f"variant name {name[:MAX_NAME + 1]!r}: {problem}")
+                raise ValueError(f"variant name {excerpt(name)}: {problem}")
         return variants
 
     @property
@@ -481,7 +481,7 @@ def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[st
     out = {}
     for name, patch in scenario.variants.items():
         if not isinstance(patch, dict):
-            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {patch!r}"])
+            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {excerpt(patch)}"])
         merged = deep_merge(base, patch)
         merged["name"] = f"{scenario.name}/{name}"
         try:
@@ -534,7 +534,7 @@ def set_path(raw: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]
         elif child is None:
             child = {}
         elif not isinstance(child, dict):
-            raise ScenarioError([f"{'.'.join(keys[: i + 1])}: is {child!r}, not a mapping, "
+            raise ScenarioError([f"{'.'.join(keys[: i + 1])}: is {excerpt(child)}, not a mapping, "
                                  f"so '{'.'.join(keys)}' cannot be set"])
         node[key] = child
         node = child
@@ -616,7 +616,7 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
         else:
             msg = err["msg"].removeprefix("Value error, ")
             got = err.get("input")
-            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            shown = "" if isinstance(got, (dict, list)) else f" (got {excerpt(got)})"
             problems.append(f"{path}: {msg}{shown}")
     return problems
 

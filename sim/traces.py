@@ -31,8 +31,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from sim.core.files import excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Trace
+
+
+MAX_VALUE = 2**53       # counts, times and ids: exact in a float, no int64 overflow downstream
 
 
 class TraceError(ValueError):
@@ -147,25 +151,28 @@ def _read_burstgpt(path: Path, trace: Trace) -> _Rows:
 
 def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.ndarray]:
     """The needed columns as lists of strings, and the file line of each data row."""
-    with path.open(newline="") as f:
+    with open_text(path, "CSV trace") as f:
         reader = csv.reader(f)
-        header = [h.strip() for h in next(reader, [])]
-        missing = [c for c in needed if c not in header]
-        if missing:
-            raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
-                             f"(found {header}; expected {needed})")
-        cols = [header.index(c) for c in needed]
-        values: list[list[str]] = [[] for _ in needed]
-        lines = []
-        for row in reader:
-            if not row:
-                continue
-            if len(row) < len(header):
-                raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
-                                 f"{len(header)} ({', '.join(header)})")
-            for out, c in zip(values, cols):
-                out.append(row[c])
-            lines.append(reader.line_num)
+        try:
+            header = [h.strip() for h in next(reader, [])]
+            missing = [c for c in needed if c not in header]
+            if missing:
+                raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
+                                 f"(found {excerpt(header, 80)}; expected {needed})")
+            cols = [header.index(c) for c in needed]
+            values: list[list[str]] = [[] for _ in needed]
+            lines = []
+            for row in reader:
+                if not row:
+                    continue
+                if len(row) < len(header):
+                    raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
+                                     f"{len(header)} (the header's columns)")
+                for out, c in zip(values, cols):
+                    out.append(row[c])
+                lines.append(reader.line_num)
+        except csv.Error as e:     # a field over csv's 128 KiB limit, a NUL byte, a bad quote
+            raise TraceError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
     if not lines:
         raise TraceError(f"{path}: no rows after the header")
     return dict(zip(needed, values)), np.array(lines, dtype=np.int64)
@@ -186,11 +193,11 @@ def _numbers(path: Path, lines: np.ndarray, table: dict[str, list[str]], column:
 def _counts(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: str) -> np.ndarray:
     """A token-count column: finite, whole and >= 0."""
     values = _numbers(path, lines, table, column)
-    bad = np.flatnonzero((values < 0) | (values != np.floor(values)))
+    bad = np.flatnonzero((values < 0) | (values != np.floor(values)) | (values >= MAX_VALUE))
     if len(bad):
         i = bad[0]
-        raise TraceError(f"{path}:{lines[i]}: {column} is {table[column][i]!r}, "
-                         f"expected a whole number of tokens >= 0")
+        raise TraceError(f"{path}:{lines[i]}: {column} is {excerpt(table[column][i])}, "
+                         f"expected a whole number of tokens >= 0 (below 2^53)")
     return values.astype(np.int64)
 
 
@@ -199,10 +206,10 @@ def _raise_first_bad(path: Path, lines: np.ndarray, strings: list[str], column: 
     for line, s in zip(lines.tolist(), strings):
         try:
             good = ok(s)
-        except ValueError:
+        except (ValueError, OverflowError):
             good = False
         if not good:
-            raise TraceError(f"{path}:{line}: {column} is {s!r}, expected {expected}")
+            raise TraceError(f"{path}:{line}: {column} is {excerpt(s)}, expected {expected}")
     raise AssertionError("a column failed to parse but no value is bad")
 
 
@@ -215,7 +222,7 @@ def _unique_prompt(lines: np.ndarray, prompt_len: np.ndarray) -> Callable[[int, 
 
 def _json_rows(path: Path):
     """(line number, object) per non-blank line."""
-    with path.open() as f:
+    with open_text(path, "JSON-lines trace") as f:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue
@@ -223,6 +230,10 @@ def _json_rows(path: Path):
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{path}:{line_no}: not valid JSON ({e.msg}), expected one object per line") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{line_no}: nested too deeply, expected one flat object per line") from None
+            except ValueError as e:    # e.g. an integer over Python's 4300-digit limit
+                raise TraceError(f"{path}:{line_no}: not a usable JSON value ({excerpt(e, 80)})") from None
             if not isinstance(obj, dict):
                 raise TraceError(f"{path}:{line_no}: a JSON {type(obj).__name__}, expected an object")
             yield line_no, obj
@@ -232,8 +243,13 @@ def _field(obj: dict, key: str, where: str, expected: str, check: Callable[[Any]
     if key not in obj:
         raise TraceError(f"{where}: missing {key!r}, expected {expected}")
     value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not check(value):
-        raise TraceError(f"{where}: {key} is {value!r}, expected {expected}")
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) < MAX_VALUE \
+            and check(value)
+    except (OverflowError, ValueError):
+        ok = False
+    if not ok:
+        raise TraceError(f"{where}: {key} is {excerpt(value)}, expected {expected} (below 2^53 in size)")
     return value
 
 
@@ -254,7 +270,7 @@ def _read_mooncake(path: Path, trace: Trace) -> _Rows:
         times.append(_time(obj, "timestamp", where, "a finite time in ms") / 1000.0)
         n_in = _count(obj, "input_length", where)
         ids = obj.get("hash_ids")
-        if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+        if not isinstance(ids, list) or not all(type(h) is int and 0 <= h < MAX_VALUE for h in ids):
             raise TraceError(f"{where}: hash_ids is not a list of integers, expected one id per "
                              f"{block}-token block")
         if len(ids) != -(-n_in // block):
@@ -312,7 +328,7 @@ def _literal_prompt(obj: dict, where: str) -> Optional[list[int]]:
     tokens = obj.get("prompt")
     if tokens is None:
         return None
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < MAX_VALUE for t in tokens):
         raise TraceError(f"{where}: prompt is not a list of token ids, expected integers >= 0")
     return tokens
 
@@ -320,5 +336,5 @@ def _literal_prompt(obj: dict, where: str) -> Optional[list[int]]:
 def _tenant(obj: dict, where: str) -> Optional[str]:
     tenant = obj.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
-        raise TraceError(f"{where}: tenant is {tenant!r}, expected a name (string)")
+        raise TraceError(f"{where}: tenant is {excerpt(tenant)}, expected a name (string)")
     return tenant

@@ -256,3 +256,108 @@ def test_warmup_requests_are_not_counted_as_finished(tmp_path):
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["requests_total"] == 6 and summary["warmup_requests"] == 2
     assert summary["requests_finished"] == 4 == summary["requests_measured"]
+
+
+# ----------------------------------------------------------------------------- 5. error text
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+def trace_scenario(tmp_path, fmt: str, trace: Path) -> Path:
+    path = tmp_path / f"trace_{fmt}.yaml"
+    path.write_text(f"model: qwen2.5-0.5b\ndevice: h100-sxm\nworkload:\n  trace: {{format: {fmt}, path: {trace}}}\n")
+    return path
+
+
+def test_errors_print_literally_without_markup_or_emoji(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL + 'variants: {":x: [bold]b[/bold]": {}}\n')
+    code, err = run_cli([path, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and ":x: [bold]b[/bold]" in err and "\u274c" not in err
+
+
+def test_a_file_named_as_a_trace_is_not_echoed(tmp_path, capsys):
+    secret = tmp_path / "passwd"
+    secret.write_text("root:" + "S3CRET" * 2000 + ":0:0:root:/root:/bin/bash\nuser:x:1000\n")
+    for fmt in ("azure", "jsonl"):
+        code, err = run_cli([trace_scenario(tmp_path, fmt, secret), "--out", tmp_path / "o"], capsys)
+        assert code == 2 and str(secret) in err
+        assert err.count("S3CRET") <= 15, err           # a bounded excerpt at most
+        assert "Traceback" not in err
+
+
+def hostile_files(tmp_path) -> dict[str, Path]:
+    files = {}
+
+    def make(name: str, data: bytes) -> None:
+        files[name] = tmp_path / name
+        files[name].write_bytes(data)
+
+    import gzip
+
+    make("binary.csv", bytes(range(256)) * 4)
+    make("utf16.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n".encode("utf-16"))
+    make("gzipped.csv", gzip.compress(b"TIMESTAMP,ContextTokens,GeneratedTokens\n"))
+    make("latin1.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,\xe9,3\n")
+    make("bigfield.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n\"" + b"x" * 140_000 + b"\",1,1\n")
+    make("bigint.jsonl", b'{"arrival_s": 0, "prompt_len": 99999999999999999999, "output_len": 3}\n')
+    make("hugeint.jsonl", b'{"arrival_s": 0, "prompt_len": ' + b"9" * 5000 + b', "output_len": 3}\n')
+    make("deep.jsonl", b'{"arrival_s": 0, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    make("nulbyte.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,1\x00,3\n")
+    return files
+
+
+@pytest.mark.parametrize("name", ["binary.csv", "utf16.csv", "gzipped.csv", "latin1.csv", "bigfield.csv",
+                                  "bigint.jsonl", "hugeint.jsonl", "deep.jsonl", "nulbyte.csv"])
+def test_bad_trace_files_are_errors_naming_the_file(tmp_path, capsys, name):
+    trace = hostile_files(tmp_path)[name]
+    fmt = "jsonl" if name.endswith(".jsonl") else "azure"
+    code, err = run_cli([trace_scenario(tmp_path, fmt, trace), "--out", tmp_path / "o"], capsys)
+    assert code == 2, err
+    assert str(trace) in err and "Traceback" not in err and len(err) < 2000
+
+
+@pytest.mark.parametrize("name", ["binary.csv", "utf16.csv", "gzipped.csv", "bigfield.csv"])
+def test_bad_length_files_are_errors_naming_the_file(tmp_path, capsys, name):
+    lengths = hostile_files(tmp_path)[name]
+    path = tmp_path / "s.yaml"
+    path.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nworkload: {num_requests: 3, output_len: 4, "
+                    f"prompt_len: {{dist: empirical, file: {lengths}, column: ContextTokens}}}}\n")
+    code, err = run_cli([path, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and str(lengths) in err and "Traceback" not in err
+
+
+def test_bad_scenario_profile_and_hf_config_files_name_the_file(tmp_path, capsys):
+    cases = {}
+    cases["scenario is a folder"] = (tmp_path, str(tmp_path))
+    bin_scenario = tmp_path / "bin.yaml"
+    bin_scenario.write_bytes(b"\x00\x01\x02model")
+    cases["binary scenario"] = (bin_scenario, "binary")
+    u16 = tmp_path / "u16.yaml"
+    u16.write_bytes("model: qwen2.5-0.5b\n".encode("utf-16"))
+    cases["utf-16 scenario"] = (u16, "UTF-16")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 5000 + "]" * 5000 + "\ndevice: h100-sxm\n")
+    cases["deep yaml"] = (deep, "nested")
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("coefficients: {a: 1\n  b: [\n")
+    with_profile = tmp_path / "with_profile.yaml"
+    with_profile.write_text(SMALL.replace("device: h100-sxm", f"device: {{base: h100-sxm, profile: {profile}}}"))
+    cases["bad profile yaml"] = (with_profile, str(profile))
+    hf = tmp_path / "config.json"
+    hf.write_text("[1, 2, 3]")
+    hf_scenario = tmp_path / "hf.yaml"
+    hf_scenario.write_text(f"model: {{hf_config: {hf}}}\ndevice: h100-sxm\n")
+    cases["hf_config a list"] = (hf_scenario, str(hf))
+    hf_big = tmp_path / "big" / "config.json"
+    hf_big.parent.mkdir()
+    hf_big.write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 99999999999999999999999}')
+    hf_big_scenario = tmp_path / "hfbig.yaml"
+    hf_big_scenario.write_text(f"model: {{hf_config: {hf_big}}}\ndevice: h100-sxm\n")
+    cases["hf_config int beyond 2^63"] = (hf_big_scenario, str(hf_big))
+    for what, (scenario, needle) in cases.items():
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+        assert code == 2 and needle in err and "Traceback" not in err, (what, err)

@@ -11,8 +11,10 @@ later code walks it), and deep nesting that would overflow the parser's recursio
 from __future__ import annotations
 
 import json
+import reprlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, TextIO
 
 import yaml
 
@@ -27,12 +29,18 @@ class FileFormatError(ValueError):
     """A file that cannot be read as the text it should be; the message starts with the path."""
 
 
-def excerpt(text: Any, limit: int = EXCERPT_CHARS) -> str:
-    """A bounded, escaped quote of untrusted text: repr (so control characters show as escapes),
-    cut to `limit` characters with '...' when longer."""
-    s = str(text)
-    short = s[:limit]
-    return repr(short) + ("..." if len(s) > limit else "")
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+    """A bounded, escaped quote of untrusted data: repr (so control characters show as escapes
+    and markup stays text), cut to about `limit` characters with '...' when longer."""
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    short = _REPR.repr(value)       # reprlib: bounded work even for a huge list
+    return short if len(short) <= limit else short[:limit] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 8, 8, 3
+_REPR.maxlong = 40
 
 
 def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
@@ -79,6 +87,31 @@ def _binary_kind(data: bytes) -> str | None:
     if b"\x00" in data[:8192]:
         return "a binary file (it holds NUL bytes)"
     return None
+
+
+@contextmanager
+def open_text(path: str | Path, what: str = "file") -> Iterator[TextIO]:
+    """A UTF-8 text file opened for streaming (a trace too big to hold twice): binary, compressed
+    and UTF-16 files are refused up front, and a bad byte later on is an error naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileFormatError(f"{path}: is a folder, expected a {what}")
+    try:
+        with path.open("rb") as raw:
+            kind = _binary_kind(raw.read(8192))
+        if kind:
+            raise FileFormatError(f"{path}: {kind}, expected a UTF-8 text {what}")
+        f = path.open(encoding="utf-8-sig", newline="")
+    except FileNotFoundError:
+        raise FileFormatError(f"{path}: no such file (expected a {what})") from None
+    except OSError as e:
+        raise FileFormatError(f"{path}: cannot read ({e.strerror or e}) (a {what})") from None
+    try:
+        with f:
+            yield f
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a chunk), "
+                              f"expected a UTF-8 text {what}") from None
 
 
 # ----------------------------------------------------------------------------- YAML
