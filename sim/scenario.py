@@ -45,6 +45,7 @@ MAX_DURATION_S = 30 * 86400.0
 MAX_REPLICAS = 1024
 MAX_VARIANTS = 64
 MAX_LIST = 10_000             # tenants, priorities, prompt segments
+MAX_POOL_BLOCKS = 2**24       # KV blocks over all replicas (~120 bytes of bookkeeping each)
 
 
 # ----------------------------------------------------------------------------- model/device
@@ -416,15 +417,27 @@ def _cross_checks(s: Scenario) -> list[str]:
         problems.append(f"engine.max_num_batched_tokens: {s.max_num_batched_tokens} is below "
                         f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
                         f"could never be scheduled")
-    if s.engine.num_blocks is not None:
-        pool = s.engine.num_blocks * kv_bytes_per_block(m, s.engine.block_size, tp)
-        if pool > s.device.memory_bytes:
-            problems.append(f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens "
-                            f"need {pool / 2**30:.4g} GiB of KV cache per GPU, more than the device's "
-                            f"{s.device.memory_bytes / 2**30:.4g} GiB")
+    problems += _pool_size_checks(s)
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
     return problems
+
+
+def _pool_size_checks(s: Scenario) -> list[str]:
+    """num_blocks must fit the device; every replica's pool together must stay simulable."""
+    block_bytes = kv_bytes_per_block(s.model, s.engine.block_size, s.parallelism.tp)
+    if s.engine.num_blocks is not None and s.engine.num_blocks * block_bytes > s.device.memory_bytes:
+        return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
+                f"{s.engine.num_blocks * block_bytes / 2**30:.4g} GiB of KV cache per GPU, more than the "
+                f"device's {s.device.memory_bytes / 2**30:.4g} GiB"]
+    # at most this many blocks per replica (the whole memory budget, before weights)
+    per_replica = s.engine.num_blocks or int(s.device.memory_bytes * s.engine.gpu_memory_utilization) // block_bytes
+    total = per_replica * s.cluster.replicas
+    if total > MAX_POOL_BLOCKS:
+        return [f"cluster.replicas: {s.cluster.replicas} replica(s) of up to {per_replica:,} KV blocks each is "
+                f"{total:,} blocks, more than the {MAX_POOL_BLOCKS:,} kvtwin tracks (about 2 GB of "
+                f"bookkeeping); use fewer replicas, a larger engine.block_size or a smaller engine.num_blocks"]
+    return []
 
 
 def validate_scenario(raw: dict[str, Any], base_dir: Path | None = None,
