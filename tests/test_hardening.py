@@ -122,7 +122,7 @@ def test_every_float_field_is_finite(tmp_path, override):
 
 
 TOO_BIG = {"cluster.replicas=1000000": "cluster.replicas", "cluster.replicas=1000": "blocks, more than the",
-"workload.num_requests=1e12": "workload.num_requests",
+           "workload.num_requests=1e12": "workload.num_requests",
            "workload.num_requests=1000000000000": "workload.num_requests",
            "engine.num_blocks=1000000000000": "engine.num_blocks", "engine.num_blocks=10000000": "GiB of KV cache",
            "device.memory_mib=1e30": "device.memory_mib", "workload.duration_s=1e9": "workload.duration_s",
