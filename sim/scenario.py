@@ -191,6 +191,11 @@ class MultiTurn(StrictModel):
     think_time_s: float = Field(default=5.0, ge=0, le=MAX_DURATION_S)
     think_dist: Literal["fixed", "exponential"] = "exponential"
 
+    @field_validator("think_time_s")
+    @classmethod
+    def _no_negative_zero(cls, v: float) -> float:
+        return v + 0.0          # -0.0 passes ge=0 but numpy's exponential refuses a negative scale
+
 
 class Tenant(StrictModel):
     name: str = Field(max_length=200)

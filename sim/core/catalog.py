@@ -134,12 +134,15 @@ def device_names() -> list[str]:
 def catalog_entry(kind: str, name: str) -> dict[str, Any]:
     """The raw catalog entry (a fresh dict), or KeyError naming the valid choices."""
     table = _catalog(kind)
+    if not isinstance(name, str):
+        raise ValueError(f"expected a {kind[:-1]} name from the catalog (text), got {excerpt(name)} "
+                         f"(known: {', '.join(sorted(table))})")
     if name not in table:
         import difflib
 
-        close = difflib.get_close_matches(name, table, n=1)
+        close = difflib.get_close_matches(name[:200], table, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown {kind[:-1]} '{name}'{hint} (known: {', '.join(sorted(table))})")
+        raise KeyError(f"unknown {kind[:-1]} {excerpt(name)}{hint} (known: {', '.join(sorted(table))})")
     return {"name": name, **table[name]}
 
 
