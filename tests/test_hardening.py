@@ -362,3 +362,13 @@ def test_bad_scenario_profile_and_hf_config_files_name_the_file(tmp_path, capsys
     for what, (scenario, needle) in cases.items():
         code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
         assert code == 2 and needle in err and "Traceback" not in err, (what, err)
+
+
+def test_a_sweep_folder_inside_a_run_folder_is_left_alone(tmp_path):
+    out = tmp_path / "runs" / "small"
+    scenario = small_scenario(tmp_path)
+    assert main([str(scenario), "--out", str(out), "--quiet"]) == 0
+    assert main([str(scenario), "--out", str(out / "sweep"), "--quiet", "--set", "engine.block_size=8,16"]) == 0
+    assert (out / "sweep" / "sweep.csv").exists()
+    assert main([str(scenario), "--out", str(out), "--quiet"]) == 0       # the sweep is not foreign
+    assert (out / "sweep" / "sweep.csv").exists()                          # nor stale

@@ -44,12 +44,15 @@ def _is_temp(rel: str) -> bool:
 
 
 def _files(folder: Path) -> set[str]:
-    """Every file under `folder`, as POSIX paths relative to it (links count as files, unfollowed)."""
+    """Every file under `folder`, as POSIX paths relative to it (links count as files, unfollowed).
+    A subfolder with its own marker (a sweep's or plan's folder inside a run's) is another run's
+    folder: neither listed nor touched."""
     found = set()
     for root, dirs, names in os.walk(folder):
         rel_root = Path(root).relative_to(folder)
         found.update((rel_root / n).as_posix() for n in names)
         found.update((rel_root / d).as_posix() for d in dirs if (Path(root) / d).is_symlink())
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink() and not (Path(root) / d / MARKER).is_file()]
     return found
 
 

@@ -33,6 +33,7 @@ import pandas as pd
 
 from sim.core.memory import InsufficientMemoryError
 from sim.names import folder_name
+from sim.output.run_dir import owned_run_folder
 from sim.scenario import apply_overrides, load_raw, parse_override, set_path, validate_scenario
 
 
@@ -542,10 +543,11 @@ def sweep_main(args: argparse.Namespace) -> int:
     raw = base_raw(args.scenario, plain, args.seed)
     out = args.out or Path("runs") / args.scenario.stem / "sweep"
     t0 = time.monotonic()
-    sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
-                      check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
-                      args.trace, args.quiet)
-    write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}")
+    with owned_run_folder(out, force=getattr(args, "force", False)):
+        sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
+                          check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
+                          args.trace, args.quiet)
+        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}")
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0)
     return 0
