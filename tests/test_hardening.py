@@ -372,3 +372,27 @@ def test_a_sweep_folder_inside_a_run_folder_is_left_alone(tmp_path):
     assert (out / "sweep" / "sweep.csv").exists()
     assert main([str(scenario), "--out", str(out), "--quiet"]) == 0       # the sweep is not foreign
     assert (out / "sweep" / "sweep.csv").exists()                          # nor stale
+
+
+def test_sigterm_mid_run_leaves_incomplete_and_no_temp_files(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sim.output.run_dir import INCOMPLETE
+
+    out = tmp_path / "out"
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL.replace("num_requests: 4", "num_requests: 200000").replace("output_len: 4", "output_len: 64"))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", str(path), "--out", str(out), "--quiet"], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / INCOMPLETE).exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-500:]
+    assert (out / INCOMPLETE).exists() and not list(out.rglob("*.tmp")) and "Traceback" not in err

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,6 +116,23 @@ def _remove_stale(folder: Path, owned: set[str]) -> None:
 
 
 @contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt (exit 130, cleanup runs) instead of killing outright."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextmanager
 def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
     """Check, clean and mark `folder` for a run; on success list what was written and drop INCOMPLETE.
     On failure INCOMPLETE stays, and the next run into the folder removes the partial files."""
@@ -130,7 +149,8 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
                                         f"its files here may be partial.\n")
     except OSError as e:
         raise OutputFolderError(f"{folder}: cannot prepare the output folder ({e.strerror or e})") from None
-    yield folder
+    with _sigterm_as_interrupt():          # so an atomic write in flight removes its temp file
+        yield folder
     written = sorted(_files(folder) - foreign - _OWN)
     write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "finished":
                                  time.strftime("%Y-%m-%dT%H:%M:%S%z"), "foreign": sorted(foreign),
