@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.core.memory import kv_bytes_per_block
+from sim.core.memory import pool_block_bytes
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
@@ -79,6 +79,17 @@ def _resolve_path(p: Any, base_dir: Path | None) -> Path:
 
 class Parallelism(StrictModel):
     tp: int = Field(default=1, ge=1, le=1024, description="tensor-parallel degree (modelled, not run)")
+    # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
+    # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
+    dp: int = Field(default=1, ge=1, le=1024, description="data-parallel degree (modelled, not run)")
+    # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
+    # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
+    ep: int = Field(default=1, ge=1, le=2**20, description="expert-parallel degree: 1 or tp x dp")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine (all its data-parallel ranks) uses."""
+        return self.tp * self.dp
 
 
 class EngineConfig(StrictModel):
@@ -107,6 +118,8 @@ class EngineConfig(StrictModel):
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
     activation_mib: Optional[float] = Field(default=None, ge=0, le=MAX_DEVICE_MIB)
+    # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
 
 # ----------------------------------------------------------------------------- workload
@@ -412,6 +425,7 @@ def _cross_checks(s: Scenario) -> list[str]:
     elif m.num_kv_heads % tp and tp % m.num_kv_heads:
         problems.append(f"parallelism.tp: {tp} neither divides nor is a multiple of the model's "
                         f"{m.num_kv_heads} KV heads")
+    problems += _parallelism_checks(s)
     if s.max_model_len > m.max_position_embeddings:
         problems.append(f"engine.max_model_len: {s.max_model_len} is beyond the model's "
                         f"max_position_embeddings ({m.max_position_embeddings})")
@@ -430,19 +444,38 @@ def _cross_checks(s: Scenario) -> list[str]:
 
 def _pool_size_checks(s: Scenario) -> list[str]:
     """num_blocks must fit the device; every replica's pool together must stay simulable."""
-    block_bytes = kv_bytes_per_block(s.model, s.engine.block_size, s.parallelism.tp)
+    block_bytes = pool_block_bytes(s.model, s.engine.block_size, s.parallelism.tp, s.engine.kv_cache_dtype)
     if s.engine.num_blocks is not None and s.engine.num_blocks * block_bytes > s.device.memory_bytes:
         return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
                 f"{s.engine.num_blocks * block_bytes / 2**30:.4g} GiB of KV cache per GPU, more than the "
                 f"device's {s.device.memory_bytes / 2**30:.4g} GiB"]
     # at most this many blocks per replica (the whole memory budget, before weights)
     per_replica = s.engine.num_blocks or int(s.device.memory_bytes * s.engine.gpu_memory_utilization) // block_bytes
-    total = per_replica * s.cluster.replicas
+    engines = s.cluster.replicas * s.parallelism.dp           # each data-parallel rank has its own pool
+    total = per_replica * engines
     if total > MAX_POOL_BLOCKS:
-        return [f"cluster.replicas: {s.cluster.replicas} replica(s) of up to {per_replica:,} KV blocks each is "
+        return [f"cluster.replicas: {engines} engine(s) (replicas x dp) of up to {per_replica:,} KV blocks each is "
                 f"{total:,} blocks, more than the {MAX_POOL_BLOCKS:,} kvtwin tracks (about 2 GB of "
                 f"bookkeeping); use fewer replicas, a larger engine.block_size or a smaller engine.num_blocks"]
     return []
+
+
+def _parallelism_checks(s: Scenario) -> list[str]:
+    par, m = s.parallelism, s.model
+    problems = []
+    if par.ep > 1:
+        if not m.is_moe:
+            problems.append(f"parallelism.ep: {par.ep} needs a mixture-of-experts model "
+                            f"(model '{m.name}' has no experts)")
+        elif par.ep != par.gpus:
+            problems.append(f"parallelism.ep: {par.ep} must be 1 or tp x dp = {par.gpus} "
+                            "(vLLM spreads the experts over every GPU of the engine)")
+        elif m.num_experts % par.ep:
+            problems.append(f"parallelism.ep: {par.ep} does not divide the model's {m.num_experts} experts")
+    elif m.is_moe and m.moe_intermediate_size % par.gpus:
+        problems.append(f"parallelism: tp x dp = {par.gpus} does not divide moe_intermediate_size "
+                        f"({m.moe_intermediate_size}); use parallelism.ep = {par.gpus}")
+    return problems
 
 
 def validate_scenario(raw: dict[str, Any], base_dir: Path | None = None,
