@@ -167,7 +167,7 @@ class Arrival(StrictModel):
     rate: Optional[float] = Field(default=None, gt=0, le=1e7, description="requests per second")
     # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
     # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
-    cv: float = Field(default=1.0, gt=0, le=1000)
+    cv: float = Field(default=1.0, gt=0, le=100)
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True
@@ -313,6 +313,10 @@ class Workload(StrictModel):
             self.num_requests = 100
         if synthetic and self.arrival.process == "offline" and self.num_requests is None:
             raise ValueError("offline arrivals need num_requests (duration_s means nothing at t=0)")
+        rate = self.arrival.rate
+        if synthetic and rate and self.num_requests and self.num_requests / rate > MAX_DURATION_S:
+            raise ValueError(f"arrival.rate {rate:g}/s spreads {self.num_requests} requests over "
+                             f"{self.num_requests / rate:.3g} s, more than the {MAX_DURATION_S:g} s (30 days) allowed")
         expected = (self.arrival.rate or 0) * (self.duration_s or 0)
         if synthetic and self.num_requests is None and expected > MAX_REQUESTS:
             raise ValueError(f"arrival.rate x duration_s = {expected:.3g} requests, more than the "

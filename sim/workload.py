@@ -186,6 +186,9 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
     if duration is None:
         times = _process_times(arrival, rng, count)
         if arrival.process != "fixed" and arrival.rescale:
+            if not times[-1] > 0:       # a huge cv: every gap underflowed to 0
+                raise WorkloadError(f"workload.arrival: cv {arrival.cv:g} gives {count} arrivals all at t=0 "
+                                    f"(every gamma gap underflows); use a smaller cv or process: offline")
             times *= count / arrival.rate / times[-1]   # vLLM bench: last one at exactly n/rate
         return times
     expected = int(duration * arrival.rate * 1.1) + 16

@@ -28,6 +28,9 @@ from sim.errors import UserError
 from sim.output.io import write_json
 from sim.scenario import ScenarioError, expand_variants, load_scenario
 
+# numpy's "invalid value" warnings mean NaN got through: a case that raises one fails
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 CLEAN = (ScenarioError, UserError, InsufficientMemoryError, ValueError, OSError)   # what main() prints
 CASE_ALARM_S = 30
 MAX_MESSAGE = 3000
@@ -36,8 +39,10 @@ BASE: dict[str, Any] = {
     "name": "fuzz", "seed": 3,
     "model": {"base": "qwen2.5-0.5b", "max_position_embeddings": 4096},
     "device": {"base": "h100-sxm", "reserved_mib": 10},
+    "parallelism": {"tp": 1, "dp": 1},
     "engine": {"num_blocks": 512, "block_size": 16, "max_model_len": 256, "max_num_seqs": 8,
-               "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.9, "scheduling_policy": "priority"},
+               "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.9, "scheduling_policy": "priority",
+               "kv_cache_dtype": "auto"},
     "workload": {
         "num_requests": 6, "warmup_requests": 1,
         "arrival": {"process": "gamma", "rate": 20.0, "cv": 2.0},

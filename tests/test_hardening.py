@@ -396,3 +396,18 @@ def test_sigterm_mid_run_leaves_incomplete_and_no_temp_files(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-500:]
     assert (out / INCOMPLETE).exists() and not list(out.rglob("*.tmp")) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arrival, message", [
+    ("{process: poisson, rate: 2.5e-320}", "30 days"),
+    ("{process: gamma, rate: 10, cv: 99}", "all at t=0"),
+])
+def test_arrival_processes_that_would_give_nan_times_are_errors(tmp_path, arrival, message):
+    from sim.workload import build_workload
+
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL.replace("num_requests: 4", f"num_requests: 4, arrival: {arrival}"))
+    with pytest.raises(ValueError, match=message):
+        from sim.scenario import load_scenario
+
+        build_workload(load_scenario(path))
