@@ -186,9 +186,6 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
     if duration is None:
         times = _process_times(arrival, rng, count)
         if arrival.process != "fixed" and arrival.rescale:
-            if not times[-1] > 0:       # a huge cv: every gap underflowed to 0
-                raise WorkloadError(f"workload.arrival: cv {arrival.cv:g} gives {count} arrivals all at t=0 "
-                                    f"(every gamma gap underflows); use a smaller cv or process: offline")
             times *= count / arrival.rate / times[-1]   # vLLM bench: last one at exactly n/rate
         return times
     expected = int(duration * arrival.rate * 1.1) + 16
@@ -206,7 +203,11 @@ def _process_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.nda
     if arrival.process == "poisson":
         return np.cumsum(rng.exponential(1.0 / rate, n))
     shape = 1.0 / arrival.cv ** 2
-    return np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
+    times = np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
+    if not times[-1] > 0:       # a huge cv: every gap underflowed to 0 (and time would never advance)
+        raise WorkloadError(f"workload.arrival: cv {arrival.cv:g} gives {n} arrivals all at t=0 "
+                            f"(every gamma gap underflows); use a smaller cv or process: offline")
+    return times
 
 
 def _request_lengths(w: Workload, seed: int, opening: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -411,3 +411,14 @@ def test_arrival_processes_that_would_give_nan_times_are_errors(tmp_path, arriva
         from sim.scenario import load_scenario
 
         build_workload(load_scenario(path))
+
+
+def test_a_duration_bounded_gamma_process_that_cannot_advance_is_an_error_not_a_hang(tmp_path):
+    from sim.scenario import load_scenario
+    from sim.workload import build_workload
+
+    path = tmp_path / "s.yaml"
+    path.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\n"
+                    "workload: {duration_s: 10, arrival: {process: gamma, rate: 1, cv: 99}}\n")
+    with pytest.raises(ValueError, match="all at t=0"):
+        build_workload(load_scenario(path))
