@@ -422,3 +422,25 @@ def test_a_duration_bounded_gamma_process_that_cannot_advance_is_an_error_not_a_
                     "workload: {duration_s: 10, arrival: {process: gamma, rate: 1, cv: 99}}\n")
     with pytest.raises(ValueError, match="all at t=0"):
         build_workload(load_scenario(path))
+
+
+def test_a_crafted_marker_cannot_make_kvtwin_delete_outside_its_folder(tmp_path):
+    from sim.output.run_dir import MARKER
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"kvtwin": "run folder", "files": ["../victim.txt", str(victim)]}))
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert victim.read_text() == "keep me"
+
+
+def test_hidden_temp_files_in_a_foreign_folder_are_not_ours(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".mine.tmp").write_text("user's")
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 2
+    for _ in range(2):          # and a second forced run still knows it is the user's
+        assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--force"]) == 0
+        assert (out / ".mine.tmp").read_text() == "user's"

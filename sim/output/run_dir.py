@@ -72,14 +72,16 @@ def _read_marker(folder: Path) -> dict | None:
 def _owned_and_foreign(folder: Path, present: set[str]) -> tuple[set[str], set[str]]:
     """Files of kvtwin's earlier run here, and files that are someone else's."""
     marker = _read_marker(folder)
-    if marker is None:
-        owned: set[str] = set()
-    elif isinstance(marker.get("files"), list):         # a finished run listed what it wrote
+    if marker is None:                                  # not kvtwin's: every file is foreign
+        return set(), present
+    foreign = set(map(str, marker.get("foreign") or []))     # there before a --force run
+    if isinstance(marker.get("files"), list):           # a finished run listed what it wrote
         owned = set(map(str, marker["files"]))
     else:                                               # an interrupted run: all but the foreign files
-        owned = present - set(map(str, marker.get("foreign") or []))
-    owned |= {f for f in present if _is_temp(f)} | (_OWN if marker is not None else set())
-    return owned & present, present - owned - ({INCOMPLETE} if marker is not None else set())
+        owned = present - foreign
+    owned |= {f for f in present if _is_temp(f) and f not in foreign} | _OWN
+    # `& present`: the marker is a file like any other; only what is really under `folder` counts
+    return owned & present, present - owned
 
 
 def check_out_folder(folder: Path, force: bool = False) -> set[str]:
@@ -141,9 +143,8 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
     foreign = check_out_folder(folder, force)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if folder.exists():
-            owned, _ = _owned_and_foreign(folder, _files(folder))
-            _remove_stale(folder, owned - {MARKER})
+        owned, _ = _owned_and_foreign(folder, _files(folder))
+        _remove_stale(folder, owned - {MARKER})
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "foreign": sorted(foreign)})
         write_text(folder / INCOMPLETE, f"kvtwin run started {started} has not finished (or was killed); "
