@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.core.files import excerpt, open_text
+from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Trace
 
@@ -158,7 +158,7 @@ def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.n
             missing = [c for c in needed if c not in header]
             if missing:
                 raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
-                                 f"(found {excerpt(header, 80)}; expected {needed})")
+                                 f"(found {len(header)} columns: {_names(header)}; expected {needed})")
             cols = [header.index(c) for c in needed]
             values: list[list[str]] = [[] for _ in needed]
             lines = []
@@ -176,6 +176,11 @@ def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.n
     if not lines:
         raise TraceError(f"{path}: no rows after the header")
     return dict(zip(needed, values)), np.array(lines, dtype=np.int64)
+
+
+def _names(header: list[str]) -> str:
+    """A file's column names, each and all cut short (the header may be any file's first line)."""
+    return excerpt(", ".join(h[:FILE_EXCERPT_CHARS] for h in header[:6]), 3 * FILE_EXCERPT_CHARS)
 
 
 def _numbers(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: str) -> np.ndarray:
@@ -196,7 +201,7 @@ def _counts(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: 
     bad = np.flatnonzero((values < 0) | (values != np.floor(values)) | (values >= MAX_VALUE))
     if len(bad):
         i = bad[0]
-        raise TraceError(f"{path}:{lines[i]}: {column} is {excerpt(table[column][i])}, "
+        raise TraceError(f"{path}:{lines[i]}: {column} is {excerpt(table[column][i], FILE_EXCERPT_CHARS)}, "
                          f"expected a whole number of tokens >= 0 (below 2^53)")
     return values.astype(np.int64)
 
@@ -209,7 +214,7 @@ def _raise_first_bad(path: Path, lines: np.ndarray, strings: list[str], column: 
         except (ValueError, OverflowError):
             good = False
         if not good:
-            raise TraceError(f"{path}:{line}: {column} is {excerpt(s)}, expected {expected}")
+            raise TraceError(f"{path}:{line}: {column} is {excerpt(s, FILE_EXCERPT_CHARS)}, expected {expected}")
     raise AssertionError("a column failed to parse but no value is bad")
 
 
@@ -249,7 +254,7 @@ def _field(obj: dict, key: str, where: str, expected: str, check: Callable[[Any]
     except (OverflowError, ValueError):
         ok = False
     if not ok:
-        raise TraceError(f"{where}: {key} is {excerpt(value)}, expected {expected} (below 2^53 in size)")
+        raise TraceError(f"{where}: {key} is {excerpt(value, FILE_EXCERPT_CHARS)}, expected {expected} (below 2^53 in size)")
     return value
 
 
@@ -336,5 +341,5 @@ def _literal_prompt(obj: dict, where: str) -> Optional[list[int]]:
 def _tenant(obj: dict, where: str) -> Optional[str]:
     tenant = obj.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
-        raise TraceError(f"{where}: tenant is {excerpt(tenant)}, expected a name (string)")
+        raise TraceError(f"{where}: tenant is {excerpt(tenant, FILE_EXCERPT_CHARS)}, expected a name (string)")
     return tenant

@@ -47,7 +47,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from sim.core.files import excerpt, open_text
+from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
@@ -351,7 +351,7 @@ def _read_lengths(path: Path, column: Optional[str], where: str) -> np.ndarray:
             try:
                 if column not in (reader.fieldnames or []):
                     raise WorkloadError(f"{path}:1: no column {excerpt(column)} (columns: "
-                                        f"{excerpt(reader.fieldnames, 200)}; {where}.column)")
+                                        f"{excerpt(', '.join(reader.fieldnames or [])[:200], 3 * FILE_EXCERPT_CHARS)}; {where}.column)")
                 items = [(reader.line_num, (row[column] or "").strip()) for row in reader]
             except csv.Error as e:     # a field over csv's 128 KiB limit, a NUL byte
                 raise WorkloadError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
@@ -366,7 +366,7 @@ def _whole(text: str, where: str, expected: str) -> int:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and 0 <= value < 2**53 and value == int(value)):
-        raise WorkloadError(f"{where}: {excerpt(text)} is not a token length; expected {expected}")
+        raise WorkloadError(f"{where}: {excerpt(text, FILE_EXCERPT_CHARS)} is not a token length; expected {expected}")
     return int(value)
 
 

@@ -283,14 +283,16 @@ def test_errors_print_literally_without_markup_or_emoji(tmp_path, capsys):
     assert code == 2 and ":x: [bold]b[/bold]" in err and "\u274c" not in err
 
 
-def test_a_file_named_as_a_trace_is_not_echoed(tmp_path, capsys):
+def test_a_file_named_as_a_trace_or_length_file_is_not_echoed(tmp_path, capsys):
     secret = tmp_path / "passwd"
-    secret.write_text("root:" + "S3CRET" * 2000 + ":0:0:root:/root:/bin/bash\nuser:x:1000\n")
-    for fmt in ("azure", "jsonl"):
-        code, err = run_cli([trace_scenario(tmp_path, fmt, secret), "--out", tmp_path / "o"], capsys)
-        assert code == 2 and str(secret) in err
-        assert err.count("S3CRET") <= 15, err           # a bounded excerpt at most
-        assert "Traceback" not in err
+    secret.write_text("root:x:0:0:root:/root:/bin/bash:" + "S3CRET" * 2000 + "\nuser:x:1000\n")
+    lengths = tmp_path / "lengths.yaml"
+    lengths.write_text(SMALL.replace("prompt_len: 16", f"prompt_len: {{dist: empirical, file: {secret}}}"))
+    cases = [trace_scenario(tmp_path, fmt, secret) for fmt in ("azure", "burstgpt", "jsonl", "mooncake")]
+    for scenario in cases + [lengths]:
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+        assert code == 2 and str(secret) in err and "Traceback" not in err
+        assert "/root:/bin/bash" not in err and "S3CRET" not in err, err     # at most a short excerpt
 
 
 def hostile_files(tmp_path) -> dict[str, Path]:

@@ -23,6 +23,7 @@ MAX_YAML_NODES = 1_000_000               # after alias expansion
 MAX_DEPTH = 64
 MAX_INT = 2**63 - 1                      # what numpy's int64 (and so every length column) holds
 EXCERPT_CHARS = 40
+FILE_EXCERPT_CHARS = 20                  # a value quoted from a data file (a trace, a length file)
 
 
 class FileFormatError(ValueError):
