@@ -131,7 +131,7 @@ class LengthDist(StrictModel):
     value: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
     min: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS)
     max: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
-    mean: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS)
+    mean: Optional[float] = Field(default=None, ge=1e-3, le=MAX_TOKENS)      # tokens; tinier overflows
     std: Optional[float] = Field(default=None, ge=0, le=MAX_TOKENS)
     values: Optional[list[int]] = Field(default=None, max_length=MAX_REQUESTS)
     file: Optional[Path] = None
@@ -167,7 +167,7 @@ class Arrival(StrictModel):
     rate: Optional[float] = Field(default=None, gt=0, le=1e7, description="requests per second")
     # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
     # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
-    cv: float = Field(default=1.0, gt=0, le=100)
+    cv: float = Field(default=1.0, ge=1e-3, le=100)      # beyond these the gamma shape over/underflows
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True

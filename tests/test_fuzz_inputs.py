@@ -61,7 +61,7 @@ BASE: dict[str, Any] = {
 # YAML snippets: non-finite, negative, zero, huge, wrong types, deep, long, markup, aliases
 HOSTILE_YAML = [".inf", "-.inf", ".nan", "-1", "0", "1e30", "99999999999999999999999", "''", "[]", "{}",
                 "null", "true", "'" + "x" * 5000 + "'", "[[[[[[[[[[[[1]]]]]]]]]]]]", "':x: [red]boom[/red]'",
-                "{a: {b: {c: [1, 2]}}}", "0.5", "-0.0", "2.5e-320", "'../../etc/passwd'"]
+                "{a: {b: {c: [1, 2]}}}", "0.5", "-0.0", "2.5e-320", "1e-300", "'../../etc/passwd'"]
 
 
 def leaf_paths(node: Any, prefix: str = "") -> list[str]:
