@@ -256,7 +256,7 @@ class ExplicitRequest(StrictModel):
 class Trace(StrictModel):
     format: Literal["azure", "mooncake", "burstgpt", "jsonl"]
     path: Path
-    time_scale: float = Field(default=1.0, gt=0, le=1e9, description="replay at k x speed")
+    time_scale: float = Field(default=1.0, ge=1e-6, le=1e9, description="replay at k x speed")
     window_s: Optional[tuple[float, float]] = None
     sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
     max_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
