@@ -449,3 +449,15 @@ def test_hidden_temp_files_in_a_foreign_folder_are_not_ours(tmp_path, capsys):
     for _ in range(2):          # and a second forced run still knows it is the user's
         assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--force"]) == 0
         assert (out / ".mine.tmp").read_text() == "user's"
+
+
+def test_validate_refuses_a_foreign_folder_before_measuring(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    import validate.run
+
+    monkeypatch.setattr(validate.run, "validate", lambda *a, **k: pytest.fail("measured before checking --out"))
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["validate", str(small_scenario(tmp_path)), "--device", "cpu", "--out", str(out)]) == 2
+    assert "notes.txt" in capsys.readouterr().err
