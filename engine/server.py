@@ -217,6 +217,12 @@ class Histogram:
         return out + [f"{name}_sum{{{labels}}} {self.sum!r}", f"{name}_count{{{labels}}} {cumulative}"]
 
 
+def _label_value(text: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped (the model name comes
+    from a user's file and must not break, or add lines to, /metrics)."""
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class ServerMetrics:
     """What /metrics shows. Written by the engine thread, rendered on the event loop: one lock."""
 
@@ -230,7 +236,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, block_size: int, num_blocks: int):
         self._lock = threading.Lock()
-        self.labels = f'model_name="{model_name}"'
+        self.labels = f'model_name="{_label_value(model_name)}"'
         self.cache_labels = f'block_size="{block_size}",num_gpu_blocks="{num_blocks}"'
         self.gauges = {"running": 0, "waiting": 0, "kv_usage": 0.0}
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,

@@ -188,3 +188,10 @@ def test_client_leaving_mid_body_is_not_an_error(caplog):
     assert sent[0]["status"] == 499
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
     assert any("disconnected" in r.getMessage() and r.levelname == "DEBUG" for r in caplog.records)
+
+
+def test_metrics_label_escapes_a_hostile_model_name():
+    metrics = ServerMetrics('evil"} 1\nvllm:fake_total{a="b', 16, 64)
+    lines = metrics.render().splitlines()
+    assert not any(line.startswith("vllm:fake_total") for line in lines)
+    assert 'model_name="evil\\"} 1\\nvllm:fake_total{a=\\"b"' in metrics.render()
