@@ -10,8 +10,11 @@ later code walks it), and deep nesting that would overflow the parser's recursio
 """
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import reprlib
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, TextIO
@@ -91,28 +94,38 @@ def _binary_kind(data: bytes) -> str | None:
 
 
 @contextmanager
-def open_text(path: str | Path, what: str = "file") -> Iterator[TextIO]:
+def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False) -> Iterator[TextIO]:
     """A UTF-8 text file opened for streaming (a trace too big to hold twice): binary, compressed
-    and UTF-16 files are refused up front, and a bad byte later on is an error naming the file."""
+    and UTF-16 files are refused up front, and a bad byte later on is an error naming the file.
+    With `gzip_ok`, a gzip file (by its magic bytes) is decompressed on the fly."""
     path = Path(path)
     if path.is_dir():
         raise FileFormatError(f"{path}: is a folder, expected a {what}")
     try:
         with path.open("rb") as raw:
-            kind = _binary_kind(raw.read(8192))
+            head = raw.read(8192)
+        gzipped = gzip_ok and head.startswith(b"\x1f\x8b")
+        if gzipped:
+            with gzip.open(path, "rb") as raw:
+                head = raw.read(8192)
+        kind = _binary_kind(head)
         if kind:
-            raise FileFormatError(f"{path}: {kind}, expected a UTF-8 text {what}")
-        f = path.open(encoding="utf-8-sig", newline="")
+            raise FileFormatError(f"{path}: {kind}, expected a UTF-8 text {what}"
+                                  + (" (inside the gzip)" if gzipped else ""))
+        binary = gzip.open(path, "rb") if gzipped else path.open("rb")
+        f = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="")
     except FileNotFoundError:
         raise FileFormatError(f"{path}: no such file (expected a {what})") from None
-    except OSError as e:
-        raise FileFormatError(f"{path}: cannot read ({e.strerror or e}) (a {what})") from None
+    except (OSError, EOFError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
+        raise FileFormatError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e}) (a {what})") from None
     try:
         with f:
             yield f
     except UnicodeDecodeError as e:
         raise FileFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a chunk), "
                               f"expected a UTF-8 text {what}") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:     # a truncated or corrupt gzip stream
+        raise FileFormatError(f"{path}: a damaged gzip stream ({e}) (a {what})") from None
 
 
 # ----------------------------------------------------------------------------- YAML
