@@ -310,19 +310,18 @@ def _field(obj: dict, key: str, where: str, expected: str, check: Callable[[Any]
     if key not in obj:
         raise TraceError(f"{where}: missing {key!r}, expected {expected}")
     value = obj[key]
-    try:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) < MAX_VALUE \
-            and check(value)
+    try:     # an integer too big for a float (10**400) overflows here: a bad value, not a crash
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and check(value)
     except (OverflowError, ValueError):
         ok = False
     if not ok:
-        raise TraceError(f"{where}: {key} is {excerpt(value, FILE_EXCERPT_CHARS)}, expected {expected} (below 2^53 in size)")
+        raise TraceError(f"{where}: {key} is {excerpt(value, FILE_EXCERPT_CHARS)}, expected {expected}")
     return value
 
 
 def _count(obj: dict, key: str, where: str) -> int:
-    return int(_field(obj, key, where, "a whole number of tokens >= 0",
-                      lambda v: math.isfinite(v) and v >= 0 and v == int(v)))
+    return int(_field(obj, key, where, "a whole number of tokens >= 0 (below 2^53)",
+                      lambda v: math.isfinite(v) and 0 <= v < MAX_VALUE and v == int(v)))
 
 
 def _time(obj: dict, key: str, where: str, expected: str) -> float:
@@ -389,7 +388,8 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
         prompts.append(len(tokens) if tokens is not None else _count(obj, keys["prompt_len"], where))
         outputs.append(_count(obj, keys["output_len"], where))
         tenants.append(_tenant(obj, where, keys["tenant"]))
-        priorities.append(int(_field(obj, keys["priority"], where, "an integer", lambda v: v == int(v)))
+        priorities.append(int(_field(obj, keys["priority"], where, "an integer below 2^31 in size",
+                                     lambda v: abs(v) < 2**31 and v == int(v)))
                           if keys["priority"] in obj else 0)
         lines.append(line_no)
 
@@ -419,10 +419,10 @@ def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
     priorities = None
     if keys["priority"] in table:
         priorities = _numbers(path, lines, table, keys["priority"])
-        bad = np.flatnonzero(priorities != np.floor(priorities))
+        bad = np.flatnonzero((priorities != np.floor(priorities)) | (np.abs(priorities) >= 2**31))
         if len(bad):
             raise TraceError(f"{path}:{lines[bad[0]]}: {keys['priority']} is "
-                             f"{excerpt(table[keys['priority']][bad[0]], FILE_EXCERPT_CHARS)}, expected an integer")
+                             f"{excerpt(table[keys['priority']][bad[0]], FILE_EXCERPT_CHARS)}, expected an integer below 2^31 in size")
         priorities = priorities.astype(np.int64).tolist()
     return _Rows(_numbers(path, lines, table, arrival) * SECONDS_PER[time_unit(trace)], prompt,
                  _counts(path, lines, table, keys["output_len"]), _unique_prompt(lines, prompt),

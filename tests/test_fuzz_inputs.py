@@ -285,7 +285,9 @@ GOOD_TRACES = {
                  '{"timestamp": 27, "input_length": 600, "output_length": 4, "hash_ids": [1, 3]}\n'),
     "jsonl": ('{"arrival_s": 0.0, "prompt_len": 12, "output_len": 3, "tenant": "a", "priority": 1}\n'
               '{"arrival_s": 0.5, "prompt": [1, 2, 3], "output_len": 2}\n'),
+    "csv": "arrival_s,prompt_len,output_len,tenant,priority\n0.0,12,3,a,1\n0.5,20,4,b,0\n1.5,7,2,,2\n",
 }
+CSV_FORMATS = ("azure", "burstgpt", "csv")
 CELL_VALUES = ["", "x", "-1", "1e400", "9" * 30, "NaN", "1.5", '"', "[]", "{}", "true", "null", "-0",
                "9" * 5000, "\u202e", "2023-13-45 99:99:99"]
 JSON_VALUES = ["-1", "1e400", "9" * 30, "NaN", "Infinity", "1.5", '"x"', "[]", "{}", "true", "null",
@@ -297,7 +299,7 @@ def trace_cases() -> list[tuple[str, tuple[str, bytes]]]:
     cases: list[tuple[str, tuple[str, bytes]]] = []
     for fmt, text in GOOD_TRACES.items():
         lines = text.splitlines()
-        if fmt in ("azure", "burstgpt"):
+        if fmt in CSV_FORMATS:
             header = lines[0].split(",")
             for col in range(len(header)):
                 for value in rng.sample(CELL_VALUES, 6):
@@ -342,7 +344,7 @@ def test_malformed_traces(tmp_path):
 
     def one(case_id: str, payload: tuple[str, bytes]) -> None:
         fmt, data = payload
-        path = tmp_path / f"trace.{'csv' if fmt in ('azure', 'burstgpt') else 'jsonl'}"
+        path = tmp_path / f"trace.{'csv' if fmt in CSV_FORMATS else 'jsonl'}"
         path.write_bytes(data)
         try:
             loaded = load_trace(Trace(format=fmt, path=path), seed=0)

@@ -110,10 +110,10 @@ def test_parsing_runs_off_the_event_loop(monkeypatch):
     started, release = threading.Event(), threading.Event()
     real = server.parse_body
 
-    def slow_parse(data, served):
+    def slow_parse(data, served, parse=None):
         started.set()
         release.wait(10)
-        return real(data, served)
+        return real(data, served, parse)
 
     monkeypatch.setattr(server, "parse_body", slow_parse)
     with client() as c:
