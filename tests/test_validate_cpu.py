@@ -7,10 +7,12 @@ throughput). So the tests assert
   - policy figures exactly: KV pool size, preemptions, requests finished, prefix hit rate,
     and, with every request at t=0 (a timing-free schedule), the KV peak and the step count,
     and from the step counts that continuous batching needs far fewer steps than static;
-  - the cost model against the *same run's* measured steps, by rank only: the steps the
-    model prices in its top quarter must take longer, by their median measured time, than
-    those in its bottom quarter. A uniform (or any monotone) slowdown of the machine cannot
-    fail that; a cost model blind to the batch composition does.
+  - the cost model against the *same run's* measured steps, by rank only (the online smoke
+    run, whose steps range from lone decodes to prefill-heavy ones): the steps the model
+    prices in its top quarter must take longer, by their median measured time, than those in
+    its bottom quarter. A uniform (or any monotone) slowdown of the machine cannot fail that;
+    a cost model blind to the batch composition does. (The t=0 static/continuous runs hold
+    steps too alike to rank, so they are checked on policy figures only.)
 Timing accuracy belongs in bench/ and in the GPU check (tolerances recorded per report).
 """
 from pathlib import Path
@@ -29,10 +31,14 @@ def row(table, metric, column="relative_error"):
 
 
 def slow_steps_rank_slow(steps) -> tuple[float, float]:
-    """Median measured time of the steps the cost model prices highest (top quarter) and lowest."""
+    """Median measured time of the steps the cost model prices highest (top quarter) and lowest.
+    The run must give the model a real contrast to rank (its top quarter priced at least 1.5x
+    the bottom one: prefill-heavy steps against lone decodes), else the check would be noise."""
     ranked = steps.sort_values("predicted_s")
     quarter = max(1, len(ranked) // 4)
-    return float(ranked["measured_s"].iloc[-quarter:].median()), float(ranked["measured_s"].iloc[:quarter].median())
+    top, bottom = ranked.iloc[-quarter:], ranked.iloc[:quarter]
+    assert top["predicted_s"].median() > 1.5 * bottom["predicted_s"].median(), "no contrast to rank"
+    return float(top["measured_s"].median()), float(bottom["measured_s"].median())
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +72,6 @@ def test_static_vs_continuous_on_the_engine(profile):
         assert row(v.table, "KV blocks peak") == 0, name
         assert len(v.predicted.steps) == len(v.measured.steps), name
         assert v.measured.summary["requests_finished"] == 40, name
-        slow, fast = slow_steps_rank_slow(v.steps)
-        assert slow > fast > 0, (name, slow, fast)
     steps = {name: len(v.measured.steps) for name, v in runs.items()}
     assert steps["static"] > 1.5 * steps["continuous"], steps
     predicted = {name: row(v.table, "request throughput (req/s)", "predicted") for name, v in runs.items()}
