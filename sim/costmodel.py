@@ -53,6 +53,7 @@ class CostCoefficients:
     prefill_seq_host_s: float = 20e-6  # per prefill sequence (admission: prefix lookup, allocation)
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
+    link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
 
     @classmethod
     def names(cls) -> list[str]:
@@ -153,8 +154,8 @@ class CostModel:
         if tp > 1:
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
-            self._allreduce_token_s = 2 * ring * h * s / link          # two all-reduces per layer
-            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6
+            self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
+            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6 / c.link_eff
         else:
             self._allreduce_token_s = self._allreduce_fixed_s = 0.0
 
