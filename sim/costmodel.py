@@ -130,6 +130,11 @@ class CostModel:
     def calibrated(self) -> bool:
         return self.profile.calibrated
 
+    @property
+    def step_time_source(self) -> str:
+        """Where step times come from, for every output: 'datasheet' or 'calibrated'."""
+        return "calibrated" if self.profile.calibrated else "datasheet"
+
     def _precompute(self) -> None:
         m, tp, c = self.model, self.tp, self.coefficients
         peak_flops = self.device.bf16_tflops * 1e12
@@ -196,5 +201,6 @@ class CostModel:
         return c.step_device_s + self.model.num_layers * per_layer + head
 
     def describe(self) -> dict:
-        return {"calibrated": self.calibrated, "source": self.profile.source,
+        return {"calibrated": self.calibrated, "step_time_source": self.step_time_source,
+                "source": self.profile.source, "quality": self.profile.fit.get("quality"),
                 "coefficients": asdict(self.coefficients), "tp": self.tp}

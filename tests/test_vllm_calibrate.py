@@ -55,7 +55,7 @@ def test_round_trip_recovers_the_hidden_efficiencies_and_predicts_the_held_out_r
     runs = [r for p in run_files for r in load_results(p)]
     fit = calibrate_from_vllm(validate_scenario(DEPLOYMENT), runs)
     c = fit.profile.coefficients
-    print(fit.parameters, fit.errors.to_string())
+    print(fit.parameters, fit.errors.to_string())   # pytest -s shows the recovered coefficients
     assert c.flops_eff == pytest.approx(HIDDEN.flops_eff, rel=0.10)
     assert c.bw_eff == pytest.approx(HIDDEN.bw_eff, rel=0.10)
     held = fit.errors[fit.errors["role"] == "held out"].set_index("metric")["error"]
@@ -88,6 +88,14 @@ def test_cli_writes_a_loadable_profile_with_provenance(run_files, tmp_path, caps
     assert profile.calibrated and profile.model_name == "qwen2.5-0.5b" and profile.device_name == "l4"
     assert profile.fit["method"] == "vllm-runs" and profile.fit["runs"] == [str(p) for p in (run_files[0], run_files[2])]
     assert "vllm" in out.read_text().splitlines()[0]
+    # a run with the profile says where its step times come from (summary and manifest)
+    scenario = validate_scenario({**DEPLOYMENT, "device": {"base": "l4", "profile": str(out)},
+                                  "workload": {"num_requests": 4, "prompt_len": 64, "output_len": 4}})
+    result = predict(scenario)
+    assert result.summary["step_time_source"] == "calibrated"
+    assert result.manifest["cost_model"]["quality"] in ("ok", "poor")
+    assert predict(validate_scenario({**DEPLOYMENT, "workload": scenario.workload.model_dump()})).summary[
+        "step_time_source"] == "datasheet"
 
 
 def test_out_of_range_coefficients_and_large_errors_are_flagged():
