@@ -1,16 +1,20 @@
 """Step time from a batch's composition: host overhead plus a roofline per layer group.
 
     step = host + device
-    host   = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
-             + token_host_s x tokens (+ wake_s on the first step after the engine sat idle:
-             cold caches and clocks; calibration measures it)
+    host   = graph_launch_s + exposed scheduler host time + exposed output time (+ wake_s on the
+             first step after the engine sat idle: cold caches and clocks; calibration measures it)
+      scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
+                       + token_host_s x tokens; all of it synchronously, only its excess over the
+                       device time with async scheduling (vLLM >= 0.11 on a GPU: engine.async_scheduling)
+      output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
+                       only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
                  + max(linear FLOPs / (peak x flops_eff), weight bytes / (bw x bw_eff))
                  + max(attention FLOPs / (peak x attn_flops_eff), KV bytes / (bw x attn_bw_eff))
                  + blocks walked x block_overhead_s
                  + prefill sequences x prefill_seq_overhead_s
                  + tp all-reduce)
-             + max(LM-head FLOPs, LM-head bytes) + sampling bytes
+             + max(LM-head FLOPs, LM-head bytes) + sampling bytes + sample_seq_s x sequences
 
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
@@ -54,6 +58,11 @@ class CostCoefficients:
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
     link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
+    # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
+    graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
+    sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
+    detok_token_s: float = 0.0        # per emitted token: detokenization (output process, overlapped)
+    api_token_s: float = 0.0          # per emitted token: the API server streaming it (overlapped)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -115,16 +124,20 @@ class CostModel:
     """Turns a Batch's composition into (host seconds, device seconds)."""
 
     def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
-                 profile: Optional[DeviceProfile] = None):
+                 profile: Optional[DeviceProfile] = None, async_scheduling: bool = False):
         self.model, self.device, self.tp = model, device, tp
         self.profile = profile or DeviceProfile()
         self.coefficients = self.profile.coefficients
+        self.async_scheduling = async_scheduling
         self._precompute()
 
     @classmethod
-    def for_scenario(cls, scenario) -> "CostModel":
-        profile = DeviceProfile.load(scenario.device.profile) if scenario.device.profile else None
-        return cls(scenario.model, scenario.device, scenario.parallelism.tp, profile)
+    def for_scenario(cls, scenario, profile: Optional[DeviceProfile] = None) -> "CostModel":
+        """The scenario's cost model: its device profile (or `profile`) and its overlap rules."""
+        if profile is None and scenario.device.profile:
+            profile = DeviceProfile.load(scenario.device.profile)
+        overlap = scenario.engine.async_scheduling and scenario.device.name != "cpu"
+        return cls(scenario.model, scenario.device, scenario.parallelism.tp, profile, overlap)
 
     @property
     def calibrated(self) -> bool:
@@ -169,16 +182,31 @@ class CostModel:
         decodes = len(batch.decodes)
         seqs = decodes + len(batch.prefills)
         host = self._host_time(seqs, decodes, batch.num_prefill_tokens)
+        device = self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
+                                   batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max)
+        host = self._exposed_host(host, device, seqs, max)
         if after_idle:
             host += self.coefficients.wake_s
-        return host, self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
-                                       batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max)
+        return host, device
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
         col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
-        host = self._host_time(*col[:3]) + self.coefficients.wake_s * after_idle(steps)
-        return host, self._device_time(*col, np.maximum)
+        device = self._device_time(*col, np.maximum)
+        host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum)
+        return host + self.coefficients.wake_s * after_idle(steps), device
+
+    def _exposed_host(self, host, device, seqs, maximum):
+        """The host time a step adds to the device's, by the engine's overlap rules.
+
+        Output processing (detokenization, API streaming) runs in the API server's process and
+        only shows when it is slower than the engine's own step. Synchronous scheduling puts the
+        scheduler's host work before each launch; async scheduling plans step N+1 while step N
+        runs, so only what exceeds the device time shows. The graph launch is always serial."""
+        c = self.coefficients
+        output = (c.detok_token_s + c.api_token_s) * seqs
+        engine = c.graph_launch_s + (maximum(host - device, 0.0) if self.async_scheduling else host)
+        return engine + maximum(output - (engine + device), 0.0)
 
     def _host_time(self, seqs, decodes, prefill_tokens):
         c = self.coefficients
@@ -197,10 +225,12 @@ class CostModel:
                      + (seqs - decodes) * c.prefill_seq_overhead_s
                      + tokens * self._allreduce_token_s + self._allreduce_fixed_s)
         rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
-        head = maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
+        head = (maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
+                + rows * c.sample_seq_s)
         return c.step_device_s + self.model.num_layers * per_layer + head
 
     def describe(self) -> dict:
         return {"calibrated": self.calibrated, "step_time_source": self.step_time_source,
+                "async_scheduling": self.async_scheduling,
                 "source": self.profile.source, "quality": self.profile.fit.get("quality"),
                 "coefficients": asdict(self.coefficients), "tp": self.tp}

@@ -94,6 +94,9 @@ class EngineConfig(StrictModel):
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
     activation_mib: Optional[float] = Field(default=None, ge=0)
+    # vLLM >= 0.11 plans step N+1 while step N runs (auto, resolving to on): host work hides behind
+    # the device. Applies to GPU devices; on a CPU "device" host and device share the processor.
+    async_scheduling: bool = True
 
 
 # ----------------------------------------------------------------------------- workload

@@ -50,17 +50,24 @@ POOR_FIT = 0.10       # mean relative error of a metric's per-request mean beyon
 
 @dataclass
 class Replay:
-    """One run ready to simulate: its requests and measured latencies, in arrival order."""
+    """One run ready to simulate: its requests and measured latencies, in arrival order.
 
-    run: VllmResult
+    `summary`: only the run's means are known (a pasted benchmark printout); predictions are
+    then reduced to means too. `scenario`: the run's own deployment settings where they differ
+    from the shared one (e.g. its KV pool from its startup log)."""
+
+    run: Optional[VllmResult]
     requests: list
     measured: dict[str, np.ndarray]
     notes: list[str]
+    summary: bool = False
+    scenario: object = None
+    label: str = ""
 
     @classmethod
     def of(cls, run: VllmResult, seed: int = 0) -> "Replay":
         requests, notes = to_requests(run, seed)
-        return cls(run, requests, run.latencies(), notes)
+        return cls(run, requests, run.latencies(), notes, label=run.source)
 
 
 @dataclass
@@ -84,14 +91,20 @@ def coefficients_from(params: dict[str, float], base: CostCoefficients) -> CostC
 
 
 def simulate_replay(scenario, replay: Replay, coefficients: CostCoefficients, plan=None) -> dict[str, np.ndarray]:
-    """Predicted per-request latencies of one run under `coefficients`, in arrival order."""
-    cost = CostModel(scenario.model, scenario.device, scenario.parallelism.tp, DeviceProfile(coefficients))
-    plan = plan or plan_memory(scenario)
+    """Predicted per-request latencies of one run under `coefficients`, in arrival order (means
+    for a summary-only run), and the run's duration (first send to last token)."""
+    scenario = replay.scenario or scenario
+    cost = CostModel.for_scenario(scenario, DeviceProfile(coefficients))
+    plan = plan_memory(scenario) if replay.scenario is not None or plan is None else plan
     for r in replay.requests:
         r.reset()
     records = Simulation(scenario, replay.requests, plan, cost).run()
     frame = requests_frame(records)
-    return {m: frame[m].to_numpy(dtype=float) for m in METRICS}
+    out = {m: frame[m].to_numpy(dtype=float) for m in METRICS}
+    if replay.summary:
+        out = {m: np.array([np.nanmean(v)]) for m, v in out.items()}
+    out["duration_s"] = np.array([float((frame["arrival_s"] + frame["e2e_s"]).max() - frame["arrival_s"].min())])
+    return out
 
 
 def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.ndarray:
@@ -100,6 +113,8 @@ def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.
     crosses a step boundary; the mean moves smoothly and keeps the fit on its trend."""
     parts = []
     for m in metrics:
+        if m not in measured or m not in predicted:
+            continue
         p, q = predicted[m], measured[m]
         ok = np.isfinite(p) & np.isfinite(q) & (p > 0) & (q > 0)
         if ok.any():
@@ -110,7 +125,7 @@ def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.
 
 def fit_runs(scenario, replays: list[Replay], metrics: tuple[str, ...], names: list[str],
              base: CostCoefficients, progress: Optional[Callable[[str], None]] = None,
-             max_iterations: int = 20) -> dict[str, float]:
+             max_iterations: int = 20, polish_evaluations: int = 80) -> dict[str, float]:
     """Bounded least squares in log space over the named parameters (see `levenberg_marquardt`)."""
     plan = plan_memory(scenario)
     start = {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": base.step_host_s,
@@ -126,7 +141,7 @@ def fit_runs(scenario, replays: list[Replay], metrics: tuple[str, ...], names: l
     x0 = np.clip(np.log([start[n] for n in names]), lower, upper)
     x0 = _best_common_scale(residuals, x0, names, lower, upper)
     x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations, progress)
-    x = _polish(residuals, x, lower, upper, progress)
+    x = _polish(residuals, x, lower, upper, progress, polish_evaluations)
     return dict(zip(names, map(float, np.exp(x))))
 
 
@@ -208,13 +223,13 @@ def run_errors(scenario, replay: Replay, coefficients: CostCoefficients, role: s
     per-request relative error."""
     predicted = simulate_replay(scenario, replay, coefficients)
     rows = []
-    for m in METRICS:
+    for m in (m for m in replay.measured if m in predicted):
         p, q = predicted[m], replay.measured[m]
         ok = np.isfinite(p) & np.isfinite(q)
         if not ok.any():
             continue
         mp, mq = float(p[ok].mean()), float(q[ok].mean())
-        rows.append({"run": label, "role": role, "metric": m.removesuffix("_s"), "measured_mean_s": mq,
+        rows.append({"run": label or replay.label, "role": role, "metric": m.removesuffix("_s"), "measured_mean_s": mq,
                      "predicted_mean_s": mp, "error": mp / mq - 1 if mq else np.nan,
                      "median_request_error": float(np.median(np.abs(p[ok] / q[ok] - 1)))})
     return rows
