@@ -124,11 +124,12 @@ class CostModel:
     """Turns a Batch's composition into (host seconds, device seconds)."""
 
     def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
-                 profile: Optional[DeviceProfile] = None, async_scheduling: bool = False):
+                 profile: Optional[DeviceProfile] = None, async_scheduling: bool = False, tables=None):
         self.model, self.device, self.tp = model, device, tp
         self.profile = profile or DeviceProfile()
         self.coefficients = self.profile.coefficients
         self.async_scheduling = async_scheduling
+        self.tables = tables          # sim.optables.OperatorTables, or None for the roofline
         self._precompute()
 
     @classmethod
@@ -137,7 +138,13 @@ class CostModel:
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
         overlap = scenario.engine.async_scheduling and scenario.device.name != "cpu"
-        return cls(scenario.model, scenario.device, scenario.parallelism.tp, profile, overlap)
+        tables = None
+        if getattr(scenario, "step_times", "datasheet") == "tables":
+            from sim.optables import tables_for
+
+            tables = tables_for(scenario.device.name, scenario.model, scenario.parallelism.tp,
+                                scenario.max_num_batched_tokens, scenario.max_num_seqs, scenario.max_model_len)
+        return cls(scenario.model, scenario.device, scenario.parallelism.tp, profile, overlap, tables)
 
     @property
     def calibrated(self) -> bool:
@@ -145,8 +152,12 @@ class CostModel:
 
     @property
     def step_time_source(self) -> str:
-        """Where step times come from, for every output: 'datasheet' or 'calibrated'."""
-        return "calibrated" if self.profile.calibrated else "datasheet"
+        """Where step times come from, for every output: 'datasheet', 'tables' or 'calibrated'
+        ('calibrated tables' when a calibrated profile tunes the table-priced steps)."""
+        base = "tables" if self.tables is not None else "datasheet"
+        if self.profile.calibrated:
+            return "calibrated" if base == "datasheet" else "calibrated tables"
+        return base
 
     def _precompute(self) -> None:
         m, tp, c = self.model, self.tp, self.coefficients
@@ -216,6 +227,11 @@ class CostModel:
     def _device_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
                      blocks_read, maximum):
         """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for arrays."""
+        if self.tables is not None:
+            if maximum is max:
+                return self._table_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)
+            return np.array([self._table_time(*row) for row in zip(
+                seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)], dtype=float)
         c = self.coefficients
         tokens = prefill_tokens + decodes
         linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
@@ -229,8 +245,28 @@ class CostModel:
                 + rows * c.sample_seq_s)
         return c.step_device_s + self.model.num_layers * per_layer + head
 
+    def _table_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read) -> float:
+        """Device time from the operator tables (sim/optables.py) on this step's composition."""
+        from sim.optables import bucket
+
+        t, c = self.tables, self.coefficients
+        seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
+        prefills = seqs - decodes
+        tokens = prefill_tokens + decodes
+        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
+        if prefills:
+            chunk = max(1, round(prefill_tokens / prefills))
+            per_layer += prefills * t.context_s(chunk, bucket(prefill_ctx / prefills) if prefill_ctx else 0)
+        if decodes:
+            per_layer += t.generation_s(decodes, bucket(decode_ctx / decodes))
+        per_layer += tokens * self._allreduce_token_s + self._allreduce_fixed_s
+        rows = seqs
+        return (c.step_device_s + self.model.num_layers * per_layer + t.head_s(rows)
+                + rows * (self._sample_row_s + c.sample_seq_s))
+
     def describe(self) -> dict:
         return {"calibrated": self.calibrated, "step_time_source": self.step_time_source,
                 "async_scheduling": self.async_scheduling,
+                "tables": self.tables.describe() if self.tables is not None else None,
                 "source": self.profile.source, "quality": self.profile.fit.get("quality"),
                 "coefficients": asdict(self.coefficients), "tp": self.tp}

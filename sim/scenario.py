@@ -316,6 +316,9 @@ class Scenario(StrictModel):
     workload: Workload = Field(default_factory=Workload)
     slo: Slo = Field(default_factory=Slo)
     cluster: Cluster = Field(default_factory=Cluster)
+    # Where device step times come from: the roofline over datasheet peaks, or measured operator
+    # tables (aiconfigurator-core, the `tables` extra). A calibrated device.profile tunes either.
+    step_times: Literal["datasheet", "tables"] = "datasheet"
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
