@@ -74,3 +74,11 @@ def test_uncovered_device_or_dtype_is_a_clear_error():
         OperatorTables("l4", s.model)
     with pytest.raises(TablesUnavailable, match="bfloat16 only"):
         OperatorTables("h100-sxm", s.model.model_copy(update={"dtype": "float16"}))
+
+
+def test_roofline_vs_tables_rederives_physical_efficiencies():
+    from validate.tables_compare import compare
+
+    row = compare("h100-sxm")
+    assert 0.5 < row["decode_ratio_median"] < 2 and 0.5 < row["prefill_ratio_median"] < 2
+    assert 0.2 < row["bw_eff"] <= 1.0 and 0.2 < row["flops_eff"] <= 1.0

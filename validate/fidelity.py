@@ -16,7 +16,7 @@ output length, all sent at t=0 (`request_rate: inf`).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -153,7 +153,7 @@ def deployments(runs: list[PublicRun]) -> dict[str, list[PublicRun]]:
     return out
 
 
-TRAIN_RUNS = 5      # the cheapest runs of a half are fitted: a replay per evaluation each
+TRAIN_RUNS = 4      # the cheapest runs of a half are fitted: a replay per evaluation each
 
 
 def run_cost(run: PublicRun) -> float:
@@ -169,16 +169,31 @@ def fit_profile(train: list[PublicRun], max_iterations: int = 6) -> DeviceProfil
         names.append("link_eff")
     base = CostCoefficients()
     params = fit_runs(scenario, [r.replay for r in train], SUMMARY_METRICS, names, base,
-                      max_iterations=max_iterations, polish_evaluations=40)
+                      max_iterations=max_iterations, polish_evaluations=30)
     return DeviceProfile(coefficients_from(params, base), calibrated=True, device_name=scenario.device.name,
                          model_name=scenario.model.name,
                          source=f"calibrated on public runs {', '.join(r.id for r in train)}",
                          fit={"method": "vllm-public-runs", "runs": [r.id for r in train], "parameters": params})
 
 
-def errors_of(run: PublicRun, coefficients: CostCoefficients, source: str) -> dict[str, float]:
-    rows = run_errors(run.scenario, run.replay, coefficients, source, run.id)
+def errors_of(run: PublicRun, coefficients: CostCoefficients, source: str, step_times: str = "datasheet") -> dict[str, float]:
+    replay = run.replay
+    if step_times != "datasheet":
+        scenario = run.scenario.model_copy(deep=True)
+        scenario.step_times = step_times
+        replay = replace(replay, scenario=scenario)
+    rows = run_errors(run.scenario, replay, coefficients, source, run.id)
     return {f"{source} {row['metric']}": row["error"] for row in rows}
+
+
+def tables_cover(run: PublicRun) -> bool:
+    try:
+        from sim.optables import SYSTEMS, data_root
+
+        data_root()
+    except Exception:
+        return False
+    return run.scenario.device.name in SYSTEMS and run.scenario.model.dtype == "bfloat16"
 
 
 def fidelity_table(runs: list[PublicRun], profiles: dict[str, DeviceProfile]) -> pd.DataFrame:
@@ -188,6 +203,8 @@ def fidelity_table(runs: list[PublicRun], profiles: dict[str, DeviceProfile]) ->
         row = {"run": run.id, "deployment": run.deployment, "requests": len(run.replay.requests),
                "source": run.entry["source"]["url"]}
         row.update(errors_of(run, CostCoefficients(), "datasheet"))
+        if tables_cover(run):
+            row.update(errors_of(run, CostCoefficients(), "tables", step_times="tables"))
         if run.id in profiles:
             row.update(errors_of(run, profiles[run.id].coefficients, "calibrated"))
         rows.append(row)
