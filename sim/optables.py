@@ -84,6 +84,13 @@ class OperatorTables:
                                     f"(covered: {', '.join(sorted(SYSTEMS))})")
         if model.dtype != "bfloat16":
             raise TablesUnavailable(f"operator tables are loaded for bfloat16 only, not {model.dtype}")
+        unsupported = [what for what, present in (
+            ("quantized weights", getattr(model, "quantization", None) is not None),
+            ("MoE layers", getattr(model, "num_experts", 0) > 0),
+            ("sliding-window attention", getattr(model, "sliding_window", None) is not None)) if present]
+        if unsupported:
+            raise TablesUnavailable(f"operator tables price dense bf16 full-attention models only; this one has "
+                                    f"{', '.join(unsupported)} (use step_times: datasheet)")
         self.system, self.note = SYSTEMS[device_name]
         self.version = table_version(self.system)
         self.model, self.tp = model, tp
@@ -118,8 +125,11 @@ class OperatorTables:
         import pandas as pd
 
         table = pd.read_parquet(path)
-        table = table[(table["attn_dtype"] == "bfloat16") & (table["kv_cache_dtype"] == "bfloat16")
-                      & (table["window_size"] == 0) & (table["kernel_source"] == table["kernel_source"].mode()[0])]
+        for column, value in (("attn_dtype", "bfloat16"), ("kv_cache_dtype", "bfloat16"), ("window_size", 0)):
+            if column in table:          # older collections (A100, vLLM 0.14) lack some columns
+                table = table[table[column] == value]
+        if "kernel_source" in table:     # one kernel family (the most measured) for the whole grid
+            table = table[table["kernel_source"] == table["kernel_source"].mode()[0]]
         table = table[table["head_dim"] == self._nearest(table["head_dim"], self.model.head_dim, "head_dim")]
         table = table[table["num_heads"] == self._nearest(table["num_heads"], heads, "heads")]
         table = table[table["num_key_value_heads"] == self._nearest(table["num_key_value_heads"], kv, "KV heads")]
