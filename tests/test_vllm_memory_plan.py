@@ -22,7 +22,8 @@ MODELS = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Meta-L
           "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-8B": "hf:Qwen__Qwen3-8B",
           "Qwen/Qwen2.5-72B-Instruct": "hf:Qwen__Qwen2-72B-Instruct",
           "moonshotai/Kimi-Dev-72B": "hf:Qwen__Qwen2-72B-Instruct",     # a Qwen2.5-72B fine-tune
-          "codellama/CodeLlama-7b-hf": ("llama-2-7b", {"vocab_size": 32016})}
+          "codellama/CodeLlama-7b-hf": ("llama-2-7b", {"vocab_size": 32016}),
+          "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b"}
 DEVICES = {"H100-80GB": "h100-sxm", "A100-80GB": "a100-80g", "A100-40GB": "a100-40g", "RTX-4090": "rtx-4090"}
 
 
@@ -47,8 +48,6 @@ def skip_reason(entry: dict) -> str | None:
         return "model shape not in the catalog or tests/data/hf_configs"
     if entry.get("quantization"):
         return "quantized weights (issue 12)"
-    if entry.get("kv_cache_dtype") not in (None, "auto"):
-        return "fp8 KV cache (issue 12)"
     if entry.get("pp", 1) != 1:
         return "pipeline parallel"
     if entry.get("hybrid_attention"):
@@ -70,7 +69,8 @@ def predicted(entry: dict):
     return vllm_memory_plan(model_for(entry), device, entry["tp"], entry["gpu_memory_utilization"],
                             entry.get("max_num_batched_tokens") or (8192 if big else 2048),
                             entry.get("max_num_seqs") or (1024 if big else 256),
-                            entry.get("block_size") or 16, entry["vllm_version"])
+                            entry.get("block_size") or 16, entry["vllm_version"],
+                            entry.get("kv_cache_dtype") or "auto")
 
 
 def measured_blocks(entry: dict) -> int:

@@ -387,7 +387,18 @@ def vllm_activation_bytes(model: ModelSpec, num_tokens: int, num_rows: int, tp: 
     s = model.dtype_bytes
     logits_copies = 1.0 if version < (0, 11) else 3.15
     return int(num_tokens * s * (19_500 + 1.33 * model.hidden_size)
-               + logits_copies * num_rows * model.vocab_size * 4)
+               + logits_copies * num_rows * model.vocab_size * 4
+               + num_tokens * s * moe_workspace_per_token(model, tp))
+
+
+def moe_workspace_per_token(model: ModelSpec, tp: int = 1) -> int:
+    """vLLM's fused-MoE kernel keeps one workspace of top_k x max(w1 outputs, hidden) elements per
+    token (w1 = gate and up: 2 x the expert width, split over tp). 0 for a dense model.
+    Matches the printed peaks of Qwen3-30B-A3B (tp 1) and Mixtral-8x7B (tp 2) in the 0.19 logs."""
+    if not getattr(model, "num_experts", 0):
+        return 0
+    width = getattr(model, "moe_intermediate_size", None) or model.intermediate_size
+    return model.num_experts_per_tok * max(2 * width // tp, model.hidden_size)
 
 
 def vllm_non_torch_bytes(tp: int, version: tuple[int, int] = (0, 19)) -> int:
@@ -413,9 +424,10 @@ def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19)) -
 
 def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: float,
                      max_num_batched_tokens: int, max_num_seqs: int, block_size: int = 16,
-                     vllm_version: str | None = None, kv_bytes_per_token_override: int | None = None) -> VllmMemory:
+                     vllm_version: str | None = None, kv_cache_dtype: str = "auto") -> VllmMemory:
     """num_gpu_blocks as vLLM's V1 worker derives it:
-    floor((util x visible - weights - activation peak - non-torch - graph estimate) / block bytes)."""
+    floor((util x visible - weights - activation peak - non-torch - graph estimate) / block bytes),
+    the block being one KV cache group's layers (pool_block_bytes: fp8 KV, hybrid groups)."""
     version = parse_vllm_version(vllm_version)
     visible = vllm_visible_bytes(device)
     requested = int(visible * gpu_memory_utilization)
@@ -425,7 +437,6 @@ def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: 
     non_torch = vllm_non_torch_bytes(tp, version)
     graphs = vllm_cudagraph_bytes(model, version)
     budget = requested - weights - activation - non_torch - graphs
-    per_token = kv_bytes_per_token_override or kv_bytes_per_token(model, tp)
-    block = per_token * block_size
+    block = pool_block_bytes(model, block_size, tp, kv_cache_dtype)
     return VllmMemory(visible, requested, weights, activation, non_torch, graphs, budget, block,
                       max(budget, 0) // block, block_size)
