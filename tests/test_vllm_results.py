@@ -181,3 +181,55 @@ def test_a_prediction_written_as_a_vllm_file_reads_back(tmp_path, tiny_scenario_
     requests, notes = to_requests(run)
     assert [r.arrival for r in requests] == pytest.approx(frame["arrival_s"] - frame["arrival_s"].min())
     assert notes == [] and np.all([r.prompt_len == 40 for r in requests])
+
+
+PRINTOUT = """INFO 08-20 10:00:01 Traffic request rate: inf
+Burstiness factor: 1.0 (Poisson process)
+Maximum request concurrency: None
+============ Serving Benchmark Result ============
+Successful requests:                     10
+Benchmark duration (s):                  14.31
+Total input tokens:                      10239
+Total generated tokens:                  10240
+Request throughput (req/s):              0.70
+Output token throughput (tok/s):         715.43
+Total Token throughput (tok/s):          1430.80
+---------------Time to First Token----------------
+Mean TTFT (ms):                          503.72
+Median TTFT (ms):                        553.62
+P99 TTFT (ms):                           699.66
+-----Time per Output Token (excl. 1st token)------
+Mean TPOT (ms):                          13.46
+Median TPOT (ms):                        13.41
+P99 TPOT (ms):                           13.76
+==================================================
+Request rate configured (RPS):           2.00
+============ Serving Benchmark Result ============
+Successful requests:                     20
+Benchmark duration (s):                  15.22
+Total input tokens:                      20460
+Total generated tokens:                  20377
+Mean TTFT (ms):                          463.10
+Mean TPOT (ms):                          14.36
+==================================================
+"""
+
+
+def test_a_console_printout_gives_summary_runs(tmp_path):
+    path = tmp_path / "bench.txt"
+    path.write_text(PRINTOUT)
+    first, second = load_results(path)
+    assert math.isinf(first.rate) and second.rate == 2.0 and not first.detailed
+    assert first.metrics["completed"] == 10 and first.metrics["p99_ttft_ms"] == 699.66
+    assert first.metrics["duration"] == 14.31 and second.metrics["mean_tpot_ms"] == 14.36
+    assert first.source.endswith("bench.txt:5") and first.config["max_concurrency"] is None
+
+
+def test_a_broken_printout_names_the_line(tmp_path):
+    path = tmp_path / "bench.txt"
+    path.write_text(PRINTOUT.replace("14.31", "fourteen"))
+    with pytest.raises(VllmResultError, match=r"bench.txt:6: 'Benchmark duration \(s\)' = 'fourteen'"):
+        load_results(path)
+    path.write_text("hello\n")
+    with pytest.raises(VllmResultError, match="not JSON"):
+        load_results(path)

@@ -26,10 +26,10 @@ import yaml
 
 from sim.core.catalog import ModelSpec, get_device, get_model, model_fields_from_hf_config
 from sim.core.memory import parse_vllm_version, vllm_memory_plan
-from sim.core.request import make_request, stable_key
 from sim.costmodel import CostCoefficients, DeviceProfile
 from sim.scenario import validate_scenario
-from validate.vllm_fit import Replay, fit_runs, coefficients_from, run_errors
+from sim.vllm.results import VllmResult
+from validate.vllm_fit import Replay, coefficients_from, fit_runs, run_errors
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 RUNS_FILE = DATA / "vllm_public" / "bench_runs.yaml"
@@ -118,16 +118,13 @@ def scenario_for(entry: dict, logs: dict[str, dict]):
 
 
 def replay_for(entry: dict, scenario) -> Replay:
+    """The run's own workload from its summary: mean lengths, its rate (inf: all at t=0)."""
     m = entry["metrics"]
-    n = int(m["completed"])
-    prompt = max(1, round(m["total_input_tokens"] / n))
-    output = max(1, round(m["total_output_tokens"] / n))
-    key = stable_key("public-run", entry["id"])
-    requests = [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
-    measured = {"ttft_s": np.array([m["mean_ttft_ms"] / 1e3]), "tpot_s": np.array([m["mean_tpot_ms"] / 1e3]),
-                "duration_s": np.array([float(m["duration_s"])])}
-    notes = [f"{entry['id']}: {n} requests of the mean lengths {prompt}/{output} at t=0"]
-    return Replay(None, requests, measured, notes, summary=True, scenario=scenario, label=entry["id"])
+    run = VllmResult(entry["id"], {"request_rate": entry.get("request_rate", "inf"), "model_id": entry["model"]},
+                     {"completed": m["completed"], "duration": m["duration_s"],
+                      "total_input_tokens": m["total_input_tokens"], "total_output_tokens": m["total_output_tokens"],
+                      "mean_ttft_ms": m["mean_ttft_ms"], "mean_tpot_ms": m["mean_tpot_ms"]})
+    return Replay.from_summary(run, scenario=scenario)
 
 
 def public_runs(max_requests: Optional[int] = None) -> tuple[list[PublicRun], dict[str, int]]:

@@ -65,9 +65,34 @@ class Replay:
     label: str = ""
 
     @classmethod
-    def of(cls, run: VllmResult, seed: int = 0) -> "Replay":
+    def of(cls, run: VllmResult, seed: int = 0, scenario=None) -> "Replay":
+        """Per request with --save-detailed data, else from the run's summary (a printout)."""
+        if not run.detailed:
+            return cls.from_summary(run, seed, scenario)
         requests, notes = to_requests(run, seed)
-        return cls(run, requests, run.latencies(), notes, label=run.source)
+        return cls(run, requests, run.latencies(), notes, scenario=scenario, label=run.source)
+
+    @classmethod
+    def from_summary(cls, run: VllmResult, seed: int = 0, scenario=None) -> "Replay":
+        """`completed` requests of the mean input and output length, sent at the run's rate (all
+        at t=0 for rate inf); measured: mean TTFT, mean TPOT and the duration."""
+        from sim.core.request import make_request, stable_key
+        from sim.vllm.results import VllmResultError, arrival_times
+
+        m = run.metrics
+        missing = [k for k in ("completed", "total_input_tokens", "total_output_tokens", "duration",
+                               "mean_ttft_ms", "mean_tpot_ms") if not m.get(k)]
+        if missing:
+            raise VllmResultError(f"{run.source}: a summary-only run needs {', '.join(missing)} to be replayed")
+        n = int(m["completed"])
+        prompt, output = max(1, round(m["total_input_tokens"] / n)), max(1, round(m["total_output_tokens"] / n))
+        times, notes = arrival_times(run, n, seed)
+        key = stable_key("public-run", run.source)
+        requests = [make_request(i, float(times[i]), [(stable_key(key, i), prompt)], output) for i in range(n)]
+        measured = {"ttft_s": np.array([m["mean_ttft_ms"] / 1e3]), "tpot_s": np.array([m["mean_tpot_ms"] / 1e3]),
+                    "duration_s": np.array([float(m["duration"])])}
+        notes = notes + [f"{run.source}: summary only: {n} requests of the mean lengths {prompt}/{output}"]
+        return cls(run, requests, measured, notes, summary=True, scenario=scenario, label=run.source)
 
 
 @dataclass
@@ -246,7 +271,7 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
     labels = [r.source for r in runs]
     held = None if len(runs) < 2 or hold_out is None else hold_out % len(runs)
     train = [r for i, r in enumerate(replays) if i != held]
-    metrics = METRICS if len(runs) >= 2 else ("tpot_s",)
+    metrics = METRICS + ("duration_s",) if len(runs) >= 2 else ("tpot_s",)
     names = ["compute_scale", "memory_scale", "step_host_s", "seq_host_s"]
     if scenario.parallelism.tp > 1:
         names.append("link_eff")
@@ -259,6 +284,7 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
     errors = pd.DataFrame(rows)
     if len(runs) == 1:
         errors.loc[errors["metric"] != "tpot", "role"] = "check (not fitted)"
+    errors = errors[errors["metric"].isin([m.removesuffix("_s") for m in METRICS + ("duration_s",)])]
     warnings = fit_warnings(coeffs, params, errors)
     profile = DeviceProfile(
         coeffs, calibrated=True, device_name=scenario.device.name, model_name=scenario.model.name,

@@ -15,8 +15,12 @@ it moved into the package):
                            generated_texts, errors ("" when the request succeeded).
                            Files before the detailed flag existed always carried these arrays.
   --append-result          one such object per line (JSON Lines), appended run after run.
-A JSON array of such objects is accepted too. Everything is checked on load: a wrong shape
-raises VllmResultError naming the file (and line for JSONL), the field and what was expected.
+A JSON array of such objects is accepted too. So is the console printout (what people paste in
+issues): one or more `============ Serving Benchmark Result ============` blocks of
+`Label (unit):   value` lines, with the `Traffic request rate:` / `Request rate configured (RPS):`
+and `Maximum request concurrency:` lines where printed; a printout gives summary metrics only.
+Everything is checked on load: a wrong shape raises VllmResultError naming the file (and line),
+the field and what was expected.
 """
 from __future__ import annotations
 
@@ -156,6 +160,8 @@ def load_results(path: str | Path) -> list[VllmResult]:
     text = path.read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise VllmResultError(f"{path}: empty file (expected `vllm bench serve --save-result` JSON)")
+    if PRINTOUT_HEADER in text or (text.lstrip()[:1] not in "[{" and "Successful requests:" in text):
+        return parse_printout(text, str(path))
     try:
         data = json.loads(text)
     except json.JSONDecodeError as whole_error:
@@ -165,6 +171,82 @@ def load_results(path: str | Path) -> list[VllmResult]:
             raise VllmResultError(f"{path}: an empty JSON array (expected result objects)")
         return [_parse_run(obj, f"{path}[{i}]") for i, obj in enumerate(data)]
     return [_parse_run(data, str(path))]
+
+
+PRINTOUT_HEADER = "Serving Benchmark Result"
+# printed label -> (result key, factor to vLLM's JSON unit)
+PRINTED = {"Successful requests": ("completed", 1), "Failed requests": ("failed", 1),
+           "Benchmark duration (s)": ("duration", 1), "Total input tokens": ("total_input_tokens", 1),
+           "Total generated tokens": ("total_output_tokens", 1),
+           "Request throughput (req/s)": ("request_throughput", 1),
+           "Request goodput (req/s)": ("request_goodput", 1),
+           "Output token throughput (tok/s)": ("output_throughput", 1),
+           "Peak output token throughput (tok/s)": ("max_output_tokens_per_s", 1),
+           "Peak concurrent requests": ("max_concurrent_requests", 1),
+           "Total Token throughput (tok/s)": ("total_token_throughput", 1)}
+_STAT_LINE = re.compile(r"^(Mean|Median|P(\d+(?:\.\d+)?)|Std) (TTFT|TPOT|ITL|E2EL) \(ms\)$")
+_SETUP = {"Traffic request rate": "request_rate", "Request rate configured (RPS)": "request_rate",
+          "Maximum request concurrency": "max_concurrency", "Burstiness factor": "burstiness"}
+
+
+def parse_printout(text: str, source: str) -> list[VllmResult]:
+    """Every `Serving Benchmark Result` block of a console printout, as summary-only runs. Setup
+    lines (request rate, concurrency) belong to the block that follows them."""
+    runs: list[VllmResult] = []
+    state = {"config": {}, "metrics": {}, "start": 0}
+
+    def close():
+        metrics, config = state["metrics"], state["config"]
+        if metrics:
+            where = f"{source}:{state['start']}"
+            if "completed" not in metrics:
+                raise VllmResultError(f"{where}: a result block without 'Successful requests:'")
+            runs.append(_parse_run({"request_rate": "inf", **config, **metrics}, where))
+            state["config"], state["metrics"] = {}, {}
+
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip().lstrip("#").strip()
+        if PRINTOUT_HEADER in line:
+            close()
+            continue
+        label, sep, value = line.rpartition(":")
+        label, value = label.strip(), value.strip().split(" ")[0] if value.strip() else ""
+        if not sep or not value:
+            continue
+        if label in _SETUP:
+            close()
+            state["config"][_SETUP[label]] = (None if value == "None" else value if value == "inf"
+                                              else _number(value, source, number, label))
+            continue
+        stat = _STAT_LINE.match(label)
+        key = PRINTED[label][0] if label in PRINTED else None
+        if stat:
+            kind = stat.group(1).lower() if stat.group(2) is None else f"p{stat.group(2)}"
+            key = f"{kind}_{stat.group(3).lower()}_ms"
+        if key is None:
+            continue
+        if key in state["metrics"]:          # the same label again: the next run's block
+            close()
+        if not state["metrics"]:
+            state["start"] = number
+        state["metrics"][key] = _number(value, source, number, label)
+    close()
+    if not runs:
+        raise VllmResultError(f"{source}: no `Serving Benchmark Result` lines found (expected vLLM's "
+                              f"printout, or --save-result JSON)")
+    return runs
+
+
+def _number(value: str, source: str, line: int, label: str) -> float:
+    try:
+        number = float(value.replace(",", ""))
+    except ValueError:
+        raise VllmResultError(f"{source}:{line}: '{label}' = {value!r}; expected a number") from None
+    if not math.isfinite(number):
+        raise VllmResultError(f"{source}:{line}: '{label}' = {value!r}; expected a finite number")
+    return int(number) if number == int(number) and label in ("Successful requests", "Failed requests",
+                                                            "Total input tokens", "Total generated tokens",
+                                                            "Maximum request concurrency") else number
 
 
 def _json_lines(text: str, path: Path, whole_error: json.JSONDecodeError) -> list[tuple[int, Any]]:
