@@ -50,6 +50,10 @@ def test_a_scenario_picks_the_tables_and_every_output_says_so():
     datasheet = predict(validate_scenario({**SCENARIO, "step_times": "datasheet",
                                            "workload": {"num_requests": 24, "prompt_len": 300, "output_len": 16}}))
     assert datasheet.summary["step_time_source"] == "datasheet"
+    from sim.cli import step_time_line
+
+    assert "aiconfigurator-core, vLLM" in step_time_line(result.cost_model)
+    assert step_time_line(datasheet.cost_model).startswith("datasheet (UNCALIBRATED")
     assert not np.isclose(result.steps["device_s"].sum(), datasheet.steps["device_s"].sum())
     host, device = result.cost_model.step_times(result.steps)        # recorded steps reprice the same
     assert np.allclose(device, result.steps["device_s"])

@@ -139,3 +139,11 @@ def test_cli_fits_real_public_printouts(tmp_path, capsys):
     assert set(held.index) == {"ttft", "tpot", "duration"}
     assert abs(held["tpot"]) < 0.15           # the datasheet model is -19% on this run
     assert profile.fit["quality"] in ("ok", "poor") and "summary only" in " ".join(profile.fit["notes"])
+    if profile.fit["quality"] == "poor":       # said loudly, and in every run that uses the profile
+        assert "WARNING" in capsys.readouterr().err and "POOR FIT" in out.read_text()
+        from sim.cli import step_time_line
+        from sim.costmodel import CostModel
+        from sim.core.catalog import get_device, get_model
+
+        line = step_time_line(CostModel(get_model("qwen2.5-7b"), get_device("a100-80g"), 1, profile))
+        assert "POOR FIT" in line

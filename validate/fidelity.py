@@ -245,9 +245,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_text(args.out / "profiles" / f"{run_id}.yaml", yaml.safe_dump(data, sort_keys=False))
     write_text(args.out / "skipped.yaml", yaml.safe_dump(skipped, sort_keys=False))
     print(table.drop(columns=["source"]).to_string(float_format=lambda v: f"{v:+.1%}"))
+    print(summary_markdown(table))
     print("skipped:", skipped)
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def summary_markdown(table: pd.DataFrame) -> str:
+    """Per deployment: runs, and the median |error| of each source on each metric."""
+    sources = [s for s in ("datasheet", "tables", "calibrated") if any(c.startswith(s) for c in table.columns)]
+    metrics = ("ttft", "tpot", "duration")
+    head = "| deployment | runs | " + " | ".join(f"{s} {m}" for s in sources for m in metrics) + " |"
+    lines = [head, "|" + "---|" * (2 + len(sources) * len(metrics))]
+    for name, group in table.groupby("deployment", sort=False):
+        cells = []
+        for s in sources:
+            for m in metrics:
+                col = f"{s} {m}"
+                values = group[col].dropna().abs() if col in group else pd.Series(dtype=float)
+                cells.append(f"{values.median():.0%}" if len(values) else "n/a")
+        lines.append(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
