@@ -82,7 +82,10 @@ def model_spec(entry: dict) -> ModelSpec:
     name = MODELS[entry["model"]]
     fields = (model_fields_from_hf_config(DATA / "hf_configs" / f"{name[3:]}.json") if name.startswith("hf:")
               else get_model(name).model_dump())
-    return ModelSpec(**{**fields, "name": entry["model"].split("/")[-1].lower(), "dtype": entry.get("dtype") or "bfloat16"})
+    # the served checkpoint is the bf16 one (a quantized run is skipped above): drop the shape
+    # donor's quantization (Qwen3-32B borrows the Qwen3-32B-FP8 config's shape)
+    return ModelSpec(**{**fields, "name": entry["model"].split("/")[-1].lower(),
+                        "dtype": entry.get("dtype") or "bfloat16", "quantization": None})
 
 
 def startup_logs() -> dict[str, dict]:
@@ -184,13 +187,15 @@ def errors_of(run: PublicRun, coefficients: CostCoefficients, source: str, step_
 
 
 def tables_cover(run: PublicRun) -> bool:
-    try:
-        from sim.optables import SYSTEMS, data_root
+    from sim.optables import TablesUnavailable, tables_for
 
-        data_root()
-    except Exception:
+    s = run.scenario
+    try:
+        tables_for(s.device.name, s.model, s.parallelism.tp, s.max_num_batched_tokens, s.max_num_seqs,
+                   s.max_model_len)
+    except TablesUnavailable:
         return False
-    return run.scenario.device.name in SYSTEMS and run.scenario.model.dtype == "bfloat16"
+    return True
 
 
 def fidelity_table(runs: list[PublicRun], profiles: dict[str, DeviceProfile]) -> pd.DataFrame:
@@ -208,7 +213,7 @@ def fidelity_table(runs: list[PublicRun], profiles: dict[str, DeviceProfile]) ->
     return pd.DataFrame(rows)
 
 
-def calibrate_on_others(runs: list[PublicRun], progress=print) -> dict[str, DeviceProfile]:
+def calibrate_on_others(runs: list[PublicRun], progress=print, on_fit=None) -> dict[str, DeviceProfile]:
     """Per deployment with >= 2 runs, two alternating halves, each fitted on the other: every run
     is predicted by a profile that never saw it."""
     profiles = {}
@@ -222,6 +227,8 @@ def calibrate_on_others(runs: list[PublicRun], progress=print) -> dict[str, Devi
             profile = fit_profile(train)
             for run in held:
                 profiles[run.id] = profile
+                if on_fit:
+                    on_fit(run.id, profile)
     return profiles
 
 
@@ -233,16 +240,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-requests", type=int, default=None)
     args = p.parse_args(argv)
     runs, skipped = public_runs(args.max_requests)
-    profiles = calibrate_on_others(runs)
-    table = fidelity_table(runs, profiles)
-    write_csv(args.out / "table.csv", table)
-    for run_id, profile in profiles.items():
+
+    def save(run_id: str, profile: DeviceProfile) -> None:      # as each fit ends: a crash keeps them
         data = {"coefficients": {k: float(v) for k, v in profile.to_dict()["coefficients"].items()},
                 "calibrated": True, "source": profile.source, "device_name": profile.device_name,
                 "model_name": profile.model_name,
                 "fit": {"method": profile.fit["method"], "runs": profile.fit["runs"],
                         "parameters": {k: float(v) for k, v in profile.fit["parameters"].items()}}}
         write_text(args.out / "profiles" / f"{run_id}.yaml", yaml.safe_dump(data, sort_keys=False))
+
+    profiles = calibrate_on_others(runs, on_fit=save)
+    table = fidelity_table(runs, profiles)
+    write_csv(args.out / "table.csv", table)
     write_text(args.out / "skipped.yaml", yaml.safe_dump(skipped, sort_keys=False))
     print(table.drop(columns=["source"]).to_string(float_format=lambda v: f"{v:+.1%}"))
     print(summary_markdown(table))
