@@ -259,9 +259,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 def summary_markdown(table: pd.DataFrame) -> str:
     """Per deployment: runs, and the median |error| of each source on each metric."""
@@ -278,3 +275,7 @@ def summary_markdown(table: pd.DataFrame) -> str:
                 cells.append(f"{values.median():.0%}" if len(values) else "n/a")
         lines.append(f"| {name} | {len(group)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
