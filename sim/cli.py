@@ -30,6 +30,7 @@ SUBCOMMANDS = {
     "serve": "engine.server:serve_main",
     "bench": "validate.bench:bench_main",
     "compare": "validate.bench:compare_main",
+    "from-vllm": "sim.vllm.serve_flags:from_vllm_main",
 }
 
 def main(argv: Optional[list[str]] = None) -> int:

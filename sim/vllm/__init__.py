@@ -1,1 +1,1 @@
-"""Reading what a real vLLM deployment leaves behind: benchmark result files, logs, flags."""
+"""vLLM interop: its serve flags, benchmark result files and server logs / metrics read into kvtwin's terms."""
