@@ -147,3 +147,40 @@ def test_cli_fits_real_public_printouts(tmp_path, capsys):
 
         line = step_time_line(CostModel(get_model("qwen2.5-7b"), get_device("a100-80g"), 1, profile))
         assert "POOR FIT" in line
+
+
+def test_time_series_join_the_fit_and_report_their_errors(run_files):
+    """Running/waiting/KV curves (as a server log would give them, here sampled from the hidden run
+    every 50 ms, 5 s after the server started) join the per-request residuals."""
+    from sim.vllm.timeseries import predicted_at
+
+    series = []
+    for i, (rate, n, out) in enumerate(RUNS[:2]):
+        arrival = {"process": "offline"} if rate == "inf" else {"process": "poisson", "rate": rate}
+        scenario = validate_scenario({**DEPLOYMENT, "seed": i, "device": {"base": "l4"},
+                                      "workload": {"num_requests": n, "arrival": arrival,
+                                                   "prompt_len": {"dist": "uniform", "min": 128, "max": 1536},
+                                                   "output_len": {"dist": "uniform", "min": 4, "max": out}}})
+        scenario.device.profile = run_files[0].parent / "hidden.yaml"
+        result = predict(scenario)
+        times = np.arange(0, result.steps["end_s"].max(), 0.05)
+        curve = predicted_at(result.steps, result.plan.usable_blocks, times)
+        curve["t_s"] += 5.0            # the log starts before the benchmark
+        series.append(curve)
+    runs = [r for p in run_files[:2] for r in load_results(p)]
+    fit = calibrate_from_vllm(validate_scenario(DEPLOYMENT), runs, series=series, max_iterations=6)
+    metrics = set(fit.errors["metric"])
+    assert {"series_load", "series_kv"} <= metrics
+    curves = fit.errors[fit.errors["metric"].str.startswith("series_")]
+    print(fit.errors.to_string())
+    assert curves["error"].abs().max() < 0.10, curves
+    assert any("time series aligned" in n for n in fit.profile.fit["notes"])
+    assert fit.profile.coefficients.bw_eff == pytest.approx(HIDDEN.bw_eff, rel=0.15)
+
+
+def test_series_must_pair_with_runs(run_files, capsys):
+    from sim.cli import main
+
+    code = main(["calibrate", "--from-vllm", str(run_files[0]), str(run_files[1]), "--catalog-device", "l4",
+                 "--series", "a.log"])
+    assert code == 2 and "--series: 1 files for 2 runs" in capsys.readouterr().err

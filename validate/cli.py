@@ -116,6 +116,9 @@ def calibrate_main(argv: list[str]) -> int:
                    help="fit to measured `vllm bench serve --save-result --save-detailed` files of one "
                         "deployment (JSON or --append-result JSONL) instead of profiling the engine; "
                         "give the deployment with --scenario, or --model and --catalog-device (and --set)")
+    p.add_argument("--series", nargs="+", metavar="LOG|SCRAPES",
+                   help="with --from-vllm: each run's server log or /metrics scrapes (one per run, in order; "
+                        "'-' for none): its running / waiting / KV-usage curves are fitted too")
     p.add_argument("--hold-out", type=int, default=-1, metavar="INDEX",
                    help="with --from-vllm: which run (0-based, in the order given) to keep out of the fit "
                         "and report (default: the last)")

@@ -63,6 +63,9 @@ class Replay:
     summary: bool = False
     scenario: object = None
     label: str = ""
+    series: Optional[pd.DataFrame] = None      # sim.vllm.timeseries.load_series: running, waiting, KV %
+    series_offset: Optional[float] = None      # run time = series t_s + offset (aligned on first replay)
+    series_how: str = ""
 
     @classmethod
     def of(cls, run: VllmResult, seed: int = 0, scenario=None) -> "Replay":
@@ -129,7 +132,31 @@ def simulate_replay(scenario, replay: Replay, coefficients: CostCoefficients, pl
     if replay.summary:
         out = {m: np.array([np.nanmean(v)]) for m, v in out.items()}
     out["duration_s"] = np.array([float((frame["arrival_s"] + frame["e2e_s"]).max() - frame["arrival_s"].min())])
+    if replay.series is not None:
+        out.update(_series_predicted(replay, records.steps_frame(), plan.usable_blocks))
     return out
+
+
+SERIES_METRICS = ("series_load", "series_kv")    # running + waiting, and KV %, at each measured sample
+
+
+def _series_predicted(replay: Replay, steps: pd.DataFrame, kv_blocks: int) -> dict[str, np.ndarray]:
+    """The predicted load and KV % at the measured samples. Time stamps (request lines, wall clocks)
+    align the curve once; without them the best-fitting offset is searched again at every replay,
+    since it moves with the step times being fitted (sim.vllm.timeseries.align_offset)."""
+    from sim.vllm.timeseries import align_offset, predicted_at
+
+    if replay.series_offset is None or replay.series_how.startswith("fitted"):
+        arrivals = np.array([r.arrival for r in replay.requests], dtype=float)
+        replay.series_offset, replay.series_how = align_offset(replay.series, steps, kv_blocks, arrivals_s=arrivals)
+    predicted = predicted_at(steps, kv_blocks, replay.series["t_s"].to_numpy(float) + replay.series_offset)
+    return {"series_load": (predicted["running"] + predicted["waiting"]).to_numpy(float),
+            "series_kv": predicted["kv_usage_pct"].to_numpy(float)}
+
+
+def series_measured(series: pd.DataFrame) -> dict[str, np.ndarray]:
+    return {"series_load": (series["running"] + series["waiting"]).to_numpy(float),
+            "series_kv": series["kv_usage_pct"].to_numpy(float)}
 
 
 def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.ndarray:
@@ -141,6 +168,12 @@ def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.
         if m not in measured or m not in predicted:
             continue
         p, q = predicted[m], measured[m]
+        if m.startswith("series_"):          # curves: differences over the measured peak, per sample
+            ok = np.isfinite(p) & np.isfinite(q)
+            if ok.any():
+                scale = max(float(np.abs(q[ok]).max()), 1e-9)
+                parts.append((p[ok] - q[ok]) / scale / np.sqrt(ok.sum()))
+            continue
         ok = np.isfinite(p) & np.isfinite(q) & (p > 0) & (q > 0)
         if ok.any():
             parts.append(np.log(p[ok] / q[ok]) / np.sqrt(ok.sum()))
@@ -254,6 +287,11 @@ def run_errors(scenario, replay: Replay, coefficients: CostCoefficients, role: s
         if not ok.any():
             continue
         mp, mq = float(p[ok].mean()), float(q[ok].mean())
+        if m.startswith("series_"):
+            rows.append({"run": label or replay.label, "role": role, "metric": m, "measured_mean_s": mq,
+                         "predicted_mean_s": mp, "error": mp / mq - 1 if mq else np.nan,
+                         "median_request_error": float(np.median(np.abs(p[ok] - q[ok])) / max(np.abs(q[ok]).max(), 1e-9))})
+            continue
         rows.append({"run": label or replay.label, "role": role, "metric": m.removesuffix("_s"), "measured_mean_s": mq,
                      "predicted_mean_s": mp, "error": mp / mq - 1 if mq else np.nan,
                      "median_request_error": float(np.median(np.abs(p[ok] / q[ok] - 1)))})
@@ -262,16 +300,22 @@ def run_errors(scenario, replay: Replay, coefficients: CostCoefficients, role: s
 
 def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int] = -1,
                         base: Optional[CostCoefficients] = None, seed: int = 0,
-                        progress: Optional[Callable[[str], None]] = None, max_iterations: int = 20) -> VllmFit:
-    """Fit a profile to the runs (see the module docstring); `hold_out` indexes the run kept out."""
+                        progress: Optional[Callable[[str], None]] = None, max_iterations: int = 20,
+                        series: Optional[list] = None) -> VllmFit:
+    """Fit a profile to the runs (see the module docstring); `hold_out` indexes the run kept out;
+    `series[i]` (or None) is run i's measured running/waiting/KV % (sim.vllm.timeseries.load_series)."""
     if not runs:
         raise ValueError("calibrate --from-vllm needs at least one result file")
     base = base or CostCoefficients()
     replays = [Replay.of(r, seed) for r in runs]
+    for replay, curve in zip(replays, series or []):
+        if curve is not None:
+            replay.series = curve
+            replay.measured = {**replay.measured, **series_measured(curve)}
     labels = [r.source for r in runs]
     held = None if len(runs) < 2 or hold_out is None else hold_out % len(runs)
     train = [r for i, r in enumerate(replays) if i != held]
-    metrics = METRICS + ("duration_s",) if len(runs) >= 2 else ("tpot_s",)
+    metrics = METRICS + ("duration_s",) + SERIES_METRICS if len(runs) >= 2 else ("tpot_s",)
     names = ["compute_scale", "memory_scale", "step_host_s", "seq_host_s"]
     if scenario.parallelism.tp > 1:
         names.append("link_eff")
@@ -284,7 +328,8 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
     errors = pd.DataFrame(rows)
     if len(runs) == 1:
         errors.loc[errors["metric"] != "tpot", "role"] = "check (not fitted)"
-    errors = errors[errors["metric"].isin([m.removesuffix("_s") for m in METRICS + ("duration_s",)])]
+    errors = errors[errors["metric"].isin([m.removesuffix("_s") for m in METRICS + ("duration_s",)]
+                                          + list(SERIES_METRICS))]
     warnings = fit_warnings(coeffs, params, errors)
     profile = DeviceProfile(
         coeffs, calibrated=True, device_name=scenario.device.name, model_name=scenario.model.name,
@@ -295,7 +340,9 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
              "fitted_metrics": [m.removesuffix("_s") for m in metrics], "parameters": params,
              "errors": errors.to_dict(orient="records"), "quality": "poor" if warnings else "ok",
              "warnings": warnings,
-             "notes": [n for r in replays for n in r.notes]})
+             "notes": [n for r in replays for n in r.notes]
+             + [f"{r.label}: time series aligned by {r.series_how} (offset {r.series_offset:+.3f} s)"
+                for r in replays if r.series is not None and r.series_offset is not None]})
     return VllmFit(profile, params, errors, warnings, [n for r in replays for n in r.notes])
 
 
@@ -374,9 +421,10 @@ def calibrate_from_vllm_main(args) -> int:
 
     runs = [run for path in args.from_vllm for run in load_results(path)]
     scenario = deployment_scenario(args, runs)
+    series = load_series_args(args.series, runs) if args.series else None
     console.print(f"fitting {scenario.model.name} on {scenario.device.name} tp {scenario.parallelism.tp} "
                   f"to {len(runs)} measured vLLM run(s)")
-    fit = calibrate_from_vllm(scenario, runs, hold_out=args.hold_out,
+    fit = calibrate_from_vllm(scenario, runs, hold_out=args.hold_out, series=series,
                               progress=lambda msg: err_console.print(f"  {msg}"))
     out = args.out or Path("profiles") / f"{scenario.device.name}_{scenario.model.name}_vllm.yaml"
     write_vllm_profile(out, fit)
@@ -392,6 +440,17 @@ def calibrate_from_vllm_main(args) -> int:
     return 0
 
 
+def load_series_args(paths: list[str], runs: list[VllmResult]) -> list:
+    """One series file (or '-') per run, in the order the runs were loaded."""
+    from sim.errors import UserError
+    from sim.vllm.timeseries import load_series
+
+    if len(paths) != len(runs):
+        raise UserError(f"--series: {len(paths)} files for {len(runs)} runs; give one per run, in order "
+                        f"('-' for a run without one)")
+    return [None if p == "-" else load_series(p) for p in paths]
+
+
 def fit_table(fit: VllmFit):
     from rich.table import Table
 
@@ -399,8 +458,10 @@ def fit_table(fit: VllmFit):
     for col in ("run", "role", "metric", "measured mean", "predicted mean", "error", "median per request"):
         table.add_column(col, justify="left" if col in ("run", "role", "metric") else "right")
     for _, row in fit.errors.iterrows():
-        table.add_row(Path(str(row["run"])).name, row["role"], row["metric"], f"{row['measured_mean_s'] * 1e3:.2f} ms",
-                      f"{row['predicted_mean_s'] * 1e3:.2f} ms", f"{row['error']:+.1%}",
+        curve = str(row["metric"]).startswith("series_")
+        unit = (lambda v: f"{v:.2f}") if curve else (lambda v: f"{v * 1e3:.2f} ms")
+        table.add_row(Path(str(row["run"])).name, row["role"], row["metric"], unit(row["measured_mean_s"]),
+                      unit(row["predicted_mean_s"]), f"{row['error']:+.1%}",
                       f"{row['median_request_error']:.1%}",
                       style="red" if abs(row["error"]) > POOR_FIT else "")
     return table
