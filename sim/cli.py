@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from rich.markup import escape
 from rich.table import Table
 
 from sim.core.memory import InsufficientMemoryError
 from sim.errors import UserError
-from sim.output.console import console, err_console
+from sim.output.console import console, err_console, print_error, print_note
+from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import ScenarioError, expand_variants, load_scenario, scenario_args
 
 # subcommand -> "module:function" taking argv; imported lazily so `simrun x.yaml` stays light.
@@ -42,8 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     handler: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
     try:
         return handler(argv)
-    except (UserError, ScenarioError, InsufficientMemoryError, ValueError, FileNotFoundError) as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+    except (UserError, ScenarioError, InsufficientMemoryError, ValueError, OSError) as e:
+        print_error(str(e))
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -69,7 +69,8 @@ def run_parser() -> argparse.ArgumentParser:
         epilog=f"other commands: {', '.join(sorted(c for c in SUBCOMMANDS if c != 'run'))} "
                f"(simrun COMMAND -h)")
     scenario_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     from sim.whatif.sweep import add_sweep_args
@@ -89,18 +90,29 @@ def run_main(argv: list[str]) -> int:
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
     results = {}
-    for name, variant in variants.items():
-        result = predict_with_progress(variant, name, quiet=args.quiet)
-        folder = out / name if len(variants) > 1 else out
-        from sim.output.run_files import write_run
+    with owned_run_folder(out, force=args.force):      # checked before simulating
+        for name, variant in variants.items():
+            result = predict_with_progress(variant, name, quiet=args.quiet)
+            folder = out / name if len(variants) > 1 else out
+            from sim.output.run_files import write_run
 
-        write_run(result, folder, trace=args.trace)
-        results[name] = result
-    if len(results) > 1:
-        write_comparison(results, out, args.trace)
+            write_run(result, folder, trace=args.trace)
+            results[name] = result
+        if len(results) > 1:
+            write_comparison(results, out, args.trace)
     if not args.quiet:
         print_results(results, out)
-    return 0
+    return exit_code_of(results)
+
+
+def exit_code_of(results: dict) -> int:
+    """1 when a run finished no request (every figure would be empty), with the reasons counted."""
+    from sim.output.run_files import nothing_finished
+
+    empty = [msg for name, r in results.items() if (msg := nothing_finished(name, r.summary))]
+    for msg in empty:
+        print_error(msg)
+    return 1 if empty else 0
 
 
 def predict_with_progress(scenario, name: str, quiet: bool = False):
@@ -161,7 +173,7 @@ def print_results(results: dict, out: Path) -> None:
     for name, r in results.items():
         notes = r.manifest.get("workload", {}).get("notes") or []
         for note in notes:
-            console.print(f"[yellow]note[/] ({name}): {note}")
+            print_note("note", f"({name}): {note}")
         if r.summary.get("replicas"):
             from sim.metrics import replica_frame
             from sim.whatif.sweep import print_frame
