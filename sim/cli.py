@@ -50,6 +50,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
 
 
+def step_time_line(cost_model) -> str:
+    """Where a run's step times came from, in words (every run's table names it)."""
+    source = cost_model.step_time_source
+    if source == "datasheet":
+        return ("datasheet (UNCALIBRATED: datasheet peaks x default efficiencies; `simrun calibrate "
+                "--from-vllm` fits them to your runs, `step_times: tables` uses measured operators)")
+    words = {"tables": cost_model.tables.describe() if cost_model.tables else "operator tables",
+             "calibrated": f"calibrated profile ({cost_model.profile.source})",
+             "calibrated tables": f"operator tables tuned by a calibrated profile ({cost_model.profile.source})"}
+    quality = cost_model.profile.fit.get("quality") if cost_model.profile.calibrated else None
+    return words[source] + (" [POOR FIT: see the profile's fit.warnings]" if quality == "poor" else "")
+
+
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="simrun", description="Predict KV memory, throughput and latency of an LLM-serving scenario.",
@@ -156,9 +169,7 @@ def print_results(results: dict, out: Path) -> None:
         table.add_row(str(metric), *[str(v) for v in row])
     console.print(table)
     first = next(iter(results.values()))
-    calibrated = "calibrated profile" if first.cost_model.calibrated else \
-        "UNCALIBRATED: datasheet peaks x default efficiencies (run `simrun calibrate` to fit them)"
-    console.print(f"cost model: {calibrated}")
+    console.print(f"step times: {step_time_line(first.cost_model)}")
     for name, r in results.items():
         notes = r.manifest.get("workload", {}).get("notes") or []
         for note in notes:
