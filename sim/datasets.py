@@ -13,7 +13,6 @@ only costs the caching (noted). Texts are tokenized as they are: no chat templat
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -22,10 +21,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from sim.core.files import FileFormatError, excerpt, load_json, read_text
 from sim.scenario import Dataset
 
 CACHE_VERSION = 1
 MAX_DATASET_BYTES = 2 << 30          # a ShareGPT dump is ~650 MB; anything over 2 GiB is refused
+MAX_DATASET_VALUES = 200_000_000     # JSON values in a data set (ShareGPT: ~2M)
+MAX_TOKENIZER_BYTES = 256 << 20      # a tokenizer.json is 2-35 MB
 SHAREGPT_FILTER = (4, 1024, 2048)    # vLLM: drop prompt or output < 4, prompt > 1024, prompt + output > 2048
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
 
@@ -71,10 +73,12 @@ def text_tokenizer(path: Path) -> TextTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise DatasetError("tokenizer: the `tokenizers` package is missing (pip install 'kvtwin[text]')") from None
+        text = _read(file, "tokenizer.json", MAX_TOKENIZER_BYTES)      # bounded, UTF-8, named errors
         try:
-            tok = Tokenizer.from_file(str(file))
+            tok = Tokenizer.from_str(text)
         except Exception as e:              # noqa: BLE001 - the library raises its own exception types
-            raise DatasetError(f"{file}: not a tokenizer.json the `tokenizers` package can read ({e})") from None
+            raise DatasetError(f"{file}: not a tokenizer.json the `tokenizers` package can read "
+                               f"({excerpt(str(e), 120)})") from None
         template = _folder_chat_template(path) if path.is_dir() else None
         return TextTokenizer(lambda texts: [e.ids for e in tok.encode_batch(texts)],
                              lambda ids: tok.decode(ids, skip_special_tokens=False), tok.get_vocab_size(),
@@ -104,7 +108,7 @@ def _transformers_tokenizer(path: Path) -> TextTokenizer:
 def _folder_chat_template(path: Path) -> Optional[Callable[[list[dict]], list[int]]]:
     """A folder's transformers chat template, when it has one and transformers is installed."""
     config = path / "tokenizer_config.json"
-    in_config = config.is_file() and "chat_template" in config.read_text(errors="replace")
+    in_config = config.is_file() and "chat_template" in _read(config, "tokenizer_config.json", MAX_TOKENIZER_BYTES)
     # newer transformers keep it in a file of its own
     if not (in_config or (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()):
         return None
@@ -181,12 +185,11 @@ def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
         raise
 
 
-def _read(path: Path) -> str:
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such file (workload.dataset.path)")
-    if path.stat().st_size > MAX_DATASET_BYTES:
-        raise DatasetError(f"{path}: over the {MAX_DATASET_BYTES >> 30} GiB limit for a data set")
-    return path.read_text(encoding="utf-8", errors="replace")
+def _read(path: Path, what: str = "data set (workload.dataset.path)", max_bytes: int = MAX_DATASET_BYTES) -> str:
+    try:
+        return read_text(path, what, max_bytes)
+    except FileFormatError as e:
+        raise DatasetError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- formats
@@ -205,10 +208,10 @@ def load_prompts(ds: Dataset) -> tuple[Prompts, int]:
 
 
 def _sharegpt(ds: Dataset) -> tuple[Prompts, int]:
-    try:
-        data = json.loads(_read(ds.path))
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{ds.path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    try:        # a ShareGPT dump holds millions of values: bounded by its size, not by the config bound
+        data = load_json(_read(ds.path), ds.path, max_items=MAX_DATASET_VALUES)
+    except FileFormatError as e:
+        raise DatasetError(str(e)) from None
     if not isinstance(data, list):
         raise DatasetError(f"{ds.path}: expected a JSON list of {{'conversations': [...]}} objects (ShareGPT format)")
     convs = []

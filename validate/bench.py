@@ -52,6 +52,7 @@ from sim.errors import UserError
 from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
+from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.core.request import Request, make_request, stable_key
 from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, series_on_run_clock, timeline_row
 
@@ -966,7 +967,8 @@ def bench_main(argv: list[str]) -> int:
     scenario_args(p)
     p.add_argument("--endpoint", required=True, help="server root URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first of the endpoint's /v1/models)")
-    p.add_argument("--out", type=Path, help="output folder (default runs/bench/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/bench/<scenario name>)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait for its next streamed chunk")
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics samples")
@@ -979,15 +981,16 @@ def bench_main(argv: list[str]) -> int:
 
     scenario = _single_scenario(args)
     out = args.out or Path("runs") / "bench" / args.scenario.stem
-    try:
-        measured = run_bench(scenario, args.endpoint, args.model, args.request_timeout, args.scrape_interval,
-                             say=lambda msg: err_console.print(f"bench: {msg}", markup=False),
-                             headers=request_headers(args.header, args.api_key))
-    except BenchError as e:
-        raise UserError(str(e)) from None
-    attach_series(measured, args)
-    table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
-                                f"kvtwin bench: {scenario.name} against {normalise_endpoint(args.endpoint)}")
+    headers = request_headers(args.header, args.api_key)
+    with owned_run_folder(out, force=args.force):      # checked before measuring
+        try:
+            measured = run_bench(scenario, args.endpoint, args.model, args.request_timeout, args.scrape_interval,
+                                 say=lambda msg: err_console.print(f"bench: {msg}", markup=False), headers=headers)
+        except BenchError as e:
+            raise UserError(str(e)) from None
+        attach_series(measured, args)
+        table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
+                                    f"kvtwin bench: {scenario.name} against {normalise_endpoint(args.endpoint)}")
     print_comparison(table, measured, out)
     return 1 if measured.summary["partial"] else 0
 
@@ -1006,7 +1009,8 @@ def compare_main(argv: list[str]) -> int:
                         "--save-detailed) instead of the scenario's workload")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="exit 0 even when the file's workload differs from the scenario's")
-    p.add_argument("--out", type=Path, help="output folder (default runs/compare/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/compare/<scenario name>)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
@@ -1021,15 +1025,17 @@ def compare_main(argv: list[str]) -> int:
             raise UserError(f"--server-log compares one run's time series; {args.vllm_result} holds {len(runs)} "
                             f"runs: cut the file to the run the log covers")
 
-        return compare_sweep(scenario, runs, out, args.use_file_workload, args.allow_mismatch)
-    notes: list[str] = []
-    if args.use_file_workload:
-        scenario, notes = file_workload_scenario(scenario, runs[0])
-    measured = read_vllm_result(args.vllm_result, scenario, runs[0], args.use_file_workload)
-    measured.manifest["workload_notes"] = notes
-    attach_series(measured, args)
-    table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
-                                f"kvtwin vs vLLM benchmark: {scenario.name} ({args.vllm_result.name})")
+        with owned_run_folder(out, force=args.force):      # checked before predicting
+            return compare_sweep(scenario, runs, out, args.use_file_workload, args.allow_mismatch)
+    with owned_run_folder(out, force=args.force):          # checked before predicting
+        notes: list[str] = []
+        if args.use_file_workload:
+            scenario, notes = file_workload_scenario(scenario, runs[0])
+        measured = read_vllm_result(args.vllm_result, scenario, runs[0], args.use_file_workload)
+        measured.manifest["workload_notes"] = notes
+        attach_series(measured, args)
+        table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
+                                    f"kvtwin vs vLLM benchmark: {scenario.name} ({args.vllm_result.name})")
     print_comparison(table, measured, out)
     mismatch = bool(measured.manifest["notes"])
     if mismatch and not args.allow_mismatch:

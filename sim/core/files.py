@@ -214,18 +214,29 @@ def read_yaml(path: str | Path, what: str = "YAML file", max_bytes: int = MAX_TE
 
 # ----------------------------------------------------------------------------- JSON
 
-def load_json(text: str, source: str | Path = "<text>") -> Any:
+class JsonSyntaxError(FileFormatError):
+    """Text that is not JSON at all; keeps json's line, column and reason (a JSON Lines reader
+    retries line by line)."""
+
+    def __init__(self, message: str, error: json.JSONDecodeError):
+        super().__init__(message)
+        self.msg, self.lineno, self.colno = error.msg, error.lineno, error.colno
+
+
+def load_json(text: str, source: str | Path = "<text>", allow_nan: bool = False,
+              max_items: int = MAX_YAML_NODES) -> Any:
     """json.loads with errors that name the source and line, integers bounded to int64 and
-    nesting bounded (CPython's parser recurses)."""
+    nesting bounded (CPython's parser recurses). NaN/Infinity only with `allow_nan` (files
+    another program wrote with Python's json, which writes them)."""
     try:
-        value = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=None if allow_nan else _no_constant)
     except json.JSONDecodeError as e:
-        raise FileFormatError(f"{source}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        raise JsonSyntaxError(f"{source}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})", e) from None
     except RecursionError:
         raise FileFormatError(f"{source}: nested too deeply (at most {MAX_DEPTH} levels)") from None
     except _JsonValueError as e:
         raise FileFormatError(f"{source}: {e}") from None
-    check_bounded(value, source)
+    check_bounded(value, source, max_items=max_items)
     return value
 
 

@@ -24,7 +24,6 @@ the field and what was expected.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+
+from sim.core.files import FileFormatError, JsonSyntaxError, load_json, read_text
 
 MAX_FILE_BYTES = 512 * 1024 * 1024      # a result file of 1M requests is ~200 MB with texts
 
@@ -151,21 +152,19 @@ def load_results(path: str | Path) -> list[VllmResult]:
     """Every run in a result file: one for --save-result JSON, one per line for JSONL."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise VllmResultError(f"{path}: no such file") from None
-    if size > MAX_FILE_BYTES:
-        raise VllmResultError(f"{path}: {size:,} bytes is over the {MAX_FILE_BYTES:,}-byte limit "
-                              f"for a result file")
-    text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text(path, "`vllm bench serve` result file", MAX_FILE_BYTES)
+    except FileFormatError as e:
+        raise VllmResultError(str(e)) from None
     if not text.strip():
         raise VllmResultError(f"{path}: empty file (expected `vllm bench serve --save-result` JSON)")
     if PRINTOUT_HEADER in text or (text.lstrip()[:1] not in "[{" and "Successful requests:" in text):
         return parse_printout(text, str(path))
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as whole_error:
+        data = load_json(text, path, allow_nan=True)
+    except JsonSyntaxError as whole_error:
         return [_parse_run(obj, f"{path}:{line}") for line, obj in _json_lines(text, path, whole_error)]
+    except FileFormatError as e:            # too deep, too many values, an integer beyond 64 bits
+        raise VllmResultError(str(e)) from None
     if isinstance(data, list):
         if not data:
             raise VllmResultError(f"{path}: an empty JSON array (expected result objects)")
@@ -249,14 +248,16 @@ def _number(value: str, source: str, line: int, label: str) -> float:
                                                             "Maximum request concurrency") else number
 
 
-def _json_lines(text: str, path: Path, whole_error: json.JSONDecodeError) -> list[tuple[int, Any]]:
+def _json_lines(text: str, path: Path, whole_error: JsonSyntaxError) -> list[tuple[int, Any]]:
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
+            rows.append((number, load_json(line, f"{path}:{number}", allow_nan=True)))
+        except FileFormatError as e:
+            if not isinstance(e, JsonSyntaxError):
+                raise VllmResultError(str(e)) from None
             if len(rows) == 0 and number == 1 and whole_error.lineno > 1:
                 number = whole_error.lineno       # a broken single JSON document: report that
                 e = whole_error

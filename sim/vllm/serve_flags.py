@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from sim.core.files import FileFormatError, read_yaml
 from sim.errors import UserError
 
 
@@ -278,12 +279,10 @@ def split_flags(words: list[str]) -> tuple[list[str], list[tuple[str, Optional[s
 
 def config_file_flags(path: Path) -> list[tuple[str, Optional[str]]]:
     """vLLM's --config YAML: {flag-name: value}; true = a bare switch, false = its --no- form."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"--config {path}: no such file") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"--config {path}: not valid YAML ({e})") from None
+    try:       # strict YAML (duplicate keys, alias bombs refused), bounded, UTF-8
+        data = read_yaml(path, "vLLM --config YAML file")
+    except FileFormatError as e:
+        raise UserError(f"--config {e}") from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path}: expected a mapping of flag names to values")
     return mapping_flags(data)

@@ -31,7 +31,7 @@ at each measured sample and the mean absolute difference per quantity.
 from __future__ import annotations
 
 import datetime as dt
-import json
+import io
 import math
 import re
 from pathlib import Path
@@ -40,6 +40,7 @@ from typing import Iterator, Optional
 import numpy as np
 import pandas as pd
 
+from sim.core.files import FileFormatError, excerpt, load_json, read_text
 from sim.errors import UserError
 
 SERIES_COLUMNS = ("t_s", "running", "waiting", "kv_usage_pct", "prompt_tps", "generation_tps")
@@ -125,15 +126,13 @@ def load_series(path: str | Path, year: Optional[int] = None) -> pd.DataFrame:
     """A vLLM log, Prometheus scrapes or query_range JSON, or bench's metrics_timeline.csv, as
     the series frame (module docstring). UserError naming the file when nothing is found."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such file (a vLLM server log or /metrics scrapes)")
-    if path.stat().st_size > MAX_BYTES:
-        raise UserError(f"{path}: {path.stat().st_size / 2**20:.0f} MiB is over the {MAX_BYTES >> 20} MiB "
-                        f"limit; cut the log to the run's window")
+    try:          # bounded, UTF-8, named in every error (a log bigger than MAX_BYTES: cut it to the run)
+        text = read_text(path, "vLLM server log or /metrics scrapes", MAX_BYTES)
+    except FileFormatError as e:
+        raise UserError(str(e)) from None
     if path.suffix == ".csv":
-        frame = _bench_timeline(path)
+        frame = _bench_timeline(path, text)
     else:
-        text = path.read_text(errors="replace")
         stripped = text.lstrip()
         if stripped.startswith("{"):
             frame = _query_range(path, stripped)
@@ -274,9 +273,9 @@ def _scrapes(path: Path, text: str) -> pd.DataFrame:
 def _query_range(path: Path, text: str) -> pd.DataFrame:
     """Prometheus /api/v1/query_range answers (one, or a list of them) for vLLM's metrics."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from None
+        data = load_json(text, path)
+    except FileFormatError as e:
+        raise UserError(str(e)) from None
     answers = data if isinstance(data, list) else [data]
     series: dict[float, dict[str, list[float]]] = {}
     for answer in answers:
@@ -294,8 +293,11 @@ def _query_range(path: Path, text: str) -> pd.DataFrame:
     return _finish(scrapes_frame(rows), 0.0, "metrics")      # t_s is already seconds since the epoch
 
 
-def _bench_timeline(path: Path) -> pd.DataFrame:
-    df = pd.read_csv(path)
+def _bench_timeline(path: Path, text: str) -> pd.DataFrame:
+    try:
+        df = pd.read_csv(io.StringIO(text))
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as e:
+        raise UserError(f"{path}: not a CSV table ({excerpt(str(e), 80)})") from None
     missing = [c for c in ("t_s", "running", "waiting", "kv_usage") if c not in df]
     if missing:
         raise UserError(f"{path}:1: missing column(s) {', '.join(missing)} (expected simrun bench's "
