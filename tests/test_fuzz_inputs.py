@@ -407,3 +407,111 @@ def test_bad_http_bodies():
 
     run_corpus(cases, one)
     assert outcomes["ok"] > 20 and outcomes["error"] > 300, outcomes
+
+
+# ----------------------------------------------------------------------------- vLLM files, data sets, tokenizers
+
+CANARY = "CANARY-" + "q" * 60        # put in hostile files: no error may quote it whole
+GOOD_VLLM_RESULT = json.dumps({"date": "20250101-000000", "backend": "vllm", "model_id": "tiny",
+                               "request_rate": "inf", "duration": 2.0, "completed": 2, "failed": 0,
+                               "mean_ttft_ms": 10.0, "note": CANARY}) + "\n"
+GOOD_QUERY_RANGE = json.dumps({"status": "success", "data": {"result": [
+    {"metric": {"__name__": "vllm:num_requests_running"}, "values": [[1700000000, "3"], [1700000002, "4"]]}]}})
+GOOD_LOG = ("INFO 08-20 12:34:56 metrics.py:406] Avg prompt throughput: 123.4 tokens/s, Avg generation throughput: "
+            "45.6 tokens/s, Running: 5 reqs, Swapped: 0 reqs, Pending: 2 reqs, GPU KV cache usage: 12.3%, CPU KV "
+            "cache usage: 0.0%.\n")
+GOOD_TIMELINE = "t_s,running,waiting,kv_usage\n0.0,1,0,0.1\n0.5,2,1,0.2\n"
+GOOD_CONFIG = "max-model-len: 2048\nenable-prefix-caching: true\n"
+GOOD_SHAREGPT = json.dumps([{"conversations": [{"from": "human", "value": "hello there " + CANARY},
+                                               {"from": "gpt", "value": "general kenobi"}]}])
+BOMB_YAML = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+def whole_file_attacks(good: str, json_kind: bool) -> list[tuple[str, bytes, bool]]:
+    """(name, bytes, must fail) for one reader: encodings, compression, binary, and for JSON readers
+    depth and integers beyond 64 bits. A BOM or CRLF file must still read."""
+    raw = good.encode()
+    cases = [("gzip", gzip.compress(raw), True), ("utf-16", good.encode("utf-16"), True),
+             ("binary", bytes(range(256)) + CANARY.encode(), True), ("latin-1 byte", raw + b"\xe9" + CANARY.encode(), True),
+             ("nul", raw[:10] + b"\x00" + raw[10:], True), ("empty", b"", True),
+             ("bom", b"\xef\xbb\xbf" + raw, False), ("crlf", raw.replace(b"\n", b"\r\n"), False)]
+    if json_kind:
+        cases += [("deep", b"[" * 5000 + b"]" * 5000, True), ("truncated", raw[: len(raw) // 2], True)]
+    return cases
+
+
+def vllm_file_cases() -> list[tuple[str, tuple[str, str, bytes, bool]]]:
+    """(case id, (reader, file name, bytes, must fail))."""
+    huge_duration = GOOD_VLLM_RESULT.replace('"duration": 2.0', '"duration": ' + "9" * 400)
+    readers = [("results", "r.json", GOOD_VLLM_RESULT, True),
+               ("series", "q.json", GOOD_QUERY_RANGE, True), ("series", "server.log", GOOD_LOG, False),
+               ("series", "metrics_timeline.csv", GOOD_TIMELINE, False), ("config", "c.yaml", GOOD_CONFIG, False),
+               ("sharegpt", "sg.json", GOOD_SHAREGPT, True), ("text", "p.txt", "one prompt\nanother " + CANARY + "\n", False),
+               ("tokenizer", "tokenizer.json", (Path(__file__).parent / "data" / "datasets" / "tokenizer.json")
+                .read_text(encoding="utf-8"), False)]
+    cases = []
+    for reader, name, good, json_kind in readers:
+        for attack, data, must_fail in whole_file_attacks(good, json_kind):
+            if reader in ("text", "tokenizer") and attack in ("bom", "crlf"):
+                continue           # these succeed only with a real tokenization: covered by test_datasets
+            if reader == "series" and name.endswith(".log") and attack == "empty":
+                must_fail = True
+            cases.append((f"{reader}/{name}: {attack}", (reader, name, data, must_fail)))
+    cases += [("results/r.json: integer duration beyond 64 bits", ("results", "r.json", huge_duration.encode(), True)),
+              ("results/r.jsonl: deep second line", ("results", "r.jsonl", (GOOD_VLLM_RESULT + "[" * 5000 + "]" * 5000
+                                                                           + "\n").encode(), True)),
+              ("config/c.yaml: alias bomb", ("config", "c.yaml", BOMB_YAML.encode(), True)),
+              ("config/c.yaml: duplicate key", ("config", "c.yaml", (GOOD_CONFIG + "max-model-len: 4096\n").encode(), True)),
+              ("config/c.yaml: deep", ("config", "c.yaml", b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", True)),
+              ("sharegpt/sg.json: huge int", ("sharegpt", "sg.json", GOOD_SHAREGPT.replace('{"conversations"', '{"id": '
+                                                                      + "9" * 400 + ', "conversations"').encode(), True)),
+              ("sharegpt/sg.json: NaN", ("sharegpt", "sg.json", b'[{"conversations": NaN}]', True)),
+              ("series/q.json: huge int", ("series", "q.json", GOOD_QUERY_RANGE.replace("1700000000", "9" * 400).encode(), True))]
+    return cases
+
+
+def read_vllm_file(reader: str, path: Path) -> Any:
+    from sim.datasets import load_prompts, text_tokenizer
+    from sim.scenario import Dataset
+    from sim.vllm.results import load_results
+    from sim.vllm.serve_flags import config_file_flags
+    from sim.vllm.timeseries import load_series
+
+    tokenizer = Path(__file__).parent / "data" / "datasets" / "tokenizer.json"
+    if reader == "results":
+        return load_results(path)
+    if reader == "series":
+        return load_series(path, year=2025)
+    if reader == "config":
+        return config_file_flags(path)
+    if reader == "tokenizer":
+        return text_tokenizer(path).encode("hello")
+    return load_prompts(Dataset(format=reader, path=path, tokenizer=tokenizer))
+
+
+def test_malformed_vllm_files_data_sets_and_tokenizers(tmp_path):
+    pytest.importorskip("tokenizers")
+    cases = vllm_file_cases()
+    assert len(cases) > 60
+    outcomes = {"ok": 0, "error": 0}
+    numbers = iter(range(len(cases)))
+
+    def one(case_id: str, payload: tuple[str, str, bytes, bool]) -> None:
+        reader, name, data, must_fail = payload
+        folder = tmp_path / f"case{next(numbers)}"      # a fresh folder: no token cache of another case
+        folder.mkdir()
+        path = folder / name
+        path.write_bytes(data)
+        try:
+            read_vllm_file(reader, path)
+        except Exception as e:                       # noqa: BLE001 - judged below
+            assert_clean(e, [str(path)])
+            assert CANARY not in str(e), f"the error quotes the file: {str(e)[:300]}"
+            outcomes["error"] += 1
+            return
+        assert not must_fail, "a malformed file was accepted"
+        outcomes["ok"] += 1
+
+    run_corpus(cases, one)
+    assert outcomes["ok"] >= 5 and outcomes["error"] > 50, outcomes
