@@ -461,3 +461,110 @@ def test_validate_refuses_a_foreign_folder_before_measuring(tmp_path, capsys, mo
     (out / "notes.txt").write_text("mine")
     assert main(["validate", str(small_scenario(tmp_path)), "--device", "cpu", "--out", str(out)]) == 2
     assert "notes.txt" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- gzip bombs
+
+@pytest.mark.parametrize("fmt, row", [("csv", "0.5,12,3\n"), ("jsonl", '{"arrival_s": 0.5, "prompt_len": 12, "output_len": 3}\n')])
+def test_a_gzip_bomb_trace_stops_at_the_decompressed_size_limit(tmp_path, monkeypatch, fmt, row):
+    import gzip
+
+    import sim.core.files
+    from sim.core.files import FileFormatError
+    from sim.scenario import Trace
+    from sim.traces import load_trace
+
+    monkeypatch.setattr(sim.core.files, "MAX_STREAM_BYTES", 1 << 20)
+    header = "arrival_s,prompt_len,output_len\n" if fmt == "csv" else ""
+    path = tmp_path / f"bomb.{fmt}.gz"
+    path.write_bytes(gzip.compress((header + row * (8 * 2**20 // len(row))).encode(), 9))
+    assert path.stat().st_size < 2**20 // 8          # small on disk, 8x the limit inside
+    with pytest.raises(FileFormatError, match=r"bomb\.\w+\.gz: decompresses to more than 1 MiB"):
+        load_trace(Trace(format=fmt, path=path), seed=0)
+    # a gzip under the limit still reads, and so does a plain file; a plain file over it is refused
+    path.write_bytes(gzip.compress((header + row * 100).encode()))
+    assert len(load_trace(Trace(format=fmt, path=path), seed=0).requests) == 100
+    plain = tmp_path / f"big.{fmt}"
+    plain.write_text(header + row * (2 * 2**20 // len(row)))
+    with pytest.raises(FileFormatError, match=r"big\.\w+: 2\.0 MiB, larger than the 1 MiB"):
+        load_trace(Trace(format=fmt, path=plain), seed=0)
+
+
+# ----------------------------------------------------------------------------- bench and compare folders
+
+SMOKE = Path(__file__).resolve().parents[1] / "scenarios" / "serve_smoke.yaml"
+NO_PREFIX = ["--set", "workload.shared_prefix=null", "--set", "workload.warmup_requests=0"]
+
+
+def vllm_result_file(tmp_path: Path, rates: tuple[float, ...] = (20.0,)) -> Path:
+    """A (JSON Lines when several rates) vLLM result file made from kvtwin's own prediction."""
+    from sim.predict import predict
+    from sim.scenario import load_scenario
+    from sim.vllm.results import vllm_result_dict
+
+    lines = []
+    for rate in rates:
+        run = predict(load_scenario(SMOKE, [f"workload.arrival.rate={rate}", "workload.shared_prefix=null",
+                                            "workload.warmup_requests=0"]), "measured")
+        lines.append(json.dumps(vllm_result_dict(run.requests, {"model_id": "tiny", "request_rate": rate})))
+    path = tmp_path / f"vllm{len(rates)}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_compare_owns_its_output_folder(tmp_path, capsys, monkeypatch):
+    from sim.output.run_dir import INCOMPLETE, MARKER
+
+    single, sweep = vllm_result_file(tmp_path), vllm_result_file(tmp_path, (5.0, 20.0))
+    out = tmp_path / "cmp"
+    args = ["compare", str(SMOKE), *NO_PREFIX, "--out", str(out), "--allow-mismatch", "--vllm-result"]
+    assert main([*args, str(sweep)]) == 0
+    assert (out / "sweep_comparison.csv").exists() and (out / MARKER).exists() and not (out / INCOMPLETE).exists()
+    assert main([*args, str(single)]) == 0
+    assert (out / "comparison.csv").exists() and (out / "predicted" / "summary.json").exists()
+    assert not (out / "sweep_comparison.csv").exists()          # the earlier run's files are gone
+    assert not (out / INCOMPLETE).exists()
+    # a folder of someone else's is refused before anything is predicted; --force writes beside it
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    import sim.predict
+
+    real_predict = sim.predict.predict
+    monkeypatch.setattr(sim.predict, "predict", lambda *a, **k: pytest.fail("predicted before checking --out"))
+    capsys.readouterr()
+    for result in (single, sweep):
+        assert main(["compare", str(SMOKE), *NO_PREFIX, "--out", str(mine), "--vllm-result", str(result)]) == 2
+        err = capsys.readouterr().err
+        assert "notes.txt" in err and "--force" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", str(SMOKE), "--out", "", "--vllm-result", str(single)])
+    assert exit_.value.code == 2 and "an empty path" in capsys.readouterr().err
+    monkeypatch.setattr(sim.predict, "predict", real_predict)
+    assert main(["compare", str(SMOKE), *NO_PREFIX, "--out", str(mine), "--force", "--allow-mismatch",
+                 "--vllm-result", str(single)]) == 0
+    assert (mine / "notes.txt").read_text() == "mine" and (mine / "comparison.csv").exists()
+
+
+def test_bench_checks_its_output_folder_before_measuring_and_marks_a_failed_run(tmp_path, capsys, monkeypatch):
+    import validate.bench
+    from sim.output.run_dir import INCOMPLETE
+
+    monkeypatch.setattr(validate.bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking --out"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    bench = ["bench", str(SMOKE), "--endpoint", "http://127.0.0.1:9"]
+    assert main([*bench, "--out", str(mine)]) == 2
+    assert "notes.txt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main([*bench, "--out", " "])
+    assert exit_.value.code == 2 and "an empty path" in capsys.readouterr().err
+
+    def unreachable(*a, **k):
+        raise validate.bench.BenchError("the endpoint did not answer")
+
+    monkeypatch.setattr(validate.bench, "run_bench", unreachable)
+    out = tmp_path / "b"
+    assert main([*bench, "--out", str(out)]) == 2
+    assert (out / INCOMPLETE).exists()                  # a failed bench says so in its folder

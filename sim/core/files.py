@@ -25,6 +25,7 @@ MAX_TEXT_BYTES = 64 * 1024 * 1024       # a scenario, profile or config; traces 
 MAX_YAML_NODES = 1_000_000               # after alias expansion
 MAX_DEPTH = 64
 MAX_INT = 2**63 - 1                      # what numpy's int64 (and so every length column) holds
+MAX_STREAM_BYTES = 4 << 30              # a streamed file (a trace), decompressed size for a gzip one
 EXCERPT_CHARS = 40
 FILE_EXCERPT_CHARS = 20                  # a value quoted from a data file (a trace, a length file)
 
@@ -93,15 +94,47 @@ def _binary_kind(data: bytes) -> str | None:
     return None
 
 
+class _BoundedStream(io.RawIOBase):
+    """A (decompressing) stream that stops with FileFormatError past `limit` bytes: a gzip bomb
+    expands a few kilobytes into terabytes, so the compressed size says nothing."""
+
+    def __init__(self, raw: Any, path: Path, what: str, limit: int):
+        super().__init__()
+        self._raw, self._path, self._what, self._limit, self._count = raw, path, what, limit, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._raw.readinto(buffer) or 0
+        self._count += n
+        if self._count > self._limit:
+            raise FileFormatError(f"{self._path}: decompresses to more than {_size(self._limit)}, the limit "
+                                  f"for a {self._what}; refused (decompress and cut it yourself if it is real)")
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
+
+
 @contextmanager
-def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False) -> Iterator[TextIO]:
+def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False,
+              max_bytes: int | None = None) -> Iterator[TextIO]:
     """A UTF-8 text file opened for streaming (a trace too big to hold twice): binary, compressed
     and UTF-16 files are refused up front, and a bad byte later on is an error naming the file.
-    With `gzip_ok`, a gzip file (by its magic bytes) is decompressed on the fly."""
+    With `gzip_ok`, a gzip file (by its magic bytes) is decompressed on the fly. The file (a gzip
+    one: its decompressed text) may hold at most `max_bytes` (default MAX_STREAM_BYTES)."""
     path = Path(path)
+    max_bytes = MAX_STREAM_BYTES if max_bytes is None else max_bytes
     if path.is_dir():
         raise FileFormatError(f"{path}: is a folder, expected a {what}")
     try:
+        size = path.stat().st_size
         with path.open("rb") as raw:
             head = raw.read(8192)
         gzipped = gzip_ok and head.startswith(b"\x1f\x8b")
@@ -112,7 +145,11 @@ def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False) -> It
         if kind:
             raise FileFormatError(f"{path}: {kind}, expected a UTF-8 text {what}"
                                   + (" (inside the gzip)" if gzipped else ""))
-        binary = gzip.open(path, "rb") if gzipped else path.open("rb")
+        if not gzipped and size > max_bytes:
+            raise FileFormatError(f"{path}: {size / 2**20:.1f} MiB, larger than the {_size(max_bytes)} allowed "
+                                  f"for a {what}")
+        binary = (io.BufferedReader(_BoundedStream(gzip.open(path, "rb"), path, what, max_bytes))
+                  if gzipped else path.open("rb"))
         f = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="")
     except FileNotFoundError:
         raise FileFormatError(f"{path}: no such file (expected a {what})") from None
