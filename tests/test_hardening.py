@@ -561,10 +561,17 @@ def test_bench_checks_its_output_folder_before_measuring_and_marks_a_failed_run(
         main([*bench, "--out", " "])
     assert exit_.value.code == 2 and "an empty path" in capsys.readouterr().err
 
-    def unreachable(*a, **k):
-        raise validate.bench.BenchError("the endpoint did not answer")
+    # measured, then killed while writing: the folder says so, and the next bench cleans it up
+    monkeypatch.setattr(validate.bench, "run_bench", lambda *a, **k: object())
 
-    monkeypatch.setattr(validate.bench, "run_bench", unreachable)
+    def write_then_fail(predicted, measured, out, title):
+        (out / "comparison.csv").write_text("partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(validate.bench, "write_comparison", write_then_fail)
     out = tmp_path / "b"
     assert main([*bench, "--out", str(out)]) == 2
-    assert (out / INCOMPLETE).exists()                  # a failed bench says so in its folder
+    assert (out / INCOMPLETE).exists() and (out / "comparison.csv").exists()
+    monkeypatch.setattr(validate.bench, "write_comparison", lambda *a: (_ for _ in ()).throw(OSError("again")))
+    assert main([*bench, "--out", str(out)]) == 2
+    assert (out / INCOMPLETE).exists() and not (out / "comparison.csv").exists()

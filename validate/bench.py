@@ -52,7 +52,7 @@ from sim.errors import UserError
 from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
-from sim.output.run_dir import out_folder_arg, owned_run_folder
+from sim.output.run_dir import check_out_folder, out_folder_arg, owned_run_folder
 from sim.core.request import Request, make_request, stable_key
 from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, series_on_run_clock, timeline_row
 
@@ -981,14 +981,15 @@ def bench_main(argv: list[str]) -> int:
 
     scenario = _single_scenario(args)
     out = args.out or Path("runs") / "bench" / args.scenario.stem
-    headers = request_headers(args.header, args.api_key)
-    with owned_run_folder(out, force=args.force):      # checked before measuring
-        try:
-            measured = run_bench(scenario, args.endpoint, args.model, args.request_timeout, args.scrape_interval,
-                                 say=lambda msg: err_console.print(f"bench: {msg}", markup=False), headers=headers)
-        except BenchError as e:
-            raise UserError(str(e)) from None
-        attach_series(measured, args)
+    check_out_folder(out, force=args.force)      # before measuring; a bench that measured nothing leaves no folder
+    try:
+        measured = run_bench(scenario, args.endpoint, args.model, args.request_timeout, args.scrape_interval,
+                             say=lambda msg: err_console.print(f"bench: {msg}", markup=False),
+                             headers=request_headers(args.header, args.api_key))
+    except BenchError as e:
+        raise UserError(str(e)) from None
+    attach_series(measured, args)
+    with owned_run_folder(out, force=args.force):
         table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
                                     f"kvtwin bench: {scenario.name} against {normalise_endpoint(args.endpoint)}")
     print_comparison(table, measured, out)
