@@ -9,6 +9,7 @@ import pytest
 
 from sim.metrics import summarise
 from sim.records import requests_frame
+from sim.output import units
 from sim.output.report import (CDF_POINTS, PLOTS, RunView, cdf_points, format_value, plot_latency_cdf,
                         plot_run_figures, summary_table, timeline, write_html_report,
                         write_perfetto_trace)
@@ -149,15 +150,37 @@ def test_summary_table_rows_carry_units_and_display_scale(views, rejected):
     assert list(numeric.columns) == ["continuous", "static", "rejected"]
     s = views["static"].summary
     assert numeric.loc["TTFT p50 (ms)", "static"] == pytest.approx(s["ttft_s"]["p50"] * 1e3)
-    assert numeric.loc["KV usage peak (%)", "static"] == pytest.approx(s["kv_usage_peak"] * 100)
+    assert numeric.loc["KV usage peak", "static"] == pytest.approx(s["kv_usage_peak"] * 100)
     queue_share = s["latency_split"]["queue"] * 100
-    assert numeric.loc["latency split: queue (%)", "static"] == pytest.approx(queue_share)
+    assert numeric.loc["latency split: queue", "static"] == pytest.approx(queue_share)
     text = summary_table(all_views)
     assert text.loc["request throughput (req/s)", "continuous"] == format_value(
         views["continuous"].summary["request_throughput"])
     assert text.loc["goodput (req/s)", "continuous"] == "—"          # no SLO set
     assert text.loc["request throughput (req/s)", "rejected"] == "—"
     assert text.loc["requests rejected", "rejected"] == "5"
+    # shares carry their sign, so 0.38% never reads as 38%
+    assert text.loc["KV usage peak", "static"] == units.pct(s["kv_usage_peak"])
+    assert text.loc["KV usage peak", "static"].endswith("%")
+
+
+def test_summary_table_ratio_columns_compare_each_run_with_the_first(views):
+    table = summary_table(views, ratios=True)
+    assert list(table.columns) == ["continuous", "static", "static / continuous"]
+    c, s = views["continuous"].summary, views["static"].summary
+    expected = s["request_throughput"] / c["request_throughput"]
+    assert table.loc["request throughput (req/s)", "static / continuous"] == f"{expected:.3g}x"
+    assert list(summary_table(views).columns) == ["continuous", "static"]
+
+
+@pytest.mark.parametrize("value, kind, text", [
+    (0.0038, "pct", "0.38%"), (0.477, "pct", "47.7%"), (1.0, "pct", "100%"), (0.031, "signed_pct", "+3.1%"),
+    (-0.12, "signed_pct", "-12.0%"), (0.00186, "ms", "1.86"), (1.0889, "ms", "1,089"),
+    (988065536, "gib", "0.92 GiB"), (73804677120, "gib", "68.7 GiB"), (13213, "count", "13,213"),
+    (1.93, "ratio", "1.93x"), (None, "ms", "—"), (float("nan"), "pct", "—"),
+])
+def test_one_unit_system(value, kind, text):
+    assert units.display(value, kind) == text
 
 
 @pytest.mark.parametrize("value, text", [

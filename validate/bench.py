@@ -35,14 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
-import pandas as pd
-
 from sim.errors import UserError
 from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
 from sim.core.request import Request, make_request, stable_key
+from sim.core.lazy import lazy_import
+
+np = lazy_import("numpy")      # on first use: `simrun bench -h` stays light
+pd = lazy_import("pandas")
 
 # The seed's smoke step (the same request as engine/replay.py's smoke check).
 SMOKE_PROMPT_TOKENS = 16

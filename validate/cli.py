@@ -5,8 +5,9 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
 import yaml
+
+from sim.core.lazy import lazy_import
 
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.errors import UserError
@@ -14,6 +15,8 @@ from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.output.io import write_csv
+
+pd = lazy_import("pandas")     # on first use: `simrun validate -h` stays light
 
 
 # ----------------------------------------------------------------------------- validate

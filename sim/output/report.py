@@ -23,14 +23,16 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from sim.output import units
 from sim.output.io import atomic_path, write_bytes, write_text
+from sim.output.setup import rejection_line, setup_fields, vllm_startup_lines
+from sim.output.units import EMPTY, format_value  # noqa: F401  (format_value: the one number formatter)
 from sim.records import STEP_COLUMNS, RunRecords, requests_frame
 
 TIMELINE_BUCKETS = 1500        # about a plot's width in pixels: finer buckets show nothing more
 CDF_POINTS = 2000
 TRACE_MAX_REQUESTS = 5000      # request slices per run in the trace; steps are never capped
 DPI = 110
-EMPTY = "—"
 
 
 @dataclass(eq=False)           # frames do not compare with ==
@@ -43,6 +45,13 @@ class RunView:
     steps: pd.DataFrame
     kv_blocks_total: int           # usable blocks per replica
     replicas: int = 1
+    scenario: Any = None           # the validated scenario when known: SLO lines, titles
+
+    @property
+    def slo(self) -> dict[str, float]:
+        """{'ttft_s': limit, ...} for the SLOs the scenario sets."""
+        slo = getattr(self.scenario, "slo", None)
+        return {k: getattr(slo, k) for k in ("ttft_s", "tpot_s", "e2e_s") if getattr(slo, k, None) is not None}
 
     def __post_init__(self) -> None:
         if self.steps.empty:       # a run without steps yields object columns; keep them numeric
@@ -144,16 +153,29 @@ def _across_replicas(views: Mapping[str, RunView]) -> str:
     return " (sum over replicas)" if any(v.replicas > 1 for v in views.values()) else ""
 
 
+def _has_cached_blocks(views: Mapping[str, RunView]) -> bool:
+    """Cached-free blocks exist only with prefix caching on: without, their panel means nothing."""
+    return any(len(v.steps) and v.steps["kv_blocks_cached"].max() > 0 for v in views.values())
+
+
+def _kv_lines(views: Mapping[str, RunView]) -> dict:
+    return {label: timeline(v.steps, {"kv_blocks_used": "max", "kv_blocks_cached": "max"})
+            for label, v in views.items()}
+
+
 def plot_kv_blocks(views: Mapping[str, RunView]) -> Figure:
-    """Used and cached-free blocks in two panels: a prefix cache can fill the whole pool
-    with cached blocks, which would flatten the used series on a shared axis."""
-    fig, axes = new_figure(nrows=2, sharex=True)
-    lines = {label: timeline(v.steps, {"kv_blocks_used": "max", "kv_blocks_cached": "max"})
-             for label, v in views.items()}
-    for ax, (column, what, ls) in zip(axes, (("kv_blocks_used", "used", "-"),
-                                             ("kv_blocks_cached", "cached-free", ":"))):
+    """Used and cached-free blocks in two panels (a prefix cache can fill the whole pool with
+    cached blocks, which would flatten the used series on a shared axis); used only when no run
+    caches anything."""
+    panels = (("kv_blocks_used", "used", "-"), ("kv_blocks_cached", "cached-free", ":"))
+    if not _has_cached_blocks(views):
+        panels = panels[:1]
+    fig, axes = new_figure(nrows=len(panels), sharex=True)
+    lines = _kv_lines(views)
+    for ax, (column, what, ls) in zip(axes, panels):
         _kv_panel(ax, views, lines, column, what, ls)
-    axes[0].set_xlabel("")
+    if len(axes) > 1:
+        axes[0].set_xlabel("")
     return fig
 
 
@@ -176,8 +198,7 @@ def _kv_panel(ax, views: Mapping[str, RunView], lines: dict, column: str, what: 
     finish_axes(ax, f"KV cache blocks {what} (bucket max)", "blocks" + _across_replicas(views), counts=True)
 
 
-def plot_queue(views: Mapping[str, RunView]) -> Figure:
-    fig, (ax,) = new_figure()
+def draw_queue(ax, views: Mapping[str, RunView]) -> None:
     for (label, v), colour in zip(views.items(), _colours(views)):
         edges, tl = timeline(v.steps, {"running": "max", "waiting": "max"})
         if len(tl):
@@ -186,12 +207,16 @@ def plot_queue(views: Mapping[str, RunView]) -> Figure:
     if not any(len(v.steps) for v in views.values()):
         _note(ax, "no steps recorded")
     finish_axes(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
-            counts=True)
+                counts=True)
+
+
+def plot_queue(views: Mapping[str, RunView]) -> Figure:
+    fig, (ax,) = new_figure()
+    draw_queue(ax, views)
     return fig
 
 
-def plot_batch_tokens(views: Mapping[str, RunView]) -> Figure:
-    fig, (ax,) = new_figure()
+def draw_batch_tokens(ax, views: Mapping[str, RunView]) -> None:
     if len(views) == 1:            # one run: split each step's tokens into decode and prefill
         (label, v), = views.items()
         edges, tl = timeline(v.steps, {"decode_seqs": "mean", "prefill_tokens": "mean"}, combine="mean")
@@ -209,33 +234,47 @@ def plot_batch_tokens(views: Mapping[str, RunView]) -> Figure:
     if not any(len(v.steps) for v in views.values()):
         _note(ax, "no steps recorded")
     finish_axes(ax, "Tokens per step (bucket mean)", "tokens per step", counts=True)
+
+
+def plot_batch_tokens(views: Mapping[str, RunView]) -> Figure:
+    fig, (ax,) = new_figure()
+    draw_batch_tokens(ax, views)
     return fig
 
 
 LATENCY_PANELS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E", "e2e_s"))
 
 
+def draw_latency_cdf(ax, views: Mapping[str, RunView], name: str, column: str, ylabel: str = "") -> None:
+    """One latency's CDF per run, the scenario's SLO on it as a dashed vertical line."""
+    samples = {label: v.measured[column].dropna().to_numpy() * 1e3 for label, v in views.items()}
+    for (label, ms), colour in zip(samples.items(), _colours(views)):
+        if len(ms):
+            x, p = cdf_points(ms)
+            ax.plot(x, p, drawstyle="steps-post", color=colour, label=f"{label} (n={len(ms):,})")
+    limits = sorted({v.slo[column] for v in views.values() if column in v.slo})
+    for limit in limits:
+        ax.axvline(limit * 1e3, color="C3", ls="--", lw=1, label=f"SLO {units.ms_unit(limit)}")
+    pooled = np.concatenate([*samples.values(), np.asarray(limits) * 1e3])
+    if not any(len(s) for s in samples.values()):
+        _note(ax, "no finished requests")
+    elif pooled.min() > 0 and pooled.max() > 50 * pooled.min():   # wide spread: log axis
+        ax.set_xscale("log")
+    finish_axes(ax, f"{name} CDF", ylabel, f"{name} (ms)")
+
+
 def plot_latency_cdf(views: Mapping[str, RunView]) -> Figure:
     fig, axes = new_figure(len(LATENCY_PANELS), sharey=True)
     for ax, (name, column) in zip(axes, LATENCY_PANELS):
-        samples = {label: v.measured[column].dropna().to_numpy() * 1e3 for label, v in views.items()}
-        for (label, ms), colour in zip(samples.items(), _colours(views)):
-            if len(ms):
-                x, p = cdf_points(ms)
-                ax.plot(x, p, drawstyle="steps-post", color=colour, label=f"{label} (n={len(ms):,})")
-        pooled = np.concatenate(list(samples.values()))
-        if not len(pooled):
-            _note(ax, "no finished requests")
-        elif pooled.min() > 0 and pooled.max() > 50 * pooled.min():   # wide spread: log axis
-            ax.set_xscale("log")
-        finish_axes(ax, f"{name} CDF", "fraction of requests" if ax is axes[0] else "", f"{name} (ms)")
+        draw_latency_cdf(ax, views, name, column, "fraction of requests" if ax is axes[0] else "")
     return fig
 
 
-def plot_step_time(views: Mapping[str, RunView]) -> Figure:
-    fig, (ax, hist) = new_figure(2, width_ratios=(3, 1))
-    durations = {label: (v.steps["end_s"] - v.steps["start_s"]).to_numpy() * 1e3
-                 for label, v in views.items()}
+def _step_ms(views: Mapping[str, RunView]) -> dict[str, np.ndarray]:
+    return {label: (v.steps["end_s"] - v.steps["start_s"]).to_numpy() * 1e3 for label, v in views.items()}
+
+
+def draw_step_timeline(ax, views: Mapping[str, RunView], durations: Mapping[str, np.ndarray]) -> None:
     for (label, v), colour in zip(views.items(), _colours(views)):
         ms = v.steps.assign(step_ms=durations[label])
         edges, mean = timeline(ms, {"step_ms": "mean"}, combine="mean")
@@ -243,6 +282,15 @@ def plot_step_time(views: Mapping[str, RunView]) -> Figure:
             _, peak = timeline(ms, {"step_ms": "max"}, combine="max")
             _stairs(ax, edges, peak["step_ms"], color=colour, alpha=0.3, lw=0.8)
             _stairs(ax, edges, mean["step_ms"], color=colour, label=f"{label}: mean (light: max)")
+    if not any(len(d) for d in durations.values()):
+        _note(ax, "no steps recorded")
+    finish_axes(ax, "Step time (per bucket)", "step time (ms)")
+
+
+def plot_step_time(views: Mapping[str, RunView]) -> Figure:
+    fig, (ax, hist) = new_figure(2, width_ratios=(3, 1))
+    durations = _step_ms(views)
+    draw_step_timeline(ax, views, durations)
     pooled = np.concatenate(list(durations.values()))
     if len(pooled):
         bins = np.histogram_bin_edges(pooled, bins=60)
@@ -250,10 +298,23 @@ def plot_step_time(views: Mapping[str, RunView]) -> Figure:
             _stairs(hist, bins, np.histogram(ms, bins)[0], color=colour, label=label)
         hist.set_yscale("log")
     else:
-        _note(ax, "no steps recorded")
         _note(hist, "no steps recorded")
-    finish_axes(ax, "Step time (per bucket)", "step time (ms)")
     finish_axes(hist, "Step time distribution", "steps", "step time (ms)")
+    return fig
+
+
+def plot_overview(views: Mapping[str, RunView]) -> Figure:
+    """The run on one page: KV blocks used, the queue, tokens per step, TTFT and TPOT CDFs with
+    their SLOs, and step time."""
+    fig = Figure(figsize=(15, 8.4))
+    fig.subplots_adjust(left=0.055, right=0.99, bottom=0.07, top=0.9, wspace=0.24, hspace=0.42)
+    kv, queue, tokens, ttft, tpot, step = fig.subplots(2, 3).ravel()
+    _kv_panel(kv, views, _kv_lines(views), "kv_blocks_used", "used", "-")
+    draw_queue(queue, views)
+    draw_batch_tokens(tokens, views)
+    draw_latency_cdf(ttft, views, "TTFT", "ttft_s", "fraction of requests")
+    draw_latency_cdf(tpot, views, "TPOT", "tpot_s")
+    draw_step_timeline(step, views, _step_ms(views))
     return fig
 
 
@@ -261,12 +322,16 @@ PLOTS: dict[str, Callable[[Mapping[str, RunView]], Figure]] = {
     "kv_blocks": plot_kv_blocks, "queue": plot_queue, "batch_tokens": plot_batch_tokens,
     "latency_cdf": plot_latency_cdf, "step_time": plot_step_time,
 }
+# what `simrun` draws for a run: every plot above and the one-page overview
+RUN_PLOTS: dict[str, Callable[[Mapping[str, RunView]], Figure]] = {"overview": plot_overview, **PLOTS}
 
 CAPTIONS = {
-    "kv_blocks": "KV cache blocks used (top) and cached-free (bottom); dashed: each run's pool total.",
+    "overview": "The run on one page: KV blocks used against the pool, running and waiting requests, "
+                "tokens per step, TTFT and TPOT CDFs (dashed: the SLOs), step time.",
+    "kv_blocks": "KV cache blocks used (top) and cached-free (bottom, with prefix caching); dashed: each run's pool total.",
     "queue": "Requests running (solid) and waiting (dashed).",
     "batch_tokens": "Tokens per engine step.",
-    "latency_cdf": "Latency CDFs over finished, non-warm-up requests.",
+    "latency_cdf": "Latency CDFs over finished, non-warm-up requests; dashed red: the scenario's SLOs.",
     "step_time": "Engine step time over the run, and its distribution.",
     # figures only a predicted-vs-measured pair has (validate/)
     "step_scatter": "The cost model on each measured step's composition against that step's measured time.",
@@ -281,42 +346,85 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     return Path(path)
 
 
-def plot_run_figures(views: Mapping[str, RunView], out_dir: str | Path) -> dict[str, Path]:
-    """Write every plot in PLOTS as out_dir/<name>.png; returns {name: path}."""
+def titled(fig: Figure, title: str) -> Figure:
+    """A figure title above the panels' own (scenario, model, device), with room made for it."""
+    if title:
+        height = fig.get_figheight()
+        fig.suptitle(title, fontsize="large", y=1 - 0.08 / height, va="top")
+        top = fig.subplotpars.top
+        fig.subplots_adjust(top=min(top, 1 - 0.75 / height))
+    return fig
+
+
+def plot_run_figures(views: Mapping[str, RunView], out_dir: str | Path, title: str = "",
+                     plots: Optional[Mapping[str, Callable]] = None) -> dict[str, Path]:
+    """Write every plot in `plots` (default PLOTS) as out_dir/<name>.png; returns {name: path}."""
     out_dir = Path(out_dir)
-    return {name: save_figure(plot(views), out_dir / f"{name}.png") for name, plot in PLOTS.items()}
+    plots = PLOTS if plots is None else plots
+    return {name: save_figure(titled(plot(views), title), out_dir / f"{name}.png") for name, plot in plots.items()}
+
+
+_PARALLEL_VIEWS: dict = {}
+
+
+def _draw_one(job: tuple[str, str, str]) -> str:
+    name, out_dir, title = job
+    return str(plot_run_figures(_PARALLEL_VIEWS, out_dir, title, {name: RUN_PLOTS[name]})[name])
+
+
+def plot_figures_parallel(views: Mapping[str, RunView], out_dir: str | Path, title: str = "",
+                          jobs: Optional[int] = None) -> dict[str, Path]:
+    """RUN_PLOTS for a run, drawn by forked worker processes when there is more than one core
+    (rendering is pure CPU work; the workers inherit the views instead of receiving copies)."""
+    import multiprocessing
+    import os
+
+    jobs = jobs or min(len(RUN_PLOTS), os.cpu_count() or 1)
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return plot_run_figures(views, out_dir, title, RUN_PLOTS)
+    from concurrent.futures import ProcessPoolExecutor
+
+    _PARALLEL_VIEWS.clear()
+    _PARALLEL_VIEWS.update(views)
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            paths = pool.map(_draw_one, [(name, str(out_dir), title) for name in RUN_PLOTS])
+            return {name: Path(p) for name, p in zip(RUN_PLOTS, paths)}
+    finally:
+        _PARALLEL_VIEWS.clear()
 
 
 # ----------------------------------------------------------------------------- tables
 
-def _latency_rows() -> list[tuple[str, str, float]]:
-    return [(f"{name} {stat} (ms)", f"{key}.{stat}", 1e3)
+def _latency_rows() -> list[tuple[str, str, str]]:
+    return [(f"{name} {stat} (ms)", f"{key}.{stat}", "ms")
             for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
             for stat in ("mean", "p50", "p90", "p99")]
 
 
-# (row label with unit, dotted summary key, scale from summary units to display units)
-SUMMARY_ROWS: tuple[tuple[str, str, float], ...] = (
-    ("requests finished", "requests_finished", 1),
-    ("requests rejected", "requests_rejected", 1),
-    ("duration (s)", "duration_s", 1),
-    ("request throughput (req/s)", "request_throughput", 1),
-    ("output throughput (tok/s)", "output_token_throughput", 1),
-    ("total throughput (tok/s)", "total_token_throughput", 1),
-    ("goodput (req/s)", "goodput", 1),
+# (row label, with the unit where the cell does not carry it; dotted summary key; kind in sim.output.units)
+SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("requests finished", "requests_finished", "count"),
+    ("requests rejected", "requests_rejected", "count"),
+    ("duration (s)", "duration_s", "s"),
+    ("request throughput (req/s)", "request_throughput", "number"),
+    ("output throughput (tok/s)", "output_token_throughput", "number"),
+    ("total throughput (tok/s)", "total_token_throughput", "number"),
+    ("goodput (req/s)", "goodput", "number"),
+    ("SLO attainment", "slo_attainment", "pct"),
     *_latency_rows(),
-    ("KV blocks total", "kv_blocks_total", 1),
-    ("KV blocks peak", "kv_blocks_peak", 1),
-    ("KV usage peak (%)", "kv_usage_peak", 100),
-    ("KV usage mean (%)", "kv_usage_mean", 100),
-    ("KV slack peak (tokens)", "kv_slack_tokens_peak", 1),
-    ("prefix hit rate (%)", "prefix_hit_rate", 100),
-    ("preemptions", "preemptions", 1),
-    ("latency split: queue (%)", "latency_split.queue", 100),
-    ("latency split: host (%)", "latency_split.host", 100),
-    ("latency split: device (%)", "latency_split.device", 100),
-    ("steps", "num_steps", 1),
-    ("mean batch (seqs)", "mean_batch_seqs", 1),
+    ("KV blocks total", "kv_blocks_total", "count"),
+    ("KV blocks peak", "kv_blocks_peak", "count"),
+    ("KV usage peak", "kv_usage_peak", "pct"),
+    ("KV usage mean", "kv_usage_mean", "pct"),
+    ("KV slack peak (tokens)", "kv_slack_tokens_peak", "count"),
+    ("prefix hit rate", "prefix_hit_rate", "pct"),
+    ("preemptions", "preemptions", "count"),
+    ("latency split: queue", "latency_split.queue", "pct"),
+    ("latency split: host", "latency_split.host", "pct"),
+    ("latency split: device", "latency_split.device", "pct"),
+    ("steps", "num_steps", "count"),
+    ("mean batch (seqs)", "mean_batch_seqs", "number"),
 )
 
 
@@ -328,37 +436,28 @@ def _lookup(summary: Mapping, dotted: str) -> float:
     return float(value) if numeric else math.nan
 
 
-def summary_table(views: Mapping[str, RunView], formatted: bool = True) -> pd.DataFrame:
-    """Headline metrics: one row per metric (unit in the label), one column per run.
+def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: bool = False) -> pd.DataFrame:
+    """Headline metrics: one row per metric, one column per run.
 
-    Formatted as display strings by default (what the CLI and the HTML show); with
-    formatted=False, floats in the display units (ms, %), NaN where a figure is undefined.
+    Formatted as display strings by default (what the CLI and the HTML show: ms, "47.7%",
+    thousands separators); with formatted=False, floats in the display units (ms, percent),
+    NaN where a figure is undefined. With `ratios` and several runs, a column per run after the
+    first gives its ratio to the first ("continuous / static").
     """
-    table = pd.DataFrame({label: [_lookup(v.summary, key) * scale for _, key, scale in SUMMARY_ROWS]
-                          for label, v in views.items()},
-                         index=pd.Index([row for row, _, _ in SUMMARY_ROWS], name="metric"))
-    return table.map(format_value) if formatted else table
-
-
-def format_value(value: Any) -> str:
-    """A table cell: counts with thousands separators, other numbers to about 3-4 digits."""
-    if value is None:
-        return EMPTY
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        return str(value)
-    v = float(value)
-    if math.isnan(v):
-        return EMPTY
-    if v.is_integer() and abs(v) < 1e15:
-        return f"{int(v):,}"
-    size = abs(v)
-    if size >= 1000:
-        return f"{v:,.0f}"
-    if size >= 100:
-        return f"{v:.1f}"
-    if size >= 1:
-        return f"{v:.2f}"
-    return f"{v:.3g}"
+    numbers = {label: [_lookup(v.summary, key) for _, key, _ in SUMMARY_ROWS] for label, v in views.items()}
+    index = pd.Index([row for row, _, _ in SUMMARY_ROWS], name="metric")
+    kinds = [kind for _, _, kind in SUMMARY_ROWS]
+    if not formatted:
+        return pd.DataFrame({label: [units.display_number(x, k) for x, k in zip(values, kinds)]
+                             for label, values in numbers.items()}, index=index)
+    table = pd.DataFrame({label: [units.display(x, k) for x, k in zip(values, kinds)]
+                          for label, values in numbers.items()}, index=index)
+    if ratios and len(views) > 1:
+        base_label, base = next(iter(numbers.items()))
+        for label, values in list(numbers.items())[1:]:
+            table[f"{label} / {base_label}"] = [units.ratio(x / b) if b and not math.isnan(b) and not math.isnan(x)
+                                                else EMPTY for x, b in zip(values, base)]
+    return table
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -373,6 +472,9 @@ th { background: #f6f6f6; } th, td { text-align: right; }
 th:first-child, td.label { text-align: left; }
 figure { margin: 1.2em 0; } img { max-width: 100%; } figcaption { color: #555; font-size: 0.9em; }
 .warning { background: #fff4d6; border-left: 4px solid #e0a800; padding: 0.5em 0.8em; }
+.setup { border-left: 4px solid #7aa6d6; background: #f3f7fc; padding: 0.4em 0.8em; }
+.setup th { background: none; text-align: left; padding-right: 1.2em; border: 0; }
+.setup td { text-align: left; border: 0; } .setup pre { background: none; padding: 0.2em 0; margin: 0; }
 pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 12px; }
 """
 
@@ -382,7 +484,8 @@ def _esc(value: Any) -> str:
 
 
 def html_table(frame: pd.DataFrame) -> str:
-    """An escaped HTML table; numbers formatted with format_value; a default index is left out."""
+    """An escaped HTML table; numbers formatted with format_value (strings, already in display
+    units, as they are); a default index is left out."""
     show_index = not isinstance(frame.index, pd.RangeIndex)
     head = ([_esc(frame.index.name or "")] if show_index else []) + [_esc(c) for c in frame.columns]
     rows = []
@@ -402,12 +505,24 @@ def html_figure(name: str, path: Path) -> str:
             + (f"<figcaption>{_esc(caption)}</figcaption>" if caption else "") + "</figure>")
 
 
-def write_html_page(path: str | Path, title: str, body: Sequence[str]) -> Path:
-    """A self-contained page in the report's style around already-escaped body parts."""
+def write_html_page(path: str | Path, title: str, body: Sequence[str],
+                    setup: Optional[Mapping] = None) -> Path:
+    """A self-contained page in the report's style around already-escaped body parts; with a
+    run's manifest as `setup`, it opens with what produced the numbers (html_setup)."""
+    head = html_setup(setup) if setup else ""
     page = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>{_esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
-            f"<h1>{_esc(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n")
+            f"<h1>{_esc(title)}</h1>\n{head}" + "\n".join(body) + "\n</body></html>\n")
     return write_text(path, page)
+
+
+def html_setup(manifest: Mapping, summary: Optional[Mapping] = None, extra: Sequence[str] = ()) -> str:
+    """The setup header: model, device, tp, engine, workload, SLOs, step-time source; with a summary,
+    vLLM's start-up lines for the same KV pool."""
+    rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in setup_fields(manifest))
+    lines = [*(vllm_startup_lines(summary, manifest) if summary else []), *extra]
+    log = f"<pre>{_esc(chr(10).join(lines))}</pre>" if lines else ""
+    return f'<div class="setup"><table>{rows}</table>{log}</div>\n' if rows or log else ""
 
 
 def _warnings(views: Mapping[str, RunView]) -> list[str]:
@@ -420,9 +535,17 @@ def _warnings(views: Mapping[str, RunView]) -> list[str]:
 
 def write_html_report(path: str | Path, title: str, views: Mapping[str, RunView],
                       figures: Mapping[str, Path], manifest: Mapping,
-                      extra_tables: Sequence[tuple[str, pd.DataFrame]] = ()) -> Path:
-    """One self-contained page (images inlined): summary, extra tables, figures, manifest."""
-    body = [*_warnings(views), "<h2>Summary</h2>", html_table(summary_table(views, formatted=False))]
+                      extra_tables: Sequence[tuple[str, pd.DataFrame]] = (),
+                      setup: Optional[Mapping] = None) -> Path:
+    """One self-contained page (images inlined): setup, summary, extra tables, figures, manifest.
+
+    `setup` is the manifest whose scenario the header describes (default: `manifest` when it is
+    one run's)."""
+    setup = setup if setup is not None else (manifest if "scenario" in manifest else None)
+    first = next(iter(views.values()), None)
+    notes = [line for v in views.values() if (line := rejection_line(v.requests, v.summary))]
+    header = [html_setup(setup, first.summary if first else None, notes)] if setup else []
+    body = [*header, *_warnings(views), "<h2>Summary</h2>", html_table(summary_table(views, ratios=True))]
     for table_title, frame in extra_tables:
         body += [f"<h2>{_esc(table_title)}</h2>", html_table(frame)]
     body += ["<h2>Figures</h2>", *(html_figure(name, p) for name, p in figures.items())]

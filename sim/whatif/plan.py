@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-import pandas as pd
-
+from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
 from sim.scenario import ScenarioError
 from sim.whatif.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
                        print_frame, save_png, split_sets, write_page)
+
+np = lazy_import("numpy")      # on first use: `simrun plan -h` stays light
+pd = lazy_import("pandas")
 
 RATE = "workload.arrival.rate"
 GROWTH_LIMIT = 0.05       # s/s, see the module docstring: falling behind by more than ~5% of the offered rate

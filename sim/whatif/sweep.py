@@ -30,10 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import pandas as pd
-
+from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
+from sim.output.run_table import print_frame  # noqa: F401  (plan prints through it too)
 from sim.scenario import apply_overrides, load_raw, parse_override, set_path, validate_scenario
+
+pd = lazy_import("pandas")     # on first use: `simrun -h` builds the sweep flags without pandas
 
 
 class SweepError(ValueError):
@@ -549,21 +551,6 @@ def sweep_main(args: argparse.Namespace) -> int:
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0)
     return 0
-
-
-def print_frame(frame: pd.DataFrame, title: Optional[str] = None) -> None:
-    """A frame as a rich table on stdout, numbers formatted as in the run report."""
-    from rich.table import Table
-
-    from sim.output.console import console
-    from sim.output.report import format_value
-
-    table = Table(title=title, show_header=True, header_style="bold", title_justify="left")
-    for i, col in enumerate(frame.columns):
-        table.add_column(str(col), justify="left" if i == 0 else "right")
-    for row in frame.itertuples(index=False):
-        table.add_row(*(format_value(v) for v in row))
-    console.print(table)
 
 
 def print_sweep(sweep: Sweep, out: Path, wall_s: float) -> None:
