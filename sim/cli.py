@@ -212,7 +212,19 @@ def run_main(argv: list[str]) -> int:
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
-    results = {name: predict_with_progress(variant, name, quiet=args.quiet) for name, variant in variants.items()}
+    import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
+    from sim.output.workers import FigureWorkers
+
+    # started now, the figure workers import matplotlib while the simulation runs
+    with FigureWorkers(1 if args.no_plots else None) as workers:
+        results = {name: predict_with_progress(variant, name, quiet=args.quiet)
+                   for name, variant in variants.items()}
+        write_outputs(results, out, args, workers)
+    return 0
+
+
+def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -> None:
+    """Data files, then the answer on screen, then figures, report.html and the trace."""
     from sim.output.run_files import write_data_files, write_reports
 
     for name, result in results.items():
@@ -223,11 +235,10 @@ def run_main(argv: list[str]) -> int:
         print_results(results, out)
     if not args.no_plots or args.trace:
         with step_line("writing plots and report.html", quiet=args.quiet) as done:
-            files = write_reports(results, out, plots=not args.no_plots, trace=args.trace)
+            files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
             done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})")
     elif not args.quiet:
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
-    return 0
 
 
 class step_line:

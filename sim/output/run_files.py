@@ -35,17 +35,20 @@ def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: boo
 
 
 def write_reports(results: Mapping[str, RunResult], out_dir: Path, plots: bool = True,
-                  trace: bool = False) -> dict[str, Path]:
+                  trace: bool = False, workers=None) -> dict[str, Path]:
     """Figures, report.html and (with `trace`) trace.json of one run, or of variants overlaid in one
-    folder. The page opens with the setup and the summary table, as the terminal does."""
-    from sim.output.report import plot_figures_parallel, write_html_report, write_perfetto_trace
+    folder. The page opens with the setup and the summary table, as the terminal does. `workers`
+    (workers.FigureWorkers) draws the figures in parallel; without, they are drawn here."""
+    from sim.output.pages import write_html_report
+    from sim.output.trace import write_perfetto_trace
+    from sim.output.workers import FigureWorkers
 
     out_dir = Path(out_dir)
     views = {name: view_of(r, name) for name, r in results.items()}
     first = next(iter(results.values()))
     files: dict[str, Path] = {}
     if plots:
-        figures = plot_figures_parallel(views, out_dir, setup_title(first))
+        figures = (workers or FigureWorkers(1)).draw(views, out_dir, setup_title(first))
         files.update(figures)
         title = (f"kvtwin prediction: {first.scenario.name}" if len(results) == 1
                  else f"kvtwin prediction: {first.scenario.name}, variants compared")
@@ -67,7 +70,7 @@ def setup_title(result: RunResult) -> str:
 
 
 def view_of(result: RunResult, label: Optional[str] = None):
-    from sim.output.report import RunView
+    from sim.output.views import RunView
 
     view = RunView.from_records(label or result.name, result.records, result.summary,
                                 result.requests, result.steps)

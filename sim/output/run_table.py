@@ -15,7 +15,7 @@ from sim.output.setup import rejection_line, setup_text, vllm_startup_lines
 
 
 def print_results(results: Mapping, out: Path) -> None:
-    from sim.output.report import summary_table
+    from sim.output.pages import summary_table
     from sim.output.run_files import view_of
 
     first = next(iter(results.values()))
