@@ -730,11 +730,13 @@ def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None
     view = Table(title="predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error"):
         view.add_column(col, justify="left" if col == "metric" else "right")
-    for metric, row in table.iterrows():
-        if pd.isna(row.predicted) and pd.isna(row.measured):
+    from sim.output.pages import display_comparison
+
+    shown = display_comparison(table)
+    for (metric, row), (_, raw) in zip(shown.iterrows(), table.iterrows()):
+        if pd.isna(raw.predicted) and pd.isna(raw.measured):
             continue
-        error = "" if pd.isna(row.relative_error) else f"{row.relative_error:+.1%}"
-        view.add_row(metric, _fmt(row.predicted), _fmt(row.measured), error)
+        view.add_row(metric, row.predicted, row.measured, row.error)
     console.print(view)
     for note in measured.manifest.get("notes") or []:
         err_console.print(f"[yellow]warning[/] {note}")
@@ -743,10 +745,6 @@ def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None
         err_console.print(f"[yellow]partial[/]: {s.get('requests_finished')} of {s.get('requests_total')} "
                           f"requests finished; failures: {s.get('failures') or s.get('requests_failed')}")
     console.print(f"wrote {out}/ (report.html, comparison.csv, measured/, predicted/)")
-
-
-def _fmt(value) -> str:
-    return "n/a" if pd.isna(value) else f"{value:,.4g}"
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -7,7 +7,6 @@ from typing import Optional
 
 import yaml
 
-from sim.core.lazy import lazy_import
 
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.errors import UserError
@@ -15,8 +14,6 @@ from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.output.io import write_csv
-
-pd = lazy_import("pandas")     # on first use: `simrun validate -h` stays light
 
 
 # ----------------------------------------------------------------------------- validate
@@ -83,25 +80,20 @@ def print_validation(name: str, result, folder: Path) -> None:
     table = Table(title=f"{name}: predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error", "tolerance"):
         table.add_column(col, justify="left" if col == "metric" else "right")
-    for metric, row in result.table.iterrows():
-        err = "" if pd.isna(row.relative_error) else f"{row.relative_error:+.1%}"
-        tol = "" if pd.isna(row.tolerance) else f"±{row.tolerance:.0%}"
-        style = {True: "green", False: "red"}.get(row.within, "")
-        table.add_row(metric, _fmt(row.predicted), _fmt(row.measured), err, tol, style=style)
+    from sim.output.pages import display_comparison
+
+    shown = display_comparison(result.table)
+    for (metric, row), within in zip(shown.iterrows(), result.table["within"]):
+        style = {True: "green", False: "red"}.get(within, "")
+        table.add_row(metric, row.predicted, row.measured, row.error, row.tolerance, style=style)
     console.print(table)
     steps = result.step_errors["all"]
-    console.print(f"step time: median error {steps['median_rel_error']:.1%}, p90 {steps['p90_rel_error']:.1%} "
-                  f"over {steps['steps']} measured steps")
+    console.print(f"step time: median error {steps['median_rel_error']:+.1%}, p90 {steps['p90_rel_error']:+.1%} "
+                  f"over {steps['steps']:,} measured steps")
     calibrated = result.predicted.cost_model.calibrated
     console.print("cost model: " + ("calibrated profile" if calibrated else
                                      "UNCALIBRATED (datasheet defaults); pass --profile from `simrun calibrate`"))
     console.print(f"wrote {folder}/ (report.html, comparison.csv, step_times.csv, predicted/, measured/)")
-
-
-def _fmt(value) -> str:
-    if pd.isna(value):
-        return "n/a"
-    return f"{value:,.4g}"
 
 
 # ----------------------------------------------------------------------------- calibrate

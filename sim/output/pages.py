@@ -123,15 +123,60 @@ def _esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+def row_kind(label: str) -> tuple[str, str]:
+    """(display label, kind) of a table row labelled with machine units: "TTFT p50 (s)" is shown in
+    ms, "(bytes)" in GiB, a "... rate" or "... share" without a unit as a percentage."""
+    if label.endswith("(s)") and not label.startswith("duration"):
+        return label[:-3] + "(ms)", "ms"
+    if label.endswith("(bytes)"):
+        return label[:-7] + "(GiB)", "gib"
+    if label.endswith(("hit rate", "usage", "share", "attainment")):
+        return label, "pct"
+    return label, "number"
+
+
+def display_comparison(table: pd.DataFrame) -> pd.DataFrame:
+    """A predicted-vs-measured table (validate.compare.comparison_table: machine units, relative
+    errors as fractions) in display units: ms, GiB, %, signed errors, ±tolerances."""
+    rows = {}
+    for label, row in table.iterrows():
+        shown, kind = row_kind(str(label))
+        cells = {"predicted": units.display(row.get("predicted"), kind),
+                 "measured": units.display(row.get("measured"), kind),
+                 "error": units.signed_pct(row.get("relative_error"))}
+        if "tolerance" in table:
+            tol = row.get("tolerance")
+            cells["tolerance"] = EMPTY if tol is None or pd.isna(tol) else "±" + units.pct(tol)
+        if "within" in table:
+            cells["within"] = {True: "yes", False: "NO"}.get(row.get("within"), EMPTY)
+        rows[shown] = cells
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis(table.index.name or "metric")
+
+
+def _cell(column: Any, value: Any) -> str:
+    """A numeric cell by its column: relative errors as signed percentages, else format_value."""
+    name = str(column)
+    if "rel_error" in name or name == "relative_error":
+        return units.signed_pct(value) if is_number_like(value) else format_value(value)
+    return format_value(value)
+
+
+def is_number_like(value: Any) -> bool:
+    return units.is_number(value) and not pd.isna(value)
+
+
 def html_table(frame: pd.DataFrame) -> str:
-    """An escaped HTML table; numbers formatted with format_value (strings, already in display
-    units, as they are); a default index is left out."""
+    """An escaped HTML table in display units: a predicted-vs-measured table through
+    display_comparison, relative-error columns as signed %, other numbers with format_value
+    (strings, already in display units, as they are); a default index is left out."""
+    if {"predicted", "measured", "relative_error"} <= set(frame.columns):
+        frame = display_comparison(frame)
     show_index = not isinstance(frame.index, pd.RangeIndex)
     head = ([_esc(frame.index.name or "")] if show_index else []) + [_esc(c) for c in frame.columns]
     rows = []
     for key, row in frame.iterrows():
         cells = [f'<td class="label">{_esc(key)}</td>'] if show_index else []
-        cells += [f"<td>{_esc(format_value(v))}</td>" for v in row]
+        cells += [f"<td>{_esc(_cell(c, v))}</td>" for c, v in zip(frame.columns, row)]
         rows.append(f"<tr>{''.join(cells)}</tr>")
     header = "".join(f"<th>{h}</th>" for h in head)
     return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"

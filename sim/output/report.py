@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, ScalarFormatter
 
 from sim.output import units
 from sim.output.io import atomic_path
@@ -59,7 +59,8 @@ def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", count
     ax.set_title(title)
     if counts:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    if ax.get_yscale() == "linear":
+    # shorten big numbers on a numeric axis, but never replace tick labels set by hand (metric names)
+    if ax.get_yscale() == "linear" and isinstance(ax.yaxis.get_major_formatter(), ScalarFormatter):
         ax.yaxis.set_major_formatter(_short_number)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -21,10 +21,11 @@ def print_results(results: Mapping, out: Path) -> None:
     first = next(iter(results.values()))
     for line in setup_text(first.manifest):
         console.print(escape(line), soft_wrap=True)
-    for name, r in results.items():
-        prefix = f"{name}: " if len(results) > 1 else ""
-        for line in vllm_startup_lines(r.summary, r.manifest):
-            console.print(f"[dim]{escape(prefix + line)}[/]", soft_wrap=True)
+    startup = {name: vllm_startup_lines(r.summary, r.manifest) for name, r in results.items()}
+    same = len({tuple(lines) for lines in startup.values()}) == 1
+    for name, lines in (list(startup.items())[:1] if same else startup.items()):
+        for line in lines:
+            console.print(f"[dim]{escape(('' if same else name + ': ') + line)}[/]", soft_wrap=True)
     views = {name: view_of(r, name) for name, r in results.items()}
     print_table(summary_table(views, ratios=True))
     for name, r in results.items():

@@ -103,7 +103,11 @@ def gib(nbytes: Any) -> str:
 
 def ratio(value: Any) -> str:
     """A ratio to a baseline: '1.93x'."""
-    return EMPTY if _missing(value) else f"{float(value):.3g}x"
+    if _missing(value):
+        return EMPTY
+    v = float(value)
+    return f"{v:,.0f}x" if abs(v) >= 100 else f"{v:.1f}x" if abs(v) >= 10 else f"{v:.2f}x" if abs(v) >= 0.1 \
+        else f"{v:.2g}x"
 
 
 def seconds(value: Any) -> str:
