@@ -676,7 +676,9 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
     table = comparison_table(predicted.summary, measured.summary)
     files["comparison"] = write_csv(out / "comparison.csv", table.reset_index())
     views = {"predicted": view_of(predicted, "predicted"), "measured": measured.view()}
-    figures = plot_run_figures(views, out)
+    from sim.output.run_files import setup_title
+
+    figures = plot_run_figures(views, out, setup_title(predicted))
     figures["errors"] = plot_relative_errors(table, out / "errors.png")
     if measured.timeline is not None:
         figures[TIMELINE_FIGURE] = plot_endpoint_timeline(views["predicted"], measured.timeline,
@@ -688,7 +690,7 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
         extra.insert(0, ("Warnings", pd.DataFrame({"warning": notes})))
     files["report"] = write_html_report(out / "report.html", title, views, figures,
                                         {"predicted": predicted.manifest, "measured": measured.manifest},
-                                        extra_tables=extra)
+                                        extra_tables=extra, setup=predicted.manifest)
     return table, files
 
 

@@ -12,6 +12,14 @@ from typing import Any, Mapping, Optional
 from sim.output import units
 
 
+def setup_manifest(scenario) -> dict:
+    """What setup_fields reads, for pages that have a scenario but no run (sweeps, plans)."""
+    from sim.costmodel import CostModel
+
+    return {"kind": "prediction", "scenario": scenario.model_dump(mode="json"),
+            "cost_model": CostModel.for_scenario(scenario).describe()}
+
+
 def setup_fields(manifest: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(name, value) pairs: model, device, tp, engine, workload, SLOs, step-time source."""
     s = manifest.get("scenario") or {}

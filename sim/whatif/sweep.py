@@ -333,7 +333,7 @@ HEADLINE_METRICS = (
     Metric("output_throughput", "output_token_throughput", "output throughput (tok/s)"),
     Metric("ttft_p99", "ttft_s.p99", "TTFT p99 (ms)", 1e3),
     Metric("tpot_p99", "tpot_s.p99", "TPOT p99 (ms)", 1e3),
-    Metric("e2e_p99", "e2e_s.p99", "E2E p99 (s)"),
+    Metric("e2e_p99", "e2e_s.p99", "E2E p99 (ms)", 1e3),
     Metric("goodput", "goodput", "goodput (req/s)"),
     Metric("kv_usage_peak", "kv_usage_peak", "KV usage peak (%)", 100.0),
     Metric("preemptions", "preemptions", "preemptions"),
@@ -479,7 +479,7 @@ def display_table(frame: pd.DataFrame, key_columns: Sequence[str],
 
 
 def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tuple[str, pd.DataFrame]],
-               figures: Mapping[str, Path]) -> Path:
+               figures: Mapping[str, Path], setup: Optional[Mapping] = None) -> Path:
     """A self-contained HTML page (images inlined) in the run report's style."""
     from sim.output.report import html_figure, html_table, write_html_page
 
@@ -487,10 +487,10 @@ def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tu
     for heading, frame in tables:
         body += [f"<h2>{html.escape(heading)}</h2>", html_table(frame)]
     body += ["<h2>Figures</h2>", *(html_figure(name, file) for name, file in figures.items())]
-    return write_html_page(path, title, body)
+    return write_html_page(path, title, body, setup=setup)
 
 
-def write_sweep(sweep: Sweep, out: Path, title: str) -> dict[str, Path]:
+def write_sweep(sweep: Sweep, out: Path, title: str, setup: Optional[Mapping] = None) -> dict[str, Path]:
     from sim.output.io import write_csv
 
     files = {"csv": write_csv(out / "sweep.csv", sweep.frame)}
@@ -500,7 +500,7 @@ def write_sweep(sweep: Sweep, out: Path, title: str) -> dict[str, Path]:
     notes = [f"{len(sweep.points)} points, {'paired (--zip)' if sweep.zipped else 'grid'} over "
              + ", ".join(keys) + ". Every metric is in sweep.csv."]
     files["html"] = write_page(out / "sweep.html", title, notes,
-                               [("Points", display_table(sweep.frame, keys))], figures)
+                               [("Points", display_table(sweep.frame, keys))], figures, setup)
     return files
 
 
@@ -547,10 +547,22 @@ def sweep_main(args: argparse.Namespace) -> int:
     sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
                       check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
                       args.trace, args.quiet)
-    write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}")
+    write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario))
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0)
     return 0
+
+
+def sweep_setup(raw: dict, path: Path) -> Optional[dict]:
+    """The base scenario's setup header (the swept fields vary around it), or None if the base
+    alone is not a valid scenario (a sweep may supply a required field)."""
+    from sim.output.setup import setup_manifest
+    from sim.scenario import ScenarioError
+
+    try:
+        return setup_manifest(validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path)))
+    except (ScenarioError, ValueError):
+        return None
 
 
 def print_sweep(sweep: Sweep, out: Path, wall_s: float) -> None:
