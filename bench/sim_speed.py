@@ -2,7 +2,7 @@
 
   python bench/sim_speed.py [--sizes 1000 10000 100000] [--out bench/results/sim_speed.json]
 
-The scenario is scenarios/quickstart.yaml (Qwen2.5-0.5B on an H100, ShareGPT-like
+The scenario is scenarios/bench_sim_speed.yaml (Qwen2.5-0.5B on an H100, ShareGPT-like
 lengths, prefix caching) at 300 requests/s, about 75% of the ~390 req/s the simulated
 engine saturates at, so it is in the same busy steady state (batch ~120) at every size
 and the cost should grow linearly with the request count. (At a light load the simulator
@@ -34,7 +34,7 @@ def measure(size: int, rate: float) -> dict:
     from sim.simulator import simulate
     from sim.workload import build_requests
 
-    scenario = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
+    scenario = load_scenario(ROOT / "scenarios" / "bench_sim_speed.yaml",
                              [f"workload.num_requests={size}", f"workload.arrival.rate={rate}"])
     t0 = time.perf_counter()
     requests = build_requests(scenario)

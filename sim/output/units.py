@@ -70,11 +70,11 @@ def ms(seconds: Any) -> str:
 
 
 def ms_unit(seconds: Any) -> str:
-    """A latency with its unit, for prose: '12.3 ms' (or '4.2 s' from 10 s up)."""
+    """A latency with its unit, for prose: '12.3 ms' (or '4.2 s' from 1 s up)."""
     if _missing(seconds):
         return EMPTY
     v = float(seconds)
-    return f"{format_value(v)} s" if abs(v) >= 10 else f"{format_value(v * 1e3)} ms"
+    return f"{format_value(v)} s" if abs(v) >= 1 else f"{format_value(v * 1e3)} ms"
 
 
 def pct(fraction: Any, signed: bool = False) -> str:
