@@ -450,15 +450,26 @@ def save_png(fig, path: Path, dpi: int = PLOT_DPI) -> Path:
     return save_figure(fig, path, dpi)
 
 
-def write_metric_plots(sweep: Sweep, out: Path) -> dict[str, Path]:
-    """DIR/sweep_<metric>.png for every headline metric some point has."""
+SLO_OF_METRIC = {"ttft_p99": "ttft_s", "tpot_p99": "tpot_s", "e2e_p99": "e2e_s"}
+
+
+def write_metric_plots(sweep: Sweep, out: Path, title: str = "", slo: Optional[Mapping] = None) -> dict[str, Path]:
+    """DIR/sweep_<metric>.png for every headline metric some point has, titled with the scenario,
+    the scenario's SLO as a dashed line on the latency it limits."""
     from matplotlib.figure import Figure
 
     layout = plot_layout(sweep)
     files = {}
     for metric in HEADLINE_METRICS:
-        fig = Figure(figsize=(6.4, 4), layout="constrained")
-        if draw_metric(fig.subplots(), sweep, metric, layout):
+        fig = Figure(figsize=(6.4, 4.3), layout="constrained")
+        ax = fig.subplots()
+        if draw_metric(ax, sweep, metric, layout):
+            limit = (slo or {}).get(SLO_OF_METRIC.get(metric.name, ""))
+            if limit is not None:
+                ax.axhline(limit * metric.scale, color="C3", ls="--", lw=1, label=f"SLO {limit * metric.scale:g} ms")
+                ax.legend(fontsize="small")
+            if title:
+                fig.suptitle(title, fontsize="medium")
             files[metric.name] = save_png(fig, out / f"sweep_{metric.name}.png")
     return files
 
@@ -468,10 +479,16 @@ def write_metric_plots(sweep: Sweep, out: Path) -> dict[str, Path]:
 def display_table(frame: pd.DataFrame, key_columns: Sequence[str],
                   metrics: Sequence[Metric] = HEADLINE_METRICS) -> pd.DataFrame:
     """Key columns plus the headline metrics in display units (the printed and HTML table)."""
+    from sim.output import units
+
     out = frame[list(key_columns)].copy()
     for metric in metrics:
         values = metric_values(frame, metric)
-        if values is not None:
+        if values is None:
+            continue
+        if metric.scale == 100.0:            # a share: shown with its % sign (sim.output.units)
+            out[metric.label.replace(" (%)", "")] = [units.pct(v / 100) for v in values]
+        else:
             out[metric.label] = values
     if "error" in frame:
         out["error"] = frame["error"].fillna("")
@@ -494,7 +511,12 @@ def write_sweep(sweep: Sweep, out: Path, title: str, setup: Optional[Mapping] = 
     from sim.output.io import write_csv
 
     files = {"csv": write_csv(out / "sweep.csv", sweep.frame)}
-    figures = write_metric_plots(sweep, out)
+    scenario = (setup or {}).get("scenario") or {}
+    swept = {a.path.split(".")[0] for a in sweep.axes}
+    figure_title = scenario.get("name", "") if {"model", "device"} & swept else (
+        f"{scenario.get('name')}: {(scenario.get('model') or {}).get('name')} on "
+        f"{(scenario.get('device') or {}).get('name')}" if scenario else "")
+    figures = write_metric_plots(sweep, out, figure_title, scenario.get("slo"))
     files.update(figures)
     keys = [a.path for a in sweep.axes]
     notes = [f"{len(sweep.points)} points, {'paired (--zip)' if sweep.zipped else 'grid'} over "
