@@ -134,7 +134,8 @@ def answer_economics(row: dict, slos: Sequence[SloTarget]) -> str:
     parts = []
     price = dollars_per_million_output_tokens(row)
     if price is not None:
-        parts.append(f"${price:,.3g} per 1M output tokens ({row.get('gpus', '?')} GPU(s) at "
+        gpus = row.get("gpus")
+        parts.append(f"${price:,.3g} per 1M output tokens ({gpus} GPU{'' if gpus == 1 else 's'} at "
                      f"${row['cost_per_hour']:,.2f}/hour, {units.format_value(row.get('output_token_throughput'))} "
                      f"output tok/s)")
     rooms = [f"{slo.name} {seconds(row[slo.column])} of {seconds(slo.limit_s)} ({units.pct(room)} left)"
