@@ -8,6 +8,7 @@
 Startup stays light: this module imports nothing heavy at the top, each command's module is
 imported only when that command runs, and those modules import pandas, matplotlib and torch
 lazily, so `simrun -h` and `simrun COMMAND -h` load none of them (tests/test_cli_startup.py).
+Importing `sim` checks that `sim`, `engine` and `validate` are kvtwin's own (sim/ownership.py).
 """
 from __future__ import annotations
 
@@ -53,12 +54,14 @@ COMMANDS: dict[str, Command] = {
                          "simrun from-vllm -- vllm serve Qwen/Qwen2.5-0.5B-Instruct --max-num-seqs 64"),
 }
 DEFAULT_COMMAND = "run"
+# optional dependencies -> the pyproject extra that installs them (for a clear error when missing)
+EXTRA_OF = {"torch": "engine", "triton": "engine", "safetensors": "engine", "scipy": "engine",
+            "fastapi": "serve", "uvicorn": "serve", "httpx": "serve", "ray": "ray"}
 HELP_FLAGS = ("-h", "--help")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_own_modules()
     try:
         command, rest = split_command(argv)
         if command is None:
@@ -121,11 +124,16 @@ def run_command(name: str, argv: list[str]) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name is None or not module_name.startswith(e.name):
+        if e.name is None:
             raise
         from sim.errors import UserError
 
-        raise UserError(f"`simrun {name}` is not available in this installation ({module_name} is missing)") from None
+        if module_name.startswith(e.name):
+            raise UserError(f"`simrun {name}` is not available in this installation ({module_name} is missing)") \
+                from None
+        extra = EXTRA_OF.get(e.name.split(".")[0], "engine,serve")
+        raise UserError(f"`simrun {name}` needs the Python package '{e.name}', which is not installed: "
+                        f"pip install -e '.[{extra}]' (or pip install 'kvtwin[{extra}]')") from None
     handler: Callable[[list[str]], int] = getattr(module, func)
     if not any(a in HELP_FLAGS for a in argv):
         return handler(argv)
@@ -170,14 +178,6 @@ def is_user_error(e: BaseException) -> bool:
 
     kinds: tuple[type, ...] = (UserError, ValueError, FileNotFoundError)
     return isinstance(e, kinds)
-
-
-def check_own_modules() -> None:  # kept for callers; sim/__init__ already ran it
-    """`sim`, `engine` and `validate` are generic names: refuse to run if another package with one
-    of these names is what Python would import, instead of mixing its code with kvtwin's."""
-    from sim.ownership import check_top_level_modules
-
-    check_top_level_modules()
 
 
 # ----------------------------------------------------------------------------- simrun run
