@@ -282,3 +282,44 @@ def test_perfetto_trace_caps_request_slices_and_says_so(views, tmp_path):
     # the first ten arrivals are requests 0-9 (arrivals are in id order)
     assert {rid for pid, rid in tracks if pid == 1} == {f"1:{i}" for i in range(10)}
     assert trace["otherData"]["request_slices"]["static"] == "first 10 of 80 requests by arrival"
+
+
+def test_figure_workers_draw_every_run_plot(views, tmp_path):
+    from sim.output.report import RUN_PLOTS
+    from sim.output.workers import FigureWorkers, run_plot_names
+
+    assert run_plot_names() == list(RUN_PLOTS)
+    with FigureWorkers(2) as workers:
+        drawn = workers.draw(views, tmp_path, "continuous vs static: qwen2.5-0.5b on h100-sxm")
+    assert list(drawn) == list(RUN_PLOTS)
+    assert all(p.stat().st_size > 10_000 for p in drawn.values())
+
+
+def test_overview_leaves_out_cached_free_blocks_without_prefix_caching(views):
+    from sim.output.report import plot_kv_blocks
+
+    nocache = {k: RunView(v.label, v.summary, v.requests, v.steps.assign(kv_blocks_cached=0), v.kv_blocks_total)
+               for k, v in views.items()}
+    assert len(plot_kv_blocks(nocache).axes) == 1
+    cached = {k: RunView(v.label, v.summary, v.requests, v.steps.assign(kv_blocks_cached=3), v.kv_blocks_total)
+              for k, v in views.items()}
+    assert len(plot_kv_blocks(cached).axes) == 2
+
+
+def test_errors_chart_keeps_metric_names(tmp_path, monkeypatch):
+    import validate.plots as plots
+
+    table = pd.DataFrame({"relative_error": [0.05, -0.2], "tolerance": [0.1, None], "within": [True, None]},
+                         index=pd.Index(["TTFT p50 (s)", "KV blocks peak"], name="metric"))
+    figures = []
+    real = plots.save_figure
+
+    def keep(fig, path):
+        figures.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    plots.plot_relative_errors(table, tmp_path / "errors.png")
+    figures[0].canvas.draw()
+    labels = [t.get_text() for t in figures[0].axes[0].get_yticklabels()]
+    assert labels == ["TTFT p50 (ms)", "KV blocks peak"]          # names in display units, not 0, 1

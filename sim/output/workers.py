@@ -39,12 +39,16 @@ class FigureWorkers:
     def __init__(self, workers: Optional[int] = None) -> None:
         import multiprocessing
         import os
+        import threading
 
         if workers is None:
             workers = int(os.environ.get("KVTWIN_PLOT_WORKERS") or min(2, os.cpu_count() or 1))
         self.workers = workers
         self.pool = None
-        if self.workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        # fork copies one thread only: with other threads alive (a server, a test runner's helpers)
+        # a lock one of them holds would stay locked in the child forever, so draw here instead
+        alone = threading.active_count() == 1
+        if self.workers > 1 and alone and "fork" in multiprocessing.get_all_start_methods():
             from concurrent.futures import ProcessPoolExecutor
 
             self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"))
