@@ -80,6 +80,23 @@ QUESTIONS = (
               "cluster.router=round_robin,least_outstanding_tokens,prefix_aware"),
              ("prefix_hit_rate", "ttft_p99", "request_throughput", "kv_usage_peak"),
              ("workload.arrival.rate", "cluster.router", "prefix_hit_rate", "request_throughput", "ttft_s.p99")),
+    Question("quantization", "bf16 or fp8 weights, and an fp8 KV cache, on one L4?",
+             ("scenarios/whatif_quantization.yaml", "--set", "workload.arrival.rate=1,2,3,4,6,8",
+              "--set", "model=llama-3.1-8b,llama-3.1-8b-fp8", "--set", "engine.kv_cache_dtype=auto,fp8"),
+             (Metric("kv_pool", "memory.kv_pool_bytes", "KV pool (GiB)", GIB),
+              Metric("concurrency", "memory.max_concurrency_at_max_model_len", "max concurrency at max_model_len"),
+              "goodput", "ttft_p99", "tpot_p99", "preemptions"),
+             ("workload.arrival.rate", "model", "engine.kv_cache_dtype", "memory.max_concurrency_at_max_model_len",
+              "goodput", "ttft_s.p99", "tpot_s.p99")),
+    Question("moe", "A MoE model on four H100s: tp, dp or dp with expert parallelism?",
+             ("scenarios/whatif_moe.yaml", "--set", "parallelism.dp=1,4,4", "--set", "parallelism.tp=4,1,1",
+              "--set", "parallelism.ep=1,1,4", "--zip"),
+             (Metric("weights", "memory.weight_bytes", "weights per GPU (GiB)", GIB),
+              Metric("concurrency", "memory.max_concurrency_at_max_model_len", "max concurrency per engine rank"),
+              Metric("step", "mean_step_s", "mean step time (ms)", 1e3),
+              "goodput", "ttft_p99", "tpot_p99"),
+             ("parallelism.tp", "parallelism.dp", "parallelism.ep", "gpus", "memory.weight_bytes", "goodput",
+              "ttft_s.p99", "tpot_s.p99")),
 )
 
 

@@ -12,6 +12,10 @@
                  + tp all-reduce)
              + max(LM-head FLOPs, LM-head bytes) + sampling bytes
 
+Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
+max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
+(moe_layer_time); sliding-window layers read at most the window (attention_time).
+
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
 or computes causal scores over new tokens against their context (prefill); the per-block
@@ -31,6 +35,33 @@ import numpy as np
 
 from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.memory import kv_bytes_per_token, kv_heads_per_rank
+
+# Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores)
+# dequantize in the main loop: at compute-bound batch sizes they reach this fraction of the
+# 16-bit GEMM's rate (an assumption until calibrated; memory-bound steps are not affected).
+WEIGHT_ONLY_GEMM_EFF = 0.8
+
+
+def gemm_peak_flops(device: DeviceSpec, model: ModelSpec, part: str = "attention") -> float:
+    """Peak FLOP/s of one part's GEMMs: fp8 / int8 tensor cores for W8A8 checkpoints on parts that
+    have them, else the 16-bit peak (x WEIGHT_ONLY_GEMM_EFF for weight-only quantized weights)."""
+    peak = device.bf16_tflops * 1e12
+    if model.dtype == "float32":
+        peak /= 8       # no bf16 tensor-core rate for fp32 (TF32 at best); a rough cut
+    if not model.quantized(part):
+        return peak
+    q = model.quantization
+    low_precision = {"fp8": device.fp8_tflops, "int8": device.int8_tops}.get(q.method)
+    if q.quantized_activations and low_precision:
+        return low_precision * 1e12
+    return peak * WEIGHT_ONLY_GEMM_EFF
+
+
+def expected_experts_touched(num_experts: int, top_k: int, tokens):
+    """Distinct experts a step's `tokens` reach with uniform top-k routing: E (1 - (1 - k/E)^T).
+    One token reads k experts, a large batch reads them all: what keeps MoE decode bandwidth-bound
+    on expert weights well past the batch at which a dense model turns compute-bound."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 # The batch composition a step's time depends on (columns of the step records).
@@ -114,8 +145,10 @@ class CostModel:
     """Turns a Batch's composition into (host seconds, device seconds)."""
 
     def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
-                 profile: Optional[DeviceProfile] = None):
+                 profile: Optional[DeviceProfile] = None, dp: int = 1, ep: int = 1,
+                 kv_cache_dtype: str = "auto"):
         self.model, self.device, self.tp = model, device, tp
+        self.dp, self.ep, self.kv_cache_dtype = dp, ep, kv_cache_dtype
         self.profile = profile or DeviceProfile()
         self.coefficients = self.profile.coefficients
         self._precompute()
@@ -123,7 +156,9 @@ class CostModel:
     @classmethod
     def for_scenario(cls, scenario) -> "CostModel":
         profile = DeviceProfile.load(scenario.device.profile) if scenario.device.profile else None
-        return cls(scenario.model, scenario.device, scenario.parallelism.tp, profile)
+        par = scenario.parallelism
+        return cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
+                   kv_cache_dtype=scenario.engine.kv_cache_dtype)
 
     @property
     def calibrated(self) -> bool:
@@ -131,22 +166,25 @@ class CostModel:
 
     def _precompute(self) -> None:
         m, tp, c = self.model, self.tp, self.coefficients
-        peak_flops = self.device.bf16_tflops * 1e12
-        if m.dtype == "float32":
-            peak_flops /= 8       # no bf16 tensor-core rate for fp32 (TF32 at best); a rough cut
+        peak_flops = gemm_peak_flops(self.device, m.model_copy(update={"quantization": None}))
         bw = self.device.hbm_gbps * 1e9
         d, h = m.head_dim, m.hidden_size
         q = m.num_heads // tp * d
         kv = kv_heads_per_rank(m, tp) * d
-        inter = m.intermediate_size // tp
-        linear_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+        inter = (m.shared_expert_intermediate_size if m.is_moe else m.intermediate_size) // tp
         s = m.dtype_bytes
         # seconds per unit, so step_time is a few multiply-adds
-        self._linear_flop_s = 2 * linear_params / (peak_flops * c.flops_eff)
-        self._linear_weight_s = linear_params * s / (bw * c.bw_eff)
+        self._linear_flop_s = 2 * (h * (q + 2 * kv) + q * h) / (gemm_peak_flops(self.device, m, "attention")
+                                                               * c.flops_eff)
+        if inter:
+            self._linear_flop_s += 6 * h * inter / (gemm_peak_flops(self.device, m, "mlp" if not m.is_moe
+                                                                    else "shared_experts") * c.flops_eff)
+        self._linear_weight_s = self._dense_weight_bytes_per_layer() / (bw * c.bw_eff)
         self._linear_act_s = 2 * (h + q + 2 * kv + 2 * inter) * s / (bw * c.bw_eff)
         self._attn_pair_s = 4 * (m.num_heads // tp) * d / (peak_flops * c.attn_flops_eff)
-        self._kv_token_s = kv_bytes_per_token(m, tp) / m.num_layers / (bw * c.attn_bw_eff)
+        self._kv_token_s = (kv_bytes_per_token(m, tp, self.kv_cache_dtype) / m.num_layers
+                            / (bw * c.attn_bw_eff))
+        self._precompute_moe(bw)
         self._head_flop_s = 2 * h * m.vocab_size / tp / (peak_flops * c.flops_eff)
         self._head_weight_s = h * m.vocab_size / tp * s / (bw * c.bw_eff)
         self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
@@ -157,6 +195,67 @@ class CostModel:
             self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6
         else:
             self._allreduce_token_s = self._allreduce_fixed_s = 0.0
+
+    def _dense_weight_bytes_per_layer(self) -> float:
+        """Weights every step reads in one layer on one GPU: attention and the dense MLP (or the
+        shared experts), quantized where the checkpoint is, split over tp."""
+        m = self.model
+        parts = ("attention", "shared_experts") if m.is_moe else ("attention", "mlp")
+        return sum(m.part_bytes(p) for p in parts) / m.num_layers / self.tp
+
+    def _precompute_moe(self, bw: float) -> None:
+        """Per-GPU rates of one MoE layer: the experts span all tp x dp GPUs (sliced, or whole
+        with expert parallelism), so a GPU computes 1/(tp x dp) of every routed token-expert pair
+        and reads 1/(tp x dp) of each touched expert's weights."""
+        m, c = self.model, self.coefficients
+        self._moe = m.is_moe
+        if not m.is_moe:
+            return
+        gpus = self.tp * self.dp
+        h, mi = m.hidden_size, m.moe_intermediate_size
+        self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
+        self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
+        link = self.device.link_gbps * 1e9
+        s = m.dtype_bytes
+        if self.ep > 1:
+            # all-to-all dispatch and combine: a token travels once to each other rank holding one of
+            # its k experts, (ep - 1)(1 - (1 - 1/ep)^k) ranks on average (DeepEP-style, deduplicated)
+            remote = (self.ep - 1) * (1 - (1 - 1 / self.ep) ** m.num_experts_per_tok)
+            self._moe_comm_token_s = 2 * remote * h * s / self.tp / link
+        elif self.dp > 1:
+            # vLLM's naive DP dispatch: all-gather the dp ranks' tokens, reduce-scatter the outputs
+            self._moe_comm_token_s = 2 * (self.dp - 1) * h * s / link
+        else:
+            self._moe_comm_token_s = 0.0    # tp only: the MLP's all-reduce, counted with attention's
+        self._moe_comm_fixed_s = (2 * self.device.link_latency_us * 1e-6) if gpus > 1 and (self.dp > 1 or self.ep > 1) else 0.0
+
+    def moe_layer_time(self, tokens, maximum=max):
+        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (the other dp
+        ranks assumed as busy): routed FLOPs vs touched experts' bytes, plus the token exchange."""
+        m = self.model
+        global_tokens = tokens * self.dp
+        touched = expected_experts_touched(m.num_experts, m.num_experts_per_tok, global_tokens)
+        compute = global_tokens * m.num_experts_per_tok * self._expert_pair_flop_s
+        fixed = self._moe_comm_fixed_s * (tokens > 0)
+        return maximum(compute, touched * self._expert_read_s) + tokens * self._moe_comm_token_s + fixed
+
+    def attention_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, maximum):
+        """One layer's attention, averaged over the layer types: full layers read every cached
+        token; sliding layers at most `sliding_window` per sequence (bounds from the step's sums:
+        exact when every context is on one side of the window)."""
+        m = self.model
+        kv_tokens = decode_ctx + prefill_ctx + prefill_tokens
+        full = maximum(prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
+        sliding_layers = m.num_sliding_layers
+        if not sliding_layers:
+            return full
+        minimum = min if maximum is max else np.minimum
+        w = m.sliding_window
+        window_pairs = minimum(prefill_attn, prefill_tokens * w)
+        window_kv = (minimum(decode_ctx, decodes * w) + minimum(prefill_ctx, (seqs - decodes) * w)
+                     + prefill_tokens)
+        sliding = maximum(window_pairs * self._attn_pair_s, window_kv * self._kv_token_s)
+        return (m.num_full_layers * full + sliding_layers * sliding) / m.num_layers
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
@@ -185,8 +284,10 @@ class CostModel:
         c = self.coefficients
         tokens = prefill_tokens + decodes
         linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
-        kv_tokens = decode_ctx + prefill_ctx + prefill_tokens
-        attention = maximum(prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
+        if self._moe:
+            linear = linear + self.moe_layer_time(tokens, maximum)
+        attention = self.attention_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
+                                        maximum)
         per_layer = (c.layer_overhead_s + linear + attention + blocks_read * c.block_overhead_s
                      + (seqs - decodes) * c.prefill_seq_overhead_s
                      + tokens * self._allreduce_token_s + self._allreduce_fixed_s)

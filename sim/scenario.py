@@ -66,6 +66,17 @@ def _resolve_path(p: Any, base_dir: Path | None) -> Path:
 
 class Parallelism(StrictModel):
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree (modelled, not run)")
+    # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
+    # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
+    dp: int = Field(default=1, ge=1, le=1024, description="data-parallel degree (modelled, not run)")
+    # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
+    # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
+    ep: int = Field(default=1, ge=1, description="expert-parallel degree: 1 or tp x dp")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine (all its data-parallel ranks) uses."""
+        return self.tp * self.dp
 
 
 class EngineConfig(StrictModel):
@@ -94,6 +105,8 @@ class EngineConfig(StrictModel):
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
     activation_mib: Optional[float] = Field(default=None, ge=0)
+    # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
 
 # ----------------------------------------------------------------------------- workload
@@ -380,6 +393,7 @@ def _cross_checks(s: Scenario) -> list[str]:
     elif m.num_kv_heads % tp and tp % m.num_kv_heads:
         problems.append(f"parallelism.tp: {tp} neither divides nor is a multiple of the model's "
                         f"{m.num_kv_heads} KV heads")
+    problems += _parallelism_checks(s)
     if s.max_model_len > m.max_position_embeddings:
         problems.append(f"engine.max_model_len: {s.max_model_len} is beyond the model's "
                         f"max_position_embeddings ({m.max_position_embeddings})")
@@ -392,6 +406,24 @@ def _cross_checks(s: Scenario) -> list[str]:
                         f"could never be scheduled")
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
+    return problems
+
+
+def _parallelism_checks(s: Scenario) -> list[str]:
+    par, m = s.parallelism, s.model
+    problems = []
+    if par.ep > 1:
+        if not m.is_moe:
+            problems.append(f"parallelism.ep: {par.ep} needs a mixture-of-experts model "
+                            f"(model '{m.name}' has no experts)")
+        elif par.ep != par.gpus:
+            problems.append(f"parallelism.ep: {par.ep} must be 1 or tp x dp = {par.gpus} "
+                            "(vLLM spreads the experts over every GPU of the engine)")
+        elif m.num_experts % par.ep:
+            problems.append(f"parallelism.ep: {par.ep} does not divide the model's {m.num_experts} experts")
+    elif m.is_moe and m.moe_intermediate_size % par.gpus:
+        problems.append(f"parallelism: tp x dp = {par.gpus} does not divide moe_intermediate_size "
+                        f"({m.moe_intermediate_size}); use parallelism.ep = {par.gpus}")
     return problems
 
 

@@ -14,7 +14,7 @@ import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager
-from sim.core.memory import MemoryPlan, plan_memory
+from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RunRecords, StepRecorder
 from sim.core.request import Request
 from sim.router import make_router
@@ -67,7 +67,7 @@ class Simulation:
     def _run(self) -> RunRecords:
         env = simpy.Environment()
         self.replicas = [build_replica(i, self.scenario, self.plan)
-                         for i in range(self.scenario.cluster.replicas)]
+                         for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
@@ -135,6 +135,7 @@ def simulate(scenario, requests: Optional[list[Request]] = None,
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
+    check_block_pool_supports(scenario.model, plan, scenario.max_model_len)
     if requests is None:
         requests = build_requests(scenario)
     else:

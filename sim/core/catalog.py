@@ -25,9 +25,82 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+class WeightQuant(StrictModel):
+    """How a checkpoint stores its decoder's linear weights (vLLM's `quantization_config`).
+
+    Embeddings, the LM head, norms and the MoE router stay in the model dtype, as vLLM keeps them.
+    fp8 / int8 hold one byte per weight plus fp32 scales per tensor, per output channel or per
+    `block` (DeepSeek-style [128, 128] tiles); awq / gptq hold 4-bit weights plus an fp16 scale
+    (and a 4-bit zero point when `zero_point`) per `group_size` inputs of each output channel;
+    mxfp4 (gpt-oss) holds 4-bit weights plus one byte of shared exponent per 32.
+    """
+
+    method: Literal["fp8", "int8", "awq", "gptq", "mxfp4"]
+    scales: Literal["tensor", "channel", "block", "group"] = "channel"
+    group_size: Optional[int] = Field(default=None, gt=0)          # int4 / mxfp4 groups along the input
+    block: Optional[tuple[int, int]] = None                         # fp8 block scales [out, in]
+    zero_point: bool = False                                        # int4 asymmetric (AWQ, GPTQ sym=false)
+    act_order: bool = False                                         # GPTQ desc_act: an int32 g_idx per input
+    # W8A8 runs the GEMM on the fp8 / int8 tensor cores; False = weight-only (dequantized to 16 bits).
+    quantized_activations: bool = True
+    experts_only: bool = False                                      # only the MoE experts (gpt-oss mxfp4)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, v: Any) -> Any:
+        """int4 and mxfp4 formats are weight-only with group scales; fill what they imply."""
+        if not isinstance(v, dict) or v.get("method") not in ("awq", "gptq", "mxfp4"):
+            return v
+        v = {**v, "quantized_activations": False}
+        if v["method"] == "mxfp4":
+            v.setdefault("group_size", 32)
+        elif v.get("scales") in (None, "group"):
+            v.setdefault("group_size", 128)          # what AutoAWQ and GPTQ checkpoints use
+        if v["method"] == "awq":
+            v.setdefault("zero_point", True)         # AWQ's GEMM format is asymmetric
+        if v.get("group_size") is not None and v.get("scales") in (None, "channel"):
+            v["scales"] = "group"
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WeightQuant":
+        if self.scales == "block" and self.block is None:
+            raise ValueError("scales 'block' needs block: [out, in] (e.g. [128, 128])")
+        if self.scales == "group" and self.group_size is None:
+            raise ValueError("scales 'group' needs group_size")
+        return self
+
+    @property
+    def weight_bits(self) -> int:
+        return 8 if self.method in ("fp8", "int8") else 4
+
+    def matrix_bytes(self, fan_in: int, fan_out: int) -> int:
+        """Bytes of one quantized [fan_out, fan_in] weight with its scales (and zero points)."""
+        data = fan_in * fan_out * self.weight_bits // 8
+        if self.method == "mxfp4":
+            return data + fan_out * -(-fan_in // self.group_size)        # one e8m0 byte per 32
+        if self.scales == "tensor":
+            return data + 4
+        if self.scales == "channel":
+            return data + 4 * fan_out
+        if self.scales == "block":
+            bo, bi = self.block
+            return data + 4 * -(-fan_out // bo) * -(-fan_in // bi)
+        groups = -(-fan_in // self.group_size) * fan_out
+        extra = groups * 2 + (groups // 2 if self.zero_point else 0)    # fp16 scale, packed 4-bit zero
+        if self.act_order:
+            extra += 4 * fan_in
+        return data + extra
+
+
+AttentionKind = Literal["full_attention", "sliding_attention"]
+
+
 class ModelSpec(StrictModel):
     name: str = "custom"
     hf_id: Optional[str] = None
+    # The decoder variant the engine builds (attention block); MoE, sliding windows and quantized
+    # weights are the separate fields below, modelled by the simulator.
     architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
@@ -44,6 +117,20 @@ class ModelSpec(StrictModel):
     dtype: Dtype = "bfloat16"
     # A local Hugging Face folder (config.json + *.safetensors) for the engine; random weights when unset.
     weights: Optional[Path] = None
+    # Quantized linear weights; None = every weight in `dtype`.
+    quantization: Optional[WeightQuant] = None
+    # Sliding-window attention: the window in tokens, and which layers use it (all when
+    # layer_types is unset, as Mistral v0.1; Gemma-2/3 and gpt-oss interleave local and global).
+    sliding_window: Optional[int] = Field(default=None, gt=0)
+    layer_types: Optional[list[AttentionKind]] = None
+    # Mixture of experts: 0 experts = a dense SwiGLU MLP of intermediate_size in every layer.
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_intermediate_size: Optional[int] = Field(default=None, gt=0)
+    # Always-active shared experts (Qwen2-MoE, DeepSeek-style), their total intermediate size.
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    # Biases on the attention projections and experts (gpt-oss); counted in the parameters.
+    attention_bias: bool = False
 
     @model_validator(mode="after")
     def _heads_group(self) -> "ModelSpec":
@@ -52,9 +139,31 @@ class ModelSpec(StrictModel):
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         return self
 
+    @model_validator(mode="after")
+    def _sliding_layers(self) -> "ModelSpec":
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries, the model "
+                                 f"{self.num_layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is unset")
+        return self
+
+    @model_validator(mode="after")
+    def _experts(self) -> "ModelSpec":
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be 1..num_experts ({self.num_experts}), "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size is None:
+                raise ValueError("a MoE model (num_experts > 0) needs moe_intermediate_size")
+        elif self.num_experts_per_tok or self.shared_expert_intermediate_size:
+            raise ValueError("num_experts_per_tok / shared_expert_intermediate_size need num_experts > 0")
+        return self
+
     @property
     def qkv_bias(self) -> bool:
-        return self.architecture == "qwen2"
+        return self.architecture == "qwen2" or self.attention_bias
 
     @property
     def qk_norm(self) -> bool:
@@ -64,22 +173,89 @@ class ModelSpec(StrictModel):
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    def num_params(self) -> int:
-        """Parameter count from the shape (embeddings, attention, SwiGLU MLP, norms, LM head)."""
-        h, d = self.hidden_size, self.head_dim
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers that attend to the last `sliding_window` tokens only."""
+        if self.sliding_window is None:
+            return 0
+        if self.layer_types is None:
+            return self.num_layers
+        return self.layer_types.count("sliding_attention")
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    def linear_shapes(self) -> list[tuple[str, int, int, int]]:
+        """Every decoder weight matrix as (part, fan_in, fan_out, count over all layers).
+
+        part is attention / mlp / experts / shared_experts: what tensor parallelism splits, what
+        expert parallelism spreads and what each quantization format covers.
+        """
+        h, d, n = self.hidden_size, self.head_dim, self.num_layers
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * q + 2 * h * kv + q * h
+        shapes = [("attention", h, q + 2 * kv, n), ("attention", q, h, n)]
+        if not self.is_moe:
+            return shapes + [("mlp", h, 2 * self.intermediate_size, n), ("mlp", self.intermediate_size, h, n)]
+        e, inter = self.num_experts, self.moe_intermediate_size
+        shapes += [("experts", h, 2 * inter, n * e), ("experts", inter, h, n * e)]
+        if self.shared_expert_intermediate_size:
+            s = self.shared_expert_intermediate_size
+            shapes += [("shared_experts", h, 2 * s, n), ("shared_experts", s, h, n)]
+        return shapes
+
+    def _small_params(self) -> int:
+        """Biases, norms and the router: parameters outside the big matrices, kept in `dtype`."""
+        h, d, n = self.hidden_size, self.head_dim, self.num_layers
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        per_layer = 2 * h
         if self.qkv_bias:
-            attn += q + 2 * kv
+            per_layer += q + 2 * kv + (h if self.attention_bias else 0)
         if self.qk_norm:
-            attn += 2 * d
-        per_layer = attn + 3 * h * self.intermediate_size + 2 * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * per_layer + embed + head + h
+            per_layer += 2 * d
+        if self.is_moe:
+            per_layer += h * self.num_experts                      # the router
+            if self.attention_bias:                                  # expert biases (gpt-oss)
+                per_layer += self.num_experts * (2 * self.moe_intermediate_size + h)
+        return n * per_layer + h
+
+    def _embedding_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        return embed if self.tie_word_embeddings else 2 * embed
+
+    def num_params(self) -> int:
+        """Parameter count from the shape (embeddings, attention, SwiGLU MLP or experts, norms, LM head)."""
+        linear = sum(fan_in * fan_out * count for _, fan_in, fan_out, count in self.linear_shapes())
+        return linear + self._small_params() + self._embedding_params()
+
+    def quantized(self, part: str) -> bool:
+        q = self.quantization
+        return q is not None and (not q.experts_only or part == "experts")
+
+    def part_bytes(self, part: str) -> int:
+        """Bytes of one part's matrices (see linear_shapes), quantized when the format covers it."""
+        total = 0
+        for p, fan_in, fan_out, count in self.linear_shapes():
+            if p == part:
+                one = (self.quantization.matrix_bytes(fan_in, fan_out) if self.quantized(part)
+                       else fan_in * fan_out * self.dtype_bytes)
+                total += one * count
+        return total
 
     def weight_bytes(self) -> int:
-        return self.num_params() * self.dtype_bytes
+        parts = {p for p, *_ in self.linear_shapes()}
+        unquantized = (self._small_params() + self._embedding_params()) * self.dtype_bytes
+        return unquantized + sum(self.part_bytes(p) for p in parts)
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's matrices in one layer (what a step reads when the expert is hit)."""
+        if not self.is_moe:
+            return 0
+        return self.part_bytes("experts") // (self.num_layers * self.num_experts)
 
 
 class DeviceSpec(StrictModel):
@@ -87,11 +263,16 @@ class DeviceSpec(StrictModel):
     full_name: Optional[str] = None
     memory_mib: float = Field(gt=0)
     bf16_tflops: float = Field(gt=0)
+    # Dense fp8 / int8 tensor-core peaks; None where the part has no such tensor cores (fp8 before
+    # Ada/Hopper/CDNA3), and quantized GEMMs then run weight-only at the 16-bit peak, as vLLM's Marlin does.
+    fp8_tflops: Optional[float] = Field(default=None, gt=0)
+    int8_tops: Optional[float] = Field(default=None, gt=0)
     hbm_gbps: float = Field(gt=0)
     link_gbps: float = Field(default=32.0, gt=0)
     link_latency_us: float = Field(default=10.0, ge=0)
     reserved_mib: float = Field(default=0.0, ge=0)
     cost_per_hour: Optional[float] = Field(default=None, ge=0)
+    source: Optional[str] = None      # the datasheet the figures come from
     # A calibrated cost-model profile (validate/calibrate.py writes it); datasheet defaults when unset.
     profile: Optional[Path] = None
 
@@ -119,15 +300,32 @@ def device_names() -> list[str]:
 
 
 def catalog_entry(kind: str, name: str) -> dict[str, Any]:
-    """The raw catalog entry (a fresh dict), or KeyError naming the valid choices."""
+    """The raw catalog entry (a fresh dict), or KeyError naming the closest and the valid choices."""
     table = _catalog(kind)
     if name not in table:
-        import difflib
-
-        close = difflib.get_close_matches(name, table, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = closest_names(name, table)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise KeyError(f"unknown {kind[:-1]} '{name}'{hint} (known: {', '.join(sorted(table))})")
     return {"name": name, **table[name]}
+
+
+def _squash(text: str) -> str:
+    return "".join(ch for ch in str(text).lower() if ch.isalnum())
+
+
+def closest_names(name: str, known) -> list[str]:
+    """Catalog names a mistyped one most likely meant: every name containing it once case and
+    punctuation are ignored ('H100' -> h100-nvl, h100-pcie, h100-sxm), else the nearest spelling."""
+    import difflib
+
+    want = _squash(name)
+    if not want:
+        return []
+    containing = sorted(k for k in known if want in _squash(k))
+    if containing:
+        return containing
+    squashed = {_squash(k): k for k in known}
+    return [squashed[c] for c in difflib.get_close_matches(want, list(squashed), n=2, cutoff=0.6)]
 
 
 def get_model(name: str) -> ModelSpec:
@@ -138,59 +336,12 @@ def get_device(name: str) -> DeviceSpec:
     return DeviceSpec(**catalog_entry("devices", name))
 
 
-# Hugging Face config.json key -> our field.
-_HF_KEYS = {
-    "num_hidden_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
-    "max_position_embeddings": "max_position_embeddings",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-    "rms_norm_eps": "rms_norm_eps",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "torch_dtype": "dtype",
-    "dtype": "dtype",
-}
-_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-
-
 def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
-    """Read a Hugging Face config.json (or a folder holding one) into ModelSpec fields."""
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    config_file = path / "config.json" if path.is_dir() else path
-    try:
-        cfg = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no Hugging Face config at {config_file}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None)
-    if arch is None:
-        raise ValueError(f"{config_file}: architectures {archs} not supported "
-                         f"(supported: {', '.join(sorted(_HF_ARCH))})")
-    fields: dict[str, Any] = {"architecture": arch, "name": cfg.get("_name_or_path") or folder.name}
-    for hf_key, ours in _HF_KEYS.items():
-        if cfg.get(hf_key) is not None:
-            fields[ours] = cfg[hf_key]
-    rope = cfg.get("rope_parameters")   # transformers >= 5 nests rope_theta and the scaling here
-    if rope:
-        if "rope_theta" in rope:
-            fields["rope_theta"] = rope["rope_theta"]
-        fields["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if "num_kv_heads" not in fields and "num_heads" in fields:
-        fields["num_kv_heads"] = fields["num_heads"]
-    if "head_dim" not in fields and "num_heads" in fields:
-        fields["head_dim"] = fields["hidden_size"] // fields["num_heads"]
-    scaling = fields.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        fields["rope_scaling"] = None
-    if any(folder.glob("*.safetensors")):
-        fields["weights"] = folder
-    return fields
+    """Read a Hugging Face config.json (or a folder holding one) into ModelSpec fields.
+
+    Every field that changes memory or cost is modelled or refused naming the field
+    (sim/core/hf_config.py).
+    """
+    from sim.core.hf_config import model_fields_from_hf_config as read
+
+    return read(path)

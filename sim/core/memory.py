@@ -16,6 +16,31 @@ class InsufficientMemoryError(ValueError):
     """The engine could not start: one max_model_len request does not fit in the KV pool."""
 
 
+class BlockPoolUnsupportedError(ValueError):
+    """The model's KV cache is not one full-attention group, which the simulated block pool assumes."""
+
+
+def check_block_pool_supports(model: ModelSpec, plan: "MemoryPlan | None" = None,
+                              max_model_len: int | None = None) -> None:
+    """Refuse, rather than silently simulate as full attention, a sliding-window model: its memory
+    plan (plan_memory) and step cost are modelled, but the block pool does not yet free blocks
+    behind the window nor keep one block table per KV cache group as vLLM's hybrid manager does.
+    With the plan, the refusal still reports it (the memory answer the run would have started from)."""
+    if not model.num_sliding_layers:
+        return
+    figures = ""
+    if plan is not None and max_model_len:
+        figures = (f" Its memory plan, as vLLM's hybrid KV cache manager sizes it: {plan.num_blocks} blocks "
+                   f"of {plan.block_size} tokens ({plan.kv_pool_bytes / 2**30:.2f} GiB), maximum concurrency "
+                   f"{plan.max_concurrency(max_model_len):.2f} at {max_model_len} tokens per request.")
+    raise BlockPoolUnsupportedError(
+        f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
+        f"(sliding_window={model.sliding_window}): the simulated block pool would hold their KV "
+        "as full attention, so the run is refused." + figures + " To simulate it anyway as full "
+        "attention (an upper bound on KV use, vLLM's --disable-hybrid-kv-cache-manager), set "
+        "model.sliding_window: null")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -25,13 +50,108 @@ def kv_heads_per_rank(model: ModelSpec, tp: int = 1) -> int:
     return max(1, model.num_kv_heads // tp)
 
 
-def kv_bytes_per_token(model: ModelSpec, tp: int = 1) -> int:
-    """2 (K and V) x layers x KV heads per rank x head_dim x dtype bytes, per GPU."""
-    return 2 * model.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * model.dtype_bytes
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def kv_bytes_per_block(model: ModelSpec, block_size: int, tp: int = 1) -> int:
-    return kv_bytes_per_token(model, tp) * block_size
+def kv_dtype_bytes(model: ModelSpec, kv_cache_dtype: str = "auto") -> int:
+    """Bytes per cached K or V element: the model dtype (`auto`) or one byte (fp8).
+
+    vLLM's fp8 KV cache keeps one fp32 scale for K and one for V per layer (per-tensor), a few
+    bytes per layer in all, so the page is exactly half of bf16's.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype '{kv_cache_dtype}' is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return model.dtype_bytes if kv_cache_dtype == "auto" else 1
+
+
+def kv_bytes_per_token_per_layer(model: ModelSpec, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """2 (K and V) x KV heads per rank x head_dim x KV dtype bytes: one layer's page per token."""
+    return 2 * kv_heads_per_rank(model, tp) * model.head_dim * kv_dtype_bytes(model, kv_cache_dtype)
+
+
+def kv_bytes_per_token(model: ModelSpec, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """2 (K and V) x layers x KV heads per rank x head_dim x dtype bytes, per GPU (every layer kept)."""
+    return model.num_layers * kv_bytes_per_token_per_layer(model, tp, kv_cache_dtype)
+
+
+def kv_bytes_per_block(model: ModelSpec, block_size: int, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    return kv_bytes_per_token(model, tp, kv_cache_dtype) * block_size
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """vLLM's hybrid KV cache manager: layers in equal-size groups, one block table per group.
+
+    A uniform model is one group of all layers. A hybrid one (Gemma-2/3, gpt-oss) is split into
+    groups of `group_size` layers of one attention type (the smaller type's layer count, or the
+    larger one's when they are within 1.5x; the last group of a type padded), as vLLM's
+    `_get_kv_cache_groups_uniform_page_size` does. Every group draws blocks from one shared pool,
+    and a pool block holds one block of `group_size` layers, so a token costs one block slot per
+    full-attention group, while a sliding group keeps only the blocks its window still reaches.
+    """
+
+    group_size: int
+    full_groups: int
+    sliding_groups: int
+    sliding_window: int | None
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.sliding_groups > 0
+
+    def blocks_per_request(self, num_tokens: int, block_size: int, max_new_tokens: int) -> int:
+        """Blocks one request of `num_tokens` can hold at most (vLLM's max_memory_usage_bytes):
+        full groups every block; sliding groups the window minus one, the step's new tokens, and
+        one more because the window need not start on a block boundary."""
+        full = blocks_for_tokens(num_tokens, block_size)
+        if not self.sliding_groups:
+            return self.full_groups * full
+        window_tokens = min(self.sliding_window - 1 + max_new_tokens, num_tokens)
+        sliding = blocks_for_tokens(window_tokens, block_size) + 1
+        return self.full_groups * full + self.sliding_groups * sliding
+
+
+def kv_cache_groups(model: ModelSpec) -> KVCacheGroups:
+    sliding, full = model.num_sliding_layers, model.num_full_layers
+    if not sliding or not full:    # one attention type: one group of every layer
+        return KVCacheGroups(model.num_layers, int(full > 0), int(sliding > 0), model.sliding_window)
+    size = min(sliding, full)
+    if max(sliding, full) < 1.5 * size:
+        size = max(sliding, full)
+    return KVCacheGroups(size, cdiv(full, size), cdiv(sliding, size), model.sliding_window)
+
+
+def pool_block_bytes(model: ModelSpec, block_size: int, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one pool block: block_size tokens of one KV cache group's layers (every layer for
+    a uniform model; group_size layers for a hybrid one). vLLM's num_gpu_blocks = KV memory // this."""
+    return kv_bytes_per_token_per_layer(model, tp, kv_cache_dtype) * kv_cache_groups(model).group_size * block_size
+
+
+def sliding_window_blocks_kept(num_computed: int, block_size: int, window: int) -> int:
+    """Blocks a sliding-window layer still holds for a request with `num_computed` tokens: vLLM's
+    SlidingWindowManager frees (returns to the pool, null in the table) every block whose tokens
+    all lie before num_computed - window + 1, the first token the next query can see."""
+    first_needed = max(num_computed - window + 1, 0)
+    return blocks_for_tokens(num_computed, block_size) - first_needed // block_size
+
+
+def sliding_window_hit_blocks(cached: list[bool], block_size: int, window: int) -> int:
+    """Leading blocks of a prompt a sliding-window group can take from the prefix cache.
+
+    `cached[i]`: is the prompt's i-th full block still in the cache for this group. A sliding
+    layer needs only the last cdiv(window - 1, block_size) blocks before the first recomputed
+    token, so vLLM's SlidingWindowManager.find_longest_cache_hit scans from the end for such a
+    run of cached blocks (earlier blocks may have been freed as the window moved on); a run
+    reaching block 0 counts even when shorter. In a hybrid model the hit is the shorter of the
+    full-attention hit and this one.
+    """
+    need = blocks_for_tokens(window - 1, block_size)
+    run = 0
+    for i in range(len(cached) - 1, -1, -1):
+        run = run + 1 if cached[i] else 0
+        if run >= need:
+            return i + run
+    return run     # a run from block 0 shorter than the window
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -47,8 +167,19 @@ def slack_tokens(lengths: list[int], block_size: int) -> int:
     return sum(unused_slots(n, block_size) for n in lengths)
 
 
-def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1) -> int:
-    return cdiv(model.weight_bytes(), tp)
+def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, dp: int = 1) -> int:
+    """Attention, embeddings and dense parts split over tp; MoE experts over all tp x dp GPUs
+    (vLLM's data parallel MoE: the experts form one tp x dp group, sliced or, with expert
+    parallelism, spread whole; the bytes per GPU are the same)."""
+    experts = model.part_bytes("experts") if model.is_moe else 0
+    return cdiv(model.weight_bytes() - experts, tp) + cdiv(experts, tp * dp)
+
+
+def mlp_width_per_token(model: ModelSpec) -> int:
+    """Intermediate activations one token computes: the dense MLP, or its top-k experts plus shared ones."""
+    if not model.is_moe:
+        return model.intermediate_size
+    return model.num_experts_per_tok * model.moe_intermediate_size + model.shared_expert_intermediate_size
 
 
 def activation_peak_bytes(model: ModelSpec, num_tokens: int, num_rows: int, tp: int = 1,
@@ -63,7 +194,7 @@ def activation_peak_bytes(model: ModelSpec, num_tokens: int, num_rows: int, tp: 
     d = model.head_dim
     q = model.num_heads // tp * d
     kv = kv_heads_per_rank(model, tp) * d
-    inter = model.intermediate_size // tp
+    inter = mlp_width_per_token(model) // tp
     per_token = (2 * model.hidden_size + q + 2 * kv + q + 3 * inter) * model.dtype_bytes
     logits = num_rows * model.vocab_size * 4 * 2
     return int(scale * num_tokens * per_token) + logits
@@ -85,6 +216,11 @@ class MemoryPlan:
     block_bytes: int
     num_blocks: int          # pool size, including the null block
     from_override: bool      # num_blocks given in the scenario rather than derived
+    # Hybrid KV cache groups (one group of every layer for full attention; see KVCacheGroups):
+    # a pool block holds one block of group_size layers.
+    kv_groups: KVCacheGroups | None = None
+    max_num_batched_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
     @property
     def usable_blocks(self) -> int:
@@ -96,12 +232,34 @@ class MemoryPlan:
 
     @property
     def max_tokens(self) -> int:
-        """Tokens the pool holds at once (vLLM's "GPU KV cache size: N tokens")."""
-        return self.usable_blocks * self.block_size
+        """Tokens the pool holds at once (vLLM's "GPU KV cache size: N tokens"); with hybrid
+        groups, vLLM's figure: the blocks shared out evenly over the groups."""
+        groups = self.kv_groups
+        if groups is None or groups.full_groups + groups.sliding_groups <= 1:
+            return self.usable_blocks * self.block_size
+        return self.num_blocks // (groups.full_groups + groups.sliding_groups) * self.block_size
+
+    def longest_request_that_fits(self) -> int:
+        """The largest request length whose blocks fit in the pool (vLLM's estimated max_model_len)."""
+        lo, hi = 0, max(self.usable_blocks, 1) * self.block_size * 64
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_per_request(mid) <= self.usable_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def blocks_per_request(self, tokens_per_request: int) -> int:
+        """Pool blocks one request of that many tokens can hold (over every KV cache group)."""
+        if self.kv_groups is None:
+            return blocks_for_tokens(tokens_per_request, self.block_size)
+        return self.kv_groups.blocks_per_request(tokens_per_request, self.block_size,
+                                                 self.max_num_batched_tokens)
 
     def max_concurrency(self, tokens_per_request: int) -> float:
         """vLLM's "Maximum concurrency for M tokens per request": worst case, every request at M."""
-        return self.num_blocks / blocks_for_tokens(tokens_per_request, self.block_size)
+        return self.num_blocks / self.blocks_per_request(tokens_per_request)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -122,11 +280,13 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     max_model_len request fits.
     """
     model, device, eng = scenario.model, scenario.device, scenario.engine
-    tp = scenario.parallelism.tp
-    per_token = kv_bytes_per_token(model, tp)
-    block_bytes = per_token * eng.block_size
+    tp, dp = scenario.parallelism.tp, scenario.parallelism.dp
+    kv_dtype = eng.kv_cache_dtype
+    groups = kv_cache_groups(model)
+    per_token = kv_bytes_per_token(model, tp, kv_dtype)
+    block_bytes = pool_block_bytes(model, eng.block_size, tp, kv_dtype)
     budget = int(device.memory_bytes * eng.gpu_memory_utilization)
-    weights = weight_bytes_per_gpu(model, tp)
+    weights = weight_bytes_per_gpu(model, tp, dp)
     if eng.activation_mib is not None:
         activation = int(eng.activation_mib * MIB)
     else:
@@ -141,18 +301,18 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
         num_blocks = max(kv_budget, 0) // block_bytes
     plan = MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, budget, weights, activation,
                       reserved, kv_budget, per_token, eng.block_size, block_bytes, int(num_blocks),
-                      eng.num_blocks is not None)
+                      eng.num_blocks is not None, groups, scenario.max_num_batched_tokens, kv_dtype)
     _check_one_request_fits(plan, scenario.max_model_len)
     return plan
 
 
 def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
-    need_blocks = blocks_for_tokens(max_model_len, plan.block_size)
+    need_blocks = plan.blocks_per_request(max_model_len)
     if need_blocks <= plan.usable_blocks:
         return
     mib = lambda b: f"{b / MIB:,.1f} MiB"  # noqa: E731
     short = (need_blocks - plan.usable_blocks) * plan.block_bytes
-    fits = plan.max_tokens
+    fits = plan.longest_request_that_fits()
     advice = (f"The largest max_model_len that fits is {fits}" if fits else "Not even one block fits")
     if plan.from_override:
         cause = f"engine.num_blocks={plan.num_blocks} gives {plan.usable_blocks} usable blocks"

@@ -452,9 +452,9 @@ class ReplicaPlan:
             reason = "" if best else (self.probes[i][-1]["failed"] if self.probes[i] else "")
             rows.append({"device": c.device, "tp": c.tp, "replicas": best and best["replicas"],
                          "gpus": best and best["gpus"], "$/GPU-hour": c.gpu_price,
-                         "$/hour": best and best["replicas"] * c.tp * c.gpu_price,
+                         "$/hour": best and best["gpus"] * c.gpu_price,
                          "$/1M output tok": best and dollars_per_million_output_tokens(
-                             {**best, "cost_per_hour": best["replicas"] * c.tp * c.gpu_price}),
+                             {**best, "cost_per_hour": best["gpus"] * c.gpu_price}),
                          "served (req/s)": best and best["steady.served_rate"],
                          "TTFT p99 (ms)": best and best["ttft_s.p99"] * 1e3,
                          "TPOT p99 (ms)": best and best["tpot_s.p99"] * 1e3,

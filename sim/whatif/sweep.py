@@ -161,8 +161,8 @@ def run_point(task: PointTask) -> dict[str, Any]:
 
 
 def gpu_cost(scenario, price: Optional[float] = None) -> dict[str, Any]:
-    """GPUs the scenario occupies (tp x replicas) and their cost per hour (catalog price unless given)."""
-    gpus = scenario.parallelism.tp * scenario.cluster.replicas
+    """GPUs the scenario occupies (tp x dp x replicas) and their cost per hour (catalog price unless given)."""
+    gpus = scenario.parallelism.gpus * scenario.cluster.replicas
     price = scenario.device.cost_per_hour if price is None else price
     return {"gpus": gpus, "cost_per_hour": None if price is None else gpus * price}
 
