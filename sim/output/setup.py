@@ -73,9 +73,10 @@ def step_time_source(manifest: Mapping[str, Any]) -> str:
     cost = manifest.get("cost_model") or {}
     if manifest.get("kind") not in (None, "prediction") and not cost:
         return "measured"
+    source = cost.get("source") or "datasheet peaks x default efficiencies"
     if cost.get("calibrated") or manifest.get("calibrated"):
-        return f"calibrated profile ({cost.get('source', 'fitted')})"
-    return "UNCALIBRATED cost model: datasheet peaks x default efficiencies (`simrun calibrate` fits one)"
+        return f"calibrated profile ({source})"
+    return f"UNCALIBRATED cost model: {source} (`simrun calibrate` fits one)"
 
 
 def setup_text(manifest: Mapping[str, Any]) -> list[str]:
