@@ -323,3 +323,21 @@ def test_errors_chart_keeps_metric_names(tmp_path, monkeypatch):
     figures[0].canvas.draw()
     labels = [t.get_text() for t in figures[0].axes[0].get_yticklabels()]
     assert labels == ["TTFT p50 (ms)", "KV blocks peak"]          # names in display units, not 0, 1
+
+
+def test_comparison_tables_show_display_units():
+    from sim.output.pages import display_comparison, html_table
+
+    table = pd.DataFrame({"predicted": [0.0123, 2.5 * 2**30, 0.42, 1234.0],
+                          "measured": [0.0100, 2.0 * 2**30, 0.40, 1000.0],
+                          "relative_error": [0.23, 0.25, 0.05, 0.234], "tolerance": [0.1, 0.02, None, None],
+                          "within": [False, False, None, None]},
+                         index=pd.Index(["TTFT p50 (s)", "peak device memory (bytes)", "prefix hit rate",
+                                         "KV blocks peak"], name="metric"))
+    shown = display_comparison(table)
+    assert list(shown.index) == ["TTFT p50 (ms)", "peak device memory (GiB)", "prefix hit rate", "KV blocks peak"]
+    assert list(shown.loc["TTFT p50 (ms)"]) == ["12.30", "10", "+23.0%", "±10.0%", "NO"]
+    assert shown.loc["peak device memory (GiB)", "predicted"] == "2.5 GiB"
+    assert shown.loc["prefix hit rate", "measured"] == "40.0%" and shown.loc["KV blocks peak", "predicted"] == "1,234"
+    page = html_table(table)
+    assert "<td>+23.0%</td>" in page and "e+09" not in page and "0.0123" not in page
