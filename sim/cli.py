@@ -31,7 +31,7 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "run": Command("sim.cli:run_main", "predict a scenario: KV memory, throughput, latency (the default)",
                    "simrun scenarios/quickstart.yaml\n"
-                   "simrun scenarios/quickstart.yaml --set workload.arrival.rate=200 --no-plots\n"
+                   "simrun scenarios/quickstart.yaml --set workload.arrival.rate=3 --no-plots\n"
                    "simrun scenarios/quickstart.yaml --set engine.batching=static --set engine.allocation=contiguous\n"
                    "simrun scenarios/whatif_block_size.yaml --set engine.block_size=8,16,32   # a sweep"),
     "plan": Command("sim.whatif.plan:plan_main", "capacity searches: highest rate within SLOs, fewest replicas",
@@ -42,7 +42,7 @@ COMMANDS: dict[str, Command] = {
                         "simrun validate scenarios/bench_steady_nocache.yaml --profile profiles/h200.yaml"),
     "calibrate": Command("validate.cli:calibrate_main", "profile the engine and fit the cost model",
                          "simrun calibrate --model tiny --device cpu --out profiles/cpu_tiny.yaml\n"
-                         "simrun calibrate --scenario scenarios/quickstart.yaml"),
+                         "simrun calibrate --scenario scenarios/cpu_smoke.yaml --device cpu"),
     "serve": Command("engine.server:serve_main", "the paged engine behind an OpenAI-compatible HTTP API",
                      "simrun serve --model tiny --device cpu\n"
                      "simrun serve --scenario scenarios/serve_smoke.yaml --device cpu --port 8000"),
@@ -158,7 +158,8 @@ def top_help() -> str:
     lines += ["", "options:", "  -h, --help   this help", "  --version    print the version", "", "examples:"]
     lines += ["  simrun scenarios/quickstart.yaml",
               "  simrun scenarios/quickstart.yaml --set engine.batching=static --set engine.allocation=contiguous",
-              "  simrun plan scenarios/whatif_rate_slo.yaml --slo ttft_p99=1 --curve 6",
+              "  simrun scenarios/quickstart.yaml --set workload.arrival.rate=2,3,4   # a sweep",
+              "  simrun plan scenarios/quickstart.yaml                               # highest rate within the SLOs",
               "  simrun compare my_workload.yaml --vllm-result result.json"]
     return "\n".join(lines)
 

@@ -63,7 +63,7 @@ def write_reports(results: Mapping[str, RunResult], out_dir: Path, plots: bool =
 
 
 def setup_title(result: RunResult) -> str:
-    """'quickstart: qwen2.5-0.5b on h100-sxm' for figure titles."""
+    """'quickstart: llama-3.1-8b on l4' for figure titles."""
     s = result.scenario
     tp = f" tp={s.parallelism.tp}" if s.parallelism.tp > 1 else ""
     return f"{s.name}: {s.model.name} on {s.device.name}{tp}"
