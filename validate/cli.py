@@ -75,7 +75,13 @@ def _failures(table) -> list[str]:
 
 
 def print_validation(name: str, result, folder: Path) -> None:
+    from rich.markup import escape
     from rich.table import Table
+
+    from sim.output.setup import setup_text
+
+    for line in setup_text(result.predicted.manifest):
+        console.print(escape(line), soft_wrap=True)
 
     table = Table(title=f"{name}: predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error", "tolerance"):
