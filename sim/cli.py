@@ -225,15 +225,15 @@ def run_main(argv: list[str]) -> int:
 
 
 def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -> None:
-    """Data files, then the answer on screen, then figures, report.html and the trace."""
+    """The answer on screen first, then the data files, then figures, report.html and the trace."""
     from sim.output.run_files import write_data_files, write_reports
 
-    for name, result in results.items():
-        write_data_files(result, out / name if len(results) > 1 else out)
     if not args.quiet:
         from sim.output.run_table import print_results
 
         print_results(results, out)
+    for name, result in results.items():
+        write_data_files(result, out / name if len(results) > 1 else out)
     if not args.no_plots or args.trace:
         with step_line("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
