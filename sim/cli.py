@@ -235,14 +235,14 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
     for name, result in results.items():
         write_data_files(result, out / name if len(results) > 1 else out)
     if not args.no_plots or args.trace:
-        with step_line("writing plots and report.html", quiet=args.quiet) as done:
+        with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
             done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})")
     elif not args.quiet:
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
 
 
-class step_line:
+class StatusLine:
     """A one-line status on stderr while a slow step runs, replaced by its outcome on stdout."""
 
     def __init__(self, what: str, quiet: bool = False):
