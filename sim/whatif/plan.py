@@ -672,12 +672,25 @@ def parse_tp(text: str) -> list[int]:
 def write_rate_plan(curve: RateCurve, out: Path, name: str, setup: Optional[dict] = None) -> dict[str, Path]:
     from sim.output.io import write_csv
 
-    title = f"kvtwin plan: highest sustainable rate for {name}"
+    title = f"kvtwin plan: highest sustainable rate for {name}{_on(setup)}"
     files = {"csv": write_csv(out / "plan.csv", curve.frame),
              "png": save_png(plot_rate_curve(curve, title), out / "plan.png")}
     files["html"] = write_page(out / "plan.html", title, [rate_verdict(curve)],
                                [("Curve", curve_table(curve))], {"curve": files["png"]}, setup)
     return files
+
+
+def _model(setup: Optional[dict]) -> str:
+    return (((setup or {}).get("scenario") or {}).get("model") or {}).get("name", "?")
+
+
+def _on(setup: Optional[dict]) -> str:
+    """' (llama-3.1-8b on l4)' for a title, from the setup manifest."""
+    scenario = (setup or {}).get("scenario") or {}
+    if not scenario:
+        return ""
+    tp = (scenario.get("parallelism") or {}).get("tp", 1)
+    return f" ({_model(setup)} on {(scenario.get('device') or {}).get('name', '?')}{f', tp={tp}' if tp > 1 else ''})"
 
 
 def rate_verdict(curve: RateCurve) -> str:
@@ -702,7 +715,7 @@ def print_rate_plan(curve: RateCurve, out: Path, wall_s: float) -> None:
 def write_replica_plan(plan: ReplicaPlan, out: Path, name: str, setup: Optional[dict] = None) -> dict[str, Path]:
     from sim.output.io import write_csv
 
-    title = f"kvtwin plan: replicas for {plan.target_rate:g} req/s of {name}"
+    title = f"kvtwin plan: replicas for {plan.target_rate:g} req/s of {name} ({_model(setup)})"
     files = {"csv": write_csv(out / "plan.csv", plan.table),
              "probes": write_csv(out / "plan_probes.csv", plan.probe_table),
              "png": save_png(plot_replica_plan(plan, title), out / "plan.png")}
