@@ -60,7 +60,8 @@ def workload_words(workload: Mapping[str, Any], manifest: Mapping[str, Any]) -> 
     process = arrival.get("process", "?")
     if process == "offline":
         return f"{head}, all at t=0"
-    return f"{head}, {process} arrivals at {units.format_value(arrival.get('rate'))} req/s"
+    burst = f" (cv {units.format_value(arrival.get('cv'))})" if process == "gamma" else ""
+    return f"{head}, {process} arrivals at {units.format_value(arrival.get('rate'))} req/s{burst}"
 
 
 def slo_words(slo: Mapping[str, Any]) -> str:
