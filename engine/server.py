@@ -1,6 +1,9 @@
 """`simrun serve`: the paged engine behind an OpenAI-compatible HTTP API.
 
-    POST /v1/completions   prompt as token ids; max_tokens, ignore_eos, stream (server-sent events)
+    POST /v1/completions   prompt as token ids (or text, with --tokenizer); max_tokens, ignore_eos,
+                           stream (server-sent events)
+    POST /v1/chat/completions  messages (with --tokenizer): the tokenizer's chat template, else
+                           'role: content' lines then 'assistant:'
     GET  /v1/models, /version, /health
     GET  /metrics          Prometheus text with vLLM's metric names
 
@@ -56,7 +59,7 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 class ApiError(Exception):
     """An error answered to the client (OpenAI's error object); the engine is unaffected."""
 
-    KINDS = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError",
+    KINDS = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError",
              500: "InternalServerError"}
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
@@ -76,6 +79,7 @@ class ServedModel:
     max_model_len: int
     temperature: float
     eos_token_id: Optional[int]
+    tokenizer: Any = None            # sim.datasets.TextTokenizer: text prompts, chat, decoded answers
 
 
 @dataclass(frozen=True)
@@ -85,13 +89,47 @@ class CompletionParams:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    chat: bool = False
 
 
 def parse_completion(body: Any, served: ServedModel) -> CompletionParams:
     """Validate a /v1/completions body; raises ApiError naming the offending field."""
+    _check_body(body, served, SUPPORTED_FIELDS)
+    prompt = _prompt(_encode_text(body.get("prompt"), served), served.vocab_size)
+    max_tokens = _max_tokens(body.get("max_tokens"), len(prompt), served.max_model_len)
+    _check_choice(body, served.temperature)
+    return CompletionParams(prompt, max_tokens, _flag(body, "ignore_eos"), _flag(body, "stream"),
+                            _include_usage(body.get("stream_options")))
+
+
+CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+               "ignore_eos", "temperature", "n", "user")
+
+
+def parse_chat(body: Any, served: ServedModel) -> CompletionParams:
+    """Validate a /v1/chat/completions body (needs a tokenizer): the messages become the prompt
+    through the tokenizer's chat template, or, without one, kvtwin's plain template
+    ('role: content' lines, then 'assistant:')."""
+    if served.tokenizer is None:
+        raise ApiError("/v1/chat/completions needs a tokenizer: start simrun serve with --tokenizer", 404)
+    _check_body(body, served, CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    tok = served.tokenizer
+    ids = tok.apply_chat_template(messages) if tok.apply_chat_template else \
+        tok.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+    prompt = _prompt(ids, served.vocab_size)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _max_tokens(limit, len(prompt), served.max_model_len)
+    _check_choice(body, served.temperature)
+    return CompletionParams(prompt, max_tokens, _flag(body, "ignore_eos"), _flag(body, "stream"),
+                            _include_usage(body.get("stream_options")), chat=True)
+
+
+def _check_body(body: Any, served: ServedModel, fields: tuple[str, ...]) -> None:
+    """A JSON object of known fields, sampling options at neutral values, the served model."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    unknown = sorted(set(body) - set(SUPPORTED_FIELDS) - set(NEUTRAL_VALUES))
+    unknown = sorted(set(body) - set(fields) - set(NEUTRAL_VALUES))
     if unknown:
         raise ApiError(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
     for name, allowed in NEUTRAL_VALUES.items():
@@ -101,18 +139,42 @@ def parse_completion(body: Any, served: ServedModel) -> CompletionParams:
     model = body.get("model")
     if model is not None and model != served.name:
         raise ApiError(f"The model `{model}` does not exist.", 404, "model")
-    prompt = _prompt(body.get("prompt"), served.vocab_size)
-    max_tokens = _max_tokens(body.get("max_tokens"), len(prompt), served.max_model_len)
-    _check_choice(body, served.temperature)
-    return CompletionParams(prompt, max_tokens, _flag(body, "ignore_eos"), _flag(body, "stream"),
-                            _include_usage(body.get("stream_options")))
+
+
+def _messages(messages: Any) -> list[dict]:
+    """[{role, content}] with content a string or a list of {type: text, text} parts (vLLM bench)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(f"messages[{i}] needs a role (system, user, assistant)", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be text", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _encode_text(prompt: Any, served: ServedModel) -> Any:
+    """A text prompt as token ids when the server has a tokenizer; anything else unchanged."""
+    if isinstance(prompt, str) and served.tokenizer is not None:
+        if not prompt:
+            raise ApiError("prompt is empty", param="prompt")
+        return served.tokenizer.encode(prompt)
+    return prompt
 
 
 def _prompt(prompt: Any, vocab_size: int) -> list[int]:
     if prompt is None:
         raise ApiError("prompt is required: a list of token ids", param="prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
-        raise ApiError("prompt as text is not supported (this server has no tokenizer); "
+        raise ApiError("prompt as text needs a tokenizer (simrun serve --tokenizer); "
                        "send the prompt as a list of token ids", param="prompt")
     if not isinstance(prompt, list) or not prompt:
         raise ApiError("prompt must be a non-empty list of token ids", param="prompt")
@@ -360,6 +422,14 @@ class EngineLoop:
     def abort(self, req_id: int) -> None:
         self.commands.put(("abort", req_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's /reset_prefix_cache); False while requests are in flight."""
+        import concurrent.futures
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.commands.put(("reset_prefix_cache", done))
+        return await asyncio.wrap_future(done)
+
     def begin_drain(self, signal_name: str, grace_s: float) -> None:
         """Called from the signal handler: remember what was in flight, and abort what is
         still running after the grace period (its clients get an error event, not a cut)."""
@@ -407,6 +477,8 @@ class EngineLoop:
             self._add(arg)
         elif kind == "abort" and arg in self.live:
             self._abort(self.live[arg], "aborted: the client went away")
+        elif kind == "reset_prefix_cache":
+            arg.set_result(self._reset_prefix_cache())
         elif kind in ("abort_all", "stop"):         # nothing in flight survives either
             for live in list(self.live.values()):
                 self._abort(live, "aborted: the server is shutting down")
@@ -414,6 +486,26 @@ class EngineLoop:
             self._flush()
             return False
         self.metrics.set_state(self.scheduler)
+        return True
+
+    def _reset_prefix_cache(self) -> bool:
+        """A fresh pool and scheduler (no block holds a hash any more), keeping the counters that
+        /metrics reports; refused, as vLLM refuses it, while a request holds blocks."""
+        from sim.core.kvcache import KVCacheManager
+        from sim.core.scheduler import Scheduler
+
+        old = self.scheduler
+        if self.live or old.num_running or old.num_waiting:
+            return False
+        kv = old.kv
+        fresh_kv = KVCacheManager(kv.pool.num_blocks, kv.block_size, kv.enable_caching,
+                                  "contiguous" if kv.contiguous else "paged", kv.max_model_len,
+                                  kv.contiguous_reserve)
+        fresh_kv.stats = kv.stats
+        fresh = Scheduler(old.config, fresh_kv)
+        for counter in ("step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions"):
+            setattr(fresh, counter, getattr(old, counter))
+        self.scheduler = fresh
         return True
 
     def _abort(self, live: _Live, message: str) -> None:
@@ -519,17 +611,31 @@ def build_app(engine: EngineLoop, version: str):
             "id": served.name, "object": "model", "created": int(time.time()), "owned_by": "kvtwin",
             "root": served.root, "max_model_len": served.max_model_len}]}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        if not await engine.reset_prefix_cache():
+            raise ApiError("requests are in flight: the prefix cache can be reset only when the server is idle",
+                           409)
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
+        return await _serve(request, parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest):
+        return await _serve(request, parse_chat)
+
+    async def _serve(request: HttpRequest, parse):
         if engine.drain is not None or not engine.alive:
             raise ApiError("the server is shutting down" if engine.drain else "the engine is down", 503)
-        params = parse_completion(await _json_body(request), served)
+        params = parse(await _json_body(request), served)
         stream = engine.submit(params)
-        reply = Completion(served.name, len(params.prompt))
+        reply = Completion(served.name, len(params.prompt), chat=params.chat, tokenizer=served.tokenizer)
         try:
             first = await stream.next()
         except asyncio.CancelledError:
@@ -553,26 +659,44 @@ async def _json_body(request) -> Any:
 
 @dataclass
 class Completion:
-    """The OpenAI completion object, built up token by token. `text` holds the token ids as
-    decimal numbers separated by spaces (no tokenizer); `token_ids` holds them as integers."""
+    """The OpenAI completion (or chat completion) object, built up token by token. Without a
+    tokenizer `text` holds the token ids as decimal numbers separated by spaces; with one, the
+    decoded text (an id beyond the tokenizer's vocabulary, which only a model with random weights
+    samples, reads `<id>`). `token_ids` holds the ids as integers (completions only)."""
 
     model: str
     prompt_tokens: int
+    chat: bool = False
+    tokenizer: Any = None
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     tokens: list[int] = field(default_factory=list)
+    text: str = ""
     cached_tokens: int = 0
     finish_reason: Optional[str] = None
 
     def add(self, event: Event) -> str:
         """Record a token event; returns its text piece."""
-        text = ("" if not self.tokens else " ") + str(event.token)
         self.tokens.append(event.token)
+        piece = self._piece()
+        self.text += piece
         self.cached_tokens, self.finish_reason = event.cached_tokens, event.finish_reason
-        return text
+        return piece
 
-    def head(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+    def _piece(self) -> str:
+        token = self.tokens[-1]
+        tok = self.tokenizer
+        if tok is None:
+            return ("" if len(self.tokens) == 1 else " ") + str(token)
+        if token >= tok.vocab_size:
+            return f"<{token}>"
+        # decode a short window, so a character spread over several byte tokens comes out whole
+        window = [t for t in self.tokens[-6:] if t < tok.vocab_size]
+        return tok.decode(window)[len(tok.decode(window[:-1])):]
+
+    def head(self, chunk: bool = True) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def usage(self) -> dict:
         n = len(self.tokens)
@@ -581,12 +705,19 @@ class Completion:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def choice(self, text: str, token_ids: list[int]) -> dict:
+        if self.chat:
+            delta = {"content": text} if len(self.tokens) > 1 else {"role": "assistant", "content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
         return {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
                 "finish_reason": self.finish_reason, "stop_reason": None}
 
     def whole(self) -> dict:
-        return {**self.head(), "choices": [self.choice(" ".join(map(str, self.tokens)), self.tokens)],
-                "usage": self.usage()}
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+        else:
+            choice = self.choice(self.text, self.tokens)
+        return {**self.head(chunk=False), "choices": [choice], "usage": self.usage()}
 
 
 async def _sse(stream: Stream, reply: Completion, include_usage: bool) -> AsyncIterator[str]:
@@ -681,6 +812,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token-id", type=int, default=None,
                    help="stop a request at this token unless it sets ignore_eos (default: the folder's "
                         "config.json eos_token_id; catalog models have none, so they run to max_tokens)")
+    p.add_argument("--tokenizer", type=Path, help="a tokenizer.json or a transformers folder: text prompts, "
+                                                   "/v1/chat/completions and decoded answers (default: the "
+                                                   "model folder's, when it has one)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature for every request (0 = greedy)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
@@ -751,8 +885,28 @@ def _start_engine(scenario, device: str, args) -> tuple[EngineLoop, str]:
     eos = args.eos_token_id if args.eos_token_id is not None else _config_eos(args.model)
     served = ServedModel(args.served_model_name or args.model or scenario.model.name,
                          args.model or scenario.model.name, scenario.model.vocab_size,
-                         runner.max_model_len, args.temperature, eos)
+                         runner.max_model_len, args.temperature, eos, _tokenizer(args, scenario.model.vocab_size))
     return EngineLoop(new_scheduler(scenario, runner.num_blocks), runner, served), kvtwin_version()
+
+
+def _tokenizer(args, vocab_size: int):
+    """--tokenizer, else a model folder's tokenizer.json; None serves token ids only."""
+    from sim.datasets import DatasetError, text_tokenizer
+    from sim.errors import UserError
+
+    path = args.tokenizer
+    if path is None and args.model and (Path(args.model) / "tokenizer.json").is_file():
+        path = Path(args.model)
+    if path is None:
+        return None
+    try:
+        tok = text_tokenizer(path)
+    except DatasetError as e:
+        raise UserError(f"--tokenizer: {e}") from None
+    if tok.vocab_size > vocab_size:
+        raise UserError(f"--tokenizer {path}: {tok.vocab_size} tokens, more than the model's vocabulary "
+                        f"({vocab_size}): its ids would not be valid prompts")
+    return tok
 
 
 def _config_eos(model: Optional[str]) -> Optional[int]:

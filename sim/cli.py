@@ -51,7 +51,9 @@ COMMANDS: dict[str, Command] = {
     "compare": Command("validate.bench:compare_main", "compare a `vllm bench serve` result file with the prediction",
                        "simrun compare my_workload.yaml --vllm-result result.json"),
     "from-vllm": Command("sim.vllm.serve_flags:from_vllm_main", "turn `vllm serve` flags into a scenario",
-                         "simrun from-vllm -- vllm serve Qwen/Qwen2.5-0.5B-Instruct --max-num-seqs 64"),
+                         "simrun from-vllm \"vllm serve Qwen/Qwen2.5-7B-Instruct --max-num-seqs 64\" --device h100-sxm "
+                         "--out qwen.yaml\n"
+                         "simrun from-vllm --device l4 -- vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 4096"),
 }
 DEFAULT_COMMAND = "run"
 # optional dependencies -> the pyproject extra that installs them (for a clear error when missing)

@@ -149,6 +149,15 @@ class LengthDist(StrictModel):
         return self
 
 
+class RampUp(StrictModel):
+    """vLLM bench's --ramp-up-strategy: request i of N arrives at rate start + (end - start) i/(N-1)
+    (linear) or start (end/start)^(i/(N-1)) (exponential) instead of `rate`; gaps are not rescaled."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float = Field(gt=0)
+    end_rps: float = Field(gt=0)
+
+
 class Arrival(StrictModel):
     process: Literal["poisson", "gamma", "fixed", "offline"] = "poisson"
     rate: Optional[float] = Field(default=None, gt=0, description="requests per second")
@@ -158,10 +167,13 @@ class Arrival(StrictModel):
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True
+    ramp_up: Optional[RampUp] = None
 
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
-        if self.process != "offline" and self.rate is None:
+        if self.process == "offline" and self.ramp_up is not None:
+            raise ValueError("ramp_up needs an arrival process (poisson, gamma or fixed), not offline")
+        if self.process != "offline" and self.rate is None and self.ramp_up is None:
             raise ValueError(f"arrival process '{self.process}' needs a rate (requests per second)")
         return self
 
@@ -235,15 +247,36 @@ class ExplicitRequest(StrictModel):
         return self
 
 
+TRACE_FIELDS = ("arrival", "prompt", "prompt_len", "output_len", "tenant", "priority")
+
+
 class Trace(StrictModel):
-    format: Literal["azure", "mooncake", "burstgpt", "jsonl"]
+    format: Literal["azure", "mooncake", "burstgpt", "jsonl", "csv"]
     path: Path
+    # jsonl/csv: our field -> the file's key or column, e.g. {arrival: arrival_time_ns, prompt_len: input_toks}
+    fields: Optional[dict[str, str]] = None
+    # Unit of the arrival times (jsonl, csv, burstgpt: s by default; mooncake: ms; azure has dates).
+    time_unit: Optional[Literal["s", "ms", "us", "ns"]] = None
     time_scale: float = Field(default=1.0, gt=0, description="replay at k x speed")
     window_s: Optional[tuple[float, float]] = None
     sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
     max_requests: Optional[int] = Field(default=None, ge=1)
     # Mooncake: tokens per hash id block.
     hash_block_tokens: int = Field(default=512, ge=1)
+
+    @model_validator(mode="after")
+    def _fields_and_unit(self) -> "Trace":
+        if self.fields is not None:
+            if self.format not in ("jsonl", "csv"):
+                raise ValueError(f"fields applies to the jsonl and csv formats, not {self.format}")
+            unknown = sorted(set(self.fields) - set(TRACE_FIELDS))
+            if unknown:
+                raise ValueError(f"fields: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(TRACE_FIELDS)})")
+            if self.format == "csv" and "prompt" in self.fields:
+                raise ValueError("fields.prompt (token ids) needs the jsonl format; a csv gives prompt_len")
+        if self.time_unit is not None and self.format == "azure":
+            raise ValueError("time_unit does not apply to azure traces (their times are dates)")
+        return self
 
     @field_validator("window_s")
     @classmethod
@@ -253,8 +286,47 @@ class Trace(StrictModel):
         return w
 
 
+class Dataset(StrictModel):
+    """Prompts from a data set, as `vllm bench serve --dataset-name` builds them; arrivals come from
+    `workload.arrival` and `num_requests` prompts are drawn (seeded).
+
+    sharegpt  ShareGPT-format JSON: [{conversations: [{from: human|gpt|system, value}]}]; `turns: first`
+              is vLLM's (the first human message, its answer's token count as output length, vLLM's
+              length filter), `all` replays whole conversations as multi-turn requests.
+    text      a plain text file, one prompt per line; output lengths from `workload.output_len`.
+    random    vLLM's random set: input_len and output_len uniform in [L(1-r), L(1+r)], after a
+              shared prefix of prefix_len tokens (no file, no tokenizer).
+    sonnet    vLLM's sonnet set: lines of `path` (a poem) drawn until input_len tokens, the first
+              lines making a prefix of about prefix_len tokens shared by every request.
+    """
+
+    format: Literal["sharegpt", "text", "random", "sonnet"]
+    path: Optional[Path] = None
+    # tokenizer.json (the `tokenizers` package) or a transformers folder; sharegpt/text/sonnet need one
+    tokenizer: Optional[Path] = None
+    turns: Literal["first", "all"] = "first"
+    filter: bool = True                       # sharegpt: vLLM's length filter (drops <4, >1024, sum >2048)
+    think_time_s: float = Field(default=0.0, ge=0)     # sharegpt all turns: pause before a follow-up
+    input_len: int = Field(default=1024, ge=1)         # random / sonnet
+    output_len: Optional[int] = Field(default=None, ge=1)   # random (128) / sonnet (150); sharegpt override
+    range_ratio: float = Field(default=0.0, ge=0, lt=1)
+    prefix_len: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _needs(self) -> "Dataset":
+        if self.format != "random" and (self.path is None or self.tokenizer is None):
+            raise ValueError(f"dataset format '{self.format}' needs path and tokenizer")
+        if self.format == "random" and (self.path is not None or self.tokenizer is not None):
+            raise ValueError("the random dataset reads no file: remove path and tokenizer")
+        return self
+
+
 SYNTHETIC_ONLY = {"num_requests", "duration_s", "arrival", "prompt_len", "output_len",
                   "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn", "priorities"}
+
+
+# What a dataset supplies itself (its prompts); arrivals, num_requests and, for text, output_len stay.
+DATASET_REPLACES = {"prompt_len", "length_correlation", "shared_prefix", "dynamic_segment", "multi_turn"}
 
 
 class Workload(StrictModel):
@@ -262,6 +334,10 @@ class Workload(StrictModel):
     duration_s: Optional[float] = Field(default=None, gt=0)
     # The first N requests warm the engine; steady-state figures exclude them.
     warmup_requests: int = Field(default=0, ge=0)
+    # A closed-loop client (vLLM bench's --max-concurrency): at most this many requests in
+    # flight; a request due while the client is full is sent when one finishes (its TTFT
+    # counts from then, as vLLM's does).
+    max_concurrency: Optional[int] = Field(default=None, ge=1)
     arrival: Arrival = Field(default_factory=lambda: Arrival(process="offline"))
     prompt_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
     output_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
@@ -274,11 +350,19 @@ class Workload(StrictModel):
     priorities: Optional[Priorities] = None
     requests: Optional[list[ExplicitRequest]] = None
     trace: Optional[Trace] = None
+    dataset: Optional[Dataset] = None
 
     @model_validator(mode="after")
     def _sources(self) -> "Workload":
-        if self.requests is not None and self.trace is not None:
-            raise ValueError("give at most one of 'requests' and 'trace'")
+        given = [k for k in ("requests", "trace", "dataset") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of 'requests', 'trace' and 'dataset' (got {', '.join(given)})")
+        if self.dataset is not None:
+            prompt_side = sorted(f for f in self.model_fields_set & DATASET_REPLACES
+                                 if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True))
+            if prompt_side:
+                raise ValueError(f"{', '.join(prompt_side)} describe synthetic prompts and would be ignored with "
+                                 f"'dataset'; remove them")
         source = "requests" if self.requests is not None else "trace" if self.trace is not None else None
         # Set and not at its default: a resolved scenario (a manifest's dump) lists every field.
         synthetic_only = sorted(f for f in self.model_fields_set & SYNTHETIC_ONLY
@@ -295,6 +379,9 @@ class Workload(StrictModel):
             self.num_requests = 100
         if synthetic and self.arrival.process == "offline" and self.num_requests is None:
             raise ValueError("offline arrivals need num_requests (duration_s means nothing at t=0)")
+        if synthetic and self.arrival.ramp_up is not None and (self.num_requests is None or self.duration_s):
+            raise ValueError("arrival.ramp_up needs num_requests without duration_s (the ramp runs over "
+                             "the N requests, as vLLM's benchmark does)")
         return self
 
 
@@ -370,6 +457,10 @@ def _resolve_sections(raw: dict[str, Any], base_dir: Path | None) -> dict[str, A
 def _resolve_workload_paths(workload: Workload, base_dir: Path | None) -> None:
     if workload.trace is not None:
         workload.trace.path = _resolve_path(workload.trace.path, base_dir)
+    if workload.dataset is not None:
+        for key in ("path", "tokenizer"):
+            if getattr(workload.dataset, key) is not None:
+                setattr(workload.dataset, key, _resolve_path(getattr(workload.dataset, key), base_dir))
     for dist in _length_dists(workload):
         if dist.file is not None:
             dist.file = _resolve_path(dist.file, base_dir)

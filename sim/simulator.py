@@ -7,6 +7,7 @@ nothing to do and wake on the next arrival. One SimPy event per engine step, nev
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -16,7 +17,7 @@ from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RunRecords, StepRecorder
-from sim.core.request import Request
+from sim.core.request import Request, Status
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.workload import build_requests, gc_paused
@@ -51,6 +52,45 @@ def build_replica(index: int, scenario, plan: MemoryPlan) -> Replica:
     return Replica(index, Scheduler(SchedulerConfig.from_scenario(scenario), kv), StepRecorder(index))
 
 
+class Client:
+    """The load generator's side: open loop (every request sent when due), or closed loop with
+    at most `max_concurrency` in flight, as vLLM bench's semaphore: a request due while the
+    client is full waits for a finish (or a rejection), and its arrival is when it is sent.
+    While requests wait here, any replica's finish routes one: `pending` says so, for anything
+    that plans ahead to the next routing."""
+
+    def __init__(self, env: simpy.Environment, router, max_concurrency: Optional[int]):
+        self.env, self.router, self.limit = env, router, max_concurrency
+        self.in_flight = 0
+        self.queue: deque[Request] = deque()
+
+    def send(self, req: Request) -> None:
+        if self.limit is None:
+            self.router.route(req)
+        elif self.in_flight < self.limit:
+            self._go(req)
+        else:
+            self.queue.append(req)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def done(self) -> None:
+        if self.limit is None:
+            return
+        self.in_flight -= 1
+        while self.queue and self.in_flight < self.limit:
+            self._go(self.queue.popleft())
+
+    def _go(self, req: Request) -> None:
+        self.in_flight += 1
+        req.arrival = self.env.now
+        self.router.route(req)
+        if req.status is Status.REJECTED:           # answered at once: the slot frees
+            self.in_flight -= 1
+
+
 @dataclass
 class Simulation:
     scenario: object
@@ -73,6 +113,7 @@ class Simulation:
         for replica in self.replicas:
             env.process(self._engine_loop(env, replica))
         first_turns = [r for r in self.requests if r.arrival is not None]
+        self._client = Client(env, router, self.scenario.workload.max_concurrency)
         env.process(self._arrivals(env, first_turns, router))
         self._router = router
         env.run()
@@ -88,12 +129,12 @@ class Simulation:
         for req in requests:
             if req.arrival > env.now:
                 yield env.timeout(req.arrival - env.now)
-            router.route(req)
+            self._client.send(req)
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
         yield env.timeout(delay)
         req.arrival = env.now
-        self._router.route(req)
+        self._client.send(req)
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
@@ -113,6 +154,7 @@ class Simulation:
             recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
             last_end = env.now
             for req in sched.finish_step(batch):
+                self._client.done()
                 replica.outstanding_tokens -= req.max_len
                 if req.next_turn is not None:
                     env.process(self._follow_up(env, req.next_turn, req.think_time))

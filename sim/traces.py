@@ -10,7 +10,17 @@ Formats (shared/traces/README.md describes the public files):
                   Model, Total tokens, Log Type, unused); 0 response tokens = a failed request.
   jsonl     JSONL {"arrival_s" | "timestamp" (s), "prompt": [token ids] | "prompt_len",
                   "output_len", "tenant"?, "priority"?}; other keys are ignored.
-Prompts without prefix information are one unique segment per row.
+  csv       CSV with columns arrival_s | timestamp, prompt_len, output_len, tenant?, priority?.
+For jsonl and csv, `fields` maps our names (arrival, prompt, prompt_len, output_len, tenant,
+priority) to the file's own keys or columns, and `time_unit` (s, ms, us, ns) says what the
+arrival numbers count (mooncake's default is ms, the others' s). A file ending in .gz is read
+through gzip. Prompts without prefix information are one unique segment per row.
+
+Plausibility: arrival times spanning over a year, or more than 1e6 requests per second on
+average, are errors that name the time_unit that would make the file plausible. For jsonl and
+csv so are negative arrival times, and, in a log otherwise in time order (at least 100 rows, at
+most 1% of gaps negative), a time that goes back by over a tenth of the span (two clocks mixed).
+Rows merely out of order are sorted (and noted).
 
 Time: a row's time is seconds after the earliest row of the file (rows need not be sorted).
 `window_s` [start, end) selects on that clock, before scaling; a kept row arrives at
@@ -23,6 +33,8 @@ path:line, what is wrong and what was expected.
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -55,6 +67,7 @@ class _Rows:
     prompt_of: Callable[[int, int], list[Segment]]
     tenants: Optional[list[Optional[str]]] = None
     priorities: Optional[list[int]] = None
+    lines: Optional[np.ndarray] = None   # the file line of each row, for error messages
 
 
 def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozenset()) -> LoadedTrace:
@@ -65,9 +78,10 @@ def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozens
     path = Path(trace.path)
     if not path.is_file():
         raise TraceError(f"{path}: no such file (workload.trace.path)")
-    reader = {"azure": _read_azure, "mooncake": _read_mooncake,
-              "burstgpt": _read_burstgpt, "jsonl": _read_jsonl}[trace.format]
+    reader = {"azure": _read_azure, "mooncake": _read_mooncake, "burstgpt": _read_burstgpt,
+              "jsonl": _read_jsonl, "csv": _read_generic_csv}[trace.format]
     rows = reader(path, trace)
+    check_plausible(path, rows.times, trace, rows.lines)
     kept, arrivals, notes = _select(rows, trace, seed)
     if len(kept) == 0:
         raise TraceError(f"{path}: no rows left to replay ({'; '.join(notes)})")
@@ -80,6 +94,65 @@ def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozens
             tenant=tenant, salted=tenant in salted_tenants,
             priority=rows.priorities[i] if rows.priorities else 0))
     return LoadedTrace(requests, notes)
+
+
+# ----------------------------------------------------------------------------- units and plausibility
+
+SECONDS_PER = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+DEFAULT_UNIT = {"mooncake": "ms", "jsonl": "s", "csv": "s", "burstgpt": "s"}
+YEAR_S = 365.25 * 86400
+MAX_RATE = 1e6
+
+
+def time_unit(trace: Trace) -> str:
+    return trace.time_unit or DEFAULT_UNIT.get(trace.format, "s")
+
+
+def check_plausible(path: Path, times: np.ndarray, trace: Trace, lines: Optional[np.ndarray] = None) -> None:
+    """Times (s) that cannot be a request log's: a TraceError naming the likely unit mistake."""
+    if len(times) < 2:
+        return
+    unit = time_unit(trace)
+    span = float(times.max() - times.min())
+    where = "workload.trace.time_unit"
+    if span > YEAR_S:
+        better = [u for u in ("ms", "us", "ns") if SECONDS_PER[u] < SECONDS_PER[unit]
+                  and span * SECONDS_PER[u] / SECONDS_PER[unit] <= YEAR_S]
+        hint = f"; if they count {' or '.join(better)}, set {where}" if better else ""
+        raise TraceError(f"{path}: the arrival times span {span / YEAR_S:,.0f} years read as {unit}{hint}")
+    if span > 0 and len(times) / span > MAX_RATE:
+        better = [u for u in ("us", "ms", "s") if SECONDS_PER[u] > SECONDS_PER[unit]
+                  and len(times) / (span * SECONDS_PER[u] / SECONDS_PER[unit]) <= MAX_RATE]
+        hint = f"; if they count {' or '.join(better)}, set {where}" if better else ""
+        raise TraceError(f"{path}: {len(times):,} requests within {span:.3g} s read as {unit} "
+                         f"({len(times) / span:.3g}/s, over {MAX_RATE:.0e}/s){hint}")
+    if trace.format not in ("jsonl", "csv"):
+        return
+    if times.min() < 0:
+        i = int(np.argmin(times))
+        line = f":{lines[i]}" if lines is not None else ""
+        raise TraceError(f"{path}{line}: arrival time {times[i]:.6g} s is negative: an arrival time counts "
+                         f"from some start (an integer that overflowed, or a gap rather than a time?)")
+    back = np.diff(times)
+    if span > 0 and len(times) >= 100 and (back < 0).mean() <= 0.01:
+        # a sorted log whose clock jumps back: another clock (per session, a restart) mixed in
+        worst = int(np.argmin(back))
+        if back[worst] < -0.1 * span:
+            line = f":{lines[worst + 1]}" if lines is not None else ""
+            raise TraceError(f"{path}{line}: the arrival time goes back by {-back[worst]:.6g} s "
+                             f"({times[worst]:.6g} -> {times[worst + 1]:.6g} s, over a tenth of the file's span): "
+                             f"is the arrival field ({_keys(trace)['arrival'] or 'arrival_s/timestamp'}) a time "
+                             f"of arrival, not a duration or a per-session offset? (rows merely out of order "
+                             f"by less are sorted)")
+
+
+def _open_text(path: Path, newline: Optional[str] = None):
+    """The file as text; a gzip'd one (by its magic bytes) is decompressed on the fly."""
+    with path.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return io.TextIOWrapper(gzip.open(path, "rb"), newline=newline)
+    return path.open(newline=newline)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -141,13 +214,13 @@ def _read_azure(path: Path, trace: Trace) -> _Rows:
 def _read_burstgpt(path: Path, trace: Trace) -> _Rows:
     table, lines = _read_csv(path, ["Timestamp", "Request tokens", "Response tokens"])
     prompt = _counts(path, lines, table, "Request tokens")
-    return _Rows(_numbers(path, lines, table, "Timestamp"), prompt,
-                 _counts(path, lines, table, "Response tokens"), _unique_prompt(lines, prompt))
+    return _Rows(_numbers(path, lines, table, "Timestamp") * SECONDS_PER[time_unit(trace)], prompt,
+                 _counts(path, lines, table, "Response tokens"), _unique_prompt(lines, prompt), lines=lines)
 
 
 def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.ndarray]:
     """The needed columns as lists of strings, and the file line of each data row."""
-    with path.open(newline="") as f:
+    with _open_text(path, newline="") as f:
         reader = csv.reader(f)
         header = [h.strip() for h in next(reader, [])]
         missing = [c for c in needed if c not in header]
@@ -215,7 +288,7 @@ def _unique_prompt(lines: np.ndarray, prompt_len: np.ndarray) -> Callable[[int, 
 
 def _json_rows(path: Path):
     """(line number, object) per non-blank line."""
-    with path.open() as f:
+    with _open_text(path) as f:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue
@@ -248,10 +321,11 @@ def _time(obj: dict, key: str, where: str, expected: str) -> float:
 
 def _read_mooncake(path: Path, trace: Trace) -> _Rows:
     block = trace.hash_block_tokens
+    scale = SECONDS_PER[time_unit(trace)]
     times, prompts, outputs, hash_ids = [], [], [], []
     for line_no, obj in _json_rows(path):
         where = f"{path}:{line_no}"
-        times.append(_time(obj, "timestamp", where, "a finite time in ms") / 1000.0)
+        times.append(_time(obj, "timestamp", where, f"a finite time in {time_unit(trace)}") * scale)
         n_in = _count(obj, "input_length", where)
         ids = obj.get("hash_ids")
         if not isinstance(ids, list) or not all(type(h) is int for h in ids):
@@ -282,19 +356,31 @@ def _read_mooncake(path: Path, trace: Trace) -> _Rows:
                  np.array(outputs, dtype=np.int64), prompt_of)
 
 
+def _keys(trace: Trace) -> dict[str, Optional[str]]:
+    """Our field -> the file's key (arrival None: 'arrival_s', else 'timestamp')."""
+    keys: dict[str, Optional[str]] = {"arrival": None, "prompt": "prompt", "prompt_len": "prompt_len",
+                                      "output_len": "output_len", "tenant": "tenant", "priority": "priority"}
+    keys.update(trace.fields or {})
+    return keys
+
+
 def _read_jsonl(path: Path, trace: Trace) -> _Rows:
+    keys = _keys(trace)
+    unit = time_unit(trace)
+    scale = SECONDS_PER[unit]
     times, prompts, outputs, lines, literal, tenants, priorities = [], [], [], [], [], [], []
     for line_no, obj in _json_rows(path):
         where = f"{path}:{line_no}"
-        times.append(_time(obj, "arrival_s" if "arrival_s" in obj else "timestamp", where,
-                           "the arrival as a finite number of seconds ('arrival_s' or 'timestamp')"))
-        tokens = _literal_prompt(obj, where)
+        arrival = keys["arrival"] or ("arrival_s" if "arrival_s" in obj else "timestamp")
+        named = f"{keys['arrival']!r}, fields.arrival" if keys["arrival"] else "'arrival_s' or 'timestamp'"
+        times.append(_time(obj, arrival, where, f"the arrival as a finite number of {unit} ({named})") * scale)
+        tokens = _literal_prompt(obj, where, keys)
         literal.append(tokens)
-        prompts.append(len(tokens) if tokens is not None else _count(obj, "prompt_len", where))
-        outputs.append(_count(obj, "output_len", where))
-        tenants.append(_tenant(obj, where))
-        priorities.append(int(_field(obj, "priority", where, "an integer", lambda v: v == int(v)))
-                          if "priority" in obj else 0)
+        prompts.append(len(tokens) if tokens is not None else _count(obj, keys["prompt_len"], where))
+        outputs.append(_count(obj, keys["output_len"], where))
+        tenants.append(_tenant(obj, where, keys["tenant"]))
+        priorities.append(int(_field(obj, keys["priority"], where, "an integer", lambda v: v == int(v)))
+                          if keys["priority"] in obj else 0)
         lines.append(line_no)
 
     def prompt_of(i: int, seed: int) -> list[Segment]:
@@ -303,22 +389,49 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
         return [(stable_key("trace", seed, lines[i]), prompts[i])]
 
     return _Rows(np.array(times, dtype=np.float64), np.array(prompts, dtype=np.int64),
-                 np.array(outputs, dtype=np.int64), prompt_of, tenants=tenants, priorities=priorities)
+                 np.array(outputs, dtype=np.int64), prompt_of, tenants=tenants, priorities=priorities,
+                 lines=np.array(lines, dtype=np.int64))
 
 
-def _literal_prompt(obj: dict, where: str) -> Optional[list[int]]:
-    if ("prompt" in obj) == ("prompt_len" in obj):
-        raise TraceError(f"{where}: expected exactly one of 'prompt' (token ids) or 'prompt_len'")
-    tokens = obj.get("prompt")
+def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
+    """A CSV request log: arrival, prompt_len, output_len (+ tenant, priority) columns."""
+    keys = _keys(trace)
+    with _open_text(path, newline="") as f:
+        header = [h.strip() for h in next(csv.reader(f), [])]
+    arrival = keys["arrival"] or ("arrival_s" if "arrival_s" in header else "timestamp")
+    optional = [keys[k] for k in ("tenant", "priority") if keys[k] in header]
+    table, lines = _read_csv(path, [arrival, keys["prompt_len"], keys["output_len"], *optional])
+    prompt = _counts(path, lines, table, keys["prompt_len"])
+    tenants = [t or None for t in table[keys["tenant"]]] if keys["tenant"] in table else None
+    priorities = None
+    if keys["priority"] in table:
+        priorities = _numbers(path, lines, table, keys["priority"])
+        bad = np.flatnonzero(priorities != np.floor(priorities))
+        if len(bad):
+            raise TraceError(f"{path}:{lines[bad[0]]}: {keys['priority']} is "
+                             f"{table[keys['priority']][bad[0]]!r}, expected an integer")
+        priorities = priorities.astype(np.int64).tolist()
+    return _Rows(_numbers(path, lines, table, arrival) * SECONDS_PER[time_unit(trace)], prompt,
+                 _counts(path, lines, table, keys["output_len"]), _unique_prompt(lines, prompt),
+                 tenants=tenants, priorities=priorities, lines=lines)
+
+
+def _literal_prompt(obj: dict, where: str, keys: dict[str, Optional[str]]) -> Optional[list[int]]:
+    ids, length = keys["prompt"], keys["prompt_len"]
+    if ids not in obj and length not in obj:
+        raise TraceError(f"{where}: expected {ids!r} (token ids) or {length!r}")
+    tokens = obj.get(ids)
     if tokens is None:
         return None
     if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
-        raise TraceError(f"{where}: prompt is not a list of token ids, expected integers >= 0")
+        raise TraceError(f"{where}: {ids} is not a list of token ids, expected integers >= 0")
+    if length in obj and _count(obj, length, where) != len(tokens):     # logs often carry both
+        raise TraceError(f"{where}: {ids} holds {len(tokens)} token ids but {length} is {obj[length]!r}")
     return tokens
 
 
-def _tenant(obj: dict, where: str) -> Optional[str]:
-    tenant = obj.get("tenant")
+def _tenant(obj: dict, where: str, key: str) -> Optional[str]:
+    tenant = obj.get(key)
     if tenant is not None and not isinstance(tenant, str):
-        raise TraceError(f"{where}: tenant is {tenant!r}, expected a name (string)")
+        raise TraceError(f"{where}: {key} is {tenant!r}, expected a name (string)")
     return tenant

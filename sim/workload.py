@@ -77,6 +77,8 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
             built = BuiltWorkload(loaded.requests, loaded.notes + _ignored(w, "trace"))
         elif w.requests is not None:
             built = BuiltWorkload(_explicit_requests(w, seed), _ignored(w, "requests"))
+        elif w.dataset is not None:
+            built = BuiltWorkload(*_dataset_requests(w, seed, scenario.model.vocab_size))
         else:
             built = BuiltWorkload(_synthetic_requests(w, seed))
     _mark_warmup(built, w.warmup_requests)
@@ -182,6 +184,8 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
                    duration: Optional[float]) -> np.ndarray:
     if arrival.process == "offline":
         return np.zeros(count)
+    if arrival.ramp_up is not None:       # the schema ensures count is set and duration is not
+        return _ramp_times(arrival, rng, count)
     if duration is None:
         times = _process_times(arrival, rng, count)
         if arrival.process != "fixed" and arrival.rescale:
@@ -192,6 +196,24 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
     while times[-1] < duration and (count is None or len(times) < count):
         times = np.concatenate([times, times[-1] + _process_times(arrival, rng, len(times))])
     return times[times < duration][:count]
+
+
+def _ramp_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.ndarray:
+    """vLLM bench's ramp-up: gap i drawn at request i's rate; no rescaling."""
+    ramp = arrival.ramp_up
+    progress = np.arange(n) / max(n - 1, 1)
+    if ramp.strategy == "linear":
+        rates = ramp.start_rps + (ramp.end_rps - ramp.start_rps) * progress
+    else:
+        rates = ramp.start_rps * (ramp.end_rps / ramp.start_rps) ** progress
+    if arrival.process == "fixed":
+        gaps = 1.0 / rates
+    elif arrival.process == "poisson":
+        gaps = rng.exponential(1.0, n) / rates
+    else:
+        shape = 1.0 / arrival.cv ** 2
+        gaps = rng.gamma(shape, 1.0, n) / (rates * shape)
+    return np.cumsum(gaps)
 
 
 def _process_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -360,6 +382,111 @@ def _whole(text: str, where: str, expected: str) -> int:
     if not (math.isfinite(value) and value >= 0 and value == int(value)):
         raise WorkloadError(f"{where}: {text!r} is not a token length; expected {expected}")
     return int(value)
+
+
+# ----------------------------------------------------------------------------- data sets
+
+def _dataset_requests(w: Workload, seed: int, vocab_size: int) -> tuple[list[Request], list[str]]:
+    """Requests whose prompts come from `workload.dataset`, arriving as `workload.arrival` says;
+    a multi-turn conversation's later turns follow its earlier ones (think_time_s after each)."""
+    from sim.datasets import DatasetError
+
+    ds = w.dataset
+    rng = _stream(seed, "dataset")
+    try:
+        draw, notes, vocab = _dataset_source(w, seed, rng)
+    except DatasetError as e:
+        raise WorkloadError(str(e)) from None
+    if vocab is not None and vocab > vocab_size:
+        raise WorkloadError(f"workload.dataset.tokenizer: {vocab} tokens, more than the model's vocab_size "
+                            f"({vocab_size}): its ids would not be valid prompts for this model")
+    arrivals = _stream(seed, "arrivals")
+    if w.duration_s is None:
+        convs = draw(w.num_requests)
+        turns = _cut_to(w.num_requests, np.array([len(c) for c in convs]))
+        starts = _arrival_times(w.arrival, arrivals, len(turns), None)
+    else:
+        starts = _arrival_times(w.arrival, arrivals, w.num_requests, w.duration_s)
+        if len(starts) == 0:
+            raise WorkloadError(f"workload.duration_s: no request arrives within {w.duration_s:g} s")
+        convs = draw(len(starts))
+        turns = np.array([len(c) for c in convs])
+        if w.num_requests is not None:
+            turns = _cut_to(w.num_requests, turns)
+        starts = starts[: len(turns)]
+    requests: list[Request] = []
+    for c, (start, n) in enumerate(zip(starts.tolist(), turns.tolist())):
+        prev = None
+        for prompt, output_len in convs[c][:n]:
+            i = len(requests)
+            segments = prompt if prev is None else prev.segments + prompt
+            req = make_request(i, start if prev is None else None, segments, output_len, seed=seed)
+            if prev is not None:
+                prev.next_turn, prev.think_time = req, ds.think_time_s
+            if ds.turns == "all" and ds.format == "sharegpt":
+                req.conversation = c
+            requests.append(req)
+            prev = req
+    return requests, notes
+
+
+def _dataset_source(w: Workload, seed: int, rng: np.random.Generator):
+    """(draw(k) -> k conversations of (prompt segments, output length), notes, tokenizer vocabulary)."""
+    from sim.datasets import load_prompts, sonnet_lines
+
+    ds = w.dataset
+    if ds.format == "random":
+        return _random_set(ds, seed, rng), [], None
+    if ds.format == "sonnet":
+        base, lines, notes, vocab = sonnet_lines(ds)
+        return _sonnet_set(ds, base, lines, rng), notes, vocab
+    prompts, vocab = load_prompts(ds)
+    pool = prompts.conversations
+
+    def draw(k: int) -> list:
+        order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-k // len(pool)))])[:k]
+        # text files record no answers: their output lengths come from workload.output_len
+        fallback = _lengths(w.output_len, rng.standard_normal(k), "workload.output_len", "output")
+        return [[([t.prompt], ds.output_len or t.answer_len or int(fallback[n])) for t in pool[j]]
+                for n, j in enumerate(order.tolist())]
+
+    notes = list(prompts.notes)
+    if w.num_requests and w.num_requests > len(pool):
+        notes.append(f"workload.dataset: {len(pool)} usable conversations for {w.num_requests} requests: drawn "
+                     f"again once all were used")
+    return draw, notes, vocab
+
+
+def _random_set(ds, seed: int, rng: np.random.Generator):
+    """vLLM's random set: lengths uniform in [L(1-r), L(1+r)] after a prefix every request shares."""
+    output = ds.output_len or 128
+
+    def draw(k: int) -> list:
+        def uniform(length: int) -> np.ndarray:
+            lo, hi = max(int(length * (1 - ds.range_ratio)), 1), int(math.ceil(length * (1 + ds.range_ratio)))
+            return rng.integers(lo, hi + 1, k)
+        ins, outs = uniform(ds.input_len), uniform(output)
+        prefix = [(stable_key("dataset-prefix", seed), ds.prefix_len)] if ds.prefix_len else []
+        return [[(prefix + [(stable_key("dataset", seed, i), int(n))], int(o))]
+                for i, (n, o) in enumerate(zip(ins.tolist(), outs.tolist()))]
+    return draw
+
+
+def _sonnet_set(ds, base: list[int], lines: list[list[int]], rng: np.random.Generator):
+    """vLLM's sonnet set: the base prompt, the poem's first lines (about prefix_len tokens, shared),
+    then lines drawn at random until about input_len tokens; fixed output length (150)."""
+    input_len = ds.input_len if "input_len" in ds.model_fields_set else 550
+    prefix_len = ds.prefix_len if "prefix_len" in ds.model_fields_set else 200
+    mean_line = float(np.mean([len(line) for line in lines]))
+    n_input = max(round((input_len - len(base)) / mean_line), 1)
+    n_prefix = min(max(round((prefix_len - len(base)) / mean_line), 0), n_input)
+    head = base + [t for line in lines[:n_prefix] for t in line]
+    output = ds.output_len or 150
+
+    def draw(k: int) -> list:
+        picks = rng.integers(0, len(lines), (k, n_input - n_prefix))
+        return [[([head + [t for j in row for t in lines[j]]], output)] for row in picks.tolist()]
+    return draw
 
 
 # ----------------------------------------------------------------------------- explicit, trace

@@ -19,7 +19,7 @@ def layer_of(module: str) -> str:
     if parts[0] == "sim":
         if len(parts) == 1:
             return "simulation"
-        if parts[1] in ("core", "output", "whatif"):
+        if parts[1] in ("core", "output", "whatif", "vllm"):
             return parts[1]
         return "cli" if parts[1] == "cli" else "simulation"
     if parts[0] == "engine":
@@ -32,7 +32,9 @@ ALLOWED = {
     "simulation": {"core", "simulation"},
     "output": {"core", "simulation", "output"},
     "whatif": {"core", "simulation", "output", "whatif"},
-    "cli": {"core", "simulation", "output", "whatif", "cli"},
+    # vLLM interop (serve flags, result files, logs): reads files, writes scenarios
+    "vllm": {"core", "simulation", "output", "vllm"},
+    "cli": {"core", "simulation", "output", "whatif", "vllm", "cli"},
     # the model, runner, kernels: the shared policy only, never the simulator
     "engine": {"core", "engine"},
     # replay and the server drive the engine from scenarios: they sit beside the cli

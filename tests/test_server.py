@@ -154,7 +154,7 @@ def test_streamed_and_whole_completions_agree(server):
 
 
 @pytest.mark.parametrize("body, status, message", [
-    ({"prompt": "Hello", "max_tokens": 4}, 400, "prompt as text is not supported"),
+    ({"prompt": "Hello", "max_tokens": 4}, 400, "prompt as text needs a tokenizer"),
     ({"prompt": [1, 2, VOCAB], "max_tokens": 4}, 400, f"prompt[2] = {VOCAB} is outside the vocabulary"),
     ({"prompt": [1, -1], "max_tokens": 4}, 400, "outside the vocabulary"),
     ({"prompt": [1, "2"], "max_tokens": 4}, 400, "token ids must be integers"),
@@ -298,3 +298,84 @@ def test_engine_loop_stops_at_eos_and_relays_scheduler_rejections():
     refused = asyncio.run(run(True, None, prompt=list(range(100)), max_tokens=10))
     assert refused == [Event("rejected", message="prompt of 100 tokens leaves no room for output within "
                                                   "max_model_len 64")]
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_and_keeps_counters(server):
+    prompt = [7] * 64
+
+    def cached() -> int:
+        reply = complete(server, prompt=prompt, max_tokens=1)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() == 48                      # three whole blocks (the last token is always computed)
+    hits = scrape(server)['vllm:prefix_cache_hits_total{model_name="tiny"}']
+    assert httpx.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 200
+    assert cached() == 0
+    assert scrape(server)['vllm:prefix_cache_hits_total{model_name="tiny"}'] == hits     # counters stay monotonic
+
+
+# ----------------------------------------------------------------------------- text prompts and chat
+
+TOKENIZER = ROOT / "tests" / "data" / "datasets" / "tokenizer.json"
+
+
+def _served_with_tokenizer():
+    pytest.importorskip("tokenizers")
+    from sim.datasets import text_tokenizer
+
+    tok = text_tokenizer(TOKENIZER)
+    return ServedModel("m", "m", VOCAB, MAX_MODEL_LEN, 0.0, None, tok), tok
+
+
+def test_text_prompts_and_chat_messages_are_tokenized():
+    from engine.server import parse_chat
+
+    served, tok = _served_with_tokenizer()
+    params = parse_completion({"prompt": "Explain paged attention.", "max_tokens": 4}, served)
+    assert params.prompt == tok.encode("Explain paged attention.") and not params.chat
+    chat = parse_chat({"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": [{"type": "text", "text": "Why?"}]}],
+                       "max_completion_tokens": 5, "stream": True}, served)
+    assert chat.prompt == tok.encode("system: Be brief.\nuser: Why?\nassistant:") and chat.max_tokens == 5
+    with pytest.raises(ApiError, match="prompt as text needs a tokenizer"):
+        parse_completion({"prompt": "hi", "max_tokens": 1}, SERVED)
+    with pytest.raises(ApiError, match="needs a tokenizer"):
+        parse_chat({"messages": [{"role": "user", "content": "hi"}]}, SERVED)
+    with pytest.raises(ApiError, match="only text parts"):
+        parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, served)
+
+
+def test_answers_are_decoded_piece_by_piece():
+    from engine.server import Completion
+
+    _, tok = _served_with_tokenizer()
+    ids = tok.encode("Memory is handed out in fixed blocks.")
+    reply = Completion("m", 3, chat=True, tokenizer=tok)
+    pieces = [reply.add(Event("token", token=t)) for t in ids]
+    assert "".join(pieces) == tok.decode(ids) == reply.text
+    assert reply.whole()["choices"][0]["message"] == {"role": "assistant", "content": tok.decode(ids)}
+    assert reply.add(Event("token", token=VOCAB - 1)) == f"<{VOCAB - 1}>"     # beyond the tokenizer
+
+
+def test_live_server_with_a_tokenizer_serves_chat_and_text():
+    pytest.importorskip("tokenizers")
+    proc, url = start_server("--tokenizer", str(TOKENIZER))
+    try:
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "Explain the KV cache.", "max_tokens": 3,
+                                                          "ignore_eos": True}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "Why batch?"}], "max_completion_tokens": 4,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}) as stream:
+            events = [json.loads(line[5:]) for line in stream.iter_lines()
+                      if line.startswith("data:") and "[DONE]" not in line]
+        chunks = [e for e in events if e["choices"]]
+        assert len(chunks) == 4 and chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-1]["usage"]["completion_tokens"] == 4
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err

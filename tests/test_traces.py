@@ -206,7 +206,8 @@ def test_jsonl_request_log(tmp_path):
 @pytest.mark.parametrize("obj, message", [
     ({"prompt_len": 5, "output_len": 2}, r"log.jsonl:1: missing 'timestamp'"),
     ({"arrival_s": 1, "prompt_len": 5}, r"log.jsonl:1: missing 'output_len'"),
-    ({"arrival_s": 1, "prompt_len": 5, "prompt": [1], "output_len": 2}, r"log.jsonl:1: expected exactly one"),
+    ({"arrival_s": 1, "output_len": 2}, r"log.jsonl:1: expected 'prompt' \(token ids\) or 'prompt_len'"),
+    ({"arrival_s": 1, "prompt_len": 5, "prompt": [1], "output_len": 2}, r"log.jsonl:1: prompt holds 1 token ids but prompt_len is 5"),
     ({"arrival_s": 1, "prompt": [1, -1], "output_len": 2}, r"log.jsonl:1: prompt is not a list of token ids"),
     ({"arrival_s": None, "prompt_len": 5, "output_len": 2}, r"log.jsonl:1: arrival_s is None"),
     ({"arrival_s": 1, "prompt_len": 5, "output_len": 2, "tenant": 3}, r"log.jsonl:1: tenant is 3"),
@@ -278,3 +279,71 @@ def test_real_mooncake_prefix_reuse_matches_the_readme():
             seen.add(key)
             total += 1
     assert total == 288_500 and repeats / total == pytest.approx(0.3664, abs=5e-4)
+
+
+# ----------------------------------------------------------------------------- fields, units, gzip, plausibility
+
+def test_fields_and_time_unit_read_a_public_style_log(tmp_path):
+    rows = [{"arrival_time_ns": 1_700_000_000_000_000_000 + i * 250_000_000, "input_toks": 10 + i,
+             "output_toks": 3, "input_tok_ids": list(range(10 + i)) if i == 0 else None} for i in range(4)]
+    for r in rows[1:]:
+        del r["input_tok_ids"]
+    path = write(tmp_path / "log.jsonl", [json.dumps(r) for r in rows])
+    trace = Trace(format="jsonl", path=path, time_unit="ns",
+                  fields={"arrival": "arrival_time_ns", "prompt": "input_tok_ids", "prompt_len": "input_toks",
+                          "output_len": "output_toks"})
+    requests = load_trace(trace, 0).requests
+    assert [r.arrival for r in requests] == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    assert [r.prompt_len for r in requests] == [10, 11, 12, 13] and requests[0].segments[0] == list(range(10))
+
+
+def test_nanoseconds_read_as_seconds_name_the_unit(tmp_path):
+    path = write(tmp_path / "log.jsonl", [json.dumps({"timestamp": 1_700_000_000_000_000_000 + i * 10**9,
+                                                      "prompt_len": 5, "output_len": 2}) for i in range(3)])
+    with pytest.raises(TraceError, match=r"span .* years read as s; if they count .*ns.*time_unit"):
+        load(path, "jsonl")
+    fast = write(tmp_path / "fast.jsonl", [json.dumps({"timestamp": i, "prompt_len": 5, "output_len": 2})
+                                           for i in range(100)])
+    with pytest.raises(TraceError, match=r"read as ns .* if they count .*ms"):
+        load_trace(Trace(format="jsonl", path=fast, time_unit="ns"), 0)
+
+
+def test_negative_times_and_clock_jumps_are_errors(tmp_path):
+    path = write(tmp_path / "neg.jsonl", [json.dumps({"timestamp": t, "prompt_len": 5, "output_len": 2})
+                                          for t in (1.0, -2.0)])
+    with pytest.raises(TraceError, match=r"neg.jsonl:2: arrival time -2 s is negative"):
+        load(path, "jsonl")
+    times = list(range(100)) + [5]                  # a sorted log whose clock restarts
+    path = write(tmp_path / "jump.jsonl", [json.dumps({"timestamp": t, "prompt_len": 5, "output_len": 2})
+                                           for t in times])
+    with pytest.raises(TraceError, match=r"jump.jsonl:101: the arrival time goes back by 94 s"):
+        load(path, "jsonl")
+
+
+def test_generic_csv_with_fields_gzipped(tmp_path):
+    import gzip
+
+    path = tmp_path / "log.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("t_ms,in,out,who\n2000,10,4,a\n1000,20,5,b\n1500,0,5,b\n")
+    trace = Trace(format="csv", path=path, time_unit="ms",
+                  fields={"arrival": "t_ms", "prompt_len": "in", "output_len": "out", "tenant": "who"})
+    loaded = load_trace(trace, 0)
+    assert [(r.arrival, r.prompt_len, r.output_len, r.tenant) for r in loaded.requests] == \
+        [(0.0, 20, 5, "b"), (1.0, 10, 4, "a")]
+    assert "excluded 1 rows with 0 prompt tokens" in loaded.notes
+    with pytest.raises(TraceError, match=r"log.csv.gz:1: missing column 'in2'"):
+        load_trace(Trace(format="csv", path=path, fields={"arrival": "t_ms", "prompt_len": "in2"}), 0)
+
+
+def test_gzipped_jsonl_and_schema_checks(tmp_path):
+    import gzip
+
+    path = tmp_path / "log.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"arrival_s": 0.5, "prompt_len": 3, "output_len": 2}) + "\n")
+    assert load(path, "jsonl").requests[0].prompt_len == 3
+    with pytest.raises(ValueError, match="unknown field"):
+        Trace(format="jsonl", path=path, fields={"arival": "t"})
+    with pytest.raises(ValueError, match="jsonl and csv"):
+        Trace(format="azure", path=path, fields={"arrival": "t"})

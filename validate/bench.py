@@ -9,15 +9,26 @@ ITL = gaps between chunks, E2E = last chunk - send). Before the run one fixed sh
 (16 tokens, max_tokens 8) must come back with 8 tokens; during it /metrics is scraped for
 KV usage and queue lengths when the endpoint offers vLLM's metric names.
 
+Before the run a fixed probe prompt shows whether the server's prefix cache is warm from an
+earlier run, and /reset_prefix_cache is tried; `workload.max_concurrency` makes the client
+closed-loop (a semaphore, as vLLM's --max-concurrency); --header / --api-key reach endpoints
+behind authentication.
+
 `simrun compare SCENARIO --vllm-result FILE` reads what `vllm bench serve --save-result`
-writes (per-request ttfts, itls, input_lens, output_lens with --save-detailed; the
-aggregate mean/median/p99 fields otherwise) and checks the file's workload against the
-scenario's before comparing: a comparison on a different workload is meaningless.
+writes (sim.vllm.results: per-request ttfts, itls, input_lens, output_lens with --save-detailed;
+the aggregate mean/median/p99 fields otherwise) and checks the file's workload against the
+scenario's before comparing: a comparison on a different workload is meaningless, so differences
+are a banner before the table and exit status 1 (unless --allow-mismatch).
+--use-file-workload replays the file's own requests instead; a file of several runs
+(--append-result) is compared rate by rate (validate/compare_sweep.py).
+
+Both take --server-log (a vLLM log or /metrics scrapes; sim.vllm.timeseries) and compare its
+running / waiting / KV % over time with the prediction's; bench uses its own scrapes otherwise.
 
 Both write, beside `simrun validate`'s layout:
     out/measured/    summary.json, requests.csv, manifest.json (+ metrics_timeline.csv)
     out/predicted/   simrun's prediction of the same scenario
-    out/comparison.csv, out/*.png, out/report.html
+    out/comparison.csv, out/*.png, out/report.html (+ series_comparison.csv with a time series)
 Measured summaries come from sim.metrics.summarise on a requests frame of records.py's
 schema plus the client's ITL samples; what a black-box endpoint cannot show (steps, the
 queue/host/device split) is None, and KV figures come from the scraped timeline.
@@ -28,7 +39,6 @@ import argparse
 import asyncio
 import json
 import math
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +51,7 @@ from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
 from sim.core.request import Request, make_request, stable_key
 from sim.core.lazy import lazy_import
+from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, series_on_run_clock, timeline_row
 
 np = lazy_import("numpy")      # on first use: `simrun bench -h` stays light
 pd = lazy_import("pandas")
@@ -69,6 +80,10 @@ class Measured:
     manifest: dict
     kv_blocks_total: int = 0
     timeline: Optional[pd.DataFrame] = None     # scraped /metrics, when there was one
+    # running / waiting / KV % over time (sim.vllm.timeseries): the scrapes, or a server log
+    series: Optional[pd.DataFrame] = None
+    series_offset: Optional[float] = None       # run time = series t_s + offset, when known
+    run_t0_wall: Optional[float] = None         # the run's start, seconds since the epoch (log clock)
 
     def view(self):
         from sim.output.report import RunView
@@ -131,55 +146,18 @@ def apply_timeline(summary: dict, scraped: Optional[pd.DataFrame], kv_blocks_tot
         summary["prefix_hit_rate"] = float((last["prefix_hits"] - first["prefix_hits"]) / queries)
 
 
-# ----------------------------------------------------------------------------- Prometheus text
-
-METRIC_ALIASES = {     # our column -> vLLM names, newest first (V0 used the gpu_ prefixes)
-    "running": ("vllm:num_requests_running",),
-    "waiting": ("vllm:num_requests_waiting",),
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "preemptions": ("vllm:num_preemptions",),
-    "prefix_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
-    "prefix_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
-}
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> tuple[dict[str, list[float]], dict[str, dict[str, str]]]:
-    """Samples per metric name (counters without `_total`, one value per label set), and the
-    labels of each name's last sample (vllm:cache_config_info carries the pool size there)."""
-    values: dict[str, list[float]] = {}
-    labels: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or line.startswith("#"):
-            continue
-        name = match.group(1).removesuffix("_total")
-        try:
-            values.setdefault(name, []).append(float(match.group(3)))
-        except ValueError:
-            continue
-        labels[name] = dict(_LABEL.findall(match.group(2) or ""))
-    return values, labels
-
-
-def timeline_row(values: dict[str, list[float]]) -> Optional[dict[str, float]]:
-    """One scrape as a timeline row; None when the text has none of vLLM's gauges. Gauges
-    add up over engines (data parallel), except KV usage, a fraction, which is averaged."""
-    row = {}
-    for column, names in METRIC_ALIASES.items():
-        found = next((values[n] for n in names if n in values), None)
-        row[column] = math.nan if found is None else (np.mean(found) if column == "kv_usage" else sum(found))
-    return None if math.isnan(row["running"]) and math.isnan(row["kv_usage"]) else row
-
-
-def pool_blocks(labels: dict[str, dict[str, str]]) -> int:
-    """Usable KV blocks from vllm:cache_config_info (num_gpu_blocks includes the null block)."""
-    blocks = labels.get("vllm:cache_config_info", {}).get("num_gpu_blocks")
-    return int(blocks) - 1 if blocks and blocks.isdigit() else 0
-
-
 # ----------------------------------------------------------------------------- the load generator
+
+# The warm-cache probe: long enough for whole blocks at any usual block size (16..128).
+PROBE_TOKENS = 257
+
+
+def _prefix_hits(text: Optional[str]) -> Optional[float]:
+    if not text:
+        return None
+    row = timeline_row(parse_prometheus(text)[0])
+    return None if row is None or math.isnan(row["prefix_hits"]) else row["prefix_hits"]
+
 
 class BenchError(Exception):
     """The endpoint cannot be benchmarked (down, failing its smoke request)."""
@@ -219,12 +197,12 @@ class Trip:
 class Client:
     """The endpoint seen from outside: OpenAI completions, /v1/models, /version, /metrics."""
 
-    def __init__(self, endpoint: str, request_timeout: float):
+    def __init__(self, endpoint: str, request_timeout: float, headers: Optional[dict[str, str]] = None):
         import httpx
 
         self.base = normalise_endpoint(endpoint)
         self.http = httpx.AsyncClient(
-            base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0),
+            base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0), headers=headers or {},
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.model: Optional[str] = None
         self.t0 = time.perf_counter()
@@ -262,6 +240,21 @@ class Client:
             return reply.json().get("version") if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    async def reset_prefix_cache(self) -> str:
+        """POST /reset_prefix_cache (ours; vLLM's when started with VLLM_SERVER_DEV_MODE=1): 'reset',
+        or why not."""
+        import httpx
+
+        try:
+            reply = await self.http.post("/reset_prefix_cache", timeout=30.0)
+        except httpx.HTTPError as e:
+            return f"failed ({type(e).__name__})"
+        if reply.status_code == 200:
+            return "reset"
+        if reply.status_code in (404, 405):
+            return f"not offered (HTTP {reply.status_code})"
+        return f"refused (HTTP {reply.status_code}: {error_message(reply.content)})"
 
     async def metrics(self) -> Optional[str]:
         import httpx
@@ -377,16 +370,25 @@ class Bench:
         self.scraped: list[dict] = []
         self.pool_blocks = 0
         self.smoke: dict = {}
+        self.t0_wall: Optional[float] = None
+        self.max_concurrency: Optional[int] = None
+        self._gate: Optional[asyncio.Semaphore] = None
+        self.probe_tokens = PROBE_TOKENS
+        self.cache: dict = {}
 
     async def run(self) -> None:
         await self.smoke_check()
+        await self.prepare_cache()
         self.client.t0 = time.perf_counter()
+        self.t0_wall = local_wall_clock()
         metrics = await self.client.metrics()      # the baseline: counters count from here
         scraper = asyncio.ensure_future(self._scrape()) if metrics and self._scrape_once(metrics) else None
         last = max((t.request.arrival for t in self.trips.values() if t.request.arrival is not None), default=0)
         self.say(f"smoke request passed (TTFT {self.smoke['ttft_s'] * 1e3:.1f} ms); sending {len(self.trips)} "
                  f"requests, the last first turn at {last:.1f} s; /metrics "
                  f"{'scraped' if scraper else 'not offered'}")
+        if self.max_concurrency is not None:     # closed loop, as vLLM bench's --max-concurrency
+            self._gate = asyncio.Semaphore(self.max_concurrency)
         try:
             firsts = [t for t in self.trips.values() if t.request.arrival is not None]
             await asyncio.gather(*(self._conversation(t) for t in firsts))
@@ -408,6 +410,27 @@ class Bench:
                       "tokens": trip.tokens, "ttft_s": trip.chunks[0] - trip.sent,
                       "e2e_s": self.client.now() - t0}
 
+    async def prepare_cache(self) -> None:
+        """Start from a cold prefix cache, or say that it is warm. A fixed probe prompt (the same
+        on every run of this client) shows whether the server still caches an earlier run's blocks:
+        its hits (usage cached_tokens, else the /metrics hit counter) mean it does. Then
+        /reset_prefix_cache is tried (ours; vLLM's with VLLM_SERVER_DEV_MODE=1)."""
+        probe = make_request(-2, 0.0, [(stable_key("kvtwin-warm-probe"), self.probe_tokens)], 1)
+        trip = Trip(probe)
+        before = _prefix_hits(await self.client.metrics())
+        await self.client.send(trip, self._prompt(probe))
+        after = _prefix_hits(await self.client.metrics())
+        counted = None if before is None or after is None else int(after - before)
+        hit = trip.cached if trip.cached is not None else counted
+        reset = await self.client.reset_prefix_cache()
+        self.cache = {"probe_prompt_tokens": self.probe_tokens, "probe_hit_tokens": hit,
+                      "warm_before": None if hit is None else hit > 0, "reset": reset,
+                      "probe": trip.status if trip.status == "finished" else f"{trip.status}: {trip.error}"}
+        if self.cache["warm_before"] and reset != "reset":
+            self.say(f"WARNING: the server's prefix cache is warm (the probe prompt of an earlier run hit {hit} "
+                     f"tokens) and /reset_prefix_cache {reset}: hit rates and TTFTs will beat a cold start's; "
+                     f"restart the server, or start vLLM with VLLM_SERVER_DEV_MODE=1 so it can be reset")
+
     def _prompt(self, req: Request) -> list[int]:
         # Materialised at send time: cheap, and a long trace never holds every prompt at once.
         return req.token_ids(0, req.prompt_len, self.vocab_size).tolist()
@@ -417,7 +440,7 @@ class Bench:
         after the previous turn's last token. A failed turn ends the conversation."""
         await asyncio.sleep(max(0.0, trip.request.arrival - self.client.now()))
         while True:
-            await self.client.send(trip, self._prompt(trip.request))
+            await self._send(trip)
             req = trip.request
             if req.next_turn is None:
                 return
@@ -426,6 +449,14 @@ class Bench:
                 return
             await asyncio.sleep(req.think_time)
             trip = self.trips[req.next_turn.id]
+
+    async def _send(self, trip: Trip) -> None:
+        """Send now, or, with a concurrency cap, once a slot is free (TTFT counts from the send)."""
+        if self._gate is None:
+            await self.client.send(trip, self._prompt(trip.request))
+            return
+        async with self._gate:
+            await self.client.send(trip, self._prompt(trip.request))
 
     def _skip_rest(self, req: Request) -> None:
         turn = req.next_turn
@@ -460,14 +491,18 @@ class Bench:
 
 
 def run_bench(scenario, endpoint: str, model: Optional[str], request_timeout: float,
-              scrape_s: float, say: Callable[[str], None] = lambda _: None) -> Measured:
+              scrape_s: float, say: Callable[[str], None] = lambda _: None,
+              headers: Optional[dict[str, str]] = None) -> Measured:
     """Smoke-check the endpoint, replay the workload, summarise what the client saw. Ctrl-C
     keeps what was measured: unfinished requests are marked aborted and the run partial."""
     from sim.workload import build_workload
 
     workload = build_workload(scenario)
-    client = Client(endpoint, request_timeout)
+    client = Client(endpoint, request_timeout, headers)
     bench = Bench(client, workload.requests, scenario.model.vocab_size, scrape_s, say)
+    bench.max_concurrency = scenario.workload.max_concurrency
+    bench.probe_tokens = min(PROBE_TOKENS, scenario.max_model_len - 2)
+    header_names = sorted(headers or {})
     server: dict = {}
     interrupted = False
 
@@ -490,7 +525,17 @@ def run_bench(scenario, endpoint: str, model: Optional[str], request_timeout: fl
     apply_timeline(summary, timeline, bench.pool_blocks)
     summary["interrupted"] = interrupted
     manifest = bench_manifest(scenario, client.base, server, bench, workload, summary)
-    return Measured(summary, frame, manifest, bench.pool_blocks, timeline)
+    manifest["headers"] = header_names             # names only: values may be secrets
+    series = series_on_run_clock(bench.scraped) if bench.scraped else None
+    return Measured(summary, frame, manifest, bench.pool_blocks, timeline, series=series,
+                    run_t0_wall=bench.t0_wall)
+
+
+def local_wall_clock() -> float:
+    """Now, on the clock vLLM's log lines use (local time, read as UTC by sim.vllm.timeseries)."""
+    import datetime as dt
+
+    return dt.datetime.now().replace(tzinfo=dt.timezone.utc).timestamp()
 
 
 def bench_manifest(scenario, endpoint: str, server: dict, bench: Bench, workload, summary: dict) -> dict:
@@ -504,6 +549,8 @@ def bench_manifest(scenario, endpoint: str, server: dict, bench: Bench, workload
         "endpoint": endpoint,
         "server": server,
         "client": {"kvtwin_version": kvtwin_version(), "git_commit": git_commit(), "httpx": httpx.__version__},
+        "load": {"max_concurrency": bench.max_concurrency},
+        "prefix_cache": bench.cache,
         "sampling": {"temperature": 0.0, "ignore_eos": True, "stream": True, "n": 1,
                      "max_tokens": "each request's output length from the workload",
                      "max_generation_len": max((r.output_len for r in requests), default=0)},
@@ -534,32 +581,93 @@ def endpoint_notes(scenario, server: dict, bench: Bench) -> list[str]:
                      f"planned {planned}: compare KV usage (%), not block counts")
     if not bench.scraped:
         notes.append("the endpoint offers no vLLM /metrics: no KV or queue timeline was measured")
+    cache = bench.cache
+    if cache.get("warm_before") and cache.get("reset") != "reset":
+        notes.append(f"the server's prefix cache was warm from an earlier run (the probe hit "
+                     f"{cache['probe_hit_tokens']} tokens) and could not be reset ({cache['reset']}): "
+                     f"measured prefix hits and TTFTs are better than a cold start's")
+    elif cache.get("warm_before") is None and cache.get("reset") != "reset":
+        notes.append(f"whether the server's prefix cache was warm is unknown (no cached-token count, no "
+                     f"prefix-cache counters) and it could not be reset ({cache.get('reset')})")
     return notes
 
 
 # ----------------------------------------------------------------------------- vLLM result files
 
-def read_vllm_result(path: Path, scenario) -> Measured:
-    """A `vllm bench serve --save-result` JSON file as a measured run of `scenario`."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"--vllm-result: no such file {path}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--vllm-result {path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or "duration" not in data:
-        raise UserError(f"--vllm-result {path}: not a `vllm bench serve` result (no 'duration')")
+def read_vllm_result(path: Path, scenario, run=None, file_workload: bool = False) -> Measured:
+    """A `vllm bench serve --save-result` run (the file's only one, or `run`) as a measured run
+    of `scenario`. With `file_workload` the scenario replays the file's own requests, so the
+    workload is not checked against it."""
+    if run is None:
+        runs = load_vllm_runs(path)
+        if len(runs) > 1:
+            raise UserError(f"--vllm-result {path}: {len(runs)} runs (--append-result); compare them "
+                            f"as a sweep with `simrun compare` (it does so for such files)")
+        run = runs[0]
+    data = {**run.config, **run.metrics, **run.per_request}
+    if "duration" not in data:
+        raise UserError(f"--vllm-result {run.source}: not a `vllm bench serve` result (no 'duration')")
     detailed = all(k in data for k in ("ttfts", "itls", "input_lens", "output_lens"))
     summary, frame = (_detailed_summary(data, scenario) if detailed else (_aggregate_summary(data), None))
-    notes = workload_mismatches(data, scenario, detailed)
+    notes = [] if file_workload else workload_mismatches(data, scenario, detailed)
     if notes:
-        notes.append("the file's workload is not the scenario's: until they match, this comparison means nothing")
+        notes.append("the file's workload is not the scenario's: until they match, this comparison means "
+                     "nothing (--use-file-workload replays the file's own requests)")
     meta_keys = ("date", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
                  "burstiness", "max_concurrency", "duration", "completed", "failed")
-    manifest = {"kind": "vLLM benchmark result", "file": str(path), "per_request": detailed,
+    manifest = {"kind": "vLLM benchmark result", "file": run.source, "per_request": detailed,
                 "vllm": {k: data[k] for k in meta_keys if k in data}, "notes": notes,
-                "scenario": scenario.model_dump(mode="json")}
-    return Measured(summary, frame if frame is not None else complete_frame([]), manifest)
+                "workload_from_file": file_workload, "scenario": scenario.model_dump(mode="json")}
+    return Measured(summary, frame if frame is not None else complete_frame([]), manifest,
+                    run_t0_wall=_result_start_wall(data))
+
+
+def load_vllm_runs(path: Path) -> list:
+    """Every run of a result file (JSON, a JSON array, or --append-result JSON Lines)."""
+    from sim.vllm.results import VllmResultError, load_results
+
+    try:
+        return load_results(path)
+    except VllmResultError as e:
+        raise UserError(f"--vllm-result {e}") from None
+
+
+def file_workload_scenario(scenario, run) -> tuple[Any, list[str]]:
+    """`scenario` with the run's own requests as its workload: each request's send time (start_times,
+    else vLLM's arrival process drawn again), prompt and output length; failed requests left out."""
+    from sim.scenario import ExplicitRequest, Workload
+    from sim.vllm.results import arrival_times
+
+    if not run.detailed:
+        raise UserError(f"--use-file-workload: {run.source} has no per-request lengths; run `vllm bench "
+                        f"serve` with --save-detailed")
+    rows = run.requests()
+    times, notes = arrival_times(run, len(rows), scenario.seed)
+    t0 = float(times.min()) if len(times) else 0.0
+    requests = [ExplicitRequest(arrival_s=float(t - t0), prompt_len=max(inp, 1), output_len=max(out, 1))
+                for t, (_, inp, out) in zip(times.tolist(), rows)]
+    if not requests:
+        raise UserError(f"--use-file-workload: {run.source} holds no finished request to replay")
+    starts_known = bool(rows) and rows[0][0] is not None
+    # Without send times the arrivals are redrawn, and the client's cap has to be simulated.
+    cap = None if starts_known else run.max_concurrency
+    workload = Workload(requests=requests, tenants=scenario.workload.tenants, max_concurrency=cap)
+    notes += run.excluded_notes()
+    notes.append(f"workload: the {len(requests)} requests of {run.source} (their send times and lengths); "
+                 f"each prompt is unique (vLLM's file records no prefix sharing)")
+    return scenario.model_copy(update={"workload": workload}), notes
+
+
+def _result_start_wall(data: dict) -> Optional[float]:
+    """When the benchmark started, from its `date` (local time, written at the end) less its
+    duration; on the log's clock (local time read as UTC). None when the file has no date."""
+    import datetime as dt
+
+    try:
+        end = dt.datetime.strptime(str(data.get("date")), "%Y%m%d-%H%M%S").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        return None
+    return end.timestamp() - float(data["duration"])
 
 
 def _detailed_summary(data: dict, scenario) -> tuple[dict, pd.DataFrame]:
@@ -634,6 +742,12 @@ def workload_mismatches(data: dict, scenario, detailed: bool) -> list[str]:
     for what, theirs, ours in pairs:
         notes += _length_mismatch(what, np.asarray(theirs, dtype=float), np.asarray(ours, dtype=float), detailed)
     notes += _arrival_mismatch(data, scenario.workload.arrival)
+    theirs, ours = data.get("max_concurrency"), scenario.workload.max_concurrency
+    if theirs not in (None, "None", "") and int(theirs) != ours:
+        notes.append(f"the file's client kept at most {theirs} requests in flight (--max-concurrency), the "
+                     f"scenario {ours or 'no limit'} (workload.max_concurrency)")
+    elif theirs in (None, "None", "") and ours is not None and "max_concurrency" in data:
+        notes.append(f"the scenario's client keeps at most {ours} requests in flight, the file's had no limit")
     return notes
 
 
@@ -672,7 +786,6 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
 
     out = Path(out)
     files = {f"predicted_{k}": p for k, p in write_run(predicted, out / "predicted", report=False).items()}
-    files.update(write_measured(measured, out / "measured"))
     table = comparison_table(predicted.summary, measured.summary)
     files["comparison"] = write_csv(out / "comparison.csv", table.reset_index())
     views = {"predicted": view_of(predicted, "predicted"), "measured": measured.view()}
@@ -680,18 +793,44 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
 
     figures = plot_run_figures(views, out, setup_title(predicted))
     figures["errors"] = plot_relative_errors(table, out / "errors.png")
-    if measured.timeline is not None:
-        figures[TIMELINE_FIGURE] = plot_endpoint_timeline(views["predicted"], measured.timeline,
-                                                          out / f"{TIMELINE_FIGURE}.png")
+    extra = [("Predicted vs measured", table)]
+    if measured.series is not None:
+        series_table, aligned = series_comparison(views["predicted"], measured)
+        measured.manifest["series_table"] = series_table.to_dict("records")
+        files["series"] = write_csv(out / "series_comparison.csv", aligned)
+        figures[TIMELINE_FIGURE] = plot_series(views["predicted"], aligned, measured.manifest["series"],
+                                               out / f"{TIMELINE_FIGURE}.png")
+        extra.append(("Running, waiting, KV %: mean absolute difference over time", series_table))
+    files.update(write_measured(measured, out / "measured"))
     files.update(figures)
     notes = measured.manifest.get("notes") or []
-    extra = [("Predicted vs measured", table)]
     if notes:
         extra.insert(0, ("Warnings", pd.DataFrame({"warning": notes})))
     files["report"] = write_html_report(out / "report.html", title, views, figures,
                                         {"predicted": predicted.manifest, "measured": measured.manifest},
                                         extra_tables=extra, setup=predicted.manifest)
     return table, files
+
+
+def series_comparison(predicted, measured: Measured) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The measured series on the run's clock beside the prediction, and the difference table;
+    the alignment used is recorded in the manifest."""
+    from sim.vllm.timeseries import align_offset, compare_series
+
+    series = measured.series
+    steps = predicted.steps
+    if measured.series_offset is not None:
+        offset, how = measured.series_offset, "given"
+    elif series.attrs.get("on_run_clock"):
+        offset, how = 0.0, "none needed (scraped by this run's client)"
+    else:
+        offset, how = align_offset(series, steps, predicted.kv_blocks_total, measured.run_t0_wall,
+                                   predicted.requests["arrival_s"].dropna().to_numpy())
+    aligned, table = compare_series(series, steps, predicted.kv_blocks_total, offset)
+    measured.manifest["series"] = {"source": series.attrs.get("source", "/metrics scrapes"),
+                                   "kind": series.attrs.get("kind"), "samples": len(series),
+                                   "offset_s": offset, "alignment": how}
+    return table, aligned
 
 
 def write_measured(measured: Measured, folder: Path) -> dict[str, Path]:
@@ -703,32 +842,31 @@ def write_measured(measured: Measured, folder: Path) -> dict[str, Path]:
     return files
 
 
-def plot_endpoint_timeline(predicted, scraped: pd.DataFrame, path: Path) -> Path:
-    """KV usage (%) and running/waiting: the predicted steps against the scraped /metrics."""
-    from sim.output.report import finish_axes, new_figure, save_figure, timeline
+def plot_series(predicted, aligned: pd.DataFrame, info: dict, path: Path) -> Path:
+    """Running, waiting and KV usage (%): the predicted step curves against the measured samples."""
+    from sim.output.report import finish_axes, new_figure, save_figure
+    from sim.vllm.timeseries import predicted_at
 
-    fig, (kv_ax, queue_ax) = new_figure(nrows=2, sharex=True)
-    edges, tl = timeline(predicted.steps, {"kv_blocks_used": "max", "running": "max", "waiting": "max"})
-    if len(tl):
-        usage = tl["kv_blocks_used"] / max(predicted.kv_blocks_total, 1) * 100
-        kv_ax.plot(edges[:-1], usage, drawstyle="steps-post", color="C0", label="predicted")
-        queue_ax.plot(edges[:-1], tl["running"], drawstyle="steps-post", color="C0", label="predicted: running")
-        queue_ax.plot(edges[:-1], tl["waiting"], drawstyle="steps-post", color="C0", ls="--",
-                      label="predicted: waiting")
-    kv_ax.plot(scraped["t_s"], scraped["kv_usage"] * 100, drawstyle="steps-post", color="C1", marker=".",
-               label="measured (/metrics)")
-    queue_ax.plot(scraped["t_s"], scraped["running"], drawstyle="steps-post", color="C1", marker=".",
-                  label="measured: running")
-    queue_ax.plot(scraped["t_s"], scraped["waiting"], drawstyle="steps-post", color="C1", ls="--",
-                  label="measured: waiting")
-    finish_axes(kv_ax, "KV cache usage: predicted steps vs the endpoint's /metrics samples", "usage (%)", xlabel="")
-    finish_axes(queue_ax, "Running and waiting requests", "requests", counts=True)
+    fig, axes = new_figure(nrows=3, sharex=True)
+    end = max(float(predicted.steps["end_s"].max()) if not predicted.steps.empty else 0.0,
+              float(aligned["t_s"].max()) if len(aligned) else 0.0)
+    grid = np.linspace(min(0.0, float(aligned["t_s"].min()) if len(aligned) else 0.0), end, 2000)
+    curve = predicted_at(predicted.steps, predicted.kv_blocks_total, grid)
+    titles = {"running": "Running requests", "waiting": "Waiting requests", "kv_usage_pct": "KV cache usage (%)"}
+    for ax, (q, title) in zip(axes, titles.items()):
+        ax.plot(grid, curve[q], drawstyle="steps-post", color="C0", label="predicted")
+        ax.plot(aligned["t_s"], aligned[f"measured_{q}"], ls="none", marker=".", color="C1",
+                label=f"measured ({info.get('kind') or 'series'})")
+        finish_axes(ax, title, "%" if q == "kv_usage_pct" else "requests", counts=q != "kv_usage_pct",
+                    xlabel="time since the first arrival (s)" if q == "kv_usage_pct" else "")
+    axes[0].set_title(f"Running requests (measured shifted by {info['offset_s']:+.1f} s: {info['alignment']})")
     return save_figure(fig, path)
 
 
 def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None:
     from rich.table import Table
 
+    print_banner(measured.manifest.get("notes") or [], measured.manifest.get("kind") == "vLLM benchmark result")
     view = Table(title="predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error"):
         view.add_column(col, justify="left" if col == "metric" else "right")
@@ -740,13 +878,45 @@ def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None
             continue
         view.add_row(metric, row.predicted, row.measured, row.error)
     console.print(view)
-    for note in measured.manifest.get("notes") or []:
-        err_console.print(f"[yellow]warning[/] {note}")
+    print_series_table(measured)
     s = measured.summary
     if s.get("partial"):
         err_console.print(f"[yellow]partial[/]: {s.get('requests_finished')} of {s.get('requests_total')} "
                           f"requests finished; failures: {s.get('failures') or s.get('requests_failed')}")
     console.print(f"wrote {out}/ (report.html, comparison.csv, measured/, predicted/)")
+
+
+def print_banner(notes: list[str], workload: bool) -> None:
+    """Differences that make the comparison doubtful, shown before any number."""
+    if not notes:
+        return
+    from rich.panel import Panel
+
+    title = "WORKLOAD MISMATCH" if workload else "warning"
+    err_console.print(Panel("\n".join(f"- {n}" for n in notes), title=title, border_style="yellow"))
+
+
+def print_series_table(measured: Measured) -> None:
+    rows = measured.manifest.get("series_table")
+    if not rows:
+        return
+    from rich.table import Table
+
+    info = measured.manifest["series"]
+    view = Table(title=f"over time: {info['samples']} samples of {info['source']}, offset {info['offset_s']:+.2f} s "
+                       f"({info['alignment']})", header_style="bold")
+    for col in ("quantity", "mean |predicted - measured|", "measured mean", "predicted mean", "samples"):
+        view.add_column(col, justify="left" if col == "quantity" else "right")
+    for row in rows:
+        view.add_row(row["quantity"], _fmt(row["mean_abs_diff"]), _fmt(row["measured_mean"]),
+                     _fmt(row["predicted_mean"]), str(row["samples"]))
+    console.print(view)
+
+
+def _fmt(value) -> str:
+    from sim.output.units import format_value
+
+    return "n/a" if pd.isna(value) else format_value(value)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -762,6 +932,40 @@ def _single_scenario(args):
     return scenario
 
 
+def request_headers(lines: list[str], api_key: Optional[str]) -> dict[str, str]:
+    """--header 'Name: value' lines and --api-key (else $OPENAI_API_KEY, as vLLM's bench) as headers."""
+    import os
+
+    headers = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip() or any(c in line for c in "\r\n"):
+            raise UserError(f"--header {line!r}: expected 'Name: value' on one line")
+        headers[name.strip()] = value.strip()
+    key = api_key or os.environ.get("OPENAI_API_KEY")
+    if key and "Authorization" not in headers:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def series_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-log", type=Path, metavar="FILE",
+                   help="the vLLM server's log, /metrics scrapes (each headed by '# TIME <unix s>') or a "
+                        "Prometheus query_range JSON, covering the run: its running / waiting / KV %% "
+                        "curves are compared with the prediction's")
+    p.add_argument("--series-offset", type=float, metavar="S",
+                   help="run time = series time + S (default: from the wall clocks when both are known, "
+                        "else the offset that fits the curves best)")
+    p.add_argument("--log-year", type=int, help="the year of the log's MM-DD times (default: this year)")
+
+
+def attach_series(measured: Measured, args) -> None:
+    if args.server_log is not None:
+        measured.series = load_series(args.server_log, year=args.log_year)
+    if args.series_offset is not None:
+        measured.series_offset = args.series_offset
+
+
 def bench_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun bench",
                                 description="Replay a scenario's workload against an OpenAI-compatible "
@@ -773,6 +977,10 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait for its next streamed chunk")
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics samples")
+    p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="an HTTP header sent with every request (repeatable)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY when set)")
+    series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
 
@@ -780,9 +988,11 @@ def bench_main(argv: list[str]) -> int:
     out = args.out or Path("runs") / "bench" / args.scenario.stem
     try:
         measured = run_bench(scenario, args.endpoint, args.model, args.request_timeout, args.scrape_interval,
-                             say=lambda msg: err_console.print(f"bench: {msg}"))
+                             say=lambda msg: err_console.print(f"bench: {msg}", markup=False),
+                             headers=request_headers(args.header, args.api_key))
     except BenchError as e:
         raise UserError(str(e)) from None
+    attach_series(measured, args)
     table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
                                 f"kvtwin bench: {scenario.name} against {normalise_endpoint(args.endpoint)}")
     print_comparison(table, measured, out)
@@ -792,17 +1002,45 @@ def bench_main(argv: list[str]) -> int:
 def compare_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun compare",
                                 description="Compare a `vllm bench serve --save-result` file with the "
-                                            "prediction of the same workload.")
+                                            "prediction of the same workload. A file of several runs "
+                                            "(--append-result, a rate sweep) is compared run by run "
+                                            "against the scenario at each run's rate.")
     scenario_args(p)
-    p.add_argument("--vllm-result", type=Path, required=True, help="the JSON file vLLM's benchmark saved")
+    p.add_argument("--vllm-result", type=Path, required=True,
+                   help="the JSON (or --append-result JSON Lines) file vLLM's benchmark saved")
+    p.add_argument("--use-file-workload", action="store_true",
+                   help="replay the file's own requests (send times, prompt and output lengths; needs "
+                        "--save-detailed) instead of the scenario's workload")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="exit 0 even when the file's workload differs from the scenario's")
     p.add_argument("--out", type=Path, help="output folder (default runs/compare/<scenario name>)")
+    series_args(p)
     args = p.parse_args(argv)
     from sim.predict import predict
 
     scenario = _single_scenario(args)
-    measured = read_vllm_result(args.vllm_result, scenario)
+    runs = load_vllm_runs(args.vllm_result)
     out = args.out or Path("runs") / "compare" / args.scenario.stem
+    if len(runs) > 1:
+        from validate.compare_sweep import compare_sweep
+
+        if args.server_log is not None or args.series_offset is not None:
+            raise UserError(f"--server-log compares one run's time series; {args.vllm_result} holds {len(runs)} "
+                            f"runs: cut the file to the run the log covers")
+
+        return compare_sweep(scenario, runs, out, args.use_file_workload, args.allow_mismatch)
+    notes: list[str] = []
+    if args.use_file_workload:
+        scenario, notes = file_workload_scenario(scenario, runs[0])
+    measured = read_vllm_result(args.vllm_result, scenario, runs[0], args.use_file_workload)
+    measured.manifest["workload_notes"] = notes
+    attach_series(measured, args)
     table, _ = write_comparison(predict(scenario, "predicted"), measured, out,
                                 f"kvtwin vs vLLM benchmark: {scenario.name} ({args.vllm_result.name})")
     print_comparison(table, measured, out)
+    mismatch = bool(measured.manifest["notes"])
+    if mismatch and not args.allow_mismatch:
+        err_console.print("[bold red]workload mismatch[/]: exit status 1 (--allow-mismatch to accept it, "
+                          "--use-file-workload to replay the file's own requests)")
+        return 1
     return 0

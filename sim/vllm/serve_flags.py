@@ -1,0 +1,492 @@
+"""`vllm serve MODEL --flag ...` -> a kvtwin scenario, every flag accounted for.
+
+Each flag of the command lands in exactly one of three lists:
+  mapped    a flag kvtwin models: its value is written to a scenario field (MODELLED below)
+  ignored   a flag vLLM has that does not change what kvtwin predicts, or that kvtwin does
+            not model yet; the reason is given (IGNORED below)
+  unknown   a flag this table does not know (a newer vLLM, a plugin, a typo); a name close
+            to a modelled flag is an error instead ("did you mean"), since a misspelt
+            --max-num-seq would otherwise silently fall back to the default
+vLLM spellings accepted: `--flag value`, `--flag=value`, underscores for dashes
+(`--max_model_len`), `--no-flag` for booleans, `--config FILE.yaml` (its keys are flag names;
+the command line wins), and the prefixes `vllm serve` or `python -m vllm.entrypoints.openai.api_server`.
+The flag names and defaults follow vLLM's engine arguments (docs.vllm.ai, "Engine Arguments",
+v0.8-v0.11 and main as of 2026); see VLLM_SEMANTICS.md for the defaults kvtwin copies.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from sim.errors import UserError
+
+
+# ----------------------------------------------------------------------------- value parsers
+
+def _human_int(text: str) -> int:
+    """vLLM's human_readable_int: 1k = 1000, 1K = 1024 (and m/M, g/G, t/T); 25.6k = 25600; plain integers."""
+    units = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+             "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    text = text.strip()
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    if "." in number and text[-1:] in "KMGT":
+        raise ValueError(f"{text!r}: decimals only go with the decimal suffixes k, m, g, t (as vLLM reads it)")
+    value = float(number) * scale
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise ValueError(f"{text!r} is not one of {', '.join(allowed)}")
+        return text
+    return parse
+
+
+_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+           "float32": "float32"}
+
+
+def _dtype(text: str) -> Optional[str]:
+    """--dtype auto keeps the checkpoint's dtype (the catalog's): None = leave the field alone."""
+    if text == "auto":
+        return None
+    if text not in _DTYPES:
+        raise ValueError(f"{text!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[text]
+
+
+_QUANT = {"fp8": {"method": "fp8", "scales": "tensor"},      # vLLM quantizes a 16-bit checkpoint per tensor
+          "awq": {"method": "awq"}, "awq_marlin": {"method": "awq"}, "gptq": {"method": "gptq"},
+          "gptq_marlin": {"method": "gptq"}, "mxfp4": {"method": "mxfp4", "experts_only": True}}
+
+
+def _quantization(text: str) -> dict:
+    if text not in _QUANT:
+        raise ValueError(f"{text!r} is not a method kvtwin models ({', '.join(_QUANT)}); a pre-quantized "
+                         f"checkpoint's config.json (model: {{hf_config: ...}}) carries its own")
+    return dict(_QUANT[text])
+
+
+@dataclass(frozen=True)
+class Modelled:
+    """A vLLM flag kvtwin models: where its value goes and vLLM's default (for the README)."""
+
+    flag: str                    # canonical long name
+    field: str                   # scenario path, dotted
+    parse: Callable[[str], Any]
+    vllm_default: str
+    aliases: tuple[str, ...] = ()
+    boolean: bool = False        # BooleanOptionalAction: --flag / --no-flag (an explicit value also works)
+
+
+MODELLED = (
+    Modelled("--max-model-len", "engine.max_model_len", _human_int, "the model's context length"),
+    Modelled("--gpu-memory-utilization", "engine.gpu_memory_utilization", float, "0.9"),
+    Modelled("--max-num-seqs", "engine.max_num_seqs", int, "API server: 1024 on >= 70 GiB GPUs (not A100), else 256"),
+    Modelled("--max-num-batched-tokens", "engine.max_num_batched_tokens", _human_int,
+             "API server: 8192 on >= 70 GiB GPUs (not A100), else 2048"),
+    Modelled("--block-size", "engine.block_size", int, "16 (CUDA)"),
+    Modelled("--num-gpu-blocks-override", "engine.num_blocks", int, "none: sized from memory"),
+    Modelled("--enable-prefix-caching", "engine.prefix_caching", _bool, "on (V1)", boolean=True),
+    Modelled("--enable-chunked-prefill", "engine.chunked_prefill", _bool, "on (V1)", boolean=True),
+    Modelled("--tensor-parallel-size", "parallelism.tp", int, "1", ("-tp",)),
+    Modelled("--scheduling-policy", "engine.scheduling_policy", _choice("fcfs", "priority"), "fcfs"),
+    Modelled("--dtype", "model.dtype", _dtype, "auto (the checkpoint's dtype)"),
+    Modelled("--kv-cache-dtype", "engine.kv_cache_dtype", _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+             "auto (the model dtype)"),
+    Modelled("--quantization", "model.quantization", _quantization,
+             "none (the checkpoint's quantization_config)", ("-q",)),
+    Modelled("--data-parallel-size", "parallelism.dp", int, "1", ("-dp",)),
+    Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", boolean=True),
+)
+
+# Flags vLLM has that kvtwin leaves out, with why. True/False: whether the flag is a bare switch
+# (takes no value), so the parser knows whether the next word is its value.
+_SERVER = "HTTP server setting: no effect on the engine's timing or memory"
+_LOADING = "how the weights or tokenizer are found and loaded: no effect on serving performance"
+_OUTPUT = "what a response carries: no effect on the engine's timing or memory"
+_NOT_MODELLED = "not modelled by kvtwin: the prediction assumes vLLM's default"
+IGNORED: dict[str, tuple[bool, str]] = {
+    **{f: (False, _SERVER) for f in (
+        "--host", "--port", "--uds", "--api-key", "--served-model-name", "--root-path", "--allowed-origins",
+        "--allowed-methods", "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
+        "--ssl-cert-reqs", "--middleware", "--uvicorn-log-level", "--max-log-len", "--response-role",
+        "--chat-template", "--chat-template-content-format", "--tool-call-parser", "--tool-parser-plugin",
+        "--reasoning-parser", "--lora-modules", "--prompt-adapters", "--api-server-count",
+        "--log-config-file", "--h11-max-incomplete-event-size", "--h11-max-header-count")},
+    **{f: (True, _SERVER) for f in (
+        "--disable-log-requests", "--enable-log-requests", "--disable-log-stats", "--disable-fastapi-docs",
+        "--enable-request-id-headers", "--disable-uvicorn-access-log", "--enable-server-load-tracking",
+        "--disable-frontend-multiprocessing", "--enable-auto-tool-choice", "--headless",
+        "--enable-ssl-refresh", "--enable-log-outputs")},
+    **{f: (False, _LOADING) for f in (
+        "--tokenizer", "--tokenizer-mode", "--revision", "--code-revision", "--tokenizer-revision",
+        "--download-dir", "--load-format", "--config-format", "--hf-config-path", "--model-loader-extra-config",
+        "--hf-token", "--model-impl", "--generation-config", "--override-generation-config",
+        "--task", "--runner", "--convert", "--max-parallel-loading-workers")},
+    **{f: (True, _LOADING) for f in ("--trust-remote-code", "--skip-tokenizer-init")},
+    **{f: (False, _OUTPUT) for f in ("--max-logprobs", "--logprobs-mode", "--guided-decoding-backend",
+                                     "--structured-outputs-config")},
+    **{f: (True, _OUTPUT) for f in ("--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+                                    "--enable-force-include-usage")},
+    "--seed": (False, "vLLM's sampling seed; kvtwin's `seed` draws the workload instead"),
+    "--enforce-eager": (True, "no CUDA graphs: slower decode steps than a calibrated profile assumes "
+                              "unless it was measured with --enforce-eager too"),
+    "--compilation-config": (False, "compilation changes step times: calibrate the cost model on the "
+                                    "same setting"),
+    "-O": (False, "compilation level changes step times: calibrate the cost model on the same setting"),
+    "--async-scheduling": (True, "kvtwin models one step after another (async scheduling overlaps the "
+                                 "host's work with the device's: the calibrated host time covers it)"),
+    "--calculate-kv-scales": (True, _NOT_MODELLED),
+    "--kv-cache-memory": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
+    "--kv-cache-memory-bytes": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
+    "--pipeline-parallel-size": (False, _NOT_MODELLED + " (pipeline parallel 1)"),
+    "-pp": (False, _NOT_MODELLED + " (pipeline parallel 1)"),
+    "--distributed-executor-backend": (False, "how workers are launched: no effect on the prediction"),
+    "--swap-space": (False, "CPU swap space: V1 preempts by recompute only, as kvtwin does"),
+    "--preemption-mode": (False, "kvtwin (and vLLM V1) preempt by recompute only"),
+    "--cpu-offload-gb": (False, _NOT_MODELLED + " (no weight offload)"),
+    "--max-seq-len-to-capture": (False, "CUDA-graph capture size: calibrate the cost model on the same setting"),
+    "--cuda-graph-sizes": (False, "CUDA-graph capture sizes: calibrate the cost model on the same setting"),
+    "--disable-custom-all-reduce": (True, "all-reduce kernel choice: calibrate the link terms on the same setting"),
+    "--long-prefill-token-threshold": (False, _NOT_MODELLED + " (0: off)"),
+    "--max-num-partial-prefills": (False, "V0 only; V1 (what kvtwin models) ignores it"),
+    "--max-long-partial-prefills": (False, "V0 only; V1 (what kvtwin models) ignores it"),
+    "--num-scheduler-steps": (False, "V0 only; V1 (what kvtwin models) ignores it"),
+    "--num-lookahead-slots": (False, "V0 only (speculative decoding); not modelled"),
+    "--speculative-config": (False, _NOT_MODELLED + " (no speculative decoding)"),
+    "--prefix-caching-hash-algo": (False, "which hash keys the blocks: no effect on hits or timing"),
+    "--disable-sliding-window": (True, _NOT_MODELLED + " (full attention in every layer)"),
+    "--rope-scaling": (False, "set it in the model's config (model.rope_scaling); not read from the flag"),
+    "--rope-theta": (False, "set it in the model's config (model.rope_theta); not read from the flag"),
+    "--hf-overrides": (False, "set the model's fields in the scenario's model section instead"),
+    "--enable-lora": (True, _NOT_MODELLED + " (no LoRA adapters)"),
+    "--max-loras": (False, _NOT_MODELLED + " (no LoRA adapters)"),
+    "--max-lora-rank": (False, _NOT_MODELLED + " (no LoRA adapters)"),
+    "--limit-mm-per-prompt": (False, _NOT_MODELLED + " (text only)"),
+    "--mm-processor-kwargs": (False, _NOT_MODELLED + " (text only)"),
+    "--kv-transfer-config": (False, _NOT_MODELLED + " (no disaggregated prefill)"),
+    "--kv-events-config": (False, "event publishing: no effect on the prediction"),
+    "--enable-sleep-mode": (True, "no effect on serving performance"),
+    "--stream-interval": (False, "tokens per streamed chunk: a client-side ITL effect kvtwin does not model"),
+}
+
+# The vLLM command's own words before its arguments.
+_PREFIXES = (("vllm", "serve"), ("python", "-m", "vllm.entrypoints.openai.api_server"),
+             ("python3", "-m", "vllm.entrypoints.openai.api_server"))
+
+
+@dataclass
+class Translation:
+    """What a `vllm serve` command means for kvtwin; `raw` is the scenario mapping to write."""
+
+    model: str
+    raw: dict[str, Any]
+    mapped: list[tuple[str, str, Any]] = field(default_factory=list)     # flag, field, value
+    ignored: list[tuple[str, Optional[str], str]] = field(default_factory=list)  # flag, value, why
+    unknown: list[tuple[str, Optional[str]]] = field(default_factory=list)       # flag, value
+
+    def notes(self) -> list[str]:
+        out = [f"{flag} {value if value is not None else ''}".rstrip() + f": ignored ({why})"
+               for flag, value, why in self.ignored]
+        out += [f"{flag}: unknown to kvtwin's flag table, ignored (a newer vLLM flag?)" for flag, _ in self.unknown]
+        return out
+
+
+# ----------------------------------------------------------------------------- splitting the command
+
+def command_words(command: str | list[str]) -> list[str]:
+    """The argument words after `vllm serve` (or the api_server module); a string is split as a shell would."""
+    words = shlex.split(command.replace("\\\n", " ")) if isinstance(command, str) else list(command)
+    for prefix in _PREFIXES:
+        if tuple(words[: len(prefix)]) == prefix:
+            return words[len(prefix):]
+    if words and words[0] == "serve":
+        return words[1:]
+    return words
+
+
+def _canonical(name: str) -> str:
+    """--max_model_len -> --max-model-len (vLLM accepts both spellings)."""
+    return name if not name.startswith("--") else "--" + name[2:].replace("_", "-")
+
+
+_BY_NAME = {name: m for m in MODELLED for name in (m.flag, *m.aliases)}
+
+
+def _takes_value(name: str, explicit: Optional[str], following: Optional[str]) -> bool:
+    """Whether the next word is this flag's value (an `=value` was already split off)."""
+    if explicit is not None or following is None or name.startswith("--no-"):
+        return False
+    if name in _BY_NAME:
+        m = _BY_NAME[name]
+        return not m.boolean or following.lower() in ("true", "false")
+    if name in IGNORED:
+        return not IGNORED[name][0]
+    return not following.startswith("-") or _is_number(following)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def split_flags(words: list[str]) -> tuple[list[str], list[tuple[str, Optional[str]]]]:
+    """Positional words and (flag, value or None) pairs, in command-line order."""
+    positional, flags = [], []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("-") or _is_number(word):
+            positional.append(word)
+            i += 1
+            continue
+        name, eq, value = word.partition("=")
+        name = _canonical(name)
+        explicit = value if eq else None
+        if name.startswith("-O") and len(name) > 2:      # -O3: the level glued to the flag
+            name, explicit = "-O", name[2:]
+        following = words[i + 1] if i + 1 < len(words) else None
+        if _takes_value(name, explicit, following):
+            explicit, i = following, i + 1
+        flags.append((name, explicit))
+        i += 1
+    return positional, flags
+
+
+def config_file_flags(path: Path) -> list[tuple[str, Optional[str]]]:
+    """vLLM's --config YAML: {flag-name: value}; true = a bare switch, false = its --no- form."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"--config {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: expected a mapping of flag names to values")
+    return mapping_flags(data)
+
+
+def mapping_flags(data: dict[str, Any]) -> list[tuple[str, Optional[str]]]:
+    """{flag_name: value} (a --config file, the `non-default args:` vLLM logs) as (flag, value) pairs."""
+    out = []
+    for key, value in data.items():
+        name = _canonical(f"--{key}")
+        if value is True:
+            out.append((name, None))
+        elif value is False:
+            out.append((name, "false") if name in _BY_NAME else ("--no-" + name[2:], None))
+        else:
+            out.append((name, str(value)))
+    return out
+
+
+# ----------------------------------------------------------------------------- translating
+
+def translate(command: str | list[str], device: str, base_dir: Optional[Path] = None,
+              model_name: Optional[str] = None) -> Translation:
+    """The scenario mapping for `command` on catalog `device`. UserError on a value vLLM would
+    also refuse, a missing model, or a flag that looks like a misspelt modelled one."""
+    positional, flags = split_flags(command_words(command))
+    configs = [v for f, v in flags if f == "--config"]
+    flags = [p for path in configs if path for p in config_file_flags(Path(path))] + \
+            [(f, v) for f, v in flags if f != "--config"]
+    model_arg = next((v for f, v in flags if f == "--model"), None) or (positional[0] if positional else None)
+    extra = positional[1:] if positional and model_arg == positional[0] else positional
+    if extra:
+        raise UserError(f"unexpected word(s) {' '.join(extra)!r} in the vLLM command: after the model, "
+                        f"vLLM takes only --flags")
+    if model_arg is None and model_name is None:
+        took = [f"{f} {v}" for f, v in flags if v is not None and f not in _BY_NAME and f not in IGNORED]
+        hint = f" (did an unknown flag take it as its value? {', '.join(took)})" if took else ""
+        raise UserError(f"the vLLM command names no model (vllm serve MODEL ...){hint}")
+    model = model_name or catalog_model(model_arg, base_dir)
+    from sim.scenario import set_path
+
+    raw: dict[str, Any] = {"name": _scenario_name(model_arg or model), "model": model, "device": device}
+    if isinstance(model, str) and model_arg and model_arg != model:
+        raw["description"] = f"from `vllm serve {model_arg}` (catalog model {model})"
+    result = Translation(model=model_arg or str(model), raw=raw)
+    for name, value in flags:
+        if name == "--model":
+            continue
+        outcome = _one_flag(name, value)
+        if outcome is None:
+            continue
+        if isinstance(outcome, Modelled):
+            parsed = _parse(outcome, name, value)
+            result.mapped.append((name if value is None else f"{name} {value}", outcome.field, parsed))
+            if parsed is not None:
+                result.raw = set_path(result.raw, outcome.field.split("."), parsed)
+    _expert_parallel(result)
+    return _sorted_out(result, flags)
+
+
+def _expert_parallel(result: Translation) -> None:
+    """--enable-expert-parallel: whole experts over every GPU of the engine, ep = tp x dp."""
+    par = result.raw.get("parallelism", {})
+    if "ep" in par:
+        par["ep"] = par.get("tp", 1) * par.get("dp", 1) if par["ep"] else 1
+
+
+def _one_flag(name: str, value: Optional[str]):
+    """The Modelled entry for a modelled flag, else None (the flag is ignored or unknown)."""
+    base = "--" + name[5:] if name.startswith("--no-") else name
+    if base in _BY_NAME:
+        return _BY_NAME[base]
+    if base in IGNORED or name in IGNORED:
+        return None
+    close = difflib.get_close_matches(base, list(_BY_NAME), n=1, cutoff=0.85)
+    if close:
+        raise UserError(f"vLLM flag {name}: unknown; did you mean {close[0]}? (a misspelt flag would "
+                        f"otherwise leave {_BY_NAME[close[0]].field} at its default)")
+    return None
+
+
+def _parse(m: Modelled, name: str, value: Optional[str]) -> Any:
+    if m.boolean and value is None:
+        return not name.startswith("--no-")
+    if value is None:
+        raise UserError(f"vLLM flag {name}: needs a value ({m.field})")
+    try:
+        parsed = m.parse(value)
+    except ValueError as e:
+        raise UserError(f"vLLM flag {name} {value}: {e}") from None
+    return (not parsed) if m.boolean and name.startswith("--no-") else parsed
+
+
+def _sorted_out(result: Translation, flags: list[tuple[str, Optional[str]]]) -> Translation:
+    for name, value in flags:
+        base = "--" + name[5:] if name.startswith("--no-") else name
+        if name == "--model" or base in _BY_NAME:
+            continue
+        why = IGNORED.get(base) or IGNORED.get(name)
+        if why is not None:
+            result.ignored.append((name, value, why[1]))
+        else:
+            result.unknown.append((name, value))
+    return result
+
+
+def catalog_model(model: str, base_dir: Optional[Path]) -> Any:
+    """vLLM's MODEL as a scenario `model`: a catalog name, a Hugging Face id the catalog lists
+    (hf_id), or a local folder with config.json ({hf_config: path})."""
+    from sim.core.catalog import catalog_entry, model_names
+
+    if model in model_names():
+        return model
+    by_hf_id = {str(catalog_entry("models", name).get("hf_id", "")).lower(): name for name in model_names()}
+    if model.lower() in by_hf_id:
+        return by_hf_id[model.lower()]
+    folder = Path(model).expanduser()
+    if not folder.is_absolute() and base_dir is not None:
+        folder = base_dir / folder
+    if (folder / "config.json").is_file():
+        return {"hf_config": str(folder.resolve())}
+    close = difflib.get_close_matches(model.lower(), list(by_hf_id), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]} (catalog {by_hf_id[close[0]]})?" if close else ""
+    raise UserError(f"model {model!r} is neither a catalog model, a catalog hf_id nor a local folder with "
+                    f"config.json{hint}; pass --model-name CATALOG_NAME or a folder holding its config.json "
+                    f"(catalog: {', '.join(model_names())})")
+
+
+def _scenario_name(model: Any) -> str:
+    text = str(model).rstrip("/").rsplit("/", 1)[-1]
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).lower() or "vllm"
+
+
+# ----------------------------------------------------------------------------- the README table
+
+def flag_table_markdown() -> str:
+    """The README's table: each modelled vLLM flag, its scenario field and vLLM's default."""
+    rows = ["| vLLM flag | scenario field | vLLM default |", "|---|---|---|"]
+    for m in MODELLED:
+        names = ", ".join(f"`{n}`" for n in (m.flag, *m.aliases))
+        if m.boolean:
+            names += f", `--no-{m.flag[2:]}`"
+        rows.append(f"| {names} | `{m.field}` | {m.vllm_default} |")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- `simrun from-vllm`
+
+def from_vllm_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="simrun from-vllm",
+        description="Write a kvtwin scenario from a `vllm serve` command line. Example: "
+                    "simrun from-vllm \"vllm serve Qwen/Qwen2.5-7B-Instruct --max-num-seqs 64\" "
+                    "--device h100-sxm --out qwen.yaml  (or: simrun from-vllm --device h200 -- vllm serve ...)")
+    p.add_argument("command", nargs="+", help="the vLLM command: one quoted string, or its words after --")
+    p.add_argument("--device", required=True,
+                   help="catalog device the server runs on (vLLM's flags do not name the GPU)")
+    p.add_argument("--model-name", help="catalog model to use when MODEL is not in the catalog")
+    p.add_argument("--out", type=Path, help="scenario file to write (default: print it)")
+    p.add_argument("--strict", action="store_true", help="fail on flags kvtwin does not know")
+    args = p.parse_args(argv)
+    from sim.core.catalog import device_names
+
+    if args.device not in device_names():
+        raise UserError(f"--device {args.device!r}: not in the catalog ({', '.join(device_names())})")
+    command = args.command[0] if len(args.command) == 1 else args.command
+    result = translate(command, args.device, Path.cwd(), args.model_name)
+    if args.strict and result.unknown:
+        raise UserError(f"unknown vLLM flag(s) {', '.join(f for f, _ in result.unknown)} (--strict)")
+    from sim.scenario import validate_scenario
+
+    validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
+    text = scenario_text(result, command)
+    _report(result, args.out)
+    if args.out is None:
+        print(text, end="")
+        return 0
+    from sim.output.io import write_text
+
+    write_text(args.out, text)
+    return 0
+
+
+def scenario_text(result: Translation, command: str | list[str]) -> str:
+    """The scenario YAML, headed by comments recording the command and each flag's fate."""
+    shown = command if isinstance(command, str) else shlex.join(command)
+    head = [f"# written by `simrun from-vllm` from: {' '.join(shown.split())}"]
+    head += [f"#   {flag} -> {fld} = {value if value is not None else '(kept: auto)'}"
+             for flag, fld, value in result.mapped]
+    head += [f"#   {note}" for note in result.notes()]
+    head.append("# The workload is kvtwin's default: edit `workload` to describe your traffic.")
+    return "\n".join(head) + "\n" + yaml.safe_dump(result.raw, sort_keys=False)
+
+
+def _report(result: Translation, out: Optional[Path]) -> None:
+    from sim.output.console import err_console
+
+    for flag, fld, value in result.mapped:
+        err_console.print(f"mapped   {flag} -> {fld} = {value}", markup=False, highlight=False, soft_wrap=True)
+    for flag, value, why in result.ignored:
+        err_console.print(f"ignored  {flag}{' ' + value if value else ''}: {why}", markup=False, highlight=False, soft_wrap=True)
+    for flag, value in result.unknown:
+        err_console.print(f"UNKNOWN  {flag}{' ' + value if value else ''}: not in kvtwin's flag table; ignored",
+                          markup=False, highlight=False, soft_wrap=True)
+    if out is not None:
+        err_console.print(f"wrote {out}", markup=False, highlight=False, soft_wrap=True)
