@@ -153,6 +153,19 @@ def display_comparison(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis(table.index.name or "metric")
 
 
+def _latencies_in_ms(frame: pd.DataFrame) -> pd.DataFrame:
+    """A long comparison table (one row per metric and point, a `unit` column): rows in seconds
+    shown in ms."""
+    if "unit" not in frame:
+        return frame
+    seconds = frame["unit"] == "s"
+    shown = frame.copy()
+    for column in ("predicted", "measured"):
+        shown[column] = shown[column].astype(float).where(~seconds, shown[column].astype(float) * 1e3)
+    shown["unit"] = shown["unit"].where(~seconds, "ms")
+    return shown
+
+
 def _cell(column: Any, value: Any) -> str:
     """A numeric cell by its column: relative errors as signed percentages, else format_value."""
     name = str(column)
@@ -170,7 +183,8 @@ def html_table(frame: pd.DataFrame) -> str:
     display_comparison, relative-error columns as signed %, other numbers with format_value
     (strings, already in display units, as they are); a default index is left out."""
     if {"predicted", "measured", "relative_error"} <= set(frame.columns):
-        frame = display_comparison(frame)
+        frame = (display_comparison(frame) if not isinstance(frame.index, pd.RangeIndex)
+                 else _latencies_in_ms(frame))
     show_index = not isinstance(frame.index, pd.RangeIndex)
     head = ([_esc(frame.index.name or "")] if show_index else []) + [_esc(c) for c in frame.columns]
     rows = []
