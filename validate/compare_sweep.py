@@ -132,7 +132,10 @@ def _report(out: Path, scenario, table: pd.DataFrame, notes: list[str], plot: Pa
         body += ["<h2>Workload mismatches</h2>", html_table(pd.DataFrame({"note": notes}))]
     body += ["<h2>Predicted vs measured, per request rate</h2>", html_table(table),
              "<h2>Figures</h2>", html_figure("latency_vs_rate", plot)]
-    return write_html_page(out / "report.html", f"kvtwin vs a vLLM rate sweep: {scenario.name}", body)
+    from sim.output.setup import setup_manifest
+
+    return write_html_page(out / "report.html", f"kvtwin vs a vLLM rate sweep: {scenario.name}", body,
+                           setup=setup_manifest(scenario))
 
 
 def print_sweep(table: pd.DataFrame) -> None:
