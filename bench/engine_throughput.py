@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     # limits concurrency as it does on a loaded GPU (and no 15 GB pool is allocated).
     p.add_argument("--num-blocks", type=int, default=None if CUDA else 129,
                    help="KV pool size in blocks; planned from device memory when unset")
+    p.add_argument("--host-batch", type=int, default=256,
+                   help="also time the host side of one decode step of this many sequences (0: skip)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits tiny models)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/engine_throughput.json"))
@@ -119,6 +121,32 @@ def run(runner: ModelRunner, args, batching: str, allocation: str, requests: lis
             "preemptions": scheduler.num_preemptions, "host_s": host_s, "device_s": device_s}
 
 
+def host_step(model, block_size: int, batch_size: int = 256, context: int = 128, steps: int = 20) -> dict:
+    """Host time of one decode step at `batch_size` (inputs, metadata, outputs around the
+    forward; the runner's host_s), median over `steps` repeated steps of one batch, on a pool
+    of its own sized for the batch (build it after the throughput runs have freed theirs)."""
+    from statistics import median
+
+    from validate.calibrate import probe_batch, release
+
+    bs = block_size
+    runner = ModelRunner(model, batch_size * -(-(context + 1) // bs) + 1, bs)
+    graphs = runner.capture_graphs(batch_size)
+    kv = KVCacheManager(runner.num_blocks, bs, enable_caching=False)
+    batch = probe_batch(kv, [(context, 1, True)] * batch_size, tag=0)
+    samples = []
+    for i in range(steps + 2):
+        for req in batch.reqs:                  # the same step again: its state as before the step
+            req.num_computed = context + 1
+        result = runner.execute(batch)
+        if i >= 2:
+            samples.append((result.host_s, result.device_s))
+    release(kv, batch)
+    return {"batch": batch_size, "context": context, "cuda_graphs": graphs > 0,
+            "host_ms_per_step": 1e3 * median(h for h, _ in samples),
+            "device_ms_per_step": 1e3 * median(d for _, d in samples)}
+
+
 def print_table(rows: list[dict]) -> None:
     cols = [("batching", "{}"), ("allocation", "{}"), ("output_tok_per_s", "{:.1f}"), ("wall_s", "{:.2f}"),
             ("steps", "{}"), ("mean_batch_seqs", "{:.1f}"), ("peak_kv_blocks", "{}"),
@@ -134,21 +162,34 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = make_runner(args)
     run(runner, args, "continuous", "paged", make_requests(args, 4, "warmup"))   # JIT, allocator
+    graphs = runner.capture_graphs(args.max_num_seqs)                         # CUDA: decode graphs
     requests = make_requests(args, args.num_requests, "bench")
     rows = [run(runner, args, batching, allocation, requests) for batching, allocation in MODES]
     per_request = -(-args.max_model_len // args.block_size)
-    print(f"{args.model} ({runner.model.spec.dtype}, {args.backend}) on "
+    plan = runner.plan.to_dict() if runner.plan else None
+    print(f"{args.model} ({runner.model.spec.dtype}, {args.backend}, {graphs} decode CUDA graphs) on "
           f"{torch.cuda.get_device_name() if CUDA else platform.processor() or 'cpu'}: "
           f"{args.num_requests} requests, pool {runner.num_blocks} blocks of {args.block_size} "
           f"(contiguous fits {(runner.num_blocks - 1) // per_request} max_model_len requests at once)")
     print_table(rows)
     speedup = rows[0]["output_tok_per_s"] / rows[1]["output_tok_per_s"]
     print(f"continuous+paged / static+contiguous output throughput: {speedup:.2f}x")
+    memory = runner.memory_report()
+    host = None
+    if args.host_batch:
+        model, runner = runner.model, None              # free the throughput pool first
+        if CUDA:
+            torch.cuda.empty_cache()
+        host = host_step(model, args.block_size, args.host_batch)
+    if host:
+        print(f"decode step at batch {host['batch']} (context {host['context']}, CUDA graphs "
+              f"{'on' if host['cuda_graphs'] else 'off'}): host {host['host_ms_per_step']:.2f} ms, "
+              f"device {host['device_ms_per_step']:.2f} ms")
     write_json(args.out, {
         "bench": "engine_throughput", "machine": machine(), "args": vars(args),
         "device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__,
-        "memory": runner.memory_report(), "plan": runner.plan.to_dict() if runner.plan else None,
-        "results": rows, "speedup_output_tok_per_s": speedup})
+        "memory": memory, "plan": plan,
+        "results": rows, "speedup_output_tok_per_s": speedup, "host_step": host})
     print(f"wrote {args.out}")
 
 

@@ -10,7 +10,7 @@ On a CUDA GPU (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 
 * prefill of one causal prompt of 1k-8k tokens in TFLOP/s, next to SDPA.
 Timings replay CUDA graphs, so launch overhead is excluded, as in a graph-captured engine;
 rows with `kv_fits_in_l2` may be served partly from L2. Targets: decode at batch 64 x ctx
-4096 >= 70% of copy bandwidth and <= 1.3x SDPA time.
+4096 >= 80% of copy bandwidth and <= 1.2x SDPA time (issue 11).
 
 Without CUDA it runs tiny shapes through the Triton interpreter in seconds (so the script
 cannot rot) and writes the same JSON with device "cpu-interpreter"; those times mean nothing.
@@ -42,7 +42,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GPU_GRID = dict(batch=[1, 8, 64, 256], context=[512, 4096, 32768], block_size=[16, 32],
                 prefill_tokens=[1024, 2048, 4096, 8192])
 CPU_GRID = dict(batch=[1, 2], context=[40], block_size=[16, 32], prefill_tokens=[24])
-TARGET = dict(batch=64, context=4096, min_pct_of_copy=70.0, max_ratio_vs_sdpa=1.3)
+TARGET = dict(batch=64, context=4096, min_pct_of_copy=80.0, max_ratio_vs_sdpa=1.2)
 
 
 def time_ms(fn) -> float:

@@ -20,8 +20,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.reference import write_kv_reference
+from engine.kernels.reference import dequantize, write_kv_reference
 from sim.core.memory import cdiv
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What differs between layers: the scales of an fp8 cache (fp32, one per KV head) and
+    the sliding window (None: the whole context)."""
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+    window: Optional[int] = None
+
+
+FULL = LayerKV()
 
 
 @dataclass
@@ -53,10 +65,11 @@ class DenseAttention:
         starts = meta.host_query_start_loc
         self.spans = list(zip(starts[:-1], starts[1:]))
 
-    def __call__(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def __call__(self, q, k, v, k_cache, v_cache, scale: float, layer: LayerKV = FULL) -> torch.Tensor:
         out = torch.empty_like(q)
         for lo, hi in self.spans:
-            out[lo:hi] = _sdpa(q[lo:hi], k[lo:hi], v[lo:hi], None, scale)
+            mask = None if layer.window is None else _visible(hi - lo, hi - lo, layer.window, q.device)
+            out[lo:hi] = _sdpa(q[lo:hi], k[lo:hi], v[lo:hi], mask, scale)
         return out
 
 
@@ -75,47 +88,85 @@ class TorchPagedAttention:
             width = cdiv(max(host_lens), bs)
             self.single_rows = torch.tensor([starts[s] for s in single], device=device)
             self.single_tables = meta.block_tables[torch.tensor(single, device=device), :width]
-            keys = torch.arange(width * bs, device=device)
-            self.single_mask = (keys < lens[:, None])[:, None, None, :]   # [seqs, 1, 1, keys]
-        # (query span, its blocks, context length, causal mask offset by the cached context)
+            self.single_keys = torch.arange(width * bs, device=device)
+            self.single_lens = lens[:, None]
+            self.single_masks = {}              # sliding window -> [seqs, 1, 1, keys]
+        # (query span, its blocks, context length, new tokens): causal masks offset by the cached
+        # context, made per sliding window on first use
         self.chunks = []
         for s, n in enumerate(q_lens):
             if n < 2:
                 continue
             ctx = seq_lens[s]
-            blocks = meta.block_tables[s, :cdiv(ctx, bs)]
-            mask = None
-            if n != ctx:
-                keys = torch.arange(ctx, device=device)
-                mask = keys[None, :] <= torch.arange(ctx - n, ctx, device=device)[:, None]
-            self.chunks.append((starts[s], starts[s + 1], blocks, ctx, mask))
+            self.chunks.append((starts[s], starts[s + 1], meta.block_tables[s, :cdiv(ctx, bs)], ctx, n))
+        self.chunk_masks = {}
 
-    def __call__(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        write_kv_reference(k, v, k_cache, v_cache, self.slot_mapping)
+    def _single_mask(self, window: Optional[int]) -> torch.Tensor:
+        if window not in self.single_masks:
+            keys, lens = self.single_keys, self.single_lens
+            visible = keys < lens
+            if window is not None:
+                visible &= keys >= lens - window          # the query sits at position len - 1
+            self.single_masks[window] = visible[:, None, None, :]
+        return self.single_masks[window]
+
+    def _chunk_mask(self, i: int, window: Optional[int]) -> Optional[torch.Tensor]:
+        _, _, blocks, ctx, n = self.chunks[i]
+        if n == ctx and window is None:
+            return None                                     # plain causal
+        if (i, window) not in self.chunk_masks:
+            self.chunk_masks[i, window] = _visible(n, ctx, window, blocks.device)
+        return self.chunk_masks[i, window]
+
+    def __call__(self, q, k, v, k_cache, v_cache, scale: float, layer: LayerKV = FULL) -> torch.Tensor:
+        write_kv_reference(k, v, k_cache, v_cache, self.slot_mapping, layer.k_scale, layer.v_scale)
         out = torch.empty_like(q)
         if self.single_rows is not None:
-            keys = k_cache[self.single_tables].flatten(1, 2).transpose(1, 2)   # [seqs, kv_heads, keys, d]
-            values = v_cache[self.single_tables].flatten(1, 2).transpose(1, 2)
+            keys = _read(k_cache[self.single_tables], layer.k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+            values = _read(v_cache[self.single_tables], layer.v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
             o = F.scaled_dot_product_attention(q[self.single_rows].unsqueeze(2), keys, values,
-                                               attn_mask=self.single_mask, scale=scale, enable_gqa=True)
+                                               attn_mask=self._single_mask(layer.window), scale=scale,
+                                               enable_gqa=True)
             out[self.single_rows] = o.squeeze(2)
-        for lo, hi, blocks, ctx, mask in self.chunks:
-            keys = k_cache[blocks].flatten(0, 1)[:ctx]
-            values = v_cache[blocks].flatten(0, 1)[:ctx]
-            out[lo:hi] = _sdpa(q[lo:hi], keys, values, mask, scale)
+        for i, (lo, hi, blocks, ctx, _) in enumerate(self.chunks):
+            keys = _read(k_cache[blocks], layer.k_scale, q.dtype).flatten(0, 1)[:ctx]
+            values = _read(v_cache[blocks], layer.v_scale, q.dtype).flatten(0, 1)[:ctx]
+            out[lo:hi] = _sdpa(q[lo:hi], keys, values, self._chunk_mask(i, layer.window), scale)
         return out
 
 
+def _read(rows: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., kv_heads, d] in the query's dtype (an fp8 cache dequantized)."""
+    return rows if rows.dtype == dtype else dequantize(rows, scale).to(dtype)
+
+
+def _visible(n: int, ctx: int, window: Optional[int], device) -> torch.Tensor:
+    """[n, ctx] bool: the last n of ctx positions see earlier ones causally, within the window."""
+    keys = torch.arange(ctx, device=device)[None, :]
+    queries = torch.arange(ctx - n, ctx, device=device)[:, None]
+    visible = keys <= queries
+    if window is not None:
+        visible &= keys > queries - window
+    return visible
+
+
 class TritonPagedAttention:
+    """The kernels' argument checks run on the first layer of a step only: every layer gets
+    tensors of the same shapes, dtypes and devices (~65 us of Python per call saved)."""
+
     def __init__(self, meta: AttentionMetadata):
         self.meta = meta
         self.write_kv, self.paged_attention = _triton_kernels()
+        self.checked = False
 
-    def __call__(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        m = self.meta
-        self.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
+    def __call__(self, q, k, v, k_cache, v_cache, scale: float, layer: LayerKV = FULL) -> torch.Tensor:
+        m, check = self.meta, not self.checked
+        self.checked = True
+        self.write_kv(k, v, k_cache, v_cache, m.slot_mapping, check=check, k_scale=layer.k_scale,
+                      v_scale=layer.v_scale)
         return self.paged_attention(q, k_cache, v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                    scale, m.max_query_len, m.max_seq_len)
+                                    scale, m.max_query_len, m.max_seq_len, check=check, k_scale=layer.k_scale,
+                                    v_scale=layer.v_scale, sliding_window=layer.window)
 
 
 @lru_cache(maxsize=None)

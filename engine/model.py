@@ -8,12 +8,14 @@ grad: weights.py fills them.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, make_attention
+from engine.attention import FULL, AttentionMetadata, LayerKV, make_attention
+from engine.moe import MoE, MoESpec
 from sim.core.catalog import ModelSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -100,16 +102,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
         self.qk_norm = spec.qk_norm
         self.k_cache = self.v_cache = None      # views of the runner's pool, set by bind_kv_cache
+        self.kv = FULL                          # fp8 scales and sliding window, set by bind_kv_cache
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, attention) -> torch.Tensor:
+    def forward(self, x, positions, rotary: RotaryEmbedding, attention, ops) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:                        # Qwen3: per-head RMSNorm before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        q, k = ops.rotary(positions, q, k, rotary)
+        o = attention(q, k, v, self.k_cache, self.v_cache, self.scale, self.kv)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -119,22 +122,28 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, False, dtype)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, moe: Optional[MoESpec] = None):
+        """moe: the layer's feed-forward is a mixture of experts (engine/moe.py); by default
+        the model's own (MoESpec.from_model), a dense SwiGLU MLP for a dense model."""
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = Attention(spec, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = MLP(spec, dtype)
+        moe = moe or MoESpec.from_model(spec)
+        self.mlp = MoE(moe, dtype) if moe else MLP(spec, dtype)
 
-    def forward(self, h, positions, rotary, attention) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, positions, rotary, attention, ops):
+        """(this layer's output, the residual stream before it): the next layer (or the final
+        norm) adds them, so the add fuses into its RMSNorm. Same sums as h + attn, h + mlp."""
+        x, residual = ops.add_norm(h, residual, self.input_layernorm)
+        h = self.self_attn(x, positions, rotary, attention, ops)
+        x, residual = ops.add_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(x, ops), residual
 
 
 class DecoderModel(nn.Module):
@@ -144,6 +153,16 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(spec, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+
+def layer_window(spec: ModelSpec, layer: int) -> Optional[int]:
+    """The sliding window of a layer: every layer's when the model has one and no layer_types
+    (Mistral v0.1), the `sliding_attention` layers' otherwise (Gemma-2/3, gpt-oss)."""
+    window = getattr(spec, "sliding_window", None)
+    kinds = getattr(spec, "layer_types", None)
+    if window is None or (kinds is not None and kinds[layer] != "sliding_attention"):
+        return None
+    return window
 
 
 class CausalLM(nn.Module):
@@ -161,23 +180,74 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.device
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Point each layer at its K and V slices of the pool [layers, 2, blocks, bs, kv_heads, d]."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
+        """Point each layer at its K and V slices of the pool [layers, 2, blocks, bs, kv_heads, d],
+        with its fp8 scales (kv_scales [layers, 2, kv_heads] fp32, fp8 pools only) and window."""
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            scales = (kv_scales[i, 0], kv_scales[i, 1]) if kv_scales is not None else (None, None)
+            attn.kv = LayerKV(*scales, window=layer_window(self.spec, i))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [num_tokens, hidden] of a packed batch of sequences."""
         attention = make_attention(self.attention_backend, attn_metadata)
-        h = F.embedding(input_ids, self.model.embed_tokens)
+        ops = TRITON_OPS if self.attention_backend == "triton" else TORCH_OPS
+        h, residual = F.embedding(input_ids, self.model.embed_tokens), None
         for layer in self.model.layers:
-            h = layer(h, positions, self.model.rotary, attention)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, self.model.rotary, attention, ops)
+        return ops.add_norm(h, residual, self.model.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
         return F.linear(hidden, head).float()
+
+
+class TorchOps:
+    """The elementwise steps of a layer in plain torch: the CPU path and the reference."""
+
+    @staticmethod
+    def add_norm(h, residual, norm: RMSNorm):
+        residual = h if residual is None else residual + h
+        return norm(residual), residual
+
+    @staticmethod
+    def rotary(positions, q, k, rotary: RotaryEmbedding):
+        return rotary(positions, q, k)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    """The same steps as one fused Triton launch each (engine.kernels.fused), with the Triton
+    attention backend: the add goes into the norm, rotary works in place on the qkv views."""
+
+    @staticmethod
+    def add_norm(h, residual, norm: RMSNorm):
+        from engine.kernels.fused import add_rms_norm
+
+        if residual is None:                    # the first layer: the embeddings are the stream
+            return add_rms_norm(h, norm.weight, norm.eps), h
+        return add_rms_norm(h, norm.weight, norm.eps, residual), residual
+
+    @staticmethod
+    def rotary(positions, q, k, rotary: RotaryEmbedding):
+        from engine.kernels.fused import rotary as fused_rotary
+
+        return fused_rotary(positions, q, k, rotary.cos, rotary.sin)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        from engine.kernels.fused import silu_mul
+
+        return silu_mul(gate_up)
+
+
+TORCH_OPS, TRITON_OPS = TorchOps(), TritonOps()
 
 
 class Sampler:

@@ -172,14 +172,19 @@ def smoke_check(scenario, runner: ModelRunner) -> dict[str, float]:
 
 
 def warm_up(scenario, runner: ModelRunner) -> float:
-    """Compile and warm every kernel path before measuring: a long prefill, a chunked one,
-    and decode steps at a few batch sizes. Uses a throwaway scheduler (and prefix cache)."""
+    """Compile and warm every kernel variant before measuring: a long prefill and chunked ones
+    (the prefill configuration), decode steps at long context in small batches (the split-KV
+    path and its reduce) and at short context in a larger batch (the unsplit decode path).
+    Uses a throwaway scheduler (and prefix cache). Block-table widths and batch sizes are not
+    specialised by the kernels, so these launches cover every later step's compiled variant."""
     t0 = time.perf_counter()
     scheduler = new_scheduler(scenario, runner.num_blocks)
     usable = scheduler.kv.pool.usable_blocks * scenario.engine.block_size
-    prompt = max(1, min(512, scenario.max_model_len // 2, usable // 8))
-    batch_sizes = [n for n in (1, 4, 16) if n <= scenario.max_num_seqs]
-    for i, n in enumerate(batch_sizes):
+    long_prompt = max(1, min(600, scenario.max_model_len // 2, usable // 8))
+    short_prompt = max(1, min(24, long_prompt))
+    groups = [(n, long_prompt) for n in (1, 4) if n <= scenario.max_num_seqs]
+    groups.append((min(16, scenario.max_num_seqs), short_prompt))
+    for i, (n, prompt) in enumerate(groups):
         for j in range(n):
             scheduler.add(make_request(-100 - 100 * i - j, 0.0, [(stable_key("warmup", i, j), prompt)], 4))
         while scheduler.has_unfinished():
@@ -188,6 +193,7 @@ def warm_up(scenario, runner: ModelRunner) -> float:
                 break
             runner.execute(batch)
             scheduler.finish_step(batch)
+    runner.capture_graphs(scenario.max_num_seqs)     # CUDA only: decode graphs, after compiling
     return time.perf_counter() - t0
 
 

@@ -8,7 +8,9 @@ the block tables.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -35,30 +37,84 @@ class StepResult:
 
 
 def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
-                        block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+                        block_size: int, device: torch.device,
+                        table_buffer: Optional["BlockTable"] = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions and paged-attention metadata for sequences packed back to back.
 
     Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and reads its KV
-    through block_lists[s] (only the blocks its context covers go into the table).
+    through block_lists[s] (only the blocks its context covers go into the table). Built with
+    array operations, no per-sequence loop but the one that flattens the block lists. With a
+    `table_buffer`, the block table lands in its persistent device buffer (fixed row stride).
     """
+    host = host_step_arrays(block_lists, starts, query_lens, block_size)
+    table = host.pop("block_tables")
+    device_tables = table_buffer.update(table) if table_buffer is not None else _to(table, device)
+    meta = AttentionMetadata(
+        slot_mapping=_to(host["slot_mapping"], device), block_tables=device_tables,
+        seq_lens=_to(host["seq_lens"], device), query_start_loc=_to(host["query_start_loc"], device),
+        max_query_len=int(host["query_lens"].max()), max_seq_len=int(host["seq_lens"].max()),
+        block_size=block_size, host_query_start_loc=host["query_start_loc"].tolist(),
+        host_seq_lens=host["seq_lens"].tolist())
+    return _to(host["positions"], device), meta
+
+
+def host_step_arrays(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
+                     block_size: int) -> dict[str, np.ndarray]:
+    """The step's metadata as host arrays (what build_attn_metadata and the graphs copy in)."""
     starts_np, q_lens = np.asarray(starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
     seq_lens = starts_np + q_lens
     query_start_loc = np.concatenate([[0], np.cumsum(q_lens)])
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token] + starts_np[seq_of_token]
-    num_blocks = -(-seq_lens // block_size)
-    block_tables = np.zeros((len(q_lens), int(num_blocks.max())), dtype=np.int32)
-    for s, blocks in enumerate(block_lists):
-        block_tables[s, :num_blocks[s]] = blocks[:num_blocks[s]]
+    block_tables = pack_block_tables(block_lists, -(-seq_lens // block_size))
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
-    meta = AttentionMetadata(
-        slot_mapping=_to(slot_mapping, device), block_tables=_to(block_tables, device),
-        seq_lens=_to(seq_lens.astype(np.int32), device),
-        query_start_loc=_to(query_start_loc.astype(np.int32), device),
-        max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
-        host_query_start_loc=query_start_loc.tolist(), host_seq_lens=seq_lens.tolist())
-    return _to(positions, device), meta
+    return {"positions": positions, "slot_mapping": slot_mapping, "seq_lens": seq_lens.astype(np.int32),
+            "query_start_loc": query_start_loc.astype(np.int32), "query_lens": q_lens,
+            "block_tables": block_tables}
+
+
+def pack_block_tables(block_lists: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
+    """[seqs, max(num_blocks)] int32: row s holds block_lists[s][:num_blocks[s]], 0-padded."""
+    counts = num_blocks.tolist()
+    total = int(num_blocks.sum())
+    flat = np.fromiter(chain.from_iterable(b[:n] for b, n in zip(block_lists, counts)), np.int32, total)
+    rows = np.repeat(np.arange(len(counts)), num_blocks)
+    cols = np.arange(total) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
+    tables = np.zeros((len(counts), int(num_blocks.max(initial=0))), dtype=np.int32)
+    tables[rows, cols] = flat
+    return tables
+
+
+class BlockTable:
+    """The device block table, allocated once: [rows, max_model_len / block_size] int32.
+    Each step copies its rows in (one host-to-device copy) and the kernels get a view of the
+    first rows at full width, so the row stride never changes (no recompiles, graph-safe)."""
+
+    def __init__(self, max_blocks_per_seq: int, device: torch.device, rows: int = 256):
+        self.width, self.device = max_blocks_per_seq, device
+        self._alloc(rows)
+
+    def _alloc(self, rows: int) -> None:
+        self.device_table = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
+        pin = self.device.type == "cuda"
+        self.staging = torch.zeros(rows, self.width, dtype=torch.int32, pin_memory=pin)
+
+    def reserve(self, rows: int) -> None:
+        """At least `rows` rows (a reallocation moves the table: captured graphs notice)."""
+        if rows > self.device_table.shape[0]:
+            self._alloc(max(rows, 2 * self.device_table.shape[0]))
+
+    def update(self, tables: np.ndarray) -> torch.Tensor:
+        seqs, width = tables.shape
+        if width > self.width:
+            raise InconsistentBatchError(f"a block table of {width} blocks exceeds max_model_len's {self.width}")
+        self.reserve(seqs)
+        staged = self.staging[:seqs]
+        # Safe to overwrite: the previous step's copy finished when that step was synchronised.
+        staged.numpy()[:, :width] = tables
+        self.device_table[:seqs].copy_(staged, non_blocking=True)
+        return self.device_table[:seqs]
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -68,9 +124,50 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
+def check_batch(batch: Batch, block_size: int, max_model_len: int, num_blocks: int) -> None:
+    """Refuse, loudly, a batch the scheduler should never have produced (an engine with these
+    limits could not execute it). Array checks over the whole step; the per-sequence message
+    is only worked out when one fails."""
+    reqs = batch.reqs
+    if not reqs:
+        raise InconsistentBatchError(f"step {batch.step}: empty batch")
+    if len({r.id for r in reqs}) != len(reqs):
+        raise InconsistentBatchError(f"step {batch.step}: a request appears twice")
+    state = np.array([(r.num_computed, r.num_tokens, len(r.blocks)) for r in reqs], dtype=np.int64)
+    computed, known, held = state.T
+    new = np.asarray(batch.num_new, dtype=np.int64)
+    needed = -(-computed // block_size)
+    bad = (new < 1) | (computed < new) | (computed > known) | (computed > max_model_len) | (held < needed)
+    if not bad.any():
+        used = pack_block_tables([r.blocks for r in reqs], needed)
+        in_use = np.arange(used.shape[1])[None, :] < needed[:, None]
+        bad = ((used < 1) | (used >= num_blocks)).any(axis=1, where=in_use)
+    if bad.any():
+        s = int(np.flatnonzero(bad)[0])
+        problem = _sequence_problem(reqs[s], batch.num_new[s], block_size, max_model_len, num_blocks)
+        raise InconsistentBatchError(f"step {batch.step}, request {reqs[s].id}: {problem}")
+
+
+def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_blocks: int) -> Optional[str]:
+    seq_len = req.num_computed
+    if n < 1 or seq_len - n < 0:
+        return f"{n} new tokens with {seq_len} computed"
+    if seq_len > req.num_tokens:
+        return f"{seq_len} tokens computed but only {req.num_tokens} are known"
+    if seq_len > max_model_len:
+        return f"context {seq_len} exceeds max_model_len {max_model_len}"
+    if len(req.blocks) < cdiv(seq_len, block_size):
+        return f"{len(req.blocks)} blocks cannot hold {seq_len} tokens of block size {block_size}"
+    used = req.blocks[:cdiv(seq_len, block_size)]
+    if min(used) < 1 or max(used) >= num_blocks:
+        return f"block ids {used} outside 1..{num_blocks - 1}"
+    return None
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 max_model_len: Optional[int] = None, temperature: float = 0.0, seed: int = 0):
+                 max_model_len: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):
         spec = model.spec
         self.model = model
         self.device = model.device
@@ -78,9 +175,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = min(max_model_len or model.max_positions, model.max_positions)
         self.vocab_size = spec.vocab_size
+        dtype = kv_pool_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
-                                    spec.head_dim, dtype=model.dtype, device=self.device)
-        model.bind_kv_cache(self.kv_cache)
+                                    spec.head_dim, dtype=dtype, device=self.device)
+        # fp8: per-layer, per-KV-head scales, 1.0 as vLLM uses when the checkpoint brings none
+        self.kv_scales = (torch.ones(spec.num_layers, 2, spec.num_kv_heads, device=self.device)
+                          if dtype != model.dtype else None)
+        self.bind()
+        self.block_table = BlockTable(cdiv(self.max_model_len, block_size), self.device)
+        self.graphs = None                      # DecodeGraphs once capture_graphs ran (CUDA only)
         self.sampler = Sampler(temperature, seed, self.device)
         self.plan: Optional[MemoryPlan] = None
 
@@ -92,7 +195,7 @@ class ModelRunner:
                             max_positions=scenario.max_model_len)
         plan = profile_and_plan(scenario, model)
         runner = cls(model, plan.num_blocks, scenario.engine.block_size, scenario.max_model_len,
-                     temperature, scenario.seed)
+                     temperature, scenario.seed, getattr(scenario.engine, "kv_cache_dtype", "auto"))
         runner.plan = plan
         return runner
 
@@ -107,18 +210,24 @@ class ModelRunner:
         starts = batch.starts()
         input_ids = np.concatenate([r.token_ids(s, s + n, self.vocab_size)
                                     for r, s, n in zip(reqs, starts, num_new)])
-        positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
-                                              self.block_size, self.device)
-        input_ids = _to(input_ids, self.device)
         # A sequence emits iff its chunk reaches the end of its known tokens (a decode, or a
         # prompt's last chunk): the row of its last new token predicts the next one.
         emit = [s for s, r in enumerate(reqs) if r.num_computed >= r.num_tokens]
-        rows = _to(np.array([meta.host_query_start_loc[s + 1] - 1 for s in emit], dtype=np.int64),
-                   self.device)
-        with _DeviceTimer(self.device) as timer:
-            hidden = self.model(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden[rows])
-            sampled = self.sampler(logits) if emit else rows
+        graph = self._graph_for(batch, emit)
+        if graph is not None:
+            host = host_step_arrays([r.blocks for r in reqs], starts, num_new, self.block_size)
+            self.block_table.update(host["block_tables"])
+            with _DeviceTimer(self.device) as timer:
+                logits, sampled = self.graphs.run(graph, {**host, "input_ids": input_ids}, len(reqs))
+        else:
+            positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
+                                                  self.block_size, self.device, self.block_table)
+            input_ids = _to(input_ids, self.device)
+            rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][emit] - 1, self.device)
+            with _DeviceTimer(self.device) as timer:
+                hidden = self.model(input_ids, positions, meta)
+                logits = self.model.compute_logits(hidden[rows])
+                sampled = self.sampler(logits) if emit else rows
         t1 = time.perf_counter()
         tokens = sampled.tolist()
         emitted = [reqs[s] for s in emit]
@@ -132,29 +241,36 @@ class ModelRunner:
         return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, timer.seconds)
 
     def check_batch(self, batch: Batch) -> None:
-        """Refuse, loudly, a batch the scheduler should never have produced."""
-        if not batch.reqs:
-            raise InconsistentBatchError(f"step {batch.step}: empty batch")
-        if len({r.id for r in batch.reqs}) != len(batch.reqs):
-            raise InconsistentBatchError(f"step {batch.step}: a request appears twice")
-        bs = self.block_size
-        for req, n in zip(batch.reqs, batch.num_new):
-            seq_len = req.num_computed
-            problem = None
-            if n < 1 or seq_len - n < 0:
-                problem = f"{n} new tokens with {seq_len} computed"
-            elif seq_len > req.num_tokens:
-                problem = f"{seq_len} tokens computed but only {req.num_tokens} are known"
-            elif seq_len > self.max_model_len:
-                problem = f"context {seq_len} exceeds max_model_len {self.max_model_len}"
-            elif len(req.blocks) < cdiv(seq_len, bs):
-                problem = f"{len(req.blocks)} blocks cannot hold {seq_len} tokens of block size {bs}"
-            else:
-                used = req.blocks[:cdiv(seq_len, bs)]
-                if min(used) < 1 or max(used) >= self.num_blocks:
-                    problem = f"block ids {used} outside 1..{self.num_blocks - 1}"
-            if problem:
-                raise InconsistentBatchError(f"step {batch.step}, request {req.id}: {problem}")
+        check_batch(batch, self.block_size, self.max_model_len, self.num_blocks)
+
+    def bind(self) -> None:
+        """Point the model's layers at this runner's pool (runners sharing a model take turns)."""
+        self.model.bind_kv_cache(self.kv_cache, self.kv_scales)
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+    def capture_graphs(self, max_num_seqs: int) -> int:
+        """Capture the decode graphs (CUDA, Triton backend, greedy only); the number captured.
+        A capture that fails leaves the runner eager, loudly."""
+        from engine.cuda_graphs import DecodeGraphs, graphs_wanted
+
+        if not graphs_wanted(self.device, self.model.attention_backend, self.sampler.temperature):
+            return 0
+        try:
+            with torch.inference_mode():        # as execute() runs: the buffers and outputs alike
+                graphs = DecodeGraphs(self, max_num_seqs)
+                count = graphs.capture_all()
+        except RuntimeError as e:       # e.g. an op that cannot be captured: stay eager, say so
+            warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}")
+            self.graphs = None
+            return 0
+        self.graphs = graphs
+        return count
+
+    def _graph_for(self, batch: Batch, emit: list[int]):
+        """The graph key for a decode-only step whose every sequence emits, else None."""
+        if self.graphs is None or len(emit) != len(batch.reqs) or max(batch.num_new) != 1:
+            return None
+        return self.graphs.key(len(batch.reqs), max(r.num_computed for r in batch.reqs))
 
     # -- memory --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -167,6 +283,18 @@ class ModelRunner:
             peak = weights + pool
         return {"weight_bytes": weights, "kv_pool_bytes": pool, "num_blocks": self.num_blocks,
                 "peak_bytes": peak}
+
+
+KV_POOL_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for a scenario's kv_cache_dtype (vLLM's names)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_POOL_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, {', '.join(KV_POOL_DTYPES)}")
+    return KV_POOL_DTYPES[kv_cache_dtype]
 
 
 class _DeviceTimer:

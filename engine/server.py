@@ -14,6 +14,13 @@ and the engine thread hands each step's tokens back with one call_soon_threadsaf
 per-request asyncio queues. A slow client therefore never stalls a step, and a step never
 blocks the event loop. The engine thread sleeps on its command queue when it has no work.
 
+Untrusted bodies: a body over `--max-body-bytes` is HTTP 413 (refused from its Content-Length,
+or as soon as the stream passes the limit); JSON parsing and validation run on a worker thread,
+so a large or deeply nested body never stalls the event loop (/health, streams); any malformed
+body is HTTP 400, never 500. With `--max-waiting N`, a request arriving while N already wait
+for the engine gets HTTP 429. The port is bound before the model is built, so a taken port
+fails at once.
+
 Requests are checked before they reach the scheduler (token ids within the vocabulary,
 prompt + max_tokens within max_model_len, max_tokens >= 1, n == 1, no sampling option the
 engine cannot honour); a bad one gets HTTP 400 with the reason. A client that goes away
@@ -24,21 +31,28 @@ in-flight ones finish within a grace period, abort the rest and print one report
 import argparse
 import asyncio
 import bisect
+import concurrent.futures
 import contextlib
+import errno
 import itertools
 import json
+import logging
 import math
 import queue
 import signal
 import sys
 import threading
+import traceback
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
+from sim.core.files import excerpt, read_json
 from sim.core.request import Request
+
+log = logging.getLogger("kvtwin.serve")
 
 # Fields a completion request may carry. Sampling is the runner's (one temperature for the
 # whole server), so per-request sampling options are accepted only at the value that
@@ -59,8 +73,8 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 class ApiError(Exception):
     """An error answered to the client (OpenAI's error object); the engine is unaffected."""
 
-    KINDS = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError",
-             500: "InternalServerError"}
+    KINDS = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 413: "RequestEntityTooLargeError",
+             429: "RateLimitError", 503: "ServiceUnavailableError", 500: "InternalServerError"}
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None):
         super().__init__(message)
@@ -95,7 +109,11 @@ class CompletionParams:
 def parse_completion(body: Any, served: ServedModel) -> CompletionParams:
     """Validate a /v1/completions body; raises ApiError naming the offending field."""
     _check_body(body, served, SUPPORTED_FIELDS)
-    prompt = _prompt(_encode_text(body.get("prompt"), served), served.vocab_size)
+    prompt = _encode_text(body.get("prompt"), served)
+    if isinstance(prompt, list) and len(prompt) >= served.max_model_len:   # before checking each id
+        raise ApiError(f"the prompt has {len(prompt)} tokens; this model's maximum context length is "
+                       f"{served.max_model_len} tokens", param="prompt")
+    prompt = _prompt(prompt, served.vocab_size)
     max_tokens = _max_tokens(body.get("max_tokens"), len(prompt), served.max_model_len)
     _check_choice(body, served.temperature)
     return CompletionParams(prompt, max_tokens, _flag(body, "ignore_eos"), _flag(body, "stream"),
@@ -134,11 +152,12 @@ def _check_body(body: Any, served: ServedModel, fields: tuple[str, ...]) -> None
         raise ApiError(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
     for name, allowed in NEUTRAL_VALUES.items():
         if name in body and body[name] not in allowed:
-            raise ApiError(f"{name}={body[name]!r} is not supported (allowed: "
+            raise ApiError(f"{name}={excerpt(body[name])} is not supported (allowed: "
                            f"{', '.join(repr(a) for a in allowed)})", param=name)
     model = body.get("model")
     if model is not None and model != served.name:
-        raise ApiError(f"The model `{model}` does not exist.", 404, "model")
+        shown = model if isinstance(model, str) and len(model) <= 100 else excerpt(model)
+        raise ApiError(f"The model `{shown}` does not exist.", 404, "model")      # vLLM's words
 
 
 def _messages(messages: Any) -> list[dict]:
@@ -183,7 +202,7 @@ def _prompt(prompt: Any, vocab_size: int) -> list[int]:
                        "send one prompt per request", param="prompt")
     for i, token in enumerate(prompt):
         if type(token) is not int:
-            raise ApiError(f"prompt[{i}] is {token!r}: token ids must be integers", param="prompt")
+            raise ApiError(f"prompt[{i}] is {excerpt(token)}: token ids must be integers", param="prompt")
         if not 0 <= token < vocab_size:
             raise ApiError(f"prompt[{i}] = {token} is outside the vocabulary (token ids 0..{vocab_size - 1})",
                            param="prompt")
@@ -194,7 +213,7 @@ def _max_tokens(value: Any, prompt_len: int, max_model_len: int) -> int:
     if value is None:                    # vLLM: the room left in the context
         value = max(max_model_len - prompt_len, 1)
     if type(value) is not int:
-        raise ApiError(f"max_tokens must be an integer, got {value!r}", param="max_tokens")
+        raise ApiError(f"max_tokens must be an integer, got {excerpt(value)}", param="max_tokens")
     if value < 1:
         raise ApiError(f"max_tokens must be at least 1, got {value}", param="max_tokens")
     if prompt_len + value > max_model_len:
@@ -208,17 +227,17 @@ def _max_tokens(value: Any, prompt_len: int, max_model_len: int) -> int:
 def _check_choice(body: dict, temperature: float) -> None:
     n = body.get("n", 1)
     if n != 1 or type(n) is not int:
-        raise ApiError(f"n={n!r} is not supported: one completion per request", param="n")
+        raise ApiError(f"n={excerpt(n)} is not supported: one completion per request", param="n")
     t = body.get("temperature")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t != temperature):
-        raise ApiError(f"temperature={t!r} is not supported: this server samples every request at "
+        raise ApiError(f"temperature={excerpt(t)} is not supported: this server samples every request at "
                        f"temperature {temperature} (simrun serve --temperature)", param="temperature")
 
 
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
     if not isinstance(value, bool):
-        raise ApiError(f"{name} must be true or false, got {value!r}", param=name)
+        raise ApiError(f"{name} must be true or false, got {excerpt(value)}", param=name)
     return value
 
 
@@ -262,6 +281,12 @@ class Histogram:
         return out + [f"{name}_sum{{{labels}}} {self.sum!r}", f"{name}_count{{{labels}}} {cumulative}"]
 
 
+def _label_value(text: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped (the model name comes
+    from a user's file and must not break, or add lines to, /metrics)."""
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class ServerMetrics:
     """What /metrics shows. Written by the engine thread, rendered on the event loop: one lock."""
 
@@ -275,7 +300,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, block_size: int, num_blocks: int):
         self._lock = threading.Lock()
-        self.labels = f'model_name="{model_name}"'
+        self.labels = f'model_name="{_label_value(model_name)}"'
         self.cache_labels = f'block_size="{block_size}",num_gpu_blocks="{num_blocks}"'
         self.gauges = {"running": 0, "waiting": 0, "kv_usage": 0.0}
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
@@ -385,6 +410,9 @@ class Stream:
             self.engine.abort(self.req_id)
 
 
+MAX_CONSECUTIVE_FAILURES = 3       # failing steps in a row that take the engine down
+
+
 class EngineLoop:
     """The scheduler and runner on one thread, fed by commands from the event loop."""
 
@@ -394,8 +422,10 @@ class EngineLoop:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[int, _Live] = {}
         self.ids = itertools.count()
-        self.counts = {"finished": 0, "aborted": 0, "rejected": 0}
-        self.error: Optional[BaseException] = None
+        self.counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0}
+        self.error: Optional[BaseException] = None     # set when the engine went down
+        self.failed_steps = self.consecutive_failures = 0
+        self._batch = None                              # the step being run, for its failure
         self.drain: Optional[dict] = None      # set when a signal asks to shut down
         self._outbox: list[tuple[asyncio.Queue, Event]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -424,8 +454,6 @@ class EngineLoop:
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's /reset_prefix_cache); False while requests are in flight."""
-        import concurrent.futures
-
         done: concurrent.futures.Future = concurrent.futures.Future()
         self.commands.put(("reset_prefix_cache", done))
         return await asyncio.wrap_future(done)
@@ -449,17 +477,66 @@ class EngineLoop:
 
     # -- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        """Steps until stopped. A failing step fails its own requests (their blocks freed) and
+        the loop goes on; MAX_CONSECUTIVE_FAILURES failing steps in a row, or an error outside a
+        step, take the engine down: every request in flight fails, and every later one is
+        answered at once with an error (HTTP 503), as /health is. No request waits forever."""
         try:
             idle = True
             while self._take_commands(wait=idle):
-                idle = not self._step()
+                idle = not self._guarded_step()
                 self._flush()
         except Exception as e:              # noqa: BLE001 - report it to every client, then /health
-            self.error = e
-            for live in list(self.live.values()):
-                self._end(live, Event("error", message=f"engine error: {e!r}"), count=None)
-            self._flush()
-            raise
+            traceback.print_exc()
+            print("kvtwin serve: the engine is down; every request is now answered with 503",
+                  file=sys.stderr, flush=True)
+            self._go_down(e)
+            self._serve_down()
+
+    def _guarded_step(self) -> bool:
+        try:
+            ran = self._step()
+        except Exception as e:              # noqa: BLE001 - the step's requests fail, the engine goes on
+            self.failed_steps += 1
+            self.consecutive_failures += 1
+            print(f"kvtwin serve: a step failed ({e!r}); its requests fail, the engine goes on",
+                  file=sys.stderr, flush=True)
+            self._fail(list(self._batch.reqs) if self._batch is not None else [], e)
+            if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                raise
+            return True
+        if ran:                         # an idle turn proves nothing: only a step that ran resets
+            self.consecutive_failures = 0
+        return ran
+
+    def _fail(self, reqs: list[Request], error: BaseException) -> None:
+        """End these requests with an error event and free their blocks."""
+        for req in reqs:
+            live = self.live.get(req.id)
+            if live is None:
+                continue
+            with contextlib.suppress(Exception):    # a scheduler left half-updated must not stop the rest
+                self.scheduler.abort(req)
+            self._end(live, Event("error", message=f"engine error: {error!r}"), count="failed")
+        self._batch = None
+
+    def _go_down(self, error: BaseException) -> None:
+        self.error = error
+        self._fail([live.req for live in self.live.values()], error)
+        self._flush()
+
+    def _serve_down(self) -> None:
+        """The engine is down: answer every command until stop, so nothing queued hangs."""
+        while True:
+            kind, arg = self.commands.get()
+            if kind == "stop":
+                return
+            if kind == "add":
+                self.counts["failed"] += 1
+                self._post(arg, Event("error", message=f"the engine is down: {self.error!r}"))
+                self._flush()
+            elif isinstance(arg, concurrent.futures.Future):       # e.g. reset_prefix_cache
+                arg.set_exception(ApiError(f"the engine is down: {self.error!r}", 503))
 
     def _take_commands(self, wait: bool) -> bool:
         """Apply queued commands (blocking for the first one when idle). False after stop."""
@@ -478,7 +555,11 @@ class EngineLoop:
         elif kind == "abort" and arg in self.live:
             self._abort(self.live[arg], "aborted: the client went away")
         elif kind == "reset_prefix_cache":
-            arg.set_result(self._reset_prefix_cache())
+            try:
+                arg.set_result(self._reset_prefix_cache())
+            except Exception as e:                  # the caller must hear of it; then the engine is down
+                arg.set_exception(e)
+                raise
         elif kind in ("abort_all", "stop"):         # nothing in flight survives either
             for live in list(self.live.values()):
                 self._abort(live, "aborted: the server is shutting down")
@@ -523,7 +604,7 @@ class EngineLoop:
 
     def _step(self) -> bool:
         """One engine step; False when there was nothing to run (then wait for a command)."""
-        batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        self._batch = batch = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         if batch is None:
             return False
         result = self.runner.execute(batch)
@@ -576,11 +657,14 @@ def _deliver(events: list[tuple[asyncio.Queue, Event]]) -> None:
 
 # ----------------------------------------------------------------------------- HTTP
 
-def build_app(engine: EngineLoop, version: str):
+def build_app(engine: EngineLoop, version: str, limits: Optional["ServeLimits"] = None):
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.requests import ClientDisconnect
 
     served = engine.served
+    limits = limits or ServeLimits()
+    waiting = WaitingLimit(engine, limits.max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -633,8 +717,15 @@ def build_app(engine: EngineLoop, version: str):
     async def _serve(request: HttpRequest, parse):
         if engine.drain is not None or not engine.alive:
             raise ApiError("the server is shutting down" if engine.drain else "the engine is down", 503)
-        params = parse(await _json_body(request), served)
+        waiting.check()
+        try:
+            body = await read_body(request, limits.max_body_bytes)
+        except ClientDisconnect:           # the client left mid-body: nothing to answer, nothing to log
+            log.debug("client disconnected while sending its request body")
+            return Response(status_code=499)
+        params = await asyncio.to_thread(parse_body, body, served, parse)     # off the event loop
         stream = engine.submit(params)
+        waiting.track(stream)
         reply = Completion(served.name, len(params.prompt), chat=params.chat, tokenizer=served.tokenizer)
         try:
             first = await stream.next()
@@ -650,11 +741,65 @@ def build_app(engine: EngineLoop, version: str):
     return app
 
 
-async def _json_body(request) -> Any:
+@dataclass(frozen=True)
+class ServeLimits:
+    max_body_bytes: int = 4 * 2**20       # a 128k-token prompt of 6-digit ids is about 1 MiB
+    max_waiting: Optional[int] = None     # None: unbounded, as vLLM
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The body, or ApiError 413 once it is known to exceed `limit` bytes (without reading the rest)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError("Content-Length is not a number")
+        if int(declared) > limit:
+            raise ApiError(f"the request body is {int(declared)} bytes, more than the {limit} allowed", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the request body is more than the {limit} bytes allowed", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(data: bytes, served: ServedModel, parse=None) -> CompletionParams:
+    """JSON and validation of a completion body (run on a worker thread). Any malformed body,
+    however it is malformed, is ApiError 400."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON ({e})") from None
+        body = json.loads(data)
+    except RecursionError:
+        raise ApiError("the request body nests too deeply") from None
+    except ValueError as e:          # JSONDecodeError, bad UTF-8, an integer over 4300 digits
+        raise ApiError(f"the request body is not valid JSON ({excerpt(str(e), 120)})") from None
+    try:
+        return (parse or parse_completion)(body, served)
+    except ApiError:
+        raise
+    except (RecursionError, ValueError, TypeError, OverflowError) as e:   # e.g. comparing nested values
+        raise ApiError(f"malformed request body ({type(e).__name__})") from None
+
+
+class WaitingLimit:
+    """--max-waiting: requests submitted and not yet ended, less those the engine runs."""
+
+    def __init__(self, engine: "EngineLoop", limit: Optional[int]):
+        self.engine, self.limit = engine, limit
+        self.open: list[Stream] = []
+
+    def check(self) -> None:
+        if self.limit is None:
+            return
+        self.open = [s for s in self.open if not s.ended]
+        waiting = len(self.open) - self.engine.metrics.gauges["running"]
+        if waiting >= self.limit:
+            raise ApiError(f"{waiting} requests are already waiting (--max-waiting {self.limit}); "
+                           f"retry later", 429)
+
+    def track(self, stream: "Stream") -> None:
+        if self.limit is not None:
+            self.open.append(stream)
 
 
 @dataclass
@@ -782,7 +927,8 @@ async def _disconnected(request) -> None:
 
 
 def shutdown_report(drain: Optional[dict], counts: dict) -> str:
-    served = f"{counts['finished']} finished, {counts['aborted']} aborted, {counts['rejected']} rejected in total"
+    served = f"{counts['finished']} finished, {counts['aborted']} aborted, {counts['rejected']} rejected"
+    served += f", {counts['failed']} failed in total" if counts.get("failed") else " in total"
     if drain is None:
         return f"kvtwin serve: stopped; {served}"
     done = counts["finished"] - drain["finished"]
@@ -807,7 +953,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--catalog-device", help="device catalog entry that sizes the KV pool "
                                             "(default: cpu, or the entry matching the visible GPU)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0-65535 (0: any free port)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=ServeLimits.max_body_bytes,
+                   help="larger request bodies get HTTP 413 (default %(default)s)")
+    p.add_argument("--max-waiting", type=positive_int, default=None,
+                   help="answer HTTP 429 while this many requests wait for the engine (default: no limit)")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
     p.add_argument("--eos-token-id", type=int, default=None,
                    help="stop a request at this token unless it sets ignore_eos (default: the folder's "
@@ -835,12 +985,15 @@ def serve_main(argv: list[str]) -> int:
     device = pick_device(args.device)
     set_cpu_threads(device, args.threads)
     scenario = serving_scenario(args, device)
+    sock = bind_socket(args.host, args.port)      # before the model build: a taken port fails at once
     engine, version = _start_engine(scenario, device, args)
     served = engine.served
+    host, port = sock.getsockname()[:2]
     print(f"kvtwin serve: {served.name} on {device}, {engine.runner.num_blocks} KV blocks of "
           f"{scenario.engine.block_size} tokens, max_model_len {served.max_model_len}; "
-          f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    _run_http(build_app(engine, version), engine, args)
+          f"listening on http://{_url_host(host)}:{port}", file=sys.stderr, flush=True)
+    limits = ServeLimits(args.max_body_bytes, args.max_waiting)
+    _run_http(build_app(engine, version, limits), engine, args, sock)
     return 0 if engine.error is None else 1
 
 
@@ -914,11 +1067,61 @@ def _config_eos(model: Optional[str]) -> Optional[int]:
     config = Path(model or "") / "config.json"
     if not model or not config.is_file():
         return None
-    eos = json.loads(config.read_text()).get("eos_token_id")
+    cfg = read_json(config, "Hugging Face config.json")
+    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
     return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
 
 
-def _run_http(app, engine: EngineLoop, args) -> None:
+def port_number(text: str) -> int:
+    """argparse `type=` for --port."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
+    return port
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a whole number >= 1")
+    return value
+
+
+def bind_socket(host: str, port: int):
+    """A TCP socket bound to host:port (not yet listening: uvicorn listens once the app is ready)."""
+    import socket
+
+    from sim.errors import UserError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--host {excerpt(host)}: not an address this machine can listen on ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}"
+                        + (" (another server holds the port; pick another --port)"
+                           if getattr(e, "errno", None) == errno.EADDRINUSE else "")) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _run_http(app, engine: EngineLoop, args, sock=None) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -934,4 +1137,4 @@ def _run_http(app, engine: EngineLoop, args) -> None:
     # done and reported, so these handlers let the process exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    Server(config).run()
+    Server(config).run(sockets=[sock] if sock is not None else None)

@@ -25,6 +25,9 @@ def build_model(spec: ModelSpec, device: torch.device | str | None = None,
                 attention_backend: Optional[str] = None, seed: int = 0,
                 max_positions: Optional[int] = None) -> CausalLM:
     """The model on `device` (CUDA when present), with spec.weights loaded or random ones."""
+    if spec.quantization is not None:
+        raise NotImplementedError(f"{spec.name}: quantized weights ({spec.quantization.method}) are simulator-only; "
+                                  f"the engine runs models in {spec.dtype} (drop model.quantization to replay)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
     with device:

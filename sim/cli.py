@@ -72,11 +72,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:                     # noqa: BLE001 - only the known user errors are caught below
         if not is_user_error(e):
             raise
-        from rich.markup import escape
+        from sim.output.console import print_error
 
-        from sim.output.console import err_console
-
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+        print_error(str(e))
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -179,13 +177,14 @@ def is_user_error(e: BaseException) -> bool:
     """Errors that are the input's fault: printed as one line, exit status 2."""
     from sim.errors import UserError
 
-    kinds: tuple[type, ...] = (UserError, ValueError, FileNotFoundError)
+    kinds: tuple[type, ...] = (UserError, ValueError, OSError)
     return isinstance(e, kinds)
 
 
 # ----------------------------------------------------------------------------- simrun run
 
 def run_parser() -> argparse.ArgumentParser:
+    from sim.output.run_dir import out_folder_arg
     from sim.scenario import scenario_args
     from sim.whatif.sweep import add_sweep_args
 
@@ -195,7 +194,8 @@ def run_parser() -> argparse.ArgumentParser:
                     "prints as soon as the simulation ends; plots and report.html follow.",
         epilog=f"other commands: {', '.join(c for c in COMMANDS if c != 'run')} (simrun COMMAND -h)")
     scenario_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--no-plots", action="store_true",
                    help="write the data files (summary.json, CSVs, manifest) but no plots or report.html")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
@@ -216,14 +216,26 @@ def run_main(argv: list[str]) -> int:
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
     import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
+    from sim.output.run_dir import owned_run_folder
     from sim.output.workers import FigureWorkers
 
-    # started now, the figure workers import matplotlib while the simulation runs
-    with FigureWorkers(1 if args.no_plots else None) as workers:
+    # the folder is checked before simulating; the figure workers import matplotlib meanwhile
+    with owned_run_folder(out, force=args.force), FigureWorkers(1 if args.no_plots else None) as workers:
         results = {name: predict_with_progress(variant, name, quiet=args.quiet)
                    for name, variant in variants.items()}
         write_outputs(results, out, args, workers)
-    return 0
+    return exit_code_of(results)
+
+
+def exit_code_of(results: dict) -> int:
+    """1 when a run finished no request (every figure would be empty), with the reasons counted."""
+    from sim.output.console import print_error
+    from sim.output.run_files import nothing_finished
+
+    empty = [msg for name, r in results.items() if (msg := nothing_finished(name, r.summary))]
+    for msg in empty:
+        print_error(msg)
+    return 1 if empty else 0
 
 
 def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -> None:

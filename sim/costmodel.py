@@ -29,11 +29,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-import yaml
+import math
 
 import numpy as np
 
 from sim.core.catalog import DeviceSpec, ModelSpec
+from sim.core.files import excerpt, read_yaml
 from sim.core.memory import kv_bytes_per_token, kv_heads_per_rank
 
 # Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores)
@@ -109,18 +110,26 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, path: Path) -> "DeviceProfile":
-        try:
-            raw = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError:
-            raise ValueError(f"device profile {path} does not exist") from None
+        raw = read_yaml(path, "device profile (YAML)")
         if not isinstance(raw, dict) or not isinstance(raw.get("coefficients"), dict):
             raise ValueError(f"{path}: a device profile needs a 'coefficients' mapping")
-        unknown = set(raw["coefficients"]) - set(CostCoefficients.names())
+        unknown = set(map(str, raw["coefficients"])) - set(CostCoefficients.names())
         if unknown:
-            raise ValueError(f"{path}: unknown coefficients {sorted(unknown)} "
+            raise ValueError(f"{path}: unknown coefficients {excerpt(sorted(unknown), 200)} "
                              f"(known: {', '.join(CostCoefficients.names())})")
+        bad = [k for k, v in raw["coefficients"].items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"{path}: coefficients.{bad[0]} is {excerpt(raw['coefficients'][bad[0]])}, "
+                             f"expected a finite number")
         known = {f.name for f in fields(cls)} - {"coefficients"}
         extra = {k: v for k, v in raw.items() if k in known}
+        scale = extra.get("activation_scale")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"{path}: activation_scale is {excerpt(scale)}, expected a finite number > 0")
+        if not isinstance(extra.get("fit", {}), dict):
+            raise ValueError(f"{path}: fit is {excerpt(extra['fit'])}, expected a mapping")
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
 
 

@@ -75,11 +75,14 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     itl_values, itl_weights = itl_samples(records, measured["id"].to_numpy())
     has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
     rate = (lambda x: x / duration if duration > 0 else None)   # noqa: E731
+    steady = df[~df["is_warmup"]]
     summary = {
+        # requests_total counts warm-up requests; finished / rejected / aborted count the rest
         "requests_total": int(len(df)),
-        "requests_finished": int(len(finished)),
-        "requests_rejected": int((df["status"] == "rejected").sum()),
-        "requests_aborted": int((df["status"] == "aborted").sum()),
+        "requests_finished": int(len(measured)),
+        "requests_rejected": int((steady["status"] == "rejected").sum()),
+        "requests_aborted": int((steady["status"] == "aborted").sum()),
+        "rejection_reasons": rejection_reasons(df),
         "requests_measured": int(len(measured)),
         "warmup_requests": int(df["is_warmup"].sum()),
         "duration_s": duration,
@@ -104,6 +107,14 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     if len(records.recorders) > 1:
         summary["replicas"] = _replica_figures(measured, steps, duration, len(records.recorders))
     return summary
+
+
+def rejection_reasons(requests: pd.DataFrame) -> list[dict[str, Any]]:
+    """[{reason (its numbers as N), count}] over rejected requests (warm-up included), most first.
+    A list, so a sweep's flattened table keeps fixed columns."""
+    rejected = requests.loc[requests["status"] == "rejected", "reject_reason"].fillna("unknown")
+    kinds = rejected.astype(str).str.replace(r"\d+", "N", regex=True).value_counts()
+    return [{"reason": str(k), "count": int(v)} for k, v in kinds.items()]
 
 
 def _replica_figures(measured: pd.DataFrame, steps: pd.DataFrame, duration: float,

@@ -14,10 +14,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.core.catalog import (DeviceSpec, ModelSpec, StrictModel, catalog_entry,
+from sim.core.memory import pool_block_bytes
+from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
+from sim.names import name_problem
+from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
 
@@ -33,6 +35,17 @@ class ScenarioError(ValueError):
         else:
             lines = "\n".join(f"  - {p}" for p in problems)
             super().__init__(f"{head}{len(problems)} problems:\n{lines}")
+
+
+# Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
+# clear error rather than a MemoryError after minutes. README "Security and limits" lists them.
+MAX_REQUESTS = 1_000_000
+MAX_TOKENS = 2**27            # a prompt, an answer, a context (134M tokens)
+MAX_DURATION_S = 30 * 86400.0
+MAX_REPLICAS = 1024
+MAX_VARIANTS = 64
+MAX_LIST = 10_000             # tenants, priorities, prompt segments
+MAX_POOL_BLOCKS = 2**24       # KV blocks over all replicas (~120 bytes of bookkeeping each)
 
 
 # ----------------------------------------------------------------------------- model/device
@@ -65,13 +78,13 @@ def _resolve_path(p: Any, base_dir: Path | None) -> Path:
 # ----------------------------------------------------------------------------- engine
 
 class Parallelism(StrictModel):
-    tp: int = Field(default=1, ge=1, description="tensor-parallel degree (modelled, not run)")
+    tp: int = Field(default=1, ge=1, le=1024, description="tensor-parallel degree (modelled, not run)")
     # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
     # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
     dp: int = Field(default=1, ge=1, le=1024, description="data-parallel degree (modelled, not run)")
     # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
     # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
-    ep: int = Field(default=1, ge=1, description="expert-parallel degree: 1 or tp x dp")
+    ep: int = Field(default=1, ge=1, le=2**20, description="expert-parallel degree: 1 or tp x dp")
 
     @property
     def gpus(self) -> int:
@@ -84,12 +97,12 @@ class EngineConfig(StrictModel):
     allocation: Literal["paged", "contiguous"] = "paged"
     block_size: int = Field(default=16, ge=1, le=1024)
     # Pool size including vLLM's null block 0; derived from device memory when unset.
-    num_blocks: Optional[int] = Field(default=None, ge=2)
+    num_blocks: Optional[int] = Field(default=None, ge=2, le=2**32)     # and checked against device memory
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # Defaults follow vLLM's API server: 1024 / 8192 on >= 70 GiB non-A100 GPUs, else 256 / 2048.
-    max_num_seqs: Optional[int] = Field(default=None, ge=1)
-    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1)
-    max_model_len: Optional[int] = Field(default=None, ge=2)
+    max_num_seqs: Optional[int] = Field(default=None, ge=1, le=2**20)
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_model_len: Optional[int] = Field(default=None, ge=2, le=MAX_TOKENS)
     chunked_prefill: bool = True
     prefix_caching: bool = True
     preemption: Literal["recompute"] = "recompute"
@@ -104,7 +117,7 @@ class EngineConfig(StrictModel):
     # answer's length) or the request's own prompt + max output (an oracle baseline).
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
-    activation_mib: Optional[float] = Field(default=None, ge=0)
+    activation_mib: Optional[float] = Field(default=None, ge=0, le=MAX_DEVICE_MIB)
     # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
@@ -115,12 +128,12 @@ class LengthDist(StrictModel):
     """A token-length distribution. An integer in YAML is shorthand for {dist: fixed, value: N}."""
 
     dist: Literal["fixed", "uniform", "normal", "lognormal", "empirical", "sharegpt"] = "fixed"
-    value: Optional[int] = Field(default=None, ge=1)
-    min: Optional[int] = Field(default=None, ge=0)
-    max: Optional[int] = Field(default=None, ge=1)
-    mean: Optional[float] = Field(default=None, gt=0)
-    std: Optional[float] = Field(default=None, ge=0)
-    values: Optional[list[int]] = None
+    value: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    min: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS)
+    max: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    mean: Optional[float] = Field(default=None, ge=1e-3, le=MAX_TOKENS)      # tokens; tinier overflows
+    std: Optional[float] = Field(default=None, ge=0, le=MAX_TOKENS)
+    values: Optional[list[int]] = Field(default=None, max_length=MAX_REQUESTS)
     file: Optional[Path] = None
     column: Optional[str] = None
 
@@ -144,8 +157,8 @@ class LengthDist(StrictModel):
             raise ValueError("dist 'empirical' needs exactly one of 'values' or 'file'")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
-        if self.values is not None and (not self.values or min(self.values) < 1):
-            raise ValueError("values must be a non-empty list of lengths >= 1")
+        if self.values is not None and (not self.values or min(self.values) < 1 or max(self.values) > MAX_TOKENS):
+            raise ValueError(f"values must be a non-empty list of lengths from 1 to {MAX_TOKENS}")
         return self
 
 
@@ -154,16 +167,16 @@ class RampUp(StrictModel):
     (linear) or start (end/start)^(i/(N-1)) (exponential) instead of `rate`; gaps are not rescaled."""
 
     strategy: Literal["linear", "exponential"]
-    start_rps: float = Field(gt=0)
-    end_rps: float = Field(gt=0)
+    start_rps: float = Field(ge=1e-6, le=1e7)
+    end_rps: float = Field(ge=1e-6, le=1e7)
 
 
 class Arrival(StrictModel):
     process: Literal["poisson", "gamma", "fixed", "offline"] = "poisson"
-    rate: Optional[float] = Field(default=None, gt=0, description="requests per second")
+    rate: Optional[float] = Field(default=None, gt=0, le=1e7, description="requests per second")
     # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
     # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
-    cv: float = Field(default=1.0, gt=0)
+    cv: float = Field(default=1.0, ge=1e-3, le=100)      # beyond these the gamma shape over/underflows
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True
@@ -181,17 +194,17 @@ class Arrival(StrictModel):
 class SharedPrefix(StrictModel):
     """Shared system prompts: `groups` distinct prefixes; `fraction` of requests carry one."""
 
-    groups: int = Field(default=1, ge=1)
+    groups: int = Field(default=1, ge=1, le=MAX_REQUESTS)
     length: LengthDist = Field(default_factory=lambda: LengthDist(value=512))
     fraction: float = Field(default=1.0, ge=0, le=1)
     popularity: Literal["uniform", "zipf"] = "uniform"
-    zipf_s: float = Field(default=1.0, gt=0)
+    zipf_s: float = Field(default=1.0, gt=0, le=100)
 
 
 class DynamicSegment(StrictModel):
     """A per-request segment (a timestamp, a request id) placed before or after the shared prefix."""
 
-    length: int = Field(default=8, ge=1)
+    length: int = Field(default=8, ge=1, le=MAX_TOKENS)
     position: Literal["first", "last"] = "last"
 
 
@@ -200,20 +213,25 @@ class MultiTurn(StrictModel):
 
     turns: LengthDist = Field(default_factory=lambda: LengthDist(value=3))
     user_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="uniform", min=32, max=256))
-    think_time_s: float = Field(default=5.0, ge=0)
+    think_time_s: float = Field(default=5.0, ge=0, le=MAX_DURATION_S)
     think_dist: Literal["fixed", "exponential"] = "exponential"
+
+    @field_validator("think_time_s")
+    @classmethod
+    def _no_negative_zero(cls, v: float) -> float:
+        return v + 0.0          # -0.0 passes ge=0 but numpy's exponential refuses a negative scale
 
 
 class Tenant(StrictModel):
-    name: str
-    share: float = Field(default=1.0, gt=0)
+    name: str = Field(max_length=200)
+    share: float = Field(default=1.0, gt=0, le=1e9)
     # A cache salt isolates this tenant's prefix-cache blocks (vLLM's cache_salt).
     salt: bool = True
 
 
 class Priorities(StrictModel):
-    values: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    weights: Optional[list[float]] = None
+    values: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_LIST)
+    weights: Optional[list[float]] = Field(default=None, max_length=MAX_LIST)
 
     @model_validator(mode="after")
     def _same_length(self) -> "Priorities":
@@ -228,17 +246,17 @@ class Priorities(StrictModel):
 class PromptSegment(StrictModel):
     """Part of an explicit prompt: equal `segment` names mean equal tokens."""
 
-    segment: str
-    len: int = Field(ge=1)
+    segment: str = Field(max_length=200)
+    len: int = Field(ge=1, le=MAX_TOKENS)
 
 
 class ExplicitRequest(StrictModel):
-    arrival_s: float = Field(default=0.0, ge=0)
-    prompt_len: Optional[int] = Field(default=None, ge=1)
-    prompt: Optional[list[PromptSegment]] = None
-    output_len: int = Field(ge=1)
-    tenant: Optional[str] = None
-    priority: int = 0
+    arrival_s: float = Field(default=0.0, ge=0, le=MAX_DURATION_S)
+    prompt_len: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
+    prompt: Optional[list[PromptSegment]] = Field(default=None, max_length=MAX_LIST)
+    output_len: int = Field(ge=1, le=MAX_TOKENS)
+    tenant: Optional[str] = Field(default=None, max_length=200)
+    priority: int = Field(default=0, ge=-2**31, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "ExplicitRequest":
@@ -254,15 +272,15 @@ class Trace(StrictModel):
     format: Literal["azure", "mooncake", "burstgpt", "jsonl", "csv"]
     path: Path
     # jsonl/csv: our field -> the file's key or column, e.g. {arrival: arrival_time_ns, prompt_len: input_toks}
-    fields: Optional[dict[str, str]] = None
+    fields: Optional[dict[str, str]] = Field(default=None, max_length=16)
     # Unit of the arrival times (jsonl, csv, burstgpt: s by default; mooncake: ms; azure has dates).
     time_unit: Optional[Literal["s", "ms", "us", "ns"]] = None
-    time_scale: float = Field(default=1.0, gt=0, description="replay at k x speed")
+    time_scale: float = Field(default=1.0, ge=1e-6, le=1e9, description="replay at k x speed")
     window_s: Optional[tuple[float, float]] = None
     sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
-    max_requests: Optional[int] = Field(default=None, ge=1)
+    max_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
     # Mooncake: tokens per hash id block.
-    hash_block_tokens: int = Field(default=512, ge=1)
+    hash_block_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS)
 
     @model_validator(mode="after")
     def _fields_and_unit(self) -> "Trace":
@@ -330,14 +348,14 @@ DATASET_REPLACES = {"prompt_len", "length_correlation", "shared_prefix", "dynami
 
 
 class Workload(StrictModel):
-    num_requests: Optional[int] = Field(default=None, ge=1)
-    duration_s: Optional[float] = Field(default=None, gt=0)
+    num_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
+    duration_s: Optional[float] = Field(default=None, gt=0, le=MAX_DURATION_S)
     # The first N requests warm the engine; steady-state figures exclude them.
-    warmup_requests: int = Field(default=0, ge=0)
+    warmup_requests: int = Field(default=0, ge=0, le=MAX_REQUESTS)
     # A closed-loop client (vLLM bench's --max-concurrency): at most this many requests in
     # flight; a request due while the client is full is sent when one finishes (its TTFT
     # counts from then, as vLLM's does).
-    max_concurrency: Optional[int] = Field(default=None, ge=1)
+    max_concurrency: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
     arrival: Arrival = Field(default_factory=lambda: Arrival(process="offline"))
     prompt_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
     output_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
@@ -346,9 +364,9 @@ class Workload(StrictModel):
     shared_prefix: Optional[SharedPrefix] = None
     dynamic_segment: Optional[DynamicSegment] = None
     multi_turn: Optional[MultiTurn] = None
-    tenants: Optional[list[Tenant]] = None
+    tenants: Optional[list[Tenant]] = Field(default=None, max_length=MAX_LIST)
     priorities: Optional[Priorities] = None
-    requests: Optional[list[ExplicitRequest]] = None
+    requests: Optional[list[ExplicitRequest]] = Field(default=None, max_length=MAX_REQUESTS)
     trace: Optional[Trace] = None
     dataset: Optional[Dataset] = None
 
@@ -382,6 +400,14 @@ class Workload(StrictModel):
         if synthetic and self.arrival.ramp_up is not None and (self.num_requests is None or self.duration_s):
             raise ValueError("arrival.ramp_up needs num_requests without duration_s (the ramp runs over "
                              "the N requests, as vLLM's benchmark does)")
+        rate = self.arrival.rate
+        if synthetic and rate and self.num_requests and self.num_requests / rate > MAX_DURATION_S:
+            raise ValueError(f"arrival.rate {rate:g}/s spreads {self.num_requests} requests over "
+                             f"{self.num_requests / rate:.3g} s, more than the {MAX_DURATION_S:g} s (30 days) allowed")
+        expected = (self.arrival.rate or 0) * (self.duration_s or 0)
+        if synthetic and self.num_requests is None and expected > MAX_REQUESTS:
+            raise ValueError(f"arrival.rate x duration_s = {expected:.3g} requests, more than the "
+                             f"{MAX_REQUESTS:,} allowed; shorten duration_s or set num_requests")
         return self
 
 
@@ -396,16 +422,16 @@ class Slo(StrictModel):
 
 
 class Cluster(StrictModel):
-    replicas: int = Field(default=1, ge=1)
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
     router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware"] = "round_robin"
     # prefix_aware: a replica may take at most this many times the mean outstanding tokens.
     load_bound: float = Field(default=1.5, ge=1.0)
 
 
 class Scenario(StrictModel):
-    name: str = "scenario"
-    description: str = ""
-    seed: int = 0
+    name: str = Field(default="scenario", max_length=200)
+    description: str = Field(default="", max_length=10_000)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     model: ModelSpec
     device: DeviceSpec
     parallelism: Parallelism = Field(default_factory=Parallelism)
@@ -414,7 +440,17 @@ class Scenario(StrictModel):
     slo: Slo = Field(default_factory=Slo)
     cluster: Cluster = Field(default_factory=Cluster)
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
-    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_VARIANTS)
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_names(cls, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # A variant's name becomes its output folder: refuse anything that is not a plain name.
+        for name in variants:
+            problem = name_problem(name)
+            if problem:
+                raise ValueError(f"variant name {excerpt(name)}: {problem}")
+        return variants
 
     @property
     def max_model_len(self) -> int:
@@ -495,9 +531,28 @@ def _cross_checks(s: Scenario) -> list[str]:
         problems.append(f"engine.max_num_batched_tokens: {s.max_num_batched_tokens} is below "
                         f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
                         f"could never be scheduled")
+    problems += _pool_size_checks(s)
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
     return problems
+
+
+def _pool_size_checks(s: Scenario) -> list[str]:
+    """num_blocks must fit the device; every replica's pool together must stay simulable."""
+    block_bytes = pool_block_bytes(s.model, s.engine.block_size, s.parallelism.tp, s.engine.kv_cache_dtype)
+    if s.engine.num_blocks is not None and s.engine.num_blocks * block_bytes > s.device.memory_bytes:
+        return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
+                f"{s.engine.num_blocks * block_bytes / 2**30:.4g} GiB of KV cache per GPU, more than the "
+                f"device's {s.device.memory_bytes / 2**30:.4g} GiB"]
+    # at most this many blocks per replica (the whole memory budget, before weights)
+    per_replica = s.engine.num_blocks or int(s.device.memory_bytes * s.engine.gpu_memory_utilization) // block_bytes
+    engines = s.cluster.replicas * s.parallelism.dp           # each data-parallel rank has its own pool
+    total = per_replica * engines
+    if total > MAX_POOL_BLOCKS:
+        return [f"cluster.replicas: {engines} engine(s) (replicas x dp) of up to {per_replica:,} KV blocks each is "
+                f"{total:,} blocks, more than the {MAX_POOL_BLOCKS:,} kvtwin tracks (about 2 GB of "
+                f"bookkeeping); use fewer replicas, a larger engine.block_size or a smaller engine.num_blocks"]
+    return []
 
 
 def _parallelism_checks(s: Scenario) -> list[str]:
@@ -541,17 +596,12 @@ def validate_scenario(raw: dict[str, Any], base_dir: Path | None = None,
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
+    """The scenario file as a mapping: UTF-8 YAML, no duplicate keys, bounded size and nesting."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ScenarioError([f"no such file: {path}"]) from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ScenarioError([f"{where}not valid YAML ({getattr(e, 'problem', e)})"], str(path)) from None
+        raw = load_yaml(read_text(path, "scenario YAML file"), path)
+    except FileFormatError as e:
+        raise ScenarioError([str(e)]) from None     # the message starts with path[:line]
     if raw is None:
         raise ScenarioError(["the file is empty"], str(path))
     return raw
@@ -577,7 +627,7 @@ def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[st
     out = {}
     for name, patch in scenario.variants.items():
         if not isinstance(patch, dict):
-            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {patch!r}"])
+            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {excerpt(patch)}"])
         merged = deep_merge(base, patch)
         merged["name"] = f"{scenario.name}/{name}"
         try:
@@ -611,9 +661,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(keys):
         raise ScenarioError([f"--set {text!r}: the path {path!r} has an empty part"])
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        parsed = value
+        parsed = load_yaml(value, f"--set {path}") if value.strip() else None
+    except FileFormatError as e:
+        if "not valid YAML" not in str(e):
+            raise ScenarioError([str(e)]) from None   # duplicate keys, an alias bomb, deep nesting
+        parsed = value                                 # plain text that only looks like YAML
     return keys, parsed
 
 
@@ -628,11 +680,18 @@ def set_path(raw: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]
         elif child is None:
             child = {}
         elif not isinstance(child, dict):
-            raise ScenarioError([f"{'.'.join(keys[: i + 1])}: is {child!r}, not a mapping, "
+            raise ScenarioError([f"{'.'.join(keys[: i + 1])}: is {excerpt(child)}, not a mapping, "
                                  f"so '{'.'.join(keys)}' cannot be set"])
         node[key] = child
         node = child
-    node[keys[-1]] = value
+    old = node.get(keys[-1])
+    if len(keys) == 1 and keys[0] in ("model", "device") and isinstance(old, str):
+        old = {"base": old}     # --set 'model={max_position_embeddings: 8192}' overrides the entry
+    # A mapping merges into the mapping it replaces (--set 'engine={block_size: 8}' keeps the
+    # other engine fields); an empty mapping {} clears it.
+    merge = isinstance(value, dict) and value and isinstance(old, dict)
+    key = keys[-1]
+    node[key] = deep_merge({key: old}, {key: value})[key] if merge else value
     return out
 
 
@@ -703,7 +762,7 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
         else:
             msg = err["msg"].removeprefix("Value error, ")
             got = err.get("input")
-            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            shown = "" if isinstance(got, (dict, list)) else f" (got {excerpt(got)})"
             problems.append(f"{path}: {msg}{shown}")
     return problems
 

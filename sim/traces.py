@@ -33,8 +33,6 @@ path:line, what is wrong and what was expected.
 from __future__ import annotations
 
 import csv
-import gzip
-import io
 import json
 import math
 from dataclasses import dataclass
@@ -43,8 +41,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Trace
+
+
+MAX_VALUE = 2**53       # counts, times and ids: exact in a float, no int64 overflow downstream
 
 
 class TraceError(ValueError):
@@ -146,15 +148,6 @@ def check_plausible(path: Path, times: np.ndarray, trace: Trace, lines: Optional
                              f"by less are sorted)")
 
 
-def _open_text(path: Path, newline: Optional[str] = None):
-    """The file as text; a gzip'd one (by its magic bytes) is decompressed on the fly."""
-    with path.open("rb") as f:
-        gzipped = f.read(2) == b"\x1f\x8b"
-    if gzipped:
-        return io.TextIOWrapper(gzip.open(path, "rb"), newline=newline)
-    return path.open(newline=newline)
-
-
 # ----------------------------------------------------------------------------- selection
 
 def _select(rows: _Rows, trace: Trace, seed: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -220,28 +213,36 @@ def _read_burstgpt(path: Path, trace: Trace) -> _Rows:
 
 def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.ndarray]:
     """The needed columns as lists of strings, and the file line of each data row."""
-    with _open_text(path, newline="") as f:
+    with open_text(path, "CSV trace", gzip_ok=True) as f:
         reader = csv.reader(f)
-        header = [h.strip() for h in next(reader, [])]
-        missing = [c for c in needed if c not in header]
-        if missing:
-            raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
-                             f"(found {header}; expected {needed})")
-        cols = [header.index(c) for c in needed]
-        values: list[list[str]] = [[] for _ in needed]
-        lines = []
-        for row in reader:
-            if not row:
-                continue
-            if len(row) < len(header):
-                raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
-                                 f"{len(header)} ({', '.join(header)})")
-            for out, c in zip(values, cols):
-                out.append(row[c])
-            lines.append(reader.line_num)
+        try:
+            header = [h.strip() for h in next(reader, [])]
+            missing = [c for c in needed if c not in header]
+            if missing:
+                raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
+                                 f"(found {len(header)} columns: {_names(header)}; expected {needed})")
+            cols = [header.index(c) for c in needed]
+            values: list[list[str]] = [[] for _ in needed]
+            lines = []
+            for row in reader:
+                if not row:
+                    continue
+                if len(row) < len(header):
+                    raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
+                                     f"{len(header)} (the header's columns)")
+                for out, c in zip(values, cols):
+                    out.append(row[c])
+                lines.append(reader.line_num)
+        except csv.Error as e:     # a field over csv's 128 KiB limit, a NUL byte, a bad quote
+            raise TraceError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
     if not lines:
         raise TraceError(f"{path}: no rows after the header")
     return dict(zip(needed, values)), np.array(lines, dtype=np.int64)
+
+
+def _names(header: list[str]) -> str:
+    """A file's column names, each and all cut short (the header may be any file's first line)."""
+    return excerpt(", ".join(h[:FILE_EXCERPT_CHARS] for h in header[:6]), 3 * FILE_EXCERPT_CHARS)
 
 
 def _numbers(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: str) -> np.ndarray:
@@ -259,11 +260,11 @@ def _numbers(path: Path, lines: np.ndarray, table: dict[str, list[str]], column:
 def _counts(path: Path, lines: np.ndarray, table: dict[str, list[str]], column: str) -> np.ndarray:
     """A token-count column: finite, whole and >= 0."""
     values = _numbers(path, lines, table, column)
-    bad = np.flatnonzero((values < 0) | (values != np.floor(values)))
+    bad = np.flatnonzero((values < 0) | (values != np.floor(values)) | (values >= MAX_VALUE))
     if len(bad):
         i = bad[0]
-        raise TraceError(f"{path}:{lines[i]}: {column} is {table[column][i]!r}, "
-                         f"expected a whole number of tokens >= 0")
+        raise TraceError(f"{path}:{lines[i]}: {column} is {excerpt(table[column][i], FILE_EXCERPT_CHARS)}, "
+                         f"expected a whole number of tokens >= 0 (below 2^53)")
     return values.astype(np.int64)
 
 
@@ -272,10 +273,10 @@ def _raise_first_bad(path: Path, lines: np.ndarray, strings: list[str], column: 
     for line, s in zip(lines.tolist(), strings):
         try:
             good = ok(s)
-        except ValueError:
+        except (ValueError, OverflowError):
             good = False
         if not good:
-            raise TraceError(f"{path}:{line}: {column} is {s!r}, expected {expected}")
+            raise TraceError(f"{path}:{line}: {column} is {excerpt(s, FILE_EXCERPT_CHARS)}, expected {expected}")
     raise AssertionError("a column failed to parse but no value is bad")
 
 
@@ -288,7 +289,7 @@ def _unique_prompt(lines: np.ndarray, prompt_len: np.ndarray) -> Callable[[int, 
 
 def _json_rows(path: Path):
     """(line number, object) per non-blank line."""
-    with _open_text(path) as f:
+    with open_text(path, "JSON-lines trace", gzip_ok=True) as f:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue
@@ -296,6 +297,10 @@ def _json_rows(path: Path):
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{path}:{line_no}: not valid JSON ({e.msg}), expected one object per line") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{line_no}: nested too deeply, expected one flat object per line") from None
+            except ValueError as e:    # e.g. an integer over Python's 4300-digit limit
+                raise TraceError(f"{path}:{line_no}: not a usable JSON value ({excerpt(e, 80)})") from None
             if not isinstance(obj, dict):
                 raise TraceError(f"{path}:{line_no}: a JSON {type(obj).__name__}, expected an object")
             yield line_no, obj
@@ -305,14 +310,18 @@ def _field(obj: dict, key: str, where: str, expected: str, check: Callable[[Any]
     if key not in obj:
         raise TraceError(f"{where}: missing {key!r}, expected {expected}")
     value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not check(value):
-        raise TraceError(f"{where}: {key} is {value!r}, expected {expected}")
+    try:     # an integer too big for a float (10**400) overflows here: a bad value, not a crash
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and check(value)
+    except (OverflowError, ValueError):
+        ok = False
+    if not ok:
+        raise TraceError(f"{where}: {key} is {excerpt(value, FILE_EXCERPT_CHARS)}, expected {expected}")
     return value
 
 
 def _count(obj: dict, key: str, where: str) -> int:
-    return int(_field(obj, key, where, "a whole number of tokens >= 0",
-                      lambda v: math.isfinite(v) and v >= 0 and v == int(v)))
+    return int(_field(obj, key, where, "a whole number of tokens >= 0 (below 2^53)",
+                      lambda v: math.isfinite(v) and 0 <= v < MAX_VALUE and v == int(v)))
 
 
 def _time(obj: dict, key: str, where: str, expected: str) -> float:
@@ -328,7 +337,7 @@ def _read_mooncake(path: Path, trace: Trace) -> _Rows:
         times.append(_time(obj, "timestamp", where, f"a finite time in {time_unit(trace)}") * scale)
         n_in = _count(obj, "input_length", where)
         ids = obj.get("hash_ids")
-        if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+        if not isinstance(ids, list) or not all(type(h) is int and 0 <= h < MAX_VALUE for h in ids):
             raise TraceError(f"{where}: hash_ids is not a list of integers, expected one id per "
                              f"{block}-token block")
         if len(ids) != -(-n_in // block):
@@ -379,7 +388,8 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
         prompts.append(len(tokens) if tokens is not None else _count(obj, keys["prompt_len"], where))
         outputs.append(_count(obj, keys["output_len"], where))
         tenants.append(_tenant(obj, where, keys["tenant"]))
-        priorities.append(int(_field(obj, keys["priority"], where, "an integer", lambda v: v == int(v)))
+        priorities.append(int(_field(obj, keys["priority"], where, "an integer below 2^31 in size",
+                                     lambda v: abs(v) < 2**31 and v == int(v)))
                           if keys["priority"] in obj else 0)
         lines.append(line_no)
 
@@ -396,8 +406,11 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
 def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
     """A CSV request log: arrival, prompt_len, output_len (+ tenant, priority) columns."""
     keys = _keys(trace)
-    with _open_text(path, newline="") as f:
-        header = [h.strip() for h in next(csv.reader(f), [])]
+    with open_text(path, "CSV trace", gzip_ok=True) as f:
+        try:
+            header = [h.strip() for h in next(csv.reader(f), [])]
+        except csv.Error as e:
+            raise TraceError(f"{path}:1: not a valid CSV header ({e})") from None
     arrival = keys["arrival"] or ("arrival_s" if "arrival_s" in header else "timestamp")
     optional = [keys[k] for k in ("tenant", "priority") if keys[k] in header]
     table, lines = _read_csv(path, [arrival, keys["prompt_len"], keys["output_len"], *optional])
@@ -406,10 +419,10 @@ def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
     priorities = None
     if keys["priority"] in table:
         priorities = _numbers(path, lines, table, keys["priority"])
-        bad = np.flatnonzero(priorities != np.floor(priorities))
+        bad = np.flatnonzero((priorities != np.floor(priorities)) | (np.abs(priorities) >= 2**31))
         if len(bad):
             raise TraceError(f"{path}:{lines[bad[0]]}: {keys['priority']} is "
-                             f"{table[keys['priority']][bad[0]]!r}, expected an integer")
+                             f"{excerpt(table[keys['priority']][bad[0]], FILE_EXCERPT_CHARS)}, expected an integer below 2^31 in size")
         priorities = priorities.astype(np.int64).tolist()
     return _Rows(_numbers(path, lines, table, arrival) * SECONDS_PER[time_unit(trace)], prompt,
                  _counts(path, lines, table, keys["output_len"]), _unique_prompt(lines, prompt),
@@ -423,15 +436,15 @@ def _literal_prompt(obj: dict, where: str, keys: dict[str, Optional[str]]) -> Op
     tokens = obj.get(ids)
     if tokens is None:
         return None
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < MAX_VALUE for t in tokens):
         raise TraceError(f"{where}: {ids} is not a list of token ids, expected integers >= 0")
     if length in obj and _count(obj, length, where) != len(tokens):     # logs often carry both
-        raise TraceError(f"{where}: {ids} holds {len(tokens)} token ids but {length} is {obj[length]!r}")
+        raise TraceError(f"{where}: {ids} holds {len(tokens)} token ids but {length} is {excerpt(obj[length], FILE_EXCERPT_CHARS)}")
     return tokens
 
 
 def _tenant(obj: dict, where: str, key: str) -> Optional[str]:
     tenant = obj.get(key)
     if tenant is not None and not isinstance(tenant, str):
-        raise TraceError(f"{where}: {key} is {tenant!r}, expected a name (string)")
+        raise TraceError(f"{where}: {key} is {excerpt(tenant, FILE_EXCERPT_CHARS)}, expected a name (string)")
     return tenant

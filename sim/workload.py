@@ -47,6 +47,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
@@ -224,7 +225,11 @@ def _process_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.nda
     if arrival.process == "poisson":
         return np.cumsum(rng.exponential(1.0 / rate, n))
     shape = 1.0 / arrival.cv ** 2
-    return np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
+    times = np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
+    if not times[-1] > 0:       # a huge cv: every gap underflowed to 0 (and time would never advance)
+        raise WorkloadError(f"workload.arrival: cv {arrival.cv:g} gives {n} arrivals all at t=0 "
+                            f"(every gamma gap underflows); use a smaller cv or process: offline")
+    return times
 
 
 def _request_lengths(w: Workload, seed: int, opening: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -358,17 +363,20 @@ def _read_lengths(path: Path, column: Optional[str], where: str) -> np.ndarray:
     """Lengths from a CSV column, or from a plain file with one whole number per line."""
     if not path.is_file():
         raise WorkloadError(f"{where}.file: no such file: {path}")
-    with path.open(newline="") as f:
+    with open_text(path, f"length file ({where}.file)") as f:
         if column is None:
             expected = "one whole number >= 0 per line (for a CSV, give `column`)"
             items = [(n, text.strip()) for n, text in enumerate(f, start=1) if text.strip()]
         else:
             expected = f"a whole number >= 0 in column {column!r}"
             reader = csv.DictReader(f)
-            if column not in (reader.fieldnames or []):
-                raise WorkloadError(f"{path}:1: no column {column!r} (columns: {reader.fieldnames}; "
-                                    f"{where}.column)")
-            items = [(reader.line_num, (row[column] or "").strip()) for row in reader]
+            try:
+                if column not in (reader.fieldnames or []):
+                    raise WorkloadError(f"{path}:1: no column {excerpt(column)} (columns: "
+                                        f"{excerpt(', '.join(reader.fieldnames or [])[:200], 3 * FILE_EXCERPT_CHARS)}; {where}.column)")
+                items = [(reader.line_num, (row[column] or "").strip()) for row in reader]
+            except csv.Error as e:     # a field over csv's 128 KiB limit, a NUL byte
+                raise WorkloadError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
     if not items:
         raise WorkloadError(f"{path}: no lengths in the file ({where}.file)")
     return np.array([_whole(text, f"{path}:{line}", expected) for line, text in items], dtype=np.int64)
@@ -379,8 +387,8 @@ def _whole(text: str, where: str, expected: str) -> int:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 0 and value == int(value)):
-        raise WorkloadError(f"{where}: {text!r} is not a token length; expected {expected}")
+    if not (math.isfinite(value) and 0 <= value < 2**53 and value == int(value)):
+        raise WorkloadError(f"{where}: {excerpt(text, FILE_EXCERPT_CHARS)} is not a token length; expected {expected}")
     return int(value)
 
 

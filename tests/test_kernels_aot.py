@@ -39,13 +39,19 @@ def test_every_kernel_builds_a_cubin(compiled):
                 assert compiled[f"{path}/{dtype}/d{d}"]["cubin_bytes"] > 0
             assert compiled[f"split/{dtype}/d{d}/reduce"]["kernel"] == "_reduce_segments_kernel"
     assert compiled["decode/bfloat16/d64/group7"]["cubin_bytes"] > 0
+    for label in ("fp8/decode", "fp8/split", "fp8/prefill", "window/prefill", "window/decode", "write_kv/fp8"):
+        assert compiled[label]["cubin_bytes"] > 0
+    for dtype in ("float16", "bfloat16", "float32"):
+        for kernel in ("_add_rms_norm", "_rotary", "_silu_mul"):
+            assert compiled[f"fused{kernel}/{dtype}"]["cubin_bytes"] > 0
     assert all(r["ptx_bytes"] > 0 for r in compiled.values())
 
 
 def test_16bit_attention_uses_tensor_cores(compiled):
     for label, r in compiled.items():
         if r["kernel"] == "_attention_kernel" and "float32" not in label:
-            want = "wgmma" if label.startswith("prefill") else "mma.sync"   # wgmma needs >= 64 rows
+            want = "wgmma" if label.split("/")[-1] == "prefill" or label.startswith("prefill") else "mma.sync"
+            # (wgmma needs >= 64 rows: prefill tiles)
             assert r["mma"] == want, (label, r["mma"])
 
 

@@ -136,11 +136,12 @@ def test_cli_sweep_writes_csv_plots_and_page_identically_for_any_jobs(scenario_f
 
 
 def test_point_outputs_write_each_run(scenario_file, tmp_path):
-    assert main([str(scenario_file), "--set", "engine.block_size=16,32", "--out", str(tmp_path),
+    out = tmp_path / "out"      # not the scenario's own folder: kvtwin refuses folders with foreign files
+    assert main([str(scenario_file), "--set", "engine.block_size=16,32", "--out", str(out),
                  "--quiet", "--jobs", "1", "--point-outputs"]) == 0
-    folders = sorted(p.name for p in (tmp_path / "points").iterdir())
+    folders = sorted(p.name for p in (out / "points").iterdir())
     assert folders == ["000_block_size=16", "001_block_size=32"]
-    assert (tmp_path / "points" / folders[0] / "summary.json").exists()
+    assert (out / "points" / folders[0] / "summary.json").exists()
 
 
 def test_sweep_flags_without_a_sweep_are_an_error(scenario_file, tmp_path, capsys):

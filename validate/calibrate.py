@@ -27,7 +27,7 @@ from engine.runner import ModelRunner
 from sim.costmodel import STEP_SHAPE, CostCoefficients, CostModel, DeviceProfile
 from sim.output.io import write_text
 from sim.core.kvcache import KVCacheManager
-from sim.core.memory import activation_peak_bytes
+from sim.core.memory import activation_peak_bytes, cdiv
 from sim.core.request import make_request, stable_key
 from sim.core.scheduler import Batch
 
@@ -85,20 +85,90 @@ def release(kv: KVCacheManager, batch: Batch) -> None:
         kv.free(req)
 
 
-def grid_points(grid: Grid, max_tokens: int, max_batch: int, pool_tokens: int) -> list[tuple[str, list]]:
-    """(kind, seqs) for every probe that fits the engine's token budget, sequence cap and pool."""
-    candidates = [("decode", [(c, 1, True)] * b) for b in grid.decode_batches for c in grid.decode_contexts]
+@dataclass(frozen=True)
+class ProbeLimits:
+    """What one engine can execute: the scheduler's caps and the pool it probes on."""
+
+    max_tokens: int          # max_num_batched_tokens
+    max_seqs: int            # max_num_seqs
+    max_model_len: int       # no sequence's context + new tokens may exceed it
+    num_blocks: int          # the pool, null block included
+    block_size: int
+
+    @classmethod
+    def of(cls, scenario, num_blocks: int, block_size: Optional[int] = None) -> "ProbeLimits":
+        return cls(scenario.max_num_batched_tokens, scenario.max_num_seqs, scenario.max_model_len,
+                   num_blocks, block_size or scenario.engine.block_size)
+
+    def blocks_needed(self, seqs: list) -> int:
+        return sum(cdiv(ctx + new, self.block_size) for ctx, new, _ in seqs)
+
+    def admits(self, seqs: list) -> bool:
+        return (len(seqs) <= self.max_seqs and sum(new for _, new, _ in seqs) <= self.max_tokens
+                and all(ctx + new <= self.max_model_len for ctx, new, _ in seqs)
+                and self.blocks_needed(seqs) <= self.num_blocks - 1)
+
+
+def grid_points(grid: Grid, limits: ProbeLimits) -> list[tuple[str, list]]:
+    """(kind, seqs) for every probe the engine can run: within the token budget, the sequence
+    cap, max_model_len per sequence (decode contexts beyond it are clipped to it), and the pool."""
+    # Contexts past max_model_len are probed at its limit instead: long-context decode stays covered.
+    contexts = sorted({min(c, limits.max_model_len - 1) for c in grid.decode_contexts})
+    candidates = [("decode", [(c, 1, True)] * b) for b in grid.decode_batches for c in contexts]
     candidates += [("prefill", [(k, p, False)]) for p in grid.prefill_chunks for k in grid.prefill_cached]
     candidates += [("prefill", [(0, p, False)] * n) for n, p in grid.prefill_batches]
     candidates += [("mixed", [(c, 1, True)] * b + [(0, p, False)] * n) for b, c, n, p in grid.mixed]
-    return [(kind, seqs) for kind, seqs in candidates
-            if len(seqs) <= max_batch and sum(new for _, new, _ in seqs) <= max_tokens
-            and sum(ctx + new for ctx, new, _ in seqs) <= pool_tokens]
+    return [(kind, seqs) for kind, seqs in candidates if limits.admits(seqs)]
+
+
+@dataclass(frozen=True)
+class ProbePool:
+    """One pool the calibration probes on: its block size, size in blocks, and its probes."""
+
+    block_size: int
+    num_blocks: int
+    points: list
+
+
+def probe_pools(grid: Grid, limits: ProbeLimits, extra_pool_tokens: int) -> list[ProbePool]:
+    """The scenario's own pool with the whole grid, then one small pool per other block size
+    holding the decode probes (they make the per-block term identifiable) whose KV fits in
+    `extra_pool_tokens`; each extra pool is sized to its largest probe, not to the main pool."""
+    points = grid_points(grid, limits)
+    pools = [ProbePool(limits.block_size, limits.num_blocks, points)]
+    decode = [p for p in points if p[0] == "decode"]
+    for bs in grid.block_sizes:
+        if bs == limits.block_size:
+            continue
+        cap = replace(limits, block_size=bs, num_blocks=extra_pool_tokens // bs + 1)
+        fitting = [p for p in decode if cap.admits(p[1])]
+        if fitting:
+            need = max(cap.blocks_needed(seqs) for _, seqs in fitting) + 1
+            pools.append(ProbePool(bs, need, fitting))
+    return pools
+
+
+def planned_extra_pool_tokens(plan) -> int:
+    """extra_pool_tokens as a memory plan foresees it (no device needed): half of what the
+    weights, activations, pool and reserve leave of the device."""
+    left = plan.device_bytes - plan.predicted_peak_bytes - plan.reserved_bytes
+    return max(int(0.5 * left), 0) // plan.kv_bytes_per_token
+
+
+def extra_pool_tokens(runner: ModelRunner) -> int:
+    """Token capacity the extra block-size pools may use, each allocated (and freed) in turn:
+    half the device memory still free on a GPU; on CPU as many tokens as the main pool."""
+    per_token = runner.kv_cache[:, :, 0, 0].numel() * runner.kv_cache.element_size()
+    if runner.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(runner.device)
+        return int(0.5 * free) // per_token
+    return (runner.num_blocks - 1) * runner.block_size
 
 
 def measure_points(runner: ModelRunner, points: list[tuple[str, list]], repeats: int,
                    progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Median host and device time of each probe (after one warm-up execution)."""
+    """Median host and device time of each probe (after one warm-up execution; with
+    repeats=0 the single execution is the sample, which only proves the probe runs)."""
     rows = []
     kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_caching=False)
     for tag, (kind, seqs) in enumerate(points):
@@ -106,7 +176,7 @@ def measure_points(runner: ModelRunner, points: list[tuple[str, list]], repeats:
         for attempt in range(repeats + 1):
             batch = probe_batch(kv, seqs, tag)
             result = runner.execute(batch)
-            if attempt:
+            if attempt or not repeats:          # the first run compiles and warms; repeats=0 keeps it
                 samples.append((result.host_s, result.device_s))
             shape = _shape(batch)
             release(kv, batch)
@@ -275,22 +345,19 @@ def calibrate(scenario, device: str = "cpu", grid: Optional[Grid] = None,
 
 
 def _measure_grid(scenario, base: ModelRunner, grid: Grid, progress) -> list[dict]:
-    limits = (scenario.max_num_batched_tokens, scenario.max_num_seqs)
-    points = grid_points(grid, *limits, (base.num_blocks - 1) * base.block_size)
-    rows = measure_points(base, points, grid.repeats, progress)
-    # Decode at other block sizes makes the per-block term identifiable. Their pools hold just
-    # the largest decode probe, so a GPU need not hold two full-size pools.
-    decode = [p for p in points if p[0] == "decode"]
-    probe_tokens = max(sum(ctx + new for ctx, new, _ in seqs) for _, seqs in decode)
-    for bs in grid.block_sizes:
-        if bs == base.block_size:
-            continue
-        runner = ModelRunner(base.model, probe_tokens // bs + len(decode[-1][1]) + 2, bs, scenario.max_model_len)
-        rows += measure_points(runner, decode, grid.repeats, progress)
+    limits = ProbeLimits.of(scenario, base.num_blocks, base.block_size)
+    pools = probe_pools(grid, limits, extra_pool_tokens(base))
+    # Decode probes run as the served steps will: through CUDA graphs where the engine uses them.
+    base.capture_graphs(scenario.max_num_seqs)
+    rows = measure_points(base, pools[0].points, grid.repeats, progress)
+    for pool in pools[1:]:
+        runner = ModelRunner(base.model, pool.num_blocks, pool.block_size, scenario.max_model_len)
+        runner.capture_graphs(max(len(seqs) for _, seqs in pool.points))
+        rows += measure_points(runner, pool.points, grid.repeats, progress)
         del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    base.model.bind_kv_cache(base.kv_cache)     # each ModelRunner binds the model to its own pool
+    base.bind()                                 # each ModelRunner binds the model to its own pool
     return rows
 
 
@@ -341,4 +408,4 @@ def coefficients_table(profile: DeviceProfile) -> pd.DataFrame:
 
 
 __all__ = ["Grid", "Calibration", "calibrate", "write_profile", "fit_device", "fit_host", "fit_quality",
-           "probe_batch", "grid_points", "measure_points", "held_out", "coefficients_table", "STEP_SHAPE"]
+           "probe_batch", "grid_points", "ProbeLimits", "ProbePool", "probe_pools", "measure_points", "held_out", "coefficients_table", "STEP_SHAPE"]

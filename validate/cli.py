@@ -11,6 +11,8 @@ import yaml
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.errors import UserError
 from sim.output.console import console, err_console
+from sim.names import folder_name
+from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.output.io import write_csv
@@ -24,7 +26,8 @@ def validate_main(argv: list[str]) -> int:
     scenario_args(p)
     add_device_args(p)
     p.add_argument("--profile", type=Path, help="a calibrated device profile (simrun calibrate writes one)")
-    p.add_argument("--out", type=Path, help="output folder (default runs/validate/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/validate/<scenario name>)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--offline", action="store_true", help="release every request at t=0")
     p.add_argument("--cold", action="store_true",
                    help="no kernel warm-up before the measured run (a cold start)")
@@ -40,13 +43,14 @@ def validate_main(argv: list[str]) -> int:
     out = args.out or Path("runs") / "validate" / args.scenario.stem
     tolerances = load_tolerances(args.tolerances)
     failures = []
-    for name, variant in variants.items():
-        folder = out / name if len(variants) > 1 else out
-        result = validate(variant, device, args.profile, online=not args.offline, cold=args.cold,
-                          tolerances=tolerances, progress=lambda msg: err_console.print(f"{name}: {msg}"))
-        write_validation(result, folder)
-        print_validation(name, result, folder)
-        failures += [f"{name}: {line}" for line in _failures(result.table)]
+    with owned_run_folder(out, force=args.force):      # checked before measuring
+        for name, variant in variants.items():
+            folder = out / name if len(variants) > 1 else out
+            result = validate(variant, device, args.profile, online=not args.offline, cold=args.cold,
+                              tolerances=tolerances, progress=lambda msg: err_console.print(f"{name}: {msg}"))
+            write_validation(result, folder)
+            print_validation(name, result, folder)
+            failures += [f"{name}: {line}" for line in _failures(result.table)]
     for line in failures:
         err_console.print(f"[red]outside tolerance[/] {line}")
     return 1 if failures else 0
@@ -122,7 +126,8 @@ def calibrate_main(argv: list[str]) -> int:
     console.print(f"calibrating {scenario.model.name} ({scenario.model.dtype}) on {device} "
                   f"as catalog device '{scenario.device.name}'")
     cal = calibrate(scenario, device, progress=None)
-    out = args.out or Path("profiles") / f"{scenario.device.name}_{scenario.model.name}.yaml"
+    # model and device names come from user files (an HF config's _name_or_path may hold '/')
+    out = args.out or Path("profiles") / f"{folder_name(scenario.device.name)}_{folder_name(scenario.model.name)}.yaml"
     write_profile(out, cal)
     write_csv(out.with_suffix(".samples.csv"), cal.samples)
     console.print(coefficients_table(cal.profile).to_string())

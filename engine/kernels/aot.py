@@ -85,12 +85,68 @@ def recorded_launches():
             paged_attention.paged_attention(**inputs, force_split=split)
         launches += [(label, main.kernel, *call) for call in main.calls]
         launches += [(label + "/reduce", reduce.kernel, *call) for call in reduce.calls]
+    launches += _fp8_and_window_launches()
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         kv = torch.zeros(4, 16, 8, 128, dtype=dtype)
         key = torch.zeros(3, 8, 128, dtype=dtype)
         with _recording(kv_write, "_write_kv_kernel") as rec:
             kv_write.write_kv(key, key, kv, kv.clone(), torch.tensor([0, -1, 5]))
         launches += [(f"write_kv/{str(dtype)[6:]}", rec.kernel, *call) for call in rec.calls]
+    launches += _fused_launches()
+    return launches
+
+
+def _fp8_and_window_launches():
+    """bf16 queries over an fp8 (e4m3) cache, decode and prefill, split or not; a sliding
+    window; and the fp8-quantizing KV write."""
+    import torch
+
+    from .testing import make_attention_inputs
+    kv_write = importlib.import_module(".kv_write", __package__)
+    paged_attention = importlib.import_module(".paged_attention", __package__)
+    launches = []
+    scales = dict(k_scale=torch.ones(8), v_scale=torch.ones(8))
+    for label, q_lens, extra in (("fp8/decode", [1, 1], dict(force_split=False, **scales)),
+                                 ("fp8/split", [1, 1], dict(force_split=True, **scales)),
+                                 ("fp8/prefill", [24, 8], scales),
+                                 ("window/prefill", [24, 8], dict(sliding_window=4096)),
+                                 ("window/decode", [1, 1], dict(sliding_window=4096, force_split=True))):
+        inputs = make_attention_inputs(q_lens, [40, 40], 32, 8, 128, 16, torch.bfloat16)
+        if label.startswith("fp8"):
+            inputs["k_cache"] = inputs["k_cache"].to(torch.float8_e4m3fn)
+            inputs["v_cache"] = inputs["v_cache"].to(torch.float8_e4m3fn)
+        with _recording(paged_attention, "_attention_kernel") as main, \
+                _recording(paged_attention, "_reduce_segments_kernel"):
+            paged_attention.paged_attention(**inputs, **extra)
+        launches += [(label, main.kernel, *call) for call in main.calls]
+    kv = torch.zeros(4, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    key = torch.zeros(3, 8, 128, dtype=torch.bfloat16)
+    with _recording(kv_write, "_write_kv_kernel") as rec:
+        kv_write.write_kv(key, key, kv, kv.clone(), torch.tensor([0, -1, 5]), **scales)
+    launches += [("write_kv/fp8", rec.kernel, *call) for call in rec.calls]
+    return launches
+
+
+def _fused_launches():
+    """The fused elementwise kernels at Qwen2.5-0.5B's shapes (hidden 896, 14/2 heads of 64,
+    intermediate 4864), each dtype; q and k as views of the qkv projection, as the model has them."""
+    import torch
+
+    fused = importlib.import_module(".fused", __package__)
+    launches = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        name = str(dtype)[6:]
+        x = torch.zeros(3, 896, dtype=dtype)
+        qkv = torch.zeros(3, (14 + 4) * 64, dtype=dtype)
+        q, k = qkv[:, :896].view(3, 14, 64), qkv[:, 896:1024].view(3, 2, 64)
+        table = torch.zeros(16, 32)
+        calls = {"_add_rms_norm_kernel": lambda: fused.add_rms_norm(x, x[0], 1e-6, x.clone()),
+                 "_rotary_kernel": lambda: fused.rotary(torch.zeros(3, dtype=torch.long), q, k, table, table),
+                 "_silu_mul_kernel": lambda: fused.silu_mul(torch.zeros(3, 2 * 4864, dtype=dtype))}
+        for attr, call in calls.items():
+            with _recording(fused, attr) as rec:
+                call()
+            launches += [(f"fused{attr[:-7]}/{name}", rec.kernel, *c) for c in rec.calls]
     return launches
 
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_dtype, check_last_dim_contiguous, check_same_device, check_shape
+from .reference import FP8_DTYPES
 
 # Read when the kernels below are decorated, which fixes interpreted vs compiled for this process.
 _INTERPRET = triton.knobs.runtime.interpret
@@ -43,6 +44,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_segments: int = 16  # split-KV path only; power of 2 >= 2
+    prefetch: bool = False  # load tile t+1 while computing tile t (double-buffered K/V registers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +60,8 @@ def default_config(decode: bool, group: int, head_dim: int,
     rows = triton.next_power_of_2(group)
     if dtype == torch.float32:
         return AttentionConfig(block_m=max(16 if decode else 32, rows), tile_size=32 if head_dim <= 64 else 16)
-    if decode:
-        return AttentionConfig(block_m=max(16, rows), tile_size=32 if head_dim <= 128 else 16)
+    if decode:  # bandwidth-bound: keep the next tile's loads in flight (not measured on a GPU yet)
+        return AttentionConfig(block_m=max(16, rows), tile_size=32 if head_dim <= 128 else 16, prefetch=True)
     if head_dim <= 128:
         return AttentionConfig(block_m=max(128, rows), tile_size=64, num_warps=8, num_stages=2)
     return AttentionConfig(block_m=max(64, rows), tile_size=32, num_warps=8, num_stages=2)
@@ -96,18 +98,43 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
-# num_seqs changes every step: specialising on it (== 1, % 16 == 0) would mean mid-run recompiles.
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
+def _load_tile(t, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+               BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr):
+    """Positions, in-context mask, K^T [d, tile] and V [tile, d] of context tile t. A tile
+    inside one block reads one block-table entry (contiguous rows); otherwise each token its
+    own. Tiles past the context (a prefetch beyond the last) load nothing: every K/V load is
+    masked, and the block-table index is clamped to the last tile so it stays in the row."""
+    pos = t * TILE_SIZE + tl.arange(0, TILE_SIZE)
+    in_ctx = pos < kv_end
+    if BLOCK_SIZE % TILE_SIZE == 0:
+        first = tl.minimum(t, num_tiles - 1) * TILE_SIZE
+        phys = tl.load(block_table + first // BLOCK_SIZE).to(tl.int64)
+        slot = first % BLOCK_SIZE + tl.arange(0, TILE_SIZE)
+    else:
+        phys = tl.load(block_table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+    k_off = phys * stride_kb + slot * stride_kt + kv_head * stride_kh
+    v_off = phys * stride_vb + slot * stride_vt + kv_head * stride_vh
+    k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+    return pos, in_ctx, k, v
+
+
+# num_seqs and stride_bt (the block-table width) change every step: specialising on them
+# (== 1, % 16 == 0) would mean recompiles inside timed runs.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    segm_out_ptr, segm_max_ptr, segm_sum_ptr,
+    segm_out_ptr, segm_max_ptr, segm_sum_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_KV: tl.constexpr, WINDOW: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,41 +160,58 @@ def _attention_kernel(
     if DOT_F32:  # the interpreter's bf16 tl.dot multiplies bit patterns
         q = q.to(tl.float32)
 
-    # Tiles up to the causal limit of the block's last row, shared out among the segments.
+    # Tiles up to the causal limit of the block's last row (from the window start of its first
+    # row when a sliding window applies), shared out among the segments.
     kv_end = tl.minimum(seq_len - q_len + (q_block + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, TILE_SIZE)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_lo = segment * tiles_per_segment
+    first_tile = 0
+    if WINDOW > 0:
+        first_tile = tl.maximum(seq_len - q_len + q_block * BLOCK_Q - WINDOW + 1, 0) // TILE_SIZE
+    tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+    tile_lo = first_tile + segment * tiles_per_segment
     tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:  # per-KV-head scales: they factor out of the dots
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     block_table = block_tables_ptr + seq * stride_bt
+    if PREFETCH:  # double buffering: tile t+1's K/V loads are in flight while tile t is computed
+        pos, in_ctx, k, v = _load_tile(tile_lo, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head,
+                                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+                                       BLOCK_SIZE, TILE_SIZE)
     for t in range(tile_lo, tile_hi):
-        pos = t * TILE_SIZE + tl.arange(0, TILE_SIZE)
-        in_ctx = pos < kv_end
-        phys = tl.load(block_table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_off = phys * stride_kb + slot * stride_kt + kv_head * stride_kh
-        v_off = phys * stride_vb + slot * stride_vt + kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
+        if PREFETCH:
+            next_pos, next_in_ctx, next_k, next_v = _load_tile(
+                t + 1, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head, stride_kb, stride_kt,
+                stride_kh, stride_vb, stride_vt, stride_vh, offs_d, BLOCK_SIZE, TILE_SIZE)
+        else:
+            pos, in_ctx, k, v = _load_tile(t, num_tiles, kv_end, block_table, k_cache_ptr, v_cache_ptr, kv_head,
+                                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+                                           BLOCK_SIZE, TILE_SIZE)
+        if DOT_F32 or FP8_KV:  # fp8 widens exactly to q's type (or fp32 in the interpreter)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         # ieee: exact fp32 (not tf32) for fp32 inputs; 16-bit inputs use MMA either way.
-        s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_SIZE], log2 domain
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        s = tl.dot(q, k, input_precision="ieee") * (qk_scale * k_scale)  # [BLOCK_M, TILE_SIZE], log2 domain
+        visible = pos[None, :] <= q_pos[:, None]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row can be fully masked in a late segment; keep exp2 away from (-inf) - (-inf).
         m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee") * v_scale
         m_i = m_new
+        if PREFETCH:
+            pos, in_ctx, k, v = next_pos, next_in_ctx, next_k, next_v
 
     if NUM_SEGMENTS == 1:
         out = acc / l_i[:, None]
@@ -203,16 +247,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, out: torch.Tensor | None = None, *,
                     force_split: bool | None = None,
-                    config: AttentionConfig | None = None) -> torch.Tensor:
+                    config: AttentionConfig | None = None, check: bool = True,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2) holds K/V divided by k_scale / v_scale (fp32,
+    one per KV head, or one for all); the kernel multiplies them back. sliding_window=W: a
+    query at position p sees keys p-W+1..p only (Mistral, Gemma local layers).
 
     max_query_len / max_seq_len only steer the launch configuration (no device sync);
     results do not depend on them. force_split: None = heuristic, True/False = force the
     split-KV path on/off. Rows of `out` past query_start_loc[-1] are left unspecified.
+    check=False skips the argument checks (a caller that checked the same shapes already).
     """
-    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if check:
+        _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+        _check_fp8_and_window(q, k_cache, v_cache, k_scale, v_scale, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    fp8 = k_cache.dtype in FP8_DTYPES
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -230,8 +284,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = cfg.block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     scratch = _split_scratch(q, num_segments)
+    scales = (k_scale, v_scale) if fp8 else (_dummy(q.device),) * 2
     _attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *scratch,
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *scratch, *scales,
         scale * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -239,7 +294,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], TILE_SIZE=cfg.tile_size, NUM_SEGMENTS=num_segments,
-        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16,
+        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, FP8_KV=fp8, WINDOW=sliding_window or 0,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
@@ -278,10 +334,10 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     num_seqs = block_tables.shape[0]
     check_shape("seq_lens", seq_lens, (num_seqs,))
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, _FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must match q's {q.dtype}")
+    check_dtype("q", q, _FLOAT_DTYPES)
+    if v_cache.dtype != k_cache.dtype or (k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES):
+        raise ValueError(f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must match q's {q.dtype} "
+                         f"(or both be fp8)")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
                     ("query_start_loc", query_start_loc)):
         check_dtype(name, t, (torch.int32,))
@@ -299,6 +355,20 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_sta
         raise ValueError("seq_lens and query_start_loc must be contiguous")
 
 
+def _check_fp8_and_window(q, k_cache, v_cache, k_scale, v_scale, sliding_window) -> None:
+    if k_cache.dtype in FP8_DTYPES:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None:
+                raise ValueError(f"an fp8 KV cache needs {name} (fp32, one per KV head)")
+            check_shape(name, t, (k_cache.shape[2],))
+            check_dtype(name, t, (torch.float32,))
+            check_same_device(q=q, **{name: t})
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale/v_scale apply to an fp8 KV cache only, not {k_cache.dtype}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+
+
 def _check_config(cfg: AttentionConfig, group: int) -> None:
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
@@ -310,4 +380,4 @@ def _check_config(cfg: AttentionConfig, group: int) -> None:
         raise ValueError(f"config.num_segments must be a power of two >= 2, got {cfg.num_segments}")
 
 
-__all__ = ["AttentionConfig", "default_config", "paged_attention", "sm_count", "use_split_kv"]
+__all__ = ["AttentionConfig", "FP8_DTYPES", "default_config", "paged_attention", "sm_count", "use_split_kv"]

@@ -5,24 +5,27 @@ The simulator (memory, cost model) and the engine (model construction) both read
 """
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sim.core.files import check_bounded, excerpt
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 Dtype = Literal["float32", "float16", "bfloat16"]
 MIB = 1024 * 1024
+MAX_DEVICE_MIB = 2**24          # 16 TiB: far above any accelerator, and int64-safe in bytes
 
 
 class StrictModel(BaseModel):
     """Base for every schema object: unknown keys are errors, values are re-validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: every float field of every schema object is finite (`gt=0` admits .inf)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class WeightQuant(StrictModel):
@@ -37,7 +40,7 @@ class WeightQuant(StrictModel):
 
     method: Literal["fp8", "int8", "awq", "gptq", "mxfp4"]
     scales: Literal["tensor", "channel", "block", "group"] = "channel"
-    group_size: Optional[int] = Field(default=None, gt=0)          # int4 / mxfp4 groups along the input
+    group_size: Optional[int] = Field(default=None, gt=0, le=2**20)          # int4 / mxfp4 groups along the input
     block: Optional[tuple[int, int]] = None                         # fp8 block scales [out, in]
     zero_point: bool = False                                        # int4 asymmetric (AWQ, GPTQ sym=false)
     act_order: bool = False                                         # GPTQ desc_act: an int32 g_idx per input
@@ -102,16 +105,17 @@ class ModelSpec(StrictModel):
     # The decoder variant the engine builds (attention block); MoE, sliding windows and quantized
     # weights are the separate fields below, modelled by the simulator.
     architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    max_position_embeddings: int = Field(default=4096, gt=0)
+    # Upper bounds far above any real model: they keep products (KV bytes, FLOPs) in range.
+    num_layers: int = Field(gt=0, le=4096)
+    hidden_size: int = Field(gt=0, le=2**20)
+    num_heads: int = Field(gt=0, le=2**14)
+    num_kv_heads: int = Field(gt=0, le=2**14)
+    head_dim: int = Field(gt=0, le=2**14)
+    intermediate_size: int = Field(gt=0, le=2**22)
+    vocab_size: int = Field(gt=0, le=2**24)
+    max_position_embeddings: int = Field(default=4096, gt=0, le=2**27)
     rope_theta: float = Field(default=10000.0, gt=0)
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: Optional[dict[str, Any]] = None     # free-form: bounded by _bounded_rope_scaling
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     tie_word_embeddings: bool = False
     dtype: Dtype = "bfloat16"
@@ -121,16 +125,25 @@ class ModelSpec(StrictModel):
     quantization: Optional[WeightQuant] = None
     # Sliding-window attention: the window in tokens, and which layers use it (all when
     # layer_types is unset, as Mistral v0.1; Gemma-2/3 and gpt-oss interleave local and global).
-    sliding_window: Optional[int] = Field(default=None, gt=0)
-    layer_types: Optional[list[AttentionKind]] = None
+    sliding_window: Optional[int] = Field(default=None, gt=0, le=2**27)
+    layer_types: Optional[list[AttentionKind]] = Field(default=None, max_length=4096)
     # Mixture of experts: 0 experts = a dense SwiGLU MLP of intermediate_size in every layer.
-    num_experts: int = Field(default=0, ge=0)
-    num_experts_per_tok: int = Field(default=0, ge=0)
-    moe_intermediate_size: Optional[int] = Field(default=None, gt=0)
+    num_experts: int = Field(default=0, ge=0, le=2**16)
+    num_experts_per_tok: int = Field(default=0, ge=0, le=2**16)
+    moe_intermediate_size: Optional[int] = Field(default=None, gt=0, le=2**22)
     # Always-active shared experts (Qwen2-MoE, DeepSeek-style), their total intermediate size.
-    shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    shared_expert_intermediate_size: int = Field(default=0, ge=0, le=2**22)
     # Biases on the attention projections and experts (gpt-oss); counted in the parameters.
     attention_bias: bool = False
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _bounded_rope_scaling(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # HF's rope_scaling is a flat mapping of scalars and short factor lists; refuse anything
+        # bigger before a dump or a copy walks it.
+        if v is not None:
+            check_bounded(v, "rope_scaling", max_depth=3, max_items=4096)
+        return v
 
     @model_validator(mode="after")
     def _heads_group(self) -> "ModelSpec":
@@ -261,7 +274,7 @@ class ModelSpec(StrictModel):
 class DeviceSpec(StrictModel):
     name: str = "custom"
     full_name: Optional[str] = None
-    memory_mib: float = Field(gt=0)
+    memory_mib: float = Field(gt=0, le=MAX_DEVICE_MIB)
     bf16_tflops: float = Field(gt=0)
     # Dense fp8 / int8 tensor-core peaks; None where the part has no such tensor cores (fp8 before
     # Ada/Hopper/CDNA3), and quantized GEMMs then run weight-only at the 16-bit peak, as vLLM's Marlin does.
@@ -270,7 +283,7 @@ class DeviceSpec(StrictModel):
     hbm_gbps: float = Field(gt=0)
     link_gbps: float = Field(default=32.0, gt=0)
     link_latency_us: float = Field(default=10.0, ge=0)
-    reserved_mib: float = Field(default=0.0, ge=0)
+    reserved_mib: float = Field(default=0.0, ge=0, le=MAX_DEVICE_MIB)
     cost_per_hour: Optional[float] = Field(default=None, ge=0)
     source: Optional[str] = None      # the datasheet the figures come from
     # A calibrated cost-model profile (validate/calibrate.py writes it); datasheet defaults when unset.
@@ -302,10 +315,13 @@ def device_names() -> list[str]:
 def catalog_entry(kind: str, name: str) -> dict[str, Any]:
     """The raw catalog entry (a fresh dict), or KeyError naming the closest and the valid choices."""
     table = _catalog(kind)
+    if not isinstance(name, str):
+        raise ValueError(f"expected a {kind[:-1]} name from the catalog (text), got {excerpt(name)} "
+                         f"(known: {', '.join(sorted(table))})")
     if name not in table:
-        close = closest_names(name, table)
+        close = closest_names(name[:200], table)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise KeyError(f"unknown {kind[:-1]} '{name}'{hint} (known: {', '.join(sorted(table))})")
+        raise KeyError(f"unknown {kind[:-1]} {excerpt(name)}{hint} (known: {', '.join(sorted(table))})")
     return {"name": name, **table[name]}
 
 

@@ -7,11 +7,11 @@ a capacity plan that quietly ignores it would be wrong without a word.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from sim.core.catalog import WeightQuant
+from sim.core.files import excerpt, read_json
 
 
 class UnsupportedConfigError(ValueError):
@@ -82,20 +82,18 @@ def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config_file = path / "config.json" if path.is_dir() else path
-    try:
-        cfg = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no Hugging Face config at {config_file}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    cfg = read_json(config_file, "Hugging Face config.json")   # bounded; errors name the file
     if not isinstance(cfg, dict):
-        raise ValueError(f"{config_file}: expected a JSON object")
+        raise ValueError(f"{config_file}: a JSON {type(cfg).__name__}, expected an object (a Hugging Face config)")
     try:
         if cfg.get("quantization_config") is None:
             cfg = {**cfg, "quantization_config": _separate_quant_config(folder, config_file, cfg)}
         fields = fields_from_config(cfg)
     except UnsupportedConfigError as e:
         raise UnsupportedConfigError(f"{config_file}: {e}") from None
+    except (TypeError, AttributeError, KeyError, ZeroDivisionError) as e:   # a field of an unexpected type
+        raise ValueError(f"{config_file}: a field has an unexpected type or value "
+                         f"({type(e).__name__}: {excerpt(str(e), 120)})") from None
     fields.setdefault("name", folder.name if path.is_dir() else config_file.stem)
     if any(folder.glob("*.safetensors")):
         fields["weights"] = folder
@@ -106,9 +104,11 @@ def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelSpec fields from a parsed config.json; UnsupportedConfigError names what is refused."""
     _refuse_unmodelled(cfg)
     archs = cfg.get("architectures") or []
-    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if not isinstance(archs, list):
+        raise UnsupportedConfigError(f"architectures is {excerpt(archs)}, expected a list of class names")
+    arch = next((ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in ARCHITECTURES), None)
     if arch is None:
-        raise UnsupportedConfigError(f"architectures {archs} not supported "
+        raise UnsupportedConfigError(f"architectures {excerpt(archs, 120)} not supported "
                                      f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     _refuse_unknown_keys(cfg)
     fields: dict[str, Any] = {"architecture": arch}
@@ -147,8 +147,8 @@ def _separate_quant_config(folder: Path, config_file: Path, cfg: dict[str, Any])
     side = folder / "hf_quant_config.json"
     if side.is_file():
         try:
-            algo = json.loads(side.read_text()).get("quantization", {}).get("quant_algo")
-        except (json.JSONDecodeError, AttributeError):
+            algo = read_json(side, "ModelOpt hf_quant_config.json").get("quantization", {}).get("quant_algo")
+        except (ValueError, AttributeError):
             raise UnsupportedConfigError(f"{side}: not a valid ModelOpt hf_quant_config.json") from None
         if str(algo).upper() == "FP8":
             return {"quant_method": "fp8"}

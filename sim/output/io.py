@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from contextlib import contextmanager
@@ -38,7 +39,21 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    return write_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
+    """Valid JSON always: NaN and infinities (which json.dumps writes bare) become null."""
+    return write_text(path, json.dumps(finite_json(data), indent=2, allow_nan=False) + "\n")
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None and numpy/Path values made plain."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return finite_json(_jsonable(value))
 
 
 def write_csv(path: str | Path, frame) -> Path:

@@ -76,3 +76,14 @@ def view_of(result: RunResult, label: Optional[str] = None):
                                 result.requests, result.steps)
     view.scenario = result.scenario
     return view
+
+
+def nothing_finished(name: str, summary: dict) -> Optional[str]:
+    """The reason a run predicts nothing (no measured request finished), or None when some did."""
+    if summary.get("requests_finished"):
+        return None
+    reasons = summary.get("rejection_reasons") or []
+    counted = "; ".join(f"{r['count']} x {r['reason']}" for r in reasons) or "none rejected"
+    return (f"{name}: no request finished ({summary.get('requests_total', 0)} requests, "
+            f"{summary.get('warmup_requests', 0)} of them warm-up, {summary.get('requests_rejected', 0)} "
+            f"rejected, {summary.get('requests_aborted', 0)} aborted). Rejections: {counted}")

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
+from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import ScenarioError
 from sim.whatif.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
                        print_frame, save_png, split_sets, write_page)
@@ -554,7 +555,8 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="price per GPU hour, overriding the catalog's cost_per_hour (repeatable)")
     p.add_argument("--max-replicas", type=int, default=64, help="give up above this many (default 64)")
     add_parallel_args(p)
-    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<scenario>/plan)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan)")
+    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p
 
@@ -567,18 +569,20 @@ def plan_main(argv: list[str]) -> int:
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
     out = args.out or Path("runs") / args.scenario.stem / "plan"
     t0 = time.monotonic()
-    if args.target_rate is None:
-        curve = run_rate_search(args, base, scenario, slos)
-        write_rate_plan(curve, out, args.scenario.stem, setup_manifest(scenario))
-        if not args.quiet:
-            print_rate_plan(curve, out, time.monotonic() - t0)
-    else:
-        plan = plan_replicas(base, Traffic.of(scenario), slos, positive(args.target_rate, "--target-rate"),
-                             candidates(args, scenario), args.max_replicas, check_jobs(args.jobs), args.ray,
-                             args.quiet)
-        write_replica_plan(plan, out, args.scenario.stem, setup_manifest(scenario))
-        if not args.quiet:
-            print_replica_plan(plan, out, time.monotonic() - t0)
+    if args.target_rate is not None:                      # flag errors first, then the folder
+        rate, targets = positive(args.target_rate, "--target-rate"), candidates(args, scenario)
+    with owned_run_folder(out, force=args.force):         # checked before searching
+        if args.target_rate is None:
+            curve = run_rate_search(args, base, scenario, slos)
+            write_rate_plan(curve, out, args.scenario.stem, setup_manifest(scenario))
+        else:
+            plan = plan_replicas(base, Traffic.of(scenario), slos, rate, targets, args.max_replicas,
+                                 check_jobs(args.jobs), args.ray, args.quiet)
+            write_replica_plan(plan, out, args.scenario.stem, setup_manifest(scenario))
+    if not args.quiet and args.target_rate is None:
+        print_rate_plan(curve, out, time.monotonic() - t0)
+    elif not args.quiet:
+        print_replica_plan(plan, out, time.monotonic() - t0)
     return 0
 
 

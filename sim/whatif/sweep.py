@@ -22,7 +22,6 @@ import html
 import itertools
 import math
 import os
-import re
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -32,6 +31,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
+from sim.names import folder_name
+from sim.output.run_dir import owned_run_folder
 from sim.output.run_table import print_frame  # noqa: F401  (plan prints through it too)
 from sim.scenario import apply_overrides, load_raw, parse_override, set_path, validate_scenario
 
@@ -284,7 +285,7 @@ def point_tasks(raw: dict, base_dir: Path, source: str, axes: Sequence[Axis], po
 def point_folder(point: Point, axes: Sequence[Axis]) -> str:
     """'003_block_size=16,rate=20': index first so folders sort in point order."""
     parts = ",".join(f"{a.path.rsplit('.', 1)[-1]}={t}" for a, t in zip(axes, point.texts))
-    return f"{point.index:03d}_" + re.sub(r"[^A-Za-z0-9._=,+-]", "_", parts)
+    return f"{point.index:03d}_" + folder_name(parts)
 
 
 def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
@@ -566,10 +567,11 @@ def sweep_main(args: argparse.Namespace) -> int:
     raw = base_raw(args.scenario, plain, args.seed)
     out = args.out or Path("runs") / args.scenario.stem / "sweep"
     t0 = time.monotonic()
-    sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
-                      check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
-                      args.trace, args.quiet)
-    write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario))
+    with owned_run_folder(out, force=getattr(args, "force", False)):
+        sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
+                          check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
+                          args.trace, args.quiet)
+        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario))
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0)
     return 0

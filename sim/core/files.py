@@ -1,0 +1,267 @@
+"""Reading untrusted text files: bounded, named in every error, strict YAML and JSON.
+
+Every input file kvtwin reads (scenario, profile, HF config, trace, length file) goes through
+`read_text`, so a binary, compressed, UTF-16 or oversized file is a one-line error naming the
+file instead of a codec traceback. `load_yaml` is `yaml.safe_load` plus three refusals:
+duplicate keys (with both line numbers), a document whose alias-expanded size or nesting depth
+is beyond a bound (an "alias bomb" expands a few hundred bytes into billions of nodes when
+later code walks it), and deep nesting that would overflow the parser's recursion.
+`excerpt` is the only way an error message may quote file content.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import reprlib
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+import yaml
+
+MAX_TEXT_BYTES = 64 * 1024 * 1024       # a scenario, profile or config; traces pass their own bound
+MAX_YAML_NODES = 1_000_000               # after alias expansion
+MAX_DEPTH = 64
+MAX_INT = 2**63 - 1                      # what numpy's int64 (and so every length column) holds
+EXCERPT_CHARS = 40
+FILE_EXCERPT_CHARS = 20                  # a value quoted from a data file (a trace, a length file)
+
+
+class FileFormatError(ValueError):
+    """A file that cannot be read as the text it should be; the message starts with the path."""
+
+
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+    """A bounded, escaped quote of untrusted data: repr (so control characters show as escapes
+    and markup stays text), cut to about `limit` characters with '...' when longer."""
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    short = _REPR.repr(value)       # reprlib: bounded work even for a huge list
+    return short if len(short) <= limit else short[:limit] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 8, 8, 3
+_REPR.maxlong = 40
+
+
+def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """The file as UTF-8 text, or FileFormatError naming it and saying what it looks like instead."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileFormatError(f"{path}: is a folder, expected a {what}")
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise FileFormatError(f"{path}: {size / 2**20:.1f} MiB, larger than the {max_bytes / 2**20:.0f} MiB "
+                                  f"allowed for a {what}")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileFormatError(f"{path}: no such file (expected a {what})") from None
+    except PermissionError:
+        raise FileFormatError(f"{path}: permission denied (reading a {what})") from None
+    except OSError as e:
+        raise FileFormatError(f"{path}: cannot read ({e.strerror or e}) (a {what})") from None
+    return decode(data, path, what)
+
+
+def decode(data: bytes, path: str | Path, what: str = "file") -> str:
+    kind = _binary_kind(data)
+    if kind:
+        raise FileFormatError(f"{path}: {kind}, expected a UTF-8 text {what}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise FileFormatError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}), "
+                              f"expected a UTF-8 text {what}") from None
+    return text.removeprefix("\ufeff")
+
+
+def _binary_kind(data: bytes) -> str | None:
+    head = data[:4]
+    if head.startswith(b"\x1f\x8b"):
+        return "a gzip-compressed file (decompress it first)"
+    if head.startswith((b"PK\x03\x04", b"\x28\xb5\x2f\xfd", b"BZh", b"\xfd7zX")):
+        return "a compressed archive (unpack it first)"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16 text (save it as UTF-8)"
+    if b"\x00" in data[:8192]:
+        return "a binary file (it holds NUL bytes)"
+    return None
+
+
+@contextmanager
+def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False) -> Iterator[TextIO]:
+    """A UTF-8 text file opened for streaming (a trace too big to hold twice): binary, compressed
+    and UTF-16 files are refused up front, and a bad byte later on is an error naming the file.
+    With `gzip_ok`, a gzip file (by its magic bytes) is decompressed on the fly."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileFormatError(f"{path}: is a folder, expected a {what}")
+    try:
+        with path.open("rb") as raw:
+            head = raw.read(8192)
+        gzipped = gzip_ok and head.startswith(b"\x1f\x8b")
+        if gzipped:
+            with gzip.open(path, "rb") as raw:
+                head = raw.read(8192)
+        kind = _binary_kind(head)
+        if kind:
+            raise FileFormatError(f"{path}: {kind}, expected a UTF-8 text {what}"
+                                  + (" (inside the gzip)" if gzipped else ""))
+        binary = gzip.open(path, "rb") if gzipped else path.open("rb")
+        f = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="")
+    except FileNotFoundError:
+        raise FileFormatError(f"{path}: no such file (expected a {what})") from None
+    except (OSError, EOFError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
+        raise FileFormatError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e}) (a {what})") from None
+    try:
+        with f:
+            yield f
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a chunk), "
+                              f"expected a UTF-8 text {what}") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:     # a truncated or corrupt gzip stream
+        raise FileFormatError(f"{path}: a damaged gzip stream ({e}) (a {what})") from None
+
+
+# ----------------------------------------------------------------------------- YAML
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue          # `<<: *base` entries may be overridden by explicit keys
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:      # an unhashable key; SafeLoader reports it
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {excerpt(key)} (first at line {first}); "
+                    f"a key may appear once per mapping", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str | Path = "<text>") -> Any:
+    """yaml.safe_load with duplicate keys, alias bombs and deep nesting refused (FileFormatError)."""
+    loader = _StrictLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise FileFormatError(f"{source}: nested too deeply (at most {MAX_DEPTH} levels)") from None
+        if node is None:
+            return None
+        _check_expanded_size(node, source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise FileFormatError(f"{source}: {describe_yaml_error(e)}") from None
+    finally:
+        loader.dispose()
+
+
+def describe_yaml_error(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return f"{where}not valid YAML ({getattr(e, 'problem', None) or e})"
+
+
+def _check_expanded_size(root: yaml.Node, source: str | Path) -> None:
+    """Count the nodes the document would have with every alias expanded, without expanding it."""
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+    # iterative post-order walk: aliases make the graph a DAG, so each node is sized once
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = _children(node)
+        if not done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
+        depths[id(node)] = 1 + max((depths.get(id(c), 1) for c in children), default=0)
+        if sizes[id(node)] > MAX_YAML_NODES:
+            raise FileFormatError(f"{source}:{node.start_mark.line + 1}: expands to more than {MAX_YAML_NODES:,} "
+                                  f"values (through aliases); refused")
+        if depths[id(node)] > MAX_DEPTH:
+            raise FileFormatError(f"{source}:{node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def read_yaml(path: str | Path, what: str = "YAML file", max_bytes: int = MAX_TEXT_BYTES) -> Any:
+    return load_yaml(read_text(path, what, max_bytes), path)
+
+
+# ----------------------------------------------------------------------------- JSON
+
+def load_json(text: str, source: str | Path = "<text>") -> Any:
+    """json.loads with errors that name the source and line, integers bounded to int64 and
+    nesting bounded (CPython's parser recurses)."""
+    try:
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise FileFormatError(f"{source}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise FileFormatError(f"{source}: nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except _JsonValueError as e:
+        raise FileFormatError(f"{source}: {e}") from None
+    check_bounded(value, source)
+    return value
+
+
+class _JsonValueError(ValueError):
+    pass
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 19 or abs(int(text)) > MAX_INT:
+        raise _JsonValueError(f"integer {excerpt(text, 24)} is beyond the 64-bit range")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise _JsonValueError(f"{name} is not a number JSON allows (expected a finite number)")
+
+
+def check_bounded(value: Any, source: str | Path, max_depth: int = MAX_DEPTH,
+                  max_items: int = MAX_YAML_NODES) -> None:
+    """FileFormatError when `value` (parsed JSON/YAML) nests deeper than `max_depth` levels or
+    holds more than `max_items` values; stops counting there (shared references count each time)."""
+    stack = [(value, 1)]
+    count = 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if depth > max_depth:
+            raise FileFormatError(f"{source}: nested more than {max_depth} levels deep")
+        if count > max_items:
+            raise FileFormatError(f"{source}: more than {max_items:,} values")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def read_json(path: str | Path, what: str = "JSON file", max_bytes: int = MAX_TEXT_BYTES) -> Any:
+    return load_json(read_text(path, what, max_bytes), path)
+

@@ -1,0 +1,409 @@
+"""A generated corpus of hostile inputs (issue 15), run in process: scenario files (every field
+set to hostile values, plus whole-file attacks), CLI misuses, malformed traces and bad HTTP bodies.
+
+Every case must end either in success with sane output, or in a clean error: an error class the
+CLI prints as one line (exit 2), no traceback, bounded in length, naming the field or the file.
+Each case runs under a wall-clock alarm (a hang detector, far above its normal time) and the
+corpus as a whole under a memory bound. The generation is seeded, so the corpus is the same on
+every run.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import random
+import resource
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from sim.cli import main
+from sim.core.files import FileFormatError
+from sim.core.memory import InsufficientMemoryError
+from sim.errors import UserError
+from sim.output.io import write_json
+from sim.scenario import ScenarioError, expand_variants, load_scenario
+
+# numpy's "invalid value" warnings mean NaN got through: a case that raises one fails
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+CLEAN = (ScenarioError, UserError, InsufficientMemoryError, ValueError, OSError)   # what main() prints
+CASE_ALARM_S = 30
+MAX_MESSAGE = 3000
+
+BASE: dict[str, Any] = {
+    "name": "fuzz", "seed": 3,
+    "model": {"base": "qwen2.5-0.5b", "max_position_embeddings": 4096},
+    "device": {"base": "h100-sxm", "reserved_mib": 10},
+    "parallelism": {"tp": 1, "dp": 1},
+    "engine": {"num_blocks": 512, "block_size": 16, "max_model_len": 256, "max_num_seqs": 8,
+               "max_num_batched_tokens": 256, "gpu_memory_utilization": 0.9, "scheduling_policy": "priority",
+               "kv_cache_dtype": "auto"},
+    "workload": {
+        "num_requests": 6, "warmup_requests": 1,
+        "arrival": {"process": "gamma", "rate": 20.0, "cv": 2.0},
+        "prompt_len": {"dist": "uniform", "min": 8, "max": 40},
+        "output_len": {"dist": "lognormal", "mean": 6.0, "std": 2.0, "max": 16},
+        "shared_prefix": {"groups": 2, "length": 16, "fraction": 0.5},
+        "multi_turn": {"turns": 2, "user_len": 8, "think_time_s": 0.05},
+        "tenants": [{"name": "a", "share": 1.0}, {"name": "b", "share": 2.0, "salt": False}],
+        "priorities": {"values": [0, 1], "weights": [1.0, 3.0]},
+    },
+    "slo": {"ttft_s": 1.0, "tpot_s": 0.1},
+    "cluster": {"replicas": 2, "router": "least_outstanding_tokens"},
+    "variants": {"small": {"engine": {"block_size": 8}}},
+}
+
+# YAML snippets: non-finite, negative, zero, huge, wrong types, deep, long, markup, aliases
+HOSTILE_YAML = [".inf", "-.inf", ".nan", "-1", "0", "1e30", "99999999999999999999999", "''", "[]", "{}",
+                "null", "true", "'" + "x" * 5000 + "'", "[[[[[[[[[[[[1]]]]]]]]]]]]", "':x: [red]boom[/red]'",
+                "{a: {b: {c: [1, 2]}}}", "0.5", "-0.0", "2.5e-320", "1e-300", "'../../etc/passwd'"]
+
+
+def leaf_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in leaf_paths(v, f"{prefix}{k}.")] + ([prefix[:-1]] if prefix else [])
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in leaf_paths(v, f"{prefix}{i}.")]
+    return [prefix[:-1]]
+
+
+def with_placeholder(path: str) -> str:
+    """BASE as YAML with the value at `path` replaced by the text @@HOSTILE@@."""
+    raw = json.loads(json.dumps(BASE))
+    node = raw
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = "@@HOSTILE@@"
+    else:
+        node[last] = "@@HOSTILE@@"
+    text = yaml.safe_dump(raw, default_flow_style=True, sort_keys=False, width=10**6)
+    assert "'@@HOSTILE@@'" in text
+    return text
+
+
+def scenario_cases() -> list[tuple[str, str]]:
+    """(id, YAML text): each field with a seeded sample of hostile values, then whole-file attacks."""
+    rng = random.Random(15)
+    cases = []
+    for path in sorted(set(leaf_paths(BASE))):
+        text = with_placeholder(path)
+        for value in rng.sample(HOSTILE_YAML, 5):
+            cases.append((f"{path}={value[:20]}", text.replace("'@@HOSTILE@@'", value)))
+    good = yaml.safe_dump(BASE, sort_keys=False)
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    cases += [
+        ("empty", ""), ("only a comment", "# nothing\n"), ("a list", "- 1\n- 2\n"), ("a scalar", "42\n"),
+        ("duplicate section", good + "engine: {block_size: 8}\n"),
+        ("duplicate nested key", good.replace("block_size: 16", "block_size: 16\n    block_size: 8")),
+        ("alias bomb at top", bomb + good),
+        ("alias bomb in rope_scaling", good.replace("max_position_embeddings: 4096",
+                                                    "max_position_embeddings: 4096\n    rope_scaling: {x: *i}")
+         .replace("name: fuzz", bomb + "name: fuzz")),
+        ("deep nesting", "model: " + "[" * 3000 + "]" * 3000 + "\n"),
+        ("tab indentation", good.replace("  ", "\t")),
+        ("unknown tag", good + "x: !!python/object:os.system [ls]\n"),
+        ("binary", "\x00\x01\x02" * 100),
+        ("unterminated quote", good + "name: 'abc\n"),
+        ("variant escapes", good.replace("small:", "'../../../escape':")),
+        ("variant absolute", good.replace("small:", "'/tmp/abs':")),
+        ("variant empty", good.replace("small:", "'':")),
+        ("variant dots", good.replace("small:", "'..':")),
+        ("variant not a mapping", good.replace("small: {engine: {block_size: 8}}", "small: 3")
+         if "small: {" in good else good.replace("small:\n    engine:\n      block_size: 8", "small: 3")),
+        ("every request rejected", good.replace("max_model_len: 256", "max_model_len: 16")),
+        ("huge file", "name: '" + "x" * 300_000 + "'\n" + good),
+    ]
+    return cases
+
+
+@contextlib.contextmanager
+def alarm(seconds: int):
+    def fire(*_):
+        raise TimeoutError(f"case ran over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def assert_clean(error: BaseException, must_name: list[str]) -> None:
+    message = str(error)
+    assert isinstance(error, CLEAN), f"{type(error).__name__} escapes the CLI as a traceback: {message[:500]}"
+    assert "Traceback" not in message and 0 < len(message) < MAX_MESSAGE, message[:500]
+    assert any(n in message for n in must_name), f"names none of {must_name}: {message[:500]}"
+
+
+def sane_summary(summary: dict, tmp_path: Path) -> None:
+    text = write_json(tmp_path / "summary.json", summary).read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+    assert summary["requests_total"] >= 1
+    counted = (summary["requests_finished"] + summary["requests_rejected"] + summary["requests_aborted"]
+               + summary["warmup_requests"])
+    assert counted == summary["requests_total"]
+
+
+def predict_file(path: Path) -> list[dict]:
+    """What `simrun FILE` computes, without drawing figures: every variant's summary."""
+    from sim.predict import predict
+
+    scenario = load_scenario(path)
+    return [predict(v, name).summary for name, v in expand_variants(scenario, path.parent.resolve()).items()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_git_calls():
+    """The manifest's git lookup is two subprocesses per prediction: skip it for the corpus."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVTWIN_GIT_COMMIT", "fuzz")
+    yield
+    mp.undo()
+
+
+def run_corpus(cases, run_one: Callable[[str, Any], None]) -> None:
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    failures = []
+    for case_id, payload in cases:
+        try:
+            with alarm(CASE_ALARM_S):
+                run_one(case_id, payload)
+        except AssertionError as e:
+            failures.append(f"{case_id}: {str(e)[:400]}")
+        except TimeoutError as e:
+            failures.append(f"{case_id}: {e}")
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures[:30])
+    assert grown_mib < 1024, f"the corpus raised peak memory by {grown_mib:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------- scenario files
+
+def test_hostile_scenario_files(tmp_path):
+    cases = scenario_cases()
+    assert len(cases) > 250
+    outcomes = {"ok": 0, "error": 0}
+
+    def one(case_id: str, text: str) -> None:
+        path = tmp_path / "case.yaml"
+        path.write_text(text)
+        try:
+            summaries = predict_file(path)
+        except Exception as e:                       # noqa: BLE001 - judged by assert_clean
+            field, _, value = case_id.partition("=")
+            keys = [k for k in field.split(".") if not k.isdigit()]
+            # a field case must name its field (or the section it sits in); a whole-file case, the file
+            names = keys[-2:] if value else [str(path), "variant"]
+            assert_clean(e, names)
+            outcomes["error"] += 1
+            return
+        for summary in summaries:
+            sane_summary(summary, tmp_path)
+        outcomes["ok"] += 1
+
+    run_corpus(cases, one)
+    assert outcomes["ok"] > 10 and outcomes["error"] > 100, outcomes   # the corpus exercises both ends
+
+
+# ----------------------------------------------------------------------------- CLI misuses
+
+def cli_cases(tmp_path: Path) -> list[tuple[str, list[str]]]:
+    good = tmp_path / "good.yaml"
+    good.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {num_blocks: 256, max_model_len: 256}\n"
+                    "workload: {num_requests: 3, prompt_len: 8, output_len: 2}\n")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    g, o = str(good), str(tmp_path / "out")
+    return [
+        ("no args", []), ("missing file", ["missing.yaml"]), ("a folder", [str(tmp_path)]),
+        ("/dev/null", ["/dev/null"]), ("--set without =", [g, "--set", "engine.block_size"]),
+        ("--set empty path part", [g, "--set", "engine..block_size=8"]),
+        ("--set unknown field", [g, "--set", "engine.blok_size=8"]),
+        ("--set a non-mapping parent", [g, "--set", "seed.x=1"]),
+        ("--set bad type", [g, "--set", "engine.block_size=abc"]),
+        ("--set inf", [g, "--set", "workload.arrival={process: poisson, rate: .inf}"]),
+        ("--set alias bomb", [g, "--set", "name=[&a [1,1,1,1,1,1,1,1,1,1], [*a,*a,*a]]"]),
+        ("--set duplicate keys", [g, "--set", "engine={block_size: 8, block_size: 16}"]),
+        ("--set unknown model", [g, "--set", "model=gpt-17"]),
+        ("--seed text", [g, "--seed", "x"]), ("--seed negative", [g, "--seed", "-1"]),
+        ("--seed huge", [g, "--seed", str(2**70)]), ("--out empty", [g, "--out", ""]),
+        ("--out a file", [g, "--out", str(afile)]), ("--out under a file", [g, "--out", str(afile / "x")]),
+        ("unknown flag", [g, "--frobnicate"]), ("sweep with a bad value", [g, "--set", "engine.block_size=8,abc"]),
+        ("sweep of nothing", [g, "--set", "engine.block_size=,"]),
+        ("serve bad port", ["serve", "--model", "tiny", "--port", "99999"]),
+        ("serve no model", ["serve"]),
+        ("plan without slo", ["plan", g]),
+        ("markup in a path", [str(tmp_path / "[red]:x:.yaml")]),
+        ("runs fine", [g, "--out", o, "--quiet", "--set", "workload.num_requests=2"]),
+    ]
+
+
+def test_cli_misuses(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    outcomes = {}
+
+    def one(case_id: str, argv: list[str]) -> None:
+        try:
+            code = main(argv)
+        except SystemExit as e:                      # argparse: usage + message, exit 2
+            code = e.code
+        captured = capsys.readouterr()
+        text = captured.err + captured.out
+        assert code in (0, 1, 2), f"exit {code}"
+        assert "Traceback" not in text, text[-800:]
+        if code == 2:
+            first = captured.err.strip().splitlines()[-1] if captured.err.strip() else ""
+            assert first.startswith(("error:", "simrun")) or "error:" in captured.err, captured.err[-500:]
+            assert len(captured.err) < MAX_MESSAGE * 2
+            assert "\u274c" not in captured.err          # ':x:' printed literally
+        outcomes[case_id] = code
+
+    run_corpus(cli_cases(tmp_path), one)
+    assert outcomes["runs fine"] == 0 and outcomes["missing file"] == 2
+
+
+# ----------------------------------------------------------------------------- traces
+
+GOOD_TRACES = {
+    "azure": ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+              "2023-11-16 18:15:50.9951690,396,109\n2023-11-16 18:15:51.1200000,879,31\n"),
+    "burstgpt": ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "5,ChatGPT,472,18,490,Conversation log\n45,ChatGPT,1087,0,1087,Conversation log\n"
+                 "118,GPT-4,417,276,693,Conversation log\n"),
+    "mooncake": ('{"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}\n'
+                 '{"timestamp": 27, "input_length": 600, "output_length": 4, "hash_ids": [1, 3]}\n'),
+    "jsonl": ('{"arrival_s": 0.0, "prompt_len": 12, "output_len": 3, "tenant": "a", "priority": 1}\n'
+              '{"arrival_s": 0.5, "prompt": [1, 2, 3], "output_len": 2}\n'),
+    "csv": "arrival_s,prompt_len,output_len,tenant,priority\n0.0,12,3,a,1\n0.5,20,4,b,0\n1.5,7,2,,2\n",
+}
+CSV_FORMATS = ("azure", "burstgpt", "csv")
+CELL_VALUES = ["", "x", "-1", "1e400", "9" * 30, "NaN", "1.5", '"', "[]", "{}", "true", "null", "-0",
+               "9" * 5000, "\u202e", "2023-13-45 99:99:99"]
+JSON_VALUES = ["-1", "1e400", "9" * 30, "NaN", "Infinity", "1.5", '"x"', "[]", "{}", "true", "null",
+               "9" * 5000, "[" * 5000 + "]" * 5000, '"' + "y" * 200_000 + '"', "[1e400]", "[-1]", "[1.5]"]
+
+
+def trace_cases() -> list[tuple[str, tuple[str, bytes]]]:
+    rng = random.Random(15)
+    cases: list[tuple[str, tuple[str, bytes]]] = []
+    for fmt, text in GOOD_TRACES.items():
+        lines = text.splitlines()
+        if fmt in CSV_FORMATS:
+            header = lines[0].split(",")
+            for col in range(len(header)):
+                for value in rng.sample(CELL_VALUES, 6):
+                    row = lines[1].split(",")
+                    row[col] = value
+                    cases.append((f"{fmt}:{header[col]}={value[:12]}",
+                                  (fmt, "\n".join([lines[0], ",".join(row), *lines[2:]]).encode())))
+            cases.append((f"{fmt}: no header", (fmt, "\n".join(lines[1:]).encode())))
+            cases.append((f"{fmt}: short row", (fmt, (text + "1,2\n").encode())))
+            cases.append((f"{fmt}: 200 KiB field", (fmt, (text + '"' + "z" * 200_000 + '",1,1\n').encode())))
+        else:
+            keys = list(json.loads(lines[0]))
+            for key in keys:
+                for value in rng.sample(JSON_VALUES, 6):
+                    obj = lines[0].replace(f'"{key}": ', f'"{key}": @@', 1)
+                    start = obj.index("@@")
+                    end = start + 2
+                    depth = 0
+                    while end < len(obj) and (depth or obj[end] not in ",}"):
+                        depth += obj[end] == "["
+                        depth -= obj[end] == "]"
+                        end += 1
+                    cases.append((f"{fmt}:{key}={value[:12]}", (fmt, (obj[:start] + value + obj[end:] + "\n"
+                                                                      + "\n".join(lines[1:])).encode())))
+            cases += [(f"{fmt}: not json", (fmt, b"{not json}\n")), (f"{fmt}: a list", (fmt, b"[1, 2]\n")),
+                      (f"{fmt}: truncated", (fmt, text.encode()[:-20]))]
+        raw = text.encode()
+        cases += [(f"{fmt}: empty", (fmt, b"")), (f"{fmt}: gzip", (fmt, gzip.compress(raw))),
+                  (f"{fmt}: utf-16", (fmt, text.encode("utf-16"))), (f"{fmt}: bom", (fmt, b"\xef\xbb\xbf" + raw)),
+                  (f"{fmt}: crlf", (fmt, raw.replace(b"\n", b"\r\n"))), (f"{fmt}: binary", (fmt, bytes(range(256)))),
+                  (f"{fmt}: latin-1 byte", (fmt, raw + b"\xe9\n")), (f"{fmt}: nul", (fmt, raw[:30] + b"\x00" + raw[30:]))]
+    return cases
+
+
+def test_malformed_traces(tmp_path):
+    from sim.scenario import Trace
+    from sim.traces import TraceError, load_trace
+
+    cases = trace_cases()
+    assert len(cases) > 150
+    outcomes = {"ok": 0, "error": 0}
+
+    def one(case_id: str, payload: tuple[str, bytes]) -> None:
+        fmt, data = payload
+        path = tmp_path / f"trace.{'csv' if fmt in CSV_FORMATS else 'jsonl'}"
+        path.write_bytes(data)
+        try:
+            loaded = load_trace(Trace(format=fmt, path=path), seed=0)
+        except Exception as e:                       # noqa: BLE001 - judged below
+            assert isinstance(e, (TraceError, FileFormatError)), f"{type(e).__name__}: {str(e)[:300]}"
+            assert_clean(e, [str(path)])
+            outcomes["error"] += 1
+            return
+        assert loaded.requests
+        for r in loaded.requests:
+            assert r.prompt_len >= 1 and r.output_len >= 1 and r.arrival >= 0
+        outcomes["ok"] += 1
+
+    run_corpus(cases, one)
+    assert outcomes["ok"] > 5 and outcomes["error"] > 50, outcomes
+
+
+# ----------------------------------------------------------------------------- HTTP bodies
+
+def body_cases() -> list[tuple[str, bytes]]:
+    pytest.importorskip("fastapi")
+    from engine.server import NEUTRAL_VALUES, SUPPORTED_FIELDS
+
+    good = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": False, "ignore_eos": True,
+            "temperature": 0.0, "n": 1}
+    cases = []
+    for key in [*SUPPORTED_FIELDS, *NEUTRAL_VALUES, "prompt.0", "unknown_field"]:
+        for value in JSON_VALUES + ['"tiny"', "0", "1", "[1, 2]", '{"include_usage": true}']:
+            body = json.dumps({**good, key.split(".")[0]: "@@"})
+            if key == "prompt.0":
+                body = json.dumps({**good, "prompt": ["@@", 2]})
+            cases.append((f"{key}={value[:12]}", body.replace('"@@"', value).encode()))
+    cases += [("empty", b""), ("not json", b"{"), ("a list", b"[1]"), ("nul", b"\x00"), ("utf-16", json.dumps(good).encode("utf-16")),
+              ("bad utf-8", b'{"prompt": [1], "user": "\xff"}'), ("deep", b"[" * 100_000 + b"]" * 100_000),
+              ("long prompt", json.dumps({**good, "prompt": [1] * 100_000}).encode())]
+    return cases
+
+
+def test_bad_http_bodies():
+    pytest.importorskip("fastapi")
+    from engine.server import ApiError, ServedModel, parse_body
+
+    served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
+    cases = body_cases()
+    assert len(cases) > 500
+    outcomes = {"ok": 0, "error": 0}
+
+    def one(case_id: str, data: bytes) -> None:
+        try:
+            params = parse_body(data, served)
+        except ApiError as e:
+            assert 400 <= e.status < 500 and 0 < len(str(e)) < MAX_MESSAGE, (e.status, str(e)[:300])
+            outcomes["error"] += 1
+            return
+        except Exception as e:                       # noqa: BLE001
+            pytest.fail(f"{type(e).__name__} would be HTTP 500: {str(e)[:300]}")
+        assert all(type(t) is int and 0 <= t < 1024 for t in params.prompt)
+        assert params.max_tokens >= 1 and len(params.prompt) + params.max_tokens <= 512
+        outcomes["ok"] += 1
+
+    run_corpus(cases, one)
+    assert outcomes["ok"] > 20 and outcomes["error"] > 300, outcomes

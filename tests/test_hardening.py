@@ -1,0 +1,463 @@
+"""Untrusted input (issue 15): names, YAML, bounds, output folders, error text, zero-finished runs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.cli import main
+from sim.names import folder_name, name_problem
+from sim.scenario import ScenarioError, validate_scenario
+
+BASE = {"model": "qwen2.5-0.5b", "device": "h100-sxm"}
+SMALL = ("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {num_blocks: 256, max_model_len: 256}\n"
+         "workload: {num_requests: 4, prompt_len: 16, output_len: 4}\n")
+
+
+def files_under(folder: Path) -> set[Path]:
+    return {p for p in folder.rglob("*")}
+
+
+# ----------------------------------------------------------------------------- 1. names
+
+HOSTILE_NAMES = ["../../../x", "/abs/x", "", "/", "..", ".", "a/b", "a\\b", ".hidden", "report.html",
+                 "x" * 101, "a\x00b", "-rf", "a\nb"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=repr)
+def test_hostile_variant_names_are_refused(name):
+    assert name_problem(name)
+    with pytest.raises(ScenarioError, match="variants: variant name"):
+        validate_scenario({**BASE, "variants": {name: {}, "ok": {}}})
+
+
+def test_hostile_variant_names_write_nothing_anywhere(tmp_path, capsys, monkeypatch):
+    work = tmp_path / "a" / "b" / "c"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    names = {n: {} for n in HOSTILE_NAMES if "\x00" not in n}
+    scenario = work / "s.yaml"
+    scenario.write_text(SMALL + "variants: " + json.dumps(names) + "\n")
+    before = files_under(tmp_path)
+    assert main([str(scenario), "--out", str(work / "out")]) == 2
+    assert files_under(tmp_path) == before
+    assert "variant name" in capsys.readouterr().err
+
+
+def test_plain_names_pass_and_folder_name_makes_any_text_safe():
+    for name in ("static", "bs16", "lengths_35_17_64", "v1.5", "rate=2,tp=1"):
+        assert name_problem(name) is None, name
+    for text in HOSTILE_NAMES + ["meta-llama/Llama-3.1-8B"]:
+        assert name_problem(folder_name(text)) is None, text
+
+
+# ----------------------------------------------------------------------------- 2. YAML and bounds
+
+ALIAS_BOMB = """model:
+  base: qwen2.5-0.5b
+  rope_scaling:
+    a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+    i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+device: h100-sxm
+"""
+
+
+def load_text(tmp_path, text: str, name: str = "s.yaml", overrides=None):
+    from sim.scenario import load_scenario
+
+    path = tmp_path / name
+    path.write_text(text)
+    return load_scenario(path, overrides)
+
+
+def test_alias_bomb_fails_fast_with_a_clean_error(tmp_path):
+    import time
+
+    t0 = time.process_time()
+    with pytest.raises(ScenarioError, match=r"s\.yaml:\d+: expands to more than"):
+        load_text(tmp_path, ALIAS_BOMB)
+    assert time.process_time() - t0 < 2.0
+
+
+def test_rope_scaling_given_as_python_data_is_bounded_too():
+    shared = ["x"] * 10
+    for _ in range(6):
+        shared = [shared] * 10      # a billion leaves by reference, a few kB in memory
+    with pytest.raises(ScenarioError, match="rope_scaling"):
+        validate_scenario({**BASE, "model": {"base": "qwen2.5-0.5b", "rope_scaling": {"a": shared}}})
+
+
+def test_duplicate_keys_are_errors_with_both_lines(tmp_path):
+    text = "model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 1024}\nworkload: {num_requests: 3}\nengine:\n  block_size: 8\n"
+    with pytest.raises(ScenarioError, match=r"s\.yaml: line 5, column 1: not valid YAML \(duplicate key 'engine' \(first at line 3\)"):
+        load_text(tmp_path, text)
+    nested = "model: qwen2.5-0.5b\ndevice: h100-sxm\nengine:\n  block_size: 8\n  block_size: 16\n"
+    with pytest.raises(ScenarioError, match=r"line 5.*duplicate key 'block_size' \(first at line 4\)"):
+        load_text(tmp_path, nested)
+
+
+def test_yaml_merge_keys_still_override():
+    from sim.core.files import load_yaml
+
+    assert load_yaml("base: &b {x: 1, y: 2}\nnew:\n  <<: *b\n  y: 3\n")["new"] == {"x": 1, "y": 3}
+
+
+INFINITE = ["workload.arrival.rate=.inf", "workload.duration_s=.inf", "engine.gpu_memory_utilization=.nan",
+            "slo.ttft_s=.inf", "device.memory_mib=.inf", "model.rope_theta=.inf", "cluster.load_bound=.inf",
+            "workload.prompt_len={dist: normal, mean: .inf, std: 1}", "workload.arrival.cv=.nan",
+            "engine.activation_mib=-.inf", "device.hbm_gbps=.inf"]
+
+
+@pytest.mark.parametrize("override", INFINITE)
+def test_every_float_field_is_finite(tmp_path, override):
+    with pytest.raises(ScenarioError, match="finite number"):
+        load_text(tmp_path, SMALL, overrides=[override])
+
+
+TOO_BIG = {"cluster.replicas=1000000": "cluster.replicas", "cluster.replicas=1000": "blocks, more than the",
+           "workload.num_requests=1e12": "workload.num_requests",
+           "workload.num_requests=1000000000000": "workload.num_requests",
+           "engine.num_blocks=1000000000000": "engine.num_blocks", "engine.num_blocks=10000000": "GiB of KV cache",
+           "device.memory_mib=1e30": "device.memory_mib", "workload.duration_s=1e9": "workload.duration_s",
+           "engine.max_model_len=1000000000": "engine.max_model_len",
+           "workload.output_len=1000000000": "workload.output_len"}
+
+
+@pytest.mark.parametrize("override", list(TOO_BIG), ids=list(TOO_BIG))
+def test_sizes_have_upper_bounds(tmp_path, override):
+    with pytest.raises(ScenarioError, match=TOO_BIG[override].replace(".", r"\.")):
+        # pool sizes derived from the device's memory (an H100: ~375k blocks per replica)
+        load_text(tmp_path, SMALL.replace("engine: {num_blocks: 256, max_model_len: 256}\n", ""),
+                  overrides=[override])
+
+
+def test_rate_times_duration_is_bounded(tmp_path):
+    with pytest.raises(ScenarioError, match="rate x duration_s"):
+        load_text(tmp_path, "model: qwen2.5-0.5b\ndevice: h100-sxm\n"
+                  "workload: {duration_s: 100000, arrival: {process: poisson, rate: 100}}\n")
+
+
+def test_set_mapping_merges_into_the_section(tmp_path):
+    text = "model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 1024, block_size: 32}\n"
+    s = load_text(tmp_path, text, overrides=["engine={block_size: 8}"])
+    assert s.engine.block_size == 8 and s.engine.max_model_len == 1024
+    s = load_text(tmp_path, text, overrides=["model={max_position_embeddings: 8192}"])
+    assert s.model.max_position_embeddings == 8192 and s.model.num_layers == 24
+    assert load_text(tmp_path, text + "variants: {a: {}}\n", overrides=["variants={}"]).variants == {}
+
+
+# ----------------------------------------------------------------------------- 3. output folders
+
+def small_scenario(tmp_path) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL)
+    return path
+
+
+def test_rerun_removes_stale_files_of_the_earlier_run(tmp_path):
+    from sim.output.run_dir import INCOMPLETE, MARKER
+
+    out = tmp_path / "out"
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--trace", "--quiet"]) == 0
+    assert (out / "trace.json").exists() and (out / MARKER).exists() and not (out / INCOMPLETE).exists()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert not (out / "trace.json").exists()          # stale: this run did not ask for a trace
+    assert (out / "summary.json").exists()
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+def test_folder_with_foreign_files_is_refused_before_simulating(tmp_path, capsys, monkeypatch):
+    import sim.predict
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(sim.predict, "predict", lambda *a, **k: pytest.fail("simulated before checking --out"))
+    assert main([str(small_scenario(tmp_path)), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "notes.txt" in err and "--force" in err
+    monkeypatch.undo()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "summary.json").exists()
+    # a second forced run still leaves the foreign file alone
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("bad", ["", "  "])
+def test_empty_out_is_refused(tmp_path, capsys, bad, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main([str(small_scenario(tmp_path)), "--out", bad])
+    assert exc.value.code == 2 and "empty path" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.yaml"]
+
+
+def test_out_that_is_a_file_is_refused_before_simulating(tmp_path, capsys):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    assert main([str(small_scenario(tmp_path)), "--out", str(target)]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main([str(small_scenario(tmp_path)), "--out", str(target / "sub")]) == 2
+
+
+def test_interrupted_run_leaves_incomplete_and_the_next_run_cleans_up(tmp_path, monkeypatch):
+    import sim.output.run_files as run_files
+    from sim.output.run_dir import INCOMPLETE
+
+    out = tmp_path / "out"
+    real = run_files.write_csv
+
+    def dies_midway(path, frame):
+        if Path(path).name == "steps.csv":
+            (Path(path).parent / ".steps.csv.abc.tmp").write_text("half")    # what kill -9 leaves
+            raise KeyboardInterrupt
+        return real(path, frame)
+
+    monkeypatch.setattr(run_files, "write_csv", dies_midway)
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 130
+    assert (out / INCOMPLETE).exists() and (out / "summary.json").exists()
+    monkeypatch.undo()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert not (out / INCOMPLETE).exists() and not list(out.glob(".*.tmp"))
+
+
+def test_summary_json_is_valid_json_without_nan(tmp_path):
+    from sim.output.io import write_json
+
+    path = write_json(tmp_path / "s.json", {"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+
+
+# ----------------------------------------------------------------------------- 4. nothing finished
+
+def test_run_where_every_request_is_rejected_exits_non_zero_with_reasons(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 64}\n"
+                    "workload: {num_requests: 5, prompt_len: 100, output_len: 4}\n")
+    assert main([str(path), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "no request finished" in err
+    assert "5 x prompt of N tokens leaves no room for output within max_model_len N" in err
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["requests_rejected"] == 5 and summary["requests_finished"] == 0
+
+
+def test_warmup_requests_are_not_counted_as_finished(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL.replace("num_requests: 4", "num_requests: 6, warmup_requests: 2"))
+    assert main([str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["requests_total"] == 6 and summary["warmup_requests"] == 2
+    assert summary["requests_finished"] == 4 == summary["requests_measured"]
+
+
+# ----------------------------------------------------------------------------- 5. error text
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+def trace_scenario(tmp_path, fmt: str, trace: Path) -> Path:
+    path = tmp_path / f"trace_{fmt}.yaml"
+    path.write_text(f"model: qwen2.5-0.5b\ndevice: h100-sxm\nworkload:\n  trace: {{format: {fmt}, path: {trace}}}\n")
+    return path
+
+
+def test_errors_print_literally_without_markup_or_emoji(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL + 'variants: {":x: [bold]b[/bold]": {}}\n')
+    code, err = run_cli([path, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and ":x: [bold]b[/bold]" in err and "\u274c" not in err
+
+
+def test_a_file_named_as_a_trace_or_length_file_is_not_echoed(tmp_path, capsys):
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash:" + "S3CRET" * 2000 + "\nuser:x:1000\n")
+    lengths = tmp_path / "lengths.yaml"
+    lengths.write_text(SMALL.replace("prompt_len: 16", f"prompt_len: {{dist: empirical, file: {secret}}}"))
+    cases = [trace_scenario(tmp_path, fmt, secret) for fmt in ("azure", "burstgpt", "jsonl", "mooncake")]
+    for scenario in cases + [lengths]:
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+        assert code == 2 and str(secret) in err and "Traceback" not in err
+        assert "/root:/bin/bash" not in err and "S3CRET" not in err, err     # at most a short excerpt
+
+
+def hostile_files(tmp_path) -> dict[str, Path]:
+    files = {}
+
+    def make(name: str, data: bytes) -> None:
+        files[name] = tmp_path / name
+        files[name].write_bytes(data)
+
+    import gzip
+
+    make("binary.csv", bytes(range(256)) * 4)
+    make("utf16.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n".encode("utf-16"))
+    make("gzipped.csv", gzip.compress(b"TIMESTAMP,ContextTokens,GeneratedTokens\n"))
+    make("latin1.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,\xe9,3\n")
+    make("bigfield.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n\"" + b"x" * 140_000 + b"\",1,1\n")
+    make("bigint.jsonl", b'{"arrival_s": 0, "prompt_len": 99999999999999999999, "output_len": 3}\n')
+    make("hugeint.jsonl", b'{"arrival_s": 0, "prompt_len": ' + b"9" * 5000 + b', "output_len": 3}\n')
+    make("deep.jsonl", b'{"arrival_s": 0, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    make("nulbyte.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,1\x00,3\n")
+    return files
+
+
+@pytest.mark.parametrize("name", ["binary.csv", "utf16.csv", "gzipped.csv", "latin1.csv", "bigfield.csv",
+                                  "bigint.jsonl", "hugeint.jsonl", "deep.jsonl", "nulbyte.csv"])
+def test_bad_trace_files_are_errors_naming_the_file(tmp_path, capsys, name):
+    trace = hostile_files(tmp_path)[name]
+    fmt = "jsonl" if name.endswith(".jsonl") else "azure"
+    code, err = run_cli([trace_scenario(tmp_path, fmt, trace), "--out", tmp_path / "o"], capsys)
+    assert code == 2, err
+    assert str(trace) in err and "Traceback" not in err and len(err) < 2000
+
+
+@pytest.mark.parametrize("name", ["binary.csv", "utf16.csv", "gzipped.csv", "bigfield.csv"])
+def test_bad_length_files_are_errors_naming_the_file(tmp_path, capsys, name):
+    lengths = hostile_files(tmp_path)[name]
+    path = tmp_path / "s.yaml"
+    path.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nworkload: {num_requests: 3, output_len: 4, "
+                    f"prompt_len: {{dist: empirical, file: {lengths}, column: ContextTokens}}}}\n")
+    code, err = run_cli([path, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and str(lengths) in err and "Traceback" not in err
+
+
+def test_bad_scenario_profile_and_hf_config_files_name_the_file(tmp_path, capsys):
+    cases = {}
+    cases["scenario is a folder"] = (tmp_path, str(tmp_path))
+    bin_scenario = tmp_path / "bin.yaml"
+    bin_scenario.write_bytes(b"\x00\x01\x02model")
+    cases["binary scenario"] = (bin_scenario, "binary")
+    u16 = tmp_path / "u16.yaml"
+    u16.write_bytes("model: qwen2.5-0.5b\n".encode("utf-16"))
+    cases["utf-16 scenario"] = (u16, "UTF-16")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 5000 + "]" * 5000 + "\ndevice: h100-sxm\n")
+    cases["deep yaml"] = (deep, "nested")
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("coefficients: {a: 1\n  b: [\n")
+    with_profile = tmp_path / "with_profile.yaml"
+    with_profile.write_text(SMALL.replace("device: h100-sxm", f"device: {{base: h100-sxm, profile: {profile}}}"))
+    cases["bad profile yaml"] = (with_profile, str(profile))
+    hf = tmp_path / "config.json"
+    hf.write_text("[1, 2, 3]")
+    hf_scenario = tmp_path / "hf.yaml"
+    hf_scenario.write_text(f"model: {{hf_config: {hf}}}\ndevice: h100-sxm\n")
+    cases["hf_config a list"] = (hf_scenario, str(hf))
+    hf_big = tmp_path / "big" / "config.json"
+    hf_big.parent.mkdir()
+    hf_big.write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 99999999999999999999999}')
+    hf_big_scenario = tmp_path / "hfbig.yaml"
+    hf_big_scenario.write_text(f"model: {{hf_config: {hf_big}}}\ndevice: h100-sxm\n")
+    cases["hf_config int beyond 2^63"] = (hf_big_scenario, str(hf_big))
+    for what, (scenario, needle) in cases.items():
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+        assert code == 2 and needle in err and "Traceback" not in err, (what, err)
+
+
+def test_a_sweep_folder_inside_a_run_folder_is_left_alone(tmp_path):
+    out = tmp_path / "runs" / "small"
+    scenario = small_scenario(tmp_path)
+    assert main([str(scenario), "--out", str(out), "--quiet"]) == 0
+    assert main([str(scenario), "--out", str(out / "sweep"), "--quiet", "--set", "engine.block_size=8,16"]) == 0
+    assert (out / "sweep" / "sweep.csv").exists()
+    assert main([str(scenario), "--out", str(out), "--quiet"]) == 0       # the sweep is not foreign
+    assert (out / "sweep" / "sweep.csv").exists()                          # nor stale
+
+
+def test_sigterm_mid_run_leaves_incomplete_and_no_temp_files(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sim.output.run_dir import INCOMPLETE
+
+    out = tmp_path / "out"
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL.replace("num_requests: 4", "num_requests: 200000").replace("output_len: 4", "output_len: 64"))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", str(path), "--out", str(out), "--quiet"], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / INCOMPLETE).exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-500:]
+    assert (out / INCOMPLETE).exists() and not list(out.rglob("*.tmp")) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arrival, message", [
+    ("{process: poisson, rate: 2.5e-320}", "30 days"),
+    ("{process: gamma, rate: 10, cv: 99}", "all at t=0"),
+])
+def test_arrival_processes_that_would_give_nan_times_are_errors(tmp_path, arrival, message):
+    from sim.workload import build_workload
+
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL.replace("num_requests: 4", f"num_requests: 4, arrival: {arrival}"))
+    with pytest.raises(ValueError, match=message):
+        from sim.scenario import load_scenario
+
+        build_workload(load_scenario(path))
+
+
+def test_a_duration_bounded_gamma_process_that_cannot_advance_is_an_error_not_a_hang(tmp_path):
+    from sim.scenario import load_scenario
+    from sim.workload import build_workload
+
+    path = tmp_path / "s.yaml"
+    path.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\n"
+                    "workload: {duration_s: 10, arrival: {process: gamma, rate: 1, cv: 99}}\n")
+    with pytest.raises(ValueError, match="all at t=0"):
+        build_workload(load_scenario(path))
+
+
+def test_a_crafted_marker_cannot_make_kvtwin_delete_outside_its_folder(tmp_path):
+    from sim.output.run_dir import MARKER
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"kvtwin": "run folder", "files": ["../victim.txt", str(victim)]}))
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert victim.read_text() == "keep me"
+
+
+def test_hidden_temp_files_in_a_foreign_folder_are_not_ours(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".mine.tmp").write_text("user's")
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet"]) == 2
+    for _ in range(2):          # and a second forced run still knows it is the user's
+        assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--force"]) == 0
+        assert (out / ".mine.tmp").read_text() == "user's"
+
+
+def test_validate_refuses_a_foreign_folder_before_measuring(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    import validate.run
+
+    monkeypatch.setattr(validate.run, "validate", lambda *a, **k: pytest.fail("measured before checking --out"))
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["validate", str(small_scenario(tmp_path)), "--device", "cpu", "--out", str(out)]) == 2
+    assert "notes.txt" in capsys.readouterr().err

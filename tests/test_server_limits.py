@@ -1,0 +1,197 @@
+"""The server's input limits (issue 15), in process with a stand-in engine: 413, 400 (never 500),
+429, parsing off the event loop; and `simrun serve` port checks before the model build."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from engine.server import (CompletionParams, Event, ServedModel, ServeLimits, ServerMetrics, Stream,  # noqa: E402
+                           build_app, serve_main)
+from sim.errors import UserError  # noqa: E402
+
+SERVED = ServedModel("tiny", "tiny", vocab_size=1024, max_model_len=512, temperature=0.0, eos_token_id=None)
+
+
+class StubEngine:
+    """What build_app needs of EngineLoop; each request gets one token and finishes, unless `hold`."""
+
+    def __init__(self, hold: bool = False):
+        self.served, self.drain, self.alive, self.error = SERVED, None, True, None
+        self.metrics = ServerMetrics("tiny", 16, 64)
+        self.hold, self.submitted, self.loop = hold, [], None
+
+    def start(self, loop):
+        self.loop = loop
+
+    def stop(self):
+        return {"finished": 0, "aborted": 0, "rejected": 0}
+
+    def abort(self, req_id):
+        pass
+
+    def submit(self, params: CompletionParams) -> Stream:
+        stream = Stream(self, len(self.submitted))
+        self.submitted.append(params)
+        stream.queue.put_nowait(Event("accepted"))
+        if not self.hold:
+            stream.queue.put_nowait(Event("token", 7, "length"))
+        return stream
+
+
+def client(engine=None, **limits) -> TestClient:
+    return TestClient(build_app(engine or StubEngine(), "test", ServeLimits(**limits)))
+
+
+def post(c: TestClient, body) -> "httpx.Response":  # noqa: F821
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return c.post("/v1/completions", content=data, headers={"content-type": "application/json"})
+
+
+def test_a_good_request_still_completes():
+    with client() as c:
+        r = post(c, {"prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7]
+
+
+def test_body_over_the_limit_is_413_from_its_length_or_its_stream():
+    with client(max_body_bytes=1000) as c:
+        r = post(c, {"prompt": [1] * 2000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+        def chunks():                      # no Content-Length: counted as it streams
+            for _ in range(100):
+                yield b" " * 100
+        r = c.post("/v1/completions", content=chunks())
+        assert r.status_code == 413
+
+
+MALFORMED = {
+    "deep list": b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    "deep in an ignored field": b'{"prompt": [1], "user": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    "deep neutral value": b'{"prompt": [1], "stop": ' + b"[" * 900 + b"]" * 900 + b"}",
+    "huge int": b'{"prompt": [' + b"9" * 5000 + b"]}",
+    "NaN temperature": b'{"prompt": [1], "temperature": NaN}',
+    "Infinity max_tokens": b'{"prompt": [1], "max_tokens": Infinity}',
+    "not utf-8": b'{"prompt": [1], "user": "\xff\xfe"}',
+    "truncated": b'{"prompt": [1, 2',
+    "empty": b"",
+    "a list": b"[1, 2, 3]",
+    "a string": b'"hello"',
+    "prompt of dicts": b'{"prompt": [{"a": 1}]}',
+    "prompt too long": json.dumps({"prompt": [1] * 600}).encode(),
+    "stream_options a list": b'{"prompt": [1], "stream_options": [1]}',
+    "n a dict": b'{"prompt": [1], "n": {"a": 1}}',
+    "model a list": b'{"prompt": [1], "model": [1]}',
+    "bool max_tokens": b'{"prompt": [1], "max_tokens": true}',
+    "null bytes": b'{"prompt": [1], "user": "\\u0000"}' + b"\x00",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_bodies_are_4xx_never_500(name):
+    with client() as c:
+        r = post(c, MALFORMED[name])
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+        assert r.json()["error"]["message"] and len(r.text) < 2000
+
+
+def test_parsing_runs_off_the_event_loop(monkeypatch):
+    """While one body is being parsed, /health answers at once."""
+    import engine.server as server
+
+    started, release = threading.Event(), threading.Event()
+    real = server.parse_body
+
+    def slow_parse(data, served, parse=None):
+        started.set()
+        release.wait(10)
+        return real(data, served, parse)
+
+    monkeypatch.setattr(server, "parse_body", slow_parse)
+    with client() as c:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", post(c, {"prompt": [1], "max_tokens": 1})))
+        t.start()
+        assert started.wait(10)
+        assert c.get("/health").status_code == 200          # the loop is free while parsing
+        release.set()
+        t.join(10)
+        assert result["r"].status_code == 200
+
+
+def test_waiting_queue_bound_gives_429():
+    engine = StubEngine(hold=True)
+    with client(engine, max_waiting=2) as c:
+        async def fire():
+            import httpx
+
+            transport = httpx.ASGITransport(app=c.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
+                held = [asyncio.ensure_future(ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
+                        for _ in range(2)]
+                while len(engine.submitted) < 2:
+                    await asyncio.sleep(0.01)
+                third = await ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+                for h in held:
+                    h.cancel()
+                return third
+        third = c.portal.call(fire)
+        assert third.status_code == 429 and "max-waiting" in third.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http", ""])
+def test_serve_refuses_a_bad_port(port, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--model", "tiny", "--device", "cpu", "--port", port])
+    assert exc.value.code == 2 and "port" in capsys.readouterr().err
+
+
+def test_serve_fails_a_taken_port_before_building_the_model(monkeypatch):
+    import engine.server as server
+
+    monkeypatch.setattr(server, "_start_engine", lambda *a: pytest.fail("built the model before binding"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match=f"cannot listen on 127.0.0.1:{port}"):
+            serve_main(["--model", "tiny", "--device", "cpu", "--port", str(port)])
+        assert time.monotonic() - t0 < 30
+
+
+def test_client_leaving_mid_body_is_not_an_error(caplog):
+    app = build_app(StubEngine(), "test")
+    messages = iter([{"type": "http.request", "body": b'{"prompt": [1', "more_body": True},
+                     {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+    with caplog.at_level("DEBUG"):
+        asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
+    assert any("disconnected" in r.getMessage() and r.levelname == "DEBUG" for r in caplog.records)
+
+
+def test_metrics_label_escapes_a_hostile_model_name():
+    metrics = ServerMetrics('evil"} 1\nvllm:fake_total{a="b', 16, 64)
+    lines = metrics.render().splitlines()
+    assert not any(line.startswith("vllm:fake_total") for line in lines)
+    assert 'model_name="evil\\"} 1\\nvllm:fake_total{a=\\"b"' in metrics.render()
