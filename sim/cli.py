@@ -173,6 +173,13 @@ def version() -> str:
         return "unknown (not installed; running from a source tree)"
 
 
+def step_time_line(cost_model) -> str:
+    """Where a run's step times came from, in words (the setup header's line; sim/output/setup.py)."""
+    from sim.output.setup import step_time_source
+
+    return step_time_source({"cost_model": cost_model.describe()})
+
+
 def is_user_error(e: BaseException) -> bool:
     """Errors that are the input's fault: printed as one line, exit status 2."""
     from sim.errors import UserError

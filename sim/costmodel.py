@@ -1,16 +1,20 @@
 """Step time from a batch's composition: host overhead plus a roofline per layer group.
 
     step = host + device
-    host   = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
-             + token_host_s x tokens (+ wake_s on the first step after the engine sat idle:
-             cold caches and clocks; calibration measures it)
+    host   = graph_launch_s + exposed scheduler host time + exposed output time (+ wake_s on the
+             first step after the engine sat idle: cold caches and clocks; calibration measures it)
+      scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
+                       + token_host_s x tokens; all of it synchronously, only its excess over the
+                       device time with async scheduling (vLLM >= 0.11 on a GPU: engine.async_scheduling)
+      output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
+                       only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
                  + max(linear FLOPs / (peak x flops_eff), weight bytes / (bw x bw_eff))
                  + max(attention FLOPs / (peak x attn_flops_eff), KV bytes / (bw x attn_bw_eff))
                  + blocks walked x block_overhead_s
                  + prefill sequences x prefill_seq_overhead_s
                  + tp all-reduce)
-             + max(LM-head FLOPs, LM-head bytes) + sampling bytes
+             + max(LM-head FLOPs, LM-head bytes) + sampling bytes + sample_seq_s x sequences
 
 Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
 max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
@@ -85,6 +89,12 @@ class CostCoefficients:
     prefill_seq_host_s: float = 20e-6  # per prefill sequence (admission: prefix lookup, allocation)
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
+    link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
+    # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
+    graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
+    sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
+    detok_token_s: float = 0.0        # per emitted token: detokenization (output process, overlapped)
+    api_token_s: float = 0.0          # per emitted token: the API server streaming it (overlapped)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -155,23 +165,44 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
                  profile: Optional[DeviceProfile] = None, dp: int = 1, ep: int = 1,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, tables=None):
         self.model, self.device, self.tp = model, device, tp
         self.dp, self.ep, self.kv_cache_dtype = dp, ep, kv_cache_dtype
         self.profile = profile or DeviceProfile()
         self.coefficients = self.profile.coefficients
+        self.async_scheduling = async_scheduling
+        self.tables = tables          # sim.optables.OperatorTables, or None for the roofline
         self._precompute()
 
     @classmethod
-    def for_scenario(cls, scenario) -> "CostModel":
-        profile = DeviceProfile.load(scenario.device.profile) if scenario.device.profile else None
+    def for_scenario(cls, scenario, profile: Optional[DeviceProfile] = None) -> "CostModel":
+        """The scenario's cost model: its device profile (or `profile`), parallelism, KV dtype,
+        step-time source and overlap rules."""
+        if profile is None and scenario.device.profile:
+            profile = DeviceProfile.load(scenario.device.profile)
         par = scenario.parallelism
+        overlap = scenario.engine.async_scheduling and scenario.device.name != "cpu"
+        tables = None
+        if getattr(scenario, "step_times", "datasheet") == "tables":
+            from sim.optables import tables_for
+
+            tables = tables_for(scenario.device.name, scenario.model, par.tp,
+                                scenario.max_num_batched_tokens, scenario.max_num_seqs, scenario.max_model_len)
         return cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
-                   kv_cache_dtype=scenario.engine.kv_cache_dtype)
+                   kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables)
 
     @property
     def calibrated(self) -> bool:
         return self.profile.calibrated
+
+    @property
+    def step_time_source(self) -> str:
+        """Where step times come from, for every output: 'datasheet', 'tables' or 'calibrated'
+        ('calibrated tables' when a calibrated profile tunes the table-priced steps)."""
+        base = "tables" if self.tables is not None else "datasheet"
+        if self.profile.calibrated:
+            return "calibrated" if base == "datasheet" else "calibrated tables"
+        return base
 
     def _precompute(self) -> None:
         m, tp, c = self.model, self.tp, self.coefficients
@@ -200,8 +231,8 @@ class CostModel:
         if tp > 1:
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
-            self._allreduce_token_s = 2 * ring * h * s / link          # two all-reduces per layer
-            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6
+            self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
+            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6 / c.link_eff
         else:
             self._allreduce_token_s = self._allreduce_fixed_s = 0.0
 
@@ -271,16 +302,31 @@ class CostModel:
         decodes = len(batch.decodes)
         seqs = decodes + len(batch.prefills)
         host = self._host_time(seqs, decodes, batch.num_prefill_tokens)
+        device = self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
+                                   batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max)
+        host = self._exposed_host(host, device, seqs, max)
         if after_idle:
             host += self.coefficients.wake_s
-        return host, self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
-                                       batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max)
+        return host, device
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
         col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
-        host = self._host_time(*col[:3]) + self.coefficients.wake_s * after_idle(steps)
-        return host, self._device_time(*col, np.maximum)
+        device = self._device_time(*col, np.maximum)
+        host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum)
+        return host + self.coefficients.wake_s * after_idle(steps), device
+
+    def _exposed_host(self, host, device, seqs, maximum):
+        """The host time a step adds to the device's, by the engine's overlap rules.
+
+        Output processing (detokenization, API streaming) runs in the API server's process and
+        only shows when it is slower than the engine's own step. Synchronous scheduling puts the
+        scheduler's host work before each launch; async scheduling plans step N+1 while step N
+        runs, so only what exceeds the device time shows. The graph launch is always serial."""
+        c = self.coefficients
+        output = (c.detok_token_s + c.api_token_s) * seqs
+        engine = c.graph_launch_s + (maximum(host - device, 0.0) if self.async_scheduling else host)
+        return engine + maximum(output - (engine + device), 0.0)
 
     def _host_time(self, seqs, decodes, prefill_tokens):
         c = self.coefficients
@@ -290,6 +336,11 @@ class CostModel:
     def _device_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
                      blocks_read, maximum):
         """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for arrays."""
+        if self.tables is not None:
+            if maximum is max:
+                return self._table_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)
+            return np.array([self._table_time(*row) for row in zip(
+                seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)], dtype=float)
         c = self.coefficients
         tokens = prefill_tokens + decodes
         linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
@@ -301,9 +352,32 @@ class CostModel:
                      + (seqs - decodes) * c.prefill_seq_overhead_s
                      + tokens * self._allreduce_token_s + self._allreduce_fixed_s)
         rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
-        head = maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
+        head = (maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
+                + rows * c.sample_seq_s)
         return c.step_device_s + self.model.num_layers * per_layer + head
 
+    def _table_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read) -> float:
+        """Device time from the operator tables (sim/optables.py) on this step's composition."""
+        from sim.optables import bucket
+
+        t, c = self.tables, self.coefficients
+        seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
+        prefills = seqs - decodes
+        tokens = prefill_tokens + decodes
+        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
+        if prefills:
+            chunk = max(1, round(prefill_tokens / prefills))
+            per_layer += prefills * t.context_s(chunk, bucket(prefill_ctx / prefills) if prefill_ctx else 0)
+        if decodes:
+            per_layer += t.generation_s(decodes, bucket(decode_ctx / decodes))
+        per_layer += tokens * self._allreduce_token_s + self._allreduce_fixed_s
+        rows = seqs
+        return (c.step_device_s + self.model.num_layers * per_layer + t.head_s(rows)
+                + rows * (self._sample_row_s + c.sample_seq_s))
+
     def describe(self) -> dict:
-        return {"calibrated": self.calibrated, "source": self.profile.source,
+        return {"calibrated": self.calibrated, "step_time_source": self.step_time_source,
+                "async_scheduling": self.async_scheduling,
+                "tables": self.tables.describe() if self.tables is not None else None,
+                "source": self.profile.source, "quality": self.profile.fit.get("quality"),
                 "coefficients": asdict(self.coefficients), "tp": self.tp}

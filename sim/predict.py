@@ -48,6 +48,7 @@ def predict(scenario, name: Optional[str] = None,
     steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)
     summary["calibrated"] = cost_model.calibrated
+    summary["step_time_source"] = cost_model.step_time_source
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
     manifest = simulation_manifest(scenario, cost_model, plan, workload.requests, workload.notes)
     manifest["simulation_wall_s"] = records.meta.get("wall_s")

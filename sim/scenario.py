@@ -118,6 +118,9 @@ class EngineConfig(StrictModel):
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
     activation_mib: Optional[float] = Field(default=None, ge=0, le=MAX_DEVICE_MIB)
+    # vLLM >= 0.11 plans step N+1 while step N runs (auto, resolving to on): host work hides behind
+    # the device. Applies to GPU devices; on a CPU "device" host and device share the processor.
+    async_scheduling: bool = True
     # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
@@ -439,6 +442,9 @@ class Scenario(StrictModel):
     workload: Workload = Field(default_factory=Workload)
     slo: Slo = Field(default_factory=Slo)
     cluster: Cluster = Field(default_factory=Cluster)
+    # Where device step times come from: the roofline over datasheet peaks, or measured operator
+    # tables (aiconfigurator-core, the `tables` extra). A calibrated device.profile tunes either.
+    step_times: Literal["datasheet", "tables"] = "datasheet"
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_VARIANTS)
 

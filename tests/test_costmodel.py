@@ -32,7 +32,7 @@ def test_after_idle_marks_the_first_step_and_steps_after_a_gap_only():
 def test_wake_cost_is_charged_once_per_idle_period():
     s = scenario()
     base = predict(s)
-    woken = CostModel(s.model, s.device, 1, DeviceProfile(replace(base.cost_model.coefficients, wake_s=0.01)))
+    woken = CostModel.for_scenario(s, DeviceProfile(replace(base.cost_model.coefficients, wake_s=0.01)))
     host, _ = woken.step_times(base.steps)
     idle = after_idle(base.steps)
     assert 0 < idle.sum() < len(idle)

@@ -117,7 +117,21 @@ def calibrate_main(argv: list[str]) -> int:
     p.add_argument("--catalog-device", help="the device catalog entry to fit (default: detected, or 'cpu')")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
     p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml)")
+    p.add_argument("--from-vllm", nargs="+", type=Path, metavar="RESULT.json",
+                   help="fit to measured `vllm bench serve --save-result --save-detailed` files of one "
+                        "deployment (JSON or --append-result JSONL) instead of profiling the engine; "
+                        "give the deployment with --scenario, or --model and --catalog-device (and --set)")
+    p.add_argument("--series", nargs="+", metavar="LOG|SCRAPES",
+                   help="with --from-vllm: each run's server log or /metrics scrapes (one per run, in order; "
+                        "'-' for none): its running / waiting / KV-usage curves are fitted too")
+    p.add_argument("--hold-out", type=int, default=-1, metavar="INDEX",
+                   help="with --from-vllm: which run (0-based, in the order given) to keep out of the fit "
+                        "and report (default: the last)")
     args = p.parse_args(argv)
+    if args.from_vllm:
+        from validate.vllm_fit import calibrate_from_vllm_main
+
+        return calibrate_from_vllm_main(args)
     from validate.calibrate import calibrate, coefficients_table, write_profile
 
     device = pick_device(args.device)

@@ -37,6 +37,7 @@ def repredict(folder: Path, root: Path = REPORTS):
     raw = manifest["scenario"]
     profile = device_folder(folder, root) / f"profile_{raw['model']['name']}.yaml"
     raw["device"]["profile"] = str(profile) if profile.exists() else None
+    raw.setdefault("engine", {})["async_scheduling"] = False     # measured on kvtwin's synchronous engine
     scenario = validate_scenario(raw)
     predicted = predict(scenario).summary
     return comparison_table(predicted, measured, tolerances), scenario

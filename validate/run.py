@@ -39,12 +39,21 @@ def with_profile(scenario, profile: Optional[Path]):
     return copy
 
 
+def synchronous(scenario):
+    """kvtwin's engine schedules each step after the previous one: predict it without vLLM's overlap."""
+    if not scenario.engine.async_scheduling:
+        return scenario
+    copy = scenario.model_copy(deep=True)
+    copy.engine.async_scheduling = False
+    return copy
+
+
 def validate(scenario, device: str = "cpu", profile: Optional[Path] = None, online: bool = True,
              cold: bool = False, tolerances: Optional[dict[str, float]] = None,
              progress: Optional[Callable[[str], None]] = None) -> Validation:
     from engine.replay import replay
 
-    scenario = with_profile(scenario, profile)
+    scenario = synchronous(with_profile(scenario, profile))
     if progress:
         progress("predicting")
     predicted = predict(scenario, "predicted")

@@ -326,3 +326,117 @@ def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
         f"({mib(need_blocks * plan.block_bytes)}) but {cause}: short by {mib(short)}. "
         f"{advice}; lower engine.max_model_len, raise "
         f"engine.gpu_memory_utilization, shrink max_num_batched_tokens, or raise parallelism.tp.")
+
+
+# ----------------------------------------------------------------------------- vLLM's own plan
+
+GIB = 1024 ** 3
+# What torch.cuda.mem_get_info reports as total (vLLM's "Free memory on device (free/total GiB)"),
+# below the datasheet figure: the driver's own reservation. From public startup logs
+# (tests/data/vllm_public/startup_logs.yaml) where printed, else the parts' well-known totals.
+VISIBLE_GIB = {"h100-sxm": 79.19, "a100-80g": 79.15, "a100-40g": 39.39, "rtx-4090": 23.64, "rtx-3090": 23.58}
+DRIVER_RESERVE_GIB = 0.46       # datasheet - visible on an H100 80GB; used for parts not listed
+
+
+@dataclass(frozen=True)
+class VllmMemory:
+    """vLLM's KV sizing for one GPU, term by term, in bytes (research/VLLM_SEMANTICS.md section 1)."""
+
+    visible_bytes: int          # torch-visible total, below the datasheet figure
+    requested_bytes: int        # gpu_memory_utilization x visible
+    weight_bytes: int
+    activation_bytes: int       # torch peak of the profiling forward + dummy sampler
+    non_torch_bytes: int        # CUDA context, cuBLAS workspaces, NCCL / custom all-reduce buffers
+    cudagraph_bytes: int        # subtracted from the budget only from vLLM 0.21 on
+    kv_budget_bytes: int
+    block_bytes: int
+    num_blocks: int             # vLLM's num_gpu_blocks (the null block included)
+    block_size: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens" for full-attention models."""
+        return self.num_blocks * self.block_size
+
+
+def parse_vllm_version(version: str | None) -> tuple[int, int]:
+    """'0.19.0' -> (0, 19); None -> the version these terms were last checked against."""
+    if not version:
+        return (0, 19)
+    parts = [int(p) for p in str(version).lstrip("v").split(".")[:2] if p.isdigit()]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def vllm_visible_bytes(device) -> int:
+    gib = VISIBLE_GIB.get(device.name)
+    if gib is None:
+        gib = device.memory_bytes / GIB - DRIVER_RESERVE_GIB
+    return int(gib * GIB)
+
+
+def vllm_activation_bytes(model: ModelSpec, num_tokens: int, num_rows: int, tp: int = 1,
+                          version: tuple[int, int] = (0, 19)) -> int:
+    """Torch peak of vLLM's profiling run: a forward over max_num_batched_tokens, then the dummy
+    sampler over one fp32 logits row per sequence (max_num_seqs rows).
+
+    V1 with torch.compile and CUDA graphs: the live set is small and does not shrink with tp:
+    ~19.5 K elements of workspace and ~1.3 hidden states per token, and the sampler's fp32 logits
+    (~3 copies: logits, probabilities, temporaries, in 0.19; one in 0.10). Least-squares fit to
+    the printed `peak activation` of the H100 0.19 sweep (CodeLlama-7B, Llama-3.1-8B, Qwen2.5-7B,
+    Qwen3-8B, Qwen2.5-72B: within 0.03 GiB each) and checked on the A100 0.10 runs' budgets."""
+    s = model.dtype_bytes
+    logits_copies = 1.0 if version < (0, 11) else 3.15
+    return int(num_tokens * s * (19_500 + 1.33 * model.hidden_size)
+               + logits_copies * num_rows * model.vocab_size * 4
+               + num_tokens * s * moe_workspace_per_token(model, tp))
+
+
+def moe_workspace_per_token(model: ModelSpec, tp: int = 1) -> int:
+    """vLLM's fused-MoE kernel keeps one workspace of top_k x max(w1 outputs, hidden) elements per
+    token (w1 = gate and up: 2 x the expert width, split over tp). 0 for a dense model.
+    Matches the printed peaks of Qwen3-30B-A3B (tp 1) and Mixtral-8x7B (tp 2) in the 0.19 logs."""
+    if not getattr(model, "num_experts", 0):
+        return 0
+    width = getattr(model, "moe_intermediate_size", None) or model.intermediate_size
+    return model.num_experts_per_tok * max(2 * width // tp, model.hidden_size)
+
+
+def vllm_non_torch_bytes(tp: int, version: tuple[int, int] = (0, 19)) -> int:
+    """Memory outside torch's allocator that grew since startup: ~0.25 GiB on one GPU; with tp,
+    NCCL and (from 0.11 on) the custom all-reduce's IPC buffers add ~1.8 GiB (0.19 logs: 2.06-2.21
+    GiB at tp 2-4; 0.10 logs: ~0.38 GiB at tp 2)."""
+    if tp == 1:
+        return int(0.25 * GIB)
+    if version < (0, 11):
+        return int(0.38 * GIB)
+    return int((1.98 + 0.0475 * tp) * GIB)
+
+
+def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19)) -> int:
+    """The graph pool vLLM >= 0.21 estimates and subtracts before sizing the KV cache (before, graphs
+    were captured afterwards, in the (1 - utilization) slack, and did not change num_blocks).
+    ~26 MiB per layer for the default 51 PIECEWISE + 51 FULL captures (0.19 logs print the
+    estimate: 0.84 GiB for a 32-layer 7B)."""
+    if version < (0, 21):
+        return 0
+    return int(0.84 / 32 * model.num_layers * GIB)
+
+
+def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: float,
+                     max_num_batched_tokens: int, max_num_seqs: int, block_size: int = 16,
+                     vllm_version: str | None = None, kv_cache_dtype: str = "auto") -> VllmMemory:
+    """num_gpu_blocks as vLLM's V1 worker derives it:
+    floor((util x visible - weights - activation peak - non-torch - graph estimate) / block bytes),
+    the block being one KV cache group's layers (pool_block_bytes: fp8 KV, hybrid groups)."""
+    version = parse_vllm_version(vllm_version)
+    visible = vllm_visible_bytes(device)
+    requested = int(visible * gpu_memory_utilization)
+    weights = weight_bytes_per_gpu(model, tp)
+    rows = min(max_num_batched_tokens, max_num_seqs)
+    activation = vllm_activation_bytes(model, max_num_batched_tokens, rows, tp, version)
+    non_torch = vllm_non_torch_bytes(tp, version)
+    graphs = vllm_cudagraph_bytes(model, version)
+    budget = requested - weights - activation - non_torch - graphs
+    block = pool_block_bytes(model, block_size, tp, kv_cache_dtype)
+    return VllmMemory(visible, requested, weights, activation, non_torch, graphs, budget, block,
+                      max(budget, 0) // block, block_size)

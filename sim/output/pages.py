@@ -225,11 +225,16 @@ def html_setup(manifest: Mapping, summary: Optional[Mapping] = None, extra: Sequ
 
 
 def _warnings(views: Mapping[str, RunView]) -> list[str]:
-    uncalibrated = [label for label, v in views.items() if v.summary.get("calibrated") is False]
+    uncalibrated = [label for label, v in views.items() if v.summary.get("calibrated") is False
+                    and v.summary.get("step_time_source", "datasheet") == "datasheet"]
+    sources = {label: v.summary.get("step_time_source") for label, v in views.items()
+               if v.summary.get("step_time_source") not in (None, "datasheet")}
+    out = [f'<p>Step times: {_esc(", ".join(f"{label}: {src}" for label, src in sources.items()))}.</p>'] \
+        if sources else []
     if not uncalibrated:
-        return []
-    return [f'<p class="warning">Uncalibrated cost model ({_esc(", ".join(uncalibrated))}): '
-            "step times come from datasheet peaks and default efficiencies, not a fitted profile.</p>"]
+        return out
+    return out + [f'<p class="warning">Uncalibrated cost model ({_esc(", ".join(uncalibrated))}): '
+                  "step times come from datasheet peaks and default efficiencies, not a fitted profile.</p>"]
 
 
 def write_html_report(path: str | Path, title: str, views: Mapping[str, RunView],

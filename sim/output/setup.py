@@ -71,13 +71,21 @@ def slo_words(slo: Mapping[str, Any]) -> str:
 
 
 def step_time_source(manifest: Mapping[str, Any]) -> str:
+    """Where a run's step times came from, in words: datasheet (UNCALIBRATED), operator tables, a
+    calibrated profile (a poor fit flagged), from the manifest's cost_model (CostModel.describe())."""
     cost = manifest.get("cost_model") or {}
     if manifest.get("kind") not in (None, "prediction") and not cost:
         return "measured"
-    source = cost.get("source") or "datasheet peaks x default efficiencies"
-    if cost.get("calibrated") or manifest.get("calibrated"):
-        return f"calibrated profile ({source})"
-    return f"UNCALIBRATED cost model: {source} (`simrun calibrate` fits one)"
+    source = cost.get("step_time_source") or ("calibrated" if cost.get("calibrated") else "datasheet")
+    if source == "datasheet":
+        return ("datasheet (UNCALIBRATED: datasheet peaks x default efficiencies; `simrun calibrate "
+                "--from-vllm` fits them to your runs, `step_times: tables` uses measured operators)")
+    profile = cost.get("source", "fitted")
+    words = {"tables": cost.get("tables") or "operator tables",
+             "calibrated": f"calibrated profile ({profile})",
+             "calibrated tables": f"operator tables tuned by a calibrated profile ({profile})"}
+    poor = " [POOR FIT: see the profile's fit.warnings]" if cost.get("quality") == "poor" else ""
+    return f"{words.get(source, source)}{poor}"
 
 
 def setup_text(manifest: Mapping[str, Any]) -> list[str]:

@@ -1,0 +1,467 @@
+"""`simrun calibrate --from-vllm`: fit the cost model to measured vLLM runs of one deployment.
+
+Each `vllm bench serve --save-result --save-detailed` file is replayed through the simulator
+with the deployment's engine settings (its own requests: start times or rate, input and
+output lengths). The coefficients below are fitted by bounded least squares on
+log(predicted / measured) per request, for TTFT, TPOT and E2E, each metric weighted equally
+and each run equally whatever its size:
+
+    compute_scale   x flops_eff and attn_flops_eff   (GEMM and attention compute efficiency)
+    memory_scale    x bw_eff and attn_bw_eff         (weight and KV streaming efficiency)
+    step_host_s     host time per step               (scheduling, input preparation, launches)
+    seq_host_s      host time per sequence per step  (sampling, detokenization, streaming)
+    link_eff        tp all-reduce link efficiency    (tp > 1 only)
+
+Held out: with two or more runs the last one (or --hold-out) is not fitted and its errors are
+reported per metric; with one run only TPOT is fitted and TTFT/E2E are reported as checks.
+The profile written is the fitted one, with its provenance and quality; it is marked, and the
+command warns, when the fit is poor or a coefficient leaves its physical range (an efficiency
+above 1 is not a fit: it is a missing term).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import pandas as pd
+
+from sim.core.memory import plan_memory
+from sim.costmodel import CostCoefficients, CostModel, DeviceProfile
+from sim.records import requests_frame
+from sim.simulator import Simulation
+from sim.vllm.results import VllmResult, to_requests
+
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+# (name, lower, upper, physical upper): the fit's bounds are wider than the physical range
+# so that a coefficient pushed outside it shows up instead of sticking to a bound silently.
+PARAMETERS = {
+    "compute_scale": (0.05, 3.0, None),      # bound on the resulting efficiencies checked below
+    "memory_scale": (0.05, 3.0, None),
+    "step_host_s": (1e-6, 0.2, 0.05),
+    "seq_host_s": (1e-8, 2e-3, 5e-4),
+    "link_eff": (0.01, 3.0, 1.0),
+}
+EFFICIENCIES = ("flops_eff", "attn_flops_eff", "bw_eff", "attn_bw_eff", "link_eff")
+POOR_FIT = 0.10       # mean relative error of a metric's per-request mean beyond which a fit is poor
+
+
+@dataclass
+class Replay:
+    """One run ready to simulate: its requests and measured latencies, in arrival order.
+
+    `summary`: only the run's means are known (a pasted benchmark printout); predictions are
+    then reduced to means too. `scenario`: the run's own deployment settings where they differ
+    from the shared one (e.g. its KV pool from its startup log)."""
+
+    run: Optional[VllmResult]
+    requests: list
+    measured: dict[str, np.ndarray]
+    notes: list[str]
+    summary: bool = False
+    scenario: object = None
+    label: str = ""
+    series: Optional[pd.DataFrame] = None      # sim.vllm.timeseries.load_series: running, waiting, KV %
+    series_offset: Optional[float] = None      # run time = series t_s + offset (aligned on first replay)
+    series_how: str = ""
+
+    @classmethod
+    def of(cls, run: VllmResult, seed: int = 0, scenario=None) -> "Replay":
+        """Per request with --save-detailed data, else from the run's summary (a printout)."""
+        if not run.detailed:
+            return cls.from_summary(run, seed, scenario)
+        requests, notes = to_requests(run, seed)
+        return cls(run, requests, run.latencies(), notes, scenario=scenario, label=run.source)
+
+    @classmethod
+    def from_summary(cls, run: VllmResult, seed: int = 0, scenario=None) -> "Replay":
+        """`completed` requests of the mean input and output length, sent at the run's rate (all
+        at t=0 for rate inf); measured: mean TTFT, mean TPOT and the duration."""
+        from sim.core.request import make_request, stable_key
+        from sim.vllm.results import VllmResultError, arrival_times
+
+        m = run.metrics
+        missing = [k for k in ("completed", "total_input_tokens", "total_output_tokens", "duration",
+                               "mean_ttft_ms", "mean_tpot_ms") if not m.get(k)]
+        if missing:
+            raise VllmResultError(f"{run.source}: a summary-only run needs {', '.join(missing)} to be replayed")
+        n = int(m["completed"])
+        prompt, output = max(1, round(m["total_input_tokens"] / n)), max(1, round(m["total_output_tokens"] / n))
+        times, notes = arrival_times(run, n, seed)
+        key = stable_key("public-run", run.source)
+        requests = [make_request(i, float(times[i]), [(stable_key(key, i), prompt)], output) for i in range(n)]
+        measured = {"ttft_s": np.array([m["mean_ttft_ms"] / 1e3]), "tpot_s": np.array([m["mean_tpot_ms"] / 1e3]),
+                    "duration_s": np.array([float(m["duration"])])}
+        notes = notes + [f"{run.source}: summary only: {n} requests of the mean lengths {prompt}/{output}"]
+        return cls(run, requests, measured, notes, summary=True, scenario=scenario, label=run.source)
+
+
+@dataclass
+class VllmFit:
+    profile: DeviceProfile
+    parameters: dict[str, float]
+    errors: pd.DataFrame                 # per run and metric: measured, predicted, error, role
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def coefficients_from(params: dict[str, float], base: CostCoefficients) -> CostCoefficients:
+    return replace(base,
+                   flops_eff=base.flops_eff * params.get("compute_scale", 1.0),
+                   attn_flops_eff=base.attn_flops_eff * params.get("compute_scale", 1.0),
+                   bw_eff=base.bw_eff * params.get("memory_scale", 1.0),
+                   attn_bw_eff=base.attn_bw_eff * params.get("memory_scale", 1.0),
+                   step_host_s=params.get("step_host_s", base.step_host_s),
+                   seq_host_s=params.get("seq_host_s", base.seq_host_s),
+                   link_eff=params.get("link_eff", base.link_eff))
+
+
+def simulate_replay(scenario, replay: Replay, coefficients: CostCoefficients, plan=None) -> dict[str, np.ndarray]:
+    """Predicted per-request latencies of one run under `coefficients`, in arrival order (means
+    for a summary-only run), and the run's duration (first send to last token)."""
+    scenario = replay.scenario or scenario
+    cost = CostModel.for_scenario(scenario, DeviceProfile(coefficients))
+    plan = plan_memory(scenario) if replay.scenario is not None or plan is None else plan
+    for r in replay.requests:
+        r.reset()
+    records = Simulation(scenario, replay.requests, plan, cost).run()
+    frame = requests_frame(records)
+    out = {m: frame[m].to_numpy(dtype=float) for m in METRICS}
+    if replay.summary:
+        out = {m: np.array([np.nanmean(v)]) for m, v in out.items()}
+    out["duration_s"] = np.array([float((frame["arrival_s"] + frame["e2e_s"]).max() - frame["arrival_s"].min())])
+    if replay.series is not None:
+        out.update(_series_predicted(replay, records.steps_frame(), plan.usable_blocks))
+    return out
+
+
+SERIES_METRICS = ("series_load", "series_kv")    # running + waiting, and KV %, at each measured sample
+
+
+def _series_predicted(replay: Replay, steps: pd.DataFrame, kv_blocks: int) -> dict[str, np.ndarray]:
+    """The predicted load and KV % at the measured samples. Time stamps (request lines, wall clocks)
+    align the curve once; without them the best-fitting offset is searched again at every replay,
+    since it moves with the step times being fitted (sim.vllm.timeseries.align_offset)."""
+    from sim.vllm.timeseries import align_offset, predicted_at
+
+    if replay.series_offset is None or replay.series_how.startswith("fitted"):
+        arrivals = np.array([r.arrival for r in replay.requests], dtype=float)
+        replay.series_offset, replay.series_how = align_offset(replay.series, steps, kv_blocks, arrivals_s=arrivals)
+    predicted = predicted_at(steps, kv_blocks, replay.series["t_s"].to_numpy(float) + replay.series_offset)
+    return {"series_load": (predicted["running"] + predicted["waiting"]).to_numpy(float),
+            "series_kv": predicted["kv_usage_pct"].to_numpy(float)}
+
+
+def series_measured(series: pd.DataFrame) -> dict[str, np.ndarray]:
+    return {"series_load": (series["running"] + series["waiting"]).to_numpy(float),
+            "series_kv": series["kv_usage_pct"].to_numpy(float)}
+
+
+def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.ndarray:
+    """Per metric: log(predicted / measured) per request, the block scaled to count once, plus
+    the log ratio of the means. A single request's TTFT jumps by a whole step when its arrival
+    crosses a step boundary; the mean moves smoothly and keeps the fit on its trend."""
+    parts = []
+    for m in metrics:
+        if m not in measured or m not in predicted:
+            continue
+        p, q = predicted[m], measured[m]
+        if m.startswith("series_"):          # curves: differences over the measured peak, per sample
+            ok = np.isfinite(p) & np.isfinite(q)
+            if ok.any():
+                scale = max(float(np.abs(q[ok]).max()), 1e-9)
+                parts.append((p[ok] - q[ok]) / scale / np.sqrt(ok.sum()))
+            continue
+        ok = np.isfinite(p) & np.isfinite(q) & (p > 0) & (q > 0)
+        if ok.any():
+            parts.append(np.log(p[ok] / q[ok]) / np.sqrt(ok.sum()))
+            parts.append([np.log(p[ok].mean() / q[ok].mean())])
+    return np.concatenate(parts) if parts else np.zeros(1)
+
+
+def fit_runs(scenario, replays: list[Replay], metrics: tuple[str, ...], names: list[str],
+             base: CostCoefficients, progress: Optional[Callable[[str], None]] = None,
+             max_iterations: int = 20, polish_evaluations: int = 80) -> dict[str, float]:
+    """Bounded least squares in log space over the named parameters (see `levenberg_marquardt`)."""
+    plan = plan_memory(scenario)
+    start = {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": base.step_host_s,
+             "seq_host_s": base.seq_host_s, "link_eff": base.link_eff}
+    lower = np.log([PARAMETERS[n][0] for n in names])
+    upper = np.log([PARAMETERS[n][1] for n in names])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        coeffs = coefficients_from(dict(zip(names, np.exp(x))), base)
+        return np.concatenate([_residuals(simulate_replay(scenario, r, coeffs, plan), r.measured, metrics)
+                               for r in replays])
+
+    x0 = np.clip(np.log([start[n] for n in names]), lower, upper)
+    x0 = _best_common_scale(residuals, x0, names, lower, upper)
+    x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations, progress)
+    x = _polish(residuals, x, lower, upper, progress, polish_evaluations)
+    return dict(zip(names, map(float, np.exp(x))))
+
+
+def _best_common_scale(residuals, x0: np.ndarray, names: list[str], lower, upper) -> np.ndarray:
+    """Start from the best of a few uniform slow-downs of both efficiencies: datasheet defaults
+    can be off by 2x, and a damped Gauss-Newton from far away can settle in a host-heavy valley."""
+    scales = [k for k, n in enumerate(names) if n in ("compute_scale", "memory_scale")]
+    best, best_cost = x0, np.inf
+    for factor in (0.35, 0.5, 0.7, 1.0, 1.4):
+        x = x0.copy()
+        x[scales] = np.clip(x0[scales] + np.log(factor), lower[scales], upper[scales])
+        r = residuals(x)
+        if float(r @ r) < best_cost:
+            best, best_cost = x, float(r @ r)
+    return best
+
+
+def _polish(residuals, x0: np.ndarray, lower, upper, progress, max_evaluations: int = 80) -> np.ndarray:
+    """Nelder-Mead from where Gauss-Newton stopped: it needs no derivative, so the jumps of a
+    discrete schedule that stall a gradient step do not stall it."""
+    from scipy.optimize import minimize
+
+    def cost(x: np.ndarray) -> float:
+        r = residuals(np.clip(x, lower, upper))
+        return float(r @ r)
+
+    simplex = np.vstack([x0] + [x0 + 0.15 * np.eye(len(x0))[k] for k in range(len(x0))])
+    result = minimize(cost, x0, method="Nelder-Mead",
+                      options={"initial_simplex": np.clip(simplex, lower, upper), "maxfev": max_evaluations,
+                               "xatol": 0.01, "fatol": 1e-5})
+    if progress:
+        progress(f"polish: cost {result.fun:.4g} after {result.nfev} replays")
+    return np.clip(result.x, lower, upper)
+
+
+MAX_STEP = 0.7        # at most a factor of 2 per parameter per iteration
+
+
+def levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x: np.ndarray, lower: np.ndarray,
+                        upper: np.ndarray, max_iterations: int = 20,
+                        progress: Optional[Callable[[str], None]] = None, step: float = 0.1) -> np.ndarray:
+    """Damped Gauss-Newton inside a box, with a forward-difference Jacobian of a fixed `step`.
+
+    A simulated run is piecewise smooth: a request whose arrival crosses a step boundary jumps.
+    Differences over a 5% change (in log space) see the trend through those jumps, where a
+    library solver's tiny adaptive steps see only the jumps and stall."""
+    r = residuals(x)
+    cost, damping = float(r @ r), 1e-3
+    for iteration in range(max_iterations):
+        jac = np.empty((len(r), len(x)))
+        for k in range(len(x)):
+            h = step if x[k] + step <= upper[k] else -step
+            probe = x.copy()
+            probe[k] += h
+            jac[:, k] = (residuals(probe) - r) / h
+        gradient, normal = jac.T @ r, jac.T @ jac
+        improved = False
+        while damping < 1e6:
+            dx = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient)
+            dx *= min(1.0, MAX_STEP / max(np.abs(dx).max(), 1e-12))
+            candidate = np.clip(x + dx, lower, upper)
+            r_new = residuals(candidate)
+            cost_new = float(r_new @ r_new)
+            if cost_new < cost:
+                x, r, improved = candidate, r_new, True
+                done = cost - cost_new < 1e-4 * cost
+                cost, damping = cost_new, max(damping / 5, 1e-8)
+                break
+            damping *= 4
+        if progress:
+            progress(f"iteration {iteration + 1}: cost {cost:.4g}")
+        if not improved or done:
+            break
+    return x
+
+
+def run_errors(scenario, replay: Replay, coefficients: CostCoefficients, role: str, label: str) -> list[dict]:
+    """Per metric: measured and predicted means, their relative error, and the median
+    per-request relative error."""
+    predicted = simulate_replay(scenario, replay, coefficients)
+    rows = []
+    for m in (m for m in replay.measured if m in predicted):
+        p, q = predicted[m], replay.measured[m]
+        ok = np.isfinite(p) & np.isfinite(q)
+        if not ok.any():
+            continue
+        mp, mq = float(p[ok].mean()), float(q[ok].mean())
+        if m.startswith("series_"):
+            rows.append({"run": label or replay.label, "role": role, "metric": m, "measured_mean_s": mq,
+                         "predicted_mean_s": mp, "error": mp / mq - 1 if mq else np.nan,
+                         "median_request_error": float(np.median(np.abs(p[ok] - q[ok])) / max(np.abs(q[ok]).max(), 1e-9))})
+            continue
+        rows.append({"run": label or replay.label, "role": role, "metric": m.removesuffix("_s"), "measured_mean_s": mq,
+                     "predicted_mean_s": mp, "error": mp / mq - 1 if mq else np.nan,
+                     "median_request_error": float(np.median(np.abs(p[ok] / q[ok] - 1)))})
+    return rows
+
+
+def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int] = -1,
+                        base: Optional[CostCoefficients] = None, seed: int = 0,
+                        progress: Optional[Callable[[str], None]] = None, max_iterations: int = 20,
+                        series: Optional[list] = None) -> VllmFit:
+    """Fit a profile to the runs (see the module docstring); `hold_out` indexes the run kept out;
+    `series[i]` (or None) is run i's measured running/waiting/KV % (sim.vllm.timeseries.load_series)."""
+    if not runs:
+        raise ValueError("calibrate --from-vllm needs at least one result file")
+    base = base or CostCoefficients()
+    replays = [Replay.of(r, seed) for r in runs]
+    for replay, curve in zip(replays, series or []):
+        if curve is not None:
+            replay.series = curve
+            replay.measured = {**replay.measured, **series_measured(curve)}
+    labels = [r.source for r in runs]
+    held = None if len(runs) < 2 or hold_out is None else hold_out % len(runs)
+    train = [r for i, r in enumerate(replays) if i != held]
+    metrics = METRICS + ("duration_s",) + SERIES_METRICS if len(runs) >= 2 else ("tpot_s",)
+    names = ["compute_scale", "memory_scale", "step_host_s", "seq_host_s"]
+    if scenario.parallelism.tp > 1:
+        names.append("link_eff")
+    params = fit_runs(scenario, train, metrics, names, base, progress, max_iterations)
+    coeffs = coefficients_from(params, base)
+    rows = []
+    for i, replay in enumerate(replays):
+        role = "held out" if i == held else "fitted"
+        rows += run_errors(scenario, replay, coeffs, role, labels[i])
+    errors = pd.DataFrame(rows)
+    if len(runs) == 1:
+        errors.loc[errors["metric"] != "tpot", "role"] = "check (not fitted)"
+    errors = errors[errors["metric"].isin([m.removesuffix("_s") for m in METRICS + ("duration_s",)]
+                                          + list(SERIES_METRICS))]
+    warnings = fit_warnings(coeffs, params, errors)
+    profile = DeviceProfile(
+        coeffs, calibrated=True, device_name=scenario.device.name, model_name=scenario.model.name,
+        source=(f"calibrated on {len(train)} measured vLLM run(s) of {scenario.model.name} on "
+                f"{scenario.device.name} tp {scenario.parallelism.tp}, {datetime.now(timezone.utc):%Y-%m-%d}"
+                + (" [POOR FIT: see fit.warnings]" if warnings else "")),
+        fit={"method": "vllm-runs", "runs": labels, "held_out": None if held is None else labels[held],
+             "fitted_metrics": [m.removesuffix("_s") for m in metrics], "parameters": params,
+             "errors": errors.to_dict(orient="records"), "quality": "poor" if warnings else "ok",
+             "warnings": warnings,
+             "notes": [n for r in replays for n in r.notes]
+             + [f"{r.label}: time series aligned by {r.series_how} (offset {r.series_offset:+.3f} s)"
+                for r in replays if r.series is not None and r.series_offset is not None]})
+    return VllmFit(profile, params, errors, warnings, [n for r in replays for n in r.notes])
+
+
+def fit_warnings(coeffs: CostCoefficients, params: dict[str, float], errors: pd.DataFrame) -> list[str]:
+    """What makes a fit untrustworthy: coefficients outside their physical range, large errors."""
+    out = []
+    for name in EFFICIENCIES:
+        value = getattr(coeffs, name)
+        if name == "link_eff" and "link_eff" not in params:
+            continue
+        if value > 1.0:
+            out.append(f"{name} = {value:.3g} > 1: faster than the datasheet allows, so a term is "
+                       f"missing from the model (or the device entry is wrong), not a fit")
+        if value < 0.05:
+            out.append(f"{name} = {value:.3g} < 0.05: implausibly slow; something else takes the time")
+    for name, (low, high, physical) in PARAMETERS.items():
+        if name in params and physical is not None and params[name] > physical:
+            out.append(f"{name} = {params[name]:.3g} beyond its physical range (<= {physical:g})")
+        if name in params and np.isclose(params[name], high, rtol=1e-3) or (
+                name in params and np.isclose(params[name], low, rtol=1e-3)):
+            out.append(f"{name} = {params[name]:.3g} stuck at its bound: not identifiable from these runs")
+    for _, row in errors.iterrows():
+        if abs(row["error"]) > POOR_FIT:
+            out.append(f"{row['run']} ({row['role']}): mean {row['metric']} off by {row['error']:+.1%}")
+    return out
+
+
+def write_vllm_profile(path: str | Path, fit: VllmFit) -> Path:
+    import json
+
+    import yaml
+
+    from sim.output.io import _jsonable, write_text
+
+    header = ("# kvtwin device profile, written by `simrun calibrate --from-vllm`. Load it with\n"
+              "#   simrun SCENARIO --set device.profile=THIS_FILE\n")
+    if fit.warnings:
+        header += "# WARNING: POOR FIT, see fit.warnings below before trusting these step times.\n"
+    return write_text(path, header + yaml.safe_dump(json.loads(json.dumps(fit.profile.to_dict(), default=_jsonable)), sort_keys=False))
+
+
+__all__ = ["calibrate_from_vllm", "VllmFit", "Replay", "simulate_replay", "coefficients_from",
+           "write_vllm_profile", "fit_warnings", "METRICS"]
+
+
+# ----------------------------------------------------------------------------- command line
+
+def deployment_scenario(args, runs: list[VllmResult]):
+    """The deployment the runs measured: --scenario, else --model (or the runs' model_id found in
+    the catalog by its Hugging Face id) on --catalog-device, with --set overrides."""
+    from sim.core.catalog import _catalog
+    from sim.errors import UserError
+    from sim.scenario import apply_overrides, expand_variants, load_scenario, validate_scenario
+
+    if args.scenario:
+        scenario = load_scenario(args.scenario, args.overrides)
+        return next(iter(expand_variants(scenario, args.scenario.parent.resolve()).values()))
+    model = args.model
+    if model is None:
+        ids = {r.model for r in runs}
+        by_hf = {entry.get("hf_id"): name for name, entry in _catalog("models").items()}
+        found = {by_hf.get(i) for i in ids} - {None}
+        if len(found) != 1:
+            raise UserError(f"give --model (or --scenario): the runs' model_id {sorted(map(str, ids))} "
+                            f"{'is' if len(ids) == 1 else 'are'} not one catalog model")
+        model = found.pop()
+    if not args.catalog_device:
+        raise UserError("give --catalog-device NAME (the GPU the runs were measured on), or --scenario")
+    raw = {"model": {"hf_config": model} if Path(model).exists() else model, "device": args.catalog_device}
+    return validate_scenario(apply_overrides(raw, args.overrides), base_dir=Path.cwd())
+
+
+def calibrate_from_vllm_main(args) -> int:
+    from sim.output.console import console, err_console
+    from sim.vllm.results import load_results
+
+    runs = [run for path in args.from_vllm for run in load_results(path)]
+    scenario = deployment_scenario(args, runs)
+    series = load_series_args(args.series, runs) if args.series else None
+    console.print(f"fitting {scenario.model.name} on {scenario.device.name} tp {scenario.parallelism.tp} "
+                  f"to {len(runs)} measured vLLM run(s)")
+    fit = calibrate_from_vllm(scenario, runs, hold_out=args.hold_out, series=series,
+                              progress=lambda msg: err_console.print(f"  {msg}"))
+    out = args.out or Path("profiles") / f"{scenario.device.name}_{scenario.model.name}_vllm.yaml"
+    write_vllm_profile(out, fit)
+    console.print(fit_table(fit))
+    for note in fit.notes:
+        err_console.print(f"note: {note}")
+    for warning in fit.warnings:
+        err_console.print(f"[bold red]WARNING:[/] {warning}")
+    if fit.warnings:
+        err_console.print("[bold red]the profile is marked quality: poor; check the runs and the deployment "
+                          "settings before trusting it[/]")
+    console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out})")
+    return 0
+
+
+def load_series_args(paths: list[str], runs: list[VllmResult]) -> list:
+    """One series file (or '-') per run, in the order the runs were loaded."""
+    from sim.errors import UserError
+    from sim.vllm.timeseries import load_series
+
+    if len(paths) != len(runs):
+        raise UserError(f"--series: {len(paths)} files for {len(runs)} runs; give one per run, in order "
+                        f"('-' for a run without one)")
+    return [None if p == "-" else load_series(p) for p in paths]
+
+
+def fit_table(fit: VllmFit):
+    from rich.table import Table
+
+    table = Table(title="calibrated step times vs measured vLLM runs", header_style="bold")
+    for col in ("run", "role", "metric", "measured mean", "predicted mean", "error", "median per request"):
+        table.add_column(col, justify="left" if col in ("run", "role", "metric") else "right")
+    for _, row in fit.errors.iterrows():
+        curve = str(row["metric"]).startswith("series_")
+        unit = (lambda v: f"{v:.2f}") if curve else (lambda v: f"{v * 1e3:.2f} ms")
+        table.add_row(Path(str(row["run"])).name, row["role"], row["metric"], unit(row["measured_mean_s"]),
+                      unit(row["predicted_mean_s"]), f"{row['error']:+.1%}",
+                      f"{row['median_request_error']:.1%}",
+                      style="red" if abs(row["error"]) > POOR_FIT else "")
+    return table
