@@ -130,7 +130,8 @@ class EngineConfig(StrictModel):
     memory_plan: Literal["vllm", "simple"] = "vllm"
     # The vLLM version whose memory terms apply (non-torch memory, sampler copies, graph estimate);
     # the default is the version they were fitted on.
-    vllm_version: str = Field(default="0.19", pattern=r"^v?\d{1,3}\.\d{1,3}(\.\d{1,4})?$")
+    # Only major.minor matter; a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed.
+    vllm_version: str = Field(default="0.19", pattern=r"^v?\d{1,3}\.\d{1,3}([.+-][.+\w-]{0,40})?$")
 
 
 # ----------------------------------------------------------------------------- workload
