@@ -189,3 +189,18 @@ def test_a_refusal_names_vllms_terms():
     with pytest.raises(ValueError, match="torch-visible.*profiling-run activation peak.*non-torch.*CUDA graphs"):
         plan_memory(validate_scenario({"model": "llama-3.1-8b", "device": "rtx-4090",
                                        "engine": {"max_model_len": 131072}}))
+
+
+def test_a_measured_activation_peak_replaces_vllms_estimate():
+    """kvtwin's engine on a GPU measures its profiling peak (engine.activation_mib, or a profile's
+    activation_scale on kvtwin's estimate): the rest of vLLM's plan stands, so the simulator sizes
+    the pool the engine sizes."""
+    from sim.core.memory import kvtwin_activation_bytes
+    base = plan_memory(llama_on("h100-sxm"))
+    measured = plan_memory(llama_on("h100-sxm", activation_mib=3072))
+    assert measured.activation_bytes == 3 * GIB
+    assert measured.kv_budget_bytes == base.kv_budget_bytes + base.activation_bytes - 3 * GIB
+    scaled = plan_memory(llama_on("h100-sxm"), activation_scale=1.5)
+    assert scaled.memory_plan == "vllm"
+    assert scaled.activation_bytes == kvtwin_activation_bytes(llama_on("h100-sxm"), 1.5) != base.activation_bytes
+    assert scaled.non_torch_bytes == base.non_torch_bytes

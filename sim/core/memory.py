@@ -285,17 +285,17 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     """The KV pool for a scenario's model, device, tp and engine settings.
 
     On GPU devices (engine.memory_plan "vllm", the default) vLLM's own plan (vllm_memory_plan);
-    on the `cpu` device or with memory_plan "simple", the datasheet memory less weights, the
-    activation estimate (times the calibrated `activation_scale`) and device.reserved_mib.
-    engine.activation_mib replaces either activation term; engine.num_blocks overrides the result.
+    on the `cpu` device or with memory_plan "simple", the datasheet memory less weights, kvtwin's
+    activation estimate and device.reserved_mib. A measured activation peak replaces either plan's
+    estimate: engine.activation_mib, else kvtwin's estimate x `activation_scale` (a profile
+    calibrated on kvtwin's own engine, which measured that peak and sized its pool with it).
+    engine.num_blocks overrides the result.
     Raises InsufficientMemoryError, like an engine refusing to start, when not even one
     max_model_len request fits.
     """
     eng = scenario.engine
-    if uses_vllm_plan(scenario):
-        plan = _vllm_plan(scenario)
-    else:
-        plan = _simple_plan(scenario, activation_scale)
+    activation = _measured_activation(scenario, activation_scale)
+    plan = _vllm_plan(scenario, activation) if uses_vllm_plan(scenario) else _simple_plan(scenario, activation)
     if eng.num_blocks is not None:
         plan = replace(plan, num_blocks=eng.num_blocks, from_override=True)
     _check_one_request_fits(plan, scenario.max_model_len)
@@ -307,21 +307,29 @@ def uses_vllm_plan(scenario) -> bool:
     return scenario.engine.memory_plan == "vllm" and scenario.device.name != "cpu"
 
 
-def _activation_override(scenario) -> int | None:
-    mib = scenario.engine.activation_mib
-    return None if mib is None else int(mib * MIB)
+def _measured_activation(scenario, activation_scale: float | None) -> int | None:
+    """The activation peak given or calibrated for the scenario; None leaves the plan's own estimate."""
+    if scenario.engine.activation_mib is not None:
+        return int(scenario.engine.activation_mib * MIB)
+    if activation_scale is None:
+        return None
+    return kvtwin_activation_bytes(scenario, activation_scale)
 
 
-def _simple_plan(scenario, activation_scale: float | None) -> MemoryPlan:
+def kvtwin_activation_bytes(scenario, scale: float = 1.0) -> int:
+    """kvtwin's estimate of its own engine's profiling forward (max_num_batched_tokens tokens)."""
+    tokens = scenario.max_num_batched_tokens
+    rows = min(tokens, scenario.max_num_seqs)
+    return activation_peak_bytes(scenario.model, tokens, rows, scenario.parallelism.tp, scale)
+
+
+def _simple_plan(scenario, activation: int | None) -> MemoryPlan:
     model, device, eng = scenario.model, scenario.device, scenario.engine
     tp, dp = scenario.parallelism.tp, scenario.parallelism.dp
     budget = int(device.memory_bytes * eng.gpu_memory_utilization)
     weights = weight_bytes_per_gpu(model, tp, dp)
-    activation = _activation_override(scenario)
     if activation is None:
-        tokens = scenario.max_num_batched_tokens
-        rows = min(tokens, scenario.max_num_seqs)
-        activation = activation_peak_bytes(model, tokens, rows, tp, activation_scale or 1.0)
+        activation = kvtwin_activation_bytes(scenario)
     reserved = device.reserved_bytes
     kv_budget = budget - weights - activation - reserved
     block_bytes = pool_block_bytes(model, eng.block_size, tp, eng.kv_cache_dtype)
@@ -332,12 +340,12 @@ def _simple_plan(scenario, activation_scale: float | None) -> MemoryPlan:
                       visible_bytes=device.memory_bytes)
 
 
-def _vllm_plan(scenario) -> MemoryPlan:
+def _vllm_plan(scenario, activation: int | None) -> MemoryPlan:
     model, device, eng = scenario.model, scenario.device, scenario.engine
     tp = scenario.parallelism.tp
     v = vllm_memory_plan(model, device, tp, eng.gpu_memory_utilization, scenario.max_num_batched_tokens,
                          scenario.max_num_seqs, eng.block_size, eng.vllm_version, eng.kv_cache_dtype,
-                         dp=scenario.parallelism.dp, activation_bytes=_activation_override(scenario))
+                         dp=scenario.parallelism.dp, activation_bytes=activation)
     return MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, v.requested_bytes, v.weight_bytes,
                       v.activation_bytes, v.non_torch_bytes + v.cudagraph_bytes, v.kv_budget_bytes,
                       kv_bytes_per_token(model, tp, eng.kv_cache_dtype), eng.block_size, v.block_bytes,
