@@ -299,7 +299,7 @@ class CostModel:
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
-        decodes = len(batch.decodes)
+        decodes = batch.num_decode          # includes a static batch's padding rows
         seqs = decodes + len(batch.prefills)
         host = self._host_time(seqs, decodes, batch.num_prefill_tokens)
         device = self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,

@@ -21,6 +21,9 @@ STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "d
                 "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
 
 
+_COLUMN_INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
+
+
 class StepRecorder:
     """Collects one row per engine step.
 
@@ -34,13 +37,15 @@ class StepRecorder:
         self.replica = replica
         self.rows: list[tuple] = []
         self._chunks: list[np.ndarray] = []
+        self._small: list[np.ndarray] = []     # recent short blocks (leaps), merged every CHUNK rows
+        self._small_rows = 0
         self._packed = 0
         self._columns: Optional[dict[str, np.ndarray]] = None
 
     def record(self, batch, scheduler, start_s: float, end_s: float, host_s: float, device_s: float,
                kv_used: int, kv_cached: int, slack: int) -> None:
         """Append a step. KV figures are taken right after scheduling (the step's peak)."""
-        decodes = len(batch.decodes)
+        decodes = batch.num_decode
         prefill = batch.num_prefill_tokens
         self.rows.append((batch.step, start_s, end_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
@@ -49,15 +54,58 @@ class StepRecorder:
         if len(self.rows) == self.CHUNK:
             self._pack()
 
+    def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
+                    running: int, waiting: int, kv_used, kv_cached, slack, host, device) -> None:
+        """Append the k decode-only steps of a leap (sim/core/leap.py): step i starts where
+        step i-1 ended, the first at `start_s`. Short leaps go in as rows, long ones as a block."""
+        k = len(ends)
+        if k <= 16:
+            starts = [start_s, *ends[:-1]]
+            step = first_step
+            for i in range(k):
+                self.rows.append((step + i, starts[i], ends[i], running, waiting, rows, rows, 0, rows,
+                                  decode_ctx[i], 0, 0, blocks_read[i], kv_used[i], kv_cached[i], slack[i], 0,
+                                  host[i], device[i]))
+            if len(self.rows) >= self.CHUNK:
+                self._pack()
+            return
+        block = np.zeros((k, len(STEP_COLUMNS)))
+        col = _COLUMN_INDEX
+        ends = np.asarray(ends)
+        block[:, col["step"]] = np.arange(first_step, first_step + k)
+        block[0, col["start_s"]] = start_s
+        block[1:, col["start_s"]] = ends[:-1]
+        block[:, col["end_s"]] = ends
+        block[:, col["running"]] = running
+        block[:, col["waiting"]] = waiting
+        for name in ("num_seqs", "decode_seqs", "batch_tokens"):
+            block[:, col[name]] = rows
+        for name, values in (("decode_ctx", decode_ctx), ("blocks_read", blocks_read), ("kv_blocks_used", kv_used),
+                             ("kv_blocks_cached", kv_cached), ("slack_tokens", slack), ("host_s", host),
+                             ("device_s", device)):
+            block[:, col[name]] = values
+        if self.rows:
+            self._small.append(np.array(self.rows, dtype=np.float64))
+            self._small_rows += len(self.rows)
+            self.rows = []
+        self._small.append(block)
+        self._small_rows += k
+        if self._small_rows >= self.CHUNK:
+            self._pack()
+
     def _pack(self) -> None:
         if self.rows:
-            self._chunks.append(np.array(self.rows, dtype=np.float64))
-            self._packed += len(self.rows)
+            self._small.append(np.array(self.rows, dtype=np.float64))
+            self._small_rows += len(self.rows)
             self.rows = []
+        if self._small:
+            self._chunks.append(self._small[0] if len(self._small) == 1 else np.concatenate(self._small))
+            self._packed += self._small_rows
+            self._small, self._small_rows = [], 0
         self._columns = None
 
     def __len__(self) -> int:
-        return self._packed + len(self.rows)
+        return self._packed + self._small_rows + len(self.rows)
 
     @property
     def table(self) -> np.ndarray:
@@ -70,7 +118,7 @@ class StepRecorder:
 
     @property
     def columns(self) -> dict[str, np.ndarray]:
-        if self._columns is None or self.rows:
+        if self._columns is None or self.rows or self._small:
             table = self.table
             self._columns = {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
         return self._columns

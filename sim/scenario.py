@@ -184,7 +184,10 @@ class RampUp(StrictModel):
 
 
 class Arrival(StrictModel):
-    process: Literal["poisson", "gamma", "fixed", "offline"] = "poisson"
+    # vidur_poisson: Vidur's generator exactly (vidur/request_generator/poisson_request_interval_
+    # generator.py): Python's `random` seeded with `seed` just before generating, gaps
+    # -ln(1 - U) / rate capped at 3 / rate, summed from t=0 (never rescaled).
+    process: Literal["poisson", "gamma", "fixed", "offline", "vidur_poisson"] = "poisson"
     rate: Optional[float] = Field(default=None, gt=0, le=1e7, description="requests per second")
     # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
     # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
@@ -192,6 +195,7 @@ class Arrival(StrictModel):
     # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
     # (only when num_requests, not duration_s, bounds the workload).
     rescale: bool = True
+    seed: int = Field(default=42, ge=0, le=2**63 - 1, description="vidur_poisson: Python random.seed value")
     ramp_up: Optional[RampUp] = None
 
     @model_validator(mode="after")

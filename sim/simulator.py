@@ -2,19 +2,26 @@
 
 Each engine loop reads like the engine it models: schedule a batch with the shared
 policy, spend the cost model's step time, finish the step, repeat; sleep when there is
-nothing to do and wake on the next arrival. One SimPy event per engine step, never per token.
+nothing to do and wake on the next arrival. One SimPy event per engine step, never per token,
+and one per *leap* where it can (sim/core/leap.py): a stretch of pure decode steps between
+two events runs as one, priced in bulk, and ends before the next request reaches a router
+(so every routing decision sees the same replica states as the step-by-step path).
 """
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+import numpy as np
 import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager
+from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RunRecords, StepRecorder
 from sim.core.request import Request, Status
@@ -31,6 +38,7 @@ class Replica:
     scheduler: Scheduler
     recorder: StepRecorder
     wakeup: Optional[simpy.Event] = None
+    busy_until: float = math.inf         # end of the step or leap in flight (inf while idle)
     outstanding_tokens: int = 0          # prompt + output tokens routed here and not yet finished
 
     @property
@@ -43,13 +51,21 @@ class Replica:
             self.outstanding_tokens += req.max_len
         if self.wakeup is not None and not self.wakeup.triggered:
             self.wakeup.succeed()
+            # It starts a step later at this same instant; until it does, another replica
+            # planning a leap must not count on it staying idle.
+            self.busy_until = -math.inf
 
 
-def build_replica(index: int, scenario, plan: MemoryPlan) -> Replica:
+def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True) -> Replica:
     e = scenario.engine
     kv = KVCacheManager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation,
                         scenario.max_model_len, e.contiguous_reserve)
-    return Replica(index, Scheduler(SchedulerConfig.from_scenario(scenario), kv), StepRecorder(index))
+    config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
+    return Replica(index, Scheduler(config, kv), StepRecorder(index))
+
+
+MIN_LEAP_STEPS = 4         # shorter stretches go step by step (cheaper than planning a leap)
+LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
 class Client:
@@ -99,6 +115,8 @@ class Simulation:
     cost_model: CostModel
     replicas: list[Replica] = field(default_factory=list)
     progress: Optional[Callable[[int], None]] = None
+    # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
+    fast: bool = True
 
     def run(self) -> RunRecords:
         with gc_paused():
@@ -106,8 +124,13 @@ class Simulation:
 
     def _run(self) -> RunRecords:
         env = simpy.Environment()
-        self.replicas = [build_replica(i, self.scenario, self.plan)
+        self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
+        self._next_arrival = math.inf
+        self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
+        # A finish on one replica can send a follow-up turn to another after its think time.
+        turns = [r.think_time for r in self.requests if r.next_turn is not None]
+        self._min_think = min(turns) if turns else math.inf
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
@@ -128,39 +151,127 @@ class Simulation:
     def _arrivals(self, env: simpy.Environment, requests: list[Request], router):
         for req in requests:
             if req.arrival > env.now:
+                self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
                 yield env.timeout(req.arrival - env.now)
             self._client.send(req)
+        self._next_arrival = math.inf
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
         yield env.timeout(delay)
+        heapq.heappop(self._follow_up_times)
         req.arrival = env.now
         self._client.send(req)
+
+    def _next_route_time(self, replica: Replica) -> float:
+        """The earliest moment a request may reach the router (a leap must end before it):
+        the next arrival, a pending follow-up turn, or one that another replica's next finish
+        could release (no earlier than the end of its step in flight plus the shortest think time)."""
+        follow = self._follow_up_times[0] if self._follow_up_times else math.inf
+        horizon = min(self._next_arrival, follow)
+        # A closed-loop client holding requests sends one at any replica's finish.
+        think = 0.0 if self._client.pending else self._min_think
+        if think < math.inf:
+            for other in self.replicas:
+                if other is not replica:
+                    horizon = min(horizon, other.busy_until + think)
+        return horizon
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
         step_time = self.cost_model.step_time
         last_end = float("-inf")
+        last_step = 0.0
         while True:
+            # Leap only where one can pay for its planning: several steps before the next event
+            # (judged by the last step's length; the leap itself is cut exactly either way).
+            if (self.fast and env.now == last_end
+                    and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
+                leap = self._plan_leap(sched, env.now, horizon)
+                if leap is not None:
+                    plan, ends, host, device, ctx, blocks = leap
+                    running, waiting = len(sched.running), sched.num_waiting
+                    used, cached, slack = apply_leap(sched, plan, len(ends))
+                    replica.busy_until = ends[-1]
+                    yield _At(env, float(ends[-1]))
+                    recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
+                                         waiting, used, cached, slack, host, device)
+                    last_step = (env.now - last_end) / len(ends)
+                    last_end = env.now
+                    self._retire(env, replica, finish_leap(sched))
+                    continue
             batch = sched.schedule()
             if batch is None:
                 replica.wakeup = env.event()
+                replica.busy_until = math.inf
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
             kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, sched.slack_tokens
             host, device = step_time(batch, env.now - last_end > IDLE_GAP_S)
             start = env.now
+            replica.busy_until = start + (host + device)
             yield env.timeout(host + device)
             recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
+            last_step = env.now - start
             last_end = env.now
-            for req in sched.finish_step(batch):
-                self._client.done()
-                replica.outstanding_tokens -= req.max_len
-                if req.next_turn is not None:
-                    env.process(self._follow_up(env, req.next_turn, req.think_time))
-                self._finished += 1
-                if self.progress is not None and self._finished % 256 == 0:
-                    self.progress(self._finished)
+            self._retire(env, replica, sched.finish_step(batch))
+
+    def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
+        for req in finished:
+            self._client.done()
+            replica.outstanding_tokens -= req.max_len
+            if req.next_turn is not None:
+                # known now, though the process starts later: a leap planned meanwhile must see it
+                heapq.heappush(self._follow_up_times, env.now + req.think_time)
+                env.process(self._follow_up(env, req.next_turn, req.think_time))
+            self._finished += 1
+            if self.progress is not None and self._finished % 256 == 0:
+                self.progress(self._finished)
+
+    def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
+        """A leap from `now`: (plan, end times, host s, device s, decode ctx, blocks read) of its
+        steps, all ending before `horizon` (the next routing); None when not one step qualifies."""
+        plan = plan_leap(sched, max_steps=1 << 30, min_steps=MIN_LEAP_STEPS)
+        if plan is None:
+            return None
+        first = min(plan.max_steps, LEAP_SCALAR_STEPS)
+        ctx, blocks = plan.shapes(first)
+        step_time = self.cost_model.step_time
+        shape = StepShape(plan.rows, 0, 0)
+        ends, hosts, devices = [], [], []
+        t = now
+        for k in range(first):
+            shape.decode_ctx, shape.blocks_read = ctx[k], blocks[k]
+            h, d = step_time(shape, False)
+            t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
+            if t >= horizon:
+                break
+            ends.append(t)
+            hosts.append(h)
+            devices.append(d)
+        else:
+            if plan.max_steps > first:
+                return self._bulk_times(plan, now, ends, hosts, devices, horizon)
+        if not ends:
+            return None
+        k = len(ends)
+        return plan, ends, hosts, devices, ctx[:k], blocks[:k]
+
+    def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
+        """A long leap priced with numpy (the same float operations, element by element)."""
+        columns = plan.columns(plan.max_steps)
+        host, device = self.cost_model.step_times(columns)
+        if hosts and (host[0] != hosts[0] or device[0] != devices[0]):
+            # an element-wise function (a power, say) rounded differently from its scalar form:
+            # price this leap step by step, so that it stays exact
+            host, device = zip(*(self.cost_model.step_time(StepShape(plan.rows, int(c), int(b)), False)
+                                 for c, b in zip(columns["decode_ctx"], columns["blocks_read"])))
+            host, device = np.array(host), np.array(device)
+        start = ends[-1] if ends else now
+        tail = np.cumsum(np.concatenate(([start], host[len(ends):] + device[len(ends):])))[1:]
+        k = len(ends) + int(np.searchsorted(tail, horizon, side="left"))   # steps ending before it
+        ends = np.concatenate((ends, tail[:k - len(ends)]))
+        return plan, ends, host[:k], device[:k], columns["decode_ctx"][:k], columns["blocks_read"][:k]
 
     def _check_every_request_ended(self) -> None:
         """Every request that entered the run ends finished or rejected (with a reason)."""
@@ -172,8 +283,23 @@ class Simulation:
             raise AssertionError(f"{len(never_sent)} follow-up turns were never released, e.g. {never_sent[0]!r}")
 
 
+class _At(simpy.events.Event):
+    """An event at an absolute time. A leap must end exactly where its last step would have
+    (now + d1 + d2 + ..., added step by step); SimPy's timeout computes now + delay, and no
+    float delay reaches every such sum, so the event goes on SimPy's queue as a Timeout does."""
+
+    def __init__(self, env: simpy.Environment, when: float):
+        super().__init__(env)
+        if when < env.now:
+            raise ValueError(f"cannot schedule at {when} before now ({env.now})")
+        self._ok = True
+        self._value = None
+        heapq.heappush(env._queue, (when, simpy.events.NORMAL, next(env._eid), self))
+
+
 def simulate(scenario, requests: Optional[list[Request]] = None,
-             progress: Optional[Callable[[int], None]] = None) -> tuple[RunRecords, MemoryPlan, CostModel]:
+             progress: Optional[Callable[[int], None]] = None,
+             fast: bool = True) -> tuple[RunRecords, MemoryPlan, CostModel]:
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
@@ -183,7 +309,7 @@ def simulate(scenario, requests: Optional[list[Request]] = None,
     else:
         for r in requests:
             r.reset()
-    sim = Simulation(scenario, requests, plan, cost_model, progress=progress)
+    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast)
     t0 = time.perf_counter()
     records = sim.run()
     records.meta["wall_s"] = time.perf_counter() - t0

@@ -40,6 +40,7 @@ from __future__ import annotations
 import csv
 import gc
 import math
+import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,12 +190,15 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
         return _ramp_times(arrival, rng, count)
     if duration is None:
         times = _process_times(arrival, rng, count)
-        if arrival.process != "fixed" and arrival.rescale:
+        if arrival.process not in ("fixed", "vidur_poisson") and arrival.rescale:
             times *= count / arrival.rate / times[-1]   # vLLM bench: last one at exactly n/rate
         return times
     expected = int(duration * arrival.rate * 1.1) + 16
     times = _process_times(arrival, rng, expected if count is None else min(expected, count))
     while times[-1] < duration and (count is None or len(times) < count):
+        if arrival.process == "vidur_poisson":        # one stream from its seed: draw it longer
+            times = _process_times(arrival, rng, 2 * len(times))
+            continue
         times = np.concatenate([times, times[-1] + _process_times(arrival, rng, len(times))])
     return times[times < duration][:count]
 
@@ -224,11 +228,26 @@ def _process_times(arrival: Arrival, rng: np.random.Generator, n: int) -> np.nda
         return np.arange(1, n + 1) / rate
     if arrival.process == "poisson":
         return np.cumsum(rng.exponential(1.0 / rate, n))
+    if arrival.process == "vidur_poisson":
+        return _vidur_poisson_times(rate, arrival.seed, n)
     shape = 1.0 / arrival.cv ** 2
     times = np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))
     if not times[-1] > 0:       # a huge cv: every gap underflowed to 0 (and time would never advance)
         raise WorkloadError(f"workload.arrival: cv {arrival.cv:g} gives {n} arrivals all at t=0 "
                             f"(every gamma gap underflows); use a smaller cv or process: offline")
+    return times
+
+
+def _vidur_poisson_times(rate: float, seed: int, n: int) -> np.ndarray:
+    """Vidur's synthetic arrivals, bit for bit: its own Python `random` stream, capped gaps,
+    a running float sum (the same operations in the same order as Vidur)."""
+    rnd = random.Random(seed)
+    cap = (1.0 / rate) * 3.0
+    times = np.empty(n)
+    t = 0.0
+    for i in range(n):
+        t = t + min(-math.log(1.0 - rnd.random()) / rate, cap)
+        times[i] = t
     return times
 
 

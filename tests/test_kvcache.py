@@ -202,3 +202,30 @@ def test_live_output_blocks_hash_as_the_list_grows():
     same = Request(1, 0.0, [(1, 10)], 8, [5, 6, 7, 8, 9, 10])
     same.extend_block_hashes(4, 4)
     assert live.block_hashes == same.block_hashes
+
+
+def test_a_recomputed_duplicate_block_keeps_its_hash_beside_the_first():
+    """D2 (issue 15): a block-aligned prompt recomputes its last block even when it is cached;
+    the copy is registered too (vLLM keeps several blocks per hash), lookups return the first
+    copy, and when that one is evicted the second still serves hits."""
+    kv = KVCacheManager(8, 16)
+    a = req(0, [(7, 32)])
+    admit(kv, a)
+    b = req(1, [(7, 32)])
+    assert admit(kv, b) == 16                       # hits block 0 only, recomputes block 1
+    h = a.block_hashes[1]
+    assert b.blocks[1] != a.blocks[1] and kv.pool.block_hash[b.blocks[1]] == h
+    assert kv.pool.lookup(h) == a.blocks[1]         # the first copy is the one found
+    kv.pool.check_invariants()
+    first_copy, second_copy = a.blocks[1], b.blocks[1]
+    kv.free(a)                                       # queue tail: a's last block, then b's, then the shared first
+    kv.free(b)
+    for _ in range(kv.pool.num_free - 2):            # reuse everything up to and including a's copy
+        kv.pool.take_one()
+    assert kv.pool.block_hash[first_copy] is None
+    kv.pool.check_invariants()
+    assert kv.pool.lookup(h) == second_copy
+    c = req(2, [(7, 32), (9, 16)])
+    hits, hit_tokens = kv.find_cached_prefix(c)
+    assert hit_tokens == 32                          # both blocks still cached, via b's copy
+    kv.pool.check_invariants()

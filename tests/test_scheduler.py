@@ -183,7 +183,8 @@ def test_budget_and_seq_limits_hold_and_no_request_is_lost(lens, num_blocks, blo
     for r in reqs:
         s.add(r)
     for st_ in drive(s):
-        assert st_["tokens"] <= budget and st_["n"] <= max_num_seqs and st_["running"] <= max_num_seqs
+        assert st_["n"] <= max_num_seqs and st_["running"] <= max_num_seqs
+        assert st_["tokens"] <= budget or batching == "static"     # a static batch is one padded forward
     for r in reqs:
         assert r.status in (Status.FINISHED, Status.REJECTED)
         assert (r.status is Status.FINISHED) == (r.num_output == r.output_len)
@@ -287,3 +288,58 @@ def test_decode_cohort_is_used_and_exact_under_pressure(num_blocks, policy):
     assert lazy[0] == exact[0] and lazy[2:] == exact[2:]
     assert lazy[1] > len(lazy[0]) // 2            # the cohort carried most steps
     assert (lazy[2] > 0) == (num_blocks == 40)     # the small pool preempts
+
+
+def test_a_one_token_recompute_chunk_is_not_a_decode():
+    """D1 (issue 15): a resumed request whose recompute chunk is cut to 1 token by the budget
+    must not emit a token (it has not recomputed its context yet) nor join the cohort.
+    Minimal case found by differential fuzzing."""
+    s = make(num_blocks=6, block_size=4, caching=False, max_num_seqs=3, max_num_batched_tokens=7,
+             max_model_len=64)
+    reqs = [make_request(0, 0.0, [(1, 8)], 8), make_request(1, 0.0, [(1, 1)], 8),
+            make_request(2, 0.0, [(0, 3)], 8)]
+    for r in reqs:
+        s.add(r)
+    chunks_of_one = 0
+    while s.has_unfinished():
+        batch = s.schedule()
+        for r in batch.decodes:
+            assert r.num_computed == r.num_tokens, f"step {batch.step}: {r} booked as a decode"
+        chunks_of_one += sum(1 for r, n in zip(batch.prefills, batch.prefill_new) if n == 1 and r.num_output)
+        s.finish_step(batch)
+    assert chunks_of_one >= 1                      # the case really has such a chunk
+    assert all(r.num_output == r.output_len and r.status is Status.FINISHED for r in reqs)
+
+
+def test_watermark_is_skipped_when_nothing_runs():
+    """D3 (issue 15): a request that fits the pool but not pool - watermark starts when the
+    engine is empty (vLLM skips the watermark then), instead of waiting forever."""
+    s = make(num_blocks=101, admission_watermark=0.1, caching=False, max_num_batched_tokens=2048,
+             max_model_len=2048)
+    big, small = make_request(0, 0.0, [(1, 95 * 16)], 2), make_request(1, 0.0, [(2, 16)], 2)
+    s.add(big), s.add(small)
+    batch = s.schedule()
+    assert batch is not None and batch.admitted == [big]
+    assert s.kv.pool.num_free == 5            # the watermark (10 blocks) holds against the second request
+    drive(s)
+    assert big.status is Status.FINISHED and small.status is Status.FINISHED
+
+
+def test_static_batch_costs_the_padded_batch_hf_generate_computes():
+    """D4 (issue 15): a static batch prefills all prompts in one padded [B, P] forward (no
+    budget, no chunks) and computes all B rows, at P + k positions, until its longest member ends."""
+    s = make(max_num_seqs=2, batching="static", max_num_batched_tokens=64)
+    short, long_ = make_request(0, 0.0, [(1, 20)], 10), make_request(1, 0.0, [(2, 100)], 50)
+    s.add(short), s.add(long_)
+    first = s.schedule()
+    assert first.admitted == [short, long_] and first.num_prefill_tokens == 2 * 100
+    assert first.prefill_attn == 2 * (100 * 101 // 2) and first.blocks_read == 2 * 7
+    s.finish_step(first)
+    for k in range(1, 50):
+        batch = s.schedule()
+        assert batch.num_decode == 2 and batch.num_seqs == 2, k      # the finished row is still computed
+        assert batch.decode_ctx == 2 * (100 + k) and batch.blocks_read == 2 * -(-(100 + k) // 16)
+        assert batch.pad_rows == (1 if short.status is Status.FINISHED else 0)
+        s.finish_step(batch)
+    assert short.finish_step == 9 and long_.finish_step == 49 and not s.has_unfinished()
+    assert s.kv.num_used_blocks == 0 and s.tokens_held == 0

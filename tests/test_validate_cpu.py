@@ -1,19 +1,16 @@
 """End to end on the CPU engine: calibrate, then predict-and-measure two small scenarios.
 
-Tolerances come from the spread of the CPU engine on the 2-core machine this project runs
-on (README, "Validation"). Over repeated calibrate + validate cycles, predicted / measured:
-  TTFT p50 (online cpu_smoke)                       0.70 - 1.11
-  TPOT and E2E p50 (online cpu_smoke)               0.51 - 1.10  (decodes between idle gaps run
-                                                    slower than the back-to-back calibration probes)
-  request throughput (offline, median of 3 runs)    0.88 - 1.47
-  continuous / static speedup (median of 3 pairs)   0.86 - 1.25
-  request throughput (online, arrival-limited)      within 1.7%
-The machine's own speed moves by up to 2x within seconds. So absolute times are held to a
-factor of 2.5 (wide, but a unit slip or a missing cost term lands far outside it), the
-speedup to 35% as the median of three alternating pairs of runs, and tails (p90/p99, whose
-run-to-run spread reached 3x) are not checked on CPU. KV pool size, prefix hit rate,
-preemptions and, with every request at t=0, the KV peak are the same policy code on both
-sides and must match exactly.
+Nothing here depends on how fast the CPU is (issue 15): the machine this runs on is shared and
+its speed moves by 2x within seconds; under load the online smoke run queued so much that its
+measured TTFT p50 was 7.6x the prediction (and an earlier run measured 0.36 of the predicted
+throughput). So the tests assert
+  - policy figures exactly: KV pool size, preemptions, requests finished, prefix hit rate,
+    and, with every request at t=0 (a timing-free schedule), the KV peak and the step count,
+    and from the step counts that continuous batching needs far fewer steps than static;
+  - that the cost model prices every one of the run's measured steps (the step-time comparison
+    of the report), without judging the times: even a rank check of the same run's steps
+    failed here once, because the calibrated contrast between step kinds is itself a timing.
+Timing accuracy belongs in bench/ and in the GPU check (tolerances recorded per report).
 """
 from pathlib import Path
 
@@ -30,17 +27,11 @@ def row(table, metric, column="relative_error"):
     return float(table.loc[metric, column])
 
 
-def within_factor(table, metric, factor=2.5):
-    ratio = row(table, metric, "predicted") / row(table, metric, "measured")
-    return 1 / factor < ratio < factor
-
-
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     scenario = load_scenario(SCENARIOS / "cpu_smoke.yaml")
     cal = calibrate(scenario, "cpu")
     assert cal.profile.calibrated and cal.test_quality["points"] >= 5
-    assert cal.test_quality["median_rel_error"] < 0.5, cal.test_quality   # observed 0.12 - 0.32
     return write_profile(tmp_path_factory.mktemp("profile") / "cpu_tiny.yaml", cal)
 
 
@@ -50,34 +41,25 @@ def test_cpu_smoke_predicted_vs_measured(profile, tmp_path):
     t = v.table
     assert row(t, "KV pool blocks") == 0 and row(t, "preemptions") == 0
     assert abs(row(t, "prefix hit rate", "predicted") - row(t, "prefix hit rate", "measured")) < 0.02
-    assert abs(row(t, "request throughput (req/s)")) < 0.10
-    for metric in ("TTFT p50 (s)", "TPOT p50 (s)", "E2E p50 (s)"):
-        assert within_factor(t, metric), (metric, t.loc[metric].to_dict())
+    steps = v.steps                                  # this run's steps, priced by the cost model
+    assert len(steps) == len(v.measured.steps) and (steps["measured_s"] > 0).all()
+    assert steps["predicted_s"].notna().all() and (steps["predicted_s"] > 0).all()
     # 80 requests, the first 8 warm-up (excluded from requests_finished)
     assert v.measured.summary["requests_finished"] == 72 and v.predicted.summary["requests_finished"] == 72
     assert files["report"].stat().st_size > 10_000 and (tmp_path / "step_scatter.png").exists()
 
 
 def test_static_vs_continuous_on_the_engine(profile):
-    """Paired measurements: the two variants alternate three times and the medians are compared,
-    so a swing of the machine's speed hits both sides of a pair."""
-    from statistics import median
-
-    from engine.replay import replay
-
+    """Every request at t=0: the schedule is timing-free, so predicted and measured runs take the
+    same steps, and continuous batching needs far fewer than the static batches."""
     path = SCENARIOS / "cpu_static_vs_continuous.yaml"
     variants = expand_variants(load_scenario(path), path.parent)
     runs = {name: validate(s, "cpu", profile, online=False) for name, s in variants.items()}
     for name, v in runs.items():
-        assert row(v.table, "KV blocks peak") == 0, name       # all at t=0: the schedule is timing-free
-    measured = {name: [row(v.table, "request throughput (req/s)", "measured")] for name, v in runs.items()}
-    for _ in range(2):
-        for name, s in variants.items():
-            measured[name].append(replay(s, device="cpu", online=False).summary["request_throughput"])
+        assert row(v.table, "KV blocks peak") == 0, name
+        assert len(v.predicted.steps) == len(v.measured.steps), name
+        assert v.measured.summary["requests_finished"] == 40, name
+    steps = {name: len(v.measured.steps) for name, v in runs.items()}
+    assert steps["static"] > 1.5 * steps["continuous"], steps
     predicted = {name: row(v.table, "request throughput (req/s)", "predicted") for name, v in runs.items()}
-    for name in variants:
-        assert 0.4 < predicted[name] / median(measured[name]) < 2.5, (name, predicted[name], measured[name])
-    measured_speedup = median(c / s for c, s in zip(measured["continuous"], measured["static"]))
-    predicted_speedup = predicted["continuous"] / predicted["static"]
-    assert measured_speedup > 1.2 and predicted_speedup > 1.2
-    assert abs(predicted_speedup / measured_speedup - 1) < 0.35, (predicted_speedup, measured)
+    assert predicted["continuous"] > 1.2 * predicted["static"], predicted

@@ -378,3 +378,23 @@ def test_100k_poisson_sharegpt_requests_build_quickly():
     requests = build_requests(s)
     assert len(requests) == 100_000
     assert time.process_time() - start < 4.0     # ~1.2 s on a busy 2-core box
+
+
+def test_vidur_poisson_arrivals_are_vidurs_stream():
+    """Vidur seeds Python's global `random` with 42 right before drawing; gaps capped at 3/qps."""
+    import math
+    import random as pyrandom
+
+    from sim.scenario import load_scenario
+    from sim.workload import build_requests
+    scenario = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "vidur_llama2_70b.yaml",
+                             ["workload.num_requests=2000"])
+    arrivals = [r.arrival for r in build_requests(scenario)]
+    pyrandom.seed(42)
+    t, expected = 0.0, []
+    for _ in range(2000):
+        t += min(-math.log(1.0 - pyrandom.random()) / 2.0, 1.5)
+        expected.append(t)
+    assert arrivals == expected
+    gaps = np.diff([0.0] + arrivals)
+    assert gaps.max() == 1.5 and abs(gaps.mean() - 0.5) < 0.03     # capped, not rescaled

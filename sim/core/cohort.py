@@ -21,9 +21,14 @@ forces that path; tests compare the two).
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 from sim.core.request import Request
+
+
+def _run_seq(req: Request) -> int:
+    return req.run_seq
 
 
 class DecodeCohort:
@@ -41,6 +46,7 @@ class DecodeCohort:
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events.
         self._by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
         self._finish: dict[int, list] = defaultdict(list)
+        self._finish_steps: list[int] = []          # heap of the keys of _finish
 
     def __len__(self) -> int:
         return len(self.members)
@@ -58,7 +64,10 @@ class DecodeCohort:
         self._by_phase[req._computed % bs][req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
-        self._finish[step + req.output_len - output].append((req, req.cohort_gen))
+        finish = step + req.output_len - output
+        if finish not in self._finish:
+            heapq.heappush(self._finish_steps, finish)
+        self._finish[finish].append((req, req.cohort_gen))
         if self.caching:
             # Scripted outputs are known up front: hash every block the member will fill, in bulk.
             req.extend_block_hashes((req.max_len - 1) // bs, bs)
@@ -86,6 +95,11 @@ class DecodeCohort:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
         return self._by_phase[(1 - step) % self.block_size]
 
+    def first_crossing_seq(self, step: int) -> float:
+        """The earliest running position among members that need a block at `step`."""
+        crossing = self._crossing(step) if self.paged else ()
+        return min(map(_run_seq, crossing)) if crossing else float("inf")
+
     def due_blocks(self, step: int) -> int:
         """Blocks the members need at `step`."""
         return len(self._crossing(step)) if self.paged else 0
@@ -98,12 +112,26 @@ class DecodeCohort:
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             take_block = kv.pool.take_one
+            # In the running list's order, as the one-by-one loop hands out blocks.
+            if len(crossing) > 1:
+                crossing = sorted(crossing, key=_run_seq)
             for req in crossing:
                 req.blocks.append(take_block())
             kv.held_slots += bs * len(crossing)
         if self.caching:
             for req in self._by_phase[-step % bs]:               # their token completes a block
                 kv.register_block(req, (req._computed + step) // bs - 1)
+
+    def next_finish(self) -> float:
+        """The earliest step at which a member may emit its last token (inf if none)."""
+        heap = self._finish_steps
+        while heap and heap[0] not in self._finish:
+            heapq.heappop(heap)
+        return heap[0] if heap else float("inf")
+
+    def phase_sizes(self) -> list[int]:
+        """Members per phase: at step s, phase (1 - s) % block_size crosses into a new block."""
+        return [len(group) for group in self._by_phase]
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after setting finished_step)."""

@@ -10,6 +10,8 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 - hashes are registered when slots are allocated (schedule time), not after the step;
 - freed blocks keep their hash and stay reusable until popped for reuse (lazy eviction),
   a request's blocks are freed last-first, so its tail is evicted before its head;
+- a block that fills with content already cached is registered too (several blocks per
+  hash; a lookup returns the first registered, the next takes over when it is evicted);
 - lookup happens only for requests with nothing computed, stops at the first miss and
   always leaves at least the last prompt token to compute.
 """
@@ -37,7 +39,12 @@ class BlockPool:
         self.block_hash: list[Optional[int]] = [None] * num_blocks
         # OrderedDict as an O(1) doubly linked list: pop the head, remove from the middle, append.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[int, int] = {}      # block hash -> block id
+        # block hash -> the first block holding it (the one a lookup returns). vLLM never
+        # de-duplicates a block that fills with content already cached (block tables are
+        # append-only), so a hash can have several blocks: the later ones wait in `duplicates`,
+        # in insertion order, and take over when the first is evicted.
+        self.cached: dict[int, int] = {}
+        self.duplicates: dict[int, list[int]] = {}
         self.num_cached_free = 0              # free blocks that still hold a hash (revivable)
         self.evictions = 0
 
@@ -64,8 +71,8 @@ class BlockPool:
         """Pop the least recently freed block, evicting its cached hash if it still has one."""
         block = self.free_queue.popitem(last=False)[0]
         h = self.block_hash[block]
-        if h is not None:                    # lazy eviction (a block holds a hash only while the map points at it)
-            del self.cached[h]
+        if h is not None:                    # lazy eviction (a block holds a hash only while the map holds it)
+            self._forget(h, block)
             self.block_hash[block] = None
             self.num_cached_free -= 1
             self.evictions += 1
@@ -93,18 +100,25 @@ class BlockPool:
         self.num_cached_free += revivable
 
     def cache_block(self, block: int, block_hash: int) -> None:
-        """Register a full block. A hash already mapped to a live block keeps that block."""
+        """Register a full block under its hash (beside any other block with the same content)."""
         if self.block_hash[block] is not None:
             return
-        current = self.cached.get(block_hash)
-        if current is not None:
-            if self.ref_cnt[current] > 0:
-                return
-            # The old copy sits unreferenced in the free queue: the live block replaces it.
-            self.block_hash[current] = None
-            self.num_cached_free -= 1
-        self.cached[block_hash] = block
         self.block_hash[block] = block_hash
+        if self.cached.setdefault(block_hash, block) != block:
+            self.duplicates.setdefault(block_hash, []).append(block)
+
+    def _forget(self, block_hash: int, block: int) -> None:
+        """Drop one block from a hash's entry; the next duplicate, if any, becomes the one found."""
+        dups = self.duplicates.get(block_hash)
+        if self.cached[block_hash] == block:
+            if dups:
+                self.cached[block_hash] = dups.pop(0)
+            else:
+                del self.cached[block_hash]
+        else:
+            dups.remove(block)
+        if dups is not None and not dups:
+            del self.duplicates[block_hash]
 
     def lookup(self, block_hash: int) -> Optional[int]:
         return self.cached.get(block_hash)
@@ -117,10 +131,15 @@ class BlockPool:
         for b in range(1, self.num_blocks):
             assert (self.ref_cnt[b] == 0) == (b in free), f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
             assert self.ref_cnt[b] >= 0
-        for h, b in self.cached.items():
+        mapped = [(h, b) for h, b in self.cached.items()]
+        mapped += [(h, b) for h, dups in self.duplicates.items() for b in dups]
+        for h, b in mapped:
             assert self.block_hash[b] == h
+        assert all(dups and h in self.cached for h, dups in self.duplicates.items())
         hashed = [b for b in range(1, self.num_blocks) if self.block_hash[b] is not None]
-        assert len(hashed) == len(self.cached), "a block holds a hash the map does not point to"
+        assert len(hashed) == len(mapped) == len(set(b for _, b in mapped)), \
+            "a block holds a hash the map does not hold"
+
         assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
 
 
@@ -220,29 +239,44 @@ class KVCacheManager:
         bs = self.block_size
         hit_blocks = hit_blocks or []
         held = len(req.blocks)
+        need, required = self._blocks_required(req, num_new_tokens, hit_blocks, gate_tokens, reserve_free,
+                                               lookahead_tokens)
+        if required > pool.num_free:
+            return False
+        if hit_blocks:
+            pool.touch(hit_blocks)
+            req.blocks.extend(hit_blocks)
+            req.num_registered = len(req.blocks)   # hit blocks are already registered
+        if need:
+            req.blocks.extend(pool.get_new_blocks(need))
+        self.held_slots += (len(req.blocks) - held) * bs
+        if self.enable_caching:
+            covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.num_tokens))
+        return True
+
+    def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
+                  reserve_free: int, free_blocks: int) -> bool:
+        """Would `allocate_slots` succeed with `free_blocks` free? (No state changes.)"""
+        return self._blocks_required(req, num_new_tokens, hit_blocks, gate_tokens, reserve_free, 0)[1] <= free_blocks
+
+    def _blocks_required(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
+                         reserve_free: int, lookahead_tokens: int) -> tuple[int, int]:
+        """(new blocks an allocation takes, free blocks it requires to go ahead)."""
+        bs = self.block_size
+        held = len(req.blocks)
         covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
             target = cdiv(covered + lookahead_tokens, bs)
         need = max(target - held - len(hit_blocks), 0)
-        if gate_tokens or reserve_free or hit_blocks:
-            gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
-            hit_in_free = sum(1 for b in hit_blocks if pool.ref_cnt[b] == 0)
-            if gate + hit_in_free + reserve_free > pool.num_free:
-                return False
-            if hit_blocks:
-                pool.touch(hit_blocks)
-                req.blocks.extend(hit_blocks)
-                req.num_registered = len(req.blocks)   # hit blocks are already registered
-        elif need > pool.num_free:
-            return False
-        if need:
-            req.blocks.extend(pool.get_new_blocks(need))
-        self.held_slots += (len(req.blocks) - held) * bs
-        if self.enable_caching:
-            self.register_full_blocks(req, min(covered, req.num_tokens))
-        return True
+        if not (gate_tokens or reserve_free or hit_blocks):
+            return need, need
+        gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
+        ref = self.pool.ref_cnt
+        hit_in_free = sum(1 for b in hit_blocks if ref[b] == 0)
+        return need, gate + hit_in_free + reserve_free
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""

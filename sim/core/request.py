@@ -75,7 +75,7 @@ class Request:
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "block_hashes",
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         # step bookkeeping (step indices; drivers turn them into times)
-        "admit_step", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
+        "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
         "chunk_steps",
     )
 
@@ -113,6 +113,7 @@ class Request:
         self.reject_reason: Optional[str] = None
         self._hash_cursor = (0, 0)
         self.admit_step = -1
+        self.run_seq = -1                  # position in the running list's order (set at each admission)
         self.first_token_step = -1
         self.finish_step = -1
         self.emit_runs: list[int] = []
@@ -170,6 +171,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= Status.FINISHED
+
+    def drop_block_hashes(self) -> None:
+        """Forget the block hashes of a request that ended (they are recomputed if ever needed)."""
+        self.block_hashes = []
+        self._hash_cursor = (0, 0)
 
     # -- content -----------------------------------------------------------------------
     def extend_block_hashes(self, num_blocks: int, block_size: int) -> None:

@@ -11,8 +11,10 @@ be recomputed. Then, if nothing was preempted, WAITING requests are admitted hea
 until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
 `prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
 be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
-`static`: a batch is formed only when none is running and runs until its last member
-finishes; finished members' slots stay empty.
+`static` (HF `generate`, research/VLLM_SEMANTICS.md section 5): a batch is formed only
+when none is running, its prompts computed in one padded forward (no token budget, no
+chunks), and it runs until its last member finishes. Every step computes all B rows, padded
+to the longest prompt: a finished member's row keeps being computed (`Batch.pad_rows`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from sim.core.cohort import DecodeCohort
+from sim.core.cohort import DecodeCohort, _run_seq
 from sim.core.kvcache import KVCacheManager
 from sim.core.memory import cdiv
 from sim.core.request import Request, Status
@@ -56,13 +58,14 @@ class Batch:
     are kept apart, so the hot decode path needs no per-sequence token count.
     """
 
-    __slots__ = ("step", "decodes", "cohort_size", "prefills", "prefill_new", "decode_ctx",
+    __slots__ = ("step", "decodes", "pad_rows", "cohort_size", "prefills", "prefill_new", "decode_ctx",
                  "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
 
     def __init__(self, step: int):
         self.step = step
         self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
         self.cohort_size = 0
+        self.pad_rows = 0            # static batching: rows computed for members that finished
         self.prefills: list[Request] = []
         self.prefill_new: list[int] = []
         self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
@@ -78,15 +81,17 @@ class Batch:
 
     @property
     def num_decode(self) -> int:
-        return len(self.decodes)
+        """Decode rows computed (live decodes plus a static batch's padding rows)."""
+        return len(self.decodes) + self.pad_rows
 
     @property
     def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
+        return len(self.decodes) + self.pad_rows + len(self.prefills)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decodes)
+        """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
+        return self.num_prefill_tokens + len(self.decodes) + self.pad_rows
 
     @property
     def reqs(self) -> list[Request]:
@@ -105,7 +110,9 @@ class Batch:
         start = req.num_computed
         ctx = start + n
         self.blocks_read += -(-ctx // block_size)
-        if n == 1 and req.num_output:
+        # A decode is the one token that completes the sequence. A resumed request's 1-token
+        # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
+        if n == 1 and req.num_output and ctx == req.num_tokens:
             self.decodes.append(req)
             self.decode_ctx += ctx
         else:
@@ -149,7 +156,7 @@ class Scheduler:
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
-        self.lazy = config.lazy_decode and self.mixed
+        self.lazy = config.lazy_decode
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
@@ -161,8 +168,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.tokens_held = 0           # sum of num_computed over running requests
         self._heap_seq = 0
+        self._run_seq = 0
+        self._empty_preempted: list[Request] = []
         self._returned = 0
         self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
+        # The static batch running now: its rows, padded prompt length and first step.
+        self._static_rows = self._static_len = self._static_step = 0
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -189,7 +200,8 @@ class Scheduler:
         usable = self.kv.pool.usable_blocks
         if need > usable:
             return f"needs {need} KV blocks at full length but the pool has {usable} usable blocks"
-        if not self.config.chunked_prefill and req.max_len > self.config.max_num_batched_tokens:
+        if (not self.config.chunked_prefill and not self.static
+                and req.max_len > self.config.max_num_batched_tokens):
             return (f"{req.max_len} tokens cannot be recomputed within max_num_batched_tokens "
                     f"{self.config.max_num_batched_tokens} without chunked prefill")
         return None
@@ -251,8 +263,29 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
-        """Choose this step's work. Returns None when nothing can run."""
+        """Choose this step's work. Returns None when nothing can run.
+
+        A pass can preempt every request it tried and schedule nothing (the last running
+        request preempts itself); vLLM's next step then admits from the waiting queue. That
+        empty step takes no time, so it is folded into the next one (its preemptions with it)
+        rather than returned as nothing to do, which would leave the engine asleep.
+        """
+        batch = self._schedule_step()
+        while batch is None and self._empty_preempted:
+            preempted = self._empty_preempted
+            batch = self._schedule_step()
+            if batch is not None:
+                batch.preempted[:0] = preempted
+            elif not self._empty_preempted:
+                break
+            else:
+                self._empty_preempted = preempted + self._empty_preempted
+        self._empty_preempted = []
+        return batch
+
+    def _schedule_step(self) -> Optional[Batch]:
         batch = Batch(self.step)
+        self._empty_preempted = []
         budget = self.config.max_num_batched_tokens
         if self.mixed:
             admit = not (self.static and self.running)
@@ -263,13 +296,50 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, want="prefill")
             if not batch.preempted:
                 budget = self._schedule_waiting(batch, budget)
-            if not len(batch):
+            if len(batch):
+                self._pause_decodes(batch.step)
+            else:
                 self._schedule_running(batch, budget, want="decode")
         if not len(batch):
+            self._empty_preempted = batch.preempted
             return None
         self.tokens_held += batch.num_tokens
+        if self.static:
+            self._pad_static(batch)
         self.step += 1
         return batch
+
+    def _pad_static(self, batch: Batch) -> None:
+        """Make a static batch's step the padded one HF `generate` computes (issue 15, D4).
+
+        The forming step is one [B, P] prefill, P the longest sequence; step k after it feeds
+        one token per row to all B rows, each attending P + k positions, whether its member
+        finished or not. Only the cost figures change: the members' own progress is untouched.
+        """
+        bs = self.block_size
+        if batch.admitted:
+            self._static_rows = len(batch.admitted)
+            self._static_len = max(r.num_tokens for r in batch.admitted)
+            self._static_step = batch.step
+        rows, length = self._static_rows, self._static_len
+        if batch.step == self._static_step:
+            batch.num_prefill_tokens = rows * length
+            batch.prefill_ctx = 0
+            batch.prefill_attn = rows * (length * (length + 1) // 2)
+            batch.blocks_read = rows * -(-length // bs)
+            return
+        ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
+        batch.pad_rows = rows - len(batch.decodes)
+        batch.decode_ctx = rows * ctx
+        batch.blocks_read = rows * -(-ctx // bs)
+
+    def _pause_decodes(self, step: int) -> None:
+        """prefill_first: a prefill step, so the decodes wait. The cohort's members advance one
+        token per step by construction, so they leave it (and rejoin as they emit again)."""
+        if self.cohort.members:
+            self.cohort.dissolve()
+            self.active = dict.fromkeys(self.running)
+        self.cohort.scheduled_step = step
 
     @property
     def slack_tokens(self) -> int:
@@ -280,7 +350,9 @@ class Scheduler:
         """RUNNING requests in admission order: decodes and the rest of their prompts."""
         cohort = self.cohort
         candidates = self.running
-        if cohort.members:
+        if want == "prefill":              # prefill_first's prefill pass: the cohort holds decodes only
+            candidates = list(self.active) if cohort.members else candidates
+        elif cohort.members:
             others = self._cohort_can_take(batch.step, budget)
             if others is None:
                 cohort.dissolve()              # some member may not get its token: go one by one
@@ -294,7 +366,8 @@ class Scheduler:
                 batch.blocks_read += cohort.blocks_walked
                 budget -= n
                 candidates = others
-        cohort.scheduled_step = batch.step
+        if want != "prefill":
+            cohort.scheduled_step = batch.step
         # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
         if self.priority:
             candidates = list(candidates)
@@ -327,6 +400,7 @@ class Scheduler:
             return None
         others = list(self.active)
         blocks = cohort.due_blocks(step)
+        first_crossing = cohort.first_crossing_seq(step)
         for req in others:
             n = req.num_tokens - req.num_computed
             if n > left:
@@ -334,7 +408,10 @@ class Scheduler:
                     continue
                 n = left
             if not kv.contiguous:
-                blocks += max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
+                new = max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
+                if new and req.run_seq < first_crossing:
+                    return None        # it takes its blocks before a member would: keep vLLM's order
+                blocks += new
             left -= n
             if left == 0:
                 later = self.running[self.running.index(req) + 1:]
@@ -405,18 +482,11 @@ class Scheduler:
             if req is None:
                 break
             resumed = req.status is Status.PREEMPTED
-            hits, hit_tokens = kv.find_cached_prefix(req)
-            n = req.num_tokens - hit_tokens
-            # prefill_first (nano-vllm): only the step's first prefill may be chunked.
-            may_chunk = cfg.chunked_prefill and (self.mixed or not len(batch))
-            if not may_chunk and n > budget:
+            args = self._admission(req, budget, not len(batch))
+            if args is None:
                 break
-            n_now = min(n, budget)
-            gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
-            # A static batch is formed in one step: reserve its prompts now, compute them as budget allows.
-            lookahead = (n - n_now) if self.static else 0
-            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate,
-                                     reserve_free=self._watermark_blocks, lookahead_tokens=lookahead):
+            hits, hit_tokens, n_now, gate, reserve = args
+            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
             self._pop_waiting()
             kv.stats.record(req.num_tokens, hit_tokens, resumed)
@@ -426,6 +496,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.num_computed = hit_tokens
             self.tokens_held += hit_tokens
+            self._run_seq += 1
+            req.run_seq = self._run_seq
             running.append(req)
             self.active[req] = None
             batch.admitted.append(req)
@@ -433,6 +505,37 @@ class Scheduler:
                 budget -= n_now
                 batch.add(req, n_now, self.block_size)
         return budget
+
+    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
+        """How the waiting head would be admitted now: (hits, hit tokens, tokens now, gate tokens,
+        blocks kept free), or None when the token budget stops it before the pool is asked."""
+        cfg = self.config
+        hits, hit_tokens = self.kv.find_cached_prefix(req)
+        n = req.num_tokens - hit_tokens
+        # prefill_first (nano-vllm): only the step's first prefill may be chunked.
+        may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
+        if not may_chunk and n > budget and not self.static:
+            return None
+        n_now = n if self.static else min(n, budget)    # a static batch: one padded forward
+        gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
+        # The watermark keeps room for running requests to grow; with none running it
+        # would only stop a request that fits the pool from ever starting (vLLM skips it then).
+        reserve = self._watermark_blocks if self.running else 0
+        return hits, hit_tokens, n_now, gate, reserve
+
+    def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
+        """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
+        (No state changes; the leap planner asks this, sim/core/leap.py.)"""
+        if len(self.running) >= self.config.max_num_seqs or (budget <= 0 and not self.static):
+            return False
+        req = self._peek_waiting()
+        if req is None:
+            return False
+        args = self._admission(req, budget, batch_empty)
+        if args is None:
+            return False
+        hits, _, n_now, gate, reserve = args
+        return self.kv.would_fit(req, n_now, hits, gate, reserve, free_blocks)
 
     # -- after the step ------------------------------------------------------------------
     def finish_step(self, batch: Batch) -> list[Request]:
@@ -455,12 +558,15 @@ class Scheduler:
         for req in finished:
             self.cohort.leave(req)
         finished += [r for r in emitted if r.num_output >= r.output_len]
+        if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
+            finished.sort(key=_run_seq)
         for req in finished:
             req.status = Status.FINISHED
             req.finish_step = step
             self.tokens_held -= req.num_computed
             self.kv.free(req)
             _close_emit_run(req)
+            req.drop_block_hashes()        # never looked up again: 40 B a block, most of a finished request
         for req in finished:
             self.running.remove(req)
             self.active.pop(req, None)

@@ -1,0 +1,147 @@
+"""Event leaps: advance a scheduler over many decode steps at once (issue 13).
+
+Between two events the batch composition of a replica is fixed: the same requests decode,
+each one token per step, so step k of the stretch has a known shape (members, total decode
+context = c0 + members x k, blocks walked growing at each member's block boundary). A
+driver may then plan the stretch here, price all its steps in bulk, and apply as many of
+them as it likes in one go, instead of calling `schedule` / `finish_step` per step.
+
+A leap covers steps t .. t+K-1 that the one-step path would schedule as pure cohort steps:
+  - every running request is a cohort member (no prefill, chunk or live request running);
+  - each step's token budget covers the members, and the free blocks cover every block
+    the members cross, step by step (so no preemption can happen);
+  - the waiting head would not be admitted at step t. Free blocks only shrink during the
+    stretch and a cached prefix only loses blocks, so a head that cannot start at step t
+    cannot start later in it either (the requirement never drops, the supply never grows);
+  - no member emits its last token before step t+K-1 (a finish may end the leap).
+Arrivals are the driver's business: it must end the leap before the next request reaches
+any router (sim/simulator.py cuts it at the first step ending at or after that time).
+
+`apply_leap` replays the members' block boundaries step by step through the cohort itself
+(the same code as the one-step path, so every block id, hash and eviction comes out the
+same) and closes with one `finish_step`. The driver's step times come from the cost model
+in bulk; equal, bit for bit, to pricing the steps one by one (same float operations).
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Optional
+
+import numpy as np
+
+from sim.core.scheduler import Batch, Scheduler
+
+
+class LeapPlan:
+    """Up to `max_steps` pure decode steps from `first_step`; step k's shape on demand."""
+
+    __slots__ = ("first_step", "max_steps", "rows", "members", "_ctx0", "_ctx_per_step", "_walked",
+                 "_walked_before", "_static")
+
+    def __init__(self, sched: Scheduler, max_steps: int, walked: list[int]):
+        cohort = sched.cohort
+        self.first_step = sched.step
+        self.max_steps = max_steps
+        self.members = len(cohort)
+        self._walked = walked              # blocks the members start walking at each step
+        self._walked_before = cohort.blocks_walked
+        if sched.static:                   # every row of the padded batch attends the same length
+            self.rows = sched._static_rows
+            self._static = (sched._static_len - sched._static_step, sched.block_size)
+            self._ctx0, self._ctx_per_step = self.rows * (sched._static_len - sched._static_step), self.rows
+        else:
+            self.rows = self.members
+            self._static = None
+            self._ctx0, self._ctx_per_step = cohort.ctx_offset_sum, self.members
+
+    def shapes(self, k: int) -> tuple[list[int], list[int]]:
+        """(decode context, blocks read) of the first k steps."""
+        t = self.first_step
+        ctx = [self._ctx0 + self._ctx_per_step * (t + i) for i in range(k)]
+        if self._static is not None:
+            offset, bs = self._static
+            return ctx, [self.rows * -(-(offset + t + i) // bs) for i in range(k)]
+        return ctx, list(accumulate(self._walked[:k], initial=self._walked_before))[1:]
+
+    def columns(self, k: int) -> dict[str, np.ndarray]:
+        """The first k steps as step-record columns (`CostModel.step_times` prices them in bulk)."""
+        ctx, blocks = self.shapes(k)
+        zeros = np.zeros(k, dtype=np.int64)
+        rows = np.full(k, self.rows, dtype=np.int64)
+        return {"num_seqs": rows, "decode_seqs": rows, "prefill_tokens": zeros,
+                "decode_ctx": np.asarray(ctx, dtype=np.int64), "prefill_ctx": zeros, "prefill_attn": zeros,
+                "blocks_read": np.asarray(blocks, dtype=np.int64)}
+
+
+class StepShape:
+    """A decode-only step's composition, read by the cost model like a Batch."""
+
+    __slots__ = ("num_decode", "decode_ctx", "blocks_read")
+    prefills = ()
+    num_prefill_tokens = prefill_ctx = prefill_attn = 0
+
+    def __init__(self, rows: int, decode_ctx: int, blocks_read: int):
+        self.num_decode, self.decode_ctx, self.blocks_read = rows, decode_ctx, blocks_read
+
+
+def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[LeapPlan]:
+    """The pure-decode stretch starting at the scheduler's next step, or None if there is none
+    (or if a member finishes within fewer than `min_steps`: a short leap does not pay)."""
+    cohort, kv, cfg = sched.cohort, sched.kv, sched.config
+    members = len(cohort)
+    t = sched.step
+    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != t - 1
+            or cohort.finished_step != t - 1 or members > cfg.max_num_batched_tokens):
+        return None
+    max_steps = int(min(max_steps, cohort.next_finish() - t + 1))
+    if max_steps < max(1, min_steps):
+        return None
+    bs = kv.block_size
+    sizes = cohort.phase_sizes()
+    free = kv.pool.num_free
+    paged = not kv.contiguous
+    walked, taken = [], 0
+    for i in range(max_steps):              # stop where the members' next blocks are not all free
+        w = sizes[(1 - t - i) % bs]
+        if paged:
+            taken += w
+            if taken > free:
+                break
+        walked.append(w)
+    if not walked or _head_starts(sched, members, free - (walked[0] if paged else 0)):
+        return None
+    return LeapPlan(sched, len(walked), walked)
+
+
+def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
+    """Would the waiting pass admit its head during the stretch? (Checked at its first step.)"""
+    if not sched.num_waiting or sched.static:      # a static batch admits only when none runs
+        return False
+    budget = sched.config.max_num_batched_tokens
+    if sched.mixed:        # mixed: the waiting pass follows the running one, in the same step
+        return sched.head_would_start(budget - members, False, free_after_first)
+    # prefill_first: the prefill pass comes before the decodes take their blocks
+    return sched.head_would_start(budget, True, sched.kv.pool.num_free)
+
+
+def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
+    """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
+    Call `finish_leap` once they have run."""
+    assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
+    cohort, kv, pool = sched.cohort, sched.kv, sched.kv.pool
+    used, cached, slack = [], [], []
+    t = plan.first_step
+    advance = cohort.advance
+    for i in range(k):
+        advance(t + i, kv)
+        sched.tokens_held += plan.members
+        used.append(pool.num_used)
+        cached.append(pool.num_cached_free)
+        slack.append(kv.held_slots - sched.tokens_held)
+    sched.step = t + k
+    return used, cached, slack
+
+
+def finish_leap(sched: Scheduler) -> list:
+    """After a leap's steps ran: the finish of its last step (only that one can retire members)."""
+    return sched.finish_step(Batch(sched.step - 1))
