@@ -1,7 +1,9 @@
 """Which device catalog entry (sim/catalog/devices.yaml) describes the visible GPU."""
 from __future__ import annotations
 
-import torch
+from sim.core.lazy import lazy_import
+
+torch = lazy_import("torch")   # imported on first use: `simrun COMMAND -h` builds parsers without torch
 
 # Substrings of torch's device name -> catalog entry (A100 is told apart by its memory).
 DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("L40S", "l40s"), ("L4", "l4"), ("4090", "rtx-4090"))

@@ -3,3 +3,8 @@ are the simulation (scenario, workload, traces, cost model, router, simulator, r
 predict); `sim.output` writes and draws; `sim.whatif` sweeps and searches; `sim.cli` is `simrun`.
 Import directions: core <- simulation <- output/whatif <- cli (tests/test_layers.py).
 """
+
+from sim.ownership import check_top_level_modules as _check
+
+_check()          # sim, engine, validate: kvtwin's own, or a clear error (sim/ownership.py)
+del _check

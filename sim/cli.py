@@ -1,86 +1,219 @@
 """`simrun`: predict a scenario (the default command) and the other entry points.
 
-    simrun SCENARIO.yaml [--out DIR] [--set PATH=VALUE ...] [--seed N] [--trace]
+    simrun SCENARIO.yaml [--out DIR] [--set PATH=VALUE ...] [--seed N] [--no-plots] [--trace]
     simrun SCENARIO.yaml --set PATH=A,B,C [--set PATH2=X,Y] [--zip] [--jobs N | --ray [ADDRESS]]  (a sweep)
-    simrun validate | calibrate | plan | serve | bench | compare ...   (see `simrun COMMAND -h`)
+    simrun COMMAND ...       plan | validate | calibrate | serve | bench | compare | from-vllm
+    simrun help [COMMAND] | simrun --version
+
+Startup stays light: this module imports nothing heavy at the top, each command's module is
+imported only when that command runs, and those modules import pandas, matplotlib and torch
+lazily, so `simrun -h` and `simrun COMMAND -h` load none of them (tests/test_cli_startup.py).
+Importing `sim` checks that `sim`, `engine` and `validate` are kvtwin's own (sim/ownership.py).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
-from rich.table import Table
 
-from sim.core.memory import InsufficientMemoryError
-from sim.errors import UserError
-from sim.output.console import console, err_console, print_error, print_note
-from sim.output.run_dir import out_folder_arg, owned_run_folder
-from sim.scenario import ScenarioError, expand_variants, load_scenario, scenario_args
+class Command(NamedTuple):
+    target: str          # "module:function", the function taking argv and returning the exit status
+    summary: str         # one line for `simrun -h`
+    examples: str        # printed after the command's own help
 
-# subcommand -> "module:function" taking argv; imported lazily so `simrun x.yaml` stays light.
-SUBCOMMANDS = {
-    "run": "sim.cli:run_main",
-    "plan": "sim.whatif.plan:plan_main",
-    "validate": "validate.cli:validate_main",
-    "calibrate": "validate.cli:calibrate_main",
-    "serve": "engine.server:serve_main",
-    "bench": "validate.bench:bench_main",
-    "compare": "validate.bench:compare_main",
-    "from-vllm": "sim.vllm.serve_flags:from_vllm_main",
+
+# The dispatch table: one line per command. Modules are imported only when their command runs.
+COMMANDS: dict[str, Command] = {
+    "run": Command("sim.cli:run_main", "predict a scenario: KV memory, throughput, latency (the default)",
+                   "simrun scenarios/quickstart.yaml\n"
+                   "simrun scenarios/quickstart.yaml --set workload.arrival.rate=3 --no-plots\n"
+                   "simrun scenarios/quickstart.yaml --set engine.batching=static --set engine.allocation=contiguous\n"
+                   "simrun scenarios/whatif_block_size.yaml --set engine.block_size=8,16,32   # a sweep"),
+    "plan": Command("sim.whatif.plan:plan_main", "capacity searches: highest rate within SLOs, fewest replicas",
+                    "simrun plan scenarios/whatif_rate_slo.yaml --slo ttft_p99=1 --slo tpot_p99=0.1 --curve 6\n"
+                    "simrun plan scenarios/whatif_replicas.yaml --target-rate 20 --devices l4,h100-sxm --tp 1,2"),
+    "validate": Command("validate.cli:validate_main", "replay a scenario on the engine and compare with the prediction",
+                        "simrun validate scenarios/cpu_smoke.yaml --device cpu\n"
+                        "simrun validate scenarios/bench_steady_nocache.yaml --profile profiles/h200.yaml"),
+    "calibrate": Command("validate.cli:calibrate_main", "profile the engine and fit the cost model",
+                         "simrun calibrate --model tiny --device cpu --out profiles/cpu_tiny.yaml\n"
+                         "simrun calibrate --scenario scenarios/cpu_smoke.yaml --device cpu"),
+    "serve": Command("engine.server:serve_main", "the paged engine behind an OpenAI-compatible HTTP API",
+                     "simrun serve --model tiny --device cpu\n"
+                     "simrun serve --scenario scenarios/serve_smoke.yaml --device cpu --port 8000"),
+    "bench": Command("validate.bench:bench_main", "replay a scenario against a live endpoint and compare",
+                     "simrun bench scenarios/serve_smoke.yaml --endpoint http://127.0.0.1:8000"),
+    "compare": Command("validate.bench:compare_main", "compare a `vllm bench serve` result file with the prediction",
+                       "simrun compare my_workload.yaml --vllm-result result.json"),
+    "from-vllm": Command("sim.vllm.serve_flags:from_vllm_main", "turn `vllm serve` flags into a scenario",
+                         "simrun from-vllm \"vllm serve Qwen/Qwen2.5-7B-Instruct --max-num-seqs 64\" --device h100-sxm "
+                         "--out qwen.yaml\n"
+                         "simrun from-vllm --device l4 -- vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 4096"),
 }
+DEFAULT_COMMAND = "run"
+# optional dependencies -> the pyproject extra that installs them (for a clear error when missing)
+EXTRA_OF = {"torch": "engine", "triton": "engine", "safetensors": "engine", "scipy": "engine",
+            "fastapi": "serve", "uvicorn": "serve", "httpx": "serve", "ray": "ray"}
+HELP_FLAGS = ("-h", "--help")
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
-    if argv and argv[0] == command:
-        argv = argv[1:]
-    module, func = SUBCOMMANDS[command].split(":")
-    handler: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
     try:
-        return handler(argv)
-    except (UserError, ScenarioError, InsufficientMemoryError, ValueError, OSError) as e:
+        command, rest = split_command(argv)
+        if command is None:
+            return 0
+        return run_command(command, rest)
+    except Exception as e:                     # noqa: BLE001 - only the known user errors are caught below
+        if not is_user_error(e):
+            raise
+        from sim.output.console import print_error
+
         print_error(str(e))
         return 2
     except KeyboardInterrupt:
-        err_console.print("interrupted")
+        print("interrupted", file=sys.stderr)
         return 130
 
 
-def step_time_line(cost_model) -> str:
-    """Where a run's step times came from, in words (every run's table names it)."""
-    source = cost_model.step_time_source
-    if source == "datasheet":
-        return ("datasheet (UNCALIBRATED: datasheet peaks x default efficiencies; `simrun calibrate "
-                "--from-vllm` fits them to your runs, `step_times: tables` uses measured operators)")
-    words = {"tables": cost_model.tables.describe() if cost_model.tables else "operator tables",
-             "calibrated": f"calibrated profile ({cost_model.profile.source})",
-             "calibrated tables": f"operator tables tuned by a calibrated profile ({cost_model.profile.source})"}
-    quality = cost_model.profile.fit.get("quality") if cost_model.profile.calibrated else None
-    return words[source] + (" [POOR FIT: see the profile's fit.warnings]" if quality == "poor" else "")
+def split_command(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """(command, its arguments); (None, []) when the answer was printed here (help, version)."""
+    if not argv or argv[0] in HELP_FLAGS:
+        print(top_help())
+        return None, []
+    first = argv[0]
+    if first == "--version":
+        print(f"simrun (kvtwin) {version()}")
+        return None, []
+    if first == "help":
+        if len(argv) == 1:
+            print(top_help())
+            return None, []
+        return command_named(argv[1]), ["-h"]
+    if first in COMMANDS:
+        return first, argv[1:]
+    if first.startswith("-") or looks_like_a_file(first):
+        return DEFAULT_COMMAND, argv
+    command_named(first)                       # raises: a word that is neither a command nor a file
+    raise AssertionError("unreachable")
 
+
+def looks_like_a_file(text: str) -> bool:
+    return Path(text).exists() or any(c in text for c in "./\\")
+
+
+def command_named(word: str) -> str:
+    if word in COMMANDS:
+        return word
+    from sim.errors import UserError
+
+    close = difflib.get_close_matches(word, list(COMMANDS), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise UserError(f"unknown command '{word}': {hint}Commands: {', '.join(COMMANDS)}; "
+                    f"to predict a scenario, give its YAML file (simrun SCENARIO.yaml)")
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    command = COMMANDS[name]
+    module_name, func = command.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None:
+            raise
+        from sim.errors import UserError
+
+        if module_name.startswith(e.name):
+            raise UserError(f"`simrun {name}` is not available in this installation ({module_name} is missing)") \
+                from None
+        extra = EXTRA_OF.get(e.name.split(".")[0], "engine,serve")
+        raise UserError(f"`simrun {name}` needs the Python package '{e.name}', which is not installed: "
+                        f"pip install -e '.[{extra}]' (or pip install 'kvtwin[{extra}]')") from None
+    handler: Callable[[list[str]], int] = getattr(module, func)
+    if not any(a in HELP_FLAGS for a in argv):
+        return handler(argv)
+    try:
+        return handler(argv)
+    except SystemExit as done:                 # argparse printed the command's help: add examples
+        if done.code in (0, None):
+            print("\nexamples:\n" + "\n".join("  " + line for line in command.examples.splitlines()))
+        raise
+
+
+def top_help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: simrun SCENARIO.yaml [options]      predict a scenario (same as `simrun run`)",
+             f"       simrun COMMAND [options]            (simrun help COMMAND, or simrun COMMAND -h)",
+             "",
+             "kvtwin: predict the KV-cache memory, throughput and latency of an LLM-serving setup",
+             "(vLLM's scheduler and paged KV cache, simulated; no GPU needed), then measure them.",
+             "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()]
+    lines += ["", "options:", "  -h, --help   this help", "  --version    print the version", "", "examples:"]
+    lines += ["  simrun scenarios/quickstart.yaml",
+              "  simrun scenarios/quickstart.yaml --set engine.batching=static --set engine.allocation=contiguous",
+              "  simrun scenarios/quickstart.yaml --set workload.arrival.rate=2,3,4   # a sweep",
+              "  simrun plan scenarios/quickstart.yaml                               # highest rate within the SLOs",
+              "  simrun compare my_workload.yaml --vllm-result result.json"]
+    return "\n".join(lines)
+
+
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvtwin")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed; running from a source tree)"
+
+
+def step_time_line(cost_model) -> str:
+    """Where a run's step times came from, in words (the setup header's line; sim/output/setup.py)."""
+    from sim.output.setup import step_time_source
+
+    return step_time_source({"cost_model": cost_model.describe()})
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Errors that are the input's fault: printed as one line, exit status 2."""
+    from sim.errors import UserError
+
+    kinds: tuple[type, ...] = (UserError, ValueError, OSError)
+    return isinstance(e, kinds)
+
+
+# ----------------------------------------------------------------------------- simrun run
 
 def run_parser() -> argparse.ArgumentParser:
+    from sim.output.run_dir import out_folder_arg
+    from sim.scenario import scenario_args
+    from sim.whatif.sweep import add_sweep_args
+
     p = argparse.ArgumentParser(
-        prog="simrun", description="Predict KV memory, throughput and latency of an LLM-serving scenario.",
-        epilog=f"other commands: {', '.join(sorted(c for c in SUBCOMMANDS if c != 'run'))} "
-               f"(simrun COMMAND -h)")
+        prog="simrun", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Predict KV-cache memory, throughput and latency of an LLM-serving scenario. The table "
+                    "prints as soon as the simulation ends; plots and report.html follow.",
+        epilog=f"other commands: {', '.join(c for c in COMMANDS if c != 'run')} (simrun COMMAND -h)")
     scenario_args(p)
     p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario name>)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write the data files (summary.json, CSVs, manifest) but no plots or report.html")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    from sim.whatif.sweep import add_sweep_args
-
     add_sweep_args(p)
     return p
 
 
 def run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
+    from sim.scenario import expand_variants, load_scenario
     from sim.whatif.sweep import check_sweep_flags, is_sweep, sweep_main
 
     if is_sweep(args.overrides):          # a --set with several values: one run per point
@@ -89,24 +222,21 @@ def run_main(argv: list[str]) -> int:
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
-    results = {}
-    with owned_run_folder(out, force=args.force):      # checked before simulating
-        for name, variant in variants.items():
-            result = predict_with_progress(variant, name, quiet=args.quiet)
-            folder = out / name if len(variants) > 1 else out
-            from sim.output.run_files import write_run
+    import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
+    from sim.output.run_dir import owned_run_folder
+    from sim.output.workers import FigureWorkers
 
-            write_run(result, folder, trace=args.trace)
-            results[name] = result
-        if len(results) > 1:
-            write_comparison(results, out, args.trace)
-    if not args.quiet:
-        print_results(results, out)
+    # the folder is checked before simulating; the figure workers import matplotlib meanwhile
+    with owned_run_folder(out, force=args.force), FigureWorkers(1 if args.no_plots else None) as workers:
+        results = {name: predict_with_progress(variant, name, quiet=args.quiet)
+                   for name, variant in variants.items()}
+        write_outputs(results, out, args, workers)
     return exit_code_of(results)
 
 
 def exit_code_of(results: dict) -> int:
     """1 when a run finished no request (every figure would be empty), with the reasons counted."""
+    from sim.output.console import print_error
     from sim.output.run_files import nothing_finished
 
     empty = [msg for name, r in results.items() if (msg := nothing_finished(name, r.summary))]
@@ -115,10 +245,56 @@ def exit_code_of(results: dict) -> int:
     return 1 if empty else 0
 
 
+def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -> None:
+    """The answer on screen first, then the data files, then figures, report.html and the trace."""
+    from sim.output.run_files import write_data_files, write_reports
+
+    if not args.quiet:
+        from sim.output.run_table import print_results
+
+        print_results(results, out)
+    for name, result in results.items():
+        write_data_files(result, out / name if len(results) > 1 else out)
+    if not args.no_plots or args.trace:
+        with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
+            files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
+            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})")
+    elif not args.quiet:
+        print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
+
+
+class StatusLine:
+    """A one-line status on stderr while a slow step runs, replaced by its outcome on stdout."""
+
+    def __init__(self, what: str, quiet: bool = False):
+        self.what, self.quiet, self.message, self.status = what, quiet, None, None
+
+    def __enter__(self) -> Callable[[str], None]:
+        if not self.quiet:
+            from sim.output.console import err_console
+
+            self.t0 = time.monotonic()
+            self.status = err_console.status(f"{self.what} ...")
+            self.status.start()
+        return self._done
+
+    def _done(self, message: str) -> None:
+        self.message = message
+
+    def __exit__(self, *exc) -> None:
+        if self.status is not None:
+            self.status.stop()
+        if not self.quiet and self.message and exc[0] is None:
+            from sim.output.console import console
+
+            console.print(f"{self.message} in {time.monotonic() - self.t0:.1f} s", soft_wrap=True)
+
+
 def predict_with_progress(scenario, name: str, quiet: bool = False):
     """Run a prediction, showing a progress bar once it has taken more than a second."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from sim.output.console import err_console
     from sim.predict import predict
 
     total = scenario.workload.num_requests
@@ -140,46 +316,6 @@ def predict_with_progress(scenario, name: str, quiet: bool = False):
     finally:
         if state["bar"] is not None:
             state["bar"].stop()
-
-
-def write_comparison(results: dict, out: Path, trace: bool) -> None:
-    """Variants side by side: one table, overlay plots, one HTML page."""
-    from sim.output.run_files import view_of
-    from sim.output.report import plot_run_figures, write_html_report, write_perfetto_trace
-
-    views = {name: view_of(r, name) for name, r in results.items()}
-    figures = plot_run_figures(views, out)
-    manifests = {name: r.manifest for name, r in results.items()}
-    write_html_report(out / "report.html", "kvtwin prediction: variants compared", views, figures, manifests)
-    if trace:
-        write_perfetto_trace(out / "trace.json", views)
-
-
-def print_results(results: dict, out: Path) -> None:
-    from sim.output.run_files import view_of
-    from sim.output.report import summary_table
-
-    views = {name: view_of(r, name) for name, r in results.items()}
-    frame = summary_table(views)
-    table = Table(title=None, show_header=True, header_style="bold")
-    table.add_column("metric")
-    for col in frame.columns:
-        table.add_column(str(col), justify="right")
-    for metric, row in frame.iterrows():
-        table.add_row(str(metric), *[str(v) for v in row])
-    console.print(table)
-    first = next(iter(results.values()))
-    console.print(f"step times: {step_time_line(first.cost_model)}")
-    for name, r in results.items():
-        notes = r.manifest.get("workload", {}).get("notes") or []
-        for note in notes:
-            print_note("note", f"({name}): {note}")
-        if r.summary.get("replicas"):
-            from sim.metrics import replica_frame
-            from sim.whatif.sweep import print_frame
-
-            print_frame(replica_frame(r.summary), title=f"per replica ({name})")
-    console.print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json, plots, report.html)")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     steps = steps if steps is not None else records.steps_frame()
     finished = df[df["status"] == "finished"]
     measured = finished[~finished["is_warmup"]]
+    offered = df[~df["is_warmup"].astype(bool)]
     duration = _duration(measured)
     n_out = measured["output_tokens"].sum()
     n_in = measured["prompt_tokens"].sum()
@@ -93,7 +94,9 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         "itl_s": distribution(itl_values, itl_weights),
         "e2e_s": distribution(measured["e2e_s"].to_numpy()),
         "goodput": rate(float(meets_slo(measured, slo).sum())) if has_slo else None,
-        "slo_attainment": float(meets_slo(measured, slo).mean()) if has_slo and len(measured) else None,
+        # over every non-warm-up request: a rejected or aborted request missed its SLOs
+        "slo_attainment": (float(meets_slo(measured, slo).sum() / len(offered)) if has_slo and len(offered)
+                           else None),
         "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
         "preemptions": int(steps["preemptions"].sum()) if len(steps) else 0,
         "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens

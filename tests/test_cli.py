@@ -12,7 +12,7 @@ def test_run_writes_every_output(tmp_path, capsys):
     code = main([str(SCENARIOS / "quickstart.yaml"), "--out", str(out), "--set", "workload.num_requests=60", "--trace"])
     assert code == 0
     for name in ("summary.json", "requests.csv", "steps.csv", "manifest.json", "report.html", "trace.json",
-                 "kv_blocks.png", "queue.png", "batch_tokens.png", "latency_cdf.png"):
+                 "overview.png", "kv_blocks.png", "queue.png", "batch_tokens.png", "latency_cdf.png"):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
@@ -51,3 +51,46 @@ def test_bad_override_and_missing_file(tmp_path, capsys):
 def test_memory_that_cannot_hold_one_request_refuses_to_start(tmp_path, capsys):
     assert main([str(SCENARIOS / "quickstart.yaml"), "--set", "engine.num_blocks=10"]) == 2
     assert "max_model_len 4096 needs 256 blocks" in capsys.readouterr().err
+
+
+def test_the_answer_prints_before_any_figure_is_drawn(tmp_path, capsys, monkeypatch):
+    import sim.output.run_files as run_files
+
+    seen = {}
+    real = run_files.write_reports
+
+    def spy(results, out, **kw):
+        seen["printed"] = capsys.readouterr().out         # what was on screen when drawing began
+        return real(results, out, **kw)
+
+    monkeypatch.setattr(run_files, "write_reports", spy)
+    assert main([str(SCENARIOS / "quickstart.yaml"), "--out", str(tmp_path / "q"),
+                 "--set", "workload.num_requests=40"]) == 0
+    before = seen["printed"]
+    for text in ("model       llama-3.1-8b (bfloat16)", "device      l4, tp=1", "SLOs        TTFT ≤ 1 s, TPOT ≤ 100 ms",
+                 "GPU KV cache size: 36,160 tokens", "Maximum concurrency for 4,096 tokens per request: 8.83x",
+                 "request throughput (req/s)", "KV usage peak", "quickstart: "):
+        assert text in before, text
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "q" / "overview.png").exists()
+
+
+def test_no_plots_writes_the_data_only(tmp_path, capsys):
+    out = tmp_path / "np"
+    assert main([str(SCENARIOS / "seed_static_vs_continuous.yaml"), "--out", str(out), "--no-plots"]) == 0
+    assert (out / "static" / "summary.json").exists() and (out / "continuous" / "steps.csv").exists()
+    assert not list(out.glob("**/*.png")) and not (out / "report.html").exists()
+    printed = capsys.readouterr().out
+    assert "continuous / static" in printed                      # the ratio column of variants
+    assert "no plots: --no-plots" in printed
+
+
+def test_rejected_requests_are_called_out_and_miss_the_slo(tmp_path, capsys):
+    scenario = tmp_path / "rej.yaml"
+    scenario.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 1024}\n"
+                        "slo: {ttft_s: 1}\nworkload:\n  requests:\n"
+                        "    - {prompt_len: 2000, output_len: 4}\n    - {prompt_len: 16, output_len: 4}\n")
+    assert main([str(scenario), "--out", str(tmp_path / "o"), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 request not served (each counted as an SLO miss)" in printed and "max_model_len 1024" in printed
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["requests_rejected"] == 1 and summary["slo_attainment"] == 0.5

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from sim.cli import main
-from sim.whatif.plan import (Candidate, PlanError, Traffic, fewest_passing, highest_passing, parse_slo, plan_replicas,
+from sim.whatif.plan import (answer_economics, dollars_per_million_output_tokens, headroom, Candidate, PlanError, Traffic, fewest_passing, highest_passing, parse_slo, plan_replicas,
                       run_probe, search_rate, steady_state, with_settings)
 from sim.predict import predict
 from sim.scenario import load_scenario
@@ -89,10 +89,23 @@ def test_steady_state_accepts_an_easy_rate_and_rejects_an_overload(scenario_file
     assert fine.served_rate == pytest.approx(1, rel=0.15) and overloaded.served_rate < 8
 
 
-def test_traffic_keeps_the_arrival_window_and_never_drops_requests():
+def test_traffic_keeps_the_arrival_window_at_every_rate():
     t = Traffic(rate=2, num_requests=120, warmup_requests=10)
     assert t.at(8) == {"workload.arrival.rate": 8, "workload.num_requests": 480, "workload.warmup_requests": 40}
-    assert t.at(1)["workload.num_requests"] == 120
+    long = Traffic(rate=2, num_requests=1000, warmup_requests=100)
+    assert long.at(1) == {"workload.arrival.rate": 1, "workload.num_requests": 500, "workload.warmup_requests": 50}
+    # never fewer than MIN_PROBE_REQUESTS (100 here), so steady state can still be judged
+    assert t.at(0.5)["workload.num_requests"] == 100 and t.at(0.5)["workload.warmup_requests"] == 2
+
+
+def test_answer_economics_price_per_million_tokens_and_headroom():
+    row = {"cost_per_hour": 3.6, "output_token_throughput": 1000.0, "gpus": 1,
+           "ttft_s.p99": 0.05, "tpot_s.p99": 0.03}
+    assert dollars_per_million_output_tokens(row) == pytest.approx(1.0)       # 3.6 $/h over 3.6M tok/h
+    ttft, tpot = parse_slo("ttft_p99=0.2"), parse_slo("tpot_p99=0.02")
+    assert headroom(ttft, row) == pytest.approx(0.75) and headroom(tpot, row) == pytest.approx(-0.5)
+    text = answer_economics(row, [ttft])
+    assert text.startswith("$1 per 1M output tokens") and "ttft_p99 50 ms of 200 ms (75.0% left)" in text
 
 
 # ----------------------------------------------------------------------------- searches vs brute force
@@ -140,6 +153,8 @@ def test_plan_rate_cli_writes_the_curve_and_marks_the_knee(scenario_file, tmp_pa
                  "--curve", "3", "--jobs", "1"]) == 0
     printed = capsys.readouterr().out
     assert "Highest sustainable rate within ttft_p99 <= 1 s, tpot_p99 <= 100 ms:" in printed
+    assert "per 1M output tokens" in printed and "headroom: ttft_p99" in printed
+    assert "model" in (out / "plan.html").read_text() and 'class="setup"' in (out / "plan.html").read_text()
     curve = pd.read_csv(out / "plan.csv")
     assert list(curve.columns[:4]) == ["rate", "ok", "failed", "sustainable"]
     assert curve["rate"].is_monotonic_increasing and curve["ok"].any() and not curve["ok"].all()

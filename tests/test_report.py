@@ -9,6 +9,7 @@ import pytest
 
 from sim.metrics import summarise
 from sim.records import requests_frame
+from sim.output import units
 from sim.output.report import (CDF_POINTS, PLOTS, RunView, cdf_points, format_value, plot_latency_cdf,
                         plot_run_figures, summary_table, timeline, write_html_report,
                         write_perfetto_trace)
@@ -149,15 +150,37 @@ def test_summary_table_rows_carry_units_and_display_scale(views, rejected):
     assert list(numeric.columns) == ["continuous", "static", "rejected"]
     s = views["static"].summary
     assert numeric.loc["TTFT p50 (ms)", "static"] == pytest.approx(s["ttft_s"]["p50"] * 1e3)
-    assert numeric.loc["KV usage peak (%)", "static"] == pytest.approx(s["kv_usage_peak"] * 100)
+    assert numeric.loc["KV usage peak", "static"] == pytest.approx(s["kv_usage_peak"] * 100)
     queue_share = s["latency_split"]["queue"] * 100
-    assert numeric.loc["latency split: queue (%)", "static"] == pytest.approx(queue_share)
+    assert numeric.loc["latency split: queue", "static"] == pytest.approx(queue_share)
     text = summary_table(all_views)
     assert text.loc["request throughput (req/s)", "continuous"] == format_value(
         views["continuous"].summary["request_throughput"])
     assert text.loc["goodput (req/s)", "continuous"] == "—"          # no SLO set
     assert text.loc["request throughput (req/s)", "rejected"] == "—"
     assert text.loc["requests rejected", "rejected"] == "5"
+    # shares carry their sign, so 0.38% never reads as 38%
+    assert text.loc["KV usage peak", "static"] == units.pct(s["kv_usage_peak"])
+    assert text.loc["KV usage peak", "static"].endswith("%")
+
+
+def test_summary_table_ratio_columns_compare_each_run_with_the_first(views):
+    table = summary_table(views, ratios=True)
+    assert list(table.columns) == ["continuous", "static", "static / continuous"]
+    c, s = views["continuous"].summary, views["static"].summary
+    expected = s["request_throughput"] / c["request_throughput"]
+    assert table.loc["request throughput (req/s)", "static / continuous"] == units.ratio(expected)
+    assert list(summary_table(views).columns) == ["continuous", "static"]
+
+
+@pytest.mark.parametrize("value, kind, text", [
+    (0.0038, "pct", "0.38%"), (0.477, "pct", "47.7%"), (1.0, "pct", "100%"), (0.031, "signed_pct", "+3.1%"),
+    (-0.12, "signed_pct", "-12.0%"), (0.00186, "ms", "1.86"), (1.0889, "ms", "1,089"),
+    (988065536, "gib", "0.92 GiB"), (73804677120, "gib", "68.7 GiB"), (13213, "count", "13,213"),
+    (1.93, "ratio", "1.93x"), (1.0, "ratio", "1.00x"), (0.0348, "ratio", "0.035x"), (None, "ms", "—"), (float("nan"), "pct", "—"),
+])
+def test_one_unit_system(value, kind, text):
+    assert units.display(value, kind) == text
 
 
 @pytest.mark.parametrize("value, text", [
@@ -259,3 +282,62 @@ def test_perfetto_trace_caps_request_slices_and_says_so(views, tmp_path):
     # the first ten arrivals are requests 0-9 (arrivals are in id order)
     assert {rid for pid, rid in tracks if pid == 1} == {f"1:{i}" for i in range(10)}
     assert trace["otherData"]["request_slices"]["static"] == "first 10 of 80 requests by arrival"
+
+
+def test_figure_workers_draw_every_run_plot(views, tmp_path):
+    from sim.output.report import RUN_PLOTS
+    from sim.output.workers import FigureWorkers, run_plot_names
+
+    assert run_plot_names() == list(RUN_PLOTS)
+    with FigureWorkers(2) as workers:
+        drawn = workers.draw(views, tmp_path, "continuous vs static: qwen2.5-0.5b on h100-sxm")
+    assert list(drawn) == list(RUN_PLOTS)
+    assert all(p.stat().st_size > 10_000 for p in drawn.values())
+
+
+def test_overview_leaves_out_cached_free_blocks_without_prefix_caching(views):
+    from sim.output.report import plot_kv_blocks
+
+    nocache = {k: RunView(v.label, v.summary, v.requests, v.steps.assign(kv_blocks_cached=0), v.kv_blocks_total)
+               for k, v in views.items()}
+    assert len(plot_kv_blocks(nocache).axes) == 1
+    cached = {k: RunView(v.label, v.summary, v.requests, v.steps.assign(kv_blocks_cached=3), v.kv_blocks_total)
+              for k, v in views.items()}
+    assert len(plot_kv_blocks(cached).axes) == 2
+
+
+def test_errors_chart_keeps_metric_names(tmp_path, monkeypatch):
+    import validate.plots as plots
+
+    table = pd.DataFrame({"relative_error": [0.05, -0.2], "tolerance": [0.1, None], "within": [True, None]},
+                         index=pd.Index(["TTFT p50 (s)", "KV blocks peak"], name="metric"))
+    figures = []
+    real = plots.save_figure
+
+    def keep(fig, path):
+        figures.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    plots.plot_relative_errors(table, tmp_path / "errors.png")
+    figures[0].canvas.draw()
+    labels = [t.get_text() for t in figures[0].axes[0].get_yticklabels()]
+    assert labels == ["TTFT p50 (ms)", "KV blocks peak"]          # names in display units, not 0, 1
+
+
+def test_comparison_tables_show_display_units():
+    from sim.output.pages import display_comparison, html_table
+
+    table = pd.DataFrame({"predicted": [0.0123, 2.5 * 2**30, 0.42, 1234.0],
+                          "measured": [0.0100, 2.0 * 2**30, 0.40, 1000.0],
+                          "relative_error": [0.23, 0.25, 0.05, 0.234], "tolerance": [0.1, 0.02, None, None],
+                          "within": [False, False, None, None]},
+                         index=pd.Index(["TTFT p50 (s)", "peak device memory (bytes)", "prefix hit rate",
+                                         "KV blocks peak"], name="metric"))
+    shown = display_comparison(table)
+    assert list(shown.index) == ["TTFT p50 (ms)", "peak device memory (GiB)", "prefix hit rate", "KV blocks peak"]
+    assert list(shown.loc["TTFT p50 (ms)"]) == ["12.30", "10", "+23.0%", "±10.0%", "NO"]
+    assert shown.loc["peak device memory (GiB)", "predicted"] == "2.5 GiB"
+    assert shown.loc["prefix hit rate", "measured"] == "40.0%" and shown.loc["KV blocks peak", "predicted"] == "1,234"
+    page = html_table(table)
+    assert "<td>+23.0%</td>" in page and "e+09" not in page and "0.0123" not in page

@@ -45,15 +45,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
-import pandas as pd
-
 from sim.errors import UserError
 from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
 from sim.core.request import Request, make_request, stable_key
+from sim.core.lazy import lazy_import
 from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, series_on_run_clock, timeline_row
+
+np = lazy_import("numpy")      # on first use: `simrun bench -h` stays light
+pd = lazy_import("pandas")
 
 # The seed's smoke step (the same request as engine/replay.py's smoke check).
 SMOKE_PROMPT_TOKENS = 16
@@ -788,7 +789,9 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
     table = comparison_table(predicted.summary, measured.summary)
     files["comparison"] = write_csv(out / "comparison.csv", table.reset_index())
     views = {"predicted": view_of(predicted, "predicted"), "measured": measured.view()}
-    figures = plot_run_figures(views, out)
+    from sim.output.run_files import setup_title
+
+    figures = plot_run_figures(views, out, setup_title(predicted))
     figures["errors"] = plot_relative_errors(table, out / "errors.png")
     extra = [("Predicted vs measured", table)]
     if measured.series is not None:
@@ -805,7 +808,7 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
         extra.insert(0, ("Warnings", pd.DataFrame({"warning": notes})))
     files["report"] = write_html_report(out / "report.html", title, views, figures,
                                         {"predicted": predicted.manifest, "measured": measured.manifest},
-                                        extra_tables=extra)
+                                        extra_tables=extra, setup=predicted.manifest)
     return table, files
 
 
@@ -867,11 +870,13 @@ def print_comparison(table: pd.DataFrame, measured: Measured, out: Path) -> None
     view = Table(title="predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error"):
         view.add_column(col, justify="left" if col == "metric" else "right")
-    for metric, row in table.iterrows():
-        if pd.isna(row.predicted) and pd.isna(row.measured):
+    from sim.output.pages import display_comparison
+
+    shown = display_comparison(table)
+    for (metric, row), (_, raw) in zip(shown.iterrows(), table.iterrows()):
+        if pd.isna(raw.predicted) and pd.isna(raw.measured):
             continue
-        error = "" if pd.isna(row.relative_error) else f"{row.relative_error:+.1%}"
-        view.add_row(metric, _fmt(row.predicted), _fmt(row.measured), error)
+        view.add_row(metric, row.predicted, row.measured, row.error)
     console.print(view)
     print_series_table(measured)
     s = measured.summary
@@ -909,7 +914,9 @@ def print_series_table(measured: Measured) -> None:
 
 
 def _fmt(value) -> str:
-    return "n/a" if pd.isna(value) else f"{value:,.4g}"
+    from sim.output.units import format_value
+
+    return "n/a" if pd.isna(value) else format_value(value)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -5,8 +5,8 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
 import yaml
+
 
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.errors import UserError
@@ -30,8 +30,8 @@ def validate_main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--offline", action="store_true", help="release every request at t=0")
     p.add_argument("--cold", action="store_true",
-                   help="no kernel warm-up before the measured run (the seed's cold-start case)")
-    p.add_argument("--tolerances", help="'gpu' for the issue's H200 targets, or a YAML file of "
+                   help="no kernel warm-up before the measured run (a cold start)")
+    p.add_argument("--tolerances", help="'gpu' for the H200 targets (see README, Validation), or a YAML file of "
                                         "{metric row: relative tolerance}")
     args = p.parse_args(argv)
     from validate.run import validate, write_validation
@@ -79,30 +79,31 @@ def _failures(table) -> list[str]:
 
 
 def print_validation(name: str, result, folder: Path) -> None:
+    from rich.markup import escape
     from rich.table import Table
+
+    from sim.output.setup import setup_text
+
+    for line in setup_text(result.predicted.manifest):
+        console.print(escape(line), soft_wrap=True)
 
     table = Table(title=f"{name}: predicted vs measured", header_style="bold")
     for col in ("metric", "predicted", "measured", "error", "tolerance"):
         table.add_column(col, justify="left" if col == "metric" else "right")
-    for metric, row in result.table.iterrows():
-        err = "" if pd.isna(row.relative_error) else f"{row.relative_error:+.1%}"
-        tol = "" if pd.isna(row.tolerance) else f"±{row.tolerance:.0%}"
-        style = {True: "green", False: "red"}.get(row.within, "")
-        table.add_row(metric, _fmt(row.predicted), _fmt(row.measured), err, tol, style=style)
+    from sim.output.pages import display_comparison
+
+    shown = display_comparison(result.table)
+    for (metric, row), within in zip(shown.iterrows(), result.table["within"]):
+        style = {True: "green", False: "red"}.get(within, "")
+        table.add_row(metric, row.predicted, row.measured, row.error, row.tolerance, style=style)
     console.print(table)
     steps = result.step_errors["all"]
-    console.print(f"step time: median error {steps['median_rel_error']:.1%}, p90 {steps['p90_rel_error']:.1%} "
-                  f"over {steps['steps']} measured steps")
+    console.print(f"step time: median error {steps['median_rel_error']:+.1%}, p90 {steps['p90_rel_error']:+.1%} "
+                  f"over {steps['steps']:,} measured steps")
     calibrated = result.predicted.cost_model.calibrated
     console.print("cost model: " + ("calibrated profile" if calibrated else
                                      "UNCALIBRATED (datasheet defaults); pass --profile from `simrun calibrate`"))
     console.print(f"wrote {folder}/ (report.html, comparison.csv, step_times.csv, predicted/, measured/)")
-
-
-def _fmt(value) -> str:
-    if pd.isna(value):
-        return "n/a"
-    return f"{value:,.4g}"
 
 
 # ----------------------------------------------------------------------------- calibrate

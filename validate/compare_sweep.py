@@ -132,11 +132,16 @@ def _report(out: Path, scenario, table: pd.DataFrame, notes: list[str], plot: Pa
         body += ["<h2>Workload mismatches</h2>", html_table(pd.DataFrame({"note": notes}))]
     body += ["<h2>Predicted vs measured, per request rate</h2>", html_table(table),
              "<h2>Figures</h2>", html_figure("latency_vs_rate", plot)]
-    return write_html_page(out / "report.html", f"kvtwin vs a vLLM rate sweep: {scenario.name}", body)
+    from sim.output.setup import setup_manifest
+
+    return write_html_page(out / "report.html", f"kvtwin vs a vLLM rate sweep: {scenario.name}", body,
+                           setup=setup_manifest(scenario))
 
 
 def print_sweep(table: pd.DataFrame) -> None:
     from rich.table import Table
+
+    from sim.output.units import signed_pct
 
     shown = ("TTFT mean", "TTFT p99", "TPOT mean", "E2E mean", "requests/s")
     view = Table(title="predicted / measured per request rate (latencies in ms)", header_style="bold")
@@ -148,11 +153,13 @@ def print_sweep(table: pd.DataFrame) -> None:
         for metric in shown:
             row = part[part["metric"] == metric].iloc[0]
             scale = 1e3 if row["unit"] == "s" else 1.0
-            err = "" if math.isnan(row["relative_error"]) else f" ({row['relative_error']:+.0%})"
+            err = "" if math.isnan(row["relative_error"]) else f" ({signed_pct(row['relative_error'])})"
             cells.append(f"{_fmt(row['predicted'] * scale)} / {_fmt(row['measured'] * scale)}{err}")
         view.add_row("inf" if math.isinf(rate) else f"{rate:g}", *cells)
     console.print(view)
 
 
 def _fmt(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:,.4g}"
+    from sim.output.units import format_value
+
+    return "n/a" if math.isnan(value) else format_value(value)

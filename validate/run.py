@@ -75,14 +75,16 @@ def write_validation(v: Validation, out: Path, title: Optional[str] = None) -> d
     files["step_times"] = write_csv(out / "step_times.csv", v.steps)
     files["step_errors"] = write_json(out / "step_errors.json", v.step_errors)
     views = {"predicted": view_of(v.predicted, "predicted"), "measured": view_of(v.measured, "measured")}
-    figures = plot_run_figures(views, out)
+    from sim.output.run_files import setup_title
+
+    figures = plot_run_figures(views, out, setup_title(v.predicted))
     figures["step_scatter"] = plot_step_scatter(v.steps, out / "step_scatter.png")
     figures["errors"] = plot_relative_errors(v.table, out / "errors.png")
     files.update(figures)
     step_table = pd.DataFrame(v.step_errors).T
     files["report"] = write_html_report(
         out / "report.html", title or f"kvtwin validation: {v.predicted.scenario.name}", views, figures,
-        {"predicted": v.predicted.manifest, "measured": v.measured.manifest},
+        {"predicted": v.predicted.manifest, "measured": v.measured.manifest}, setup=v.predicted.manifest,
         extra_tables=[("Predicted vs measured", v.table),
                       ("Step time: cost model vs measured steps", step_table)])
     v.files = files

@@ -1,17 +1,20 @@
-"""A run's files: summary.json, requests.csv, steps.csv, manifest.json, the plots and report.html."""
+"""A run's files: summary.json, requests.csv, steps.csv, manifest.json, the plots and report.html.
+
+`simrun` writes them in two stages so the answer is on screen first: the data files (cheap), then
+the table, then the figures and the page (`write_reports`), whose figures render in parallel
+processes when there are several and more than one core.
+"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from sim.output.io import write_csv, write_json
-from sim.output.report import RunView, plot_run_figures, write_html_report, write_perfetto_trace
 from sim.predict import RunResult
 
 
-def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True) -> dict[str, Path]:
-    """summary.json, requests.csv, steps.csv, manifest.json, and unless `report` is False the
-    plots and report.html (+ trace.json when asked)."""
+def write_data_files(result: RunResult, out_dir: Path) -> dict[str, Path]:
+    """summary.json, requests.csv, steps.csv, manifest.json."""
     out_dir = Path(out_dir)
     files = {
         "summary": write_json(out_dir / "summary.json", result.summary),
@@ -19,23 +22,60 @@ def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: boo
         "steps": write_csv(out_dir / "steps.csv", result.steps),
         "manifest": write_json(out_dir / "manifest.json", result.manifest),
     }
-    if not report:
-        result.files = files
-        return files
-    views = {result.name: view_of(result)}
-    figures = plot_run_figures(views, out_dir)
-    files.update(figures)
-    files["report"] = write_html_report(out_dir / "report.html", f"kvtwin prediction: {result.name}",
-                                        views, figures, result.manifest)
-    if trace:
-        files["trace"] = write_perfetto_trace(out_dir / "trace.json", views)
-    result.files = files
+    result.files.update(files)
     return files
 
 
+def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True) -> dict[str, Path]:
+    """The data files, and unless `report` is False the plots and report.html (+ trace.json when asked)."""
+    files = write_data_files(result, out_dir)
+    if report or trace:
+        files.update(write_reports({result.name: result}, Path(out_dir), plots=report, trace=trace))
+    return files
+
+
+def write_reports(results: Mapping[str, RunResult], out_dir: Path, plots: bool = True,
+                  trace: bool = False, workers=None) -> dict[str, Path]:
+    """Figures, report.html and (with `trace`) trace.json of one run, or of variants overlaid in one
+    folder. The page opens with the setup and the summary table, as the terminal does. `workers`
+    (workers.FigureWorkers) draws the figures in parallel; without, they are drawn here."""
+    from sim.output.pages import write_html_report
+    from sim.output.trace import write_perfetto_trace
+    from sim.output.workers import FigureWorkers
+
+    out_dir = Path(out_dir)
+    views = {name: view_of(r, name) for name, r in results.items()}
+    first = next(iter(results.values()))
+    files: dict[str, Path] = {}
+    if plots:
+        figures = (workers or FigureWorkers(1)).draw(views, out_dir, setup_title(first))
+        files.update(figures)
+        title = (f"kvtwin prediction: {first.scenario.name}" if len(results) == 1
+                 else f"kvtwin prediction: {first.scenario.name}, variants compared")
+        manifests = first.manifest if len(results) == 1 else {n: r.manifest for n, r in results.items()}
+        files["report"] = write_html_report(out_dir / "report.html", title, views, figures, manifests,
+                                            setup=first.manifest)
+    if trace:
+        files["trace"] = write_perfetto_trace(out_dir / "trace.json", views)
+    for r in results.values():
+        r.files.update(files)
+    return files
+
+
+def setup_title(result: RunResult) -> str:
+    """'quickstart: llama-3.1-8b on l4' for figure titles."""
+    s = result.scenario
+    tp = f" tp={s.parallelism.tp}" if s.parallelism.tp > 1 else ""
+    return f"{s.name}: {s.model.name} on {s.device.name}{tp}"
+
+
 def view_of(result: RunResult, label: Optional[str] = None):
-    return RunView.from_records(label or result.name, result.records, result.summary,
+    from sim.output.views import RunView
+
+    view = RunView.from_records(label or result.name, result.records, result.summary,
                                 result.requests, result.steps)
+    view.scenario = result.scenario
+    return view
 
 
 def nothing_finished(name: str, summary: dict) -> Optional[str]:

@@ -37,10 +37,11 @@ import re
 from pathlib import Path
 from typing import Iterator, Optional
 
-import numpy as np
-import pandas as pd
-
+from sim.core.lazy import lazy_import
 from sim.errors import UserError
+
+np = lazy_import("numpy")      # on first use: `simrun bench -h` (which imports this) stays light
+pd = lazy_import("pandas")
 
 SERIES_COLUMNS = ("t_s", "running", "waiting", "kv_usage_pct", "prompt_tps", "generation_tps")
 QUANTITIES = ("running", "waiting", "kv_usage_pct")

@@ -38,14 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-import pandas as pd
-
+from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
 from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import ScenarioError
 from sim.whatif.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
                        print_frame, save_png, split_sets, write_page)
+
+np = lazy_import("numpy")      # on first use: `simrun plan -h` stays light
+pd = lazy_import("pandas")
 
 RATE = "workload.arrival.rate"
 GROWTH_LIMIT = 0.05       # s/s, see the module docstring: falling behind by more than ~5% of the offered rate
@@ -109,6 +110,42 @@ def seconds(value: float) -> str:
     return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
+# ----------------------------------------------------------------------------- the answer's economics
+
+def dollars_per_million_output_tokens(row: dict) -> Optional[float]:
+    """What a million generated tokens cost at this probe: GPUs' $/hour over output tokens per hour."""
+    cost, tokens = row.get("cost_per_hour"), row.get("output_token_throughput")
+    if cost is None or not tokens or (isinstance(tokens, float) and math.isnan(tokens)):
+        return None
+    return cost / (tokens * 3600) * 1e6
+
+
+def headroom(slo: SloTarget, row: dict) -> Optional[float]:
+    """The fraction of the SLO left unused at this probe: 1 - value / limit (negative: missed)."""
+    value = row.get(slo.column)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return 1 - value / slo.limit_s
+
+
+def answer_economics(row: dict, slos: Sequence[SloTarget]) -> str:
+    """'$0.031 per 1M output tokens (...); headroom: ttft_p99 12.3 ms of 200 ms (94%), ...'"""
+    from sim.output import units
+
+    parts = []
+    price = dollars_per_million_output_tokens(row)
+    if price is not None:
+        gpus = row.get("gpus")
+        parts.append(f"${price:,.3g} per 1M output tokens ({gpus} GPU{'' if gpus == 1 else 's'} at "
+                     f"${row['cost_per_hour']:,.2f}/hour, {units.format_value(row.get('output_token_throughput'))} "
+                     f"output tok/s)")
+    rooms = [f"{slo.name} {seconds(row[slo.column])} of {seconds(slo.limit_s)} ({units.pct(room)} left)"
+             for slo in slos if (room := headroom(slo, row)) is not None]
+    if rooms:
+        parts.append("headroom: " + ", ".join(rooms))
+    return "; ".join(parts)
+
+
 # ----------------------------------------------------------------------------- steady state
 
 @dataclass(frozen=True)
@@ -169,13 +206,17 @@ def with_settings(task: PointTask, settings: dict[str, Any]) -> PointTask:
     return dataclasses.replace(task, settings=task.settings + tuple(settings.items()), label=label)
 
 
+MIN_PROBE_REQUESTS = 100    # a low-rate probe keeps at least this many (or the scenario's count if lower)
+
+
 @dataclass(frozen=True)
 class Traffic:
     """The scenario's traffic, moved to another rate over the same arrival window.
 
-    A probe at twice the rate gets twice the requests (and warm-up requests), so every probe
-    covers the scenario's num_requests / rate seconds and is as far from its start-up
-    transient; a lower rate keeps the scenario's count (never fewer requests than asked).
+    A probe at twice the rate gets twice the requests (and warm-up requests), at half the rate
+    half of them, so every probe covers the scenario's num_requests / rate seconds and is as far
+    from its start-up transient. Below MIN_PROBE_REQUESTS the count stops shrinking (the window
+    then grows): the steady-state rule needs enough measured requests to compare thirds.
     """
 
     rate: float
@@ -190,9 +231,10 @@ class Traffic:
     def at(self, rate: float) -> dict[str, Any]:
         settings: dict[str, Any] = {RATE: rate}
         if self.num_requests is not None:
-            scale = max(1.0, rate / self.rate)
-            settings["workload.num_requests"] = round(self.num_requests * scale)
-            settings["workload.warmup_requests"] = round(self.warmup_requests * scale)
+            scale = rate / self.rate
+            count = max(round(self.num_requests * scale), min(self.num_requests, MIN_PROBE_REQUESTS))
+            settings["workload.num_requests"] = count
+            settings["workload.warmup_requests"] = min(round(self.warmup_requests * scale), count - MIN_MEASURED)
         return settings
 
 
@@ -303,7 +345,7 @@ def probe_frame(rows: Sequence[dict], keys: Sequence[str]) -> pd.DataFrame:
 
 CURVE_COLUMNS = (("steady.served_rate", "served (req/s)", 1.0), ("ttft_s.p50", "TTFT p50 (ms)", 1e3),
                  ("ttft_s.p99", "TTFT p99 (ms)", 1e3), ("tpot_s.p99", "TPOT p99 (ms)", 1e3),
-                 ("e2e_s.p99", "E2E p99 (s)", 1.0))
+                 ("e2e_s.p99", "E2E p99 (ms)", 1e3))
 
 
 def curve_table(curve: RateCurve, compact: bool = False) -> pd.DataFrame:
@@ -412,9 +454,12 @@ class ReplicaPlan:
             rows.append({"device": c.device, "tp": c.tp, "replicas": best and best["replicas"],
                          "gpus": best and best["gpus"], "$/GPU-hour": c.gpu_price,
                          "$/hour": best and best["gpus"] * c.gpu_price,
+                         "$/1M output tok": best and dollars_per_million_output_tokens(
+                             {**best, "cost_per_hour": best["gpus"] * c.gpu_price}),
                          "served (req/s)": best and best["steady.served_rate"],
                          "TTFT p99 (ms)": best and best["ttft_s.p99"] * 1e3,
                          "TPOT p99 (ms)": best and best["tpot_s.p99"] * 1e3,
+                         **{f"{slo.name} headroom": best and _pct_or_none(headroom(slo, best)) for slo in self.slos},
                          "why none": reason})
         frame = pd.DataFrame(rows)
         frame["$/hour"] = pd.to_numeric(frame["$/hour"], errors="coerce")
@@ -425,6 +470,12 @@ class ReplicaPlan:
         rows = [{"device": c.device, "tp": c.tp, **row} for c, probes in zip(self.candidates, self.probes)
                 for row in probes]
         return probe_frame(rows, ["device", "tp", "replicas"])
+
+
+def _pct_or_none(fraction: Optional[float]) -> Optional[str]:
+    from sim.output import units
+
+    return None if fraction is None else units.pct(fraction)
 
 
 def plan_replicas(base: PointTask, traffic: Traffic, slos: Sequence[SloTarget], target_rate: float,
@@ -512,6 +563,8 @@ def plan_parser() -> argparse.ArgumentParser:
 
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
+    from sim.output.setup import setup_manifest
+
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
     out = args.out or Path("runs") / args.scenario.stem / "plan"
@@ -521,11 +574,11 @@ def plan_main(argv: list[str]) -> int:
     with owned_run_folder(out, force=args.force):         # checked before searching
         if args.target_rate is None:
             curve = run_rate_search(args, base, scenario, slos)
-            write_rate_plan(curve, out, args.scenario.stem)
+            write_rate_plan(curve, out, args.scenario.stem, setup_manifest(scenario))
         else:
             plan = plan_replicas(base, Traffic.of(scenario), slos, rate, targets, args.max_replicas,
                                  check_jobs(args.jobs), args.ray, args.quiet)
-            write_replica_plan(plan, out, args.scenario.stem)
+            write_replica_plan(plan, out, args.scenario.stem, setup_manifest(scenario))
     if not args.quiet and args.target_rate is None:
         print_rate_plan(curve, out, time.monotonic() - t0)
     elif not args.quiet:
@@ -620,15 +673,28 @@ def parse_tp(text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- output
 
-def write_rate_plan(curve: RateCurve, out: Path, name: str) -> dict[str, Path]:
+def write_rate_plan(curve: RateCurve, out: Path, name: str, setup: Optional[dict] = None) -> dict[str, Path]:
     from sim.output.io import write_csv
 
-    title = f"kvtwin plan: highest sustainable rate for {name}"
+    title = f"kvtwin plan: highest sustainable rate for {name}{_on(setup)}"
     files = {"csv": write_csv(out / "plan.csv", curve.frame),
              "png": save_png(plot_rate_curve(curve, title), out / "plan.png")}
     files["html"] = write_page(out / "plan.html", title, [rate_verdict(curve)],
-                               [("Curve", curve_table(curve))], {"curve": files["png"]})
+                               [("Curve", curve_table(curve))], {"curve": files["png"]}, setup)
     return files
+
+
+def _model(setup: Optional[dict]) -> str:
+    return (((setup or {}).get("scenario") or {}).get("model") or {}).get("name", "?")
+
+
+def _on(setup: Optional[dict]) -> str:
+    """' (llama-3.1-8b on l4)' for a title, from the setup manifest."""
+    scenario = (setup or {}).get("scenario") or {}
+    if not scenario:
+        return ""
+    tp = (scenario.get("parallelism") or {}).get("tp", 1)
+    return f" ({_model(setup)} on {(scenario.get('device') or {}).get('name', '?')}{f', tp={tp}' if tp > 1 else ''})"
 
 
 def rate_verdict(curve: RateCurve) -> str:
@@ -637,7 +703,9 @@ def rate_verdict(curve: RateCurve) -> str:
         return f"No rate passes ({slos}); the lowest tried fails: {curve.rows[0]['failed']}."
     limit = curve.limit()
     stop = f"; at {limit['rate']:g} req/s: {limit['failed']}" if limit else " (the highest rate tried)"
-    return f"Highest sustainable rate within {slos}: {curve.knee:g} req/s{stop}."
+    economics = answer_economics(curve.at(curve.knee) or {}, curve.slos)
+    return (f"Highest sustainable rate within {slos}: {curve.knee:g} req/s{stop}."
+            + (f" At {curve.knee:g} req/s: {economics}." if economics else ""))
 
 
 def print_rate_plan(curve: RateCurve, out: Path, wall_s: float) -> None:
@@ -648,15 +716,15 @@ def print_rate_plan(curve: RateCurve, out: Path, wall_s: float) -> None:
     console.print(f"{len(curve.rows)} probes in {wall_s:.1f} s; wrote {out}/ (plan.csv, plan.png, plan.html)")
 
 
-def write_replica_plan(plan: ReplicaPlan, out: Path, name: str) -> dict[str, Path]:
+def write_replica_plan(plan: ReplicaPlan, out: Path, name: str, setup: Optional[dict] = None) -> dict[str, Path]:
     from sim.output.io import write_csv
 
-    title = f"kvtwin plan: replicas for {plan.target_rate:g} req/s of {name}"
+    title = f"kvtwin plan: replicas for {plan.target_rate:g} req/s of {name} ({_model(setup)})"
     files = {"csv": write_csv(out / "plan.csv", plan.table),
              "probes": write_csv(out / "plan_probes.csv", plan.probe_table),
              "png": save_png(plot_replica_plan(plan, title), out / "plan.png")}
     files["html"] = write_page(out / "plan.html", title, [replica_verdict(plan)],
-                               [("Candidates", plan.table)], {"plan": files["png"]})
+                               [("Candidates", plan.table)], {"plan": files["png"]}, setup)
     return files
 
 
@@ -666,8 +734,11 @@ def replica_verdict(plan: ReplicaPlan) -> str:
     if pd.isna(best["replicas"]):
         return f"No candidate serves {plan.target_rate:g} req/s within {slos}."
     gpus = int(best["gpus"])
+    i = next(i for i, c in enumerate(plan.candidates) if c.device == best["device"] and c.tp == best["tp"])
+    row = {**plan.answer(i), "cost_per_hour": best["$/hour"]}
     return (f"Cheapest for {plan.target_rate:g} req/s within {slos}: {int(best['replicas'])} x {best['device']} "
-            f"at tp={best['tp']} ({gpus} GPU{'s' if gpus > 1 else ''}, ${best['$/hour']:.2f}/hour).")
+            f"at tp={best['tp']} ({gpus} GPU{'s' if gpus > 1 else ''}, ${best['$/hour']:.2f}/hour). "
+            f"{answer_economics(row, plan.slos)}.")
 
 
 def print_replica_plan(plan: ReplicaPlan, out: Path, wall_s: float) -> None:

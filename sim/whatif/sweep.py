@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import pandas as pd
-
+from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
 from sim.names import folder_name
 from sim.output.run_dir import owned_run_folder
+from sim.output.run_table import print_frame  # noqa: F401  (plan prints through it too)
 from sim.scenario import apply_overrides, load_raw, parse_override, set_path, validate_scenario
+
+pd = lazy_import("pandas")     # on first use: `simrun -h` builds the sweep flags without pandas
 
 
 class SweepError(ValueError):
@@ -332,7 +334,7 @@ HEADLINE_METRICS = (
     Metric("output_throughput", "output_token_throughput", "output throughput (tok/s)"),
     Metric("ttft_p99", "ttft_s.p99", "TTFT p99 (ms)", 1e3),
     Metric("tpot_p99", "tpot_s.p99", "TPOT p99 (ms)", 1e3),
-    Metric("e2e_p99", "e2e_s.p99", "E2E p99 (s)"),
+    Metric("e2e_p99", "e2e_s.p99", "E2E p99 (ms)", 1e3),
     Metric("goodput", "goodput", "goodput (req/s)"),
     Metric("kv_usage_peak", "kv_usage_peak", "KV usage peak (%)", 100.0),
     Metric("preemptions", "preemptions", "preemptions"),
@@ -449,15 +451,26 @@ def save_png(fig, path: Path, dpi: int = PLOT_DPI) -> Path:
     return save_figure(fig, path, dpi)
 
 
-def write_metric_plots(sweep: Sweep, out: Path) -> dict[str, Path]:
-    """DIR/sweep_<metric>.png for every headline metric some point has."""
+SLO_OF_METRIC = {"ttft_p99": "ttft_s", "tpot_p99": "tpot_s", "e2e_p99": "e2e_s"}
+
+
+def write_metric_plots(sweep: Sweep, out: Path, title: str = "", slo: Optional[Mapping] = None) -> dict[str, Path]:
+    """DIR/sweep_<metric>.png for every headline metric some point has, titled with the scenario,
+    the scenario's SLO as a dashed line on the latency it limits."""
     from matplotlib.figure import Figure
 
     layout = plot_layout(sweep)
     files = {}
     for metric in HEADLINE_METRICS:
-        fig = Figure(figsize=(6.4, 4), layout="constrained")
-        if draw_metric(fig.subplots(), sweep, metric, layout):
+        fig = Figure(figsize=(6.4, 4.3), layout="constrained")
+        ax = fig.subplots()
+        if draw_metric(ax, sweep, metric, layout):
+            limit = (slo or {}).get(SLO_OF_METRIC.get(metric.name, ""))
+            if limit is not None:
+                ax.axhline(limit * metric.scale, color="C3", ls="--", lw=1, label=f"SLO {limit * metric.scale:g} ms")
+                ax.legend(fontsize="small")
+            if title:
+                fig.suptitle(title, fontsize="medium")
             files[metric.name] = save_png(fig, out / f"sweep_{metric.name}.png")
     return files
 
@@ -467,10 +480,16 @@ def write_metric_plots(sweep: Sweep, out: Path) -> dict[str, Path]:
 def display_table(frame: pd.DataFrame, key_columns: Sequence[str],
                   metrics: Sequence[Metric] = HEADLINE_METRICS) -> pd.DataFrame:
     """Key columns plus the headline metrics in display units (the printed and HTML table)."""
+    from sim.output import units
+
     out = frame[list(key_columns)].copy()
     for metric in metrics:
         values = metric_values(frame, metric)
-        if values is not None:
+        if values is None:
+            continue
+        if metric.scale == 100.0:            # a share: shown with its % sign (sim.output.units)
+            out[metric.label.replace(" (%)", "")] = [units.pct(v / 100) for v in values]
+        else:
             out[metric.label] = values
     if "error" in frame:
         out["error"] = frame["error"].fillna("")
@@ -478,7 +497,7 @@ def display_table(frame: pd.DataFrame, key_columns: Sequence[str],
 
 
 def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tuple[str, pd.DataFrame]],
-               figures: Mapping[str, Path]) -> Path:
+               figures: Mapping[str, Path], setup: Optional[Mapping] = None) -> Path:
     """A self-contained HTML page (images inlined) in the run report's style."""
     from sim.output.report import html_figure, html_table, write_html_page
 
@@ -486,20 +505,25 @@ def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tu
     for heading, frame in tables:
         body += [f"<h2>{html.escape(heading)}</h2>", html_table(frame)]
     body += ["<h2>Figures</h2>", *(html_figure(name, file) for name, file in figures.items())]
-    return write_html_page(path, title, body)
+    return write_html_page(path, title, body, setup=setup)
 
 
-def write_sweep(sweep: Sweep, out: Path, title: str) -> dict[str, Path]:
+def write_sweep(sweep: Sweep, out: Path, title: str, setup: Optional[Mapping] = None) -> dict[str, Path]:
     from sim.output.io import write_csv
 
     files = {"csv": write_csv(out / "sweep.csv", sweep.frame)}
-    figures = write_metric_plots(sweep, out)
+    scenario = (setup or {}).get("scenario") or {}
+    swept = {a.path.split(".")[0] for a in sweep.axes}
+    figure_title = scenario.get("name", "") if {"model", "device"} & swept else (
+        f"{scenario.get('name')}: {(scenario.get('model') or {}).get('name')} on "
+        f"{(scenario.get('device') or {}).get('name')}" if scenario else "")
+    figures = write_metric_plots(sweep, out, figure_title, scenario.get("slo"))
     files.update(figures)
     keys = [a.path for a in sweep.axes]
     notes = [f"{len(sweep.points)} points, {'paired (--zip)' if sweep.zipped else 'grid'} over "
              + ", ".join(keys) + ". Every metric is in sweep.csv."]
     files["html"] = write_page(out / "sweep.html", title, notes,
-                               [("Points", display_table(sweep.frame, keys))], figures)
+                               [("Points", display_table(sweep.frame, keys))], figures, setup)
     return files
 
 
@@ -547,25 +571,22 @@ def sweep_main(args: argparse.Namespace) -> int:
         sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
                           check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
                           args.trace, args.quiet)
-        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}")
+        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario))
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0)
     return 0
 
 
-def print_frame(frame: pd.DataFrame, title: Optional[str] = None) -> None:
-    """A frame as a rich table on stdout, numbers formatted as in the run report."""
-    from rich.table import Table
+def sweep_setup(raw: dict, path: Path) -> Optional[dict]:
+    """The base scenario's setup header (the swept fields vary around it), or None if the base
+    alone is not a valid scenario (a sweep may supply a required field)."""
+    from sim.output.setup import setup_manifest
+    from sim.scenario import ScenarioError
 
-    from sim.output.console import console
-    from sim.output.report import format_value
-
-    table = Table(title=title, show_header=True, header_style="bold", title_justify="left")
-    for i, col in enumerate(frame.columns):
-        table.add_column(str(col), justify="left" if i == 0 else "right")
-    for row in frame.itertuples(index=False):
-        table.add_row(*(format_value(v) for v in row))
-    console.print(table)
+    try:
+        return setup_manifest(validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path)))
+    except (ScenarioError, ValueError):
+        return None
 
 
 def print_sweep(sweep: Sweep, out: Path, wall_s: float) -> None:

@@ -1,0 +1,98 @@
+"""Processes that draw a run's figures while, and after, the main process prints its answer.
+
+`simrun` starts one figure process before it simulates: it imports matplotlib and loads fonts
+while the main process simulates (this module imports no plotting library, so the main process
+prints its table without one). When the results come, that process forks once per further
+share, so the shares draw in parallel without importing matplotlib again, and each writes its
+share of report.RUN_PLOTS. With one core, where fork is not available, or from a process that
+runs other threads, the figures are drawn in the calling process instead. KVTWIN_PLOT_WORKERS=N
+sets the number of drawing processes (1: none besides the caller).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+
+def warm_up() -> None:
+    """Import matplotlib and load its fonts (the figure process does this while the parent simulates)."""
+    import io
+
+    from sim.output.report import new_figure
+
+    fig, (ax,) = new_figure()
+    ax.set_title("warm-up")
+    ax.plot([0, 1])
+    fig.savefig(io.BytesIO(), format="png", dpi=20)
+
+
+def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
+    from sim.output.report import RUN_PLOTS, plot_run_figures
+
+    return plot_run_figures(views, out_dir, title, {name: RUN_PLOTS[name] for name in names})
+
+
+def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[str], ways: int) -> dict[str, Path]:
+    """Every figure in `names`, split `ways` ways over this process and forked copies of it (which
+    inherit matplotlib, the fonts and the views)."""
+    shares = [list(names[i::ways]) for i in range(ways) if names[i::ways]]
+    children = []
+    for share in shares[1:]:
+        pid = os.fork()
+        if pid == 0:                                   # the copy: draw, then leave without cleanup
+            code = 1
+            try:
+                draw_share(views, out_dir, title, share)
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+    drawn = draw_share(views, out_dir, title, shares[0])
+    failed = [share for pid, share in zip(children, shares[1:]) if os.waitpid(pid, 0)[1] != 0]
+    if failed:
+        raise RuntimeError(f"drawing {', '.join(failed[0])} failed (run with KVTWIN_PLOT_WORKERS=1 to see why)")
+    for share in shares[1:]:
+        drawn.update({name: Path(out_dir) / f"{name}.png" for name in share})
+    return {name: drawn[name] for name in names}
+
+
+def run_plot_names() -> list[str]:
+    # the same names as report.RUN_PLOTS, without importing matplotlib here
+    return ["overview", "kv_blocks", "queue", "batch_tokens", "latency_cdf", "step_time"]
+
+
+class FigureWorkers:
+    def __init__(self, workers: Optional[int] = None) -> None:
+        import multiprocessing
+        import threading
+
+        if workers is None:
+            workers = int(os.environ.get("KVTWIN_PLOT_WORKERS") or min(2, os.cpu_count() or 1))
+        self.workers = workers
+        self.pool = None
+        # fork copies one thread only: with other threads alive (a server, a test runner's helpers)
+        # a lock one of them holds would stay locked in the child forever, so draw here instead
+        alone = threading.active_count() == 1
+        if self.workers > 1 and alone and "fork" in multiprocessing.get_all_start_methods():
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+            self.pool.submit(warm_up)
+
+    def draw(self, views: Mapping, out_dir: str | Path, title: str = "") -> dict[str, Path]:
+        names = run_plot_names()
+        if self.pool is None:
+            return draw_share(views, str(out_dir), title, names)
+        return self.pool.submit(draw_in_parallel, dict(views), str(out_dir), title, names, self.workers).result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def __enter__(self) -> "FigureWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
