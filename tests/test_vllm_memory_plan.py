@@ -204,3 +204,12 @@ def test_a_measured_activation_peak_replaces_vllms_estimate():
     assert scaled.memory_plan == "vllm"
     assert scaled.activation_bytes == kvtwin_activation_bytes(llama_on("h100-sxm"), 1.5) != base.activation_bytes
     assert scaled.non_torch_bytes == base.non_torch_bytes
+
+
+def test_memory_plan_simple_reproduces_the_quickstarts_earlier_pool():
+    """The quickstart (Llama-3.1-8B, one L4) before vLLM's plan was the default: 36,160 tokens, 8.83x."""
+    from sim.scenario import load_scenario
+    quickstart = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
+    simple = plan_memory(load_scenario(quickstart, ["engine.memory_plan=simple"]))
+    assert simple.max_tokens == 36_160 and simple.max_concurrency(4096) == pytest.approx(8.83, abs=0.01)
+    assert plan_memory(load_scenario(quickstart)).max_tokens == 33_920
