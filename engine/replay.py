@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.runner import ModelRunner
+from engine.runner import InconsistentBatchError, ModelRunner
 from sim.core.kvcache import KVCacheManager
 from sim.metrics import summarise
 from sim.predict import RunResult, git_commit, kvtwin_version, length_stats, memory_summary, workload_digest
@@ -98,6 +98,10 @@ def run_in_wall_clock(scheduler: Scheduler, runner: ModelRunner, requests: list[
             continue
         kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, scheduler.slack_tokens
         result = runner.execute(batch)
+        if (result.rows, result.tokens) != (batch.num_seqs, batch.num_tokens):     # what steps.csv records
+            raise InconsistentBatchError(
+                f"step {batch.step}: the engine computed {result.rows} rows and {result.tokens} tokens, "
+                f"the scheduler priced {batch.num_seqs} and {batch.num_tokens}")
         finished = scheduler.finish_step(batch)
         end = clock() - t0
         recorder.record(batch, scheduler, start, end, max(end - start - result.device_s, 0.0), result.device_s,

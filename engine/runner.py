@@ -3,7 +3,8 @@
 The runner owns the KV pool, one tensor [layers, 2 (K, V), num_blocks, block_size,
 kv_heads, head_dim]; each layer reads views of it. Block ids come from the same
 KVCacheManager the simulator uses, so block 0 (the null block) is never written and pads
-the block tables.
+the block tables. A static batch's padding rows (HF generate's padded batch) read only the
+null block and write nothing (slot -1), so they cannot touch a live request's K/V.
 """
 from __future__ import annotations
 
@@ -34,19 +35,23 @@ class StepResult:
     logits: torch.Tensor             # [len(sampled), vocab] fp32, rows in the order of `sampled`
     host_s: float                    # Python around the forward: tensor building, logits, sampling
     device_s: float                  # the forward: CUDA events on GPU, wall time on CPU
+    rows: int = 0                    # sequences computed, a static batch's padding rows included
+    tokens: int = 0                  # tokens computed, padding included
 
 
 def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
                         block_size: int, device: torch.device,
-                        table_buffer: Optional["BlockTable"] = None) -> tuple[torch.Tensor, AttentionMetadata]:
+                        table_buffer: Optional["BlockTable"] = None,
+                        written_tokens: Optional[int] = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions and paged-attention metadata for sequences packed back to back.
 
     Sequence s computes tokens [starts[s], starts[s] + query_lens[s]) and reads its KV
     through block_lists[s] (only the blocks its context covers go into the table). Built with
     array operations, no per-sequence loop but the one that flattens the block lists. With a
     `table_buffer`, the block table lands in its persistent device buffer (fixed row stride).
+    Tokens past the first `written_tokens` (padding) write no K/V: slot -1.
     """
-    host = host_step_arrays(block_lists, starts, query_lens, block_size)
+    host = host_step_arrays(block_lists, starts, query_lens, block_size, written_tokens)
     table = host.pop("block_tables")
     device_tables = table_buffer.update(table) if table_buffer is not None else _to(table, device)
     meta = AttentionMetadata(
@@ -59,7 +64,7 @@ def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_l
 
 
 def host_step_arrays(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
-                     block_size: int) -> dict[str, np.ndarray]:
+                     block_size: int, written_tokens: Optional[int] = None) -> dict[str, np.ndarray]:
     """The step's metadata as host arrays (what build_attn_metadata and the graphs copy in)."""
     starts_np, q_lens = np.asarray(starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
     seq_lens = starts_np + q_lens
@@ -69,6 +74,8 @@ def host_step_arrays(block_lists: list[list[int]], starts: list[int], query_lens
     block_tables = pack_block_tables(block_lists, -(-seq_lens // block_size))
     slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    if written_tokens is not None:
+        slot_mapping[written_tokens:] = -1
     return {"positions": positions, "slot_mapping": slot_mapping, "seq_lens": seq_lens.astype(np.int32),
             "query_start_loc": query_start_loc.astype(np.int32), "query_lens": q_lens,
             "block_tables": block_tables}
@@ -208,26 +215,38 @@ class ModelRunner:
         self.check_batch(batch)
         reqs, num_new = batch.reqs, batch.num_new
         starts = batch.starts()
-        input_ids = np.concatenate([r.token_ids(s, s + n, self.vocab_size)
-                                    for r, s, n in zip(reqs, starts, num_new)])
+        input_ids = [r.token_ids(s, s + n, self.vocab_size) for r, s, n in zip(reqs, starts, num_new)]
         # A sequence emits iff its chunk reaches the end of its known tokens (a decode, or a
         # prompt's last chunk): the row of its last new token predicts the next one.
         emit = [s for s, r in enumerate(reqs) if r.num_computed >= r.num_tokens]
-        graph = self._graph_for(batch, emit)
+        blocks = [r.blocks for r in reqs]
+        pad_starts, pad_lens, pad_logits = self.static_padding(batch)
+        live_tokens = sum(num_new)
+        if pad_lens:
+            null_table = [0] * cdiv(self.max_model_len, self.block_size)
+            blocks += [null_table] * len(pad_lens)
+            input_ids += [np.zeros(n, dtype=np.int64) for n in pad_lens]
+            starts, num_new = starts + pad_starts, num_new + pad_lens
+        input_ids = np.concatenate(input_ids)
+        # rows whose logits are computed: the emitting ones, then padding decode rows (HF
+        # computes every row's logits); only the emitting ones are sampled
+        logit_rows = emit + [len(reqs) + p for p in pad_logits]
+        graph = self._graph_for(batch, emit, len(num_new), max(s + n for s, n in zip(starts, num_new)))
         if graph is not None:
-            host = host_step_arrays([r.blocks for r in reqs], starts, num_new, self.block_size)
+            host = host_step_arrays(blocks, starts, num_new, self.block_size, live_tokens)
             self.block_table.update(host["block_tables"])
             with _DeviceTimer(self.device) as timer:
-                logits, sampled = self.graphs.run(graph, {**host, "input_ids": input_ids}, len(reqs))
+                logits, sampled = self.graphs.run(graph, {**host, "input_ids": input_ids}, len(num_new))
+            logits, sampled = logits[:len(emit)], sampled[:len(emit)]
         else:
-            positions, meta = build_attn_metadata([r.blocks for r in reqs], starts, num_new,
-                                                  self.block_size, self.device, self.block_table)
+            positions, meta = build_attn_metadata(blocks, starts, num_new, self.block_size, self.device,
+                                                  self.block_table, live_tokens)
             input_ids = _to(input_ids, self.device)
-            rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][emit] - 1, self.device)
+            rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][logit_rows] - 1, self.device)
             with _DeviceTimer(self.device) as timer:
                 hidden = self.model(input_ids, positions, meta)
-                logits = self.model.compute_logits(hidden[rows])
-                sampled = self.sampler(logits) if emit else rows
+                logits = self.model.compute_logits(hidden[rows])[:len(emit)]
+                sampled = self.sampler(logits) if emit else rows[:0]
         t1 = time.perf_counter()
         tokens = sampled.tolist()
         emitted = [reqs[s] for s in emit]
@@ -238,7 +257,24 @@ class ModelRunner:
                 if token == req.eos_token_id:           # finish_step retires it at this length
                     req.output_len = req.num_output + 1
         host_s = (timer.start - t0) + (time.perf_counter() - t1)
-        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, timer.seconds)
+        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, timer.seconds,
+                          rows=len(reqs) + len(pad_logits), tokens=sum(num_new))
+
+    def static_padding(self, batch: Batch) -> tuple[list[int], list[int], list[int]]:
+        """A static batch's padding as extra sequences on the null block: (starts, lengths,
+        indices of the padding decode rows among them). None but on a static batch's steps.
+
+        The forming step is HF generate's [B, P] prefill: each prompt computing n < P tokens
+        gets a pad sequence of P - n tokens at positions n..P-1 (so the row attends as a
+        P-token one does). Every later step adds one decode row per member no longer
+        decoding, at the padded context; positions are capped at max_model_len."""
+        if not batch.pad_len:
+            return [], [], []
+        if batch.admitted:
+            pads = [(n, batch.pad_len - n) for n in batch.prefill_new if n < batch.pad_len]
+            return [s for s, _ in pads], [n for _, n in pads], []
+        ctx = min(batch.pad_len, self.max_model_len)
+        return [ctx - 1] * batch.pad_rows, [1] * batch.pad_rows, list(range(batch.pad_rows))
 
     def check_batch(self, batch: Batch) -> None:
         check_batch(batch, self.block_size, self.max_model_len, self.num_blocks)
@@ -266,11 +302,16 @@ class ModelRunner:
         self.graphs = graphs
         return count
 
-    def _graph_for(self, batch: Batch, emit: list[int]):
-        """The graph key for a decode-only step whose every sequence emits, else None."""
-        if self.graphs is None or len(emit) != len(batch.reqs) or max(batch.num_new) != 1:
+    def _graph_for(self, batch: Batch, emit: list[int], num_seqs: Optional[int] = None,
+                   max_seq_len: Optional[int] = None):
+        """The graph key for a decode-only step whose every live sequence emits, else None.
+        `num_seqs` and `max_seq_len` count a static batch's padding decode rows, which ride
+        along in the graph (default: the live sequences alone)."""
+        if (self.graphs is None or len(emit) != len(batch.reqs) or max(batch.num_new) != 1
+                or (batch.admitted and batch.pad_len)):
             return None
-        return self.graphs.key(len(batch.reqs), max(r.num_computed for r in batch.reqs))
+        return self.graphs.key(num_seqs or len(batch.reqs),
+                               max_seq_len or max(r.num_computed for r in batch.reqs))
 
     # -- memory --------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

@@ -57,8 +57,13 @@ def predict(scenario, name: Optional[str] = None,
 
 
 def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:
-    """Where the memory goes; vLLM's "Maximum concurrency" is the pool over max_model_len requests."""
-    return {"kv_bytes_per_token": plan.kv_bytes_per_token, "block_bytes": plan.block_bytes,
+    """Where the memory goes; vLLM's "Maximum concurrency" is the pool over max_model_len requests.
+    Under vLLM's plan reserved_bytes = non_torch_bytes + cudagraph_bytes, off a budget of
+    utilization x visible_bytes (the simple plan: visible = the datasheet memory, both terms 0)."""
+    return {"memory_plan": plan.memory_plan, "vllm_version": plan.vllm_version,
+            "visible_bytes": plan.visible_bytes, "budget_bytes": plan.budget_bytes,
+            "non_torch_bytes": plan.non_torch_bytes, "cudagraph_bytes": plan.cudagraph_bytes,
+            "kv_bytes_per_token": plan.kv_bytes_per_token, "block_bytes": plan.block_bytes,
             "num_blocks": plan.num_blocks, "usable_blocks": plan.usable_blocks,
             "kv_pool_bytes": plan.kv_pool_bytes, "weight_bytes": plan.weight_bytes,
             "activation_bytes": plan.activation_bytes, "reserved_bytes": plan.reserved_bytes,

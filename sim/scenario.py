@@ -123,6 +123,15 @@ class EngineConfig(StrictModel):
     async_scheduling: bool = True
     # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # How the KV pool is sized when num_blocks is unset, on GPU devices: vllm = vLLM's own plan
+    # (torch-visible memory, profiling-run activation peak, non-torch memory, CUDA-graph estimate);
+    # simple = datasheet memory - weights - activation estimate - device.reserved_mib. The `cpu`
+    # device (the engine's CPU runs) always uses simple.
+    memory_plan: Literal["vllm", "simple"] = "vllm"
+    # The vLLM version whose memory terms apply (non-torch memory, sampler copies, graph estimate);
+    # the default is the version they were fitted on.
+    # Only major.minor matter; a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed.
+    vllm_version: str = Field(default="0.19", pattern=r"^v?\d{1,3}\.\d{1,3}([.+-][.+\w-]{0,40})?$")
 
 
 # ----------------------------------------------------------------------------- workload

@@ -106,3 +106,47 @@ def test_the_graph_path_matches_eager_steps_on_cpu():
         logits[mode] = result.logits
     assert logits["graph"].shape == (3, 1024)
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_static_batch_padding_row_rides_in_the_graph_on_cpu():
+    """A static batch's decode step with a finished member: the graph runs both rows (live,
+    then padding) and hands back the live row's logits, equal to the eager path's."""
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.kernels import triton_available
+    from engine.runner import ModelRunner
+    from engine.weights import build_model
+    from sim.core.catalog import get_model
+    from sim.core.kvcache import KVCacheManager
+    from sim.core.request import make_request
+    from sim.core.scheduler import Scheduler, SchedulerConfig
+
+    if not triton_available():
+        pytest.skip("Triton kernels cannot run here")
+
+    class CpuGraphs(DecodeGraphs):
+        def _capture(self, size, max_seq_len):
+            fake = _ReplayEagerly(self, size, max_seq_len)
+            return fake, fake.logits, fake.sampled
+
+    runner = ModelRunner(build_model(get_model("tiny"), "cpu", attention_backend="triton"), 17, 16, 64)
+    graphs = CpuGraphs(runner, 2)
+    graphs.capture_all()
+    logits = {}
+    for mode, g in (("eager", None), ("graph", graphs)):
+        runner.kv_cache.zero_()
+        runner.graphs = g
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                                              batching="static"),
+                              KVCacheManager(runner.num_blocks, 16, enable_caching=False, max_model_len=64))
+        for i, (prompt, output) in enumerate([(20, 1), (9, 3)]):
+            scheduler.add(make_request(i, 0.0, [(50 + i, prompt)], output))
+        scheduler.finish_step(scheduler.schedule())          # the padded prefill; request 0 is done
+        batch = scheduler.schedule()
+        assert len(batch.decodes) == 1 and batch.pad_rows == 1 and batch.pad_len == 21
+        assert (runner._graph_for(batch, [0], 2, 21) is not None) == (g is not None)
+        result = runner.execute(batch)
+        assert result.rows == 2 and list(result.sampled) == [1]
+        logits[mode] = result.logits
+    assert logits["graph"].shape == (1, 1024)
+    torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
+    assert not runner.kv_cache[:, :, 0].any()

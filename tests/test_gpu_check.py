@@ -44,7 +44,7 @@ def test_h200_calibration_grid_fits_the_scenario(name):
     scenario, plan, limits, pools = h200_pools(name)
     assert scenario.device.name.lower().startswith("h200")
     assert pools[0].block_size == scenario.engine.block_size and len(pools[0].points) >= 10
-    left = plan.device_bytes - plan.predicted_peak_bytes - plan.reserved_bytes
+    left = plan.visible_bytes - plan.predicted_peak_bytes - plan.reserved_bytes
     for pool in pools:
         assert pool.points, pool.block_size
         # the extra pools are allocated one at a time beside the main one: half of what is left

@@ -209,3 +209,64 @@ def test_profile_run_splits_the_token_budget_like_vllm(model):
 def test_a_pool_too_small_for_one_request_is_refused():
     with pytest.raises(InsufficientMemoryError, match="max_model_len 256"):
         ModelRunner.from_scenario(tiny_scenario(num_blocks=4), device="cpu")
+
+
+# -- static batching: HF generate's padded batch (issue 15, D4) ---------------------------------
+
+def static_requests() -> list[Request]:
+    """Prompts of unequal length and outputs of unequal length: padding in both phases."""
+    shapes = [(5, 9), (13, 3), (8, 6), (2, 11), (11, 4)]
+    return [make_request(i, 0.0, [(3000 + i, p)], o, seed=3) for i, (p, o) in enumerate(shapes)]
+
+
+def drive_static(model, pad: bool, temperature: float = 0.0):
+    """A static batch end to end; (per-request logits, sampled tokens, per-step (scheduler rows,
+    scheduler tokens, runner rows, runner tokens))."""
+    kv = KVCacheManager(40, BLOCK, enable_caching=False, max_model_len=MAX_MODEL_LEN)
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=MAX_MODEL_LEN,
+                             batching="static")
+    scheduler = Scheduler(config, kv)
+    runner = ModelRunner(model, 40, BLOCK, MAX_MODEL_LEN, temperature=temperature, seed=7)
+    if not pad:
+        runner.static_padding = lambda batch: ([], [], [])
+    reqs = static_requests()
+    for r in reqs:
+        scheduler.add(r)
+    logits, tokens, steps = defaultdict(dict), defaultdict(list), []
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        out_index = {r.id: r.num_output for r in batch.reqs}
+        result = runner.execute(batch)
+        steps.append((batch.num_seqs, batch.num_tokens, result.rows, result.tokens))
+        for row, (rid, token) in enumerate(result.sampled.items()):
+            logits[rid][out_index[rid]] = result.logits[row]
+            tokens[rid].append(token)
+        scheduler.finish_step(batch)
+    return logits, dict(tokens), steps, runner
+
+
+def test_static_batch_runs_the_padded_rows_the_simulator_prices(model):
+    _, _, steps, runner = drive_static(model, pad=True)
+    assert [(s, t) for s, t, _, _ in steps] == [(rows, tokens) for _, _, rows, tokens in steps]
+    # padding really happened: a [3, 13] prefill, then all 3 rows until the 9-token member ends
+    assert steps[0] == (3, 3 * 13, 3, 3 * 13)
+    assert [rows for _, _, rows, _ in steps[:9]] == [3] * 9
+    assert steps[8][1] == 3 and len(steps) > 9
+    # the padding wrote no K/V: the null block is still zero
+    assert not runner.kv_cache[:, :, 0].any()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_padding_changes_no_live_output(model, temperature):
+    padded, out_padded, steps_padded, _ = drive_static(model, pad=True, temperature=temperature)
+    plain, out_plain, steps_plain, _ = drive_static(model, pad=False, temperature=temperature)
+    assert out_padded == out_plain
+    assert sum(s[3] for s in steps_padded) > sum(s[3] for s in steps_plain)     # padding computed
+    for rid, rows in plain.items():
+        for i, row in rows.items():
+            torch.testing.assert_close(padded[rid][i], row, atol=1e-5, rtol=1e-5)
+    if temperature == 0.0:      # and each row is the request's own unpaged forward
+        for r in static_requests():
+            dense = dense_logits(model, r.token_ids(0, r.max_len - 1, model.spec.vocab_size))
+            for i, row in padded[r.id].items():
+                torch.testing.assert_close(row, dense[r.prompt_len - 1 + i], **TOL)

@@ -150,8 +150,8 @@ def probe_pools(grid: Grid, limits: ProbeLimits, extra_pool_tokens: int) -> list
 
 def planned_extra_pool_tokens(plan) -> int:
     """extra_pool_tokens as a memory plan foresees it (no device needed): half of what the
-    weights, activations, pool and reserve leave of the device."""
-    left = plan.device_bytes - plan.predicted_peak_bytes - plan.reserved_bytes
+    weights, activations, pool and reserve leave of the torch-visible memory."""
+    left = plan.visible_bytes - plan.predicted_peak_bytes - plan.reserved_bytes
     return max(int(0.5 * left), 0) // plan.kv_bytes_per_token
 
 

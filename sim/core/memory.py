@@ -7,7 +7,7 @@ is the null block, so usable blocks = num_blocks - 1.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from sim.core.catalog import MIB, ModelSpec
 
@@ -221,6 +221,14 @@ class MemoryPlan:
     kv_groups: KVCacheGroups | None = None
     max_num_batched_tokens: int = 0
     kv_cache_dtype: str = "auto"
+    # vLLM's plan (memory_plan "vllm"): the budget is utilization x the torch-visible memory, and
+    # non-torch memory and the CUDA-graph estimate come off it too (reserved_bytes is their sum).
+    # The simple plan: visible = the datasheet memory, reserved = device.reserved_mib, both terms 0.
+    memory_plan: str = "simple"
+    vllm_version: str | None = None
+    visible_bytes: int = 0
+    non_torch_bytes: int = 0
+    cudagraph_bytes: int = 0
 
     @property
     def usable_blocks(self) -> int:
@@ -276,34 +284,75 @@ class MemoryPlan:
 def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     """The KV pool for a scenario's model, device, tp and engine settings.
 
+    On GPU devices (engine.memory_plan "vllm", the default) vLLM's own plan (vllm_memory_plan);
+    on the `cpu` device or with memory_plan "simple", the datasheet memory less weights, kvtwin's
+    activation estimate and device.reserved_mib. A measured activation peak replaces either plan's
+    estimate: engine.activation_mib, else kvtwin's estimate x `activation_scale` (a profile
+    calibrated on kvtwin's own engine, which measured that peak and sized its pool with it).
+    engine.num_blocks overrides the result.
     Raises InsufficientMemoryError, like an engine refusing to start, when not even one
     max_model_len request fits.
     """
-    model, device, eng = scenario.model, scenario.device, scenario.engine
-    tp, dp = scenario.parallelism.tp, scenario.parallelism.dp
-    kv_dtype = eng.kv_cache_dtype
-    groups = kv_cache_groups(model)
-    per_token = kv_bytes_per_token(model, tp, kv_dtype)
-    block_bytes = pool_block_bytes(model, eng.block_size, tp, kv_dtype)
-    budget = int(device.memory_bytes * eng.gpu_memory_utilization)
-    weights = weight_bytes_per_gpu(model, tp, dp)
-    if eng.activation_mib is not None:
-        activation = int(eng.activation_mib * MIB)
-    else:
-        tokens = scenario.max_num_batched_tokens
-        rows = min(tokens, scenario.max_num_seqs)
-        activation = activation_peak_bytes(model, tokens, rows, tp, activation_scale or 1.0)
-    reserved = device.reserved_bytes
-    kv_budget = budget - weights - activation - reserved
+    eng = scenario.engine
+    activation = _measured_activation(scenario, activation_scale)
+    plan = _vllm_plan(scenario, activation) if uses_vllm_plan(scenario) else _simple_plan(scenario, activation)
     if eng.num_blocks is not None:
-        num_blocks = eng.num_blocks
-    else:
-        num_blocks = max(kv_budget, 0) // block_bytes
-    plan = MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, budget, weights, activation,
-                      reserved, kv_budget, per_token, eng.block_size, block_bytes, int(num_blocks),
-                      eng.num_blocks is not None, groups, scenario.max_num_batched_tokens, kv_dtype)
+        plan = replace(plan, num_blocks=eng.num_blocks, from_override=True)
     _check_one_request_fits(plan, scenario.max_model_len)
     return plan
+
+
+def uses_vllm_plan(scenario) -> bool:
+    """vLLM's plan sizes GPU pools; the `cpu` device (the engine's torch reference runs) keeps the simple one."""
+    return scenario.engine.memory_plan == "vllm" and scenario.device.name != "cpu"
+
+
+def _measured_activation(scenario, activation_scale: float | None) -> int | None:
+    """The activation peak given or calibrated for the scenario; None leaves the plan's own estimate."""
+    if scenario.engine.activation_mib is not None:
+        return int(scenario.engine.activation_mib * MIB)
+    if activation_scale is None:
+        return None
+    return kvtwin_activation_bytes(scenario, activation_scale)
+
+
+def kvtwin_activation_bytes(scenario, scale: float = 1.0) -> int:
+    """kvtwin's estimate of its own engine's profiling forward (max_num_batched_tokens tokens)."""
+    tokens = scenario.max_num_batched_tokens
+    rows = min(tokens, scenario.max_num_seqs)
+    return activation_peak_bytes(scenario.model, tokens, rows, scenario.parallelism.tp, scale)
+
+
+def _simple_plan(scenario, activation: int | None) -> MemoryPlan:
+    model, device, eng = scenario.model, scenario.device, scenario.engine
+    tp, dp = scenario.parallelism.tp, scenario.parallelism.dp
+    budget = int(device.memory_bytes * eng.gpu_memory_utilization)
+    weights = weight_bytes_per_gpu(model, tp, dp)
+    if activation is None:
+        activation = kvtwin_activation_bytes(scenario)
+    reserved = device.reserved_bytes
+    kv_budget = budget - weights - activation - reserved
+    block_bytes = pool_block_bytes(model, eng.block_size, tp, eng.kv_cache_dtype)
+    return MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, budget, weights, activation,
+                      reserved, kv_budget, kv_bytes_per_token(model, tp, eng.kv_cache_dtype),
+                      eng.block_size, block_bytes, max(kv_budget, 0) // block_bytes, False,
+                      kv_cache_groups(model), scenario.max_num_batched_tokens, eng.kv_cache_dtype,
+                      visible_bytes=device.memory_bytes)
+
+
+def _vllm_plan(scenario, activation: int | None) -> MemoryPlan:
+    model, device, eng = scenario.model, scenario.device, scenario.engine
+    tp = scenario.parallelism.tp
+    v = vllm_memory_plan(model, device, tp, eng.gpu_memory_utilization, scenario.max_num_batched_tokens,
+                         scenario.max_num_seqs, eng.block_size, eng.vllm_version, eng.kv_cache_dtype,
+                         dp=scenario.parallelism.dp, activation_bytes=activation)
+    return MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, v.requested_bytes, v.weight_bytes,
+                      v.activation_bytes, v.non_torch_bytes + v.cudagraph_bytes, v.kv_budget_bytes,
+                      kv_bytes_per_token(model, tp, eng.kv_cache_dtype), eng.block_size, v.block_bytes,
+                      v.num_blocks, False, kv_cache_groups(model), scenario.max_num_batched_tokens,
+                      eng.kv_cache_dtype, memory_plan="vllm", vllm_version=eng.vllm_version,
+                      visible_bytes=v.visible_bytes, non_torch_bytes=v.non_torch_bytes,
+                      cudagraph_bytes=v.cudagraph_bytes)
 
 
 def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
@@ -316,6 +365,12 @@ def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
     advice = (f"The largest max_model_len that fits is {fits}" if fits else "Not even one block fits")
     if plan.from_override:
         cause = f"engine.num_blocks={plan.num_blocks} gives {plan.usable_blocks} usable blocks"
+    elif plan.memory_plan == "vllm":
+        cause = (f"vLLM {plan.vllm_version}'s plan: {mib(plan.budget_bytes)} budget ({plan.utilization:g} x "
+                 f"{mib(plan.visible_bytes)} torch-visible) - {mib(plan.weight_bytes)} weights "
+                 f"- {mib(plan.activation_bytes)} profiling-run activation peak - {mib(plan.non_torch_bytes)} "
+                 f"non-torch - {mib(plan.cudagraph_bytes)} CUDA graphs leaves "
+                 f"{mib(max(plan.kv_budget_bytes, 0))} for KV = {plan.usable_blocks} usable blocks")
     else:
         cause = (f"{mib(plan.budget_bytes)} budget ({plan.utilization:g} x {mib(plan.device_bytes)}) "
                  f"- {mib(plan.weight_bytes)} weights - {mib(plan.activation_bytes)} activations "
@@ -424,16 +479,20 @@ def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19)) -
 
 def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: float,
                      max_num_batched_tokens: int, max_num_seqs: int, block_size: int = 16,
-                     vllm_version: str | None = None, kv_cache_dtype: str = "auto") -> VllmMemory:
+                     vllm_version: str | None = None, kv_cache_dtype: str = "auto", dp: int = 1,
+                     activation_bytes: int | None = None) -> VllmMemory:
     """num_gpu_blocks as vLLM's V1 worker derives it:
     floor((util x visible - weights - activation peak - non-torch - graph estimate) / block bytes),
-    the block being one KV cache group's layers (pool_block_bytes: fp8 KV, hybrid groups)."""
+    the block being one KV cache group's layers (pool_block_bytes: fp8 KV, hybrid groups).
+    `activation_bytes`, when given, replaces the estimated profiling-run peak (a measured one)."""
     version = parse_vllm_version(vllm_version)
     visible = vllm_visible_bytes(device)
     requested = int(visible * gpu_memory_utilization)
-    weights = weight_bytes_per_gpu(model, tp)
-    rows = min(max_num_batched_tokens, max_num_seqs)
-    activation = vllm_activation_bytes(model, max_num_batched_tokens, rows, tp, version)
+    weights = weight_bytes_per_gpu(model, tp, dp)
+    activation = activation_bytes
+    if activation is None:
+        rows = min(max_num_batched_tokens, max_num_seqs)
+        activation = vllm_activation_bytes(model, max_num_batched_tokens, rows, tp, version)
     non_torch = vllm_non_torch_bytes(tp, version)
     graphs = vllm_cudagraph_bytes(model, version)
     budget = requested - weights - activation - non_torch - graphs

@@ -58,7 +58,7 @@ class Batch:
     are kept apart, so the hot decode path needs no per-sequence token count.
     """
 
-    __slots__ = ("step", "decodes", "pad_rows", "cohort_size", "prefills", "prefill_new", "decode_ctx",
+    __slots__ = ("step", "decodes", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new", "decode_ctx",
                  "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
 
     def __init__(self, step: int):
@@ -66,6 +66,7 @@ class Batch:
         self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
         self.cohort_size = 0
         self.pad_rows = 0            # static batching: rows computed for members that finished
+        self.pad_len = 0             # static batching: the padded length every row reaches this step
         self.prefills: list[Request] = []
         self.prefill_new: list[int] = []
         self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
@@ -323,6 +324,7 @@ class Scheduler:
             self._static_step = batch.step
         rows, length = self._static_rows, self._static_len
         if batch.step == self._static_step:
+            batch.pad_len = length
             batch.num_prefill_tokens = rows * length
             batch.prefill_ctx = 0
             batch.prefill_attn = rows * (length * (length + 1) // 2)
@@ -330,6 +332,7 @@ class Scheduler:
             return
         ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
         batch.pad_rows = rows - len(batch.decodes)
+        batch.pad_len = ctx
         batch.decode_ctx = rows * ctx
         batch.blocks_read = rows * -(-ctx // bs)
 
