@@ -70,6 +70,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         return run_command(command, rest)
     except Exception as e:                     # noqa: BLE001 - only the known user errors are caught below
+        if _terminated():                      # a SIGTERM's interrupt, surfaced wrapped in another error
+            print("interrupted", file=sys.stderr)
+            return 130
         if not is_user_error(e):
             raise
         from sim.output.console import print_error
@@ -79,6 +82,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _terminated() -> bool:
+    run_dir = sys.modules.get("sim.output.run_dir")
+    return bool(run_dir and run_dir.terminated)
 
 
 def split_command(argv: list[str]) -> tuple[Optional[str], list[str]]:

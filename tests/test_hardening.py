@@ -575,3 +575,19 @@ def test_bench_checks_its_output_folder_before_measuring_and_marks_a_failed_run(
     monkeypatch.setattr(validate.bench, "write_comparison", lambda *a: (_ for _ in ()).throw(OSError("again")))
     assert main([*bench, "--out", str(out)]) == 2
     assert (out / INCOMPLETE).exists() and not (out / "comparison.csv").exists()
+
+
+def test_an_interrupt_surfacing_wrapped_in_another_error_is_still_an_interrupt(monkeypatch, capsys):
+    # A SIGTERM's KeyboardInterrupt raised inside an import comes out as RuntimeError("Error calling
+    # __set_name__ ...") on Python 3.11: the run must still end as interrupted (130), not crash.
+    import sim.cli
+    from sim.output import run_dir
+
+    def interrupted_inside_an_import(*_):
+        run_dir.terminated = True
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance 'fields' in 'Task'")
+
+    monkeypatch.setattr(run_dir, "terminated", False)
+    monkeypatch.setattr(sim.cli, "run_command", interrupted_inside_an_import)
+    assert sim.cli.main(["whatever.yaml"]) == 130
+    assert "interrupted" in capsys.readouterr().err

@@ -118,6 +118,12 @@ def _remove_stale(folder: Path, owned: set[str]) -> None:
                 path.rmdir()
 
 
+# Set once a SIGTERM arrived during a run: the KeyboardInterrupt it raises can surface wrapped in
+# another exception (e.g. raised inside an import, as "Error calling __set_name__"), and the cli
+# still has to report an interrupted run, not a crash.
+terminated = False
+
+
 @contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt (exit 130, cleanup runs) instead of killing outright."""
@@ -126,6 +132,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(*_):
+        global terminated
+        terminated = True
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, interrupt)
@@ -141,17 +149,17 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
     On failure INCOMPLETE stays, and the next run into the folder removes the partial files."""
     folder = Path(folder)
     foreign = check_out_folder(folder, force)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        owned, _ = _owned_and_foreign(folder, _files(folder))
-        _remove_stale(folder, owned - {MARKER})
-        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "foreign": sorted(foreign)})
-        write_text(folder / INCOMPLETE, f"kvtwin run started {started} has not finished (or was killed); "
-                                        f"its files here may be partial.\n")
-    except OSError as e:
-        raise OutputFolderError(f"{folder}: cannot prepare the output folder ({e.strerror or e})") from None
     with _sigterm_as_interrupt():          # so an atomic write in flight removes its temp file
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            owned, _ = _owned_and_foreign(folder, _files(folder))
+            _remove_stale(folder, owned - {MARKER})
+            started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "foreign": sorted(foreign)})
+            write_text(folder / INCOMPLETE, f"kvtwin run started {started} has not finished (or was killed); "
+                                            f"its files here may be partial.\n")
+        except OSError as e:
+            raise OutputFolderError(f"{folder}: cannot prepare the output folder ({e.strerror or e})") from None
         yield folder
     written = sorted(_files(folder) - foreign - _OWN)
     write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "finished":
