@@ -55,10 +55,15 @@ class StepRecorder:
             self._pack()
 
     def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
-                    running: int, waiting: int, kv_used, kv_cached, slack, host, device) -> None:
+                    running: int, waiting: int, kv_used, kv_cached, slack, host, device,
+                    waiting_last: Optional[int] = None) -> None:
         """Append the k decode-only steps of a leap (sim/core/leap.py): step i starts where
-        step i-1 ended, the first at `start_s`. Short leaps go in as rows, long ones as a block."""
+        step i-1 ended, the first at `start_s`. Short leaps go in as rows, long ones as a block.
+        `waiting` is read at each step's end, as `record` does: the same for every step but the
+        last, in flight when a request arrived (`waiting_last`, default `waiting`)."""
         k = len(ends)
+        if waiting_last is None:
+            waiting_last = waiting
         if k <= 16:
             starts = [start_s, *ends[:-1]]
             step = first_step
@@ -66,6 +71,10 @@ class StepRecorder:
                 self.rows.append((step + i, starts[i], ends[i], running, waiting, rows, rows, 0, rows,
                                   decode_ctx[i], 0, 0, blocks_read[i], kv_used[i], kv_cached[i], slack[i], 0,
                                   host[i], device[i]))
+            if waiting_last != waiting:
+                last = list(self.rows[-1])
+                last[_COLUMN_INDEX["waiting"]] = waiting_last
+                self.rows[-1] = tuple(last)
             if len(self.rows) >= self.CHUNK:
                 self._pack()
             return
@@ -78,6 +87,7 @@ class StepRecorder:
         block[:, col["end_s"]] = ends
         block[:, col["running"]] = running
         block[:, col["waiting"]] = waiting
+        block[-1, col["waiting"]] = waiting_last
         for name in ("num_seqs", "decode_seqs", "batch_tokens"):
             block[:, col[name]] = rows
         for name, values in (("decode_ctx", decode_ctx), ("blocks_read", blocks_read), ("kv_blocks_used", kv_used),

@@ -186,9 +186,9 @@ class DecodeCohort:
             heapq.heappop(heap)
         return heap[0] + self.offset if heap else float("inf")
 
-    def phase_sizes(self) -> list[int]:
-        """Members per phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
-        return [len(group) for group in self._by_phase]
+    def phase_groups(self) -> list[dict[Request, None]]:
+        """Members by phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
+        return self._by_phase
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after `finish(step)`)."""
