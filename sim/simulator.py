@@ -127,6 +127,7 @@ class Simulation:
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
+        self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         # A finish on one replica can send a follow-up turn to another after its think time.
         turns = [r.think_time for r in self.requests if r.next_turn is not None]
@@ -239,13 +240,11 @@ class Simulation:
             return None
         first = plan.reach(LEAP_SCALAR_STEPS)
         ctx, blocks = plan.shapes(first)
-        step_time = self.cost_model.step_time
-        shape = StepShape(plan.rows, 0, 0)
+        price = self._decode_pricer(plan.rows, ctx[0], blocks[0])
         ends, hosts, devices = [], [], []
         t = now
         for k in range(first):
-            shape.decode_ctx, shape.blocks_read = ctx[k], blocks[k]
-            h, d = step_time(shape, False)
+            h, d = price(ctx[k], blocks[k])
             t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
             if t == horizon:                # a tie: which goes first is SimPy's queue order
                 break
@@ -261,6 +260,19 @@ class Simulation:
             return None
         k = len(ends)
         return plan, ends, hosts, devices, ctx[:k], blocks[:k]
+
+    def _decode_pricer(self, rows: int, ctx: int, blocks: int):
+        """The cost model's decode-only pricer for `rows` (made once per batch size and checked
+        then against step_time: if they ever differ, step_time prices every such step)."""
+        pricer = self._pricers.get(rows)
+        if pricer is None:
+            step_time = self.cost_model.step_time
+            pricer = self.cost_model.decode_pricer(rows)
+            if pricer is None or pricer(ctx, blocks) != step_time(StepShape(rows, ctx, blocks), False):
+                def pricer(c, b, rows=rows):
+                    return step_time(StepShape(rows, c, b), False)
+            self._pricers[rows] = pricer
+        return pricer
 
     def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
         """A long leap priced with numpy (the same float operations, element by element), in

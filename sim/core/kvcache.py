@@ -63,8 +63,16 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        take = self.take_one
-        return [take() for _ in range(n)]
+        if self.num_cached_free:
+            take = self.take_one
+            return [take() for _ in range(n)]
+        # No free block holds a hash, so none needs evicting: plain pops (the hot case without caching)
+        pop = self.free_queue.popitem
+        blocks = [pop(False)[0] for _ in range(n)]
+        ref = self.ref_cnt
+        for block in blocks:
+            ref[block] = 1
+        return blocks
 
 
     def take_one(self) -> int:
