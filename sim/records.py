@@ -130,9 +130,13 @@ class StepRecorder:
             self._flush()
 
     def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
-                    running: int, waiting: int, kv_used, kv_cached, slack, host, device) -> None:
+                    running: int, waiting: int, kv_used, kv_cached, slack, host, device,
+                    waiting_last: Optional[int] = None) -> None:
         """Append the k decode-only steps of a leap (sim/core/leap.py) as one row: step i starts
-        where step i-1 ended, the first at `start_s`; the per-step sequences have k entries each."""
+        where step i-1 ended, the first at `start_s`; the per-step sequences have k entries each.
+        `waiting` is read at each step's end, as `record` does: the same for every step but the
+        last, in flight when a request arrived (`waiting_last`, default `waiting`); when they
+        differ, the last step is a row of its own."""
         self._flush_rows()
         self._cache = {}
         k = len(ends)
@@ -140,9 +144,16 @@ class StepRecorder:
                          "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),
                          "blocks_read": np.asarray(blocks_read), "kv_blocks_used": np.asarray(kv_used),
                          "kv_blocks_cached": np.asarray(kv_cached), "slack_tokens": np.asarray(slack)}, k)
-        self._rows.add({"step": first_step, "steps": k, "start_s": start_s, "running": running, "waiting": waiting,
-                        "num_seqs": rows, "decode_seqs": rows, "prefill_tokens": 0, "batch_tokens": rows,
-                        "prefill_ctx": 0, "prefill_attn": 0, "preemptions": 0}, 1)
+        row = {"step": first_step, "steps": k, "start_s": start_s, "running": running, "waiting": waiting,
+               "num_seqs": rows, "decode_seqs": rows, "prefill_tokens": 0, "batch_tokens": rows,
+               "prefill_ctx": 0, "prefill_attn": 0, "preemptions": 0}
+        if waiting_last is None or waiting_last == waiting:
+            self._rows.add(row, 1)
+        else:
+            if k > 1:
+                self._rows.add({**row, "steps": k - 1}, 1)
+            self._rows.add({**row, "step": first_step + k - 1, "steps": 1, "waiting": waiting_last,
+                            "start_s": start_s if k == 1 else ends[k - 2]}, 1)
         if self._steps.pending >= self.CHUNK:
             self._flush()
 

@@ -64,7 +64,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
 
-MIN_LEAP_STEPS = 4         # shorter stretches go step by step (cheaper than planning a leap)
+MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
 LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
@@ -194,7 +194,7 @@ class Simulation:
                     replica.busy_until = ends[-1]
                     yield _At(env, float(ends[-1]))
                     recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
-                                         waiting, used, cached, slack, host, device)
+                                         waiting, used, cached, slack, host, device, sched.num_waiting)
                     last_step = (env.now - last_end) / len(ends)
                     last_end = env.now
                     self._retire(env, replica, finish_leap(sched))
@@ -230,11 +230,14 @@ class Simulation:
 
     def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
         """A leap from `now`: (plan, end times, host s, device s, decode ctx, blocks read) of its
-        steps, all ending before `horizon` (the next routing); None when not one step qualifies."""
-        plan = plan_leap(sched, max_steps=1 << 30, min_steps=MIN_LEAP_STEPS)
+        steps, None when not one step qualifies. It ends with the step in flight at `horizon`
+        (the next routing): that step was scheduled before the routing in the one-by-one path
+        too, and its finish comes after it, so the router sees the same states. (A step ending
+        exactly at `horizon` is left out: which of the two comes first is SimPy's queue order.)"""
+        plan = plan_leap(sched, max_steps=1 << 30, min_steps=max(1, MIN_LEAP_STEPS))
         if plan is None:
             return None
-        first = min(plan.max_steps, LEAP_SCALAR_STEPS)
+        first = plan.reach(LEAP_SCALAR_STEPS)
         ctx, blocks = plan.shapes(first)
         step_time = self.cost_model.step_time
         shape = StepShape(plan.rows, 0, 0)
@@ -244,13 +247,15 @@ class Simulation:
             shape.decode_ctx, shape.blocks_read = ctx[k], blocks[k]
             h, d = step_time(shape, False)
             t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
-            if t >= horizon:
+            if t == horizon:                # a tie: which goes first is SimPy's queue order
                 break
             ends.append(t)
             hosts.append(h)
             devices.append(d)
+            if t > horizon:                 # the step in flight when the request arrives
+                break
         else:
-            if plan.max_steps > first:
+            if plan.reach(first + 1) > first:
                 return self._bulk_times(plan, now, ends, hosts, devices, horizon)
         if not ends:
             return None
@@ -258,19 +263,28 @@ class Simulation:
         return plan, ends, hosts, devices, ctx[:k], blocks[:k]
 
     def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
-        """A long leap priced with numpy (the same float operations, element by element)."""
-        columns = plan.columns(plan.max_steps)
-        host, device = self.cost_model.step_times(columns)
-        if hosts and (host[0] != hosts[0] or device[0] != devices[0]):
-            # an element-wise function (a power, say) rounded differently from its scalar form:
-            # price this leap step by step, so that it stays exact
-            host, device = zip(*(self.cost_model.step_time(StepShape(plan.rows, int(c), int(b)), False)
-                                 for c, b in zip(columns["decode_ctx"], columns["blocks_read"])))
-            host, device = np.array(host), np.array(device)
-        start = ends[-1] if ends else now
-        tail = np.cumsum(np.concatenate(([start], host[len(ends):] + device[len(ends):])))[1:]
-        k = len(ends) + int(np.searchsorted(tail, horizon, side="left"))   # steps ending before it
-        ends = np.concatenate((ends, tail[:k - len(ends)]))
+        """A long leap priced with numpy (the same float operations, element by element), in
+        growing stretches until one crosses the horizon (or the plan ends)."""
+        size = 4 * len(ends)
+        while True:
+            size *= 4
+            k_max = plan.reach(size)
+            columns = plan.columns(k_max)
+            host, device = self.cost_model.step_times(columns)
+            if host[0] != hosts[0] or device[0] != devices[0]:
+                # an element-wise function (a power, say) rounded differently from its scalar form:
+                # price this leap step by step, so that it stays exact
+                host, device = zip(*(self.cost_model.step_time(StepShape(plan.rows, int(c), int(b)), False)
+                                     for c, b in zip(columns["decode_ctx"], columns["blocks_read"])))
+                host, device = np.array(host), np.array(device)
+            tail = np.cumsum(np.concatenate(([ends[-1]], host[len(ends):] + device[len(ends):])))[1:]
+            before = int(np.searchsorted(tail, horizon, side="left"))       # steps ending before it
+            if before < len(tail) or k_max < size:
+                break
+        if before < len(tail) and tail[before] > horizon:
+            before += 1                                                      # and the one in flight then
+        k = len(ends) + before
+        ends = np.concatenate((ends, tail[:before]))
         return plan, ends, host[:k], device[:k], columns["decode_ctx"][:k], columns["blocks_read"][:k]
 
     def _check_every_request_ended(self) -> None:
