@@ -5,7 +5,7 @@
              first step after the engine sat idle: cold caches and clocks; calibration measures it)
       scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
                        + token_host_s x tokens; all of it synchronously, only its excess over the
-                       device time with async scheduling (vLLM >= 0.11 on a GPU: engine.async_scheduling)
+                       device time with async scheduling (vLLM >= 0.11 on a GPU: Scenario.async_scheduling)
       output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
                        only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
@@ -181,7 +181,7 @@ class CostModel:
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
         par = scenario.parallelism
-        overlap = scenario.engine.async_scheduling and scenario.device.name != "cpu"
+        overlap = scenario.async_scheduling and scenario.device.name != "cpu"
         tables = None
         if getattr(scenario, "step_times", "datasheet") == "tables":
             from sim.optables import tables_for
