@@ -303,3 +303,30 @@ def test_the_engine_replay_refuses_a_sliding_window_model_by_name():
     check_engine_supports(validate_scenario({"model": "tiny", "device": "cpu"}))
     with pytest.raises(EngineUnsupportedError, match="sliding_window=4096.*one block table"):
         check_engine_supports(scenario("mistral-7b-v0.1"))
+
+
+HYBRID_LOGS = ["planner-google-gemma-2-27b-it--h100-80gb--tp1pp1dp1--8192",
+               "planner-google-gemma-3-12b-it--h100-80gb--tp1pp1dp1--8192",
+               "planner-openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192"]
+
+
+@pytest.mark.parametrize("log_id", HYBRID_LOGS)
+def test_the_pool_vllm_logged_runs_its_printed_concurrency_of_full_length_requests(log_id):
+    """vLLM's startup log for a hybrid model prints num_gpu_blocks and "Maximum concurrency for
+    8192 tokens per request" (tests/data/vllm_public/startup_logs.yaml; the plan matches both,
+    tests/test_models_memory.py). On that pool the simulated hybrid manager runs that many
+    8192-token requests at once without a preemption, and its peak stays within the pool."""
+    from test_models_memory import LOGS, scenario_for     # tests/ is on sys.path under pytest
+
+    printed = LOGS[log_id]["printed"]
+    s = scenario_for(log_id, printed["num_gpu_blocks"])
+    n = int(printed["max_concurrency"])
+    doc = s.model_dump(mode="json", exclude_none=True)
+    doc["workload"] = {"num_requests": n, "arrival": {"process": "offline"},
+                       "prompt_len": {"dist": "fixed", "value": 8192 - 512}, "output_len": {"dist": "fixed", "value": 512}}
+    doc["engine"].update(prefix_caching=False, max_num_seqs=n)
+    records, plan, _ = simulate(validate_scenario(doc))
+    steps = records.steps_frame()
+    assert plan.num_blocks == printed["num_gpu_blocks"] and n >= 2
+    assert steps["running"].max() == n and steps["preemptions"].sum() == 0
+    assert steps["kv_blocks_used"].max() <= plan.usable_blocks
