@@ -49,10 +49,11 @@ class LeapPlan:
             self.rows = sched._static_rows
             self._static = (sched._static_len - sched._static_step, sched.block_size)
             self._ctx0, self._ctx_per_step = self.rows * (sched._static_len - sched._static_step), self.rows
-        else:
+        else:                              # members' context at step t: _computed + clock(t)
             self.rows = self.members
             self._static = None
-            self._ctx0, self._ctx_per_step = cohort.ctx_offset_sum, self.members
+            self._ctx0 = cohort.ctx_offset_sum - self.members * cohort.offset
+            self._ctx_per_step = self.members
 
     def shapes(self, k: int) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of the first k steps."""
@@ -90,8 +91,9 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     cohort, kv, cfg = sched.cohort, sched.kv, sched.config
     members = len(cohort)
     t = sched.step
-    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != t - 1
-            or cohort.finished_step != t - 1 or members > cfg.max_num_batched_tokens):
+    clock = cohort.clock(t)
+    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != clock - 1
+            or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
     max_steps = int(min(max_steps, cohort.next_finish() - t + 1))
     if max_steps < max(1, min_steps):
@@ -102,7 +104,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     paged = not kv.contiguous
     walked, taken = [], 0
     for i in range(max_steps):              # stop where the members' next blocks are not all free
-        w = sizes[(1 - t - i) % bs]
+        w = sizes[(1 - clock - i) % bs]
         if paged:
             taken += w
             if taken > free:

@@ -76,7 +76,7 @@ class Request:
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
-        "chunk_steps",
+        "chunk_steps", "_pause_index",
     )
 
     def __init__(self, id: int, arrival: Optional[float], segments: list[Segment], output_len: int,
@@ -122,6 +122,7 @@ class Request:
         self.emit_runs: list[int] = []
         self.emit_start = -1
         self._last_emit = -2
+        self._pause_index = 0              # cohort members: the first of the cohort's pauses they sit through
         self.chunk_steps: list[int] = []   # steps of prefill chunks that emitted no token
 
     # -- progress (see the class docstring for the cohort offsets) -----------------------
@@ -150,7 +151,7 @@ class Request:
     def last_emit(self) -> int:
         """The step that emitted this request's latest token (members emit every step)."""
         c = self._cohort
-        return self._last_emit if c is None else c.finished_step
+        return self._last_emit if c is None else c.last_emit(self)
 
     @last_emit.setter
     def last_emit(self, step: int) -> None:

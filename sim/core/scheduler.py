@@ -339,12 +339,9 @@ class Scheduler:
         batch.blocks_read = rows * -(-ctx // bs)
 
     def _pause_decodes(self, step: int) -> None:
-        """prefill_first: a prefill step, so the decodes wait. The cohort's members advance one
-        token per step by construction, so they leave it (and rejoin as they emit again)."""
-        if self.cohort.members:
-            self.cohort.dissolve()
-            self.active = dict.fromkeys(self.running)
-        self.cohort.scheduled_step = step
+        """prefill_first: a prefill step, so the decodes wait. The cohort sits it out, intact
+        (its clock stops: sim/core/cohort.py); decodes outside it simply are not scheduled."""
+        self.cohort.pause(step)
 
     @property
     def slack_tokens(self) -> int:
@@ -367,12 +364,12 @@ class Scheduler:
                 n = len(cohort)
                 batch.decodes.extend(cohort.members)
                 batch.cohort_size = n
-                batch.decode_ctx += cohort.ctx_offset_sum + n * batch.step
+                batch.decode_ctx += cohort.ctx_offset_sum + n * cohort.scheduled_step
                 batch.blocks_read += cohort.blocks_walked
                 budget -= n
                 candidates = others
         if want != "prefill":
-            cohort.scheduled_step = batch.step
+            cohort.sync(batch.step)
         # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
         if self.priority:
             candidates = list(candidates)
@@ -560,7 +557,7 @@ class Scheduler:
             _start_emit_run(req, step)
             req.last_emit = step
             req.append_output()
-        self.cohort.finished_step = step
+        self.cohort.finish(step)
         finished = self.cohort.finishing(step)
         for req in finished:
             self.cohort.leave(req)
