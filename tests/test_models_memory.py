@@ -133,7 +133,7 @@ def test_awq_weights_leave_the_l4_a_pool_three_times_larger():
 
 def test_hybrid_groups_follow_vllms_layer_split():
     gemma3 = ModelSpec(**gemma(62, 5376, 32, 16, 128, 21504, 1024, 6))
-    assert kv_cache_groups(gemma3) == type(kv_cache_groups(gemma3))(10, 1, 6, 1024)   # 52 local = 6 groups of 10
+    assert kv_cache_groups(gemma3) == type(kv_cache_groups(gemma3))(10, 1, 6, 1024, sliding_first=True)   # 52 local = 6 groups of 10
     oss = ModelSpec(**oss20b())
     g = kv_cache_groups(oss)
     assert (g.group_size, g.full_groups, g.sliding_groups) == (12, 1, 1)

@@ -61,14 +61,18 @@ def test_a_window_of_two_blocks_holds_two_or_three_blocks_as_it_decodes():
     assert sched.kv.windowed_frees == 2
 
 
-def test_a_hybrid_request_holds_every_full_block_and_a_window_of_sliding_ones():
-    sched = scheduler(hybrid(8))
+@pytest.mark.parametrize("sliding_first", [False, True])
+def test_a_hybrid_request_holds_every_full_block_and_a_window_of_sliding_ones(sliding_first):
+    # vLLM orders the groups by layer 0's type (Gemma, gpt-oss: sliding first); the first group allocates first
+    sched = scheduler(KVCacheGroups(4, 1, 1, 8, sliding_first))
     req = make_request(0, 0.0, [(1, 10)], 10)
     sched.add(req)
     seen = []
     while sched.has_unfinished():
         batch = sched.schedule()
-        full, slide = req.group_tables
+        full, slide = req.group_tables[::-1] if sliding_first else req.group_tables
+        if batch.step == 0:
+            assert req.group_tables[0] == [1, 2, 3] and req.group_tables[1] == [4, 5, 6]
         seen.append((len(full) - full.count(NULL_BLOCK), len(slide) - slide.count(NULL_BLOCK)))
         sched.kv.check_request(req)
         sched.finish_step(batch)

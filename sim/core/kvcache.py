@@ -334,8 +334,8 @@ def group_key(block_hash: int, group: int) -> int:
 class GroupedKVCacheManager(KVCacheManager):
     """vLLM's hybrid KV cache manager: one block table per KV cache group, all drawing on one pool.
 
-    The groups (sim/core/memory.py KVCacheGroups: `full_groups` full-attention groups, then
-    `sliding_groups` sliding-window ones) each give a request one block per `block_size` tokens
+    The groups (sim/core/memory.py KVCacheGroups: `full_groups` full-attention groups and
+    `sliding_groups` sliding-window ones, in vLLM's order: the type of layer 0 first) each give a request one block per `block_size` tokens
     it holds, so every table has the same length. A sliding group frees the blocks whose tokens
     all fell behind the window (`remove_skipped_blocks`, run before each allocation as vLLM's
     allocate_slots does) and keeps the null block in their place. Prefix caching is per group
@@ -356,8 +356,11 @@ class GroupedKVCacheManager(KVCacheManager):
         self.sliding = groups.sliding_groups > 0
         self.num_groups = groups.num_groups
         self.window = groups.sliding_window
-        self.full_ids = list(range(groups.full_groups))
-        self.sliding_ids = list(range(groups.full_groups, self.num_groups))
+        kinds = [False] * groups.full_groups + [True] * groups.sliding_groups    # is the group sliding
+        if groups.sliding_first:
+            kinds.reverse()
+        self.full_ids = [g for g, sliding in enumerate(kinds) if not sliding]
+        self.sliding_ids = [g for g, sliding in enumerate(kinds) if sliding]
         # The most blocks a sliding group holds for one request (vLLM's admission cap, as its startup check).
         self.sliding_cap = groups.sliding_blocks_cap(block_size, max_num_batched_tokens) if self.sliding else 0
         self.windowed_frees = 0       # blocks freed because they fell behind a window
@@ -403,9 +406,11 @@ class GroupedKVCacheManager(KVCacheManager):
             first, length = sliding_window_hit_run(cached, length, bs, self.window)
         if not length:
             return [], 0
-        hits = [table[:length] for table in full]
+        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for g, table in zip(self.full_ids, full):
+            hits[g] = table[:length]
         for g in self.sliding_ids:
-            hits.append([NULL_BLOCK] * first + [lookup(group_key(hashes[i], g)) for i in range(first, length)])
+            hits[g] = [NULL_BLOCK] * first + [lookup(group_key(hashes[i], g)) for i in range(first, length)]
         return hits, length * bs
 
     # -- allocation -----------------------------------------------------------------------

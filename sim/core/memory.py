@@ -86,6 +86,9 @@ class KVCacheGroups:
     full_groups: int
     sliding_groups: int
     sliding_window: int | None
+    # vLLM orders the groups by each attention type's first layer: sliding ones first when layer
+    # 0 is sliding (Gemma-2/3, gpt-oss). Sets which group allocates first and frees first.
+    sliding_first: bool = False
 
     @property
     def is_hybrid(self) -> bool:
@@ -119,7 +122,8 @@ def kv_cache_groups(model: ModelSpec) -> KVCacheGroups:
     size = min(sliding, full)
     if max(sliding, full) < 1.5 * size:
         size = max(sliding, full)
-    return KVCacheGroups(size, cdiv(full, size), cdiv(sliding, size), model.sliding_window)
+    sliding_first = model.layer_types is not None and model.layer_types[0] == "sliding_attention"
+    return KVCacheGroups(size, cdiv(full, size), cdiv(sliding, size), model.sliding_window, sliding_first)
 
 
 def pool_block_bytes(model: ModelSpec, block_size: int, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
