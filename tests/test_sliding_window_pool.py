@@ -31,10 +31,11 @@ def hybrid(window, full=1, sliding=1):
     return KVCacheGroups(group_size=4, full_groups=full, sliding_groups=sliding, sliding_window=window)
 
 
-def scheduler(groups, num_blocks=64, block_size=4, caching=True, budget=64, seqs=8, lazy=True):
+def scheduler(groups, num_blocks=64, block_size=4, caching=True, budget=64, seqs=8, lazy=True, **cfg):
     kv = new_kv_manager(num_blocks, block_size, caching, "paged", 256, groups=groups, max_num_batched_tokens=budget)
-    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256, lazy_decode=lazy)
-    return Scheduler(cfg, kv)
+    config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256, lazy_decode=lazy,
+                             **cfg)
+    return Scheduler(config, kv)
 
 
 # ----------------------------------------------------------------------------- hand-checked
@@ -191,9 +192,12 @@ def random_run(seed):
     budget = rnd.randint(8, 96)
     groups = hybrid(window, full, sliding)
     sched = scheduler(groups, num_blocks=rnd.randint(20, 120), block_size=bs, caching=rnd.random() < 0.7,
-                      budget=budget, seqs=rnd.randint(1, 8))
+                      budget=budget, seqs=rnd.randint(1, 8), policy=rnd.choice(["fcfs", "priority"]),
+                      step_composition=rnd.choice(["mixed", "mixed", "prefill_first"]),
+                      chunked_prefill=rnd.random() < 0.8)
     reqs = [make_request(i, float(rnd.randint(0, 30)), ([(900 + rnd.randint(0, 1), 24)] if rnd.random() < 0.5 else [])
-                         + [(i, rnd.randint(1, 60))], rnd.randint(1, 50)) for i in range(rnd.randint(2, 14))]
+                         + [(i, rnd.randint(1, 60))], rnd.randint(1, 50), priority=rnd.randint(0, 2))
+            for i in range(rnd.randint(2, 14))]
     return sched, reqs, groups
 
 
