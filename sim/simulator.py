@@ -20,7 +20,7 @@ import numpy as np
 import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
-from sim.core.kvcache import KVCacheManager
+from sim.core.kvcache import KVCacheManager, new_kv_manager
 from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RunRecords, StepRecorder
@@ -58,8 +58,8 @@ class Replica:
 
 def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True) -> Replica:
     e = scenario.engine
-    kv = KVCacheManager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation,
-                        scenario.max_model_len, e.contiguous_reserve)
+    kv = new_kv_manager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
+                        e.contiguous_reserve, plan.kv_groups, scenario.max_num_batched_tokens)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
@@ -329,7 +329,7 @@ def simulate(scenario, requests: Optional[list[Request]] = None,
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
-    check_block_pool_supports(scenario.model, plan, scenario.max_model_len)
+    check_block_pool_supports(scenario.model, scenario.engine.allocation)
     if requests is None:
         requests = build_requests(scenario)
     else:

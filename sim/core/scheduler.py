@@ -167,7 +167,9 @@ class Scheduler:
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
-        self.lazy = config.lazy_decode
+        # The decode cohort and leaps assume one block per member crossing a boundary; a grouped
+        # (sliding-window / hybrid) KV cache takes one per group and frees behind windows: one by one.
+        self.lazy = config.lazy_decode and not kv.grouped
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
@@ -451,6 +453,8 @@ class Scheduler:
     def _schedule_slow(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request that may need blocks (and preemptions)."""
         kv, bs = self.kv, self.block_size
+        if kv.sliding:                     # vLLM frees behind the window as it allocates, every step
+            kv.remove_skipped_blocks(req)
         covered = req.num_computed + n
         if covered <= len(req.blocks) * bs:
             if kv.enable_caching and covered // bs > req.num_registered:
