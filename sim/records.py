@@ -86,7 +86,7 @@ class _Columns:
             return
         for name in self.names:
             parts = self.parts[name]
-            joined = np.concatenate([np.atleast_1d(np.asarray(p)) for p in parts])
+            joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
             joined = joined.astype(np.float64) if name in self.floats else _compact(joined.astype(np.int64))
             self.chunks[name].append(joined)
             self.parts[name] = []
@@ -105,14 +105,17 @@ class _Columns:
 class StepRecorder:
     """Collects the steps of one replica: a row per step, or per leap (see the module docstring).
 
-    Single steps are appended as tuples (cheap per step) and packed into compact columns every
-    CHUNK steps; a leap goes in as arrays."""
+    Each record appends two tuples (cheap per step): its row (PER_ROW) and its per-step values
+    (PER_STEP, one tuple per step); they are packed into compact columns every CHUNK steps.
+    A long leap goes in as arrays."""
 
     CHUNK = 32_768
+    LONG_LEAP = 64
 
     def __init__(self, replica: int = 0):
         self.replica = replica
-        self.rows: list[tuple] = []
+        self.rows: list[tuple] = []             # PER_ROW tuples
+        self.step_values: list[tuple] = []      # PER_STEP tuples
         self._steps = _Columns(PER_STEP)
         self._rows = _Columns(PER_ROW)
         self._cache: dict[str, np.ndarray] = {}
@@ -122,11 +125,12 @@ class StepRecorder:
         """Append a step. KV figures are taken right after scheduling (the step's peak)."""
         decodes = batch.num_decode
         prefill = batch.num_prefill_tokens
-        self.rows.append((batch.step, start_s, end_s, len(scheduler.running), scheduler.num_waiting,
+        self.rows.append((batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
-                          batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read,
-                          kv_used, kv_cached, slack, len(batch.preempted), host_s, device_s))
-        if len(self.rows) >= self.CHUNK:
+                          batch.prefill_ctx, batch.prefill_attn, len(batch.preempted)))
+        self.step_values.append((end_s, host_s, device_s, batch.decode_ctx, batch.blocks_read, kv_used, kv_cached,
+                                 slack))
+        if len(self.step_values) >= self.CHUNK:
             self._flush()
 
     def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
@@ -137,52 +141,53 @@ class StepRecorder:
         `waiting` is read at each step's end, as `record` does: the same for every step but the
         last, in flight when a request arrived (`waiting_last`, default `waiting`); when they
         differ, the last step is a row of its own."""
-        self._flush_rows()
-        self._cache = {}
         k = len(ends)
+        row = (first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
+        if waiting_last is not None and waiting_last != waiting:
+            last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
+                    rows, rows, 0, rows, 0, 0, 0)
+            new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
+        else:
+            new_rows = [row]
+        if k <= self.LONG_LEAP:
+            self.rows += new_rows
+            self.step_values += zip(ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack)
+            if len(self.step_values) >= self.CHUNK:
+                self._flush()
+            return
+        self._flush_buffers()
         self._steps.add({"end_s": np.asarray(ends, dtype=np.float64), "host_s": np.asarray(host, dtype=np.float64),
                          "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),
                          "blocks_read": np.asarray(blocks_read), "kv_blocks_used": np.asarray(kv_used),
                          "kv_blocks_cached": np.asarray(kv_cached), "slack_tokens": np.asarray(slack)}, k)
-        row = {"step": first_step, "steps": k, "start_s": start_s, "running": running, "waiting": waiting,
-               "num_seqs": rows, "decode_seqs": rows, "prefill_tokens": 0, "batch_tokens": rows,
-               "prefill_ctx": 0, "prefill_attn": 0, "preemptions": 0}
-        if waiting_last is None or waiting_last == waiting:
-            self._rows.add(row, 1)
-        else:
-            if k > 1:
-                self._rows.add({**row, "steps": k - 1}, 1)
-            self._rows.add({**row, "step": first_step + k - 1, "steps": 1, "waiting": waiting_last,
-                            "start_s": start_s if k == 1 else ends[k - 2]}, 1)
+        table = np.array(new_rows, dtype=np.float64)
+        self._rows.add({name: table[:, i] for i, name in enumerate(PER_ROW)}, len(new_rows))
         if self._steps.pending >= self.CHUNK:
             self._flush()
 
-    def _flush_rows(self) -> None:
+    def _flush_buffers(self) -> None:
+        """Buffered tuples -> column parts (exact: every integer here is far below 2**53)."""
+        self._cache = {}
         if not self.rows:
             return
-        table = np.array(self.rows, dtype=np.float64)       # exact: every integer here is far below 2**53
-        self.rows = []
-        n = len(table)
-        col = _SINGLE_INDEX
-        self._steps.add({name: table[:, col[name]] for name in PER_STEP}, n)
-        values = {name: table[:, col[name]] for name in PER_ROW if name != "steps"}
-        values["steps"] = np.ones(n, dtype=np.int64)
-        self._rows.add(values, n)
-        self._cache = {}
+        rows = np.array(self.rows, dtype=np.float64)
+        steps = np.array(self.step_values, dtype=np.float64)
+        self.rows, self.step_values = [], []
+        self._rows.add({name: rows[:, i] for i, name in enumerate(PER_ROW)}, len(rows))
+        self._steps.add({name: steps[:, i] for i, name in enumerate(PER_STEP)}, len(steps))
 
     def _flush(self) -> None:
-        self._flush_rows()
+        self._flush_buffers()
         self._steps.pack()
         self._rows.pack()
-        self._cache = {}
 
     def __len__(self) -> int:
         """Steps recorded."""
-        return self._steps.count + len(self.rows)
+        return self._steps.count + len(self.step_values)
 
     @property
     def num_rows(self) -> int:
-        """Rows recorded (a leap is one)."""
+        """Rows recorded (a leap is one, or two when a request arrived during its last step)."""
         return self._rows.count + len(self.rows)
 
     # -- reading ------------------------------------------------------------------------
@@ -195,7 +200,7 @@ class StepRecorder:
         """Any STEP_COLUMNS column, one entry per step (row values repeated over a leap's steps)."""
         if self.rows:
             self._flush()
-        if name in self._cache:
+        if name in self._cache and not self._steps.pending:
             return self._cache[name]
         if name in PER_STEP:
             out = self._steps.column(name)
@@ -323,9 +328,8 @@ class RequestTable:
         if self._buffer:
             table = self._buffer
             self._buffer = []
-            self._cols.add({name: np.array([row[i] for row in table],
-                                           dtype=np.float64 if name in _REQUEST_FLOATS else np.int64)
-                            for i, name in enumerate(_REQUEST_FIELDS)}, len(table))
+            values = np.array(table, dtype=np.float64)      # exact: every integer here is below 2**53
+            self._cols.add({name: values[:, i] for i, name in enumerate(_REQUEST_FIELDS)}, len(table))
             self._cols.pack()
         if self._run_buffer:
             self._runs.append(_compact(np.asarray(self._run_buffer, dtype=np.int64)))

@@ -23,7 +23,7 @@ from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager, new_kv_manager
 from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
-from sim.records import RunRecords, StepRecorder
+from sim.records import RequestTable, RunRecords, StepRecorder
 from sim.core.request import Request, Status
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
@@ -75,14 +75,14 @@ class Client:
     While requests wait here, any replica's finish routes one: `pending` says so, for anything
     that plans ahead to the next routing."""
 
-    def __init__(self, env: simpy.Environment, router, max_concurrency: Optional[int]):
-        self.env, self.router, self.limit = env, router, max_concurrency
+    def __init__(self, env: simpy.Environment, route: Callable[[Request], None], max_concurrency: Optional[int]):
+        self.env, self.route, self.limit = env, route, max_concurrency
         self.in_flight = 0
         self.queue: deque[Request] = deque()
 
     def send(self, req: Request) -> None:
         if self.limit is None:
-            self.router.route(req)
+            self.route(req)
         elif self.in_flight < self.limit:
             self._go(req)
         else:
@@ -102,7 +102,7 @@ class Client:
     def _go(self, req: Request) -> None:
         self.in_flight += 1
         req.arrival = self.env.now
-        self.router.route(req)
+        self.route(req)
         if req.status is Status.REJECTED:           # answered at once: the slot frees
             self.in_flight -= 1
 
@@ -117,6 +117,10 @@ class Simulation:
     progress: Optional[Callable[[int], None]] = None
     # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
     fast: bool = True
+    # The caller hands `requests` over: the list is emptied as the run starts, and each request
+    # is dropped once it ended and its figures went into the records (a million requests then
+    # never all live at once beside their records).
+    release: bool = False
 
     def run(self) -> RunRecords:
         with gc_paused():
@@ -132,30 +136,45 @@ class Simulation:
         # A finish on one replica can send a follow-up turn to another after its think time.
         turns = [r.think_time for r in self.requests if r.next_turn is not None]
         self._min_think = min(turns) if turns else math.inf
+        self._ended = RequestTable()
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
             env.process(self._engine_loop(env, replica))
-        first_turns = [r for r in self.requests if r.arrival is not None]
-        self._client = Client(env, router, self.scenario.workload.max_concurrency)
-        env.process(self._arrivals(env, first_turns, router))
+        first_turns = deque(r for r in self.requests if r.arrival is not None)
+        self._num_requests = len(self.requests)
+        if self.release:
+            self.requests.clear()
+        self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
         self._router = router
+        env.process(self._arrivals(env, first_turns))
         env.run()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
         self._check_every_request_ended()
-        return RunRecords(self.requests, [r.recorder for r in self.replicas],
+        return RunRecords(self._ended, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
 
-    def _arrivals(self, env: simpy.Environment, requests: list[Request], router):
-        for req in requests:
+    def _arrivals(self, env: simpy.Environment, requests: deque):
+        while requests:
+            req = requests.popleft()         # the run holds a request only while it is in flight
             if req.arrival > env.now:
                 self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
                 yield env.timeout(req.arrival - env.now)
             self._client.send(req)
         self._next_arrival = math.inf
+
+    def _route(self, req: Request) -> None:
+        """Send a request to the router; one rejected at once (with the later turns of its
+        conversation) has ended: its figures go into the records."""
+        self._router.route(req)
+        if req.status is Status.REJECTED:
+            turn: Optional[Request] = req
+            while turn is not None:
+                self._ended.add(turn)
+                turn = turn.next_turn
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
         yield env.timeout(delay)
@@ -219,6 +238,7 @@ class Simulation:
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
+            self._ended.add(req)
             self._client.done()
             replica.outstanding_tokens -= req.max_len
             if req.next_turn is not None:
@@ -301,12 +321,20 @@ class Simulation:
 
     def _check_every_request_ended(self) -> None:
         """Every request that entered the run ends finished or rejected (with a reason)."""
+        missing = self._num_requests - len(self._ended)
+        if self.release:
+            if missing:
+                raise AssertionError(f"{missing} of {self._num_requests} requests never ended "
+                                     f"(or follow-up turns were never released)")
+            return
         stuck = [r for r in self.requests if r.arrival is not None and not r.is_finished]
         if stuck:
             raise AssertionError(f"{len(stuck)} requests never ended, e.g. {stuck[0]!r}")
         never_sent = [r for r in self.requests if r.arrival is None and r.status.name != "REJECTED"]
         if never_sent:
             raise AssertionError(f"{len(never_sent)} follow-up turns were never released, e.g. {never_sent[0]!r}")
+        if missing:
+            raise AssertionError(f"{missing} requests ended without being recorded")
 
 
 class _At(simpy.events.Event):
@@ -325,17 +353,20 @@ class _At(simpy.events.Event):
 
 def simulate(scenario, requests: Optional[list[Request]] = None,
              progress: Optional[Callable[[int], None]] = None,
-             fast: bool = True) -> tuple[RunRecords, MemoryPlan, CostModel]:
-    """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
+             fast: bool = True, release: bool = False) -> tuple[RunRecords, MemoryPlan, CostModel]:
+    """Predict one scenario: build its workload, size its KV pool, run the SimPy model.
+    With `release` the caller hands `requests` over (see Simulation.release); a workload built
+    here is always released."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
     check_block_pool_supports(scenario.model, scenario.engine.allocation)
     if requests is None:
-        requests = build_requests(scenario)
+        requests, release = build_requests(scenario), True
     else:
         for r in requests:
             r.reset()
-    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast)
+    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast, release=release)
+    del requests
     t0 = time.perf_counter()
     records = sim.run()
     records.meta["wall_s"] = time.perf_counter() - t0
