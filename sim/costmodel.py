@@ -330,13 +330,23 @@ class CostModel:
         step_device, layers = c.step_device_s, self.model.num_layers
         host = self._host_time(rows, rows, 0)
         exposed = self._exposed_host
+        if self.async_scheduling:
+            def price(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
+                attention = max(no_pairs, decode_ctx * kv_token_s)
+                per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
+                device = step_device + layers * per_layer + head
+                return exposed(host, device, rows, max), device
+            return price
+        # synchronous scheduling: _exposed_host with its device-independent terms done once
+        output = (c.detok_token_s + c.api_token_s) * rows
+        engine = c.graph_launch_s + host
 
-        def price(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
+        def price_sync(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
             attention = max(no_pairs, decode_ctx * kv_token_s)
             per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
             device = step_device + layers * per_layer + head
-            return exposed(host, device, rows, max), device
-        return price
+            return engine + max(output - (engine + device), 0.0), device
+        return price_sync
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""

@@ -146,6 +146,10 @@ class Simulation:
         if self.release:
             self.requests.clear()
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
+        # One replica, an open-loop client and no follow-up turns: between a leap's end and the
+        # next arrival nothing but this replica acts, so leaps run back to back in one event.
+        self._chained = (self.fast and len(self.replicas) == 1 and self._client.limit is None
+                         and self._min_think == math.inf)
         self._router = router
         env.process(self._arrivals(env, first_turns))
         env.run()
@@ -208,16 +212,8 @@ class Simulation:
                     and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
                 leap = self._plan_leap(sched, env.now, horizon)
                 if leap is not None:
-                    plan, ends, host, device, ctx, blocks = leap
-                    running, waiting = len(sched.running), sched.num_waiting
-                    used, cached, slack = apply_leap(sched, plan, len(ends))
-                    replica.busy_until = ends[-1]
-                    yield _At(env, float(ends[-1]))
-                    recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
-                                         waiting, used, cached, slack, host, device, sched.num_waiting)
-                    last_step = (env.now - last_end) / len(ends)
+                    last_step = yield from self._leaps(env, replica, leap, horizon)
                     last_end = env.now
-                    self._retire(env, replica, finish_leap(sched))
                     continue
             batch = sched.schedule()
             if batch is None:
@@ -235,6 +231,34 @@ class Simulation:
             last_step = env.now - start
             last_end = env.now
             self._retire(env, replica, sched.finish_step(batch))
+
+    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, horizon: float):
+        """Run a planned leap; where nothing else can see the moments between them (`_chained`),
+        also the leaps that follow it before `horizon`, each planned from where the last ended,
+        as one SimPy event. Returns the mean step length of the last one."""
+        sched, recorder = replica.scheduler, replica.recorder
+        start = env.now
+        while True:
+            plan, ends, host, device, ctx, blocks = leap
+            running, waiting = len(sched.running), sched.num_waiting
+            used, cached, slack = apply_leap(sched, plan, len(ends))
+            end = float(ends[-1])
+            chained = self._chained and end < horizon
+            if not chained:
+                replica.busy_until = end
+                yield _At(env, end)
+            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
+                                 waiting, used, cached, slack, host, device, sched.num_waiting)
+            self._retire(env, replica, finish_leap(sched))
+            last_step = (end - start) / len(ends)
+            if not chained:
+                return last_step
+            start = end
+            leap = self._plan_leap(sched, end, horizon)
+            if leap is None:
+                replica.busy_until = end
+                yield _At(env, end)
+                return last_step
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
