@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from itertools import islice
 
 from sim.core.request import Request
 
@@ -109,7 +110,7 @@ class DecodeCohort:
         i = req._pause_index
         if i < len(pauses) and pauses[i] < last:
             runs = list(runs)
-            for p in pauses[i:]:
+            for p in islice(pauses, i, None):
                 if p >= last:            # not a gap yet: the next emission decides
                     break
                 if p > start:
