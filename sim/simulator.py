@@ -20,7 +20,7 @@ import numpy as np
 import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
-from sim.core.kvcache import KVCacheManager
+from sim.core.kvcache import KVCacheManager, new_kv_manager
 from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RequestTable, RunRecords, StepRecorder
@@ -58,14 +58,14 @@ class Replica:
 
 def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True) -> Replica:
     e = scenario.engine
-    kv = KVCacheManager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation,
-                        scenario.max_model_len, e.contiguous_reserve)
+    kv = new_kv_manager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
+                        e.contiguous_reserve, plan.kv_groups, scenario.max_num_batched_tokens)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
 
 MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
-LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
+LEAP_SCALAR_STEPS = 32     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
 class Client:
@@ -131,6 +131,7 @@ class Simulation:
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
+        self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         # A finish on one replica can send a follow-up turn to another after its think time.
         self._ended = RequestTable()
@@ -140,6 +141,10 @@ class Simulation:
         for replica in self.replicas:
             env.process(self._engine_loop(env, replica))
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
+        # One replica, an open-loop client and no follow-up turns: between a leap's end and the
+        # next arrival nothing but this replica acts, so leaps run back to back in one event.
+        self._chained = (self.fast and len(self.replicas) == 1 and self._client.limit is None
+                         and self._min_think == math.inf)
         self._router = router
         env.process(self._arrivals(env, first_turns))
         env.run()
@@ -211,25 +216,21 @@ class Simulation:
         step_time = self.cost_model.step_time
         last_end = float("-inf")
         last_step = 0.0
+        seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
             # Leap only where one can pay for its planning: several steps before the next event
             # (judged by the last step's length; the leap itself is cut exactly either way).
-            if (self.fast and env.now == last_end
+            # A request that arrived during the last step is most likely admitted now: no leap.
+            if (self.fast and env.now == last_end and sched.num_waiting <= seen_waiting
                     and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
                 leap = self._plan_leap(sched, env.now, horizon)
                 if leap is not None:
-                    plan, ends, host, device, ctx, blocks = leap
-                    running, waiting = len(sched.running), sched.num_waiting
-                    used, cached, slack = apply_leap(sched, plan, len(ends))
-                    replica.busy_until = ends[-1]
-                    yield _At(env, float(ends[-1]))
-                    recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
-                                         waiting, used, cached, slack, host, device, sched.num_waiting)
-                    last_step = (env.now - last_end) / len(ends)
+                    seen_waiting = sched.num_waiting
+                    last_step = yield from self._leaps(env, replica, leap, horizon)
                     last_end = env.now
-                    self._retire(env, replica, finish_leap(sched))
                     continue
             batch = sched.schedule()
+            seen_waiting = sched.num_waiting
             if batch is None:
                 replica.wakeup = env.event()
                 replica.busy_until = math.inf
@@ -245,6 +246,34 @@ class Simulation:
             last_step = env.now - start
             last_end = env.now
             self._retire(env, replica, sched.finish_step(batch))
+
+    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, horizon: float):
+        """Run a planned leap; where nothing else can see the moments between them (`_chained`),
+        also the leaps that follow it before `horizon`, each planned from where the last ended,
+        as one SimPy event. Returns the mean step length of the last one."""
+        sched, recorder = replica.scheduler, replica.recorder
+        start = env.now
+        while True:
+            plan, ends, host, device, ctx, blocks = leap
+            running, waiting = len(sched.running), sched.num_waiting
+            used, cached, slack = apply_leap(sched, plan, len(ends))
+            end = float(ends[-1])
+            chained = self._chained and end < horizon
+            if not chained:
+                replica.busy_until = end
+                yield _At(env, end)
+            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
+                                 waiting, used, cached, slack, host, device, sched.num_waiting)
+            self._retire(env, replica, finish_leap(sched))
+            last_step = (end - start) / len(ends)
+            if not chained:
+                return last_step
+            start = end
+            leap = self._plan_leap(sched, end, horizon)
+            if leap is None:
+                replica.busy_until = end
+                yield _At(env, end)
+                return last_step
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
@@ -270,13 +299,11 @@ class Simulation:
             return None
         first = plan.reach(LEAP_SCALAR_STEPS)
         ctx, blocks = plan.shapes(first)
-        step_time = self.cost_model.step_time
-        shape = StepShape(plan.rows, 0, 0)
+        price = self._decode_pricer(plan.rows, ctx[0], blocks[0])
         ends, hosts, devices = [], [], []
         t = now
         for k in range(first):
-            shape.decode_ctx, shape.blocks_read = ctx[k], blocks[k]
-            h, d = step_time(shape, False)
+            h, d = price(ctx[k], blocks[k])
             t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
             if t == horizon:                # a tie: which goes first is SimPy's queue order
                 break
@@ -292,6 +319,19 @@ class Simulation:
             return None
         k = len(ends)
         return plan, ends, hosts, devices, ctx[:k], blocks[:k]
+
+    def _decode_pricer(self, rows: int, ctx: int, blocks: int):
+        """The cost model's decode-only pricer for `rows` (made once per batch size and checked
+        then against step_time: if they ever differ, step_time prices every such step)."""
+        pricer = self._pricers.get(rows)
+        if pricer is None:
+            step_time = self.cost_model.step_time
+            pricer = self.cost_model.decode_pricer(rows)
+            if pricer is None or pricer(ctx, blocks) != step_time(StepShape(rows, ctx, blocks), False):
+                def pricer(c, b, rows=rows):
+                    return step_time(StepShape(rows, c, b), False)
+            self._pricers[rows] = pricer
+        return pricer
 
     def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
         """A long leap priced with numpy (the same float operations, element by element), in
@@ -363,7 +403,7 @@ def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = 
     here is streamed when synthetic (sim.workload.stream_requests), else built and released."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
-    check_block_pool_supports(scenario.model, plan, scenario.max_model_len)
+    check_block_pool_supports(scenario.model, scenario.engine.allocation)
     if requests is None:
         requests, release = stream_requests(scenario) or build_requests(scenario), True
     elif isinstance(requests, list):

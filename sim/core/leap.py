@@ -13,7 +13,8 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
   - the waiting head would not be admitted at step t. Free blocks only shrink during the
     stretch and a cached prefix only loses blocks, so a head that cannot start at step t
     cannot start later in it either (the requirement never drops, the supply never grows);
-  - no member emits its last token before step t+K-1 (a finish may end the leap).
+  - no member emits its last token before step t+K-1 (a finish may end the leap);
+  - with async scheduling, no finished request is waiting to be released (sim/core/scheduler.py).
 Arrivals are the driver's business: it must end the leap before the next request reaches
 any router (sim/simulator.py cuts it at the first step ending at or after that time).
 
@@ -123,7 +124,9 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     members = len(cohort)
     t = sched.step
     clock = t - cohort.offset
-    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != clock - 1
+    # (async scheduling: not while the last step's finishers still hold blocks and seats; the
+    # one-step path releases them after its next pass)
+    if (not sched.lazy or not members or sched.active or sched.pending_release or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
     max_steps = int(min(max_steps, cohort.next_finish() - t + 1))

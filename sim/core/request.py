@@ -72,7 +72,7 @@ class Request:
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica",
         # scheduling state
-        "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "block_hashes",
+        "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
@@ -106,6 +106,9 @@ class Request:
         self._cohort = None
         self.cohort_gen = 0
         self.blocks: list[int] = []
+        # Hybrid / sliding-window models: one block table per KV cache group (group_tables[0] is
+        # `blocks`), kept by sim/core/kvcache.py's GroupedKVCacheManager; None otherwise.
+        self.group_tables: Optional[list[list[int]]] = None
         self.block_hashes: list[int] = []
         self.num_registered = 0
         self.num_cached_tokens = 0
