@@ -133,8 +133,7 @@ class Simulation:
         self._next_arrival = math.inf
         self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
-        # A finish on one replica can send a follow-up turn to another after its think time.
-        self._ended = RequestTable()
+        self._ended = RequestTable()                 # each request's figures, taken as it ends
         first_turns = self._first_turns()
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
