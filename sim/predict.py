@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
 
@@ -22,7 +22,7 @@ from sim.metrics import summarise
 from sim.records import RunRecords, requests_frame
 from sim.core.request import Request
 from sim.simulator import simulate
-from sim.workload import build_workload
+from sim.workload import build_workload, stream_requests, warmup_notes
 
 
 @dataclass
@@ -43,10 +43,7 @@ def predict(scenario, name: Optional[str] = None,
             progress: Optional[Callable[[int], None]] = None, manifest: bool = True) -> RunResult:
     """Simulate and summarise; nothing is written. Without `manifest` (a sweep point whose files
     are not written) the manifest is left empty: hashing the workload costs a few % of a point."""
-    workload = build_workload(scenario)
-    described = workload_manifest(workload.requests, workload.notes) if manifest else None
-    # the run takes the requests over and lets each go once its figures are recorded
-    records, plan, cost_model = simulate(scenario, workload.requests, progress=progress, release=True)
+    records, plan, cost_model, described = _simulate(scenario, progress, manifest)
     req_df = requests_frame(records)
     steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)
@@ -59,6 +56,23 @@ def predict(scenario, name: Optional[str] = None,
         info["simulation_wall_s"] = records.meta.get("wall_s")
     return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary,
                      req_df, steps_df, info)
+
+
+def _simulate(scenario, progress, manifest: bool):
+    """Run the scenario's workload, made as the run reaches it when synthetic (else built whole):
+    the run lets each request go once its figures are recorded. With `manifest`, the workload's
+    manifest entry too."""
+    stream = stream_requests(scenario)
+    if stream is None:
+        workload = build_workload(scenario)
+        described = workload_manifest(workload.requests, workload.notes) if manifest else None
+        return (*simulate(scenario, workload.requests, progress=progress, release=True), described)
+    notes = warmup_notes(scenario.workload.warmup_requests, stream.count)
+    watcher = WorkloadDescription() if manifest else None
+    if watcher is not None:
+        stream.requests = watcher.watch(stream.requests)
+    records, plan, cost_model = simulate(scenario, stream, progress=progress)
+    return records, plan, cost_model, watcher.manifest(notes) if watcher is not None else None
 
 
 def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:
@@ -101,21 +115,48 @@ def git_commit() -> Optional[str]:
         return None
 
 
+class WorkloadDescription:
+    """The manifest's workload entry, taken request by request: over a list, or over a stream
+    as the run reads it (each request is seen as made, before the run changes it)."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self.prompt_lens: list[int] = []
+        self.output_lens: list[int] = []
+
+    def add(self, r: Request) -> None:
+        segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in r.segments[:-1]]
+        self.hash.update(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)).encode())
+        self.prompt_lens.append(r.prompt_len)
+        self.output_lens.append(r.output_len)
+
+    def watch(self, requests: Iterator[Request]) -> Iterator[Request]:
+        for r in requests:
+            self.add(r)
+            yield r
+
+    def manifest(self, notes: list[str]) -> dict:
+        return {"requests": len(self.prompt_lens), "digest": self.hash.hexdigest()[:16],
+                "lengths": _length_stats(self.prompt_lens, self.output_lens), "notes": notes}
+
+
 def workload_digest(requests: list[Request]) -> str:
     """A fingerprint of the workload: arrivals, lengths and prompt segments of every request."""
-    h = hashlib.sha256()
+    described = WorkloadDescription()
     for r in requests:
-        segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in r.segments[:-1]]
-        h.update(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)).encode())
-    return h.hexdigest()[:16]
+        described.add(r)
+    return described.hash.hexdigest()[:16]
 
 
 def length_stats(requests: list[Request]) -> dict:
+    return _length_stats([r.prompt_len for r in requests], [r.output_len for r in requests])
+
+
+def _length_stats(prompt_lens: list[int], output_lens: list[int]) -> dict:
     import numpy as np
 
     out = {}
-    for key, values in (("prompt_tokens", [r.prompt_len for r in requests]),
-                        ("output_tokens", [r.output_len for r in requests])):
+    for key, values in (("prompt_tokens", prompt_lens), ("output_tokens", output_lens)):
         a = np.asarray(values, dtype=float)
         out[key] = ({"mean": float(a.mean()), "p50": float(np.median(a)), "p90": float(np.percentile(a, 90)),
                      "p99": float(np.percentile(a, 99)), "min": int(a.min()), "max": int(a.max())}
@@ -125,8 +166,10 @@ def length_stats(requests: list[Request]) -> dict:
 
 def workload_manifest(requests: list[Request], notes: list[str]) -> dict:
     """The manifest's workload entry (taken before a run that releases the requests)."""
-    return {"requests": len(requests), "digest": workload_digest(requests), "lengths": length_stats(requests),
-            "notes": notes}
+    described = WorkloadDescription()
+    for r in requests:
+        described.add(r)
+    return described.manifest(notes)
 
 
 def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, workload: dict) -> dict:

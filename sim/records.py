@@ -29,10 +29,6 @@ from sim.core.request import Request, Status
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
                 "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
-_INT_COLUMNS = ("step", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens", "batch_tokens",
-                "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read", "kv_blocks_used",
-                "kv_blocks_cached", "slack_tokens", "preemptions")
-
 # What may change from one step of a leap to the next: kept per step.
 PER_STEP = ("end_s", "host_s", "device_s", "decode_ctx", "blocks_read", "kv_blocks_used", "kv_blocks_cached",
             "slack_tokens")
@@ -47,11 +43,6 @@ AGGREGATED_COLUMNS = ("step", "steps", "start_s", "end_s", "running", "waiting",
                       "blocks_read", "kv_blocks_used", "kv_blocks_used_last", "kv_blocks_cached",
                       "kv_blocks_cached_last", "slack_tokens", "preemptions", "host_s", "device_s")
 _FLOAT = ("start_s", "end_s", "host_s", "device_s")
-# A single step's tuple, in this order (what `record` appends)
-_SINGLE = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens",
-           "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read", "kv_blocks_used",
-           "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
-_SINGLE_INDEX = {name: i for i, name in enumerate(_SINGLE)}
 _INT32 = np.iinfo(np.int32)
 
 
@@ -425,10 +416,6 @@ class RunRecords:
         out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int64) for r in recs])
                           if recs else np.zeros(0, dtype=np.int64))
         return out
-
-    @property
-    def num_steps(self) -> int:
-        return sum(len(r) for r in self.recorders)
 
 
 def _step_times(rec: StepRecorder) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

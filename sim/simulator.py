@@ -14,7 +14,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import simpy
@@ -27,7 +27,7 @@ from sim.records import RequestTable, RunRecords, StepRecorder
 from sim.core.request import Request, Status
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
-from sim.workload import build_requests, gc_paused
+from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Client:
 @dataclass
 class Simulation:
     scenario: object
-    requests: list[Request]
+    requests: Union[list[Request], StreamedWorkload]     # a stream is read as the run reaches it
     plan: MemoryPlan
     cost_model: CostModel
     replicas: list[Replica] = field(default_factory=list)
@@ -133,18 +133,12 @@ class Simulation:
         self._next_arrival = math.inf
         self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
-        # A finish on one replica can send a follow-up turn to another after its think time.
-        turns = [r.think_time for r in self.requests if r.next_turn is not None]
-        self._min_think = min(turns) if turns else math.inf
-        self._ended = RequestTable()
+        self._ended = RequestTable()                 # each request's figures, taken as it ends
+        first_turns = self._first_turns()
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
             env.process(self._engine_loop(env, replica))
-        first_turns = deque(r for r in self.requests if r.arrival is not None)
-        self._num_requests = len(self.requests)
-        if self.release:
-            self.requests.clear()
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
         # One replica, an open-loop client and no follow-up turns: between a leap's end and the
         # next arrival nothing but this replica acts, so leaps run back to back in one event.
@@ -161,9 +155,25 @@ class Simulation:
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
 
-    def _arrivals(self, env: simpy.Environment, requests: deque):
-        while requests:
-            req = requests.popleft()         # the run holds a request only while it is in flight
+    def _first_turns(self) -> Iterator[Request]:
+        """The requests that arrive on their own, in order (follow-up turns hang off their previous
+        turn); sets the count and the shortest think time. A stream, or a released list, is read
+        so that the run holds a request only while it is in flight."""
+        if isinstance(self.requests, StreamedWorkload):
+            stream, self.requests, self.release = self.requests, [], True
+            self._num_requests, self._min_think = stream.count, stream.min_think
+            return (r for r in stream.requests if r.arrival is not None)
+        # A finish on one replica can send a follow-up turn to another after its think time.
+        turns = [r.think_time for r in self.requests if r.next_turn is not None]
+        self._min_think = min(turns) if turns else math.inf
+        self._num_requests = len(self.requests)
+        queue = deque(r for r in self.requests if r.arrival is not None)
+        if self.release:
+            self.requests.clear()
+        return _drain(queue)
+
+    def _arrivals(self, env: simpy.Environment, requests: Iterator[Request]):
+        for req in requests:
             if req.arrival > env.now:
                 self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
                 yield env.timeout(req.arrival - env.now)
@@ -365,6 +375,11 @@ class Simulation:
             raise AssertionError(f"{missing} requests ended without being recorded")
 
 
+def _drain(queue: deque) -> Iterator[Request]:
+    while queue:
+        yield queue.popleft()
+
+
 class _At(simpy.events.Event):
     """An event at an absolute time. A leap must end exactly where its last step would have
     (now + d1 + d2 + ..., added step by step); SimPy's timeout computes now + delay, and no
@@ -379,18 +394,18 @@ class _At(simpy.events.Event):
         heapq.heappush(env._queue, (when, simpy.events.NORMAL, next(env._eid), self))
 
 
-def simulate(scenario, requests: Optional[list[Request]] = None,
+def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = None,
              progress: Optional[Callable[[int], None]] = None,
              fast: bool = True, release: bool = False) -> tuple[RunRecords, MemoryPlan, CostModel]:
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model.
-    With `release` the caller hands `requests` over (see Simulation.release); a workload built
-    here is always released."""
+    With `release` the caller hands `requests` over (see Simulation.release); a workload made
+    here is streamed when synthetic (sim.workload.stream_requests), else built and released."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
     check_block_pool_supports(scenario.model, scenario.engine.allocation)
     if requests is None:
-        requests, release = build_requests(scenario), True
-    else:
+        requests, release = stream_requests(scenario) or build_requests(scenario), True
+    elif isinstance(requests, list):
         for r in requests:
             r.reset()
     sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast, release=release)

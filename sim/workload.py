@@ -65,6 +65,33 @@ class BuiltWorkload:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass
+class StreamedWorkload:
+    """A synthetic workload made one request at a time, as a run reaches it (issue 13: a million
+    requests never all live at once). The same requests, in the same order, as `build_requests`."""
+    requests: Iterator[Request]
+    count: int
+    min_think: float        # the shortest think time before a follow-up turn (inf: none)
+
+
+def stream_requests(scenario: Scenario) -> Optional[StreamedWorkload]:
+    """The workload as a stream when it is synthetic; None for traces, data sets and explicit
+    requests (build those whole)."""
+    w = scenario.workload
+    if w.trace is not None or w.requests is not None or w.dataset is not None:
+        return None
+    stream = _synthetic_stream(w, scenario.seed)
+    if w.warmup_requests:
+        stream.requests = _marked_warmup(stream.requests, w.warmup_requests)
+    return stream
+
+
+def _marked_warmup(requests: Iterator[Request], count: int) -> Iterator[Request]:
+    for i, req in enumerate(requests):
+        req.is_warmup = i < count
+        yield req
+
+
 def build_requests(scenario: Scenario) -> list[Request]:
     """Every request of the workload, ids 0..N-1 in list order (see the module docstring)."""
     return build_workload(scenario).requests
@@ -114,14 +141,23 @@ def _stream(seed: int, purpose: str) -> np.random.Generator:
 def _mark_warmup(built: BuiltWorkload, count: int) -> None:
     for req in built.requests[:count]:
         req.is_warmup = True
-    if count and count >= len(built.requests):
-        built.notes.append(f"workload.warmup_requests ({count}) covers all {len(built.requests)} "
-                           f"requests: no steady-state request is left")
+    built.notes += warmup_notes(count, len(built.requests))
+
+
+def warmup_notes(count: int, total: int) -> list[str]:
+    if count and count >= total:
+        return [f"workload.warmup_requests ({count}) covers all {total} requests: no steady-state request is left"]
+    return []
 
 
 # ----------------------------------------------------------------------------- synthetic
 
 def _synthetic_requests(w: Workload, seed: int) -> list[Request]:
+    return list(_synthetic_stream(w, seed).requests)
+
+
+def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
+    """Every random draw made now (arrays); the Request objects made as the stream is read."""
     starts, turns = _conversations(w, seed)
     n_conv = len(turns)
     conv = np.repeat(np.arange(n_conv), turns)
@@ -134,25 +170,31 @@ def _synthetic_requests(w: Workload, seed: int) -> list[Request]:
     priority_of = _priorities(w, seed, n_conv)
     think = _think_times(w, seed, len(conv))
 
-    starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
-    requests: list[Request] = []
-    for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
-                                                         own.tolist(), output.tolist())):
-        user = (stable_key("user", seed, i), own_len)
-        if first:
-            prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
-        else:
-            prompt = requests[-1].segments + [user]
-        tenant: Optional[Tenant] = tenants[tenant_l[c]] if tenants else None
-        req = make_request(i, starts_l[c] if first else None, prompt, out_len, seed=seed,
-                           tenant=tenant.name if tenant else None, salted=bool(tenant and tenant.salt),
-                           priority=priority_of[c])
-        if not first:
-            requests[-1].next_turn, requests[-1].think_time = req, think[i - 1]
-        if w.multi_turn is not None:
-            req.conversation = c
-        requests.append(req)
-    return requests
+    follow_ups = np.flatnonzero(~opening)
+    min_think = min(think[i - 1] for i in follow_ups.tolist()) if len(follow_ups) else math.inf
+
+    def requests() -> Iterator[Request]:
+        starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
+        prev: Optional[Request] = None
+        for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
+                                                             own.tolist(), output.tolist())):
+            user = (stable_key("user", seed, i), own_len)
+            if first:
+                prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
+            else:
+                prompt = prev.segments + [user]
+            tenant: Optional[Tenant] = tenants[tenant_l[c]] if tenants else None
+            req = make_request(i, starts_l[c] if first else None, prompt, out_len, seed=seed,
+                               tenant=tenant.name if tenant else None, salted=bool(tenant and tenant.salt),
+                               priority=priority_of[c])
+            if not first:
+                prev.next_turn, prev.think_time = req, think[i - 1]
+            if w.multi_turn is not None:
+                req.conversation = c
+            prev = req
+            yield req
+
+    return StreamedWorkload(requests(), len(conv), min_think)
 
 
 def _conversations(w: Workload, seed: int) -> tuple[np.ndarray, np.ndarray]:

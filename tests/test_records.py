@@ -82,3 +82,17 @@ def test_steps_csv_is_aggregated_unless_full_is_asked(tmp_path):
     assert len(full) == result.summary["num_steps"] == rows["steps"].sum() > len(rows)
     with pytest.raises(ValueError, match="steps='every'"):
         write_data_files(result, tmp_path / "bad", steps="every")
+
+
+@pytest.mark.parametrize("extra", [
+    ("workload.warmup_requests=10", "workload.multi_turn={turns: 3, user_len: 30, think_time_s: 0.3}"),
+    ("workload.tenants=[{name: a, share: 0.5, salt: true}, {name: b, share: 0.5}]", "cluster.replicas=2"),
+], ids=["multi-turn+warm-up", "tenants+replicas"])
+def test_a_streamed_workload_predicts_what_the_built_list_does(extra):
+    scenario = busy_scenario(150, *extra)
+    streamed, _, _ = simulate(scenario)                       # requests made as the run reaches them
+    built, _, _ = simulate(scenario, build_requests(scenario))
+    a, b = requests_frame(streamed), requests_frame(built)
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert json.dumps(summarise(streamed, scenario.slo), sort_keys=True) == \
+        json.dumps(summarise(built, scenario.slo), sort_keys=True)
