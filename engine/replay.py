@@ -40,7 +40,27 @@ class SmokeCheckError(RuntimeError):
     """The engine failed its smoke request; no measurement is worth taking."""
 
 
+class EngineUnsupportedError(ValueError):
+    """The scenario asks for something the engine cannot replay faithfully."""
+
+
+def check_engine_supports(scenario) -> None:
+    """Refuse a sliding-window / hybrid model: the runner keeps one KV tensor of every layer and
+    one block table per sequence, while the shared policy (GroupedKVCacheManager) keeps one table
+    per KV cache group and nulls the blocks behind a window. The kernels mask windows, but the
+    runner would need per-group tables and a group-sized pool to replay that schedule."""
+    model = scenario.model
+    if model.num_sliding_layers:
+        raise EngineUnsupportedError(
+            f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
+            f"(sliding_window={model.sliding_window}): the engine's runner keeps one block table for "
+            "every layer, so it cannot replay vLLM's hybrid KV cache manager (one table per KV cache "
+            "group, blocks behind the window freed) that `simrun run` simulates. Simulate it with "
+            "`simrun run`, or replay the full-attention variant with model.sliding_window: null.")
+
+
 def new_scheduler(scenario, num_blocks: int) -> Scheduler:
+    check_engine_supports(scenario)
     e = scenario.engine
     kv = KVCacheManager(num_blocks, e.block_size, e.prefix_caching, e.allocation,
                         scenario.max_model_len, e.contiguous_reserve)
@@ -51,6 +71,7 @@ def replay(scenario, runner: Optional[ModelRunner] = None, device: Optional[str]
            online: bool = True, cold: bool = False, name: Optional[str] = None,
            progress: Optional[Callable[[int], None]] = None) -> RunResult:
     """Measure a scenario on the engine. Returns the same kind of result as sim.predict.predict."""
+    check_engine_supports(scenario)
     startup: dict[str, float] = {}
     t0 = time.perf_counter()
     if runner is None:

@@ -55,11 +55,18 @@ def step_view(batch, sched):
 
 
 REQUEST_FIELDS = ("status", "num_output", "num_computed", "blocks", "first_token_step", "finish_step",
-                  "emit_runs", "chunk_steps", "num_preemptions", "num_cached_tokens", "admit_step")
+                  "chunk_steps", "num_preemptions", "num_cached_tokens", "admit_step")
 
 
 def request_view(reqs):
-    return [tuple(getattr(r, f) for f in REQUEST_FIELDS) for r in reqs]
+    return [tuple(getattr(r, f) for f in REQUEST_FIELDS) + emission_view(r) for r in reqs]
+
+
+def emission_view(req):
+    """(closed runs, open run's start, latest emission); a cohort member's runs are built lazily."""
+    if req._cohort is not None:
+        return req._cohort.emission(req)
+    return req.emit_runs, req.emit_start, req.last_emit
 
 
 def run_pair(case, max_steps=5000):

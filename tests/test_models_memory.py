@@ -8,8 +8,7 @@ import yaml
 
 from sim.core.catalog import ModelSpec, get_device, get_model
 from sim.core.hf_config import model_fields_from_hf_config
-from sim.core.memory import (BlockPoolUnsupportedError, check_block_pool_supports, kv_cache_groups,
-                             plan_memory, sliding_window_blocks_kept, sliding_window_hit_blocks,
+from sim.core.memory import (kv_cache_groups, plan_memory, sliding_window_blocks_kept, sliding_window_hit_blocks,
                              weight_bytes_per_gpu)
 from sim.costmodel import CostModel, expected_experts_touched
 from sim.scenario import ScenarioError, validate_scenario
@@ -134,7 +133,7 @@ def test_awq_weights_leave_the_l4_a_pool_three_times_larger():
 
 def test_hybrid_groups_follow_vllms_layer_split():
     gemma3 = ModelSpec(**gemma(62, 5376, 32, 16, 128, 21504, 1024, 6))
-    assert kv_cache_groups(gemma3) == type(kv_cache_groups(gemma3))(10, 1, 6, 1024)   # 52 local = 6 groups of 10
+    assert kv_cache_groups(gemma3) == type(kv_cache_groups(gemma3))(10, 1, 6, 1024, sliding_first=True)   # 52 local = 6 groups of 10
     oss = ModelSpec(**oss20b())
     g = kv_cache_groups(oss)
     assert (g.group_size, g.full_groups, g.sliding_groups) == (12, 1, 1)
@@ -156,15 +155,6 @@ def test_sliding_window_prefix_hit_needs_a_window_of_cached_blocks():
     assert sliding_window_hit_blocks([True] * 6, 4, 9) == 6
     assert sliding_window_hit_blocks([False, False, True, True, False, True], 4, 9) == 4
     assert sliding_window_hit_blocks([True, False, False, False], 4, 9) == 1    # a run from block 0
-
-
-def test_block_pool_refuses_sliding_window_models_rather_than_full_attention():
-    with pytest.raises(BlockPoolUnsupportedError, match="sliding_window"):
-        check_block_pool_supports(get_model("mistral-7b-v0.1"))
-    check_block_pool_supports(get_model("mixtral-8x7b"))
-    scenario = validate_scenario({"model": "mistral-7b-v0.1", "device": "h100-sxm", "engine": {"max_model_len": 8192}})
-    with pytest.raises(BlockPoolUnsupportedError, match=r"maximum concurrency [\d.]+ at 8192"):
-        check_block_pool_supports(scenario.model, plan_memory(scenario), 8192)
 
 
 def test_experts_touched_grow_with_the_batch():

@@ -18,6 +18,13 @@ step (budget and free blocks suffice): then the order in which vLLM would visit 
 cannot matter and the outcome equals the one-by-one loop exactly. Otherwise it dissolves
 the cohort (materialising each member) and takes the one-by-one path (`lazy_decode=False`
 forces that path; tests compare the two).
+
+Pauses (`prefill_first`): a prefill step schedules no decode, so the members skip it. Rather
+than dissolving, the cohort keeps its own clock, which counts the steps it advanced: `clock =
+step - offset`, `offset` the number of steps it sat out. Members' offsets (`_computed`,
+`_output`), phases and finish times all run on that clock, so a pause is O(1): the offset grows
+and the step is remembered in `pauses`. A member's emission runs (split by every pause it sat
+through) are built from that list when it leaves (`emission`), not at each pause.
 """
 from __future__ import annotations
 
@@ -37,8 +44,12 @@ class DecodeCohort:
         self.paged = paged
         self.caching = caching
         self.members: dict[Request, None] = {}      # insertion-ordered set
-        self.scheduled_step = -1      # latest step whose tokens are scheduled
-        self.finished_step = -1       # latest step whose tokens were emitted
+        self.offset = 0               # steps the cohort sat out (pauses): clock = step - offset
+        self.scheduled_step = -1      # clock of the latest step whose tokens are scheduled
+        self.finished_step = -1       # clock of the latest step whose tokens were emitted
+        self.last_emit_step = -2      # the (global) step at which the members last emitted
+        self.pauses: list[int] = []   # steps sat out while the cohort had members, ascending
+        self._paused = -1             # the latest step sat out
         self.ctx_offset_sum = 0       # sum of members' _computed (context - scheduled_step)
         self.blocks_walked = 0        # sum of members' cdiv(context, block_size) at scheduled_step
         # A member's context at step t is _computed + t, so its block boundaries fall on the steps
@@ -59,12 +70,13 @@ class DecodeCohort:
         req._computed = computed - self.scheduled_step
         req._output = output - self.finished_step
         req._cohort = self
+        req._pause_index = len(self.pauses)
         req.cohort_gen += 1
         self.members[req] = None
         self._by_phase[req._computed % bs][req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
-        finish = step + req.output_len - output
+        finish = self.finished_step + req.output_len - output        # on the cohort's clock
         if finish not in self._finish:
             heapq.heappush(self._finish_steps, finish)
         self._finish[finish].append((req, req.cohort_gen))
@@ -78,11 +90,54 @@ class DecodeCohort:
         self.ctx_offset_sum -= req._computed
         self.blocks_walked -= -(-computed // self.block_size)
         del self._by_phase[req._computed % self.block_size][req]
+        req.emit_runs, req.emit_start, req._last_emit = self.emission(req)
         req._computed, req._output = computed, output
-        req._last_emit = self.finished_step
         req._cohort = None
         req.cohort_gen += 1
         del self.members[req]
+
+    def last_emit(self, req: Request) -> int:
+        """The step of a member's latest token (it joined after emitting one)."""
+        return max(req._last_emit, self.last_emit_step)
+
+    def emission(self, req: Request) -> tuple[list[int], int, int]:
+        """A member's (closed emission runs, open run's start, latest emission): it emitted at every
+        step from its open run's start on, except at the pauses it sat through (no state changes)."""
+        last = self.last_emit(req)
+        runs, start = req.emit_runs, req.emit_start
+        pauses = self.pauses
+        i = req._pause_index
+        if i < len(pauses) and pauses[i] < last:
+            runs = list(runs)
+            for p in pauses[i:]:
+                if p >= last:            # not a gap yet: the next emission decides
+                    break
+                if p > start:
+                    runs += (start, p - 1)
+                start = p + 1
+        return runs, start, last
+
+    # -- the clock ---------------------------------------------------------------------------
+    def clock(self, step: int) -> int:
+        return step - self.offset
+
+    def pause(self, step: int) -> None:
+        """Sit out `step` (a prefill_first prefill step): nobody advances, nobody emits."""
+        self.offset += 1
+        self.scheduled_step = step - self.offset
+        self._paused = step
+        if self.members:
+            self.pauses.append(step)
+
+    def sync(self, step: int) -> None:
+        """`step` is scheduled (with or without members)."""
+        self.scheduled_step = step - self.offset
+
+    def finish(self, step: int) -> None:
+        """`step` ran: the members emitted, unless the cohort sat it out."""
+        if step != self._paused:
+            self.last_emit_step = step
+        self.finished_step = step - self.offset
 
     def dissolve(self) -> list[Request]:
         members = list(self.members)
@@ -93,7 +148,7 @@ class DecodeCohort:
     # -- one step --------------------------------------------------------------------------
     def _crossing(self, step: int) -> dict[Request, None]:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
-        return self._by_phase[(1 - step) % self.block_size]
+        return self._by_phase[(1 - step + self.offset) % self.block_size]
 
     def first_crossing_seq(self, step: int) -> float:
         """The earliest running position among members that need a block at `step`."""
@@ -106,33 +161,37 @@ class DecodeCohort:
 
     def advance(self, step: int, kv) -> None:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
-        self.scheduled_step = step
+        clock = step - self.offset
+        self.scheduled_step = clock
         bs = self.block_size
-        crossing = self._crossing(step)
+        crossing = self._by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            take_block = kv.pool.take_one
             # In the running list's order, as the one-by-one loop hands out blocks.
             if len(crossing) > 1:
                 crossing = sorted(crossing, key=_run_seq)
-            for req in crossing:
-                req.blocks.append(take_block())
+                for req, block in zip(crossing, kv.pool.get_new_blocks(len(crossing))):
+                    req.blocks.append(block)
+            else:
+                for req in crossing:
+                    req.blocks.append(kv.pool.take_one())
             kv.held_slots += bs * len(crossing)
         if self.caching:
-            for req in self._by_phase[-step % bs]:               # their token completes a block
-                kv.register_block(req, (req._computed + step) // bs - 1)
+            for req in self._by_phase[-clock % bs]:               # their token completes a block
+                kv.register_block(req, (req._computed + clock) // bs - 1)
 
     def next_finish(self) -> float:
-        """The earliest step at which a member may emit its last token (inf if none)."""
+        """The earliest step at which a member may emit its last token, if no pause comes first
+        (inf if none)."""
         heap = self._finish_steps
         while heap and heap[0] not in self._finish:
             heapq.heappop(heap)
-        return heap[0] if heap else float("inf")
+        return heap[0] + self.offset if heap else float("inf")
 
-    def phase_sizes(self) -> list[int]:
-        """Members per phase: at step s, phase (1 - s) % block_size crosses into a new block."""
-        return [len(group) for group in self._by_phase]
+    def phase_groups(self) -> list[dict[Request, None]]:
+        """Members by phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
+        return self._by_phase
 
     def finishing(self, step: int) -> list[Request]:
-        """Members whose last token was emitted at `step` (call after setting finished_step)."""
-        return [req for req, gen in self._finish.pop(step, ()) if req.cohort_gen == gen]
+        """Members whose last token was emitted at `step` (call after `finish(step)`)."""
+        return [req for req, gen in self._finish.pop(step - self.offset, ()) if req.cohort_gen == gen]

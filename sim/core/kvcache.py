@@ -17,10 +17,10 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Optional
+from collections import OrderedDict, deque
+from typing import Optional, Union
 
-from sim.core.memory import cdiv
+from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
 from sim.core.request import Request
 
 NULL_BLOCK = 0
@@ -38,7 +38,11 @@ class BlockPool:
         self.ref_cnt[NULL_BLOCK] = 1
         self.block_hash: list[Optional[int]] = [None] * num_blocks
         # OrderedDict as an O(1) doubly linked list: pop the head, remove from the middle, append.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        # Without a prefix cache nothing is revived from the middle and no block is shared, so a
+        # deque keeps the same LRU order at C speed (`_plain` below).
+        self.free_queue: Union[OrderedDict[int, None], deque[int]] = (
+            OrderedDict.fromkeys(range(1, num_blocks)) if enable_caching else deque(range(1, num_blocks)))
+        self._plain = not enable_caching
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
         # de-duplicates a block that fills with content already cached (block tables are
         # append-only), so a hash can have several blocks: the later ones wait in `duplicates`,
@@ -63,12 +67,27 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        take = self.take_one
-        return [take() for _ in range(n)]
+        if self._plain:
+            pop = self.free_queue.popleft
+            blocks = [pop() for _ in range(n)]
+        elif self.num_cached_free:
+            take = self.take_one
+            return [take() for _ in range(n)]
+        else:       # no free block holds a hash, so none needs evicting
+            pop = self.free_queue.popitem
+            blocks = [pop(False)[0] for _ in range(n)]
+        ref = self.ref_cnt
+        for block in blocks:
+            ref[block] = 1
+        return blocks
 
 
     def take_one(self) -> int:
         """Pop the least recently freed block, evicting its cached hash if it still has one."""
+        if self._plain:
+            block = self.free_queue.popleft()
+            self.ref_cnt[block] = 1
+            return block
         block = self.free_queue.popitem(last=False)[0]
         h = self.block_hash[block]
         if h is not None:                    # lazy eviction (a block holds a hash only while the map holds it)
@@ -81,6 +100,8 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
+        if blocks and self._plain:
+            raise AssertionError("cache hits in a pool without prefix caching")
         for block in blocks:
             if self.ref_cnt[block] == 0:
                 del self.free_queue[block]
@@ -90,6 +111,11 @@ class BlockPool:
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
         ref, queue, hashes = self.ref_cnt, self.free_queue, self.block_hash
+        if self._plain:                      # never shared: every count drops from 1 to 0
+            for block in blocks:
+                ref[block] = 0
+            queue.extend(blocks)
+            return
         revivable = 0
         for block in blocks:
             ref[block] -= 1
@@ -168,7 +194,8 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Decides how many blocks a request holds and which cached blocks it reuses.
+    """Decides how many blocks a request holds and which cached blocks it reuses (one KV cache
+    group of full-attention layers; `GroupedKVCacheManager` for sliding-window and hybrid models).
 
     `allocation="paged"` grows a request block by block as tokens are scheduled.
     `allocation="contiguous"` reserves `reserve_len(request)` tokens' worth of blocks at
@@ -189,6 +216,8 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.contiguous_reserve = contiguous_reserve
         self.stats = PrefixCacheStats()
+        self.grouped = False          # one block table per request (GroupedKVCacheManager: one per group)
+        self.sliding = False          # some group frees the blocks behind a sliding window
         # Slots in blocks held, counted once per owner (a shared block counts for each holder,
         # as do its tokens), so held_slots - tokens computed = unfilled slots (slack).
         self.held_slots = 0
@@ -278,6 +307,9 @@ class KVCacheManager:
         hit_in_free = sum(1 for b in hit_blocks if ref[b] == 0)
         return need, gate + hit_in_free + reserve_free
 
+    def remove_skipped_blocks(self, req: Request) -> None:
+        """Free blocks no layer will read again (sliding windows only; see GroupedKVCacheManager)."""
+
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
         full = num_tokens // self.block_size
@@ -317,3 +349,214 @@ class KVCacheManager:
     def usage(self) -> float:
         """vLLM's kv_cache_usage: referenced blocks / usable blocks (cached-free count as free)."""
         return self.pool.num_used / self.pool.usable_blocks
+
+
+def group_key(block_hash: int, group: int) -> int:
+    """The prefix-cache key of a block hash in KV cache group `group` (vLLM keys its map by
+    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys as before."""
+    return block_hash if group == 0 else hash((block_hash, group))
+
+
+class GroupedKVCacheManager(KVCacheManager):
+    """vLLM's hybrid KV cache manager: one block table per KV cache group, all drawing on one pool.
+
+    The groups (sim/core/memory.py KVCacheGroups: `full_groups` full-attention groups and
+    `sliding_groups` sliding-window ones, in vLLM's order: the type of layer 0 first) each give a request one block per `block_size` tokens
+    it holds, so every table has the same length. A sliding group frees the blocks whose tokens
+    all fell behind the window (`remove_skipped_blocks`, run before each allocation as vLLM's
+    allocate_slots does) and keeps the null block in their place. Prefix caching is per group
+    (a block's key includes its group): full groups hit from the left, sliding groups need
+    cdiv(window - 1, block_size) consecutive cached blocks found scanning from the right, within
+    the full groups' hit; the full groups' hit is then cut to the sliding one (the coordinator's
+    simple-hybrid pass). Free order: group by group, each table last block first.
+    A request's `blocks` is its first group's table; `group_tables` holds all of them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, groups: KVCacheGroups, max_num_batched_tokens: int,
+                 enable_caching: bool = True, max_model_len: Optional[int] = None):
+        super().__init__(num_blocks, block_size, enable_caching, "paged", max_model_len)
+        if groups.sliding_groups and (groups.sliding_window is None or groups.sliding_window < 1):
+            raise ValueError(f"sliding-window groups need a sliding_window >= 1, got {groups.sliding_window}")
+        self.groups = groups
+        self.grouped = True
+        self.sliding = groups.sliding_groups > 0
+        self.num_groups = groups.num_groups
+        self.window = groups.sliding_window
+        kinds = [False] * groups.full_groups + [True] * groups.sliding_groups    # is the group sliding
+        if groups.sliding_first:
+            kinds.reverse()
+        self.full_ids = [g for g, sliding in enumerate(kinds) if not sliding]
+        self.sliding_ids = [g for g, sliding in enumerate(kinds) if sliding]
+        # The most blocks a sliding group holds for one request (vLLM's admission cap, as its startup check).
+        self.sliding_cap = groups.sliding_blocks_cap(block_size, max_num_batched_tokens) if self.sliding else 0
+        self.windowed_frees = 0       # blocks freed because they fell behind a window
+
+    def _tables(self, req: Request) -> list[list[int]]:
+        tables = req.group_tables
+        if tables is None:
+            req.blocks = []
+            tables = req.group_tables = [req.blocks] + [[] for _ in range(self.num_groups - 1)]
+        return tables
+
+    # -- sizes ---------------------------------------------------------------------------
+    def blocks_needed_at_most(self, req: Request) -> int:
+        """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
+        blocks = cdiv(self.reserve_tokens(req), self.block_size)
+        g = self.groups
+        return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def find_cached_prefix(self, req: Request) -> tuple[list[list[int]], int]:
+        """Per group, the cached blocks a new request starts from (null where a sliding group
+        needs nothing), and the hit's tokens; ([], 0) without a hit."""
+        if not self.enable_caching or req.num_computed:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        req.extend_block_hashes(max_blocks, bs)
+        hashes, lookup = req.block_hashes, self.pool.cached.get
+        full: list[list[int]] = [[] for _ in self.full_ids]
+        length = max_blocks
+        if full:
+            for i in range(max_blocks):
+                found = [lookup(group_key(hashes[i], g)) for g in self.full_ids]
+                if None in found:
+                    break
+                for table, block in zip(full, found):
+                    table.append(block)
+            length = len(full[0])
+        first = 0
+        if self.sliding_ids:
+            def cached(i: int) -> bool:
+                return all(group_key(hashes[i], g) in self.pool.cached for g in self.sliding_ids)
+            first, length = sliding_window_hit_run(cached, length, bs, self.window)
+        if not length:
+            return [], 0
+        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for g, table in zip(self.full_ids, full):
+            hits[g] = table[:length]
+        for g in self.sliding_ids:
+            hits[g] = [NULL_BLOCK] * first + [lookup(group_key(hashes[i], g)) for i in range(first, length)]
+        return hits, length * bs
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: Optional[list[list[int]]] = None,
+                       gate_tokens: int = 0, reserve_free: int = 0, lookahead_tokens: int = 0) -> bool:
+        """As KVCacheManager.allocate_slots, for every group: the blocks behind the window are
+        freed first (even when the allocation then fails, as vLLM does), then each group takes the
+        same number of new blocks."""
+        self.remove_skipped_blocks(req)
+        pool = self.pool
+        hits = hit_blocks or []
+        need, required = self._blocks_required(req, num_new_tokens, hits, gate_tokens, reserve_free,
+                                               lookahead_tokens)
+        if required > pool.num_free:
+            return False
+        tables = self._tables(req)
+        held = len(req.blocks)
+        if hits:
+            for table in hits:                 # every group's hits first: no allocation may evict them
+                pool.touch([b for b in table if b != NULL_BLOCK])
+            for table, hit in zip(tables, hits):
+                table.extend(hit)
+            req.num_registered = len(req.blocks)
+        if need:
+            for table in tables:
+                table.extend(pool.get_new_blocks(need))
+        self.held_slots += (len(req.blocks) - held) * self.block_size
+        if self.enable_caching:
+            covered = req.num_computed + (len(hits[0]) if hits else 0) * self.block_size + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.num_tokens))
+        return True
+
+    def _blocks_required(self, req: Request, num_new_tokens: int, hit_blocks: list, gate_tokens: int,
+                         reserve_free: int, lookahead_tokens: int) -> tuple[int, int]:
+        """(new blocks each group takes, free blocks the allocation requires to go ahead)."""
+        bs = self.block_size
+        held = len(req.blocks)
+        num_hit = len(hit_blocks[0]) if hit_blocks else 0
+        covered = req.num_computed + num_hit * bs + num_new_tokens
+        need = max(cdiv(covered + lookahead_tokens, bs) - held - num_hit, 0)
+        if not (gate_tokens or reserve_free or hit_blocks):
+            return need, need * self.num_groups
+        ref = self.pool.ref_cnt
+        revived = sum(1 for table in hit_blocks for b in table if b != NULL_BLOCK and ref[b] == 0)
+        gate = cdiv(gate_tokens, bs)
+        g = self.groups
+        full = max(gate - held - num_hit, need)
+        sliding = max(min(gate, self.sliding_cap) - held - num_hit, need)   # vLLM's admission cap
+        return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
+
+    def remove_skipped_blocks(self, req: Request) -> None:
+        """Free, in every sliding group, the blocks behind the window of the request's next token
+        (null in the table), nearest first, stopping at the first already null."""
+        tables = req.group_tables
+        if not self.sliding or not tables:
+            return
+        skipped = min(sliding_window_skipped_blocks(req.num_computed, self.block_size, self.window),
+                      len(req.blocks))
+        if not skipped or tables[self.sliding_ids[0]][skipped - 1] == NULL_BLOCK:
+            return
+        for g in self.sliding_ids:
+            table = tables[g]
+            removed = []
+            i = skipped - 1
+            while i >= 0 and table[i] != NULL_BLOCK:
+                removed.append(table[i])
+                table[i] = NULL_BLOCK
+                i -= 1
+            self.windowed_frees += len(removed)
+            self.pool.free_blocks(removed)
+
+    def register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        full = num_tokens // self.block_size
+        if full <= req.num_registered:
+            return
+        req.extend_block_hashes(full, self.block_size)
+        hashes, cache = req.block_hashes, self.pool.cache_block
+        for g, table in enumerate(self._tables(req)):
+            for i in range(req.num_registered, full):
+                if table[i] != NULL_BLOCK:
+                    cache(table[i], group_key(hashes[i], g))
+        req.num_registered = full
+
+    def register_block(self, req: Request, index: int) -> None:
+        raise NotImplementedError("the decode cohort is off for grouped KV caches (Scheduler gates it)")
+
+    def free(self, req: Request) -> None:
+        tables = req.group_tables
+        if tables:
+            self.held_slots -= len(req.blocks) * self.block_size
+            for table in tables:
+                self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
+        req.blocks = []
+        req.group_tables = None
+        req.num_registered = 0
+
+    def held_blocks(self, req: Request) -> int:
+        """Pool blocks the request holds over all groups (null entries excluded)."""
+        return sum(len(t) - t.count(NULL_BLOCK) for t in req.group_tables or ())
+
+    def check_request(self, req: Request) -> None:
+        """Assert a request's tables are consistent (tests): equal lengths, nulls only where a
+        sliding group may have freed, every real block referenced."""
+        tables = req.group_tables or [[]]
+        assert tables[0] is req.blocks and len({len(t) for t in tables}) == 1
+        for g, table in enumerate(tables):
+            for b in table:
+                assert b == NULL_BLOCK or self.pool.ref_cnt[b] >= 1
+            if g in self.full_ids:
+                assert NULL_BLOCK not in table, f"full-attention group {g} holds a null block"
+
+
+def new_kv_manager(num_blocks: int, block_size: int, enable_caching: bool = True, allocation: str = "paged",
+                   max_model_len: Optional[int] = None, contiguous_reserve: str = "max_model_len",
+                   groups: Optional[KVCacheGroups] = None, max_num_batched_tokens: int = 0) -> KVCacheManager:
+    """The manager for a model's KV cache groups: one table per request for one full-attention
+    group (every uniform model), one per group otherwise (sliding-window and hybrid models)."""
+    if groups is None or not groups.is_hybrid and groups.full_groups <= 1:
+        return KVCacheManager(num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve)
+    if allocation != "paged":
+        raise ValueError(f"allocation '{allocation}' cannot free the blocks behind a sliding window; use 'paged'")
+    return GroupedKVCacheManager(num_blocks, block_size, groups, max_num_batched_tokens, enable_caching,
+                                 max_model_len)

@@ -8,6 +8,7 @@ is the null block, so usable blocks = num_blocks - 1.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Callable
 
 from sim.core.catalog import MIB, ModelSpec
 
@@ -17,28 +18,19 @@ class InsufficientMemoryError(ValueError):
 
 
 class BlockPoolUnsupportedError(ValueError):
-    """The model's KV cache is not one full-attention group, which the simulated block pool assumes."""
+    """A KV layout the simulated block pool cannot hold (sliding-window groups with contiguous allocation)."""
 
 
-def check_block_pool_supports(model: ModelSpec, plan: "MemoryPlan | None" = None,
-                              max_model_len: int | None = None) -> None:
-    """Refuse, rather than silently simulate as full attention, a sliding-window model: its memory
-    plan (plan_memory) and step cost are modelled, but the block pool does not yet free blocks
-    behind the window nor keep one block table per KV cache group as vLLM's hybrid manager does.
-    With the plan, the refusal still reports it (the memory answer the run would have started from)."""
-    if not model.num_sliding_layers:
-        return
-    figures = ""
-    if plan is not None and max_model_len:
-        figures = (f" Its memory plan, as vLLM's hybrid KV cache manager sizes it: {plan.num_blocks} blocks "
-                   f"of {plan.block_size} tokens ({plan.kv_pool_bytes / 2**30:.2f} GiB), maximum concurrency "
-                   f"{plan.max_concurrency(max_model_len):.2f} at {max_model_len} tokens per request.")
-    raise BlockPoolUnsupportedError(
-        f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
-        f"(sliding_window={model.sliding_window}): the simulated block pool would hold their KV "
-        "as full attention, so the run is refused." + figures + " To simulate it anyway as full "
-        "attention (an upper bound on KV use, vLLM's --disable-hybrid-kv-cache-manager), set "
-        "model.sliding_window: null")
+def check_block_pool_supports(model: ModelSpec, allocation: str = "paged") -> None:
+    """Sliding-window and hybrid models run on the paged pool with one block table per KV cache group
+    (sim/core/kvcache.py GroupedKVCacheManager); the contiguous (max-length reservation) baseline
+    has no notion of freeing the blocks behind a window, so that pairing is refused by name."""
+    if model.num_sliding_layers and allocation == "contiguous":
+        raise BlockPoolUnsupportedError(
+            f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
+            f"(sliding_window={model.sliding_window}) and engine.allocation is 'contiguous': a max-length "
+            "reservation cannot free the blocks behind the window as vLLM's hybrid KV cache manager does. "
+            "Use engine.allocation: paged, or set model.sliding_window: null to reserve as full attention.")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -94,15 +86,27 @@ class KVCacheGroups:
     full_groups: int
     sliding_groups: int
     sliding_window: int | None
+    # vLLM orders the groups by each attention type's first layer: sliding ones first when layer
+    # 0 is sliding (Gemma-2/3, gpt-oss). Sets which group allocates first and frees first.
+    sliding_first: bool = False
 
     @property
     def is_hybrid(self) -> bool:
         return self.sliding_groups > 0
 
+    @property
+    def num_groups(self) -> int:
+        return self.full_groups + self.sliding_groups
+
+    def sliding_blocks_cap(self, block_size: int, max_new_tokens: int) -> int:
+        """Most blocks a sliding group holds for one request (vLLM's SlidingWindowSpec
+        max_memory_usage): the window minus one, the step's new tokens, and one more because the
+        window need not start on a block boundary."""
+        return blocks_for_tokens(self.sliding_window - 1 + max_new_tokens, block_size) + 1
+
     def blocks_per_request(self, num_tokens: int, block_size: int, max_new_tokens: int) -> int:
         """Blocks one request of `num_tokens` can hold at most (vLLM's max_memory_usage_bytes):
-        full groups every block; sliding groups the window minus one, the step's new tokens, and
-        one more because the window need not start on a block boundary."""
+        full groups every block; sliding groups `sliding_blocks_cap`, as vLLM sizes it at startup."""
         full = blocks_for_tokens(num_tokens, block_size)
         if not self.sliding_groups:
             return self.full_groups * full
@@ -118,7 +122,8 @@ def kv_cache_groups(model: ModelSpec) -> KVCacheGroups:
     size = min(sliding, full)
     if max(sliding, full) < 1.5 * size:
         size = max(sliding, full)
-    return KVCacheGroups(size, cdiv(full, size), cdiv(sliding, size), model.sliding_window)
+    sliding_first = model.layer_types is not None and model.layer_types[0] == "sliding_attention"
+    return KVCacheGroups(size, cdiv(full, size), cdiv(sliding, size), model.sliding_window, sliding_first)
 
 
 def pool_block_bytes(model: ModelSpec, block_size: int, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
@@ -127,31 +132,46 @@ def pool_block_bytes(model: ModelSpec, block_size: int, tp: int = 1, kv_cache_dt
     return kv_bytes_per_token_per_layer(model, tp, kv_cache_dtype) * kv_cache_groups(model).group_size * block_size
 
 
+def sliding_window_skipped_blocks(num_computed: int, block_size: int, window: int) -> int:
+    """Leading blocks a sliding-window layer no longer needs once `num_computed` tokens are computed:
+    every block whose tokens all lie before num_computed - window + 1, the first token the next
+    query can see (vLLM's SlidingWindowManager frees them: back to the pool, null in the table)."""
+    return max(num_computed - window + 1, 0) // block_size
+
+
 def sliding_window_blocks_kept(num_computed: int, block_size: int, window: int) -> int:
-    """Blocks a sliding-window layer still holds for a request with `num_computed` tokens: vLLM's
-    SlidingWindowManager frees (returns to the pool, null in the table) every block whose tokens
-    all lie before num_computed - window + 1, the first token the next query can see."""
-    first_needed = max(num_computed - window + 1, 0)
-    return blocks_for_tokens(num_computed, block_size) - first_needed // block_size
+    """Blocks a sliding-window layer still holds for a request with `num_computed` tokens."""
+    return blocks_for_tokens(num_computed, block_size) - sliding_window_skipped_blocks(num_computed, block_size,
+                                                                                       window)
 
 
-def sliding_window_hit_blocks(cached: list[bool], block_size: int, window: int) -> int:
-    """Leading blocks of a prompt a sliding-window group can take from the prefix cache.
+def sliding_window_hit_run(is_cached: Callable[[int], bool], num_blocks: int, block_size: int,
+                           window: int) -> tuple[int, int]:
+    """The prompt blocks [first, end) a sliding-window group takes from the prefix cache.
 
-    `cached[i]`: is the prompt's i-th full block still in the cache for this group. A sliding
-    layer needs only the last cdiv(window - 1, block_size) blocks before the first recomputed
-    token, so vLLM's SlidingWindowManager.find_longest_cache_hit scans from the end for such a
-    run of cached blocks (earlier blocks may have been freed as the window moved on); a run
-    reaching block 0 counts even when shorter. In a hybrid model the hit is the shorter of the
-    full-attention hit and this one.
+    `is_cached(i)`: is the prompt's i-th full block still cached for this group (i < num_blocks).
+    A sliding layer needs only the last cdiv(window - 1, block_size) blocks before the first
+    recomputed token, so vLLM's SlidingWindowManager.find_longest_cache_hit scans from the end for
+    such a run of cached blocks (earlier blocks may have been freed as the window moved on; the
+    hit's blocks before `first` are null); a run reaching block 0 counts even when shorter.
     """
     need = blocks_for_tokens(window - 1, block_size)
     run = 0
-    for i in range(len(cached) - 1, -1, -1):
-        run = run + 1 if cached[i] else 0
+    for i in range(num_blocks - 1, -1, -1):
+        if not is_cached(i):
+            run = 0
+            continue
+        run += 1
         if run >= need:
-            return i + run
-    return run     # a run from block 0 shorter than the window
+            return i, i + run
+    return 0, run     # a run from block 0 shorter than the window
+
+
+def sliding_window_hit_blocks(cached: list[bool], block_size: int, window: int) -> int:
+    """Leading blocks of a prompt a sliding-window group can take from the prefix cache
+    (`sliding_window_hit_run` over a list of cached flags). In a hybrid model the hit is the
+    shorter of the full-attention hit and this one."""
+    return sliding_window_hit_run(cached.__getitem__, len(cached), block_size, window)[1]
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

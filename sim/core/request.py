@@ -72,11 +72,11 @@ class Request:
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica",
         # scheduling state
-        "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "block_hashes",
+        "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
-        "chunk_steps",
+        "chunk_steps", "_pause_index",
     )
 
     def __init__(self, id: int, arrival: Optional[float], segments: list[Segment], output_len: int,
@@ -106,6 +106,9 @@ class Request:
         self._cohort = None
         self.cohort_gen = 0
         self.blocks: list[int] = []
+        # Hybrid / sliding-window models: one block table per KV cache group (group_tables[0] is
+        # `blocks`), kept by sim/core/kvcache.py's GroupedKVCacheManager; None otherwise.
+        self.group_tables: Optional[list[list[int]]] = None
         self.block_hashes: list[int] = []
         self.num_registered = 0
         self.num_cached_tokens = 0
@@ -119,6 +122,7 @@ class Request:
         self.emit_runs: list[int] = []
         self.emit_start = -1
         self._last_emit = -2
+        self._pause_index = 0              # cohort members: the first of the cohort's pauses they sit through
         self.chunk_steps: list[int] = []   # steps of prefill chunks that emitted no token
 
     # -- progress (see the class docstring for the cohort offsets) -----------------------
@@ -147,7 +151,7 @@ class Request:
     def last_emit(self) -> int:
         """The step that emitted this request's latest token (members emit every step)."""
         c = self._cohort
-        return self._last_emit if c is None else c.finished_step
+        return self._last_emit if c is None else c.last_emit(self)
 
     @last_emit.setter
     def last_emit(self, step: int) -> None:

@@ -167,7 +167,9 @@ class Scheduler:
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
-        self.lazy = config.lazy_decode
+        # The decode cohort and leaps assume one block per member crossing a boundary; a grouped
+        # (sliding-window / hybrid) KV cache takes one per group and frees behind windows: one by one.
+        self.lazy = config.lazy_decode and not kv.grouped
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
@@ -365,12 +367,9 @@ class Scheduler:
         batch.blocks_read = rows * -(-ctx // bs)
 
     def _pause_decodes(self, step: int) -> None:
-        """prefill_first: a prefill step, so the decodes wait. The cohort's members advance one
-        token per step by construction, so they leave it (and rejoin as they emit again)."""
-        if self.cohort.members:
-            self.cohort.dissolve()
-            self.active = dict.fromkeys(self.running)
-        self.cohort.scheduled_step = step
+        """prefill_first: a prefill step, so the decodes wait. The cohort sits it out, intact
+        (its clock stops: sim/core/cohort.py); decodes outside it simply are not scheduled."""
+        self.cohort.pause(step)
 
     @property
     def slack_tokens(self) -> int:
@@ -393,12 +392,12 @@ class Scheduler:
                 n = len(cohort)
                 batch.decodes.extend(cohort.members)
                 batch.cohort_size = n
-                batch.decode_ctx += cohort.ctx_offset_sum + n * batch.step
+                batch.decode_ctx += cohort.ctx_offset_sum + n * cohort.scheduled_step
                 batch.blocks_read += cohort.blocks_walked
                 budget -= n
                 candidates = others
         if want != "prefill":
-            cohort.scheduled_step = batch.step
+            cohort.sync(batch.step)
         # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
         if self.priority:
             candidates = list(candidates)
@@ -454,6 +453,8 @@ class Scheduler:
     def _schedule_slow(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request that may need blocks (and preemptions)."""
         kv, bs = self.kv, self.block_size
+        if kv.sliding:                     # vLLM frees behind the window as it allocates, every step
+            kv.remove_skipped_blocks(req)
         covered = req.num_computed + n
         if covered <= len(req.blocks) * bs:
             if kv.enable_caching and covered // bs > req.num_registered:
@@ -601,7 +602,7 @@ class Scheduler:
             _start_emit_run(req, step)
             req.last_emit = step
             req.append_output()
-        self.cohort.finished_step = step
+        self.cohort.finish(step)
         finished = self.cohort.finishing(step)
         for req in finished:
             self.cohort.leave(req)
