@@ -338,3 +338,15 @@ def test_the_pool_vllm_logged_runs_its_printed_concurrency_of_full_length_reques
     assert plan.num_blocks == printed["num_gpu_blocks"] and n >= 2
     assert steps["running"].max() == n and steps["preemptions"].sum() == 0
     assert steps["kv_blocks_used"].max() <= plan.usable_blocks
+
+
+def test_whatif_sliding_window_plans_the_same_pool_for_2_7_times_the_requests():
+    from sim.scenario import load_scenario
+
+    base = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "whatif_sliding_window.yaml")
+    doc = base.model_dump(mode="json", exclude_none=True)
+    window = plan_memory(base)
+    full = plan_memory(validate_scenario({**doc, "model": {"base": "mistral-7b-v0.1", "sliding_window": None}}))
+    assert window.num_blocks == full.num_blocks and window.block_bytes == full.block_bytes
+    assert window.blocks_per_request(16384) == 385 and full.blocks_per_request(16384) == 1024
+    assert window.max_concurrency(16384) / full.max_concurrency(16384) == pytest.approx(1024 / 385)
