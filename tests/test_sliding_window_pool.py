@@ -304,13 +304,16 @@ def test_the_memory_plan_of_imported_hybrids_sizes_the_pool_the_run_uses():
         assert records.steps_frame()["kv_blocks_used"].max() <= plan.usable_blocks
 
 
-def test_the_engine_replay_refuses_a_sliding_window_model_by_name():
+def test_the_engine_replay_refuses_a_hybrid_model_by_name():
     pytest.importorskip("torch")
     from engine.replay import EngineUnsupportedError, check_engine_supports
 
     check_engine_supports(validate_scenario({"model": "tiny", "device": "cpu"}))
+    check_engine_supports(scenario("mistral-7b-v0.1"))            # one window on every layer: one group
     with pytest.raises(EngineUnsupportedError, match="sliding_window=4096.*one block table"):
-        check_engine_supports(scenario("mistral-7b-v0.1"))
+        check_engine_supports(scenario({"hf_config": str(HF / "lunahr__SystemGemma2-27b-it.json")}))
+    with pytest.raises(BlockPoolUnsupportedError, match="engine.allocation"):
+        check_engine_supports(scenario("mistral-7b-v0.1", allocation="contiguous"))
 
 
 HYBRID_LOGS = ["planner-google-gemma-2-27b-it--h100-80gb--tp1pp1dp1--8192",
@@ -350,3 +353,45 @@ def test_whatif_sliding_window_plans_the_same_pool_for_2_7_times_the_requests():
     assert window.num_blocks == full.num_blocks and window.block_bytes == full.block_bytes
     assert window.blocks_per_request(16384) == 385 and full.blocks_per_request(16384) == 1024
     assert window.max_concurrency(16384) / full.max_concurrency(16384) == pytest.approx(1024 / 385)
+
+
+@pytest.mark.parametrize("backend, num_requests, output_len", [("torch", 4, 12), ("triton", 2, 4)])
+def test_the_engine_replays_a_windowed_model_on_freed_blocks_with_the_same_logits(backend, num_requests, output_len):
+    """A model whose every layer has a window (Mistral v0.1's case) runs on the engine with the
+    shared policy's grouped manager: blocks behind the window are null in the tables the runner
+    reads. Every step's logits equal those of the same schedule on full-attention tables (the
+    kernels mask the window), with fewer blocks held; prefix hits take only the window's blocks."""
+    pytest.importorskip("torch")
+    from engine.runner import ModelRunner
+    from engine.weights import build_model, init_random_weights
+
+    spec = get_model("tiny").model_copy(update={"sliding_window": 8})
+    model = build_model(spec, "cpu", backend)
+    init_random_weights(model, seed=4, std=0.1)
+
+    def run(kv):
+        runner = ModelRunner(model, kv.pool.num_blocks, 4, 128)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128), kv)
+        for i in range(num_requests):
+            sched.add(make_request(i, 0.0, [(7, 20), (10 + i, 5 + 3 * i)], output_len))
+        logits, peak = [], 0
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            logits.append(runner.execute(batch).logits)
+            peak = max(peak, kv.num_used_blocks)
+            sched.finish_step(batch)
+        return logits, peak, kv.stats.hits
+
+    windowed = new_kv_manager(64, 4, True, groups=KVCacheGroups(2, 0, 1, 8), max_num_batched_tokens=16)
+    ours, peak, hits = run(windowed)
+    full, full_peak, full_hits = run(KVCacheManager(64, 4, True))
+    assert len(ours) == len(full) > output_len and hits == full_hits > 0
+    for a, b in zip(ours, full):
+        assert torch_equal(a, b)
+    assert windowed.windowed_frees > 0 and peak < full_peak
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
