@@ -1,6 +1,6 @@
 """`simrun`: predict a scenario (the default command) and the other entry points.
 
-    simrun SCENARIO.yaml [--out DIR] [--set PATH=VALUE ...] [--seed N] [--no-plots] [--trace]
+    simrun SCENARIO.yaml [--out DIR] [--set PATH=VALUE ...] [--seed N] [--no-plots] [--trace] [--steps full]
     simrun SCENARIO.yaml --set PATH=A,B,C [--set PATH2=X,Y] [--zip] [--jobs N | --ray [ADDRESS]]  (a sweep)
     simrun COMMAND ...       plan | validate | calibrate | serve | bench | compare | from-vllm
     simrun help [COMMAND] | simrun --version
@@ -214,6 +214,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true",
                    help="write the data files (summary.json, CSVs, manifest) but no plots or report.html")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
+    p.add_argument("--steps", choices=("aggregated", "full"), default="aggregated",
+                   help="steps.csv: a row per record, a leap of K decode steps being one row with its "
+                        "step count (aggregated, the default), or a row per engine step (full)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_sweep_args(p)
     return p
@@ -262,7 +265,7 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
 
         print_results(results, out)
     for name, result in results.items():
-        write_data_files(result, out / name if len(results) > 1 else out)
+        write_data_files(result, out / name if len(results) > 1 else out, args.steps)
     if not args.no_plots or args.trace:
         with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)

@@ -5,7 +5,7 @@
              first step after the engine sat idle: cold caches and clocks; calibration measures it)
       scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
                        + token_host_s x tokens; all of it synchronously, only its excess over the
-                       device time with async scheduling (vLLM >= 0.11 on a GPU: engine.async_scheduling)
+                       device time with async scheduling (vLLM >= 0.11 on a GPU: Scenario.async_scheduling)
       output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
                        only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
@@ -181,7 +181,7 @@ class CostModel:
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
         par = scenario.parallelism
-        overlap = scenario.engine.async_scheduling and scenario.device.name != "cpu"
+        overlap = scenario.async_scheduling and scenario.device.name != "cpu"
         tables = None
         if getattr(scenario, "step_times", "datasheet") == "tables":
             from sim.optables import tables_for
@@ -308,6 +308,45 @@ class CostModel:
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
+
+    def decode_pricer(self, rows: int):
+        """`step_time` of a decode-only step of `rows` sequences as a function of (decode context,
+        blocks read), for a leap's steps (sim/simulator.py): the same float operations in the
+        same order, the terms that depend on `rows` alone done once. None where attention is not
+        one roofline term (sliding-window layers, operator tables): the caller uses step_time."""
+        if self.tables is not None or self.model.num_sliding_layers:
+            return None
+        c = self.coefficients
+        tokens = 0 + rows
+        linear = max(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
+        if self._moe:
+            linear = linear + self.moe_layer_time(tokens, max)
+        base = c.layer_overhead_s + linear
+        no_pairs = 0 * self._attn_pair_s
+        kv_token_s, block_s = self._kv_token_s, c.block_overhead_s
+        no_prefill = (rows - rows) * c.prefill_seq_overhead_s
+        allreduce, allreduce_fixed = tokens * self._allreduce_token_s, self._allreduce_fixed_s
+        head = max(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s + rows * c.sample_seq_s
+        step_device, layers = c.step_device_s, self.model.num_layers
+        host = self._host_time(rows, rows, 0)
+        exposed = self._exposed_host
+        if self.async_scheduling:
+            def price(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
+                attention = max(no_pairs, decode_ctx * kv_token_s)
+                per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
+                device = step_device + layers * per_layer + head
+                return exposed(host, device, rows, max), device
+            return price
+        # synchronous scheduling: _exposed_host with its device-independent terms done once
+        output = (c.detok_token_s + c.api_token_s) * rows
+        engine = c.graph_launch_s + host
+
+        def price_sync(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
+            attention = max(no_pairs, decode_ctx * kv_token_s)
+            per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
+            device = step_device + layers * per_layer + head
+            return engine + max(output - (engine + device), 0.0), device
+        return price_sync
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""

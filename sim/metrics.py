@@ -65,7 +65,7 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
               steps: Optional[pd.DataFrame] = None) -> dict[str, Any]:
     """The summary.json figures of one run."""
     df = requests if requests is not None else requests_frame(records)
-    steps = steps if steps is not None else records.steps_frame()
+    steps = _step_series(records, steps)
     finished = df[df["status"] == "finished"]
     measured = finished[~finished["is_warmup"]]
     offered = df[~df["is_warmup"].astype(bool)]
@@ -98,7 +98,7 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         "slo_attainment": (float(meets_slo(measured, slo).sum() / len(offered)) if has_slo and len(offered)
                            else None),
         "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
-        "preemptions": int(steps["preemptions"].sum()) if len(steps) else 0,
+        "preemptions": int(steps["preemptions"].sum()) if len(steps["end_s"]) else 0,
         "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens
         "latency_split": _latency_split(measured),
         **_kv_figures(records, steps),
@@ -109,6 +109,22 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     return summary
 
 
+# The per-step series the summary reads.
+_SUMMARY_STEP_COLUMNS = ("start_s", "end_s", "kv_blocks_used", "slack_tokens", "preemptions", "num_seqs",
+                         "batch_tokens", "running")
+
+
+def _step_series(records: RunRecords, steps: Optional[pd.DataFrame]) -> dict[str, np.ndarray]:
+    """The summary's per-step columns (and 'replica'): from a given per-step frame, or straight from
+    the records' columns (no frame built: a million requests' steps fit in far less memory)."""
+    if steps is None:
+        series = records.step_series(_SUMMARY_STEP_COLUMNS)
+    else:
+        series = {c: steps[c].to_numpy() if c in steps else np.zeros(0) for c in ("replica", *_SUMMARY_STEP_COLUMNS)}
+    floats = ("start_s", "end_s")
+    return {c: v.astype(np.float64 if c in floats else np.int64, copy=False) for c, v in series.items()}
+
+
 def rejection_reasons(requests: pd.DataFrame) -> list[dict[str, Any]]:
     """[{reason (its numbers as N), count}] over rejected requests (warm-up included), most first.
     A list, so a sweep's flattened table keeps fixed columns."""
@@ -117,14 +133,15 @@ def rejection_reasons(requests: pd.DataFrame) -> list[dict[str, Any]]:
     return [{"reason": str(k), "count": int(v)} for k, v in kinds.items()]
 
 
-def _replica_figures(measured: pd.DataFrame, steps: pd.DataFrame, duration: float,
+def _replica_figures(measured: pd.DataFrame, steps: dict[str, np.ndarray], duration: float,
                      replicas: int) -> list[dict[str, Any]]:
     """Per replica: its share of the measured requests and their figures. Throughputs are
     over the cluster's duration, so the replicas' throughputs add up to the cluster's."""
     out = []
     for index in range(replicas):
         mine = measured[measured["replica"] == index]
-        own_steps = steps[steps["replica"] == index]
+        own = steps["replica"] == index
+        own_used, own_preempted = steps["kv_blocks_used"][own], steps["preemptions"][own]
         n_in = mine["prompt_tokens"].sum()
         out.append({
             "replica": index,
@@ -133,9 +150,9 @@ def _replica_figures(measured: pd.DataFrame, steps: pd.DataFrame, duration: floa
             "output_token_throughput": float(mine["output_tokens"].sum()) / duration if duration > 0 else None,
             "ttft_s_p99": distribution(mine["ttft_s"].to_numpy())["p99"],
             "tpot_s_p99": distribution(mine["tpot_s"].to_numpy())["p99"],
-            "kv_blocks_peak": int(own_steps["kv_blocks_used"].max()) if len(own_steps) else 0,
+            "kv_blocks_peak": int(own_used.max()) if len(own_used) else 0,
             "prefix_hit_rate": float(mine["cached_tokens"].sum() / n_in) if n_in else 0.0,
-            "preemptions": int(own_steps["preemptions"].sum()) if len(own_steps) else 0,
+            "preemptions": int(own_preempted.sum()) if len(own_preempted) else 0,
         })
     return out
 
@@ -166,26 +183,27 @@ def _latency_split(measured: pd.DataFrame) -> dict[str, Optional[float]]:
     return {k: float(measured[f"{k}_s"].sum() / total) for k in ("queue", "host", "device")}
 
 
-def _kv_figures(records: RunRecords, steps: pd.DataFrame) -> dict[str, Any]:
+def _kv_figures(records: RunRecords, steps: dict[str, np.ndarray]) -> dict[str, Any]:
     total = records.kv_blocks_total
-    if steps.empty:
+    if not len(steps["end_s"]):
         return {"kv_blocks_total": total, "kv_blocks_peak": 0, "kv_blocks_mean": 0.0,
                 "kv_usage_mean": 0.0, "kv_usage_peak": 0.0, "kv_slack_tokens_peak": 0}
     # time-weighted over busy time: a step's KV state holds for the step's duration
-    dur = (steps["end_s"] - steps["start_s"]).to_numpy()
-    used = steps["kv_blocks_used"].to_numpy()
+    dur = steps["end_s"] - steps["start_s"]
+    used = steps["kv_blocks_used"]
     mean_used = float(np.average(used, weights=dur)) if dur.sum() > 0 else float(used.mean())
-    peak = int(steps.groupby("replica")["kv_blocks_used"].max().max())
+    peak = int(used.max())
     return {"kv_blocks_total": total, "kv_blocks_peak": peak, "kv_blocks_mean": mean_used,
             "kv_usage_mean": mean_used / total if total else 0.0,
             "kv_usage_peak": peak / total if total else 0.0,
             "kv_slack_tokens_peak": int(steps["slack_tokens"].max())}
 
 
-def _step_figures(steps: pd.DataFrame) -> dict[str, Any]:
-    if steps.empty:
+def _step_figures(steps: dict[str, np.ndarray]) -> dict[str, Any]:
+    if not len(steps["end_s"]):
         return {"num_steps": 0, "mean_batch_seqs": 0.0, "mean_batch_tokens": 0.0, "peak_running": 0}
-    return {"num_steps": int(len(steps)), "mean_batch_seqs": float(steps["num_seqs"].mean()),
-            "mean_batch_tokens": float(steps["batch_tokens"].mean()),
+    # pandas' means, as over a per-step frame's columns (the same figures to the last bit)
+    return {"num_steps": int(len(steps["end_s"])), "mean_batch_seqs": float(pd.Series(steps["num_seqs"]).mean()),
+            "mean_batch_tokens": float(pd.Series(steps["batch_tokens"]).mean()),
             "peak_running": int(steps["running"].max()),
-            "mean_step_s": float((steps["end_s"] - steps["start_s"]).mean())}
+            "mean_step_s": float(pd.Series(steps["end_s"] - steps["start_s"]).mean())}

@@ -40,20 +40,25 @@ class RunResult:
 
 
 def predict(scenario, name: Optional[str] = None,
-            progress: Optional[Callable[[int], None]] = None) -> RunResult:
-    """Simulate and summarise; nothing is written."""
+            progress: Optional[Callable[[int], None]] = None, manifest: bool = True) -> RunResult:
+    """Simulate and summarise; nothing is written. Without `manifest` (a sweep point whose files
+    are not written) the manifest is left empty: hashing the workload costs a few % of a point."""
     workload = build_workload(scenario)
-    records, plan, cost_model = simulate(scenario, workload.requests, progress=progress)
+    described = workload_manifest(workload.requests, workload.notes) if manifest else None
+    # the run takes the requests over and lets each go once its figures are recorded
+    records, plan, cost_model = simulate(scenario, workload.requests, progress=progress, release=True)
     req_df = requests_frame(records)
     steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
-    manifest = simulation_manifest(scenario, cost_model, plan, workload.requests, workload.notes)
-    manifest["simulation_wall_s"] = records.meta.get("wall_s")
+    info = {}
+    if described is not None:
+        info = simulation_manifest(scenario, cost_model, plan, described)
+        info["simulation_wall_s"] = records.meta.get("wall_s")
     return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary,
-                     req_df, steps_df, manifest)
+                     req_df, steps_df, info)
 
 
 def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:
@@ -118,8 +123,13 @@ def length_stats(requests: list[Request]) -> dict:
     return out
 
 
-def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, requests: list[Request],
-                        notes: list[str]) -> dict:
+def workload_manifest(requests: list[Request], notes: list[str]) -> dict:
+    """The manifest's workload entry (taken before a run that releases the requests)."""
+    return {"requests": len(requests), "digest": workload_digest(requests), "lengths": length_stats(requests),
+            "notes": notes}
+
+
+def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, workload: dict) -> dict:
     return {
         "kind": "prediction",
         "kvtwin_version": kvtwin_version(),
@@ -129,7 +139,6 @@ def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, reque
         "calibrated": cost_model.calibrated,
         "cost_model": cost_model.describe(),
         "memory_plan": plan.to_dict(),
-        "workload": {"requests": len(requests), "digest": workload_digest(requests),
-                     "lengths": length_stats(requests), "notes": notes},
+        "workload": workload,
         "scenario": scenario.model_dump(mode="json"),
     }

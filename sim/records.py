@@ -5,11 +5,21 @@ of consecutive steps in which they emitted a token, the steps of prefill chunks 
 emitted nothing). A token is emitted at the end of its step, so every request time is a
 step time: the simulator and the engine share this code, differing only in where step
 times come from (a cost model, or clocks).
+
+Both are kept in columns, not objects (issue 13: a million requests in well under 2 GB):
+- `RequestTable`: a request's figures are taken when it ends (finished or rejected) and the
+  Request object can go; its emitting steps stay run-length encoded (first, last) pairs.
+- `StepRecorder`: a *row* is one engine step, or one leap (sim/core/leap.py: K pure-decode
+  steps with the same batch). What changes inside a leap (end time, host/device time,
+  decode context, blocks read, KV figures) is kept per step, compactly, so every per-step
+  series (ITL, KV over time, step times) stays exact; the batch composition, constant over a
+  leap, is kept once per row. `frame()` gives one row per step (`simrun --steps full`),
+  `frame(full=False)` one row per record, with its step count (the default steps.csv).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -19,166 +29,446 @@ from sim.core.request import Request, Status
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
                 "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
+_INT_COLUMNS = ("step", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens", "batch_tokens",
+                "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read", "kv_blocks_used",
+                "kv_blocks_cached", "slack_tokens", "preemptions")
+
+# What may change from one step of a leap to the next: kept per step.
+PER_STEP = ("end_s", "host_s", "device_s", "decode_ctx", "blocks_read", "kv_blocks_used", "kv_blocks_cached",
+            "slack_tokens")
+# What a leap's steps share (its batch): kept once per row, with the row's first step, its
+# number of steps and its start time.
+PER_ROW = ("step", "steps", "start_s", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens",
+           "batch_tokens", "prefill_ctx", "prefill_attn", "preemptions")
+# The aggregated steps.csv: a row's composition, its first step's KV figures and context,
+# its last step's KV figures, its summed host/device time and its last step's end.
+AGGREGATED_COLUMNS = ("step", "steps", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
+                      "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn",
+                      "blocks_read", "kv_blocks_used", "kv_blocks_used_last", "kv_blocks_cached",
+                      "kv_blocks_cached_last", "slack_tokens", "preemptions", "host_s", "device_s")
+_FLOAT = ("start_s", "end_s", "host_s", "device_s")
+# A single step's tuple, in this order (what `record` appends)
+_SINGLE = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens",
+           "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read", "kv_blocks_used",
+           "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
+_SINGLE_INDEX = {name: i for i, name in enumerate(_SINGLE)}
+_INT32 = np.iinfo(np.int32)
 
 
-_COLUMN_INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
+def _compact(values: np.ndarray) -> np.ndarray:
+    """Integers as int32 when they fit (they nearly always do), else int64; floats as they are."""
+    if values.dtype.kind == "f" or values.size == 0:
+        return values
+    if values.min() >= _INT32.min and values.max() <= _INT32.max:
+        return values.astype(np.int32)
+    return values.astype(np.int64)
+
+
+class _Columns:
+    """Append-only named columns: small parts gathered, then packed into compact chunks."""
+
+    def __init__(self, names: Iterable[str], floats: Iterable[str] = _FLOAT):
+        self.names = tuple(names)
+        self.floats = set(floats)
+        self.parts: dict[str, list[np.ndarray]] = {n: [] for n in self.names}
+        self.chunks: dict[str, list[np.ndarray]] = {n: [] for n in self.names}
+        self.pending = 0
+        self.count = 0
+
+    def add(self, values: dict[str, Any], n: int) -> None:
+        for name in self.names:
+            self.parts[name].append(values[name])
+        self.pending += n
+        self.count += n
+
+    def pack(self) -> None:
+        if not self.pending:
+            return
+        for name in self.names:
+            parts = self.parts[name]
+            joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            joined = joined.astype(np.float64) if name in self.floats else _compact(joined.astype(np.int64))
+            self.chunks[name].append(joined)
+            self.parts[name] = []
+        self.pending = 0
+
+    def column(self, name: str) -> np.ndarray:
+        self.pack()
+        chunks = self.chunks[name]
+        if not chunks:
+            return np.zeros(0, dtype=np.float64 if name in self.floats else np.int64)
+        if len(chunks) > 1:
+            self.chunks[name] = chunks = [np.concatenate(chunks)]
+        return chunks[0]
 
 
 class StepRecorder:
-    """Collects one row per engine step.
+    """Collects the steps of one replica: a row per step, or per leap (see the module docstring).
 
-    Rows are appended as tuples (cheap per step) and packed into float64 chunks every
-    CHUNK steps, so a 100k-request run holds 120 bytes per step, not a Python object per value.
-    """
+    Each record appends two tuples (cheap per step): its row (PER_ROW) and its per-step values
+    (PER_STEP, one tuple per step); they are packed into compact columns every CHUNK steps.
+    A long leap goes in as arrays."""
 
     CHUNK = 32_768
+    LONG_LEAP = 64
 
     def __init__(self, replica: int = 0):
         self.replica = replica
-        self.rows: list[tuple] = []
-        self._chunks: list[np.ndarray] = []
-        self._small: list[np.ndarray] = []     # recent short blocks (leaps), merged every CHUNK rows
-        self._small_rows = 0
-        self._packed = 0
-        self._columns: Optional[dict[str, np.ndarray]] = None
+        self.rows: list[tuple] = []             # PER_ROW tuples
+        self.step_values: list[tuple] = []      # PER_STEP tuples
+        self._steps = _Columns(PER_STEP)
+        self._rows = _Columns(PER_ROW)
+        self._cache: dict[str, np.ndarray] = {}
 
     def record(self, batch, scheduler, start_s: float, end_s: float, host_s: float, device_s: float,
                kv_used: int, kv_cached: int, slack: int) -> None:
         """Append a step. KV figures are taken right after scheduling (the step's peak)."""
         decodes = batch.num_decode
         prefill = batch.num_prefill_tokens
-        self.rows.append((batch.step, start_s, end_s, len(scheduler.running), scheduler.num_waiting,
+        self.rows.append((batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
-                          batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read,
-                          kv_used, kv_cached, slack, len(batch.preempted), host_s, device_s))
-        if len(self.rows) == self.CHUNK:
-            self._pack()
+                          batch.prefill_ctx, batch.prefill_attn, len(batch.preempted)))
+        self.step_values.append((end_s, host_s, device_s, batch.decode_ctx, batch.blocks_read, kv_used, kv_cached,
+                                 slack))
+        if len(self.step_values) >= self.CHUNK:
+            self._flush()
 
     def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
-                    running: int, waiting: int, kv_used, kv_cached, slack, host, device) -> None:
-        """Append the k decode-only steps of a leap (sim/core/leap.py): step i starts where
-        step i-1 ended, the first at `start_s`. Short leaps go in as rows, long ones as a block."""
+                    running: int, waiting: int, kv_used, kv_cached, slack, host, device,
+                    waiting_last: Optional[int] = None) -> None:
+        """Append the k decode-only steps of a leap (sim/core/leap.py) as one row: step i starts
+        where step i-1 ended, the first at `start_s`; the per-step sequences have k entries each.
+        `waiting` is read at each step's end, as `record` does: the same for every step but the
+        last, in flight when a request arrived (`waiting_last`, default `waiting`); when they
+        differ, the last step is a row of its own."""
         k = len(ends)
-        if k <= 16:
-            starts = [start_s, *ends[:-1]]
-            step = first_step
-            for i in range(k):
-                self.rows.append((step + i, starts[i], ends[i], running, waiting, rows, rows, 0, rows,
-                                  decode_ctx[i], 0, 0, blocks_read[i], kv_used[i], kv_cached[i], slack[i], 0,
-                                  host[i], device[i]))
-            if len(self.rows) >= self.CHUNK:
-                self._pack()
+        row = (first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
+        if waiting_last is not None and waiting_last != waiting:
+            last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
+                    rows, rows, 0, rows, 0, 0, 0)
+            new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
+        else:
+            new_rows = [row]
+        if k <= self.LONG_LEAP:
+            self.rows += new_rows
+            self.step_values += zip(ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack)
+            if len(self.step_values) >= self.CHUNK:
+                self._flush()
             return
-        block = np.zeros((k, len(STEP_COLUMNS)))
-        col = _COLUMN_INDEX
-        ends = np.asarray(ends)
-        block[:, col["step"]] = np.arange(first_step, first_step + k)
-        block[0, col["start_s"]] = start_s
-        block[1:, col["start_s"]] = ends[:-1]
-        block[:, col["end_s"]] = ends
-        block[:, col["running"]] = running
-        block[:, col["waiting"]] = waiting
-        for name in ("num_seqs", "decode_seqs", "batch_tokens"):
-            block[:, col[name]] = rows
-        for name, values in (("decode_ctx", decode_ctx), ("blocks_read", blocks_read), ("kv_blocks_used", kv_used),
-                             ("kv_blocks_cached", kv_cached), ("slack_tokens", slack), ("host_s", host),
-                             ("device_s", device)):
-            block[:, col[name]] = values
-        if self.rows:
-            self._small.append(np.array(self.rows, dtype=np.float64))
-            self._small_rows += len(self.rows)
-            self.rows = []
-        self._small.append(block)
-        self._small_rows += k
-        if self._small_rows >= self.CHUNK:
-            self._pack()
+        self._flush_buffers()
+        self._steps.add({"end_s": np.asarray(ends, dtype=np.float64), "host_s": np.asarray(host, dtype=np.float64),
+                         "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),
+                         "blocks_read": np.asarray(blocks_read), "kv_blocks_used": np.asarray(kv_used),
+                         "kv_blocks_cached": np.asarray(kv_cached), "slack_tokens": np.asarray(slack)}, k)
+        table = np.array(new_rows, dtype=np.float64)
+        self._rows.add({name: table[:, i] for i, name in enumerate(PER_ROW)}, len(new_rows))
+        if self._steps.pending >= self.CHUNK:
+            self._flush()
 
-    def _pack(self) -> None:
-        if self.rows:
-            self._small.append(np.array(self.rows, dtype=np.float64))
-            self._small_rows += len(self.rows)
-            self.rows = []
-        if self._small:
-            self._chunks.append(self._small[0] if len(self._small) == 1 else np.concatenate(self._small))
-            self._packed += self._small_rows
-            self._small, self._small_rows = [], 0
-        self._columns = None
+    def _flush_buffers(self) -> None:
+        """Buffered tuples -> column parts (exact: every integer here is far below 2**53)."""
+        self._cache = {}
+        if not self.rows:
+            return
+        rows = np.array(self.rows, dtype=np.float64)
+        steps = np.array(self.step_values, dtype=np.float64)
+        self.rows, self.step_values = [], []
+        self._rows.add({name: rows[:, i] for i, name in enumerate(PER_ROW)}, len(rows))
+        self._steps.add({name: steps[:, i] for i, name in enumerate(PER_STEP)}, len(steps))
+
+    def _flush(self) -> None:
+        self._flush_buffers()
+        self._steps.pack()
+        self._rows.pack()
 
     def __len__(self) -> int:
-        return self._packed + self._small_rows + len(self.rows)
+        """Steps recorded."""
+        return self._steps.count + len(self.step_values)
 
     @property
-    def table(self) -> np.ndarray:
-        self._pack()
-        if not self._chunks:
-            return np.zeros((0, len(STEP_COLUMNS)))
-        if len(self._chunks) > 1:
-            self._chunks = [np.concatenate(self._chunks)]
-        return self._chunks[0]
+    def num_rows(self) -> int:
+        """Rows recorded (a leap is one, or two when a request arrived during its last step)."""
+        return self._rows.count + len(self.rows)
+
+    # -- reading ------------------------------------------------------------------------
+    def row_column(self, name: str) -> np.ndarray:
+        """A PER_ROW column, one entry per row."""
+        self._flush()
+        return self._rows.column(name)
+
+    def step_column(self, name: str) -> np.ndarray:
+        """Any STEP_COLUMNS column, one entry per step (row values repeated over a leap's steps)."""
+        if self.rows:
+            self._flush()
+        if name in self._cache and not self._steps.pending:
+            return self._cache[name]
+        if name in PER_STEP:
+            out = self._steps.column(name)
+        elif name == "start_s":
+            out = self._starts()
+        elif name == "step":
+            out = self._expand("step") + self._offsets()
+        else:
+            out = self._expand(name)
+        if name in ("start_s", "end_s", "host_s", "device_s"):
+            self._cache[name] = out
+        return out
+
+    def _expand(self, name: str) -> np.ndarray:
+        counts = self._rows.column("steps")
+        values = self._rows.column(name)
+        return values if len(counts) == len(self) else np.repeat(values, counts)
+
+    def _offsets(self) -> np.ndarray:
+        """Per step: its position within its row (0 for a single step)."""
+        counts = self._rows.column("steps").astype(np.int64)
+        if len(counts) == len(self):
+            return np.zeros(len(counts), dtype=np.int64)
+        firsts = np.cumsum(counts) - counts
+        return np.arange(len(self)) - np.repeat(firsts, counts)
+
+    def _starts(self) -> np.ndarray:
+        """A row's first step starts at the recorded start, every other one where its previous step ended."""
+        end = self._steps.column("end_s")
+        counts = self._rows.column("steps").astype(np.int64)
+        start = np.empty_like(end)
+        if len(end):
+            start[1:] = end[:-1]
+            start[np.cumsum(counts) - counts] = self._rows.column("start_s")
+        return start
 
     @property
     def columns(self) -> dict[str, np.ndarray]:
-        if self._columns is None or self.rows or self._small:
-            table = self.table
-            self._columns = {name: table[:, i] for i, name in enumerate(STEP_COLUMNS)}
-        return self._columns
+        """Every STEP_COLUMNS column per step."""
+        return {name: self.step_column(name) for name in STEP_COLUMNS}
 
-    def frame(self) -> pd.DataFrame:
-        df = pd.DataFrame(self.table, columns=list(STEP_COLUMNS))
-        for name in _INT_COLUMNS:
-            df[name] = df[name].astype(np.int64)
+    def frame(self, full: bool = True) -> pd.DataFrame:
+        """One row per step (`full`, the STEP_COLUMNS), or one per row with its step count."""
+        if full:
+            df = pd.DataFrame({name: self._typed(name, self.step_column(name)) for name in STEP_COLUMNS})
+        else:
+            df = pd.DataFrame({name: self._typed(name, self._aggregated(name)) for name in AGGREGATED_COLUMNS})
         df.insert(0, "replica", self.replica)
         return df
 
+    @staticmethod
+    def _typed(name: str, values: np.ndarray) -> np.ndarray:
+        return values.astype(np.float64 if name in _FLOAT else np.int64)
 
-_INT_COLUMNS = ("step", "running", "waiting", "num_seqs", "decode_seqs", "prefill_tokens", "batch_tokens",
-                "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read", "kv_blocks_used",
-                "kv_blocks_cached", "slack_tokens", "preemptions")
+    def _aggregated(self, name: str) -> np.ndarray:
+        if name in PER_ROW:
+            return self.row_column(name)
+        counts = self.row_column("steps").astype(np.int64)
+        last = np.cumsum(counts) - 1
+        first = last - counts + 1
+        if name in ("host_s", "device_s"):
+            values = self._steps.column(name)
+            return np.add.reduceat(values, first) if len(values) else values
+        if name.endswith("_last"):
+            return self._steps.column(name[:-len("_last")])[last]
+        return self._steps.column(name)[last if name == "end_s" else first]
+
+
+# ----------------------------------------------------------------------------- requests
+
+# A request's scalar figures, in the order `RequestTable.add` takes them.
+_REQUEST_FIELDS = ("id", "replica", "priority", "conversation", "is_warmup", "status", "arrival_s",
+                   "prompt_tokens", "output_tokens", "cached_tokens", "preemptions", "admit_step",
+                   "first_token_step", "finish_step", "tenant", "runs", "chunks")
+_REQUEST_FLOATS = ("arrival_s",)
+_NO_CONVERSATION = -(2 ** 62)
+
+
+class RequestTable:
+    """Ended requests in columns (see the module docstring); `rows()` in id order."""
+
+    CHUNK = 65_536
+
+    def __init__(self) -> None:
+        self._buffer: list[tuple] = []
+        self._cols = _Columns(_REQUEST_FIELDS, _REQUEST_FLOATS)
+        self._runs: list[np.ndarray] = []       # flattened (first, last) step pairs, request by request
+        self._run_buffer: list[int] = []
+        self._chunk_steps: list[np.ndarray] = []
+        self._chunk_buffer: list[int] = []
+        self._tenants: dict[Optional[str], int] = {None: -1}
+        self._reasons: dict[int, str] = {}      # request id -> reason (rejected and aborted ones)
+        self._order: Optional[np.ndarray] = None
+        self.count = 0
+
+    def add(self, req: Request) -> None:
+        """Take an ended request's figures (the object itself may then go)."""
+        runs, chunks = req.emit_runs, req.chunk_steps
+        finished = req.status is Status.FINISHED
+        if not finished:
+            chunks = ()                 # only a finished request's chunk steps count (host/device split)
+        tenant = self._tenants.setdefault(req.tenant, len(self._tenants) - 1)
+        self._buffer.append((req.id, req.replica, req.priority,
+                             _NO_CONVERSATION if req.conversation is None else req.conversation,
+                             req.is_warmup, int(req.status), np.nan if req.arrival is None else req.arrival,
+                             req.prompt_len, req.num_output, req.num_cached_tokens, req.num_preemptions,
+                             req.admit_step, req.first_token_step, req.finish_step, tenant,
+                             len(runs) // 2, len(chunks)))
+        if runs:
+            self._run_buffer += runs
+        if chunks:
+            self._chunk_buffer += chunks
+        if req.reject_reason is not None:
+            self._reasons[req.id] = req.reject_reason
+        self.count += 1
+        if len(self._buffer) >= self.CHUNK:
+            self._pack()
+
+    def extend(self, requests: Iterable[Request]) -> "RequestTable":
+        for req in requests:
+            self.add(req)
+        return self
+
+    def _pack(self) -> None:
+        if self._buffer:
+            table = self._buffer
+            self._buffer = []
+            values = np.array(table, dtype=np.float64)      # exact: every integer here is below 2**53
+            self._cols.add({name: values[:, i] for i, name in enumerate(_REQUEST_FIELDS)}, len(table))
+            self._cols.pack()
+        if self._run_buffer:
+            self._runs.append(_compact(np.asarray(self._run_buffer, dtype=np.int64)))
+            self._run_buffer = []
+        if self._chunk_buffer:
+            self._chunk_steps.append(_compact(np.asarray(self._chunk_buffer, dtype=np.int64)))
+            self._chunk_buffer = []
+        self._order = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def column(self, name: str) -> np.ndarray:
+        """A column in recording order."""
+        self._pack()
+        return self._cols.column(name)
+
+    @property
+    def order(self) -> np.ndarray:
+        """Positions in recording order that list the requests by id (stable)."""
+        if self._order is None:
+            self._order = np.argsort(self.column("id"), kind="stable")
+        return self._order
+
+    def sorted_column(self, name: str) -> np.ndarray:
+        return self.column(name)[self.order]
+
+    def emit_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(owner position in id order, first step, last step) of every run of emitting steps."""
+        return self._flat(self._runs, "runs", 2)
+
+    def chunk_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        """(owner position in id order, step) of every prefill chunk that emitted nothing."""
+        owner, steps = self._flat(self._chunk_steps, "chunks", 1)
+        return owner, steps
+
+    def _flat(self, parts: list, count_name: str, width: int):
+        self._pack()
+        flat = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        counts = self.column(count_name)
+        rank = np.empty(len(counts), dtype=np.int64)
+        rank[self.order] = np.arange(len(counts))          # recording position -> id-order position
+        owner = np.repeat(rank, counts)
+        # every owner's entries together, owners in id order (the order the rows list them)
+        by_owner = np.argsort(owner, kind="stable")
+        values = flat.reshape(-1, width)[by_owner]
+        if width == 1:
+            return owner[by_owner], values[:, 0]
+        return owner[by_owner], values[:, 0], values[:, 1]
+
+    def tenants(self) -> np.ndarray:
+        """Tenant names (None where a request has none), in id order."""
+        names = np.array([None] + [t for t in self._tenants if t is not None], dtype=object)
+        return names[self.sorted_column("tenant") + 1]
+
+    def reasons(self) -> list[Optional[str]]:
+        get = self._reasons.get
+        return [get(i) for i in self.sorted_column("id").tolist()]
+
+
+RequestsLike = Union[RequestTable, list]
 
 
 @dataclass
 class RunRecords:
-    """Everything a run leaves behind: its requests and, per replica, its steps."""
+    """Everything a run leaves behind: its requests (columns) and, per replica, its steps.
+    A list of ended Request objects is taken into a RequestTable."""
 
-    requests: list[Request]
+    requests: RequestsLike
     recorders: list[StepRecorder]
     kv_blocks_total: int                 # usable blocks per replica
     block_size: int
     explicit_itl: Optional[np.ndarray] = None     # client-measured gaps (live endpoints)
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def steps_frame(self) -> pd.DataFrame:
-        frames = [r.frame() for r in self.recorders]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=STEP_COLUMNS)
+    def __post_init__(self) -> None:
+        if not isinstance(self.requests, RequestTable):
+            self.requests = RequestTable().extend(self.requests)
+
+    def steps_frame(self, full: bool = True) -> pd.DataFrame:
+        """Every replica's steps: one row per step (`full`), or per record (a leap is one row)."""
+        frames = [r.frame(full) for r in self.recorders]
+        if frames:
+            return pd.concat(frames, ignore_index=True)
+        return pd.DataFrame(columns=STEP_COLUMNS if full else ["replica", *AGGREGATED_COLUMNS])
+
+    def step_series(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Per-step columns over every replica (replica by replica), plus 'replica'; for the summary,
+        without building a frame."""
+        names = list(names)
+        recs = self.recorders
+        out = {n: np.concatenate([r.step_column(n) for r in recs]) if recs else np.zeros(0) for n in names}
+        out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int64) for r in recs])
+                          if recs else np.zeros(0, dtype=np.int64))
+        return out
+
+    @property
+    def num_steps(self) -> int:
+        return sum(len(r) for r in self.recorders)
 
 
 def _step_times(rec: StepRecorder) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """start, end, and cumulative host / device time (index k = sum of steps < k)."""
-    cols = rec.columns
-    host = np.concatenate([[0.0], np.cumsum(cols["host_s"])])
-    device = np.concatenate([[0.0], np.cumsum(cols["device_s"])])
-    return cols["start_s"], cols["end_s"], host, device
+    host = np.concatenate([[0.0], np.cumsum(rec.step_column("host_s"))])
+    device = np.concatenate([[0.0], np.cumsum(rec.step_column("device_s"))])
+    return rec.step_column("start_s"), rec.step_column("end_s"), host, device
+
+
+_STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtype=object)
 
 
 def requests_frame(records: RunRecords) -> pd.DataFrame:
-    """One row per request with times, token counts and the queue/host/device split."""
-    reqs = records.requests
-    n = len(reqs)
+    """One row per request (in id order) with times, token counts and the queue/host/device split."""
+    table: RequestTable = records.requests
+    col = table.sorted_column
+    n = len(table)
+    conversation = col("conversation")
+    none = conversation == _NO_CONVERSATION
     out = {
-        "id": [r.id for r in reqs], "replica": [r.replica for r in reqs],
-        "tenant": [r.tenant for r in reqs], "priority": [r.priority for r in reqs],
-        "conversation": [r.conversation for r in reqs], "is_warmup": [r.is_warmup for r in reqs],
-        "status": [r.status.name.lower() for r in reqs], "reject_reason": [r.reject_reason for r in reqs],
-        "arrival_s": np.array([np.nan if r.arrival is None else r.arrival for r in reqs], dtype=float),
-        "prompt_tokens": [r.prompt_len for r in reqs], "output_tokens": [r.num_output for r in reqs],
-        "cached_tokens": [r.num_cached_tokens for r in reqs], "preemptions": [r.num_preemptions for r in reqs],
+        "id": col("id").astype(np.int64), "replica": col("replica").astype(np.int64),
+        "tenant": table.tenants().tolist(), "priority": col("priority").astype(np.int64),
+        "conversation": (conversation.astype(np.int64) if not none.any()
+                         else [None if c == _NO_CONVERSATION else int(c) for c in conversation.tolist()]),
+        "is_warmup": col("is_warmup").astype(bool),
+        "status": _STATUS_NAMES[col("status")].tolist(), "reject_reason": table.reasons(),
+        "arrival_s": col("arrival_s").astype(float),
+        "prompt_tokens": col("prompt_tokens").astype(np.int64), "output_tokens": col("output_tokens").astype(np.int64),
+        "cached_tokens": col("cached_tokens").astype(np.int64), "preemptions": col("preemptions").astype(np.int64),
     }
     for name in ("admitted_s", "first_token_s", "finish_s", "host_s", "device_s"):
         out[name] = np.full(n, np.nan)
-    for rec in records.recorders:
-        idx = [i for i, r in enumerate(reqs) if r.replica == rec.replica]
-        if idx and len(rec):
-            _fill_times(out, idx, reqs, rec)
+    if n:
+        replica = out["replica"]
+        run_owner, run_a, run_b = table.emit_runs()
+        chunk_owner, chunk_step = table.chunk_steps()
+        for rec in records.recorders:
+            idx = np.flatnonzero(replica == rec.replica)
+            if len(idx) and len(rec):
+                _fill_times(out, idx, table, rec, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
     df = pd.DataFrame(out)
     df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
     df["e2e_s"] = df["finish_s"] - df["arrival_s"]
@@ -188,7 +478,14 @@ def requests_frame(records: RunRecords) -> pd.DataFrame:
     return df
 
 
-def _fill_times(out: dict, idx: list[int], reqs: list[Request], rec: StepRecorder) -> None:
+def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
+    """Entries whose owner is among `idx` (sorted positions), owners renumbered 0..len(idx)-1."""
+    pos = np.searchsorted(idx, owner)
+    keep = (pos < len(idx)) & (idx[np.minimum(pos, len(idx) - 1)] == owner)
+    return (pos[keep], *(v[keep] for v in values))
+
+
+def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecorder, runs, chunks) -> None:
     start, end, host_c, dev_c = _step_times(rec)
 
     def at(steps: np.ndarray, times: np.ndarray) -> np.ndarray:
@@ -197,42 +494,21 @@ def _fill_times(out: dict, idx: list[int], reqs: list[Request], rec: StepRecorde
         res[valid] = times[steps[valid]]
         return res
 
-    sel = np.asarray(idx)
-    out["admitted_s"][sel] = at(np.array([reqs[i].admit_step for i in idx]), start)
-    out["first_token_s"][sel] = at(np.array([reqs[i].first_token_step for i in idx]), end)
-    out["finish_s"][sel] = at(np.array([reqs[i].finish_step for i in idx]), end)
-    owner, a, b = _emit_runs(reqs, idx)
+    col = table.sorted_column
+    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), start)
+    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), end)
+    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), end)
+    owner, a, b = _select(runs[0], idx, runs[1], runs[2])
     host = np.bincount(owner, weights=host_c[b + 1] - host_c[a], minlength=len(idx))
     dev = np.bincount(owner, weights=dev_c[b + 1] - dev_c[a], minlength=len(idx))
     step_host = np.diff(host_c)
     step_dev = np.diff(dev_c)
-    chunk_owner, chunk_step = _chunk_steps(reqs, idx)
+    chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
     host += np.bincount(chunk_owner, weights=step_host[chunk_step], minlength=len(idx))
     dev += np.bincount(chunk_owner, weights=step_dev[chunk_step], minlength=len(idx))
-    done = np.array([reqs[i].status is Status.FINISHED for i in idx])
-    out["host_s"][sel] = np.where(done, host, np.nan)
-    out["device_s"][sel] = np.where(done, dev, np.nan)
-
-
-def _emit_runs(reqs: list[Request], idx: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flatten every request's runs of emitting steps into (owner position, first, last)."""
-    owner, flat = [], []
-    for pos, i in enumerate(idx):
-        runs = reqs[i].emit_runs
-        if runs:
-            flat += runs
-            owner += [pos] * (len(runs) // 2)
-    pairs = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
-    return np.asarray(owner, dtype=np.int64), pairs[:, 0], pairs[:, 1]
-
-
-def _chunk_steps(reqs: list[Request], idx: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    owner, steps = [], []
-    for pos, i in enumerate(idx):
-        if reqs[i].chunk_steps and reqs[i].status is Status.FINISHED:
-            steps += reqs[i].chunk_steps
-            owner += [pos] * len(reqs[i].chunk_steps)
-    return np.asarray(owner, dtype=np.int64), np.asarray(steps, dtype=np.int64)
+    done = col("status")[idx] == int(Status.FINISHED)
+    out["host_s"][idx] = np.where(done, host, np.nan)
+    out["device_s"][idx] = np.where(done, dev, np.nan)
 
 
 def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -244,14 +520,18 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
     """
     if records.explicit_itl is not None:
         return records.explicit_itl, np.ones(len(records.explicit_itl), dtype=np.int64)
-    keep = set(int(i) for i in measured)
+    table: RequestTable = records.requests
+    ids = table.sorted_column("id")
+    keep = np.isin(ids, np.asarray(measured, dtype=np.int64))
+    replica = table.sorted_column("replica")
+    run_owner, run_a, run_b = table.emit_runs()
     values, weights = [], []
     for rec in records.recorders:
-        idx = [i for i, r in enumerate(records.requests) if r.replica == rec.replica and r.id in keep]
-        if not idx or not len(rec):
+        idx = np.flatnonzero((replica == rec.replica) & keep)
+        if not len(idx) or not len(rec):
             continue
-        _, end, _, _ = _step_times(rec)
-        owner, a, b = _emit_runs(records.requests, idx)
+        end = rec.step_column("end_s")
+        owner, a, b = _select(run_owner, idx, run_a, run_b)
         counts = np.zeros(len(end) + 1, dtype=np.int64)
         np.add.at(counts, a + 1, 1)
         np.add.at(counts, b + 1, -1)

@@ -12,11 +12,11 @@ import copy
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.core.memory import pool_block_bytes
+from sim.core.memory import parse_vllm_version, pool_block_bytes
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
@@ -92,6 +92,14 @@ class Parallelism(StrictModel):
         return self.tp * self.dp
 
 
+# The first vLLM release whose `async_scheduling` default (None, "auto") resolves to on: the switch
+# existed from 0.10 as an opt-in flag (--async-scheduling); vllm-project/vllm#27614, the last item of
+# the tracking issue vllm-project/vllm#27679 (closed after PRs of late December 2025), made it the
+# default, after 0.13 was cut. vLLM's recipes still called the flag opt-in for 0.11.1-0.12 on
+# 2025-12-01 (vllm-project/recipes#131).
+ASYNC_SCHEDULING_DEFAULT_FROM = (0, 14)
+
+
 class EngineConfig(StrictModel):
     batching: Literal["continuous", "static"] = "continuous"
     allocation: Literal["paged", "contiguous"] = "paged"
@@ -118,9 +126,11 @@ class EngineConfig(StrictModel):
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
     # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
     activation_mib: Optional[float] = Field(default=None, ge=0, le=MAX_DEVICE_MIB)
-    # vLLM >= 0.11 plans step N+1 while step N runs (auto, resolving to on): host work hides behind
-    # the device. Applies to GPU devices; on a CPU "device" host and device share the processor.
-    async_scheduling: bool = True
+    # vLLM's async scheduling: step N+1 is planned while step N runs, so host work hides behind the
+    # device and a finished request's blocks and seat are freed one step late. auto = vLLM's default
+    # for vllm_version (on from 0.14) on a GPU device with continuous batching; kvtwin's own engine
+    # on the `cpu` device is synchronous. Read the resolved value as `Scenario.async_scheduling`.
+    async_scheduling: Union[bool, Literal["auto"]] = "auto"
     # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     # How the KV pool is sized when num_blocks is unset, on GPU devices: vllm = vLLM's own plan
@@ -487,6 +497,16 @@ class Scenario(StrictModel):
         if not self.engine.chunked_prefill and self.engine.max_num_batched_tokens is None:
             budget = max(budget, self.max_model_len)  # vLLM: must hold a whole prompt then
         return budget
+
+    @property
+    def async_scheduling(self) -> bool:
+        """engine.async_scheduling resolved: `auto` is on where vLLM's default is (>= 0.11) and the
+        engine is a vLLM-like one (a GPU device, continuous batching)."""
+        setting = self.engine.async_scheduling
+        if setting != "auto":
+            return bool(setting)
+        return (parse_vllm_version(self.engine.vllm_version) >= ASYNC_SCHEDULING_DEFAULT_FROM
+                and self.device.name != "cpu" and self.engine.batching == "continuous")
 
     def _big_gpu(self) -> bool:
         return self.device.memory_mib >= 70 * 1024 and not self.device.name.startswith("a100")

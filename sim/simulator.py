@@ -23,7 +23,7 @@ from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager, new_kv_manager
 from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
-from sim.records import RunRecords, StepRecorder
+from sim.records import RequestTable, RunRecords, StepRecorder
 from sim.core.request import Request, Status
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
@@ -64,7 +64,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
 
-MIN_LEAP_STEPS = 4         # shorter stretches go step by step (cheaper than planning a leap)
+MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
 LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
@@ -75,14 +75,14 @@ class Client:
     While requests wait here, any replica's finish routes one: `pending` says so, for anything
     that plans ahead to the next routing."""
 
-    def __init__(self, env: simpy.Environment, router, max_concurrency: Optional[int]):
-        self.env, self.router, self.limit = env, router, max_concurrency
+    def __init__(self, env: simpy.Environment, route: Callable[[Request], None], max_concurrency: Optional[int]):
+        self.env, self.route, self.limit = env, route, max_concurrency
         self.in_flight = 0
         self.queue: deque[Request] = deque()
 
     def send(self, req: Request) -> None:
         if self.limit is None:
-            self.router.route(req)
+            self.route(req)
         elif self.in_flight < self.limit:
             self._go(req)
         else:
@@ -102,7 +102,7 @@ class Client:
     def _go(self, req: Request) -> None:
         self.in_flight += 1
         req.arrival = self.env.now
-        self.router.route(req)
+        self.route(req)
         if req.status is Status.REJECTED:           # answered at once: the slot frees
             self.in_flight -= 1
 
@@ -117,6 +117,10 @@ class Simulation:
     progress: Optional[Callable[[int], None]] = None
     # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
     fast: bool = True
+    # The caller hands `requests` over: the list is emptied as the run starts, and each request
+    # is dropped once it ended and its figures went into the records (a million requests then
+    # never all live at once beside their records).
+    release: bool = False
 
     def run(self) -> RunRecords:
         with gc_paused():
@@ -127,34 +131,54 @@ class Simulation:
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
+        self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         # A finish on one replica can send a follow-up turn to another after its think time.
         turns = [r.think_time for r in self.requests if r.next_turn is not None]
         self._min_think = min(turns) if turns else math.inf
+        self._ended = RequestTable()
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
         for replica in self.replicas:
             env.process(self._engine_loop(env, replica))
-        first_turns = [r for r in self.requests if r.arrival is not None]
-        self._client = Client(env, router, self.scenario.workload.max_concurrency)
-        env.process(self._arrivals(env, first_turns, router))
+        first_turns = deque(r for r in self.requests if r.arrival is not None)
+        self._num_requests = len(self.requests)
+        if self.release:
+            self.requests.clear()
+        self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
+        # One replica, an open-loop client and no follow-up turns: between a leap's end and the
+        # next arrival nothing but this replica acts, so leaps run back to back in one event.
+        self._chained = (self.fast and len(self.replicas) == 1 and self._client.limit is None
+                         and self._min_think == math.inf)
         self._router = router
+        env.process(self._arrivals(env, first_turns))
         env.run()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
         self._check_every_request_ended()
-        return RunRecords(self.requests, [r.recorder for r in self.replicas],
+        return RunRecords(self._ended, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
 
-    def _arrivals(self, env: simpy.Environment, requests: list[Request], router):
-        for req in requests:
+    def _arrivals(self, env: simpy.Environment, requests: deque):
+        while requests:
+            req = requests.popleft()         # the run holds a request only while it is in flight
             if req.arrival > env.now:
                 self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
                 yield env.timeout(req.arrival - env.now)
             self._client.send(req)
         self._next_arrival = math.inf
+
+    def _route(self, req: Request) -> None:
+        """Send a request to the router; one rejected at once (with the later turns of its
+        conversation) has ended: its figures go into the records."""
+        self._router.route(req)
+        if req.status is Status.REJECTED:
+            turn: Optional[Request] = req
+            while turn is not None:
+                self._ended.add(turn)
+                turn = turn.next_turn
 
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
         yield env.timeout(delay)
@@ -188,16 +212,8 @@ class Simulation:
                     and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
                 leap = self._plan_leap(sched, env.now, horizon)
                 if leap is not None:
-                    plan, ends, host, device, ctx, blocks = leap
-                    running, waiting = len(sched.running), sched.num_waiting
-                    used, cached, slack = apply_leap(sched, plan, len(ends))
-                    replica.busy_until = ends[-1]
-                    yield _At(env, float(ends[-1]))
-                    recorder.record_leap(plan.first_step, last_end, ends, plan.rows, ctx, blocks, running,
-                                         waiting, used, cached, slack, host, device)
-                    last_step = (env.now - last_end) / len(ends)
+                    last_step = yield from self._leaps(env, replica, leap, horizon)
                     last_end = env.now
-                    self._retire(env, replica, finish_leap(sched))
                     continue
             batch = sched.schedule()
             if batch is None:
@@ -216,8 +232,37 @@ class Simulation:
             last_end = env.now
             self._retire(env, replica, sched.finish_step(batch))
 
+    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, horizon: float):
+        """Run a planned leap; where nothing else can see the moments between them (`_chained`),
+        also the leaps that follow it before `horizon`, each planned from where the last ended,
+        as one SimPy event. Returns the mean step length of the last one."""
+        sched, recorder = replica.scheduler, replica.recorder
+        start = env.now
+        while True:
+            plan, ends, host, device, ctx, blocks = leap
+            running, waiting = len(sched.running), sched.num_waiting
+            used, cached, slack = apply_leap(sched, plan, len(ends))
+            end = float(ends[-1])
+            chained = self._chained and end < horizon
+            if not chained:
+                replica.busy_until = end
+                yield _At(env, end)
+            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
+                                 waiting, used, cached, slack, host, device, sched.num_waiting)
+            self._retire(env, replica, finish_leap(sched))
+            last_step = (end - start) / len(ends)
+            if not chained:
+                return last_step
+            start = end
+            leap = self._plan_leap(sched, end, horizon)
+            if leap is None:
+                replica.busy_until = end
+                yield _At(env, end)
+                return last_step
+
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
+            self._ended.add(req)
             self._client.done()
             replica.outstanding_tokens -= req.max_len
             if req.next_turn is not None:
@@ -230,57 +275,90 @@ class Simulation:
 
     def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
         """A leap from `now`: (plan, end times, host s, device s, decode ctx, blocks read) of its
-        steps, all ending before `horizon` (the next routing); None when not one step qualifies."""
-        plan = plan_leap(sched, max_steps=1 << 30, min_steps=MIN_LEAP_STEPS)
+        steps, None when not one step qualifies. It ends with the step in flight at `horizon`
+        (the next routing): that step was scheduled before the routing in the one-by-one path
+        too, and its finish comes after it, so the router sees the same states. (A step ending
+        exactly at `horizon` is left out: which of the two comes first is SimPy's queue order.)"""
+        plan = plan_leap(sched, max_steps=1 << 30, min_steps=max(1, MIN_LEAP_STEPS))
         if plan is None:
             return None
-        first = min(plan.max_steps, LEAP_SCALAR_STEPS)
+        first = plan.reach(LEAP_SCALAR_STEPS)
         ctx, blocks = plan.shapes(first)
-        step_time = self.cost_model.step_time
-        shape = StepShape(plan.rows, 0, 0)
+        price = self._decode_pricer(plan.rows, ctx[0], blocks[0])
         ends, hosts, devices = [], [], []
         t = now
         for k in range(first):
-            shape.decode_ctx, shape.blocks_read = ctx[k], blocks[k]
-            h, d = step_time(shape, False)
+            h, d = price(ctx[k], blocks[k])
             t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
-            if t >= horizon:
+            if t == horizon:                # a tie: which goes first is SimPy's queue order
                 break
             ends.append(t)
             hosts.append(h)
             devices.append(d)
+            if t > horizon:                 # the step in flight when the request arrives
+                break
         else:
-            if plan.max_steps > first:
+            if plan.reach(first + 1) > first:
                 return self._bulk_times(plan, now, ends, hosts, devices, horizon)
         if not ends:
             return None
         k = len(ends)
         return plan, ends, hosts, devices, ctx[:k], blocks[:k]
 
+    def _decode_pricer(self, rows: int, ctx: int, blocks: int):
+        """The cost model's decode-only pricer for `rows` (made once per batch size and checked
+        then against step_time: if they ever differ, step_time prices every such step)."""
+        pricer = self._pricers.get(rows)
+        if pricer is None:
+            step_time = self.cost_model.step_time
+            pricer = self.cost_model.decode_pricer(rows)
+            if pricer is None or pricer(ctx, blocks) != step_time(StepShape(rows, ctx, blocks), False):
+                def pricer(c, b, rows=rows):
+                    return step_time(StepShape(rows, c, b), False)
+            self._pricers[rows] = pricer
+        return pricer
+
     def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
-        """A long leap priced with numpy (the same float operations, element by element)."""
-        columns = plan.columns(plan.max_steps)
-        host, device = self.cost_model.step_times(columns)
-        if hosts and (host[0] != hosts[0] or device[0] != devices[0]):
-            # an element-wise function (a power, say) rounded differently from its scalar form:
-            # price this leap step by step, so that it stays exact
-            host, device = zip(*(self.cost_model.step_time(StepShape(plan.rows, int(c), int(b)), False)
-                                 for c, b in zip(columns["decode_ctx"], columns["blocks_read"])))
-            host, device = np.array(host), np.array(device)
-        start = ends[-1] if ends else now
-        tail = np.cumsum(np.concatenate(([start], host[len(ends):] + device[len(ends):])))[1:]
-        k = len(ends) + int(np.searchsorted(tail, horizon, side="left"))   # steps ending before it
-        ends = np.concatenate((ends, tail[:k - len(ends)]))
+        """A long leap priced with numpy (the same float operations, element by element), in
+        growing stretches until one crosses the horizon (or the plan ends)."""
+        size = 4 * len(ends)
+        while True:
+            size *= 4
+            k_max = plan.reach(size)
+            columns = plan.columns(k_max)
+            host, device = self.cost_model.step_times(columns)
+            if host[0] != hosts[0] or device[0] != devices[0]:
+                # an element-wise function (a power, say) rounded differently from its scalar form:
+                # price this leap step by step, so that it stays exact
+                host, device = zip(*(self.cost_model.step_time(StepShape(plan.rows, int(c), int(b)), False)
+                                     for c, b in zip(columns["decode_ctx"], columns["blocks_read"])))
+                host, device = np.array(host), np.array(device)
+            tail = np.cumsum(np.concatenate(([ends[-1]], host[len(ends):] + device[len(ends):])))[1:]
+            before = int(np.searchsorted(tail, horizon, side="left"))       # steps ending before it
+            if before < len(tail) or k_max < size:
+                break
+        if before < len(tail) and tail[before] > horizon:
+            before += 1                                                      # and the one in flight then
+        k = len(ends) + before
+        ends = np.concatenate((ends, tail[:before]))
         return plan, ends, host[:k], device[:k], columns["decode_ctx"][:k], columns["blocks_read"][:k]
 
     def _check_every_request_ended(self) -> None:
         """Every request that entered the run ends finished or rejected (with a reason)."""
+        missing = self._num_requests - len(self._ended)
+        if self.release:
+            if missing:
+                raise AssertionError(f"{missing} of {self._num_requests} requests never ended "
+                                     f"(or follow-up turns were never released)")
+            return
         stuck = [r for r in self.requests if r.arrival is not None and not r.is_finished]
         if stuck:
             raise AssertionError(f"{len(stuck)} requests never ended, e.g. {stuck[0]!r}")
         never_sent = [r for r in self.requests if r.arrival is None and r.status.name != "REJECTED"]
         if never_sent:
             raise AssertionError(f"{len(never_sent)} follow-up turns were never released, e.g. {never_sent[0]!r}")
+        if missing:
+            raise AssertionError(f"{missing} requests ended without being recorded")
 
 
 class _At(simpy.events.Event):
@@ -299,17 +377,20 @@ class _At(simpy.events.Event):
 
 def simulate(scenario, requests: Optional[list[Request]] = None,
              progress: Optional[Callable[[int], None]] = None,
-             fast: bool = True) -> tuple[RunRecords, MemoryPlan, CostModel]:
-    """Predict one scenario: build its workload, size its KV pool, run the SimPy model."""
+             fast: bool = True, release: bool = False) -> tuple[RunRecords, MemoryPlan, CostModel]:
+    """Predict one scenario: build its workload, size its KV pool, run the SimPy model.
+    With `release` the caller hands `requests` over (see Simulation.release); a workload built
+    here is always released."""
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
     check_block_pool_supports(scenario.model, scenario.engine.allocation)
     if requests is None:
-        requests = build_requests(scenario)
+        requests, release = build_requests(scenario), True
     else:
         for r in requests:
             r.reset()
-    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast)
+    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast, release=release)
+    del requests
     t0 = time.perf_counter()
     records = sim.run()
     records.meta["wall_s"] = time.perf_counter() - t0

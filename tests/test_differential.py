@@ -1,7 +1,7 @@
 """Differential fuzz: the fast paths of the policy against the one-by-one loop (issue 15).
 
 Each seed draws a small random scenario (pool, block size, limits, policy, composition,
-chunking, caching, arrivals, shared prefixes, priorities) and drives two schedulers side by
+chunking, caching, arrivals, shared prefixes, priorities; async scheduling on for odd seeds) and drives two schedulers side by
 side: one with the decode cohort, one forced one by one. After every step they must agree
 on the step's composition, every request's state and blocks, and the pool's free queue in
 LRU order and its prefix-cache map. Small scenarios keep a few hundred seeds cheap.
@@ -28,7 +28,8 @@ def random_case(seed):
                     max_model_len=256, batching=batching, chunked_prefill=rnd.random() < 0.7,
                     policy=rnd.choice(["fcfs", "priority"]),
                     step_composition=rnd.choice(["mixed", "prefill_first"]),
-                    admission_watermark=rnd.choice([0.0, 0.0, 0.05])),
+                    admission_watermark=rnd.choice([0.0, 0.0, 0.05]),
+                    async_scheduling=seed % 2 == 1),         # vLLM's one-step lag in retiring finishers
         requests=[(rnd.randint(0, 40), rnd.choice([0, 0, 16, 48]), rnd.randint(1, 60), rnd.randint(1, 50),
                    rnd.randint(0, 2), rnd.randint(0, 2)) for _ in range(rnd.randint(1, 14))])
     return case
@@ -139,7 +140,8 @@ def random_scenario(seed):
                    "max_num_seqs": seqs, "max_num_batched_tokens": max(seqs, 512 if not chunked else rnd.choice([64, 512])),
                    "max_model_len": 512, "chunked_prefill": chunked, "prefix_caching": rnd.random() < 0.6,
                    "scheduling_policy": rnd.choice(["fcfs", "priority"]), "step_composition": composition,
-                   "admission_watermark": rnd.choice([0.0, 0.01])},
+                   "admission_watermark": rnd.choice([0.0, 0.01]),
+                   "async_scheduling": seed % 2 == 1},      # on for odd seeds, off for even ones
         "workload": workload,
         "cluster": {"replicas": rnd.choice([1, 1, 2, 3]),
                     "router": rnd.choice(["round_robin", "least_outstanding_tokens", "prefix_aware"])},

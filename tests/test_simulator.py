@@ -141,14 +141,15 @@ def test_multi_turn_follow_ups_wait_for_the_answer_and_hit_the_cache():
                                                         "think_dist": "fixed"})
     records, _, _ = simulate(s)
     df = requests_frame(records)
-    by_id = {r.id: r for r in records.requests}
-    for r in records.requests:
-        if r.next_turn is not None:
-            follow = df.set_index("id").loc[r.next_turn.id]
-            prev = df.set_index("id").loc[r.id]
-            assert follow["arrival_s"] == pytest.approx(prev["finish_s"] + 1.0)
-            assert follow["cached_tokens"] >= 200 - 16      # the previous turn's prompt is cached
-    assert len(by_id) == 60 and (df["status"] == "finished").all()
+    # a conversation's turns are consecutive ids (the records keep no Request objects)
+    follow_ups = 0
+    for _, turns in df.sort_values("id").groupby("conversation"):
+        for prev, follow in zip(turns.iloc[:-1].itertuples(), turns.iloc[1:].itertuples()):
+            assert follow.arrival_s == pytest.approx(prev.finish_s + 1.0)
+            assert follow.cached_tokens >= 200 - 16      # the previous turn's prompt is cached
+            follow_ups += 1
+    assert follow_ups == 40
+    assert len(df) == 60 and df["id"].is_unique and (df["status"] == "finished").all()
 
 
 def test_rejected_requests_end_with_a_reason_and_are_counted():

@@ -25,7 +25,7 @@ import pandas as pd
 import yaml
 
 from sim.core.catalog import ModelSpec, get_device, get_model, model_fields_from_hf_config
-from sim.core.memory import parse_vllm_version, vllm_memory_plan
+from sim.core.memory import vllm_memory_plan
 from sim.costmodel import CostCoefficients, DeviceProfile
 from sim.scenario import validate_scenario
 from sim.vllm.results import VllmResult
@@ -97,10 +97,11 @@ def scenario_for(entry: dict, logs: dict[str, dict]):
     model, device = model_spec(entry), get_device(GPUS[entry["gpu"]["model"]])
     engine = {k: entry[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len") if entry.get(k)}
     engine["gpu_memory_utilization"] = entry.get("gpu_memory_utilization") or 0.9
-    # async scheduling: as the run states, else vLLM's default for its version (auto/on from 0.11)
+    # async scheduling: as the run states, else vLLM's default for its version (Scenario.async_scheduling)
     stated = entry.get("async_scheduling")
-    engine["async_scheduling"] = bool(stated) if stated is not None else (
-        parse_vllm_version(entry.get("vllm_version")) >= (0, 11))
+    engine["async_scheduling"] = bool(stated) if stated is not None else "auto"
+    if entry.get("vllm_version"):
+        engine["vllm_version"] = str(entry["vllm_version"])
     # the longest request of the run bounds what the deployment had to admit
     m = entry["metrics"]
     longest = round((m["total_input_tokens"] + m["total_output_tokens"]) / m["completed"])

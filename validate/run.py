@@ -41,7 +41,7 @@ def with_profile(scenario, profile: Optional[Path]):
 
 def synchronous(scenario):
     """kvtwin's engine schedules each step after the previous one: predict it without vLLM's overlap."""
-    if not scenario.engine.async_scheduling:
+    if not scenario.async_scheduling:
         return scenario
     copy = scenario.model_copy(deep=True)
     copy.engine.async_scheduling = False

@@ -167,12 +167,14 @@ class DecodeCohort:
         crossing = self._by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            take_block = kv.pool.take_one
             # In the running list's order, as the one-by-one loop hands out blocks.
             if len(crossing) > 1:
                 crossing = sorted(crossing, key=_run_seq)
-            for req in crossing:
-                req.blocks.append(take_block())
+                for req, block in zip(crossing, kv.pool.get_new_blocks(len(crossing))):
+                    req.blocks.append(block)
+            else:
+                for req in crossing:
+                    req.blocks.append(kv.pool.take_one())
             kv.held_slots += bs * len(crossing)
         if self.caching:
             for req in self._by_phase[-clock % bs]:               # their token completes a block
@@ -186,9 +188,9 @@ class DecodeCohort:
             heapq.heappop(heap)
         return heap[0] + self.offset if heap else float("inf")
 
-    def phase_sizes(self) -> list[int]:
-        """Members per phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
-        return [len(group) for group in self._by_phase]
+    def phase_groups(self) -> list[dict[Request, None]]:
+        """Members by phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
+        return self._by_phase
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after `finish(step)`)."""

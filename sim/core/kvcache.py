@@ -17,8 +17,8 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Optional
+from collections import OrderedDict, deque
+from typing import Optional, Union
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
 from sim.core.request import Request
@@ -38,7 +38,11 @@ class BlockPool:
         self.ref_cnt[NULL_BLOCK] = 1
         self.block_hash: list[Optional[int]] = [None] * num_blocks
         # OrderedDict as an O(1) doubly linked list: pop the head, remove from the middle, append.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        # Without a prefix cache nothing is revived from the middle and no block is shared, so a
+        # deque keeps the same LRU order at C speed (`_plain` below).
+        self.free_queue: Union[OrderedDict[int, None], deque[int]] = (
+            OrderedDict.fromkeys(range(1, num_blocks)) if enable_caching else deque(range(1, num_blocks)))
+        self._plain = not enable_caching
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
         # de-duplicates a block that fills with content already cached (block tables are
         # append-only), so a hash can have several blocks: the later ones wait in `duplicates`,
@@ -63,12 +67,27 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        take = self.take_one
-        return [take() for _ in range(n)]
+        if self._plain:
+            pop = self.free_queue.popleft
+            blocks = [pop() for _ in range(n)]
+        elif self.num_cached_free:
+            take = self.take_one
+            return [take() for _ in range(n)]
+        else:       # no free block holds a hash, so none needs evicting
+            pop = self.free_queue.popitem
+            blocks = [pop(False)[0] for _ in range(n)]
+        ref = self.ref_cnt
+        for block in blocks:
+            ref[block] = 1
+        return blocks
 
 
     def take_one(self) -> int:
         """Pop the least recently freed block, evicting its cached hash if it still has one."""
+        if self._plain:
+            block = self.free_queue.popleft()
+            self.ref_cnt[block] = 1
+            return block
         block = self.free_queue.popitem(last=False)[0]
         h = self.block_hash[block]
         if h is not None:                    # lazy eviction (a block holds a hash only while the map holds it)
@@ -81,6 +100,8 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
+        if blocks and self._plain:
+            raise AssertionError("cache hits in a pool without prefix caching")
         for block in blocks:
             if self.ref_cnt[block] == 0:
                 del self.free_queue[block]
@@ -90,6 +111,11 @@ class BlockPool:
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
         ref, queue, hashes = self.ref_cnt, self.free_queue, self.block_hash
+        if self._plain:                      # never shared: every count drops from 1 to 0
+            for block in blocks:
+                ref[block] = 0
+            queue.extend(blocks)
+            return
         revivable = 0
         for block in blocks:
             ref[block] -= 1

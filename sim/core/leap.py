@@ -13,7 +13,8 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
   - the waiting head would not be admitted at step t. Free blocks only shrink during the
     stretch and a cached prefix only loses blocks, so a head that cannot start at step t
     cannot start later in it either (the requirement never drops, the supply never grows);
-  - no member emits its last token before step t+K-1 (a finish may end the leap).
+  - no member emits its last token before step t+K-1 (a finish may end the leap);
+  - with async scheduling, no finished request is waiting to be released (sim/core/scheduler.py).
 Arrivals are the driver's business: it must end the leap before the next request reaches
 any router (sim/simulator.py cuts it at the first step ending at or after that time).
 
@@ -33,18 +34,26 @@ from sim.core.scheduler import Batch, Scheduler
 
 
 class LeapPlan:
-    """Up to `max_steps` pure decode steps from `first_step`; step k's shape on demand."""
+    """Up to `max_steps` pure decode steps from `first_step`; step k's shape on demand.
+
+    `max_steps` is first the bound set by the members' next finish; the steps whose blocks
+    the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
     __slots__ = ("first_step", "max_steps", "rows", "members", "_ctx0", "_ctx_per_step", "_walked",
-                 "_walked_before", "_static")
+                 "_walked_before", "_static", "_clock", "_groups", "_free", "_taken", "_limit")
 
-    def __init__(self, sched: Scheduler, max_steps: int, walked: list[int]):
+    def __init__(self, sched: Scheduler, max_steps: int):
         cohort = sched.cohort
         self.first_step = sched.step
         self.max_steps = max_steps
         self.members = len(cohort)
-        self._walked = walked              # blocks the members start walking at each step
+        self._walked: list[int] = []       # blocks the members start walking at each step
         self._walked_before = cohort.blocks_walked
+        self._clock = cohort.clock(sched.step)
+        self._groups = cohort.phase_groups()
+        self._free = sched.kv.pool.num_free if not sched.kv.contiguous else None
+        self._taken = 0
+        self._limit = max_steps            # lowered where the pool runs out
         if sched.static:                   # every row of the padded batch attends the same length
             self.rows = sched._static_rows
             self._static = (sched._static_len - sched._static_step, sched.block_size)
@@ -55,13 +64,34 @@ class LeapPlan:
             self._ctx0 = cohort.ctx_offset_sum - self.members * cohort.offset
             self._ctx_per_step = self.members
 
+    def reach(self, k: int) -> int:
+        """How many of the first k steps can run (their blocks are free); counts them on demand."""
+        walked = self._walked
+        k = min(k, self._limit)
+        if len(walked) < k:
+            groups, bs = self._groups, len(self._groups)
+            i, clock, free, taken = len(walked), self._clock, self._free, self._taken
+            while i < k:
+                w = len(groups[(1 - clock - i) % bs])
+                if free is not None:
+                    taken += w
+                    if taken > free:
+                        self._limit = k = i
+                        break
+                walked.append(w)
+                i += 1
+            self._taken = taken
+        return k
+
     def shapes(self, k: int) -> tuple[list[int], list[int]]:
-        """(decode context, blocks read) of the first k steps."""
+        """(decode context, blocks read) of the first k steps (k <= reach(k))."""
         t = self.first_step
-        ctx = [self._ctx0 + self._ctx_per_step * (t + i) for i in range(k)]
+        ctx0, per = self._ctx0, self._ctx_per_step
         if self._static is not None:
             offset, bs = self._static
-            return ctx, [self.rows * -(-(offset + t + i) // bs) for i in range(k)]
+            return ([ctx0 + per * (t + i) for i in range(k)],
+                    [self.rows * -(-(offset + t + i) // bs) for i in range(k)])
+        ctx = [ctx0 + per * (t + i) for i in range(k)]
         return ctx, list(accumulate(self._walked[:k], initial=self._walked_before))[1:]
 
     def columns(self, k: int) -> dict[str, np.ndarray]:
@@ -87,32 +117,26 @@ class StepShape:
 
 def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[LeapPlan]:
     """The pure-decode stretch starting at the scheduler's next step, or None if there is none
-    (or if a member finishes within fewer than `min_steps`: a short leap does not pay)."""
+    (or if a member finishes within fewer than `min_steps`: a short leap does not pay).
+    The plan's steps are bounded by the next finish; `LeapPlan.reach` counts how many of
+    them the free blocks allow."""
     cohort, kv, cfg = sched.cohort, sched.kv, sched.config
     members = len(cohort)
     t = sched.step
-    clock = cohort.clock(t)
-    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != clock - 1
+    clock = t - cohort.offset
+    # (async scheduling: not while the last step's finishers still hold blocks and seats; the
+    # one-step path releases them after its next pass)
+    if (not sched.lazy or not members or sched.active or sched.pending_release or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
     max_steps = int(min(max_steps, cohort.next_finish() - t + 1))
     if max_steps < max(1, min_steps):
         return None
-    bs = kv.block_size
-    sizes = cohort.phase_sizes()
+    first = cohort.due_blocks(t)           # blocks the members take at the first step
     free = kv.pool.num_free
-    paged = not kv.contiguous
-    walked, taken = [], 0
-    for i in range(max_steps):              # stop where the members' next blocks are not all free
-        w = sizes[(1 - clock - i) % bs]
-        if paged:
-            taken += w
-            if taken > free:
-                break
-        walked.append(w)
-    if not walked or _head_starts(sched, members, free - (walked[0] if paged else 0)):
+    if first > free or _head_starts(sched, members, free - first):
         return None
-    return LeapPlan(sched, len(walked), walked)
+    return LeapPlan(sched, max_steps)
 
 
 def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:

@@ -15,6 +15,14 @@ be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
 when none is running, its prompts computed in one padded forward (no token budget, no
 chunks), and it runs until its last member finishes. Every step computes all B rows, padded
 to the longest prompt: a finished member's row keeps being computed (`Batch.pad_rows`).
+
+Async scheduling (vLLM's AsyncScheduler, `async_scheduling`): vLLM plans step N+1 while step
+N runs and processes N's outputs only after that, so a request that emits its last token in
+step N is removed from RUNNING, and its blocks freed, after step N+1 was planned. Step N+1
+does not compute for it (vLLM knows it reaches max_tokens), but it still holds its KV blocks
+and its max_num_seqs seat there; it can even be chosen as a preemption victim, which frees its
+blocks at once (it finishes all the same). Here `finish_step` retires such requests but keeps
+them in `running` (`_finishing`) until the next pass of `schedule` has run.
 """
 from __future__ import annotations
 
@@ -42,13 +50,15 @@ class SchedulerConfig:
     reserve_full_prompt: bool = True
     # Advance steady decodes as a cohort (sim/core/cohort.py); False forces the one-by-one loop.
     lazy_decode: bool = True
+    # vLLM's async scheduling: finished requests leave RUNNING one step late (module docstring).
+    async_scheduling: bool = False
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
         e = s.engine
         return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, e.batching,
                    e.chunked_prefill, e.scheduling_policy, e.step_composition,
-                   e.admission_watermark, e.reserve_full_prompt)
+                   e.admission_watermark, e.reserve_full_prompt, async_scheduling=s.async_scheduling)
 
 
 class Batch:
@@ -177,6 +187,11 @@ class Scheduler:
         self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
         # The static batch running now: its rows, padded prompt length and first step.
         self._static_rows = self._static_len = self._static_step = 0
+        # async scheduling: requests that finished in the last step, still in `running` with their
+        # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
+        # planning step N+1)
+        self._finishing: list[Request] = []
+        self._released = False
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -262,7 +277,12 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
+        return len(self.running) > len(self._finishing) or self.num_waiting > 0
+
+    @property
+    def pending_release(self) -> bool:
+        """Async scheduling: finished requests still hold blocks and seats until the next pass."""
+        return bool(self._finishing)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
@@ -273,17 +293,25 @@ class Scheduler:
         empty step takes no time, so it is folded into the next one (its preemptions with it)
         rather than returned as nothing to do, which would leave the engine asleep.
         """
-        batch = self._schedule_step()
-        while batch is None and self._empty_preempted:
-            preempted = self._empty_preempted
-            batch = self._schedule_step()
-            if batch is not None:
-                batch.preempted[:0] = preempted
-            elif not self._empty_preempted:
-                break
-            else:
-                self._empty_preempted = preempted + self._empty_preempted
+        batch = self._schedule_pass()
+        preempted: list[Request] = []
+        # Async scheduling: a pass that finds nothing only because the last step's finishers still
+        # held their blocks or seats is an empty step in vLLM; their release lets the next pass run.
+        while batch is None and (self._empty_preempted or self._released):
+            preempted += self._empty_preempted
+            batch = self._schedule_pass()
+        if batch is not None and preempted:
+            batch.preempted[:0] = preempted
         self._empty_preempted = []
+        return batch
+
+    def _schedule_pass(self) -> Optional[Batch]:
+        """One scheduling pass; then, under async scheduling, the last step's outputs retire
+        their finished requests (vLLM's update_from_output runs after the next schedule)."""
+        batch = self._schedule_step()
+        self._released = bool(self._finishing)
+        if self._released:
+            self._release_finishing()
         return batch
 
     def _schedule_step(self) -> Optional[Batch]:
@@ -457,6 +485,9 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
+        if victim.status is Status.FINISHED:
+            self._preempt_finishing(victim, batch)
+            return
         if victim._cohort is not None:
             self.cohort.leave(victim)
         if self.priority:
@@ -476,6 +507,20 @@ class Scheduler:
         self.num_preemptions += 1
         batch.preempted.append(victim)
         self._push_waiting(victim, front=True)
+
+    def _preempt_finishing(self, victim: Request, batch: Batch) -> None:
+        """Async scheduling: the victim emitted its last token in the step in flight. vLLM frees
+        its blocks now and counts a preemption; its output then finishes it from the waiting queue,
+        before anything is admitted, so it simply finishes here."""
+        if self.priority:
+            self.running.remove(victim)
+        else:
+            self.running.pop()
+        self._finishing.remove(victim)
+        self._free_finished(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(victim)
 
     def _schedule_waiting(self, batch: Batch, budget: int) -> int:
         """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
@@ -567,13 +612,15 @@ class Scheduler:
         for req in finished:
             req.status = Status.FINISHED
             req.finish_step = step
-            self.tokens_held -= req.num_computed
-            self.kv.free(req)
             _close_emit_run(req)
-            req.drop_block_hashes()        # never looked up again: 40 B a block, most of a finished request
-        for req in finished:
-            self.running.remove(req)
             self.active.pop(req, None)
+        if self.config.async_scheduling:
+            self._finishing = finished     # released after the next scheduling pass
+        else:
+            for req in finished:
+                self._free_finished(req)
+            for req in finished:
+                self.running.remove(req)
         self.num_finished += len(finished)
         if self.lazy:
             for req in emitted:
@@ -582,10 +629,26 @@ class Scheduler:
                     del self.active[req]
         return finished
 
+    def _free_finished(self, req: Request) -> None:
+        self.tokens_held -= req.num_computed
+        self.kv.free(req)
+        req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
+
+    def _release_finishing(self) -> None:
+        """Async scheduling: free the last step's finished requests and take them out of RUNNING."""
+        finishing, self._finishing = self._finishing, []
+        for req in finishing:
+            self._free_finished(req)
+        if len(finishing) == len(self.running):
+            self.running.clear()
+        else:
+            for req in finishing:
+                self.running.remove(req)
+
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:
         """Every added request is finished, rejected, aborted, waiting or running."""
-        live = self.num_waiting + len(self.running)
+        live = self.num_waiting + len(self.running) - len(self._finishing)
         ended = self.num_finished + self.num_rejected + self.num_aborted
         if self.num_added != ended + live:
             raise AssertionError(f"request accounting broken: added {self.num_added} != finished "

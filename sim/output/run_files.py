@@ -13,22 +13,30 @@ from sim.output.io import write_csv, write_json
 from sim.predict import RunResult
 
 
-def write_data_files(result: RunResult, out_dir: Path) -> dict[str, Path]:
-    """summary.json, requests.csv, steps.csv, manifest.json."""
+STEP_FILE_KINDS = ("aggregated", "full")
+
+
+def write_data_files(result: RunResult, out_dir: Path, steps: str = "aggregated") -> dict[str, Path]:
+    """summary.json, requests.csv, steps.csv, manifest.json. steps.csv has a row per record (a leap of
+    K decode steps is one row, with K in `steps`: README "Outputs") or with `steps="full"` a row per step."""
     out_dir = Path(out_dir)
+    if steps not in STEP_FILE_KINDS:
+        raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")
+    step_rows = result.steps if steps == "full" else result.records.steps_frame(full=False)
     files = {
         "summary": write_json(out_dir / "summary.json", result.summary),
         "requests": write_csv(out_dir / "requests.csv", result.requests),
-        "steps": write_csv(out_dir / "steps.csv", result.steps),
+        "steps": write_csv(out_dir / "steps.csv", step_rows),
         "manifest": write_json(out_dir / "manifest.json", result.manifest),
     }
     result.files.update(files)
     return files
 
 
-def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True) -> dict[str, Path]:
+def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True,
+              steps: str = "aggregated") -> dict[str, Path]:
     """The data files, and unless `report` is False the plots and report.html (+ trace.json when asked)."""
-    files = write_data_files(result, out_dir)
+    files = write_data_files(result, out_dir, steps)
     if report or trace:
         files.update(write_reports({result.name: result}, Path(out_dir), plots=report, trace=trace))
     return files

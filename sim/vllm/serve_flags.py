@@ -118,6 +118,8 @@ MODELLED = (
              "none (the checkpoint's quantization_config)", ("-q",)),
     Modelled("--data-parallel-size", "parallelism.dp", int, "1", ("-dp",)),
     Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", boolean=True),
+    Modelled("--async-scheduling", "engine.async_scheduling", _bool,
+             "auto: on from vLLM 0.14 (engine.vllm_version)", boolean=True),
 )
 
 # Flags vLLM has that kvtwin leaves out, with why. True/False: whether the flag is a bare switch
@@ -155,8 +157,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--compilation-config": (False, "compilation changes step times: calibrate the cost model on the "
                                     "same setting"),
     "-O": (False, "compilation level changes step times: calibrate the cost model on the same setting"),
-    "--async-scheduling": (True, "kvtwin models one step after another (async scheduling overlaps the "
-                                 "host's work with the device's: the calibrated host time covers it)"),
     "--calculate-kv-scales": (True, _NOT_MODELLED),
     "--kv-cache-memory": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
     "--kv-cache-memory-bytes": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),

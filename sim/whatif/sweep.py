@@ -133,6 +133,7 @@ class PointTask:
     label: str = ""
     out_dir: Optional[str] = None               # write the point's full run here (--point-outputs)
     trace: bool = False
+    steps: str = "aggregated"                   # steps.csv of a written point (simrun --steps)
 
     def scenario(self):
         raw = self.raw
@@ -153,11 +154,11 @@ def run_point(task: PointTask) -> dict[str, Any]:
 
     scenario = task.scenario()
     try:
-        result = predict(scenario, task.label or scenario.name)
+        result = predict(scenario, task.label or scenario.name, manifest=bool(task.out_dir))
     except InsufficientMemoryError as e:
         return {"error": f"does not fit: {e}"}
     if task.out_dir:
-        write_run(result, Path(task.out_dir), trace=task.trace)
+        write_run(result, Path(task.out_dir), trace=task.trace, steps=task.steps)
     return {**flatten(result.summary), **gpu_cost(scenario)}
 
 
@@ -270,13 +271,13 @@ class Sweep:
 
 
 def point_tasks(raw: dict, base_dir: Path, source: str, axes: Sequence[Axis], points: Sequence[Point],
-                outputs: Optional[Path] = None, trace: bool = False) -> list[PointTask]:
+                outputs: Optional[Path] = None, trace: bool = False, steps: str = "aggregated") -> list[PointTask]:
     """One task per point, each validated here so a bad value fails before anything runs."""
     tasks = []
     for p in points:
         out_dir = str(outputs / point_folder(p, axes)) if outputs else None
         task = PointTask(raw, str(base_dir), source, tuple(zip((a.path for a in axes), p.values)),
-                         p.label(axes), out_dir, trace)
+                         p.label(axes), out_dir, trace, steps)
         task.scenario()
         tasks.append(task)
     return tasks
@@ -290,13 +291,14 @@ def point_folder(point: Point, axes: Sequence[Axis]) -> str:
 
 def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
               jobs: int = 1, ray: Optional[str] = None, outputs: Optional[Path] = None,
-              trace: bool = False, quiet: bool = False) -> Sweep:
+              trace: bool = False, quiet: bool = False, steps: str = "aggregated") -> Sweep:
     if raw.get("variants"):
         raise SweepError(f"{source} has variants ({', '.join(raw['variants'])}); a sweep runs one "
                          f"scenario: sweep the field the variants change instead, or drop them "
                          f"with --set 'variants={{}}'")
     points = sweep_points(axes, zipped)
-    tasks = point_tasks(raw, base_dir, source, axes, points, outputs, trace)
+    tasks = point_tasks(raw, base_dir, source, axes, points, outputs, trace, steps)
+    import sim.predict  # noqa: F401  (imported once here, so forked workers inherit it, not import it each)
     rows = parallel_map(run_point, tasks, jobs, ray, label=f"sweep ({len(points)} points)", quiet=quiet)
     return Sweep(axes, points, zipped, sweep_frame(axes, points, rows))
 
@@ -570,7 +572,7 @@ def sweep_main(args: argparse.Namespace) -> int:
     with owned_run_folder(out, force=getattr(args, "force", False)):
         sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
                           check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
-                          args.trace, args.quiet)
+                          args.trace, args.quiet, getattr(args, "steps", "aggregated"))
         write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario))
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0)

@@ -1,0 +1,84 @@
+"""Columnar run records (issue 13): requests taken as they end, steps a row per step or per leap."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.metrics import summarise
+from sim.output.run_files import write_data_files
+from sim.predict import predict
+from sim.records import AGGREGATED_COLUMNS, STEP_COLUMNS, RunRecords, requests_frame
+from sim.scenario import load_scenario
+from sim.simulator import simulate
+from sim.workload import build_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def busy_scenario(n=300, *extra):
+    return load_scenario(ROOT / "scenarios" / "bench_sim_speed.yaml",
+                         [f"workload.num_requests={n}", "workload.arrival.rate=300", *extra])
+
+
+@pytest.fixture(scope="module")
+def run():
+    scenario = busy_scenario()
+    records, _, _ = simulate(scenario)
+    return scenario, records
+
+
+def test_leaps_are_one_row_and_expand_to_every_step(run):
+    _, records = run
+    full, rows = records.steps_frame(), records.steps_frame(full=False)
+    assert list(full.columns) == ["replica", *STEP_COLUMNS] and list(rows.columns) == ["replica", *AGGREGATED_COLUMNS]
+    assert (rows["steps"] > 1).any() and len(rows) < len(full) == rows["steps"].sum()
+    assert (full["step"].to_numpy() == np.arange(len(full))).all()
+    last = np.cumsum(rows["steps"].to_numpy()) - 1
+    first = last - rows["steps"].to_numpy() + 1
+    for column in ("start_s", "kv_blocks_used", "decode_ctx", "blocks_read", "running", "num_seqs"):
+        assert (rows[column].to_numpy() == full[column].to_numpy()[first]).all(), column
+    assert (rows["end_s"].to_numpy() == full["end_s"].to_numpy()[last]).all()
+    assert (rows["kv_blocks_used_last"].to_numpy() == full["kv_blocks_used"].to_numpy()[last]).all()
+    assert np.allclose(rows["device_s"], np.add.reduceat(full["device_s"].to_numpy(), first), rtol=1e-12)
+    # within a row every step starts where the previous one ended
+    inner = np.setdiff1d(np.arange(len(full)), first)
+    assert (full["start_s"].to_numpy()[inner] == full["end_s"].to_numpy()[inner - 1]).all()
+
+
+def test_summary_from_columns_equals_the_one_from_a_per_step_frame(run):
+    scenario, records = run
+    df = requests_frame(records)
+    from_frame = summarise(records, scenario.slo, df, records.steps_frame())
+    from_columns = summarise(records, scenario.slo, df)
+    assert json.dumps(from_frame, sort_keys=True) == json.dumps(from_columns, sort_keys=True)
+
+
+def test_requests_taken_as_they_end_equal_requests_taken_at_the_end():
+    scenario = busy_scenario(200, "workload.multi_turn={turns: 3, user_len: 30, think_time_s: 0.2}",
+                             "engine.num_blocks=300")
+    requests = build_requests(scenario)
+    records, _, _ = simulate(scenario, requests)             # not released: the list stays whole
+    assert len(requests) == 200 and all(r.is_finished for r in requests)
+    at_end = RunRecords(requests, records.recorders, records.kv_blocks_total, records.block_size)
+    pd.testing.assert_frame_equal(requests_frame(records), requests_frame(at_end), check_exact=True)
+    assert requests_frame(records)["preemptions"].sum() > 0    # runs split by preemption are covered
+
+
+def test_a_released_workload_is_emptied_and_every_request_recorded():
+    scenario = busy_scenario(100)
+    requests = build_requests(scenario)
+    records, _, _ = simulate(scenario, requests, release=True)
+    assert requests == [] and len(records.requests) == 100
+    assert list(requests_frame(records)["id"]) == list(range(100))
+
+
+def test_steps_csv_is_aggregated_unless_full_is_asked(tmp_path):
+    result = predict(busy_scenario(150))
+    write_data_files(result, tmp_path / "rows")
+    write_data_files(result, tmp_path / "full", steps="full")
+    rows, full = pd.read_csv(tmp_path / "rows" / "steps.csv"), pd.read_csv(tmp_path / "full" / "steps.csv")
+    assert len(full) == result.summary["num_steps"] == rows["steps"].sum() > len(rows)
+    with pytest.raises(ValueError, match="steps='every'"):
+        write_data_files(result, tmp_path / "bad", steps="every")
