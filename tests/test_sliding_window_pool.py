@@ -194,7 +194,7 @@ def random_run(seed):
     sched = scheduler(groups, num_blocks=rnd.randint(20, 120), block_size=bs, caching=rnd.random() < 0.7,
                       budget=budget, seqs=rnd.randint(1, 8), policy=rnd.choice(["fcfs", "priority"]),
                       step_composition=rnd.choice(["mixed", "mixed", "prefill_first"]),
-                      chunked_prefill=rnd.random() < 0.8)
+                      chunked_prefill=rnd.random() < 0.8, async_scheduling=rnd.random() < 0.3)
     reqs = [make_request(i, float(rnd.randint(0, 30)), ([(900 + rnd.randint(0, 1), 24)] if rnd.random() < 0.5 else [])
                          + [(i, rnd.randint(1, 60))], rnd.randint(1, 50), priority=rnd.randint(0, 2))
             for i in range(rnd.randint(2, 14))]
@@ -203,8 +203,8 @@ def random_run(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_pool_use_over_whole_runs_follows_the_window_arithmetic(seed):
-    """After every step, each running request holds exactly what memory.py says a request of its
-    progress holds: cdiv(c + n, bs) blocks per full group, minus the blocks behind the window
+    """After every step (FCFS or priority, mixed or prefill_first, async scheduling or not), each
+    running request holds exactly what memory.py says a request of its progress holds: cdiv(c + n, bs) blocks per full group, minus the blocks behind the window
     of the tokens computed before the step in each sliding group; never more than vLLM's
     per-request bound; and the pool's used blocks are the sum over running requests."""
     sched, reqs, groups = random_run(seed)
