@@ -12,7 +12,7 @@ import pytest
 
 from sim.core.kvcache import NULL_BLOCK, GroupedKVCacheManager, KVCacheManager, new_kv_manager
 from sim.core.memory import (BlockPoolUnsupportedError, KVCacheGroups, blocks_for_tokens, check_block_pool_supports,
-                             plan_memory, sliding_window_skipped_blocks)
+                             plan_memory, sliding_window_hit_blocks, sliding_window_skipped_blocks)
 from sim.core.request import Status, make_request
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.core.catalog import get_model
@@ -395,3 +395,45 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# vLLM's own unit-test cases for the sliding-window manager, expected values theirs:
+# https://github.com/vllm-project/vllm/blob/00b08dc44519a82cbdd9061d92d1226985094622/tests/v1/core/test_single_type_kv_cache_manager.py
+# (test_sliding_window_possible_cached_prefix, test_sliding_window_remove_skipped_blocks; block 2, window 4)
+T, F = True, False
+
+
+@pytest.mark.parametrize("cached, expected", [
+    ([F] * 10, 0), ([T], 1), ([T, F], 1), ([T, T], 2), ([T, T, F], 2), ([T, T, T], 3), ([T, T, T, F], 3),
+    ([T, T, F, T, F, F, T, T, F, T, T, T], 12), ([T, T, F, T, F, F, T, T, F, F, F], 8),
+    ([T, T, F, T, F, F, T, T, F, F, F, T], 8)])
+def test_sliding_hits_as_vllms_own_cases(cached, expected):
+    assert sliding_window_hit_blocks(cached, 2, 4) == expected
+    # and through the pool: the hit's last two blocks are the cached ones, the rest null
+    kv = GroupedKVCacheManager(40, 2, sliding_only(4), 8)
+    req = make_request(0, 0.0, [(5, 2 * len(cached) + 1)], 1)
+    req.extend_block_hashes(len(cached), 2)
+    for i, hit in enumerate(cached):
+        if hit:
+            kv.pool.cache_block(10 + i, req.block_hashes[i])
+    hits, tokens = kv.find_cached_prefix(req)
+    assert tokens == 2 * expected
+    if expected:
+        table = hits[0]
+        tail = min(expected, 2)
+        assert table[:expected - tail] == [NULL_BLOCK] * (expected - tail)
+        assert table[expected - tail:] == [10 + i for i in range(expected - tail, expected)]
+
+
+def test_window_frees_as_vllms_own_case():
+    kv = GroupedKVCacheManager(20, 2, sliding_only(4), 8, enable_caching=False)
+    req = make_request(0, 0.0, [(5, 22)], 1)
+    assert kv.allocate_slots(req, 22)
+    first = list(req.blocks)                       # 11 blocks
+    kept = {0: first, 4: first, 5: [0] + first[1:], 6: [0] + first[1:], 7: [0, 0] + first[2:],
+            11: [0] * 4 + first[4:]}
+    for computed, table in kept.items():
+        req.num_computed = computed
+        kv.remove_skipped_blocks(req)
+        assert req.blocks == table, computed
+    assert list(kv.pool.free_queue)[-4:] == [first[0], first[1], first[3], first[2]]   # 1003 before 1002
