@@ -65,7 +65,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
 
 
 MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
-LEAP_SCALAR_STEPS = 16     # a leap's first steps are priced one by one (cheaper than numpy for a few)
+LEAP_SCALAR_STEPS = 32     # a leap's first steps are priced one by one (cheaper than numpy for a few)
 
 
 class Client:
@@ -205,17 +205,21 @@ class Simulation:
         step_time = self.cost_model.step_time
         last_end = float("-inf")
         last_step = 0.0
+        seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
             # Leap only where one can pay for its planning: several steps before the next event
             # (judged by the last step's length; the leap itself is cut exactly either way).
-            if (self.fast and env.now == last_end
+            # A request that arrived during the last step is most likely admitted now: no leap.
+            if (self.fast and env.now == last_end and sched.num_waiting <= seen_waiting
                     and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
                 leap = self._plan_leap(sched, env.now, horizon)
                 if leap is not None:
+                    seen_waiting = sched.num_waiting
                     last_step = yield from self._leaps(env, replica, leap, horizon)
                     last_end = env.now
                     continue
             batch = sched.schedule()
+            seen_waiting = sched.num_waiting
             if batch is None:
                 replica.wakeup = env.event()
                 replica.busy_until = math.inf

@@ -158,12 +158,15 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     used, cached, slack = [], [], []
     t = plan.first_step
     advance = cohort.advance
-    for i in range(k):
-        advance(t + i, kv)
-        sched.tokens_held += plan.members
-        used.append(pool.num_used)
+    members, held = plan.members, sched.tokens_held
+    usable, queue = pool.usable_blocks, pool.free_queue
+    for step in range(t, t + k):
+        advance(step, kv)
+        held += members
+        used.append(usable - len(queue))
         cached.append(pool.num_cached_free)
-        slack.append(kv.held_slots - sched.tokens_held)
+        slack.append(kv.held_slots - held)
+    sched.tokens_held = held
     sched.step = t + k
     return used, cached, slack
 
