@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from itertools import islice
 
 from sim.core.request import Request
 
@@ -110,7 +109,8 @@ class DecodeCohort:
         i = req._pause_index
         if i < len(pauses) and pauses[i] < last:
             runs = list(runs)
-            for p in islice(pauses, i, None):
+            for j in range(i, len(pauses)):
+                p = pauses[j]
                 if p >= last:            # not a gap yet: the next emission decides
                     break
                 if p > start:
