@@ -217,41 +217,47 @@ class Simulation:
         last_step = 0.0
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
+            # Where nothing else can act before the next arrival (`_chained`), steps and leaps that
+            # end before it run back to back without waiting for SimPy's clock: `now` runs ahead.
+            now = last_end if last_end > env.now else env.now
+            horizon = self._next_route_time(replica) if self.fast else math.inf
             # Leap only where one can pay for its planning: several steps before the next event
             # (judged by the last step's length; the leap itself is cut exactly either way).
             # A request that arrived during the last step is most likely admitted now: no leap.
-            if (self.fast and env.now == last_end and sched.num_waiting <= seen_waiting
-                    and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
-                leap = self._plan_leap(sched, env.now, horizon)
+            if (self.fast and now == last_end and sched.num_waiting <= seen_waiting
+                    and horizon - now > MIN_LEAP_STEPS * last_step):
+                leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
                     seen_waiting = sched.num_waiting
-                    last_step = yield from self._leaps(env, replica, leap, horizon)
-                    last_end = env.now
+                    last_step, last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
             batch = sched.schedule()
             seen_waiting = sched.num_waiting
             if batch is None:
+                if now > env.now:            # catch up before sleeping
+                    yield _At(env, now)
                 replica.wakeup = env.event()
                 replica.busy_until = math.inf
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
             kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, sched.slack_tokens
-            host, device = step_time(batch, env.now - last_end > IDLE_GAP_S)
-            start = env.now
-            replica.busy_until = start + (host + device)
-            yield env.timeout(host + device)
-            recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
-            last_step = env.now - start
-            last_end = env.now
+            host, device = step_time(batch, now - last_end > IDLE_GAP_S)
+            end = now + (host + device)      # as SimPy's timeout adds it
+            if not (self._chained and end < horizon):
+                replica.busy_until = end
+                yield _At(env, end)
+            recorder.record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
+            last_step = end - now
+            last_end = end
             self._retire(env, replica, sched.finish_step(batch))
 
-    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, horizon: float):
+    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, now: float, horizon: float):
         """Run a planned leap; where nothing else can see the moments between them (`_chained`),
         also the leaps that follow it before `horizon`, each planned from where the last ended,
-        as one SimPy event. Returns the mean step length of the last one."""
+        without waiting for SimPy's clock. Returns (mean step length of the last, its end)."""
         sched, recorder = replica.scheduler, replica.recorder
-        start = env.now
+        start = now
         while True:
             plan, ends, host, device, ctx, blocks = leap
             running, waiting = len(sched.running), sched.num_waiting
@@ -266,13 +272,11 @@ class Simulation:
             self._retire(env, replica, finish_leap(sched))
             last_step = (end - start) / len(ends)
             if not chained:
-                return last_step
+                return last_step, end
             start = end
             leap = self._plan_leap(sched, end, horizon)
             if leap is None:
-                replica.busy_until = end
-                yield _At(env, end)
-                return last_step
+                return last_step, end
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
