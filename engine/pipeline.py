@@ -50,6 +50,7 @@ class StepPipeline:
         self.overlap = overlap_wanted() if overlap is None else overlap
         self._pending: Optional[PendingStep] = None
         self._finished: Optional[list[Request]] = None   # finish_step of the pending step, if done early
+        self.launched: list[PendingStep] = []             # the steps the last step() call launched
 
     def busy(self) -> bool:
         """Work left: a step in flight or requests the scheduler holds."""
@@ -57,6 +58,7 @@ class StepPipeline:
 
     def step(self) -> Optional[CompletedStep]:
         """The next completed step, or None when nothing is in flight and nothing can be scheduled."""
+        self.launched = []
         if self._pending is None and not self._launch_next():
             return None
         pending, finished = self._pending, self._finished
@@ -73,6 +75,7 @@ class StepPipeline:
         if batch is None:
             return False
         self._pending = self.runner.launch(self.runner.prepare(batch))
+        self.launched.append(self._pending)
         if self.overlap and not self._samples_live(batch, self._pending):
             self._finished = self.scheduler.finish_step(batch)
         return True
