@@ -304,7 +304,7 @@ class CostModel:
         host = self._host_time(seqs, decodes, batch.num_prefill_tokens)
         device = self._device_time(seqs, decodes, batch.num_prefill_tokens, batch.decode_ctx,
                                    batch.prefill_ctx, batch.prefill_attn, batch.blocks_read, max)
-        host = self._exposed_host(host, device, seqs, max, overlapped=not after_idle)
+        host = self._exposed_host(host, device, seqs, max)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
@@ -352,27 +352,19 @@ class CostModel:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
         col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
         device = self._device_time(*col, np.maximum)
-        idle = after_idle(steps)
-        host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum, overlapped=~idle)
-        return host + self.coefficients.wake_s * idle, device
+        host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum)
+        return host + self.coefficients.wake_s * after_idle(steps), device
 
-    def _exposed_host(self, host, device, seqs, maximum, overlapped=True):
+    def _exposed_host(self, host, device, seqs, maximum):
         """The host time a step adds to the device's, by the engine's overlap rules.
 
         Output processing (detokenization, API streaming) runs in the API server's process and
         only shows when it is slower than the engine's own step. Synchronous scheduling puts the
         scheduler's host work before each launch; async scheduling plans step N+1 while step N
-        runs, so only what exceeds the device time shows, except for a step that follows an idle
-        engine (`overlapped` False: nothing ran while it was planned). The graph launch is
-        always serial."""
+        runs, so only what exceeds the device time shows. The graph launch is always serial."""
         c = self.coefficients
         output = (c.detok_token_s + c.api_token_s) * seqs
-        if not self.async_scheduling:
-            engine = c.graph_launch_s + host
-        elif maximum is max:
-            engine = c.graph_launch_s + (max(host - device, 0.0) if overlapped else host)
-        else:
-            engine = c.graph_launch_s + np.where(overlapped, np.maximum(host - device, 0.0), host)
+        engine = c.graph_launch_s + (maximum(host - device, 0.0) if self.async_scheduling else host)
         return engine + maximum(output - (engine + device), 0.0)
 
     def _host_time(self, seqs, decodes, prefill_tokens):
