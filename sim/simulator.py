@@ -65,7 +65,8 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
 
 
 MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
-LEAP_SCALAR_STEPS = 32     # a leap's first steps are priced one by one (cheaper than numpy for a few)
+LEAP_SCALAR_CHUNKS = (4, 12, 32)  # a leap's first 32 steps are priced one by one (cheaper than numpy
+                                  # for a few), their shapes made in these stretches
 
 
 class Client:
@@ -300,23 +301,36 @@ class Simulation:
         plan = plan_leap(sched, max_steps=1 << 30, min_steps=max(1, MIN_LEAP_STEPS))
         if plan is None:
             return None
-        first = plan.reach(LEAP_SCALAR_STEPS)
-        ctx, blocks = plan.shapes(first)
-        price = self._decode_pricer(plan.rows, ctx[0], blocks[0])
-        ends, hosts, devices = [], [], []
+        price = None
+        ends, hosts, devices, ctx, blocks = [], [], [], [], []
         t = now
-        for k in range(first):
-            h, d = price(ctx[k], blocks[k])
-            t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
-            if t == horizon:                # a tie: which goes first is SimPy's queue order
-                break
-            ends.append(t)
-            hosts.append(h)
-            devices.append(d)
-            if t > horizon:                 # the step in flight when the request arrives
+        for size in LEAP_SCALAR_CHUNKS:     # shapes made a few at a time: most leaps are short
+            done = len(ctx)
+            k_max = plan.reach(size)
+            if k_max <= done:
+                break                       # the plan ends here
+            more_ctx, more_blocks = plan.shapes(k_max, done)
+            if price is None:
+                price = self._decode_pricer(plan.rows, more_ctx[0], more_blocks[0])
+            ctx += more_ctx
+            blocks += more_blocks
+            crossed = False
+            for c, b in zip(more_ctx, more_blocks):
+                h, d = price(c, b)
+                t = t + (h + d)             # SimPy's own sum: now + delay, step after step
+                if t == horizon:            # a tie: which goes first is SimPy's queue order
+                    crossed = True
+                    break
+                ends.append(t)
+                hosts.append(h)
+                devices.append(d)
+                if t > horizon:             # the step in flight when the request arrives
+                    crossed = True
+                    break
+            if crossed:
                 break
         else:
-            if plan.reach(first + 1) > first:
+            if plan.reach(len(ctx) + 1) > len(ctx):
                 return self._bulk_times(plan, now, ends, hosts, devices, horizon)
         if not ends:
             return None
