@@ -413,7 +413,16 @@ class RunRecords:
         names = list(names)
         recs = self.recorders
         out = {n: np.concatenate([r.step_column(n) for r in recs]) if recs else np.zeros(0) for n in names}
-        out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int64) for r in recs])
+        out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int32) for r in recs])
+                          if recs else np.zeros(0, dtype=np.int64))
+        return out
+
+    def row_series(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """PER_ROW columns over every replica, plus 'replica' and each row's step count 'steps'."""
+        recs = self.recorders
+        out = {n: np.concatenate([r.row_column(n) for r in recs]) if recs else np.zeros(0, dtype=np.int64)
+               for n in (*names, "steps")}
+        out["replica"] = (np.concatenate([np.full(r.num_rows, r.replica, dtype=np.int64) for r in recs])
                           if recs else np.zeros(0, dtype=np.int64))
         return out
 
