@@ -132,8 +132,9 @@ class _Steps:
             rows["steps"] = np.ones(len(rows["replica"]), dtype=np.int64)
         else:
             per_step, rows = records.step_series(_PER_STEP), records.row_series(_PER_ROW)
-        floats = ("start_s", "end_s")
-        self.step = {c: v.astype(np.float64 if c in floats else np.int64, copy=False) for c, v in per_step.items()}
+        # integers stay as stored (int32 mostly): their max, sum and float average are the same
+        self.step = {c: v.astype(np.float64, copy=False) if c in ("start_s", "end_s") else v
+                     for c, v in per_step.items()}
         self.row = {c: v.astype(np.int64, copy=False) for c, v in rows.items()}
         self.count = len(self.step["end_s"])
 
