@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
+from sim import stop
 from sim.costmodel import CostModel
 from sim.core.memory import MemoryPlan
 from sim.metrics import summarise
@@ -41,9 +42,13 @@ class RunResult:
 
 def predict(scenario, name: Optional[str] = None,
             progress: Optional[Callable[[int], None]] = None) -> RunResult:
-    """Simulate and summarise; nothing is written."""
+    """Simulate and summarise; nothing is written. Stops with stop.StopRequested at its checks
+    (here, and every 256 finished requests through the progress callback) once a signal asked."""
+    stop.check()
     workload = build_workload(scenario)
-    records, plan, cost_model = simulate(scenario, workload.requests, progress=progress)
+    stop.check()
+    records, plan, cost_model = simulate(scenario, workload.requests, progress=stop.polling(progress))
+    stop.check()
     req_df = requests_frame(records)
     steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)

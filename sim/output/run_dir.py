@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from sim import stop
 from sim.errors import UserError
 from sim.output.io import write_json, write_text
 
@@ -118,29 +117,10 @@ def _remove_stale(folder: Path, owned: set[str]) -> None:
                 path.rmdir()
 
 
-# Set once a SIGTERM arrived during a run: the KeyboardInterrupt it raises can surface wrapped in
-# another exception (e.g. raised inside an import, as "Error calling __set_name__"), and the cli
-# still has to report an interrupted run, not a crash.
-terminated = False
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt (exit 130, cleanup runs) instead of killing outright."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(*_):
-        global terminated
-        terminated = True
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+def _remove_temp_files(folder: Path, foreign: set[str]) -> None:
+    for rel in _files(folder) - foreign:
+        if _is_temp(rel):
+            (folder / rel).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -149,7 +129,9 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
     On failure INCOMPLETE stays, and the next run into the folder removes the partial files."""
     folder = Path(folder)
     foreign = check_out_folder(folder, force)
-    with _sigterm_as_interrupt():          # so an atomic write in flight removes its temp file
+    # SIGTERM and Ctrl-C ask for a stop (sim/stop.py); the work stops at its next check with
+    # StopRequested, so INCOMPLETE stays and temp files are removed on the way out
+    with stop.stop_on_signals():
         try:
             folder.mkdir(parents=True, exist_ok=True)
             owned, _ = _owned_and_foreign(folder, _files(folder))
@@ -160,9 +142,14 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
                                             f"its files here may be partial.\n")
         except OSError as e:
             raise OutputFolderError(f"{folder}: cannot prepare the output folder ({e.strerror or e})") from None
-        yield folder
-    written = sorted(_files(folder) - foreign - _OWN)
-    write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "finished":
-                                 time.strftime("%Y-%m-%dT%H:%M:%S%z"), "foreign": sorted(foreign),
-                                 "files": written})
-    (folder / INCOMPLETE).unlink(missing_ok=True)
+        try:
+            yield folder
+        except BaseException:
+            # the run's worker processes have ended by now: drop any temp file a write of theirs left
+            _remove_temp_files(folder, foreign)
+            raise
+        written = sorted(_files(folder) - foreign - _OWN)
+        write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "finished":
+                                     time.strftime("%Y-%m-%dT%H:%M:%S%z"), "foreign": sorted(foreign),
+                                     "files": written})
+        (folder / INCOMPLETE).unlink(missing_ok=True)
