@@ -38,6 +38,35 @@ def out_folder_arg(text: str) -> Path:
     return Path(text)
 
 
+def out_file_arg(text: str) -> Path:
+    """argparse `type=` for an --out that names one file: an empty or blank path is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file, e.g. --out my_scenario.yaml")
+    return Path(text)
+
+
+def check_out_file(path: Path, written_by: str, force: bool = False) -> None:
+    """Raise OutputFolderError unless kvtwin may write the single file `path` (atomically, with
+    sim.output.io). A file is its own ownership marker: it starts with `written_by`, the header
+    kvtwin writes (so its own earlier output is replaced); any other file there, or a link, is
+    refused unless `force`. Nothing is written."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputFolderError(f"{path}: is a folder; --out names the file to write (e.g. {path}/scenario.yaml)")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputFolderError(f"{path}: cannot be written ({parent} is not a writable folder) (--out)")
+    if not (path.exists() or path.is_symlink()) or force:
+        return
+    own = False
+    if path.is_file() and not path.is_symlink():
+        with path.open("rb") as f:
+            own = f.read(len(written_by.encode())) == written_by.encode()
+    if not own:
+        raise OutputFolderError(f"{path}: exists and kvtwin did not write it; pick another --out, or pass "
+                                f"--force to replace it")
+
+
 def _is_temp(rel: str) -> bool:
     """A temporary file of sim.output.io.atomic_path (`.NAME.XXXX.tmp`)."""
     name = rel.rsplit("/", 1)[-1]
