@@ -57,7 +57,8 @@ from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, seri
 np = lazy_import("numpy")      # on first use: `simrun bench -h` stays light
 pd = lazy_import("pandas")
 
-# The seed's smoke step (the same request as engine/replay.py's smoke check).
+# The smoke request sent before measuring, to check the endpoint answers with the lengths asked
+# for (the same request as engine/replay.py's smoke check).
 SMOKE_PROMPT_TOKENS = 16
 SMOKE_OUTPUT_TOKENS = 8
 # A workload whose request count or mean/p90 lengths differ from the scenario's by more
