@@ -147,9 +147,12 @@ def _remove_stale(folder: Path, owned: set[str]) -> None:
 
 
 def _remove_temp_files(folder: Path, foreign: set[str]) -> None:
-    for rel in _files(folder) - foreign:
-        if _is_temp(rel):
-            (folder / rel).unlink(missing_ok=True)
+    try:
+        for rel in _files(folder) - foreign:
+            if _is_temp(rel):
+                (folder / rel).unlink(missing_ok=True)
+    except OSError:
+        pass                    # best effort on the way out: the error being raised is the one to report
 
 
 @contextmanager
