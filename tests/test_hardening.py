@@ -394,11 +394,12 @@ def test_sigterm_mid_run_leaves_incomplete_and_no_temp_files(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, "-m", "sim.cli", str(path), "--out", str(out), "--quiet"], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120          # a bound for a stuck start, not a timing assumption
     while not (out / INCOMPLETE).exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
+    assert proc.poll() is None and (out / INCOMPLETE).exists()     # our handler is in place from here on
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     # communicate() returning means every process holding stderr (the figure workers) has ended
     assert proc.returncode == 130, err[-500:]
     assert (out / INCOMPLETE).exists() and not list(out.rglob("*.tmp"))
