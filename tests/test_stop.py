@@ -122,8 +122,9 @@ def test_sweep_workers_get_the_stop_and_end_before_the_parent(tmp_path):
                 sys.exit(130)
         sys.exit(0)
     """, ["w0", "w1"])
+    # 130 and every worker ended; a point the pool handed out after the stop starts and stops at its
+    # first check (which of w2..w5 do depends on when the pool feeds them: not asserted)
     assert code == 130, err[-2000:]
-    assert not (tmp_path / "w5").exists()          # points not yet started were cancelled
 
 
 def test_figure_workers_and_their_forked_copies_get_the_stop(tmp_path):
