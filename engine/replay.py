@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from engine.runner import InconsistentBatchError, ModelRunner
-from sim.core.kvcache import KVCacheManager
+from sim.core.kvcache import new_kv_manager
+from sim.core.memory import check_block_pool_supports, kv_cache_groups
 from sim.metrics import summarise
 from sim.predict import RunResult, git_commit, kvtwin_version, length_stats, memory_summary, workload_digest
 from sim.records import RunRecords, StepRecorder, requests_frame
@@ -45,25 +46,28 @@ class EngineUnsupportedError(ValueError):
 
 
 def check_engine_supports(scenario) -> None:
-    """Refuse a sliding-window / hybrid model: the runner keeps one KV tensor of every layer and
-    one block table per sequence, while the shared policy (GroupedKVCacheManager) keeps one table
-    per KV cache group and nulls the blocks behind a window. The kernels mask windows, but the
-    runner would need per-group tables and a group-sized pool to replay that schedule."""
+    """Refuse a hybrid model (sliding-window and full-attention layers): the shared policy
+    (GroupedKVCacheManager) keeps one block table per KV cache group, while the runner keeps one
+    KV tensor of every layer and one block table per sequence. A model whose every layer has the
+    same window (Mistral v0.1) is one group: the runner reads its table, the blocks behind the
+    window null, and the kernels mask the window."""
     model = scenario.model
-    if model.num_sliding_layers:
+    check_block_pool_supports(model, scenario.engine.allocation)
+    if model.num_sliding_layers and model.num_full_layers:
         raise EngineUnsupportedError(
-            f"model '{model.name}' has {model.num_sliding_layers} sliding-window layers "
-            f"(sliding_window={model.sliding_window}): the engine's runner keeps one block table for "
-            "every layer, so it cannot replay vLLM's hybrid KV cache manager (one table per KV cache "
-            "group, blocks behind the window freed) that `simrun run` simulates. Simulate it with "
-            "`simrun run`, or replay the full-attention variant with model.sliding_window: null.")
+            f"model '{model.name}' mixes {model.num_sliding_layers} sliding-window layers "
+            f"(sliding_window={model.sliding_window}) with {model.num_full_layers} full-attention ones: "
+            "the engine's runner keeps one block table for every layer, so it cannot replay vLLM's hybrid "
+            "KV cache manager (one table per KV cache group) that `simrun run` simulates. Simulate it "
+            "with `simrun run`, or replay the full-attention variant with model.sliding_window: null "
+            "and model.layer_types: null.")
 
 
 def new_scheduler(scenario, num_blocks: int) -> Scheduler:
     check_engine_supports(scenario)
     e = scenario.engine
-    kv = KVCacheManager(num_blocks, e.block_size, e.prefix_caching, e.allocation,
-                        scenario.max_model_len, e.contiguous_reserve)
+    kv = new_kv_manager(num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
+                        e.contiguous_reserve, kv_cache_groups(scenario.model), scenario.max_num_batched_tokens)
     return Scheduler(SchedulerConfig.from_scenario(scenario), kv)
 
 

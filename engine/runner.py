@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.model import CausalLM, Sampler
+from engine.model import CausalLM, Sampler, layer_window
 from engine.weights import build_model
 from sim.core.catalog import MIB
 from sim.core.memory import InsufficientMemoryError, MemoryPlan, cdiv, plan_memory
@@ -171,10 +171,19 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def check_batch(batch: Batch, block_size: int, max_model_len: int, num_blocks: int) -> None:
+def uniform_window(spec) -> Optional[int]:
+    """The window every layer shares (Mistral v0.1), or None (full attention, or hybrid layers)."""
+    windows = {layer_window(spec, i) for i in range(spec.num_layers)}
+    return windows.pop() if len(windows) == 1 else None
+
+
+def check_batch(batch: Batch, block_size: int, max_model_len: int, num_blocks: int,
+                window: Optional[int] = None) -> None:
     """Refuse, loudly, a batch the scheduler should never have produced (an engine with these
     limits could not execute it). Array checks over the whole step; the per-sequence message
-    is only worked out when one fails."""
+    is only worked out when one fails. With a `window` on every layer, the blocks behind the
+    window of a sequence's first new token may be the null block (the shared policy freed them;
+    the kernels never read them)."""
     reqs = batch.reqs
     if not reqs:
         raise InconsistentBatchError(f"step {batch.step}: empty batch")
@@ -187,15 +196,24 @@ def check_batch(batch: Batch, block_size: int, max_model_len: int, num_blocks: i
     bad = (new < 1) | (computed < new) | (computed > known) | (computed > max_model_len) | (held < needed)
     if not bad.any():
         used = pack_block_tables([r.blocks for r in reqs], needed)
-        in_use = np.arange(used.shape[1])[None, :] < needed[:, None]
+        cols = np.arange(used.shape[1])[None, :]
+        in_use = (cols < needed[:, None]) & (cols >= _behind_window(computed - new, block_size, window)[:, None])
         bad = ((used < 1) | (used >= num_blocks)).any(axis=1, where=in_use)
     if bad.any():
         s = int(np.flatnonzero(bad)[0])
-        problem = _sequence_problem(reqs[s], batch.num_new[s], block_size, max_model_len, num_blocks)
+        problem = _sequence_problem(reqs[s], batch.num_new[s], block_size, max_model_len, num_blocks, window)
         raise InconsistentBatchError(f"step {batch.step}, request {reqs[s].id}: {problem}")
 
 
-def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_blocks: int) -> Optional[str]:
+def _behind_window(starts, block_size: int, window: Optional[int]):
+    """Leading blocks no query of the step can see (0 without a window): sliding_window_skipped_blocks."""
+    if window is None:
+        return np.zeros_like(starts)
+    return np.maximum(starts - window + 1, 0) // block_size
+
+
+def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_blocks: int,
+                      window: Optional[int] = None) -> Optional[str]:
     seq_len = req.num_computed
     if n < 1 or seq_len - n < 0:
         return f"{n} new tokens with {seq_len} computed"
@@ -205,7 +223,7 @@ def _sequence_problem(req, n: int, block_size: int, max_model_len: int, num_bloc
         return f"context {seq_len} exceeds max_model_len {max_model_len}"
     if len(req.blocks) < cdiv(seq_len, block_size):
         return f"{len(req.blocks)} blocks cannot hold {seq_len} tokens of block size {block_size}"
-    used = req.blocks[:cdiv(seq_len, block_size)]
+    used = req.blocks[int(_behind_window(np.int64(seq_len - n), block_size, window)):cdiv(seq_len, block_size)]
     if min(used) < 1 or max(used) >= num_blocks:
         return f"block ids {used} outside 1..{num_blocks - 1}"
     return None
@@ -364,7 +382,7 @@ class ModelRunner:
         return [ctx - 1] * batch.pad_rows, [1] * batch.pad_rows, list(range(batch.pad_rows))
 
     def check_batch(self, batch: Batch) -> None:
-        check_batch(batch, self.block_size, self.max_model_len, self.num_blocks)
+        check_batch(batch, self.block_size, self.max_model_len, self.num_blocks, uniform_window(self.model.spec))
 
     def bind(self) -> None:
         """Point the model's layers at this runner's pool (runners sharing a model take turns)."""

@@ -572,16 +572,13 @@ class EngineLoop:
     def _reset_prefix_cache(self) -> bool:
         """A fresh pool and scheduler (no block holds a hash any more), keeping the counters that
         /metrics reports; refused, as vLLM refuses it, while a request holds blocks."""
-        from sim.core.kvcache import KVCacheManager
         from sim.core.scheduler import Scheduler
 
         old = self.scheduler
         if self.live or old.num_running or old.num_waiting:
             return False
         kv = old.kv
-        fresh_kv = KVCacheManager(kv.pool.num_blocks, kv.block_size, kv.enable_caching,
-                                  "contiguous" if kv.contiguous else "paged", kv.max_model_len,
-                                  kv.contiguous_reserve)
+        fresh_kv = kv.empty_copy()
         fresh_kv.stats = kv.stats
         fresh = Scheduler(old.config, fresh_kv)
         for counter in ("step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions"):

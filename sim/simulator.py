@@ -65,7 +65,8 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
 
 
 MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
-LEAP_SCALAR_STEPS = 32     # a leap's first steps are priced one by one (cheaper than numpy for a few)
+LEAP_SCALAR_CHUNKS = (4, 12, 32)  # a leap's first 32 steps are priced one by one (cheaper than numpy
+                                  # for a few), their shapes made in these stretches
 
 
 class Client:
@@ -217,41 +218,47 @@ class Simulation:
         last_step = 0.0
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
+            # Where nothing else can act before the next arrival (`_chained`), steps and leaps that
+            # end before it run back to back without waiting for SimPy's clock: `now` runs ahead.
+            now = last_end if last_end > env.now else env.now
+            horizon = self._next_route_time(replica) if self.fast else math.inf
             # Leap only where one can pay for its planning: several steps before the next event
             # (judged by the last step's length; the leap itself is cut exactly either way).
             # A request that arrived during the last step is most likely admitted now: no leap.
-            if (self.fast and env.now == last_end and sched.num_waiting <= seen_waiting
-                    and (horizon := self._next_route_time(replica)) - env.now > MIN_LEAP_STEPS * last_step):
-                leap = self._plan_leap(sched, env.now, horizon)
+            if (self.fast and now == last_end and sched.num_waiting <= seen_waiting
+                    and horizon - now > MIN_LEAP_STEPS * last_step):
+                leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
                     seen_waiting = sched.num_waiting
-                    last_step = yield from self._leaps(env, replica, leap, horizon)
-                    last_end = env.now
+                    last_step, last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
             batch = sched.schedule()
             seen_waiting = sched.num_waiting
             if batch is None:
+                if now > env.now:            # catch up before sleeping
+                    yield _At(env, now)
                 replica.wakeup = env.event()
                 replica.busy_until = math.inf
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
             kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, sched.slack_tokens
-            host, device = step_time(batch, env.now - last_end > IDLE_GAP_S)
-            start = env.now
-            replica.busy_until = start + (host + device)
-            yield env.timeout(host + device)
-            recorder.record(batch, sched, start, env.now, host, device, kv_used, kv_cached, slack)
-            last_step = env.now - start
-            last_end = env.now
+            host, device = step_time(batch, now - last_end > IDLE_GAP_S)
+            end = now + (host + device)      # as SimPy's timeout adds it
+            if not (self._chained and end < horizon):
+                replica.busy_until = end
+                yield _At(env, end)
+            recorder.record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
+            last_step = end - now
+            last_end = end
             self._retire(env, replica, sched.finish_step(batch))
 
-    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, horizon: float):
+    def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, now: float, horizon: float):
         """Run a planned leap; where nothing else can see the moments between them (`_chained`),
         also the leaps that follow it before `horizon`, each planned from where the last ended,
-        as one SimPy event. Returns the mean step length of the last one."""
+        without waiting for SimPy's clock. Returns (mean step length of the last, its end)."""
         sched, recorder = replica.scheduler, replica.recorder
-        start = env.now
+        start = now
         while True:
             plan, ends, host, device, ctx, blocks = leap
             running, waiting = len(sched.running), sched.num_waiting
@@ -266,13 +273,11 @@ class Simulation:
             self._retire(env, replica, finish_leap(sched))
             last_step = (end - start) / len(ends)
             if not chained:
-                return last_step
+                return last_step, end
             start = end
             leap = self._plan_leap(sched, end, horizon)
             if leap is None:
-                replica.busy_until = end
-                yield _At(env, end)
-                return last_step
+                return last_step, end
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
@@ -296,23 +301,36 @@ class Simulation:
         plan = plan_leap(sched, max_steps=1 << 30, min_steps=max(1, MIN_LEAP_STEPS))
         if plan is None:
             return None
-        first = plan.reach(LEAP_SCALAR_STEPS)
-        ctx, blocks = plan.shapes(first)
-        price = self._decode_pricer(plan.rows, ctx[0], blocks[0])
-        ends, hosts, devices = [], [], []
+        price = None
+        ends, hosts, devices, ctx, blocks = [], [], [], [], []
         t = now
-        for k in range(first):
-            h, d = price(ctx[k], blocks[k])
-            t = t + (h + d)                 # SimPy's own sum: now + delay, step after step
-            if t == horizon:                # a tie: which goes first is SimPy's queue order
-                break
-            ends.append(t)
-            hosts.append(h)
-            devices.append(d)
-            if t > horizon:                 # the step in flight when the request arrives
+        for size in LEAP_SCALAR_CHUNKS:     # shapes made a few at a time: most leaps are short
+            done = len(ctx)
+            k_max = plan.reach(size)
+            if k_max <= done:
+                break                       # the plan ends here
+            more_ctx, more_blocks = plan.shapes(k_max, done)
+            if price is None:
+                price = self._decode_pricer(plan.rows, more_ctx[0], more_blocks[0])
+            ctx += more_ctx
+            blocks += more_blocks
+            crossed = False
+            for c, b in zip(more_ctx, more_blocks):
+                h, d = price(c, b)
+                t = t + (h + d)             # SimPy's own sum: now + delay, step after step
+                if t == horizon:            # a tie: which goes first is SimPy's queue order
+                    crossed = True
+                    break
+                ends.append(t)
+                hosts.append(h)
+                devices.append(d)
+                if t > horizon:             # the step in flight when the request arrives
+                    crossed = True
+                    break
+            if crossed:
                 break
         else:
-            if plan.reach(first + 1) > first:
+            if plan.reach(len(ctx) + 1) > len(ctx):
                 return self._bulk_times(plan, now, ends, hosts, devices, horizon)
         if not ends:
             return None

@@ -185,3 +185,69 @@ def test_leaps_match_the_one_by_one_simulation(chunk):
         assert steps_a.equals(steps_b), (seed, raw)
         assert reqs_a.equals(reqs_b), (seed, raw)
         assert pools_a == pools_b, (seed, raw)
+
+
+def vidur_shaped(caching: bool, num_blocks: int, rate: float) -> dict:
+    """Vidur's comparison run in miniature: prefill_first, unchunked, fixed lengths, one replica
+    under Poisson arrivals, so leaps chain and the cohort sits out every prefill step."""
+    return {"name": "vidur_small", "seed": 3, "model": "tiny", "device": "cpu",
+            "engine": {"batching": "continuous", "allocation": "paged", "block_size": 16, "num_blocks": num_blocks,
+                       "max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 512,
+                       "chunked_prefill": False, "prefix_caching": caching, "step_composition": "prefill_first",
+                       "admission_watermark": 0.01, "async_scheduling": False},
+            "workload": {"num_requests": 150, "arrival": {"process": "poisson", "rate": rate},
+                         "prompt_len": 64, "output_len": 48,
+                         **({"shared_prefix": {"groups": 2, "length": 32, "fraction": 0.5}} if caching else {})}}
+
+
+@pytest.mark.parametrize("caching,num_blocks", [(False, 2000), (True, 2000), (True, 40)])
+def test_prefill_first_leaps_pause_the_cohort_and_match(caching, num_blocks, monkeypatch):
+    """The fast path on a prefill_first run: the cohort sits out prefill steps (no dissolving),
+    leaps cover most steps, and everything still equals the one-by-one path (with a pool small
+    enough to preempt, too)."""
+    import sim.simulator as simulator
+
+    covered = []
+    original = simulator.apply_leap
+
+    def counting(sched, plan, k):
+        covered.append(k)
+        return original(sched, plan, k)
+    monkeypatch.setattr(simulator, "apply_leap", counting)
+    raw = vidur_shaped(caching, num_blocks, rate=400.0)
+    (steps_a, reqs_a, pools_a), (steps_b, reqs_b, pools_b) = simulate_both(raw)
+    assert steps_a.equals(steps_b) and reqs_a.equals(reqs_b) and pools_a == pools_b
+    prefill_steps = int((steps_a["prefill_tokens"] > 0).sum())
+    assert prefill_steps > 20 and len(steps_a) > 3 * prefill_steps       # decodes between prefills
+    if num_blocks > 100:
+        assert sum(covered) > 0.5 * len(steps_a), (sum(covered), len(steps_a))
+    else:
+        assert (reqs_a["preemptions"] > 0).any()
+
+
+def test_cohort_sits_out_prefill_steps_without_dissolving():
+    """prefill_first at the policy level: members keep their cohort across a prefill step and
+    their emission runs split around it exactly as the one-by-one loop records them."""
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, chunked_prefill=False,
+               step_composition="prefill_first")
+    fast = Scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))
+    slow = Scheduler(SchedulerConfig(**cfg, lazy_decode=False), KVCacheManager(200, 4, False, "paged", 256))
+    pairs = [[make_request(i, 0.0, [(i, 10)], 20) for i in range(4)] for _ in range(2)]
+    for sched, reqs in zip((fast, slow), pairs):
+        for r in reqs[:3]:
+            sched.add(r)
+    for step in range(12):
+        if step == 4:                            # an arrival: its prefill step pauses the decodes
+            for sched, reqs in zip((fast, slow), pairs):
+                sched.add(reqs[3])
+        a, b = fast.schedule(), slow.schedule()
+        assert step_view(a, fast) == step_view(b, slow)
+        members = set(fast.cohort.members)
+        fast.finish_step(a)
+        slow.finish_step(b)
+        if step == 4:
+            assert a.num_prefill_tokens and members == set(pairs[0][:3]), "the cohort stayed whole"
+        assert request_view(pairs[0]) == request_view(pairs[1])
+    assert fast.cohort.pauses == [4]
+    runs, start, last = emission_view(pairs[0][0])
+    assert runs == [0, 3] and start == 5 and last == 11    # first token at its prefill step 0

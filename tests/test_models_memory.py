@@ -312,4 +312,4 @@ def test_data_parallel_ranks_are_engines_sharing_the_router():
     two = simulate(validate_scenario({**base, "parallelism": {"tp": 1, "dp": 2, "ep": 2}}))[0]
     assert len(one.recorders) == 1 and len(two.recorders) == 2
     assert all(len(r.frame()) > 0 for r in two.recorders)      # round-robin gave both ranks work
-    assert (requests_frame(two)["status"] == "finished").all()
+    assert (requests_frame(two)["status"] == "finished").all()     # the records keep requests in columns

@@ -12,7 +12,7 @@ import pytest
 
 from sim.core.kvcache import NULL_BLOCK, GroupedKVCacheManager, KVCacheManager, new_kv_manager
 from sim.core.memory import (BlockPoolUnsupportedError, KVCacheGroups, blocks_for_tokens, check_block_pool_supports,
-                             plan_memory, sliding_window_skipped_blocks)
+                             plan_memory, sliding_window_hit_blocks, sliding_window_skipped_blocks)
 from sim.core.request import Status, make_request
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.core.catalog import get_model
@@ -194,7 +194,7 @@ def random_run(seed):
     sched = scheduler(groups, num_blocks=rnd.randint(20, 120), block_size=bs, caching=rnd.random() < 0.7,
                       budget=budget, seqs=rnd.randint(1, 8), policy=rnd.choice(["fcfs", "priority"]),
                       step_composition=rnd.choice(["mixed", "mixed", "prefill_first"]),
-                      chunked_prefill=rnd.random() < 0.8)
+                      chunked_prefill=rnd.random() < 0.8, async_scheduling=rnd.random() < 0.3)
     reqs = [make_request(i, float(rnd.randint(0, 30)), ([(900 + rnd.randint(0, 1), 24)] if rnd.random() < 0.5 else [])
                          + [(i, rnd.randint(1, 60))], rnd.randint(1, 50), priority=rnd.randint(0, 2))
             for i in range(rnd.randint(2, 14))]
@@ -203,8 +203,8 @@ def random_run(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_pool_use_over_whole_runs_follows_the_window_arithmetic(seed):
-    """After every step, each running request holds exactly what memory.py says a request of its
-    progress holds: cdiv(c + n, bs) blocks per full group, minus the blocks behind the window
+    """After every step (FCFS or priority, mixed or prefill_first, async scheduling or not), each
+    running request holds exactly what memory.py says a request of its progress holds: cdiv(c + n, bs) blocks per full group, minus the blocks behind the window
     of the tokens computed before the step in each sliding group; never more than vLLM's
     per-request bound; and the pool's used blocks are the sum over running requests."""
     sched, reqs, groups = random_run(seed)
@@ -304,13 +304,16 @@ def test_the_memory_plan_of_imported_hybrids_sizes_the_pool_the_run_uses():
         assert records.steps_frame()["kv_blocks_used"].max() <= plan.usable_blocks
 
 
-def test_the_engine_replay_refuses_a_sliding_window_model_by_name():
+def test_the_engine_replay_refuses_a_hybrid_model_by_name():
     pytest.importorskip("torch")
     from engine.replay import EngineUnsupportedError, check_engine_supports
 
     check_engine_supports(validate_scenario({"model": "tiny", "device": "cpu"}))
+    check_engine_supports(scenario("mistral-7b-v0.1"))            # one window on every layer: one group
     with pytest.raises(EngineUnsupportedError, match="sliding_window=4096.*one block table"):
-        check_engine_supports(scenario("mistral-7b-v0.1"))
+        check_engine_supports(scenario({"hf_config": str(HF / "lunahr__SystemGemma2-27b-it.json")}))
+    with pytest.raises(BlockPoolUnsupportedError, match="engine.allocation"):
+        check_engine_supports(scenario("mistral-7b-v0.1", allocation="contiguous"))
 
 
 HYBRID_LOGS = ["planner-google-gemma-2-27b-it--h100-80gb--tp1pp1dp1--8192",
@@ -338,3 +341,99 @@ def test_the_pool_vllm_logged_runs_its_printed_concurrency_of_full_length_reques
     assert plan.num_blocks == printed["num_gpu_blocks"] and n >= 2
     assert steps["running"].max() == n and steps["preemptions"].sum() == 0
     assert steps["kv_blocks_used"].max() <= plan.usable_blocks
+
+
+def test_whatif_sliding_window_plans_the_same_pool_for_2_7_times_the_requests():
+    from sim.scenario import load_scenario
+
+    base = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "whatif_sliding_window.yaml")
+    doc = base.model_dump(mode="json", exclude_none=True)
+    window = plan_memory(base)
+    full = plan_memory(validate_scenario({**doc, "model": {"base": "mistral-7b-v0.1", "sliding_window": None}}))
+    assert window.num_blocks == full.num_blocks and window.block_bytes == full.block_bytes
+    assert window.blocks_per_request(16384) == 385 and full.blocks_per_request(16384) == 1024
+    assert window.max_concurrency(16384) / full.max_concurrency(16384) == pytest.approx(1024 / 385)
+
+
+@pytest.mark.parametrize("backend, num_requests, output_len", [("torch", 4, 12), ("triton", 2, 4)])
+def test_the_engine_replays_a_windowed_model_on_freed_blocks_with_the_same_logits(backend, num_requests, output_len):
+    """A model whose every layer has a window (Mistral v0.1's case) runs on the engine with the
+    shared policy's grouped manager: blocks behind the window are null in the tables the runner
+    reads. Every step's logits equal those of the same schedule on full-attention tables (the
+    kernels mask the window), with fewer blocks held; prefix hits take only the window's blocks."""
+    pytest.importorskip("torch")
+    from engine.runner import ModelRunner
+    from engine.weights import build_model, init_random_weights
+
+    spec = get_model("tiny").model_copy(update={"sliding_window": 8})
+    model = build_model(spec, "cpu", backend)
+    init_random_weights(model, seed=4, std=0.1)
+
+    def run(kv):
+        runner = ModelRunner(model, kv.pool.num_blocks, 4, 128)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128), kv)
+        for i in range(num_requests):
+            sched.add(make_request(i, 0.0, [(7, 20), (10 + i, 5 + 3 * i)], output_len))
+        logits, peak = [], 0
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            logits.append(runner.execute(batch).logits)
+            peak = max(peak, kv.num_used_blocks)
+            sched.finish_step(batch)
+        return logits, peak, kv.stats.hits
+
+    windowed = new_kv_manager(64, 4, True, groups=KVCacheGroups(2, 0, 1, 8), max_num_batched_tokens=16)
+    ours, peak, hits = run(windowed)
+    full, full_peak, full_hits = run(KVCacheManager(64, 4, True))
+    assert len(ours) == len(full) > output_len and hits == full_hits > 0
+    for a, b in zip(ours, full):
+        assert torch_equal(a, b)
+    assert windowed.windowed_frees > 0 and peak < full_peak
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# vLLM's own unit-test cases for the sliding-window manager, expected values theirs:
+# https://github.com/vllm-project/vllm/blob/00b08dc44519a82cbdd9061d92d1226985094622/tests/v1/core/test_single_type_kv_cache_manager.py
+# (test_sliding_window_possible_cached_prefix, test_sliding_window_remove_skipped_blocks; block 2, window 4)
+T, F = True, False
+
+
+@pytest.mark.parametrize("cached, expected", [
+    ([F] * 10, 0), ([T], 1), ([T, F], 1), ([T, T], 2), ([T, T, F], 2), ([T, T, T], 3), ([T, T, T, F], 3),
+    ([T, T, F, T, F, F, T, T, F, T, T, T], 12), ([T, T, F, T, F, F, T, T, F, F, F], 8),
+    ([T, T, F, T, F, F, T, T, F, F, F, T], 8)])
+def test_sliding_hits_as_vllms_own_cases(cached, expected):
+    assert sliding_window_hit_blocks(cached, 2, 4) == expected
+    # and through the pool: the hit's last two blocks are the cached ones, the rest null
+    kv = GroupedKVCacheManager(40, 2, sliding_only(4), 8)
+    req = make_request(0, 0.0, [(5, 2 * len(cached) + 1)], 1)
+    req.extend_block_hashes(len(cached), 2)
+    for i, hit in enumerate(cached):
+        if hit:
+            kv.pool.cache_block(10 + i, req.block_hashes[i])
+    hits, tokens = kv.find_cached_prefix(req)
+    assert tokens == 2 * expected
+    if expected:
+        table = hits[0]
+        tail = min(expected, 2)
+        assert table[:expected - tail] == [NULL_BLOCK] * (expected - tail)
+        assert table[expected - tail:] == [10 + i for i in range(expected - tail, expected)]
+
+
+def test_window_frees_as_vllms_own_case():
+    kv = GroupedKVCacheManager(20, 2, sliding_only(4), 8, enable_caching=False)
+    req = make_request(0, 0.0, [(5, 22)], 1)
+    assert kv.allocate_slots(req, 22)
+    first = list(req.blocks)                       # 11 blocks
+    kept = {0: first, 4: first, 5: [0] + first[1:], 6: [0] + first[1:], 7: [0, 0] + first[2:],
+            11: [0] * 4 + first[4:]}
+    for computed, table in kept.items():
+        req.num_computed = computed
+        kv.remove_skipped_blocks(req)
+        assert req.blocks == table, computed
+    assert list(kv.pool.free_queue)[-4:] == [first[0], first[1], first[3], first[2]]   # 1003 before 1002

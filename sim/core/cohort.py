@@ -29,6 +29,7 @@ through) are built from that list when it leaves (`emission`), not at each pause
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import defaultdict
 
 from sim.core.request import Request
@@ -107,14 +108,15 @@ class DecodeCohort:
         runs, start = req.emit_runs, req.emit_start
         pauses = self.pauses
         i = req._pause_index
-        if i < len(pauses) and pauses[i] < last:
+        j = bisect_left(pauses, last, i)       # the pauses it sat through before its latest token
+        if j > i:
+            sat_out = pauses[i:j]
+            starts = [start, *[p + 1 for p in sat_out]]
             runs = list(runs)
-            for p in pauses[i:]:
-                if p >= last:            # not a gap yet: the next emission decides
-                    break
-                if p > start:
-                    runs += (start, p - 1)
-                start = p + 1
+            for a, b in zip(starts, [p - 1 for p in sat_out]):
+                if a <= b:                     # back-to-back pauses leave no run between them
+                    runs += (a, b)
+            start = starts[-1]
         return runs, start, last
 
     # -- the clock ---------------------------------------------------------------------------

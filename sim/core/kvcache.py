@@ -222,6 +222,12 @@ class KVCacheManager:
         # as do its tokens), so held_slots - tokens computed = unfilled slots (slack).
         self.held_slots = 0
 
+    def empty_copy(self) -> "KVCacheManager":
+        """A manager with the same settings and a fresh pool (no block held, nothing cached)."""
+        return KVCacheManager(self.pool.num_blocks, self.block_size, self.enable_caching,
+                              "contiguous" if self.contiguous else "paged", self.max_model_len,
+                              self.contiguous_reserve)
+
     # -- sizes ---------------------------------------------------------------------------
     def reserve_tokens(self, req: Request) -> int:
         """Tokens a request's allocation must cover by the time it finishes."""
@@ -388,8 +394,13 @@ class GroupedKVCacheManager(KVCacheManager):
         self.full_ids = [g for g, sliding in enumerate(kinds) if not sliding]
         self.sliding_ids = [g for g, sliding in enumerate(kinds) if sliding]
         # The most blocks a sliding group holds for one request (vLLM's admission cap, as its startup check).
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.sliding_cap = groups.sliding_blocks_cap(block_size, max_num_batched_tokens) if self.sliding else 0
         self.windowed_frees = 0       # blocks freed because they fell behind a window
+
+    def empty_copy(self) -> "GroupedKVCacheManager":
+        return GroupedKVCacheManager(self.pool.num_blocks, self.block_size, self.groups, self.max_num_batched_tokens,
+                                     self.enable_caching, self.max_model_len)
 
     def _tables(self, req: Request) -> list[list[int]]:
         tables = req.group_tables

@@ -83,16 +83,18 @@ class LeapPlan:
             self._taken = taken
         return k
 
-    def shapes(self, k: int) -> tuple[list[int], list[int]]:
-        """(decode context, blocks read) of the first k steps (k <= reach(k))."""
+    def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
+        """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
         t = self.first_step
         ctx0, per = self._ctx0, self._ctx_per_step
         if self._static is not None:
             offset, bs = self._static
-            return ([ctx0 + per * (t + i) for i in range(k)],
-                    [self.rows * -(-(offset + t + i) // bs) for i in range(k)])
-        ctx = [ctx0 + per * (t + i) for i in range(k)]
-        return ctx, list(accumulate(self._walked[:k], initial=self._walked_before))[1:]
+            return ([ctx0 + per * (t + i) for i in range(start, k)],
+                    [self.rows * -(-(offset + t + i) // bs) for i in range(start, k)])
+        ctx = [ctx0 + per * (t + i) for i in range(start, k)]
+        walked = self._walked
+        before = self._walked_before + sum(walked[:start])
+        return ctx, list(accumulate(walked[start:k], initial=before))[1:]
 
     def columns(self, k: int) -> dict[str, np.ndarray]:
         """The first k steps as step-record columns (`CostModel.step_times` prices them in bulk)."""
@@ -158,12 +160,15 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     used, cached, slack = [], [], []
     t = plan.first_step
     advance = cohort.advance
-    for i in range(k):
-        advance(t + i, kv)
-        sched.tokens_held += plan.members
-        used.append(pool.num_used)
+    members, held = plan.members, sched.tokens_held
+    usable, queue = pool.usable_blocks, pool.free_queue
+    for step in range(t, t + k):
+        advance(step, kv)
+        held += members
+        used.append(usable - len(queue))
         cached.append(pool.num_cached_free)
-        slack.append(kv.held_slots - sched.tokens_held)
+        slack.append(kv.held_slots - held)
+    sched.tokens_held = held
     sched.step = t + k
     return used, cached, slack
 
