@@ -65,23 +65,25 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
               steps: Optional[pd.DataFrame] = None) -> dict[str, Any]:
     """The summary.json figures of one run."""
     df = requests if requests is not None else requests_frame(records)
-    steps = _step_series(records, steps)
-    finished = df[df["status"] == "finished"]
-    measured = finished[~finished["is_warmup"]]
-    offered = df[~df["is_warmup"].astype(bool)]
+    steps = _Steps(records, steps)
+    # masks and the measured requests' columns, not copies of the whole frame (a million rows)
+    warm = df["is_warmup"].astype(bool).to_numpy()
+    status = df["status"].to_numpy()
+    measured = df.loc[(status == "finished") & ~warm, [c for c in _MEASURED_COLUMNS if c in df]]
+    offered = int((~warm).sum())
     duration = _duration(measured)
     n_out = measured["output_tokens"].sum()
     n_in = measured["prompt_tokens"].sum()
     itl_values, itl_weights = itl_samples(records, measured["id"].to_numpy())
     has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
     rate = (lambda x: x / duration if duration > 0 else None)   # noqa: E731
-    steady = df[~df["is_warmup"]]
+    steady = status[~warm]
     summary = {
         # requests_total counts warm-up requests; finished / rejected / aborted count the rest
         "requests_total": int(len(df)),
         "requests_finished": int(len(measured)),
-        "requests_rejected": int((steady["status"] == "rejected").sum()),
-        "requests_aborted": int((steady["status"] == "aborted").sum()),
+        "requests_rejected": int((steady == "rejected").sum()),
+        "requests_aborted": int((steady == "aborted").sum()),
         "rejection_reasons": rejection_reasons(df),
         "requests_measured": int(len(measured)),
         "warmup_requests": int(df["is_warmup"].sum()),
@@ -95,10 +97,10 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         "e2e_s": distribution(measured["e2e_s"].to_numpy()),
         "goodput": rate(float(meets_slo(measured, slo).sum())) if has_slo else None,
         # over every non-warm-up request: a rejected or aborted request missed its SLOs
-        "slo_attainment": (float(meets_slo(measured, slo).sum() / len(offered)) if has_slo and len(offered)
+        "slo_attainment": (float(meets_slo(measured, slo).sum() / offered) if has_slo and offered
                            else None),
         "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
-        "preemptions": int(steps["preemptions"].sum()) if len(steps["end_s"]) else 0,
+        "preemptions": steps.preemptions() if steps.count else 0,
         "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens
         "latency_split": _latency_split(measured),
         **_kv_figures(records, steps),
@@ -109,20 +111,41 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     return summary
 
 
-# The per-step series the summary reads.
-_SUMMARY_STEP_COLUMNS = ("start_s", "end_s", "kv_blocks_used", "slack_tokens", "preemptions", "num_seqs",
-                         "batch_tokens", "running")
+# What the summary reads of the measured requests.
+_MEASURED_COLUMNS = ("id", "replica", "arrival_s", "finish_s", "prompt_tokens", "output_tokens", "cached_tokens",
+                     "ttft_s", "tpot_s", "e2e_s", "queue_s", "host_s", "device_s")
+# What the summary reads of the steps: per step (they change inside a leap), and per row (a
+# leap's batch, with its step count).
+_PER_STEP = ("start_s", "end_s", "kv_blocks_used", "slack_tokens")
+_PER_ROW = ("num_seqs", "batch_tokens", "running", "preemptions")
 
 
-def _step_series(records: RunRecords, steps: Optional[pd.DataFrame]) -> dict[str, np.ndarray]:
-    """The summary's per-step columns (and 'replica'): from a given per-step frame, or straight from
-    the records' columns (no frame built: a million requests' steps fit in far less memory)."""
-    if steps is None:
-        series = records.step_series(_SUMMARY_STEP_COLUMNS)
-    else:
-        series = {c: steps[c].to_numpy() if c in steps else np.zeros(0) for c in ("replica", *_SUMMARY_STEP_COLUMNS)}
-    floats = ("start_s", "end_s")
-    return {c: v.astype(np.float64 if c in floats else np.int64, copy=False) for c, v in series.items()}
+class _Steps:
+    """The summary's step series: from a given per-step frame (a row per step), or straight from
+    the records' columns (no frame built, rows not expanded: a million requests' steps)."""
+
+    def __init__(self, records: RunRecords, frame: Optional[pd.DataFrame]):
+        if frame is not None:
+            get = (lambda c: frame[c].to_numpy() if c in frame else np.zeros(0))      # noqa: E731
+            per_step = {c: get(c) for c in ("replica", *_PER_STEP)}
+            rows = {c: get(c) for c in ("replica", *_PER_ROW)}
+            rows["steps"] = np.ones(len(rows["replica"]), dtype=np.int64)
+        else:
+            per_step, rows = records.step_series(_PER_STEP), records.row_series(_PER_ROW)
+        # integers stay as stored (int32 mostly): their max, sum and float average are the same
+        self.step = {c: v.astype(np.float64, copy=False) if c in ("start_s", "end_s") else v
+                     for c, v in per_step.items()}
+        self.row = {c: v.astype(np.int64, copy=False) for c, v in rows.items()}
+        self.count = len(self.step["end_s"])
+
+    def preemptions(self, replica: Optional[int] = None) -> int:
+        keep = slice(None) if replica is None else self.row["replica"] == replica
+        return int((self.row["preemptions"][keep] * self.row["steps"][keep]).sum())
+
+    def mean_per_step(self, column: str) -> float:
+        """pandas' mean over a per-step column of integers (float64 sum / count), from the rows:
+        the integer sum is exact, and so is its float64 sum below 2**53, so the figure is the same."""
+        return float(np.float64(int((self.row[column] * self.row["steps"]).sum())) / np.float64(self.count))
 
 
 def rejection_reasons(requests: pd.DataFrame) -> list[dict[str, Any]]:
@@ -133,15 +156,14 @@ def rejection_reasons(requests: pd.DataFrame) -> list[dict[str, Any]]:
     return [{"reason": str(k), "count": int(v)} for k, v in kinds.items()]
 
 
-def _replica_figures(measured: pd.DataFrame, steps: dict[str, np.ndarray], duration: float,
+def _replica_figures(measured: pd.DataFrame, steps: _Steps, duration: float,
                      replicas: int) -> list[dict[str, Any]]:
     """Per replica: its share of the measured requests and their figures. Throughputs are
     over the cluster's duration, so the replicas' throughputs add up to the cluster's."""
     out = []
     for index in range(replicas):
         mine = measured[measured["replica"] == index]
-        own = steps["replica"] == index
-        own_used, own_preempted = steps["kv_blocks_used"][own], steps["preemptions"][own]
+        own_used = steps.step["kv_blocks_used"][steps.step["replica"] == index]
         n_in = mine["prompt_tokens"].sum()
         out.append({
             "replica": index,
@@ -152,7 +174,7 @@ def _replica_figures(measured: pd.DataFrame, steps: dict[str, np.ndarray], durat
             "tpot_s_p99": distribution(mine["tpot_s"].to_numpy())["p99"],
             "kv_blocks_peak": int(own_used.max()) if len(own_used) else 0,
             "prefix_hit_rate": float(mine["cached_tokens"].sum() / n_in) if n_in else 0.0,
-            "preemptions": int(own_preempted.sum()) if len(own_preempted) else 0,
+            "preemptions": steps.preemptions(index) if len(own_used) else 0,
         })
     return out
 
@@ -183,27 +205,27 @@ def _latency_split(measured: pd.DataFrame) -> dict[str, Optional[float]]:
     return {k: float(measured[f"{k}_s"].sum() / total) for k in ("queue", "host", "device")}
 
 
-def _kv_figures(records: RunRecords, steps: dict[str, np.ndarray]) -> dict[str, Any]:
+def _kv_figures(records: RunRecords, steps: _Steps) -> dict[str, Any]:
     total = records.kv_blocks_total
-    if not len(steps["end_s"]):
+    if not steps.count:
         return {"kv_blocks_total": total, "kv_blocks_peak": 0, "kv_blocks_mean": 0.0,
                 "kv_usage_mean": 0.0, "kv_usage_peak": 0.0, "kv_slack_tokens_peak": 0}
     # time-weighted over busy time: a step's KV state holds for the step's duration
-    dur = steps["end_s"] - steps["start_s"]
-    used = steps["kv_blocks_used"]
+    dur = steps.step["end_s"] - steps.step["start_s"]
+    used = steps.step["kv_blocks_used"]
     mean_used = float(np.average(used, weights=dur)) if dur.sum() > 0 else float(used.mean())
     peak = int(used.max())
     return {"kv_blocks_total": total, "kv_blocks_peak": peak, "kv_blocks_mean": mean_used,
             "kv_usage_mean": mean_used / total if total else 0.0,
             "kv_usage_peak": peak / total if total else 0.0,
-            "kv_slack_tokens_peak": int(steps["slack_tokens"].max())}
+            "kv_slack_tokens_peak": int(steps.step["slack_tokens"].max())}
 
 
-def _step_figures(steps: dict[str, np.ndarray]) -> dict[str, Any]:
-    if not len(steps["end_s"]):
+def _step_figures(steps: _Steps) -> dict[str, Any]:
+    if not steps.count:
         return {"num_steps": 0, "mean_batch_seqs": 0.0, "mean_batch_tokens": 0.0, "peak_running": 0}
-    # pandas' means, as over a per-step frame's columns (the same figures to the last bit)
-    return {"num_steps": int(len(steps["end_s"])), "mean_batch_seqs": float(pd.Series(steps["num_seqs"]).mean()),
-            "mean_batch_tokens": float(pd.Series(steps["batch_tokens"]).mean()),
-            "peak_running": int(steps["running"].max()),
-            "mean_step_s": float(pd.Series(steps["end_s"] - steps["start_s"]).mean())}
+    # the same figures, to the last bit, as pandas' means over a per-step frame's columns
+    return {"num_steps": steps.count, "mean_batch_seqs": steps.mean_per_step("num_seqs"),
+            "mean_batch_tokens": steps.mean_per_step("batch_tokens"),
+            "peak_running": int(steps.row["running"].max()),
+            "mean_step_s": float(pd.Series(steps.step["end_s"] - steps.step["start_s"]).mean())}

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
 
+from sim import stop
 from sim.costmodel import CostModel
 from sim.core.memory import MemoryPlan
 from sim.metrics import summarise
@@ -41,12 +42,16 @@ class RunResult:
 
 def predict(scenario, name: Optional[str] = None,
             progress: Optional[Callable[[int], None]] = None, manifest: bool = True) -> RunResult:
-    """Simulate and summarise; nothing is written. Without `manifest` (a sweep point whose files
-    are not written) the manifest is left empty: hashing the workload costs a few % of a point."""
-    records, plan, cost_model, described = _simulate(scenario, progress, manifest)
+    """Simulate and summarise; nothing is written. Stops with stop.StopRequested at its checks
+    (here, and every 256 finished requests through the progress callback) once a signal asked.
+    Without `manifest` (a sweep point whose files are not written) the manifest is left empty:
+    hashing the workload costs a few % of a point."""
+    stop.check()
+    records, plan, cost_model, described = _simulate(scenario, stop.polling(progress), manifest)
+    stop.check()
     req_df = requests_frame(records)
     steps_df = records.steps_frame()
-    summary = summarise(records, scenario.slo, req_df, steps_df)
+    summary = summarise(records, scenario.slo, req_df)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
@@ -65,6 +70,7 @@ def _simulate(scenario, progress, manifest: bool):
     stream = stream_requests(scenario)
     if stream is None:
         workload = build_workload(scenario)
+        stop.check()
         described = workload_manifest(workload.requests, workload.notes) if manifest else None
         return (*simulate(scenario, workload.requests, progress=progress, release=True), described)
     notes = warmup_notes(scenario.workload.warmup_requests, stream.count)

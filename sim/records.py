@@ -412,10 +412,25 @@ class RunRecords:
         without building a frame."""
         names = list(names)
         recs = self.recorders
-        out = {n: np.concatenate([r.step_column(n) for r in recs]) if recs else np.zeros(0) for n in names}
-        out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int64) for r in recs])
+        out = {n: _joined([r.step_column(n) for r in recs]) for n in names}
+        out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int32) for r in recs])
                           if recs else np.zeros(0, dtype=np.int64))
         return out
+
+    def row_series(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """PER_ROW columns over every replica, plus 'replica' and each row's step count 'steps'."""
+        recs = self.recorders
+        out = {n: _joined([r.row_column(n) for r in recs]) for n in (*names, "steps")}
+        out["replica"] = (np.concatenate([np.full(r.num_rows, r.replica, dtype=np.int64) for r in recs])
+                          if recs else np.zeros(0, dtype=np.int64))
+        return out
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """One array of the parts (no copy of a single one)."""
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _step_times(rec: StepRecorder) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

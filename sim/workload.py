@@ -174,10 +174,16 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
     min_think = min(think[i - 1] for i in follow_ups.tolist()) if len(follow_ups) else math.inf
 
     def requests() -> Iterator[Request]:
+        # A conversation's turns are made together (and linked) before its first is given out:
+        # a first turn rejected at once rejects the later ones, which must exist by then.
         starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
         prev: Optional[Request] = None
+        turns: list[Request] = []
         for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
                                                              own.tolist(), output.tolist())):
+            if first and turns:
+                yield from turns
+                turns = []
             user = (stable_key("user", seed, i), own_len)
             if first:
                 prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
@@ -192,7 +198,8 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
             if w.multi_turn is not None:
                 req.conversation = c
             prev = req
-            yield req
+            turns.append(req)
+        yield from turns
 
     return StreamedWorkload(requests(), len(conv), min_think)
 

@@ -96,3 +96,11 @@ def test_a_streamed_workload_predicts_what_the_built_list_does(extra):
     pd.testing.assert_frame_equal(a, b, check_exact=True)
     assert json.dumps(summarise(streamed, scenario.slo), sort_keys=True) == \
         json.dumps(summarise(built, scenario.slo), sort_keys=True)
+
+
+def test_a_rejected_first_turn_rejects_its_streamed_follow_ups():
+    scenario = busy_scenario(6, "workload.multi_turn={turns: 2, user_len: 30, think_time_s: 0.1}",
+                             "workload.prompt_len={dist: fixed, value: 5000}")
+    df = requests_frame(simulate(scenario)[0])
+    assert len(df) == 6 and (df["status"] == "rejected").all()
+    assert df["reject_reason"].str.contains("an earlier turn").sum() == 3
