@@ -39,6 +39,30 @@ class StepResult:
     tokens: int = 0                  # tokens computed, padding included
 
 
+@dataclass
+class PreparedStep:
+    """A step's host side, ready to launch (ModelRunner.prepare)."""
+    batch: Batch
+    emit: list[int]                  # indices in batch.reqs of the sequences that sample a token
+    host: dict[str, np.ndarray]      # host_step_arrays + input_ids + logit_rows (token rows of `emit`)
+    graph: Optional[tuple]           # the CUDA graph key, or None: eager
+    rows: int
+    tokens: int
+    host_s: float
+
+
+@dataclass
+class PendingStep:
+    """A launched step (ModelRunner.launch): its device outputs and the host copy of its samples,
+    valid once `ready` (a CUDA event; None on CPU, where the copy was synchronous) completed."""
+    step: PreparedStep
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    ready: Optional[torch.cuda.Event]
+    timer: "_DeviceTimer"
+    host_s: float
+
+
 def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_lens: list[int],
                         block_size: int, device: torch.device,
                         table_buffer: Optional["BlockTable"] = None,
@@ -52,7 +76,13 @@ def build_attn_metadata(block_lists: list[list[int]], starts: list[int], query_l
     Tokens past the first `written_tokens` (padding) write no K/V: slot -1.
     """
     host = host_step_arrays(block_lists, starts, query_lens, block_size, written_tokens)
-    table = host.pop("block_tables")
+    return metadata_from_host(host, block_size, device, table_buffer)
+
+
+def metadata_from_host(host: dict[str, np.ndarray], block_size: int, device: torch.device,
+                       table_buffer: Optional["BlockTable"] = None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """host_step_arrays' arrays on the device: (positions, attention metadata)."""
+    table = host["block_tables"]
     device_tables = table_buffer.update(table) if table_buffer is not None else _to(table, device)
     meta = AttentionMetadata(
         slot_mapping=_to(host["slot_mapping"], device), block_tables=device_tables,
@@ -105,7 +135,12 @@ class BlockTable:
     def _alloc(self, rows: int) -> None:
         self.device_table = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
-        self.staging = torch.zeros(rows, self.width, dtype=torch.int32, pin_memory=pin)
+        # Two staging buffers taken in turn, each with the event of its last copy: with one
+        # step in flight (overlapped steps), step N+1 stages its rows while step N's copy may
+        # still be queued behind step N-1's work.
+        self.staging = [torch.zeros(rows, self.width, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._copied: list[Optional[torch.cuda.Event]] = [None, None]
+        self._turn = 0
 
     def reserve(self, rows: int) -> None:
         """At least `rows` rows (a reallocation moves the table: captured graphs notice)."""
@@ -117,10 +152,15 @@ class BlockTable:
         if width > self.width:
             raise InconsistentBatchError(f"a block table of {width} blocks exceeds max_model_len's {self.width}")
         self.reserve(seqs)
-        staged = self.staging[:seqs]
-        # Safe to overwrite: the previous step's copy finished when that step was synchronised.
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:      # this buffer's previous copy (two steps back) is done
+            self._copied[turn].synchronize()
+        staged = self.staging[turn][:seqs]
         staged.numpy()[:, :width] = tables
         self.device_table[:seqs].copy_(staged, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
         return self.device_table[:seqs]
 
 
@@ -210,6 +250,8 @@ class ModelRunner:
         self.block_table = BlockTable(cdiv(self.max_model_len, block_size), self.device)
         self.graphs = None                      # DecodeGraphs once capture_graphs ran (CUDA only)
         self.sampler = Sampler(temperature, seed, self.device)
+        self._token_buffers: list[Optional[torch.Tensor]] = [None, None]
+        self._token_turn = 0
         self.plan: Optional[MemoryPlan] = None
 
     @classmethod
@@ -227,8 +269,14 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
-        """One step. device_s covers what the cost model calls device time: the forward, the
-        LM head and sampling; host_s is the Python around it (inputs, outputs)."""
+        """One step, start to finish. device_s covers what the cost model calls device time:
+        the forward, the LM head and sampling; host_s is the Python around it (inputs, outputs)."""
+        return self.collect(self.launch(self.prepare(batch)))
+
+    def prepare(self, batch: Batch) -> "PreparedStep":
+        """The step's host side that needs no earlier step's sampled tokens: the batch check,
+        input ids, positions, slot mapping, block table rows, the rows whose logits are computed.
+        Overlapped steps (StepPipeline) run it while the previous step is on the device."""
         t0 = time.perf_counter()
         self.check_batch(batch)
         reqs, num_new = batch.reqs, batch.num_new
@@ -245,38 +293,77 @@ class ModelRunner:
             blocks += [null_table] * len(pad_lens)
             input_ids += [np.zeros(n, dtype=np.int64) for n in pad_lens]
             starts, num_new = starts + pad_starts, num_new + pad_lens
-        input_ids = np.concatenate(input_ids)
+        host = host_step_arrays(blocks, starts, num_new, self.block_size, live_tokens)
+        host["input_ids"] = np.concatenate(input_ids)
         # rows whose logits are computed: the emitting ones, then padding decode rows (HF
         # computes every row's logits); only the emitting ones are sampled
         logit_rows = emit + [len(reqs) + p for p in pad_logits]
-        graph = self._graph_for(batch, emit, len(num_new), max(s + n for s, n in zip(starts, num_new)))
-        if graph is not None:
-            host = host_step_arrays(blocks, starts, num_new, self.block_size, live_tokens)
+        host["logit_rows"] = host["query_start_loc"][1:].astype(np.int64)[logit_rows] - 1
+        graph = self._graph_for(batch, emit, len(num_new), int(host["seq_lens"].max()))
+        return PreparedStep(batch, emit, host, graph, rows=len(reqs) + len(pad_logits),
+                            tokens=sum(num_new), host_s=time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def launch(self, step: "PreparedStep") -> "PendingStep":
+        """Queue the step's forward, logits and sampling on the device, then the copy of the
+        sampled ids into a pinned host buffer and an event after it. Returns without waiting:
+        on a GPU the device works while the host prepares the next step."""
+        t0 = time.perf_counter()
+        host, emit = step.host, step.emit
+        num_seqs = len(host["seq_lens"])
+        timer = _DeviceTimer(self.device)           # started once the inputs are copied in
+        if step.graph is not None:
             self.block_table.update(host["block_tables"])
-            with _DeviceTimer(self.device) as timer:
-                logits, sampled = self.graphs.run(graph, {**host, "input_ids": input_ids}, len(num_new))
+            timer.start()
+            logits, sampled = self.graphs.run(step.graph, host, num_seqs)
             logits, sampled = logits[:len(emit)], sampled[:len(emit)]
         else:
-            positions, meta = build_attn_metadata(blocks, starts, num_new, self.block_size, self.device,
-                                                  self.block_table, live_tokens)
-            input_ids = _to(input_ids, self.device)
-            rows = _to(np.asarray(meta.host_query_start_loc, dtype=np.int64)[1:][logit_rows] - 1, self.device)
-            with _DeviceTimer(self.device) as timer:
-                hidden = self.model(input_ids, positions, meta)
-                logits = self.model.compute_logits(hidden[rows])[:len(emit)]
-                sampled = self.sampler(logits) if emit else rows[:0]
-        t1 = time.perf_counter()
-        tokens = sampled.tolist()
-        emitted = [reqs[s] for s in emit]
+            positions, meta = metadata_from_host(host, self.block_size, self.device, self.block_table)
+            input_ids, rows = _to(host["input_ids"], self.device), _to(host["logit_rows"], self.device)
+            timer.start()
+            hidden = self.model(input_ids, positions, meta)
+            logits = self.model.compute_logits(hidden[rows])[:len(emit)]
+            sampled = self.sampler(logits) if emit else rows[:0]
+        timer.stop()
+        tokens = self._token_buffer(len(emit))
+        tokens.copy_(sampled, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        # on CPU the forward ran inside launch: its time is the device's, not the host's
+        launch_host = time.perf_counter() - t0 - (0.0 if timer.cuda else timer.wall)
+        return PendingStep(step, logits, tokens, ready, timer, step.host_s + launch_host)
+
+    def collect(self, pending: "PendingStep") -> StepResult:
+        """Wait for the step's sampled ids on the host and hand them to live requests."""
+        if pending.ready is not None:
+            pending.ready.synchronize()                 # the device's time, not the host's
+        t0 = time.perf_counter()
+        step = pending.step
+        tokens = pending.tokens.tolist()
+        reqs = step.batch.reqs
+        emitted = [reqs[s] for s in step.emit]
         for req, token in zip(emitted, tokens):
             output = req.segments[-1]
             if isinstance(output, list):                # live request: the sample is its output
                 output.append(token)
                 if token == req.eos_token_id:           # finish_step retires it at this length
                     req.output_len = req.num_output + 1
-        host_s = (timer.start - t0) + (time.perf_counter() - t1)
-        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, logits, host_s, timer.seconds,
-                          rows=len(reqs) + len(pad_logits), tokens=sum(num_new))
+        device_s = pending.timer.seconds()
+        host_s = pending.host_s + (time.perf_counter() - t0)
+        return StepResult({r.id: t for r, t in zip(emitted, tokens)}, pending.logits, host_s, device_s,
+                          rows=step.rows, tokens=step.tokens)
+
+    def _token_buffer(self, n: int) -> torch.Tensor:
+        """A host buffer for n sampled ids (pinned on CUDA), two taken in turn so that step N+1's
+        copy never lands in the buffer step N's ids are still read from."""
+        turn, self._token_turn = self._token_turn, 1 - self._token_turn
+        buf = self._token_buffers[turn]
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._token_buffers[turn] = buf
+        return buf[:n]
 
     def static_padding(self, batch: Batch) -> tuple[list[int], list[int], list[int]]:
         """A static batch's padding as extra sequences on the null block: (starts, lengths,
@@ -357,27 +444,31 @@ def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 class _DeviceTimer:
-    """Times a block on the device: CUDA events (waited for on exit) on GPU, wall time on CPU."""
+    """Times a step on the device: CUDA events (read once the step is done) on GPU, wall
+    time on CPU, where the forward runs synchronously between start() and stop()."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.start = self.seconds = 0.0
+        self.wall = 0.0
 
-    def __enter__(self) -> "_DeviceTimer":
-        self.start = time.perf_counter()
+    def start(self) -> "_DeviceTimer":
+        self._t0 = time.perf_counter()
         if self.cuda:
             self._begin = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
             self._begin.record()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        self.wall = time.perf_counter() - self._t0
         if self.cuda:
             self._end.record()
-            self._end.synchronize()
-            self.seconds = self._begin.elapsed_time(self._end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.start
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self.wall
+        self._end.synchronize()
+        return self._begin.elapsed_time(self._end) / 1e3
 
 
 # -- KV pool sizing ------------------------------------------------------------------------

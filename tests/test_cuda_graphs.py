@@ -71,29 +71,42 @@ class _ReplayEagerly:
         self.sampled.copy_(sampled)
 
 
-def test_the_graph_path_matches_eager_steps_on_cpu():
-    """The runner's graph path (inputs into static buffers, padded to 4, rows cut back to 3)
-    against its eager path, with the Triton backend interpreted."""
-    from engine.cuda_graphs import DecodeGraphs
+@pytest.fixture
+def triton_runner():
+    """The tiny model's runner on CPU with the Triton backend (interpreted): 17 blocks of 16,
+    max_model_len 64. Skips where Triton kernels cannot run."""
     from engine.kernels import triton_available
     from engine.runner import ModelRunner
     from engine.weights import build_model
     from sim.core.catalog import get_model
-    from sim.core.kvcache import KVCacheManager
-    from validate.calibrate import probe_batch
 
     if not triton_available():
         pytest.skip("Triton kernels cannot run here")
+    return ModelRunner(build_model(get_model("tiny"), "cpu", attention_backend="triton"), 17, 16, 64)
+
+
+@pytest.fixture
+def cpu_graphs():
+    """Builds DecodeGraphs for a runner whose captures are _ReplayEagerly stand-ins."""
+    from engine.cuda_graphs import DecodeGraphs
 
     class CpuGraphs(DecodeGraphs):
         def _capture(self, size, max_seq_len):
             fake = _ReplayEagerly(self, size, max_seq_len)
             return fake, fake.logits, fake.sampled
+    return CpuGraphs
 
-    runner = ModelRunner(build_model(get_model("tiny"), "cpu", attention_backend="triton"), 17, 16, 64)
+
+def test_the_graph_path_matches_eager_steps_on_cpu(triton_runner, cpu_graphs):
+    """The runner's graph path (inputs into static buffers, padded to 4, rows cut back to 3)
+    against its eager path, with the Triton backend interpreted."""
+    from sim.core.kvcache import KVCacheManager
+    from validate.calibrate import probe_batch
+
+    runner = triton_runner
     torch.manual_seed(0)
     pool = torch.randn_like(runner.kv_cache)
-    graphs = CpuGraphs(runner, 4)
+    graphs = cpu_graphs(runner, 4)
     assert graphs.capture_all() == 3 and graphs.sizes == [1, 2, 4]      # no split below 512 tokens
     logits = {}
     for mode, g in (("eager", None), ("graph", graphs)):
@@ -108,28 +121,15 @@ def test_the_graph_path_matches_eager_steps_on_cpu():
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-5, rtol=1e-5)
 
 
-def test_a_static_batch_padding_row_rides_in_the_graph_on_cpu():
+def test_a_static_batch_padding_row_rides_in_the_graph_on_cpu(triton_runner, cpu_graphs):
     """A static batch's decode step with a finished member: the graph runs both rows (live,
     then padding) and hands back the live row's logits, equal to the eager path's."""
-    from engine.cuda_graphs import DecodeGraphs
-    from engine.kernels import triton_available
-    from engine.runner import ModelRunner
-    from engine.weights import build_model
-    from sim.core.catalog import get_model
     from sim.core.kvcache import KVCacheManager
     from sim.core.request import make_request
     from sim.core.scheduler import Scheduler, SchedulerConfig
 
-    if not triton_available():
-        pytest.skip("Triton kernels cannot run here")
-
-    class CpuGraphs(DecodeGraphs):
-        def _capture(self, size, max_seq_len):
-            fake = _ReplayEagerly(self, size, max_seq_len)
-            return fake, fake.logits, fake.sampled
-
-    runner = ModelRunner(build_model(get_model("tiny"), "cpu", attention_backend="triton"), 17, 16, 64)
-    graphs = CpuGraphs(runner, 2)
+    runner = triton_runner
+    graphs = cpu_graphs(runner, 2)
     graphs.capture_all()
     logits = {}
     for mode, g in (("eager", None), ("graph", graphs)):

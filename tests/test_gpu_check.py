@@ -159,6 +159,7 @@ def test_the_gate_passes_a_correct_engine():
 
     result = correctness_gate(small_gate_scenario(), "cpu")
     assert result["rows"] == 5 and max(result["row_rel_errors"]) < 1e-3
+    assert result["overlap"]["steps"] >= 5 and result["overlap"]["worst_row_rel_error"] == 0.0
 
 
 def test_the_gate_fails_a_wrong_kernel(monkeypatch):
