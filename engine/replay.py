@@ -229,7 +229,7 @@ def warm_up(scenario, runner: ModelRunner) -> float:
 # ----------------------------------------------------------------------------- manifest
 
 def environment() -> dict:
-    """Versions and the device, as the seed's benchmarking section asks."""
+    """Versions and the device: what a measurement needs on record to be compared or repeated."""
     env = {"kvtwin_version": kvtwin_version(), "git_commit": git_commit(), "python": platform.python_version(),
            "torch": torch.__version__, "cuda": torch.version.cuda}
     try:

@@ -70,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         return run_command(command, rest)
     except Exception as e:                     # noqa: BLE001 - only the known user errors are caught below
-        if _terminated():                      # a SIGTERM's interrupt, surfaced wrapped in another error
+        if _terminated():                      # an error caused by the stop a signal asked for
             print("interrupted", file=sys.stderr)
             return 130
         if not is_user_error(e):
@@ -85,8 +85,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _terminated() -> bool:
-    run_dir = sys.modules.get("sim.output.run_dir")
-    return bool(run_dir and run_dir.terminated)
+    """A signal asked this run to stop (sim/stop.py): an error after that (a worker process
+    ended by the stop, say) is part of the interruption, not a crash."""
+    stop = sys.modules.get("sim.stop")
+    return bool(stop and stop.asked())
 
 
 def split_command(argv: list[str]) -> tuple[Optional[str], list[str]]:

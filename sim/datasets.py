@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
+import zipfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +23,15 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.core.files import FileFormatError, excerpt, load_json, read_text
+from sim.core.files import FileFormatError, excerpt, load_json, read_bytes, read_text
 from sim.scenario import Dataset
 
 CACHE_VERSION = 1
 MAX_DATASET_BYTES = 2 << 30          # a ShareGPT dump is ~650 MB; anything over 2 GiB is refused
 MAX_DATASET_VALUES = 200_000_000     # JSON values in a data set (ShareGPT: ~2M)
-MAX_TOKENIZER_BYTES = 256 << 20      # a tokenizer.json is 2-35 MB
+MAX_TOKENIZER_BYTES = 256 << 20      # a tokenizer.json is 2-35 MB; so is any file of a tokenizer folder
+# the files of a transformers folder its tokenizer reads (weights and the rest are never opened)
+TOKENIZER_FILE_PARTS = ("token", "vocab", "merges", "chat_template", "config.json", ".model", ".tiktoken")
 SHAREGPT_FILTER = (4, 1024, 2048)    # vLLM: drop prompt or output < 4, prompt > 1024, prompt + output > 2048
 SONNET_BASE_PROMPT = "Pick as many lines as you can from these poem lines:\n"
 
@@ -88,7 +92,29 @@ def text_tokenizer(path: Path) -> TextTokenizer:
     raise DatasetError(f"tokenizer: {path} is neither a tokenizer.json nor a folder holding one")
 
 
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The files of a transformers folder its tokenizer may read, each checked: a regular file of
+    at most MAX_TOKENIZER_BYTES (the library would read a 50 GB `tokenizer.json`, or a link to
+    /dev/zero, to the end)."""
+    files = []
+    for entry in sorted(folder.iterdir()):
+        if not any(part in entry.name for part in TOKENIZER_FILE_PARTS):
+            continue
+        try:
+            info = entry.stat()
+        except OSError as e:
+            raise DatasetError(f"{entry}: cannot read ({e.strerror or e}) (a file of the tokenizer folder)") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise DatasetError(f"{entry}: not a regular file (a file of the tokenizer folder {folder})")
+        if info.st_size > MAX_TOKENIZER_BYTES:
+            raise DatasetError(f"{entry}: {info.st_size / 2**20:.1f} MiB, larger than the "
+                               f"{MAX_TOKENIZER_BYTES >> 20} MiB allowed for a file of a tokenizer folder")
+        files.append(entry)
+    return files
+
+
 def _transformers_tokenizer(path: Path) -> TextTokenizer:
+    files = tokenizer_files(path)                      # checked before the library opens any of them
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -102,7 +128,7 @@ def _transformers_tokenizer(path: Path) -> TextTokenizer:
             return list(tok(text, add_special_tokens=False)["input_ids"])
     return TextTokenizer(lambda texts: [list(ids) for ids in tok(texts)["input_ids"]],
                          lambda ids: tok.decode(ids), len(tok),
-                         _digest(sorted(p for p in path.iterdir() if p.is_file() and "token" in p.name)), template)
+                         _digest([p for p in files if "token" in p.name]), template)
 
 
 def _folder_chat_template(path: Path) -> Optional[Callable[[list[dict]], list[int]]]:
@@ -128,7 +154,7 @@ def _digest(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        h.update(f.read_bytes())
+        h.update(_read_bytes(f, "tokenizer file", MAX_TOKENIZER_BYTES))
     return h.hexdigest()
 
 
@@ -137,9 +163,10 @@ def tokenized(path: Path, texts: list[str], tokenizer: Path, selection: str = "a
     the cache beside the file when it matches, else encoded and cached. Returns (ids, notes,
     vocabulary size). The cache is one .npz: every id as int32 and each text's start offset."""
     encode, tok_digest, vocab = load_tokenizer(tokenizer)
-    digest = hashlib.sha256(path.read_bytes() + tok_digest.encode() + selection.encode()).hexdigest()
+    digest = hashlib.sha256(_read_bytes(path, "data set (workload.dataset.path)", MAX_DATASET_BYTES)
+                            + tok_digest.encode() + selection.encode()).hexdigest()
     cache = path.with_name(f"{path.name}.kvtwin-tokens-{digest[:16]}.npz")
-    cached = _read_cache(cache, digest, len(texts))
+    cached = _read_cache(cache, digest, len(texts), max_cache_ids(texts))
     if cached is not None:
         return cached, [f"{path}: token ids from the cache {cache.name}"], vocab
     ids = encode(texts) if texts else []
@@ -155,20 +182,75 @@ def tokenized(path: Path, texts: list[str], tokenizer: Path, selection: str = "a
     return ids, notes, vocab
 
 
-def _read_cache(cache: Path, digest: str, count: int) -> Optional[list[list[int]]]:
+def max_cache_ids(texts: list[str]) -> int:
+    """More token ids than `texts` can encode to: at most one per UTF-8 byte (<= 4 per character),
+    plus a few special tokens per text."""
+    return 4 * sum(len(t) for t in texts) + 8 * len(texts) + 64
+
+
+def _read_cache(cache: Path, digest: str, count: int, max_ids: int) -> Optional[list[list[int]]]:
     if not cache.is_file():
         return None
+    _check_cache_bounds(cache, count, max_ids)
     try:
         with np.load(cache, allow_pickle=False) as data:
             if int(data["version"]) != CACHE_VERSION or str(data["digest"]) != digest:
                 return None
             offsets, flat = data["offsets"], data["ids"]
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         return None                                   # a damaged cache is rebuilt
-    if len(offsets) != count + 1:
+    if flat.dtype != np.int32 or offsets.dtype != np.int64 or flat.ndim != 1 or offsets.ndim != 1:
+        return None
+    if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != len(flat) or np.any(np.diff(offsets) < 0):
         return None
     flat = flat.tolist()
     return [flat[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
+_SMALL_MEMBER = 4096      # the version and digest entries (a scalar, a 64-character string)
+
+
+def _check_cache_bounds(cache: Path, count: int, max_ids: int) -> None:
+    """A cache (a zip of .npy arrays) no larger than its data set can need, read before np.load
+    allocates anything: the file, each member as the archive declares it, and each array as its
+    header declares it (np.load allocates the header's shape up front). DatasetError naming the
+    file otherwise: it is not one kvtwin wrote for this data set."""
+    limits = {"version.npy": _SMALL_MEMBER, "digest.npy": _SMALL_MEMBER,
+              "ids.npy": 4 * max_ids + _SMALL_MEMBER, "offsets.npy": 8 * (count + 1) + _SMALL_MEMBER}
+    def refuse(why: str) -> DatasetError:
+        return DatasetError(f"{cache}: {why}; not a token cache kvtwin wrote for {count} texts "
+                            f"(delete it: the next run rebuilds it)")
+
+    size = cache.stat().st_size
+    if size > sum(limits.values()) + 65536:
+        raise refuse(f"{size / 2**20:.1f} MiB, more than the cache of this data set can be")
+    try:
+        with zipfile.ZipFile(cache) as archive:
+            members = [(info, _npy_header(archive, info)) for info in archive.infolist()
+                       if info.filename in limits and info.file_size <= limits[info.filename]]
+            unexpected = [info for info in archive.infolist()
+                          if info.filename not in limits or info.file_size > limits[info.filename]]
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        return                                         # damaged: _read_cache rebuilds it
+    for info in unexpected:
+        if info.filename not in limits:
+            raise refuse(f"holds an unexpected entry {excerpt(info.filename)}")
+        raise refuse(f"its {info.filename} unpacks to {info.file_size} bytes (at most {limits[info.filename]})")
+    for info, (shape, dtype) in members:
+        limit = limits[info.filename]
+        if dtype.hasobject or float(np.prod(shape, dtype=np.float64)) * dtype.itemsize > limit:
+            raise refuse(f"its {info.filename} declares a {shape} {dtype} array (at most {limit} bytes)")
+
+
+def _npy_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple, np.dtype]:
+    """(shape, dtype) an .npy member's header declares, read without reading its data."""
+    from numpy.lib import format as npy
+
+    with archive.open(info) as member:
+        version = npy.read_magic(member)
+        read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, _, dtype = read_header(member)
+    return shape, dtype
 
 
 def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
@@ -183,6 +265,13 @@ def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _read_bytes(path: Path, what: str, max_bytes: int) -> bytes:
+    try:
+        return read_bytes(path, what, max_bytes)
+    except FileFormatError as e:
+        raise DatasetError(str(e)) from None
 
 
 def _read(path: Path, what: str = "data set (workload.dataset.path)", max_bytes: int = MAX_DATASET_BYTES) -> str:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
+from sim import stop
 from sim.costmodel import CostModel
 from sim.core.memory import MemoryPlan
 from sim.metrics import summarise
@@ -42,11 +43,16 @@ class RunResult:
 def predict(scenario, name: Optional[str] = None,
             progress: Optional[Callable[[int], None]] = None, manifest: bool = True) -> RunResult:
     """Simulate and summarise; nothing is written. Without `manifest` (a sweep point whose files
-    are not written) the manifest is left empty: hashing the workload costs a few % of a point."""
+    are not written) the manifest is left empty: hashing the workload costs a few % of a point.
+    Stops with stop.StopRequested at its checks (here, and every 256 finished requests through the
+    progress callback) once a signal asked."""
+    stop.check()
     workload = build_workload(scenario)
+    stop.check()
     described = workload_manifest(workload.requests, workload.notes) if manifest else None
     # the run takes the requests over and lets each go once its figures are recorded
-    records, plan, cost_model = simulate(scenario, workload.requests, progress=progress, release=True)
+    records, plan, cost_model = simulate(scenario, workload.requests, progress=stop.polling(progress), release=True)
+    stop.check()
     req_df = requests_frame(records)
     steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df, steps_df)

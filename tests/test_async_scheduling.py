@@ -90,3 +90,13 @@ def test_auto_follows_vllm_default_for_the_version_and_engine():
     assert not resolved(async_scheduling=False)
     assert not resolved(device="cpu")                     # kvtwin's own engine is synchronous
     assert not resolved(batching="static")
+
+
+def test_vllm_serve_flag_sets_the_switch():
+    from sim.vllm.serve_flags import translate
+
+    for flag, expected in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        raw = translate(f"vllm serve Qwen/Qwen2.5-0.5B-Instruct {flag}", "h100-sxm").raw
+        assert raw["engine"]["async_scheduling"] is expected
+        assert validate_scenario(raw).async_scheduling is expected
+    assert "async_scheduling" not in translate("vllm serve Qwen/Qwen2.5-0.5B-Instruct", "h100-sxm").raw.get("engine", {})

@@ -125,3 +125,63 @@ def test_a_transformers_folder_brings_its_chat_template(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "Why batch?"}]) == \
         tok.encode("<user>Why batch?<assistant>")
     assert text_tokenizer(DATA / "tokenizer.json").apply_chat_template is None
+
+
+# ----------------------------------------------------------------------------- bounded reads
+
+def test_a_tokenizer_folder_file_over_the_limit_or_not_a_file_is_refused_by_name(tmp_path, monkeypatch):
+    import sim.datasets as datasets
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 4096)       # weights: never opened for a tokenizer
+    (folder / "vocab.json").write_text("x" * 2048)
+    monkeypatch.setattr(datasets, "MAX_TOKENIZER_BYTES", 1024)
+    with pytest.raises(datasets.DatasetError, match=r"vocab\.json: .* larger than the 0 MiB allowed"):
+        datasets.text_tokenizer(folder)
+    (folder / "vocab.json").unlink()
+    (folder / "tokenizer.model").symlink_to("/dev/zero")             # would be read forever
+    with pytest.raises(datasets.DatasetError, match=r"tokenizer\.model: not a regular file"):
+        datasets.tokenizer_files(folder)
+
+
+def test_the_bounded_reader_refuses_a_device_that_reports_no_size(tmp_path):
+    from sim.core.files import FileFormatError, read_text
+
+    (tmp_path / "s.yaml").symlink_to("/dev/zero")                 # st_size 0, and never ends
+    with pytest.raises(FileFormatError, match=r"s\.yaml: not a regular file"):
+        read_text(tmp_path / "s.yaml", "scenario")
+
+
+def _npy(shape: tuple, dtype: str) -> bytes:
+    """An .npy member whose header declares `shape` but that holds no data."""
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": np.dtype(dtype).str, "fortran_order": False,
+                                                  "shape": shape})
+    return buffer.getvalue()
+
+
+def test_a_token_cache_larger_than_its_data_set_can_need_is_refused_by_name(data):
+    import zipfile
+
+    s = _scenario(data, {"format": "text", "path": "prompts.txt", "tokenizer": "tokenizer.json"})
+    build_workload(s)
+    (cache,) = data.glob("prompts.txt.kvtwin-tokens-*.npz")
+    with zipfile.ZipFile(cache) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    # np.load would allocate this header's 8 TiB up front
+    members["ids.npy"] = _npy((1 << 41,), "<i4")
+    with zipfile.ZipFile(cache, "w") as archive:
+        for name, content in members.items():
+            archive.writestr(name, content)
+    with pytest.raises(WorkloadError, match=r"kvtwin-tokens-\w+\.npz: its ids\.npy declares a \(2199023255552,\)"):
+        build_workload(s)
+    cache.write_bytes(b"PK" + b"\0" * (64 << 20))                      # bigger than any cache of this set
+    with pytest.raises(WorkloadError, match=r"kvtwin-tokens-\w+\.npz: 64\.0 MiB, more than"):
+        build_workload(s)
+    cache.write_bytes(b"damaged")                                    # small and unreadable: rebuilt
+    assert not any("from the cache" in n for n in build_workload(s).notes)
+    assert any("from the cache" in n for n in build_workload(s).notes)

@@ -4,7 +4,7 @@ fit must recover the hidden efficiencies and predict the held-out run closely.""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pandas as pd
@@ -15,7 +15,7 @@ from sim.costmodel import CostCoefficients, DeviceProfile
 from sim.predict import predict
 from sim.scenario import validate_scenario
 from sim.vllm.results import load_results, vllm_result_dict
-from validate.vllm_fit import calibrate_from_vllm, fit_warnings
+from validate.vllm_fit import Replay, calibrate_from_vllm, fit_warnings, identifiable_terms
 
 DEPLOYMENT = {"model": "qwen2.5-0.5b", "device": "l4", "engine": {"max_model_len": 2048, "max_num_seqs": 64}}
 DEFAULT = CostCoefficients()
@@ -65,6 +65,78 @@ def test_round_trip_recovers_the_hidden_efficiencies_and_predicts_the_held_out_r
     assert fitted["error"].abs().max() < 0.06
     assert fit.warnings == [] and fit.profile.fit["quality"] == "ok"
     assert fit.profile.fit["held_out"] == str(run_files[-1])
+
+
+# Named host terms of a CUDA-graph engine: a small model on an H100, whose ~1-5 ms steps let a
+# per-step launch and the API server's per-token cost show (a fixed pool keeps each replay cheap).
+HOST_DEPLOYMENT = {"model": "qwen2.5-0.5b", "device": "h100-sxm",
+                   "engine": {"max_model_len": 2048, "max_num_seqs": 64, "num_blocks": 8192}}
+HOST_HIDDEN = replace(DEFAULT, flops_eff=DEFAULT.flops_eff * 0.6, attn_flops_eff=DEFAULT.attn_flops_eff * 0.6,
+                      bw_eff=DEFAULT.bw_eff * 0.7, attn_bw_eff=DEFAULT.attn_bw_eff * 0.7,
+                      step_host_s=400e-6, seq_host_s=10e-6,        # hidden behind the device (async)
+                      graph_launch_s=80e-6, sample_seq_s=3e-6, api_token_s=100e-6)
+HOST_RUNS = [(20, 32, 32), ("inf", 48, 24), (200, 48, 32)]   # the all-at-once run is API-bound
+
+
+@pytest.fixture(scope="module")
+def host_run_files(tmp_path_factory):
+    return synthetic_runs(tmp_path_factory.mktemp("vllm_host_runs"), HOST_DEPLOYMENT, HOST_HIDDEN, HOST_RUNS)
+
+
+def synthetic_runs(folder, deployment, hidden, runs):
+    """kvtwin's predictions under `hidden` coefficients, as `--save-detailed` files with 2% noise."""
+    profile = folder / "hidden.yaml"
+    profile.write_text(yaml.safe_dump({"coefficients": asdict(hidden)}))
+    rng = np.random.default_rng(7)
+    paths = []
+    for i, (rate, n, out) in enumerate(runs):
+        arrival = {"process": "offline"} if rate == "inf" else {"process": "poisson", "rate": rate}
+        scenario = validate_scenario({**deployment, "seed": i,
+                                      "device": {"base": deployment["device"], "profile": str(profile)},
+                                      "workload": {"num_requests": n, "arrival": arrival,
+                                                   "prompt_len": {"dist": "uniform", "min": 128, "max": 1536},
+                                                   "output_len": {"dist": "uniform", "min": 4, "max": out}}})
+        data = vllm_result_dict(predict(scenario).requests, {"model_id": "Qwen/Qwen2.5-0.5B-Instruct",
+                                                             "request_rate": rate})
+        noisy = lambda values: [v * float(np.exp(rng.normal(0, 0.02))) for v in values]  # noqa: E731
+        data["ttfts"], data["latencies"] = noisy(data["ttfts"]), noisy(data["latencies"])
+        paths.append(folder / f"run{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    return paths
+
+
+def test_round_trip_recovers_the_named_host_terms_and_names_the_hidden_ones(host_run_files):
+    runs = [r for p in host_run_files for r in load_results(p)]
+    fit = calibrate_from_vllm(validate_scenario(HOST_DEPLOYMENT), runs)
+    c, left_out = fit.profile.coefficients, fit.unidentifiable
+    print(fit.parameters, left_out, fit.errors.to_string())
+    assert c.flops_eff == pytest.approx(HOST_HIDDEN.flops_eff, rel=0.05)
+    assert c.bw_eff == pytest.approx(HOST_HIDDEN.bw_eff, rel=0.05)
+    assert c.graph_launch_s == pytest.approx(HOST_HIDDEN.graph_launch_s, rel=0.2)      # serial per step
+    assert c.api_token_s == pytest.approx(HOST_HIDDEN.api_token_s, rel=0.15)          # the API-bound run
+    # async scheduling hides 400 us of scheduler time per step behind the device: not fitted, said so
+    for term in ("step_host_s", "seq_host_s"):
+        assert "no visible effect" in left_out[term]
+        assert getattr(c, term) == getattr(DEFAULT, term)
+    assert "not told apart from api_token_s" in left_out["detok_token_s"] and c.detok_token_s == 0
+    # 3 us of sampling per row is lost in the noise: either flagged or roughly right
+    assert "sample_seq_s" in left_out or c.sample_seq_s == pytest.approx(3e-6, rel=1.5)
+    assert fit.profile.fit["unidentifiable"] == left_out
+    held = fit.errors[fit.errors["role"] == "held out"].set_index("metric")["error"]
+    assert held.abs().max() < 0.03, held
+    assert fit.warnings == []
+
+
+def test_output_terms_act_only_as_their_sum(host_run_files):
+    """detok_token_s and api_token_s both cost per token in the API server's process: whatever the
+    runs, only their sum shows, so the second is never fitted beside the first."""
+    replays = [Replay.of(r) for p in host_run_files[:2] for r in load_results(p)]   # light and API-bound
+    names = ["compute_scale", "memory_scale", "api_token_s", "detok_token_s"]
+    kept, left_out, start = identifiable_terms(validate_scenario(HOST_DEPLOYMENT), replays,
+                                               ("ttft_s", "tpot_s", "e2e_s", "duration_s"), names, DEFAULT)
+    assert kept == ["compute_scale", "memory_scale", "api_token_s"]
+    assert "not told apart from api_token_s" in left_out["detok_token_s"]
+    assert start["api_token_s"] > 0
 
 
 def test_one_run_fits_tpot_and_reports_the_rest(run_files):

@@ -129,3 +129,20 @@ def test_public_vllm_commands_and_logged_args_translate_without_unknown_flags():
         if args.get("enable_prefix_caching") is not None:
             assert t.raw["engine"]["prefix_caching"] == args["enable_prefix_caching"], entry["id"]
     assert seen >= 60
+
+
+def test_cli_out_file_follows_the_output_rules(tmp_path, capsys):
+    command = ["--", "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--max-num-seqs", "32"]
+    out = tmp_path / "s.yaml"
+    out.write_text("name: mine\n")                            # someone else's file
+    assert main(["from-vllm", "--device", "h100-sxm", "--out", str(out), *command]) == 2
+    assert "kvtwin did not write it" in capsys.readouterr().err and out.read_text() == "name: mine\n"
+    assert main(["from-vllm", "--device", "h100-sxm", "--out", str(out), "--force", *command]) == 0
+    assert main(["from-vllm", "--device", "h100-sxm", "--out", str(out), *command]) == 0   # its own: replaced
+    assert out.read_text().startswith("# written by `simrun from-vllm` from: vllm serve")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]                       # no temp file left
+    assert main(["from-vllm", "--device", "h100-sxm", "--out", str(tmp_path), *command]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["from-vllm", "--device", "h100-sxm", "--out", "", *command])
+    assert exc.value.code == 2 and "empty path" in capsys.readouterr().err

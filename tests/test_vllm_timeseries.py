@@ -154,3 +154,16 @@ def test_request_lines_give_the_offset(tmp_path):
     # arrivals at 0.25, 1.25, 2.25 s: the run began at 14:10:04.75, 3.25 s before the first stats line
     offset, how = align_offset(s, _steps(), 100, run_t0_wall=0.0, arrivals_s=np.array([0.25, 1.25, 2.25]))
     assert offset == pytest.approx(3.25) and how.startswith("request time stamps (the last 3 of the log's 4")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["compare", "s.yaml", "--vllm-result", "r.json", "--log-year", "2025"], "--log-year 2025"),
+    (["bench", "s.yaml", "--endpoint", "http://127.0.0.1:9", "--log-year", "2025"], "--log-year 2025"),
+    (["compare", "s.yaml", "--vllm-result", "r.json", "--series-offset", "-0.5"], "--series-offset -0.5"),
+])
+def test_a_series_flag_without_the_server_log_is_an_error_naming_both(argv, flag, capsys):
+    from sim.cli import main
+
+    assert main(argv) == 2                       # before reading any file or sending any request
+    err = capsys.readouterr().err
+    assert flag in err and "--server-log" in err

@@ -57,7 +57,8 @@ from sim.vllm.timeseries import load_series, parse_prometheus, pool_blocks, seri
 np = lazy_import("numpy")      # on first use: `simrun bench -h` stays light
 pd = lazy_import("pandas")
 
-# The seed's smoke step (the same request as engine/replay.py's smoke check).
+# The smoke request sent before measuring, to check the endpoint answers with the lengths asked
+# for (the same request as engine/replay.py's smoke check).
 SMOKE_PROMPT_TOKENS = 16
 SMOKE_OUTPUT_TOKENS = 8
 # A workload whose request count or mean/p90 lengths differ from the scenario's by more
@@ -960,6 +961,19 @@ def series_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-year", type=int, help="the year of the log's MM-DD times (default: this year)")
 
 
+def check_series_args(args, offset_needs_log: bool) -> None:
+    """A series flag without the file it applies to is a mistake worth naming, not a no-op.
+    `offset_needs_log`: the command has no series but the log's (compare; a bench scrapes /metrics)."""
+    if args.server_log is not None:
+        return
+    if args.log_year is not None:
+        raise UserError(f"--log-year {args.log_year}: applies to the MM-DD times of a --server-log file; "
+                        f"give --server-log FILE, or drop --log-year")
+    if offset_needs_log and args.series_offset is not None:
+        raise UserError(f"--series-offset {args.series_offset:g}: applies to a --server-log file's time series; "
+                        f"give --server-log FILE, or drop --series-offset")
+
+
 def attach_series(measured: Measured, args) -> None:
     if args.server_log is not None:
         measured.series = load_series(args.server_log, year=args.log_year)
@@ -984,6 +998,7 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY when set)")
     series_args(p)
     args = p.parse_args(argv)
+    check_series_args(args, offset_needs_log=False)
     from sim.predict import predict
 
     scenario = _single_scenario(args)
@@ -1021,6 +1036,7 @@ def compare_main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     series_args(p)
     args = p.parse_args(argv)
+    check_series_args(args, offset_needs_log=True)
     from sim.predict import predict
 
     scenario = _single_scenario(args)

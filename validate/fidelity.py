@@ -63,7 +63,7 @@ def skip_reason(entry: dict) -> Optional[str]:
     if entry["model"] not in MODELS:
         return "model shape not in the catalog or tests/data/hf_configs"
     if entry.get("quantization") or entry.get("kv_cache_dtype") not in (None, "auto"):
-        return "quantized weights or KV (issue 12)"
+        return "quantized weights or KV cache: this comparison maps bf16 deployments only"
     if entry["gpu"]["model"] not in GPUS:
         return "GPU not in the catalog"
     if entry.get("max_concurrency") is not None:

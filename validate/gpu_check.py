@@ -207,7 +207,7 @@ def validation(ctx: Context, name: str, extra: list[str] = (), label: str | None
 
 
 def write_tolerances(folder: Path, table) -> None:
-    """The band the regression test holds future predictions to: the issue's target, or the
+    """The band the regression test holds future predictions to: the GPU target (GPU_TARGETS), or the
     error achieved here widened by half and 2 points if that is larger (it is then a miss)."""
     import pandas as pd
     import yaml

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
+from sim import stop
 from sim.output.io import write_csv, write_json
 from sim.output.run_files import view_of, write_run
 from sim.predict import RunResult, predict
@@ -59,7 +60,9 @@ def validate(scenario, device: str = "cpu", profile: Optional[Path] = None, onli
     predicted = predict(scenario, "predicted")
     if progress:
         progress("replaying on the engine")
-    measured = replay(scenario, device=device, online=online, cold=cold, name="measured")
+    # polled: a signal's stop ends the replay at its next finished step (sim/stop.py)
+    measured = replay(scenario, device=device, online=online, cold=cold, name="measured",
+                      progress=stop.polling(None))
     table = comparison_table(predicted.summary, measured.summary, tolerances)
     steps = step_time_comparison(predicted.cost_model, measured.steps)
     return Validation(predicted, measured, table, steps, step_time_errors(steps))

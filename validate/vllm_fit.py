@@ -8,9 +8,22 @@ and each run equally whatever its size:
 
     compute_scale   x flops_eff and attn_flops_eff   (GEMM and attention compute efficiency)
     memory_scale    x bw_eff and attn_bw_eff         (weight and KV streaming efficiency)
-    step_host_s     host time per step               (scheduling, input preparation, launches)
-    seq_host_s      host time per sequence per step  (sampling, detokenization, streaming)
+    step_host_s     host time per step               (scheduling, input preparation)
+    seq_host_s      host time per sequence per step  (the scheduler's and runner's per-row work)
     link_eff        tp all-reduce link efficiency    (tp > 1 only)
+  and the named per-step terms of a CUDA-graph engine (sim/costmodel.py):
+    graph_launch_s  the graph replay launch, per step, never hidden
+    sample_seq_s    sampling per sequence, device time
+    detok_token_s   detokenization per sequence per step, in the API server's process
+    api_token_s     the API server's streaming per sequence per step
+
+Only the terms these runs can tell apart are fitted (`identifiable_terms`): before the fit, each
+host term's effect on the residuals (turned on at a typical value) is compared with the scales'
+sensitivities and the terms already kept; a term with no visible effect (host work hidden behind
+the device under async scheduling, output processing faster than the engine) or whose effect is
+nearly a combination of the kept ones (detok_token_s and api_token_s only ever act as their sum;
+seq_host_s and sample_seq_s as one per-sequence cost with synchronous scheduling) keeps the
+profile's value and is listed in the profile's `fit.unidentifiable` with the reason.
 
 Held out: with two or more runs the last one (or --hold-out) is not fitted and its errors are
 reported per metric; with one run only TPOT is fitted and TTFT/E2E are reported as checks.
@@ -43,7 +56,20 @@ PARAMETERS = {
     "step_host_s": (1e-6, 0.2, 0.05),
     "seq_host_s": (1e-8, 2e-3, 5e-4),
     "link_eff": (0.01, 3.0, 1.0),
+    "graph_launch_s": (1e-7, 0.02, 2e-3),    # a CUDA-graph replay: ~10-100 us
+    "sample_seq_s": (1e-9, 1e-3, 1e-4),      # a sampled row on the device: ~1-10 us
+    "detok_token_s": (1e-8, 5e-3, 5e-4),     # incremental detokenization of one token: ~5-50 us
+    "api_token_s": (1e-8, 5e-3, 1e-3),       # one streamed chunk through the OpenAI server: ~10-100 us
 }
+SCALES = ("compute_scale", "memory_scale", "link_eff")
+# in the order they are kept: a term that acts like one before it is left out (api_token_s first of
+# the two output terms: the API server is the usual bottleneck, and only their sum acts)
+HOST_TERMS = ("step_host_s", "seq_host_s", "graph_launch_s", "sample_seq_s", "api_token_s", "detok_token_s")
+# A typical value of each host term, at which its effect is probed (and its fit starts when kept).
+PROBE = {"step_host_s": 200e-6, "seq_host_s": 10e-6, "graph_launch_s": 50e-6, "sample_seq_s": 5e-6,
+         "detok_token_s": 30e-6, "api_token_s": 30e-6}
+NO_EFFECT = 2e-3       # RMS change of log latency below which a term does not show in these runs
+COLLINEAR = 0.15       # share of a term's effect outside the kept terms' span below which it is not told apart
 EFFICIENCIES = ("flops_eff", "attn_flops_eff", "bw_eff", "attn_bw_eff", "link_eff")
 POOR_FIT = 0.10       # mean relative error of a metric's per-request mean beyond which a fit is poor
 
@@ -105,6 +131,7 @@ class VllmFit:
     errors: pd.DataFrame                 # per run and metric: measured, predicted, error, role
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unidentifiable: dict[str, str] = field(default_factory=dict)   # host term -> why it was not fitted
 
 
 def coefficients_from(params: dict[str, float], base: CostCoefficients) -> CostCoefficients:
@@ -113,9 +140,8 @@ def coefficients_from(params: dict[str, float], base: CostCoefficients) -> CostC
                    attn_flops_eff=base.attn_flops_eff * params.get("compute_scale", 1.0),
                    bw_eff=base.bw_eff * params.get("memory_scale", 1.0),
                    attn_bw_eff=base.attn_bw_eff * params.get("memory_scale", 1.0),
-                   step_host_s=params.get("step_host_s", base.step_host_s),
-                   seq_host_s=params.get("seq_host_s", base.seq_host_s),
-                   link_eff=params.get("link_eff", base.link_eff))
+                   link_eff=params.get("link_eff", base.link_eff),
+                   **{term: params.get(term, getattr(base, term)) for term in HOST_TERMS})
 
 
 def simulate_replay(scenario, replay: Replay, coefficients: CostCoefficients, plan=None) -> dict[str, np.ndarray]:
@@ -183,24 +209,173 @@ def _residuals(predicted: dict, measured: dict, metrics: tuple[str, ...]) -> np.
 
 def fit_runs(scenario, replays: list[Replay], metrics: tuple[str, ...], names: list[str],
              base: CostCoefficients, progress: Optional[Callable[[str], None]] = None,
-             max_iterations: int = 20, polish_evaluations: int = 80) -> dict[str, float]:
-    """Bounded least squares in log space over the named parameters (see `levenberg_marquardt`)."""
-    plan = plan_memory(scenario)
-    start = {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": base.step_host_s,
-             "seq_host_s": base.seq_host_s, "link_eff": base.link_eff}
-    lower = np.log([PARAMETERS[n][0] for n in names])
-    upper = np.log([PARAMETERS[n][1] for n in names])
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        coeffs = coefficients_from(dict(zip(names, np.exp(x))), base)
-        return np.concatenate([_residuals(simulate_replay(scenario, r, coeffs, plan), r.measured, metrics)
-                               for r in replays])
-
-    x0 = np.clip(np.log([start[n] for n in names]), lower, upper)
-    x0 = _best_common_scale(residuals, x0, names, lower, upper)
+             max_iterations: int = 20, polish_evaluations: int = 80,
+             start: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """Bounded least squares in log space over the named parameters (see `levenberg_marquardt`),
+    from `start` where given, else from the best uniform slow-down of the profile's values."""
+    residuals = residual_function(scenario, replays, metrics, names, base)
+    lower, upper = _bounds(names)
+    x0 = np.clip(np.log([(start or {}).get(n) or _start(n, base) for n in names]), lower, upper)
+    if start is None:
+        x0 = _best_common_scale(residuals, x0, names, lower, upper)
+    if any(n in HOST_TERMS for n in names):
+        # the means first: smooth in every parameter, so small host terms are not lost in the
+        # step jumps of single requests' latencies; then a few steps on every request
+        means = residual_function(scenario, replays, metrics, names, base, means_only=True)
+        x0 = levenberg_marquardt(means, x0, lower, upper, min(max_iterations, 8), progress)
+        max_iterations = min(max_iterations, 4)
     x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations, progress)
     x = _polish(residuals, x, lower, upper, progress, polish_evaluations)
     return dict(zip(names, map(float, np.exp(x))))
+
+
+def residual_function(scenario, replays: list[Replay], metrics: tuple[str, ...], names: list[str],
+                      base: CostCoefficients, means_only: bool = False) -> Callable[[np.ndarray], np.ndarray]:
+    """x (the log of each named parameter) -> the stacked residuals of every run (`means_only`:
+    `_mean_residuals`, free of the per-request step jumps)."""
+    plan = plan_memory(scenario)
+    halves = [_prompt_halves(r) for r in replays]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        coeffs = coefficients_from(dict(zip(names, np.exp(x))), base)
+        runs = [simulate_replay(scenario, r, coeffs, plan) for r in replays]
+        if means_only:
+            return np.concatenate([_mean_residuals(p, r.measured, metrics, h) for p, r, h in zip(runs, replays, halves)])
+        return np.concatenate([_residuals(p, r.measured, metrics) for p, r in zip(runs, replays)])
+    return residuals
+
+
+def _prompt_halves(replay: Replay) -> Optional[np.ndarray]:
+    """Which requests have a prompt longer than the run's median (None for a summary-only run or
+    equal prompts): the two halves' means keep how latency grows with the prompt."""
+    if replay.summary:
+        return None
+    prompts = np.array([r.prompt_len for r in replay.requests])
+    longer = prompts > np.median(prompts)
+    return longer if longer.any() and not longer.all() else None
+
+
+def _mean_residuals(predicted: dict, measured: dict, metrics: tuple[str, ...],
+                    longer: Optional[np.ndarray]) -> np.ndarray:
+    """Per metric: the log ratio of predicted to measured mean, over the shorter and the longer
+    half of the prompts separately where the run has both (smooth in every parameter)."""
+    out = []
+    for m in metrics:
+        if m not in measured or m not in predicted or m.startswith("series_"):
+            continue
+        p, q = predicted[m], measured[m]
+        ok = np.isfinite(p) & np.isfinite(q) & (p > 0) & (q > 0)
+        groups = [ok] if longer is None or len(p) != len(longer) else [ok & longer, ok & ~longer]
+        out += [np.log(p[g].mean() / q[g].mean()) for g in groups if g.any()]
+    return np.array(out if out else [0.0])
+
+
+def _bounds(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return np.log([PARAMETERS[n][0] for n in names]), np.log([PARAMETERS[n][1] for n in names])
+
+
+def _start(name: str, base: CostCoefficients) -> float:
+    """Where a parameter's fit starts: the scales at 1 (link_eff at the profile's), a host term at
+    the profile's value or, where that is ~0, at a typical value (log space cannot start at 0)."""
+    if name in ("compute_scale", "memory_scale"):
+        return 1.0
+    value = getattr(base, name)
+    return max(value, PROBE[name]) if name in PROBE and value < PARAMETERS[name][0] * 10 else value
+
+
+def identifiable_terms(scenario, replays: list[Replay], metrics: tuple[str, ...], names: list[str],
+                       base: CostCoefficients) -> tuple[list[str], dict[str, str], dict[str, float]]:
+    """The parameters among `names` these runs can tell apart, why each other one is left out, and
+    where the fit should start (the scales' best uniform slow-down, a kept term at the value where
+    its effect showed: below it a term that only shows beyond a threshold has no gradient).
+
+    The scales are always kept. Each host term's effect is the change of the residuals when it goes
+    from ~0 to twice its typical value (the others at ~0, the scales at the best uniform slow-down);
+    kept in HOST_TERMS order when the effect shows (above NO_EFFECT in RMS log latency) and more than
+    COLLINEAR of it lies outside the span of the scales' sensitivities and the terms kept before."""
+    scales = [n for n in names if n not in HOST_TERMS]
+    terms = [n for n in HOST_TERMS if n in names]
+    if not terms:
+        return names, {}, {}
+    lows = {t: PARAMETERS[t][0] for t in terms}
+    residuals = residual_function(scenario, replays, metrics, scales + terms, base, means_only=True)
+    lower, upper = _bounds(scales + terms)
+    x0 = np.log([_start(n, base) for n in scales] + [lows[t] for t in terms])
+    x0 = _best_common_scale(residuals, x0, scales + terms, lower, upper)
+    r0 = residuals(x0)
+    columns, kept_names = [], []
+    for k, n in enumerate(scales):                 # sensitivities of the scales (a 10% step)
+        probe = x0.copy()
+        probe[k] += 0.1
+        columns.append((residuals(probe) - r0) / 0.1)
+        kept_names.append(n)
+    left_out = {}
+    start = {n: float(np.exp(x0[k])) for k, n in enumerate(scales)}
+    for j, t in enumerate(terms):
+        probe = x0.copy()
+        probe_value = 2 * max(PROBE[t], getattr(base, t))
+        probe[len(scales) + j] = np.log(probe_value)
+        effect = residuals(probe) - r0
+        size = float(np.sqrt(np.mean(effect ** 2)))
+        if size < NO_EFFECT:
+            left_out[t] = (f"no visible effect on these runs (at {probe_value * 1e6:.0f} us it moves mean "
+                           f"latencies by {size:.2%} RMS): hidden behind the device or the engine's step")
+            continue
+        basis = np.column_stack(columns)
+        coef, *_ = np.linalg.lstsq(basis, effect, rcond=None)
+        outside = float(np.linalg.norm(effect - basis @ coef) / np.linalg.norm(effect))
+        if outside < COLLINEAR:
+            share = np.abs(coef) * np.linalg.norm(basis, axis=0)
+            like = kept_names[int(np.argmax(share))]
+            left_out[t] = (f"not told apart from {like} on these runs (only {outside:.0%} of its effect "
+                           f"is its own)")
+            continue
+        columns.append(effect)
+        kept_names.append(t)
+        start[t] = probe_value
+    return [n for n in names if n not in left_out], left_out, start
+
+
+PINNED = np.log(2)     # a fitted host term known within a factor 2 (one standard error) is kept
+
+
+def unpinned_terms(scenario, replays: list[Replay], metrics: tuple[str, ...], params: dict[str, float],
+                   base: CostCoefficients) -> dict[str, str]:
+    """The fitted host terms these runs do not pin down, and why: the standard error of each
+    log-parameter from the means' residuals at the fit (Jacobian J, residual variance s2 over
+    the degrees of freedom, covariance s2 (J'J)^-1). A term whose effect trades off against
+    another parameter (a per-step launch against the weight-streaming bandwidth in decode-only
+    runs, say) has a large one; a term that went to ~0 shows no effect at all."""
+    names = list(params)
+    terms = [n for n in names if n in HOST_TERMS]
+    if not terms:
+        return {}
+    residuals = residual_function(scenario, replays, metrics, names, base, means_only=True)
+    lower, upper = _bounds(names)
+    x = np.clip(np.log([params[n] for n in names]), lower, upper)
+    r = residuals(x)
+    jac = np.empty((len(r), len(x)))
+    for k in range(len(x)):
+        h = 0.1 if x[k] + 0.1 <= upper[k] else -0.1
+        probe = x.copy()
+        probe[k] += h
+        jac[:, k] = (residuals(probe) - r) / h
+    s2 = float(r @ r) / max(len(r) - len(x), 1)
+    cov = s2 * np.linalg.pinv(jac.T @ jac)
+    out = {}
+    for k, n in enumerate(names):
+        if n not in terms:
+            continue
+        if np.linalg.norm(jac[:, k]) < 1e-9:
+            out[n] = f"fitted to {params[n]:.3g} s, where it has no visible effect: these runs do not show it"
+            continue
+        se = float(np.sqrt(max(cov[k, k], 0.0)))
+        if se > PINNED:
+            corr = [abs(cov[k, j]) / np.sqrt(max(cov[k, k] * cov[j, j], 1e-300)) if j != k else 0.0
+                    for j in range(len(names))]
+            out[n] = (f"fitted to {params[n]:.3g} s but these runs pin it only within a factor "
+                      f"{np.exp(min(se, 7.0)):.3g} (it trades off against {names[int(np.argmax(corr))]})")
+    return out
 
 
 def _best_common_scale(residuals, x0: np.ndarray, names: list[str], lower, upper) -> np.ndarray:
@@ -301,7 +476,7 @@ def run_errors(scenario, replay: Replay, coefficients: CostCoefficients, role: s
 def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int] = -1,
                         base: Optional[CostCoefficients] = None, seed: int = 0,
                         progress: Optional[Callable[[str], None]] = None, max_iterations: int = 20,
-                        series: Optional[list] = None) -> VllmFit:
+                        series: Optional[list] = None, polish_evaluations: int = 80) -> VllmFit:
     """Fit a profile to the runs (see the module docstring); `hold_out` indexes the run kept out;
     `series[i]` (or None) is run i's measured running/waiting/KV % (sim.vllm.timeseries.load_series)."""
     if not runs:
@@ -316,10 +491,21 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
     held = None if len(runs) < 2 or hold_out is None else hold_out % len(runs)
     train = [r for i, r in enumerate(replays) if i != held]
     metrics = METRICS + ("duration_s",) + SERIES_METRICS if len(runs) >= 2 else ("tpot_s",)
-    names = ["compute_scale", "memory_scale", "step_host_s", "seq_host_s"]
-    if scenario.parallelism.tp > 1:
-        names.append("link_eff")
-    params = fit_runs(scenario, train, metrics, names, base, progress, max_iterations)
+    names = ["compute_scale", "memory_scale"] + (["link_eff"] if scenario.parallelism.tp > 1 else [])
+    names, left_out, start = identifiable_terms(scenario, train, metrics, names + list(HOST_TERMS), base)
+    if progress:
+        progress(f"fitting {', '.join(names)}" + (f"; left at the profile's value: {', '.join(left_out)}"
+                                                   if left_out else ""))
+    params = fit_runs(scenario, train, metrics, names, base, progress, max_iterations, polish_evaluations, start)
+    unpinned = unpinned_terms(scenario, train, metrics, params, base)
+    left_out.update(unpinned)
+    names = [n for n in names if n not in unpinned]
+    if any(params[n] > 10 * PARAMETERS[n][0] for n in unpinned):     # they took time: refit without them
+        if progress:
+            progress(f"not pinned by these runs: {', '.join(unpinned)}; refitting {', '.join(names)}")
+        params = fit_runs(scenario, train, metrics, names, base, progress, min(max_iterations, 6),
+                          min(polish_evaluations, 30), start={n: params[n] for n in names})
+    params = {n: params[n] for n in names}      # the others keep the profile's value
     coeffs = coefficients_from(params, base)
     rows = []
     for i, replay in enumerate(replays):
@@ -338,12 +524,14 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
                 + (" [POOR FIT: see fit.warnings]" if warnings else "")),
         fit={"method": "vllm-runs", "runs": labels, "held_out": None if held is None else labels[held],
              "fitted_metrics": [m.removesuffix("_s") for m in metrics], "parameters": params,
+             "unidentifiable": left_out,
              "errors": errors.to_dict(orient="records"), "quality": "poor" if warnings else "ok",
              "warnings": warnings,
              "notes": [n for r in replays for n in r.notes]
              + [f"{r.label}: time series aligned by {r.series_how} (offset {r.series_offset:+.3f} s)"
                 for r in replays if r.series is not None and r.series_offset is not None]})
-    return VllmFit(profile, params, errors, warnings, [n for r in replays for n in r.notes])
+    notes = [n for r in replays for n in r.notes] + [f"{t} not fitted: {why}" for t, why in left_out.items()]
+    return VllmFit(profile, params, errors, warnings, notes, left_out)
 
 
 def fit_warnings(coeffs: CostCoefficients, params: dict[str, float], errors: pd.DataFrame) -> list[str]:

@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import reprlib
+import stat
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,22 +51,31 @@ _REPR.maxlong = 40
 
 def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The file as UTF-8 text, or FileFormatError naming it and saying what it looks like instead."""
+    return decode(read_bytes(path, what, max_bytes), path, what)
+
+
+def read_bytes(path: str | Path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> bytes:
+    """The file's bytes, at most `max_bytes`, or FileFormatError naming it. Only a regular file
+    (a link to one too): a device or pipe (/dev/zero, a FIFO) reports no size and never ends."""
     path = Path(path)
     if path.is_dir():
         raise FileFormatError(f"{path}: is a folder, expected a {what}")
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise FileFormatError(f"{path}: {size / 2**20:.1f} MiB, larger than the {max_bytes / 2**20:.0f} MiB "
-                                  f"allowed for a {what}")
-        data = path.read_bytes()
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise FileFormatError(f"{path}: not a regular file (a device, pipe or socket), expected a {what}")
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)          # bounded even if the file grows meanwhile
     except FileNotFoundError:
         raise FileFormatError(f"{path}: no such file (expected a {what})") from None
     except PermissionError:
         raise FileFormatError(f"{path}: permission denied (reading a {what})") from None
     except OSError as e:
         raise FileFormatError(f"{path}: cannot read ({e.strerror or e}) (a {what})") from None
-    return decode(data, path, what)
+    if len(data) > max_bytes:
+        size = max(len(data), path.stat().st_size)
+        raise FileFormatError(f"{path}: {size / 2**20:.1f} MiB, larger than the {_size(max_bytes)} "
+                              f"allowed for a {what}")
+    return data
 
 
 def decode(data: bytes, path: str | Path, what: str = "file") -> str:

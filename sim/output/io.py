@@ -9,10 +9,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from sim import stop
+
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path to write; it replaces `path` only if the block succeeds."""
+    """Yield a temporary path to write; it replaces `path` only if the block succeeds.
+    Every output write is a point where a run stops if a signal asked it to (sim/stop.py)."""
+    stop.check()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

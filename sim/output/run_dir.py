@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from sim import stop
 from sim.errors import UserError
 from sim.output.io import write_json, write_text
 
@@ -37,6 +36,35 @@ def out_folder_arg(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path; give a folder, e.g. --out runs/mine")
     return Path(text)
+
+
+def out_file_arg(text: str) -> Path:
+    """argparse `type=` for an --out that names one file: an empty or blank path is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file, e.g. --out my_scenario.yaml")
+    return Path(text)
+
+
+def check_out_file(path: Path, written_by: str, force: bool = False) -> None:
+    """Raise OutputFolderError unless kvtwin may write the single file `path` (atomically, with
+    sim.output.io). A file is its own ownership marker: it starts with `written_by`, the header
+    kvtwin writes (so its own earlier output is replaced); any other file there, or a link, is
+    refused unless `force`. Nothing is written."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputFolderError(f"{path}: is a folder; --out names the file to write (e.g. {path}/scenario.yaml)")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputFolderError(f"{path}: cannot be written ({parent} is not a writable folder) (--out)")
+    if not (path.exists() or path.is_symlink()) or force:
+        return
+    own = False
+    if path.is_file() and not path.is_symlink():
+        with path.open("rb") as f:
+            own = f.read(len(written_by.encode())) == written_by.encode()
+    if not own:
+        raise OutputFolderError(f"{path}: exists and kvtwin did not write it; pick another --out, or pass "
+                                f"--force to replace it")
 
 
 def _is_temp(rel: str) -> bool:
@@ -118,29 +146,13 @@ def _remove_stale(folder: Path, owned: set[str]) -> None:
                 path.rmdir()
 
 
-# Set once a SIGTERM arrived during a run: the KeyboardInterrupt it raises can surface wrapped in
-# another exception (e.g. raised inside an import, as "Error calling __set_name__"), and the cli
-# still has to report an interrupted run, not a crash.
-terminated = False
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt (exit 130, cleanup runs) instead of killing outright."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(*_):
-        global terminated
-        terminated = True
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, interrupt)
+def _remove_temp_files(folder: Path, foreign: set[str]) -> None:
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+        for rel in _files(folder) - foreign:
+            if _is_temp(rel):
+                (folder / rel).unlink(missing_ok=True)
+    except OSError:
+        pass                    # best effort on the way out: the error being raised is the one to report
 
 
 @contextmanager
@@ -149,7 +161,9 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
     On failure INCOMPLETE stays, and the next run into the folder removes the partial files."""
     folder = Path(folder)
     foreign = check_out_folder(folder, force)
-    with _sigterm_as_interrupt():          # so an atomic write in flight removes its temp file
+    # SIGTERM and Ctrl-C ask for a stop (sim/stop.py); the work stops at its next check with
+    # StopRequested, so INCOMPLETE stays and temp files are removed on the way out
+    with stop.stop_on_signals():
         try:
             folder.mkdir(parents=True, exist_ok=True)
             owned, _ = _owned_and_foreign(folder, _files(folder))
@@ -160,9 +174,14 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
                                             f"its files here may be partial.\n")
         except OSError as e:
             raise OutputFolderError(f"{folder}: cannot prepare the output folder ({e.strerror or e})") from None
-        yield folder
-    written = sorted(_files(folder) - foreign - _OWN)
-    write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "finished":
-                                 time.strftime("%Y-%m-%dT%H:%M:%S%z"), "foreign": sorted(foreign),
-                                 "files": written})
-    (folder / INCOMPLETE).unlink(missing_ok=True)
+        try:
+            yield folder
+        except BaseException:
+            # the run's worker processes have ended by now: drop any temp file a write of theirs left
+            _remove_temp_files(folder, foreign)
+            raise
+        written = sorted(_files(folder) - foreign - _OWN)
+        write_json(folder / MARKER, {"kvtwin": "run folder", "started": started, "finished":
+                                     time.strftime("%Y-%m-%dT%H:%M:%S%z"), "foreign": sorted(foreign),
+                                     "files": written})
+        (folder / INCOMPLETE).unlink(missing_ok=True)

@@ -7,12 +7,19 @@ share, so the shares draw in parallel without importing matplotlib again, and ea
 share of report.RUN_PLOTS. With one core, where fork is not available, or from a process that
 runs other threads, the figures are drawn in the calling process instead. KVTWIN_PLOT_WORKERS=N
 sets the number of drawing processes (1: none besides the caller).
+
+A stop a signal asks for (sim/stop.py) is passed on to the figure process and from it to its
+forked copies; each stops at its next figure write, and each waits for the processes it
+started, so none outlives the run (or holds its stderr open).
 """
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+from sim import stop
 
 
 def warm_up() -> None:
@@ -38,18 +45,25 @@ def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[s
     inherit matplotlib, the fonts and the views)."""
     shares = [list(names[i::ways]) for i in range(ways) if names[i::ways]]
     children = []
-    for share in shares[1:]:
-        pid = os.fork()
-        if pid == 0:                                   # the copy: draw, then leave without cleanup
-            code = 1
-            try:
-                draw_share(views, out_dir, title, share)
-                code = 0
-            finally:
-                os._exit(code)
-        children.append(pid)
-    drawn = draw_share(views, out_dir, title, shares[0])
-    failed = [share for pid, share in zip(children, shares[1:]) if os.waitpid(pid, 0)[1] != 0]
+    with ExitStack() as forwards:
+        try:
+            for share in shares[1:]:
+                pid = os.fork()
+                if pid == 0:                               # the copy: draw, then leave without cleanup
+                    code = 1
+                    try:
+                        stop.in_worker()
+                        draw_share(views, out_dir, title, share)
+                        code = 0
+                    finally:
+                        os._exit(code)
+                children.append(pid)
+                forwards.enter_context(stop.forwarding(stop.forward_to_pid(pid)))
+            drawn = draw_share(views, out_dir, title, shares[0])
+        finally:                                           # even when stopping: no copy outlives this
+            codes = [os.waitpid(pid, 0)[1] for pid in children]
+    stop.check()                                           # a copy that stopped is not a failure
+    failed = [share for code, share in zip(codes, shares[1:]) if code != 0]
     if failed:
         raise RuntimeError(f"drawing {', '.join(failed[0])} failed (run with KVTWIN_PLOT_WORKERS=1 to see why)")
     for share in shares[1:]:
@@ -71,14 +85,17 @@ class FigureWorkers:
             workers = int(os.environ.get("KVTWIN_PLOT_WORKERS") or min(2, os.cpu_count() or 1))
         self.workers = workers
         self.pool = None
+        self._forwarding = ExitStack()
         # fork copies one thread only: with other threads alive (a server, a test runner's helpers)
         # a lock one of them holds would stay locked in the child forever, so draw here instead
         alone = threading.active_count() == 1
         if self.workers > 1 and alone and "fork" in multiprocessing.get_all_start_methods():
             from concurrent.futures import ProcessPoolExecutor
 
-            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
+                                            initializer=stop.in_worker)
             self.pool.submit(warm_up)
+            self._forwarding.enter_context(stop.forwarding(stop.forward_to_pool(self.pool)))
 
     def draw(self, views: Mapping, out_dir: str | Path, title: str = "") -> dict[str, Path]:
         names = run_plot_names()
@@ -88,8 +105,11 @@ class FigureWorkers:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
+            try:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+            finally:
+                self._forwarding.close()
+                self.pool = None
 
     def __enter__(self) -> "FigureWorkers":
         return self

@@ -26,6 +26,7 @@ import yaml
 
 from sim.core.files import FileFormatError, read_yaml
 from sim.errors import UserError
+from sim.output.run_dir import check_out_file, out_file_arg
 
 
 # ----------------------------------------------------------------------------- value parsers
@@ -441,10 +442,14 @@ def from_vllm_main(argv: list[str]) -> int:
     p.add_argument("--device", required=True,
                    help="catalog device the server runs on (vLLM's flags do not name the GPU)")
     p.add_argument("--model-name", help="catalog model to use when MODEL is not in the catalog")
-    p.add_argument("--out", type=Path, help="scenario file to write (default: print it)")
+    p.add_argument("--out", type=out_file_arg, help="scenario file to write (default: print it)")
+    p.add_argument("--force", action="store_true", help="replace an --out file kvtwin did not write")
     p.add_argument("--strict", action="store_true", help="fail on flags kvtwin does not know")
     args = p.parse_args(argv)
     from sim.core.catalog import device_names
+
+    if args.out is not None:             # checked before translating, as every --out is
+        check_out_file(args.out, WRITTEN_BY, force=args.force)
 
     if args.device not in device_names():
         raise UserError(f"--device {args.device!r}: not in the catalog ({', '.join(device_names())})")
@@ -456,20 +461,25 @@ def from_vllm_main(argv: list[str]) -> int:
 
     validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
     text = scenario_text(result, command)
-    _report(result, args.out)
     if args.out is None:
+        _report(result, None)
         print(text, end="")
         return 0
     from sim.output.io import write_text
 
     write_text(args.out, text)
+    _report(result, args.out)
     return 0
+
+
+# the first line of every scenario from-vllm writes: it marks the file as kvtwin's to replace
+WRITTEN_BY = "# written by `simrun from-vllm`"
 
 
 def scenario_text(result: Translation, command: str | list[str]) -> str:
     """The scenario YAML, headed by comments recording the command and each flag's fate."""
     shown = command if isinstance(command, str) else shlex.join(command)
-    head = [f"# written by `simrun from-vllm` from: {' '.join(shown.split())}"]
+    head = [f"{WRITTEN_BY} from: {' '.join(shown.split())}"]
     head += [f"#   {flag} -> {fld} = {value if value is not None else '(kept: auto)'}"
              for flag, fld, value in result.mapped]
     head += [f"#   {note}" for note in result.notes()]

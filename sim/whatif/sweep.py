@@ -225,19 +225,31 @@ def _advanced(result: Any, advance: Callable[[int], None]) -> Any:
 def _map_on_processes(func, items: list, jobs: int, label: str, quiet: bool) -> list:
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    from sim import stop
+
+    # A stop a signal asks for goes on to the workers (each stops at its next check, sim/stop.py);
+    # the points not started are cancelled, and leaving `with` waits for the workers to end.
+    with ProcessPoolExecutor(max_workers=jobs, initializer=stop.in_worker) as pool, \
+            stop.forwarding(stop.forward_to_pool(pool)):
         # Submit before the progress bar starts its refresh thread: forked workers then
         # never inherit a lock that thread holds.
         futures = {pool.submit(func, item): i for i, item in enumerate(items)}
         results: list = [None] * len(items)
-        with progress_bar(label, len(items), quiet) as advance:
-            for future in as_completed(futures):
-                results[futures[future]] = future.result()
-                advance(1)
+        try:
+            with progress_bar(label, len(items), quiet) as advance:
+                for future in as_completed(futures):
+                    results[futures[future]] = future.result()
+                    advance(1)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
     return results
 
 
 def _map_on_ray(func, items: list, address: Optional[str], label: str, quiet: bool) -> list:
+    from sim import stop
+
     try:
         import ray
     except ImportError:
@@ -246,15 +258,21 @@ def _map_on_ray(func, items: list, address: Optional[str], label: str, quiet: bo
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    refs: list = []
     try:
         remote = ray.remote(func)
         refs = [remote.remote(item) for item in items]
         pending = list(refs)
         with progress_bar(f"{label} (ray)", len(items), quiet) as advance:
             while pending:
-                done, pending = ray.wait(pending, num_returns=1)
+                stop.check()               # a signal asked to stop (sim/stop.py): cancel what is left
+                done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
                 advance(len(done))
         return ray.get(refs)
+    except KeyboardInterrupt:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise
     finally:
         if started:
             ray.shutdown()
