@@ -162,12 +162,20 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     advance = cohort.advance
     members, held = plan.members, sched.tokens_held
     usable, queue = pool.usable_blocks, pool.free_queue
-    for step in range(t, t + k):
-        advance(step, kv)
+    # A step at which no member reaches a block boundary changes nothing but the cohort's clock
+    # (set at the end), so only boundary steps go through the cohort; without prefix caching
+    # that is the steps with a member crossing into a new block (the plan counted them).
+    walked = None if kv.enable_caching or plan._static is not None else plan._walked
+    used_now, cached_now = usable - len(queue), pool.num_cached_free
+    for i, step in enumerate(range(t, t + k)):
+        if walked is None or walked[i]:
+            advance(step, kv)
+            used_now, cached_now = usable - len(queue), pool.num_cached_free
         held += members
-        used.append(usable - len(queue))
-        cached.append(pool.num_cached_free)
+        used.append(used_now)
+        cached.append(cached_now)
         slack.append(kv.held_slots - held)
+    cohort.scheduled_step = t + k - 1 - cohort.offset
     sched.tokens_held = held
     sched.step = t + k
     return used, cached, slack
