@@ -19,6 +19,7 @@ Both are kept in columns, not objects (issue 13: a million requests in well unde
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -26,6 +27,12 @@ import numpy as np
 import pandas as pd
 
 from sim.core.request import Request, Status
+
+try:
+    from operator import call
+except ImportError:             # Python 3.10
+    def call(function, *args):
+        return function(*args)
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
@@ -94,33 +101,34 @@ class _Columns:
         return chunks[0]
 
 
-class _StepBuffer:
-    """PER_STEP values not yet packed: a typed array per column (floats as doubles, the rest as
-    64-bit integers; both hold every recorded value exactly)."""
+class _Buffer:
+    """Values not yet packed into `_Columns`: a typed array per column (floats as doubles, the rest
+    as 64-bit integers; both hold every recorded value exactly). Packing is a buffer view, where
+    a list of tuples of Python numbers cost ~10% of a decode-heavy run to convert."""
 
-    __slots__ = ("columns", "_appends")
+    __slots__ = ("names", "columns", "_appends")
 
-    def __init__(self):
-        self.columns = tuple(array("d" if name in _FLOAT else "q") for name in PER_STEP)
+    def __init__(self, names: tuple):
+        self.names = names
+        self.columns = tuple(array("d" if name in _FLOAT else "q") for name in names)
         self._appends = tuple(column.append for column in self.columns)
 
     def __len__(self) -> int:
         return len(self.columns[0])
 
     def append(self, values: tuple) -> None:
-        """One step's values, in PER_STEP order."""
-        for add, value in zip(self._appends, values):
-            add(value)
+        """One entry per column, in `names` order (the loop runs in C)."""
+        deque(map(call, self._appends, values), 0)
 
     def extend(self, sequences: tuple) -> None:
-        """Several steps: a sequence per PER_STEP column, all of one length."""
+        """Several entries: a sequence per column, all of one length."""
         for column, values in zip(self.columns, sequences):
             column.extend(values)
 
     def take(self) -> dict[str, np.ndarray]:
-        """The columns as arrays (views of the buffers: the buffer is not appended to after)."""
+        """The columns as arrays (views of the buffers: this buffer is not appended to after)."""
         return {name: np.frombuffer(column, dtype=np.float64 if column.typecode == "d" else np.int64)
-                for name, column in zip(PER_STEP, self.columns)}
+                for name, column in zip(self.names, self.columns)}
 
 
 class StepRecorder:
@@ -135,10 +143,8 @@ class StepRecorder:
 
     def __init__(self, replica: int = 0):
         self.replica = replica
-        self.rows: list[tuple] = []             # PER_ROW tuples
-        # PER_STEP values as machine numbers, a column each: packing them is a buffer view, where
-        # a list of tuples of Python numbers cost ~10% of a decode-heavy run to convert.
-        self.step_values = _StepBuffer()
+        self.rows = _Buffer(PER_ROW)            # rows and steps not yet packed
+        self.step_values = _Buffer(PER_STEP)
         self._steps = _Columns(PER_STEP)
         self._rows = _Columns(PER_ROW)
         self._cache: dict[str, np.ndarray] = {}
@@ -173,7 +179,8 @@ class StepRecorder:
         else:
             new_rows = [row]
         if k <= self.LONG_LEAP:
-            self.rows += new_rows
+            for row in new_rows:
+                self.rows.append(row)
             self.step_values.extend((ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack))
             if len(self.step_values) >= self.CHUNK:
                 self._flush()
@@ -193,11 +200,9 @@ class StepRecorder:
         self._cache = {}
         if not self.rows:
             return
-        rows = np.array(self.rows, dtype=np.float64)
-        self.rows = []
-        self._rows.add({name: rows[:, i] for i, name in enumerate(PER_ROW)}, len(rows))
+        self._rows.add(self.rows.take(), len(self.rows))
         self._steps.add(self.step_values.take(), len(self.step_values))
-        self.step_values = _StepBuffer()
+        self.rows, self.step_values = _Buffer(PER_ROW), _Buffer(PER_STEP)
 
     def _flush(self) -> None:
         self._flush_buffers()
