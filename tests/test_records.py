@@ -104,3 +104,36 @@ def test_a_rejected_first_turn_rejects_its_streamed_follow_ups():
     df = requests_frame(simulate(scenario)[0])
     assert len(df) == 6 and (df["status"] == "rejected").all()
     assert df["reject_reason"].str.contains("an earlier turn").sum() == 3
+
+
+def test_step_buffers_keep_every_value_exactly_across_packs():
+    """Steps and rows are buffered as typed arrays (doubles, 64-bit ints) between packs: floats,
+    numpy scalars and integers past 2**31 come back unchanged, in order, over several packs."""
+    from types import SimpleNamespace
+
+    from sim.records import PER_STEP, StepRecorder
+
+    class Small(StepRecorder):
+        CHUNK = 3                          # pack every few steps
+        LONG_LEAP = 4
+
+    recorder, expected = Small(), []
+    big = 2 ** 40 + 7
+    for i in range(7):
+        batch = SimpleNamespace(step=len(expected), num_decode=2, num_prefill_tokens=big + i, prefills=[1],
+                                prefill_ctx=i, prefill_attn=big, preempted=[], decode_ctx=big - i, blocks_read=i)
+        sched = SimpleNamespace(running=[1, 2, 3], num_waiting=i)
+        end = 0.1 * i + 1e-9
+        recorder.record(batch, sched, 0.1 * i, end, 1 / 3, np.float64(0.2 + i), big, i, -i)
+        expected.append((end, 1 / 3, 0.2 + i, big - i, i, big, i, -i))
+        k = 2 + i % 4                      # short and long leaps, numpy and Python values
+        ends = list(np.cumsum(np.full(k, 0.7)) + end) if i % 2 else [end + 0.3 * (j + 1) for j in range(k)]
+        ctx = np.arange(k, dtype=np.int64) + big
+        recorder.record_leap(len(expected), end, ends, 5, ctx, [3] * k, 5, 0, [big] * k, [0] * k,
+                             list(range(k)), [0.01] * k, [0.02] * k)
+        expected += [(ends[j], 0.01, 0.02, int(ctx[j]), 3, big, 0, j) for j in range(k)]
+    assert len(recorder) == len(expected)
+    for n, name in enumerate(PER_STEP):
+        assert recorder.step_column(name).tolist() == [row[n] for row in expected], name
+    assert recorder.step_column("step").tolist() == list(range(len(expected)))
+    assert recorder.step_column("prefill_tokens")[0] == big
