@@ -182,6 +182,25 @@ class DecodeCohort:
             for req in self._by_phase[-clock % bs]:               # their token completes a block
                 kv.register_block(req, (req._computed + clock) // bs - 1)
 
+    def advance_plain(self, step: int, walked: list[int], kv) -> None:
+        """`advance` over steps step .. step + len(walked) - 1 at once, `walked[i]` the members
+        crossing into a new block at step + i, for a paged pool without prefix caching: nothing
+        then happens at a step but its crossings, and the blocks come off the free queue in the
+        order the step-by-step calls take them (step, then running order)."""
+        total = sum(walked)
+        bs = self.block_size
+        if total:
+            blocks = iter(kv.pool.get_new_blocks(total))
+            by_phase, clock = self._by_phase, step - self.offset
+            for i, w in enumerate(walked):
+                if w:
+                    crossing = by_phase[(1 - clock - i) % bs]
+                    for req in sorted(crossing, key=_run_seq) if w > 1 else crossing:
+                        req.blocks.append(next(blocks))
+            kv.held_slots += bs * total
+            self.blocks_walked += total
+        self.scheduled_step = step + len(walked) - 1 - self.offset
+
     def next_finish(self) -> float:
         """The earliest step at which a member may emit its last token, if no pause comes first
         (inf if none)."""

@@ -156,6 +156,32 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
     Call `finish_leap` once they have run."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
+    kv, pool = sched.kv, sched.kv.pool
+    if sched.cohort.paged and pool._plain and plan._static is None:
+        figures = _apply_plain(sched, plan, k)
+    else:
+        figures = _apply_by_step(sched, plan, k)
+    sched.tokens_held += plan.members * k
+    sched.step = plan.first_step + k
+    return figures
+
+
+def _apply_plain(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
+    """A paged pool without prefix caching: the leap's blocks taken in one go, in the order the
+    step-by-step calls would take them (DecodeCohort.advance_plain); the figures follow from the
+    crossings the plan counted."""
+    kv, pool = sched.kv, sched.kv.pool
+    walked = plan._walked[:k]
+    used0, slots0 = pool.num_used, kv.held_slots
+    sched.cohort.advance_plain(plan.first_step, walked, kv)
+    crossed = list(accumulate(walked))
+    bs, members, held = sched.block_size, plan.members, sched.tokens_held
+    slack = [slots0 + bs * c - held - members * i for i, c in enumerate(crossed, 1)]
+    return [used0 + c for c in crossed], [pool.num_cached_free] * k, slack
+
+
+def _apply_by_step(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
+    """Each step through the cohort, as the one-step path does."""
     cohort, kv, pool = sched.cohort, sched.kv, sched.kv.pool
     used, cached, slack = [], [], []
     t = plan.first_step
@@ -176,8 +202,6 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         cached.append(cached_now)
         slack.append(kv.held_slots - held)
     cohort.scheduled_step = t + k - 1 - cohort.offset
-    sched.tokens_held = held
-    sched.step = t + k
     return used, cached, slack
 
 
