@@ -90,3 +90,31 @@ def test_auto_follows_vllm_default_for_the_version_and_engine():
     assert not resolved(async_scheduling=False)
     assert not resolved(device="cpu")                     # kvtwin's own engine is synchronous
     assert not resolved(batching="static")
+
+
+def test_vllm_serve_flag_sets_the_switch():
+    from sim.vllm.serve_flags import translate
+
+    for flag, expected in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        raw = translate(f"vllm serve Qwen/Qwen2.5-0.5B-Instruct {flag}", "h100-sxm").raw
+        assert raw["engine"]["async_scheduling"] is expected
+        assert validate_scenario(raw).async_scheduling is expected
+    assert "async_scheduling" not in translate("vllm serve Qwen/Qwen2.5-0.5B-Instruct", "h100-sxm").raw.get("engine", {})
+
+
+def test_an_engine_that_goes_idle_frees_its_finishers_at_once():
+    # One request (prompt 8: 2 blocks, output 2). It emits its last token in step 1 and nothing
+    # else waits or runs: vLLM has no step 2 to plan, so it processes step 1's outputs at once.
+    # The pool must be whole right after finish_step (an idle engine holds no finished blocks),
+    # while a second, longer request keeps the first one's release pending for one pass.
+    sched, reqs, _ = run(True, [(8, 2)], num_blocks=5)
+    assert not sched.pending_release and sched.num_running == 0
+    assert sched.kv.pool.num_free == sched.kv.pool.usable_blocks
+    kv = KVCacheManager(5, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                                      async_scheduling=True), kv)
+    for i, output in enumerate((2, 5)):
+        sched.add(make_request(i, 0.0, [(100 + i, 4)], output))
+    sched.finish_step(sched.schedule())
+    sched.finish_step(sched.schedule())         # request 0 emits its last token here
+    assert sched.pending_release and sched.num_running == 2

@@ -22,7 +22,9 @@ step N is removed from RUNNING, and its blocks freed, after step N+1 was planned
 does not compute for it (vLLM knows it reaches max_tokens), but it still holds its KV blocks
 and its max_num_seqs seat there; it can even be chosen as a preemption victim, which frees its
 blocks at once (it finishes all the same). Here `finish_step` retires such requests but keeps
-them in `running` (`_finishing`) until the next pass of `schedule` has run.
+them in `running` (`_finishing`) until the next pass of `schedule` has run. When nothing else
+is waiting or running there is no next step to plan, and vLLM processes the outputs at once: the
+finishers are freed in `finish_step`, so an engine that goes idle does not keep their blocks.
 """
 from __future__ import annotations
 
@@ -278,6 +280,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return len(self.running) > len(self._finishing) or self.num_waiting > 0
+
+    def has_other_work(self, finished: list) -> bool:
+        """Is anything left to schedule besides the step's finishers? Only then does an async
+        engine plan the next step before processing this one's outputs."""
+        return self.num_waiting > 0 or len(self.running) > len(finished)
 
     @property
     def pending_release(self) -> bool:
@@ -614,9 +621,9 @@ class Scheduler:
             req.finish_step = step
             _close_emit_run(req)
             self.active.pop(req, None)
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and self.has_other_work(finished):
             self._finishing = finished     # released after the next scheduling pass
-        else:
+        else:                              # (with nothing else to plan, vLLM processes the outputs at once)
             for req in finished:
                 self._free_finished(req)
             for req in finished:
