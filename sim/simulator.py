@@ -315,18 +315,18 @@ class Simulation:
             ctx += more_ctx
             blocks += more_blocks
             crossed = False
-            for c, b in zip(more_ctx, more_blocks):
-                h, d = price(c, b)
+            for h, d in map(price, more_ctx, more_blocks):
                 t = t + (h + d)             # SimPy's own sum: now + delay, step after step
-                if t == horizon:            # a tie: which goes first is SimPy's queue order
+                if t >= horizon:
                     crossed = True
+                    if t > horizon:         # the step in flight when the request arrives (at a tie,
+                        ends.append(t)      # which goes first is SimPy's queue order: left out)
+                        hosts.append(h)
+                        devices.append(d)
                     break
                 ends.append(t)
                 hosts.append(h)
                 devices.append(d)
-                if t > horizon:             # the step in flight when the request arrives
-                    crossed = True
-                    break
             if crossed:
                 break
         else:

@@ -601,10 +601,9 @@ class Scheduler:
         length by the runner, so one length test covers scripted and live requests.
         """
         step = batch.step
-        emitted = []
-        for i in range(batch.cohort_size, len(batch.decodes)):
-            emitted.append(batch.decodes[i])
-        emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
+        emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
+        if batch.prefills:
+            emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
         for req in emitted:
             _start_emit_run(req, step)
             req.last_emit = step
