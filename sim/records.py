@@ -19,7 +19,6 @@ Both are kept in columns, not objects (issue 13: a million requests in well unde
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -27,12 +26,6 @@ import numpy as np
 import pandas as pd
 
 from sim.core.request import Request, Status
-
-try:
-    from operator import call
-except ImportError:             # Python 3.10
-    def call(function, *args):
-        return function(*args)
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
@@ -117,8 +110,9 @@ class _Buffer:
         return len(self.columns[0])
 
     def append(self, values: tuple) -> None:
-        """One entry per column, in `names` order (the loop runs in C)."""
-        deque(map(call, self._appends, values), 0)
+        """One entry per column, in `names` order."""
+        for add, value in zip(self._appends, values):
+            add(value)
 
     def extend(self, sequences: tuple) -> None:
         """Several entries: a sequence per column, all of one length."""
