@@ -10,7 +10,7 @@ On a CUDA GPU (Llama-3-8B attention shape: 32 query heads, 8 KV heads, head_dim 
 * prefill of one causal prompt of 1k-8k tokens in TFLOP/s, next to SDPA.
 Timings replay CUDA graphs, so launch overhead is excluded, as in a graph-captured engine;
 rows with `kv_fits_in_l2` may be served partly from L2. Targets: decode at batch 64 x ctx
-4096 >= 80% of copy bandwidth and <= 1.2x SDPA time (issue 11).
+4096 >= 80% of copy bandwidth and <= 1.2x SDPA time.
 
 Without CUDA it runs tiny shapes through the Triton interpreter in seconds (so the script
 cannot rot) and writes the same JSON with device "cpu-interpreter"; those times mean nothing.

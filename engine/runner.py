@@ -239,6 +239,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = min(max_model_len or model.max_positions, model.max_positions)
+        self.window = uniform_window(spec)      # checked every step: worked out once
         self.vocab_size = spec.vocab_size
         dtype = kv_pool_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
@@ -382,7 +383,7 @@ class ModelRunner:
         return [ctx - 1] * batch.pad_rows, [1] * batch.pad_rows, list(range(batch.pad_rows))
 
     def check_batch(self, batch: Batch) -> None:
-        check_batch(batch, self.block_size, self.max_model_len, self.num_blocks, uniform_window(self.model.spec))
+        check_batch(batch, self.block_size, self.max_model_len, self.num_blocks, self.window)
 
     def bind(self) -> None:
         """Point the model's layers at this runner's pool (runners sharing a model take turns)."""

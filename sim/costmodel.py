@@ -5,7 +5,7 @@
              first step after the engine sat idle: cold caches and clocks; calibration measures it)
       scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
                        + token_host_s x tokens; all of it synchronously, only its excess over the
-                       device time with async scheduling (vLLM >= 0.11 on a GPU: Scenario.async_scheduling)
+                       device time with async scheduling (vLLM >= 0.14 on a GPU: Scenario.async_scheduling)
       output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
                        only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
@@ -317,6 +317,8 @@ class CostModel:
         if self.tables is not None or self.model.num_sliding_layers:
             return None
         c = self.coefficients
+        # step_time's terms with no prefill, written as it computes them (0 + rows, 0 * x, (rows - rows) * x)
+        # rather than folded away, so every price is step_time's to the last bit
         tokens = 0 + rows
         linear = max(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
         if self._moe:

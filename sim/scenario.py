@@ -500,7 +500,7 @@ class Scenario(StrictModel):
 
     @property
     def async_scheduling(self) -> bool:
-        """engine.async_scheduling resolved: `auto` is on where vLLM's default is (>= 0.11) and the
+        """engine.async_scheduling resolved: `auto` is on where vLLM's default is (>= 0.14) and the
         engine is a vLLM-like one (a GPU device, continuous batching)."""
         setting = self.engine.async_scheduling
         if setting != "auto":

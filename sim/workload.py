@@ -67,8 +67,8 @@ class BuiltWorkload:
 
 @dataclass
 class StreamedWorkload:
-    """A synthetic workload made one request at a time, as a run reaches it (issue 13: a million
-    requests never all live at once). The same requests, in the same order, as `build_requests`."""
+    """A synthetic workload made one request at a time, as a run reaches it, so a million
+    requests are never all alive at once. The same requests, in the same order, as `build_requests`."""
     requests: Iterator[Request]
     count: int
     min_think: float        # the shortest think time before a follow-up turn (inf: none)

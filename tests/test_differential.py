@@ -1,4 +1,4 @@
-"""Differential fuzz: the fast paths of the policy against the one-by-one loop (issue 15).
+"""Differential fuzz: the fast paths of the policy against the one-by-one loop.
 
 Each seed draws a small random scenario (pool, block size, limits, policy, composition,
 chunking, caching, arrivals, shared prefixes, priorities; async scheduling on for odd seeds) and drives two schedulers side by

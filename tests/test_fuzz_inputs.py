@@ -1,4 +1,4 @@
-"""A generated corpus of hostile inputs (issue 15), run in process: scenario files (every field
+"""A generated corpus of hostile inputs, run in process: scenario files (every field
 set to hostile values, plus whole-file attacks), CLI misuses, malformed traces and bad HTTP bodies.
 
 Every case must end either in success with sane output, or in a clean error: an error class the

@@ -1,4 +1,4 @@
-"""Untrusted input (issue 15): names, YAML, bounds, output folders, error text, zero-finished runs."""
+"""Untrusted input: names, YAML, bounds, output folders, error text, zero-finished runs."""
 from __future__ import annotations
 
 import json

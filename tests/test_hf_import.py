@@ -1,5 +1,5 @@
 """Importing real public config.json files: each is modelled with the right figures or refused
-naming the field (issue 12: never silently mis-modelled). Corpus: tests/data/hf_configs (SOURCES.md)."""
+naming the field, never silently mis-modelled. Corpus: tests/data/hf_configs (SOURCES.md)."""
 from pathlib import Path
 
 import pytest

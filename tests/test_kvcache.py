@@ -205,7 +205,7 @@ def test_live_output_blocks_hash_as_the_list_grows():
 
 
 def test_a_recomputed_duplicate_block_keeps_its_hash_beside_the_first():
-    """D2 (issue 15): a block-aligned prompt recomputes its last block even when it is cached;
+    """A block-aligned prompt recomputes its last block even when it is cached;
     the copy is registered too (vLLM keeps several blocks per hash), lookups return the first
     copy, and when that one is evicted the second still serves hits."""
     kv = KVCacheManager(8, 16)

@@ -3,7 +3,7 @@
 Every torch op that computes (aten ops through a dispatch hook, views excluded: they launch
 nothing) and every Triton kernel launch, attributed to the decoder layer running at the time.
 The Triton backend with fused elementwise kernels must stay within 12 launches per layer
-(issue 11: eager, ~45 per layer before fusing). Triton kernels run through the interpreter
+(eager elementwise ops took ~45 per layer). Triton kernels run through the interpreter
 here; what the interpreter itself does with torch while running one is not counted.
 """
 from collections import Counter

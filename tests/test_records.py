@@ -1,4 +1,4 @@
-"""Columnar run records (issue 13): requests taken as they end, steps a row per step or per leap."""
+"""Columnar run records, so a million-request run fits in memory: requests taken as they end, steps a row per step or per leap."""
 import json
 from pathlib import Path
 

@@ -22,7 +22,7 @@ def test_there_are_committed_measurements():
 
 
 # Every request arrives at t=0, so each step's composition is policy, not timing: the engine's
-# steps must be the simulator's, row for row (a static batch's padding rows included, D4).
+# steps must be the simulator's, row for row (a static batch's padding rows included).
 AT_T0 = [f for f in FOLDERS if f.parent.name == "seed_static_vs_continuous"]
 STEP_POLICY = ["num_seqs", "decode_seqs", "prefill_tokens", "batch_tokens", "kv_blocks_used"]
 

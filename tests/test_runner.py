@@ -211,7 +211,7 @@ def test_a_pool_too_small_for_one_request_is_refused():
         ModelRunner.from_scenario(tiny_scenario(num_blocks=4), device="cpu")
 
 
-# -- static batching: HF generate's padded batch (issue 15, D4) ---------------------------------
+# -- static batching: HF generate's padded batch ------------------------------------------------
 
 def static_requests() -> list[Request]:
     """Prompts of unequal length and outputs of unequal length: padding in both phases."""

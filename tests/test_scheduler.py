@@ -1,4 +1,4 @@
-"""Batching policies as specifications: the seed's example, vLLM's rules, and invariants."""
+"""Batching policies as specifications: the primer's two-slot example, vLLM's rules, and invariants."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -291,7 +291,7 @@ def test_decode_cohort_is_used_and_exact_under_pressure(num_blocks, policy):
 
 
 def test_a_one_token_recompute_chunk_is_not_a_decode():
-    """D1 (issue 15): a resumed request whose recompute chunk is cut to 1 token by the budget
+    """A resumed request whose recompute chunk is cut to 1 token by the budget
     must not emit a token (it has not recomputed its context yet) nor join the cohort.
     Minimal case found by differential fuzzing."""
     s = make(num_blocks=6, block_size=4, caching=False, max_num_seqs=3, max_num_batched_tokens=7,
@@ -312,7 +312,7 @@ def test_a_one_token_recompute_chunk_is_not_a_decode():
 
 
 def test_watermark_is_skipped_when_nothing_runs():
-    """D3 (issue 15): a request that fits the pool but not pool - watermark starts when the
+    """A request that fits the pool but not pool - watermark starts when the
     engine is empty (vLLM skips the watermark then), instead of waiting forever."""
     s = make(num_blocks=101, admission_watermark=0.1, caching=False, max_num_batched_tokens=2048,
              max_model_len=2048)
@@ -326,7 +326,7 @@ def test_watermark_is_skipped_when_nothing_runs():
 
 
 def test_static_batch_costs_the_padded_batch_hf_generate_computes():
-    """D4 (issue 15): a static batch prefills all prompts in one padded [B, P] forward (no
+    """A static batch prefills all prompts in one padded [B, P] forward (no
     budget, no chunks) and computes all B rows, at P + k positions, until its longest member ends."""
     s = make(max_num_seqs=2, batching="static", max_num_batched_tokens=64)
     short, long_ = make_request(0, 0.0, [(1, 20)], 10), make_request(1, 0.0, [(2, 100)], 50)

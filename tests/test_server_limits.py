@@ -1,4 +1,4 @@
-"""The server's input limits (issue 15), in process with a stand-in engine: 413, 400 (never 500),
+"""The server's input limits, in process with a stand-in engine: 413, 400 (never 500),
 429, parsing off the event loop; and `simrun serve` port checks before the model build."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sliding-window and hybrid (local + global) models in the simulated block pool (issue 12).
+"""Sliding-window and hybrid (local + global) models in the simulated block pool.
 
 GroupedKVCacheManager keeps one block table per KV cache group, frees the blocks a sliding
 group's window left behind, and finds prefix hits per group as vLLM's hybrid KV cache manager

@@ -1,6 +1,6 @@
 """End to end on the CPU engine: calibrate, then predict-and-measure two small scenarios.
 
-Nothing here depends on how fast the CPU is (issue 15): the machine this runs on is shared and
+Nothing here depends on how fast the CPU is: the machine this runs on is shared and
 its speed moves by 2x within seconds; under load the online smoke run queued so much that its
 measured TTFT p50 was 7.6x the prediction (and an earlier run measured 0.36 of the predicted
 throughput). So the tests assert

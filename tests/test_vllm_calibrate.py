@@ -31,24 +31,7 @@ RUNS = [  # (rate, requests, max output): a light, a loaded and an all-at-once r
 
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm_runs")
-    profile = folder / "hidden.yaml"
-    profile.write_text(yaml.safe_dump({"coefficients": asdict(HIDDEN)}))
-    rng = np.random.default_rng(7)
-    paths = []
-    for i, (rate, n, out) in enumerate(RUNS):
-        arrival = {"process": "offline"} if rate == "inf" else {"process": "poisson", "rate": rate}
-        scenario = validate_scenario({**DEPLOYMENT, "seed": i, "device": {"base": "l4", "profile": str(profile)},
-                                      "workload": {"num_requests": n, "arrival": arrival,
-                                                   "prompt_len": {"dist": "uniform", "min": 128, "max": 1536},
-                                                   "output_len": {"dist": "uniform", "min": 4, "max": out}}})
-        data = vllm_result_dict(predict(scenario).requests, {"model_id": "Qwen/Qwen2.5-0.5B-Instruct",
-                                                             "request_rate": rate})
-        noisy = lambda values: [v * float(np.exp(rng.normal(0, 0.02))) for v in values]  # noqa: E731
-        data["ttfts"], data["latencies"] = noisy(data["ttfts"]), noisy(data["latencies"])
-        paths.append(folder / f"run{i}.json")
-        paths[-1].write_text(json.dumps(data))
-    return paths
+    return synthetic_runs(tmp_path_factory.mktemp("vllm_runs"), DEPLOYMENT, HIDDEN, RUNS)
 
 
 def test_round_trip_recovers_the_hidden_efficiencies_and_predicts_the_held_out_run(run_files):

@@ -49,7 +49,7 @@ def skip_reason(entry: dict) -> str | None:
     if entry["model"] not in MODELS:
         return "model shape not in the catalog or tests/data/hf_configs"
     if entry.get("quantization"):
-        return "quantized weights (issue 12)"
+        return "quantized weights"
     if entry.get("pp", 1) != 1:
         return "pipeline parallel"
     if entry.get("hybrid_attention"):
@@ -144,10 +144,10 @@ def llama_on(device: str, **engine):
                               "engine": {"max_model_len": 4096, **engine}})
 
 
-def test_the_rtx_4090_pool_of_issue_10_under_both_plans():
-    """Issue 10: without num_blocks kvtwin sized Llama-3.1-8B's RTX 4090 pool at 2,950 blocks, where
-    vLLM 0.19 allocated 2,588 (that run's startup log is not in the cited table, so its flags are
-    unknown). memory_plan=simple still gives 2,950; vLLM's plan, the default, gives 2,861: 0.9 x
+def test_the_rtx_4090_pool_under_both_plans():
+    """Llama-3.1-8B on an RTX 4090 without num_blocks: vLLM 0.19 allocated 2,588 blocks (that run's
+    startup log is not in the cited table, so its flags are unknown). memory_plan=simple gives
+    2,950; vLLM's plan, the default, gives 2,861: 0.9 x
     23.64 GiB torch-visible (not 23.99 datasheet), 0.25 GiB non-torch, a 0.48 GiB profiling peak."""
     simple = plan_memory(llama_on("rtx-4090", memory_plan="simple"))
     default = plan_memory(llama_on("rtx-4090"))

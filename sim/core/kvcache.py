@@ -359,7 +359,7 @@ class KVCacheManager:
 
 def group_key(block_hash: int, group: int) -> int:
     """The prefix-cache key of a block hash in KV cache group `group` (vLLM keys its map by
-    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys as before."""
+    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys as KVCacheManager does."""
     return block_hash if group == 0 else hash((block_hash, group))
 
 

@@ -63,7 +63,7 @@ def split_values(text: str) -> list[str]:
 
 
 def split_sets(overrides: Sequence[str]) -> tuple[list[str], list[Axis]]:
-    """--set flags -> (single-valued overrides, as before; swept axes, in flag order)."""
+    """--set flags -> (single-valued overrides, kept as given; swept axes, in flag order)."""
     plain, axes, seen = [], [], set()
     for text in overrides:
         keys, _ = parse_override(text)           # checks PATH=VALUE and the path
