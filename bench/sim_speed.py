@@ -1,4 +1,4 @@
-"""Simulator speed: event leaps vs the one-by-one path, side by side in one process (issue 13).
+"""Simulator speed: event leaps vs the one-by-one path, side by side in one process.
 
   python bench/sim_speed.py [--vidur 100000] [--quick 10000 100000 1000000] [--sweep 10]
                             [--out bench/results/sim_speed.json]
@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench._util import machine, write_json  # noqa: E402
 
-# Vidur's published figures for the same run (issue 13, as measured and quoted there):
+# Vidur's figures for the same run, as measured with Vidur and quoted in the project's brief:
 # Vidur 0.0.26 simulating this workload, and its predictions.
 VIDUR_REFERENCE = {
-    "source": "issue 13 (Vidur 0.0.26, github.com/microsoft/vidur, on its Llama-2-70B / A100 / tp2 "
-              "vLLM comparison workload: 100k requests, 512/128 tokens, Poisson 2 req/s)",
+    "source": "Vidur 0.0.26 (github.com/microsoft/vidur), measured on its Llama-2-70B / A100 / tp2 "
+              "vLLM comparison workload: 100k requests, 512/128 tokens, Poisson 2 req/s; figures as quoted in the project brief)",
     "simulate_cpu_s_100k": 146.0,
     "ttft_p50_s": 0.25, "tpot_p50_s": 0.109, "e2e_p50_s": 14.2, "kv_blocks": 3328,
 }

@@ -6,7 +6,7 @@ emitted nothing). A token is emitted at the end of its step, so every request ti
 step time: the simulator and the engine share this code, differing only in where step
 times come from (a cost model, or clocks).
 
-Both are kept in columns, not objects (issue 13: a million requests in well under 2 GB):
+Both are kept in columns, not objects (so a million requests fit in well under 2 GB):
 - `RequestTable`: a request's figures are taken when it ends (finished or rejected) and the
   Request object can go; its emitting steps stay run-length encoded (first, last) pairs.
 - `StepRecorder`: a *row* is one engine step, or one leap (sim/core/leap.py: K pure-decode

@@ -1,4 +1,4 @@
-"""Event leaps: advance a scheduler over many decode steps at once (issue 13).
+"""Event leaps: advance a scheduler over many decode steps at once.
 
 Between two events the batch composition of a replica is fixed: the same requests decode,
 each one token per step, so step k of the stretch has a known shape (members, total decode

@@ -348,7 +348,7 @@ class Scheduler:
         return batch
 
     def _pad_static(self, batch: Batch) -> None:
-        """Make a static batch's step the padded one HF `generate` computes (issue 15, D4).
+        """Make a static batch's step the padded one HF `generate` computes.
 
         The forming step is one [B, P] prefill, P the longest sequence; step k after it feeds
         one token per row to all B rows, each attending P + k positions, whether its member
