@@ -94,3 +94,14 @@ def test_rejected_requests_are_called_out_and_miss_the_slo(tmp_path, capsys):
     assert "1 request not served (each counted as an SLO miss)" in printed and "max_model_len 1024" in printed
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["requests_rejected"] == 1 and summary["slo_attainment"] == 0.5
+
+
+def test_the_header_names_the_resolved_async_switch(tmp_path, capsys):
+    # quickstart says nothing (auto): on an L4 under vLLM 0.19 that resolves to on; forcing it off
+    # must show in the same line, since it moves the figures.
+    for setting, words in ((None, "async scheduling on"), ("false", "async scheduling off")):
+        extra = ["--set", f"engine.async_scheduling={setting}"] if setting else []
+        assert main([str(SCENARIOS / "quickstart.yaml"), "--out", str(tmp_path / (setting or "auto")),
+                     "--set", "workload.num_requests=20", "--no-plots", *extra]) == 0
+        engine_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("engine"))
+        assert engine_line.endswith(words), engine_line

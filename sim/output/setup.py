@@ -31,14 +31,16 @@ def setup_fields(manifest: Mapping[str, Any]) -> list[tuple[str, str]]:
     fields = [("model", f"{model.get('name', '?')} ({model.get('dtype', '?')})"),
               ("device", f"{device.get('name', '?')}" + (f", tp={tp}" if tp else "")
                + (f", {replicas} replicas ({(s.get('cluster') or {}).get('router')})" if replicas > 1 else "")),
-              ("engine", engine_words(engine)),
+              ("engine", engine_words(engine, (manifest.get("cost_model") or {}).get("async_scheduling"))),
               ("workload", workload_words(s.get("workload") or {}, manifest)),
               ("SLOs", slo_words(s.get("slo") or {})),
               ("step times", step_time_source(manifest))]
     return fields
 
 
-def engine_words(engine: Mapping[str, Any]) -> str:
+def engine_words(engine: Mapping[str, Any], async_scheduling: Optional[bool] = None) -> str:
+    """The engine settings that shape the schedule; `async_scheduling` is the resolved switch (the
+    scenario may say `auto`), named because it moves the figures (finished requests free late)."""
     parts = [f"{engine.get('batching', '?')} batching", f"{engine.get('allocation', '?')} KV",
              f"block {engine.get('block_size', '?')}",
              "prefix caching " + ("on" if engine.get("prefix_caching") else "off")]
@@ -46,6 +48,8 @@ def engine_words(engine: Mapping[str, Any]) -> str:
         parts.append(f"max_num_seqs {engine['max_num_seqs']:,}")
     if engine.get("max_model_len"):
         parts.append(f"max_model_len {engine['max_model_len']:,}")
+    if async_scheduling is not None:
+        parts.append("async scheduling " + ("on" if async_scheduling else "off"))
     return ", ".join(parts)
 
 
