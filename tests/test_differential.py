@@ -69,25 +69,37 @@ def emission_view(req):
     return req.emit_runs, req.emit_start, req.last_emit
 
 
+def add_arrivals(tick, *pairs):
+    """Give each scheduler of (scheduler, requests) pairs the requests arriving at `tick`."""
+    for sched, reqs in pairs:
+        for r in reqs:
+            if r.arrival == tick:
+                sched.add(r)
+
+
+def step_both(fast, slow, tick) -> bool:
+    """One step on each scheduler: the same batch, or nothing on both. True if a step ran."""
+    a, b = fast.schedule(), slow.schedule()
+    assert (a is None) == (b is None), f"tick {tick}"
+    assert a is not None or not fast.has_unfinished(), f"tick {tick}: work left but nothing scheduled"
+    if a is None:
+        return False
+    assert step_view(a, fast) == step_view(b, slow), f"step {a.step}"
+    assert all(r.num_computed == r.num_tokens for r in b.decodes), "a decode that is not the last token"
+    fast.finish_step(a)
+    slow.finish_step(b)
+    return True
+
+
 def run_pair(case, max_steps=5000):
     """Drive the fast and the one-by-one scheduler in lockstep; returns the number of steps."""
     (fast, fast_reqs), (slow, slow_reqs) = build(case, True), build(case, False)
     last_arrival = max(r[0] for r in case["requests"])
     tick = steps = 0
     while tick <= last_arrival or fast.has_unfinished() or slow.has_unfinished():
-        for sched, reqs in ((fast, fast_reqs), (slow, slow_reqs)):
-            for r in reqs:
-                if r.arrival == tick:
-                    sched.add(r)
-        a, b = fast.schedule(), slow.schedule()
-        assert (a is None) == (b is None), f"tick {tick}"
-        assert a is not None or not fast.has_unfinished(), f"tick {tick}: work left but nothing scheduled"
-        if a is not None:
-            assert step_view(a, fast) == step_view(b, slow), f"step {a.step}"
-            assert all(r.num_computed == r.num_tokens for r in b.decodes), "a decode that is not the last token"
-            fast.finish_step(a)
-            slow.finish_step(b)
-            assert request_view(fast_reqs) == request_view(slow_reqs), f"step {a.step}"
+        add_arrivals(tick, (fast, fast_reqs), (slow, slow_reqs))
+        if step_both(fast, slow, tick):
+            assert request_view(fast_reqs) == request_view(slow_reqs), f"tick {tick}"
             steps += 1
         tick += 1
         assert tick < max_steps, "no progress"
@@ -117,10 +129,7 @@ def run_leaps_pair(case, max_ticks=5000):
     last_arrival = max(r[0] for r in case["requests"])
     tick = leapt = 0
     while tick <= last_arrival or fast.has_unfinished() or slow.has_unfinished():
-        for sched, reqs in ((fast, fast_reqs), (slow, slow_reqs)):
-            for r in reqs:
-                if r.arrival == tick:
-                    sched.add(r)
+        add_arrivals(tick, (fast, fast_reqs), (slow, slow_reqs))
         plan = plan_leap(fast, max_steps=rnd.randint(1, 40))
         k = plan.reach(rnd.randint(1, plan.max_steps)) if plan is not None else 0
         if k:
@@ -135,12 +144,7 @@ def run_leaps_pair(case, max_ticks=5000):
             assert [r.id for r in finish_leap(fast)] == [r.id for r in slow.finish_step(b)]
             leapt += k
         else:
-            a, b = fast.schedule(), slow.schedule()
-            assert (a is None) == (b is None), f"tick {tick}"
-            if a is not None:
-                assert step_view(a, fast) == step_view(b, slow), f"step {a.step}"
-                fast.finish_step(a)
-                slow.finish_step(b)
+            step_both(fast, slow, tick)
         pool_a, pool_b = fast.kv.pool, slow.kv.pool
         assert list(pool_a.free_queue) == list(pool_b.free_queue), f"tick {tick}"
         assert request_view(fast_reqs) == request_view(slow_reqs), f"tick {tick}"
