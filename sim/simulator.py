@@ -64,7 +64,6 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
 
-MIN_LEAP_STEPS = 0         # shorter stretches go step by step (cheaper than planning a leap)
 LEAP_SCALAR_CHUNKS = (4, 12, 32)  # a leap's first 32 steps are priced one by one (cheaper than numpy
                                   # for a few), their shapes made in these stretches
 
@@ -215,22 +214,19 @@ class Simulation:
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
         step_time = self.cost_model.step_time
         last_end = float("-inf")
-        last_step = 0.0
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
             # Where nothing else can act before the next arrival (`_chained`), steps and leaps that
             # end before it run back to back without waiting for SimPy's clock: `now` runs ahead.
             now = last_end if last_end > env.now else env.now
             horizon = self._next_route_time(replica) if self.fast else math.inf
-            # Leap only where one can pay for its planning: several steps before the next event
-            # (judged by the last step's length; the leap itself is cut exactly either way).
             # A request that arrived during the last step is most likely admitted now: no leap.
             if (self.fast and now == last_end and sched.num_waiting <= seen_waiting
-                    and horizon - now > MIN_LEAP_STEPS * last_step):
+                    and horizon > now):
                 leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
                     seen_waiting = sched.num_waiting
-                    last_step, last_end = yield from self._leaps(env, replica, leap, now, horizon)
+                    last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
             batch = sched.schedule()
             seen_waiting = sched.num_waiting
@@ -249,14 +245,13 @@ class Simulation:
                 replica.busy_until = end
                 yield _At(env, end)
             recorder.record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
-            last_step = end - now
             last_end = end
             self._retire(env, replica, sched.finish_step(batch))
 
     def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, now: float, horizon: float):
         """Run a planned leap; where nothing else can see the moments between them (`_chained`),
         also the leaps that follow it before `horizon`, each planned from where the last ended,
-        without waiting for SimPy's clock. Returns (mean step length of the last, its end)."""
+        without waiting for SimPy's clock. Returns the end of the last."""
         sched, recorder = replica.scheduler, replica.recorder
         start = now
         while True:
@@ -271,13 +266,12 @@ class Simulation:
             recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
                                  waiting, used, cached, slack, host, device, sched.num_waiting)
             self._retire(env, replica, finish_leap(sched))
-            last_step = (end - start) / len(ends)
             if not chained:
-                return last_step, end
+                return end
             start = end
             leap = self._plan_leap(sched, end, horizon)
             if leap is None:
-                return last_step, end
+                return end
 
     def _retire(self, env: simpy.Environment, replica: Replica, finished: list[Request]) -> None:
         for req in finished:
@@ -298,7 +292,7 @@ class Simulation:
         (the next routing): that step was scheduled before the routing in the one-by-one path
         too, and its finish comes after it, so the router sees the same states. (A step ending
         exactly at `horizon` is left out: which of the two comes first is SimPy's queue order.)"""
-        plan = plan_leap(sched, max_steps=1 << 30, min_steps=max(1, MIN_LEAP_STEPS))
+        plan = plan_leap(sched, max_steps=1 << 30)
         if plan is None:
             return None
         price = None

@@ -245,11 +245,10 @@ class KVCacheManager:
         Only for a request with nothing computed; at most floor((num_tokens - 1) / bs)
         blocks, so the last token is always computed (it produces the next token's logits).
         """
-        if not self.enable_caching or req.num_computed:
+        max_blocks = self._lookup_span(req)
+        if not max_blocks:
             return [], 0
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
-        req.extend_block_hashes(max_blocks, bs)
         hits = []
         lookup = self.pool.cached.get
         for h in req.block_hashes[:max_blocks]:
@@ -258,6 +257,15 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * bs
+
+    def _lookup_span(self, req: Request) -> int:
+        """How many leading blocks of a new request a prefix hit may cover (their hashes made):
+        floor((num_tokens - 1) / bs), 0 without caching or once the request computed anything."""
+        if not self.enable_caching or req.num_computed:
+            return 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        req.extend_block_hashes(max_blocks, self.block_size)
+        return max_blocks
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: Optional[list[int]] = None,
@@ -420,11 +428,10 @@ class GroupedKVCacheManager(KVCacheManager):
     def find_cached_prefix(self, req: Request) -> tuple[list[list[int]], int]:
         """Per group, the cached blocks a new request starts from (null where a sliding group
         needs nothing), and the hit's tokens; ([], 0) without a hit."""
-        if not self.enable_caching or req.num_computed:
+        max_blocks = self._lookup_span(req)
+        if not max_blocks:
             return [], 0
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
-        req.extend_block_hashes(max_blocks, bs)
         hashes, lookup = req.block_hashes, self.pool.cached.get
         full: list[list[int]] = [[] for _ in self.full_ids]
         length = max_blocks

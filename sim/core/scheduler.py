@@ -334,8 +334,8 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, want="prefill")
             if not batch.preempted:
                 budget = self._schedule_waiting(batch, budget)
-            if len(batch):
-                self._pause_decodes(batch.step)
+            if len(batch):         # a prefill step: the decodes wait; the cohort sits it out intact
+                self.cohort.pause(batch.step)
             else:
                 self._schedule_running(batch, budget, want="decode")
         if not len(batch):
@@ -372,11 +372,6 @@ class Scheduler:
         batch.pad_len = ctx
         batch.decode_ctx = rows * ctx
         batch.blocks_read = rows * -(-ctx // bs)
-
-    def _pause_decodes(self, step: int) -> None:
-        """prefill_first: a prefill step, so the decodes wait. The cohort sits it out, intact
-        (its clock stops: sim/core/cohort.py); decodes outside it simply are not scheduled."""
-        self.cohort.pause(step)
 
     @property
     def slack_tokens(self) -> int:
@@ -620,13 +615,11 @@ class Scheduler:
             req.finish_step = step
             _close_emit_run(req)
             self.active.pop(req, None)
-        if self.config.async_scheduling and self.has_other_work(finished):
-            self._finishing = finished     # released after the next scheduling pass
-        else:                              # (with nothing else to plan, vLLM processes the outputs at once)
-            for req in finished:
-                self._free_finished(req)
-            for req in finished:
-                self.running.remove(req)
+        self._finishing = finished
+        # Async: released after the next scheduling pass, unless nothing else is left to plan
+        # (then vLLM processes the outputs at once, as a synchronous engine always does).
+        if not (self.config.async_scheduling and self.has_other_work(finished)):
+            self._release_finishing()
         self.num_finished += len(finished)
         if self.lazy:
             for req in emitted:
@@ -641,7 +634,7 @@ class Scheduler:
         req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
 
     def _release_finishing(self) -> None:
-        """Async scheduling: free the last step's finished requests and take them out of RUNNING."""
+        """Free the finished requests in `_finishing` and take them out of RUNNING."""
         finishing, self._finishing = self._finishing, []
         for req in finishing:
             self._free_finished(req)
