@@ -256,8 +256,9 @@ class Simulation:
         start = now
         while True:
             plan, ends, host, device, ctx, blocks = leap
-            running, waiting = len(sched.running), sched.num_waiting
+            waiting = sched.num_waiting
             used, cached, slack = apply_leap(sched, plan, len(ends))
+            running = len(sched.running)     # (after an async release at the leap's first step)
             end = float(ends[-1])
             chained = self._chained and end < horizon
             if not chained:
@@ -323,6 +324,8 @@ class Simulation:
                 devices.append(d)
             if crossed:
                 break
+            if plan.pending:                # its first step ends before the horizon: it runs, and
+                plan.settle(sched)          # the finishers it releases let the plan go on
         else:
             if plan.reach(len(ctx) + 1) > len(ctx):
                 return self._bulk_times(plan, now, ends, hosts, devices, horizon)

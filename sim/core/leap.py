@@ -14,7 +14,11 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
     stretch and a cached prefix only loses blocks, so a head that cannot start at step t
     cannot start later in it either (the requirement never drops, the supply never grows);
   - no member emits its last token before step t+K-1 (a finish may end the leap);
-  - with async scheduling, no finished request is waiting to be released (sim/core/scheduler.py).
+  - with async scheduling, requests that finished at step t-1 still hold their blocks and seats
+    through step t's scheduling pass and are released right after it (sim/core/scheduler.py):
+    free blocks and seats grow once, after step t. Such a plan first covers step t alone; once a
+    driver knows step t runs (`LeapPlan.settle`), step t is scheduled and its finishers released,
+    and the waiting head is checked again at t+1 against what they freed.
 Arrivals are the driver's business: it must end the leap before the next request reaches
 any router (sim/simulator.py cuts it at the first step ending at or after that time).
 
@@ -39,8 +43,8 @@ class LeapPlan:
     `max_steps` is first the bound set by the members' next finish; the steps whose blocks
     the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
-    __slots__ = ("first_step", "max_steps", "rows", "members", "_ctx0", "_ctx_per_step", "_walked",
-                 "_walked_before", "_static", "_clock", "_groups", "_free", "_taken", "_limit")
+    __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "_settled", "_ctx0", "_ctx_per_step",
+                 "_walked", "_walked_before", "_static", "_clock", "_groups", "_free", "_taken", "_limit")
 
     def __init__(self, sched: Scheduler, max_steps: int):
         cohort = sched.cohort
@@ -54,6 +58,12 @@ class LeapPlan:
         self._free = sched.kv.pool.num_free if not sched.kv.contiguous else None
         self._taken = 0
         self._limit = max_steps            # lowered where the pool runs out
+        # Async scheduling: the last step's finishers are released after step t's pass. Until
+        # `settle` has run it (and re-checked the waiting head), the plan is step t alone.
+        self.pending = sched.pending_release
+        self._settled: Optional[tuple[int, int, int]] = None     # step t's KV figures once settled
+        if self.pending:
+            self._limit = 1
         if sched.static:                   # every row of the padded batch attends the same length
             self.rows = sched._static_rows
             self._static = (sched._static_len - sched._static_step, sched.block_size)
@@ -82,6 +92,28 @@ class LeapPlan:
                 i += 1
             self._taken = taken
         return k
+
+    def settle(self, sched: Scheduler) -> None:
+        """Schedule the first step now and release the last step's finishers after it, as the
+        one-step path's pass does (a plan with finishers pending; the driver knows step t runs).
+        The plan then reaches past step t unless the waiting head would start at t + 1."""
+        if not self.pending or self._settled is not None:
+            return
+        if sched.step != self.first_step or self.reach(1) != 1:
+            raise AssertionError("settle: the plan's first step is not the scheduler's next one")
+        t, cohort, kv = self.first_step, sched.cohort, sched.kv
+        cohort.advance(t, kv)
+        sched.tokens_held += self.members
+        sched._release_finishing()
+        pool = kv.pool
+        self._settled = (pool.num_used, pool.num_cached_free, sched.slack_tokens)
+        # Free blocks only shrink from here on: steps t+1 ... are counted against what is free now.
+        if self._free is not None:
+            self._free, self._taken = pool.num_free, 0
+        first = cohort.due_blocks(t + 1)
+        if self.max_steps > 1 and not (first > pool.num_free or _head_starts(sched, self.members,
+                                                                               pool.num_free - first)):
+            self._limit = self.max_steps
 
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
@@ -126,9 +158,9 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     members = len(cohort)
     t = sched.step
     clock = t - cohort.offset
-    # (async scheduling: not while the last step's finishers still hold blocks and seats; the
-    # one-step path releases them after its next pass)
-    if (not sched.lazy or not members or sched.active or sched.pending_release or cohort.scheduled_step != clock - 1
+    # (async scheduling: the last step's finishers, still holding blocks and seats, are neither
+    # members nor active; the plan waits for `settle` to go past step t, see LeapPlan)
+    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
     max_steps = int(min(max_steps, cohort.next_finish() - t + 1))
@@ -156,32 +188,40 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
     Call `finish_leap` once they have run."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
-    kv, pool = sched.kv, sched.kv.pool
-    if sched.cohort.paged and pool._plain and plan._static is None:
-        figures = _apply_plain(sched, plan, k)
+    done = 0                               # steps already scheduled (a settled first step)
+    if plan.pending:
+        plan.settle(sched)
+        done = 1
+    if done == k:
+        figures: tuple[list[int], list[int], list[int]] = ([], [], [])
+    elif sched.cohort.paged and sched.kv.pool._plain and plan._static is None:
+        figures = _apply_plain(sched, plan, done, k)
     else:
-        figures = _apply_by_step(sched, plan, k)
-    sched.tokens_held += plan.members * k
+        figures = _apply_by_step(sched, plan, done, k)
+    if done:
+        for column, value in zip(figures, plan._settled):
+            column.insert(0, value)
+    sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
     return figures
 
 
-def _apply_plain(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
-    """A paged pool without prefix caching: the leap's blocks taken in one go, in the order the
-    step-by-step calls would take them (DecodeCohort.advance_plain); the figures follow from the
-    crossings the plan counted."""
+def _apply_plain(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
+    """A paged pool without prefix caching: steps done .. k-1 of the leap, their blocks taken in
+    one go, in the order the step-by-step calls would take them (DecodeCohort.advance_plain);
+    the figures follow from the crossings the plan counted."""
     kv, pool = sched.kv, sched.kv.pool
-    walked = plan._walked[:k]
+    walked = plan._walked[done:k]
     used0, slots0 = pool.num_used, kv.held_slots
-    sched.cohort.advance_plain(plan.first_step, walked, kv)
+    sched.cohort.advance_plain(plan.first_step + done, walked, kv)
     crossed = list(accumulate(walked))
     bs, members, held = sched.block_size, plan.members, sched.tokens_held
     slack = [slots0 + bs * c - held - members * i for i, c in enumerate(crossed, 1)]
-    return [used0 + c for c in crossed], [pool.num_cached_free] * k, slack
+    return [used0 + c for c in crossed], [pool.num_cached_free] * len(crossed), slack
 
 
-def _apply_by_step(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
-    """Each step through the cohort, as the one-step path does."""
+def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
+    """Steps done .. k-1 of the leap, each through the cohort, as the one-step path does."""
     cohort, kv, pool = sched.cohort, sched.kv, sched.kv.pool
     used, cached, slack = [], [], []
     t = plan.first_step
@@ -193,9 +233,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int],
     # that is the steps with a member crossing into a new block (the plan counted them).
     walked = None if kv.enable_caching or plan._static is not None else plan._walked
     used_now, cached_now = usable - len(queue), pool.num_cached_free
-    for i, step in enumerate(range(t, t + k)):
+    for i in range(done, k):
         if walked is None or walked[i]:
-            advance(step, kv)
+            advance(t + i, kv)
             used_now, cached_now = usable - len(queue), pool.num_cached_free
         held += members
         used.append(used_now)
