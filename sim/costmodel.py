@@ -331,23 +331,30 @@ class CostModel:
         head = max(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s + rows * c.sample_seq_s
         step_device, layers = c.step_device_s, self.model.num_layers
         host = self._host_time(rows, rows, 0)
-        exposed = self._exposed_host
+        # _exposed_host inlined, its device-independent terms done once
+        output = (c.detok_token_s + c.api_token_s) * rows
+        launch = c.graph_launch_s
+        # (max(a, b) written as `b if b > a else a`: the very same value, without a call per step)
         if self.async_scheduling:
             def price(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
-                attention = max(no_pairs, decode_ctx * kv_token_s)
+                kv_read = decode_ctx * kv_token_s
+                attention = kv_read if kv_read > no_pairs else no_pairs
                 per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
                 device = step_device + layers * per_layer + head
-                return exposed(host, device, rows, max), device
+                hidden = host - device
+                engine = launch + (0.0 if 0.0 > hidden else hidden)
+                shown = output - (engine + device)
+                return engine + (0.0 if 0.0 > shown else shown), device
             return price
-        # synchronous scheduling: _exposed_host with its device-independent terms done once
-        output = (c.detok_token_s + c.api_token_s) * rows
-        engine = c.graph_launch_s + host
+        engine = launch + host
 
         def price_sync(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
-            attention = max(no_pairs, decode_ctx * kv_token_s)
+            kv_read = decode_ctx * kv_token_s
+            attention = kv_read if kv_read > no_pairs else no_pairs
             per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
             device = step_device + layers * per_layer + head
-            return engine + max(output - (engine + device), 0.0), device
+            shown = output - (engine + device)
+            return engine + (0.0 if 0.0 > shown else shown), device
         return price_sync
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ Both are kept in columns, not objects (so a million requests fit in well under 2
 from __future__ import annotations
 
 from array import array
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -95,34 +96,29 @@ class _Columns:
 
 
 class _Buffer:
-    """Values not yet packed into `_Columns`: a typed array per column (floats as doubles, the rest
-    as 64-bit integers; both hold every recorded value exactly). Packing is a buffer view, where
-    a list of tuples of Python numbers cost ~10% of a decode-heavy run to convert."""
+    """Values not yet packed into `_Columns`: one flat array of doubles, entry after entry (every
+    recorded value, integers included, is exact as a double: all are far below 2**53). Appending an
+    entry is one C call (`array.extend`), where a list of tuples of Python numbers cost ~10% of a
+    decode-heavy run to convert and an array per column a Python loop per entry."""
 
-    __slots__ = ("names", "columns", "_appends")
+    __slots__ = ("names", "values", "append")
 
     def __init__(self, names: tuple):
         self.names = names
-        self.columns = tuple(array("d" if name in _FLOAT else "q") for name in names)
-        self._appends = tuple(column.append for column in self.columns)
+        self.values = array("d")
+        self.append = self.values.extend     # one entry: a value per column, in `names` order
 
     def __len__(self) -> int:
-        return len(self.columns[0])
-
-    def append(self, values: tuple) -> None:
-        """One entry per column, in `names` order."""
-        for add, value in zip(self._appends, values):
-            add(value)
+        return len(self.values) // len(self.names)
 
     def extend(self, sequences: tuple) -> None:
         """Several entries: a sequence per column, all of one length."""
-        for column, values in zip(self.columns, sequences):
-            column.extend(values)
+        self.values.extend(chain.from_iterable(zip(*sequences)))
 
     def take(self) -> dict[str, np.ndarray]:
-        """The columns as arrays (views of the buffers: this buffer is not appended to after)."""
-        return {name: np.frombuffer(column, dtype=np.float64 if column.typecode == "d" else np.int64)
-                for name, column in zip(self.names, self.columns)}
+        """The columns as arrays (strided views of the buffer: it is not appended to after)."""
+        table = np.frombuffer(self.values, dtype=np.float64).reshape(-1, len(self.names))
+        return {name: table[:, i] for i, name in enumerate(self.names)}
 
 
 class StepRecorder:

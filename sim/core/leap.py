@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from sim.core.scheduler import Batch, Scheduler
+from sim.core.scheduler import Scheduler
 
 
 class LeapPlan:
@@ -247,4 +247,4 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
 
 def finish_leap(sched: Scheduler) -> list:
     """After a leap's steps ran: the finish of its last step (only that one can retire members)."""
-    return sched.finish_step(Batch(sched.step - 1))
+    return sched.finish_cohort_step(sched.step - 1)

@@ -603,11 +603,35 @@ class Scheduler:
             _start_emit_run(req, step)
             req.last_emit = step
             req.append_output()
-        self.cohort.finish(step)
-        finished = self.cohort.finishing(step)
+        finished = self._cohort_finishers(step)
+        if emitted:
+            finished += [r for r in emitted if r.num_output >= r.output_len]
+        self._retire_finished(step, finished)
+        if self.lazy:
+            for req in emitted:
+                if req.status is Status.RUNNING and not req.is_live:
+                    self.cohort.join(req, step)
+                    del self.active[req]
+        return finished
+
+    def finish_cohort_step(self, step: int) -> list[Request]:
+        """`finish_step` of a step in which only the cohort's members computed (a leap's last)."""
+        finished = self._cohort_finishers(step)
+        self._retire_finished(step, finished)
+        return finished
+
+    def _cohort_finishers(self, step: int) -> list[Request]:
+        """The members emitted at `step`: those that emitted their last token leave the cohort."""
+        cohort = self.cohort
+        cohort.finish(step)
+        finished = cohort.finishing(step)
         for req in finished:
-            self.cohort.leave(req)
-        finished += [r for r in emitted if r.num_output >= r.output_len]
+            cohort.leave(req)
+        return finished
+
+    def _retire_finished(self, step: int, finished: list[Request]) -> None:
+        if not finished and not self._finishing:
+            return                         # (nothing to retire, nothing held over)
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
             finished.sort(key=_run_seq)
         for req in finished:
@@ -621,12 +645,6 @@ class Scheduler:
         if not (self.config.async_scheduling and self.has_other_work(finished)):
             self._release_finishing()
         self.num_finished += len(finished)
-        if self.lazy:
-            for req in emitted:
-                if req.status is Status.RUNNING and not req.is_live:
-                    self.cohort.join(req, step)
-                    del self.active[req]
-        return finished
 
     def _free_finished(self, req: Request) -> None:
         self.tokens_held -= req.num_computed
