@@ -18,10 +18,10 @@ Both are kept in columns, not objects (so a million requests fit in well under 2
 """
 from __future__ import annotations
 
-from array import array
-from itertools import chain
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Union
+from itertools import chain
+from struct import Struct
+from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -96,28 +96,38 @@ class _Columns:
 
 
 class _Buffer:
-    """Values not yet packed into `_Columns`: one flat array of doubles, entry after entry (every
-    recorded value, integers included, is exact as a double: all are far below 2**53). Appending an
-    entry is one C call (`array.extend`), where a list of tuples of Python numbers cost ~10% of a
-    decode-heavy run to convert and an array per column a Python loop per entry."""
+    """Values not yet packed into `_Columns`: entry after entry, packed as doubles into one byte
+    buffer (every recorded value, integers included, is exact as a double: all are far below
+    2**53). An entry is one `struct` pack, a leap's entries one more: where a list of tuples of
+    Python numbers cost ~10% of a decode-heavy run to convert, and typed arrays a C-level
+    conversion per value several times slower than `struct`'s."""
 
-    __slots__ = ("names", "values", "append")
+    __slots__ = ("names", "data", "_entry", "_packs")
 
     def __init__(self, names: tuple):
         self.names = names
-        self.values = array("d")
-        self.append = self.values.extend     # one entry: a value per column, in `names` order
+        self.data = bytearray()
+        self._entry = Struct(f"<{len(names)}d").pack
+        self._packs: dict[int, Callable] = {}     # k -> the pack of k entries
 
     def __len__(self) -> int:
-        return len(self.values) // len(self.names)
+        return len(self.data) // (8 * len(self.names))
+
+    def append(self, values: tuple) -> None:
+        """One entry: a value per column, in `names` order."""
+        self.data += self._entry(*values)
 
     def extend(self, sequences: tuple) -> None:
         """Several entries: a sequence per column, all of one length."""
-        self.values.extend(chain.from_iterable(zip(*sequences)))
+        k = len(sequences[0])
+        pack = self._packs.get(k)
+        if pack is None:
+            pack = self._packs[k] = Struct(f"<{k * len(self.names)}d").pack
+        self.data += pack(*chain.from_iterable(zip(*sequences)))
 
     def take(self) -> dict[str, np.ndarray]:
         """The columns as arrays (strided views of the buffer: it is not appended to after)."""
-        table = np.frombuffer(self.values, dtype=np.float64).reshape(-1, len(self.names))
+        table = np.frombuffer(self.data, dtype="<f8").reshape(-1, len(self.names))
         return {name: table[:, i] for i, name in enumerate(self.names)}
 
 
@@ -138,18 +148,19 @@ class StepRecorder:
         self._steps = _Columns(PER_STEP)
         self._rows = _Columns(PER_ROW)
         self._cache: dict[str, np.ndarray] = {}
+        self._chunk_bytes = self.CHUNK * 8 * len(PER_STEP)     # buffered steps packed past this
 
     def record(self, batch, scheduler, start_s: float, end_s: float, host_s: float, device_s: float,
                kv_used: int, kv_cached: int, slack: int) -> None:
         """Append a step. KV figures are taken right after scheduling (the step's peak)."""
-        decodes = batch.num_decode
+        decodes = len(batch.decodes) + batch.pad_rows
         prefill = batch.num_prefill_tokens
         self.rows.append((batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
                           batch.prefill_ctx, batch.prefill_attn, len(batch.preempted)))
-        self.step_values.append((end_s, host_s, device_s, batch.decode_ctx, batch.blocks_read, kv_used, kv_cached,
-                                 slack))
-        if len(self.step_values) >= self.CHUNK:
+        steps = self.step_values
+        steps.append((end_s, host_s, device_s, batch.decode_ctx, batch.blocks_read, kv_used, kv_cached, slack))
+        if len(steps.data) >= self._chunk_bytes:
             self._flush()
 
     def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
@@ -168,11 +179,12 @@ class StepRecorder:
             new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
         else:
             new_rows = [row]
-        if k <= self.LONG_LEAP:
+        if k <= self.LONG_LEAP and type(ends) is list:
             for row in new_rows:
                 self.rows.append(row)
-            self.step_values.extend((ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack))
-            if len(self.step_values) >= self.CHUNK:
+            steps = self.step_values
+            steps.extend((ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack))
+            if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return
         self._flush_buffers()

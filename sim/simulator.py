@@ -64,8 +64,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
 
-LEAP_SCALAR_CHUNKS = (4, 12, 32)  # a leap's first 32 steps are priced one by one (cheaper than numpy
-                                  # for a few), their shapes made in these stretches
+LEAP_SCALAR_STEPS = 32     # a leap's first steps priced one by one (numpy for the rest of a long one)
 
 
 class Client:
@@ -212,23 +211,28 @@ class Simulation:
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
         sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
+        pool = kv.pool
+        schedule, finish_step, record = sched.schedule, sched.finish_step, recorder.record
         step_time = self.cost_model.step_time
+        fast, chained = self.fast, self._chained
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
             # Where nothing else can act before the next arrival (`_chained`), steps and leaps that
             # end before it run back to back without waiting for SimPy's clock: `now` runs ahead.
-            now = last_end if last_end > env.now else env.now
-            horizon = self._next_route_time(replica) if self.fast else math.inf
+            clock = env.now
+            now = last_end if last_end > clock else clock
+            # (chained: no follow-up turn, no other replica, no client queue; the next arrival it is)
+            horizon = (self._next_arrival if chained else self._next_route_time(replica)) if fast else math.inf
             # A request that arrived during the last step is most likely admitted now: no leap.
-            if (self.fast and now == last_end and sched.num_waiting <= seen_waiting
+            if (fast and now == last_end and sched.num_waiting <= seen_waiting
                     and horizon > now):
                 leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
                     seen_waiting = sched.num_waiting
                     last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
-            batch = sched.schedule()
+            batch = schedule()
             seen_waiting = sched.num_waiting
             if batch is None:
                 if now > env.now:            # catch up before sleeping
@@ -238,15 +242,17 @@ class Simulation:
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
-            kv_used, kv_cached, slack = kv.pool.num_used, kv.pool.num_cached_free, sched.slack_tokens
+            kv_used, kv_cached, slack = pool.num_used, pool.num_cached_free, kv.held_slots - sched.tokens_held
             host, device = step_time(batch, now - last_end > IDLE_GAP_S)
             end = now + (host + device)      # as SimPy's timeout adds it
-            if not (self._chained and end < horizon):
+            if not (chained and end < horizon):
                 replica.busy_until = end
                 yield _At(env, end)
-            recorder.record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
+            record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
             last_end = end
-            self._retire(env, replica, sched.finish_step(batch))
+            finished = finish_step(batch)
+            if finished:
+                self._retire(env, replica, finished)
 
     def _leaps(self, env: simpy.Environment, replica: Replica, leap: tuple, now: float, horizon: float):
         """Run a planned leap; where nothing else can see the moments between them (`_chained`),
@@ -266,7 +272,9 @@ class Simulation:
                 yield _At(env, end)
             recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
                                  waiting, used, cached, slack, host, device, sched.num_waiting)
-            self._retire(env, replica, finish_leap(sched))
+            finished = finish_leap(sched)
+            if finished:
+                self._retire(env, replica, finished)
             if not chained:
                 return end
             start = end
@@ -296,43 +304,18 @@ class Simulation:
         plan = plan_leap(sched, max_steps=1 << 30)
         if plan is None:
             return None
-        price = None
-        ends, hosts, devices, ctx, blocks = [], [], [], [], []
-        t = now
-        for size in LEAP_SCALAR_CHUNKS:     # shapes made a few at a time: most leaps are short
-            done = len(ctx)
-            k_max = plan.reach(size)
-            if k_max <= done:
-                break                       # the plan ends here
-            more_ctx, more_blocks = plan.shapes(k_max, done)
-            if price is None:
-                price = self._decode_pricer(plan.rows, more_ctx[0], more_blocks[0])
-            ctx += more_ctx
-            blocks += more_blocks
-            crossed = False
-            for h, d in map(price, more_ctx, more_blocks):
-                t = t + (h + d)             # SimPy's own sum: now + delay, step after step
-                if t >= horizon:
-                    crossed = True
-                    if t > horizon:         # the step in flight when the request arrives (at a tie,
-                        ends.append(t)      # which goes first is SimPy's queue order: left out)
-                        hosts.append(h)
-                        devices.append(d)
-                    break
-                ends.append(t)
-                hosts.append(h)
-                devices.append(d)
-            if crossed:
-                break
-            if plan.pending:                # its first step ends before the horizon: it runs, and
-                plan.settle(sched)          # the finishers it releases let the plan go on
-        else:
-            if plan.reach(len(ctx) + 1) > len(ctx):
-                return self._bulk_times(plan, now, ends, hosts, devices, horizon)
+        price = self._pricers.get(plan.rows)
+        if price is None:
+            plan.reach(1)
+            (ctx,), (blocks,) = plan.shapes(1)
+            price = self._decode_pricer(plan.rows, ctx, blocks)
+        # most leaps are short: their first steps priced one by one (cheaper than numpy for a few)
+        ends, hosts, devices, ctx, blocks, more = plan.timed(sched, price, now, horizon, LEAP_SCALAR_STEPS)
+        if more:
+            return self._bulk_times(plan, now, ends, hosts, devices, horizon)
         if not ends:
             return None
-        k = len(ends)
-        return plan, ends, hosts, devices, ctx[:k], blocks[:k]
+        return plan, ends, hosts, devices, ctx, blocks
 
     def _decode_pricer(self, rows: int, ctx: int, blocks: int):
         """The cost model's decode-only pricer for `rows` (made once per batch size and checked

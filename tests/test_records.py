@@ -107,7 +107,7 @@ def test_a_rejected_first_turn_rejects_its_streamed_follow_ups():
 
 
 def test_step_buffers_keep_every_value_exactly_across_packs():
-    """Steps and rows are buffered as typed arrays (doubles, 64-bit ints) between packs: floats,
+    """Steps and rows are buffered as packed doubles between packs: floats,
     numpy scalars and integers past 2**31 come back unchanged, in order, over several packs."""
     from types import SimpleNamespace
 
@@ -120,7 +120,7 @@ def test_step_buffers_keep_every_value_exactly_across_packs():
     recorder, expected = Small(), []
     big = 2 ** 40 + 7
     for i in range(7):
-        batch = SimpleNamespace(step=len(expected), num_decode=2, num_prefill_tokens=big + i, prefills=[1],
+        batch = SimpleNamespace(step=len(expected), decodes=[1, 2], pad_rows=0, num_prefill_tokens=big + i, prefills=[1],
                                 prefill_ctx=i, prefill_attn=big, preempted=[], decode_ctx=big - i, blocks_read=i)
         sched = SimpleNamespace(running=[1, 2, 3], num_waiting=i)
         end = 0.1 * i + 1e-9

@@ -115,6 +115,49 @@ class LeapPlan:
                                                                                pool.num_free - first)):
             self._limit = self.max_steps
 
+    def timed(self, sched: Scheduler, price, start: float, horizon: float, most: int) -> tuple:
+        """Price the plan's first steps one by one, up to `most`: step i ends where step i-1 ended
+        plus its host + device time (`price(decode ctx, blocks read)`), the first at `start` plus
+        its own, added one by one as SimPy's clock adds them, until the step in flight at `horizon`
+        or the plan's end. (A step ending exactly at `horizon` is left out: which of the two comes
+        first is the driver's queue order.) Returns (ends, hosts, devices, ctx, blocks, more), with
+        `more` when all `most` steps end before `horizon` and the plan goes on. A pending plan is
+        settled (`settle`) once its first step ends before `horizon`."""
+        ends: list[float] = []
+        hosts: list[float] = []
+        devices: list[float] = []
+        ctxs: list[int] = []
+        reads: list[int] = []
+        walked, per, step = self._walked, self._ctx_per_step, self.first_step
+        ctx = self._ctx0 + per * step
+        blocks = self._walked_before
+        static = self._static
+        t = start
+        for i in range(most):
+            if i >= len(walked) and self.reach(2 * i + 4) <= i:
+                return ends, hosts, devices, ctxs, reads, False        # the plan ends here
+            blocks += walked[i]
+            read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
+            h, d = price(ctx, read)
+            t = t + (h + d)
+            if t >= horizon:
+                if t > horizon:                # the step in flight when the horizon comes
+                    ends.append(t)
+                    hosts.append(h)
+                    devices.append(d)
+                    ctxs.append(ctx)
+                    reads.append(read)
+                return ends, hosts, devices, ctxs, reads, False
+            ends.append(t)
+            hosts.append(h)
+            devices.append(d)
+            ctxs.append(ctx)
+            reads.append(read)
+            ctx += per
+            if not i and self.pending:
+                self.settle(sched)             # step t runs: its finishers go, the plan goes on
+        return ends, hosts, devices, ctxs, reads, self.reach(most + 1) > most
+
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
         t = self.first_step
@@ -123,10 +166,12 @@ class LeapPlan:
             offset, bs = self._static
             return ([ctx0 + per * (t + i) for i in range(start, k)],
                     [self.rows * -(-(offset + t + i) // bs) for i in range(start, k)])
-        ctx = [ctx0 + per * (t + i) for i in range(start, k)]
+        # (members >= 1 a step: the context grows by a constant, a range does the list at C speed)
+        ctx = list(range(ctx0 + per * (t + start), ctx0 + per * (t + k), per))
         walked = self._walked
-        before = self._walked_before + sum(walked[:start])
-        return ctx, list(accumulate(walked[start:k], initial=before))[1:]
+        blocks = list(accumulate(walked[start:k], initial=self._walked_before + sum(walked[:start])))
+        del blocks[0]
+        return ctx, blocks
 
     def columns(self, k: int) -> dict[str, np.ndarray]:
         """The first k steps as step-record columns (`CostModel.step_times` prices them in bulk)."""

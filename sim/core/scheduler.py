@@ -432,7 +432,7 @@ class Scheduler:
             return None
         others = list(self.active)
         blocks = cohort.due_blocks(step)
-        first_crossing = cohort.first_crossing_seq(step)
+        first_crossing = cohort.first_crossing_seq(step) if others else None
         for req in others:
             n = req.num_tokens - req.num_computed
             if n > left:
