@@ -190,9 +190,10 @@ class Request:
         chain starts from the request's salt, so different tenants never share a block. A run of
         whole blocks inside one keyed segment is numbered instead of chained: the run's first
         block fixes (parent, key, offset), which fixes the content of every later block of the
-        run, so block i of the run is `base << 32 | i` (one C-speed range, exact integers: no two
-        runs share a base unless their hashes collide). The cursor keeps the run open across calls,
-        so hashes never depend on how the blocks were asked for.
+        run, so block i of the run is `base + i`, base a 56-bit hash (one C-speed range of small
+        ints; two runs' ranges overlap with a chance of about their length / 2^56, the order of
+        a chained 64-bit hash colliding over as many blocks). The cursor keeps the run open
+        across calls, so hashes never depend on how the blocks were asked for.
         """
         hashes = self.block_hashes
         need = num_blocks - len(hashes)
@@ -209,7 +210,7 @@ class Request:
                 whole = min((length - off) // block_size, need)
                 if whole:
                     if run_base is None:
-                        run_base, run_off = hash((parent, key, off)) << 32, off
+                        run_base, run_off = hash((parent, key, off)) >> 8, off
                     first = run_base + (off - run_off) // block_size
                     hashes.extend(range(first, first + whole))
                     parent = hashes[-1]
