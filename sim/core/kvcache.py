@@ -407,11 +407,6 @@ class KVCacheManager:
         self.pool.cache_blocks(req.blocks[first:full], req.block_hashes[first:full])
         req.num_registered = full
 
-    def register_block(self, req: Request, index: int) -> None:
-        """Publish block `index` of a request whose hashes are already computed (the cohort's path)."""
-        self.pool.cache_block(req.blocks[index], req.block_hashes[index])
-        req.num_registered = index + 1
-
     def free(self, req: Request) -> None:
         """Release a request's blocks, last block first (it is evicted first)."""
         blocks = req.blocks
@@ -609,9 +604,6 @@ class GroupedKVCacheManager(KVCacheManager):
                 if table[i] != NULL_BLOCK:
                     cache(table[i], group_key(hashes[i], g))
         req.num_registered = full
-
-    def register_block(self, req: Request, index: int) -> None:
-        raise NotImplementedError("the decode cohort is off for grouped KV caches (Scheduler gates it)")
 
     def free(self, req: Request) -> None:
         tables = req.group_tables
