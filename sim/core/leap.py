@@ -239,7 +239,7 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         done = 1
     if done == k:
         figures: tuple[list[int], list[int], list[int]] = ([], [], [])
-    elif sched.cohort.paged and sched.kv.pool._plain and plan._static is None:
+    elif sched.cohort.paged and not sched.kv.pool.enable_caching and plan._static is None:
         figures = _apply_plain(sched, plan, done, k)
     else:
         figures = _apply_by_step(sched, plan, done, k)
@@ -272,16 +272,16 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
     t = plan.first_step
     advance = cohort.advance
     members, held = plan.members, sched.tokens_held
-    usable, queue = pool.usable_blocks, pool.free_queue
+    usable = pool.usable_blocks
     # A step at which no member reaches a block boundary changes nothing but the cohort's clock
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
     # that is the steps with a member crossing into a new block (the plan counted them).
     walked = None if kv.enable_caching or plan._static is not None else plan._walked
-    used_now, cached_now = usable - len(queue), pool.num_cached_free
+    used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i in range(done, k):
         if walked is None or walked[i]:
             advance(t + i, kv)
-            used_now, cached_now = usable - len(queue), pool.num_cached_free
+            used_now, cached_now = usable - pool.num_free, pool.num_cached_free
         held += members
         used.append(used_now)
         cached.append(cached_now)
