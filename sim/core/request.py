@@ -145,7 +145,8 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens known so far: the prompt plus every output token appended."""
-        return self.prompt_len + self.num_output
+        c = self._cohort                   # (num_output inlined: this is read in every hot loop)
+        return self.prompt_len + (self._output if c is None else self._output + c.finished_step)
 
     @property
     def last_emit(self) -> int:

@@ -338,10 +338,10 @@ class Scheduler:
                 self.cohort.pause(batch.step)
             else:
                 self._schedule_running(batch, budget, want="decode")
-        if not len(batch):
+        if not (batch.decodes or batch.prefills):
             self._empty_preempted = batch.preempted
             return None
-        self.tokens_held += batch.num_tokens
+        self.tokens_held += batch.num_prefill_tokens + len(batch.decodes)    # (no padding rows yet)
         if self.static:
             self._pad_static(batch)
         self.step += 1
@@ -533,7 +533,7 @@ class Scheduler:
             if req is None:
                 break
             resumed = req.status is Status.PREEMPTED
-            args = self._admission(req, budget, not len(batch))
+            args = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if args is None:
                 break
             hits, hit_tokens, n_now, gate, reserve = args
