@@ -320,3 +320,40 @@ def test_cohort_sits_out_prefill_steps_without_dissolving():
     assert fast.cohort.pauses == [4]
     runs, start, last = emission_view(pairs[0][0])
     assert runs == [0, 3] and start == 5 and last == 11    # first token at its prefill step 0
+
+
+def test_leap_timing_prices_step_by_step_and_stops_at_the_horizon():
+    """LeapPlan.timed: step i ends at the running sum of the prices (added one by one), the step
+    in flight at the horizon is the last, one ending exactly at it is left out, and `more` says
+    the plan goes on past the steps asked for."""
+    from sim.core.leap import plan_leap
+
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
+    sched = Scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))
+    for i in range(3):
+        sched.add(make_request(i, 0.0, [(i, 10 + 3 * i)], 60))
+    for _ in range(2):
+        sched.finish_step(sched.schedule())
+    plan = plan_leap(sched, max_steps=1 << 30)
+    assert plan is not None and plan.rows == 3
+
+    def price(ctx, blocks):
+        return ctx * 1e-5 + 0.1, blocks * 3e-5 + 0.2
+
+    plan.reach(10)
+    shapes = plan.shapes(10)
+    expected, t = [], 1.0
+    for c, b in zip(*shapes):
+        h, d = price(c, b)
+        t = t + (h + d)
+        expected.append(t)
+    ends, hosts, devices, ctx, blocks, more = plan.timed(sched, price, 1.0, float("inf"), 10)
+    assert ends == expected and more and (ctx, blocks) == tuple(map(list, shapes))
+    assert [h + d for h, d in zip(hosts, devices)] == [price(c, b)[0] + price(c, b)[1] for c, b in zip(*shapes)]
+    between = (expected[3] + expected[4]) / 2
+    assert plan.timed(sched, price, 1.0, between, 10)[0] == expected[:5]      # the step in flight
+    assert plan.timed(sched, price, 1.0, expected[4], 10)[0] == expected[:4]  # a tie: left out
+    assert plan.timed(sched, price, 1.0, expected[0], 10)[0] == []
+    # the plan ends at the members' first finish: no more steps past it
+    ends, *_, more = plan.timed(sched, price, 1.0, float("inf"), plan.max_steps)
+    assert len(ends) == plan.max_steps and not more
