@@ -80,18 +80,21 @@ class BlockPool:
         start = self._base + self._head
         return [b for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
 
-    def get_new_blocks(self, n: int) -> list[int]:
-        """Take the n least recently freed blocks (reference 1 each), evicting the hashes they still hold."""
+    def get_new_blocks(self, n: int, evicted_at: Optional[list[int]] = None) -> list[int]:
+        """Take the n least recently freed blocks (reference 1 each), evicting the hashes they still
+        hold; `evicted_at`, if given, gets the index (in the returned list) of each evicting block."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         blocks = self._pop(n)
         ref = self.ref_cnt
         if self.num_cached_free:
             hashes = self.block_hash
-            for block in blocks:
+            for i, block in enumerate(blocks):
                 ref[block] = 1
                 if hashes[block] is not None:    # lazy eviction (a block holds a hash only while the map holds it)
                     self._evict(block)
+                    if evicted_at is not None:
+                        evicted_at.append(i)
         else:                                    # no free block holds a hash, so none needs evicting
             for block in blocks:
                 ref[block] = 1
