@@ -630,6 +630,7 @@ class Scheduler:
         return finished
 
     def _retire_finished(self, step: int, finished: list[Request]) -> None:
+        """Mark the step's finished requests and free them (async: after the next pass)."""
         if not finished and not self._finishing:
             return                         # (nothing to retire, nothing held over)
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
