@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from sim.core.request import Request, Status
 
+# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
+_REJECTED = Status.REJECTED
+
 
 class Router:
     def __init__(self, replicas: list):
@@ -12,7 +15,7 @@ class Router:
     def route(self, req: Request) -> None:
         replica = self.replicas[0] if len(self.replicas) == 1 else self.choose(req)
         replica.submit(req)
-        if req.status is Status.REJECTED:
+        if req.status is _REJECTED:
             reject_follow_ups(req)
 
     def choose(self, req: Request):
@@ -69,6 +72,6 @@ def reject_follow_ups(req: Request) -> None:
     """Later turns of a rejected conversation can never arrive: reject them with the reason."""
     turn = req.next_turn
     while turn is not None:
-        turn.status = Status.REJECTED
+        turn.status = _REJECTED
         turn.reject_reason = f"an earlier turn (request {req.id}) was rejected"
         turn = turn.next_turn

@@ -38,6 +38,14 @@ from sim.core.kvcache import KVCacheManager
 from sim.core.memory import cdiv
 from sim.core.request import Request, Status
 
+# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
+_WAITING = Status.WAITING
+_RUNNING = Status.RUNNING
+_PREEMPTED = Status.PREEMPTED
+_FINISHED = Status.FINISHED
+_REJECTED = Status.REJECTED
+_ABORTED = Status.ABORTED
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -201,11 +209,11 @@ class Scheduler:
         self.num_added += 1
         reason = self._reject_reason(req)
         if reason:
-            req.status = Status.REJECTED
+            req.status = _REJECTED
             req.reject_reason = reason
             self.num_rejected += 1
             return False
-        req.status = Status.WAITING
+        req.status = _WAITING
         self._push_waiting(req, front=False)
         return True
 
@@ -240,10 +248,10 @@ class Scheduler:
             heapq.heapify(self.waiting_heap)
         elif req in self.waiting_fifo:
             self.waiting_fifo.remove(req)
-        if req.status is Status.RUNNING:
+        if req.status is _RUNNING:
             self.tokens_held -= req.num_computed
         self.kv.free(req)
-        req.status = Status.ABORTED
+        req.status = _ABORTED
         req.reject_reason = "aborted"
         _close_emit_run(req)
         self.num_aborted += 1
@@ -406,7 +414,7 @@ class Scheduler:
         for req in candidates:
             if budget <= 0:
                 break
-            if req.status is not Status.RUNNING:
+            if req.status is not _RUNNING:
                 continue
             n = req.num_tokens - req.num_computed
             if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
@@ -416,7 +424,7 @@ class Scheduler:
                     continue           # a whole prompt must fit one step without chunking
                 n = budget
             budget = self._schedule_slow(req, n, batch, budget)
-            if req.status is not Status.RUNNING:
+            if req.status is not _RUNNING:
                 break                  # it preempted itself
         return budget
 
@@ -487,7 +495,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
-        if victim.status is Status.FINISHED:
+        if victim.status is _FINISHED:
             self._preempt_finishing(victim, batch)
             return
         if victim._cohort is not None:
@@ -504,7 +512,7 @@ class Scheduler:
         self.tokens_held -= victim.num_computed - scheduled_now
         self.kv.free(victim)
         victim.num_computed = 0
-        victim.status = Status.PREEMPTED
+        victim.status = _PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(victim)
@@ -532,7 +540,7 @@ class Scheduler:
             req = self._peek_waiting()
             if req is None:
                 break
-            resumed = req.status is Status.PREEMPTED
+            resumed = req.status is _PREEMPTED
             args = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if args is None:
                 break
@@ -544,7 +552,7 @@ class Scheduler:
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
-            req.status = Status.RUNNING
+            req.status = _RUNNING
             req.num_computed = hit_tokens
             self.tokens_held += hit_tokens
             self._run_seq += 1
@@ -609,7 +617,7 @@ class Scheduler:
         self._retire_finished(step, finished)
         if self.lazy:
             for req in emitted:
-                if req.status is Status.RUNNING and not req.is_live:
+                if req.status is _RUNNING and not req.is_live:
                     self.cohort.join(req, step)
                     del self.active[req]
         return finished
@@ -636,7 +644,7 @@ class Scheduler:
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
             finished.sort(key=_run_seq)
         for req in finished:
-            req.status = Status.FINISHED
+            req.status = _FINISHED
             req.finish_step = step
             _close_emit_run(req)
             self.active.pop(req, None)
