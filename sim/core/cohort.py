@@ -88,7 +88,7 @@ class DecodeCohort:
 
     def leave(self, req: Request) -> None:
         """Materialise a member's progress and let it go (finished, preempted, dissolved)."""
-        computed, output = req.num_computed, req.num_output
+        computed, output = req._computed + self.scheduled_step, req._output + self.finished_step
         self.ctx_offset_sum -= req._computed
         self.blocks_walked -= -(-computed // self.block_size)
         del self._by_phase[req._computed % self.block_size][req]
@@ -100,7 +100,8 @@ class DecodeCohort:
 
     def last_emit(self, req: Request) -> int:
         """The step of a member's latest token (it joined after emitting one)."""
-        return max(req._last_emit, self.last_emit_step)
+        own, members = req._last_emit, self.last_emit_step
+        return members if members > own else own              # max(own, members), without a call
 
     def emission(self, req: Request) -> tuple[list[int], int, int]:
         """A member's (closed emission runs, open run's start, latest emission): it emitted at every
