@@ -164,6 +164,12 @@ class BlockPool:
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
         ref, hashes = self.ref_cnt, self.block_hash
+        if not self.enable_caching:          # never shared, never revived: every count drops 1 -> 0
+            for block in blocks:
+                ref[block] = 0
+            self._queue += blocks
+            self.num_free += len(blocks)
+            return
         freed = []
         revivable = 0
         for block in blocks:
@@ -232,7 +238,8 @@ class BlockPool:
         stale = set(self._stale)
         start = self._base + self._head
         live = [(b, i) for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
-        assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
+        if self.enable_caching:            # (a pool without caching never revives, so never reads them)
+            assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
         mapped = [(h, b) for h, b in self.cached.items()]
         mapped += [(h, b) for h, dups in self.duplicates.items() for b in dups]
         for h, b in mapped:
