@@ -18,6 +18,7 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 from __future__ import annotations
 
 import heapq
+from array import array
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
@@ -52,8 +53,10 @@ class BlockPool:
         self._head = 0                     # index in _queue of the oldest entry not yet taken
         self._base = 0                     # entries dropped from the front of _queue (compaction)
         # where each free block's live entry is (an index counted from the first entry ever queued);
-        # only read for blocks in the queue, to mark that entry stale when the block is revived
-        self._where = list(range(-1, num_blocks - 1))
+        # only read for blocks in the queue, to mark that entry stale when the block is revived.
+        # A typed array: storing a position allocates no int object and frees none (the pool is
+        # large and its blocks come back in scattered order, so each would be a cache miss).
+        self._where = array("q", range(-1, num_blocks - 1))
         self._stale: list[int] = []        # heap of the positions of stale entries
         self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
