@@ -18,6 +18,7 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 from __future__ import annotations
 
 import heapq
+from array import array
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
@@ -52,8 +53,10 @@ class BlockPool:
         self._head = 0                     # index in _queue of the oldest entry not yet taken
         self._base = 0                     # entries dropped from the front of _queue (compaction)
         # where each free block's live entry is (an index counted from the first entry ever queued);
-        # only read for blocks in the queue, to mark that entry stale when the block is revived
-        self._where = list(range(-1, num_blocks - 1))
+        # only read for blocks in the queue, to mark that entry stale when the block is revived.
+        # A typed array: storing a position allocates no int object and frees none (the pool is
+        # large and its blocks come back in scattered order, so each would be a cache miss).
+        self._where = array("q", range(-1, num_blocks - 1))
         self._stale: list[int] = []        # heap of the positions of stale entries
         self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
@@ -164,6 +167,12 @@ class BlockPool:
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
         ref, hashes = self.ref_cnt, self.block_hash
+        if not self.enable_caching:          # never shared, never revived: every count drops 1 -> 0
+            for block in blocks:
+                ref[block] = 0
+            self._queue += blocks
+            self.num_free += len(blocks)
+            return
         freed = []
         revivable = 0
         for block in blocks:
@@ -232,7 +241,8 @@ class BlockPool:
         stale = set(self._stale)
         start = self._base + self._head
         live = [(b, i) for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
-        assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
+        if self.enable_caching:            # (a pool without caching never revives, so never reads them)
+            assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
         mapped = [(h, b) for h, b in self.cached.items()]
         mapped += [(h, b) for h, dups in self.duplicates.items() for b in dups]
         for h, b in mapped:
