@@ -30,7 +30,8 @@ in bulk; equal, bit for bit, to pricing the steps one by one (same float operati
 """
 from __future__ import annotations
 
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import mul, sub
 from typing import Optional
 
 import numpy as np
@@ -261,10 +262,14 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
     walked = plan._walked[done:k]
     used0, slots0, cached0 = pool.num_used, kv.held_slots, pool.num_cached_free
     evicted = sched.cohort.advance_many(plan.first_step + done, walked, kv)
-    crossed = list(accumulate(walked))
-    bs, members, held = sched.block_size, plan.members, sched.tokens_held
-    slack = [slots0 + bs * c - held - members * i for i, c in enumerate(crossed, 1)]
-    return [used0 + c for c in crossed], [cached0 - e for e in evicted], slack
+    # per step, as running sums at C speed: blocks used grow by the blocks crossed; the slack by
+    # block_size x those, less one token per member
+    used = list(accumulate(walked, initial=used0))
+    growth = map(sub, map(mul, repeat(sched.block_size), walked), repeat(plan.members))
+    slack = list(accumulate(growth, initial=slots0 - sched.tokens_held))
+    del used[0], slack[0]
+    cached = [cached0 - e for e in evicted] if evicted[-1] else [cached0] * len(walked)   # (counts so far)
+    return used, cached, slack
 
 
 def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
