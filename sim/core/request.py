@@ -18,6 +18,7 @@ from typing import Optional, Union
 import numpy as np
 
 Segment = Union[tuple, list]  # (key, length) | [token ids]
+NO_PRIVATE_BLOCK = 1 << 62    # Request.first_private_block of a request with no private block
 
 
 def stable_key(*parts: object) -> int:
@@ -74,6 +75,7 @@ class Request:
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
+        "_private_fills",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
         "chunk_steps", "_pause_index",
@@ -115,6 +117,7 @@ class Request:
         self.num_preemptions = 0
         self.reject_reason: Optional[str] = None
         self._hash_cursor = (0, 0, None, 0)
+        self._private_fills = False        # a cohort member whose fills are private blocks
         self.admit_step = -1
         self.run_seq = -1                  # position in the running list's order (set at each admission)
         self.first_token_step = -1
@@ -175,6 +178,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= Status.FINISHED
+
+    def first_private_block(self, block_size: int) -> int:
+        """The first block whose content only this request can ever look up, or NO_PRIVATE_BLOCK.
+
+        A block holding any of the request's scripted output is looked up by nobody else unless a
+        later turn carries that output in its prompt (`next_turn`), and by the request itself only
+        after a preemption. A live output is literal tokens a client may send back: never private.
+        The pool keeps such blocks out of its hash map while held (sim/core/kvcache.py)."""
+        if self.next_turn is None and type(self.segments[-1]) is tuple:
+            return self.prompt_len // block_size
+        return NO_PRIVATE_BLOCK
 
     def drop_block_hashes(self) -> None:
         """Forget the block hashes of a request that ended (they are recomputed if ever needed)."""
