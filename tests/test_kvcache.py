@@ -281,3 +281,13 @@ def test_output_blocks_are_public_when_a_later_turn_or_a_client_may_send_them_ba
         decode(kv, r, 9)
         assert kv.pool.lookup(r.block_hashes[3]) == r.blocks[3]
     assert first.first_private_block(4) == live.first_private_block(4) == NO_PRIVATE_BLOCK
+
+
+def test_the_prompt_tail_a_workload_marks_as_the_requests_own_is_private_too():
+    kv = KVCacheManager(20, 4)
+    r = make_request(0, 0.0, [(7, 8), (9, 6)], 4, own_prompt_tokens=6)   # shared 8, own 6 tokens
+    admit(kv, r)                                   # 14 tokens: blocks 0, 1 shared; block 2 holds own tokens
+    assert r.first_private_block(4) == 2
+    assert [kv.pool.block_hash[b] for b in r.blocks[:3]] == [*r.block_hashes[:2], PRIVATE]
+    other = make_request(1, 0.0, [(7, 8), (9, 6)], 4)                   # same content, found up to block 2
+    assert kv.find_cached_prefix(other)[1] == 8
