@@ -223,12 +223,12 @@ class BlockPool:
                 held[block] = PRIVATE
 
     def publish(self, blocks: list[int], hashes: list[int]) -> None:
-        """Give privately registered blocks their hashes and map them, in order."""
+        """Map full blocks registered privately (or not marked yet), in order."""
         held = self.block_hash
-        private = [(b, h) for b, h in zip(blocks, hashes) if held[b] is PRIVATE]
-        for block, _ in private:
-            held[block] = None
-        self.cache_blocks([b for b, _ in private], [h for _, h in private])
+        for block in blocks:
+            if held[block] is PRIVATE:
+                held[block] = None
+        self.cache_blocks(blocks, hashes)
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Register one full block under its hash."""
@@ -386,6 +386,8 @@ class KVCacheManager:
         if not self.enable_caching or req.num_computed:
             return 0
         max_blocks = (req.num_tokens - 1) // self.block_size
+        if self.private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
+            max_blocks = min(max_blocks, req.first_private_block(self.block_size))
         req.extend_block_hashes(max_blocks, self.block_size)
         return max_blocks
 
@@ -462,12 +464,13 @@ class KVCacheManager:
         req.num_registered = full
 
     def free(self, req: Request) -> None:
-        """Release a request's blocks, last block first (it is evicted first). A request freed
-        unfinished (preempted, aborted) publishes its private blocks first: a preempted request
-        looks them up when it is admitted again."""
+        """Release a request's blocks, last block first (it is evicted first). Its private blocks
+        are marked (the decode cohort leaves its members' unmarked: nothing reads the mark of a
+        held block), or mapped if it is freed unfinished (preempted, aborted): a preempted
+        request looks them up when it is admitted again."""
         blocks = req.blocks
-        if blocks and not req.is_finished and self.enable_caching and self.private_blocks:
-            self._publish_private(req)
+        if blocks and self.enable_caching and self.private_blocks:
+            self._settle_private(req)
         if blocks:
             self.held_slots -= len(blocks) * self.block_size
             blocks.reverse()
@@ -475,11 +478,14 @@ class KVCacheManager:
         req.blocks = []
         req.num_registered = 0
 
-    def _publish_private(self, req: Request) -> None:
-        first = req.first_private_block(self.block_size)
-        if req.num_registered > first:
-            req.extend_block_hashes(req.num_registered, self.block_size)
-            end = req.num_registered
+    def _settle_private(self, req: Request) -> None:
+        first, end = req.first_private_block(self.block_size), req.num_registered
+        if end <= first:
+            return
+        if req.is_finished:
+            self.pool.cache_private(req.blocks[first:end])
+        else:
+            req.extend_block_hashes(end, self.block_size)
             self.pool.publish(req.blocks[first:end], req.block_hashes[first:end])
 
     # -- counters -------------------------------------------------------------------------
