@@ -42,7 +42,8 @@ PRIVATE = _Private()
 class BlockPool:
     """Physical blocks: ref counts, an LRU free queue and the prefix-cache hash map.
 
-    The free queue is a list read from `_head` on, with lazy deletion: a block revived from the
+    The free queue is the blocks never handed out yet (a range: they come first, in id order),
+    then a list read from `_head` on, with lazy deletion: a block revived from the
     middle of the queue (a cache hit on a free block) leaves a stale entry behind, whose position
     goes on a heap; takes skip the stale positions and a block freed again is appended anew. So a
     take of n blocks with no stale entry among them is one list slice, a free is one extend, and
@@ -61,14 +62,15 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1
         self.block_hash: list[Optional[int]] = [None] * num_blocks
-        self._queue: list[int] = list(range(1, num_blocks))
+        self._fresh = 1                    # blocks _fresh .. num_blocks - 1 were never handed out
+        self._queue: list[int] = []        # blocks freed since, oldest first (from _head on)
         self._head = 0                     # index in _queue of the oldest entry not yet taken
         self._base = 0                     # entries dropped from the front of _queue (compaction)
         # where each free block's live entry is (an index counted from the first entry ever queued);
         # only read for blocks in the queue, to mark that entry stale when the block is revived.
         # A typed array: storing a position allocates no int object and frees none (the pool is
         # large and its blocks come back in scattered order, so each would be a cache miss).
-        self._where = array("q", range(-1, num_blocks - 1))
+        self._where = array("q", bytes(8 * num_blocks)) if enable_caching else None
         self._stale: list[int] = []        # heap of the positions of stale entries
         self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
@@ -91,6 +93,9 @@ class BlockPool:
     @property
     def free_queue(self) -> list[int]:
         """The free blocks in LRU order, oldest first (a copy: tests and checks read it)."""
+        return [*range(self._fresh, self.num_blocks), *self._freed_queue()]
+
+    def _freed_queue(self) -> list[int]:
         stale = set(self._stale)
         start = self._base + self._head
         return [b for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
@@ -114,6 +119,16 @@ class BlockPool:
 
     def _pop(self, n: int) -> list[int]:
         """The first n live entries of the free queue, removed."""
+        self.num_free -= n
+        fresh = self._fresh
+        if fresh == self.num_blocks:
+            return self._pop_freed(n)
+        k = min(n, self.num_blocks - fresh)
+        self._fresh = fresh + k
+        blocks = list(range(fresh, fresh + k))
+        return blocks if k == n else blocks + self._pop_freed(n - k)
+
+    def _pop_freed(self, n: int) -> list[int]:
         queue, head, stale = self._queue, self._head, self._stale
         end = head + n
         if not stale or stale[0] >= self._base + end:
@@ -129,7 +144,6 @@ class BlockPool:
                 pos += 1
             end = pos - self._base
         self._head = end
-        self.num_free -= n
         if end > self.compact_at and end * 2 > len(queue):
             del queue[:end]
             self._base += end
@@ -172,7 +186,7 @@ class BlockPool:
 
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
-        live = self.free_queue
+        live = self._freed_queue()
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
         where = self._where
         for i, block in enumerate(live):
