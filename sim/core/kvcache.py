@@ -22,7 +22,7 @@ from array import array
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
-from sim.core.request import NO_PRIVATE_BLOCK, Request
+from sim.core.request import Request
 
 NULL_BLOCK = 0
 
@@ -158,12 +158,11 @@ class BlockPool:
             h = hashes[block]
             if h is not None:
                 hashes[block] = None
-                if h is PRIVATE:
-                    pass
-                elif h in duplicates:
-                    self._forget(h, block)
-                else:
-                    del cached[h]
+                if h is not PRIVATE:             # (a private block has no map entry)
+                    if h in duplicates:
+                        self._forget(h, block)
+                    else:
+                        del cached[h]
                 dropped += 1
                 if evicted_at is not None:
                     evicted_at.append(i)
@@ -330,8 +329,9 @@ class KVCacheManager:
     `allocation="contiguous"` reserves `reserve_len(request)` tokens' worth of blocks at
     admission (the traditional max-length reservation), so nothing is allocated later.
 
-    Blocks only their request can look up (Request.first_private_block: its scripted output, no
-    later turn) are registered privately while held and published if it is freed unfinished;
+    Blocks only their request can look up (Request.first_private_block: its scripted output and
+    the prompt tail the workload marked as its own, when no later turn repeats them) are
+    registered privately (BlockPool.cache_private) and mapped if it is freed unfinished;
     `private_blocks = False` maps every full block at once, as vLLM does (tests check both give
     the same predictions).
     """
