@@ -27,10 +27,23 @@ from sim.core.request import Request
 NULL_BLOCK = 0
 
 
+class _Private:
+    """The mark of a full block registered privately: it holds content (it counts as cached when
+    freed, and its reuse counts as an eviction) that no lookup can ask for, so it stays out of
+    the hash map and needs no hash (Request.first_private_block)."""
+
+    def __repr__(self) -> str:
+        return "PRIVATE"
+
+
+PRIVATE = _Private()
+
+
 class BlockPool:
     """Physical blocks: ref counts, an LRU free queue and the prefix-cache hash map.
 
-    The free queue is a list read from `_head` on, with lazy deletion: a block revived from the
+    The free queue is the blocks never handed out yet (a range: they come first, in id order),
+    then a list read from `_head` on, with lazy deletion: a block revived from the
     middle of the queue (a cache hit on a free block) leaves a stale entry behind, whose position
     goes on a heap; takes skip the stale positions and a block freed again is appended anew. So a
     take of n blocks with no stale entry among them is one list slice, a free is one extend, and
@@ -49,14 +62,15 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1
         self.block_hash: list[Optional[int]] = [None] * num_blocks
-        self._queue: list[int] = list(range(1, num_blocks))
+        self._fresh = 1                    # blocks _fresh .. num_blocks - 1 were never handed out
+        self._queue: list[int] = []        # blocks freed since, oldest first (from _head on)
         self._head = 0                     # index in _queue of the oldest entry not yet taken
         self._base = 0                     # entries dropped from the front of _queue (compaction)
         # where each free block's live entry is (an index counted from the first entry ever queued);
         # only read for blocks in the queue, to mark that entry stale when the block is revived.
         # A typed array: storing a position allocates no int object and frees none (the pool is
         # large and its blocks come back in scattered order, so each would be a cache miss).
-        self._where = array("q", range(-1, num_blocks - 1))
+        self._where = array("q", bytes(8 * num_blocks)) if enable_caching else None
         self._stale: list[int] = []        # heap of the positions of stale entries
         self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
@@ -79,6 +93,9 @@ class BlockPool:
     @property
     def free_queue(self) -> list[int]:
         """The free blocks in LRU order, oldest first (a copy: tests and checks read it)."""
+        return [*range(self._fresh, self.num_blocks), *self._freed_queue()]
+
+    def _freed_queue(self) -> list[int]:
         stale = set(self._stale)
         start = self._base + self._head
         return [b for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
@@ -102,6 +119,16 @@ class BlockPool:
 
     def _pop(self, n: int) -> list[int]:
         """The first n live entries of the free queue, removed."""
+        self.num_free -= n
+        fresh = self._fresh
+        if fresh == self.num_blocks:
+            return self._pop_freed(n)
+        k = min(n, self.num_blocks - fresh)
+        self._fresh = fresh + k
+        blocks = list(range(fresh, fresh + k))
+        return blocks if k == n else blocks + self._pop_freed(n - k)
+
+    def _pop_freed(self, n: int) -> list[int]:
         queue, head, stale = self._queue, self._head, self._stale
         end = head + n
         if not stale or stale[0] >= self._base + end:
@@ -117,7 +144,6 @@ class BlockPool:
                 pos += 1
             end = pos - self._base
         self._head = end
-        self.num_free -= n
         if end > self.compact_at and end * 2 > len(queue):
             del queue[:end]
             self._base += end
@@ -132,10 +158,11 @@ class BlockPool:
             h = hashes[block]
             if h is not None:
                 hashes[block] = None
-                if h in duplicates:
-                    self._forget(h, block)
-                else:
-                    del cached[h]
+                if h is not PRIVATE:             # (a private block has no map entry)
+                    if h in duplicates:
+                        self._forget(h, block)
+                    else:
+                        del cached[h]
                 dropped += 1
                 if evicted_at is not None:
                     evicted_at.append(i)
@@ -158,7 +185,7 @@ class BlockPool:
 
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
-        live = self.free_queue
+        live = self._freed_queue()
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
         where = self._where
         for i, block in enumerate(live):
@@ -200,6 +227,21 @@ class BlockPool:
                 held[block] = block_hash
                 if setdefault(block_hash, block) != block:
                     self.duplicates.setdefault(block_hash, []).append(block)
+
+    def cache_private(self, blocks: list[int]) -> None:
+        """Mark full blocks as holding private content (none of them holds a hash yet)."""
+        held = self.block_hash
+        for block in blocks:
+            if held[block] is None:
+                held[block] = PRIVATE
+
+    def publish(self, blocks: list[int], hashes: list[int]) -> None:
+        """Map full blocks registered privately (or not marked yet), in order."""
+        held = self.block_hash
+        for block in blocks:
+            if held[block] is PRIVATE:
+                held[block] = None
+        self.cache_blocks(blocks, hashes)
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Register one full block under its hash."""
@@ -248,7 +290,7 @@ class BlockPool:
         for h, b in mapped:
             assert self.block_hash[b] == h
         assert all(dups and h in self.cached for h, dups in self.duplicates.items())
-        hashed = [b for b in range(1, self.num_blocks) if self.block_hash[b] is not None]
+        hashed = [b for b in range(1, self.num_blocks) if self.block_hash[b] not in (None, PRIVATE)]
         assert len(hashed) == len(mapped) == len(set(b for _, b in mapped)), \
             "a block holds a hash the map does not hold"
 
@@ -286,7 +328,15 @@ class KVCacheManager:
     `allocation="paged"` grows a request block by block as tokens are scheduled.
     `allocation="contiguous"` reserves `reserve_len(request)` tokens' worth of blocks at
     admission (the traditional max-length reservation), so nothing is allocated later.
+
+    Blocks only their request can look up (Request.first_private_block: its scripted output and
+    the prompt tail the workload marked as its own, when no later turn repeats them) are
+    registered privately (BlockPool.cache_private) and mapped if it is freed unfinished;
+    `private_blocks = False` maps every full block at once, as vLLM does (tests check both give
+    the same predictions).
     """
+
+    private_blocks = True
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  allocation: str = "paged", max_model_len: Optional[int] = None,
@@ -350,6 +400,8 @@ class KVCacheManager:
         if not self.enable_caching or req.num_computed:
             return 0
         max_blocks = (req.num_tokens - 1) // self.block_size
+        if self.private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
+            max_blocks = min(max_blocks, req.first_private_block(self.block_size))
         req.extend_block_hashes(max_blocks, self.block_size)
         return max_blocks
 
@@ -412,23 +464,43 @@ class KVCacheManager:
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
-        full = num_tokens // self.block_size
-        if full <= req.num_registered:
-            return
-        req.extend_block_hashes(full, self.block_size)
+        bs = self.block_size
+        full = num_tokens // bs
         first = req.num_registered
-        self.pool.cache_blocks(req.blocks[first:full], req.block_hashes[first:full])
+        if full <= first:
+            return
+        public_end = min(full, req.first_private_block(bs)) if self.private_blocks else full
+        if public_end > first:
+            req.extend_block_hashes(public_end, bs)
+            self.pool.cache_blocks(req.blocks[first:public_end], req.block_hashes[first:public_end])
+        if full > public_end:
+            self.pool.cache_private(req.blocks[max(first, public_end):full])
         req.num_registered = full
 
     def free(self, req: Request) -> None:
-        """Release a request's blocks, last block first (it is evicted first)."""
+        """Release a request's blocks, last block first (it is evicted first). Its private blocks
+        are marked (the decode cohort leaves its members' unmarked: nothing reads the mark of a
+        held block), or mapped if it is freed unfinished (preempted, aborted): a preempted
+        request looks them up when it is admitted again."""
         blocks = req.blocks
+        if blocks and self.enable_caching and self.private_blocks:
+            self._settle_private(req)
         if blocks:
             self.held_slots -= len(blocks) * self.block_size
             blocks.reverse()
             self.pool.free_blocks(blocks)
         req.blocks = []
         req.num_registered = 0
+
+    def _settle_private(self, req: Request) -> None:
+        first, end = req.first_private_block(self.block_size), req.num_registered
+        if end <= first:
+            return
+        if req.is_finished:
+            self.pool.cache_private(req.blocks[first:end])
+        else:
+            req.extend_block_hashes(end, self.block_size)
+            self.pool.publish(req.blocks[first:end], req.block_hashes[first:end])
 
     # -- counters -------------------------------------------------------------------------
     @property
@@ -465,6 +537,8 @@ class GroupedKVCacheManager(KVCacheManager):
     simple-hybrid pass). Free order: group by group, each table last block first.
     A request's `blocks` is its first group's table; `group_tables` holds all of them.
     """
+
+    private_blocks = False        # (its tables register every block; the decode cohort is off for it)
 
     def __init__(self, num_blocks: int, block_size: int, groups: KVCacheGroups, max_num_batched_tokens: int,
                  enable_caching: bool = True, max_model_len: Optional[int] = None):
