@@ -155,8 +155,7 @@ def test_hybrid_hits_are_the_shorter_of_the_full_and_the_sliding_group():
     assert hits == [full_blocks, [NULL_BLOCK] * 4 + sliding_blocks[4:]]
     # lose the full group's block 3: the full hit stops at 3 blocks, the sliding scan runs within
     # it (blocks 1, 2 are cached) and the full hit is not cut further
-    kv.pool.free_queue.move_to_end(full_blocks[3], last=False)
-    kv.pool.take_one()
+    kv.pool.evict([full_blocks[3]])
     hits, tokens = kv.find_cached_prefix(make_request(3, 0.0, [(1, 24), (3, 4)], 1))
     assert tokens == 12 and hits == [full_blocks[:3], [NULL_BLOCK] + sliding_blocks[1:3]]
 

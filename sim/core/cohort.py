@@ -179,8 +179,15 @@ class DecodeCohort:
                     req.blocks.append(kv.pool.take_one())
             kv.held_slots += bs * len(crossing)
         if self.caching:
-            for req in self._by_phase[-clock % bs]:               # their token completes a block
-                kv.register_block(req, (req._computed + clock) // bs - 1)
+            filling = self._by_phase[-clock % bs]                 # their token completes a block
+            if filling:
+                blocks, hashes = [], []
+                for req in filling:
+                    index = (req._computed + clock) // bs - 1
+                    blocks.append(req.blocks[index])
+                    hashes.append(req.block_hashes[index])
+                    req.num_registered = index + 1
+                kv.pool.cache_blocks(blocks, hashes)
 
     def advance_plain(self, step: int, walked: list[int], kv) -> None:
         """`advance` over steps step .. step + len(walked) - 1 at once, `walked[i]` the members

@@ -17,8 +17,8 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from typing import Optional, Union
+import heapq
+from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
 from sim.core.request import Request
@@ -27,7 +27,18 @@ NULL_BLOCK = 0
 
 
 class BlockPool:
-    """Physical blocks: ref counts, an LRU free queue and the prefix-cache hash map."""
+    """Physical blocks: ref counts, an LRU free queue and the prefix-cache hash map.
+
+    The free queue is a list read from `_head` on, with lazy deletion: a block revived from the
+    middle of the queue (a cache hit on a free block) leaves a stale entry behind, whose position
+    goes on a heap; takes skip the stale positions and a block freed again is appended anew. So a
+    take of n blocks with no stale entry among them is one list slice, a free is one extend, and
+    the per-block work left is the reference counts and the hashes, in plain loops.
+    """
+
+    # The queue drops its taken front, and rebuilds without its stale entries, once they pass
+    # this many and half the list: each costs O(list) after O(list) takes or revivals.
+    compact_at = 4096
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 2:
@@ -37,12 +48,14 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1
         self.block_hash: list[Optional[int]] = [None] * num_blocks
-        # OrderedDict as an O(1) doubly linked list: pop the head, remove from the middle, append.
-        # Without a prefix cache nothing is revived from the middle and no block is shared, so a
-        # deque keeps the same LRU order at C speed (`_plain` below).
-        self.free_queue: Union[OrderedDict[int, None], deque[int]] = (
-            OrderedDict.fromkeys(range(1, num_blocks)) if enable_caching else deque(range(1, num_blocks)))
-        self._plain = not enable_caching
+        self._queue: list[int] = list(range(1, num_blocks))
+        self._head = 0                     # index in _queue of the oldest entry not yet taken
+        self._base = 0                     # entries dropped from the front of _queue (compaction)
+        # where each free block's live entry is (an index counted from the first entry ever queued);
+        # only read for blocks in the queue, to mark that entry stale when the block is revived
+        self._where = list(range(-1, num_blocks - 1))
+        self._stale: list[int] = []        # heap of the positions of stale entries
+        self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
         # de-duplicates a block that fills with content already cached (block tables are
         # append-only), so a hash can have several blocks: the later ones wait in `duplicates`,
@@ -57,81 +70,136 @@ class BlockPool:
         return self.num_blocks - 1
 
     @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - self.num_free
 
     @property
-    def num_used(self) -> int:
-        return self.usable_blocks - len(self.free_queue)
+    def free_queue(self) -> list[int]:
+        """The free blocks in LRU order, oldest first (a copy: tests and checks read it)."""
+        stale = set(self._stale)
+        start = self._base + self._head
+        return [b for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
 
     def get_new_blocks(self, n: int) -> list[int]:
-        if n > len(self.free_queue):
-            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
-        if self._plain:
-            pop = self.free_queue.popleft
-            blocks = [pop() for _ in range(n)]
-        elif self.num_cached_free:
-            take = self.take_one
-            return [take() for _ in range(n)]
-        else:       # no free block holds a hash, so none needs evicting
-            pop = self.free_queue.popitem
-            blocks = [pop(False)[0] for _ in range(n)]
+        """Take the n least recently freed blocks (reference 1 each), evicting the hashes they still hold."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        blocks = self._pop(n)
         ref = self.ref_cnt
-        for block in blocks:
-            ref[block] = 1
+        if self.num_cached_free:
+            hashes = self.block_hash
+            for block in blocks:
+                ref[block] = 1
+                if hashes[block] is not None:    # lazy eviction (a block holds a hash only while the map holds it)
+                    self._evict(block)
+        else:                                    # no free block holds a hash, so none needs evicting
+            for block in blocks:
+                ref[block] = 1
         return blocks
-
 
     def take_one(self) -> int:
         """Pop the least recently freed block, evicting its cached hash if it still has one."""
-        if self._plain:
-            block = self.free_queue.popleft()
-            self.ref_cnt[block] = 1
-            return block
-        block = self.free_queue.popitem(last=False)[0]
+        return self.get_new_blocks(1)[0]
+
+    def _pop(self, n: int) -> list[int]:
+        """The first n live entries of the free queue, removed."""
+        queue, head, stale = self._queue, self._head, self._stale
+        end = head + n
+        if not stale or stale[0] >= self._base + end:
+            blocks = queue[head:end]
+        else:                                    # skip the stale entries on the way
+            blocks = []
+            pos = self._base + head
+            while len(blocks) < n:
+                if stale and stale[0] == pos:
+                    heapq.heappop(stale)
+                else:
+                    blocks.append(queue[pos - self._base])
+                pos += 1
+            end = pos - self._base
+        self._head = end
+        self.num_free -= n
+        if end > self.compact_at and end * 2 > len(queue):
+            del queue[:end]
+            self._base += end
+            self._head = 0
+        return blocks
+
+    def _evict(self, block: int) -> None:
+        """Drop the cached hash of a block being reused."""
         h = self.block_hash[block]
-        if h is not None:                    # lazy eviction (a block holds a hash only while the map holds it)
+        self.block_hash[block] = None
+        if h in self.duplicates:
             self._forget(h, block)
-            self.block_hash[block] = None
-            self.num_cached_free -= 1
-            self.evictions += 1
-        self.ref_cnt[block] = 1
-        return block
+        else:
+            del self.cached[h]
+        self.num_cached_free -= 1
+        self.evictions += 1
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
-        if blocks and self._plain:
-            raise AssertionError("cache hits in a pool without prefix caching")
+        ref = self.ref_cnt
         for block in blocks:
-            if self.ref_cnt[block] == 0:
-                del self.free_queue[block]
+            if ref[block] == 0:
+                if not self.enable_caching:
+                    raise AssertionError("cache hits in a pool without prefix caching")
+                heapq.heappush(self._stale, self._where[block])
+                self.num_free -= 1
                 self.num_cached_free -= 1
-            self.ref_cnt[block] += 1
+            ref[block] += 1
+        if len(self._stale) > self.compact_at and len(self._stale) * 2 > len(self._queue) - self._head:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
+        live = self.free_queue
+        self._queue, self._head, self._base, self._stale = live, 0, 0, []
+        where = self._where
+        for i, block in enumerate(live):
+            where[block] = i
 
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
-        ref, queue, hashes = self.ref_cnt, self.free_queue, self.block_hash
-        if self._plain:                      # never shared: every count drops from 1 to 0
-            for block in blocks:
-                ref[block] = 0
-            queue.extend(blocks)
-            return
+        ref, hashes = self.ref_cnt, self.block_hash
+        freed = []
         revivable = 0
         for block in blocks:
-            ref[block] -= 1
-            if not ref[block]:
-                queue[block] = None
+            left = ref[block] - 1
+            ref[block] = left
+            if not left:
+                freed.append(block)
                 if hashes[block] is not None:
                     revivable += 1
+        if not freed:
+            return
+        queue, where = self._queue, self._where
+        for i, block in enumerate(freed, self._base + len(queue)):
+            where[block] = i
+        queue += freed
+        self.num_free += len(freed)
         self.num_cached_free += revivable
 
+    def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
+        """Register full blocks under their hashes (beside any other block with the same content);
+        a block that already holds a hash keeps it."""
+        held, setdefault = self.block_hash, self.cached.setdefault
+        for block, block_hash in zip(blocks, hashes):
+            if held[block] is None:
+                held[block] = block_hash
+                if setdefault(block_hash, block) != block:
+                    self.duplicates.setdefault(block_hash, []).append(block)
+
     def cache_block(self, block: int, block_hash: int) -> None:
-        """Register a full block under its hash (beside any other block with the same content)."""
-        if self.block_hash[block] is not None:
-            return
-        self.block_hash[block] = block_hash
-        if self.cached.setdefault(block_hash, block) != block:
-            self.duplicates.setdefault(block_hash, []).append(block)
+        """Register one full block under its hash."""
+        self.cache_blocks((block,), (block_hash,))
+
+    def evict(self, blocks: list[int]) -> None:
+        """Drop the cached hashes of free blocks, which stay free where they are (as vLLM's
+        BlockPool.evict_blocks; tests use it to lose a chosen block)."""
+        for block in blocks:
+            if self.ref_cnt[block] or self.block_hash[block] is None:
+                raise ValueError(f"block {block} is not a free cached block")
+            self._evict(block)
 
     def _forget(self, block_hash: int, block: int) -> None:
         """Drop one block from a hash's entry; the next duplicate, if any, becomes the one found."""
@@ -151,12 +219,17 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Assert the pool's internal consistency (tests call this after every operation)."""
-        free = set(self.free_queue)
-        assert len(free) == len(self.free_queue)
+        queue = self.free_queue
+        free = set(queue)
+        assert len(free) == len(queue) == self.num_free
         assert NULL_BLOCK not in free and self.ref_cnt[NULL_BLOCK] >= 1
         for b in range(1, self.num_blocks):
             assert (self.ref_cnt[b] == 0) == (b in free), f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
             assert self.ref_cnt[b] >= 0
+        stale = set(self._stale)
+        start = self._base + self._head
+        live = [(b, i) for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
+        assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
         mapped = [(h, b) for h, b in self.cached.items()]
         mapped += [(h, b) for h, dups in self.duplicates.items() for b in dups]
         for h, b in mapped:
@@ -330,15 +403,9 @@ class KVCacheManager:
         if full <= req.num_registered:
             return
         req.extend_block_hashes(full, self.block_size)
-        blocks, hashes, cache = req.blocks, req.block_hashes, self.pool.cache_block
-        for i in range(req.num_registered, full):
-            cache(blocks[i], hashes[i])
+        first = req.num_registered
+        self.pool.cache_blocks(req.blocks[first:full], req.block_hashes[first:full])
         req.num_registered = full
-
-    def register_block(self, req: Request, index: int) -> None:
-        """Publish block `index` of a request whose hashes are already computed (the cohort's path)."""
-        self.pool.cache_block(req.blocks[index], req.block_hashes[index])
-        req.num_registered = index + 1
 
     def free(self, req: Request) -> None:
         """Release a request's blocks, last block first (it is evicted first)."""
@@ -537,9 +604,6 @@ class GroupedKVCacheManager(KVCacheManager):
                 if table[i] != NULL_BLOCK:
                     cache(table[i], group_key(hashes[i], g))
         req.num_registered = full
-
-    def register_block(self, req: Request, index: int) -> None:
-        raise NotImplementedError("the decode cohort is off for grouped KV caches (Scheduler gates it)")
 
     def free(self, req: Request) -> None:
         tables = req.group_tables

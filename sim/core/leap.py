@@ -157,7 +157,7 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     Call `finish_leap` once they have run."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
     kv, pool = sched.kv, sched.kv.pool
-    if sched.cohort.paged and pool._plain and plan._static is None:
+    if sched.cohort.paged and not pool.enable_caching and plan._static is None:
         figures = _apply_plain(sched, plan, k)
     else:
         figures = _apply_by_step(sched, plan, k)
@@ -187,16 +187,16 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int],
     t = plan.first_step
     advance = cohort.advance
     members, held = plan.members, sched.tokens_held
-    usable, queue = pool.usable_blocks, pool.free_queue
+    usable = pool.usable_blocks
     # A step at which no member reaches a block boundary changes nothing but the cohort's clock
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
     # that is the steps with a member crossing into a new block (the plan counted them).
     walked = None if kv.enable_caching or plan._static is not None else plan._walked
-    used_now, cached_now = usable - len(queue), pool.num_cached_free
+    used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i, step in enumerate(range(t, t + k)):
         if walked is None or walked[i]:
             advance(step, kv)
-            used_now, cached_now = usable - len(queue), pool.num_cached_free
+            used_now, cached_now = usable - pool.num_free, pool.num_cached_free
         held += members
         used.append(used_now)
         cached.append(cached_now)

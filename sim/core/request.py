@@ -114,7 +114,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.reject_reason: Optional[str] = None
-        self._hash_cursor = (0, 0)
+        self._hash_cursor = (0, 0, None, 0)
         self.admit_step = -1
         self.run_seq = -1                  # position in the running list's order (set at each admission)
         self.first_token_step = -1
@@ -179,15 +179,21 @@ class Request:
     def drop_block_hashes(self) -> None:
         """Forget the block hashes of a request that ended (they are recomputed if ever needed)."""
         self.block_hashes = []
-        self._hash_cursor = (0, 0)
+        self._hash_cursor = (0, 0, None, 0)
 
     # -- content -----------------------------------------------------------------------
     def extend_block_hashes(self, num_blocks: int, block_size: int) -> None:
-        """Hash full blocks up to `num_blocks`, each chained to its parent's hash.
+        """Hash full blocks up to `num_blocks`, each identifying all the content up to its end.
 
         A block's identity is the sequence of pieces it covers: (key, start, end) for keyed
-        segments, the token ids themselves for literal ones. The chain starts from the
-        request's salt, so different tenants never share a block.
+        segments, the token ids themselves for literal ones, chained to its parent's hash. The
+        chain starts from the request's salt, so different tenants never share a block. A run of
+        whole blocks inside one keyed segment is numbered instead of chained: the run's first
+        block fixes (parent, key, offset), which fixes the content of every later block of the
+        run, so block i of the run is `base + i`, base a 56-bit hash (one C-speed range of small
+        ints; two runs' ranges overlap with a chance of about their length / 2^56, the order of
+        a chained 64-bit hash colliding over as many blocks). The cursor keeps the run open
+        across calls, so hashes never depend on how the blocks were asked for.
         """
         hashes = self.block_hashes
         need = num_blocks - len(hashes)
@@ -195,28 +201,31 @@ class Request:
             return
         segs = self.segments
         last = len(segs) - 1
-        seg_i, off = self._hash_cursor
+        seg_i, off, run_base, run_off = self._hash_cursor
         parent = hashes[-1] if hashes else self.salt
-        append = hashes.append
         while need:
             seg = segs[seg_i]
             if isinstance(seg, tuple):      # fast path: whole blocks inside one keyed segment
                 key, length = seg
                 whole = min((length - off) // block_size, need)
-                for _ in range(whole):
-                    parent = hash((parent, key, off, off + block_size))
-                    append(parent)
-                    off += block_size
-                need -= whole
+                if whole:
+                    if run_base is None:
+                        run_base, run_off = hash((parent, key, off)) >> 8, off
+                    first = run_base + (off - run_off) // block_size
+                    hashes.extend(range(first, first + whole))
+                    parent = hashes[-1]
+                    off += whole * block_size
+                    need -= whole
                 if off == length and seg_i < last:     # stay on the last segment: it may grow
-                    seg_i, off = seg_i + 1, 0
+                    seg_i, off, run_base = seg_i + 1, 0, None
                     continue
                 if not need:
                     break
             parent, seg_i, off = self._hash_spanning_block(parent, seg_i, off, block_size)
-            append(parent)
+            hashes.append(parent)
+            run_base = None
             need -= 1
-        self._hash_cursor = (seg_i, off)
+        self._hash_cursor = (seg_i, off, run_base, run_off)
 
     def _hash_spanning_block(self, parent: int, seg_i: int, off: int, block_size: int) -> tuple[int, int, int]:
         """One block that spans segments or lies in a literal one: hash all its pieces."""

@@ -1,0 +1,142 @@
+"""The block pool against a plain reference model: same LRU free order, same evictions, same
+prefix-cache map, under random takes, frees, revivals and registrations (with the queue's
+compaction forced often), and block hashes that do not depend on how they were asked for."""
+import random
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.core.kvcache import BlockPool
+from sim.core.request import make_request
+
+
+class ReferencePool:
+    """vLLM's free queue as the simplest structure that has its semantics (an ordered dict:
+    pop the head, remove from the middle, append), and the hash map with its duplicates."""
+
+    def __init__(self, num_blocks):
+        self.ref = [0] * num_blocks
+        self.ref[0] = 1
+        self.hash = [None] * num_blocks
+        self.queue = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached, self.dups, self.evictions = {}, {}, 0
+
+    def take(self, n):
+        blocks = [self.queue.popitem(last=False)[0] for _ in range(n)]
+        for b in blocks:
+            self.ref[b] = 1
+            h = self.hash[b]
+            if h is not None:
+                self.hash[b] = None
+                self.evictions += 1
+                others = self.dups.get(h, [])
+                if self.cached[h] == b:
+                    if others:
+                        self.cached[h] = others.pop(0)
+                    else:
+                        del self.cached[h]
+                else:
+                    others.remove(b)
+                if h in self.dups and not others:
+                    del self.dups[h]
+        return blocks
+
+    def free(self, blocks):
+        for b in blocks:
+            self.ref[b] -= 1
+            if not self.ref[b]:
+                self.queue[b] = None
+
+    def touch(self, blocks):
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.queue[b]
+            self.ref[b] += 1
+
+    def cache(self, b, h):
+        if self.hash[b] is None:
+            self.hash[b] = h
+            if self.cached.setdefault(h, b) != b:
+                self.dups.setdefault(h, []).append(b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_pool_matches_the_reference_under_random_operations(seed):
+    rng = random.Random(seed)
+    n = rng.choice([6, 40, 300])
+    pool, ref = BlockPool(n), ReferencePool(n)
+    pool.compact_at = rng.choice([0, 2, 16])         # compaction on almost every take / revival
+    held: list[int] = []                              # one entry per reference taken
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.3 and ref.queue:
+            k = rng.randint(1, min(len(ref.queue), 8))
+            taken = ref.take(k)
+            assert pool.get_new_blocks(k) == taken
+            held.extend(taken)
+        elif op < 0.55 and held:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            chunk, held[:] = held[:k], held[k:]
+            pool.free_blocks(chunk)
+            ref.free(chunk)
+        elif op < 0.75:                               # a hit: revive cached blocks, free or held
+            cached = list(ref.cached.values())
+            if cached:
+                hit = rng.sample(cached, rng.randint(1, min(4, len(cached))))
+                pool.touch(hit)
+                ref.touch(hit)
+                held.extend(hit)
+        elif held:                                    # register held blocks (some share content)
+            b = rng.choice(held)
+            h = rng.randint(0, 12)
+            pool.cache_block(b, h)
+            ref.cache(b, h)
+        assert pool.free_queue == list(ref.queue)
+        assert pool.cached == ref.cached and pool.duplicates == ref.dups
+        assert pool.evictions == ref.evictions and pool.ref_cnt == ref.ref
+    pool.check_invariants()
+
+
+def test_evict_drops_a_free_blocks_hash_and_leaves_it_free_in_place():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_block(blocks[0], 7)
+    pool.free_blocks(blocks)
+    pool.evict([blocks[0]])
+    assert pool.lookup(7) is None and pool.free_queue[-2:] == blocks and pool.num_cached_free == 0
+    with pytest.raises(ValueError, match="not a free cached block"):
+        pool.evict([blocks[0]])
+    pool.check_invariants()
+
+
+keyed = st.tuples(st.integers(1, 4), st.integers(1, 70))
+literal = st.lists(st.integers(0, 5), min_size=1, max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(segments=st.lists(st.one_of(keyed, literal), min_size=1, max_size=5), block=st.sampled_from([1, 4, 16]),
+       cuts=st.lists(st.integers(0, 40), max_size=6))
+def test_block_hashes_do_not_depend_on_how_they_were_asked_for(segments, block, cuts):
+    whole = make_request(0, 0.0, segments, 1)
+    total = (whole.prompt_len) // block
+    whole.extend_block_hashes(total, block)
+    pieces = make_request(1, 0.0, segments, 1)
+    for cut in sorted(cuts):
+        pieces.extend_block_hashes(min(cut, total), block)
+    pieces.extend_block_hashes(total, block)
+    assert pieces.block_hashes == whole.block_hashes
+    assert len(set(whole.block_hashes)) == total            # every block's content differs by position
+
+
+def test_block_hashes_follow_content_not_segment_layout_within_a_run():
+    # same keyed content up to a block -> same hash; a different key or an earlier difference -> different
+    a = make_request(0, 0.0, [(1, 64), (2, 64)], 1)
+    b = make_request(1, 0.0, [(1, 64), (3, 64)], 1)
+    c = make_request(2, 0.0, [(9, 64), (2, 64)], 1)
+    for r in (a, b, c):
+        r.extend_block_hashes(8, 16)
+    assert a.block_hashes[:4] == b.block_hashes[:4] and a.block_hashes[4] != b.block_hashes[4]
+    assert not set(a.block_hashes) & set(c.block_hashes)
