@@ -62,11 +62,12 @@ class ReferencePool:
                 self.dups.setdefault(h, []).append(b)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_pool_matches_the_reference_under_random_operations(seed):
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_pool_matches_the_reference_under_random_operations(seed, caching):
     rng = random.Random(seed)
     n = rng.choice([6, 40, 300])
-    pool, ref = BlockPool(n), ReferencePool(n)
+    pool, ref = BlockPool(n, enable_caching=caching), ReferencePool(n)
     pool.compact_at = rng.choice([0, 2, 16])         # compaction on almost every take / revival
     held: list[int] = []                              # one entry per reference taken
     for _ in range(600):
@@ -82,6 +83,8 @@ def test_pool_matches_the_reference_under_random_operations(seed):
             chunk, held[:] = held[:k], held[k:]
             pool.free_blocks(chunk)
             ref.free(chunk)
+        elif not caching:
+            continue
         elif op < 0.75:                               # a hit: revive cached blocks, free or held
             cached = list(ref.cached.values())
             if cached:

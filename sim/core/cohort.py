@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import defaultdict
+from itertools import accumulate
 
 from sim.core.request import Request
 
@@ -179,34 +180,50 @@ class DecodeCohort:
                     req.blocks.append(kv.pool.take_one())
             kv.held_slots += bs * len(crossing)
         if self.caching:
-            filling = self._by_phase[-clock % bs]                 # their token completes a block
-            if filling:
-                blocks, hashes = [], []
-                for req in filling:
-                    index = (req._computed + clock) // bs - 1
-                    blocks.append(req.blocks[index])
-                    hashes.append(req.block_hashes[index])
-                    req.num_registered = index + 1
-                kv.pool.cache_blocks(blocks, hashes)
+            self._register_fills(range(clock, clock + 1), kv)
 
-    def advance_plain(self, step: int, walked: list[int], kv) -> None:
-        """`advance` over steps step .. step + len(walked) - 1 at once, `walked[i]` the members
-        crossing into a new block at step + i, for a paged pool without prefix caching: nothing
-        then happens at a step but its crossings, and the blocks come off the free queue in the
-        order the step-by-step calls take them (step, then running order)."""
+    def _register_fills(self, clocks: range, kv) -> None:
+        """Publish the blocks the members' tokens complete at these clocks, in step order."""
+        by_phase, bs = self._by_phase, self.block_size
+        blocks, hashes = [], []
+        for clock in clocks:
+            for req in by_phase[-clock % bs]:
+                index = (req._computed + clock) // bs - 1
+                blocks.append(req.blocks[index])
+                hashes.append(req.block_hashes[index])
+                req.num_registered = index + 1
+        if blocks:
+            kv.pool.cache_blocks(blocks, hashes)
+
+    def advance_many(self, step: int, walked: list[int], kv) -> list[int]:
+        """`advance` over steps step .. step + len(walked) - 1 at once (a paged pool), `walked[i]`
+        the members crossing into a new block at step + i. The leap's blocks come off the free
+        queue in one take, in the order the step-by-step calls take them (step, then running
+        order); then the blocks the members fill are registered, step by step. Taking before
+        registering changes nothing: a take only drops hashes of free blocks, a registration only
+        adds hashes of held ones, and per hash those are a removal and an append on one ordered
+        list of blocks, which commute. Returns the hashes evicted by the end of each step."""
         total = sum(walked)
         bs = self.block_size
+        by_phase, clock = self._by_phase, step - self.offset
+        evicted_by_step = [0] * len(walked)
         if total:
-            blocks = iter(kv.pool.get_new_blocks(total))
-            by_phase, clock = self._by_phase, step - self.offset
+            evicted_at: list[int] = []
+            blocks = iter(kv.pool.get_new_blocks(total, evicted_at))
             for i, w in enumerate(walked):
                 if w:
                     crossing = by_phase[(1 - clock - i) % bs]
                     for req in sorted(crossing, key=_run_seq) if w > 1 else crossing:
                         req.blocks.append(next(blocks))
+            if evicted_at:
+                ends = list(accumulate(walked))
+                evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
             kv.held_slots += bs * total
             self.blocks_walked += total
+        if self.caching:
+            self._register_fills(range(clock, clock + len(walked)), kv)
         self.scheduled_step = step + len(walked) - 1 - self.offset
+        return evicted_by_step
 
     def next_finish(self) -> float:
         """The earliest step at which a member may emit its last token, if no pause comes first

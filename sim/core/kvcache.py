@@ -80,21 +80,17 @@ class BlockPool:
         start = self._base + self._head
         return [b for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
 
-    def get_new_blocks(self, n: int) -> list[int]:
-        """Take the n least recently freed blocks (reference 1 each), evicting the hashes they still hold."""
+    def get_new_blocks(self, n: int, evicted_at: Optional[list[int]] = None) -> list[int]:
+        """Take the n least recently freed blocks (reference 1 each), evicting the hashes they still
+        hold; `evicted_at`, if given, gets the index (in the returned list) of each evicting block."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         blocks = self._pop(n)
         ref = self.ref_cnt
-        if self.num_cached_free:
-            hashes = self.block_hash
-            for block in blocks:
-                ref[block] = 1
-                if hashes[block] is not None:    # lazy eviction (a block holds a hash only while the map holds it)
-                    self._evict(block)
-        else:                                    # no free block holds a hash, so none needs evicting
-            for block in blocks:
-                ref[block] = 1
+        for block in blocks:
+            ref[block] = 1
+        if self.num_cached_free:     # lazy eviction (a block holds a hash only while the map holds it)
+            self._drop_hashes(blocks, evicted_at)
         return blocks
 
     def take_one(self) -> int:
@@ -125,16 +121,23 @@ class BlockPool:
             self._head = 0
         return blocks
 
-    def _evict(self, block: int) -> None:
-        """Drop the cached hash of a block being reused."""
-        h = self.block_hash[block]
-        self.block_hash[block] = None
-        if h in self.duplicates:
-            self._forget(h, block)
-        else:
-            del self.cached[h]
-        self.num_cached_free -= 1
-        self.evictions += 1
+    def _drop_hashes(self, blocks: list[int], evicted_at: Optional[list[int]] = None) -> None:
+        """Evict the hashes these blocks still hold (they are being reused, or evicted on request)."""
+        hashes, cached, duplicates = self.block_hash, self.cached, self.duplicates
+        dropped = 0
+        for i, block in enumerate(blocks):
+            h = hashes[block]
+            if h is not None:
+                hashes[block] = None
+                if h in duplicates:
+                    self._forget(h, block)
+                else:
+                    del cached[h]
+                dropped += 1
+                if evicted_at is not None:
+                    evicted_at.append(i)
+        self.num_cached_free -= dropped
+        self.evictions += dropped
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
@@ -161,6 +164,12 @@ class BlockPool:
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
         ref, hashes = self.ref_cnt, self.block_hash
+        if not self.enable_caching:          # never shared, never revived: every count drops 1 -> 0
+            for block in blocks:
+                ref[block] = 0
+            self._queue += blocks
+            self.num_free += len(blocks)
+            return
         freed = []
         revivable = 0
         for block in blocks:
@@ -199,7 +208,7 @@ class BlockPool:
         for block in blocks:
             if self.ref_cnt[block] or self.block_hash[block] is None:
                 raise ValueError(f"block {block} is not a free cached block")
-            self._evict(block)
+        self._drop_hashes(blocks)
 
     def _forget(self, block_hash: int, block: int) -> None:
         """Drop one block from a hash's entry; the next duplicate, if any, becomes the one found."""
@@ -229,7 +238,8 @@ class BlockPool:
         stale = set(self._stale)
         start = self._base + self._head
         live = [(b, i) for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
-        assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
+        if self.enable_caching:            # (a pool without caching never revives, so never reads them)
+            assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
         mapped = [(h, b) for h, b in self.cached.items()]
         mapped += [(h, b) for h, dups in self.duplicates.items() for b in dups]
         for h, b in mapped:
@@ -391,7 +401,7 @@ class KVCacheManager:
             return need, need
         gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
         ref = self.pool.ref_cnt
-        hit_in_free = sum(1 for b in hit_blocks if ref[b] == 0)
+        hit_in_free = [ref[b] for b in hit_blocks].count(0)
         return need, gate + hit_in_free + reserve_free
 
     def remove_skipped_blocks(self, req: Request) -> None:

@@ -18,9 +18,10 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
 Arrivals are the driver's business: it must end the leap before the next request reaches
 any router (sim/simulator.py cuts it at the first step ending at or after that time).
 
-`apply_leap` replays the members' block boundaries step by step through the cohort itself
-(the same code as the one-step path, so every block id, hash and eviction comes out the
-same) and closes with one `finish_step`. The driver's step times come from the cost model
+`apply_leap` takes the stretch's blocks from a paged pool in one go, in the order the one-step
+path takes them, and registers the blocks the members fill (DecodeCohort.advance_many, so every
+block id, hash and eviction comes out the same); static and contiguous batches replay their
+steps through the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
 in bulk; equal, bit for bit, to pricing the steps one by one (same float operations).
 """
 from __future__ import annotations
@@ -156,9 +157,8 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
     Call `finish_leap` once they have run."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
-    kv, pool = sched.kv, sched.kv.pool
-    if sched.cohort.paged and not pool.enable_caching and plan._static is None:
-        figures = _apply_plain(sched, plan, k)
+    if sched.cohort.paged and plan._static is None:
+        figures = _apply_bulk(sched, plan, k)
     else:
         figures = _apply_by_step(sched, plan, k)
     sched.tokens_held += plan.members * k
@@ -166,18 +166,18 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     return figures
 
 
-def _apply_plain(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
-    """A paged pool without prefix caching: the leap's blocks taken in one go, in the order the
-    step-by-step calls would take them (DecodeCohort.advance_plain); the figures follow from the
-    crossings the plan counted."""
+def _apply_bulk(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
+    """A paged pool: the leap's blocks taken in one go, in the order the step-by-step calls
+    would take them, and the blocks filled registered after (DecodeCohort.advance_many); the
+    figures follow from the crossings the plan counted and the evictions the take made."""
     kv, pool = sched.kv, sched.kv.pool
     walked = plan._walked[:k]
-    used0, slots0 = pool.num_used, kv.held_slots
-    sched.cohort.advance_plain(plan.first_step, walked, kv)
+    used0, slots0, cached0 = pool.num_used, kv.held_slots, pool.num_cached_free
+    evicted = sched.cohort.advance_many(plan.first_step, walked, kv)
     crossed = list(accumulate(walked))
     bs, members, held = sched.block_size, plan.members, sched.tokens_held
     slack = [slots0 + bs * c - held - members * i for i, c in enumerate(crossed, 1)]
-    return [used0 + c for c in crossed], [pool.num_cached_free] * k, slack
+    return [used0 + c for c in crossed], [cached0 - e for e in evicted], slack
 
 
 def _apply_by_step(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
