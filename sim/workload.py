@@ -192,7 +192,7 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
             tenant: Optional[Tenant] = tenants[tenant_l[c]] if tenants else None
             req = make_request(i, starts_l[c] if first else None, prompt, out_len, seed=seed,
                                tenant=tenant.name if tenant else None, salted=bool(tenant and tenant.salt),
-                               priority=priority_of[c])
+                               priority=priority_of[c], own_prompt_tokens=own_len)   # its user key is its own
             if not first:
                 prev.next_turn, prev.think_time = req, think[i - 1]
             if w.multi_turn is not None:

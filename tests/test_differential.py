@@ -314,3 +314,31 @@ def test_cohort_sits_out_prefill_steps_without_dissolving():
     assert fast.cohort.pauses == [4]
     runs, start, last = emission_view(pairs[0][0])
     assert runs == [0, 3] and start == 5 and last == 11    # first token at its prefill step 0
+
+
+def simulate_with_private_blocks(raw, private: bool, monkeypatch):
+    from sim.records import requests_frame
+    from sim.scenario import validate_scenario
+    from sim.simulator import simulate
+    from sim.workload import build_requests
+
+    monkeypatch.setattr(KVCacheManager, "private_blocks", private)
+    scenario = validate_scenario(raw)
+    records, _, _ = simulate(scenario, build_requests(scenario))
+    return records.steps_frame(), requests_frame(records)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_private_blocks_change_no_prediction(chunk, monkeypatch):
+    """Keeping a request's own output blocks out of the hash map (KVCacheManager.private_blocks)
+    gives the same steps (incl. KV used / cached-free) and requests as mapping every block at
+    once, as vLLM does: over random scenarios with caching on, preemption pressure, multi-turn."""
+    for seed in range(chunk, 32, 2):
+        raw = random_scenario(seed)
+        raw["engine"]["prefix_caching"] = True
+        if seed % 4 < 2:       # a tight pool: preemptions publish the victims' private blocks
+            raw["engine"]["num_blocks"] = 140 if raw["engine"]["block_size"] == 4 else 40
+        steps_a, reqs_a = simulate_with_private_blocks(raw, True, monkeypatch)
+        steps_b, reqs_b = simulate_with_private_blocks(raw, False, monkeypatch)
+        assert steps_a.equals(steps_b), (seed, raw)
+        assert reqs_a.equals(reqs_b), (seed, raw)

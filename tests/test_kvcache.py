@@ -3,9 +3,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sim.core.kvcache import BlockPool, KVCacheManager
+from sim.core.kvcache import PRIVATE, BlockPool, KVCacheManager
 from sim.core.memory import cdiv
-from sim.core.request import Request, make_request, stable_key
+from sim.core.request import NO_PRIVATE_BLOCK, Request, Status, make_request, stable_key
 
 VOCAB = 50
 
@@ -229,3 +229,65 @@ def test_a_recomputed_duplicate_block_keeps_its_hash_beside_the_first():
     hits, hit_tokens = kv.find_cached_prefix(c)
     assert hit_tokens == 32                          # both blocks still cached, via b's copy
     kv.pool.check_invariants()
+
+
+# ------------------------------------------------------------------- private blocks
+
+def decode(kv, r, tokens):
+    for _ in range(tokens):
+        r.append_output()
+        assert kv.allocate_slots(r, 1)
+        r.num_computed += 1
+
+
+def test_a_requests_own_output_blocks_stay_out_of_the_map_but_count_as_cached():
+    kv = KVCacheManager(20, 4)
+    r = req(0, [(7, 8)], out=12)
+    admit(kv, r)                                   # 8 prompt tokens: 2 public blocks
+    decode(kv, r, 9)                               # 17 tokens: blocks 2, 3 full of output
+    public = {kv.pool.lookup(h) for h in r.block_hashes[:2]}
+    assert public == set(r.blocks[:2]) and len(kv.pool.cached) == 2
+    assert [kv.pool.block_hash[b] for b in r.blocks[2:4]] == [PRIVATE, PRIVATE]
+    r.status = Status.FINISHED
+    kv.free(r)
+    assert kv.num_cached_free_blocks == 4 and len(kv.pool.cached) == 2
+    kv.pool.get_new_blocks(kv.pool.num_free)       # reusing them all counts 4 evictions
+    assert kv.pool.evictions == 4 and not kv.pool.cached
+    kv.pool.check_invariants()
+
+
+def test_a_preempted_request_publishes_its_output_blocks_and_hits_them_again():
+    kv = KVCacheManager(20, 4)
+    r = req(0, [(7, 8)], out=12)
+    admit(kv, r)
+    decode(kv, r, 9)
+    blocks = list(r.blocks)
+    kv.free(r)                                     # unfinished: a preemption
+    r.num_computed = 0
+    hits, tokens = kv.find_cached_prefix(r)        # prompt + 9 outputs = 17 tokens: 4 blocks
+    assert tokens == 16 and hits == blocks[:4]
+    kv.pool.check_invariants()
+
+
+def test_output_blocks_are_public_when_a_later_turn_or_a_client_may_send_them_back():
+    kv = KVCacheManager(40, 4)
+    first = req(0, [(7, 8)], out=12)
+    first.next_turn = req(1, [(7, 8)], out=1)      # its prompt would carry first's output
+    live = Request(2, 0.0, [(8, 8)], 12, [])       # a live output: literal tokens
+    for r in (first, live):
+        admit(kv, r)
+        if r.is_live:
+            r.segments[-1].extend(range(9))
+        decode(kv, r, 9)
+        assert kv.pool.lookup(r.block_hashes[3]) == r.blocks[3]
+    assert first.first_private_block(4) == live.first_private_block(4) == NO_PRIVATE_BLOCK
+
+
+def test_the_prompt_tail_a_workload_marks_as_the_requests_own_is_private_too():
+    kv = KVCacheManager(20, 4)
+    r = make_request(0, 0.0, [(7, 8), (9, 6)], 4, own_prompt_tokens=6)   # shared 8, own 6 tokens
+    admit(kv, r)                                   # 14 tokens: blocks 0, 1 shared; block 2 holds own tokens
+    assert r.first_private_block(4) == 2
+    assert [kv.pool.block_hash[b] for b in r.blocks[:3]] == [*r.block_hashes[:2], PRIVATE]
+    other = make_request(1, 0.0, [(7, 8), (9, 6)], 4)                   # same content, found up to block 2
+    assert kv.find_cached_prefix(other)[1] == 8

@@ -41,10 +41,11 @@ def _run_seq(req: Request) -> int:
 
 
 class DecodeCohort:
-    def __init__(self, block_size: int, paged: bool, caching: bool):
+    def __init__(self, block_size: int, paged: bool, caching: bool, private_blocks: bool = True):
         self.block_size = block_size
         self.paged = paged
         self.caching = caching
+        self.private_blocks = private_blocks   # members' private fills registered as such (kvcache.py)
         self.members: dict[Request, None] = {}      # insertion-ordered set
         self.offset = 0               # steps the cohort sat out (pauses): clock = step - offset
         self.scheduled_step = -1      # clock of the latest step whose tokens are scheduled
@@ -82,8 +83,10 @@ class DecodeCohort:
         if finish not in self._finish:
             heapq.heappush(self._finish_steps, finish)
         self._finish[finish].append((req, req.cohort_gen))
-        if self.caching:
-            # Scripted outputs are known up front: hash every block the member will fill, in bulk.
+        # Every block a member fills holds some of its output: private, or hashed now in bulk
+        # (scripted outputs are known up front).
+        req._private_fills = self.private_blocks and req.first_private_block(bs) <= computed // bs
+        if self.caching and not req._private_fills:
             req.extend_block_hashes((req.max_len - 1) // bs, bs)
 
     def leave(self, req: Request) -> None:
@@ -185,15 +188,20 @@ class DecodeCohort:
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order."""
         by_phase, bs = self._by_phase, self.block_size
-        blocks, hashes = [], []
+        blocks, hashes, private = [], [], []
         for clock in clocks:
             for req in by_phase[-clock % bs]:
                 index = (req._computed + clock) // bs - 1
-                blocks.append(req.blocks[index])
-                hashes.append(req.block_hashes[index])
+                if req._private_fills:
+                    private.append(req.blocks[index])
+                else:
+                    blocks.append(req.blocks[index])
+                    hashes.append(req.block_hashes[index])
                 req.num_registered = index + 1
         if blocks:
             kv.pool.cache_blocks(blocks, hashes)
+        if private:
+            kv.pool.cache_private(private)
 
     def advance_many(self, step: int, walked: list[int], kv) -> list[int]:
         """`advance` over steps step .. step + len(walked) - 1 at once (a paged pool), `walked[i]`

@@ -18,12 +18,25 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
 from __future__ import annotations
 
 import heapq
+from array import array
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
-from sim.core.request import Request
+from sim.core.request import NO_PRIVATE_BLOCK, Request
 
 NULL_BLOCK = 0
+
+
+class _Private:
+    """The mark of a full block registered privately: it holds content (it counts as cached when
+    freed, and its reuse counts as an eviction) that no lookup can ask for, so it stays out of
+    the hash map and needs no hash (Request.first_private_block)."""
+
+    def __repr__(self) -> str:
+        return "PRIVATE"
+
+
+PRIVATE = _Private()
 
 
 class BlockPool:
@@ -52,8 +65,10 @@ class BlockPool:
         self._head = 0                     # index in _queue of the oldest entry not yet taken
         self._base = 0                     # entries dropped from the front of _queue (compaction)
         # where each free block's live entry is (an index counted from the first entry ever queued);
-        # only read for blocks in the queue, to mark that entry stale when the block is revived
-        self._where = list(range(-1, num_blocks - 1))
+        # only read for blocks in the queue, to mark that entry stale when the block is revived.
+        # A typed array: storing a position allocates no int object and frees none (the pool is
+        # large and its blocks come back in scattered order, so each would be a cache miss).
+        self._where = array("q", range(-1, num_blocks - 1))
         self._stale: list[int] = []        # heap of the positions of stale entries
         self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
@@ -129,7 +144,9 @@ class BlockPool:
             h = hashes[block]
             if h is not None:
                 hashes[block] = None
-                if h in duplicates:
+                if h is PRIVATE:
+                    pass
+                elif h in duplicates:
                     self._forget(h, block)
                 else:
                     del cached[h]
@@ -198,6 +215,21 @@ class BlockPool:
                 if setdefault(block_hash, block) != block:
                     self.duplicates.setdefault(block_hash, []).append(block)
 
+    def cache_private(self, blocks: list[int]) -> None:
+        """Mark full blocks as holding private content (none of them holds a hash yet)."""
+        held = self.block_hash
+        for block in blocks:
+            if held[block] is None:
+                held[block] = PRIVATE
+
+    def publish(self, blocks: list[int], hashes: list[int]) -> None:
+        """Give privately registered blocks their hashes and map them, in order."""
+        held = self.block_hash
+        private = [(b, h) for b, h in zip(blocks, hashes) if held[b] is PRIVATE]
+        for block, _ in private:
+            held[block] = None
+        self.cache_blocks([b for b, _ in private], [h for _, h in private])
+
     def cache_block(self, block: int, block_hash: int) -> None:
         """Register one full block under its hash."""
         self.cache_blocks((block,), (block_hash,))
@@ -245,7 +277,7 @@ class BlockPool:
         for h, b in mapped:
             assert self.block_hash[b] == h
         assert all(dups and h in self.cached for h, dups in self.duplicates.items())
-        hashed = [b for b in range(1, self.num_blocks) if self.block_hash[b] is not None]
+        hashed = [b for b in range(1, self.num_blocks) if self.block_hash[b] not in (None, PRIVATE)]
         assert len(hashed) == len(mapped) == len(set(b for _, b in mapped)), \
             "a block holds a hash the map does not hold"
 
@@ -283,7 +315,14 @@ class KVCacheManager:
     `allocation="paged"` grows a request block by block as tokens are scheduled.
     `allocation="contiguous"` reserves `reserve_len(request)` tokens' worth of blocks at
     admission (the traditional max-length reservation), so nothing is allocated later.
+
+    Blocks only their request can look up (Request.first_private_block: its scripted output, no
+    later turn) are registered privately while held and published if it is freed unfinished;
+    `private_blocks = False` maps every full block at once, as vLLM does (tests check both give
+    the same predictions).
     """
+
+    private_blocks = True
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  allocation: str = "paged", max_model_len: Optional[int] = None,
@@ -409,23 +448,39 @@ class KVCacheManager:
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
-        full = num_tokens // self.block_size
-        if full <= req.num_registered:
-            return
-        req.extend_block_hashes(full, self.block_size)
+        bs = self.block_size
+        full = num_tokens // bs
         first = req.num_registered
-        self.pool.cache_blocks(req.blocks[first:full], req.block_hashes[first:full])
+        if full <= first:
+            return
+        public_end = min(full, req.first_private_block(bs)) if self.private_blocks else full
+        if public_end > first:
+            req.extend_block_hashes(public_end, bs)
+            self.pool.cache_blocks(req.blocks[first:public_end], req.block_hashes[first:public_end])
+        if full > public_end:
+            self.pool.cache_private(req.blocks[max(first, public_end):full])
         req.num_registered = full
 
     def free(self, req: Request) -> None:
-        """Release a request's blocks, last block first (it is evicted first)."""
+        """Release a request's blocks, last block first (it is evicted first). A request freed
+        unfinished (preempted, aborted) publishes its private blocks first: a preempted request
+        looks them up when it is admitted again."""
         blocks = req.blocks
+        if blocks and not req.is_finished and self.enable_caching and self.private_blocks:
+            self._publish_private(req)
         if blocks:
             self.held_slots -= len(blocks) * self.block_size
             blocks.reverse()
             self.pool.free_blocks(blocks)
         req.blocks = []
         req.num_registered = 0
+
+    def _publish_private(self, req: Request) -> None:
+        first = req.first_private_block(self.block_size)
+        if req.num_registered > first:
+            req.extend_block_hashes(req.num_registered, self.block_size)
+            end = req.num_registered
+            self.pool.publish(req.blocks[first:end], req.block_hashes[first:end])
 
     # -- counters -------------------------------------------------------------------------
     @property
@@ -462,6 +517,8 @@ class GroupedKVCacheManager(KVCacheManager):
     simple-hybrid pass). Free order: group by group, each table last block first.
     A request's `blocks` is its first group's table; `group_tables` holds all of them.
     """
+
+    private_blocks = False        # (its tables register every block; the decode cohort is off for it)
 
     def __init__(self, num_blocks: int, block_size: int, groups: KVCacheGroups, max_num_batched_tokens: int,
                  enable_caching: bool = True, max_model_len: Optional[int] = None):

@@ -18,6 +18,7 @@ from typing import Optional, Union
 import numpy as np
 
 Segment = Union[tuple, list]  # (key, length) | [token ids]
+NO_PRIVATE_BLOCK = 1 << 62    # Request.first_private_block of a request with no private block
 
 
 def stable_key(*parts: object) -> int:
@@ -70,10 +71,11 @@ class Request:
     __slots__ = (
         # workload
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
-        "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica",
+        "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
+        "_private_fills",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
         "chunk_steps", "_pause_index",
@@ -96,6 +98,9 @@ class Request:
         self.conversation: Optional[int] = None
         self.eos_token_id: Optional[int] = None
         self.replica = 0
+        # the prompt's last tokens that only this request carries (a unique user message), set
+        # by the workload; 0 when unknown (a trace's or a client's prompt may be anyone's)
+        self.own_prompt_tokens = 0
         self.reset()
 
     def reset(self) -> None:
@@ -115,6 +120,7 @@ class Request:
         self.num_preemptions = 0
         self.reject_reason: Optional[str] = None
         self._hash_cursor = (0, 0, None, 0)
+        self._private_fills = False        # a cohort member whose fills are private blocks
         self.admit_step = -1
         self.run_seq = -1                  # position in the running list's order (set at each admission)
         self.first_token_step = -1
@@ -175,6 +181,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= Status.FINISHED
+
+    def first_private_block(self, block_size: int) -> int:
+        """The first block whose content only this request can ever look up, or NO_PRIVATE_BLOCK.
+
+        A block holding any of the request's own content (its scripted output, the tail of its
+        prompt the workload marked as its own) is looked up by nobody else unless a later turn
+        carries it in its prompt (`next_turn`), and by the request itself only after a preemption.
+        A live output is literal tokens a client may send back: never private. The pool keeps such
+        blocks out of its hash map while held (sim/core/kvcache.py)."""
+        if self.next_turn is None and type(self.segments[-1]) is tuple:
+            return (self.prompt_len - self.own_prompt_tokens) // block_size
+        return NO_PRIVATE_BLOCK
 
     def drop_block_hashes(self) -> None:
         """Forget the block hashes of a request that ended (they are recomputed if ever needed)."""
@@ -273,9 +291,11 @@ class Request:
 
 def make_request(id: int, arrival: Optional[float], prompt: list[Segment], output_len: int,
                  seed: int = 0, tenant: Optional[str] = None, salted: bool = False,
-                 priority: int = 0, is_warmup: bool = False) -> Request:
+                 priority: int = 0, is_warmup: bool = False, own_prompt_tokens: int = 0) -> Request:
     """A workload request with a scripted output segment keyed by (seed, id)."""
     salt = stable_key("tenant", tenant) if (salted and tenant is not None) else 0
     output = (stable_key("output", seed, id), output_len)
-    return Request(id, arrival, prompt, output_len, output, tenant=tenant, salt=salt,
-                   priority=priority, is_warmup=is_warmup)
+    req = Request(id, arrival, prompt, output_len, output, tenant=tenant, salt=salt,
+                  priority=priority, is_warmup=is_warmup)
+    req.own_prompt_tokens = own_prompt_tokens
+    return req

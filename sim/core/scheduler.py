@@ -172,7 +172,7 @@ class Scheduler:
         # The decode cohort and leaps assume one block per member crossing a boundary; a grouped
         # (sliding-window / hybrid) KV cache takes one per group and frees behind windows: one by one.
         self.lazy = config.lazy_decode and not kv.grouped
-        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching)
+        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
         self.running: list[Request] = []
