@@ -262,8 +262,8 @@ def test_a_preempted_request_publishes_its_output_blocks_and_hits_them_again():
     admit(kv, r)
     decode(kv, r, 9)
     blocks = list(r.blocks)
-    kv.free(r)                                     # unfinished: a preemption
-    r.num_computed = 0
+    kv.free(r)                                     # unfinished: a preemption (as the scheduler does it)
+    r.num_computed, r.num_preemptions = 0, 1
     hits, tokens = kv.find_cached_prefix(r)        # prompt + 9 outputs = 17 tokens: 4 blocks
     assert tokens == 16 and hits == blocks[:4]
     kv.pool.check_invariants()

@@ -46,6 +46,7 @@ class DecodeCohort:
         self.paged = paged
         self.caching = caching
         self.private_blocks = private_blocks   # members' private fills registered as such (kvcache.py)
+        self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
         self.members: dict[Request, None] = {}      # insertion-ordered set
         self.offset = 0               # steps the cohort sat out (pauses): clock = step - offset
         self.scheduled_step = -1      # clock of the latest step whose tokens are scheduled
@@ -88,6 +89,7 @@ class DecodeCohort:
         req._private_fills = self.private_blocks and req.first_private_block(bs) <= computed // bs
         if self.caching and not req._private_fills:
             req.extend_block_hashes((req.max_len - 1) // bs, bs)
+            self._public_fillers += 1
 
     def leave(self, req: Request) -> None:
         """Materialise a member's progress and let it go (finished, preempted, dissolved)."""
@@ -100,6 +102,11 @@ class DecodeCohort:
         req._cohort = None
         req.cohort_gen += 1
         del self.members[req]
+        if self.caching:
+            if req._private_fills:     # its fills were not marked one by one (the pool marks them at free)
+                req.num_registered = max(req.num_registered, computed // self.block_size)
+            else:
+                self._public_fillers -= 1
 
     def last_emit(self, req: Request) -> int:
         """The step of a member's latest token (it joined after emitting one)."""
@@ -182,26 +189,23 @@ class DecodeCohort:
                 for req in crossing:
                     req.blocks.append(kv.pool.take_one())
             kv.held_slots += bs * len(crossing)
-        if self.caching:
+        if self._public_fillers:
             self._register_fills(range(clock, clock + 1), kv)
 
     def _register_fills(self, clocks: range, kv) -> None:
-        """Publish the blocks the members' tokens complete at these clocks, in step order."""
+        """Publish the blocks the members' tokens complete at these clocks, in step order (members
+        whose fills are private are left alone: see `leave`)."""
         by_phase, bs = self._by_phase, self.block_size
-        blocks, hashes, private = [], [], []
+        blocks, hashes = [], []
         for clock in clocks:
             for req in by_phase[-clock % bs]:
-                index = (req._computed + clock) // bs - 1
-                if req._private_fills:
-                    private.append(req.blocks[index])
-                else:
+                if not req._private_fills:
+                    index = (req._computed + clock) // bs - 1
                     blocks.append(req.blocks[index])
                     hashes.append(req.block_hashes[index])
-                req.num_registered = index + 1
+                    req.num_registered = index + 1
         if blocks:
             kv.pool.cache_blocks(blocks, hashes)
-        if private:
-            kv.pool.cache_private(private)
 
     def advance_many(self, step: int, walked: list[int], kv) -> list[int]:
         """`advance` over steps step .. step + len(walked) - 1 at once (a paged pool), `walked[i]`
@@ -228,7 +232,7 @@ class DecodeCohort:
                 evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
             kv.held_slots += bs * total
             self.blocks_walked += total
-        if self.caching:
+        if self._public_fillers:
             self._register_fills(range(clock, clock + len(walked)), kv)
         self.scheduled_step = step + len(walked) - 1 - self.offset
         return evicted_by_step

@@ -22,7 +22,7 @@ from array import array
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
-from sim.core.request import NO_PRIVATE_BLOCK, Request
+from sim.core.request import Request
 
 NULL_BLOCK = 0
 
@@ -42,7 +42,8 @@ PRIVATE = _Private()
 class BlockPool:
     """Physical blocks: ref counts, an LRU free queue and the prefix-cache hash map.
 
-    The free queue is a list read from `_head` on, with lazy deletion: a block revived from the
+    The free queue is the blocks never handed out yet (a range: they come first, in id order),
+    then a list read from `_head` on, with lazy deletion: a block revived from the
     middle of the queue (a cache hit on a free block) leaves a stale entry behind, whose position
     goes on a heap; takes skip the stale positions and a block freed again is appended anew. So a
     take of n blocks with no stale entry among them is one list slice, a free is one extend, and
@@ -61,14 +62,15 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.ref_cnt[NULL_BLOCK] = 1
         self.block_hash: list[Optional[int]] = [None] * num_blocks
-        self._queue: list[int] = list(range(1, num_blocks))
+        self._fresh = 1                    # blocks _fresh .. num_blocks - 1 were never handed out
+        self._queue: list[int] = []        # blocks freed since, oldest first (from _head on)
         self._head = 0                     # index in _queue of the oldest entry not yet taken
         self._base = 0                     # entries dropped from the front of _queue (compaction)
         # where each free block's live entry is (an index counted from the first entry ever queued);
         # only read for blocks in the queue, to mark that entry stale when the block is revived.
         # A typed array: storing a position allocates no int object and frees none (the pool is
         # large and its blocks come back in scattered order, so each would be a cache miss).
-        self._where = array("q", range(-1, num_blocks - 1))
+        self._where = array("q", bytes(8 * num_blocks)) if enable_caching else None
         self._stale: list[int] = []        # heap of the positions of stale entries
         self.num_free = num_blocks - 1
         # block hash -> the first block holding it (the one a lookup returns). vLLM never
@@ -91,6 +93,9 @@ class BlockPool:
     @property
     def free_queue(self) -> list[int]:
         """The free blocks in LRU order, oldest first (a copy: tests and checks read it)."""
+        return [*range(self._fresh, self.num_blocks), *self._freed_queue()]
+
+    def _freed_queue(self) -> list[int]:
         stale = set(self._stale)
         start = self._base + self._head
         return [b for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
@@ -114,6 +119,16 @@ class BlockPool:
 
     def _pop(self, n: int) -> list[int]:
         """The first n live entries of the free queue, removed."""
+        self.num_free -= n
+        fresh = self._fresh
+        if fresh == self.num_blocks:
+            return self._pop_freed(n)
+        k = min(n, self.num_blocks - fresh)
+        self._fresh = fresh + k
+        blocks = list(range(fresh, fresh + k))
+        return blocks if k == n else blocks + self._pop_freed(n - k)
+
+    def _pop_freed(self, n: int) -> list[int]:
         queue, head, stale = self._queue, self._head, self._stale
         end = head + n
         if not stale or stale[0] >= self._base + end:
@@ -129,7 +144,6 @@ class BlockPool:
                 pos += 1
             end = pos - self._base
         self._head = end
-        self.num_free -= n
         if end > self.compact_at and end * 2 > len(queue):
             del queue[:end]
             self._base += end
@@ -144,12 +158,11 @@ class BlockPool:
             h = hashes[block]
             if h is not None:
                 hashes[block] = None
-                if h is PRIVATE:
-                    pass
-                elif h in duplicates:
-                    self._forget(h, block)
-                else:
-                    del cached[h]
+                if h is not PRIVATE:             # (a private block has no map entry)
+                    if h in duplicates:
+                        self._forget(h, block)
+                    else:
+                        del cached[h]
                 dropped += 1
                 if evicted_at is not None:
                     evicted_at.append(i)
@@ -172,7 +185,7 @@ class BlockPool:
 
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
-        live = self.free_queue
+        live = self._freed_queue()
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
         where = self._where
         for i, block in enumerate(live):
@@ -223,12 +236,12 @@ class BlockPool:
                 held[block] = PRIVATE
 
     def publish(self, blocks: list[int], hashes: list[int]) -> None:
-        """Give privately registered blocks their hashes and map them, in order."""
+        """Map full blocks registered privately (or not marked yet), in order."""
         held = self.block_hash
-        private = [(b, h) for b, h in zip(blocks, hashes) if held[b] is PRIVATE]
-        for block, _ in private:
-            held[block] = None
-        self.cache_blocks([b for b, _ in private], [h for _, h in private])
+        for block in blocks:
+            if held[block] is PRIVATE:
+                held[block] = None
+        self.cache_blocks(blocks, hashes)
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Register one full block under its hash."""
@@ -316,8 +329,9 @@ class KVCacheManager:
     `allocation="contiguous"` reserves `reserve_len(request)` tokens' worth of blocks at
     admission (the traditional max-length reservation), so nothing is allocated later.
 
-    Blocks only their request can look up (Request.first_private_block: its scripted output, no
-    later turn) are registered privately while held and published if it is freed unfinished;
+    Blocks only their request can look up (Request.first_private_block: its scripted output and
+    the prompt tail the workload marked as its own, when no later turn repeats them) are
+    registered privately (BlockPool.cache_private) and mapped if it is freed unfinished;
     `private_blocks = False` maps every full block at once, as vLLM does (tests check both give
     the same predictions).
     """
@@ -386,6 +400,8 @@ class KVCacheManager:
         if not self.enable_caching or req.num_computed:
             return 0
         max_blocks = (req.num_tokens - 1) // self.block_size
+        if self.private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
+            max_blocks = min(max_blocks, req.first_private_block(self.block_size))
         req.extend_block_hashes(max_blocks, self.block_size)
         return max_blocks
 
@@ -462,12 +478,13 @@ class KVCacheManager:
         req.num_registered = full
 
     def free(self, req: Request) -> None:
-        """Release a request's blocks, last block first (it is evicted first). A request freed
-        unfinished (preempted, aborted) publishes its private blocks first: a preempted request
-        looks them up when it is admitted again."""
+        """Release a request's blocks, last block first (it is evicted first). Its private blocks
+        are marked (the decode cohort leaves its members' unmarked: nothing reads the mark of a
+        held block), or mapped if it is freed unfinished (preempted, aborted): a preempted
+        request looks them up when it is admitted again."""
         blocks = req.blocks
-        if blocks and not req.is_finished and self.enable_caching and self.private_blocks:
-            self._publish_private(req)
+        if blocks and self.enable_caching and self.private_blocks:
+            self._settle_private(req)
         if blocks:
             self.held_slots -= len(blocks) * self.block_size
             blocks.reverse()
@@ -475,11 +492,14 @@ class KVCacheManager:
         req.blocks = []
         req.num_registered = 0
 
-    def _publish_private(self, req: Request) -> None:
-        first = req.first_private_block(self.block_size)
-        if req.num_registered > first:
-            req.extend_block_hashes(req.num_registered, self.block_size)
-            end = req.num_registered
+    def _settle_private(self, req: Request) -> None:
+        first, end = req.first_private_block(self.block_size), req.num_registered
+        if end <= first:
+            return
+        if req.is_finished:
+            self.pool.cache_private(req.blocks[first:end])
+        else:
+            req.extend_block_hashes(end, self.block_size)
             self.pool.publish(req.blocks[first:end], req.block_hashes[first:end])
 
     # -- counters -------------------------------------------------------------------------
