@@ -106,12 +106,8 @@ def run(runner: ModelRunner, args, batching: str, allocation: str, requests: lis
     steps = host_s = device_s = running = peak_blocks = 0
     if CUDA:
         torch.cuda.synchronize()
-    pipeline = StepPipeline(scheduler, runner, overlap=args.overlap)
     t0 = time.perf_counter()
-    while pipeline.busy():
-        done = pipeline.step()
-        if done is None:
-            raise RuntimeError(f"{batching}/{allocation}: the scheduler stalled with work left")
+    for done in StepPipeline(scheduler, runner, overlap=args.overlap).drain():
         steps += 1
         host_s += done.result.host_s
         device_s += done.result.device_s
@@ -164,8 +160,7 @@ def time_decode_steps(runner: ModelRunner, batch_size: int, context: int, steps:
         scheduler.add(make_request(i, 0.0, [(stable_key("host", i), context)], steps + 5))
     pipeline = StepPipeline(scheduler, runner, overlap=overlap)
     samples, last = [], None
-    while len(samples) < steps + 2 and pipeline.busy():
-        done = pipeline.step()
+    for done in pipeline.drain():
         now = time.perf_counter()
         full_decode = len(done.batch.decodes) == batch_size
         if last is not None and full_decode:
@@ -173,6 +168,8 @@ def time_decode_steps(runner: ModelRunner, batch_size: int, context: int, steps:
             # on a CPU the forwards this call ran on the host (step N+1's when overlapped)
             busy = done.result.device_s if CUDA else sum(p.timer.wall for p in pipeline.launched)
             samples.append((now - last - busy, done.result.host_s, done.result.device_s))
+            if len(samples) == steps + 2:
+                break
         last = now if full_decode else None
     samples = samples[2:]
     if len(samples) < steps:

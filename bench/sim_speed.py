@@ -1,7 +1,7 @@
 """Simulator speed: event leaps vs the one-by-one path, side by side in one process.
 
   python bench/sim_speed.py [--vidur 100000] [--quick 10000 100000 1000000] [--sweep 10]
-                            [--out bench/results/sim_speed.json]
+                            [--sweep-points 100] [--sweep-jobs 2] [--out bench/results/sim_speed.json]
 
 Three workloads, each predicted by both paths of the same code in the same process, so a
 change in the shared machine's load hits both (read the ratios, not the absolute seconds):
@@ -11,18 +11,27 @@ change in the shared machine's load hits both (read the ratios, not the absolute
   quick  scenarios/bench_sim_speed.yaml (the former quickstart: Qwen2.5-0.5B on an H100) at 300 req/s (~75% of the simulated H100's capacity, batch
          ~120): CPU per request at each size (flat = linear cost) and the peak RSS of a fresh
          process per size. The one-by-one path runs only up to 100k.
-  sweep  points of 10k quickstart requests at different rates, run one after the other;
-         the 100-point time is projected from them (2 cores: two at a time).
+  sweep  points of 10k quickstart requests at different rates, run one after the other in
+         this process, each phase timed (build, simulate, summary); the 100-point time is
+         projected from them (2 cores: two at a time). Then the real thing, measured: a fresh
+         process runs `simrun bench_sim_speed.yaml --set workload.num_requests=10000 --set
+         workload.arrival.rate=100,125,..,325 --set seed=0,..,9 --jobs 2` (100 points, their
+         CSV, plots and page written), its wall clock and the CPU of its main process
+         (imports, validation, gathering, files) and of its workers (the points) apart.
 Times are CPU seconds of the simulation proper (time.process_time around `simulate`);
-building the workload and the summary are reported apart.
+building the workload and the summary are reported apart. A wall clock on a shared machine
+counts other programs' load too: the sweep's CPU over its workers is quoted beside it.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,16 +125,84 @@ def child(size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+SWEEP_RATES = tuple(range(100, 326, 25))        # req/s: light to ~80% of the simulated H100's capacity
+
+
+def sweep_argv(points: int, jobs: int, requests: int, out: Path) -> list[str]:
+    """`simrun` arguments of a sweep of `points` points: the ten rates, times points / 10 seeds
+    (fewer than ten points: the first rates)."""
+    seeds = max(1, points // len(SWEEP_RATES))
+    rates = SWEEP_RATES[:points] if points < len(SWEEP_RATES) else SWEEP_RATES
+    argv = [str(ROOT / "scenarios" / "bench_sim_speed.yaml"), "--set", f"workload.num_requests={requests}",
+            "--set", "workload.arrival.rate=" + ",".join(map(str, rates))]
+    if seeds > 1:
+        argv += ["--set", "seed=" + ",".join(map(str, range(seeds)))]
+    return argv + ["--jobs", str(jobs), "--quiet", "--out", str(out)]
+
+
+def _cpu(who: int) -> float:
+    use = resource.getrusage(who)
+    return use.ru_utime + use.ru_stime
+
+
+def sweep_child(points: int, jobs: int, requests: int, out: Path) -> dict:
+    """In a fresh process: `simrun`'s own entry point on the sweep; the CPU of this process (the
+    sweep's main process) and of its workers (reaped when the sweep ends) apart."""
+    t0, self0, workers0 = time.perf_counter(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+    from sim.cli import main as simrun
+
+    code = simrun(sweep_argv(points, jobs, requests, out))
+    wall = time.perf_counter() - t0
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {"exit_code": code, "points_written": len(rows),
+            "points_failed": sum(1 for r in rows if r.get("error")),
+            "wall_in_process_s": round(wall, 2),
+            "main_process_cpu_s": round(_cpu(resource.RUSAGE_SELF) - self0, 2),
+            "workers_cpu_s": round(_cpu(resource.RUSAGE_CHILDREN) - workers0, 2)}
+
+
+def measured_sweep(points: int, jobs: int, requests: int = 10_000) -> dict:
+    """A real sweep in a fresh process (not forked from this one, which holds big runs); its
+    wall clock from here, interpreter start-up included. `ideal_wall_s`: its main process's CPU
+    plus its workers' CPU shared by `jobs` cores: what idle cores would take."""
+    with tempfile.TemporaryDirectory(prefix="sim_speed_sweep_") as tmp:
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, __file__, "--sweep-child", str(points), str(jobs), str(requests),
+                              str(Path(tmp) / "sweep")], capture_output=True, text=True, check=True)
+        wall = time.perf_counter() - t0
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"points": points, "jobs": jobs, "requests_per_point": requests,
+            "command": "simrun " + " ".join(sweep_argv(points, jobs, requests, Path("OUT"))).replace(str(ROOT) + "/", ""),
+            "wall_s": round(wall, 2), **row,
+            "workers_cpu_s_per_point": round(row["workers_cpu_s"] / points, 3),
+            "ideal_wall_s": round(row["main_process_cpu_s"] + row["workers_cpu_s"] / jobs, 1),
+            "load_average_before": round(load, 2), "load_average_after": round(os.getloadavg()[0], 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vidur", type=int, default=100_000, help="requests of the Vidur workload (0: skip)")
     ap.add_argument("--quick", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--pair-up-to", type=int, default=100_000,
                     help="run the one-by-one path beside the leap path up to this size")
-    ap.add_argument("--sweep", type=int, default=10, help="sweep points of 10k requests to time (0: skip)")
+    ap.add_argument("--sweep", type=int, default=10,
+                    help="sweep points of 10k requests to time one by one in this process (0: skip)")
+    ap.add_argument("--sweep-points", type=int, default=100,
+                    help="points of the measured `simrun` sweep, 10k requests each (0: skip; above ten, "
+                         "a multiple of ten: ten rates times points/10 seeds)")
+    ap.add_argument("--sweep-jobs", type=int, default=2, help="worker processes of the measured sweep")
     ap.add_argument("--out", default="bench/results/sim_speed.json")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--sweep-child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sweep_child:
+        points, jobs, requests, out = args.sweep_child
+        print(json.dumps(sweep_child(int(points), int(jobs), int(requests), Path(out))))
+        return
+    if args.sweep_points > len(SWEEP_RATES) and args.sweep_points % len(SWEEP_RATES):
+        ap.error(f"--sweep-points {args.sweep_points}: above {len(SWEEP_RATES)}, a multiple of {len(SWEEP_RATES)}")
     quick = ("workload.arrival.rate=300",)
     if args.child:
         print(json.dumps(run_one("quickstart", args.child, True, quick, stream=True)))
@@ -162,13 +239,22 @@ def main() -> None:
     result["quickstart"] = rows
     if args.sweep:
         t0 = time.process_time()
-        for i in range(args.sweep):
-            run_one("quickstart", 10_000, True, (f"workload.arrival.rate={100 + 25 * i}",))
+        points = [run_one("quickstart", 10_000, True, (f"workload.arrival.rate={SWEEP_RATES[i % 10]}",), stream=True)
+                  for i in range(args.sweep)]
         per_point = (time.process_time() - t0) / args.sweep
-        result["sweep"] = {"points_timed": args.sweep, "cpu_s_per_point": round(per_point, 3),
+        phases = {f"{phase}_cpu_s_per_point": round(sum(p[f"{phase}_cpu_s"] for p in points) / args.sweep, 3)
+                  for phase in ("build", "simulate", "summarise")}
+        result["sweep"] = {"points_timed": args.sweep, "cpu_s_per_point": round(per_point, 3), **phases,
                            "projected_100_points_on_2_cores_s": round(per_point * 100 / 2, 1)}
-        print(f"sweep: {per_point:.2f} s CPU per 10k-request point; 100 points on 2 cores ~ "
-              f"{per_point * 50:.0f} s")
+        print(f"sweep: {per_point:.2f} s CPU per 10k-request point (simulate {phases['simulate_cpu_s_per_point']}, "
+              f"workload {phases['build_cpu_s_per_point']}, summary {phases['summarise_cpu_s_per_point']}); "
+              f"100 points on 2 cores ~ {per_point * 50:.0f} s", flush=True)
+    if args.sweep_points:
+        m = result["sweep_measured"] = measured_sweep(args.sweep_points, args.sweep_jobs)
+        print(f"sweep measured: {m['points']} points of 10k requests on {m['jobs']} processes in {m['wall_s']} s "
+              f"wall (load average {m['load_average_before']} before); workers {m['workers_cpu_s']} s CPU "
+              f"({m['workers_cpu_s_per_point']} s per point), main process {m['main_process_cpu_s']} s CPU: "
+              f"{m['ideal_wall_s']} s on {m['jobs']} idle cores")
     result["targets"] = {"vidur_100k_cpu_s": 7, "quickstart_1m_s": 60, "quickstart_1m_rss_mb": 2048,
                          "sweep_100x10k_s": 60}
     write_json(args.out, result)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from engine.runner import ModelRunner, PendingStep, StepResult
 from sim.core.request import Request
@@ -55,6 +55,15 @@ class StepPipeline:
     def busy(self) -> bool:
         """Work left: a step in flight or requests the scheduler holds."""
         return self._pending is not None or self.scheduler.has_unfinished()
+
+    def drain(self) -> Iterator[CompletedStep]:
+        """Every step left, in order, until no work is left (a scheduler holding requests it can
+        never schedule raises instead of looping)."""
+        while self.busy():
+            done = self.step()
+            if done is None:
+                raise RuntimeError("the scheduler stalled with work left")
+            yield done
 
     def step(self) -> Optional[CompletedStep]:
         """The next completed step, or None when nothing is in flight and nothing can be scheduled."""

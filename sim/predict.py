@@ -35,9 +35,17 @@ class RunResult:
     cost_model: Optional[CostModel]        # None for a measured run
     summary: dict
     requests: pd.DataFrame
-    steps: pd.DataFrame
+    _steps: Optional[pd.DataFrame]         # None: made from the records on first use
     manifest: dict = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        """One row per step, made when first read: a sweep or plan point keeps only its summary
+        (at a low rate, many short steps, this frame was up to 2% of a 10k-request point)."""
+        if self._steps is None:
+            self._steps = self.records.steps_frame()
+        return self._steps
 
 
 def predict(scenario, name: Optional[str] = None,
@@ -50,7 +58,6 @@ def predict(scenario, name: Optional[str] = None,
     records, plan, cost_model, described = _simulate(scenario, stop.polling(progress), manifest)
     stop.check()
     req_df = requests_frame(records)
-    steps_df = records.steps_frame()
     summary = summarise(records, scenario.slo, req_df)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
@@ -59,8 +66,7 @@ def predict(scenario, name: Optional[str] = None,
     if described is not None:
         info = simulation_manifest(scenario, cost_model, plan, described)
         info["simulation_wall_s"] = records.meta.get("wall_s")
-    return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary,
-                     req_df, steps_df, info)
+    return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary, req_df, None, info)
 
 
 def _simulate(scenario, progress, manifest: bool):

@@ -24,9 +24,13 @@ from struct import Struct
 from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
-import pandas as pd
 
+from sim.core.lazy import lazy_import
 from sim.core.request import Request, Status
+
+# Frames are made only when asked for (files, the summary): `simulate` itself never needs
+# pandas, so a process that only simulates does not pay its import (~0.3 s).
+pd = lazy_import("pandas")
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",

@@ -137,3 +137,43 @@ def test_step_buffers_keep_every_value_exactly_across_packs():
         assert recorder.step_column(name).tolist() == [row[n] for row in expected], name
     assert recorder.step_column("step").tolist() == list(range(len(expected)))
     assert recorder.step_column("prefill_tokens")[0] == big
+
+
+def _one_weighted_percentile(values, weights, q):
+    """The summary's weighted percentile as it was, one sort per q (the reference)."""
+    order = np.argsort(values, kind="stable")
+    v, cum = values[order], np.cumsum(weights[order])
+    pos = q / 100 * (int(cum[-1]) - 1)
+    lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+    v_lo, v_hi = v[np.searchsorted(cum, lo, side="right")], v[np.searchsorted(cum, hi, side="right")]
+    return float(v_lo + (v_hi - v_lo) * (pos - lo))
+
+
+def test_percentiles_taken_in_one_pass_equal_one_call_per_percentile():
+    """The summary sorts a sample once for all its percentiles (the ITL sample has a value per
+    step): the figures are those of one call per q, to the last bit."""
+    from sim.metrics import PERCENTILES, distribution
+
+    rng = np.random.default_rng(7)
+    for size in (1, 2, 5, 97, 1000):
+        values = np.round(rng.exponential(0.01, size), 4)          # rounded: ties, as step times have
+        weights = rng.integers(0, 5, size)
+        weights[0] = max(weights[0], 1)
+        plain, weighted = distribution(values), distribution(values, weights)
+        for q in PERCENTILES:
+            assert plain[f"p{q}"] == float(np.percentile(values, q))
+            assert weighted[f"p{q}"] == _one_weighted_percentile(values, weights, q)
+            assert np.isclose(weighted[f"p{q}"], np.percentile(np.repeat(values, weights), q), rtol=1e-12)
+        assert plain["mean"] == float(values.mean()) and weighted["max"] == float(values.max())
+
+
+def test_simulating_does_not_import_pandas():
+    """Frames are made only for files and the summary; a process that only simulates skips pandas."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sim.scenario import load_scenario; from sim.simulator import simulate; "
+            f"simulate(load_scenario({str(ROOT / 'scenarios' / 'bench_sim_speed.yaml')!r}, "
+            "['workload.num_requests=50'])); print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"

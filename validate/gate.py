@@ -95,13 +95,8 @@ def overlap_check(runner: ModelRunner, num_requests: int = 3) -> dict:
                                               max_model_len=runner.max_model_len), kv)
         for i in range(num_requests):
             scheduler.add(make_request(i, 0.0, [(stable_key("gate", i), prompt - 3 * i)], output))
-        pipeline, steps = StepPipeline(scheduler, runner, overlap=overlap), []
-        while pipeline.busy():
-            done = pipeline.step()
-            if done is None:
-                raise AssertionError("the gate's requests stalled")
-            steps.append((done.batch.step, done.result.sampled, done.result.logits.float()))
-        runs[overlap] = steps
+        runs[overlap] = [(done.batch.step, done.result.sampled, done.result.logits.float())
+                         for done in StepPipeline(scheduler, runner, overlap=overlap).drain()]
     sync, over = runs[False], runs[True]
     if [s[:2] for s in sync] != [s[:2] for s in over]:
         raise AssertionError(f"overlapped steps differ from synchronous ones: {[s[:2] for s in over]} "

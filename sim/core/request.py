@@ -75,7 +75,7 @@ class Request:
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
-        "_private_fills",
+        "_private_fills", "_private_start",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
         "chunk_steps", "_pause_index",
@@ -121,6 +121,7 @@ class Request:
         self.reject_reason: Optional[str] = None
         self._hash_cursor = (0, 0, None, 0)
         self._private_fills = False        # a cohort member whose fills are private blocks
+        self._private_start: Optional[int] = None    # first_private_block's token, once asked
         self.admit_step = -1
         self.run_seq = -1                  # position in the running list's order (set at each admission)
         self.first_token_step = -1
@@ -191,9 +192,11 @@ class Request:
         carries it in its prompt (`next_turn`), and by the request itself only after a preemption.
         A live output is literal tokens a client may send back: never private. The pool keeps such
         blocks out of its hash map while held (sim/core/kvcache.py)."""
-        if self.next_turn is None and type(self.segments[-1]) is tuple:
-            return (self.prompt_len - self.own_prompt_tokens) // block_size
-        return NO_PRIVATE_BLOCK
+        start = self._private_start
+        if start is None:       # (asked first at admission, when the workload has linked the turns)
+            private = self.next_turn is None and type(self.segments[-1]) is tuple
+            start = self._private_start = self.prompt_len - self.own_prompt_tokens if private else -1
+        return start // block_size if start >= 0 else NO_PRIVATE_BLOCK
 
     def drop_block_hashes(self) -> None:
         """Forget the block hashes of a request that ended (they are recomputed if ever needed)."""

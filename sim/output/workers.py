@@ -6,7 +6,8 @@ prints its table without one). When the results come, that process forks once pe
 share, so the shares draw in parallel without importing matplotlib again, and each writes its
 share of report.RUN_PLOTS. With one core, where fork is not available, or from a process that
 runs other threads, the figures are drawn in the calling process instead. KVTWIN_PLOT_WORKERS=N
-sets the number of drawing processes (1: none besides the caller).
+sets the number of drawing processes (1: none besides the caller). A sweep's plots are split
+the same way (`in_forked_shares`), once its points are done.
 
 A stop a signal asks for (sim/stop.py) is passed on to the figure process and from it to its
 forked copies; each stops at its next figure write, and each waits for the processes it
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from sim import stop
 
@@ -43,7 +44,17 @@ def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -
 def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[str], ways: int) -> dict[str, Path]:
     """Every figure in `names`, split `ways` ways over this process and forked copies of it (which
     inherit matplotlib, the fonts and the views)."""
+    return in_forked_shares(names, ways, lambda share: draw_share(views, out_dir, title, share),
+                            lambda name: Path(out_dir) / f"{name}.png")
+
+
+def in_forked_shares(names: Sequence[str], ways: int, draw: Callable[[list[str]], Mapping[str, Path]],
+                     path_of: Callable[[str], Path]) -> dict[str, Path]:
+    """draw(share) for `ways` shares of `names`: the first share here, each other one in a forked
+    copy of this process, all at once. Every name must give a file, at path_of(name)."""
     shares = [list(names[i::ways]) for i in range(ways) if names[i::ways]]
+    if not shares:
+        return {}
     children = []
     with ExitStack() as forwards:
         try:
@@ -53,13 +64,13 @@ def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[s
                     code = 1
                     try:
                         stop.in_worker()
-                        draw_share(views, out_dir, title, share)
+                        draw(share)
                         code = 0
                     finally:
                         os._exit(code)
                 children.append(pid)
                 forwards.enter_context(stop.forwarding(stop.forward_to_pid(pid)))
-            drawn = draw_share(views, out_dir, title, shares[0])
+            drawn = dict(draw(shares[0]))
         finally:                                           # even when stopping: no copy outlives this
             codes = [os.waitpid(pid, 0)[1] for pid in children]
     stop.check()                                           # a copy that stopped is not a failure
@@ -67,8 +78,22 @@ def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[s
     if failed:
         raise RuntimeError(f"drawing {', '.join(failed[0])} failed (run with KVTWIN_PLOT_WORKERS=1 to see why)")
     for share in shares[1:]:
-        drawn.update({name: Path(out_dir) / f"{name}.png" for name in share})
+        drawn.update({name: path_of(name) for name in share})
     return {name: drawn[name] for name in names}
+
+
+def plot_ways() -> int:
+    """Processes that draw figures: KVTWIN_PLOT_WORKERS, else two where there are two cores."""
+    return int(os.environ.get("KVTWIN_PLOT_WORKERS") or min(2, os.cpu_count() or 1))
+
+
+def can_fork_here() -> bool:
+    """fork copies one thread only: with other threads alive (a server, a test runner's helpers)
+    a lock one of them holds would stay locked in the child forever."""
+    import multiprocessing
+    import threading
+
+    return threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
 
 
 def run_plot_names() -> list[str]:
@@ -79,17 +104,11 @@ def run_plot_names() -> list[str]:
 class FigureWorkers:
     def __init__(self, workers: Optional[int] = None) -> None:
         import multiprocessing
-        import threading
 
-        if workers is None:
-            workers = int(os.environ.get("KVTWIN_PLOT_WORKERS") or min(2, os.cpu_count() or 1))
-        self.workers = workers
+        self.workers = plot_ways() if workers is None else workers
         self.pool = None
         self._forwarding = ExitStack()
-        # fork copies one thread only: with other threads alive (a server, a test runner's helpers)
-        # a lock one of them holds would stay locked in the child forever, so draw here instead
-        alone = threading.active_count() == 1
-        if self.workers > 1 and alone and "fork" in multiprocessing.get_all_start_methods():
+        if self.workers > 1 and can_fork_here():      # else draw here
             from concurrent.futures import ProcessPoolExecutor
 
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),

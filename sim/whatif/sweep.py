@@ -474,14 +474,30 @@ def save_png(fig, path: Path, dpi: int = PLOT_DPI) -> Path:
 SLO_OF_METRIC = {"ttft_p99": "ttft_s", "tpot_p99": "tpot_s", "e2e_p99": "e2e_s"}
 
 
-def write_metric_plots(sweep: Sweep, out: Path, title: str = "", slo: Optional[Mapping] = None) -> dict[str, Path]:
+def write_metric_plots(sweep: Sweep, out: Path, title: str = "", slo: Optional[Mapping] = None,
+                       ways: Optional[int] = None) -> dict[str, Path]:
     """DIR/sweep_<metric>.png for every headline metric some point has, titled with the scenario,
-    the scenario's SLO as a dashed line on the latency it limits."""
+    the scenario's SLO as a dashed line on the latency it limits. Drawn `ways` ways at once
+    (default: sim.output.workers.plot_ways) by forked copies of this process, which inherit
+    matplotlib: the nine plots are most of the time a sweep spends after its points."""
+    from sim.output import workers
+
+    names = [m.name for m in HEADLINE_METRICS if metric_values(sweep.frame, m) is not None]
+    ways = workers.plot_ways() if ways is None else ways
+    draw = (lambda share: _write_metric_plots(sweep, out, title, slo, share))     # noqa: E731
+    if ways < 2 or len(names) < 2 or not workers.can_fork_here():
+        return draw(names)
+    workers.warm_up()                     # matplotlib and its fonts, once, before the copies
+    return workers.in_forked_shares(names, ways, draw, lambda name: out / f"sweep_{name}.png")
+
+
+def _write_metric_plots(sweep: Sweep, out: Path, title: str, slo: Optional[Mapping],
+                        names: Sequence[str]) -> dict[str, Path]:
     from matplotlib.figure import Figure
 
     layout = plot_layout(sweep)
     files = {}
-    for metric in HEADLINE_METRICS:
+    for metric in (METRICS_BY_NAME[name] for name in names):
         fig = Figure(figsize=(6.4, 4.3), layout="constrained")
         ax = fig.subplots()
         if draw_metric(ax, sweep, metric, layout):
