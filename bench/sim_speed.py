@@ -208,8 +208,9 @@ def main() -> None:
         print(json.dumps(run_one("quickstart", args.child, True, quick, stream=True)))
         return
     result: dict = {"bench": "sim_speed", "machine": machine(),
-                    "load_note": "shared 2-core machine (9 agents at once): absolute seconds are inflated and "
-                                 "noisy; compare the paths by their ratio, measured in one process",
+                    "load_average_at_start": round(os.getloadavg()[0], 2),
+                    "load_note": "other programs on the machine inflate the absolute seconds; compare the "
+                                 "paths by their ratio, measured in one process",
                     "vidur_reference": VIDUR_REFERENCE, "kvtwin_before": KVTWIN_BEFORE}
     # Fresh processes first: a child forked from this process once it holds big runs would count
     # the parent's pages in its peak RSS.
@@ -257,6 +258,7 @@ def main() -> None:
               f"{m['ideal_wall_s']} s on {m['jobs']} idle cores")
     result["targets"] = {"vidur_100k_cpu_s": 7, "quickstart_1m_s": 60, "quickstart_1m_rss_mb": 2048,
                          "sweep_100x10k_s": 60}
+    result["load_average_at_end"] = round(os.getloadavg()[0], 2)
     write_json(args.out, result)
 
 
