@@ -27,6 +27,7 @@ def no_stop_asked(monkeypatch):
 
 
 def test_the_handler_only_asks_and_the_check_raises():
+    before = signal.getsignal(signal.SIGTERM)      # (SIG_DFL, or what an earlier test's library left)
     with stop.stop_on_signals():
         os.kill(os.getpid(), signal.SIGTERM)       # handled in this (main) thread, between bytecodes
         for _ in range(1000):
@@ -38,7 +39,7 @@ def test_the_handler_only_asks_and_the_check_raises():
             stop.check()
         os.kill(os.getpid(), signal.SIGTERM)       # a second SIGTERM changes nothing
         time.sleep(0.01)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before            # the previous handler is back
     assert isinstance(stop.StopRequested(), KeyboardInterrupt)   # cleanup paths treat it as an interrupt
 
 

@@ -1,4 +1,5 @@
 """Sweeps: --set value lists, grid and zip points, per-point validation, sweep.csv, backends."""
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,7 @@ def test_sweep_flags_without_a_sweep_are_an_error(scenario_file, tmp_path, capsy
 def test_ray_backend_gives_the_same_csv(scenario_file, tmp_path):
     ray = pytest.importorskip("ray")
     local = run_cli(scenario_file, tmp_path / "local", "--jobs", "1")
+    sigterm = signal.getsignal(signal.SIGTERM)                           # ray.init installs its own
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)   # the test's own local instance
     try:
         assert run_cli(scenario_file, tmp_path / "in_process", "--ray") == local
@@ -164,3 +166,4 @@ def test_ray_backend_gives_the_same_csv(scenario_file, tmp_path):
         assert (out / "sweep.csv").read_bytes() == local
     finally:
         ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
