@@ -14,6 +14,8 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
   hash; a lookup returns the first registered, the next takes over when it is evicted);
 - lookup happens only for requests with nothing computed, stops at the first miss and
   always leaves at least the last prompt token to compute.
+One departure, invisible to every lookup and figure: blocks only their own request can ever look
+up (`KVCacheManager.private_blocks`) stay out of the hash map unless that request is preempted.
 """
 from __future__ import annotations
 
