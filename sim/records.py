@@ -157,7 +157,7 @@ class StepRecorder:
     def record(self, batch, scheduler, start_s: float, end_s: float, host_s: float, device_s: float,
                kv_used: int, kv_cached: int, slack: int) -> None:
         """Append a step. KV figures are taken right after scheduling (the step's peak)."""
-        decodes = len(batch.decodes) + batch.pad_rows
+        decodes = batch.num_decode
         prefill = batch.num_prefill_tokens
         self.rows.append((batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
                           decodes + len(batch.prefills), decodes, prefill, prefill + decodes,

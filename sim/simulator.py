@@ -245,7 +245,7 @@ class Simulation:
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
-            kv_used, kv_cached, slack = pool.num_used, pool.num_cached_free, kv.held_slots - sched.tokens_held
+            kv_used, kv_cached, slack = pool.num_used, pool.num_cached_free, sched.slack_tokens
             host, device = step_time(batch, now - last_end > IDLE_GAP_S)
             end = now + (host + device)      # as SimPy's timeout adds it
             if not (chained and end < horizon):

@@ -120,7 +120,7 @@ def test_step_buffers_keep_every_value_exactly_across_packs():
     recorder, expected = Small(), []
     big = 2 ** 40 + 7
     for i in range(7):
-        batch = SimpleNamespace(step=len(expected), decodes=[1, 2], pad_rows=0, num_prefill_tokens=big + i, prefills=[1],
+        batch = SimpleNamespace(step=len(expected), num_decode=2, num_prefill_tokens=big + i, prefills=[1],
                                 prefill_ctx=i, prefill_attn=big, preempted=[], decode_ctx=big - i, blocks_read=i)
         sched = SimpleNamespace(running=[1, 2, 3], num_waiting=i)
         end = 0.1 * i + 1e-9
