@@ -147,7 +147,14 @@ class Simulation:
         self._chained = (self.fast and len(self.replicas) == 1 and self._client.limit is None
                          and self._min_think == math.inf)
         self._router = router
-        env.process(self._arrivals(env, first_turns))
+        if self._chained:
+            # Nothing but the one replica acts between arrivals: it takes them itself, at each of its
+            # own events, in the order SimPy would have delivered them (`_Arrivals`).
+            self._inline = _Arrivals(first_turns, self._client.send)
+            self._next_arrival = self._inline.next_time
+        else:
+            self._inline = None
+            env.process(self._arrivals(env, first_turns))
         env.run()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
@@ -175,6 +182,7 @@ class Simulation:
         return _drain(queue)
 
     def _arrivals(self, env: simpy.Environment, requests: Iterator[Request]):
+        # (the same arrival times as _Arrivals computes: keep the two in step)
         for req in requests:
             if req.arrival > env.now:
                 self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
@@ -218,6 +226,7 @@ class Simulation:
         schedule, finish_step, record = sched.schedule, sched.finish_step, recorder.record
         step_time = self.cost_model.step_time
         fast, chained = self.fast, self._chained
+        inline = self._inline
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
@@ -240,6 +249,13 @@ class Simulation:
             if batch is None:
                 if now > env.now:            # catch up before sleeping
                     yield _At(env, now)
+                if inline is not None:       # sleep until the next arrival (none: the run is over)
+                    if self._next_arrival == math.inf:
+                        return
+                    replica.busy_until = math.inf
+                    yield _At(env, self._next_arrival)
+                    self._next_arrival = inline.deliver(env.now)
+                    continue
                 replica.wakeup = env.event()
                 replica.busy_until = math.inf
                 yield replica.wakeup
@@ -251,6 +267,8 @@ class Simulation:
             if not (chained and end < horizon):
                 replica.busy_until = end
                 yield _At(env, end)
+                if inline is not None:
+                    self._next_arrival = inline.deliver(env.now)
             record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
             last_end = end
             finished = finish_step(batch)
@@ -273,6 +291,8 @@ class Simulation:
             if not chained:
                 replica.busy_until = end
                 yield _At(env, end)
+                if self._inline is not None:
+                    self._next_arrival = self._inline.deliver(env.now)
             recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
                                  waiting, used, cached, slack, host, device, sched.num_waiting)
             finished = finish_leap(sched)
@@ -379,6 +399,34 @@ class Simulation:
 def _drain(queue: deque) -> Iterator[Request]:
     while queue:
         yield queue.popleft()
+
+
+class _Arrivals:
+    """The arrival process of a chained run (Simulation._chained), without a SimPy process of its
+    own: the replica hands over every request due by each of its events. Each arrival's time is
+    the one SimPy's timeout reaches from the previous (`t + (arrival - t)`), and one due exactly
+    at an event's time goes first, as its timeout, queued earlier, would."""
+
+    def __init__(self, requests: Iterator[Request], send: Callable[[Request], None]):
+        self._requests, self._send = requests, send
+        self._time = 0.0                 # the arrival process's clock (SimPy's starts at 0)
+        self._head = next(requests, None)
+        self.next_time = self._due(self._head)
+
+    def _due(self, req: Optional[Request]) -> float:
+        if req is None:
+            return math.inf
+        t = self._time
+        return t + (req.arrival - t) if req.arrival > t else t
+
+    def deliver(self, now: float) -> float:
+        """Send every request due by `now`; returns when the next one is due (inf: none left)."""
+        while self.next_time <= now:
+            self._time, req = self.next_time, self._head
+            self._head = next(self._requests, None)
+            self._send(req)
+            self.next_time = self._due(self._head)
+        return self.next_time
 
 
 class _At(simpy.events.Event):
