@@ -196,7 +196,7 @@ class DecodeCohort:
             for req in by_phase[-clock % bs]:
                 if not req._private_fills:
                     index = (req._computed + clock) // bs - 1
-                    blocks.append(req.blocks[index] if kv.block_ids else kv.named_blocks(req, index, index + 1)[0])
+                    blocks.append(kv.named_blocks(req, index, index + 1)[0])
                     hashes.append(req.block_hashes[index])
                     req.num_registered = index + 1
         if blocks:
