@@ -349,13 +349,15 @@ class CountingBlockPool(BlockPool):
         self._fresh += fresh
         if n > fresh:
             entries = self._pop_freed(n - fresh)
-            if entries.count(EMPTY) < len(entries):
-                self._evict_entries(entries, fresh, evicted_at)
+            empty = entries.count(EMPTY)
+            if empty < len(entries):
+                self._evict_entries(entries, empty, fresh, evicted_at)
         return [ANON] * n
 
-    def _evict_entries(self, entries: list[int], offset: int, evicted_at: Optional[list[int]]) -> None:
-        """Evict what taken free-queue entries hold (`offset`: their index among the blocks taken)."""
-        evicted = len(entries) - entries.count(EMPTY)
+    def _evict_entries(self, entries: list[int], empty: int, offset: int, evicted_at: Optional[list[int]]) -> None:
+        """Evict what taken free-queue entries hold (`empty` of them hold nothing; `offset`: their
+        index among the blocks taken)."""
+        evicted = len(entries) - empty
         if entries.count(CACHED) < evicted:            # some are named: unmap them, their ids go spare
             hashes, cached, duplicates, spare = self.block_hash, self.cached, self.duplicates, self._spare
             for block in entries:
@@ -370,7 +372,8 @@ class CountingBlockPool(BlockPool):
         self.num_cached_free -= evicted
         self.evictions += evicted
         if evicted_at is not None:
-            evicted_at += [i for i, block in enumerate(entries, offset) if block != EMPTY]
+            evicted_at += ([i for i, block in enumerate(entries, offset) if block != EMPTY] if empty
+                           else range(offset, offset + evicted))
 
     def name(self, n: int) -> list[int]:
         """Ids for n held blocks about to be registered under a hash (reference 1 each)."""
@@ -391,15 +394,19 @@ class CountingBlockPool(BlockPool):
         n = len(table)
         unnamed = table.count(ANON)
         named = n - unnamed
+        queue = self._queue
         if table[named:].count(ANON) == unnamed:     # named blocks first (hits, a public prompt): usual
-            entries = [EMPTY] * (n - num_registered) + [CACHED] * (num_registered - named)
-            if named:
-                entries += self._release(table[named - 1::-1], len(self._queue) + len(entries))
+            freed = self._release(table[named - 1::-1], len(queue) + unnamed) if named else []
+            queue += [EMPTY] * (n - num_registered)
+            queue += [CACHED] * (num_registered - named)
+            queue += freed
+            self.num_free += unnamed + len(freed)
+            self.num_cached_free += num_registered - named + len(freed)
         else:
             entries = self._free_mixed(table, num_registered)
-        self._queue += entries
-        self.num_free += len(entries)
-        self.num_cached_free += len(entries) - entries.count(EMPTY)
+            queue += entries
+            self.num_free += len(entries)
+            self.num_cached_free += len(entries) - entries.count(EMPTY)
 
     def _release(self, named: list[int], at: int) -> list[int]:
         """Drop a reference on each named block; those reaching zero, which join the free queue at
@@ -436,7 +443,7 @@ class CountingBlockPool(BlockPool):
                 raise ValueError(f"block {block} is not a free cached block")
         for block in blocks:               # each stays free where it is, with nothing in it
             self._queue[self._where[block] - self._base] = EMPTY
-        self._evict_entries(list(blocks), 0, None)
+        self._evict_entries(list(blocks), 0, 0, None)
 
     def check_invariants(self) -> None:
         queue = self.free_queue
@@ -654,7 +661,8 @@ class KVCacheManager:
         if end <= first:
             return
         if req.is_finished:
-            self.pool.cache_private(req.blocks[first:end])
+            if self.block_ids:                     # (CountingBlockPool counts them as cached at free)
+                self.pool.cache_private(req.blocks[first:end])
         else:
             req.extend_block_hashes(end, self.block_size)
             self.pool.publish(self.named_blocks(req, first, end), req.block_hashes[first:end])
