@@ -14,7 +14,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, ClassVar, Iterator, Optional, Union
 
 import numpy as np
 import simpy
@@ -59,10 +59,11 @@ class Replica:
             self.busy_until = -math.inf
 
 
-def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True) -> Replica:
+def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True, block_ids: bool = False) -> Replica:
     e = scenario.engine
     kv = new_kv_manager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
-                        e.contiguous_reserve, plan.kv_groups, scenario.max_num_batched_tokens)
+                        e.contiguous_reserve, plan.kv_groups, scenario.max_num_batched_tokens,
+                        block_ids=block_ids)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     return Replica(index, Scheduler(config, kv), StepRecorder(index))
 
@@ -119,6 +120,9 @@ class Simulation:
     progress: Optional[Callable[[int], None]] = None
     # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
     fast: bool = True
+    # Ids for every KV block (the engine's pool) instead of only for those the prefix cache maps
+    # (kvcache.CountingBlockPool): the same predictions, slower (tests compare the two).
+    block_ids: ClassVar[bool] = False
     # The caller hands `requests` over: the list is emptied as the run starts, and each request
     # is dropped once it ended and its figures went into the records (a million requests then
     # never all live at once beside their records).
@@ -130,7 +134,7 @@ class Simulation:
 
     def _run(self) -> RunRecords:
         env = simpy.Environment()
-        self.replicas = [build_replica(i, self.scenario, self.plan, self.fast)
+        self.replicas = [build_replica(i, self.scenario, self.plan, self.fast, self.block_ids)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
         self._pricers: dict = {}                     # rows -> the cost model's decode pricer

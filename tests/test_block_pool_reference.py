@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.core.kvcache import BlockPool
+from sim.core.kvcache import ANON, CACHED, EMPTY, PRIVATE, BlockPool, CountingBlockPool
 from sim.core.request import make_request
 
 
@@ -112,6 +112,117 @@ def test_evict_drops_a_free_blocks_hash_and_leaves_it_free_in_place():
     assert pool.lookup(7) is None and pool.free_queue[-2:] == blocks and pool.num_cached_free == 0
     with pytest.raises(ValueError, match="not a free cached block"):
         pool.evict([blocks[0]])
+    pool.check_invariants()
+
+
+class Tables:
+    """Block tables over one pool, as KVCacheManager keeps them: each table's first `registered`
+    blocks are full and registered (publicly under a hash, or privately), the rest unfilled."""
+
+    def __init__(self, pool):
+        self.pool, self.tables = pool, []
+
+    def new(self, hit_hashes):
+        """A table starting from cache hits (blocks found by hash, referenced)."""
+        hits = [self.pool.lookup(h) for h in hit_hashes]
+        self.pool.touch(hits)
+        self.tables.append([hits, len(hits)])
+
+    def take(self, t, n):
+        self.tables[t][0].extend(self.pool.get_new_blocks(n))
+
+    def register(self, t, hashes):
+        """Register the table's next blocks: under these hashes, or privately where one is None."""
+        blocks, start = self.tables[t]
+        for i, h in enumerate(hashes, start):
+            if h is None:
+                self.pool.cache_private([blocks[i]])
+            else:
+                if blocks[i] == ANON:
+                    blocks[i] = self.pool.name(1)[0]
+                self.pool.cache_block(blocks[i], h)
+        self.tables[t][1] = start + len(hashes)
+
+    def free(self, t):
+        blocks, registered = self.tables.pop(t)
+        self.pool.free_table(blocks, registered)
+
+    def free_queue(self):
+        """The free queue as content: hash, "cached" (private content) or "empty", in LRU order."""
+        pool = self.pool
+        def content(b):
+            if b in (CACHED, EMPTY):
+                return "cached" if b == CACHED else "empty"
+            h = pool.block_hash[b]
+            return "empty" if h is None else "cached" if h is PRIVATE else h
+        return [content(b) for b in pool.free_queue]
+
+    def contents(self):
+        hashes = self.pool.block_hash
+        return [[hashes[b] if b > 0 and hashes[b] not in (None, PRIVATE) else "-" for b in blocks]
+                for blocks, _ in self.tables]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_counting_pool_matches_the_id_pool_under_random_tables(seed, caching):
+    """CountingBlockPool (ids only for mapped blocks) against BlockPool, table by table: the same
+    free queue by content (LRU order, cached vs empty), map, evictions and counts, with public
+    and private registrations in any order (so unnamed blocks also precede named ones)."""
+    rng = random.Random(seed)
+    n = rng.choice([6, 40, 300])
+    ids, counting = Tables(BlockPool(n, caching)), Tables(CountingBlockPool(n, caching))
+    for pool in (ids.pool, counting.pool):
+        pool.compact_at = rng.choice([0, 2, 16])
+    for _ in range(500):
+        op, tables = rng.random(), ids.tables
+        if op < 0.2 or not tables:
+            mapped = list(ids.pool.cached) if caching else []
+            hits = rng.sample(mapped, rng.randint(0, min(3, len(mapped))))
+            for side in (ids, counting):
+                side.new(hits)
+        elif op < 0.5:
+            t, k = rng.randrange(len(tables)), rng.randint(1, 6)
+            if k <= ids.pool.num_free:
+                for side in (ids, counting):
+                    side.take(t, k)
+        elif op < 0.75 and caching:
+            t = rng.randrange(len(tables))
+            blocks, registered = tables[t]
+            k = rng.randint(0, len(blocks) - registered)
+            hashes = [rng.choice([None, None, rng.randint(0, 15)]) for _ in range(k)]
+            for side in (ids, counting):
+                side.register(t, hashes)
+        else:
+            t = rng.randrange(len(tables))
+            for side in (ids, counting):
+                side.free(t)
+        assert counting.free_queue() == ids.free_queue()
+        assert counting.contents() == ids.contents()
+        a, b = ids.pool, counting.pool
+        assert (a.num_free, a.num_cached_free, a.evictions) == (b.num_free, b.num_cached_free, b.evictions)
+        assert {h: 1 + len(a.duplicates.get(h, ())) for h in a.cached} == \
+               {h: 1 + len(b.duplicates.get(h, ())) for h in b.cached}
+        counting.pool.check_invariants()
+    ids.pool.check_invariants()
+
+
+def test_counting_pool_evict_empties_a_free_named_block_in_place():
+    pool = CountingBlockPool(6)
+    table = pool.get_new_blocks(3)
+    assert table == [ANON] * 3
+    table[0] = pool.name(1)[0]
+    pool.cache_block(table[0], 7)
+    named = table[0]
+    pool.free_table(table, 2)              # block 1 registered privately, block 2 unfilled
+    assert pool.free_queue[-3:] == [EMPTY, CACHED, named] and pool.num_cached_free == 2
+    pool.evict([named])
+    assert pool.lookup(7) is None and pool.free_queue[-3:] == [EMPTY, CACHED, EMPTY]
+    assert pool.num_cached_free == 1 and pool.evictions == 1
+    with pytest.raises(ValueError, match="not a free cached block"):
+        pool.evict([named])
+    pool.check_invariants()
+    assert pool.get_new_blocks(5) == [ANON] * 5 and pool.evictions == 2    # the private block's reuse
     pool.check_invariants()
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kvcache import CACHED, EMPTY, PRIVATE, KVCacheManager
 from sim.core.request import make_request
 from sim.core.scheduler import Scheduler, SchedulerConfig
 
@@ -35,8 +35,9 @@ def random_case(seed):
     return case
 
 
-def build(case, lazy):
-    kv = KVCacheManager(case["num_blocks"], case["block_size"], case["caching"], case["allocation"], 256)
+def build(case, lazy, block_ids=True):
+    kv = KVCacheManager(case["num_blocks"], case["block_size"], case["caching"], case["allocation"], 256,
+                        block_ids=block_ids)
     sched = Scheduler(SchedulerConfig(**case["config"], lazy_decode=lazy), kv)
     reqs = []
     for i, (at, shared, prompt, out, group, prio) in enumerate(case["requests"]):
@@ -45,21 +46,65 @@ def build(case, lazy):
     return sched, reqs
 
 
-def step_view(batch, sched):
+def step_view(batch, sched, content=False):
     """Everything a step decides, in a form two schedulers can be compared on."""
-    pool = sched.kv.pool
     return (batch.num_decode, batch.decode_ctx, batch.num_prefill_tokens, batch.prefill_ctx, batch.prefill_attn,
             batch.blocks_read, sorted(r.id for r in batch.reqs), [r.id for r in batch.preempted],
             [r.id for r in batch.admitted], sched.kv.num_used_blocks, sched.slack_tokens,
-            list(pool.free_queue), dict(pool.cached), {h: list(d) for h, d in pool.duplicates.items()})
+            pool_view(sched.kv.pool, content))
+
+
+def by_content(*scheds):
+    """Compare pools by content unless each has an id for every block (the engine's BlockPool:
+    then the ids must agree too). CountingBlockPool names a block when it is registered, so two
+    runs may name the same content differently."""
+    return not all(sched.kv.block_ids for sched in scheds)
+
+
+def pool_view(pool, content=False):
+    """The pool's free queue (LRU order) and prefix-cache map, by block id or by content."""
+    if not content:
+        return (list(pool.free_queue), dict(pool.cached), {h: list(d) for h, d in pool.duplicates.items()},
+                pool.evictions)
+    return content_view(pool)
+
+
+def content_view(pool):
+    """A pool as content: each free block's hash, or "cached" (private content) / "empty", in
+    LRU order; how many blocks hold each mapped hash; the evictions. Equal for both pool kinds."""
+    def content(block):
+        if block in (CACHED, EMPTY):
+            return "cached" if block == CACHED else "empty"
+        h = pool.block_hash[block]
+        return "empty" if h is None else "cached" if h is PRIVATE else h
+    return ([content(b) for b in pool.free_queue], {h: 1 + len(pool.duplicates.get(h, ())) for h in pool.cached},
+            pool.num_free, pool.num_cached_free, pool.evictions)
 
 
 REQUEST_FIELDS = ("status", "num_output", "num_computed", "blocks", "first_token_step", "finish_step",
                   "chunk_steps", "num_preemptions", "num_cached_tokens", "admit_step")
 
 
-def request_view(reqs):
-    return [tuple(getattr(r, f) for f in REQUEST_FIELDS) + emission_view(r) for r in reqs]
+def request_view(reqs, pool=None):
+    """Every request's state; its blocks by content if a `pool` is given."""
+    view = [tuple(getattr(r, f) for f in REQUEST_FIELDS) + emission_view(r) for r in reqs]
+    if pool is not None:
+        at = REQUEST_FIELDS.index("blocks")
+        view = [v[:at] + (table_view(pool, r.blocks),) + v[at + 1:] for v, r in zip(view, reqs)]
+    return view
+
+
+def request_views(sched_a, reqs_a, sched_b, reqs_b):
+    """Both sides' request views, by content unless both pools have ids for every block."""
+    content = by_content(sched_a, sched_b)
+    return (request_view(reqs_a, sched_a.kv.pool if content else None),
+            request_view(reqs_b, sched_b.kv.pool if content else None))
+
+
+def table_view(pool, blocks):
+    """A block table as content: each block's mapped hash, or "-" (unmapped or unnamed)."""
+    hashes = pool.block_hash
+    return [hashes[b] if b > 0 and hashes[b] not in (None, PRIVATE) else "-" for b in blocks]
 
 
 def emission_view(req):
@@ -84,40 +129,47 @@ def step_both(fast, slow, tick) -> bool:
     assert a is not None or not fast.has_unfinished(), f"tick {tick}: work left but nothing scheduled"
     if a is None:
         return False
-    assert step_view(a, fast) == step_view(b, slow), f"step {a.step}"
+    content = by_content(fast, slow)
+    assert step_view(a, fast, content) == step_view(b, slow, content), f"step {a.step}"
     assert all(r.num_computed == r.num_tokens for r in b.decodes), "a decode that is not the last token"
     fast.finish_step(a)
     slow.finish_step(b)
     return True
 
 
-def run_pair(case, max_steps=5000):
-    """Drive the fast and the one-by-one scheduler in lockstep; returns the number of steps."""
-    (fast, fast_reqs), (slow, slow_reqs) = build(case, True), build(case, False)
+def run_pair(case, max_steps=5000, fast_ids=True, slow_ids=True):
+    """Drive the fast and the one-by-one scheduler in lockstep (their pools with or without ids
+    for every block); returns the number of steps."""
+    (fast, fast_reqs), (slow, slow_reqs) = build(case, True, fast_ids), build(case, False, slow_ids)
     last_arrival = max(r[0] for r in case["requests"])
     tick = steps = 0
     while tick <= last_arrival or fast.has_unfinished() or slow.has_unfinished():
         add_arrivals(tick, (fast, fast_reqs), (slow, slow_reqs))
         if step_both(fast, slow, tick):
-            assert request_view(fast_reqs) == request_view(slow_reqs), f"tick {tick}"
+            view_a, view_b = request_views(fast, fast_reqs, slow, slow_reqs)
+            assert view_a == view_b, f"tick {tick}"
             steps += 1
         tick += 1
         assert tick < max_steps, "no progress"
-    fast.check_accounting()
-    fast.kv.pool.check_invariants()
+    for sched in (fast, slow):
+        sched.check_accounting()
+        sched.kv.pool.check_invariants()
     return steps
 
 
 @pytest.mark.parametrize("chunk", range(6))
-def test_fast_paths_match_the_one_by_one_loop(chunk):
+@pytest.mark.parametrize("ids", [(True, True), (False, False), (True, False)], ids=["ids", "counting", "mixed"])
+def test_fast_paths_match_the_one_by_one_loop(chunk, ids):
+    """The cohort against the one-by-one loop, with the engine's pool (ids for every block), the
+    simulator's (CountingBlockPool), and one of each (then compared by content)."""
     for seed in SEEDS[chunk::6]:
         try:
-            run_pair(random_case(seed))
+            run_pair(random_case(seed), fast_ids=ids[0], slow_ids=ids[1])
         except AssertionError as e:
             raise AssertionError(f"seed {seed}: {random_case(seed)}") from e
 
 
-def run_leaps_pair(case, max_ticks=5000):
+def run_leaps_pair(case, max_ticks=5000, fast_ids=True, slow_ids=True):
     """Drive a scheduler by leaps (sim/core/leap.py, of random lengths) wherever one qualifies,
     and a one-by-one scheduler by steps, in lockstep; after each leap every request's state,
     blocks and emissions, the figures the leap reports and the pool's free queue must agree.
@@ -125,7 +177,8 @@ def run_leaps_pair(case, max_ticks=5000):
     from sim.core.leap import apply_leap, finish_leap, plan_leap
 
     rnd = random.Random(len(case["requests"]))
-    (fast, fast_reqs), (slow, slow_reqs) = build(case, True), build(case, False)
+    (fast, fast_reqs), (slow, slow_reqs) = build(case, True, fast_ids), build(case, False, slow_ids)
+    content = by_content(fast, slow)
     last_arrival = max(r[0] for r in case["requests"])
     tick = leapt = settled = 0
     while tick <= last_arrival or fast.has_unfinished() or slow.has_unfinished():
@@ -148,24 +201,27 @@ def run_leaps_pair(case, max_ticks=5000):
             leapt += k
         else:
             step_both(fast, slow, tick)
-        pool_a, pool_b = fast.kv.pool, slow.kv.pool
-        assert list(pool_a.free_queue) == list(pool_b.free_queue), f"tick {tick}"
-        assert request_view(fast_reqs) == request_view(slow_reqs), f"tick {tick}"
+        assert pool_view(fast.kv.pool, content) == pool_view(slow.kv.pool, content), f"tick {tick}"
+        view_a, view_b = request_views(fast, fast_reqs, slow, slow_reqs)
+        assert view_a == view_b, f"tick {tick}"
         tick += 1
         assert tick < max_ticks, "no progress"
-    fast.check_accounting()
-    fast.kv.pool.check_invariants()
+    for sched in (fast, slow):
+        sched.check_accounting()
+        sched.kv.pool.check_invariants()
     return leapt, settled
 
 
 @pytest.mark.parametrize("chunk", range(3))
-def test_scheduler_leaps_match_the_one_by_one_loop(chunk):
+@pytest.mark.parametrize("ids", [(True, True), (False, True)], ids=["ids", "counting"])
+def test_scheduler_leaps_match_the_one_by_one_loop(chunk, ids):
     """Leaps applied straight to a scheduler: blocks handed out (with or without prefix caching)
-    and figures reported equal the step-by-step path's, over random cases."""
+    and figures reported equal the step-by-step path's, over random cases (leaps with the
+    simulator's CountingBlockPool against steps with the engine's BlockPool, too)."""
     leapt = settled = 0
     for seed in SEEDS[chunk::3]:
         try:
-            steps, settles = run_leaps_pair(random_case(seed))
+            steps, settles = run_leaps_pair(random_case(seed), fast_ids=ids[0], slow_ids=ids[1])
         except AssertionError as e:
             raise AssertionError(f"seed {seed}: {random_case(seed)}") from e
         leapt += steps
@@ -232,7 +288,7 @@ def simulate_both(raw):
 
         def run(self, captured=captured):
             out = original(self)
-            captured["pools"] = [(list(r.kv.pool.free_queue), dict(r.kv.pool.cached)) for r in self.replicas]
+            captured["pools"] = [content_view(r.kv.pool) for r in self.replicas]
             return out
         Simulation.run = run
         try:
@@ -385,3 +441,25 @@ def test_private_blocks_change_no_prediction(chunk, monkeypatch):
         steps_b, reqs_b = simulate_with_private_blocks(raw, False, monkeypatch)
         assert steps_a.equals(steps_b), (seed, raw)
         assert reqs_a.equals(reqs_b), (seed, raw)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_counting_pool_changes_no_prediction(chunk, monkeypatch):
+    """The simulator's pool (ids only for mapped blocks, kvcache.CountingBlockPool) against the
+    engine's (an id for every block): the same steps, requests and final pools (by content), over
+    random scenarios with caching on, preemption pressure (victims publish private blocks),
+    multi-turn, tenants and replicas."""
+    from sim.simulator import Simulation
+
+    for seed in range(chunk, 32, 2):
+        raw = random_scenario(seed)
+        raw["engine"]["prefix_caching"] = seed % 8 != 7
+        if seed % 4 < 2:
+            raw["engine"]["num_blocks"] = 140 if raw["engine"]["block_size"] == 4 else 40
+        monkeypatch.setattr(Simulation, "block_ids", True)
+        steps_a, reqs_a, pools_a = simulate_both(raw)[0]
+        monkeypatch.setattr(Simulation, "block_ids", False)
+        steps_b, reqs_b, pools_b = simulate_both(raw)[0]
+        assert steps_a.equals(steps_b), (seed, raw)
+        assert reqs_a.equals(reqs_b), (seed, raw)
+        assert pools_a == pools_b, (seed, raw)

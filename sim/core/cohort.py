@@ -181,14 +181,8 @@ class DecodeCohort:
         crossing = self._by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            # In the running list's order, as the one-by-one loop hands out blocks.
-            if len(crossing) > 1:
-                crossing = sorted(crossing, key=_run_seq)
-                for req, block in zip(crossing, kv.pool.get_new_blocks(len(crossing))):
-                    req.blocks.append(block)
-            else:
-                for req in crossing:
-                    req.blocks.append(kv.pool.take_one())
+            for req, block in zip(self._in_running_order(crossing, kv), kv.pool.get_new_blocks(len(crossing))):
+                req.blocks.append(block)
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
             self._register_fills(range(clock, clock + 1), kv)
@@ -202,7 +196,7 @@ class DecodeCohort:
             for req in by_phase[-clock % bs]:
                 if not req._private_fills:
                     index = (req._computed + clock) // bs - 1
-                    blocks.append(req.blocks[index])
+                    blocks.append(kv.named_blocks(req, index, index + 1)[0])
                     hashes.append(req.block_hashes[index])
                     req.num_registered = index + 1
         if blocks:
@@ -225,8 +219,7 @@ class DecodeCohort:
             blocks = iter(kv.pool.get_new_blocks(total, evicted_at))
             for i, w in enumerate(walked):
                 if w:
-                    crossing = by_phase[(1 - clock - i) % bs]
-                    for req in sorted(crossing, key=_run_seq) if w > 1 else crossing:
+                    for req in self._in_running_order(by_phase[(1 - clock - i) % bs], kv):
                         req.blocks.append(next(blocks))
             if evicted_at:
                 ends = list(accumulate(walked))
@@ -237,6 +230,12 @@ class DecodeCohort:
             self._register_fills(range(clock, clock + len(walked)), kv)
         self.scheduled_step = step + len(walked) - 1 - self.offset
         return evicted_by_step
+
+    @staticmethod
+    def _in_running_order(crossing: dict[Request, None], kv):
+        """Members taking a block at one step, in the order the one-by-one loop hands them out
+        (the running list's); any order where the pool hands out unnamed blocks (all alike)."""
+        return sorted(crossing, key=_run_seq) if kv.block_ids and len(crossing) > 1 else crossing
 
     def next_finish(self) -> float:
         """The earliest step at which a member may emit its last token, if no pause comes first

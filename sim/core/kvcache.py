@@ -16,6 +16,8 @@ vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
   always leaves at least the last prompt token to compute.
 One departure, invisible to every lookup and figure: blocks only their own request can ever look
 up (`KVCacheManager.private_blocks`) stay out of the hash map unless that request is preempted.
+The simulator's pool (`CountingBlockPool`) goes further: only blocks the hash map holds have an
+id; the others are counted (ANON in a block table).
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding
 from sim.core.request import Request
 
 NULL_BLOCK = 0
+# The simulator's pool (CountingBlockPool) names only the blocks the hash map holds. A block table
+# holds ANON for any other block; its free queue holds CACHED for a free block with private content
+# (it counts as cached, and its reuse as an eviction) and EMPTY for one with none.
+ANON, CACHED, EMPTY = -1, -2, -3
 
 
 class _Private:
@@ -191,7 +197,8 @@ class BlockPool:
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
         where = self._where
         for i, block in enumerate(live):
-            where[block] = i
+            if block > 0:                  # (CountingBlockPool's unnamed entries have no position kept)
+                where[block] = i
 
     def free_blocks(self, blocks: list[int]) -> None:
         """Drop one reference each; blocks reaching zero join the tail of the free queue in the given order."""
@@ -219,6 +226,12 @@ class BlockPool:
         queue += freed
         self.num_free += len(freed)
         self.num_cached_free += revivable
+
+    def free_table(self, table: list[int], num_registered: int) -> None:
+        """Free a request's block table (its first `num_registered` blocks full and registered),
+        last block first: its tail is evicted first. The table is consumed."""
+        table.reverse()
+        self.free_blocks(table)
 
     def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
         """Register full blocks under their hashes (beside any other block with the same content);
@@ -282,11 +295,18 @@ class BlockPool:
         for b in range(1, self.num_blocks):
             assert (self.ref_cnt[b] == 0) == (b in free), f"block {b}: ref {self.ref_cnt[b]}, free {b in free}"
             assert self.ref_cnt[b] >= 0
+        self._check_positions()
+        self._check_map()
+        assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
+
+    def _check_positions(self) -> None:
         stale = set(self._stale)
         start = self._base + self._head
-        live = [(b, i) for i, b in enumerate(self._queue[self._head:], start) if i not in stale]
+        live = [(b, i) for i, b in enumerate(self._queue[self._head:], start) if i not in stale and b > 0]
         if self.enable_caching:            # (a pool without caching never revives, so never reads them)
             assert all(self._where[b] == i for b, i in live), "a free block's position is out of date"
+
+    def _check_map(self) -> None:
         mapped = [(h, b) for h, b in self.cached.items()]
         mapped += [(h, b) for h, dups in self.duplicates.items() for b in dups]
         for h, b in mapped:
@@ -296,7 +316,154 @@ class BlockPool:
         assert len(hashed) == len(mapped) == len(set(b for _, b in mapped)), \
             "a block holds a hash the map does not hold"
 
-        assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
+
+class CountingBlockPool(BlockPool):
+    """The simulator's pool: the same counts, LRU order, hash map and evictions as `BlockPool`,
+    with an id only for the blocks the hash map holds.
+
+    Nothing a simulation predicts reads a block's id, only whether a lookup can find the block.
+    A block no lookup can find (private content, a partial block, one not registered yet) needs
+    no name: a table holds ANON for it and the free queue CACHED or EMPTY, so taking and freeing
+    such blocks are C-speed list operations. A block gets an id when it is registered under a
+    hash (`name`) and gives it back when the hash is evicted; ids given back are reused first.
+    So the ids in use stay few and warm: a pool of 10^5 blocks cycled in scrambled order costs
+    a cache miss per block visit otherwise. The engine needs real ids (they address its KV
+    tensors): it uses `BlockPool`.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        super().__init__(num_blocks, enable_caching)
+        self._spare: list[int] = []        # ids given back
+        self._next_id = 1                  # ids from here on were never given
+
+    @property
+    def free_queue(self) -> list[int]:
+        """The free blocks in LRU order, oldest first: ids, or CACHED / EMPTY for unnamed ones."""
+        return [EMPTY] * (self.num_blocks - self._fresh) + self._freed_queue()
+
+    def get_new_blocks(self, n: int, evicted_at: Optional[list[int]] = None) -> list[int]:
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        self.num_free -= n
+        fresh = min(n, self.num_blocks - self._fresh)
+        self._fresh += fresh
+        if n > fresh:
+            entries = self._pop_freed(n - fresh)
+            empty = entries.count(EMPTY)
+            if empty < len(entries):
+                self._evict_entries(entries, empty, fresh, evicted_at)
+        return [ANON] * n
+
+    def _evict_entries(self, entries: list[int], empty: int, offset: int, evicted_at: Optional[list[int]]) -> None:
+        """Evict what taken free-queue entries hold (`empty` of them hold nothing; `offset`: their
+        index among the blocks taken)."""
+        evicted = len(entries) - empty
+        if entries.count(CACHED) < evicted:            # some are named: unmap them, their ids go spare
+            hashes, cached, duplicates, spare = self.block_hash, self.cached, self.duplicates, self._spare
+            for block in entries:
+                if block > 0:
+                    h = hashes[block]
+                    hashes[block] = None
+                    if h in duplicates:
+                        self._forget(h, block)
+                    else:
+                        del cached[h]
+                    spare.append(block)
+        self.num_cached_free -= evicted
+        self.evictions += evicted
+        if evicted_at is not None:
+            evicted_at += ([i for i, block in enumerate(entries, offset) if block != EMPTY] if empty
+                           else range(offset, offset + evicted))
+
+    def name(self, n: int) -> list[int]:
+        """Ids for n held blocks about to be registered under a hash (reference 1 each)."""
+        spare = self._spare
+        reused = min(n, len(spare))
+        ids = spare[len(spare) - reused:]
+        del spare[len(spare) - reused:]
+        if reused < n:
+            first = self._next_id
+            self._next_id = first + n - reused
+            ids += range(first, self._next_id)
+        ref = self.ref_cnt
+        for block in ids:
+            ref[block] = 1
+        return ids
+
+    def free_table(self, table: list[int], num_registered: int) -> None:
+        n = len(table)
+        unnamed = table.count(ANON)
+        named = n - unnamed
+        queue = self._queue
+        if table[named:].count(ANON) == unnamed:     # named blocks first (hits, a public prompt): usual
+            freed = self._release(table[named - 1::-1], len(queue) + unnamed) if named else []
+            queue += [EMPTY] * (n - num_registered)
+            queue += [CACHED] * (num_registered - named)
+            queue += freed
+            self.num_free += unnamed + len(freed)
+            self.num_cached_free += num_registered - named + len(freed)
+        else:
+            entries = self._free_mixed(table, num_registered)
+            queue += entries
+            self.num_free += len(entries)
+            self.num_cached_free += len(entries) - entries.count(EMPTY)
+
+    def _release(self, named: list[int], at: int) -> list[int]:
+        """Drop a reference on each named block; those reaching zero, which join the free queue at
+        position `at` on in this order."""
+        ref, where = self.ref_cnt, self._where
+        freed = []
+        for block in named:
+            left = ref[block] - 1
+            ref[block] = left
+            if not left:
+                where[block] = self._base + at + len(freed)
+                freed.append(block)
+        return freed
+
+    def _free_mixed(self, table: list[int], num_registered: int) -> list[int]:
+        """free_table's entries for a table with unnamed blocks before named ones (a preempted
+        request that hit its own published blocks), last block first."""
+        entries: list[int] = []
+        at = len(self._queue)
+        for i in range(len(table) - 1, -1, -1):
+            block = table[i]
+            if block == ANON:
+                entries.append(CACHED if i < num_registered else EMPTY)
+            else:
+                entries += self._release([block], at + len(entries))
+        return entries
+
+    def cache_private(self, blocks: list[int]) -> None:
+        """(Nothing to mark: free_table counts a table's registered unnamed blocks as cached.)"""
+
+    def evict(self, blocks: list[int]) -> None:
+        for block in blocks:
+            if block <= 0 or self.ref_cnt[block] or self.block_hash[block] is None:
+                raise ValueError(f"block {block} is not a free cached block")
+        for block in blocks:               # each stays free where it is, with nothing in it
+            self._queue[self._where[block] - self._base] = EMPTY
+        self._evict_entries(list(blocks), 0, 0, None)
+
+    def check_invariants(self) -> None:
+        queue = self.free_queue
+        assert len(queue) == self.num_free
+        named_free = [b for b in queue if b > 0]
+        assert set(b for b in queue if b <= 0) <= {CACHED, EMPTY}, "an unknown free-queue entry"
+        assert len(set(named_free)) == len(named_free)
+        assert self.num_cached_free == queue.count(CACHED) + len(named_free)
+        issued = range(1, self._next_id)
+        held = [b for b in issued if self.ref_cnt[b] > 0]
+        assert self._next_id <= self.num_blocks and len(held) <= self.num_used
+        assert sorted(self._spare + named_free + held) == list(issued), "an id is lost or in two places"
+        for b in self._spare + named_free:
+            assert self.ref_cnt[b] == 0
+        for b in self._spare:
+            assert self.block_hash[b] is None, f"spare id {b} holds a hash"
+        for b in named_free + held:
+            assert self.block_hash[b] not in (None, PRIVATE), f"named block {b} holds no hash"
+        self._check_positions()
+        self._check_map()
 
 
 class PrefixCacheStats:
@@ -342,12 +509,14 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  allocation: str = "paged", max_model_len: Optional[int] = None,
-                 contiguous_reserve: str = "max_model_len"):
+                 contiguous_reserve: str = "max_model_len", block_ids: bool = True):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if allocation not in ("paged", "contiguous"):
             raise ValueError(f"allocation must be 'paged' or 'contiguous', got {allocation!r}")
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # block_ids=False: the simulator's pool, which names only the blocks the prefix cache maps
+        self.block_ids = block_ids
+        self.pool = (BlockPool if block_ids else CountingBlockPool)(num_blocks, enable_caching)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.contiguous = allocation == "contiguous"
@@ -364,7 +533,7 @@ class KVCacheManager:
         """A manager with the same settings and a fresh pool (no block held, nothing cached)."""
         return KVCacheManager(self.pool.num_blocks, self.block_size, self.enable_caching,
                               "contiguous" if self.contiguous else "paged", self.max_model_len,
-                              self.contiguous_reserve)
+                              self.contiguous_reserve, self.block_ids)
 
     # -- sizes ---------------------------------------------------------------------------
     def reserve_tokens(self, req: Request) -> int:
@@ -386,15 +555,10 @@ class KVCacheManager:
         max_blocks = self._lookup_span(req)
         if not max_blocks:
             return [], 0
-        bs = self.block_size
-        hits = []
-        lookup = self.pool.cached.get
-        for h in req.block_hashes[:max_blocks]:
-            block = lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * bs
+        hits = list(map(self.pool.cached.get, req.block_hashes[:max_blocks]))   # (at C speed)
+        if None in hits:
+            del hits[hits.index(None):]
+        return hits, len(hits) * self.block_size
 
     def _lookup_span(self, req: Request) -> int:
         """How many leading blocks of a new request a prefix hit may cover (their hashes made):
@@ -457,8 +621,7 @@ class KVCacheManager:
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need
         gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
-        ref = self.pool.ref_cnt
-        hit_in_free = [ref[b] for b in hit_blocks].count(0)
+        hit_in_free = list(map(self.pool.ref_cnt.__getitem__, hit_blocks)).count(0)
         return need, gate + hit_in_free + reserve_free
 
     def remove_skipped_blocks(self, req: Request) -> None:
@@ -474,7 +637,7 @@ class KVCacheManager:
         public_end = min(full, req.first_private_block(bs)) if self.private_blocks else full
         if public_end > first:
             req.extend_block_hashes(public_end, bs)
-            self.pool.cache_blocks(req.blocks[first:public_end], req.block_hashes[first:public_end])
+            self.pool.cache_blocks(self.named_blocks(req, first, public_end), req.block_hashes[first:public_end])
         if full > public_end:
             self.pool.cache_private(req.blocks[max(first, public_end):full])
         req.num_registered = full
@@ -489,8 +652,7 @@ class KVCacheManager:
             self._settle_private(req)
         if blocks:
             self.held_slots -= len(blocks) * self.block_size
-            blocks.reverse()
-            self.pool.free_blocks(blocks)
+            self.pool.free_table(blocks, req.num_registered)
         req.blocks = []
         req.num_registered = 0
 
@@ -499,10 +661,26 @@ class KVCacheManager:
         if end <= first:
             return
         if req.is_finished:
-            self.pool.cache_private(req.blocks[first:end])
+            if self.block_ids:                     # (CountingBlockPool counts them as cached at free)
+                self.pool.cache_private(req.blocks[first:end])
         else:
             req.extend_block_hashes(end, self.block_size)
-            self.pool.publish(req.blocks[first:end], req.block_hashes[first:end])
+            self.pool.publish(self.named_blocks(req, first, end), req.block_hashes[first:end])
+
+    def named_blocks(self, req: Request, start: int, end: int) -> list[int]:
+        """The ids of the request's blocks start .. end - 1, naming those the pool left unnamed
+        (CountingBlockPool: a block gets an id when it is registered under a hash)."""
+        blocks = req.blocks[start:end]
+        unnamed = blocks.count(ANON) if not self.block_ids else 0
+        if unnamed:
+            ids = self.pool.name(unnamed)
+            if unnamed < len(blocks):
+                fresh = iter(ids)
+                blocks = [b if b != ANON else next(fresh) for b in blocks]
+            else:
+                blocks = ids
+            req.blocks[start:end] = blocks
+        return blocks
 
     # -- counters -------------------------------------------------------------------------
     @property
@@ -722,11 +900,15 @@ class GroupedKVCacheManager(KVCacheManager):
 
 def new_kv_manager(num_blocks: int, block_size: int, enable_caching: bool = True, allocation: str = "paged",
                    max_model_len: Optional[int] = None, contiguous_reserve: str = "max_model_len",
-                   groups: Optional[KVCacheGroups] = None, max_num_batched_tokens: int = 0) -> KVCacheManager:
+                   groups: Optional[KVCacheGroups] = None, max_num_batched_tokens: int = 0,
+                   block_ids: bool = True) -> KVCacheManager:
     """The manager for a model's KV cache groups: one table per request for one full-attention
-    group (every uniform model), one per group otherwise (sliding-window and hybrid models)."""
+    group (every uniform model), one per group otherwise (sliding-window and hybrid models).
+    `block_ids=False` (the simulator): a pool that names only the blocks the prefix cache maps,
+    for one table per request (grouped tables always use ids)."""
     if groups is None or not groups.is_hybrid and groups.full_groups <= 1:
-        return KVCacheManager(num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve)
+        return KVCacheManager(num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve,
+                              block_ids)
     if allocation != "paged":
         raise ValueError(f"allocation '{allocation}' cannot free the blocks behind a sliding window; use 'paged'")
     return GroupedKVCacheManager(num_blocks, block_size, groups, max_num_batched_tokens, enable_caching,
