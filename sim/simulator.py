@@ -154,7 +154,7 @@ class Simulation:
         if self._chained:
             # Nothing but the one replica acts between arrivals: it takes them itself, at each of its
             # own events, in the order SimPy would have delivered them (`_Arrivals`).
-            self._inline = _Arrivals(first_turns, self._client.send)
+            self._inline = _Arrivals(first_turns, self._route)     # (an open-loop client sends at once)
             self._next_arrival = self._inline.next_time
         else:
             self._inline = None
@@ -439,7 +439,7 @@ class _At(simpy.events.Event):
     float delay reaches every such sum, so the event goes on SimPy's queue as a Timeout does."""
 
     def __init__(self, env: simpy.Environment, when: float):
-        super().__init__(env)
+        self.env, self.callbacks = env, []      # (simpy.Event.__init__, without a call per step)
         if when < env.now:
             raise ValueError(f"cannot schedule at {when} before now ({env.now})")
         self._ok = True

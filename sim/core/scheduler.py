@@ -170,6 +170,14 @@ class Batch:
 
 
 class Scheduler:
+    # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
+    # instance dict past CPython's shared-key limit makes every read a dict lookup)
+    __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
+                 "waiting_heap", "_waiting", "running", "active", "step", "num_added", "num_finished", "num_rejected",
+                 "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq", "_empty_preempted",
+                 "_returned", "_watermark_blocks", "_static_rows", "_static_len", "_static_step", "_finishing",
+                 "_released")
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
@@ -183,6 +191,7 @@ class Scheduler:
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
+        self._waiting = self.waiting_heap if self.priority else self.waiting_fifo     # the one in use
         self.running: list[Request] = []
         # Running requests outside the decode cohort, in admission order (usually a few prefills).
         self.active: dict[Request, None] = {}
@@ -244,7 +253,7 @@ class Scheduler:
             self.running.remove(req)
             self.active.pop(req, None)
         elif self.priority:
-            self.waiting_heap = [e for e in self.waiting_heap if e[-1] is not req]
+            self.waiting_heap[:] = [e for e in self.waiting_heap if e[-1] is not req]
             heapq.heapify(self.waiting_heap)
         elif req in self.waiting_fifo:
             self.waiting_fifo.remove(req)
@@ -280,7 +289,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting_heap) if self.priority else len(self.waiting_fifo)
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -607,13 +616,13 @@ class Scheduler:
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
         if batch.prefills:
             emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
+        finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
         for req in emitted:
             _start_emit_run(req, step)
             req.last_emit = step
             req.append_output()
-        finished = self._cohort_finishers(step)
-        if emitted:
-            finished += [r for r in emitted if r.num_output >= r.output_len]
+            if req.num_output >= req.output_len:
+                finished.append(req)
         self._retire_finished(step, finished)
         if self.lazy:
             for req in emitted:
