@@ -127,6 +127,10 @@ class Simulation:
     # is dropped once it ended and its figures went into the records (a million requests then
     # never all live at once beside their records).
     release: bool = False
+    # Where nothing else acts between arrivals (one replica, open loop, no follow-ups), run steps
+    # and leaps back to back and take the arrivals at the replica's own events (`_chained`);
+    # off, every step waits for SimPy's clock and a SimPy process sends the arrivals (tests compare).
+    chain: ClassVar[bool] = True
 
     def run(self) -> RunRecords:
         with gc_paused():
@@ -148,7 +152,7 @@ class Simulation:
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
         # One replica, an open-loop client and no follow-up turns: between a leap's end and the
         # next arrival nothing but this replica acts, so leaps run back to back in one event.
-        self._chained = (self.fast and len(self.replicas) == 1 and self._client.limit is None
+        self._chained = (self.chain and self.fast and len(self.replicas) == 1 and self._client.limit is None
                          and self._min_think == math.inf)
         self._router = router
         if self._chained:

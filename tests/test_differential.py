@@ -463,3 +463,25 @@ def test_counting_pool_changes_no_prediction(chunk, monkeypatch):
         assert steps_a.equals(steps_b), (seed, raw)
         assert reqs_a.equals(reqs_b), (seed, raw)
         assert pools_a == pools_b, (seed, raw)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_chained_runs_take_arrivals_as_simpy_would(chunk, monkeypatch):
+    """A chained run (one replica, open loop, no follow-ups) takes its arrivals at the replica's own
+    events instead of through SimPy's arrival process, and runs its leaps back to back: the same
+    steps, requests and final pools as the same run with every step on SimPy's clock, over random
+    one-replica scenarios (offline arrivals: every request due at once, at time 0)."""
+    from sim.simulator import Simulation
+
+    for seed in range(chunk, 24, 2):
+        raw = random_scenario(seed)
+        raw["cluster"]["replicas"] = 1
+        raw["workload"].pop("max_concurrency", None)
+        raw["workload"].pop("multi_turn", None)
+        monkeypatch.setattr(Simulation, "chain", True)
+        steps_a, reqs_a, pools_a = simulate_both(raw)[0]
+        monkeypatch.setattr(Simulation, "chain", False)
+        steps_b, reqs_b, pools_b = simulate_both(raw)[0]
+        assert steps_a.equals(steps_b), (seed, raw)
+        assert reqs_a.equals(reqs_b), (seed, raw)
+        assert pools_a == pools_b, (seed, raw)
