@@ -181,13 +181,14 @@ class BlockPool:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
         ref = self.ref_cnt
         for block in blocks:
-            if ref[block] == 0:
+            count = ref[block]
+            if not count:
                 if not self.enable_caching:
                     raise AssertionError("cache hits in a pool without prefix caching")
                 heapq.heappush(self._stale, self._where[block])
                 self.num_free -= 1
                 self.num_cached_free -= 1
-            ref[block] += 1
+            ref[block] = count + 1
         if len(self._stale) > self.compact_at and len(self._stale) * 2 > len(self._queue) - self._head:
             self._compact()
 
