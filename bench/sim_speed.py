@@ -213,7 +213,11 @@ def main() -> None:
                                  "paths by their ratio, measured in one process",
                     "vidur_reference": VIDUR_REFERENCE, "kvtwin_before": KVTWIN_BEFORE}
     # Fresh processes first: a child forked from this process once it holds big runs would count
-    # the parent's pages in its peak RSS.
+    # the parent's pages in its peak RSS. A warm-up child before them, discarded: on this VM the
+    # first second of work after an idle spell runs ~1.5x slower (CPU time, not wall: measured
+    # 101 us/request for 10k requests after 25 s idle, then 63-64), which hit the 10k figure only.
+    if args.quick:
+        result["warm_up_child_us_per_request"] = child(min(args.quick))["us_per_request"]
     fresh = {size: child(size) for size in args.quick}
     if args.vidur:
         v = pair("vidur_llama2_70b", args.vidur)
