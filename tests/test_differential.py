@@ -275,28 +275,45 @@ def random_scenario(seed):
 
 
 def simulate_both(raw):
+    """The fast path's run and the one-by-one path's."""
+    return [simulate_one(raw, fast) for fast in (True, False)]
+
+
+def simulate_one(raw, fast=True):
+    """(steps frame, requests frame, each replica's final pool by content) of one run."""
     from sim.records import requests_frame
     from sim.scenario import validate_scenario
     from sim.simulator import Simulation, simulate
     from sim.workload import build_requests
 
     scenario = validate_scenario(raw)
-    runs = []
-    for fast in (True, False):
-        captured = {}
-        original = Simulation.run
+    captured = {}
+    original = Simulation.run
 
-        def run(self, captured=captured):
-            out = original(self)
-            captured["pools"] = [content_view(r.kv.pool) for r in self.replicas]
-            return out
-        Simulation.run = run
-        try:
-            records, _, _ = simulate(scenario, build_requests(scenario), fast=fast)
-        finally:
-            Simulation.run = original
-        runs.append((records.steps_frame(), requests_frame(records), captured["pools"]))
-    return runs
+    def run(self):
+        out = original(self)
+        captured["pools"] = [content_view(r.kv.pool) for r in self.replicas]
+        return out
+    Simulation.run = run
+    try:
+        records, _, _ = simulate(scenario, build_requests(scenario), fast=fast)
+    finally:
+        Simulation.run = original
+    return records.steps_frame(), requests_frame(records), captured["pools"]
+
+
+def assert_switch_changes_nothing(raw, switch, monkeypatch, seed):
+    """The same steps, requests and final pools with a Simulation class switch on and off."""
+    from sim.simulator import Simulation
+
+    runs = []
+    for value in (True, False):
+        monkeypatch.setattr(Simulation, switch, value)
+        runs.append(simulate_one(raw))
+    (steps_a, reqs_a, pools_a), (steps_b, reqs_b, pools_b) = runs
+    assert steps_a.equals(steps_b), (switch, seed, raw)
+    assert reqs_a.equals(reqs_b), (switch, seed, raw)
+    assert pools_a == pools_b, (switch, seed, raw)
 
 
 @pytest.mark.parametrize("chunk", range(4))
@@ -449,20 +466,12 @@ def test_counting_pool_changes_no_prediction(chunk, monkeypatch):
     engine's (an id for every block): the same steps, requests and final pools (by content), over
     random scenarios with caching on, preemption pressure (victims publish private blocks),
     multi-turn, tenants and replicas."""
-    from sim.simulator import Simulation
-
     for seed in range(chunk, 32, 2):
         raw = random_scenario(seed)
         raw["engine"]["prefix_caching"] = seed % 8 != 7
         if seed % 4 < 2:
             raw["engine"]["num_blocks"] = 140 if raw["engine"]["block_size"] == 4 else 40
-        monkeypatch.setattr(Simulation, "block_ids", True)
-        steps_a, reqs_a, pools_a = simulate_both(raw)[0]
-        monkeypatch.setattr(Simulation, "block_ids", False)
-        steps_b, reqs_b, pools_b = simulate_both(raw)[0]
-        assert steps_a.equals(steps_b), (seed, raw)
-        assert reqs_a.equals(reqs_b), (seed, raw)
-        assert pools_a == pools_b, (seed, raw)
+        assert_switch_changes_nothing(raw, "block_ids", monkeypatch, seed)
 
 
 @pytest.mark.parametrize("chunk", range(2))
@@ -471,17 +480,9 @@ def test_chained_runs_take_arrivals_as_simpy_would(chunk, monkeypatch):
     events instead of through SimPy's arrival process, and runs its leaps back to back: the same
     steps, requests and final pools as the same run with every step on SimPy's clock, over random
     one-replica scenarios (offline arrivals: every request due at once, at time 0)."""
-    from sim.simulator import Simulation
-
     for seed in range(chunk, 24, 2):
         raw = random_scenario(seed)
         raw["cluster"]["replicas"] = 1
         raw["workload"].pop("max_concurrency", None)
         raw["workload"].pop("multi_turn", None)
-        monkeypatch.setattr(Simulation, "chain", True)
-        steps_a, reqs_a, pools_a = simulate_both(raw)[0]
-        monkeypatch.setattr(Simulation, "chain", False)
-        steps_b, reqs_b, pools_b = simulate_both(raw)[0]
-        assert steps_a.equals(steps_b), (seed, raw)
-        assert reqs_a.equals(reqs_b), (seed, raw)
-        assert pools_a == pools_b, (seed, raw)
+        assert_switch_changes_nothing(raw, "chain", monkeypatch, seed)
