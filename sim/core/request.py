@@ -74,7 +74,7 @@ class Request:
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
-        "num_registered", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
+        "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         "_private_fills", "_private_start",
         # step bookkeeping (step indices; drivers turn them into times)
         "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
@@ -116,6 +116,7 @@ class Request:
         self.group_tables: Optional[list[list[int]]] = None
         self.block_hashes: list[int] = []
         self.num_registered = 0
+        self.kv_lease: Optional[int] = None   # the pool's shared lease on its prefix hit, if any (CountingBlockPool)
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.reject_reason: Optional[str] = None
