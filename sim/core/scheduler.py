@@ -173,7 +173,7 @@ class Scheduler:
     # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
     # instance dict past CPython's shared-key limit makes every read a dict lookup)
     __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
-                 "waiting_heap", "_waiting", "running", "active", "step", "num_added", "num_finished", "num_rejected",
+                 "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished", "num_rejected",
                  "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq", "_empty_preempted",
                  "_returned", "_watermark_blocks", "_static_rows", "_static_len", "_static_step", "_finishing",
                  "_released")
@@ -191,7 +191,9 @@ class Scheduler:
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
-        self._waiting = self.waiting_heap if self.priority else self.waiting_fifo     # the one in use
+        # Requests in the queue in use: a count kept as they come and go, as the drivers read it
+        # several times a step (a property call costs as much as a dozen attribute reads).
+        self.num_waiting = 0
         self.running: list[Request] = []
         # Running requests outside the decode cohort, in admission order (usually a few prefills).
         self.active: dict[Request, None] = {}
@@ -253,10 +255,13 @@ class Scheduler:
             self.running.remove(req)
             self.active.pop(req, None)
         elif self.priority:
-            self.waiting_heap[:] = [e for e in self.waiting_heap if e[-1] is not req]
+            kept = [e for e in self.waiting_heap if e[-1] is not req]
+            self.num_waiting -= len(self.waiting_heap) - len(kept)
+            self.waiting_heap[:] = kept
             heapq.heapify(self.waiting_heap)
         elif req in self.waiting_fifo:
             self.waiting_fifo.remove(req)
+            self.num_waiting -= 1
         if req.status is _RUNNING:
             self.tokens_held -= req.num_computed
         self.kv.free(req)
@@ -267,6 +272,7 @@ class Scheduler:
 
     # -- queues --------------------------------------------------------------------------
     def _push_waiting(self, req: Request, front: bool) -> None:
+        self.num_waiting += 1
         if self.priority:
             self._heap_seq += 1
             arrival = req.arrival if req.arrival is not None else 0.0
@@ -282,14 +288,11 @@ class Scheduler:
         return self.waiting_fifo[0] if self.waiting_fifo else None
 
     def _pop_waiting(self) -> None:
+        self.num_waiting -= 1
         if self.priority:
             heapq.heappop(self.waiting_heap)
         else:
             self.waiting_fifo.popleft()
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -683,6 +686,9 @@ class Scheduler:
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:
         """Every added request is finished, rejected, aborted, waiting or running."""
+        queued = len(self.waiting_heap if self.priority else self.waiting_fifo)
+        if self.num_waiting != queued:
+            raise AssertionError(f"waiting count {self.num_waiting} != {queued} requests queued")
         live = self.num_waiting + len(self.running) - len(self._finishing)
         ended = self.num_finished + self.num_rejected + self.num_aborted
         if self.num_added != ended + live:
