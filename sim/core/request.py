@@ -72,6 +72,7 @@ class Request:
         # workload
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
+        "is_live",
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
@@ -101,6 +102,9 @@ class Request:
         # the prompt's last tokens that only this request carries (a unique user message), set
         # by the workload; 0 when unknown (a trace's or a client's prompt may be anyone's)
         self.own_prompt_tokens = 0
+        # Output sampled live (the server: a literal output segment that grows), not scripted by
+        # the workload. (An attribute, not a property: read at every emission.)
+        self.is_live = isinstance(output_segment, list)
         self.reset()
 
     def reset(self) -> None:
@@ -162,20 +166,33 @@ class Request:
         c = self._cohort
         return self._last_emit if c is None else c.last_emit(self)
 
-    @last_emit.setter
-    def last_emit(self, step: int) -> None:
-        assert self._cohort is None
-        self._last_emit = step
-
     def append_output(self) -> None:
         """One more output token is known (the scripted one, or the live one just sampled)."""
         assert self._cohort is None
         self._output += 1
 
-    @property
-    def is_live(self) -> bool:
-        """Output sampled live (the server), not scripted by the workload."""
-        return isinstance(self.segments[-1], list)
+    def emit(self, step: int) -> bool:
+        """Its next token was emitted at `step` (a request scheduled one by one, no cohort member):
+        extend its run of consecutive emissions or start one, and count the token. Returns whether
+        it was the last. (One call where the scheduler made five property reads and writes.)"""
+        assert self._cohort is None
+        last = self._last_emit
+        if last != step - 1:               # a new run of consecutive emissions
+            if self.emit_start >= 0:
+                self.emit_runs += (self.emit_start, last)
+            self.emit_start = step
+            if self.first_token_step < 0:
+                self.first_token_step = step
+        self._last_emit = step
+        self._output += 1
+        return self._output >= self.output_len
+
+    def close_emit_run(self) -> None:
+        """Close the run of emissions of a request that ended (it has left any cohort)."""
+        assert self._cohort is None
+        if self.emit_start >= 0:
+            self.emit_runs += (self.emit_start, self._last_emit)
+            self.emit_start = -1
 
     @property
     def max_len(self) -> int:

@@ -267,7 +267,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = _ABORTED
         req.reject_reason = "aborted"
-        _close_emit_run(req)
+        req.close_emit_run()
         self.num_aborted += 1
 
     # -- queues --------------------------------------------------------------------------
@@ -621,10 +621,7 @@ class Scheduler:
             emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
         finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
         for req in emitted:
-            _start_emit_run(req, step)
-            req.last_emit = step
-            req.append_output()
-            if req.num_output >= req.output_len:
+            if req.emit(step):
                 finished.append(req)
         self._retire_finished(step, finished)
         if self.lazy:
@@ -658,7 +655,7 @@ class Scheduler:
         for req in finished:
             req.status = _FINISHED
             req.finish_step = step
-            _close_emit_run(req)
+            req.close_emit_run()
             self.active.pop(req, None)
         self._finishing = finished
         # Async: released after the next scheduling pass, unless nothing else is left to plan
@@ -695,20 +692,3 @@ class Scheduler:
             raise AssertionError(f"request accounting broken: added {self.num_added} != finished "
                                  f"{self.num_finished} + rejected {self.num_rejected} + aborted "
                                  f"{self.num_aborted} + waiting {self.num_waiting} + running {len(self.running)}")
-
-
-def _start_emit_run(req: Request, step: int) -> None:
-    """Close the previous run of consecutive token emissions and start one at `step`."""
-    if req.last_emit == step - 1:
-        return
-    if req.emit_start >= 0:
-        req.emit_runs += (req.emit_start, req.last_emit)
-    req.emit_start = step
-    if req.first_token_step < 0:
-        req.first_token_step = step
-
-
-def _close_emit_run(req: Request) -> None:
-    if req.emit_start >= 0:
-        req.emit_runs += (req.emit_start, req.last_emit)
-        req.emit_start = -1
