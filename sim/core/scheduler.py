@@ -127,13 +127,16 @@ class Batch:
         return [r.num_computed - n for r, n in zip(self.reqs, self.num_new)]
 
     def add(self, req: Request, n: int, block_size: int) -> None:
-        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM)."""
-        start = req.num_computed
+        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM).
+        Requests are added one by one, so never as cohort members: their fields are their progress."""
+        assert req._cohort is None
+        start = req._computed
         ctx = start + n
+        tokens = req.prompt_len + req._output
         self.blocks_read += -(-ctx // block_size)
         # A decode is the one token that completes the sequence. A resumed request's 1-token
         # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
-        if n == 1 and req.num_output and ctx == req.num_tokens:
+        if n == 1 and req._output and ctx == tokens:
             self.decodes.append(req)
             self.decode_ctx += ctx
         else:
@@ -142,9 +145,9 @@ class Batch:
             self.num_prefill_tokens += n
             self.prefill_ctx += start
             self.prefill_attn += n * start + n * (n + 1) // 2
-            if ctx < req.num_tokens:             # a chunk that emits nothing: remember its step
+            if ctx < tokens:                     # a chunk that emits nothing: remember its step
                 req.chunk_steps.append(self.step)
-        req.num_computed = ctx
+        req._computed = ctx
 
     def remove(self, req: Request, block_size: int) -> int:
         """Take a request back out (it was preempted after being scheduled); returns its tokens."""
@@ -560,12 +563,12 @@ class Scheduler:
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
             self._pop_waiting()
-            kv.stats.record(req.num_tokens, hit_tokens, resumed)
+            kv.stats.record(req.prompt_len + req._output, hit_tokens, resumed)   # (num_tokens: no member waits)
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
             req.status = _RUNNING
-            req.num_computed = hit_tokens
+            req._computed = hit_tokens
             self.tokens_held += hit_tokens
             self._run_seq += 1
             req.run_seq = self._run_seq
@@ -582,13 +585,14 @@ class Scheduler:
         blocks kept free), or None when the token budget stops it before the pool is asked."""
         cfg = self.config
         hits, hit_tokens = self.kv.find_cached_prefix(req)
-        n = req.num_tokens - hit_tokens
+        num_tokens = req.prompt_len + req._output       # (no cohort member waits)
+        n = num_tokens - hit_tokens
         # prefill_first (nano-vllm): only the step's first prefill may be chunked.
         may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
         if not may_chunk and n > budget and not self.static:
             return None
         n_now = n if self.static else min(n, budget)    # a static batch: one padded forward
-        gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
+        gate = num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
         # The watermark keeps room for running requests to grow; with none running it
         # would only stop a request that fits the pool from ever starting (vLLM skips it then).
         reserve = self._watermark_blocks if self.running else 0
@@ -618,7 +622,8 @@ class Scheduler:
         step = batch.step
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
         if batch.prefills:
-            emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
+            # (prefills are scheduled one by one: no member, their fields are their progress)
+            emitted += [r for r in batch.prefills if r._computed >= r.prompt_len + r._output]
         finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
         for req in emitted:
             if req.emit(step):
