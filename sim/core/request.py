@@ -74,7 +74,7 @@ class Request:
         # workload
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
-        "is_live",
+        "is_live", "max_len",
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
@@ -92,6 +92,9 @@ class Request:
         self.segments = list(segments) + [output_segment]
         self.prompt_len = sum(segment_len(s) for s in segments)
         self.output_len = output_len
+        # prompt + output_len: an attribute, read at intake, admission, routing and retirement
+        # (a live request's cut at EOS changes both together: `cut_output`)
+        self.max_len = self.prompt_len + output_len
         self.tenant = tenant
         self.salt = salt
         self.priority = priority
@@ -173,6 +176,11 @@ class Request:
         assert self._cohort is None
         self._output += 1
 
+    def cut_output(self, output_len: int) -> None:
+        """A live request sampled EOS: its output ends at `output_len` tokens."""
+        self.output_len = output_len
+        self.max_len = self.prompt_len + output_len
+
     def emit(self, step: int) -> bool:
         """Its next token was emitted at `step` (a request scheduled one by one, no cohort member):
         extend its run of consecutive emissions or start one, and count the token. Returns whether
@@ -195,10 +203,6 @@ class Request:
         if self.emit_start >= 0:
             self.emit_runs += (self.emit_start, self._last_emit)
             self.emit_start = -1
-
-    @property
-    def max_len(self) -> int:
-        return self.prompt_len + self.output_len
 
     @property
     def is_finished(self) -> bool:
