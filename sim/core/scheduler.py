@@ -178,8 +178,7 @@ class Scheduler:
     __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
                  "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished", "num_rejected",
                  "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq", "_empty_preempted",
-                 "_returned", "_watermark_blocks", "_static_rows", "_static_len", "_static_step", "_finishing",
-                 "_released")
+                 "_returned", "_watermark_blocks", "_static_rows", "_static_len", "_static_step", "_finishing")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -215,7 +214,6 @@ class Scheduler:
         # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
         # planning step N+1)
         self._finishing: list[Request] = []
-        self._released = False
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -323,25 +321,22 @@ class Scheduler:
         empty step takes no time, so it is folded into the next one (its preemptions with it)
         rather than returned as nothing to do, which would leave the engine asleep.
         """
-        batch = self._schedule_pass()
         preempted: list[Request] = []
-        # Async scheduling: a pass that finds nothing only because the last step's finishers still
-        # held their blocks or seats is an empty step in vLLM; their release lets the next pass run.
-        while batch is None and (self._empty_preempted or self._released):
+        while True:
+            batch = self._schedule_step()
+            # Async scheduling: after the pass, the last step's outputs retire their finished
+            # requests (vLLM's update_from_output runs after the next schedule).
+            released = bool(self._finishing)
+            if released:
+                self._release_finishing()
+            # A pass that finds nothing only because the last step's finishers still held their
+            # blocks or seats is an empty step in vLLM; their release lets the next pass run.
+            if batch is not None or not (self._empty_preempted or released):
+                break
             preempted += self._empty_preempted
-            batch = self._schedule_pass()
         if batch is not None and preempted:
             batch.preempted[:0] = preempted
         self._empty_preempted = []
-        return batch
-
-    def _schedule_pass(self) -> Optional[Batch]:
-        """One scheduling pass; then, under async scheduling, the last step's outputs retire
-        their finished requests (vLLM's update_from_output runs after the next schedule)."""
-        batch = self._schedule_step()
-        self._released = bool(self._finishing)
-        if self._released:
-            self._release_finishing()
         return batch
 
     def _schedule_step(self) -> Optional[Batch]:
@@ -551,10 +546,8 @@ class Scheduler:
         """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
         cfg, kv = self.config, self.kv
         running = self.running
-        while len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
+        while self.num_waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self._peek_waiting()
-            if req is None:
-                break
             resumed = req.status is _PREEMPTED
             args = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if args is None:
@@ -628,7 +621,8 @@ class Scheduler:
         for req in emitted:
             if req.emit(step):
                 finished.append(req)
-        self._retire_finished(step, finished)
+        if finished or self._finishing:
+            self._retire_finished(step, finished)
         if self.lazy:
             for req in emitted:
                 if req.status is _RUNNING and not req.is_live:
@@ -639,7 +633,8 @@ class Scheduler:
     def finish_cohort_step(self, step: int) -> list[Request]:
         """`finish_step` of a step in which only the cohort's members computed (a leap's last)."""
         finished = self._cohort_finishers(step)
-        self._retire_finished(step, finished)
+        if finished or self._finishing:
+            self._retire_finished(step, finished)
         return finished
 
     def _cohort_finishers(self, step: int) -> list[Request]:
@@ -652,9 +647,8 @@ class Scheduler:
         return finished
 
     def _retire_finished(self, step: int, finished: list[Request]) -> None:
-        """Mark the step's finished requests and free them (async: after the next pass)."""
-        if not finished and not self._finishing:
-            return                         # (nothing to retire, nothing held over)
+        """Mark the step's finished requests and free them (async: after the next pass).
+        (Its callers skip it when nothing finished and nothing is held over: most steps.)"""
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
             finished.sort(key=_run_seq)
         for req in finished:
@@ -670,7 +664,7 @@ class Scheduler:
         self.num_finished += len(finished)
 
     def _free_finished(self, req: Request) -> None:
-        self.tokens_held -= req.num_computed
+        self.tokens_held -= req._computed  # (num_computed: a finished request has left the cohort)
         self.kv.free(req)
         req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
 
