@@ -59,6 +59,11 @@ class Status(enum.IntEnum):
     ABORTED = 5
 
 
+# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
+_WAITING = Status.WAITING
+_FINISHED = Status.FINISHED
+
+
 class Request:
     """A request's workload description plus the scheduling state the policy keeps on it.
 
@@ -114,7 +119,7 @@ class Request:
 
     def reset(self) -> None:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
-        self.status = Status.WAITING
+        self.status = _WAITING
         self._output = 0
         self._computed = 0
         self._cohort = None
@@ -206,7 +211,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= Status.FINISHED
+        return self.status >= _FINISHED
 
     def first_private_block(self, block_size: int) -> int:
         """The first block whose content only this request can ever look up, or NO_PRIVATE_BLOCK.
