@@ -78,13 +78,17 @@ class Batch:
     are kept apart, so the hot decode path needs no per-sequence token count.
     """
 
-    __slots__ = ("step", "decodes", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new", "decode_ctx",
-                 "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
+    __slots__ = ("step", "decodes", "num_decode", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new",
+                 "decode_ctx", "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted",
+                 "admitted")
 
     def __init__(self, step: int):
         self.step = step
         self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
         self.cohort_size = 0
+        # Decode rows computed: len(decodes) + pad_rows, kept as they change (the cost model and
+        # the recorder read it every step; a property read is a call)
+        self.num_decode = 0
         self.pad_rows = 0            # static batching: rows computed for members that finished
         self.pad_len = 0             # static batching: the padded length every row reaches this step
         self.prefills: list[Request] = []
@@ -101,18 +105,13 @@ class Batch:
         return len(self.decodes) + len(self.prefills)
 
     @property
-    def num_decode(self) -> int:
-        """Decode rows computed (live decodes plus a static batch's padding rows)."""
-        return len(self.decodes) + self.pad_rows
-
-    @property
     def num_seqs(self) -> int:
-        return len(self.decodes) + self.pad_rows + len(self.prefills)
+        return self.num_decode + len(self.prefills)
 
     @property
     def num_tokens(self) -> int:
         """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
-        return self.num_prefill_tokens + len(self.decodes) + self.pad_rows
+        return self.num_prefill_tokens + self.num_decode
 
     @property
     def reqs(self) -> list[Request]:
@@ -138,6 +137,7 @@ class Batch:
         # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
         if n == 1 and req._output and ctx == tokens:
             self.decodes.append(req)
+            self.num_decode += 1
             self.decode_ctx += ctx
         else:
             self.prefills.append(req)
@@ -155,6 +155,7 @@ class Batch:
         if req in self.decodes:
             i = self.decodes.index(req)
             del self.decodes[i]
+            self.num_decode -= 1
             self.cohort_size -= i < self.cohort_size
             n = 1
             self.decode_ctx -= ctx
@@ -176,9 +177,10 @@ class Scheduler:
     # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
     # instance dict past CPython's shared-key limit makes every read a dict lookup)
     __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
-                 "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished", "num_rejected",
-                 "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq", "_empty_preempted",
-                 "_returned", "_watermark_blocks", "_static_rows", "_static_len", "_static_step", "_finishing")
+                 "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished",
+                 "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq",
+                 "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "_static_rows",
+                 "_static_len", "_static_step", "_finishing")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -207,7 +209,8 @@ class Scheduler:
         self._run_seq = 0
         self._empty_preempted: list[Request] = []
         self._returned = 0
-        self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
+        self._usable_blocks = kv.pool.usable_blocks     # (the pool's size is fixed: read once, not per request)
+        self._watermark_blocks = int(config.admission_watermark * self._usable_blocks)
         # The static batch running now: its rows, padded prompt length and first step.
         self._static_rows = self._static_len = self._static_step = 0
         # async scheduling: requests that finished in the last step, still in `running` with their
@@ -237,7 +240,7 @@ class Scheduler:
             return (f"prompt ({req.prompt_len}) + max output ({req.output_len}) = {req.max_len} tokens "
                     f"exceeds max_model_len {limit}")
         need = self.kv.blocks_needed_at_most(req)
-        usable = self.kv.pool.usable_blocks
+        usable = self._usable_blocks
         if need > usable:
             return f"needs {need} KV blocks at full length but the pool has {usable} usable blocks"
         if (not self.config.chunked_prefill and not self.static
@@ -387,6 +390,7 @@ class Scheduler:
             return
         ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
         batch.pad_rows = rows - len(batch.decodes)
+        batch.num_decode = rows
         batch.pad_len = ctx
         batch.decode_ctx = rows * ctx
         batch.blocks_read = rows * -(-ctx // bs)
@@ -411,6 +415,7 @@ class Scheduler:
                 cohort.advance(batch.step, self.kv)
                 n = len(cohort)
                 batch.decodes.extend(cohort.members)
+                batch.num_decode += n
                 batch.cohort_size = n
                 batch.decode_ctx += cohort.ctx_offset_sum + n * cohort.scheduled_step
                 batch.blocks_read += cohort.blocks_walked
