@@ -591,7 +591,7 @@ class KVCacheManager:
         return req.max_len
 
     def blocks_needed_at_most(self, req: Request) -> int:
-        return cdiv(self.reserve_tokens(req), self.block_size)
+        return (self.reserve_tokens(req) + self.block_size - 1) // self.block_size
 
     # -- prefix cache ---------------------------------------------------------------------
     def find_cached_prefix(self, req: Request) -> tuple[list[int], int]:
@@ -664,11 +664,11 @@ class KVCacheManager:
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
-            target = cdiv(covered + lookahead_tokens, bs)
+            target = (covered + lookahead_tokens + bs - 1) // bs      # (cdiv, inline: once per allocation)
         need = max(target - held - len(hit_blocks), 0)
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need
-        gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
+        gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
         hit_in_free = list(map(self.pool.ref_cnt.__getitem__, hit_blocks)).count(0)
         return need, gate + hit_in_free + reserve_free
 
@@ -686,7 +686,7 @@ class KVCacheManager:
         if public_end > first:
             req.extend_block_hashes(public_end, bs)
             self.pool.cache_blocks(self.named_blocks(req, first, public_end), req.block_hashes[first:public_end])
-        if full > public_end:
+        if full > public_end and self.block_ids:     # (CountingBlockPool counts them as cached at free)
             self.pool.cache_private(req.blocks[max(first, public_end):full])
         req.num_registered = full
 
@@ -696,9 +696,10 @@ class KVCacheManager:
         held block), or mapped if it is freed unfinished (preempted, aborted): a preempted
         request looks them up when it is admitted again."""
         blocks = req.blocks
-        if blocks and self.enable_caching and self.private_blocks:
-            self._settle_private(req)
         if blocks:
+            # (CountingBlockPool counts a finished request's private blocks as cached at free)
+            if self.enable_caching and self.private_blocks and (self.block_ids or not req.is_finished):
+                self._settle_private(req)
             self.held_slots -= len(blocks) * self.block_size
             self.pool.free_table(blocks, req.num_registered, req.kv_lease)
         req.blocks = []
@@ -710,8 +711,7 @@ class KVCacheManager:
         if end <= first:
             return
         if req.is_finished:
-            if self.block_ids:                     # (CountingBlockPool counts them as cached at free)
-                self.pool.cache_private(req.blocks[first:end])
+            self.pool.cache_private(req.blocks[first:end])
         else:
             req.extend_block_hashes(end, self.block_size)
             self.pool.publish(self.named_blocks(req, first, end), req.block_hashes[first:end])
