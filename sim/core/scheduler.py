@@ -180,7 +180,7 @@ class Scheduler:
                  "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished",
                  "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq",
                  "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "_static_rows",
-                 "_static_len", "_static_step", "_finishing")
+                 "_static_len", "_static_step", "_finishing", "pending_release")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -217,6 +217,9 @@ class Scheduler:
         # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
         # planning step N+1)
         self._finishing: list[Request] = []
+        # Async scheduling: finished requests still hold blocks and seats until the next pass, i.e.
+        # `_finishing` is not empty (kept with it: the leap planner reads it every leap).
+        self.pending_release = False
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -309,11 +312,6 @@ class Scheduler:
         """Is anything left to schedule besides the step's finishers? Only then does an async
         engine plan the next step before processing this one's outputs."""
         return self.num_waiting > 0 or len(self.running) > len(finished)
-
-    @property
-    def pending_release(self) -> bool:
-        """Async scheduling: finished requests still hold blocks and seats until the next pass."""
-        return bool(self._finishing)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
@@ -413,7 +411,7 @@ class Scheduler:
                 self.active = dict.fromkeys(self.running)
             else:
                 cohort.advance(batch.step, self.kv)
-                n = len(cohort)
+                n = len(cohort.members)          # (len(cohort) would call DecodeCohort.__len__)
                 batch.decodes.extend(cohort.members)
                 batch.num_decode += n
                 batch.cohort_size = n
@@ -450,7 +448,7 @@ class Scheduler:
         the free blocks cover every allocation of the step, so no preemption can happen.
         """
         cohort, kv = self.cohort, self.kv
-        left = budget - len(cohort)
+        left = budget - len(cohort.members)
         if left < 0:
             return None
         others = list(self.active)
@@ -542,6 +540,7 @@ class Scheduler:
         else:
             self.running.pop()
         self._finishing.remove(victim)
+        self.pending_release = bool(self._finishing)
         self._free_finished(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -619,9 +618,9 @@ class Scheduler:
         """
         step = batch.step
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
-        if batch.prefills:
-            # (prefills are scheduled one by one: no member, their fields are their progress)
-            emitted += [r for r in batch.prefills if r._computed >= r.prompt_len + r._output]
+        for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
+            if r._computed >= r.prompt_len + r._output:    # (one by one: no member, fields are progress)
+                emitted.append(r)
         finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
         for req in emitted:
             if req.emit(step):
@@ -662,6 +661,7 @@ class Scheduler:
             req.close_emit_run()
             self.active.pop(req, None)
         self._finishing = finished
+        self.pending_release = bool(finished)
         # Async: released after the next scheduling pass, unless nothing else is left to plan
         # (then vLLM processes the outputs at once, as a synchronous engine always does).
         if not (self.config.async_scheduling and self.has_other_work(finished)):
@@ -676,6 +676,7 @@ class Scheduler:
     def _release_finishing(self) -> None:
         """Free the finished requests in `_finishing` and take them out of RUNNING."""
         finishing, self._finishing = self._finishing, []
+        self.pending_release = False
         for req in finishing:
             self._free_finished(req)
         if len(finishing) == len(self.running):
@@ -690,6 +691,8 @@ class Scheduler:
         queued = len(self.waiting_heap if self.priority else self.waiting_fifo)
         if self.num_waiting != queued:
             raise AssertionError(f"waiting count {self.num_waiting} != {queued} requests queued")
+        if self.pending_release != bool(self._finishing):
+            raise AssertionError(f"pending_release {self.pending_release} with {len(self._finishing)} finishing")
         live = self.num_waiting + len(self.running) - len(self._finishing)
         ended = self.num_finished + self.num_rejected + self.num_aborted
         if self.num_added != ended + live:
