@@ -58,8 +58,9 @@ class DecodeCohort:
         self.blocks_walked = 0        # sum of members' cdiv(context, block_size) at scheduled_step
         # A member's context at step t is _computed + t, so its block boundaries fall on the steps
         # t with t = -_computed (mod block_size): members grouped by _computed % block_size all
-        # cross (start a block) and fill (complete one) on the same steps, with no per-member events.
-        self._by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
+        # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
+        # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/leap.py).
+        self.by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
         self._finish: dict[int, list] = defaultdict(list)
         self._finish_steps: list[int] = []          # heap of the keys of _finish
 
@@ -77,7 +78,7 @@ class DecodeCohort:
         req._pause_index = len(self.pauses)
         req.cohort_gen += 1
         self.members[req] = None
-        self._by_phase[req._computed % bs][req] = None
+        self.by_phase[req._computed % bs][req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
         finish = self.finished_step + req.output_len - output        # on the cohort's clock
@@ -96,7 +97,7 @@ class DecodeCohort:
         computed, output = req._computed + self.scheduled_step, req._output + self.finished_step
         self.ctx_offset_sum -= req._computed
         self.blocks_walked -= -(-computed // self.block_size)
-        del self._by_phase[req._computed % self.block_size][req]
+        del self.by_phase[req._computed % self.block_size][req]
         req.emit_runs, req.emit_start, req._last_emit = self.emission(req)
         req._computed, req._output = computed, output
         req._cohort = None
@@ -162,7 +163,7 @@ class DecodeCohort:
     # -- one step --------------------------------------------------------------------------
     def _crossing(self, step: int) -> dict[Request, None]:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
-        return self._by_phase[(1 - step + self.offset) % self.block_size]
+        return self.by_phase[(1 - step + self.offset) % self.block_size]
 
     def first_crossing_seq(self, step: int) -> float:
         """The earliest running position among members that need a block at `step`."""
@@ -170,15 +171,16 @@ class DecodeCohort:
         return min(map(_run_seq, crossing)) if crossing else float("inf")
 
     def due_blocks(self, step: int) -> int:
-        """Blocks the members need at `step`."""
-        return len(self._crossing(step)) if self.paged else 0
+        """Blocks the members need at `step` (`_crossing`'s group, read here without the call:
+        the scheduler and the leap planner ask this at every step)."""
+        return len(self.by_phase[(1 - step + self.offset) % self.block_size]) if self.paged else 0
 
     def advance(self, step: int, kv) -> None:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         self.scheduled_step = clock
         bs = self.block_size
-        crossing = self._by_phase[(1 - clock) % bs]
+        crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             for req, block in zip(self._in_running_order(crossing, kv), kv.pool.get_new_blocks(len(crossing))):
@@ -190,7 +192,7 @@ class DecodeCohort:
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order (members
         whose fills are private are left alone: see `leave`)."""
-        by_phase, bs = self._by_phase, self.block_size
+        by_phase, bs = self.by_phase, self.block_size
         blocks, hashes = [], []
         for clock in clocks:
             for req in by_phase[-clock % bs]:
@@ -212,7 +214,7 @@ class DecodeCohort:
         list of blocks, which commute. Returns the hashes evicted by the end of each step."""
         total = sum(walked)
         bs = self.block_size
-        by_phase, clock = self._by_phase, step - self.offset
+        by_phase, clock = self.by_phase, step - self.offset
         evicted_by_step = [0] * len(walked)
         if total:
             evicted_at: list[int] = []
@@ -244,10 +246,6 @@ class DecodeCohort:
         while heap and heap[0] not in self._finish:
             heapq.heappop(heap)
         return heap[0] + self.offset if heap else float("inf")
-
-    def phase_groups(self) -> list[dict[Request, None]]:
-        """Members by phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
-        return self._by_phase
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after `finish(step)`)."""
