@@ -105,7 +105,9 @@ class DecodeCohort:
         del self.members[req]
         if self.caching:
             if req._private_fills:     # its fills were not marked one by one (the pool marks them at free)
-                req.num_registered = max(req.num_registered, computed // self.block_size)
+                full = computed // self.block_size
+                if full > req.num_registered:
+                    req.num_registered = full
             else:
                 self._public_fillers -= 1
 
@@ -117,7 +119,8 @@ class DecodeCohort:
     def emission(self, req: Request) -> tuple[list[int], int, int]:
         """A member's (closed emission runs, open run's start, latest emission): it emitted at every
         step from its open run's start on, except at the pauses it sat through (no state changes)."""
-        last = self.last_emit(req)
+        own, members = req._last_emit, self.last_emit_step
+        last = members if members > own else own          # last_emit(req), without the call
         runs, start = req.emit_runs, req.emit_start
         pauses = self.pauses
         i = req._pause_index
@@ -183,7 +186,8 @@ class DecodeCohort:
         crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            for req, block in zip(self._in_running_order(crossing, kv), kv.pool.get_new_blocks(len(crossing))):
+            ordered = self._in_running_order(crossing) if kv.block_ids else crossing
+            for req, block in zip(ordered, kv.pool.get_new_blocks(len(crossing))):
                 req.blocks.append(block)
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
@@ -219,10 +223,12 @@ class DecodeCohort:
         if total:
             evicted_at: list[int] = []
             blocks = iter(kv.pool.get_new_blocks(total, evicted_at))
+            named, phase = kv.block_ids, 1 - clock
             for i, w in enumerate(walked):
                 if w:
-                    for req in self._in_running_order(by_phase[(1 - clock - i) % bs], kv):
-                        req.blocks.append(next(blocks))
+                    crossing = by_phase[(phase - i) % bs]
+                    for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
+                        req.blocks.append(block)
             if evicted_at:
                 ends = list(accumulate(walked))
                 evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
@@ -234,10 +240,11 @@ class DecodeCohort:
         return evicted_by_step
 
     @staticmethod
-    def _in_running_order(crossing: dict[Request, None], kv):
+    def _in_running_order(crossing: dict[Request, None]):
         """Members taking a block at one step, in the order the one-by-one loop hands them out
-        (the running list's); any order where the pool hands out unnamed blocks (all alike)."""
-        return sorted(crossing, key=_run_seq) if kv.block_ids and len(crossing) > 1 else crossing
+        (the running list's). Only a pool that names its blocks needs it: unnamed blocks are all
+        alike, so callers skip the call (one per crossing step) and take any order."""
+        return sorted(crossing, key=_run_seq) if len(crossing) > 1 else crossing
 
     def next_finish(self) -> float:
         """The earliest step at which a member may emit its last token, if no pause comes first
@@ -249,4 +256,7 @@ class DecodeCohort:
 
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after `finish(step)`)."""
-        return [req for req, gen in self._finish.pop(step - self.offset, ()) if req.cohort_gen == gen]
+        due = self._finish.pop(step - self.offset, None)
+        if due is None:                    # most steps (and no comprehension to call for them)
+            return []
+        return [req for req, gen in due if req.cohort_gen == gen]
