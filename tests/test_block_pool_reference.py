@@ -120,13 +120,16 @@ class Tables:
     blocks are full and registered (publicly under a hash, or privately), the rest unfilled."""
 
     def __init__(self, pool):
-        self.pool, self.tables = pool, []
+        self.pool, self.tables, self.leases = pool, [], []
+        self.shared_hits = 0               # hits that joined a lease another table holds
 
     def new(self, hit_hashes):
-        """A table starting from cache hits (blocks found by hash, referenced)."""
+        """A table starting from cache hits (blocks found by hash, referenced through a lease)."""
         hits = [self.pool.lookup(h) for h in hit_hashes]
-        self.pool.touch(hits)
+        lease = self.pool.touch_shared(hits) if hits else None
+        self.shared_hits += lease in self.leases
         self.tables.append([hits, len(hits)])
+        self.leases.append(lease)
 
     def take(self, t, n):
         self.tables[t][0].extend(self.pool.get_new_blocks(n))
@@ -145,7 +148,12 @@ class Tables:
 
     def free(self, t):
         blocks, registered = self.tables.pop(t)
-        self.pool.free_table(blocks, registered)
+        self.pool.free_table(blocks, registered, self.leases.pop(t))
+
+    def ref_counts(self):
+        """Each named block's count with one reference per holder, table by table."""
+        count = getattr(self.pool, "ref_count", self.pool.ref_cnt.__getitem__)
+        return [[count(b) if b > 0 else None for b in blocks] for blocks, _ in self.tables]
 
     def free_queue(self):
         """The free queue as content: hash, "cached" (private content) or "empty", in LRU order."""
@@ -166,19 +174,24 @@ class Tables:
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("seed", range(8))
 def test_counting_pool_matches_the_id_pool_under_random_tables(seed, caching):
-    """CountingBlockPool (ids only for mapped blocks) against BlockPool, table by table: the same
-    free queue by content (LRU order, cached vs empty), map, evictions and counts, with public
-    and private registrations in any order (so unnamed blocks also precede named ones)."""
+    """CountingBlockPool (ids only for mapped blocks, leases on shared hits) against BlockPool,
+    table by table: the same free queue by content (LRU order, cached vs empty), map, evictions
+    and counts (per holder), with public and private registrations in any order (so unnamed
+    blocks also precede named ones) and hits repeated (leased) or ending at the same block."""
     rng = random.Random(seed)
     n = rng.choice([6, 40, 300])
     ids, counting = Tables(BlockPool(n, caching)), Tables(CountingBlockPool(n, caching))
     for pool in (ids.pool, counting.pool):
         pool.compact_at = rng.choice([0, 2, 16])
+    recent_hits = []
     for _ in range(500):
         op, tables = rng.random(), ids.tables
         if op < 0.2 or not tables:
             mapped = list(ids.pool.cached) if caching else []
             hits = rng.sample(mapped, rng.randint(0, min(3, len(mapped))))
+            if recent_hits and rng.random() < 0.5:       # the same hit again: a shared lease
+                hits = [h for h in rng.choice(recent_hits) if h in ids.pool.cached]
+            recent_hits = (recent_hits + [hits])[-3:]
             for side in (ids, counting):
                 side.new(hits)
         elif op < 0.5:
@@ -199,12 +212,16 @@ def test_counting_pool_matches_the_id_pool_under_random_tables(seed, caching):
                 side.free(t)
         assert counting.free_queue() == ids.free_queue()
         assert counting.contents() == ids.contents()
+        named = [[c for c in counts if c is not None] for counts in counting.ref_counts()]
+        assert named == [[c for c, b in zip(counts, blocks) if b is not None]
+                         for counts, blocks in zip(ids.ref_counts(), counting.ref_counts())]
         a, b = ids.pool, counting.pool
         assert (a.num_free, a.num_cached_free, a.evictions) == (b.num_free, b.num_cached_free, b.evictions)
         assert {h: 1 + len(a.duplicates.get(h, ())) for h in a.cached} == \
                {h: 1 + len(b.duplicates.get(h, ())) for h in b.cached}
         counting.pool.check_invariants()
     ids.pool.check_invariants()
+    assert not caching or counting.shared_hits > 0, "no hit was shared: the leases went untested"
 
 
 def test_counting_pool_evict_empties_a_free_named_block_in_place():

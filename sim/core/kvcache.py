@@ -192,6 +192,12 @@ class BlockPool:
         if len(self._stale) > self.compact_at and len(self._stale) * 2 > len(self._queue) - self._head:
             self._compact()
 
+    def touch_shared(self, blocks: list[int]) -> Optional[int]:
+        """touch() for a request's prefix hit; returns the key of a shared lease on the blocks, or None.
+        (The engine's pool takes a reference per block and holder: it never leases.)"""
+        self.touch(blocks)
+        return None
+
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
         live = self._freed_queue()
@@ -228,9 +234,10 @@ class BlockPool:
         self.num_free += len(freed)
         self.num_cached_free += revivable
 
-    def free_table(self, table: list[int], num_registered: int) -> None:
+    def free_table(self, table: list[int], num_registered: int, lease: Optional[int] = None) -> None:
         """Free a request's block table (its first `num_registered` blocks full and registered),
-        last block first: its tail is evicted first. The table is consumed."""
+        last block first: its tail is evicted first. The table is consumed; `lease`: what
+        touch_shared returned for its prefix hit."""
         table.reverse()
         self.free_blocks(table)
 
@@ -330,12 +337,23 @@ class CountingBlockPool(BlockPool):
     So the ids in use stay few and warm: a pool of 10^5 blocks cycled in scrambled order costs
     a cache miss per block visit otherwise. The engine needs real ids (they address its KV
     tensors): it uses `BlockPool`.
+
+    A prefix hit shared by many running requests (a system prompt) is held through a lease:
+    the first holder takes a reference on each block, later holders of the very same hit
+    only count themselves on the lease, and the blocks lose the lease's reference when its
+    last holder frees them. A block's count is then zero exactly when the per-holder count
+    would be (`ref_count` gives that count), so the free queue and every eviction are the
+    same, and a hit on a hot prefix costs O(1) instead of a count per block and holder.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         super().__init__(num_blocks, enable_caching)
         self._spare: list[int] = []        # ids given back
         self._next_id = 1                  # ids from here on were never given
+        # last block of a leased hit -> [holders beyond the first, the hit's blocks]. While a
+        # lease holds its blocks none is evicted, so their hashes keep mapping to them: any
+        # hit ending at the same block is the same hit (touch_shared still compares).
+        self._leases: dict[int, list] = {}
 
     @property
     def free_queue(self) -> list[int]:
@@ -391,7 +409,33 @@ class CountingBlockPool(BlockPool):
             ref[block] = 1
         return ids
 
-    def free_table(self, table: list[int], num_registered: int) -> None:
+    def touch_shared(self, blocks: list[int]) -> Optional[int]:
+        key = blocks[-1]
+        lease = self._leases.get(key)
+        if lease is None:
+            self.touch(blocks)
+            self._leases[key] = [0, list(blocks)]
+            return key
+        if lease[1] != blocks:             # (a hash collision: not the same hit, so no lease)
+            self.touch(blocks)
+            return None
+        lease[0] += 1
+        return key
+
+    def ref_count(self, block: int) -> int:
+        """The block's reference count with one reference per holder (as BlockPool counts)."""
+        return self.ref_cnt[block] + sum(extra for extra, blocks in self._leases.values() if block in blocks)
+
+    def free_table(self, table: list[int], num_registered: int, lease: Optional[int] = None) -> None:
+        if lease is not None:
+            entry = self._leases[lease]
+            if entry[0]:                   # other holders keep the leased blocks (the table's head)
+                entry[0] -= 1
+                leased = len(entry[1])
+                del table[:leased]
+                num_registered -= leased
+            else:
+                del self._leases[lease]
         n = len(table)
         unnamed = table.count(ANON)
         named = n - unnamed
@@ -463,6 +507,9 @@ class CountingBlockPool(BlockPool):
             assert self.block_hash[b] is None, f"spare id {b} holds a hash"
         for b in named_free + held:
             assert self.block_hash[b] not in (None, PRIVATE), f"named block {b} holds no hash"
+        for key, (extra, blocks) in self._leases.items():
+            assert extra >= 0 and blocks[-1] == key and all(self.ref_cnt[b] > 0 for b in blocks), \
+                f"lease {key} does not hold its blocks"
         self._check_positions()
         self._check_map()
 
@@ -544,7 +591,7 @@ class KVCacheManager:
         return req.max_len
 
     def blocks_needed_at_most(self, req: Request) -> int:
-        return cdiv(self.reserve_tokens(req), self.block_size)
+        return (self.reserve_tokens(req) + self.block_size - 1) // self.block_size
 
     # -- prefix cache ---------------------------------------------------------------------
     def find_cached_prefix(self, req: Request) -> tuple[list[int], int]:
@@ -592,7 +639,7 @@ class KVCacheManager:
         if required > pool.num_free:
             return False
         if hit_blocks:
-            pool.touch(hit_blocks)
+            req.kv_lease = pool.touch_shared(hit_blocks)
             req.blocks.extend(hit_blocks)
             req.num_registered = len(req.blocks)   # hit blocks are already registered
         if need:
@@ -617,11 +664,11 @@ class KVCacheManager:
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
-            target = cdiv(covered + lookahead_tokens, bs)
+            target = (covered + lookahead_tokens + bs - 1) // bs      # (cdiv, inline: once per allocation)
         need = max(target - held - len(hit_blocks), 0)
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need
-        gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
+        gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
         hit_in_free = list(map(self.pool.ref_cnt.__getitem__, hit_blocks)).count(0)
         return need, gate + hit_in_free + reserve_free
 
@@ -639,7 +686,7 @@ class KVCacheManager:
         if public_end > first:
             req.extend_block_hashes(public_end, bs)
             self.pool.cache_blocks(self.named_blocks(req, first, public_end), req.block_hashes[first:public_end])
-        if full > public_end:
+        if full > public_end and self.block_ids:     # (CountingBlockPool counts them as cached at free)
             self.pool.cache_private(req.blocks[max(first, public_end):full])
         req.num_registered = full
 
@@ -649,21 +696,22 @@ class KVCacheManager:
         held block), or mapped if it is freed unfinished (preempted, aborted): a preempted
         request looks them up when it is admitted again."""
         blocks = req.blocks
-        if blocks and self.enable_caching and self.private_blocks:
-            self._settle_private(req)
         if blocks:
+            # (CountingBlockPool counts a finished request's private blocks as cached at free)
+            if self.enable_caching and self.private_blocks and (self.block_ids or not req.is_finished):
+                self._settle_private(req)
             self.held_slots -= len(blocks) * self.block_size
-            self.pool.free_table(blocks, req.num_registered)
+            self.pool.free_table(blocks, req.num_registered, req.kv_lease)
         req.blocks = []
         req.num_registered = 0
+        req.kv_lease = None
 
     def _settle_private(self, req: Request) -> None:
         first, end = req.first_private_block(self.block_size), req.num_registered
         if end <= first:
             return
         if req.is_finished:
-            if self.block_ids:                     # (CountingBlockPool counts them as cached at free)
-                self.pool.cache_private(req.blocks[first:end])
+            self.pool.cache_private(req.blocks[first:end])
         else:
             req.extend_block_hashes(end, self.block_size)
             self.pool.publish(self.named_blocks(req, first, end), req.block_hashes[first:end])
