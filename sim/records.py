@@ -32,6 +32,9 @@ from sim.core.request import Request, Status
 # pandas, so a process that only simulates does not pay its import (~0.3 s).
 pd = lazy_import("pandas")
 
+# (a module constant: an enum member read off its class is a descriptor call in 3.11, once a request here)
+_FINISHED = Status.FINISHED
+
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
                 "kv_blocks_used", "kv_blocks_cached", "slack_tokens", "preemptions", "host_s", "device_s")
@@ -106,20 +109,18 @@ class _Buffer:
     Python numbers cost ~10% of a decode-heavy run to convert, and typed arrays a C-level
     conversion per value several times slower than `struct`'s."""
 
-    __slots__ = ("names", "data", "_entry", "_packs")
+    __slots__ = ("names", "data", "pack", "_packs")
 
     def __init__(self, names: tuple):
         self.names = names
         self.data = bytearray()
-        self._entry = Struct(f"<{len(names)}d").pack
+        # One entry, a value per column in `names` order: `buffer.data += buffer.pack(*values)`
+        # (written out by the recorder, a step at a time: a method of two lines cost a call per step).
+        self.pack = Struct(f"<{len(names)}d").pack
         self._packs: dict[int, Callable] = {}     # k -> the pack of k entries
 
     def __len__(self) -> int:
         return len(self.data) // (8 * len(self.names))
-
-    def append(self, values: tuple) -> None:
-        """One entry: a value per column, in `names` order."""
-        self.data += self._entry(*values)
 
     def extend(self, sequences: tuple) -> None:
         """Several entries: a sequence per column, all of one length."""
@@ -159,11 +160,13 @@ class StepRecorder:
         """Append a step. KV figures are taken right after scheduling (the step's peak)."""
         decodes = batch.num_decode
         prefill = batch.num_prefill_tokens
-        self.rows.append((batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
-                          decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
-                          batch.prefill_ctx, batch.prefill_attn, len(batch.preempted)))
+        rows = self.rows
+        rows.data += rows.pack(batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
+                               decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
+                               batch.prefill_ctx, batch.prefill_attn, len(batch.preempted))
         steps = self.step_values
-        steps.append((end_s, host_s, device_s, batch.decode_ctx, batch.blocks_read, kv_used, kv_cached, slack))
+        steps.data += steps.pack(end_s, host_s, device_s, batch.decode_ctx, batch.blocks_read, kv_used, kv_cached,
+                                 slack)
         if len(steps.data) >= self._chunk_bytes:
             self._flush()
 
@@ -184,8 +187,9 @@ class StepRecorder:
         else:
             new_rows = [row]
         if k <= self.LONG_LEAP and type(ends) is list:
+            buffer = self.rows
             for row in new_rows:
-                self.rows.append(row)
+                buffer.data += buffer.pack(*row)
             steps = self.step_values
             steps.extend((ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack))
             if len(steps.data) >= self._chunk_bytes:
@@ -333,7 +337,7 @@ class RequestTable:
     def add(self, req: Request) -> None:
         """Take an ended request's figures (the object itself may then go)."""
         runs, chunks = req.emit_runs, req.chunk_steps
-        finished = req.status is Status.FINISHED
+        finished = req.status is _FINISHED
         if not finished:
             chunks = ()                 # only a finished request's chunk steps count (host/device split)
         tenant = self._tenants.setdefault(req.tenant, len(self._tenants) - 1)

@@ -238,8 +238,9 @@ class Simulation:
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
-            # Where nothing else can act before the next arrival (`_chained`), steps and leaps that
-            # end before it run back to back without waiting for SimPy's clock: `now` runs ahead.
+            # Where nothing else can act before the next arrival (`_chained`), steps and leaps run
+            # back to back without waiting for SimPy's clock (`now` runs ahead): the replica takes
+            # the arrivals due by each of its ends itself, and SimPy's clock only where it sleeps.
             clock = env.now
             now = last_end if last_end > clock else clock
             # (chained: no follow-up turn, no other replica, no client queue; the next arrival it is)
@@ -272,11 +273,12 @@ class Simulation:
             kv_used, kv_cached, slack = pool.num_used, pool.num_cached_free, sched.slack_tokens
             host, device = step_time(batch, now - last_end > IDLE_GAP_S)
             end = now + (host + device)      # as SimPy's timeout adds it
-            if not (chained and end < horizon):
+            if chained:
+                if end >= horizon:
+                    self._next_arrival = inline.deliver(end)
+            else:
                 replica.busy_until = end
                 yield _At(env, end)
-                if inline is not None:
-                    self._next_arrival = inline.deliver(env.now)
             record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
             last_end = end
             finished = finish_step(batch)
@@ -296,11 +298,12 @@ class Simulation:
             running = len(sched.running)     # (after an async release at the leap's first step)
             end = float(ends[-1])
             chained = self._chained and end < horizon
-            if not chained:
+            if self._chained:
+                if not chained:
+                    self._next_arrival = self._inline.deliver(end)
+            else:
                 replica.busy_until = end
                 yield _At(env, end)
-                if self._inline is not None:
-                    self._next_arrival = self._inline.deliver(env.now)
             recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
                                  waiting, used, cached, slack, host, device, sched.num_waiting)
             finished = finish_leap(sched)

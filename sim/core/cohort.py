@@ -58,8 +58,9 @@ class DecodeCohort:
         self.blocks_walked = 0        # sum of members' cdiv(context, block_size) at scheduled_step
         # A member's context at step t is _computed + t, so its block boundaries fall on the steps
         # t with t = -_computed (mod block_size): members grouped by _computed % block_size all
-        # cross (start a block) and fill (complete one) on the same steps, with no per-member events.
-        self._by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
+        # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
+        # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/leap.py).
+        self.by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
         self._finish: dict[int, list] = defaultdict(list)
         self._finish_steps: list[int] = []          # heap of the keys of _finish
 
@@ -77,7 +78,7 @@ class DecodeCohort:
         req._pause_index = len(self.pauses)
         req.cohort_gen += 1
         self.members[req] = None
-        self._by_phase[req._computed % bs][req] = None
+        self.by_phase[req._computed % bs][req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
         finish = self.finished_step + req.output_len - output        # on the cohort's clock
@@ -96,7 +97,7 @@ class DecodeCohort:
         computed, output = req._computed + self.scheduled_step, req._output + self.finished_step
         self.ctx_offset_sum -= req._computed
         self.blocks_walked -= -(-computed // self.block_size)
-        del self._by_phase[req._computed % self.block_size][req]
+        del self.by_phase[req._computed % self.block_size][req]
         req.emit_runs, req.emit_start, req._last_emit = self.emission(req)
         req._computed, req._output = computed, output
         req._cohort = None
@@ -104,7 +105,9 @@ class DecodeCohort:
         del self.members[req]
         if self.caching:
             if req._private_fills:     # its fills were not marked one by one (the pool marks them at free)
-                req.num_registered = max(req.num_registered, computed // self.block_size)
+                full = computed // self.block_size
+                if full > req.num_registered:
+                    req.num_registered = full
             else:
                 self._public_fillers -= 1
 
@@ -116,7 +119,8 @@ class DecodeCohort:
     def emission(self, req: Request) -> tuple[list[int], int, int]:
         """A member's (closed emission runs, open run's start, latest emission): it emitted at every
         step from its open run's start on, except at the pauses it sat through (no state changes)."""
-        last = self.last_emit(req)
+        own, members = req._last_emit, self.last_emit_step
+        last = members if members > own else own          # last_emit(req), without the call
         runs, start = req.emit_runs, req.emit_start
         pauses = self.pauses
         i = req._pause_index
@@ -162,7 +166,7 @@ class DecodeCohort:
     # -- one step --------------------------------------------------------------------------
     def _crossing(self, step: int) -> dict[Request, None]:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
-        return self._by_phase[(1 - step + self.offset) % self.block_size]
+        return self.by_phase[(1 - step + self.offset) % self.block_size]
 
     def first_crossing_seq(self, step: int) -> float:
         """The earliest running position among members that need a block at `step`."""
@@ -170,18 +174,20 @@ class DecodeCohort:
         return min(map(_run_seq, crossing)) if crossing else float("inf")
 
     def due_blocks(self, step: int) -> int:
-        """Blocks the members need at `step`."""
-        return len(self._crossing(step)) if self.paged else 0
+        """Blocks the members need at `step` (`_crossing`'s group, read here without the call:
+        the scheduler and the leap planner ask this at every step)."""
+        return len(self.by_phase[(1 - step + self.offset) % self.block_size]) if self.paged else 0
 
     def advance(self, step: int, kv) -> None:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         self.scheduled_step = clock
         bs = self.block_size
-        crossing = self._by_phase[(1 - clock) % bs]
+        crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            for req, block in zip(self._in_running_order(crossing, kv), kv.pool.get_new_blocks(len(crossing))):
+            ordered = self._in_running_order(crossing) if kv.block_ids else crossing
+            for req, block in zip(ordered, kv.pool.get_new_blocks(len(crossing))):
                 req.blocks.append(block)
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
@@ -190,7 +196,7 @@ class DecodeCohort:
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order (members
         whose fills are private are left alone: see `leave`)."""
-        by_phase, bs = self._by_phase, self.block_size
+        by_phase, bs = self.by_phase, self.block_size
         blocks, hashes = [], []
         for clock in clocks:
             for req in by_phase[-clock % bs]:
@@ -212,15 +218,17 @@ class DecodeCohort:
         list of blocks, which commute. Returns the hashes evicted by the end of each step."""
         total = sum(walked)
         bs = self.block_size
-        by_phase, clock = self._by_phase, step - self.offset
+        by_phase, clock = self.by_phase, step - self.offset
         evicted_by_step = [0] * len(walked)
         if total:
             evicted_at: list[int] = []
             blocks = iter(kv.pool.get_new_blocks(total, evicted_at))
+            named, phase = kv.block_ids, 1 - clock
             for i, w in enumerate(walked):
                 if w:
-                    for req in self._in_running_order(by_phase[(1 - clock - i) % bs], kv):
-                        req.blocks.append(next(blocks))
+                    crossing = by_phase[(phase - i) % bs]
+                    for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
+                        req.blocks.append(block)
             if evicted_at:
                 ends = list(accumulate(walked))
                 evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
@@ -232,10 +240,11 @@ class DecodeCohort:
         return evicted_by_step
 
     @staticmethod
-    def _in_running_order(crossing: dict[Request, None], kv):
+    def _in_running_order(crossing: dict[Request, None]):
         """Members taking a block at one step, in the order the one-by-one loop hands them out
-        (the running list's); any order where the pool hands out unnamed blocks (all alike)."""
-        return sorted(crossing, key=_run_seq) if kv.block_ids and len(crossing) > 1 else crossing
+        (the running list's). Only a pool that names its blocks needs it: unnamed blocks are all
+        alike, so callers skip the call (one per crossing step) and take any order."""
+        return sorted(crossing, key=_run_seq) if len(crossing) > 1 else crossing
 
     def next_finish(self) -> float:
         """The earliest step at which a member may emit its last token, if no pause comes first
@@ -245,10 +254,9 @@ class DecodeCohort:
             heapq.heappop(heap)
         return heap[0] + self.offset if heap else float("inf")
 
-    def phase_groups(self) -> list[dict[Request, None]]:
-        """Members by phase: at clock c, phase (1 - c) % block_size crosses into a new block."""
-        return self._by_phase
-
     def finishing(self, step: int) -> list[Request]:
         """Members whose last token was emitted at `step` (call after `finish(step)`)."""
-        return [req for req, gen in self._finish.pop(step - self.offset, ()) if req.cohort_gen == gen]
+        due = self._finish.pop(step - self.offset, None)
+        if due is None:                    # most steps (and no comprehension to call for them)
+            return []
+        return [req for req, gen in due if req.cohort_gen == gen]

@@ -30,6 +30,7 @@ in bulk; equal, bit for bit, to pricing the steps one by one (same float operati
 """
 from __future__ import annotations
 
+import math
 from itertools import accumulate, repeat
 from operator import mul, sub
 from typing import Optional
@@ -48,16 +49,18 @@ class LeapPlan:
     __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "_settled", "_ctx0", "_ctx_per_step",
                  "_walked", "_walked_before", "_static", "_clock", "_groups", "_free", "_taken", "_limit")
 
-    def __init__(self, sched: Scheduler, max_steps: int):
+    def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
+        """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
+        `free` blocks are what it read.)"""
         cohort = sched.cohort
         self.first_step = sched.step
         self.max_steps = max_steps
-        self.members = len(cohort)
+        self.members = members
         self._walked: list[int] = []       # blocks the members start walking at each step
         self._walked_before = cohort.blocks_walked
-        self._clock = cohort.clock(sched.step)
-        self._groups = cohort.phase_groups()
-        self._free = sched.kv.pool.num_free if not sched.kv.contiguous else None
+        self._clock = clock
+        self._groups = cohort.by_phase
+        self._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
         self._taken = 0
         self._limit = max_steps            # lowered where the pool runs out
         # Async scheduling: the last step's finishers are released after step t's pass. Until
@@ -82,16 +85,14 @@ class LeapPlan:
         k = min(k, self._limit)
         if len(walked) < k:
             groups, bs = self._groups, len(self._groups)
-            i, clock, free, taken = len(walked), self._clock, self._free, self._taken
-            while i < k:
-                w = len(groups[(1 - clock - i) % bs])
-                if free is not None:
-                    taken += w
-                    if taken > free:
-                        self._limit = k = i
-                        break
+            phase, free, taken = 1 - self._clock, self._free, self._taken
+            for i in range(len(walked), k):
+                w = len(groups[(phase - i) % bs])      # the members crossing into a block at step i
+                taken += w
+                if taken > free:
+                    self._limit = k = i
+                    break
                 walked.append(w)
-                i += 1
             self._taken = taken
         return k
 
@@ -101,7 +102,7 @@ class LeapPlan:
         The plan then reaches past step t unless the waiting head would start at t + 1."""
         if not self.pending or self._settled is not None:
             return
-        if sched.step != self.first_step or self.reach(1) != 1:
+        if sched.step != self.first_step or (not self._walked and self.reach(1) != 1):
             raise AssertionError("settle: the plan's first step is not the scheduler's next one")
         t, cohort, kv = self.first_step, sched.cohort, sched.kv
         cohort.advance(t, kv)
@@ -110,11 +111,11 @@ class LeapPlan:
         pool = kv.pool
         self._settled = (pool.num_used, pool.num_cached_free, sched.slack_tokens)
         # Free blocks only shrink from here on: steps t+1 ... are counted against what is free now.
-        if self._free is not None:
+        if self._free != math.inf:
             self._free, self._taken = pool.num_free, 0
         first = cohort.due_blocks(t + 1)
-        if self.max_steps > 1 and not (first > pool.num_free or _head_starts(sched, self.members,
-                                                                               pool.num_free - first)):
+        if self.max_steps > 1 and not (first > pool.num_free or sched.num_waiting and _head_starts(
+                sched, self.members, pool.num_free - first)):
             self._limit = self.max_steps
 
     def timed(self, sched: Scheduler, price, start: float, horizon: float, most: int) -> tuple:
@@ -202,7 +203,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     The plan's steps are bounded by the next finish; `LeapPlan.reach` counts how many of
     them the free blocks allow."""
     cohort, kv, cfg = sched.cohort, sched.kv, sched.config
-    members = len(cohort)
+    members = len(cohort.members)
     t = sched.step
     clock = t - cohort.offset
     # (async scheduling: the last step's finishers, still holding blocks and seats, are neither
@@ -210,19 +211,22 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     if (not sched.lazy or not members or sched.active or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
-    max_steps = int(min(max_steps, cohort.next_finish() - t + 1))
-    if max_steps < max(1, min_steps):
+    to_finish = cohort.next_finish() - t + 1
+    if to_finish < max_steps:
+        max_steps = int(to_finish)
+    if max_steps < min_steps or max_steps < 1:
         return None
     first = cohort.due_blocks(t)           # blocks the members take at the first step
     free = kv.pool.num_free
-    if first > free or _head_starts(sched, members, free - first):
+    if first > free or sched.num_waiting and _head_starts(sched, members, free - first):
         return None
-    return LeapPlan(sched, max_steps)
+    return LeapPlan(sched, max_steps, members, clock, free)
 
 
 def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
-    """Would the waiting pass admit its head during the stretch? (Checked at its first step.)"""
-    if not sched.num_waiting or sched.static:      # a static batch admits only when none runs
+    """Would the waiting pass admit its head during the stretch? (Checked at its first step; the
+    caller has seen requests waiting.)"""
+    if sched.static:                       # a static batch admits only when none runs
         return False
     budget = sched.config.max_num_batched_tokens
     if sched.mixed:        # mixed: the waiting pass follows the running one, in the same step
