@@ -335,7 +335,8 @@ class RequestTable:
         self.count = 0
 
     def add(self, req: Request) -> None:
-        """Take an ended request's figures (the object itself may then go)."""
+        """Take an ended request's figures (the object itself may then go). An ended request is in
+        no decode cohort, so its progress fields are its figures."""
         runs, chunks = req.emit_runs, req.chunk_steps
         finished = req.status is _FINISHED
         if not finished:
@@ -344,7 +345,7 @@ class RequestTable:
         self._buffer.append((req.id, req.replica, req.priority,
                              _NO_CONVERSATION if req.conversation is None else req.conversation,
                              req.is_warmup, int(req.status), np.nan if req.arrival is None else req.arrival,
-                             req.prompt_len, req.num_output, req.num_cached_tokens, req.num_preemptions,
+                             req.prompt_len, req._output, req.num_cached_tokens, req.num_preemptions,
                              req.admit_step, req.first_token_step, req.finish_step, tenant,
                              len(runs) // 2, len(chunks)))
         if runs:

@@ -270,7 +270,7 @@ class Simulation:
                 yield replica.wakeup
                 replica.wakeup = None
                 continue
-            kv_used, kv_cached, slack = pool.num_used, pool.num_cached_free, sched.slack_tokens
+            kv_used, kv_cached, slack = sched.kv_figures()
             host, device = step_time(batch, now - last_end > IDLE_GAP_S)
             end = now + (host + device)      # as SimPy's timeout adds it
             if chained:

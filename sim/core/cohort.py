@@ -71,7 +71,7 @@ class DecodeCohort:
     def join(self, req: Request, step: int) -> None:
         """Take a decoding request after finish_step(step); its next token is scheduled at step + 1."""
         bs = self.block_size
-        computed, output = req.num_computed, req.num_output
+        computed, output = req._computed, req._output       # (not a member yet: fields are progress)
         req._computed = computed - self.scheduled_step
         req._output = output - self.finished_step
         req._cohort = self

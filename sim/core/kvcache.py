@@ -26,9 +26,10 @@ from array import array
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
-from sim.core.request import Request
+from sim.core.request import Request, Status
 
 NULL_BLOCK = 0
+_FINISHED = Status.FINISHED    # (an enum member read off its class is a descriptor call)
 # The simulator's pool (CountingBlockPool) names only the blocks the hash map holds. A block table
 # holds ANON for any other block; its free queue holds CACHED for a free block with private content
 # (it counts as cached, and its reuse as an eviction) and EMPTY for one with none.
@@ -611,9 +612,9 @@ class KVCacheManager:
     def _lookup_span(self, req: Request) -> int:
         """How many leading blocks of a new request a prefix hit may cover (their hashes made):
         floor((num_tokens - 1) / bs), 0 without caching or once the request computed anything."""
-        if not self.enable_caching or req.num_computed:
+        if not self.enable_caching or req._computed:      # (no cohort member waits: fields are progress)
             return 0
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        max_blocks = (req.prompt_len + req._output - 1) // self.block_size
         if self.private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
             max_blocks = min(max_blocks, req.first_private_block(self.block_size))
         req.extend_block_hashes(max_blocks, self.block_size)
@@ -628,7 +629,8 @@ class KVCacheManager:
         free (vLLM's reserve-full-prompt gate) and `reserve_free` blocks to stay free (the
         V0 watermark). `lookahead_tokens` are allocated but not published to the prefix
         cache (their KV is computed in a later step). Returns False, changing nothing,
-        when the pool is too small.
+        when the pool is too small. (`req` is no decode-cohort member, which the cohort
+        allocates for: its progress fields are read as they are.)
         """
         pool = self.pool
         bs = self.block_size
@@ -646,8 +648,8 @@ class KVCacheManager:
             req.blocks.extend(pool.get_new_blocks(need))
         self.held_slots += (len(req.blocks) - held) * bs
         if self.enable_caching:
-            covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
-            self.register_full_blocks(req, min(covered, req.num_tokens))
+            covered = req._computed + len(hit_blocks) * bs + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.prompt_len + req._output))
         return True
 
     def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
@@ -660,7 +662,7 @@ class KVCacheManager:
         """(new blocks an allocation takes, free blocks it requires to go ahead)."""
         bs = self.block_size
         held = len(req.blocks)
-        covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+        covered = req._computed + len(hit_blocks) * bs + num_new_tokens
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
@@ -698,7 +700,7 @@ class KVCacheManager:
         blocks = req.blocks
         if blocks:
             # (CountingBlockPool counts a finished request's private blocks as cached at free)
-            if self.enable_caching and self.private_blocks and (self.block_ids or not req.is_finished):
+            if self.enable_caching and self.private_blocks and (self.block_ids or req.status < _FINISHED):
                 self._settle_private(req)
             self.held_slots -= len(blocks) * self.block_size
             self.pool.free_table(blocks, req.num_registered, req.kv_lease)

@@ -109,7 +109,7 @@ class LeapPlan:
         sched.tokens_held += self.members
         sched._release_finishing()
         pool = kv.pool
-        self._settled = (pool.num_used, pool.num_cached_free, sched.slack_tokens)
+        self._settled = sched.kv_figures()
         # Free blocks only shrink from here on: steps t+1 ... are counted against what is free now.
         if self._free != math.inf:
             self._free, self._taken = pool.num_free, 0
@@ -262,15 +262,14 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
     step-by-step calls would take them, and the blocks filled registered after
     (DecodeCohort.advance_many); the figures follow from the crossings the plan counted and the
     evictions the take made."""
-    kv, pool = sched.kv, sched.kv.pool
     walked = plan._walked[done:k]
-    used0, slots0, cached0 = pool.num_used, kv.held_slots, pool.num_cached_free
-    evicted = sched.cohort.advance_many(plan.first_step + done, walked, kv)
+    used0, cached0, slack0 = sched.kv_figures()
+    evicted = sched.cohort.advance_many(plan.first_step + done, walked, sched.kv)
     # per step, as running sums at C speed: blocks used grow by the blocks crossed; the slack by
     # block_size x those, less one token per member
     used = list(accumulate(walked, initial=used0))
     growth = map(sub, map(mul, repeat(sched.block_size), walked), repeat(plan.members))
-    slack = list(accumulate(growth, initial=slots0 - sched.tokens_held))
+    slack = list(accumulate(growth, initial=slack0))
     del used[0], slack[0]
     cached = [cached0 - e for e in evicted] if evicted[-1] else [cached0] * len(walked)   # (counts so far)
     return used, cached, slack

@@ -398,6 +398,12 @@ class Scheduler:
         """Slots allocated to running requests but holding no token (tails, reservations)."""
         return self.kv.held_slots - self.tokens_held
 
+    def kv_figures(self) -> tuple[int, int, int]:
+        """(blocks in use, cached free blocks, slack tokens): what a step record keeps, in one call."""
+        kv = self.kv
+        pool = kv.pool
+        return pool.num_blocks - 1 - pool.num_free, pool.num_cached_free, kv.held_slots - self.tokens_held
+
     def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
         """RUNNING requests in admission order: decodes and the rest of their prompts."""
         cohort = self.cohort
