@@ -367,7 +367,10 @@ class RequestTable:
         if self._buffer:
             table = self._buffer
             self._buffer = []
-            values = np.array(table, dtype=np.float64)      # exact: every integer here is below 2**53
+            # exact: every integer here is below 2**53 (flat, at C speed: np.array on the rows
+            # took twice as long, finding their shape)
+            values = np.fromiter(chain.from_iterable(table), np.float64,
+                                 len(table) * len(_REQUEST_FIELDS)).reshape(len(table), -1)
             self._cols.add({name: values[:, i] for i, name in enumerate(_REQUEST_FIELDS)}, len(table))
             self._cols.pack()
         if self._run_buffer:

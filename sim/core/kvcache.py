@@ -193,6 +193,10 @@ class BlockPool:
         if len(self._stale) > self.compact_at and len(self._stale) * 2 > len(self._queue) - self._head:
             self._compact()
 
+    def free_among(self, blocks: list[int]) -> int:
+        """How many of these blocks are free (cache hits on them take them off the free queue)."""
+        return list(map(self.ref_cnt.__getitem__, blocks)).count(0)
+
     def touch_shared(self, blocks: list[int]) -> Optional[int]:
         """touch() for a request's prefix hit; returns the key of a shared lease on the blocks, or None.
         (The engine's pool takes a reference per block and holder: it never leases.)"""
@@ -422,6 +426,12 @@ class CountingBlockPool(BlockPool):
             return None
         lease[0] += 1
         return key
+
+    def free_among(self, blocks: list[int]) -> int:
+        lease = self._leases.get(blocks[-1])
+        if lease is not None and lease[1] == blocks:       # (a hit leased already: all held)
+            return 0
+        return super().free_among(blocks)
 
     def ref_count(self, block: int) -> int:
         """The block's reference count with one reference per holder (as BlockPool counts)."""
@@ -671,7 +681,7 @@ class KVCacheManager:
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need
         gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
-        hit_in_free = list(map(self.pool.ref_cnt.__getitem__, hit_blocks)).count(0)
+        hit_in_free = self.pool.free_among(hit_blocks) if hit_blocks else 0
         return need, gate + hit_in_free + reserve_free
 
     def remove_skipped_blocks(self, req: Request) -> None:
