@@ -49,7 +49,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
-from sim.core.request import Request, Segment, make_request, stable_key
+from sim.core.request import Request, Segment, make_request, stable_key, stable_keys
 from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
 
@@ -177,6 +177,7 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
         # A conversation's turns are made together (and linked) before its first is given out:
         # a first turn rejected at once rejects the later ones, which must exist by then.
         starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
+        user_key = stable_keys("user", seed)
         prev: Optional[Request] = None
         turns: list[Request] = []
         for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
@@ -184,7 +185,7 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
             if first and turns:
                 yield from turns
                 turns = []
-            user = (stable_key("user", seed, i), own_len)
+            user = (user_key(i), own_len)
             if first:
                 prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
             else:
