@@ -177,26 +177,31 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
         # A conversation's turns are made together (and linked) before its first is given out:
         # a first turn rejected at once rejects the later ones, which must exist by then.
         starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
+        names = [t.name for t in tenants] or [None]       # (tenant_of is all 0 without tenants)
+        salted_of = [bool(t.salt) for t in tenants] or [False]
         user_key = stable_keys("user", seed)
+        multi_turn = w.multi_turn is not None
         prev: Optional[Request] = None
         turns: list[Request] = []
         for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
                                                              own.tolist(), output.tolist())):
-            if first and turns:
-                yield from turns
-                turns = []
             user = (user_key(i), own_len)
             if first:
-                prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
+                if turns:
+                    yield from turns
+                    turns = []
+                t = tenant_l[c]
+                tenant, salted, priority, arrival = names[t], salted_of[t], priority_of[c], starts_l[c]
+                prompt = _head(w, seed, c, prefixes, group_l[c])
+                prompt.append(user)
             else:
+                arrival = None
                 prompt = prev.segments + [user]
-            tenant: Optional[Tenant] = tenants[tenant_l[c]] if tenants else None
-            req = make_request(i, starts_l[c] if first else None, prompt, out_len, seed=seed,
-                               tenant=tenant.name if tenant else None, salted=bool(tenant and tenant.salt),
-                               priority=priority_of[c], own_prompt_tokens=own_len)   # its user key is its own
+            req = make_request(i, arrival, prompt, out_len, seed, tenant, salted, priority,
+                               own_prompt_tokens=own_len)   # its user key is its own
             if not first:
                 prev.next_turn, prev.think_time = req, think[i - 1]
-            if w.multi_turn is not None:
+            if multi_turn:
                 req.conversation = c
             prev = req
             turns.append(req)
