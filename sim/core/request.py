@@ -330,7 +330,6 @@ def make_request(id: int, arrival: Optional[float], prompt: list[Segment], outpu
     """A workload request with a scripted output segment keyed by (seed, id)."""
     salt = _tenant_salt(tenant) if (salted and tenant is not None) else 0
     output = (_output_keys(seed)(id), output_len)
-    req = Request(id, arrival, prompt, output_len, output, tenant=tenant, salt=salt,
-                  priority=priority, is_warmup=is_warmup)
+    req = Request(id, arrival, prompt, output_len, output, tenant, salt, priority, is_warmup)
     req.own_prompt_tokens = own_prompt_tokens
     return req
