@@ -163,6 +163,8 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
     conv = np.repeat(np.arange(n_conv), turns)
     opening = np.ones(len(conv), dtype=bool)
     opening[1:] = conv[1:] != conv[:-1]
+    closing = np.ones(len(conv), dtype=bool)     # a conversation's last turn
+    closing[:-1] = opening[1:]
     own, output = _request_lengths(w, seed, opening)
     prefixes, group = _prefix_groups(w.shared_prefix, seed, n_conv)
     tenants = w.tenants or []
@@ -183,13 +185,10 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
         multi_turn = w.multi_turn is not None
         prev: Optional[Request] = None
         turns: list[Request] = []
-        for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
-                                                             own.tolist(), output.tolist())):
+        for i, (c, first, last, own_len, out_len) in enumerate(zip(
+                conv.tolist(), opening.tolist(), closing.tolist(), own.tolist(), output.tolist())):
             user = (user_key(i), own_len)
             if first:
-                if turns:
-                    yield from turns
-                    turns = []
                 t = tenant_l[c]
                 tenant, salted, priority, arrival = names[t], salted_of[t], priority_of[c], starts_l[c]
                 prompt = _head(w, seed, c, prefixes, group_l[c])
@@ -204,8 +203,14 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
             if multi_turn:
                 req.conversation = c
             prev = req
-            turns.append(req)
-        yield from turns
+            if not last:
+                turns.append(req)
+            elif first:             # a conversation of one turn
+                yield req
+            else:
+                turns.append(req)
+                yield from turns
+                turns = []
 
     return StreamedWorkload(requests(), len(conv), min_think)
 
