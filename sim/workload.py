@@ -50,7 +50,7 @@ import numpy as np
 
 from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key, stable_keys
-from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
+from sim.scenario import Arrival, DynamicSegment, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
 
 
@@ -183,6 +183,7 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
         salted_of = [bool(t.salt) for t in tenants] or [False]
         user_key = stable_keys("user", seed)
         multi_turn = w.multi_turn is not None
+        dynamic = w.dynamic_segment
         prev: Optional[Request] = None
         turns: list[Request] = []
         for i, (c, first, last, own_len, out_len) in enumerate(zip(
@@ -191,8 +192,10 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
             if first:
                 t = tenant_l[c]
                 tenant, salted, priority, arrival = names[t], salted_of[t], priority_of[c], starts_l[c]
-                prompt = _head(w, seed, c, prefixes, group_l[c])
-                prompt.append(user)
+                g = group_l[c]
+                prompt = [prefixes[g], user] if g >= 0 else [user]
+                if dynamic is not None:
+                    _add_dynamic(prompt, dynamic, seed, c)
             else:
                 arrival = None
                 prompt = prev.segments + [user]
@@ -346,14 +349,11 @@ def _prefix_groups(sp: Optional[SharedPrefix], seed: int, n_conv: int) -> tuple[
     return prefixes, np.where(carries, group, -1)
 
 
-def _head(w: Workload, seed: int, conv: int, prefixes: list[Segment], group: int) -> list[Segment]:
-    """The segments before a conversation's first user message."""
-    head = [prefixes[group]] if group >= 0 else []
-    dyn = w.dynamic_segment
-    if dyn is not None:
-        segment = (stable_key("dynamic", seed, conv), dyn.length)
-        head = [segment] + head if dyn.position == "first" else head + [segment]
-    return head
+def _add_dynamic(prompt: list[Segment], dyn: DynamicSegment, seed: int, conv: int) -> None:
+    """Put a conversation's dynamic segment into its first prompt, [shared prefix, user message]
+    or [user message]: first, or last before the user message."""
+    segment = (stable_key("dynamic", seed, conv), dyn.length)
+    prompt.insert(0 if dyn.position == "first" else len(prompt) - 1, segment)
 
 
 def _priorities(w: Workload, seed: int, n_conv: int) -> list[int]:
