@@ -350,7 +350,7 @@ class ModelRunner:
             if isinstance(output, list):                # live request: the sample is its output
                 output.append(token)
                 if token == req.eos_token_id:           # finish_step retires it at this length
-                    req.output_len = req.num_output + 1
+                    req.cut_output(req.num_output + 1)
         device_s = pending.timer.seconds()
         host_s = pending.host_s + (time.perf_counter() - t0)
         return StepResult({r.id: t for r, t in zip(emitted, tokens)}, pending.logits, host_s, device_s,

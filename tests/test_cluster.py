@@ -114,7 +114,7 @@ def test_tp_step_time_includes_two_all_reduces_per_layer():
     l4 = get_device("l4")
     free_link = l4.model_copy(update={"link_gbps": 1e12, "link_latency_us": 0.0})
     batch = Batch(0)
-    batch.decodes = [None] * 32
+    batch.decodes, batch.num_decode = [None] * 32, 32
     batch.decode_ctx, batch.blocks_read = 32 * 500, 32 * 32
     paid = sum(CostModel(model, l4, tp=2).step_time(batch))
     free = sum(CostModel(model, free_link, tp=2).step_time(batch))

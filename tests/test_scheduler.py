@@ -25,6 +25,7 @@ def drive(sched, max_steps=100_000):
         bs = sched.block_size
         assert sched.slack_tokens == sum(len(r.blocks) * bs - r.num_computed for r in sched.running) >= 0
         assert list(sched.active) == [r for r in sched.running if r._cohort is None]
+        assert batch.num_decode == len(batch.decodes) + batch.pad_rows     # (a count kept as they change)
         steps.append(dict(n=len(batch), tokens=batch.num_tokens, decode=batch.num_decode,
                           prefill=batch.num_prefill_tokens, running=sched.num_running,
                           admitted=len(batch.admitted), preempted=len(batch.preempted)))

@@ -89,19 +89,27 @@ class Status(enum.IntEnum):
     ABORTED = 5
 
 
+# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
+_WAITING = Status.WAITING
+_FINISHED = Status.FINISHED
+
+
 class Request:
     """A request's workload description plus the scheduling state the policy keeps on it.
 
     While a request decodes steadily it may belong to the scheduler's DecodeCohort
     (sim/core/cohort.py), which advances all its members by one token per step in O(1):
     then `_computed` and `_output` hold offsets from the cohort's step counters, and the
-    properties below add them back, so every reader sees the true values.
+    properties below add them back, so every reader sees the true values. Outside the cohort
+    they are the true values: the scheduler's one-by-one paths, which see no member, read them
+    directly (in CPython 3.11 a property read costs as much as a dozen attribute reads).
     """
 
     __slots__ = (
         # workload
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
+        "is_live", "max_len",
         # scheduling state
         "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
         "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
@@ -119,6 +127,9 @@ class Request:
         self.segments = list(segments) + [output_segment]
         self.prompt_len = sum(segment_len(s) for s in segments)
         self.output_len = output_len
+        # prompt + output_len: an attribute, read at intake, admission, routing and retirement
+        # (a live request's cut at EOS changes both together: `cut_output`)
+        self.max_len = self.prompt_len + output_len
         self.tenant = tenant
         self.salt = salt
         self.priority = priority
@@ -131,11 +142,14 @@ class Request:
         # the prompt's last tokens that only this request carries (a unique user message), set
         # by the workload; 0 when unknown (a trace's or a client's prompt may be anyone's)
         self.own_prompt_tokens = 0
+        # Output sampled live (the server: a literal output segment that grows), not scripted by
+        # the workload. (An attribute, not a property: read at every emission.)
+        self.is_live = isinstance(output_segment, list)
         self.reset()
 
     def reset(self) -> None:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
-        self.status = Status.WAITING
+        self.status = _WAITING
         self._output = 0
         self._computed = 0
         self._cohort = None
@@ -192,28 +206,42 @@ class Request:
         c = self._cohort
         return self._last_emit if c is None else c.last_emit(self)
 
-    @last_emit.setter
-    def last_emit(self, step: int) -> None:
-        assert self._cohort is None
-        self._last_emit = step
-
     def append_output(self) -> None:
         """One more output token is known (the scripted one, or the live one just sampled)."""
         assert self._cohort is None
         self._output += 1
 
-    @property
-    def is_live(self) -> bool:
-        """Output sampled live (the server), not scripted by the workload."""
-        return isinstance(self.segments[-1], list)
+    def cut_output(self, output_len: int) -> None:
+        """A live request sampled EOS: its output ends at `output_len` tokens."""
+        self.output_len = output_len
+        self.max_len = self.prompt_len + output_len
 
-    @property
-    def max_len(self) -> int:
-        return self.prompt_len + self.output_len
+    def emit(self, step: int) -> bool:
+        """Its next token was emitted at `step` (a request scheduled one by one, no cohort member):
+        extend its run of consecutive emissions or start one, and count the token. Returns whether
+        it was the last. (One call where the scheduler made five property reads and writes.)"""
+        assert self._cohort is None
+        last = self._last_emit
+        if last != step - 1:               # a new run of consecutive emissions
+            if self.emit_start >= 0:
+                self.emit_runs += (self.emit_start, last)
+            self.emit_start = step
+            if self.first_token_step < 0:
+                self.first_token_step = step
+        self._last_emit = step
+        self._output += 1
+        return self._output >= self.output_len
+
+    def close_emit_run(self) -> None:
+        """Close the run of emissions of a request that ended (it has left any cohort)."""
+        assert self._cohort is None
+        if self.emit_start >= 0:
+            self.emit_runs += (self.emit_start, self._last_emit)
+            self.emit_start = -1
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= Status.FINISHED
+        return self.status >= _FINISHED
 
     def first_private_block(self, block_size: int) -> int:
         """The first block whose content only this request can ever look up, or NO_PRIVATE_BLOCK.

@@ -78,13 +78,17 @@ class Batch:
     are kept apart, so the hot decode path needs no per-sequence token count.
     """
 
-    __slots__ = ("step", "decodes", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new", "decode_ctx",
-                 "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted", "admitted")
+    __slots__ = ("step", "decodes", "num_decode", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new",
+                 "decode_ctx", "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted",
+                 "admitted")
 
     def __init__(self, step: int):
         self.step = step
         self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
         self.cohort_size = 0
+        # Decode rows computed: len(decodes) + pad_rows, kept as they change (the cost model and
+        # the recorder read it every step; a property read is a call)
+        self.num_decode = 0
         self.pad_rows = 0            # static batching: rows computed for members that finished
         self.pad_len = 0             # static batching: the padded length every row reaches this step
         self.prefills: list[Request] = []
@@ -101,18 +105,13 @@ class Batch:
         return len(self.decodes) + len(self.prefills)
 
     @property
-    def num_decode(self) -> int:
-        """Decode rows computed (live decodes plus a static batch's padding rows)."""
-        return len(self.decodes) + self.pad_rows
-
-    @property
     def num_seqs(self) -> int:
-        return len(self.decodes) + self.pad_rows + len(self.prefills)
+        return self.num_decode + len(self.prefills)
 
     @property
     def num_tokens(self) -> int:
         """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
-        return self.num_prefill_tokens + len(self.decodes) + self.pad_rows
+        return self.num_prefill_tokens + self.num_decode
 
     @property
     def reqs(self) -> list[Request]:
@@ -127,14 +126,18 @@ class Batch:
         return [r.num_computed - n for r, n in zip(self.reqs, self.num_new)]
 
     def add(self, req: Request, n: int, block_size: int) -> None:
-        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM)."""
-        start = req.num_computed
+        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM).
+        Requests are added one by one, so never as cohort members: their fields are their progress."""
+        assert req._cohort is None
+        start = req._computed
         ctx = start + n
+        tokens = req.prompt_len + req._output
         self.blocks_read += -(-ctx // block_size)
         # A decode is the one token that completes the sequence. A resumed request's 1-token
         # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
-        if n == 1 and req.num_output and ctx == req.num_tokens:
+        if n == 1 and req._output and ctx == tokens:
             self.decodes.append(req)
+            self.num_decode += 1
             self.decode_ctx += ctx
         else:
             self.prefills.append(req)
@@ -142,9 +145,9 @@ class Batch:
             self.num_prefill_tokens += n
             self.prefill_ctx += start
             self.prefill_attn += n * start + n * (n + 1) // 2
-            if ctx < req.num_tokens:             # a chunk that emits nothing: remember its step
+            if ctx < tokens:                     # a chunk that emits nothing: remember its step
                 req.chunk_steps.append(self.step)
-        req.num_computed = ctx
+        req._computed = ctx
 
     def remove(self, req: Request, block_size: int) -> int:
         """Take a request back out (it was preempted after being scheduled); returns its tokens."""
@@ -152,6 +155,7 @@ class Batch:
         if req in self.decodes:
             i = self.decodes.index(req)
             del self.decodes[i]
+            self.num_decode -= 1
             self.cohort_size -= i < self.cohort_size
             n = 1
             self.decode_ctx -= ctx
@@ -173,10 +177,10 @@ class Scheduler:
     # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
     # instance dict past CPython's shared-key limit makes every read a dict lookup)
     __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
-                 "waiting_heap", "_waiting", "running", "active", "step", "num_added", "num_finished", "num_rejected",
-                 "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq", "_empty_preempted",
-                 "_returned", "_watermark_blocks", "_static_rows", "_static_len", "_static_step", "_finishing",
-                 "_released")
+                 "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished",
+                 "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq",
+                 "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "_static_rows",
+                 "_static_len", "_static_step", "_finishing", "pending_release")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -191,7 +195,9 @@ class Scheduler:
         self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
-        self._waiting = self.waiting_heap if self.priority else self.waiting_fifo     # the one in use
+        # Requests in the queue in use: a count kept as they come and go, as the drivers read it
+        # several times a step (a property call costs as much as a dozen attribute reads).
+        self.num_waiting = 0
         self.running: list[Request] = []
         # Running requests outside the decode cohort, in admission order (usually a few prefills).
         self.active: dict[Request, None] = {}
@@ -203,14 +209,17 @@ class Scheduler:
         self._run_seq = 0
         self._empty_preempted: list[Request] = []
         self._returned = 0
-        self._watermark_blocks = int(config.admission_watermark * kv.pool.usable_blocks)
+        self._usable_blocks = kv.pool.usable_blocks     # (the pool's size is fixed: read once, not per request)
+        self._watermark_blocks = int(config.admission_watermark * self._usable_blocks)
         # The static batch running now: its rows, padded prompt length and first step.
         self._static_rows = self._static_len = self._static_step = 0
         # async scheduling: requests that finished in the last step, still in `running` with their
         # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
         # planning step N+1)
         self._finishing: list[Request] = []
-        self._released = False
+        # Async scheduling: finished requests still hold blocks and seats until the next pass, i.e.
+        # `_finishing` is not empty (kept with it: the leap planner reads it every leap).
+        self.pending_release = False
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -234,7 +243,7 @@ class Scheduler:
             return (f"prompt ({req.prompt_len}) + max output ({req.output_len}) = {req.max_len} tokens "
                     f"exceeds max_model_len {limit}")
         need = self.kv.blocks_needed_at_most(req)
-        usable = self.kv.pool.usable_blocks
+        usable = self._usable_blocks
         if need > usable:
             return f"needs {need} KV blocks at full length but the pool has {usable} usable blocks"
         if (not self.config.chunked_prefill and not self.static
@@ -253,20 +262,24 @@ class Scheduler:
             self.running.remove(req)
             self.active.pop(req, None)
         elif self.priority:
-            self.waiting_heap[:] = [e for e in self.waiting_heap if e[-1] is not req]
+            kept = [e for e in self.waiting_heap if e[-1] is not req]
+            self.num_waiting -= len(self.waiting_heap) - len(kept)
+            self.waiting_heap[:] = kept
             heapq.heapify(self.waiting_heap)
         elif req in self.waiting_fifo:
             self.waiting_fifo.remove(req)
+            self.num_waiting -= 1
         if req.status is _RUNNING:
             self.tokens_held -= req.num_computed
         self.kv.free(req)
         req.status = _ABORTED
         req.reject_reason = "aborted"
-        _close_emit_run(req)
+        req.close_emit_run()
         self.num_aborted += 1
 
     # -- queues --------------------------------------------------------------------------
     def _push_waiting(self, req: Request, front: bool) -> None:
+        self.num_waiting += 1
         if self.priority:
             self._heap_seq += 1
             arrival = req.arrival if req.arrival is not None else 0.0
@@ -282,14 +295,11 @@ class Scheduler:
         return self.waiting_fifo[0] if self.waiting_fifo else None
 
     def _pop_waiting(self) -> None:
+        self.num_waiting -= 1
         if self.priority:
             heapq.heappop(self.waiting_heap)
         else:
             self.waiting_fifo.popleft()
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -303,11 +313,6 @@ class Scheduler:
         engine plan the next step before processing this one's outputs."""
         return self.num_waiting > 0 or len(self.running) > len(finished)
 
-    @property
-    def pending_release(self) -> bool:
-        """Async scheduling: finished requests still hold blocks and seats until the next pass."""
-        return bool(self._finishing)
-
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Choose this step's work. Returns None when nothing can run.
@@ -317,25 +322,22 @@ class Scheduler:
         empty step takes no time, so it is folded into the next one (its preemptions with it)
         rather than returned as nothing to do, which would leave the engine asleep.
         """
-        batch = self._schedule_pass()
         preempted: list[Request] = []
-        # Async scheduling: a pass that finds nothing only because the last step's finishers still
-        # held their blocks or seats is an empty step in vLLM; their release lets the next pass run.
-        while batch is None and (self._empty_preempted or self._released):
+        while True:
+            batch = self._schedule_step()
+            # Async scheduling: after the pass, the last step's outputs retire their finished
+            # requests (vLLM's update_from_output runs after the next schedule).
+            released = bool(self._finishing)
+            if released:
+                self._release_finishing()
+            # A pass that finds nothing only because the last step's finishers still held their
+            # blocks or seats is an empty step in vLLM; their release lets the next pass run.
+            if batch is not None or not (self._empty_preempted or released):
+                break
             preempted += self._empty_preempted
-            batch = self._schedule_pass()
         if batch is not None and preempted:
             batch.preempted[:0] = preempted
         self._empty_preempted = []
-        return batch
-
-    def _schedule_pass(self) -> Optional[Batch]:
-        """One scheduling pass; then, under async scheduling, the last step's outputs retire
-        their finished requests (vLLM's update_from_output runs after the next schedule)."""
-        batch = self._schedule_step()
-        self._released = bool(self._finishing)
-        if self._released:
-            self._release_finishing()
         return batch
 
     def _schedule_step(self) -> Optional[Batch]:
@@ -386,6 +388,7 @@ class Scheduler:
             return
         ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
         batch.pad_rows = rows - len(batch.decodes)
+        batch.num_decode = rows
         batch.pad_len = ctx
         batch.decode_ctx = rows * ctx
         batch.blocks_read = rows * -(-ctx // bs)
@@ -408,8 +411,9 @@ class Scheduler:
                 self.active = dict.fromkeys(self.running)
             else:
                 cohort.advance(batch.step, self.kv)
-                n = len(cohort)
+                n = len(cohort.members)          # (len(cohort) would call DecodeCohort.__len__)
                 batch.decodes.extend(cohort.members)
+                batch.num_decode += n
                 batch.cohort_size = n
                 batch.decode_ctx += cohort.ctx_offset_sum + n * cohort.scheduled_step
                 batch.blocks_read += cohort.blocks_walked
@@ -444,7 +448,7 @@ class Scheduler:
         the free blocks cover every allocation of the step, so no preemption can happen.
         """
         cohort, kv = self.cohort, self.kv
-        left = budget - len(cohort)
+        left = budget - len(cohort.members)
         if left < 0:
             return None
         others = list(self.active)
@@ -536,6 +540,7 @@ class Scheduler:
         else:
             self.running.pop()
         self._finishing.remove(victim)
+        self.pending_release = bool(self._finishing)
         self._free_finished(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -545,10 +550,8 @@ class Scheduler:
         """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
         cfg, kv = self.config, self.kv
         running = self.running
-        while len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
+        while self.num_waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self._peek_waiting()
-            if req is None:
-                break
             resumed = req.status is _PREEMPTED
             args = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if args is None:
@@ -557,12 +560,12 @@ class Scheduler:
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
             self._pop_waiting()
-            kv.stats.record(req.num_tokens, hit_tokens, resumed)
+            kv.stats.record(req.prompt_len + req._output, hit_tokens, resumed)   # (num_tokens: no member waits)
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
             req.status = _RUNNING
-            req.num_computed = hit_tokens
+            req._computed = hit_tokens
             self.tokens_held += hit_tokens
             self._run_seq += 1
             req.run_seq = self._run_seq
@@ -579,13 +582,14 @@ class Scheduler:
         blocks kept free), or None when the token budget stops it before the pool is asked."""
         cfg = self.config
         hits, hit_tokens = self.kv.find_cached_prefix(req)
-        n = req.num_tokens - hit_tokens
+        num_tokens = req.prompt_len + req._output       # (no cohort member waits)
+        n = num_tokens - hit_tokens
         # prefill_first (nano-vllm): only the step's first prefill may be chunked.
         may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
         if not may_chunk and n > budget and not self.static:
             return None
         n_now = n if self.static else min(n, budget)    # a static batch: one padded forward
-        gate = req.num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
+        gate = num_tokens if cfg.reserve_full_prompt else hit_tokens + n_now
         # The watermark keeps room for running requests to grow; with none running it
         # would only stop a request that fits the pool from ever starting (vLLM skips it then).
         reserve = self._watermark_blocks if self.running else 0
@@ -614,16 +618,15 @@ class Scheduler:
         """
         step = batch.step
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
-        if batch.prefills:
-            emitted += [r for r in batch.prefills if r.num_computed >= r.num_tokens]
+        for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
+            if r._computed >= r.prompt_len + r._output:    # (one by one: no member, fields are progress)
+                emitted.append(r)
         finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
         for req in emitted:
-            _start_emit_run(req, step)
-            req.last_emit = step
-            req.append_output()
-            if req.num_output >= req.output_len:
+            if req.emit(step):
                 finished.append(req)
-        self._retire_finished(step, finished)
+        if finished or self._finishing:
+            self._retire_finished(step, finished)
         if self.lazy:
             for req in emitted:
                 if req.status is _RUNNING and not req.is_live:
@@ -634,7 +637,8 @@ class Scheduler:
     def finish_cohort_step(self, step: int) -> list[Request]:
         """`finish_step` of a step in which only the cohort's members computed (a leap's last)."""
         finished = self._cohort_finishers(step)
-        self._retire_finished(step, finished)
+        if finished or self._finishing:
+            self._retire_finished(step, finished)
         return finished
 
     def _cohort_finishers(self, step: int) -> list[Request]:
@@ -647,17 +651,17 @@ class Scheduler:
         return finished
 
     def _retire_finished(self, step: int, finished: list[Request]) -> None:
-        """Mark the step's finished requests and free them (async: after the next pass)."""
-        if not finished and not self._finishing:
-            return                         # (nothing to retire, nothing held over)
+        """Mark the step's finished requests and free them (async: after the next pass).
+        (Its callers skip it when nothing finished and nothing is held over: most steps.)"""
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
             finished.sort(key=_run_seq)
         for req in finished:
             req.status = _FINISHED
             req.finish_step = step
-            _close_emit_run(req)
+            req.close_emit_run()
             self.active.pop(req, None)
         self._finishing = finished
+        self.pending_release = bool(finished)
         # Async: released after the next scheduling pass, unless nothing else is left to plan
         # (then vLLM processes the outputs at once, as a synchronous engine always does).
         if not (self.config.async_scheduling and self.has_other_work(finished)):
@@ -665,13 +669,14 @@ class Scheduler:
         self.num_finished += len(finished)
 
     def _free_finished(self, req: Request) -> None:
-        self.tokens_held -= req.num_computed
+        self.tokens_held -= req._computed  # (num_computed: a finished request has left the cohort)
         self.kv.free(req)
         req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
 
     def _release_finishing(self) -> None:
         """Free the finished requests in `_finishing` and take them out of RUNNING."""
         finishing, self._finishing = self._finishing, []
+        self.pending_release = False
         for req in finishing:
             self._free_finished(req)
         if len(finishing) == len(self.running):
@@ -683,26 +688,14 @@ class Scheduler:
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:
         """Every added request is finished, rejected, aborted, waiting or running."""
+        queued = len(self.waiting_heap if self.priority else self.waiting_fifo)
+        if self.num_waiting != queued:
+            raise AssertionError(f"waiting count {self.num_waiting} != {queued} requests queued")
+        if self.pending_release != bool(self._finishing):
+            raise AssertionError(f"pending_release {self.pending_release} with {len(self._finishing)} finishing")
         live = self.num_waiting + len(self.running) - len(self._finishing)
         ended = self.num_finished + self.num_rejected + self.num_aborted
         if self.num_added != ended + live:
             raise AssertionError(f"request accounting broken: added {self.num_added} != finished "
                                  f"{self.num_finished} + rejected {self.num_rejected} + aborted "
                                  f"{self.num_aborted} + waiting {self.num_waiting} + running {len(self.running)}")
-
-
-def _start_emit_run(req: Request, step: int) -> None:
-    """Close the previous run of consecutive token emissions and start one at `step`."""
-    if req.last_emit == step - 1:
-        return
-    if req.emit_start >= 0:
-        req.emit_runs += (req.emit_start, req.last_emit)
-    req.emit_start = step
-    if req.first_token_step < 0:
-        req.first_token_step = step
-
-
-def _close_emit_run(req: Request) -> None:
-    if req.emit_start >= 0:
-        req.emit_runs += (req.emit_start, req.last_emit)
-        req.emit_start = -1
