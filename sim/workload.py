@@ -49,8 +49,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
-from sim.core.request import Request, Segment, make_request, stable_key
-from sim.scenario import Arrival, LengthDist, Scenario, SharedPrefix, Tenant, Workload
+from sim.core.request import Request, Segment, make_request, stable_key, stable_keys
+from sim.scenario import Arrival, DynamicSegment, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
 
 
@@ -163,6 +163,8 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
     conv = np.repeat(np.arange(n_conv), turns)
     opening = np.ones(len(conv), dtype=bool)
     opening[1:] = conv[1:] != conv[:-1]
+    closing = np.ones(len(conv), dtype=bool)     # a conversation's last turn
+    closing[:-1] = opening[1:]
     own, output = _request_lengths(w, seed, opening)
     prefixes, group = _prefix_groups(w.shared_prefix, seed, n_conv)
     tenants = w.tenants or []
@@ -177,29 +179,41 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
         # A conversation's turns are made together (and linked) before its first is given out:
         # a first turn rejected at once rejects the later ones, which must exist by then.
         starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
+        names = [t.name for t in tenants] or [None]       # (tenant_of is all 0 without tenants)
+        salted_of = [bool(t.salt) for t in tenants] or [False]
+        user_key = stable_keys("user", seed)
+        multi_turn = w.multi_turn is not None
+        dynamic = w.dynamic_segment
         prev: Optional[Request] = None
         turns: list[Request] = []
-        for i, (c, first, own_len, out_len) in enumerate(zip(conv.tolist(), opening.tolist(),
-                                                             own.tolist(), output.tolist())):
-            if first and turns:
-                yield from turns
-                turns = []
-            user = (stable_key("user", seed, i), own_len)
+        for i, (c, first, last, own_len, out_len) in enumerate(zip(
+                conv.tolist(), opening.tolist(), closing.tolist(), own.tolist(), output.tolist())):
+            user = (user_key(i), own_len)
             if first:
-                prompt = _head(w, seed, c, prefixes, group_l[c]) + [user]
+                t = tenant_l[c]
+                tenant, salted, priority, arrival = names[t], salted_of[t], priority_of[c], starts_l[c]
+                g = group_l[c]
+                prompt = [prefixes[g], user] if g >= 0 else [user]
+                if dynamic is not None:
+                    _add_dynamic(prompt, dynamic, seed, c)
             else:
+                arrival = None
                 prompt = prev.segments + [user]
-            tenant: Optional[Tenant] = tenants[tenant_l[c]] if tenants else None
-            req = make_request(i, starts_l[c] if first else None, prompt, out_len, seed=seed,
-                               tenant=tenant.name if tenant else None, salted=bool(tenant and tenant.salt),
-                               priority=priority_of[c], own_prompt_tokens=own_len)   # its user key is its own
+            req = make_request(i, arrival, prompt, out_len, seed, tenant, salted, priority,
+                               own_prompt_tokens=own_len)   # its user key is its own
             if not first:
                 prev.next_turn, prev.think_time = req, think[i - 1]
-            if w.multi_turn is not None:
+            if multi_turn:
                 req.conversation = c
             prev = req
-            turns.append(req)
-        yield from turns
+            if not last:
+                turns.append(req)
+            elif first:             # a conversation of one turn
+                yield req
+            else:
+                turns.append(req)
+                yield from turns
+                turns = []
 
     return StreamedWorkload(requests(), len(conv), min_think)
 
@@ -335,14 +349,11 @@ def _prefix_groups(sp: Optional[SharedPrefix], seed: int, n_conv: int) -> tuple[
     return prefixes, np.where(carries, group, -1)
 
 
-def _head(w: Workload, seed: int, conv: int, prefixes: list[Segment], group: int) -> list[Segment]:
-    """The segments before a conversation's first user message."""
-    head = [prefixes[group]] if group >= 0 else []
-    dyn = w.dynamic_segment
-    if dyn is not None:
-        segment = (stable_key("dynamic", seed, conv), dyn.length)
-        head = [segment] + head if dyn.position == "first" else head + [segment]
-    return head
+def _add_dynamic(prompt: list[Segment], dyn: DynamicSegment, seed: int, conv: int) -> None:
+    """Put a conversation's dynamic segment into its first prompt, [shared prefix, user message]
+    or [user message]: first, or last before the user message."""
+    segment = (stable_key("dynamic", seed, conv), dyn.length)
+    prompt.insert(0 if dyn.position == "first" else len(prompt) - 1, segment)
 
 
 def _priorities(w: Workload, seed: int, n_conv: int) -> list[int]:
