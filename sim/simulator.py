@@ -229,8 +229,7 @@ class Simulation:
         return horizon
 
     def _engine_loop(self, env: simpy.Environment, replica: Replica):
-        sched, kv, recorder = replica.scheduler, replica.kv, replica.recorder
-        pool = kv.pool
+        sched, recorder = replica.scheduler, replica.recorder
         schedule, finish_step, record = sched.schedule, sched.finish_step, recorder.record
         step_time = self.cost_model.step_time
         fast, chained = self.fast, self._chained
