@@ -10,7 +10,9 @@ change in the shared machine's load hits both (read the ratios, not the absolute
          below, with its source); its predictions are printed next to kvtwin's.
   quick  scenarios/bench_sim_speed.yaml (the former quickstart: Qwen2.5-0.5B on an H100) at 300 req/s (~75% of the simulated H100's capacity, batch
          ~61 under async scheduling): CPU per request at each size (flat = linear cost) and the peak RSS of a fresh
-         process per size. The one-by-one path runs only up to 100k.
+         process per size. The one-by-one path runs only up to 100k. The 1M run once more
+         with SimPy delivering every arrival and ending every step or leap (Simulation.chain
+         off: by default a one-replica open-loop run runs ahead of SimPy's clock).
   sweep  points of 10k quickstart requests at different rates, run one after the other in
          this process, each phase timed (build, simulate, summary); the 100-point time is
          projected from them (2 cores: two at a time). Then the real thing, measured: a fresh
@@ -110,10 +112,12 @@ def pair(name: str, size: int, overrides: tuple = ()) -> dict:
             "speedup": round(one["simulate_cpu_s"] / leap["simulate_cpu_s"], 2)}
 
 
-def child(size: int) -> dict:
-    """A fresh process for one quickstart size (its max RSS is its own)."""
-    out = subprocess.run([sys.executable, __file__, "--child", str(size)], capture_output=True, text=True,
-                         check=True)
+def child(size: int, chained: bool = True) -> dict:
+    """A fresh process for one quickstart size (its max RSS is its own). `chained=False`: SimPy's
+    arrival process delivers every request, with a SimPy event per step or leap (Simulation.chain
+    off: a one-replica open-loop run otherwise runs ahead of SimPy's clock; the same predictions)."""
+    argv = [sys.executable, __file__, "--child", str(size)] + ([] if chained else ["--unchained-child"])
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -185,9 +189,13 @@ def main() -> None:
                     help="points of the measured `simrun` sweep, 10k requests each (0: skip; above ten, "
                          "a multiple of ten: ten rates times points/10 seeds)")
     ap.add_argument("--sweep-jobs", type=int, default=2, help="worker processes of the measured sweep")
+    ap.add_argument("--unchained", type=int, default=1_000_000,
+                    help="quick requests to run once more with every arrival and step through SimPy's "
+                         "events (Simulation.chain off; 0: skip)")
     ap.add_argument("--out", default="bench/results/sim_speed.json")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sweep-child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--unchained-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.sweep_child:
         points, jobs, requests, out = args.sweep_child
@@ -197,6 +205,9 @@ def main() -> None:
         ap.error(f"--sweep-points {args.sweep_points}: above {len(SWEEP_RATES)}, a multiple of {len(SWEEP_RATES)}")
     quick = ("workload.arrival.rate=300",)
     if args.child:
+        if args.unchained_child:
+            from sim.simulator import Simulation
+            Simulation.chain = False
         print(json.dumps(run_one("quickstart", args.child, True, quick, stream=True)))
         return
     result: dict = {"bench": "sim_speed", "machine": machine(),
@@ -211,6 +222,7 @@ def main() -> None:
     if args.quick:
         result["warm_up_child_us_per_request"] = child(min(args.quick))["us_per_request"]
     fresh = {size: child(size) for size in args.quick}
+    unchained = child(args.unchained, chained=False) if args.unchained else None
     if args.vidur:
         v = pair("vidur_llama2_70b", args.vidur)
         result["vidur"] = v
@@ -234,6 +246,13 @@ def main() -> None:
             line += f"; one-by-one {row['one_by_one']['simulate_cpu_s']} s in the same process ({row['speedup']}x)"
         print(line, flush=True)
     result["quickstart"] = rows
+    if unchained is not None:
+        result["quickstart_unchained"] = unchained
+        same = fresh.get(args.unchained)
+        ratio = f" ({unchained['simulate_cpu_s'] / same['simulate_cpu_s']:.2f}x the chained run)" if same else ""
+        print(f"quickstart {args.unchained:>8}, every arrival and step a SimPy event: leap "
+              f"{unchained['simulate_cpu_s']:7.2f} s CPU{ratio}, identical: "
+              f"{bool(same) and all(unchained[k] == same[k] for k in ('steps', 'ttft_p50_s', 'e2e_p50_s'))}", flush=True)
     if args.sweep:
         t0 = time.process_time()
         points = [run_one("quickstart", 10_000, True, (f"workload.arrival.rate={SWEEP_RATES[i % 10]}",), stream=True)
