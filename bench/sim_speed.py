@@ -1,7 +1,8 @@
 """Simulator speed: event leaps vs the one-by-one path, side by side in one process.
 
   python bench/sim_speed.py [--vidur 100000] [--quick 10000 100000 1000000] [--sweep 10]
-                            [--sweep-points 100] [--sweep-jobs 2] [--out bench/results/sim_speed.json]
+                            [--sweep-points 100] [--sweep-jobs 2] [--unchained 1000000]
+                            [--out bench/results/sim_speed.json]
 
 Three workloads, each predicted by both paths of the same code in the same process, so a
 change in the shared machine's load hits both (read the ratios, not the absolute seconds):
