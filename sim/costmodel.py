@@ -39,7 +39,7 @@ import numpy as np
 
 from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.files import excerpt, read_yaml
-from sim.core.memory import kv_bytes_per_token, kv_heads_per_rank
+from sim.core.memory import cdiv, kv_bytes_per_token, kv_heads_per_rank
 
 # Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores)
 # dequantize in the main loop: at compute-bound batch sizes they reach this fraction of the
@@ -165,8 +165,10 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
                  profile: Optional[DeviceProfile] = None, dp: int = 1, ep: int = 1,
-                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, tables=None):
+                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, tables=None,
+                 block_size: int = 16):
         self.model, self.device, self.tp = model, device, tp
+        self.block_size = block_size  # for the blocks a sliding-window layer walks
         self.dp, self.ep, self.kv_cache_dtype = dp, ep, kv_cache_dtype
         self.profile = profile or DeviceProfile()
         self.coefficients = self.profile.coefficients
@@ -189,7 +191,8 @@ class CostModel:
             tables = tables_for(scenario.device.name, scenario.model, par.tp,
                                 scenario.max_num_batched_tokens, scenario.max_num_seqs, scenario.max_model_len)
         return cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
-                   kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables)
+                   kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
+                   block_size=scenario.engine.block_size)
 
     @property
     def calibrated(self) -> bool:
@@ -297,6 +300,20 @@ class CostModel:
                      + prefill_tokens)
         sliding = maximum(window_pairs * self._attn_pair_s, window_kv * self._kv_token_s)
         return (m.num_full_layers * full + sliding_layers * sliding) / m.num_layers
+
+    def blocks_per_layer(self, seqs, blocks_read, maximum=max, block_size=None):
+        """KV blocks one layer's kernel walks, averaged over the layer types: `blocks_read` for a
+        full layer; for a sliding layer at most the blocks its window still holds per sequence
+        (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the step's sums like
+        attention_time. `block_size`: per recorded step where the steps came from several pools."""
+        m = self.model
+        sliding_layers = m.num_sliding_layers
+        if not sliding_layers:
+            return blocks_read
+        minimum = min if maximum is max else np.minimum
+        bs = self.block_size if block_size is None else block_size
+        window = minimum(blocks_read, seqs * (cdiv(m.sliding_window - 1, bs) + 1))
+        return (m.num_full_layers * blocks_read + sliding_layers * window) / m.num_layers
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
@@ -411,7 +428,8 @@ class CostModel:
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
         col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
-        device = self._device_time(*col, np.maximum)
+        block_size = np.asarray(steps["block_size"]) if "block_size" in steps else None
+        device = self._device_time(*col, np.maximum, block_size=block_size)
         host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum)
         return host + self.coefficients.wake_s * after_idle(steps), device
 
@@ -433,13 +451,15 @@ class CostModel:
                 + c.token_host_s * (prefill_tokens + decodes))
 
     def _device_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                     blocks_read, maximum):
-        """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for arrays."""
+                     blocks_read, maximum, block_size=None):
+        """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for
+        arrays (then `block_size` may be an array: each step's pool)."""
         if self.tables is not None:
             if maximum is max:
                 return self._table_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)
+            sizes = np.broadcast_to(self.block_size if block_size is None else block_size, np.shape(seqs))
             return np.array([self._table_time(*row) for row in zip(
-                seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)], dtype=float)
+                seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read, sizes)], dtype=float)
         c = self.coefficients
         tokens = prefill_tokens + decodes
         linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
@@ -447,7 +467,8 @@ class CostModel:
             linear = linear + self.moe_layer_time(tokens, maximum)
         attention = self.attention_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
                                         maximum)
-        per_layer = (c.layer_overhead_s + linear + attention + blocks_read * c.block_overhead_s
+        blocks = self.blocks_per_layer(seqs, blocks_read, maximum, block_size)
+        per_layer = (c.layer_overhead_s + linear + attention + blocks * c.block_overhead_s
                      + (seqs - decodes) * c.prefill_seq_overhead_s
                      + tokens * self._allreduce_token_s + self._allreduce_fixed_s)
         rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
@@ -455,7 +476,8 @@ class CostModel:
                 + rows * c.sample_seq_s)
         return c.step_device_s + self.model.num_layers * per_layer + head
 
-    def _table_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read) -> float:
+    def _table_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read,
+                    block_size=None) -> float:
         """Device time from the operator tables (sim/optables.py) on this step's composition."""
         from sim.optables import bucket
 
@@ -463,7 +485,8 @@ class CostModel:
         seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
         prefills = seqs - decodes
         tokens = prefill_tokens + decodes
-        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
+        blocks = self.blocks_per_layer(seqs, blocks_read, block_size=block_size)
+        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks * c.block_overhead_s
         if prefills:
             chunk = max(1, round(prefill_tokens / prefills))
             per_layer += prefills * t.context_s(chunk, bucket(prefill_ctx / prefills) if prefill_ctx else 0)

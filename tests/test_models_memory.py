@@ -10,7 +10,7 @@ from sim.core.catalog import ModelSpec, get_device, get_model
 from sim.core.hf_config import model_fields_from_hf_config
 from sim.core.memory import (kv_cache_groups, plan_memory, sliding_window_blocks_kept, sliding_window_hit_blocks,
                              weight_bytes_per_gpu)
-from sim.costmodel import CostModel, expected_experts_touched
+from sim.costmodel import STEP_SHAPE, CostModel, expected_experts_touched
 from sim.records import requests_frame
 from sim.scenario import ScenarioError, validate_scenario
 
@@ -208,6 +208,39 @@ def test_sliding_layers_read_at_most_the_window():
     args = (8, 8, 0, 8 * 20000, 0, 0, max)      # 8 decodes at 20k context
     assert cost.attention_time(*args) == pytest.approx(full.attention_time(*args) * (12 + 12 * 128 / 20000) / 24,
                                                        rel=1e-6)
+
+
+def test_sliding_layers_walk_at_most_the_window_blocks():
+    """gpt-oss-20b: 12 of 24 layers slide over 128 tokens, so they walk at most
+    cdiv(127, 16) + 1 = 9 blocks per sequence, where a full layer walks every block."""
+    oss = ModelSpec(**oss20b())
+    cost = CostModel(oss, get_device("h100-sxm"), block_size=16)
+    full = CostModel(oss.model_copy(update={"sliding_window": None, "layer_types": None}), get_device("h100-sxm"))
+    assert cost.blocks_per_layer(8, 8 * 1250) == (12 * 8 * 1250 + 12 * 8 * 9) / 24
+    assert cost.blocks_per_layer(8, 8 * 5) == 8 * 5            # short contexts: inside the window
+    assert full.blocks_per_layer(8, 8 * 1250) == 8 * 1250
+    assert CostModel(oss, get_device("h100-sxm"), block_size=32).blocks_per_layer(8, 8 * 625) == (
+        12 * 8 * 625 + 12 * 8 * 5) / 24                         # cdiv(127, 32) + 1 = 5
+    # the block term of a long-context decode step shrinks by the walked blocks' difference
+    shape = dict(seqs=8, decodes=8, prefill_tokens=0, decode_ctx=8 * 20000, prefill_ctx=0, prefill_attn=0)
+    walked = cost.coefficients.block_overhead_s * oss.num_layers * (8 * 1250 - cost.blocks_per_layer(8, 8 * 1250))
+    without_cap = cost._device_time(*shape.values(), blocks_read=0, maximum=max) + (
+        cost.coefficients.block_overhead_s * oss.num_layers * 8 * 1250)
+    assert cost._device_time(*shape.values(), blocks_read=8 * 1250, maximum=max) == pytest.approx(
+        without_cap - walked, rel=1e-12)
+    # recorded steps price each row with its own pool's block size (calibration probes mix 8/16/32)
+    steps = {**{name: [v, v] for name, v in zip(STEP_SHAPE, shape.values())},
+             "blocks_read": [8 * 1250, 8 * 625], "block_size": [16, 32]}
+    device = cost.step_times(steps)[1]
+    one = [CostModel(oss, get_device("h100-sxm"), block_size=bs)._device_time(*shape.values(), blocks_read=b,
+                                                                             maximum=max)
+           for bs, b in ((16, 8 * 1250), (32, 8 * 625))]
+    assert device.tolist() == pytest.approx(one, rel=1e-12)
+
+
+def test_scenario_block_size_reaches_the_cost_model():
+    s = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "engine": {"block_size": 32}})
+    assert CostModel.for_scenario(s).block_size == 32
 
 
 def test_scenario_parallelism_fields_are_checked():

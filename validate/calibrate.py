@@ -325,13 +325,13 @@ def calibrate(scenario, device: str = "cpu", grid: Optional[Grid] = None,
     coeffs = replace(coeffs, **fit_host(loop))
     isolated = replay(calibration_scenario(scenario, isolated=True), runner=base).steps
     coeffs = replace(coeffs, wake_s=fit_wake(isolated, CostModel(
-        scenario.model, scenario.device, scenario.parallelism.tp, DeviceProfile(coeffs))))
+        scenario.model, scenario.device, scenario.parallelism.tp, DeviceProfile(coeffs), block_size=base.block_size)))
     profile = DeviceProfile(coeffs, calibrated=True, device_name=scenario.device.name,
                             model_name=scenario.model.name,
                             source=f"calibrated on {device} with {scenario.model.name} "
                                    f"({scenario.model.dtype}), {datetime.now(timezone.utc):%Y-%m-%d}",
                             activation_scale=_activation_scale(scenario, base))
-    cost = CostModel(scenario.model, scenario.device, scenario.parallelism.tp, profile)
+    cost = CostModel(scenario.model, scenario.device, scenario.parallelism.tp, profile, block_size=base.block_size)
     train_q = fit_quality(device_train, cost)
     test_q = fit_quality(probes[test].reset_index(drop=True), cost) if test.any() else {}
     host_rel = np.abs(cost.step_times(loop)[0] - loop["host_s"]) / loop["host_s"]
