@@ -157,8 +157,8 @@ def run_command(name: str, argv: list[str]) -> int:
 
 def top_help() -> str:
     width = max(map(len, COMMANDS))
-    lines = [f"usage: simrun SCENARIO.yaml [options]      predict a scenario (same as `simrun run`)",
-             f"       simrun COMMAND [options]            (simrun help COMMAND, or simrun COMMAND -h)",
+    lines = ["usage: simrun SCENARIO.yaml [options]      predict a scenario (same as `simrun run`)",
+             "       simrun COMMAND [options]            (simrun help COMMAND, or simrun COMMAND -h)",
              "",
              "kvtwin: predict the KV-cache memory, throughput and latency of an LLM-serving setup",
              "(vLLM's scheduler and paged KV cache, simulated; no GPU needed), then measure them.",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 import yaml
 

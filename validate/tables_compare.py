@@ -9,8 +9,6 @@ re-derived default efficiencies: flops_eff / attn_flops_eff and bw_eff / attn_bw
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from sim.core.catalog import get_device, get_model
