@@ -67,7 +67,7 @@ def new_scheduler(scenario, num_blocks: int) -> Scheduler:
     check_engine_supports(scenario)
     e = scenario.engine
     kv = new_kv_manager(num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
-                        e.contiguous_reserve, kv_cache_groups(scenario.model), scenario.max_num_batched_tokens)
+                        e.contiguous_reserve, kv_cache_groups(scenario.model), scenario.max_step_tokens)
     return Scheduler(SchedulerConfig.from_scenario(scenario), kv)
 
 

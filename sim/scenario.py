@@ -499,6 +499,12 @@ class Scenario(StrictModel):
         return budget
 
     @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one request computes in one step: the token budget, or a whole sequence
+        in a static batch (its prefill ignores the budget). Bounds what a sliding window holds."""
+        return self.max_model_len if self.engine.batching == "static" else self.max_num_batched_tokens
+
+    @property
     def async_scheduling(self) -> bool:
         """engine.async_scheduling resolved: `auto` is on where vLLM's default is (>= 0.14) and the
         engine is a vLLM-like one (a GPU device, continuous batching)."""

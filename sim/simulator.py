@@ -62,7 +62,7 @@ class Replica:
 def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True, block_ids: bool = False) -> Replica:
     e = scenario.engine
     kv = new_kv_manager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
-                        e.contiguous_reserve, plan.kv_groups, scenario.max_num_batched_tokens,
+                        e.contiguous_reserve, plan.kv_groups, scenario.max_step_tokens,
                         block_ids=block_ids)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     return Replica(index, Scheduler(config, kv), StepRecorder(index))

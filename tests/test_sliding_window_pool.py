@@ -264,16 +264,21 @@ def scenario(model, max_model_len=8192, prompts=(3000, 7000), prefix=4500, **eng
     return validate_scenario(doc)
 
 
-def test_gemma2_imported_config_runs_the_same_with_the_fast_paths_on_or_off():
-    """The decode cohort and leaps are gated off for grouped KV caches: `fast` changes nothing."""
-    s = scenario({"hf_config": str(HF / "lunahr__SystemGemma2-27b-it.json")}, num_blocks=1400)
-    assert not scheduler(hybrid(8), lazy=True).lazy and scheduler(None, lazy=True).lazy
+@pytest.mark.parametrize("model, num_blocks", [({"hf_config": str(HF / "lunahr__SystemGemma2-27b-it.json")}, 1400),
+                                               ({"hf_config": str(HF / "openai__gpt-oss-20b.json")}, 1400),
+                                               ("mistral-7b-v0.1", 900)], ids=["gemma2", "gpt-oss", "mistral"])
+def test_imported_sliding_window_models_run_the_same_with_the_fast_paths_on_or_off(model, num_blocks):
+    """A grouped KV cache runs the decode cohort (leaps stay off): `fast` changes no step and no
+    request, with hybrid groups (Gemma-2; gpt-oss, sliding first) and a window on every layer."""
+    s = scenario(model, num_blocks=num_blocks)
+    assert scheduler(hybrid(8), lazy=True).lazy
     fast, plan, _ = simulate(s, fast=True)
     slow, _, _ = simulate(s, fast=False)
-    assert plan.kv_groups.sliding_groups and plan.kv_groups.full_groups
+    assert plan.kv_groups.sliding_groups
     a, b = fast.steps_frame(), slow.steps_frame()
     assert a.equals(b)
-    assert len(a) > 200 and a["kv_blocks_used"].max() <= plan.usable_blocks
+    assert requests_frame(fast).equals(requests_frame(slow))
+    assert len(a) > 150 and a["kv_blocks_used"].max() <= plan.usable_blocks
 
 
 def test_mistral_v01_holds_a_window_per_request_and_reuses_the_shared_prefixes_window():
@@ -292,6 +297,22 @@ def test_mistral_v01_holds_a_window_per_request_and_reuses_the_shared_prefixes_w
     assert full.steps_frame()["running"].max() == 1 and steps["running"].mean() > 2
     cached = requests_frame(records)["cached_tokens"]
     assert cached.max() == 6000
+
+
+def test_a_static_batch_prefills_whole_prompts_so_its_window_bound_is_the_whole_sequence():
+    """A static batch prefills each prompt whole, past the token budget, and a prefill holds all
+    its blocks during its step: a request whose blocks exceed the pool is rejected with the
+    reason, never admitted to wait forever; the rest run (here with prompts of 4-8k tokens over
+    a budget of 2048)."""
+    s = scenario("mistral-7b-v0.1", max_model_len=16384, prefix=1000, num_blocks=420, batching="static")
+    assert s.max_step_tokens == s.max_model_len == 16384
+    records, plan, _ = simulate(s)
+    frame = requests_frame(records)
+    rejected = frame[frame["status"] == "rejected"]
+    assert len(rejected) and rejected["reject_reason"].str.contains("KV blocks at full length").all()
+    finished = frame[frame["status"] == "finished"]
+    assert len(finished) + len(rejected) == len(frame)
+    assert finished["prompt_tokens"].max() > 2048
 
 
 def test_the_memory_plan_of_imported_hybrids_sizes_the_pool_the_run_uses():

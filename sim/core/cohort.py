@@ -33,6 +33,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from itertools import accumulate
 from operator import attrgetter
+from typing import Optional
 
 from sim.core.request import Request
 
@@ -41,10 +42,17 @@ _run_seq = attrgetter("run_seq")      # a request's position in the running list
 
 
 class DecodeCohort:
-    def __init__(self, block_size: int, paged: bool, caching: bool, private_blocks: bool = True):
+    def __init__(self, block_size: int, paged: bool, caching: bool, private_blocks: bool = True,
+                 tables: int = 1, window: Optional[int] = None):
         self.block_size = block_size
         self.paged = paged
         self.caching = caching
+        # A grouped KV cache (sim/core/kvcache.py GroupedKVCacheManager): `tables` block tables
+        # per member, each taking a block at a crossing; with a sliding `window` a member also
+        # frees the block behind it, on the steps whose token leaves a block behind the window.
+        self.tables = tables
+        self.window = window
+        self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
         self.private_blocks = private_blocks   # members' private fills registered as such (kvcache.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
         self.members: dict[Request, None] = {}      # insertion-ordered set
@@ -79,6 +87,8 @@ class DecodeCohort:
         req.cohort_gen += 1
         self.members[req] = None
         self.by_phase[req._computed % bs][req] = None
+        if self.window is not None:
+            self._joined[req] = None
         self.ctx_offset_sum += req._computed
         self.blocks_walked += -(-computed // bs)
         finish = self.finished_step + req.output_len - output        # on the cohort's clock
@@ -98,6 +108,8 @@ class DecodeCohort:
         self.ctx_offset_sum -= req._computed
         self.blocks_walked -= -(-computed // self.block_size)
         del self.by_phase[req._computed % self.block_size][req]
+        if self._joined:
+            self._joined.pop(req, None)
         req.emit_runs, req.emit_start, req._last_emit = self.emission(req)
         req._computed, req._output = computed, output
         req._cohort = None
@@ -176,19 +188,36 @@ class DecodeCohort:
     def due_blocks(self, step: int) -> int:
         """Blocks the members need at `step` (`_crossing`'s group, read here without the call:
         the scheduler and the leap planner ask this at every step)."""
-        return len(self.by_phase[(1 - step + self.offset) % self.block_size]) if self.paged else 0
+        return len(self.by_phase[(1 - step + self.offset) % self.block_size]) * self.tables if self.paged else 0
+
+    def freeing(self, step: int) -> dict[Request, None]:
+        """Members whose token at `step` may leave blocks behind the window: those whose context
+        before it is window - 1 mod block_size (sliding_window_skipped_blocks steps up there),
+        and those that joined since the last step (a prefill chunk may have left several)."""
+        due = self.by_phase[(self.window - step + self.offset) % self.block_size]
+        return {**due, **self._joined} if self._joined else due
 
     def advance(self, step: int, kv) -> None:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
+        if self.window is not None:        # before the clock moves: members' contexts before the token
+            for req in self._in_running_order(self.freeing(step)):
+                kv.remove_skipped_blocks(req)
+            self._joined = {}
         self.scheduled_step = clock
         bs = self.block_size
         crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             ordered = self._in_running_order(crossing) if kv.block_ids else crossing
-            for req, block in zip(ordered, kv.pool.get_new_blocks(len(crossing))):
-                req.blocks.append(block)
+            if self.tables == 1:
+                for req, block in zip(ordered, kv.pool.get_new_blocks(len(crossing))):
+                    req.blocks.append(block)
+            else:                          # each member's tables in turn, as allocate_slots takes them
+                blocks = iter(kv.pool.get_new_blocks(len(crossing) * self.tables))
+                for req in ordered:
+                    for table in req.group_tables:
+                        table.append(next(blocks))
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
             self._register_fills(range(clock, clock + 1), kv)
@@ -202,8 +231,13 @@ class DecodeCohort:
             for req in by_phase[-clock % bs]:
                 if not req._private_fills:
                     index = (req._computed + clock) // bs - 1
-                    blocks.append(kv.named_blocks(req, index, index + 1)[0])
-                    hashes.append(req.block_hashes[index])
+                    if self.tables == 1:
+                        blocks.append(kv.named_blocks(req, index, index + 1)[0])
+                        hashes.append(req.block_hashes[index])
+                    else:
+                        filled, keys = kv.filled_entries(req, index)
+                        blocks += filled
+                        hashes += keys
                     req.num_registered = index + 1
         if blocks:
             kv.pool.cache_blocks(blocks, hashes)

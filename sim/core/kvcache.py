@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from operator import and_
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
@@ -583,7 +584,9 @@ class KVCacheManager:
         self.contiguous_reserve = contiguous_reserve
         self.stats = PrefixCacheStats()
         self.grouped = False          # one block table per request (GroupedKVCacheManager: one per group)
+        self.num_groups = 1           # block tables per request
         self.sliding = False          # some group frees the blocks behind a sliding window
+        self.window: Optional[int] = None
         # Slots in blocks held, counted once per owner (a shared block counts for each holder,
         # as do its tokens), so held_slots - tokens computed = unfilled slots (slack).
         self.held_slots = 0
@@ -840,9 +843,11 @@ class GroupedKVCacheManager(KVCacheManager):
             length = len(full[0])
         first = 0
         if self.sliding_ids:
-            def cached(i: int) -> bool:
-                return all(group_key(hashes[i], g) in self.pool.cached for g in self.sliding_ids)
-            first, length = sliding_window_hit_run(cached, length, bs, self.window)
+            cached = None               # is block i cached in every sliding group (looked up at C speed)
+            for g in self.sliding_ids:
+                found = list(map(self.pool.cached.__contains__, self._keys(hashes[:length], g)))
+                cached = found if cached is None else list(map(and_, cached, found))
+            first, length = sliding_window_hit_run(cached.__getitem__, length, bs, self.window)
         if not length:
             return [], 0
         hits: list[list[int]] = [[] for _ in range(self.num_groups)]
@@ -900,16 +905,25 @@ class GroupedKVCacheManager(KVCacheManager):
         sliding = max(min(gate, self.sliding_cap) - held - num_hit, need)   # vLLM's admission cap
         return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
 
-    def remove_skipped_blocks(self, req: Request) -> None:
-        """Free, in every sliding group, the blocks behind the window of the request's next token
-        (null in the table), nearest first, stopping at the first already null."""
+    def frees_behind_window(self, req: Request) -> int:
+        """How many leading table entries are behind the window of the request's next token,
+        when the nearest of them still holds a block (remove_skipped_blocks would free); else 0."""
         tables = req.group_tables
         if not self.sliding or not tables:
-            return
+            return 0
         skipped = min(sliding_window_skipped_blocks(req.num_computed, self.block_size, self.window),
                       len(req.blocks))
         if not skipped or tables[self.sliding_ids[0]][skipped - 1] == NULL_BLOCK:
+            return 0
+        return skipped
+
+    def remove_skipped_blocks(self, req: Request) -> None:
+        """Free, in every sliding group, the blocks behind the window of the request's next token
+        (null in the table), nearest first, stopping at the first already null."""
+        skipped = self.frees_behind_window(req)
+        if not skipped:
             return
+        tables = req.group_tables
         for g in self.sliding_ids:
             table = tables[g]
             removed = []
@@ -926,12 +940,31 @@ class GroupedKVCacheManager(KVCacheManager):
         if full <= req.num_registered:
             return
         req.extend_block_hashes(full, self.block_size)
-        hashes, cache = req.block_hashes, self.pool.cache_block
+        first = req.num_registered
+        hashes = req.block_hashes[first:full]
         for g, table in enumerate(self._tables(req)):
-            for i in range(req.num_registered, full):
-                if table[i] != NULL_BLOCK:
-                    cache(table[i], group_key(hashes[i], g))
+            blocks, keys = table[first:full], self._keys(hashes, g)
+            if NULL_BLOCK in blocks:
+                kept = [i for i, b in enumerate(blocks) if b != NULL_BLOCK]
+                blocks, keys = [blocks[i] for i in kept], [keys[i] for i in kept]
+            self.pool.cache_blocks(blocks, keys)
         req.num_registered = full
+
+    @staticmethod
+    def _keys(hashes: list[int], group: int) -> list[int]:
+        """The prefix-cache keys of block hashes in `group` (group 0: the hashes themselves)."""
+        return hashes if group == 0 else [group_key(h, group) for h in hashes]
+
+    def filled_entries(self, req: Request, index: int) -> tuple[list[int], list[int]]:
+        """(blocks, prefix-cache keys) that publish the request's block `index` in every group
+        holding it, in group order (register_full_blocks' order for one block)."""
+        h = req.block_hashes[index]
+        blocks, keys = [], []
+        for g, table in enumerate(req.group_tables):
+            if table[index] != NULL_BLOCK:
+                blocks.append(table[index])
+                keys.append(group_key(h, g))
+        return blocks, keys
 
     def free(self, req: Request) -> None:
         tables = req.group_tables
@@ -965,6 +998,8 @@ def new_kv_manager(num_blocks: int, block_size: int, enable_caching: bool = True
                    block_ids: bool = True) -> KVCacheManager:
     """The manager for a model's KV cache groups: one table per request for one full-attention
     group (every uniform model), one per group otherwise (sliding-window and hybrid models).
+    `max_num_batched_tokens`: the most tokens a request computes in one step (a static batch:
+    a whole sequence, Scenario.max_step_tokens), which bounds the blocks a sliding group holds.
     `block_ids=False` (the simulator): a pool that names only the blocks the prefix cache maps,
     for one table per request (grouped tables always use ids)."""
     if groups is None or not groups.is_hybrid and groups.full_groups <= 1:

@@ -208,7 +208,8 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     clock = t - cohort.offset
     # (async scheduling: the last step's finishers, still holding blocks and seats, are neither
     # members nor active; the plan waits for `settle` to go past step t, see LeapPlan)
-    if (not sched.lazy or not members or sched.active or cohort.scheduled_step != clock - 1
+    # (a grouped KV cache goes step by step: its members also free blocks behind their windows)
+    if (not sched.lazy or kv.grouped or not members or sched.active or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
     to_finish = cohort.next_finish() - t + 1

@@ -189,10 +189,10 @@ class Scheduler:
         self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
-        # The decode cohort and leaps assume one block per member crossing a boundary; a grouped
-        # (sliding-window / hybrid) KV cache takes one per group and frees behind windows: one by one.
-        self.lazy = config.lazy_decode and not kv.grouped
-        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks)
+        self.lazy = config.lazy_decode
+        # (a grouped KV cache: a block per table at each crossing, frees behind sliding windows)
+        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks,
+                                   kv.num_groups, kv.window if kv.sliding else None)
         self.waiting_fifo: deque[Request] = deque()
         self.waiting_heap: list = []
         # Requests in the queue in use: a count kept as they come and go, as the drivers read it
@@ -447,6 +447,11 @@ class Scheduler:
                 break                  # it preempted itself
         return budget
 
+    def _last_freeing_member(self, step: int) -> int:
+        """The latest running position among members that may free behind their window at `step`."""
+        freeing = self.cohort.freeing(step)
+        return max(map(_run_seq, freeing)) if freeing else -1
+
     def _cohort_can_take(self, step: int, budget: int) -> Optional[list[Request]]:
         """The running non-members (admission order) if every member gets its token this step.
 
@@ -460,6 +465,7 @@ class Scheduler:
         others = list(self.active)
         blocks = cohort.due_blocks(step)
         first_crossing = cohort.first_crossing_seq(step) if others else None
+        last_freeing = self._last_freeing_member(step) if others and kv.sliding else -1
         for req in others:
             n = req.num_tokens - req.num_computed
             if n > left:
@@ -470,7 +476,9 @@ class Scheduler:
                 new = max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
                 if new and req.run_seq < first_crossing:
                     return None        # it takes its blocks before a member would: keep vLLM's order
-                blocks += new
+                blocks += new * kv.num_groups
+            if req.run_seq < last_freeing and kv.frees_behind_window(req):
+                return None            # it frees before a member would: keep the free queue's order
             left -= n
             if left == 0:
                 later = self.running[self.running.index(req) + 1:]
