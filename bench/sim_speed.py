@@ -1,7 +1,7 @@
 """Simulator speed: event leaps vs the one-by-one path, side by side in one process.
 
   python bench/sim_speed.py [--vidur 100000] [--quick 10000 100000 1000000] [--sweep 10]
-                            [--sweep-points 100] [--sweep-jobs 2] [--unchained 1000000] [--sliding 2000]
+                            [--sweep-points 100] [--sweep-jobs 2] [--unchained 1000000] [--sliding 5000]
                             [--out bench/results/sim_speed.json]
 
 Four workloads, each predicted by both paths of the same code in the same process, so a
@@ -14,9 +14,10 @@ change in the shared machine's load hits both (read the ratios, not the absolute
          process per size. The one-by-one path runs only up to 100k. The 1M run once more
          with SimPy delivering every arrival and ending every step or leap (Simulation.chain
          off: by default a one-replica open-loop run runs ahead of SimPy's clock).
-  sliding scenarios/whatif_sliding_window.yaml (Mistral-7B-v0.1, a 4096 window on every layer,
-         8-12k-token prompts): the decode cohort against one by one (leaps stay off for sliding
-         windows), and the same workload with `model.sliding_window: null` (full attention).
+  sliding sliding-window models: scenarios/whatif_sliding_window.yaml (Mistral-7B-v0.1, a 4096
+         window on every layer, 8-12k-token prompts) and gpt-oss-20b (alternate 128-token windows)
+         on bench_sim_speed.yaml's ShareGPT-like traffic at 40 req/s: the fast path (the decode
+         cohort; leaps only while nobody waits) against one by one, and each as full attention.
   sweep  points of 10k quickstart requests at different rates, run one after the other in
          this process, each phase timed (build, simulate, summary); the 100-point time is
          projected from them (2 cores: two at a time). Then the real thing, measured: a fresh
@@ -62,6 +63,14 @@ KVTWIN_BEFORE = {"ttft_p50_s": 0.254, "tpot_p50_s": 0.084, "e2e_p50_s": 11.0, "k
 # workload label -> scenario file ("quickstart" is this benchmark's name for the light H100 load,
 # kept in bench_sim_speed.yaml since scenarios/quickstart.yaml became a memory-bound L4 example)
 SCENARIO_FILES = {"quickstart": "bench_sim_speed"}
+
+
+# Sliding-window models: the decode cohort on a grouped KV cache, leaps only while nobody waits.
+# (scenario file, label, overrides); each also run as full attention.
+GPT_OSS = "model={hf_config: ../tests/data/hf_configs/openai__gpt-oss-20b.json}"
+SLIDING_WORKLOADS = (("whatif_sliding_window", "mistral-7b-v0.1, 8-12k-token prompts", ()),
+                     ("bench_sim_speed", "gpt-oss-20b, ShareGPT-like at 40 req/s", (GPT_OSS, "workload.arrival.rate=40")))
+AS_FULL_ATTENTION = ("model.sliding_window=null", "model.layer_types=null")
 
 
 def _making_cpu_s(scenario) -> float:
@@ -196,9 +205,9 @@ def main() -> None:
     ap.add_argument("--unchained", type=int, default=1_000_000,
                     help="quick requests to run once more with every arrival and step through SimPy's "
                          "events (Simulation.chain off; 0: skip)")
-    ap.add_argument("--sliding", type=int, default=2000,
-                    help="requests of whatif_sliding_window (Mistral v0.1, every layer a 4096 window): the decode "
-                         "cohort vs one by one, and the same workload as full attention (0: skip)")
+    ap.add_argument("--sliding", type=int, default=5000,
+                    help="requests of each sliding-window workload (Mistral v0.1 with long prompts, gpt-oss-20b "
+                         "chat): the fast path vs one by one, and each as full attention (0: skip)")
     ap.add_argument("--out", default="bench/results/sim_speed.json")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sweep-child", nargs=4, help=argparse.SUPPRESS)
@@ -261,12 +270,13 @@ def main() -> None:
               f"{unchained['simulate_cpu_s']:7.2f} s CPU{ratio}, identical: "
               f"{bool(same) and all(unchained[k] == same[k] for k in ('steps', 'ttft_p50_s', 'e2e_p50_s'))}", flush=True)
     if args.sliding:
-        w = result["sliding_window"] = pair("whatif_sliding_window", args.sliding)
-        full = result["sliding_window_as_full_attention"] = run_one(
-            "whatif_sliding_window", args.sliding, True, ("model.sliding_window=null",))
-        print(f"sliding window {args.sliding}: cohort {w['leap']['simulate_cpu_s']} s CPU (leaps are off for "
-              f"sliding windows), one-by-one {w['one_by_one']['simulate_cpu_s']} s ({w['speedup']}x), identical: "
-              f"{w['identical_predictions']}; as full attention {full['simulate_cpu_s']} s", flush=True)
+        result["sliding_window"] = {}
+        for name, label, overrides in SLIDING_WORKLOADS:
+            w = result["sliding_window"][label] = pair(name, args.sliding, overrides)
+            full = w["as_full_attention"] = run_one(name, args.sliding, True, (*overrides, *AS_FULL_ATTENTION))
+            print(f"{label} {args.sliding}: fast path {w['leap']['simulate_cpu_s']} s CPU, one-by-one "
+                  f"{w['one_by_one']['simulate_cpu_s']} s ({w['speedup']}x), identical: {w['identical_predictions']}; "
+                  f"as full attention {full['simulate_cpu_s']} s", flush=True)
     if args.sweep:
         t0 = time.process_time()
         points = [run_one("quickstart", 10_000, True, (f"workload.arrival.rate={SWEEP_RATES[i % 10]}",), stream=True)

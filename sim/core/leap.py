@@ -12,7 +12,9 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
     the members cross, step by step (so no preemption can happen);
   - the waiting head would not be admitted at step t. Free blocks only shrink during the
     stretch and a cached prefix only loses blocks, so a head that cannot start at step t
-    cannot start later in it either (the requirement never drops, the supply never grows);
+    cannot start later in it either (the requirement never drops, the supply never grows).
+    A grouped KV cache's members also free blocks behind sliding windows, so the supply can
+    grow: it leaps only when nobody waits;
   - no member emits its last token before step t+K-1 (a finish may end the leap);
   - with async scheduling, requests that finished at step t-1 still hold their blocks and seats
     through step t's scheduling pass and are released right after it (sim/core/scheduler.py):
@@ -24,8 +26,9 @@ any router (sim/simulator.py cuts it at the first step ending at or after that t
 
 `apply_leap` takes the stretch's blocks from a paged pool in one go, in the order the one-step
 path takes them, and registers the blocks the members fill (DecodeCohort.advance_many, so every
-block id, hash and eviction comes out the same); static and contiguous batches replay their
-steps through the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
+block id, hash and eviction comes out the same); static and contiguous batches, and grouped
+caches (whose members free behind their windows between crossings), replay their steps through
+the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
 in bulk; equal, bit for bit, to pricing the steps one by one (same float operations).
 """
 from __future__ import annotations
@@ -47,7 +50,7 @@ class LeapPlan:
     the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
     __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "_settled", "_ctx0", "_ctx_per_step",
-                 "_walked", "_walked_before", "_static", "_clock", "_groups", "_free", "_taken", "_limit")
+                 "_walked", "_walked_before", "_static", "_clock", "_groups", "_tables", "_free", "_taken", "_limit")
 
     def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
         """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
@@ -60,6 +63,7 @@ class LeapPlan:
         self._walked_before = cohort.blocks_walked
         self._clock = clock
         self._groups = cohort.by_phase
+        self._tables = cohort.tables       # blocks a crossing member takes (a grouped cache: one per table)
         self._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
         self._taken = 0
         self._limit = max_steps            # lowered where the pool runs out
@@ -84,11 +88,11 @@ class LeapPlan:
         walked = self._walked
         k = min(k, self._limit)
         if len(walked) < k:
-            groups, bs = self._groups, len(self._groups)
+            groups, bs, tables = self._groups, len(self._groups), self._tables
             phase, free, taken = 1 - self._clock, self._free, self._taken
             for i in range(len(walked), k):
                 w = len(groups[(phase - i) % bs])      # the members crossing into a block at step i
-                taken += w
+                taken += w * tables                    # (blocks freed behind windows are not counted)
                 if taken > free:
                     self._limit = k = i
                     break
@@ -110,7 +114,8 @@ class LeapPlan:
         sched._release_finishing()
         pool = kv.pool
         self._settled = sched.kv_figures()
-        # Free blocks only shrink from here on: steps t+1 ... are counted against what is free now.
+        # Free blocks only shrink from here on (or grow, behind sliding windows): steps t+1 ... are
+        # counted against what is free now.
         if self._free != math.inf:
             self._free, self._taken = pool.num_free, 0
         first = cohort.due_blocks(t + 1)
@@ -208,8 +213,10 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     clock = t - cohort.offset
     # (async scheduling: the last step's finishers, still holding blocks and seats, are neither
     # members nor active; the plan waits for `settle` to go past step t, see LeapPlan)
-    # (a grouped KV cache goes step by step: its members also free blocks behind their windows)
-    if (not sched.lazy or kv.grouped or not members or sched.active or cohort.scheduled_step != clock - 1
+    # A grouped KV cache leaps only with nobody waiting: its members also free blocks behind their
+    # windows, so the free blocks can grow during the stretch and let a waiting head start in it.
+    if (not sched.lazy or kv.grouped and sched.num_waiting or not members or sched.active
+            or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
     to_finish = cohort.next_finish() - t + 1
@@ -246,7 +253,7 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         done = 1
     if done == k:
         figures: tuple[list[int], list[int], list[int]] = ([], [], [])
-    elif sched.cohort.paged and plan._static is None:
+    elif sched.cohort.paged and plan._static is None and not sched.kv.grouped:
         figures = _apply_bulk(sched, plan, done, k)
     else:
         figures = _apply_by_step(sched, plan, done, k)
@@ -286,8 +293,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
     usable = pool.usable_blocks
     # A step at which no member reaches a block boundary changes nothing but the cohort's clock
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
-    # that is the steps with a member crossing into a new block (the plan counted them).
-    walked = None if kv.enable_caching or plan._static is not None else plan._walked
+    # (or frees behind sliding windows) that is the steps with a member crossing into a new block
+    # (the plan counted them).
+    walked = None if kv.enable_caching or kv.sliding or plan._static is not None else plan._walked
     used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i in range(done, k):
         if walked is None or walked[i]:
