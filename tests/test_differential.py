@@ -179,16 +179,28 @@ def run_pair(case, max_steps=5000, fast_ids=True, slow_ids=True):
     return steps, cohort_steps
 
 
+def run_seeds(seeds, make_case, run) -> list:
+    """`run(case)` for each seed's case; a failure names the seed and the case."""
+    results = []
+    for seed in seeds:
+        case = make_case(seed)
+        try:
+            results.append(run(case))
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {case}") from e
+    return results
+
+
+def sliding_case(seed):
+    return with_sliding_windows(random_case(seed), seed)
+
+
 @pytest.mark.parametrize("chunk", range(6))
 @pytest.mark.parametrize("ids", [(True, True), (False, False), (True, False)], ids=["ids", "counting", "mixed"])
 def test_fast_paths_match_the_one_by_one_loop(chunk, ids):
     """The cohort against the one-by-one loop, with the engine's pool (ids for every block), the
     simulator's (CountingBlockPool), and one of each (then compared by content)."""
-    for seed in SEEDS[chunk::6]:
-        try:
-            run_pair(random_case(seed), fast_ids=ids[0], slow_ids=ids[1])
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {random_case(seed)}") from e
+    run_seeds(SEEDS[chunk::6], random_case, lambda case: run_pair(case, fast_ids=ids[0], slow_ids=ids[1]))
 
 
 def run_leaps_pair(case, max_ticks=5000, fast_ids=True, slow_ids=True):
@@ -241,14 +253,9 @@ def test_scheduler_leaps_match_the_one_by_one_loop(chunk, ids):
     """Leaps applied straight to a scheduler: blocks handed out (with or without prefix caching)
     and figures reported equal the step-by-step path's, over random cases (leaps with the
     simulator's CountingBlockPool against steps with the engine's BlockPool, too)."""
-    leapt = settled = 0
-    for seed in SEEDS[chunk::3]:
-        try:
-            steps, settles = run_leaps_pair(random_case(seed), fast_ids=ids[0], slow_ids=ids[1])
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {random_case(seed)}") from e
-        leapt += steps
-        settled += settles
+    results = run_seeds(SEEDS[chunk::3], random_case,
+                        lambda case: run_leaps_pair(case, fast_ids=ids[0], slow_ids=ids[1]))
+    leapt, settled = map(sum, zip(*results))
     assert leapt > 500
     assert settled > 20        # async cases: leaps that release the last step's finishers after step t
 
@@ -257,33 +264,19 @@ def test_scheduler_leaps_match_the_one_by_one_loop(chunk, ids):
 def test_the_cohort_on_sliding_windows_matches_the_one_by_one_loop(chunk):
     """Grouped KV caches (sliding-only and hybrid, either group first): members take a block per
     table at a crossing and free what falls behind the window; every table, the free queue and
-    the prefix-cache map equal the one-by-one loop's after every step."""
-    cohort_steps = 0
-    # (seed 1481: a running non-member frees behind its window before a member would, so the
-    # cohort must stand down for the step to keep the free queue's order)
-    for seed in [*SEEDS, 1481][chunk::3]:
-        case = with_sliding_windows(random_case(seed), seed)
-        try:
-            _, in_cohort = run_pair(case)
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {case}") from e
-        cohort_steps += in_cohort
-    assert cohort_steps > 1000
+    the prefix-cache map equal the one-by-one loop's after every step. (Seed 1481: a running
+    non-member frees behind its window before a member would, so the cohort must stand down for
+    the step to keep the free queue's order.)"""
+    results = run_seeds([*SEEDS, 1481][chunk::3], sliding_case, run_pair)
+    assert sum(in_cohort for _, in_cohort in results) > 1000
 
 
 def test_scheduler_leaps_on_sliding_windows_match_the_one_by_one_loop():
     """Leaps on grouped KV caches (with nobody waiting; each step through the cohort, frees
     behind the windows included): every table, figure and the free queue equal the one-by-one
     loop's after every leap."""
-    leapt = 0
-    for seed in SEEDS[::2]:
-        case = with_sliding_windows(random_case(seed), seed)
-        try:
-            steps, _ = run_leaps_pair(case)
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {case}") from e
-        leapt += steps
-    assert leapt > 500
+    results = run_seeds(SEEDS[::2], sliding_case, run_leaps_pair)
+    assert sum(leapt for leapt, _ in results) > 500
 
 
 # -- the simulator: event leaps and the cohort against the one-by-one path --------------------
