@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if command is None:
             return 0
         return run_command(command, rest)
+    except BrokenPipeError:                    # the reader went away (`simrun ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit)
+        return 1                               # (as rich does for the tables)
     except Exception as e:                     # noqa: BLE001 - only the known user errors are caught below
         if _terminated():                      # an error caused by the stop a signal asked for
             print("interrupted", file=sys.stderr)

@@ -105,3 +105,21 @@ def test_the_header_names_the_resolved_async_switch(tmp_path, capsys):
                      "--set", "workload.num_requests=20", "--no-plots", *extra]) == 0
         engine_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("engine"))
         assert engine_line.endswith(words), engine_line
+
+
+def test_a_reader_that_went_away_stops_simrun_quietly():
+    """`simrun --help | head -1`: the pipe's reader is gone before simrun writes; simrun stops
+    with status 1 and no error or traceback (the read end is closed before it starts)."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        for argv in (["--help"], ["from-vllm", "--help"]):
+            done = subprocess.run([sys.executable, "-m", "sim.cli", *argv], stdout=write_end,
+                                  stderr=subprocess.PIPE, text=True, timeout=60)
+            assert done.returncode == 1 and done.stderr == "", (argv, done.stderr)
+    finally:
+        os.close(write_end)
