@@ -145,6 +145,17 @@ def test_point_outputs_write_each_run(scenario_file, tmp_path):
     assert (out / "points" / folders[0] / "summary.json").exists()
 
 
+def test_no_plots_applies_to_a_sweep_and_its_points(scenario_file, tmp_path):
+    """--no-plots on a sweep: sweep.csv and each point's data files, no figure and no page."""
+    out, plotted = tmp_path / "out", tmp_path / "plotted"
+    assert run_cli(scenario_file, out, "--jobs", "1", "--point-outputs", "--no-plots") == run_cli(
+        scenario_file, plotted, "--jobs", "1")
+    written = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert "sweep.csv" in written and "points/000_block_size=16,rate=1/summary.json" in written
+    assert not [f for f in written if f.endswith((".png", ".html"))], written
+    assert (plotted / "sweep.html").exists()
+
+
 def test_sweep_flags_without_a_sweep_are_an_error(scenario_file, tmp_path, capsys):
     assert main([str(scenario_file), "--zip", "--out", str(tmp_path), "--quiet"]) == 2
     assert "--zip applies to sweeps" in capsys.readouterr().err

@@ -134,6 +134,7 @@ class PointTask:
     out_dir: Optional[str] = None               # write the point's full run here (--point-outputs)
     trace: bool = False
     steps: str = "aggregated"                   # steps.csv of a written point (simrun --steps)
+    plots: bool = True                          # a written point's figures and report.html (not --no-plots)
 
     def scenario(self):
         raw = self.raw
@@ -158,7 +159,7 @@ def run_point(task: PointTask) -> dict[str, Any]:
     except InsufficientMemoryError as e:
         return {"error": f"does not fit: {e}"}
     if task.out_dir:
-        write_run(result, Path(task.out_dir), trace=task.trace, steps=task.steps)
+        write_run(result, Path(task.out_dir), trace=task.trace, report=task.plots, steps=task.steps)
     return {**flatten(result.summary), **gpu_cost(scenario)}
 
 
@@ -289,13 +290,14 @@ class Sweep:
 
 
 def point_tasks(raw: dict, base_dir: Path, source: str, axes: Sequence[Axis], points: Sequence[Point],
-                outputs: Optional[Path] = None, trace: bool = False, steps: str = "aggregated") -> list[PointTask]:
+                outputs: Optional[Path] = None, trace: bool = False, steps: str = "aggregated",
+                plots: bool = True) -> list[PointTask]:
     """One task per point, each validated here so a bad value fails before anything runs."""
     tasks = []
     for p in points:
         out_dir = str(outputs / point_folder(p, axes)) if outputs else None
         task = PointTask(raw, str(base_dir), source, tuple(zip((a.path for a in axes), p.values)),
-                         p.label(axes), out_dir, trace, steps)
+                         p.label(axes), out_dir, trace, steps, plots)
         task.scenario()
         tasks.append(task)
     return tasks
@@ -309,13 +311,13 @@ def point_folder(point: Point, axes: Sequence[Axis]) -> str:
 
 def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
               jobs: int = 1, ray: Optional[str] = None, outputs: Optional[Path] = None,
-              trace: bool = False, quiet: bool = False, steps: str = "aggregated") -> Sweep:
+              trace: bool = False, quiet: bool = False, steps: str = "aggregated", plots: bool = True) -> Sweep:
     if raw.get("variants"):
         raise SweepError(f"{source} has variants ({', '.join(raw['variants'])}); a sweep runs one "
                          f"scenario: sweep the field the variants change instead, or drop them "
                          f"with --set 'variants={{}}'")
     points = sweep_points(axes, zipped)
-    tasks = point_tasks(raw, base_dir, source, axes, points, outputs, trace, steps)
+    tasks = point_tasks(raw, base_dir, source, axes, points, outputs, trace, steps, plots)
     import sim.predict  # noqa: F401  (imported once here, so forked workers inherit it, not import it each)
     rows = parallel_map(run_point, tasks, jobs, ray, label=f"sweep ({len(points)} points)", quiet=quiet)
     return Sweep(axes, points, zipped, sweep_frame(axes, points, rows))
@@ -544,10 +546,14 @@ def write_page(path: Path, title: str, notes: Sequence[str], tables: Sequence[tu
     return write_html_page(path, title, body, setup=setup)
 
 
-def write_sweep(sweep: Sweep, out: Path, title: str, setup: Optional[Mapping] = None) -> dict[str, Path]:
+def write_sweep(sweep: Sweep, out: Path, title: str, setup: Optional[Mapping] = None,
+                plots: bool = True) -> dict[str, Path]:
+    """sweep.csv, and unless `plots` is False the metric plots and sweep.html."""
     from sim.output.io import write_csv
 
     files = {"csv": write_csv(out / "sweep.csv", sweep.frame)}
+    if not plots:
+        return files
     scenario = (setup or {}).get("scenario") or {}
     swept = {a.path.split(".")[0] for a in sweep.axes}
     figure_title = scenario.get("name", "") if {"model", "device"} & swept else (
@@ -580,7 +586,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                         help="pair the swept fields' values element by element instead of a grid")
     parser.add_argument("--point-outputs", action="store_true",
                         help="also write each point's full run (summary, CSVs, plots, report) "
-                             "under OUT/points/")
+                             "under OUT/points/ (with --no-plots: its data files only)")
 
 
 def check_jobs(jobs: Optional[int]) -> int:
@@ -604,12 +610,14 @@ def sweep_main(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / args.scenario.stem / "sweep"
     t0 = time.monotonic()
     with owned_run_folder(out, force=getattr(args, "force", False)):
+        plots = not getattr(args, "no_plots", False)
         sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
                           check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
-                          args.trace, args.quiet, getattr(args, "steps", "aggregated"))
-        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario))
+                          args.trace, args.quiet, getattr(args, "steps", "aggregated"), plots)
+        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario),
+                    plots)
     if not args.quiet:
-        print_sweep(sweep, out, time.monotonic() - t0)
+        print_sweep(sweep, out, time.monotonic() - t0, plots)
     return 0
 
 
@@ -625,7 +633,7 @@ def sweep_setup(raw: dict, path: Path) -> Optional[dict]:
         return None
 
 
-def print_sweep(sweep: Sweep, out: Path, wall_s: float) -> None:
+def print_sweep(sweep: Sweep, out: Path, wall_s: float, plots: bool = True) -> None:
     from sim.output.console import console
 
     short = [METRICS_BY_NAME[n] for n in ("request_throughput", "ttft_p99", "tpot_p99", "e2e_p99",
@@ -635,8 +643,8 @@ def print_sweep(sweep: Sweep, out: Path, wall_s: float) -> None:
     failed = sweep.frame["error"].notna().sum() if "error" in sweep.frame else 0
     if failed:
         console.print(f"[yellow]{failed} point(s) did not run[/]: see the error column")
-    console.print(f"{len(sweep.points)} points in {wall_s:.1f} s; "
-                  f"wrote {out}/ (sweep.csv, sweep_*.png, sweep.html)")
+    written = "sweep.csv, sweep_*.png, sweep.html" if plots else "sweep.csv; no plots: --no-plots"
+    console.print(f"{len(sweep.points)} points in {wall_s:.1f} s; wrote {out}/ ({written})")
 
 
 def check_sweep_flags(args: argparse.Namespace) -> None:
