@@ -782,7 +782,7 @@ class GroupedKVCacheManager(KVCacheManager):
     A request's `blocks` is its first group's table; `group_tables` holds all of them.
     """
 
-    private_blocks = False        # (its tables register every block; the decode cohort is off for it)
+    private_blocks = False        # (every full block is registered under its group key, the cohort's fills too)
 
     def __init__(self, num_blocks: int, block_size: int, groups: KVCacheGroups, max_num_batched_tokens: int,
                  enable_caching: bool = True, max_model_len: Optional[int] = None):
