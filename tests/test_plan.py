@@ -176,6 +176,12 @@ def test_plan_replicas_cli_ranks_by_cost_with_prices_from_the_command_line(scena
     (["--target-rate", "5", "--devices", "l5"], "unknown device 'l5'"),
     (["--target-rate", "5", "--tp", "0"], "--tp '0'"),
     (["--target-rate", "5", "--cost", "l4"], "DEVICE=PRICE"),
+    (["--devices", "h100-sxm"], "--devices applies to the replica search: give --target-rate"),
+    (["--tp", "2"], "--tp applies to the replica search"),
+    (["--max-replicas", "4"], "--max-replicas applies to the replica search"),
+    (["--target-rate", "5", "--curve", "3"], "--curve applies to the rate search"),
+    (["--target-rate", "5", "--tolerance", "0.1"], "--tolerance applies to the rate search"),
+    (["--target-rate", "5", "--max-rate", "9"], "--max-rate applies to the rate search"),
 ])
 def test_plan_errors_name_the_flag(scenario_file, tmp_path, capsys, argv, message):
     assert main(["plan", str(scenario_file), "--out", str(tmp_path), "--quiet", *argv]) == 2

@@ -541,19 +541,19 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rate", type=float, default=None, help="highest rate to try (default 256 x the "
                    "scenario's rate). Every probe keeps the scenario's arrival window: a higher rate "
                    "gets proportionally more requests")
-    p.add_argument("--tolerance", type=float, default=0.05,
+    p.add_argument("--tolerance", type=float, default=None,
                    help="stop bisecting when the bracket is this fraction of the rate (default 0.05)")
-    p.add_argument("--curve", type=int, default=0, metavar="N",
+    p.add_argument("--curve", type=int, default=None, metavar="N",
                    help="also probe N evenly spaced rates up to the highest tried, in parallel, to draw "
                         "the curve (the answer is the search's)")
     p.add_argument("--target-rate", type=float, default=None, metavar="REQ_PER_S",
                    help="search replicas instead: the fewest that serve this rate")
     p.add_argument("--devices", default=None, help="catalog devices to compare, e.g. h100-sxm,l4 "
                    "(default: the scenario's)")
-    p.add_argument("--tp", default="1", help="tensor-parallel degrees to compare, e.g. 1,2 (default 1)")
+    p.add_argument("--tp", default=None, help="tensor-parallel degrees to compare, e.g. 1,2 (default 1)")
     p.add_argument("--cost", action="append", default=[], metavar="DEVICE=PRICE",
                    help="price per GPU hour, overriding the catalog's cost_per_hour (repeatable)")
-    p.add_argument("--max-replicas", type=int, default=64, help="give up above this many (default 64)")
+    p.add_argument("--max-replicas", type=int, default=None, help="give up above this many (default 64)")
     add_parallel_args(p)
     p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
@@ -561,9 +561,29 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+# (flag, dest, default) of each search; a flag of the other search would change nothing
+RATE_SEARCH_FLAGS = (("--max-rate", "max_rate", None), ("--tolerance", "tolerance", 0.05), ("--curve", "curve", 0))
+REPLICA_SEARCH_FLAGS = (("--devices", "devices", None), ("--tp", "tp", "1"), ("--max-replicas", "max_replicas", 64))
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag of the search not asked for (it would be silently ignored), then fill in the defaults."""
+    replicas = args.target_rate is not None
+    for flag, dest, _ in RATE_SEARCH_FLAGS if replicas else REPLICA_SEARCH_FLAGS:
+        if getattr(args, dest) is not None:
+            raise PlanError(f"{flag} applies to the rate search (plan without --target-rate)" if replicas else
+                            f"{flag} applies to the replica search: give --target-rate REQ_PER_S (without it "
+                            f"plan finds the highest rate on the scenario's own device)")
+    for _, dest, default in (*RATE_SEARCH_FLAGS, *REPLICA_SEARCH_FLAGS):
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+
+
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     from sim.output.setup import setup_manifest
+
+    check_plan_flags(args)
 
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
