@@ -170,6 +170,15 @@ def test_cli_names_what_is_missing(run_files, capsys):
     assert "--catalog-device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--hold-out", "0"], ["--series", "run.log"]])
+def test_cli_refuses_vllm_fit_flags_without_vllm_runs(flag, capsys):
+    """--hold-out and --series shape a fit to vLLM runs; profiling the engine would ignore them."""
+    from sim.cli import main
+
+    assert main(["calibrate", "--model", "tiny", "--device", "cpu", *flag]) == 2
+    assert f"{flag[0]} applies to fits to vLLM runs" in capsys.readouterr().err
+
+
 def test_cli_fits_real_public_printouts(tmp_path, capsys):
     """Three public `benchmark_serving.py` printouts of one deployment (Qwen2-7B, A100 80GB, vLLM
     0.10.1.1; tests/data/vllm_public/bench_runs.yaml cites them): the fit runs on the runs' summaries,

@@ -124,14 +124,19 @@ def calibrate_main(argv: list[str]) -> int:
     p.add_argument("--series", nargs="+", metavar="LOG|SCRAPES",
                    help="with --from-vllm: each run's server log or /metrics scrapes (one per run, in order; "
                         "'-' for none): its running / waiting / KV-usage curves are fitted too")
-    p.add_argument("--hold-out", type=int, default=-1, metavar="INDEX",
+    p.add_argument("--hold-out", type=int, default=None, metavar="INDEX",
                    help="with --from-vllm: which run (0-based, in the order given) to keep out of the fit "
                         "and report (default: the last)")
     args = p.parse_args(argv)
     if args.from_vllm:
         from validate.vllm_fit import calibrate_from_vllm_main
 
+        if args.hold_out is None:
+            args.hold_out = -1
         return calibrate_from_vllm_main(args)
+    for flag, given in (("--series", args.series), ("--hold-out", args.hold_out is not None)):
+        if given:
+            raise UserError(f"{flag} applies to fits to vLLM runs: give them with --from-vllm RESULT.json ...")
     from validate.calibrate import calibrate, coefficients_table, write_profile
 
     device = pick_device(args.device)
