@@ -156,6 +156,14 @@ def test_no_plots_applies_to_a_sweep_and_its_points(scenario_file, tmp_path):
     assert (plotted / "sweep.html").exists()
 
 
+@pytest.mark.parametrize("flag", [["--trace"], ["--steps", "full"]])
+def test_point_run_flags_without_point_outputs_are_an_error(scenario_file, tmp_path, capsys, flag):
+    """--trace and --steps full shape each point's own files, which only --point-outputs writes."""
+    assert main([str(scenario_file), "--set", "engine.block_size=16,32", "--out", str(tmp_path / "out"),
+                 "--quiet", *flag]) == 2
+    assert f"{' '.join(flag)} applies to each point's own run files: add --point-outputs" in capsys.readouterr().err
+
+
 def test_sweep_flags_without_a_sweep_are_an_error(scenario_file, tmp_path, capsys):
     assert main([str(scenario_file), "--zip", "--out", str(tmp_path), "--quiet"]) == 2
     assert "--zip applies to sweeps" in capsys.readouterr().err

@@ -605,6 +605,9 @@ def base_raw(path: Path, overrides: Sequence[str], seed: Optional[int]) -> dict:
 
 def sweep_main(args: argparse.Namespace) -> int:
     """`simrun SCENARIO --set PATH=A,B ...`: run the sweep, write and print its results."""
+    for flag, given in (("--trace", args.trace), ("--steps full", getattr(args, "steps", "aggregated") == "full")):
+        if given and not args.point_outputs:
+            raise SweepError(f"{flag} applies to each point's own run files: add --point-outputs")
     plain, axes = split_sets(args.overrides)
     raw = base_raw(args.scenario, plain, args.seed)
     out = args.out or Path("runs") / args.scenario.stem / "sweep"
