@@ -19,6 +19,11 @@ cannot matter and the outcome equals the one-by-one loop exactly. Otherwise it d
 the cohort (materialising each member) and takes the one-by-one path (`lazy_decode=False`
 forces that path; tests compare the two).
 
+Grouped KV caches (sliding-window and hybrid models): a crossing member takes a block in each
+of its tables, and a member with a sliding window frees the block its window left behind on the
+steps whose context before the token is window - 1 mod block_size (a phase group too), or at its
+first step after joining (a prefill chunk may have left several), in the running order.
+
 Pauses (`prefill_first`): a prefill step schedules no decode, so the members skip it. Rather
 than dissolving, the cohort keeps its own clock, which counts the steps it advanced: `clock =
 step - offset`, `offset` the number of steps it sat out. Members' offsets (`_computed`,

@@ -456,7 +456,9 @@ class Scheduler:
         """The running non-members (admission order) if every member gets its token this step.
 
         That holds when no member sits after the point where the token budget runs out and
-        the free blocks cover every allocation of the step, so no preemption can happen.
+        the free blocks cover every allocation of the step, so no preemption can happen. The
+        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
+        free them) before a member would in the running order.
         """
         cohort, kv = self.cohort, self.kv
         left = budget - len(cohort.members)
