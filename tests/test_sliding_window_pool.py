@@ -268,7 +268,7 @@ def scenario(model, max_model_len=8192, prompts=(3000, 7000), prefix=4500, **eng
                                                ({"hf_config": str(HF / "openai__gpt-oss-20b.json")}, 1400),
                                                ("mistral-7b-v0.1", 900)], ids=["gemma2", "gpt-oss", "mistral"])
 def test_imported_sliding_window_models_run_the_same_with_the_fast_paths_on_or_off(model, num_blocks):
-    """A grouped KV cache runs the decode cohort (leaps stay off): `fast` changes no step and no
+    """A grouped KV cache runs the decode cohort and leaps while nobody waits: `fast` changes no step and no
     request, with hybrid groups (Gemma-2; gpt-oss, sliding first) and a window on every layer."""
     s = scenario(model, num_blocks=num_blocks)
     assert scheduler(hybrid(8), lazy=True).lazy
