@@ -395,19 +395,57 @@ def _best_common_scale(residuals, x0: np.ndarray, names: list[str], lower, upper
 def _polish(residuals, x0: np.ndarray, lower, upper, progress, max_evaluations: int = 80) -> np.ndarray:
     """Nelder-Mead from where Gauss-Newton stopped: it needs no derivative, so the jumps of a
     discrete schedule that stall a gradient step do not stall it."""
-    from scipy.optimize import minimize
-
     def cost(x: np.ndarray) -> float:
         r = residuals(np.clip(x, lower, upper))
         return float(r @ r)
 
     simplex = np.vstack([x0] + [x0 + 0.15 * np.eye(len(x0))[k] for k in range(len(x0))])
-    result = minimize(cost, x0, method="Nelder-Mead",
-                      options={"initial_simplex": np.clip(simplex, lower, upper), "maxfev": max_evaluations,
-                               "xatol": 0.01, "fatol": 1e-5})
+    best, best_cost, evaluations = nelder_mead(cost, np.clip(simplex, lower, upper), max_evaluations)
     if progress:
-        progress(f"polish: cost {result.fun:.4g} after {result.nfev} replays")
-    return np.clip(result.x, lower, upper)
+        progress(f"polish: cost {best_cost:.4g} after {evaluations} replays")
+    return np.clip(best, lower, upper)
+
+
+def nelder_mead(cost: Callable[[np.ndarray], float], simplex: np.ndarray, max_evaluations: int,
+                xatol: float = 0.01, fatol: float = 1e-5) -> tuple[np.ndarray, float, int]:
+    """The downhill simplex method (Nelder and Mead, 1965; standard coefficients: reflect 1,
+    expand 2, contract 1/2, shrink 1/2), on numpy alone so the fit runs on the base install.
+    Stops when the simplex is within `xatol` of its best vertex and its costs within `fatol`,
+    or after `max_evaluations` costs. Returns (best point, its cost, evaluations)."""
+    points = np.array(simplex, dtype=float)
+    values = np.array([cost(p) for p in points])
+    evaluations = len(points)
+    while evaluations < max_evaluations:
+        order = np.argsort(values, kind="stable")
+        points, values = points[order], values[order]
+        if (np.abs(points[1:] - points[0]).max() <= xatol and np.abs(values[1:] - values[0]).max() <= fatol):
+            break
+        centroid = points[:-1].mean(axis=0)
+        worst = points[-1]
+        reflected = centroid + (centroid - worst)
+        f_reflected = cost(reflected)
+        evaluations += 1
+        if f_reflected < values[0]:
+            expanded = centroid + 2 * (centroid - worst)
+            f_expanded = cost(expanded)
+            evaluations += 1
+            points[-1], values[-1] = (expanded, f_expanded) if f_expanded < f_reflected else (reflected, f_reflected)
+            continue
+        if f_reflected < values[-2]:
+            points[-1], values[-1] = reflected, f_reflected
+            continue
+        outside = f_reflected < values[-1]            # contract towards the better of the two
+        contracted = centroid + 0.5 * ((reflected if outside else worst) - centroid)
+        f_contracted = cost(contracted)
+        evaluations += 1
+        if f_contracted <= min(f_reflected, values[-1]):
+            points[-1], values[-1] = contracted, f_contracted
+            continue
+        points[1:] = points[0] + 0.5 * (points[1:] - points[0])     # shrink towards the best
+        values[1:] = [cost(p) for p in points[1:]]
+        evaluations += len(points) - 1
+    best = int(np.argmin(values))
+    return points[best], float(values[best]), evaluations
 
 
 MAX_STEP = 0.7        # at most a factor of 2 per parameter per iteration

@@ -1,0 +1,75 @@
+"""The first hour as a user (issue 28): the light install runs every command or says what to
+install, nothing silently wrong, and tables answer the question asked."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def simrun_without(blocked: list[str], args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`simrun ARGS` in a fresh interpreter where importing any of `blocked` fails as on an
+    install without that package (None in sys.modules halts the import)."""
+    shim = (f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
+            f"from sim.cli import main\nsys.exit(main({args!r}))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", shim], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+# ----------------------------------------------------------------------------- 1: calibrate on numpy alone
+
+def test_nelder_mead_finds_a_minimum_on_numpy_alone(monkeypatch):
+    from validate.vllm_fit import nelder_mead
+
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+    target = np.array([0.3, -1.2, 2.0])
+
+    def cost(x):
+        return float(((x - target) ** 2 * [1, 4, 9]).sum())
+
+    start = np.zeros(3)
+    simplex = np.vstack([start] + [start + 0.5 * np.eye(3)[k] for k in range(3)])
+    best, value, evaluations = nelder_mead(cost, simplex, max_evaluations=400, xatol=1e-6, fatol=1e-12)
+    assert np.allclose(best, target, atol=1e-4) and value < 1e-8
+    assert evaluations <= 400
+    _, _, capped = nelder_mead(cost, simplex, max_evaluations=20)
+    assert capped <= 20 + 3            # a shrink may finish its pass
+
+
+def test_the_fit_polish_runs_without_scipy(monkeypatch):
+    from validate.vllm_fit import _polish
+
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+    lower, upper = np.full(2, -5.0), np.full(2, 5.0)
+    x = _polish(lambda x: x - np.array([0.5, 0.25]), np.zeros(2), lower, upper, None, max_evaluations=200)
+    assert np.allclose(x, [0.5, 0.25], atol=0.02)
+
+
+def test_calibrate_from_vllm_runs_on_the_light_install(tmp_path):
+    """The public printouts' fit (tests/test_vllm_calibrate.py) in a process without scipy or torch."""
+    from validate.fidelity import RUNS_FILE
+
+    entries = {e["id"]: e for e in yaml.safe_load(RUNS_FILE.read_text())["runs"]}
+    paths = []
+    for run_id in ("dennislee-test4-37", "dennislee-test4-38"):
+        paths.append(tmp_path / f"{run_id}.txt")
+        paths[-1].write_text("Traffic request rate: inf\n============ Serving Benchmark Result ============\n"
+                             + "\n".join(entries[run_id]["lines"]) + "\n")
+    done = simrun_without(["scipy", "torch"], [
+        "calibrate", "--from-vllm", *map(str, paths), "--model", "qwen2.5-7b", "--catalog-device", "a100-80g",
+        "--set", "engine.num_blocks=5867", "--set", "engine.async_scheduling=false",
+        "--set", "engine.max_model_len=4096", "--out", str(tmp_path / "a100.yaml")], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "a100.yaml").exists()
