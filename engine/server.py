@@ -974,6 +974,9 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve_main(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
     from sim.errors import UserError
+    from sim.extras import require
+
+    require("simrun serve", "torch", "fastapi", "uvicorn")
 
     if not args.model and not args.scenario:
         raise UserError("give --model NAME|PATH (or --scenario FILE)")

@@ -57,9 +57,6 @@ COMMANDS: dict[str, Command] = {
                          "simrun from-vllm --device l4 -- vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 4096"),
 }
 DEFAULT_COMMAND = "run"
-# optional dependencies -> the pyproject extra that installs them (for a clear error when missing)
-EXTRA_OF = {"torch": "engine", "triton": "engine", "safetensors": "engine", "scipy": "engine",
-            "fastapi": "serve", "uvicorn": "serve", "httpx": "serve", "ray": "ray"}
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -141,13 +138,13 @@ def run_command(name: str, argv: list[str]) -> int:
         if e.name is None:
             raise
         from sim.errors import UserError
+        from sim.extras import install_hint
 
         if module_name.startswith(e.name):
             raise UserError(f"`simrun {name}` is not available in this installation ({module_name} is missing)") \
                 from None
-        extra = EXTRA_OF.get(e.name.split(".")[0], "engine,serve")
         raise UserError(f"`simrun {name}` needs the Python package '{e.name}', which is not installed: "
-                        f"pip install -e '.[{extra}]' (or pip install 'kvtwin[{extra}]')") from None
+                        f"{install_hint([e.name])}") from None
     handler: Callable[[list[str]], int] = getattr(module, func)
     if not any(a in HELP_FLAGS for a in argv):
         return handler(argv)

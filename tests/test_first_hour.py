@@ -73,3 +73,29 @@ def test_calibrate_from_vllm_runs_on_the_light_install(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert (tmp_path / "a100.yaml").exists()
+
+
+# ----------------------------------------------------------------------------- 2: missing extras
+
+EXTRAS_BLOCKED = ["torch", "scipy", "fastapi", "uvicorn", "httpx", "safetensors", "triton"]
+
+
+@pytest.mark.parametrize("args, extra, package", [
+    (["serve", "--model", "tiny", "--device", "cpu"], "engine,serve", "torch"),
+    (["validate", str(ROOT / "scenarios/cpu_smoke.yaml"), "--device", "cpu"], "engine", "torch"),
+    (["calibrate", "--model", "tiny", "--device", "cpu"], "engine", "torch"),
+    (["bench", str(ROOT / "scenarios/serve_smoke.yaml"), "--endpoint", "http://127.0.0.1:9"], "serve", "httpx"),
+])
+def test_a_command_needing_an_extra_names_it_in_one_line(tmp_path, args, extra, package):
+    done = simrun_without(EXTRAS_BLOCKED, args, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and package in lines[0], lines
+    assert f"pip install 'kvtwin[{extra}]'" in lines[0]
+    assert not any(tmp_path.iterdir())            # checked before any work: nothing written
+
+
+def test_help_needs_no_extra(tmp_path):
+    done = simrun_without(EXTRAS_BLOCKED, ["serve", "-h"], tmp_path)
+    assert done.returncode == 0 and "--model" in done.stdout

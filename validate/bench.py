@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from sim.errors import UserError
+from sim.extras import require
 from sim.output.console import console, err_console
 from sim.scenario import scenario_args
 from sim.output.io import write_csv, write_json
@@ -998,6 +999,7 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY when set)")
     series_args(p)
     args = p.parse_args(argv)
+    require("simrun bench", "httpx")
     check_series_args(args, offset_needs_log=False)
     from sim.predict import predict
 

@@ -10,6 +10,7 @@ import yaml
 
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
 from sim.errors import UserError
+from sim.extras import require
 from sim.output.console import console, err_console
 from sim.names import folder_name
 from sim.output.run_dir import out_folder_arg, owned_run_folder
@@ -34,6 +35,7 @@ def validate_main(argv: list[str]) -> int:
     p.add_argument("--tolerances", help="'gpu' for the H200 targets (see README, Validation), or a YAML file of "
                                         "{metric row: relative tolerance}")
     args = p.parse_args(argv)
+    require("simrun validate", "torch")
     from validate.run import validate, write_validation
 
     device = pick_device(args.device)
@@ -137,6 +139,7 @@ def calibrate_main(argv: list[str]) -> int:
     for flag, given in (("--series", args.series), ("--hold-out", args.hold_out is not None)):
         if given:
             raise UserError(f"{flag} applies to fits to vLLM runs: give them with --from-vllm RESULT.json ...")
+    require("simrun calibrate", "torch", "scipy")    # profiling runs the engine (--from-vllm needs neither)
     from validate.calibrate import calibrate, coefficients_table, write_profile
 
     device = pick_device(args.device)
