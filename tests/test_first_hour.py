@@ -99,3 +99,70 @@ def test_a_command_needing_an_extra_names_it_in_one_line(tmp_path, args, extra, 
 def test_help_needs_no_extra(tmp_path):
     done = simrun_without(EXTRAS_BLOCKED, ["serve", "-h"], tmp_path)
     assert done.returncode == 0 and "--model" in done.stdout
+
+
+# ----------------------------------------------------------------------------- 3, 7: plan
+
+LLAMA_70B_TP4 = {
+    "name": "llama70", "seed": 0, "model": "llama-3.1-70b", "device": "h100-sxm", "parallelism": {"tp": 4},
+    "engine": {"max_model_len": 4096},
+    "workload": {"num_requests": 200, "arrival": {"process": "poisson", "rate": 2},
+                 "prompt_len": {"dist": "sharegpt"}, "output_len": {"dist": "sharegpt"}},
+    "slo": {"ttft_s": 2.0, "tpot_s": 0.1}}
+
+
+def write_scenario(tmp_path: Path, raw: dict, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_plan_replicas_searches_the_scenarios_tp_by_default(tmp_path, monkeypatch):
+    import pandas as pd
+    from sim.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = write_scenario(tmp_path, LLAMA_70B_TP4)
+    assert main(["plan", str(path), "--target-rate", "6", "--quiet"]) == 0
+    table = pd.read_csv(tmp_path / "runs/s/plan_replicas/plan.csv")
+    assert list(table["tp"]) == [4] and table["replicas"][0] >= 1
+    # files keep seconds and fractions; the screen and HTML show ms and percent
+    assert 0 < table["TTFT p99 (s)"][0] < 2 and 0 < table["ttft_p99 headroom"][0] < 1
+
+
+def test_why_not_counts_the_real_shortfall_per_gpu_and_suggests_more_gpus():
+    import re
+
+    from sim.core.memory import InsufficientMemoryError, plan_memory
+    from sim.scenario import validate_scenario
+
+    scenario = validate_scenario({**LLAMA_70B_TP4, "parallelism": {"tp": 1}})
+    with pytest.raises(InsufficientMemoryError) as err:
+        plan_memory(scenario)
+    text = str(err.value)
+    mib = lambda pattern: float(re.search(pattern, text).group(1).replace(",", ""))  # noqa: E731
+    budget, weights, short = mib(r"([\d,.]+) MiB budget"), mib(r"- ([\d,.]+) MiB weights"), mib(r"short by ([\d,.]+) MiB")
+    assert weights > 130_000 and short > weights - budget        # ~60 GiB over, not one request's 1.3 GiB
+    assert "per GPU" in text
+    advice = text.split("short by")[1]
+    first, _, _ = advice.partition("raise parallelism.tp")
+    assert first != advice and "max_model_len" not in first      # the suggestion that can work comes first
+    assert "weights alone exceed the per-GPU budget" in advice
+
+
+def test_the_two_plan_searches_write_separate_folders(tmp_path, monkeypatch):
+    from sim.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    small = {"name": "small", "seed": 0, "model": "llama-3.1-8b", "device": "l4",
+             "engine": {"max_model_len": 1024, "prefix_caching": False, "max_num_seqs": 16},
+             "workload": {"num_requests": 120, "warmup_requests": 10, "arrival": {"process": "poisson", "rate": 2},
+                          "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                          "output_len": {"dist": "uniform", "min": 16, "max": 64}},
+             "slo": {"ttft_s": 1.0, "tpot_s": 0.1}}
+    path = write_scenario(tmp_path, small)
+    assert main(["plan", str(path), "--quiet", "--max-rate", "4", "--tolerance", "0.3"]) == 0
+    rate_csv = (tmp_path / "runs/s/plan/plan.csv").read_text()
+    assert main(["plan", str(path), "--target-rate", "3", "--quiet"]) == 0
+    assert (tmp_path / "runs/s/plan/plan.csv").read_text() == rate_csv
+    assert "replicas" in (tmp_path / "runs/s/plan_replicas/plan.csv").read_text()

@@ -380,27 +380,41 @@ def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
     if need_blocks <= plan.usable_blocks:
         return
     mib = lambda b: f"{b / MIB:,.1f} MiB"  # noqa: E731
-    short = (need_blocks - plan.usable_blocks) * plan.block_bytes
+    have = plan.usable_blocks * plan.block_bytes
+    if not plan.from_override:                 # a negative KV budget is part of the shortfall
+        have = min(have, plan.kv_budget_bytes)
+    short = need_blocks * plan.block_bytes - have
     fits = plan.longest_request_that_fits()
-    advice = (f"The largest max_model_len that fits is {fits}" if fits else "Not even one block fits")
     if plan.from_override:
         cause = f"engine.num_blocks={plan.num_blocks} gives {plan.usable_blocks} usable blocks"
     elif plan.memory_plan == "vllm":
-        cause = (f"vLLM {plan.vllm_version}'s plan: {mib(plan.budget_bytes)} budget ({plan.utilization:g} x "
+        cause = (f"vLLM {plan.vllm_version}'s plan per GPU: {mib(plan.budget_bytes)} budget ({plan.utilization:g} x "
                  f"{mib(plan.visible_bytes)} torch-visible) - {mib(plan.weight_bytes)} weights "
                  f"- {mib(plan.activation_bytes)} profiling-run activation peak - {mib(plan.non_torch_bytes)} "
                  f"non-torch - {mib(plan.cudagraph_bytes)} CUDA graphs leaves "
-                 f"{mib(max(plan.kv_budget_bytes, 0))} for KV = {plan.usable_blocks} usable blocks")
+                 f"{mib(plan.kv_budget_bytes)} for KV = {plan.usable_blocks} usable blocks")
     else:
-        cause = (f"{mib(plan.budget_bytes)} budget ({plan.utilization:g} x {mib(plan.device_bytes)}) "
+        cause = (f"per GPU: {mib(plan.budget_bytes)} budget ({plan.utilization:g} x {mib(plan.device_bytes)}) "
                  f"- {mib(plan.weight_bytes)} weights - {mib(plan.activation_bytes)} activations "
-                 f"- {mib(plan.reserved_bytes)} reserved leaves {mib(max(plan.kv_budget_bytes, 0))} "
+                 f"- {mib(plan.reserved_bytes)} reserved leaves {mib(plan.kv_budget_bytes)} "
                  f"for KV = {plan.usable_blocks} usable blocks")
     raise InsufficientMemoryError(
         f"max_model_len {max_model_len} needs {need_blocks} blocks of {plan.block_size} tokens "
-        f"({mib(need_blocks * plan.block_bytes)}) but {cause}: short by {mib(short)}. "
-        f"{advice}; lower engine.max_model_len, raise "
-        f"engine.gpu_memory_utilization, shrink max_num_batched_tokens, or raise parallelism.tp.")
+        f"({mib(need_blocks * plan.block_bytes)}) but {cause}: short by {mib(short)} per GPU. "
+        + _memory_advice(plan, fits))
+
+
+def _memory_advice(plan: MemoryPlan, fits: int) -> str:
+    """What could work, first: with the weights (nearly) filling the budget, only more GPUs help."""
+    more_gpus = "raise parallelism.tp (more GPUs share the weights; `simrun plan --tp`)"
+    if not plan.from_override and plan.kv_budget_bytes <= 0:
+        over = plan.weight_bytes - plan.budget_bytes
+        what = (f"The weights alone exceed the per-GPU budget by {over / MIB:,.1f} MiB" if over > 0
+                else "The weights and activations leave no memory for KV")
+        return f"{what}: {more_gpus}, or use a quantized model (fp8 weights)."
+    head = f"The largest max_model_len that fits is {fits}" if fits else "Not even one block fits"
+    return (f"{head}; lower engine.max_model_len, raise engine.gpu_memory_utilization, shrink "
+            f"max_num_batched_tokens, or {more_gpus}.")
 
 
 # ----------------------------------------------------------------------------- vLLM's own plan

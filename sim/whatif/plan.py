@@ -457,25 +457,32 @@ class ReplicaPlan:
                          "$/1M output tok": best and dollars_per_million_output_tokens(
                              {**best, "cost_per_hour": best["gpus"] * c.gpu_price}),
                          "served (req/s)": best and best["steady.served_rate"],
-                         "TTFT p99 (ms)": best and best["ttft_s.p99"] * 1e3,
-                         "TPOT p99 (ms)": best and best["tpot_s.p99"] * 1e3,
-                         **{f"{slo.name} headroom": best and _pct_or_none(headroom(slo, best)) for slo in self.slos},
+                         "TTFT p99 (s)": best and best["ttft_s.p99"],
+                         "TPOT p99 (s)": best and best["tpot_s.p99"],
+                         **{f"{slo.name} headroom": best and headroom(slo, best) for slo in self.slos},
                          "why none": reason})
         frame = pd.DataFrame(rows)
         frame["$/hour"] = pd.to_numeric(frame["$/hour"], errors="coerce")
         return frame.sort_values(["$/hour", "gpus"], na_position="last", kind="stable").reset_index(drop=True)
 
     @property
+    def display_table(self) -> pd.DataFrame:
+        """The table for reading: latencies in ms, headroom in percent (files keep seconds and fractions)."""
+        from sim.output import units
+
+        frame = self.table.copy()
+        for column in frame.columns:
+            if column.endswith(" (s)"):
+                frame[column] = pd.to_numeric(frame[column], errors="coerce") * 1e3
+            elif column.endswith(" headroom"):
+                frame[column] = [None if v is None or pd.isna(v) else units.pct(v) for v in frame[column]]
+        return frame.rename(columns={c: c.replace(" (s)", " (ms)") for c in frame.columns})
+
+    @property
     def probe_table(self) -> pd.DataFrame:
         rows = [{"device": c.device, "tp": c.tp, **row} for c, probes in zip(self.candidates, self.probes)
                 for row in probes]
         return probe_frame(rows, ["device", "tp", "replicas"])
-
-
-def _pct_or_none(fraction: Optional[float]) -> Optional[str]:
-    from sim.output import units
-
-    return None if fraction is None else units.pct(fraction)
 
 
 def plan_replicas(base: PointTask, traffic: Traffic, slos: Sequence[SloTarget], target_rate: float,
@@ -550,12 +557,14 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="search replicas instead: the fewest that serve this rate")
     p.add_argument("--devices", default=None, help="catalog devices to compare, e.g. h100-sxm,l4 "
                    "(default: the scenario's)")
-    p.add_argument("--tp", default=None, help="tensor-parallel degrees to compare, e.g. 1,2 (default 1)")
+    p.add_argument("--tp", default=None, help="tensor-parallel degrees to compare, e.g. 1,2 (default: the "
+                   "scenario's parallelism.tp)")
     p.add_argument("--cost", action="append", default=[], metavar="DEVICE=PRICE",
                    help="price per GPU hour, overriding the catalog's cost_per_hour (repeatable)")
     p.add_argument("--max-replicas", type=int, default=None, help="give up above this many (default 64)")
     add_parallel_args(p)
-    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
+                   "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p
@@ -563,7 +572,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 # (flag, dest, default) of each search; a flag of the other search would change nothing
 RATE_SEARCH_FLAGS = (("--max-rate", "max_rate", None), ("--tolerance", "tolerance", 0.05), ("--curve", "curve", 0))
-REPLICA_SEARCH_FLAGS = (("--devices", "devices", None), ("--tp", "tp", "1"), ("--max-replicas", "max_replicas", 64))
+REPLICA_SEARCH_FLAGS = (("--devices", "devices", None), ("--tp", "tp", None), ("--max-replicas", "max_replicas", 64))
 
 
 def check_plan_flags(args: argparse.Namespace) -> None:
@@ -587,7 +596,7 @@ def plan_main(argv: list[str]) -> int:
 
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
-    out = args.out or Path("runs") / args.scenario.stem / "plan"
+    out = args.out or default_out(args)
     t0 = time.monotonic()
     if args.target_rate is not None:                      # flag errors first, then the folder
         rate, targets = positive(args.target_rate, "--target-rate"), candidates(args, scenario)
@@ -604,6 +613,11 @@ def plan_main(argv: list[str]) -> int:
     elif not args.quiet:
         print_replica_plan(plan, out, time.monotonic() - t0)
     return 0
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    """A folder per search: the replica search must not replace the rate search's files."""
+    return Path("runs") / args.scenario.stem / ("plan" if args.target_rate is None else "plan_replicas")
 
 
 def base_task(args: argparse.Namespace):
@@ -666,7 +680,7 @@ def candidates(args, scenario) -> list[Candidate]:
         price = prices.get(name, catalog_entry("devices", name).get("cost_per_hour"))
         if price is None:
             raise PlanError(f"device '{name}' has no cost_per_hour in the catalog: pass --cost {name}=PRICE")
-        out += [Candidate(name, tp, float(price)) for tp in parse_tp(args.tp)]
+        out += [Candidate(name, tp, float(price)) for tp in tp_degrees(args.tp, scenario)]
     return out
 
 
@@ -679,6 +693,11 @@ def parse_cost(text: str) -> tuple[str, float]:
     if price < 0:
         raise PlanError(f"--cost {text!r}: expected DEVICE=PRICE_PER_GPU_HOUR, e.g. --cost l4=0.7")
     return name.strip(), price
+
+
+def tp_degrees(text: Optional[str], scenario) -> list[int]:
+    """--tp's degrees; without it the scenario's own (as --devices defaults to its device)."""
+    return parse_tp(text) if text is not None else [scenario.parallelism.tp]
 
 
 def parse_tp(text: str) -> list[int]:
@@ -744,7 +763,7 @@ def write_replica_plan(plan: ReplicaPlan, out: Path, name: str, setup: Optional[
              "probes": write_csv(out / "plan_probes.csv", plan.probe_table),
              "png": save_png(plot_replica_plan(plan, title), out / "plan.png")}
     files["html"] = write_page(out / "plan.html", title, [replica_verdict(plan)],
-                               [("Candidates", plan.table)], {"plan": files["png"]}, setup)
+                               [("Candidates", plan.display_table)], {"plan": files["png"]}, setup)
     return files
 
 
@@ -764,7 +783,7 @@ def replica_verdict(plan: ReplicaPlan) -> str:
 def print_replica_plan(plan: ReplicaPlan, out: Path, wall_s: float) -> None:
     from sim.output.console import console
 
-    print_frame(plan.table)
+    print_frame(plan.display_table)
     console.print(replica_verdict(plan))
     probes = sum(len(p) for p in plan.probes)
     console.print(f"{probes} probes in {wall_s:.1f} s; wrote {out}/ (plan.csv, plan_probes.csv, plan.png, plan.html)")
