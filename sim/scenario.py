@@ -12,7 +12,7 @@ import copy
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -168,6 +168,12 @@ class LengthDist(StrictModel):
             return {"dist": "fixed", "value": v}
         return v
 
+    # each distribution's parameters; min and max clip the others' lengths (sim/workload.py)
+    PARAMETERS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std", "min", "max"),
+        "lognormal": ("mean", "std", "min", "max"), "empirical": ("values", "file", "column", "min", "max"),
+        "sharegpt": ("min", "max")}
+
     @model_validator(mode="after")
     def _required(self) -> "LengthDist":
         need = {"fixed": ["value"], "uniform": ["min", "max"], "normal": ["mean", "std"],
@@ -175,6 +181,15 @@ class LengthDist(StrictModel):
         missing = [k for k in need if getattr(self, k) is None]
         if missing:
             raise ValueError(f"dist '{self.dist}' needs {', '.join(missing)}")
+        unused = [k for k in ("value", "min", "max", "mean", "std", "values", "file", "column")
+                  if getattr(self, k) is not None and k not in self.PARAMETERS[self.dist]]
+        if unused:      # a silently ignored parameter would leave the workload unchanged
+            hint = ("; for a mean and spread of your own, set dist: lognormal (or normal) with mean and std"
+                    if {"mean", "std"} & set(unused) else "")
+            raise ValueError(f"dist '{self.dist}' does not use {', '.join(unused)} (its parameters: "
+                             f"{', '.join(self.PARAMETERS[self.dist])}){hint}")
+        if self.column is not None and self.file is None:
+            raise ValueError("column names a column of `file`: give file too (or drop column)")
         if self.dist == "empirical" and (self.values is None) == (self.file is None):
             raise ValueError("dist 'empirical' needs exactly one of 'values' or 'file'")
         if self.min is not None and self.max is not None and self.min > self.max:

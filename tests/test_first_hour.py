@@ -166,3 +166,38 @@ def test_the_two_plan_searches_write_separate_folders(tmp_path, monkeypatch):
     assert main(["plan", str(path), "--target-rate", "3", "--quiet"]) == 0
     assert (tmp_path / "runs/s/plan/plan.csv").read_text() == rate_csv
     assert "replicas" in (tmp_path / "runs/s/plan_replicas/plan.csv").read_text()
+
+
+# ----------------------------------------------------------------------------- 5: distribution parameters
+
+@pytest.mark.parametrize("length, unused", [
+    ({"dist": "sharegpt", "mean": 1500}, "mean"),
+    ({"dist": "uniform", "min": 1, "max": 9, "std": 3}, "std"),
+    ({"dist": "fixed", "value": 5, "mean": 7}, "mean"),
+    ({"dist": "normal", "mean": 50, "std": 5, "value": 9}, "value"),
+])
+def test_a_parameter_the_distribution_does_not_use_is_an_error(length, unused):
+    from sim.scenario import ScenarioError, validate_scenario
+
+    with pytest.raises(ScenarioError) as err:
+        validate_scenario({"model": "tiny", "device": "cpu", "workload": {"prompt_len": length}})
+    text = str(err.value)
+    assert "workload.prompt_len" in text and f"dist '{length['dist']}' does not use {unused}" in text
+    assert "its parameters:" in text
+
+
+def test_set_mean_on_the_default_sharegpt_is_refused(tmp_path, capsys):
+    from sim.cli import main
+
+    code = main([str(ROOT / "scenarios/quickstart.yaml"), "--set", "workload.prompt_len.mean=1500",
+                 "--no-plots", "--quiet", "--out", str(tmp_path / "q")])
+    assert code == 2 and "dist 'sharegpt' does not use mean" in capsys.readouterr().err
+
+
+def test_the_clip_bounds_stay_allowed_where_they_apply():
+    from sim.scenario import validate_scenario
+
+    s = validate_scenario({"model": "tiny", "device": "cpu", "workload": {
+        "prompt_len": {"dist": "sharegpt", "max": 900}, "output_len": {"dist": "lognormal", "mean": 40, "std": 9,
+                                                                       "min": 4}}})
+    assert s.workload.prompt_len.max == 900 and s.workload.output_len.min == 4
