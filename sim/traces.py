@@ -13,7 +13,9 @@ Formats (shared/traces/README.md describes the public files):
   csv       CSV with columns arrival_s | timestamp, prompt_len, output_len, tenant?, priority?.
 For jsonl and csv, `fields` maps our names (arrival, prompt, prompt_len, output_len, tenant,
 priority) to the file's own keys or columns, and `time_unit` (s, ms, us, ns) says what the
-arrival numbers count (mooncake's default is ms, the others' s). A file ending in .gz is read
+arrival numbers count. Without time_unit, an arrival field whose name ends in _ms, _us, _ns or
+_s counts that unit (ts_ms: ms); otherwise mooncake's default is ms, the others' s. A time_unit
+that contradicts the field's name is an error. A file ending in .gz is read
 through gzip. Prompts without prefix information are one unique segment per row.
 
 Plausibility: arrival times spanning over a year, or more than 1e6 requests per second on
@@ -70,12 +72,16 @@ class _Rows:
     tenants: Optional[list[Optional[str]]] = None
     priorities: Optional[list[int]] = None
     lines: Optional[np.ndarray] = None   # the file line of each row, for error messages
+    unit: Optional[str] = None           # the unit the arrival times were read in (None: the format's)
 
 
-def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozenset()) -> LoadedTrace:
+def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozenset(),
+               decode_step_s: Optional[float] = None, serving: str = "the engine") -> LoadedTrace:
     """Requests (ids 0..N-1 in arrival order) and notes on what was excluded and why.
 
-    A jsonl row's tenant gets a cache salt when it is in `salted_tenants`.
+    A jsonl row's tenant gets a cache salt when it is in `salted_tenants`. With `decode_step_s`
+    (a lone decode step of the `serving` model and device) a trace that would leave the engine
+    all but idle gets a note naming the likely unit mistake (see sparse_trace_note).
     """
     path = Path(trace.path)
     if not path.is_file():
@@ -83,11 +89,14 @@ def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozens
     reader = {"azure": _read_azure, "mooncake": _read_mooncake, "burstgpt": _read_burstgpt,
               "jsonl": _read_jsonl, "csv": _read_generic_csv}[trace.format]
     rows = reader(path, trace)
-    check_plausible(path, rows.times, trace, rows.lines)
+    check_plausible(path, rows.times, trace, rows.lines, rows.unit)
     kept, arrivals, notes = _select(rows, trace, seed)
     if len(kept) == 0:
         raise TraceError(f"{path}: no rows left to replay ({'; '.join(notes)})")
     notes.insert(0, f"{path}: {len(kept)} of {len(rows.times)} rows replayed ({trace.format} trace)")
+    if decode_step_s is not None:
+        notes += sparse_trace_note(path, arrivals, rows.output_len[kept], rows.unit or time_unit(trace),
+                                   decode_step_s, serving)
     requests = []
     for new_id, (i, arrival) in enumerate(zip(kept.tolist(), arrivals.tolist())):
         tenant = rows.tenants[i] if rows.tenants else None
@@ -106,15 +115,29 @@ YEAR_S = 365.25 * 86400
 MAX_RATE = 1e6
 
 
-def time_unit(trace: Trace) -> str:
-    return trace.time_unit or DEFAULT_UNIT.get(trace.format, "s")
+def unit_in_name(name: Optional[str]) -> Optional[str]:
+    """The unit a field's name states by its suffix (ts_ms -> ms, arrival_s -> s), else None."""
+    lower = (name or "").lower()
+    return next((u for u in ("ms", "us", "ns", "s") if lower.endswith("_" + u)), None)
 
 
-def check_plausible(path: Path, times: np.ndarray, trace: Trace, lines: Optional[np.ndarray] = None) -> None:
+def time_unit(trace: Trace, field: Optional[str] = None) -> str:
+    """The unit of the arrival field `field`: time_unit when given, else the one its name states
+    (ts_ms), else the format's default. A name stating another unit than time_unit is an error:
+    one of the two is a mistake, and guessing which would run a trace 1000x too slow or fast."""
+    named = unit_in_name(field)
+    if trace.time_unit is not None and named is not None and named != trace.time_unit:
+        raise TraceError(f"workload.trace.time_unit is {trace.time_unit} but the arrival field '{field}' says "
+                         f"{named} by its name: set time_unit: {named}, or drop time_unit if the name is right")
+    return trace.time_unit or named or DEFAULT_UNIT.get(trace.format, "s")
+
+
+def check_plausible(path: Path, times: np.ndarray, trace: Trace, lines: Optional[np.ndarray] = None,
+                    unit: Optional[str] = None) -> None:
     """Times (s) that cannot be a request log's: a TraceError naming the likely unit mistake."""
     if len(times) < 2:
         return
-    unit = time_unit(trace)
+    unit = unit or time_unit(trace)
     span = float(times.max() - times.min())
     where = "workload.trace.time_unit"
     if span > YEAR_S:
@@ -146,6 +169,28 @@ def check_plausible(path: Path, times: np.ndarray, trace: Trace, lines: Optional
                              f"is the arrival field ({_keys(trace)['arrival'] or 'arrival_s/timestamp'}) a time "
                              f"of arrival, not a duration or a per-session offset? (rows merely out of order "
                              f"by less are sorted)")
+
+
+SPARSE_BUSY = 0.01       # a trace keeping the engine busy under 1% of an hour or more: a unit mistake?
+SPARSE_SPAN_S = 3600.0
+
+
+def sparse_trace_note(path: Path, arrivals: np.ndarray, outputs: np.ndarray, unit: str, decode_step_s: float,
+                      serving: str) -> list[str]:
+    """A note when the implied rate is implausibly low for the model and device: one request
+    alone takes about output_len decode steps, so rate x that is the most of the time the engine
+    could be busy; under SPARSE_BUSY over an hour or more, the times likely count a smaller unit."""
+    span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
+    if span < SPARSE_SPAN_S:
+        return []
+    rate = len(arrivals) / span
+    busy = rate * float(outputs.mean()) * decode_step_s
+    smaller = [u for u in ("ms", "us") if SECONDS_PER[u] < SECONDS_PER[unit]]
+    if busy >= SPARSE_BUSY or not smaller:
+        return []
+    return [f"WARNING {path}: {len(arrivals):,} requests over {span / 3600:,.1f} h read as {unit} "
+            f"({rate:.3g} req/s) would keep {serving} busy at most {busy:.2%} of the time: if the arrival "
+            f"times count {' or '.join(smaller)}, set workload.trace.time_unit"]
 
 
 # ----------------------------------------------------------------------------- selection
@@ -375,14 +420,15 @@ def _keys(trace: Trace) -> dict[str, Optional[str]]:
 
 def _read_jsonl(path: Path, trace: Trace) -> _Rows:
     keys = _keys(trace)
-    unit = time_unit(trace)
-    scale = SECONDS_PER[unit]
+    units: dict[str, str] = {}                 # per arrival key met (a row has arrival_s or timestamp)
     times, prompts, outputs, lines, literal, tenants, priorities = [], [], [], [], [], [], []
     for line_no, obj in _json_rows(path):
         where = f"{path}:{line_no}"
         arrival = keys["arrival"] or ("arrival_s" if "arrival_s" in obj else "timestamp")
         named = f"{keys['arrival']!r}, fields.arrival" if keys["arrival"] else "'arrival_s' or 'timestamp'"
-        times.append(_time(obj, arrival, where, f"the arrival as a finite number of {unit} ({named})") * scale)
+        unit = units.get(arrival) or units.setdefault(arrival, time_unit(trace, arrival))
+        times.append(_time(obj, arrival, where, f"the arrival as a finite number of {unit} ({named})")
+                     * SECONDS_PER[unit])
         tokens = _literal_prompt(obj, where, keys)
         literal.append(tokens)
         prompts.append(len(tokens) if tokens is not None else _count(obj, keys["prompt_len"], where))
@@ -400,7 +446,7 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
 
     return _Rows(np.array(times, dtype=np.float64), np.array(prompts, dtype=np.int64),
                  np.array(outputs, dtype=np.int64), prompt_of, tenants=tenants, priorities=priorities,
-                 lines=np.array(lines, dtype=np.int64))
+                 lines=np.array(lines, dtype=np.int64), unit=next(iter(units.values()), None))
 
 
 def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
@@ -424,9 +470,10 @@ def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
             raise TraceError(f"{path}:{lines[bad[0]]}: {keys['priority']} is "
                              f"{excerpt(table[keys['priority']][bad[0]], FILE_EXCERPT_CHARS)}, expected an integer below 2^31 in size")
         priorities = priorities.astype(np.int64).tolist()
-    return _Rows(_numbers(path, lines, table, arrival) * SECONDS_PER[time_unit(trace)], prompt,
+    unit = time_unit(trace, arrival)
+    return _Rows(_numbers(path, lines, table, arrival) * SECONDS_PER[unit], prompt,
                  _counts(path, lines, table, keys["output_len"]), _unique_prompt(lines, prompt),
-                 tenants=tenants, priorities=priorities, lines=lines)
+                 tenants=tenants, priorities=priorities, lines=lines, unit=unit)
 
 
 def _literal_prompt(obj: dict, where: str, keys: dict[str, Optional[str]]) -> Optional[list[int]]:

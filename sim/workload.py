@@ -102,7 +102,8 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
     w, seed = scenario.workload, scenario.seed
     with gc_paused():
         if w.trace is not None:
-            loaded = load_trace(w.trace, seed, _salted_tenants(w))
+            loaded = load_trace(w.trace, seed, _salted_tenants(w), _decode_step_s(scenario),
+                                f"{scenario.model.name} on {scenario.device.name}")
             built = BuiltWorkload(loaded.requests, loaded.notes + _ignored(w, "trace"))
         elif w.requests is not None:
             built = BuiltWorkload(_explicit_requests(w, seed), _ignored(w, "requests"))
@@ -112,6 +113,14 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
             built = BuiltWorkload(_synthetic_requests(w, seed))
     _mark_warmup(built, w.warmup_requests)
     return built
+
+
+def _decode_step_s(scenario: Scenario) -> float:
+    """A lone decode step's floor: reading the weights once from memory (per GPU)."""
+    from sim.core.memory import weight_bytes_per_gpu
+
+    p = scenario.parallelism
+    return weight_bytes_per_gpu(scenario.model, p.tp, p.dp) / (scenario.device.hbm_gbps * 1e9)
 
 
 @contextmanager

@@ -201,3 +201,48 @@ def test_the_clip_bounds_stay_allowed_where_they_apply():
         "prompt_len": {"dist": "sharegpt", "max": 900}, "output_len": {"dist": "lognormal", "mean": 40, "std": 9,
                                                                        "min": 4}}})
     assert s.workload.prompt_len.max == 900 and s.workload.output_len.min == 4
+
+
+# ----------------------------------------------------------------------------- 4: trace units
+
+def csv_log(path: Path, column: str, step: float, rows: int = 200) -> Path:
+    path.write_text(f"{column},in,out\n" + "".join(f"{i * step:g},{100 + i},{50 + i % 7}\n" for i in range(rows)))
+    return path
+
+
+def trace_scenario(path: Path, column: str, **trace) -> dict:
+    return {"name": "tr", "model": "llama-3.1-8b", "device": "h100-sxm", "workload": {"trace": {
+        "format": "csv", "path": str(path), "fields": {"arrival": column, "prompt_len": "in", "output_len": "out"},
+        **trace}}}
+
+
+def test_a_field_named_in_ms_is_read_as_ms(tmp_path):
+    from sim.scenario import validate_scenario
+    from sim.workload import build_workload
+
+    path = csv_log(tmp_path / "log.csv", "ts_ms", 162)
+    requests = build_workload(validate_scenario(trace_scenario(path, "ts_ms"))).requests
+    assert requests[-1].arrival == pytest.approx(199 * 0.162)
+
+
+@pytest.mark.parametrize("column, unit", [("ts_ms", "s"), ("arrival_us", "ms"), ("t_s", "ns")])
+def test_a_time_unit_contradicting_the_fields_name_is_an_error(tmp_path, column, unit):
+    from sim.scenario import validate_scenario
+    from sim.traces import TraceError
+    from sim.workload import build_workload
+
+    path = csv_log(tmp_path / "log.csv", column, 1)
+    with pytest.raises(TraceError, match=f"time_unit is {unit} but the arrival field '{column}' says"):
+        build_workload(validate_scenario(trace_scenario(path, column, time_unit=unit)))
+
+
+def test_an_implausibly_sparse_trace_for_the_model_and_device_is_warned_of(tmp_path):
+    from sim.scenario import validate_scenario
+    from sim.workload import build_workload
+
+    path = csv_log(tmp_path / "log.csv", "t", 162)          # ms, but nothing says so: read as s (9 h)
+    notes = build_workload(validate_scenario(trace_scenario(path, "t"))).notes
+    [warning] = [n for n in notes if n.startswith("WARNING")]
+    assert "9.0 h read as s" in warning and "llama-3.1-8b on h100-sxm" in warning and "time_unit" in warning
+    fine = build_workload(validate_scenario(trace_scenario(path, "t", time_unit="ms"))).notes
+    assert not any(n.startswith("WARNING") for n in fine)
