@@ -246,3 +246,55 @@ def test_an_implausibly_sparse_trace_for_the_model_and_device_is_warned_of(tmp_p
     assert "9.0 h read as s" in warning and "llama-3.1-8b on h100-sxm" in warning and "time_unit" in warning
     fine = build_workload(validate_scenario(trace_scenario(path, "t", time_unit="ms"))).notes
     assert not any(n.startswith("WARNING") for n in fine)
+
+
+# ----------------------------------------------------------------------------- 6: from-vllm --out
+
+def from_vllm(out: Path, flags: str, *extra: str) -> int:
+    from sim.cli import main
+
+    return main(["from-vllm", f"vllm serve Qwen/Qwen2.5-7B-Instruct {flags}", "--device", "h100-sxm",
+                 "--out", str(out), *extra])
+
+
+def test_from_vllm_rerun_keeps_the_sections_a_user_added(tmp_path):
+    out = tmp_path / "qwen.yaml"
+    assert from_vllm(out, "--max-num-seqs 64") == 0
+    with out.open("a") as f:
+        f.write("workload:\n  num_requests: 50\nslo:\n  ttft_s: 1.0\n")
+    assert from_vllm(out, "--max-num-seqs 32") == 0
+    data = yaml.safe_load(out.read_text())
+    assert data["engine"]["max_num_seqs"] == 32
+    assert data["workload"] == {"num_requests": 50} and data["slo"] == {"ttft_s": 1.0}
+    assert "Kept from the file this one replaced: workload, slo" in out.read_text()
+
+
+def test_from_vllm_refuses_to_replace_hand_edits_without_force(tmp_path, capsys):
+    out = tmp_path / "qwen.yaml"
+    assert from_vllm(out, "--max-num-seqs 64") == 0
+    out.write_text(out.read_text().replace("max_num_seqs: 64", "max_num_seqs: 48")
+                   + "slo:\n  ttft_s: 1.0\n")
+    before = out.read_text()
+    assert from_vllm(out, "--max-num-seqs 32") == 2
+    assert "engine differs from what from-vllm wrote there" in capsys.readouterr().err
+    assert out.read_text() == before
+    assert from_vllm(out, "--max-num-seqs 32", "--force") == 0
+    data = yaml.safe_load(out.read_text())
+    assert data["engine"]["max_num_seqs"] == 32 and data["slo"] == {"ttft_s": 1.0}
+
+
+def test_from_vllm_matches_a_base_model_to_its_instruct_shape_and_never_suggests_another_size(capsys):
+    from sim.cli import main
+
+    assert main(["from-vllm", "vllm serve meta-llama/Llama-3.1-8B", "--device", "h100-sxm"]) == 0
+    assert "model: llama-3.1-8b" in capsys.readouterr().out
+    assert main(["from-vllm", "vllm serve Qwen/Qwen2.5-72B-Instruct", "--device", "h100-sxm"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean" not in err and "--model-name" in err
+
+
+def test_from_vllm_suggests_the_device_a_short_name_means(capsys):
+    from sim.cli import main
+
+    assert main(["from-vllm", "vllm serve Qwen/Qwen2.5-7B-Instruct", "--device", "h100"]) == 2
+    assert "did you mean h100-nvl or h100-pcie or h100-sxm?" in capsys.readouterr().err
