@@ -400,16 +400,36 @@ def catalog_model(model: str, base_dir: Optional[Path]) -> Any:
     by_hf_id = {str(catalog_entry("models", name).get("hf_id", "")).lower(): name for name in model_names()}
     if model.lower() in by_hf_id:
         return by_hf_id[model.lower()]
+    same_shape = {_without_tuning(hf_id): name for hf_id, name in by_hf_id.items()}
+    if _without_tuning(model.lower()) in same_shape:     # a base model and its -Instruct share one shape
+        return same_shape[_without_tuning(model.lower())]
     folder = Path(model).expanduser()
     if not folder.is_absolute() and base_dir is not None:
         folder = base_dir / folder
     if (folder / "config.json").is_file():
         return {"hf_config": str(folder.resolve())}
-    close = difflib.get_close_matches(model.lower(), list(by_hf_id), n=1, cutoff=0.6)
+    close = [c for c in difflib.get_close_matches(model.lower(), list(by_hf_id), n=3, cutoff=0.6)
+             if _size(c) == _size(model.lower())]            # never a 7B for a 72B
     hint = f"; did you mean {close[0]} (catalog {by_hf_id[close[0]]})?" if close else ""
     raise UserError(f"model {model!r} is neither a catalog model, a catalog hf_id nor a local folder with "
                     f"config.json{hint}; pass --model-name CATALOG_NAME or a folder holding its config.json "
                     f"(catalog: {', '.join(model_names())})")
+
+
+TUNING_SUFFIXES = ("-instruct", "-chat", "-it")
+
+
+def _without_tuning(hf_id: str) -> str:
+    """The id without its instruction-tuning suffix: Llama-3.1-8B-Instruct -> Llama-3.1-8B."""
+    return next((hf_id[: -len(s)] for s in TUNING_SUFFIXES if hf_id.endswith(s)), hf_id)
+
+
+def _size(hf_id: str) -> Optional[str]:
+    """The parameter count an id states ('72b' in qwen2.5-72b-instruct), else None."""
+    import re
+
+    found = re.findall(r"(?<![a-z0-9.])(\d+(?:\.\d+)?[bm])(?![a-z0-9])", hf_id.rsplit("/", 1)[-1])
+    return found[-1] if found else None
 
 
 def _scenario_name(model: Any) -> str:
@@ -443,7 +463,8 @@ def from_vllm_main(argv: list[str]) -> int:
                    help="catalog device the server runs on (vLLM's flags do not name the GPU)")
     p.add_argument("--model-name", help="catalog model to use when MODEL is not in the catalog")
     p.add_argument("--out", type=out_file_arg, help="scenario file to write (default: print it)")
-    p.add_argument("--force", action="store_true", help="replace an --out file kvtwin did not write")
+    p.add_argument("--force", action="store_true", help="replace an --out file kvtwin did not write, or "
+                   "sections of an earlier from-vllm file edited by hand (sections you added are kept)")
     p.add_argument("--strict", action="store_true", help="fail on flags kvtwin does not know")
     args = p.parse_args(argv)
     from sim.core.catalog import device_names
@@ -452,7 +473,10 @@ def from_vllm_main(argv: list[str]) -> int:
         check_out_file(args.out, WRITTEN_BY, force=args.force)
 
     if args.device not in device_names():
-        raise UserError(f"--device {args.device!r}: not in the catalog ({', '.join(device_names())})")
+        close = sorted(d for d in device_names() if d.startswith(args.device.lower())) or \
+            difflib.get_close_matches(args.device, device_names(), n=1, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UserError(f"--device {args.device!r}: not in the catalog; {hint}(catalog: {', '.join(device_names())})")
     command = args.command[0] if len(args.command) == 1 else args.command
     result = translate(command, args.device, Path.cwd(), args.model_name)
     if args.strict and result.unknown:
@@ -460,7 +484,8 @@ def from_vllm_main(argv: list[str]) -> int:
     from sim.scenario import validate_scenario
 
     validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
-    text = scenario_text(result, command)
+    kept = sections_to_keep(args.out, result.raw, args.force) if args.out is not None else {}
+    text = scenario_text(result, command, kept)
     if args.out is None:
         _report(result, None)
         print(text, end="")
@@ -474,17 +499,63 @@ def from_vllm_main(argv: list[str]) -> int:
 
 # the first line of every scenario from-vllm writes: it marks the file as kvtwin's to replace
 WRITTEN_BY = "# written by `simrun from-vllm`"
+# the header line recording a digest of the translated sections: tells a hand edit from a rerun
+DIGEST_LINE = "# translated sections digest: "
 
 
-def scenario_text(result: Translation, command: str | list[str]) -> str:
-    """The scenario YAML, headed by comments recording the command and each flag's fate."""
+def scenario_text(result: Translation, command: str | list[str], kept: Optional[dict] = None) -> str:
+    """The scenario YAML, headed by comments recording the command and each flag's fate; `kept`
+    are the sections a user added to an earlier file (see sections_to_keep), written after."""
     shown = command if isinstance(command, str) else shlex.join(command)
     head = [f"{WRITTEN_BY} from: {' '.join(shown.split())}"]
     head += [f"#   {flag} -> {fld} = {value if value is not None else '(kept: auto)'}"
              for flag, fld, value in result.mapped]
     head += [f"#   {note}" for note in result.notes()]
-    head.append("# The workload is kvtwin's default: edit `workload` to describe your traffic.")
-    return "\n".join(head) + "\n" + yaml.safe_dump(result.raw, sort_keys=False)
+    if kept:
+        head.append(f"# Kept from the file this one replaced: {', '.join(kept)}.")
+    if "workload" not in (kept or {}):
+        head.append("# The workload is kvtwin's default: edit `workload` to describe your traffic.")
+    head.append(f"{DIGEST_LINE}{translation_digest(result.raw)} (sections you add are kept on a rerun)")
+    return "\n".join(head) + "\n" + yaml.safe_dump({**result.raw, **(kept or {})}, sort_keys=False)
+
+
+def translation_digest(raw: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def sections_to_keep(out: Path, raw: dict, force: bool) -> dict:
+    """The top-level sections of an earlier from-vllm file at `out` that the translation does not
+    write (workload, slo, ...): kept, so a rerun never drops a user's additions. Sections it does
+    write that were edited by hand since (the recorded digest differs) are refused without --force:
+    the translation would replace them. A file kvtwin did not write is replaced whole (--force)."""
+    try:
+        text = out.read_text()
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+        return {}
+    if not text.startswith(WRITTEN_BY):
+        return {}
+    try:
+        old = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        if force:
+            return {}
+        raise UserError(f"{out}: not valid YAML any more ({str(e).splitlines()[0]}), so its own sections cannot "
+                        f"be kept; fix it, or pass --force to replace it") from None
+    old = old if isinstance(old, dict) else {}
+    kept = {k: v for k, v in old.items() if k not in raw}
+    ours = {k: v for k, v in old.items() if k in raw}
+    recorded = next((line[len(DIGEST_LINE):].split()[0] for line in text.splitlines()
+                     if line.startswith(DIGEST_LINE)), None)
+    edited = sorted(k for k in raw if ours.get(k) != raw[k]) if recorded != translation_digest(ours) else []
+    if edited and not force:
+        raise UserError(f"{out}: {', '.join(edited)} differ{'s' if len(edited) == 1 else ''} from what from-vllm "
+                        f"wrote there (edited by hand?) and the translation would replace "
+                        f"{'it' if len(edited) == 1 else 'them'}; pass --force to replace (sections you added, "
+                        f"{', '.join(kept) or 'none here'}, are kept either way), or pick another --out")
+    return kept
 
 
 def _report(result: Translation, out: Optional[Path]) -> None:
