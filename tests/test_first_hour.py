@@ -298,3 +298,57 @@ def test_from_vllm_suggests_the_device_a_short_name_means(capsys):
 
     assert main(["from-vllm", "vllm serve Qwen/Qwen2.5-7B-Instruct", "--device", "h100"]) == 2
     assert "did you mean h100-nvl or h100-pcie or h100-sxm?" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- 8: tables answer the question
+
+def simrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`simrun ARGS` with stdout a pipe (not a terminal), COLUMNS unset."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run([sys.executable, "-m", "sim.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(ROOT)}, timeout=600)
+
+
+def test_a_kv_dtype_sweep_shows_pool_concurrency_and_goodput_uncut(tmp_path):
+    done = simrun([str(ROOT / "scenarios/quickstart.yaml"), "--set", "engine.kv_cache_dtype=auto,fp8",
+                   "--set", "workload.num_requests=60", "--no-plots", "--jobs", "1", "--out", str(tmp_path / "sw")],
+                  tmp_path)
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "kv_cache_dtype" in line)
+    for column in ("KV pool (tokens)", "max concurrency (x)", "goodput (req/s)", "TPOT p99 (ms)"):
+        assert column in header, header
+    assert "…" not in done.stdout                     # a pipe gets the full width, nothing cut
+    pools = [line.split("│")[-3].strip() for line in done.stdout.splitlines() if line.startswith(("│ auto", "│ fp8"))]
+    assert pools == ["33,920", "67,856"]              # fp8 halves the bytes per token: twice the tokens
+
+
+def test_a_prompt_layout_sweep_shows_the_prefix_hit_rate(tmp_path):
+    done = simrun([str(ROOT / "scenarios/seed_prefix_timestamp.yaml"), "--set", "variants={}",
+                   "--set", "workload.dynamic_segment.position=first,last", "--no-plots", "--jobs", "1",
+                   "--out", str(tmp_path / "sw")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "prefix hit rate" in done.stdout and "KV pool" not in done.stdout
+    first = next(line for line in done.stdout.splitlines() if line.startswith("│ first"))
+    assert first.split("│")[-2].strip() == "0%"
+
+
+def test_moved_metrics_follow_the_swept_field():
+    from sim.whatif.sweep import Axis, moved_metrics
+
+    names = lambda path: [m.name for m in moved_metrics([Axis(path, ("1", "2"), (1, 2))])]  # noqa: E731
+    assert names("engine.gpu_memory_utilization") == ["kv_pool_tokens", "max_concurrency"]
+    assert names("workload.shared_prefix.length") == ["prefix_hit_rate"]
+    assert names("workload.arrival.rate") == []
+
+
+def test_the_kv_header_says_per_gpu_and_the_total_over_tp_and_the_engine_line_names_fp8():
+    from sim.output.setup import engine_words, vllm_startup_lines
+
+    summary = {"memory": {"max_tokens": 469_552, "kv_pool_bytes": int(35.8 * 2**30),
+                          "weight_bytes": int(32.9 * 2**30)}}
+    manifest = {"scenario": {"parallelism": {"tp": 4}, "engine": {"max_model_len": 8192}}}
+    [line] = vllm_startup_lines(summary, manifest)
+    assert line == ("GPU KV cache size: 469,552 tokens (35.8 GiB per GPU; weights 32.9 GiB per GPU; "
+                    "143 GiB KV and 132 GiB weights over tp=4)")
+    assert "KV cache fp8" in engine_words({"kv_cache_dtype": "fp8", "prefix_caching": True})
+    assert "KV cache" not in engine_words({"kv_cache_dtype": "auto"})

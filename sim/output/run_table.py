@@ -46,8 +46,8 @@ def print_results(results: Mapping, out: Path) -> None:
 def print_frame(frame, title: Optional[str] = None) -> None:
     """A frame as a rich table on stdout, numbers formatted as everywhere else (sim.output.units)."""
     table = Table(title=title, show_header=True, header_style="bold", title_justify="left")
-    for i, col in enumerate(frame.columns):
-        table.add_column(str(col), justify="left" if i == 0 else "right")
+    for i, col in enumerate(frame.columns):      # fold, never cut: a long value or name stays whole
+        table.add_column(str(col), justify="left" if i == 0 else "right", overflow="fold")
     for row in frame.itertuples(index=False):
         table.add_row(*(units.format_value(v) for v in row))
     console.print(table)

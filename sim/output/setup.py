@@ -44,6 +44,8 @@ def engine_words(engine: Mapping[str, Any], async_scheduling: Optional[bool] = N
     parts = [f"{engine.get('batching', '?')} batching", f"{engine.get('allocation', '?')} KV",
              f"block {engine.get('block_size', '?')}",
              "prefix caching " + ("on" if engine.get("prefix_caching") else "off")]
+    if engine.get("kv_cache_dtype", "auto") != "auto":         # halves the KV pool's bytes per token
+        parts.append(f"KV cache {engine['kv_cache_dtype']}")
     if engine.get("max_num_seqs"):
         parts.append(f"max_num_seqs {engine['max_num_seqs']:,}")
     if engine.get("max_model_len"):
@@ -104,14 +106,23 @@ def vllm_startup_lines(summary: Mapping[str, Any], manifest: Mapping[str, Any]) 
     tokens = memory.get("max_tokens")
     if tokens is None:
         return []
-    lines = [f"GPU KV cache size: {tokens:,} tokens"
-             + (f" ({units.gib(memory['kv_pool_bytes'])}; weights {units.gib(memory['weight_bytes'])})"
-                if memory.get("kv_pool_bytes") is not None and memory.get("weight_bytes") is not None else "")]
+    lines = [f"GPU KV cache size: {tokens:,} tokens" + _pool_bytes_words(memory, manifest)]
     concurrency = memory.get("max_concurrency_at_max_model_len")
     max_len = ((manifest.get("scenario") or {}).get("engine") or {}).get("max_model_len")
     if concurrency is not None and max_len:
         lines.append(f"Maximum concurrency for {max_len:,} tokens per request: {concurrency:.2f}x")
     return lines
+
+
+def _pool_bytes_words(memory: Mapping[str, Any], manifest: Mapping[str, Any]) -> str:
+    """' (35.8 GiB per GPU; weights 32.9 GiB per GPU; 143 GiB KV and 132 GiB weights over tp=4)':
+    vLLM's token count holds for every GPU of a tp group, its bytes are each GPU's share."""
+    kv, weights = memory.get("kv_pool_bytes"), memory.get("weight_bytes")
+    if kv is None or weights is None:
+        return ""
+    tp = ((manifest.get("scenario") or {}).get("parallelism") or {}).get("tp") or 1
+    total = f"; {units.gib(kv * tp)} KV and {units.gib(weights * tp)} weights over tp={tp}" if tp > 1 else ""
+    return f" ({units.gib(kv)} per GPU; weights {units.gib(weights)} per GPU{total})"
 
 
 def rejection_reasons(requests) -> Counter:

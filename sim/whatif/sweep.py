@@ -362,7 +362,38 @@ HEADLINE_METRICS = (
     Metric("preemptions", "preemptions", "preemptions"),
     Metric("prefix_hit_rate", "prefix_hit_rate", "prefix hit rate (%)", 100.0),
 )
-METRICS_BY_NAME = {m.name: m for m in HEADLINE_METRICS}
+# Shown beside the standard columns when a swept field moves them (plots stay the headline's).
+POOL_METRICS = (
+    Metric("kv_pool_tokens", "memory.max_tokens", "KV pool (tokens)"),
+    Metric("max_concurrency", "memory.max_concurrency_at_max_model_len", "max concurrency (x)"),
+)
+METRICS_BY_NAME = {m.name: m for m in HEADLINE_METRICS + POOL_METRICS}
+# swept field (a path or its leading part) -> the metrics it moves
+MOVED_BY = (
+    (("engine.kv_cache_dtype", "engine.gpu_memory_utilization", "engine.block_size", "engine.num_blocks",
+      "engine.max_model_len", "engine.memory_plan", "engine.max_num_batched_tokens", "engine.max_num_seqs",
+      "engine.activation_mib", "model", "device", "parallelism"), ("kv_pool_tokens", "max_concurrency")),
+    (("engine.prefix_caching", "workload.dynamic_segment", "workload.shared_prefix", "workload.prompt_len",
+      "workload.multi_turn", "workload.dataset", "workload.tenants", "engine.block_size"), ("prefix_hit_rate",)),
+)
+SHORT_COLUMNS = ("request_throughput", "goodput", "ttft_p99", "tpot_p99", "e2e_p99", "kv_usage_peak", "preemptions")
+
+
+def moved_metrics(axes: Sequence[Axis]) -> list[Metric]:
+    """The metrics the swept fields move (KV pool and concurrency for memory fields, prefix hit
+    rate for prompt and cache fields), so the table answers the question the sweep asks."""
+    names: dict[str, None] = {}
+    for axis in axes:
+        for fields, metrics in MOVED_BY:
+            if any(axis.path == f or axis.path.startswith(f + ".") for f in fields):
+                names.update(dict.fromkeys(metrics))
+    return [METRICS_BY_NAME[n] for n in names]
+
+
+def table_metrics(axes: Sequence[Axis], standard: Sequence[str]) -> list[Metric]:
+    """The standard metrics, then those the swept fields move (each once)."""
+    names = dict.fromkeys([*standard, *(m.name for m in moved_metrics(axes))])
+    return [METRICS_BY_NAME[n] for n in names]
 PLOT_DPI = 100
 
 
@@ -565,7 +596,8 @@ def write_sweep(sweep: Sweep, out: Path, title: str, setup: Optional[Mapping] = 
     notes = [f"{len(sweep.points)} points, {'paired (--zip)' if sweep.zipped else 'grid'} over "
              + ", ".join(keys) + ". Every metric is in sweep.csv."]
     files["html"] = write_page(out / "sweep.html", title, notes,
-                               [("Points", display_table(sweep.frame, keys))], figures, setup)
+                               [("Points", display_table(sweep.frame, keys, table_metrics(
+                                   sweep.axes, [m.name for m in HEADLINE_METRICS])))], figures, setup)
     return files
 
 
@@ -639,9 +671,7 @@ def sweep_setup(raw: dict, path: Path) -> Optional[dict]:
 def print_sweep(sweep: Sweep, out: Path, wall_s: float, plots: bool = True) -> None:
     from sim.output.console import console
 
-    short = [METRICS_BY_NAME[n] for n in ("request_throughput", "ttft_p99", "tpot_p99", "e2e_p99",
-                                          "kv_usage_peak", "preemptions")]
-    table = display_table(sweep.frame, [a.path for a in sweep.axes], short)
+    table = display_table(sweep.frame, [a.path for a in sweep.axes], table_metrics(sweep.axes, SHORT_COLUMNS))
     print_frame(table.rename(columns={a.path: a.path.rsplit(".", 1)[-1] for a in sweep.axes}))
     failed = sweep.frame["error"].notna().sum() if "error" in sweep.frame else 0
     if failed:
