@@ -352,3 +352,52 @@ def test_the_kv_header_says_per_gpu_and_the_total_over_tp_and_the_engine_line_na
                     "143 GiB KV and 132 GiB weights over tp=4)")
     assert "KV cache fp8" in engine_words({"kv_cache_dtype": "fp8", "prefix_caching": True})
     assert "KV cache" not in engine_words({"kv_cache_dtype": "auto"})
+
+
+# ----------------------------------------------------------------------------- 9: the comparison report
+
+@pytest.fixture(scope="module")
+def compared_views():
+    """A prediction and a `vllm bench serve` style measurement: no steps, no pool size."""
+    import pandas as pd
+    from sim.output.run_files import view_of
+    from sim.output.views import RunView
+    from sim.predict import predict
+    from sim.scenario import load_scenario
+
+    run = predict(load_scenario(ROOT / "scenarios/serve_smoke.yaml", ["workload.num_requests=20"]), "predicted")
+    predicted = view_of(run, "predicted")
+    measured_summary = {**run.summary, "ttft_s": {**run.summary["ttft_s"], "mean": run.summary["ttft_s"]["mean"] * 2}}
+    measured = RunView("measured", measured_summary, predicted.requests, pd.DataFrame(), 0)
+    return {"predicted": predicted, "measured": measured}
+
+
+def legend_labels(fig) -> list[str]:
+    return [text.get_text() for ax in fig.axes if ax.get_legend() for text in ax.get_legend().get_texts()]
+
+
+def test_kv_and_step_plots_draw_nothing_for_a_measurement_without_them(compared_views):
+    from sim.output.report import plot_kv_blocks, plot_step_time
+
+    kv = legend_labels(plot_kv_blocks(compared_views))
+    assert any(label.startswith("predicted: total") for label in kv)
+    assert not any(label.startswith("measured: total") for label in kv), kv
+    assert "measured" not in legend_labels(plot_step_time(compared_views))
+
+
+def test_the_summary_uses_the_comparison_tables_error_convention(compared_views):
+    from sim.output.pages import summary_table
+
+    table = summary_table(compared_views, ratios=True)
+    assert "measured / predicted" not in table.columns
+    assert table.loc["TTFT mean (ms)", "error"] == "-50.0%"      # (predicted - measured) / measured
+
+
+def test_the_error_chart_title_promises_only_what_it_draws():
+    import pandas as pd
+    from validate.plots import error_chart_title
+
+    bare = pd.DataFrame({"relative_error": [0.1], "tolerance": [None], "within": [None]})
+    assert error_chart_title(bare) == "Prediction error by metric (no tolerances set)"
+    judged = pd.DataFrame({"relative_error": [0.1], "tolerance": [0.2], "within": [True]})
+    assert "green within tolerance" in error_chart_title(judged) and "| = tolerance" in error_chart_title(judged)

@@ -34,6 +34,15 @@ def plot_step_scatter(steps: pd.DataFrame, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
+def error_chart_title(rows: pd.DataFrame) -> str:
+    """The title says what is drawn: colours and tolerance marks only where tolerances were set."""
+    judged = rows["within"].isin([True, False]).any()
+    marks = rows["tolerance"].notna().any()
+    legend = ", ".join([*(["green within tolerance, red outside"] if judged else []),
+                        *(["| = tolerance"] if marks else [])])
+    return f"Prediction error by metric ({legend or 'no tolerances set'})"
+
+
 def plot_relative_errors(table: pd.DataFrame, path: str | Path) -> Path:
     """Horizontal bars of (predicted - measured) / measured per metric; tolerance band where set."""
     rows = table.dropna(subset=["relative_error"])
@@ -50,6 +59,5 @@ def plot_relative_errors(table: pd.DataFrame, path: str | Path) -> Path:
     ax.set_yticks(y, [row_kind(str(label))[0] for label in rows.index])
     ax.invert_yaxis()
     ax.axvline(0, color="0.3", lw=1)
-    finish_axes(ax, "Prediction error by metric (green within tolerance, red outside, | = tolerance)",
-                "", xlabel="(predicted - measured) / measured (%)")
+    finish_axes(ax, error_chart_title(rows), "", xlabel="(predicted - measured) / measured (%)")
     return save_figure(fig, path)

@@ -29,7 +29,8 @@ CAPTIONS = {
     "step_time": "Engine step time over the run, and its distribution.",
     # figures only a predicted-vs-measured pair has (validate/)
     "step_scatter": "The cost model on each measured step's composition against that step's measured time.",
-    "errors": "Relative error of each headline figure; green within tolerance, red outside.",
+    "errors": "(predicted - measured) / measured of each headline figure; where tolerances are set, "
+              "green within, red outside, | marks the tolerance.",
     "endpoint_timeline": "KV usage and queue scraped from the endpoint's /metrics next to the prediction.",
 }
 
@@ -82,7 +83,9 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
     Formatted as display strings by default (what the CLI and the HTML show: ms, "47.7%",
     thousands separators); with formatted=False, floats in the display units (ms, percent),
     NaN where a figure is undefined. With `ratios` and several runs, a column per run after the
-    first gives its ratio to the first ("continuous / static").
+    first gives its ratio to the first ("continuous / static"); a predicted-vs-measured pair gets
+    an `error` column instead, (predicted - measured) / measured, the convention of every
+    comparison table and chart.
     """
     numbers = {label: [_lookup(v.summary, key) for _, key, _ in SUMMARY_ROWS] for label, v in views.items()}
     index = pd.Index([row for row, _, _ in SUMMARY_ROWS], name="metric")
@@ -92,7 +95,10 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
                              for label, values in numbers.items()}, index=index)
     table = pd.DataFrame({label: [units.display(x, k) for x, k in zip(values, kinds)]
                           for label, values in numbers.items()}, index=index)
-    if ratios and len(views) > 1:
+    if ratios and {"predicted", "measured"} <= set(numbers):     # a comparison: its one error convention
+        table["error"] = [units.signed_pct((p - m) / m) if m and not math.isnan(m) and not math.isnan(p)
+                          else EMPTY for p, m in zip(numbers["predicted"], numbers["measured"])]
+    elif ratios and len(views) > 1:
         base_label, base = next(iter(numbers.items()))
         for label, values in list(numbers.items())[1:]:
             table[f"{label} / {base_label}"] = [units.ratio(x / b) if b and not math.isnan(b) and not math.isnan(x)

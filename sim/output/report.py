@@ -112,6 +112,8 @@ def _kv_panel(ax, views: Mapping[str, RunView], lines: dict, column: str, what: 
     for (label, (edges, tl)), colour in zip(lines.items(), _colours(views)):
         if len(tl):
             _stairs(ax, edges, tl[column], color=colour, ls=ls, label=f"{label}: {what}")
+        if totals[label] <= 0:           # a measurement that does not know its pool (a vLLM result file)
+            continue
         above = " (above the axis)" if top and totals[label] > ceiling else ""
         ax.axhline(totals[label], color=colour, ls="--", lw=1,
                    label=f"{label}: total {totals[label]:,}{above}")
@@ -220,7 +222,8 @@ def plot_step_time(views: Mapping[str, RunView]) -> Figure:
     if len(pooled):
         bins = np.histogram_bin_edges(pooled, bins=60)
         for (label, ms), colour in zip(durations.items(), _colours(views)):
-            _stairs(hist, bins, np.histogram(ms, bins)[0], color=colour, label=label)
+            if len(ms):                      # a run without steps gets no empty legend entry
+                _stairs(hist, bins, np.histogram(ms, bins)[0], color=colour, label=label)
         hist.set_yscale("log")
     else:
         _note(hist, "no steps recorded")
