@@ -804,6 +804,21 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     return node if isinstance(node, type) and issubclass(node, BaseModel) else None
 
 
+def _paths_ending_in(model: type[BaseModel], key: str, depth: int = 3) -> list[str]:
+    """Dotted paths below `model` whose last part is `key` (rate -> workload.arrival.rate): a key
+    given at the wrong level is better answered by where it lives than by a similar spelling."""
+    found = []
+    for name, field in model.model_fields.items():
+        if name == key:
+            continue
+        node = _unwrap(field.annotation)
+        if depth > 1 and isinstance(node, type) and issubclass(node, BaseModel):
+            if key in node.model_fields:
+                found.append(f"{name}.{key}")
+            found += [f"{name}.{p}" for p in _paths_ending_in(node, key, depth - 1) if p.count(".")]
+    return sorted(set(found))[:3]
+
+
 def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
     problems = []
     for err in error.errors():
@@ -813,8 +828,10 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
         if kind == "extra_forbidden":
             parent = _model_at(root, loc[:-1])
             valid = sorted(parent.model_fields) if parent else []
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            nested = _paths_ending_in(parent, str(loc[-1])) if parent else []
+            close = nested or difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            prefix = _loc_str(loc[:-1]) + "." if nested and loc[:-1] else ""
+            hint = f"; did you mean {' or '.join(repr(prefix + c) for c in close)}?" if close else ""
             known = f" (valid keys: {', '.join(valid)})" if valid else ""
             problems.append(f"{path}: unknown key{hint}{known}")
         elif kind == "missing":

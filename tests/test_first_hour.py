@@ -401,3 +401,22 @@ def test_the_error_chart_title_promises_only_what_it_draws():
     assert error_chart_title(bare) == "Prediction error by metric (no tolerances set)"
     judged = pd.DataFrame({"relative_error": [0.1], "tolerance": [0.2], "within": [True]})
     assert "green within tolerance" in error_chart_title(judged) and "| = tolerance" in error_chart_title(judged)
+
+
+# ----------------------------------------------------------------------------- smaller items
+
+@pytest.mark.parametrize("key, suggestion", [("rate", "'workload.arrival.rate'"), ("block_size", "'engine.block_size'"),
+                                             ("nme", "'name'")])
+def test_a_key_at_the_wrong_level_suggests_where_it_lives(tmp_path, capsys, key, suggestion):
+    from sim.cli import main
+
+    assert main([str(ROOT / "scenarios/quickstart.yaml"), "--set", f"{key}=6", "--no-plots", "--quiet",
+                 "--out", str(tmp_path / "q")]) == 2
+    assert f"{key}: unknown key; did you mean {suggestion}?" in capsys.readouterr().err
+
+
+def test_money_reads_the_same_everywhere():
+    from sim.output.units import money
+
+    assert [money(v) for v in (2, 0.504, 0.8, 1.8, 0.031, 1234.5)] == \
+        ["$2.00", "$0.50", "$0.80", "$1.80", "$0.031", "$1,234.50"]

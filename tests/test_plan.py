@@ -105,7 +105,7 @@ def test_answer_economics_price_per_million_tokens_and_headroom():
     ttft, tpot = parse_slo("ttft_p99=0.2"), parse_slo("tpot_p99=0.02")
     assert headroom(ttft, row) == pytest.approx(0.75) and headroom(tpot, row) == pytest.approx(-0.5)
     text = answer_economics(row, [ttft])
-    assert text.startswith("$1 per 1M output tokens") and "ttft_p99 50 ms of 200 ms (75.0% left)" in text
+    assert text.startswith("$1.00 per 1M output tokens (1 GPU at $3.60/hour") and "ttft_p99 50 ms of 200 ms (75.0% left)" in text
 
 
 # ----------------------------------------------------------------------------- searches vs brute force

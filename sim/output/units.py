@@ -94,6 +94,14 @@ def signed_pct(fraction: Any) -> str:
     return pct(fraction, signed=True)
 
 
+def money(dollars: Any) -> str:
+    """'$2.00', '$0.80', '$0.031': cents from ten cents up, else two significant digits."""
+    if _missing(dollars):
+        return EMPTY
+    value = float(dollars)
+    return f"${value:,.2f}" if abs(value) >= 0.1 or value == 0 else f"${value:.2g}"
+
+
 def gib(nbytes: Any) -> str:
     if _missing(nbytes):
         return EMPTY

@@ -136,8 +136,8 @@ def answer_economics(row: dict, slos: Sequence[SloTarget]) -> str:
     price = dollars_per_million_output_tokens(row)
     if price is not None:
         gpus = row.get("gpus")
-        parts.append(f"${price:,.3g} per 1M output tokens ({gpus} GPU{'' if gpus == 1 else 's'} at "
-                     f"${row['cost_per_hour']:,.2f}/hour, {units.format_value(row.get('output_token_throughput'))} "
+        parts.append(f"{units.money(price)} per 1M output tokens ({gpus} GPU{'' if gpus == 1 else 's'} at "
+                     f"{units.money(row['cost_per_hour'])}/hour, {units.format_value(row.get('output_token_throughput'))} "
                      f"output tok/s)")
     rooms = [f"{slo.name} {seconds(row[slo.column])} of {seconds(slo.limit_s)} ({units.pct(room)} left)"
              for slo in slos if (room := headroom(slo, row)) is not None]
@@ -472,7 +472,9 @@ class ReplicaPlan:
 
         frame = self.table.copy()
         for column in frame.columns:
-            if column.endswith(" (s)"):
+            if column.startswith("$/"):
+                frame[column] = [units.money(v) for v in frame[column]]
+            elif column.endswith(" (s)"):
                 frame[column] = pd.to_numeric(frame[column], errors="coerce") * 1e3
             elif column.endswith(" headroom"):
                 frame[column] = [None if v is None or pd.isna(v) else units.pct(v) for v in frame[column]]
@@ -768,6 +770,8 @@ def write_replica_plan(plan: ReplicaPlan, out: Path, name: str, setup: Optional[
 
 
 def replica_verdict(plan: ReplicaPlan) -> str:
+    from sim.output import units
+
     best = plan.table.iloc[0]
     slos = ", ".join(map(str, plan.slos)) or "no SLO"
     if pd.isna(best["replicas"]):
@@ -776,7 +780,7 @@ def replica_verdict(plan: ReplicaPlan) -> str:
     i = next(i for i, c in enumerate(plan.candidates) if c.device == best["device"] and c.tp == best["tp"])
     row = {**plan.answer(i), "cost_per_hour": best["$/hour"]}
     return (f"Cheapest for {plan.target_rate:g} req/s within {slos}: {int(best['replicas'])} x {best['device']} "
-            f"at tp={best['tp']} ({gpus} GPU{'s' if gpus > 1 else ''}, ${best['$/hour']:.2f}/hour). "
+            f"at tp={best['tp']} ({gpus} GPU{'s' if gpus > 1 else ''}, {units.money(best['$/hour'])}/hour). "
             f"{answer_economics(row, plan.slos)}.")
 
 
