@@ -166,6 +166,9 @@ def test_the_two_plan_searches_write_separate_folders(tmp_path, monkeypatch):
     assert main(["plan", str(path), "--target-rate", "3", "--quiet"]) == 0
     assert (tmp_path / "runs/s/plan/plan.csv").read_text() == rate_csv
     assert "replicas" in (tmp_path / "runs/s/plan_replicas/plan.csv").read_text()
+    # titled by the scenario's name (as its run figures are), not the file's stem
+    assert "highest sustainable rate for small (" in (tmp_path / "runs/s/plan/plan.html").read_text()
+    assert "req/s of small (" in (tmp_path / "runs/s/plan_replicas/plan.html").read_text()
 
 
 # ----------------------------------------------------------------------------- 5: distribution parameters
@@ -420,3 +423,19 @@ def test_money_reads_the_same_everywhere():
 
     assert [money(v) for v in (2, 0.504, 0.8, 1.8, 0.031, 1234.5)] == \
         ["$2.00", "$0.50", "$0.80", "$1.80", "$0.031", "$1,234.50"]
+
+
+def test_the_overview_marks_when_preemptions_happen():
+    from sim.output.report import plot_overview
+    from sim.output.run_files import view_of
+    from sim.predict import predict
+    from sim.scenario import load_scenario
+
+    run = predict(load_scenario(ROOT / "scenarios/quickstart.yaml", ["workload.num_requests=300"]), "q")
+    assert run.summary["preemptions"] > 0
+    fig = plot_overview({"q": view_of(run, "q")})
+    marks = [line for ax in fig.axes for line in ax.get_lines() if "preemptions" in str(line.get_label())]
+    assert len(marks) == 1 and f"({run.summary['preemptions']:,})" in marks[0].get_label()
+    steps = run.steps[run.steps["preemptions"] > 0]["start_s"]
+    x = marks[0].get_xdata()
+    assert steps.min() - 1 <= x.min() and x.max() <= steps.max() + 1

@@ -131,10 +131,29 @@ def draw_queue(ax, views: Mapping[str, RunView]) -> None:
         if len(tl):
             _stairs(ax, edges, tl["running"], color=colour, label=f"{label}: running")
             _stairs(ax, edges, tl["waiting"], color=colour, ls="--", label=f"{label}: waiting")
+        mark_preemptions(ax, v, colour, label)
     if not any(len(v.steps) for v in views.values()):
         _note(ax, "no steps recorded")
     finish_axes(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
                 counts=True)
+
+
+PREEMPTION_MARKS = 400       # at most this many marks per run (steps close in time share one)
+
+
+def mark_preemptions(ax, view: RunView, colour: str, label: str) -> None:
+    """A triangle along the panel's top at each step that preempted, so the queue's jumps can be
+    read against them (the summary's count says how many, not when)."""
+    if "preemptions" not in view.steps or not len(view.steps):
+        return
+    hit = view.steps[view.steps["preemptions"] > 0]
+    if hit.empty:
+        return
+    t0, t1 = float(view.steps["start_s"].min()), float(view.steps["end_s"].max())
+    width = (t1 - t0) / PREEMPTION_MARKS or 1.0
+    times = t0 + width * np.unique(((hit["start_s"].to_numpy() - t0) / width).astype(np.int64))
+    ax.plot(times, np.full(len(times), 0.97), "v", transform=ax.get_xaxis_transform(), color=colour, ms=5,
+            markeredgecolor="C3", label=f"{label}: preemptions ({int(hit['preemptions'].sum()):,})")
 
 
 def plot_queue(views: Mapping[str, RunView]) -> Figure:

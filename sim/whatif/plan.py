@@ -605,11 +605,11 @@ def plan_main(argv: list[str]) -> int:
     with owned_run_folder(out, force=args.force):         # checked before searching
         if args.target_rate is None:
             curve = run_rate_search(args, base, scenario, slos)
-            write_rate_plan(curve, out, args.scenario.stem, setup_manifest(scenario))
+            write_rate_plan(curve, out, scenario.name, setup_manifest(scenario))     # titled as run figures are
         else:
             plan = plan_replicas(base, Traffic.of(scenario), slos, rate, targets, args.max_replicas,
                                  check_jobs(args.jobs), args.ray, args.quiet)
-            write_replica_plan(plan, out, args.scenario.stem, setup_manifest(scenario))
+            write_replica_plan(plan, out, scenario.name, setup_manifest(scenario))
     if not args.quiet and args.target_rate is None:
         print_rate_plan(curve, out, time.monotonic() - t0)
     elif not args.quiet:

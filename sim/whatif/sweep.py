@@ -649,7 +649,8 @@ def sweep_main(args: argparse.Namespace) -> int:
         sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
                           check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
                           args.trace, args.quiet, getattr(args, "steps", "aggregated"), plots)
-        write_sweep(sweep, out, f"kvtwin sweep: {args.scenario.stem}", sweep_setup(raw, args.scenario),
+        # titled by the scenario's name, as its run figures are (the folder keeps the file's stem)
+        write_sweep(sweep, out, f"kvtwin sweep: {raw.get('name') or 'scenario'}", sweep_setup(raw, args.scenario),
                     plots)
     if not args.quiet:
         print_sweep(sweep, out, time.monotonic() - t0, plots)
