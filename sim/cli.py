@@ -58,6 +58,7 @@ COMMANDS: dict[str, Command] = {
 }
 DEFAULT_COMMAND = "run"
 HELP_FLAGS = ("-h", "--help")
+PERFETTO_HINT = "https://ui.perfetto.dev, 'Open trace file'"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -216,7 +217,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--no-plots", action="store_true",
                    help="write the data files (summary.json, CSVs, manifest) but no plots or report.html")
-    p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json")
+    p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json (open it at "
+                   f"{PERFETTO_HINT})")
     p.add_argument("--steps", choices=("aggregated", "full"), default="aggregated",
                    help="steps.csv: a row per record, a leap of K decode steps being one row with its "
                         "step count (aggregated, the default), or a row per engine step (full)")
@@ -272,7 +274,8 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
     if not args.no_plots or args.trace:
         with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
-            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})")
+            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})"
+                 + (f"; view trace.json at {PERFETTO_HINT}" if args.trace else ""))
     elif not args.quiet:
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
 

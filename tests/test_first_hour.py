@@ -439,3 +439,11 @@ def test_the_overview_marks_when_preemptions_happen():
     steps = run.steps[run.steps["preemptions"] > 0]["start_s"]
     x = marks[0].get_xdata()
     assert steps.min() - 1 <= x.min() and x.max() <= steps.max() + 1
+
+
+def test_trace_says_how_to_open_it(tmp_path, capsys):
+    from sim.cli import main
+
+    assert main([str(ROOT / "scenarios/quickstart.yaml"), "--set", "workload.num_requests=20", "--no-plots",
+                 "--trace", "--out", str(tmp_path / "q")]) == 0
+    assert "ui.perfetto.dev" in capsys.readouterr().out and (tmp_path / "q/trace.json").exists()
