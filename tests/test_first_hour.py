@@ -447,3 +447,29 @@ def test_trace_says_how_to_open_it(tmp_path, capsys):
     assert main([str(ROOT / "scenarios/quickstart.yaml"), "--set", "workload.num_requests=20", "--no-plots",
                  "--trace", "--out", str(tmp_path / "q")]) == 0
     assert "ui.perfetto.dev" in capsys.readouterr().out and (tmp_path / "q/trace.json").exists()
+
+
+def test_plan_sweep_and_compare_run_on_the_light_install(tmp_path):
+    """The issue's 'done when': without any extra, these commands run to the end, no traceback."""
+    from sim.predict import predict
+    from sim.scenario import load_scenario
+    from sim.vllm.results import vllm_result_dict
+
+    scenario = ROOT / "scenarios/serve_smoke.yaml"
+    plain = ["workload.shared_prefix=null", "workload.warmup_requests=0"]
+    run = predict(load_scenario(scenario, [*plain, "workload.arrival.rate=20"]), "measured")
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps(vllm_result_dict(run.requests, {"model_id": "tiny", "request_rate": 20.0})))
+    sets = [a for p in plain for a in ("--set", p)]
+    commands = [
+        ["compare", str(scenario), *sets, "--vllm-result", str(result), "--out", str(tmp_path / "cmp"),
+         "--allow-mismatch"],
+        [str(ROOT / "scenarios/quickstart.yaml"), "--set", "engine.kv_cache_dtype=auto,fp8", "--set",
+         "workload.num_requests=40", "--jobs", "1", "--out", str(tmp_path / "sw")],
+        ["plan", str(write_scenario(tmp_path, LLAMA_70B_TP4)), "--target-rate", "4", "--quiet", "--jobs", "1",
+         "--out", str(tmp_path / "plan")],
+    ]
+    for args in commands:
+        done = simrun_without(EXTRAS_BLOCKED, args, tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args[0], done.stderr[-2000:])
+    assert (tmp_path / "cmp/report.html").exists() and (tmp_path / "sw/sweep.html").exists()
