@@ -78,13 +78,19 @@ def _resolve_path(p: Any, base_dir: Path | None) -> Path:
 # ----------------------------------------------------------------------------- engine
 
 class Parallelism(StrictModel):
-    tp: int = Field(default=1, ge=1, le=1024, description="tensor-parallel degree (modelled, not run)")
+    tp: int = Field(default=1, ge=1, le=1024,
+                    description="tensor-parallel degree: weights and KV heads split per GPU, two all-reduces "
+                                "per layer (modelled, not run)")
     # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
     # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
-    dp: int = Field(default=1, ge=1, le=1024, description="data-parallel degree (modelled, not run)")
+    dp: int = Field(default=1, ge=1, le=1024,
+                    description="data-parallel degree: engine replicas sharing the router, vLLM's "
+                                "--data-parallel-size (modelled, not run)")
     # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
     # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
-    ep: int = Field(default=1, ge=1, le=2**20, description="expert-parallel degree: 1 or tp x dp")
+    ep: int = Field(default=1, ge=1, le=2**20,
+                    description="expert-parallel degree: 1, or tp x dp to spread whole MoE experts over the "
+                                "GPUs (--enable-expert-parallel)")
 
     @property
     def gpus(self) -> int:
