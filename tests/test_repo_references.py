@@ -1,6 +1,7 @@
 """The repository must not point at files outside itself: no paths into a sibling `shared/`
 checkout or a research folder, no notes that are not in the repository, and every relative
 link of a Markdown page and every `docs/*.md` a file names must exist."""
+import os
 import re
 from pathlib import Path
 
@@ -28,20 +29,22 @@ HTML_COMMENT = re.compile(r"<!--.*?-->", re.S)
 
 
 def text_files(root: Path = ROOT) -> list[Path]:
+    """The repository's text files, not descending into environments, caches or run folders."""
     out = []
-    for path in root.rglob("*"):
-        rel = path.relative_to(root)
-        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts):
-            continue
-        if not path.is_file() or path.suffix not in TEXT_SUFFIXES or rel.as_posix() in SKIP_FILES:
-            continue
-        if path.stat().st_size > 2_000_000:
-            continue
-        try:
-            path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        out.append(path)
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            path = Path(folder) / name
+            rel = path.relative_to(root).as_posix()
+            if path.suffix not in TEXT_SUFFIXES or rel in SKIP_FILES or name == ".git":
+                continue
+            if path.is_symlink() or path.stat().st_size > 2_000_000:
+                continue
+            try:
+                path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            out.append(path)
     return out
 
 
