@@ -6,7 +6,7 @@ request registered in this same step reads them already filled.
 
   torch  : the CPU path. Decode rows (one query each) share one SDPA over a padded gather
            of their blocks; each longer query (a prefill chunk) gets its own SDPA. Batched
-           gather + SDPA beats a per-sequence loop on CPU (research/TOOLCHAIN.md section 5).
+           gather + SDPA beats a per-sequence loop on CPU (docs/engine.md, "The CPU path").
   triton : engine.kernels, imported on first use (the CUDA path).
   dense  : no KV cache at all (slot_mapping is None): each sequence attends causally to its
            own new tokens. The profiling forward and the tests' unpaged oracle use it.

@@ -2,9 +2,9 @@
 
     .venv/bin/python scripts/make_whatif_plots.py [--jobs N] [--only NAME ...]
 
-Each question runs the exact `simrun` command the README shows (QUESTIONS below) into a
+Each question runs the exact `simrun` command docs/whatif.md shows (QUESTIONS below) into a
 scratch folder; a sweep's figure is then drawn from the sweep.csv that command wrote, a
-plan's is the plan.png it wrote. So the README's images always come from its commands.
+plan's is the plan.png it wrote. So the docs' images always come from their commands.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ GIB = 1 / 2**30
 class Question:
     name: str                       # docs/whatif/<name>.png
     title: str
-    argv: tuple[str, ...]           # simrun's arguments, as the README shows them
+    argv: tuple[str, ...]           # simrun's arguments, as docs/whatif.md shows them
     metrics: tuple = ()             # a sweep's panels (headline names or Metric)
     table: tuple[str, ...] = field(default=())   # sweep.csv columns for results.md
 

@@ -1,4 +1,4 @@
-"""Records -> summary, with vLLM's benchmark definitions (research/VLLM_SEMANTICS.md section 6).
+"""Records -> summary, with vLLM's benchmark definitions (docs/vllm_semantics.md section 6).
 
 TTFT = first token - arrival; E2E = last token - arrival; TPOT = (E2E - TTFT) / (output - 1),
 over requests with more than one output token; ITL = gaps between successive tokens of a

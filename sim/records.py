@@ -1,4 +1,4 @@
-"""Run records, one schema for the simulator and the engine (ARCHITECTURE.md "Records").
+"""Run records, one schema for the simulator and the engine (docs/architecture.md "Records").
 
 Steps carry times; requests carry step indices (admission, first token, finish, the runs
 of consecutive steps in which they emitted a token, the steps of prefill chunks that

@@ -38,7 +38,7 @@ class ScenarioError(ValueError):
 
 
 # Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
-# clear error rather than a MemoryError after minutes. README "Security and limits" lists them.
+# clear error rather than a MemoryError after minutes. docs/security.md lists them.
 MAX_REQUESTS = 1_000_000
 MAX_TOKENS = 2**27            # a prompt, an answer, a context (134M tokens)
 MAX_DURATION_S = 30 * 86400.0
@@ -78,13 +78,19 @@ def _resolve_path(p: Any, base_dir: Path | None) -> Path:
 # ----------------------------------------------------------------------------- engine
 
 class Parallelism(StrictModel):
-    tp: int = Field(default=1, ge=1, le=1024, description="tensor-parallel degree (modelled, not run)")
+    tp: int = Field(default=1, ge=1, le=1024,
+                    description="tensor-parallel degree: weights and KV heads split per GPU, two all-reduces "
+                                "per layer (modelled, not run)")
     # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
     # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
-    dp: int = Field(default=1, ge=1, le=1024, description="data-parallel degree (modelled, not run)")
+    dp: int = Field(default=1, ge=1, le=1024,
+                    description="data-parallel degree: engine replicas sharing the router, vLLM's "
+                                "--data-parallel-size (modelled, not run)")
     # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
     # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
-    ep: int = Field(default=1, ge=1, le=2**20, description="expert-parallel degree: 1 or tp x dp")
+    ep: int = Field(default=1, ge=1, le=2**20,
+                    description="expert-parallel degree: 1, or tp x dp to spread whole MoE experts over the "
+                                "GPUs (--enable-expert-parallel)")
 
     @property
     def gpus(self) -> int:
@@ -101,47 +107,85 @@ ASYNC_SCHEDULING_DEFAULT_FROM = (0, 14)
 
 
 class EngineConfig(StrictModel):
-    batching: Literal["continuous", "static"] = "continuous"
-    allocation: Literal["paged", "contiguous"] = "paged"
-    block_size: int = Field(default=16, ge=1, le=1024)
-    # Pool size including vLLM's null block 0; derived from device memory when unset.
-    num_blocks: Optional[int] = Field(default=None, ge=2, le=2**32)     # and checked against device memory
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    # Defaults follow vLLM's API server: 1024 / 8192 on >= 70 GiB non-A100 GPUs, else 256 / 2048.
-    max_num_seqs: Optional[int] = Field(default=None, ge=1, le=2**20)
-    max_num_batched_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
-    max_model_len: Optional[int] = Field(default=None, ge=2, le=MAX_TOKENS)
-    chunked_prefill: bool = True
-    prefix_caching: bool = True
-    preemption: Literal["recompute"] = "recompute"
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    # mixed = vLLM V1 (decodes and prefill chunks share a step); prefill_first = vLLM V0 / nano-vllm.
-    step_composition: Literal["mixed", "prefill_first"] = "mixed"
-    # Fraction of blocks kept free when admitting a waiting request (V0: 0.01, V1: 0).
-    admission_watermark: float = Field(default=0.0, ge=0, lt=1)
-    # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt's blocks fit now.
-    reserve_full_prompt: bool = True
-    # What `contiguous` reserves per request: max_model_len (the server cannot know the
-    # answer's length) or the request's own prompt + max output (an oracle baseline).
-    contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
-    # Activation memory reserved outside the KV pool; estimated from the shapes when unset.
-    activation_mib: Optional[float] = Field(default=None, ge=0, le=MAX_DEVICE_MIB)
-    # vLLM's async scheduling: step N+1 is planned while step N runs, so host work hides behind the
-    # device and a finished request's blocks and seat are freed one step late. auto = vLLM's default
-    # for vllm_version (on from 0.14) on a GPU device with continuous batching; kvtwin's own engine
-    # on the `cpu` device is synchronous. Read the resolved value as `Scenario.async_scheduling`.
-    async_scheduling: Union[bool, Literal["auto"]] = "auto"
-    # vLLM's --kv-cache-dtype: auto = the model dtype; fp8 (e4m3 / e5m2) halves a 16-bit cache.
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    # How the KV pool is sized when num_blocks is unset, on GPU devices: vllm = vLLM's own plan
-    # (torch-visible memory, profiling-run activation peak, non-torch memory, CUDA-graph estimate);
-    # simple = datasheet memory - weights - activation estimate - device.reserved_mib. The `cpu`
-    # device (the engine's CPU runs) always uses simple.
-    memory_plan: Literal["vllm", "simple"] = "vllm"
-    # The vLLM version whose memory terms apply (non-torch memory, sampler copies, graph estimate);
-    # the default is the version they were fitted on.
-    # Only major.minor matter; a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed.
-    vllm_version: str = Field(default="0.19", pattern=r"^v?\d{1,3}\.\d{1,3}([.+-][.+\w-]{0,40})?$")
+    batching: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description="continuous (vLLM) | static (HF generate: a batch runs until its last member ends)")
+    allocation: Literal["paged", "contiguous"] = Field(
+        default="paged",
+        description="paged (vLLM) | contiguous (reserve per request up front)")
+    block_size: int = Field(
+        default=16, ge=1, le=1024,
+        description="tokens per KV block (vLLM's --block-size)")
+    num_blocks: Optional[int] = Field(
+        default=None, ge=2, le=2**32,
+        description="the pool size including vLLM's null block 0 (--num-gpu-blocks-override); sized from "
+                    "memory when unset, and checked against it")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1,
+        description="the fraction of device memory vLLM may use (--gpu-memory-utilization)")
+    max_num_seqs: Optional[int] = Field(
+        default=None, ge=1, le=2**20,
+        description="sequences per step; default as vLLM's API server: 1024 on >= 70 GiB GPUs that are not "
+                    "A100s, else 256")
+    max_num_batched_tokens: Optional[int] = Field(
+        default=None, ge=1, le=MAX_TOKENS,
+        description="the token budget per step; default as vLLM's API server: 8192 on >= 70 GiB non-A100 "
+                    "GPUs, else 2048")
+    max_model_len: Optional[int] = Field(
+        default=None, ge=2, le=MAX_TOKENS,
+        description="the longest request (prompt + output); default: the model's max_position_embeddings")
+    chunked_prefill: bool = Field(
+        default=True,
+        description="split long prompts over steps (vLLM V1's default)")
+    prefix_caching: bool = Field(
+        default=True,
+        description="reuse cached blocks of identical prefixes (vLLM V1's default)")
+    preemption: Literal["recompute"] = Field(
+        default="recompute",
+        description="what a preempted request loses: recompute (the only mode vLLM V1 supports)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="fcfs | priority (workload.priorities; lower values first)")
+    step_composition: Literal["mixed", "prefill_first"] = Field(
+        default="mixed",
+        description="mixed (vLLM V1: decodes and prefill chunks share a step) | prefill_first (vLLM V0, "
+                    "nano-vllm, Vidur)")
+    admission_watermark: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="fraction of blocks kept free when admitting a waiting request (V0: 0.01, V1: 0)")
+    reserve_full_prompt: bool = Field(
+        default=True,
+        description="admit only if the blocks of the whole prompt are free now (vLLM's "
+                    "scheduler_reserve_full_isl)")
+    contiguous_reserve: Literal["max_model_len", "request"] = Field(
+        default="max_model_len",
+        description="what contiguous allocation reserves per request: max_model_len (the server cannot know"
+                    " the answer's length) | request (its own prompt + output: an oracle baseline)")
+    activation_mib: Optional[float] = Field(
+        default=None, ge=0, le=MAX_DEVICE_MIB,
+        description="activation memory outside the KV pool, MiB; estimated from the shapes when unset (the "
+                    "engine sets it from its profiling forward)")
+    # kvtwin's own engine on the `cpu` device is synchronous; read the resolved value as
+    # `Scenario.async_scheduling`.
+    async_scheduling: Union[bool, Literal["auto"]] = Field(
+        default="auto",
+        description="auto | true | false: vLLM plans step N+1 while step N runs, so host work hides and a "
+                    "finished request frees its blocks one step late; auto = vLLM's default for "
+                    "vllm_version (on from 0.14) on a GPU with continuous batching")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto",
+        description="vLLM's --kv-cache-dtype: auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2 (half the "
+                    "bytes of a 16-bit cache)")
+    memory_plan: Literal["vllm", "simple"] = Field(
+        default="vllm",
+        description="how the pool is sized without num_blocks: vllm (vLLM's own plan: torch-visible memory,"
+                    " profiling peak, non-torch memory, CUDA-graph estimate) | simple (datasheet memory - "
+                    "weights - activations - device.reserved_mib); the cpu device always uses simple")
+    vllm_version: str = Field(
+        default="0.19", pattern=r"^v?\d{1,3}\.\d{1,3}([.+-][.+\w-]{0,40})?$",
+        description="the vLLM release whose version-dependent behaviour applies (memory terms, async "
+                    "default; the default is the release the memory terms were fitted on); major.minor "
+                    "count, a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed")
 
 
 # ----------------------------------------------------------------------------- workload
@@ -149,15 +193,31 @@ class EngineConfig(StrictModel):
 class LengthDist(StrictModel):
     """A token-length distribution. An integer in YAML is shorthand for {dist: fixed, value: N}."""
 
-    dist: Literal["fixed", "uniform", "normal", "lognormal", "empirical", "sharegpt"] = "fixed"
-    value: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
-    min: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS)
-    max: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
-    mean: Optional[float] = Field(default=None, ge=1e-3, le=MAX_TOKENS)      # tokens; tinier overflows
-    std: Optional[float] = Field(default=None, ge=0, le=MAX_TOKENS)
-    values: Optional[list[int]] = Field(default=None, max_length=MAX_REQUESTS)
-    file: Optional[Path] = None
-    column: Optional[str] = None
+    dist: Literal["fixed", "uniform", "normal", "lognormal", "empirical", "sharegpt"] = Field(
+        default="fixed",
+        description="fixed (an integer is shorthand) | uniform | normal | lognormal | empirical (values or "
+                    "a file) | sharegpt (an approximation of ShareGPT after vLLM's filter)")
+    value: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS, description="fixed: the length")
+    min: Optional[int] = Field(
+        default=None, ge=0, le=MAX_TOKENS,
+        description="uniform: lowest length; others: a lower clip")
+    max: Optional[int] = Field(
+        default=None, ge=1, le=MAX_TOKENS,
+        description="uniform: highest length; others: an upper clip")
+    # a tinier mean overflows
+    mean: Optional[float] = Field(
+        default=None, ge=1e-3, le=MAX_TOKENS,
+        description="normal / lognormal: mean length in tokens")
+    std: Optional[float] = Field(
+        default=None, ge=0, le=MAX_TOKENS,
+        description="normal / lognormal: standard deviation in tokens")
+    values: Optional[list[int]] = Field(
+        default=None, max_length=MAX_REQUESTS,
+        description="empirical: lengths drawn from with replacement")
+    file: Optional[Path] = Field(
+        default=None,
+        description="empirical: a file of lengths (one a line, or a CSV with `column`)")
+    column: Optional[str] = Field(default=None, description="empirical: the CSV column holding the lengths")
 
     @model_validator(mode="before")
     @classmethod
@@ -203,25 +263,37 @@ class RampUp(StrictModel):
     """vLLM bench's --ramp-up-strategy: request i of N arrives at rate start + (end - start) i/(N-1)
     (linear) or start (end/start)^(i/(N-1)) (exponential) instead of `rate`; gaps are not rescaled."""
 
-    strategy: Literal["linear", "exponential"]
-    start_rps: float = Field(ge=1e-6, le=1e7)
-    end_rps: float = Field(ge=1e-6, le=1e7)
+    strategy: Literal["linear", "exponential"] = Field(description="linear | exponential")
+    start_rps: float = Field(ge=1e-6, le=1e7, description="the rate of the first request, req/s")
+    end_rps: float = Field(ge=1e-6, le=1e7, description="the rate of the last request, req/s")
 
 
 class Arrival(StrictModel):
     # vidur_poisson: Vidur's generator exactly (vidur/request_generator/poisson_request_interval_
     # generator.py): Python's `random` seeded with `seed` just before generating, gaps
     # -ln(1 - U) / rate capped at 3 / rate, summed from t=0 (never rescaled).
-    process: Literal["poisson", "gamma", "fixed", "offline", "vidur_poisson"] = "poisson"
-    rate: Optional[float] = Field(default=None, gt=0, le=1e7, description="requests per second")
-    # Coefficient of variation of the inter-arrival gaps for `gamma` (1 = Poisson, >1 bursty).
-    # vLLM's --burstiness b corresponds to cv = 1/sqrt(b).
-    cv: float = Field(default=1.0, ge=1e-3, le=100)      # beyond these the gamma shape over/underflows
-    # vLLM's benchmark rescales the gaps so the last of N requests arrives at exactly N/rate
-    # (only when num_requests, not duration_s, bounds the workload).
-    rescale: bool = True
-    seed: int = Field(default=42, ge=0, le=2**63 - 1, description="vidur_poisson: Python random.seed value")
-    ramp_up: Optional[RampUp] = None
+    process: Literal["poisson", "gamma", "fixed", "offline", "vidur_poisson"] = Field(
+        default="poisson",
+        description="poisson | gamma (bursty, with cv) | fixed (equal gaps) | offline (all at t=0) | "
+                    "vidur_poisson (Vidur's generator exactly)")
+    rate: Optional[float] = Field(
+        default=None, gt=0, le=1e7,
+        description="requests per second")
+    # beyond these bounds the gamma shape over/underflows
+    cv: float = Field(
+        default=1.0, ge=1e-3, le=100,
+        description="gamma: coefficient of variation of the gaps (1 = Poisson, > 1 bursty); vLLM's "
+                    "--burstiness b is cv = 1/sqrt(b)")
+    rescale: bool = Field(
+        default=True,
+        description="rescale the gaps so the last of N requests arrives at N/rate, as vLLM's benchmark does"
+                    " (with num_requests, not duration_s)")
+    seed: int = Field(
+        default=42, ge=0, le=2**63 - 1,
+        description="vidur_poisson: the Python random.seed value")
+    ramp_up: Optional[RampUp] = Field(
+        default=None,
+        description="vLLM bench's --ramp-up-strategy instead of a constant rate (see `RampUp`)")
 
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
@@ -235,27 +307,45 @@ class Arrival(StrictModel):
 class SharedPrefix(StrictModel):
     """Shared system prompts: `groups` distinct prefixes; `fraction` of requests carry one."""
 
-    groups: int = Field(default=1, ge=1, le=MAX_REQUESTS)
-    length: LengthDist = Field(default_factory=lambda: LengthDist(value=512))
-    fraction: float = Field(default=1.0, ge=0, le=1)
-    popularity: Literal["uniform", "zipf"] = "uniform"
-    zipf_s: float = Field(default=1.0, gt=0, le=100)
+    groups: int = Field(
+        default=1, ge=1, le=MAX_REQUESTS,
+        description="distinct shared prefixes (system prompts)")
+    length: LengthDist = Field(
+        default_factory=lambda: LengthDist(value=512),
+        description="each prefix's length")
+    fraction: float = Field(default=1.0, ge=0, le=1, description="share of requests that open with a prefix")
+    popularity: Literal["uniform", "zipf"] = Field(
+        default="uniform",
+        description="which prefix a request gets: uniform | zipf")
+    zipf_s: float = Field(default=1.0, gt=0, le=100, description="zipf: the exponent")
 
 
 class DynamicSegment(StrictModel):
     """A per-request segment (a timestamp, a request id) placed before or after the shared prefix."""
 
-    length: int = Field(default=8, ge=1, le=MAX_TOKENS)
-    position: Literal["first", "last"] = "last"
+    length: int = Field(
+        default=8, ge=1, le=MAX_TOKENS,
+        description="the segment's tokens (different in every request)")
+    position: Literal["first", "last"] = Field(
+        default="last",
+        description="first (before the shared prefix: it breaks the prefix cache) | last (after it)")
 
 
 class MultiTurn(StrictModel):
     """Conversations: each turn's prompt = earlier turns + previous answer + a new user message."""
 
-    turns: LengthDist = Field(default_factory=lambda: LengthDist(value=3))
-    user_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="uniform", min=32, max=256))
-    think_time_s: float = Field(default=5.0, ge=0, le=MAX_DURATION_S)
-    think_dist: Literal["fixed", "exponential"] = "exponential"
+    turns: LengthDist = Field(
+        default_factory=lambda: LengthDist(value=3),
+        description="turns per conversation")
+    user_len: LengthDist = Field(
+        default_factory=lambda: LengthDist(dist="uniform", min=32, max=256),
+        description="tokens of each new user message")
+    think_time_s: float = Field(
+        default=5.0, ge=0, le=MAX_DURATION_S,
+        description="mean pause between an answer and the next turn, s")
+    think_dist: Literal["fixed", "exponential"] = Field(
+        default="exponential",
+        description="fixed | exponential pauses")
 
     @field_validator("think_time_s")
     @classmethod
@@ -264,15 +354,20 @@ class MultiTurn(StrictModel):
 
 
 class Tenant(StrictModel):
-    name: str = Field(max_length=200)
-    share: float = Field(default=1.0, gt=0, le=1e9)
-    # A cache salt isolates this tenant's prefix-cache blocks (vLLM's cache_salt).
-    salt: bool = True
+    name: str = Field(max_length=200, description="the tenant's name (unique)")
+    share: float = Field(default=1.0, gt=0, le=1e9, description="relative share of the requests")
+    salt: bool = Field(
+        default=True,
+        description="a cache salt isolates this tenant's prefix-cache blocks (vLLM's cache_salt)")
 
 
 class Priorities(StrictModel):
-    values: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=MAX_LIST)
-    weights: Optional[list[float]] = Field(default=None, max_length=MAX_LIST)
+    values: list[int] = Field(
+        default_factory=lambda: [0], min_length=1, max_length=MAX_LIST,
+        description="priorities drawn per request (engine.scheduling_policy: priority; lower first)")
+    weights: Optional[list[float]] = Field(
+        default=None, max_length=MAX_LIST,
+        description="their relative weights (default: equal)")
 
     @model_validator(mode="after")
     def _same_length(self) -> "Priorities":
@@ -287,17 +382,23 @@ class Priorities(StrictModel):
 class PromptSegment(StrictModel):
     """Part of an explicit prompt: equal `segment` names mean equal tokens."""
 
-    segment: str = Field(max_length=200)
-    len: int = Field(ge=1, le=MAX_TOKENS)
+    segment: str = Field(max_length=200, description="the segment's name: equal names are equal tokens")
+    len: int = Field(ge=1, le=MAX_TOKENS, description="its tokens")
 
 
 class ExplicitRequest(StrictModel):
-    arrival_s: float = Field(default=0.0, ge=0, le=MAX_DURATION_S)
-    prompt_len: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)
-    prompt: Optional[list[PromptSegment]] = Field(default=None, max_length=MAX_LIST)
-    output_len: int = Field(ge=1, le=MAX_TOKENS)
-    tenant: Optional[str] = Field(default=None, max_length=200)
-    priority: int = Field(default=0, ge=-2**31, le=2**31 - 1)
+    arrival_s: float = Field(default=0.0, ge=0, le=MAX_DURATION_S, description="arrival time, s")
+    prompt_len: Optional[int] = Field(
+        default=None, ge=1, le=MAX_TOKENS,
+        description="prompt tokens (unique content); or give `prompt`")
+    prompt: Optional[list[PromptSegment]] = Field(
+        default=None, max_length=MAX_LIST,
+        description="the prompt as named segments (see `PromptSegment`)")
+    output_len: int = Field(ge=1, le=MAX_TOKENS, description="tokens to generate")
+    tenant: Optional[str] = Field(default=None, max_length=200, description="a tenant of workload.tenants")
+    priority: int = Field(
+        default=0, ge=-2**31, le=2**31 - 1,
+        description="priority (engine.scheduling_policy: priority)")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "ExplicitRequest":
@@ -310,18 +411,33 @@ TRACE_FIELDS = ("arrival", "prompt", "prompt_len", "output_len", "tenant", "prio
 
 
 class Trace(StrictModel):
-    format: Literal["azure", "mooncake", "burstgpt", "jsonl", "csv"]
-    path: Path
-    # jsonl/csv: our field -> the file's key or column, e.g. {arrival: arrival_time_ns, prompt_len: input_toks}
-    fields: Optional[dict[str, str]] = Field(default=None, max_length=16)
-    # Unit of the arrival times (jsonl, csv, burstgpt: s by default; mooncake: ms; azure has dates).
-    time_unit: Optional[Literal["s", "ms", "us", "ns"]] = None
-    time_scale: float = Field(default=1.0, ge=1e-6, le=1e9, description="replay at k x speed")
-    window_s: Optional[tuple[float, float]] = None
-    sample: Optional[float] = Field(default=None, gt=0, le=1, description="keep this fraction")
-    max_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
-    # Mooncake: tokens per hash id block.
-    hash_block_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS)
+    format: Literal["azure", "mooncake", "burstgpt", "jsonl", "csv"] = Field(
+        description="azure (Azure LLM inference CSV) | mooncake (JSONL with hash_ids) | burstgpt (CSV) | "
+                    "jsonl | csv (your own log, with `fields`)")
+    path: Path = Field(description="the trace file, plain or gzip'd; relative to the scenario file")
+    fields: Optional[dict[str, str]] = Field(
+        default=None, max_length=16,
+        description="jsonl / csv: kvtwin's field -> your key or column, e.g. {arrival: arrival_time_ns, "
+                    "prompt_len: input_toks}")
+    time_unit: Optional[Literal["s", "ms", "us", "ns"]] = Field(
+        default=None,
+        description="unit of the arrival numbers: s | ms | us | ns (jsonl, csv, burstgpt: s; mooncake: ms; "
+                    "azure has dates)")
+    time_scale: float = Field(
+        default=1.0, ge=1e-6, le=1e9,
+        description="replay at k x speed")
+    window_s: Optional[tuple[float, float]] = Field(
+        default=None,
+        description="[start, end] of the trace to replay, s from its first arrival")
+    sample: Optional[float] = Field(
+        default=None, gt=0, le=1,
+        description="keep this fraction of the requests")
+    max_requests: Optional[int] = Field(
+        default=None, ge=1, le=MAX_REQUESTS,
+        description="replay at most this many requests")
+    hash_block_tokens: int = Field(
+        default=512, ge=1, le=MAX_TOKENS,
+        description="mooncake: tokens per hash id block")
 
     @model_validator(mode="after")
     def _fields_and_unit(self) -> "Trace":
@@ -359,17 +475,35 @@ class Dataset(StrictModel):
               lines making a prefix of about prefix_len tokens shared by every request.
     """
 
-    format: Literal["sharegpt", "text", "random", "sonnet"]
-    path: Optional[Path] = None
-    # tokenizer.json (the `tokenizers` package) or a transformers folder; sharegpt/text/sonnet need one
-    tokenizer: Optional[Path] = None
-    turns: Literal["first", "all"] = "first"
-    filter: bool = True                       # sharegpt: vLLM's length filter (drops <4, >1024, sum >2048)
-    think_time_s: float = Field(default=0.0, ge=0)     # sharegpt all turns: pause before a follow-up
-    input_len: int = Field(default=1024, ge=1)         # random / sonnet
-    output_len: Optional[int] = Field(default=None, ge=1)   # random (128) / sonnet (150); sharegpt override
-    range_ratio: float = Field(default=0.0, ge=0, lt=1)
-    prefix_len: int = Field(default=0, ge=0)
+    format: Literal["sharegpt", "text", "random", "sonnet"] = Field(
+        description="sharegpt | text (one prompt a line) | random | sonnet, as vllm bench serve builds them")
+    path: Optional[Path] = Field(default=None, description="the data set's file (not for random)")
+    tokenizer: Optional[Path] = Field(
+        default=None,
+        description="a tokenizer.json (the `tokenizers` package) or a transformers folder (sharegpt, text "
+                    "and sonnet need one)")
+    turns: Literal["first", "all"] = Field(
+        default="first",
+        description="sharegpt: first (vLLM's: the first message and its answer's length) | all (whole "
+                    "conversations, turn by turn)")
+    filter: bool = Field(
+        default=True,
+        description="sharegpt: vLLM's length filter (drops prompts or outputs < 4 tokens, prompts > 1024, "
+                    "pairs > 2048)")
+    think_time_s: float = Field(
+        default=0.0, ge=0,
+        description="sharegpt with turns: all: the pause before a follow-up, s")
+    input_len: int = Field(default=1024, ge=1, description="random / sonnet: input tokens")
+    output_len: Optional[int] = Field(
+        default=None, ge=1,
+        description="random (default 128) / sonnet (150): output tokens; sharegpt: overrides the answers' "
+                    "lengths")
+    range_ratio: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="random: lengths uniform in [L(1 - r), L(1 + r)]")
+    prefix_len: int = Field(
+        default=0, ge=0,
+        description="random / sonnet: tokens every request shares at its start")
 
     @model_validator(mode="after")
     def _needs(self) -> "Dataset":
@@ -389,27 +523,53 @@ DATASET_REPLACES = {"prompt_len", "length_correlation", "shared_prefix", "dynami
 
 
 class Workload(StrictModel):
-    num_requests: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
-    duration_s: Optional[float] = Field(default=None, gt=0, le=MAX_DURATION_S)
-    # The first N requests warm the engine; steady-state figures exclude them.
-    warmup_requests: int = Field(default=0, ge=0, le=MAX_REQUESTS)
-    # A closed-loop client (vLLM bench's --max-concurrency): at most this many requests in
-    # flight; a request due while the client is full is sent when one finishes (its TTFT
-    # counts from then, as vLLM's does).
-    max_concurrency: Optional[int] = Field(default=None, ge=1, le=MAX_REQUESTS)
-    arrival: Arrival = Field(default_factory=lambda: Arrival(process="offline"))
-    prompt_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
-    output_len: LengthDist = Field(default_factory=lambda: LengthDist(dist="sharegpt"))
-    # Rank correlation between prompt and output lengths (Gaussian copula); 0 = independent.
-    length_correlation: float = Field(default=0.0, ge=-1, le=1)
-    shared_prefix: Optional[SharedPrefix] = None
-    dynamic_segment: Optional[DynamicSegment] = None
-    multi_turn: Optional[MultiTurn] = None
-    tenants: Optional[list[Tenant]] = Field(default=None, max_length=MAX_LIST)
-    priorities: Optional[Priorities] = None
-    requests: Optional[list[ExplicitRequest]] = Field(default=None, max_length=MAX_REQUESTS)
-    trace: Optional[Trace] = None
-    dataset: Optional[Dataset] = None
+    num_requests: Optional[int] = Field(
+        default=None, ge=1, le=MAX_REQUESTS,
+        description="requests to send (default 100 when neither this nor duration_s is set)")
+    duration_s: Optional[float] = Field(
+        default=None, gt=0, le=MAX_DURATION_S,
+        description="or: send for this long, s")
+    warmup_requests: int = Field(
+        default=0, ge=0, le=MAX_REQUESTS,
+        description="the first N requests warm the engine and are left out of every figure")
+    max_concurrency: Optional[int] = Field(
+        default=None, ge=1, le=MAX_REQUESTS,
+        description="a closed-loop client (vLLM bench's --max-concurrency): at most this many in flight; a "
+                    "request due while it is full is sent when one finishes, its TTFT counted from then")
+    arrival: Arrival = Field(
+        default_factory=lambda: Arrival(process="offline"),
+        description="the arrival process (see `Arrival`)")
+    prompt_len: LengthDist = Field(
+        default_factory=lambda: LengthDist(dist="sharegpt"),
+        description="each request's own prompt tokens (a shared prefix and a dynamic segment come on top)")
+    output_len: LengthDist = Field(
+        default_factory=lambda: LengthDist(dist="sharegpt"),
+        description="tokens to generate per request (scripted, as a benchmark with ignore_eos)")
+    length_correlation: float = Field(
+        default=0.0, ge=-1, le=1,
+        description="rank correlation of prompt and output lengths (Gaussian copula); 0 = independent")
+    shared_prefix: Optional[SharedPrefix] = Field(
+        default=None,
+        description="shared system prompts (see `SharedPrefix`)")
+    dynamic_segment: Optional[DynamicSegment] = Field(
+        default=None,
+        description="a per-request segment (a timestamp) before or after the shared prefix")
+    multi_turn: Optional[MultiTurn] = Field(
+        default=None,
+        description="conversations: each turn's prompt is the conversation so far plus a new message")
+    tenants: Optional[list[Tenant]] = Field(
+        default=None, max_length=MAX_LIST,
+        description="tenants sharing the traffic, e.g. [{name: a, share: 0.5, salt: true}]")
+    priorities: Optional[Priorities] = Field(
+        default=None,
+        description="request priorities (see `Priorities`)")
+    requests: Optional[list[ExplicitRequest]] = Field(
+        default=None, max_length=MAX_REQUESTS,
+        description="explicit requests instead of a synthetic workload")
+    trace: Optional[Trace] = Field(default=None, description="replay a recorded trace instead (see `Trace`)")
+    dataset: Optional[Dataset] = Field(
+        default=None,
+        description="prompts from a data set instead, as vllm bench serve --dataset-name builds them")
 
     @model_validator(mode="after")
     def _sources(self) -> "Workload":
@@ -457,34 +617,59 @@ class Workload(StrictModel):
 class Slo(StrictModel):
     """Per-request targets; goodput counts requests meeting every target that is set."""
 
-    ttft_s: Optional[float] = Field(default=None, gt=0)
-    tpot_s: Optional[float] = Field(default=None, gt=0)
-    e2e_s: Optional[float] = Field(default=None, gt=0)
+    ttft_s: Optional[float] = Field(
+        default=None, gt=0,
+        description="time to first token target per request, s")
+    tpot_s: Optional[float] = Field(
+        default=None, gt=0,
+        description="time per output token target per request, s")
+    e2e_s: Optional[float] = Field(default=None, gt=0, description="end-to-end latency target per request, s")
 
 
 class Cluster(StrictModel):
-    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
-    router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware"] = "round_robin"
-    # prefix_aware: a replica may take at most this many times the mean outstanding tokens.
-    load_bound: float = Field(default=1.5, ge=1.0)
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="engine replicas behind the router")
+    router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware"] = Field(
+        default="round_robin",
+        description="round_robin | least_outstanding_tokens | prefix_aware")
+    load_bound: float = Field(
+        default=1.5, ge=1.0,
+        description="prefix_aware: a replica may take at most this many times the mean outstanding tokens")
 
 
 class Scenario(StrictModel):
-    name: str = Field(default="scenario", max_length=200)
-    description: str = Field(default="", max_length=10_000)
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)
-    model: ModelSpec
-    device: DeviceSpec
-    parallelism: Parallelism = Field(default_factory=Parallelism)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    workload: Workload = Field(default_factory=Workload)
-    slo: Slo = Field(default_factory=Slo)
-    cluster: Cluster = Field(default_factory=Cluster)
-    # Where device step times come from: the roofline over datasheet peaks, or measured operator
-    # tables (aiconfigurator-core, the `tables` extra). A calibrated device.profile tunes either.
-    step_times: Literal["datasheet", "tables"] = "datasheet"
-    # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
-    variants: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_VARIANTS)
+    name: str = Field(
+        default="scenario", max_length=200,
+        description="the scenario's name (the default output folder is runs/<file name>)")
+    description: str = Field(default="", max_length=10_000, description="free text, kept in the manifest")
+    seed: int = Field(
+        default=0, ge=0, le=2**63 - 1,
+        description="same scenario + seed = identical predictions, bit for bit")
+    model: ModelSpec = Field(
+        description="a catalog name (llama-3.1-8b), {base: NAME, field: value, ...}, {hf_config: "
+                    "path/to/config.json}, or every shape field (see `ModelSpec`)")
+    device: DeviceSpec = Field(
+        description="a catalog name (l4), {base: NAME, memory_mib: ..., profile: calibrated.yaml}, or every"
+                    " figure (see `DeviceSpec`)")
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism,
+        description="tensor, data and expert parallelism (modelled, not run)")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="the serving engine's settings, as vLLM's flags (see `EngineConfig`)")
+    workload: Workload = Field(default_factory=Workload, description="the traffic (see `Workload`)")
+    slo: Slo = Field(
+        default_factory=Slo,
+        description="per-request targets; goodput and SLO attainment count requests meeting every one set")
+    cluster: Cluster = Field(default_factory=Cluster, description="replicas and the router")
+    step_times: Literal["datasheet", "tables"] = Field(
+        default="datasheet",
+        description="where device step times come from: datasheet (the roofline over catalog peaks) | "
+                    "tables (measured operator latencies, the `tables` extra); a calibrated device.profile "
+                    "tunes either")
+    variants: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, max_length=MAX_VARIANTS,
+        description="name -> a partial scenario merged over this one (nested keys, e.g. {engine: "
+                    "{batching: static}}); each runs, with one comparison table and overlaid plots")
 
     @field_validator("variants")
     @classmethod

@@ -1,6 +1,6 @@
 """Trace loaders: recorded request logs -> Requests, every excluded row counted in `notes`.
 
-Formats (shared/traces/README.md describes the public files):
+Formats (docs/scenarios.md, "Public traces", lists the public files):
   azure     CSV   TIMESTAMP ('YYYY-MM-DD HH:MM:SS.fffffff'), ContextTokens, GeneratedTokens
   mooncake  JSONL {"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}; one
                   hash id per `hash_block_tokens` input tokens, chained, so equal leading ids

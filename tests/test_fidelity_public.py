@@ -1,4 +1,4 @@
-"""Fidelity regression on public measured vLLM runs (validate/fidelity.py; README "Fidelity on public
+"""Fidelity regression on public measured vLLM runs (validate/fidelity.py; docs/validation.md "Fidelity on public
 vLLM runs"): today's simulator must reproduce each recorded error (datasheet, operator tables,
 calibrated on the deployment's other runs) within its band. A change in the model that moves an
 error shows here, in either direction; rerun `python -m validate.fidelity` to record a new table."""

@@ -1,4 +1,4 @@
-"""The import directions of README's "Where things live": core <- simulation <- output/whatif <- cli,
+"""The import directions of docs/architecture.md's "Layers": core <- simulation <- output/whatif <- cli,
 and the engine's model side on core only. Checked statically (every import, lazy ones included)
 and, for `sim.core`, by what importing it actually loads."""
 from __future__ import annotations

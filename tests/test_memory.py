@@ -1,4 +1,4 @@
-"""KV memory arithmetic: every worked number of PRIMER.md, and vLLM's sizing rules."""
+"""KV memory arithmetic: every worked number of docs/primer.md, and vLLM's sizing rules."""
 import pytest
 
 from sim.core.catalog import MIB, get_model
@@ -30,7 +30,7 @@ def test_qwen25_05b_bytes_per_token():
 
 
 @pytest.mark.parametrize("name, per_token", [
-    ("llama-3.1-8b", 131_072),       # VLLM_SEMANTICS.md: 128 KiB per token
+    ("llama-3.1-8b", 131_072),       # docs/vllm_semantics.md section 1: 128 KiB per token
     ("qwen3-0.6b", 112 * 1024),
     ("llama-2-7b", 512 * 1024),
 ])

@@ -180,5 +180,5 @@ def test_triton_backend_matches_torch_backend(pair):
         (decode,) = paged_step(ours, [([3, 8, 5], 20, prompt[20:])])
     finally:
         ours.attention_backend = "torch"
-    # The kernels' own tolerance against the reference is 2e-4 in fp32 (research/TOOLCHAIN.md).
+    # The kernels' own tolerance against the reference is 2e-4 in fp32 (docs/engine.md, "The CPU path").
     torch.testing.assert_close(torch.cat([first, decode]), want, atol=5e-4, rtol=5e-4)

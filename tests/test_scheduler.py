@@ -194,7 +194,7 @@ def test_budget_and_seq_limits_hold_and_no_request_is_lost(lens, num_blocks, blo
 
 def test_slack_counts_unfilled_slots_of_running_requests():
     s = make(caching=False)
-    for i, n in enumerate([35, 17, 64]):            # PRIMER.md: 13 + 15 + 0 unused slots
+    for i, n in enumerate([35, 17, 64]):            # docs/primer.md: 13 + 15 + 0 unused slots
         s.add(make_request(i, 0.0, [(i, n)], 1))
     s.schedule()
     assert s.kv.num_used_blocks == 9 and s.slack_tokens == 28

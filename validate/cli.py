@@ -32,7 +32,7 @@ def validate_main(argv: list[str]) -> int:
     p.add_argument("--offline", action="store_true", help="release every request at t=0")
     p.add_argument("--cold", action="store_true",
                    help="no kernel warm-up before the measured run (a cold start)")
-    p.add_argument("--tolerances", help="'gpu' for the H200 targets (see README, Validation), or a YAML file of "
+    p.add_argument("--tolerances", help="'gpu' for the H200 targets (see docs/validation.md), or a YAML file of "
                                         "{metric row: relative tolerance}")
     args = p.parse_args(argv)
     require("simrun validate", "torch")

@@ -26,7 +26,7 @@ METRICS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # Relative tolerance per row: the accuracy kvtwin's predictions are held to against the engine on
-# an H200 (README, "Running the validation on a GPU"). Rows not listed have none.
+# an H200 (docs/validation.md, "Running the validation on a GPU"). Rows not listed have none.
 GPU_TARGETS = {
     "request throughput (req/s)": 0.05,
     "TTFT p50 (s)": 0.10, "TPOT p50 (s)": 0.10,

@@ -11,7 +11,7 @@ The KV pool is vLLM's: the startup log's num_gpu_blocks where the source gives i
 `vllm_memory_plan`. Each run replays its own workload: `completed` requests of the mean input and
 output length, all sent at t=0 (`request_rate: inf`).
 
-    python -m validate.fidelity --out reports/fidelity      # writes table.csv, profiles/, README rows
+    python -m validate.fidelity --out reports/fidelity      # writes table.csv, profiles/, docs/validation.md rows
 """
 from __future__ import annotations
 

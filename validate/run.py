@@ -69,7 +69,7 @@ def validate(scenario, device: str = "cpu", profile: Optional[Path] = None, onli
 
 
 def write_validation(v: Validation, out: Path, title: Optional[str] = None) -> dict[str, Path]:
-    from sim.output.report import plot_run_figures, write_html_report
+    from sim.output.report import plot_run_figures
 
     out = Path(out)
     files = {f"predicted_{k}": p for k, p in write_run(v.predicted, out / "predicted", report=False).items()}
@@ -84,11 +84,21 @@ def write_validation(v: Validation, out: Path, title: Optional[str] = None) -> d
     figures["step_scatter"] = plot_step_scatter(v.steps, out / "step_scatter.png")
     figures["errors"] = plot_relative_errors(v.table, out / "errors.png")
     files.update(figures)
-    step_table = pd.DataFrame(v.step_errors).T
-    files["report"] = write_html_report(
+    files["report"] = write_validation_page(
         out / "report.html", title or f"kvtwin validation: {v.predicted.scenario.name}", views, figures,
-        {"predicted": v.predicted.manifest, "measured": v.measured.manifest}, setup=v.predicted.manifest,
-        extra_tables=[("Predicted vs measured", v.table),
-                      ("Step time: cost model vs measured steps", step_table)])
+        v.table, v.step_errors, v.predicted.manifest, v.measured.manifest)
     v.files = files
     return files
+
+
+def write_validation_page(path: Path, title: str, views: dict, figures: dict[str, Path], table: pd.DataFrame,
+                          step_errors: dict, predicted_manifest: dict, measured_manifest: dict) -> Path:
+    """report.html of a validation: the two runs' summaries, the comparison, the step-time errors,
+    the figures already drawn. scripts/make_report_pages.py rebuilds committed ones from their files."""
+    from sim.output.pages import write_html_report
+
+    return write_html_report(
+        path, title, views, figures, {"predicted": predicted_manifest, "measured": measured_manifest},
+        setup=predicted_manifest,
+        extra_tables=[("Predicted vs measured", table),
+                      ("Step time: cost model vs measured steps", pd.DataFrame(step_errors).T)])

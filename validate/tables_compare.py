@@ -5,7 +5,7 @@ and a prefill grid (chunk sizes) is priced both ways. The roofline's compute and
 that best match the tables (least squares on log time, decode and prefill together) give the
 re-derived default efficiencies: flops_eff / attn_flops_eff and bw_eff / attn_bw_eff.
 
-    python -m validate.tables_compare            # prints the README's table
+    python -m validate.tables_compare            # prints docs/validation.md's table
 """
 from __future__ import annotations
 

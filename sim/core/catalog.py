@@ -38,15 +38,29 @@ class WeightQuant(StrictModel):
     mxfp4 (gpt-oss) holds 4-bit weights plus one byte of shared exponent per 32.
     """
 
-    method: Literal["fp8", "int8", "awq", "gptq", "mxfp4"]
-    scales: Literal["tensor", "channel", "block", "group"] = "channel"
-    group_size: Optional[int] = Field(default=None, gt=0, le=2**20)          # int4 / mxfp4 groups along the input
-    block: Optional[tuple[int, int]] = None                         # fp8 block scales [out, in]
-    zero_point: bool = False                                        # int4 asymmetric (AWQ, GPTQ sym=false)
-    act_order: bool = False                                         # GPTQ desc_act: an int32 g_idx per input
-    # W8A8 runs the GEMM on the fp8 / int8 tensor cores; False = weight-only (dequantized to 16 bits).
-    quantized_activations: bool = True
-    experts_only: bool = False                                      # only the MoE experts (gpt-oss mxfp4)
+    method: Literal["fp8", "int8", "awq", "gptq", "mxfp4"] = Field(
+        description="the checkpoint's format: fp8 | int8 (one byte a weight) | awq | gptq (4-bit, group "
+                    "scales) | mxfp4 (gpt-oss)")
+    scales: Literal["tensor", "channel", "block", "group"] = Field(
+        default="channel",
+        description="what one scale covers: a tensor, an output channel, a `block`, or `group_size` inputs")
+    group_size: Optional[int] = Field(
+        default=None, gt=0, le=2**20,
+        description="inputs per scale for group scales (AWQ / GPTQ default 128, mxfp4 32)")
+    block: Optional[tuple[int, int]] = Field(
+        default=None,
+        description="fp8 block scales' tile [out, in], e.g. [128, 128]")
+    zero_point: bool = Field(
+        default=False,
+        description="int4 asymmetric: a 4-bit zero point per group (AWQ's default; GPTQ sym=false)")
+    act_order: bool = Field(default=False, description="GPTQ desc_act: an int32 g_idx per input")
+    quantized_activations: bool = Field(
+        default=True,
+        description="W8A8: GEMMs on the fp8 / int8 tensor cores; false = weight-only (dequantized to 16 "
+                    "bits, at 0.8 x the 16-bit peak)")
+    experts_only: bool = Field(
+        default=False,
+        description="only the MoE experts are quantized (gpt-oss's mxfp4)")
 
     @model_validator(mode="before")
     @classmethod
@@ -100,41 +114,67 @@ AttentionKind = Literal["full_attention", "sliding_attention"]
 
 
 class ModelSpec(StrictModel):
-    name: str = "custom"
-    hf_id: Optional[str] = None
-    # The decoder variant the engine builds (attention block); MoE, sliding windows and quantized
-    # weights are the separate fields below, modelled by the simulator.
-    architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
+    name: str = Field(default="custom", description="the model's name (a catalog entry's, or your own)")
+    hf_id: Optional[str] = Field(
+        default=None,
+        description="the Hugging Face id a catalog entry stands for (`simrun from-vllm` matches it)")
+    architecture: Literal["llama", "qwen2", "qwen3"] = Field(
+        default="llama",
+        description="the decoder variant the engine builds: llama | qwen2 (QKV bias) | qwen3 (q/k norm); "
+                    "MoE, sliding windows and quantized weights are the fields below")
     # Upper bounds far above any real model: they keep products (KV bytes, FLOPs) in range.
-    num_layers: int = Field(gt=0, le=4096)
-    hidden_size: int = Field(gt=0, le=2**20)
-    num_heads: int = Field(gt=0, le=2**14)
-    num_kv_heads: int = Field(gt=0, le=2**14)
-    head_dim: int = Field(gt=0, le=2**14)
-    intermediate_size: int = Field(gt=0, le=2**22)
-    vocab_size: int = Field(gt=0, le=2**24)
-    max_position_embeddings: int = Field(default=4096, gt=0, le=2**27)
-    rope_theta: float = Field(default=10000.0, gt=0)
-    rope_scaling: Optional[dict[str, Any]] = None     # free-form: bounded by _bounded_rope_scaling
-    rms_norm_eps: float = Field(default=1e-6, gt=0)
-    tie_word_embeddings: bool = False
-    dtype: Dtype = "bfloat16"
-    # A local Hugging Face folder (config.json + *.safetensors) for the engine; random weights when unset.
-    weights: Optional[Path] = None
-    # Quantized linear weights; None = every weight in `dtype`.
-    quantization: Optional[WeightQuant] = None
-    # Sliding-window attention: the window in tokens, and which layers use it (all when
-    # layer_types is unset, as Mistral v0.1; Gemma-2/3 and gpt-oss interleave local and global).
-    sliding_window: Optional[int] = Field(default=None, gt=0, le=2**27)
-    layer_types: Optional[list[AttentionKind]] = Field(default=None, max_length=4096)
-    # Mixture of experts: 0 experts = a dense SwiGLU MLP of intermediate_size in every layer.
-    num_experts: int = Field(default=0, ge=0, le=2**16)
-    num_experts_per_tok: int = Field(default=0, ge=0, le=2**16)
-    moe_intermediate_size: Optional[int] = Field(default=None, gt=0, le=2**22)
-    # Always-active shared experts (Qwen2-MoE, DeepSeek-style), their total intermediate size.
-    shared_expert_intermediate_size: int = Field(default=0, ge=0, le=2**22)
-    # Biases on the attention projections and experts (gpt-oss); counted in the parameters.
-    attention_bias: bool = False
+    num_layers: int = Field(gt=0, le=4096, description="decoder layers")
+    hidden_size: int = Field(gt=0, le=2**20, description="model width")
+    num_heads: int = Field(gt=0, le=2**14, description="attention (query) heads")
+    num_kv_heads: int = Field(
+        gt=0, le=2**14,
+        description="KV heads (GQA); split over tp, at least one per GPU")
+    head_dim: int = Field(gt=0, le=2**14, description="dimension of one head")
+    intermediate_size: int = Field(gt=0, le=2**22, description="the dense SwiGLU MLP's width")
+    vocab_size: int = Field(gt=0, le=2**24, description="vocabulary size (the LM head's rows)")
+    max_position_embeddings: int = Field(
+        default=4096, gt=0, le=2**27,
+        description="the model's context length: max_model_len's default")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base")
+    # free-form: bounded by _bounded_rope_scaling
+    rope_scaling: Optional[dict[str, Any]] = Field(
+        default=None,
+        description="Hugging Face rope_scaling (llama3, yarn, linear, dynamic, longrope); yarn / linear / "
+                    "dynamic stretch the context as vLLM derives max_model_len")
+    rms_norm_eps: float = Field(default=1e-6, gt=0, description="RMSNorm epsilon")
+    tie_word_embeddings: bool = Field(default=False, description="the LM head shares the embedding matrix")
+    dtype: Dtype = Field(
+        default="bfloat16",
+        description="weights' and activations' dtype: float32 | float16 | bfloat16")
+    weights: Optional[Path] = Field(
+        default=None,
+        description="a local Hugging Face folder (config.json + *.safetensors) for the engine; random "
+                    "weights when unset")
+    quantization: Optional[WeightQuant] = Field(
+        default=None,
+        description="quantized linear weights (see `WeightQuant`); null = every weight in `dtype`")
+    sliding_window: Optional[int] = Field(
+        default=None, gt=0, le=2**27,
+        description="sliding-window attention: the window in tokens (null = full attention everywhere)")
+    layer_types: Optional[list[AttentionKind]] = Field(
+        default=None, max_length=4096,
+        description="which layers use the window (full_attention | sliding_attention per layer); unset = "
+                    "every layer (Mistral v0.1); Gemma-2/3 and gpt-oss interleave")
+    num_experts: int = Field(
+        default=0, ge=0, le=2**16,
+        description="mixture of experts: routed experts per MoE layer; 0 = a dense MLP of intermediate_size")
+    num_experts_per_tok: int = Field(
+        default=0, ge=0, le=2**16,
+        description="experts each token is routed to (top-k)")
+    moe_intermediate_size: Optional[int] = Field(
+        default=None, gt=0, le=2**22,
+        description="one expert's FFN width")
+    shared_expert_intermediate_size: int = Field(
+        default=0, ge=0, le=2**22,
+        description="always-active shared experts' total width (Qwen2-MoE, DeepSeek-style); 0 = none")
+    attention_bias: bool = Field(
+        default=False,
+        description="biases on the attention projections and experts (gpt-oss), counted in the parameters")
 
     @field_validator("rope_scaling")
     @classmethod
@@ -272,22 +312,34 @@ class ModelSpec(StrictModel):
 
 
 class DeviceSpec(StrictModel):
-    name: str = "custom"
-    full_name: Optional[str] = None
-    memory_mib: float = Field(gt=0, le=MAX_DEVICE_MIB)
-    bf16_tflops: float = Field(gt=0)
-    # Dense fp8 / int8 tensor-core peaks; None where the part has no such tensor cores (fp8 before
-    # Ada/Hopper/CDNA3), and quantized GEMMs then run weight-only at the 16-bit peak, as vLLM's Marlin does.
-    fp8_tflops: Optional[float] = Field(default=None, gt=0)
-    int8_tops: Optional[float] = Field(default=None, gt=0)
-    hbm_gbps: float = Field(gt=0)
-    link_gbps: float = Field(default=32.0, gt=0)
-    link_latency_us: float = Field(default=10.0, ge=0)
-    reserved_mib: float = Field(default=0.0, ge=0, le=MAX_DEVICE_MIB)
-    cost_per_hour: Optional[float] = Field(default=None, ge=0)
-    source: Optional[str] = None      # the datasheet the figures come from
-    # A calibrated cost-model profile (validate/calibrate.py writes it); datasheet defaults when unset.
-    profile: Optional[Path] = None
+    name: str = Field(default="custom", description="the device's name (a catalog entry's, or your own)")
+    full_name: Optional[str] = Field(default=None, description="the product's full name")
+    memory_mib: float = Field(gt=0, le=MAX_DEVICE_MIB, description="device memory (datasheet), MiB")
+    bf16_tflops: float = Field(gt=0, description="dense bf16 tensor-core peak, TFLOP/s")
+    fp8_tflops: Optional[float] = Field(
+        default=None, gt=0,
+        description="dense fp8 tensor-core peak, TFLOP/s; null where the part has none (before "
+                    "Ada/Hopper/CDNA3): quantized GEMMs then run weight-only at the 16-bit peak, as vLLM's "
+                    "Marlin does")
+    int8_tops: Optional[float] = Field(
+        default=None, gt=0,
+        description="dense int8 tensor-core peak, TOP/s; null where the part has none")
+    hbm_gbps: float = Field(gt=0, description="memory bandwidth, GB/s")
+    link_gbps: float = Field(
+        default=32.0, gt=0,
+        description="GPU-to-GPU bandwidth for tp / dp / ep collectives, GB/s")
+    link_latency_us: float = Field(default=10.0, ge=0, description="latency of one collective hop, µs")
+    reserved_mib: float = Field(
+        default=0.0, ge=0, le=MAX_DEVICE_MIB,
+        description="memory the simple memory plan keeps back (driver, runtime), MiB")
+    cost_per_hour: Optional[float] = Field(
+        default=None, ge=0,
+        description="an illustrative price per GPU-hour in $ (`simrun plan --cost` overrides it)")
+    source: Optional[str] = Field(default=None, description="the datasheet the figures come from (a URL)")
+    profile: Optional[Path] = Field(
+        default=None,
+        description="a calibrated cost-model profile YAML (`simrun calibrate` writes one); datasheet "
+                    "defaults when unset")
 
     @property
     def memory_bytes(self) -> int:

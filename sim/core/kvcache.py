@@ -4,7 +4,7 @@ Mechanism (`BlockPool`): reference counts, a free queue in LRU order, the hash -
 map. Policy (`KVCacheManager`): how many blocks a request gets this step, which cached
 blocks it hits. No notion of time; the scheduler calls these between steps.
 
-vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
+vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
 - block 0 is the null block, never handed out;
 - only full blocks are hashed; a hash chains the parent's hash with the block's tokens;
 - hashes are registered when slots are allocated (schedule time), not after the step;

@@ -3,7 +3,7 @@
 The scheduler owns no clock. A driver (the SimPy simulator, or the engine in wall-clock
 time) calls `add`, `schedule` and `finish_step`; steps are counted, never timed.
 
-Continuous, `mixed` composition (vLLM V1, research/VLLM_SEMANTICS.md section 4):
+Continuous, `mixed` composition (vLLM V1, docs/vllm_semantics.md section 4):
 RUNNING requests first, in admission order, each taking what it still needs (1 token for
 a decode, the rest of a prompt chunked to the budget); when a block cannot be had, the
 last-admitted (FCFS) or lowest-priority (PRIORITY) running request is preempted and will
@@ -11,7 +11,7 @@ be recomputed. Then, if nothing was preempted, WAITING requests are admitted hea
 until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
 `prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
 be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
-`static` (HF `generate`, research/VLLM_SEMANTICS.md section 5): a batch is formed only
+`static` (HF `generate`, docs/vllm_semantics.md section 5): a batch is formed only
 when none is running, its prompts computed in one padded forward (no token budget, no
 chunks), and it runs until its last member finishes. Every step computes all B rows, padded
 to the longest prompt: a finished member's row keeps being computed (`Batch.pad_rows`).

@@ -18,7 +18,7 @@ STEP_FILE_KINDS = ("aggregated", "full")
 
 def write_data_files(result: RunResult, out_dir: Path, steps: str = "aggregated") -> dict[str, Path]:
     """summary.json, requests.csv, steps.csv, manifest.json. steps.csv has a row per record (a leap of
-    K decode steps is one row, with K in `steps`: README "Outputs") or with `steps="full"` a row per step."""
+    K decode steps is one row, with K in `steps`: docs/outputs.md) or with `steps="full"` a row per step."""
     out_dir = Path(out_dir)
     if steps not in STEP_FILE_KINDS:
         raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")

@@ -8,7 +8,7 @@ compare, validate, and every HTML page.
 - memory in GiB ("0.93 GiB");
 - counts with thousands separators ("13,213"); other numbers to 3-4 significant digits.
 
-Files keep machine units (summary.json: seconds, fractions, bytes; see README "Outputs"); only
+Files keep machine units (summary.json: seconds, fractions, bytes; see docs/outputs.md); only
 what is displayed goes through here. No pandas at import (the CLI's help must stay light).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ vLLM spellings accepted: `--flag value`, `--flag=value`, underscores for dashes
 (`--max_model_len`), `--no-flag` for booleans, `--config FILE.yaml` (its keys are flag names;
 the command line wins), and the prefixes `vllm serve` or `python -m vllm.entrypoints.openai.api_server`.
 The flag names and defaults follow vLLM's engine arguments (docs.vllm.ai, "Engine Arguments",
-v0.8-v0.11 and main as of 2026); see VLLM_SEMANTICS.md for the defaults kvtwin copies.
+v0.8-v0.11 and main as of 2026); see docs/vllm_semantics.md for the defaults kvtwin copies.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _quantization(text: str) -> dict:
 
 @dataclass(frozen=True)
 class Modelled:
-    """A vLLM flag kvtwin models: where its value goes and vLLM's default (for the README)."""
+    """A vLLM flag kvtwin models: where its value goes and vLLM's default (for docs/live_endpoints.md)."""
 
     flag: str                    # canonical long name
     field: str                   # scenario path, dotted
@@ -437,10 +437,10 @@ def _scenario_name(model: Any) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).lower() or "vllm"
 
 
-# ----------------------------------------------------------------------------- the README table
+# ----------------------------------------------------------------------------- the docs' flag table
 
 def flag_table_markdown() -> str:
-    """The README's table: each modelled vLLM flag, its scenario field and vLLM's default."""
+    """docs/live_endpoints.md's table: each modelled vLLM flag, its scenario field and vLLM's default."""
     rows = ["| vLLM flag | scenario field | vLLM default |", "|---|---|---|"]
     for m in MODELLED:
         names = ", ".join(f"`{n}`" for n in (m.flag, *m.aliases))
