@@ -1,7 +1,9 @@
 """Untrusted input: names, YAML, bounds, output folders, error text, zero-finished runs."""
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -594,3 +596,87 @@ def test_an_interrupt_surfacing_wrapped_in_another_error_is_still_an_interrupt(m
     monkeypatch.setattr(sim.cli, "run_command", interrupted_inside_an_import)
     assert sim.cli.main(["whatever.yaml"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- round 2: cycles and row bounds
+
+RECURSIVE_ALIASES = {
+    "a list holding itself": "foo: &a [*a]\n",
+    "a section holding itself": "engine: &e\n  block_size: 16\n  self: *e\n",
+    "two levels down": "x: &a {b: [1, {c: *a}]}\n",
+    "through a merge key": "x: &a {<<: *a}\n",
+}
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """A hang is a failure, not a stuck suite (these inputs used to loop for ever)."""
+    def fire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("text", RECURSIVE_ALIASES.values(), ids=RECURSIVE_ALIASES.keys())
+def test_a_recursive_yaml_alias_is_refused_at_load_time(text, tmp_path):
+    from sim.core.files import FileFormatError, load_yaml, read_yaml
+
+    with within(10), pytest.raises(FileFormatError, match=r"s\.yaml:\d+: a recursive alias"):
+        load_yaml(text, "s.yaml")
+    (tmp_path / "p.yaml").write_text(text)
+    with within(10), pytest.raises(FileFormatError, match=r"p\.yaml:\d+: a recursive alias"):
+        read_yaml(tmp_path / "p.yaml")        # profiles, --config files
+
+
+def test_shared_aliases_that_do_not_recurse_still_load():
+    from sim.core.files import load_yaml
+
+    assert load_yaml("a: &x [1, 2]\nb: [*x, {c: *x}]\n") == {"a": [1, 2], "b": [[1, 2], {"c": [1, 2]}]}
+
+
+def test_recursive_aliases_in_a_scenario_and_in_set_are_clean_errors(tmp_path, capsys):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(SMALL + "foo: &a [*a]\n")
+    with within(20):
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{scenario}:5: a recursive alias" in err and "Traceback" not in err
+    scenario.write_text(SMALL)
+    with within(20):
+        code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", "engine.block_size=&a [*a]"], capsys)
+    assert code == 2 and "--set engine.block_size:1: a recursive alias" in err
+
+
+@pytest.mark.parametrize("fmt,header,row", [("csv", "arrival_s,prompt_len,output_len", "0.000,16,4"),
+                                            ("jsonl", None, '{"arrival_s": 0, "prompt_len": 16, "output_len": 4}'),
+                                            ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens",
+                                             "2023-11-16 18:15:46.6805900,16,4")])
+def test_a_trace_past_the_request_bound_is_refused_while_read(tmp_path, monkeypatch, fmt, header, row):
+    import gzip
+
+    import sim.traces
+    from sim.scenario import Trace
+    from sim.traces import TraceError, load_trace
+
+    monkeypatch.setattr(sim.traces, "MAX_REQUESTS", 50, raising=False)   # the bound, scaled down
+    path = tmp_path / f"t.{fmt}.gz"
+    lines = ([header] if header else []) + [row] * 51
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    with pytest.raises(TraceError, match=r"t\.\w+\.gz:\d+: more than 50 rows, the most a trace may hold"):
+        load_trace(Trace(format=fmt, path=path), seed=0)
+    path.write_bytes(gzip.compress(("\n".join(lines[:-1]) + "\n").encode()))
+    assert len(load_trace(Trace(format=fmt, path=path), seed=0).requests) == 50
+
+
+def test_a_trace_path_that_is_a_fifo_is_not_a_regular_file(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "trace.csv"
+    os.mkfifo(fifo)
+    code, err = run_cli([trace_scenario(tmp_path, "csv", fifo), "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{fifo}: not a regular file" in err and "workload.trace.path" in err
