@@ -32,9 +32,15 @@ class ScenarioError(ValueError):
         head = f"{source}: " if source else ""
         if len(problems) == 1:
             super().__init__(f"{head}{problems[0]}")
-        else:
-            lines = "\n".join(f"  - {p}" for p in problems)
+        else:        # 20,000 unknown keys must not print megabytes: the first few, then a count
+            shown = [f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN]]
+            if len(problems) > MAX_PROBLEMS_SHOWN:
+                shown.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN:,} more")
+            lines = "\n".join(shown)
             super().__init__(f"{head}{len(problems)} problems:\n{lines}")
+
+
+MAX_PROBLEMS_SHOWN = 20
 
 
 # Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
@@ -470,6 +476,16 @@ class Scenario(StrictModel):
     step_times: Literal["datasheet", "tables"] = "datasheet"
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_VARIANTS)
+
+    @field_validator("name", "description")
+    @classmethod
+    def _printable(cls, text: str, info) -> str:
+        # printed on the terminal and into reports: no escape sequences, bells or stray line breaks
+        allowed = "\n\t" if info.field_name == "description" else ""
+        bad = next((c for c in text if not c.isprintable() and c not in allowed), None)
+        if bad is not None:
+            raise ValueError(f"{excerpt(text)} holds the control character {bad!r}; expected printable text")
+        return text
 
     @field_validator("variants")
     @classmethod

@@ -680,3 +680,67 @@ def test_a_trace_path_that_is_a_fifo_is_not_a_regular_file(tmp_path, capsys):
     os.mkfifo(fifo)
     code, err = run_cli([trace_scenario(tmp_path, "csv", fifo), "--out", tmp_path / "o"], capsys)
     assert code == 2 and f"{fifo}: not a regular file" in err and "workload.trace.path" in err
+
+
+# ----------------------------------------------------------------------------- round 2: from-vllm and printed names
+
+def from_vllm(tmp_path, capsys, *command: str) -> tuple[int, str, Path]:
+    out = tmp_path / "s.yaml"
+    out.unlink(missing_ok=True)
+    code = main(["from-vllm", "--device", "h100-sxm", "--out", str(out), "--", *command])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out, out
+
+
+@pytest.mark.parametrize("words", [
+    ["--served-model-name", "x\nfuzz_injected: 1 #"],            # a value
+    ["--x\nfuzz_injected: 1 #"],                                  # an unknown flag's name
+    ["--new-flag", "1\r\nfuzz_injected: 1"], ["--y\x85fuzz_injected: 1"], ["--z\u2028fuzz_injected: 1"],
+    ["--served-model-name", "\x1b[31mred\x07"]])
+def test_from_vllm_writes_control_characters_escaped_never_as_yaml(tmp_path, capsys, words):
+    import yaml
+
+    code, shown, out = from_vllm(tmp_path, capsys, "vllm", "serve", "tiny", *words)
+    assert code == 0
+    text = out.read_text()
+    assert yaml.safe_load(text) == {"name": "tiny", "model": "tiny", "device": "h100-sxm"}
+    for raw in ("\n" + "fuzz", "\r", "\x85", "\u2028", "\x1b", "\x07"):
+        assert raw not in text and raw not in shown
+    assert all(line.startswith("#") for line in text.splitlines()[:3])
+
+
+def test_from_vllm_values_that_used_to_crash_or_mislead(tmp_path, capsys):
+    code, err, _ = from_vllm(tmp_path, capsys, "vllm serve tiny --max-model-len 1e400")
+    assert code == 2 and "--max-model-len 1e400: '1e400' is not a finite number" in err and "Traceback" not in err
+    code, err, _ = from_vllm(tmp_path, capsys, "vllm serve tiny --max-num-seqs " + "9" * 5000)
+    assert code == 2 and "--max-num-seqs" in err and "4300" not in err and len(err) < 400
+    code, err, _ = from_vllm(tmp_path, capsys, "rm -rf /x")
+    assert code == 2 and "'rm -rf /x' is not a `vllm serve` command" in err
+    code, err, out = from_vllm(tmp_path, capsys, "/opt/venv/bin/vllm serve tiny --max-num-seqs 4")
+    assert code == 0 and "engine.max_num_seqs = 4" in err
+    code, err, out = from_vllm(tmp_path, capsys, "--max-num-seqs 4")   # the words after `vllm serve`
+    assert code == 2 and "names no model" in err
+
+
+def test_a_5000_flag_command_lists_the_first_flags_and_counts_the_rest(tmp_path, capsys):
+    command = "vllm serve tiny " + " ".join(f"--unknown-flag-{i} {i}" for i in range(5000))
+    code, err, out = from_vllm(tmp_path, capsys, command)
+    assert code == 0
+    assert "... and 4,950 more unknown flags" in err and "... and 4,950 more unknown flags" in out.read_text()
+    assert len(err) < 10_000 and out.stat().st_size < 10_000
+
+
+def test_a_scenario_name_with_control_characters_is_refused(tmp_path, capsys):
+    for name in ("a\x07b", "\x1b[31mred", "two\nlines"):
+        with pytest.raises(ScenarioError, match="name: .* holds the control character"):
+            validate_scenario({**BASE, "name": name})
+    validate_scenario({**BASE, "name": "plain name é", "description": "two\nlines\tand a tab"})
+    with pytest.raises(ScenarioError, match="description: .* control character"):
+        validate_scenario({**BASE, "description": "\x1b[2J"})
+
+
+def test_twenty_thousand_unknown_keys_print_a_short_error(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL + "".join(f"unknown_{i}: 1\n" for i in range(20_000)))
+    code, err = run_cli([path, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "20000 problems" in err and "... and 19,980 more" in err and len(err) < 5000

@@ -45,6 +45,16 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
     return short if len(short) <= limit else short[:limit] + "..."
 
 
+def printable(text: str, limit: int | None = None) -> str:
+    """`text` with every character that is not printable (newlines, escapes such as '\\x1b[31m',
+    bells, YAML's other line breaks \\x85, \\u2028, \\u2029) written as a backslash escape, so
+    untrusted text can go on one terminal line or into a comment of a written file without
+    ending the line or driving the terminal; cut to `limit` characters with '...' when longer."""
+    short = text if limit is None or len(text) <= limit else text[:limit]
+    safe = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in short)
+    return safe + ("..." if short is not text else "")
+
+
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 8, 8, 3
 _REPR.maxlong = 40
