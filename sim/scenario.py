@@ -805,6 +805,12 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     return node if isinstance(node, type) and issubclass(node, BaseModel) else None
 
 
+def describe_validation_error(error: ValidationError, root: type[BaseModel]) -> list[str]:
+    """One line per problem of a pydantic error on `root`, each naming the field's path (never
+    pydantic's own multi-line text with its documentation links)."""
+    return _describe(error, root)
+
+
 def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
     problems = []
     for err in error.errors():

@@ -314,11 +314,13 @@ class JsonSyntaxError(FileFormatError):
 
 def load_json(text: str, source: str | Path = "<text>", allow_nan: bool = False,
               max_items: int = MAX_YAML_NODES) -> Any:
-    """json.loads with errors that name the source and line, integers bounded to int64 and
-    nesting bounded (CPython's parser recurses). NaN/Infinity only with `allow_nan` (files
-    another program wrote with Python's json, which writes them)."""
+    """json.loads with errors that name the source and line, integers bounded to int64,
+    nesting bounded (CPython's parser recurses) and duplicate keys refused (json.loads keeps the
+    last one silently: `"completed": 20, "completed": 5` would read as 5). NaN/Infinity only
+    with `allow_nan` (files another program wrote with Python's json, which writes them)."""
     try:
-        value = json.loads(text, parse_int=_bounded_int, parse_constant=None if allow_nan else _no_constant)
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=None if allow_nan else _no_constant,
+                           object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise JsonSyntaxError(f"{source}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})", e) from None
     except RecursionError:
@@ -337,6 +339,15 @@ def _bounded_int(text: str) -> int:
     if len(text) > 19 or abs(int(text)) > MAX_INT:
         raise _JsonValueError(f"integer {excerpt(text, 24)} is beyond the 64-bit range")
     return int(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _JsonValueError(f"duplicate key {excerpt(duplicate)} in one object; a key may appear once per object")
+    return obj
 
 
 def _no_constant(name: str) -> Any:
