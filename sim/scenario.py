@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.core.memory import parse_vllm_version, pool_block_bytes
+from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
@@ -601,10 +601,18 @@ def _cross_checks(s: Scenario) -> list[str]:
 def _pool_size_checks(s: Scenario) -> list[str]:
     """num_blocks must fit the device; every replica's pool together must stay simulable."""
     block_bytes = pool_block_bytes(s.model, s.engine.block_size, s.parallelism.tp, s.engine.kv_cache_dtype)
-    if s.engine.num_blocks is not None and s.engine.num_blocks * block_bytes > s.device.memory_bytes:
-        return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
-                f"{s.engine.num_blocks * block_bytes / 2**30:.4g} GiB of KV cache per GPU, more than the "
-                f"device's {s.device.memory_bytes / 2**30:.4g} GiB"]
+    if s.engine.num_blocks is not None:
+        # a fixed pool skips the memory plan, not the weights: they and the pool share the GPU
+        # (vLLM's --num-gpu-blocks-override allocates the pool after loading them)
+        pool = s.engine.num_blocks * block_bytes
+        weights = weight_bytes_per_gpu(s.model, s.parallelism.tp, s.parallelism.dp)
+        if pool + weights > s.device.memory_bytes:
+            gib = lambda b: f"{b / 2**30:.4g} GiB"  # noqa: E731
+            alone = "; the weights alone do not fit" if weights > s.device.memory_bytes else ""
+            return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
+                    f"{gib(pool)} of KV cache per GPU, which with {gib(weights)} of weights per GPU is more "
+                    f"than the device's {gib(s.device.memory_bytes)}{alone} (device {s.device.name}, tp "
+                    f"{s.parallelism.tp})"]
     # at most this many blocks per replica (the whole memory budget, before weights)
     per_replica = s.engine.num_blocks or int(s.device.memory_bytes * s.engine.gpu_memory_utilization) // block_bytes
     engines = s.cluster.replicas * s.parallelism.dp           # each data-parallel rank has its own pool

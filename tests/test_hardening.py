@@ -839,3 +839,60 @@ def test_series_offset_must_be_finite(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["compare", str(SMOKE), "--vllm-result", str(path), "--series-offset", bad])
         assert exit_.value.code == 2 and "--series-offset" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- round 2: HF configs, booleans, memory
+
+HF_CORPUS = Path(__file__).parent / "data" / "hf_configs"
+LLAMA_8B = HF_CORPUS / "meta-llama__Meta-Llama-3.1-8B.json"
+
+BAD_HF_CONFIGS = {
+    "hidden not divisible by heads": ({"hidden_size": 4095}, "hidden_size 4095 is not divisible by num_attention_heads 32"),
+    "heads not a multiple of kv heads": ({"num_key_value_heads": 5}, "num_attention_heads 32 is not a multiple of num_key_value_heads 5"),
+    "intermediate_size as text": ({"intermediate_size": "512"}, "intermediate_size is '512', expected a whole number"),
+    "layers as a float": ({"num_hidden_layers": 32.0}, "num_hidden_layers is 32.0, expected a whole number"),
+    "layers as true": ({"num_hidden_layers": True}, "num_hidden_layers is True, expected a whole number"),
+    "tie_word_embeddings yes": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
+    "rope_theta negative": ({"rope_theta": -1}, "rope_theta is -1, expected a finite number > 0"),
+    "negative rope factor": ({"rope_scaling": {"rope_type": "yarn", "factor": -4.0}}, r"rope_scaling.'factor' is -4.0"),
+    "5,000-key rope_scaling": ({"rope_scaling": {f"k{i}": 1 for i in range(5000)}}, "rope_scaling has 5,000 keys"),
+    "rope_scaling not a mapping": ({"rope_scaling": [1, 2]}, r"rope_scaling is \[1, 2\], expected an object"),
+    "experts per token without experts": ({"num_experts": 0, "num_experts_per_tok": 2}, "num_experts / num_local_experts is 0 or absent"),
+    "more experts per token than experts": ({"num_local_experts": 4, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
+                                            "num_experts_per_tok is 8, expected 1 to the 4 experts"),
+}
+
+
+@pytest.mark.parametrize("change,message", BAD_HF_CONFIGS.values(), ids=BAD_HF_CONFIGS.keys())
+def test_a_broken_hf_config_is_refused_naming_the_file_and_field(tmp_path, change, message):
+    config = {**json.loads(LLAMA_8B.read_text()), **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ScenarioError, match=rf"{path}: .*{message}"):
+        validate_scenario({"model": {"hf_config": str(path)}, "device": "h100-sxm"})
+
+
+def test_an_hf_config_with_a_duplicate_key_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(LLAMA_8B.read_text().rstrip().rstrip("}") + ', "hidden_size": 512}')
+    with pytest.raises(ScenarioError, match=rf"{path}: duplicate key 'hidden_size'"):
+        validate_scenario({"model": {"hf_config": str(path)}, "device": "h100-sxm"})
+
+
+@pytest.mark.parametrize("field", ["engine.block_size", "workload.num_requests", "seed", "engine.num_blocks",
+                                   "engine.gpu_memory_utilization", "model.hidden_size", "cluster.replicas"])
+def test_a_boolean_is_not_a_number_in_a_scenario(tmp_path, field):
+    section, _, key = field.rpartition(".")
+    with pytest.raises(ScenarioError, match=rf"{section or 'top level'}: {key}: true is a boolean, expected a number"):
+        load_text(tmp_path, SMALL.replace("model: qwen2.5-0.5b", "model: {base: qwen2.5-0.5b}"), overrides=[f"{field}=true"])
+
+
+def test_a_fixed_pool_beside_weights_that_cannot_fit_is_refused_as_without_it(tmp_path, capsys):
+    from sim.core.memory import InsufficientMemoryError, plan_memory
+
+    with pytest.raises(InsufficientMemoryError):         # without num_blocks: the plan refuses it
+        plan_memory(validate_scenario({"model": "llama-3.1-70b", "device": "l4"}))
+    with pytest.raises(ScenarioError, match=r"engine.num_blocks: 256 blocks .* with 131.4 GiB of weights per GPU "
+                                            r"is more than the device's 22.49 GiB; the weights alone do not fit"):
+        validate_scenario({"model": "llama-3.1-70b", "device": "l4", "engine": {"num_blocks": 256}})
+    validate_scenario({"model": "llama-3.1-8b", "device": "l4", "engine": {"num_blocks": 256}})   # 15 GiB fits

@@ -5,10 +5,12 @@ The simulator (memory, cost model) and the engine (model construction) both read
 """
 from __future__ import annotations
 
+import types
+import typing
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,6 +28,28 @@ class StrictModel(BaseModel):
 
     # allow_inf_nan=False: every float field of every schema object is finite (`gt=0` admits .inf)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        # pydantic's lax mode reads `true` as 1: `block_size: true` or `num_requests: true` is a
+        # mistake to name, not a block of one token or a run of one request
+        if isinstance(data, dict):
+            for key in _numeric_fields(cls).intersection(data):
+                if type(data[key]) is bool:
+                    raise ValueError(f"{key}: {str(data[key]).lower()} is a boolean, expected a number")
+        return data
+
+
+@lru_cache(maxsize=None)
+def _numeric_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that hold only numbers (int, float, optionally None)."""
+    def numeric_only(annotation: Any) -> bool:
+        union = typing.get_origin(annotation) in (Union, types.UnionType)
+        kinds = set(typing.get_args(annotation) if union else (annotation,)) - {type(None)}
+        return bool(kinds) and kinds <= {int, float}
+
+    return frozenset(name for name, info in model.model_fields.items() if numeric_only(info.annotation))
 
 
 class WeightQuant(StrictModel):
