@@ -210,7 +210,16 @@ def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False,
 # ----------------------------------------------------------------------------- YAML
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys."""
+    """SafeLoader that refuses duplicate mapping keys and integers too long for any field."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        # Python refuses int() of over 4,300 digits with advice about sys.set_int_max_str_digits;
+        # no field takes more than 64 bits, so a long one is refused here, at its line
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > MAX_INT_DIGITS:      # not "invalid YAML": --set would then take it as text
+            raise FileFormatError(f"{self.source}:{node.start_mark.line + 1}: an integer of {digits:,} digits, "
+                                  f"longer than any field takes ({MAX_INT_DIGITS} at most)")
+        return super().construct_yaml_int(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -231,10 +240,15 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+MAX_INT_DIGITS = 100
+
+
 def load_yaml(text: str, source: str | Path = "<text>") -> Any:
     """yaml.safe_load with duplicate keys, alias bombs, recursive aliases and deep nesting refused
     (FileFormatError)."""
     loader = _StrictLoader(text)
+    loader.source = source
     try:
         try:
             node = loader.get_single_node()
