@@ -896,3 +896,36 @@ def test_a_fixed_pool_beside_weights_that_cannot_fit_is_refused_as_without_it(tm
                                             r"is more than the device's 22.49 GiB; the weights alone do not fit"):
         validate_scenario({"model": "llama-3.1-70b", "device": "l4", "engine": {"num_blocks": 256}})
     validate_scenario({"model": "llama-3.1-8b", "device": "l4", "engine": {"num_blocks": 256}})   # 15 GiB fits
+
+
+# ----------------------------------------------------------------------------- round 2: HTTP and big integers
+
+@pytest.mark.parametrize("options", [{"include_usage": "x"}, {"include_usage": 1}, {"continuous_usage_stats": "no"}])
+def test_stream_options_values_must_be_booleans(options):
+    """vLLM's StreamOptions (vllm/entrypoints/openai/protocol.py) types include_usage and
+    continuous_usage_stats `bool | None`; kvtwin takes JSON true/false only, as for its other
+    flags (stricter than pydantic's lax mode, which would read 1 or "yes"): anything else is a
+    400 in OpenAI's error shape naming the field."""
+    pytest.importorskip("fastapi")
+    from engine.server import ApiError, ServedModel, parse_body
+
+    served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
+    body = json.dumps({"prompt": [1, 2], "stream": True, "stream_options": options}).encode()
+    with pytest.raises(ApiError) as error:
+        parse_body(body, served)
+    key = next(iter(options))
+    assert error.value.status == 400 and error.value.body()["error"]["param"] == f"stream_options.{key}"
+    assert f"stream_options.{key} must be true or false" in error.value.body()["error"]["message"]
+    assert parse_body(json.dumps({"prompt": [1], "stream": True, "stream_options": {"include_usage": True}}).encode(),
+                      served).include_usage
+
+
+def test_a_5000_digit_integer_names_the_file_line_or_set_path(tmp_path, capsys):
+    huge = "9" * 5000
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"seed: {huge}\n" + SMALL)
+    code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{scenario}:1: an integer of 5,000 digits" in err and "set_int_max_str_digits" not in err
+    scenario.write_text(SMALL)
+    code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", f"seed={huge}"], capsys)
+    assert code == 2 and "--set seed:1: an integer of 5,000 digits" in err and len(err) < 300
