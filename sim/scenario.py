@@ -40,7 +40,7 @@ class ScenarioError(ValueError):
             super().__init__(f"{head}{len(problems)} problems:\n{lines}")
 
 
-MAX_PROBLEMS_SHOWN = 20
+MAX_PROBLEMS_SHOWN = 12
 
 
 # Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
