@@ -35,21 +35,26 @@ class StrictModel(BaseModel):
         # pydantic's lax mode reads `true` as 1: `block_size: true` or `num_requests: true` is a
         # mistake to name, not a block of one token or a run of one request
         if isinstance(data, dict):
-            for key in _numeric_fields(cls).intersection(data):
-                if type(data[key]) is bool:
+            names = _NUMERIC_FIELDS.get(cls)
+            if names is None:
+                names = _NUMERIC_FIELDS[cls] = _numeric_fields(cls)
+            for key in names:          # per instance (a million explicit requests): kept cheap
+                if type(data.get(key)) is bool:
                     raise ValueError(f"{key}: {str(data[key]).lower()} is a boolean, expected a number")
         return data
 
 
-@lru_cache(maxsize=None)
-def _numeric_fields(model: type[BaseModel]) -> frozenset[str]:
+_NUMERIC_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _numeric_fields(model: type[BaseModel]) -> tuple[str, ...]:
     """The fields of `model` that hold only numbers (int, float, optionally None)."""
     def numeric_only(annotation: Any) -> bool:
         union = typing.get_origin(annotation) in (Union, types.UnionType)
         kinds = set(typing.get_args(annotation) if union else (annotation,)) - {type(None)}
         return bool(kinds) and kinds <= {int, float}
 
-    return frozenset(name for name, info in model.model_fields.items() if numeric_only(info.annotation))
+    return tuple(name for name, info in model.model_fields.items() if numeric_only(info.annotation))
 
 
 class WeightQuant(StrictModel):
