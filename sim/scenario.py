@@ -842,10 +842,17 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
     return problems
 
 
+def seed_arg(text: str) -> int:
+    """--seed's type: an integer, quoted back short when it is not one (or has 5,000 digits)."""
+    if len(text) > 30 or not text.strip().lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not an integer seed (0 to 2^63 - 1)")
+    return int(text)
+
+
 def scenario_args(parser: argparse.ArgumentParser) -> None:
     """The arguments every scenario-taking command shares."""
     parser.add_argument("scenario", type=Path, help="scenario YAML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                         help="override a scenario field, e.g. --set engine.block_size=32 (repeatable); "
                              "with several values (A,B,C) `simrun SCENARIO` sweeps them")
-    parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    parser.add_argument("--seed", type=seed_arg, default=None, help="override the scenario's seed")

@@ -929,3 +929,7 @@ def test_a_5000_digit_integer_names_the_file_line_or_set_path(tmp_path, capsys):
     scenario.write_text(SMALL)
     code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", f"seed={huge}"], capsys)
     assert code == 2 and "--set seed:1: an integer of 5,000 digits" in err and len(err) < 300
+    with pytest.raises(SystemExit) as exit_:
+        main([str(scenario), "--seed", huge])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --seed: '9999" in err and len(err) < 1000
