@@ -246,6 +246,10 @@ def _include_usage(options: Any) -> bool:
         return False
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise ApiError("stream_options may hold only include_usage", param="stream_options")
+    for key in ("include_usage", "continuous_usage_stats"):     # booleans, as vLLM's StreamOptions types them
+        if options.get(key) is not None and not isinstance(options[key], bool):
+            raise ApiError(f"stream_options.{key} must be true or false, got {excerpt(options[key])}",
+                           param=f"stream_options.{key}")
     if options.get("continuous_usage_stats"):
         raise ApiError("stream_options.continuous_usage_stats is not supported", param="stream_options")
     return bool(options.get("include_usage", False))

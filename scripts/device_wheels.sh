@@ -4,7 +4,8 @@
 # for the target (pydantic-core, annotated-types, typing-inspection, and typing-extensions: the
 # image has one, possibly older than pydantic needs, so the set carries its own, which shadows
 # the image's on PYTHONPATH). The set is complete for a bare Python 3.12: the script checks that
-# it installs with --no-index, and tests/test_device_wheels.py installs and imports it in CI.
+# it installs with --no-index, and tests/test_device_wheels.py installs and imports it
+# (`pytest -m network`: the unit suite does not download).
 # The device tool carries it with `carry: [".whl"]`; see docs/gpu_check.md.
 #   PY_VERSION (3.12)  target Python;   WHEEL_DIR (.whl)  where the wheels go;   PYTHON (python3)
 set -euo pipefail

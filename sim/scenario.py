@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.core.memory import parse_vllm_version, pool_block_bytes
+from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
@@ -32,9 +32,15 @@ class ScenarioError(ValueError):
         head = f"{source}: " if source else ""
         if len(problems) == 1:
             super().__init__(f"{head}{problems[0]}")
-        else:
-            lines = "\n".join(f"  - {p}" for p in problems)
+        else:        # 20,000 unknown keys must not print megabytes: the first few, then a count
+            shown = [f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN]]
+            if len(problems) > MAX_PROBLEMS_SHOWN:
+                shown.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN:,} more")
+            lines = "\n".join(shown)
             super().__init__(f"{head}{len(problems)} problems:\n{lines}")
+
+
+MAX_PROBLEMS_SHOWN = 12
 
 
 # Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
@@ -671,6 +677,16 @@ class Scenario(StrictModel):
         description="name -> a partial scenario merged over this one (nested keys, e.g. {engine: "
                     "{batching: static}}); each runs, with one comparison table and overlaid plots")
 
+    @field_validator("name", "description")
+    @classmethod
+    def _printable(cls, text: str, info) -> str:
+        # printed on the terminal and into reports: no escape sequences, bells or stray line breaks
+        allowed = "\n\t" if info.field_name == "description" else ""
+        bad = next((c for c in text if not c.isprintable() and c not in allowed), None)
+        if bad is not None:
+            raise ValueError(f"{excerpt(text)} holds the control character {bad!r}; expected printable text")
+        return text
+
     @field_validator("variants")
     @classmethod
     def _variant_names(cls, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -785,10 +801,18 @@ def _cross_checks(s: Scenario) -> list[str]:
 def _pool_size_checks(s: Scenario) -> list[str]:
     """num_blocks must fit the device; every replica's pool together must stay simulable."""
     block_bytes = pool_block_bytes(s.model, s.engine.block_size, s.parallelism.tp, s.engine.kv_cache_dtype)
-    if s.engine.num_blocks is not None and s.engine.num_blocks * block_bytes > s.device.memory_bytes:
-        return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
-                f"{s.engine.num_blocks * block_bytes / 2**30:.4g} GiB of KV cache per GPU, more than the "
-                f"device's {s.device.memory_bytes / 2**30:.4g} GiB"]
+    if s.engine.num_blocks is not None:
+        # a fixed pool skips the memory plan, not the weights: they and the pool share the GPU
+        # (vLLM's --num-gpu-blocks-override allocates the pool after loading them)
+        pool = s.engine.num_blocks * block_bytes
+        weights = weight_bytes_per_gpu(s.model, s.parallelism.tp, s.parallelism.dp)
+        if pool + weights > s.device.memory_bytes:
+            gib = lambda b: f"{b / 2**30:.4g} GiB"  # noqa: E731
+            alone = "; the weights alone do not fit" if weights > s.device.memory_bytes else ""
+            return [f"engine.num_blocks: {s.engine.num_blocks} blocks of {s.engine.block_size} tokens need "
+                    f"{gib(pool)} of KV cache per GPU, which with {gib(weights)} of weights per GPU is more "
+                    f"than the device's {gib(s.device.memory_bytes)}{alone} (device {s.device.name}, tp "
+                    f"{s.parallelism.tp})"]
     # at most this many blocks per replica (the whole memory budget, before weights)
     per_replica = s.engine.num_blocks or int(s.device.memory_bytes * s.engine.gpu_memory_utilization) // block_bytes
     engines = s.cluster.replicas * s.parallelism.dp           # each data-parallel rank has its own pool
@@ -1004,6 +1028,12 @@ def _paths_ending_in(model: type[BaseModel], key: str, depth: int = 3) -> list[s
     return sorted(set(found))[:3]
 
 
+def describe_validation_error(error: ValidationError, root: type[BaseModel]) -> list[str]:
+    """One line per problem of a pydantic error on `root`, each naming the field's path (never
+    pydantic's own multi-line text with its documentation links)."""
+    return _describe(error, root)
+
+
 def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
     problems = []
     for err in error.errors():
@@ -1029,10 +1059,17 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
     return problems
 
 
+def seed_arg(text: str) -> int:
+    """--seed's type: an integer, quoted back short when it is not one (or has 5,000 digits)."""
+    if len(text) > 30 or not text.strip().lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not an integer seed (0 to 2^63 - 1)")
+    return int(text)
+
+
 def scenario_args(parser: argparse.ArgumentParser) -> None:
     """The arguments every scenario-taking command shares."""
     parser.add_argument("scenario", type=Path, help="scenario YAML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                         help="override a scenario field, e.g. --set engine.block_size=32 (repeatable); "
                              "with several values (A,B,C) `simrun SCENARIO` sweeps them")
-    parser.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    parser.add_argument("--seed", type=seed_arg, default=None, help="override the scenario's seed")

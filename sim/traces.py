@@ -30,7 +30,8 @@ Time: a row's time is seconds after the earliest row of the file (rows need not 
 draw per file row, so a row's fate does not depend on the window), then `max_requests` keeps
 the first N. Rows with 0 prompt or 0 output tokens are excluded; nothing is dropped silently:
 every exclusion is counted in `LoadedTrace.notes`. Malformed input raises TraceError naming
-path:line, what is wrong and what was expected.
+path:line, what is wrong and what was expected. A file of more than MAX_REQUESTS (1,000,000)
+rows is refused while it is read (a gzip of a few kilobytes can hold millions).
 """
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
+from sim.core.files import FILE_EXCERPT_CHARS, excerpt, file_problem, open_text
 from sim.core.request import Request, Segment, make_request, stable_key
-from sim.scenario import Trace
+from sim.scenario import MAX_REQUESTS, Trace
 
 
 MAX_VALUE = 2**53       # counts, times and ids: exact in a float, no int64 overflow downstream
@@ -84,8 +85,9 @@ def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozens
     all but idle gets a note naming the likely unit mistake (see sparse_trace_note).
     """
     path = Path(trace.path)
-    if not path.is_file():
-        raise TraceError(f"{path}: no such file (workload.trace.path)")
+    problem = file_problem(path)
+    if problem:
+        raise TraceError(f"{path}: {problem} (workload.trace.path)")
     reader = {"azure": _read_azure, "mooncake": _read_mooncake, "burstgpt": _read_burstgpt,
               "jsonl": _read_jsonl, "csv": _read_generic_csv}[trace.format]
     rows = reader(path, trace)
@@ -233,6 +235,16 @@ def _select(rows: _Rows, trace: Trace, seed: int) -> tuple[np.ndarray, np.ndarra
 
 # ----------------------------------------------------------------------------- CSV formats
 
+def _check_row_count(path: Path, rows: int, line: int) -> None:
+    """Past MAX_REQUESTS rows, stop reading: every row may become a request, and the request
+    bound is what keeps a run's time and memory in check (a 30 KB gzip can hold millions of
+    rows). Counted while reading, so the refusal comes before the rows are held."""
+    if rows > MAX_REQUESTS:
+        raise TraceError(f"{path}:{line}: more than {MAX_REQUESTS:,} rows, the most a trace may hold "
+                         f"(kvtwin's bound on requests per run, which cannot be raised); cut the file "
+                         f"to the rows you want to replay first (workload.trace.window_s, sample and "
+                         f"max_requests select from the rows read, so they cannot lift this)")
+
 def _read_azure(path: Path, trace: Trace) -> _Rows:
     table, lines = _read_csv(path, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
     stamps = table["TIMESTAMP"]
@@ -278,6 +290,7 @@ def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.n
                 for out, c in zip(values, cols):
                     out.append(row[c])
                 lines.append(reader.line_num)
+                _check_row_count(path, len(lines), reader.line_num)
         except csv.Error as e:     # a field over csv's 128 KiB limit, a NUL byte, a bad quote
             raise TraceError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
     if not lines:
@@ -334,10 +347,13 @@ def _unique_prompt(lines: np.ndarray, prompt_len: np.ndarray) -> Callable[[int, 
 
 def _json_rows(path: Path):
     """(line number, object) per non-blank line."""
+    rows = 0
     with open_text(path, "JSON-lines trace", gzip_ok=True) as f:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue
+            rows += 1
+            _check_row_count(path, rows, line_no)
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:

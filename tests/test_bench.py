@@ -75,6 +75,7 @@ def test_vllm_result_for_another_workload_is_flagged(tmp_path):
     data["input_lens"] = [2 * n for n in data["input_lens"]] + [64]
     for key in ("ttfts", "itls", "output_lens", "errors", "start_times"):
         data[key].append(data[key][0])
+    data["completed"] += not data["errors"][0]       # a consistent file: the copied request counts
     data["request_rate"] = "inf"
     path = tmp_path / "other.json"
     path.write_text(json.dumps(data))

@@ -2,7 +2,10 @@
 downloads it from PyPI (for this interpreter's version here, so the compiled pydantic-core
 imports; the script builds the 3.12 set the same way), then it is installed exactly as on the
 device (`pip install --no-index --no-deps --target`) and imported by a Python started with -S
-(no site-packages: nothing of this venv can fill a gap). Skipped only when PyPI is unreachable."""
+(no site-packages: nothing of this venv can fill a gap). Skipped when PyPI is unreachable.
+
+It downloads, so the unit suite deselects it (the `network` marker, pyproject's addopts): run it
+with `python -m pytest -m network tests/test_device_wheels.py` before a GPU check."""
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ NETWORK_ERRORS = ("Could not fetch", "NewConnectionError", "Temporary failure in
                   "Max retries exceeded", "Network is unreachable", "ConnectionError")
 
 
+@pytest.mark.network
 def test_wheel_set_installs_and_imports_in_a_bare_python(tmp_path):
     wheels, site = tmp_path / "whl", tmp_path / "site"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"

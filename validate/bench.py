@@ -644,17 +644,25 @@ def file_workload_scenario(scenario, run) -> tuple[Any, list[str]]:
     if not run.detailed:
         raise UserError(f"--use-file-workload: {run.source} has no per-request lengths; run `vllm bench "
                         f"serve` with --save-detailed")
+    from pydantic import ValidationError
+
+    from sim.scenario import describe_validation_error
+
     rows = run.requests()
-    times, notes = arrival_times(run, len(rows), scenario.seed)
-    t0 = float(times.min()) if len(times) else 0.0
-    requests = [ExplicitRequest(arrival_s=float(t - t0), prompt_len=max(inp, 1), output_len=max(out, 1))
-                for t, (_, inp, out) in zip(times.tolist(), rows)]
-    if not requests:
+    if not rows:
         raise UserError(f"--use-file-workload: {run.source} holds no finished request to replay")
-    starts_known = bool(rows) and rows[0][0] is not None
+    times, notes = arrival_times(run, len(rows), scenario.seed)
+    t0 = float(times.min())
+    starts_known = rows[0][0] is not None
     # Without send times the arrivals are redrawn, and the client's cap has to be simulated.
     cap = None if starts_known else run.max_concurrency
-    workload = Workload(requests=requests, tenants=scenario.workload.tenants, max_concurrency=cap)
+    try:          # the file's values as a workload: a bad one is a line naming the file and field
+        requests = [ExplicitRequest(arrival_s=float(t - t0), prompt_len=max(inp, 1), output_len=max(out, 1))
+                    for t, (_, inp, out) in zip(times.tolist(), rows)]
+        workload = Workload(requests=requests, tenants=scenario.workload.tenants, max_concurrency=cap)
+    except ValidationError as e:
+        raise UserError(f"--use-file-workload {run.source}: {describe_validation_error(e, Workload)[0]} "
+                        f"(the file's requests as workload.requests)") from None
     notes += run.excluded_notes()
     notes.append(f"workload: the {len(requests)} requests of {run.source} (their send times and lengths); "
                  f"each prompt is unique (vLLM's file records no prefix sharing)")
@@ -951,12 +959,23 @@ def request_headers(lines: list[str], api_key: Optional[str]) -> dict[str, str]:
     return headers
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a number that is not NaN or infinite (float() takes 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: expected a finite number of seconds")
+    return value
+
+
 def series_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-log", type=Path, metavar="FILE",
                    help="the vLLM server's log, /metrics scrapes (each headed by '# TIME <unix s>') or a "
                         "Prometheus query_range JSON, covering the run: its running / waiting / KV %% "
                         "curves are compared with the prediction's")
-    p.add_argument("--series-offset", type=float, metavar="S",
+    p.add_argument("--series-offset", type=finite_float, metavar="S",
                    help="run time = series time + S (default: from the wall clocks when both are known, "
                         "else the offset that fits the curves best)")
     p.add_argument("--log-year", type=int, help="the year of the log's MM-DD times (default: this year)")

@@ -5,10 +5,8 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
-
 from engine.hardware import add_device_args, catalog_device_for_cuda, pick_device, set_cpu_threads
+from sim.core.files import FileFormatError, read_yaml
 from sim.errors import UserError
 from sim.extras import require
 from sim.output.console import console, err_console
@@ -66,9 +64,9 @@ def load_tolerances(spec: Optional[str]) -> Optional[dict[str, float]]:
     if spec == "gpu":
         return dict(GPU_TARGETS)
     try:
-        data = yaml.safe_load(Path(spec).read_text())
-    except FileNotFoundError:
-        raise UserError(f"--tolerances: no such file {spec}") from None
+        data = read_yaml(spec, "--tolerances YAML file")      # bounded, no recursive aliases
+    except FileFormatError as e:
+        raise UserError(f"--tolerances: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
         raise UserError(f"--tolerances {spec}: expected a mapping of metric row -> relative tolerance")
     return {str(k): float(v) for k, v in data.items()}

@@ -5,7 +5,8 @@ Every input file kvtwin reads (scenario, profile, HF config, trace, length file)
 file instead of a codec traceback. `load_yaml` is `yaml.safe_load` plus three refusals:
 duplicate keys (with both line numbers), a document whose alias-expanded size or nesting depth
 is beyond a bound (an "alias bomb" expands a few hundred bytes into billions of nodes when
-later code walks it), and deep nesting that would overflow the parser's recursion.
+later code walks it), a recursive alias (`a: &a [*a]`, a value that contains itself, which
+no walk of it ever finishes), and deep nesting that would overflow the parser's recursion.
 `excerpt` is the only way an error message may quote file content.
 """
 from __future__ import annotations
@@ -44,9 +45,44 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
     return short if len(short) <= limit else short[:limit] + "..."
 
 
+def printable(text: str, limit: int | None = None) -> str:
+    """`text` with every character that is not printable (newlines, escapes such as '\\x1b[31m',
+    bells, YAML's other line breaks \\x85, \\u2028, \\u2029) written as a backslash escape, so
+    untrusted text can go on one terminal line or into a comment of a written file without
+    ending the line or driving the terminal; cut to `limit` characters with '...' when longer."""
+    short = text if limit is None or len(text) <= limit else text[:limit]
+    safe = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in short)
+    return safe + ("..." if short is not text else "")
+
+
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 8, 8, 3
 _REPR.maxlong = 40
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a file ("no such file", "is a folder", "not a regular file
+    ..."), or None. A device or pipe (/dev/zero, a FIFO) reports no size and never ends, and
+    opening a FIFO blocks until something writes to it, so only regular files (or links to one)
+    are read."""
+    try:
+        mode = Path(path).stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:
+        return f"cannot read ({e.strerror or e})"
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a device, pipe or socket)"
+    return None
+
+
+def require_regular_file(path: str | Path, what: str = "file") -> None:
+    """FileFormatError naming `path` unless it is a regular file (see `file_problem`)."""
+    problem = file_problem(path)
+    if problem:
+        raise FileFormatError(f"{path}: {problem}, expected a {what}")
 
 
 def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
@@ -58,11 +94,8 @@ def read_bytes(path: str | Path, what: str = "file", max_bytes: int = MAX_TEXT_B
     """The file's bytes, at most `max_bytes`, or FileFormatError naming it. Only a regular file
     (a link to one too): a device or pipe (/dev/zero, a FIFO) reports no size and never ends."""
     path = Path(path)
-    if path.is_dir():
-        raise FileFormatError(f"{path}: is a folder, expected a {what}")
+    require_regular_file(path, what)
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise FileFormatError(f"{path}: not a regular file (a device, pipe or socket), expected a {what}")
         with path.open("rb") as f:
             data = f.read(max_bytes + 1)          # bounded even if the file grows meanwhile
     except FileNotFoundError:
@@ -141,8 +174,7 @@ def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False,
     one: its decompressed text) may hold at most `max_bytes` (default MAX_STREAM_BYTES)."""
     path = Path(path)
     max_bytes = MAX_STREAM_BYTES if max_bytes is None else max_bytes
-    if path.is_dir():
-        raise FileFormatError(f"{path}: is a folder, expected a {what}")
+    require_regular_file(path, what)
     try:
         size = path.stat().st_size
         with path.open("rb") as raw:
@@ -178,7 +210,16 @@ def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False,
 # ----------------------------------------------------------------------------- YAML
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys."""
+    """SafeLoader that refuses duplicate mapping keys and integers too long for any field."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        # Python refuses int() of over 4,300 digits with advice about sys.set_int_max_str_digits;
+        # no field takes more than 64 bits, so a long one is refused here, at its line
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > MAX_INT_DIGITS:      # not "invalid YAML": --set would then take it as text
+            raise FileFormatError(f"{self.source}:{node.start_mark.line + 1}: an integer of {digits:,} digits, "
+                                  f"longer than any field takes ({MAX_INT_DIGITS} at most)")
+        return super().construct_yaml_int(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -199,9 +240,15 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+MAX_INT_DIGITS = 100
+
+
 def load_yaml(text: str, source: str | Path = "<text>") -> Any:
-    """yaml.safe_load with duplicate keys, alias bombs and deep nesting refused (FileFormatError)."""
+    """yaml.safe_load with duplicate keys, alias bombs, recursive aliases and deep nesting refused
+    (FileFormatError)."""
     loader = _StrictLoader(text)
+    loader.source = source
     try:
         try:
             node = loader.get_single_node()
@@ -224,27 +271,36 @@ def describe_yaml_error(e: yaml.YAMLError) -> str:
 
 
 def _check_expanded_size(root: yaml.Node, source: str | Path) -> None:
-    """Count the nodes the document would have with every alias expanded, without expanding it."""
+    """Count the nodes the document would have with every alias expanded, without expanding it,
+    and refuse an alias to a node that contains it (`a: &a [*a]`): SafeLoader builds that as a
+    self-containing list, and any later walk of it never ends."""
     sizes: dict[int, int] = {}
     depths: dict[int, int] = {}
-    # iterative post-order walk: aliases make the graph a DAG, so each node is sized once
+    open_nodes: set[int] = set()      # entered, not yet sized: the path from the root down to here
+    # iterative post-order walk: shared aliases make the graph a DAG, so each node is sized once
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
-        if id(node) in sizes:
-            continue
+        key = id(node)
         children = _children(node)
-        if not done:
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if id(c) not in sizes)
+        if done:
+            open_nodes.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            depths[key] = 1 + max((depths[id(c)] for c in children), default=0)
+            if sizes[key] > MAX_YAML_NODES:
+                raise FileFormatError(f"{source}:{node.start_mark.line + 1}: expands to more than "
+                                      f"{MAX_YAML_NODES:,} values (through aliases); refused")
+            if depths[key] > MAX_DEPTH:
+                raise FileFormatError(f"{source}:{node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
             continue
-        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
-        depths[id(node)] = 1 + max((depths.get(id(c), 1) for c in children), default=0)
-        if sizes[id(node)] > MAX_YAML_NODES:
-            raise FileFormatError(f"{source}:{node.start_mark.line + 1}: expands to more than {MAX_YAML_NODES:,} "
-                                  f"values (through aliases); refused")
-        if depths[id(node)] > MAX_DEPTH:
-            raise FileFormatError(f"{source}:{node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
+        if key in sizes:
+            continue
+        if key in open_nodes:         # reached again below itself: only an alias can do that
+            raise FileFormatError(f"{source}:{node.start_mark.line + 1}: a recursive alias (an anchor used "
+                                  f"inside its own value, so the value would contain itself); refused")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
@@ -272,11 +328,13 @@ class JsonSyntaxError(FileFormatError):
 
 def load_json(text: str, source: str | Path = "<text>", allow_nan: bool = False,
               max_items: int = MAX_YAML_NODES) -> Any:
-    """json.loads with errors that name the source and line, integers bounded to int64 and
-    nesting bounded (CPython's parser recurses). NaN/Infinity only with `allow_nan` (files
-    another program wrote with Python's json, which writes them)."""
+    """json.loads with errors that name the source and line, integers bounded to int64,
+    nesting bounded (CPython's parser recurses) and duplicate keys refused (json.loads keeps the
+    last one silently: `"completed": 20, "completed": 5` would read as 5). NaN/Infinity only
+    with `allow_nan` (files another program wrote with Python's json, which writes them)."""
     try:
-        value = json.loads(text, parse_int=_bounded_int, parse_constant=None if allow_nan else _no_constant)
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=None if allow_nan else _no_constant,
+                           object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise JsonSyntaxError(f"{source}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})", e) from None
     except RecursionError:
@@ -295,6 +353,15 @@ def _bounded_int(text: str) -> int:
     if len(text) > 19 or abs(int(text)) > MAX_INT:
         raise _JsonValueError(f"integer {excerpt(text, 24)} is beyond the 64-bit range")
     return int(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _JsonValueError(f"duplicate key {excerpt(duplicate)} in one object; a key may appear once per object")
+    return obj
 
 
 def _no_constant(name: str) -> Any:

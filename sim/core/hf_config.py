@@ -7,11 +7,12 @@ a capacity plan that quietly ignores it would be wrong without a word.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from sim.core.catalog import WeightQuant
-from sim.core.files import excerpt, read_json
+from sim.core.files import check_bounded, excerpt, read_json
 
 
 class UnsupportedConfigError(ValueError):
@@ -65,6 +66,18 @@ HARMLESS = {
     "_attn_implementation_autoset", "unsloth_version", "attn_implementation",
 }
 
+# The JSON type each read key must have (null = absent, as transformers reads it). transformers
+# itself does not coerce: "512" or "yes" in a config.json is a broken file, not a number or a flag.
+WHOLE = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "vocab_size", "max_position_embeddings", "intermediate_size", "sliding_window", "sliding_window_size",
+         "max_window_layers", "num_local_experts", "num_experts", "num_experts_per_tok", "experts_per_token",
+         "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts", "decoder_sparse_step",
+         "sliding_window_pattern", "_sliding_window_pattern", "first_k_dense_replace", "kv_lora_rank",
+         "q_lora_rank", "attention_chunk_size", "num_nextn_predict_layers")
+REAL = ("rope_theta", "rms_norm_eps")
+FLAGS = ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias", "use_bidirectional_attention")
+MAX_ROPE_KEYS = 32          # HF's rope_scaling holds a handful of settings (and two short factor lists)
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2",
@@ -111,6 +124,8 @@ def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedConfigError(f"architectures {excerpt(archs, 120)} not supported "
                                      f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     _refuse_unknown_keys(cfg)
+    _check_types(cfg)
+    _check_shape(cfg)
     fields: dict[str, Any] = {"architecture": arch}
     name = str(cfg.get("_name_or_path") or "")
     if name.count("/") == 1 and not name.startswith(("/", ".")):     # an org/repo id, not a local path
@@ -135,7 +150,7 @@ def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
         fields["intermediate_size"] = cfg["intermediate_size"]
     fields.update(_rope(cfg, fields))
     fields.update(_sliding_window(cfg, fields.get("num_layers")))
-    fields.update(_experts(cfg, archs))
+    fields.update(_experts(cfg))
     if cfg.get("quantization_config") is not None:
         fields["quantization"] = quantization_from_config(cfg["quantization_config"])
     return fields
@@ -174,6 +189,35 @@ def _refuse_unknown_keys(cfg: dict[str, Any]) -> None:
               "Describe the model with explicit ModelSpec fields instead")
 
 
+def _check_types(cfg: dict[str, Any]) -> None:
+    """Each read value has its JSON type: whole numbers >= 0, finite numbers, true/false."""
+    for key in WHOLE:
+        value = cfg.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise UnsupportedConfigError(f"{key} is {excerpt(value)}, expected a whole number >= 0")
+    for key in REAL:
+        value = cfg.get(key)
+        if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
+            raise UnsupportedConfigError(f"{key} is {excerpt(value)}, expected a finite number > 0")
+    for key in FLAGS:
+        value = cfg.get(key)
+        if value is not None and type(value) is not bool:
+            raise UnsupportedConfigError(f"{key} is {excerpt(value)}, expected true or false")
+
+
+def _check_shape(cfg: dict[str, Any]) -> None:
+    """What transformers' model classes need of the attention shape, checked before it is derived."""
+    hidden, heads, kv_heads = cfg.get("hidden_size"), cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if not hidden or not heads:
+        missing = "hidden_size" if not hidden else "num_attention_heads"
+        raise UnsupportedConfigError(f"{missing} is {excerpt(cfg.get(missing))}, expected a whole number > 0")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise UnsupportedConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads} "
+                                     f"(without head_dim, a head is hidden_size / num_attention_heads wide)")
+    if kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
+        raise UnsupportedConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+
+
 def _refuse_unmodelled(cfg: dict[str, Any]) -> None:
     if cfg.get("kv_lora_rank"):
         raise UnsupportedConfigError(
@@ -210,6 +254,7 @@ def _rope(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         scaling = {k: v for k, v in nested.items() if k != "rope_theta"} or None
     if not scaling:
         return out
+    _check_rope_scaling(scaling)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return {**out, "rope_scaling": None}
@@ -225,6 +270,29 @@ def _rope(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         out["max_position_embeddings"] = max(int(base * scaling["factor"]),
                                              fields.get("max_position_embeddings", 0))
     return out
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    """A small mapping of settings whose numbers are finite and >= 0 (factor > 0): a negative
+    factor or a 5,000-key mapping is a broken file, whatever its type says."""
+    if not isinstance(scaling, dict):
+        raise UnsupportedConfigError(f"rope_scaling is {excerpt(scaling)}, expected an object")
+    if len(scaling) > MAX_ROPE_KEYS:
+        raise UnsupportedConfigError(f"rope_scaling has {len(scaling):,} keys, at most {MAX_ROPE_KEYS} expected")
+    try:
+        check_bounded(scaling, "rope_scaling", max_depth=3, max_items=4096)
+    except ValueError as e:
+        raise UnsupportedConfigError(str(e)) from None
+    for key, value in scaling.items():
+        numbers = value if isinstance(value, list) else [value]
+        for x in numbers:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                if isinstance(value, list) or not isinstance(x, (str, bool)):
+                    raise UnsupportedConfigError(f"rope_scaling.{excerpt(key)} is {excerpt(value)}, expected "
+                                                 f"a number, a list of numbers, a name or true/false")
+            elif not math.isfinite(x) or x < 0 or (key == "factor" and x == 0):
+                raise UnsupportedConfigError(f"rope_scaling.{excerpt(key)} is {excerpt(value)}, expected finite "
+                                             f"numbers >= 0{' (> 0 for factor)' if key == 'factor' else ''}")
 
 
 def _sliding_window(cfg: dict[str, Any], num_layers: int | None) -> dict[str, Any]:
@@ -263,14 +331,18 @@ def _sliding_window(cfg: dict[str, Any], num_layers: int | None) -> dict[str, An
     return {"sliding_window": window}     # Mistral v0.1: every layer slides
 
 
-def _experts(cfg: dict[str, Any], archs: list[str]) -> dict[str, Any]:
+def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     per_tok = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0
     shared = cfg.get("shared_expert_intermediate_size") or 0
     if not experts:
-        if per_tok and any("Moe" in a or "Mixtral" in a for a in archs):
-            raise UnsupportedConfigError("num_experts_per_tok is set but num_experts / num_local_experts is not")
+        if per_tok or shared or cfg.get("moe_intermediate_size") or cfg.get("n_shared_experts"):
+            raise UnsupportedConfigError("num_experts_per_tok / moe_intermediate_size / shared experts are set "
+                                         "but num_experts / num_local_experts is 0 or absent: a MoE model "
+                                         "needs its expert count, a dense one none of these")
         return {}
+    if not 1 <= per_tok <= experts:
+        raise UnsupportedConfigError(f"num_experts_per_tok is {per_tok}, expected 1 to the {experts} experts")
     moe_inter = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     if cfg.get("n_shared_experts"):
         shared = cfg["n_shared_experts"] * moe_inter

@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from sim.core.files import FileFormatError, JsonSyntaxError, load_json, read_text
+from sim.core.files import FileFormatError, JsonSyntaxError, excerpt, load_json, read_text
+from sim.scenario import MAX_REQUESTS, MAX_TOKENS
 
 MAX_FILE_BYTES = 512 * 1024 * 1024      # a result file of 1M requests is ~200 MB with texts
 
@@ -44,6 +45,8 @@ SUMMARY_KEYS = ("duration", "completed", "failed", "total_input_tokens", "total_
                 "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
                 "max_output_tokens_per_s", "max_concurrent_requests", "rtfx")
 _STAT_KEY = re.compile(r"^(mean|median|std|p\d+(\.\d+)?)_[a-z0-9_]+_ms$")
+# Summary values that count things: whole numbers (and never NaN)
+COUNT_KEYS = ("completed", "failed", "total_input_tokens", "total_output_tokens", "max_concurrent_requests")
 
 
 class VllmResultError(ValueError):
@@ -72,12 +75,19 @@ class VllmResult:
 
     @property
     def burstiness(self) -> float:
-        return float(self.config.get("burstiness") or 1.0)
+        value = self.config.get("burstiness")
+        return 1.0 if value is None else _positive(value, f"{self.source}: burstiness", "a gamma shape > 0")
 
     @property
     def max_concurrency(self) -> Optional[int]:
         value = self.config.get("max_concurrency")
-        return None if value in (None, "None", "") else int(value)
+        if value in (None, "None", ""):
+            return None
+        limit = _positive(value, f"{self.source}: max_concurrency", "a whole number of requests >= 1 (or null)")
+        if limit != int(limit) or limit < 1:
+            raise VllmResultError(f"{self.source}: max_concurrency = {excerpt(value)}; expected a whole number "
+                                  f"of requests >= 1 (or null)")
+        return int(limit)
 
     @property
     def detailed(self) -> bool:
@@ -278,7 +288,10 @@ def _parse_run(obj: Any, source: str) -> VllmResult:
     _check_metrics(metrics, source)
     _check_per_request(per_request, source)
     result = VllmResult(source, config, metrics, per_request)
-    result.rate     # noqa: B018 -- validates request_rate now, with the file named
+    result.rate     # noqa: B018 -- validates request_rate, burstiness, max_concurrency now, with the file named
+    result.burstiness     # noqa: B018
+    result.max_concurrency     # noqa: B018
+    _check_consistent(result)
     if not metrics and not result.detailed:
         raise VllmResultError(f"{source}: neither summary metrics (duration, completed, mean_ttft_ms, ...) "
                               f"nor per-request arrays: not a `vllm bench serve` result")
@@ -286,11 +299,19 @@ def _parse_run(obj: Any, source: str) -> VllmResult:
 
 
 def _check_metrics(metrics: dict, source: str) -> None:
+    """Every summary value is a number >= 0 (a duration, a count, a rate or a latency cannot be
+    negative); counts are whole and known; NaN only for a statistic vLLM could not compute."""
     for key, value in metrics.items():
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise VllmResultError(f"{source}: field '{key}' should be a number, got {value!r}")
+            raise VllmResultError(f"{source}: field '{key}' should be a number, got {excerpt(value)}")
+        if math.isnan(value) and _STAT_KEY.match(key):
+            continue
+        if not math.isfinite(value) or value < 0:
+            raise VllmResultError(f"{source}: field '{key}' = {excerpt(value)}; expected a finite number >= 0")
+        if key in COUNT_KEYS and value != int(value):
+            raise VllmResultError(f"{source}: field '{key}' = {excerpt(value)}; expected a whole number")
 
 
 def _check_per_request(per_request: dict, source: str) -> None:
@@ -304,17 +325,72 @@ def _check_per_request(per_request: dict, source: str) -> None:
         shown = ", ".join(f"{k}={n}" for k, n in lengths.items())
         raise VllmResultError(f"{source}: per-request arrays differ in length ({shown}); "
                               f"each should have one entry per request")
+    if lengths and max(lengths.values()) > MAX_REQUESTS:
+        raise VllmResultError(f"{source}: {max(lengths.values()):,} requests, more than the {MAX_REQUESTS:,} "
+                              f"kvtwin replays or compares")
     for key in ("input_lens", "output_lens"):
         for i, v in enumerate(per_request.get(key, ())):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
-                raise VllmResultError(f"{source}: {key}[{i}] = {v!r}; expected a whole number of tokens >= 0")
-    for key in ("ttfts", "latencies", "start_times", "queue_times"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_TOKENS or v != int(v):
+                raise VllmResultError(f"{source}: {key}[{i}] = {excerpt(v)}; expected a whole number of tokens "
+                                      f">= 0 and <= {MAX_TOKENS:,} (2^27)")
+    for key in ("ttfts", "latencies", "queue_times"):
         for i, v in enumerate(per_request.get(key, ())):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-                raise VllmResultError(f"{source}: {key}[{i}] = {v!r}; expected a finite number of seconds")
+            if v is not None and not _seconds(v):
+                raise VllmResultError(f"{source}: {key}[{i}] = {excerpt(v)}; expected a finite number of seconds >= 0")
+    for i, v in enumerate(per_request.get("start_times", ())):    # a perf_counter reading: any finite value
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise VllmResultError(f"{source}: start_times[{i}] = {excerpt(v)}; expected a finite number of seconds")
     for i, v in enumerate(per_request.get("itls", ())):
-        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        if not isinstance(v, list):
             raise VllmResultError(f"{source}: itls[{i}] should be a list of seconds between tokens")
+        bad = next((j for j, x in enumerate(v) if not _seconds(x)), None)
+        if bad is not None:
+            raise VllmResultError(f"{source}: itls[{i}][{bad}] = {excerpt(v[bad])}; expected a finite number "
+                                  f"of seconds >= 0 between tokens")
+
+
+def _seconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def _check_consistent(result: VllmResult) -> None:
+    """What a real run cannot produce: a request that succeeded with no output token, ended
+    before its first token, or streamed more gaps than tokens after the first; a count of
+    completed requests that is not the file's. ITLs may be fewer than output - 1: a chunk can
+    carry several tokens (speculative decoding, --stream-interval), vLLM's serve.py times chunks."""
+    source, data = result.source, result.per_request
+    if not result.detailed:
+        return
+    ok = result.succeeded()
+    no_errors = "" if "errors" in data else " (the file has no errors array, so every request counts as succeeded)"
+    outputs, ttfts, latencies, itls = data["output_lens"], data.get("ttfts"), data.get("latencies"), data.get("itls")
+    for i in np.flatnonzero(ok).tolist():
+        if outputs[i] < 1:
+            raise VllmResultError(f"{source}: output_lens[{i}] = {outputs[i]} for a request that succeeded"
+                                  f"{no_errors}; expected >= 1 token")
+        if ttfts and latencies and ttfts[i] is not None and latencies[i] is not None and latencies[i] < ttfts[i]:
+            raise VllmResultError(f"{source}: latencies[{i}] = {latencies[i]:.6g} s is shorter than ttfts[{i}] = "
+                                  f"{ttfts[i]:.6g} s; a request ends after its first token")
+        if itls and len(itls[i]) > outputs[i] - 1:
+            raise VllmResultError(f"{source}: itls[{i}] holds {len(itls[i])} gaps but output_lens[{i}] is "
+                                  f"{outputs[i]}; expected at most output - 1 (one gap per later chunk)")
+    completed = result.metrics.get("completed")
+    if "errors" in data and completed is not None and completed != int(ok.sum()):
+        raise VllmResultError(f"{source}: completed = {excerpt(completed)} but {int(ok.sum())} of the "
+                              f"{len(ok)} requests have an empty errors entry; expected them to agree")
+
+
+def _positive(raw: Any, where: str, expected: str) -> float:
+    """A number > 0 (a JSON number, or one written as text, as vLLM's --metadata values are)."""
+    value = raw
+    if isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise VllmResultError(f"{where} = {excerpt(raw)}; expected {expected}")
+    return float(value)
 
 
 def _rate(raw: Any, where: str) -> float:
@@ -322,9 +398,9 @@ def _rate(raw: Any, where: str) -> float:
         try:
             raw = float(raw)
         except ValueError:
-            raise VllmResultError(f"{where} = {raw!r}; expected a number of requests/s or \"inf\"") from None
+            raise VllmResultError(f"{where} = {excerpt(raw)}; expected a number of requests/s or \"inf\"") from None
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (raw > 0):
-        raise VllmResultError(f"{where} = {raw!r}; expected a number of requests/s > 0 or \"inf\"")
+        raise VllmResultError(f"{where} = {excerpt(raw)}; expected a number of requests/s > 0 or \"inf\"")
     return float(raw)
 
 
@@ -343,7 +419,7 @@ def arrival_times(result: VllmResult, n: int, seed: int = 0) -> tuple[np.ndarray
     if starts and starts[0] is not None:
         return np.asarray(starts, dtype=float), []
     rate = result.rate
-    if math.isinf(rate):
+    if math.isinf(rate) or n == 0:        # n = 0: no request finished (the caller says so)
         return np.zeros(n), []
     rng = np.random.default_rng(seed)
     shape = result.burstiness

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from sim.core.files import FileFormatError, read_yaml
+from sim.core.files import FileFormatError, excerpt, printable, read_yaml
 from sim.errors import UserError
 from sim.output.run_dir import check_out_file, out_file_arg
 
@@ -39,11 +40,27 @@ def _human_int(text: str) -> int:
     scale = units.get(text[-1:], 1)
     number = text[:-1] if scale != 1 else text
     if "." in number and text[-1:] in "KMGT":
-        raise ValueError(f"{text!r}: decimals only go with the decimal suffixes k, m, g, t (as vLLM reads it)")
+        raise ValueError(f"{excerpt(text)}: decimals only go with the decimal suffixes k, m, g, t (as vLLM reads it)")
     value = float(number) * scale
+    if not math.isfinite(value):         # 1e400 reads as inf: no int holds it
+        raise ValueError(f"{excerpt(text)} is not a finite number")
     if value != int(value):
-        raise ValueError(f"{text!r} is not a whole number")
+        raise ValueError(f"{excerpt(text)} is not a whole number")
     return int(value)
+
+
+def _int(text: str) -> int:
+    """A plain integer flag; a 5,000-digit one is refused by its length, not by Python's digit limit."""
+    if len(text.strip()) > 30:
+        raise ValueError(f"{excerpt(text)} is not an integer of a sensible size")
+    return int(text)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{excerpt(text)} is not a finite number")
+    return value
 
 
 def _bool(text: str) -> bool:
@@ -52,13 +69,13 @@ def _bool(text: str) -> bool:
         return True
     if low in ("false", "0", "no", "off"):
         return False
-    raise ValueError(f"{text!r} is not true or false")
+    raise ValueError(f"{excerpt(text)} is not true or false")
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in allowed:
-            raise ValueError(f"{text!r} is not one of {', '.join(allowed)}")
+            raise ValueError(f"{excerpt(text)} is not one of {', '.join(allowed)}")
         return text
     return parse
 
@@ -72,7 +89,7 @@ def _dtype(text: str) -> Optional[str]:
     if text == "auto":
         return None
     if text not in _DTYPES:
-        raise ValueError(f"{text!r} is not one of auto, {', '.join(_DTYPES)}")
+        raise ValueError(f"{excerpt(text)} is not one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[text]
 
 
@@ -83,7 +100,7 @@ _QUANT = {"fp8": {"method": "fp8", "scales": "tensor"},      # vLLM quantizes a 
 
 def _quantization(text: str) -> dict:
     if text not in _QUANT:
-        raise ValueError(f"{text!r} is not a method kvtwin models ({', '.join(_QUANT)}); a pre-quantized "
+        raise ValueError(f"{excerpt(text)} is not a method kvtwin models ({', '.join(_QUANT)}); a pre-quantized "
                          f"checkpoint's config.json (model: {{hf_config: ...}}) carries its own")
     return dict(_QUANT[text])
 
@@ -102,22 +119,22 @@ class Modelled:
 
 MODELLED = (
     Modelled("--max-model-len", "engine.max_model_len", _human_int, "the model's context length"),
-    Modelled("--gpu-memory-utilization", "engine.gpu_memory_utilization", float, "0.9"),
-    Modelled("--max-num-seqs", "engine.max_num_seqs", int, "API server: 1024 on >= 70 GiB GPUs (not A100), else 256"),
+    Modelled("--gpu-memory-utilization", "engine.gpu_memory_utilization", _fraction, "0.9"),
+    Modelled("--max-num-seqs", "engine.max_num_seqs", _int, "API server: 1024 on >= 70 GiB GPUs (not A100), else 256"),
     Modelled("--max-num-batched-tokens", "engine.max_num_batched_tokens", _human_int,
              "API server: 8192 on >= 70 GiB GPUs (not A100), else 2048"),
-    Modelled("--block-size", "engine.block_size", int, "16 (CUDA)"),
-    Modelled("--num-gpu-blocks-override", "engine.num_blocks", int, "none: sized from memory"),
+    Modelled("--block-size", "engine.block_size", _int, "16 (CUDA)"),
+    Modelled("--num-gpu-blocks-override", "engine.num_blocks", _int, "none: sized from memory"),
     Modelled("--enable-prefix-caching", "engine.prefix_caching", _bool, "on (V1)", boolean=True),
     Modelled("--enable-chunked-prefill", "engine.chunked_prefill", _bool, "on (V1)", boolean=True),
-    Modelled("--tensor-parallel-size", "parallelism.tp", int, "1", ("-tp",)),
+    Modelled("--tensor-parallel-size", "parallelism.tp", _int, "1", ("-tp",)),
     Modelled("--scheduling-policy", "engine.scheduling_policy", _choice("fcfs", "priority"), "fcfs"),
     Modelled("--dtype", "model.dtype", _dtype, "auto (the checkpoint's dtype)"),
     Modelled("--kv-cache-dtype", "engine.kv_cache_dtype", _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
              "auto (the model dtype)"),
     Modelled("--quantization", "model.quantization", _quantization,
              "none (the checkpoint's quantization_config)", ("-q",)),
-    Modelled("--data-parallel-size", "parallelism.dp", int, "1", ("-dp",)),
+    Modelled("--data-parallel-size", "parallelism.dp", _int, "1", ("-dp",)),
     Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", boolean=True),
     Modelled("--async-scheduling", "engine.async_scheduling", _bool,
              "auto: on from vLLM 0.14 (engine.vllm_version)", boolean=True),
@@ -208,23 +225,51 @@ class Translation:
     unknown: list[tuple[str, Optional[str]]] = field(default_factory=list)       # flag, value
 
     def notes(self) -> list[str]:
-        out = [f"{flag} {value if value is not None else ''}".rstrip() + f": ignored ({why})"
-               for flag, value, why in self.ignored]
-        out += [f"{flag}: unknown to kvtwin's flag table, ignored (a newer vLLM flag?)" for flag, _ in self.unknown]
+        """One line per ignored or unknown flag, escaped (the command is untrusted text: a newline
+        in a value must not end a comment line), at most MAX_LISTED of each, then a count."""
+        out = capped([_shown(flag, value) + f": ignored ({why})" for flag, value, why in self.ignored], "ignored flags")
+        out += capped([_shown(flag, None) + ": unknown to kvtwin's flag table, ignored (a newer vLLM flag?)"
+                       for flag, _ in self.unknown], "unknown flags")
         return out
+
+
+MAX_LISTED = 50            # flags listed one per line; a 5,000-flag command gets a count for the rest
+MAX_COMMAND_CHARS = 2000   # of the command echoed into the written file's first line
+
+
+def _shown(flag: str, value: Optional[str]) -> str:
+    """`--flag value` as one printable line of bounded length."""
+    return printable(flag, 100) + (f" {printable(value, 200)}" if value is not None else "")
+
+
+def capped(lines: list[str], what: str, limit: int = MAX_LISTED) -> list[str]:
+    return lines if len(lines) <= limit else [*lines[:limit], f"... and {len(lines) - limit:,} more {what}"]
 
 
 # ----------------------------------------------------------------------------- splitting the command
 
 def command_words(command: str | list[str]) -> list[str]:
     """The argument words after `vllm serve` (or the api_server module); a string is split as a shell would."""
-    words = shlex.split(command.replace("\\\n", " ")) if isinstance(command, str) else list(command)
+    return _vllm_arguments(command)[0]
+
+
+def _vllm_arguments(command: str | list[str]) -> tuple[list[str], bool]:
+    """(the words after `vllm serve`, whether the command named vLLM): `/path/to/vllm serve` and
+    `python3.12 -m vllm.entrypoints.openai.api_server` count too; without such a prefix the words
+    are taken as vLLM's arguments themselves (MODEL --flags, or only --flags)."""
+    try:
+        words = shlex.split(command.replace("\\\n", " ")) if isinstance(command, str) else list(command)
+    except ValueError as e:             # an unbalanced quote
+        raise UserError(f"the vLLM command cannot be split into words as a shell would ({e})") from None
+    program = [Path(words[0]).name if words else "", *words[1:3]]
+    if program[0].startswith("python"):
+        program[0] = "python"
     for prefix in _PREFIXES:
-        if tuple(words[: len(prefix)]) == prefix:
-            return words[len(prefix):]
+        if tuple(program[: len(prefix)]) == prefix:
+            return words[len(prefix):], True
     if words and words[0] == "serve":
-        return words[1:]
-    return words
+        return words[1:], True
+    return words, False
 
 
 def _canonical(name: str) -> str:
@@ -309,20 +354,28 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
               model_name: Optional[str] = None) -> Translation:
     """The scenario mapping for `command` on catalog `device`. UserError on a value vLLM would
     also refuse, a missing model, or a flag that looks like a misspelt modelled one."""
-    positional, flags = split_flags(command_words(command))
+    words, named_vllm = _vllm_arguments(command)
+    positional, flags = split_flags(words)
     configs = [v for f, v in flags if f == "--config"]
     flags = [p for path in configs if path for p in config_file_flags(Path(path))] + \
             [(f, v) for f, v in flags if f != "--config"]
     model_arg = next((v for f, v in flags if f == "--model"), None) or (positional[0] if positional else None)
     extra = positional[1:] if positional and model_arg == positional[0] else positional
     if extra:
-        raise UserError(f"unexpected word(s) {' '.join(extra)!r} in the vLLM command: after the model, "
+        if not named_vllm:
+            raise _not_vllm_serve(words)
+        raise UserError(f"unexpected word(s) {excerpt(' '.join(extra))} in the vLLM command: after the model, "
                         f"vLLM takes only --flags")
     if model_arg is None and model_name is None:
         took = [f"{f} {v}" for f, v in flags if v is not None and f not in _BY_NAME and f not in IGNORED]
-        hint = f" (did an unknown flag take it as its value? {', '.join(took)})" if took else ""
+        hint = f" (did an unknown flag take it as its value? {excerpt(', '.join(took), 200)})" if took else ""
         raise UserError(f"the vLLM command names no model (vllm serve MODEL ...){hint}")
-    model = model_name or catalog_model(model_arg, base_dir)
+    try:
+        model = model_name or catalog_model(model_arg, base_dir)
+    except UserError:
+        if not named_vllm:           # `rm -rf /x`: not a model that is missing but another program
+            raise _not_vllm_serve(words) from None
+        raise
     from sim.scenario import set_path
 
     raw: dict[str, Any] = {"name": _scenario_name(model_arg or model), "model": model, "device": device}
@@ -344,6 +397,13 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
     return _sorted_out(result, flags)
 
 
+def _not_vllm_serve(words: list[str]) -> UserError:
+    return UserError(f"{excerpt(' '.join(words), 60)} is not a `vllm serve` command (expected `vllm serve MODEL "
+                     f"--flag ...`, `python -m vllm.entrypoints.openai.api_server --model MODEL ...`, or the "
+                     f"words after `vllm serve` with a catalog model, a catalog hf_id or a folder holding "
+                     f"config.json as MODEL)")
+
+
 def _expert_parallel(result: Translation) -> None:
     """--enable-expert-parallel: whole experts over every GPU of the engine, ep = tp x dp."""
     par = result.raw.get("parallelism", {})
@@ -360,7 +420,7 @@ def _one_flag(name: str, value: Optional[str]):
         return None
     close = difflib.get_close_matches(base, list(_BY_NAME), n=1, cutoff=0.85)
     if close:
-        raise UserError(f"vLLM flag {name}: unknown; did you mean {close[0]}? (a misspelt flag would "
+        raise UserError(f"vLLM flag {printable(name, 60)}: unknown; did you mean {close[0]}? (a misspelt flag would "
                         f"otherwise leave {_BY_NAME[close[0]].field} at its default)")
     return None
 
@@ -373,7 +433,7 @@ def _parse(m: Modelled, name: str, value: Optional[str]) -> Any:
     try:
         parsed = m.parse(value)
     except ValueError as e:
-        raise UserError(f"vLLM flag {name} {value}: {e}") from None
+        raise UserError(f"vLLM flag {name} {printable(value, 60)}: {e}") from None
     return (not parsed) if m.boolean and name.startswith("--no-") else parsed
 
 
@@ -411,7 +471,7 @@ def catalog_model(model: str, base_dir: Optional[Path]) -> Any:
     close = [c for c in difflib.get_close_matches(model.lower(), list(by_hf_id), n=3, cutoff=0.6)
              if _size(c) == _size(model.lower())]            # never a 7B for a 72B
     hint = f"; did you mean {close[0]} (catalog {by_hf_id[close[0]]})?" if close else ""
-    raise UserError(f"model {model!r} is neither a catalog model, a catalog hf_id nor a local folder with "
+    raise UserError(f"model {excerpt(model, 80)} is neither a catalog model, a catalog hf_id nor a local folder with "
                     f"config.json{hint}; pass --model-name CATALOG_NAME or a folder holding its config.json "
                     f"(catalog: {', '.join(model_names())})")
 
@@ -480,7 +540,8 @@ def from_vllm_main(argv: list[str]) -> int:
     command = args.command[0] if len(args.command) == 1 else args.command
     result = translate(command, args.device, Path.cwd(), args.model_name)
     if args.strict and result.unknown:
-        raise UserError(f"unknown vLLM flag(s) {', '.join(f for f, _ in result.unknown)} (--strict)")
+        names = capped([printable(f, 100) for f, _ in result.unknown], "unknown flags", 10)
+        raise UserError(f"unknown vLLM flag(s) {', '.join(names)} (--strict)")
     from sim.scenario import validate_scenario
 
     validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
@@ -507,9 +568,8 @@ def scenario_text(result: Translation, command: str | list[str], kept: Optional[
     """The scenario YAML, headed by comments recording the command and each flag's fate; `kept`
     are the sections a user added to an earlier file (see sections_to_keep), written after."""
     shown = command if isinstance(command, str) else shlex.join(command)
-    head = [f"{WRITTEN_BY} from: {' '.join(shown.split())}"]
-    head += [f"#   {flag} -> {fld} = {value if value is not None else '(kept: auto)'}"
-             for flag, fld, value in result.mapped]
+    head = [f"{WRITTEN_BY} from: {printable(' '.join(shown.split()), MAX_COMMAND_CHARS)}"]
+    head += [f"#   {line}" for line in capped(_mapped_lines(result), "mapped flags")]
     head += [f"#   {note}" for note in result.notes()]
     if kept:
         head.append(f"# Kept from the file this one replaced: {', '.join(kept)}.")
@@ -561,12 +621,16 @@ def sections_to_keep(out: Path, raw: dict, force: bool) -> dict:
 def _report(result: Translation, out: Optional[Path]) -> None:
     from sim.output.console import err_console
 
-    for flag, fld, value in result.mapped:
-        err_console.print(f"mapped   {flag} -> {fld} = {value}", markup=False, highlight=False, soft_wrap=True)
-    for flag, value, why in result.ignored:
-        err_console.print(f"ignored  {flag}{' ' + value if value else ''}: {why}", markup=False, highlight=False, soft_wrap=True)
-    for flag, value in result.unknown:
-        err_console.print(f"UNKNOWN  {flag}{' ' + value if value else ''}: not in kvtwin's flag table; ignored",
-                          markup=False, highlight=False, soft_wrap=True)
+    lines = [f"mapped   {line}" for line in capped(_mapped_lines(result), "mapped flags")]
+    lines += capped([f"ignored  {_shown(flag, value)}: {why}" for flag, value, why in result.ignored], "ignored flags")
+    lines += capped([f"UNKNOWN  {_shown(flag, value)}: not in kvtwin's flag table; ignored"
+                     for flag, value in result.unknown], "unknown flags")
     if out is not None:
-        err_console.print(f"wrote {out}", markup=False, highlight=False, soft_wrap=True)
+        lines.append(f"wrote {printable(str(out))}")
+    for line in lines:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _mapped_lines(result: Translation) -> list[str]:
+    return [f"{printable(flag, 300)} -> {fld} = {value if value is not None else '(kept: auto)'}"
+            for flag, fld, value in result.mapped]

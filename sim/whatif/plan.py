@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
 from sim.output.run_dir import out_folder_arg, owned_run_folder
-from sim.scenario import ScenarioError
+from sim.scenario import MAX_REPLICAS, ScenarioError
 from sim.whatif.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
                        print_frame, save_png, split_sets, write_page)
 
@@ -588,6 +588,15 @@ def check_plan_flags(args: argparse.Namespace) -> None:
     for _, dest, default in (*RATE_SEARCH_FLAGS, *REPLICA_SEARCH_FLAGS):
         if getattr(args, dest) is None:
             setattr(args, dest, default)
+    if not 1 <= args.max_replicas <= MAX_REPLICAS:      # 0 would search nothing and answer "No candidate"
+        raise PlanError(f"--max-replicas {args.max_replicas}: expected a whole number from 1 to {MAX_REPLICAS}")
+    if not 0 <= args.curve <= MAX_CURVE_POINTS:          # named here, before it turns into a scenario field
+        raise PlanError(f"--curve {args.curve}: expected a number of extra rates from 0 (none) to {MAX_CURVE_POINTS}")
+    if not 0 < args.tolerance < 1:                       # NaN fails this too
+        raise PlanError(f"--tolerance {args.tolerance}: expected a fraction between 0 and 1, e.g. 0.05")
+
+
+MAX_CURVE_POINTS = 1000
 
 
 def plan_main(argv: list[str]) -> int:
@@ -639,13 +648,11 @@ def base_task(args: argparse.Namespace):
         raise PlanError(f"{args.scenario}: plan varies {RATE}, so the workload needs synthetic arrivals "
                         f"with a rate (process poisson, gamma or fixed), not "
                         f"{'a trace' if w.trace else 'explicit requests' if w.requests else 'offline arrivals'}")
-    if args.tolerance <= 0 or args.tolerance >= 1:
-        raise PlanError(f"--tolerance {args.tolerance}: expected a fraction between 0 and 1, e.g. 0.05")
     return task, scenario
 
 
 def positive(value: float, flag: str) -> float:
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise PlanError(f"{flag} {value}: expected a positive number")
     return value
 
