@@ -16,7 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from sim.core.memory import parse_vllm_version, pool_block_bytes
+from sim.core import vllm_versions
+from sim.core.memory import pool_block_bytes
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
@@ -92,12 +93,10 @@ class Parallelism(StrictModel):
         return self.tp * self.dp
 
 
-# The first vLLM release whose `async_scheduling` default (None, "auto") resolves to on: the switch
-# existed from 0.10 as an opt-in flag (--async-scheduling); vllm-project/vllm#27614, the last item of
-# the tracking issue vllm-project/vllm#27679 (closed after PRs of late December 2025), made it the
-# default, after 0.13 was cut. vLLM's recipes still called the flag opt-in for 0.11.1-0.12 on
-# 2025-12-01 (vllm-project/recipes#131).
-ASYNC_SCHEDULING_DEFAULT_FROM = (0, 14)
+# The first vLLM release whose `async_scheduling` default (None, "auto") resolves to on (0.12-0.13
+# default False in config/scheduler.py; 0.14 None): the row "async_scheduling_default" of
+# sim/core/vllm_versions.py, where every version-dependent behaviour is listed.
+ASYNC_SCHEDULING_DEFAULT_FROM = vllm_versions.BEHAVIOURS["async_scheduling_default"][0]
 
 
 class EngineConfig(StrictModel):
@@ -106,6 +105,7 @@ class EngineConfig(StrictModel):
     block_size: int = Field(default=16, ge=1, le=1024)
     # Pool size including vLLM's null block 0; derived from device memory when unset.
     num_blocks: Optional[int] = Field(default=None, ge=2, le=2**32)     # and checked against device memory
+    # vLLM's default for vllm_version when unset: 0.9, 0.92 from 0.20 (config/cache.py).
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # Defaults follow vLLM's API server: 1024 / 8192 on >= 70 GiB non-A100 GPUs, else 256 / 2048.
     max_num_seqs: Optional[int] = Field(default=None, ge=1, le=2**20)
@@ -119,8 +119,14 @@ class EngineConfig(StrictModel):
     step_composition: Literal["mixed", "prefill_first"] = "mixed"
     # Fraction of blocks kept free when admitting a waiting request (V0: 0.01, V1: 0).
     admission_watermark: float = Field(default=0.0, ge=0, lt=1)
-    # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt's blocks fit now.
+    # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt's blocks fit now (from 0.19;
+    # unset = vLLM's default for vllm_version: on from 0.19, absent before).
     reserve_full_prompt: bool = True
+    # vLLM's --long-prefill-token-threshold: no chunk of a prompt (running or waiting) computes more
+    # tokens in one step (0 = off); --max-num-partial-prefills > 1 sets it to 4 % of max_model_len
+    # when left at 0 (config/scheduler.py __post_init__). Read `Scenario.long_prefill_token_threshold`.
+    long_prefill_token_threshold: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    max_num_partial_prefills: int = Field(default=1, ge=1, le=2**20)
     # What `contiguous` reserves per request: max_model_len (the server cannot know the
     # answer's length) or the request's own prompt + max output (an oracle baseline).
     contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len"
@@ -142,6 +148,27 @@ class EngineConfig(StrictModel):
     # the default is the version they were fitted on.
     # Only major.minor matter; a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed.
     vllm_version: str = Field(default="0.19", pattern=r"^v?\d{1,3}\.\d{1,3}([.+-][.+\w-]{0,40})?$")
+    # vLLM's --enforce-eager: no CUDA graphs, so none of their memory comes off the KV budget.
+    enforce_eager: bool = False
+    # vLLM's --kv-cache-memory-bytes: the KV pool's bytes per GPU, replacing the memory plan (vLLM
+    # skips its profile then and ignores gpu_memory_utilization).
+    kv_cache_memory_bytes: Optional[int] = Field(default=None, ge=1, le=2**50)
+    # vLLM's --distributed-executor-backend (null = its default: uni on one GPU, mp on several);
+    # ray does not support async scheduling, so `auto` resolves off with it.
+    distributed_executor_backend: Optional[Literal["mp", "uni", "ray", "external_launcher"]] = None
+    # vLLM's --speculative-config method. kvtwin does not model draft tokens; only what the method
+    # does to async scheduling under `auto` (off for methods other than EAGLE/MTP and NGram-GPU).
+    speculative_method: Optional[str] = Field(default=None, pattern=r"^[a-z0-9_]{1,40}$")
+
+    @model_validator(mode="after")
+    def _version_defaults(self) -> "EngineConfig":
+        """Fields left unset take vLLM's default for vllm_version (sim/core/vllm_versions.py)."""
+        unset = self.model_fields_set      # (set through __dict__: an assignment would re-validate)
+        if "gpu_memory_utilization" not in unset:
+            self.__dict__["gpu_memory_utilization"] = vllm_versions.default_gpu_memory_utilization(self.vllm_version)
+        if "reserve_full_prompt" not in unset:
+            self.__dict__["reserve_full_prompt"] = vllm_versions.has(self.vllm_version, "reserve_full_prompt")
+        return self
 
 
 # ----------------------------------------------------------------------------- workload
@@ -488,7 +515,11 @@ class Scenario(StrictModel):
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine.max_num_seqs or (1024 if self._big_gpu() else 256)
+        """The setting, else vLLM's API-server default capped at max_num_batched_tokens (vLLM's
+        engine/arg_utils.py: min(default, max_num_batched_tokens) when max_num_seqs is unset)."""
+        if self.engine.max_num_seqs:
+            return self.engine.max_num_seqs
+        return min(1024 if self._big_gpu() else 256, self.max_num_batched_tokens)
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -506,13 +537,26 @@ class Scenario(StrictModel):
 
     @property
     def async_scheduling(self) -> bool:
-        """engine.async_scheduling resolved: `auto` is on where vLLM's default is (>= 0.14) and the
-        engine is a vLLM-like one (a GPU device, continuous batching)."""
+        """engine.async_scheduling resolved: `auto` is what vLLM's auto resolves to for vllm_version,
+        the executor and speculative method (sim/core/vllm_versions.py async_scheduling_auto), on a
+        vLLM-like engine (a GPU device, continuous batching)."""
         setting = self.engine.async_scheduling
         if setting != "auto":
             return bool(setting)
-        return (parse_vllm_version(self.engine.vllm_version) >= ASYNC_SCHEDULING_DEFAULT_FROM
-                and self.device.name != "cpu" and self.engine.batching == "continuous")
+        e = self.engine
+        on, _ = vllm_versions.async_scheduling_auto(
+            e.vllm_version, platform="cpu" if self.device.name == "cpu" else "cuda",
+            speculative_method=e.speculative_method, executor=e.distributed_executor_backend)
+        return on and e.batching == "continuous"
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        """vLLM's cap on one step's chunk of a prompt (0 = none): the setting, or 4 % of
+        max_model_len when max_num_partial_prefills > 1 leaves it at 0 (config/scheduler.py)."""
+        e = self.engine
+        if e.max_num_partial_prefills > 1 and e.long_prefill_token_threshold == 0:
+            return int(self.max_model_len * 0.04)
+        return e.long_prefill_token_threshold
 
     def _big_gpu(self) -> bool:
         return self.device.memory_mib >= 70 * 1024 and not self.device.name.startswith("a100")
