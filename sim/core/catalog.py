@@ -284,6 +284,9 @@ class DeviceSpec(StrictModel):
     link_gbps: float = Field(default=32.0, gt=0)
     link_latency_us: float = Field(default=10.0, ge=0)
     reserved_mib: float = Field(default=0.0, ge=0, le=MAX_DEVICE_MIB)
+    # The total torch.cuda.mem_get_info reports (vLLM's "Free memory on device (free/total GiB)"),
+    # below memory_mib by the driver's reservation; from a public log where one printed it.
+    visible_mib: Optional[float] = Field(default=None, gt=0, le=MAX_DEVICE_MIB)
     cost_per_hour: Optional[float] = Field(default=None, ge=0)
     source: Optional[str] = None      # the datasheet the figures come from
     # A calibrated cost-model profile (validate/calibrate.py writes it); datasheet defaults when unset.
