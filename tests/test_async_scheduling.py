@@ -230,3 +230,23 @@ def test_the_overlapped_pipeline_admits_as_vllm_does():
         assert np.all([r.is_finished for r in (first, late)])
     # vLLM: a request arriving once step 0 is done, step 1 planned, is scheduled at step 2
     assert admitted[True][0] == admitted[False][0] == 2
+
+
+def test_a_request_aborted_before_it_joins_waiting_never_runs():
+    """A client that goes away while its request is still held for the next pass (the server's
+    abort) leaves nothing behind: the request is not scheduled and the accounting holds."""
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                                      async_scheduling=True), kv)
+    first, gone = make_request(0, 0.0, [(100, 4)], 4), make_request(1, 0.0, [(101, 4)], 4)
+    sched.add(first)
+    batch = sched.schedule()
+    sched.add(gone)
+    sched.abort(gone)
+    sched.finish_step(batch)
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert gone not in batch.reqs
+        sched.finish_step(batch)
+    assert gone.status is Status.ABORTED and first.status is Status.FINISHED
+    sched.check_accounting()

@@ -1,6 +1,6 @@
 """KV-cache memory arithmetic: bytes per token and per block, blocks from a memory budget.
 
-Follows vLLM's sizing (research/VLLM_SEMANTICS.md section 1): the KV pool gets
+Follows vLLM's sizing (docs/vllm_semantics.md, "KV-cache memory plan"): the KV pool gets
 device memory x gpu_memory_utilization minus weights, the activation peak of a profiling
 forward at max_num_batched_tokens, and non-framework memory; whole blocks only; block 0
 is the null block, so usable blocks = num_blocks - 1.
@@ -425,7 +425,7 @@ DRIVER_RESERVE_GIB = 0.46       # datasheet - visible on an H100 80GB; used for 
 
 @dataclass(frozen=True)
 class VllmMemory:
-    """vLLM's KV sizing for one GPU, term by term, in bytes (research/VLLM_SEMANTICS.md section 1)."""
+    """vLLM's KV sizing for one GPU, term by term, in bytes (docs/vllm_semantics.md, "KV-cache memory plan")."""
 
     visible_bytes: int          # torch-visible total, below the datasheet figure
     requested_bytes: int        # gpu_memory_utilization x visible

@@ -279,6 +279,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.active.pop(req, None)
+        elif req in self.arriving:        # async scheduling: added while a step ran, not yet waiting
+            self.arriving.remove(req)
         elif self.priority:
             kept = [e for e in self.waiting_heap if e[-1] is not req]
             self.num_waiting -= len(self.waiting_heap) - len(kept)

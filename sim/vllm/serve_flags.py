@@ -11,7 +11,7 @@ vLLM spellings accepted: `--flag value`, `--flag=value`, underscores for dashes
 (`--max_model_len`), `--no-flag` for booleans, `--config FILE.yaml` (its keys are flag names;
 the command line wins), and the prefixes `vllm serve` or `python -m vllm.entrypoints.openai.api_server`.
 The flag names and defaults follow vLLM's engine arguments (docs.vllm.ai, "Engine Arguments",
-v0.8-v0.11 and main as of 2026); see VLLM_SEMANTICS.md for the defaults kvtwin copies.
+v0.8-v0.21); docs/vllm_semantics.md lists the flags and the release each behaviour follows.
 """
 from __future__ import annotations
 
