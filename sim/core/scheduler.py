@@ -25,6 +25,8 @@ blocks at once (it finishes all the same). Here `finish_step` retires such reque
 them in `running` (`_finishing`) until the next pass of `schedule` has run. When nothing else
 is waiting or running there is no next step to plan, and vLLM processes the outputs at once: the
 finishers are freed in `finish_step`, so an engine that goes idle does not keep their blocks.
+New requests are likewise taken only between loop turns: one added while a step is in flight waits
+in `arriving` through the next pass (vLLM's turn after step N plans N+2), docs/vllm_semantics.md.
 """
 from __future__ import annotations
 
@@ -478,10 +480,10 @@ class Scheduler:
             if req.status is not _RUNNING:
                 continue
             n = req.num_tokens - req.num_computed
-            if 0 < threshold < n:      # vLLM's long_prefill_token_threshold caps every chunk
-                n = threshold
             if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
                 continue               # prefill_first: this pass takes only prefills or only decodes
+            if 0 < threshold < n:      # vLLM's long_prefill_token_threshold caps every chunk
+                n = threshold
             if n > budget:
                 if not self.config.chunked_prefill and req.num_computed == 0:
                     continue           # a whole prompt must fit one step without chunking
