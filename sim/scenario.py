@@ -93,12 +93,6 @@ class Parallelism(StrictModel):
         return self.tp * self.dp
 
 
-# The first vLLM release whose `async_scheduling` default (None, "auto") resolves to on (0.12-0.13
-# default False in config/scheduler.py; 0.14 None): the row "async_scheduling_default" of
-# sim/core/vllm_versions.py, where every version-dependent behaviour is listed.
-ASYNC_SCHEDULING_DEFAULT_FROM = vllm_versions.BEHAVIOURS["async_scheduling_default"][0]
-
-
 class EngineConfig(StrictModel):
     batching: Literal["continuous", "static"] = "continuous"
     allocation: Literal["paged", "contiguous"] = "paged"
