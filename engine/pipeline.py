@@ -68,6 +68,10 @@ class StepPipeline:
     def step(self) -> Optional[CompletedStep]:
         """The next completed step, or None when nothing is in flight and nothing can be scheduled."""
         self.launched = []
+        if self._pending is not None:
+            # Overlapped: step N+1 was planned before the requests added since the last call, so
+            # they are what vLLM's next loop turn takes (N+2): the scheduler need not hold them too.
+            self.scheduler.take_arriving()
         if self._pending is None and not self._launch_next():
             return None
         pending, finished = self._pending, self._finished

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from sim.core import vllm_versions
 from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
@@ -104,14 +105,6 @@ class Parallelism(StrictModel):
         return self.tp * self.dp
 
 
-# The first vLLM release whose `async_scheduling` default (None, "auto") resolves to on: the switch
-# existed from 0.10 as an opt-in flag (--async-scheduling); vllm-project/vllm#27614, the last item of
-# the tracking issue vllm-project/vllm#27679 (closed after PRs of late December 2025), made it the
-# default, after 0.13 was cut. vLLM's recipes still called the flag opt-in for 0.11.1-0.12 on
-# 2025-12-01 (vllm-project/recipes#131).
-ASYNC_SCHEDULING_DEFAULT_FROM = (0, 14)
-
-
 class EngineConfig(StrictModel):
     batching: Literal["continuous", "static"] = Field(
         default="continuous",
@@ -128,11 +121,12 @@ class EngineConfig(StrictModel):
                     "memory when unset, and checked against it")
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1,
-        description="the fraction of device memory vLLM may use (--gpu-memory-utilization)")
+        description="the fraction of device memory vLLM may use (--gpu-memory-utilization); unset: vLLM's "
+                    "default for vllm_version (0.9, 0.92 from 0.20)")
     max_num_seqs: Optional[int] = Field(
         default=None, ge=1, le=2**20,
         description="sequences per step; default as vLLM's API server: 1024 on >= 70 GiB GPUs that are not "
-                    "A100s, else 256")
+                    "A100s, else 256; at most max_num_batched_tokens")
     max_num_batched_tokens: Optional[int] = Field(
         default=None, ge=1, le=MAX_TOKENS,
         description="the token budget per step; default as vLLM's API server: 8192 on >= 70 GiB non-A100 "
@@ -162,7 +156,16 @@ class EngineConfig(StrictModel):
     reserve_full_prompt: bool = Field(
         default=True,
         description="admit only if the blocks of the whole prompt are free now (vLLM's "
-                    "scheduler_reserve_full_isl)")
+                    "scheduler_reserve_full_isl, from 0.19); unset: vLLM's default for vllm_version (on from 0.19, "
+                    "absent before)")
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, le=MAX_TOKENS,
+        description="vLLM's --long-prefill-token-threshold: no chunk of a prompt computes more tokens in one step "
+                    "(0 = off); max_num_partial_prefills > 1 sets it to 4 % of max_model_len when left at 0")
+    max_num_partial_prefills: int = Field(
+        default=1, ge=1, le=2**20,
+        description="vLLM's --max-num-partial-prefills (vLLM V1 serves only 1; a larger value here applies "
+                    "the threshold rule above)")
     contiguous_reserve: Literal["max_model_len", "request"] = Field(
         default="max_model_len",
         description="what contiguous allocation reserves per request: max_model_len (the server cannot know"
@@ -192,6 +195,31 @@ class EngineConfig(StrictModel):
         description="the vLLM release whose version-dependent behaviour applies (memory terms, async "
                     "default; the default is the release the memory terms were fitted on); major.minor "
                     "count, a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed")
+    enforce_eager: bool = Field(
+        default=False,
+        description="vLLM's --enforce-eager: no CUDA graphs, so none of their memory comes off the KV budget")
+    kv_cache_memory_bytes: Optional[int] = Field(
+        default=None, ge=1, le=2**50,
+        description="vLLM's --kv-cache-memory-bytes: the KV pool's bytes per GPU, replacing the memory plan "
+                    "(vLLM skips its profile then and ignores gpu_memory_utilization)")
+    distributed_executor_backend: Optional[Literal["mp", "uni", "ray", "external_launcher"]] = Field(
+        default=None,
+        description="vLLM's --distributed-executor-backend (unset: uni on one GPU, mp on several); ray turns "
+                    "auto async scheduling off")
+    speculative_method: Optional[str] = Field(
+        default=None, pattern=r"^[a-z0-9_]{1,40}$",
+        description="vLLM's --speculative-config method; only its effect on auto async scheduling is "
+                    "modelled (off for methods other than EAGLE/MTP and NGram-GPU), not draft tokens")
+
+    @model_validator(mode="after")
+    def _version_defaults(self) -> "EngineConfig":
+        """Fields left unset take vLLM's default for vllm_version (sim/core/vllm_versions.py)."""
+        unset = self.model_fields_set      # (set through __dict__: an assignment would re-validate)
+        if "gpu_memory_utilization" not in unset:
+            self.__dict__["gpu_memory_utilization"] = vllm_versions.default_gpu_memory_utilization(self.vllm_version)
+        if "reserve_full_prompt" not in unset:
+            self.__dict__["reserve_full_prompt"] = vllm_versions.has(self.vllm_version, "reserve_full_prompt")
+        return self
 
 
 # ----------------------------------------------------------------------------- workload
@@ -704,7 +732,11 @@ class Scenario(StrictModel):
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine.max_num_seqs or (1024 if self._big_gpu() else 256)
+        """The setting, else vLLM's API-server default capped at max_num_batched_tokens (vLLM's
+        engine/arg_utils.py: min(default, max_num_batched_tokens) when max_num_seqs is unset)."""
+        if self.engine.max_num_seqs:
+            return self.engine.max_num_seqs
+        return min(1024 if self._big_gpu() else 256, self.max_num_batched_tokens)
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -722,13 +754,26 @@ class Scenario(StrictModel):
 
     @property
     def async_scheduling(self) -> bool:
-        """engine.async_scheduling resolved: `auto` is on where vLLM's default is (>= 0.14) and the
-        engine is a vLLM-like one (a GPU device, continuous batching)."""
+        """engine.async_scheduling resolved: `auto` is what vLLM's auto resolves to for vllm_version,
+        the executor and speculative method (sim/core/vllm_versions.py async_scheduling_auto), on a
+        vLLM-like engine (a GPU device, continuous batching)."""
         setting = self.engine.async_scheduling
         if setting != "auto":
             return bool(setting)
-        return (parse_vllm_version(self.engine.vllm_version) >= ASYNC_SCHEDULING_DEFAULT_FROM
-                and self.device.name != "cpu" and self.engine.batching == "continuous")
+        e = self.engine
+        on, _ = vllm_versions.async_scheduling_auto(
+            e.vllm_version, platform="cpu" if self.device.name == "cpu" else "cuda",
+            speculative_method=e.speculative_method, executor=e.distributed_executor_backend)
+        return on and e.batching == "continuous"
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        """vLLM's cap on one step's chunk of a prompt (0 = none): the setting, or 4 % of
+        max_model_len when max_num_partial_prefills > 1 leaves it at 0 (config/scheduler.py)."""
+        e = self.engine
+        if e.max_num_partial_prefills > 1 and e.long_prefill_token_threshold == 0:
+            return int(self.max_model_len * 0.04)
+        return e.long_prefill_token_threshold
 
     def _big_gpu(self) -> bool:
         return self.device.memory_mib >= 70 * 1024 and not self.device.name.startswith("a100")

@@ -5,6 +5,8 @@ that emits its last token in step N still holds its KV blocks and its max_num_se
 step N+1 is planned (it is not computed in N+1: vLLM knows it reached max_tokens). Each case
 below is small enough to follow by hand; the expected steps are worked out in the comments.
 """
+import pytest
+
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import Status, make_request
 from sim.core.scheduler import Scheduler, SchedulerConfig
@@ -118,3 +120,133 @@ def test_an_engine_that_goes_idle_frees_its_finishers_at_once():
     sched.finish_step(sched.schedule())
     sched.finish_step(sched.schedule())         # request 0 emits its last token here
     assert sched.pending_release and sched.num_running == 2
+
+
+# -- arrivals: vLLM's busy loop takes new requests between loop turns -------------------------
+
+def lagged_admission(async_scheduling, first_output=6):
+    """Request 0 alone from step 0; request 1 added while step 1 is in flight (after schedule(),
+    before finish_step). Returns (request 1's admit step, the steps each computed)."""
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                                      async_scheduling=async_scheduling), kv)
+    first, late = make_request(0, 0.0, [(100, 4)], first_output), make_request(1, 0.5, [(101, 4)], 2)
+    sched.add(first)
+    steps = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        if batch is None:
+            break
+        if batch.step == 1:
+            sched.add(late)              # arrives while step 1 runs
+        steps.append(sorted(r.id for r in batch.reqs))
+        sched.finish_step(batch)
+    sched.check_accounting()
+    return late.admit_step, steps
+
+
+def test_a_request_arriving_during_step_n_is_scheduled_in_n_plus_2():
+    """vLLM 0.19 v1/engine/core.py: with async scheduling the busy loop (run_busy_loop: first
+    _process_input_queue, then step_with_batch_queue) schedules step N+1 and launches it before
+    blocking on step N's output (batch_queue_size 2), so the turn after step N plans N+2, and the
+    requests that arrived while N ran are drained only at that turn. Synchronous: N+1."""
+    assert lagged_admission(False)[0] == 2
+    admit, steps = lagged_admission(True)
+    assert admit == 3
+    assert steps[2] == [0] and steps[3] == [0, 1]
+
+
+def test_an_idle_or_empty_turn_takes_arrivals_at_once():
+    """vLLM 0.19 v1/engine/core.py: an idle engine blocks on its input queue and schedules as soon
+    as a request comes; a turn whose plan is empty (here request 0 ends at step 1, and the async
+    scheduler knows it) appends an empty batch and the next turn, right after step 1's output,
+    takes the new request: no extra step. The simulator's first request (t=0) is not delayed."""
+    admit, steps = lagged_admission(True, first_output=2)
+    assert admit == 2 and steps == [[0], [0], [1], [1]]
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                                      async_scheduling=True), kv)
+    req = make_request(0, 0.0, [(100, 4)], 1)
+    sched.add(req)
+    assert [r.id for r in sched.schedule().reqs] == [0]
+
+
+def light_load(async_scheduling):
+    """Two requests on an H100: the second arrives half-way through the first's first decode
+    step (step 1). Returns (request 1's record, the steps' frame)."""
+    from sim.records import requests_frame
+    from sim.simulator import simulate
+
+    scenario = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm",
+                                  "engine": {"max_model_len": 4096, "async_scheduling": async_scheduling},
+                                  "workload": {"num_requests": 2}})
+    probe, _, _ = simulate(scenario, [make_request(0, 0.0, [(1, 512)], 64)])
+    start, end = probe.steps_frame()[["start_s", "end_s"]].iloc[1]
+    late = (start + end) / 2
+    records, _, _ = simulate(scenario, [make_request(0, 0.0, [(1, 512)], 64),
+                                        make_request(1, late, [(2, 512)], 64)])
+    return requests_frame(records).set_index("id").loc[1], records.steps_frame()
+
+
+def test_the_simulator_admits_a_mid_step_arrival_one_step_later():
+    """The simulator's driver shares the policy: under async scheduling (vLLM >= 0.14's default,
+    v1/engine/core.py step_with_batch_queue) the request arriving during step 1 is admitted at
+    step 3 instead of step 2, so its TTFT grows by step 2's duration."""
+    sync, sync_steps = light_load(False)
+    lagged, async_steps = light_load(True)
+    assert sync["admitted_s"] == pytest.approx(sync_steps["start_s"].iloc[2])
+    assert lagged["admitted_s"] == pytest.approx(async_steps["start_s"].iloc[3])
+    step_2 = async_steps["end_s"].iloc[2] - async_steps["start_s"].iloc[2]
+    assert lagged["ttft_s"] - sync["ttft_s"] == pytest.approx(step_2, rel=0.2)
+
+
+def test_the_overlapped_pipeline_admits_as_vllm_does():
+    """engine/pipeline.py: with overlap, step N+1 is launched before step() returns, so the
+    requests added after it are what vLLM's next turn takes (N+2): the scheduler must not hold
+    them once more; synchronous, the scheduler's hold gives the same N+2."""
+    import numpy as np
+
+    from engine.pipeline import StepPipeline
+    from engine.runner import ModelRunner
+    from engine.weights import build_model, init_random_weights
+    from sim.core.catalog import get_model
+
+    model = build_model(get_model("tiny"), "cpu")
+    init_random_weights(model, seed=1, std=0.1)
+    admitted = {}
+    for overlap in (False, True):
+        kv = KVCacheManager(24, 4, enable_caching=False, max_model_len=64)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                                          async_scheduling=True), kv)
+        pipeline = StepPipeline(sched, ModelRunner(model, 24, 4, 64, seed=7), overlap=overlap)
+        first, late = make_request(0, 0.0, [(100, 6)], 8), make_request(1, 0.0, [(101, 6)], 3)
+        sched.add(first)
+        done = pipeline.step()               # step 0 completed (overlap: step 1 already launched)
+        last_launched = done.batch.step + len(pipeline.launched) - (0 if overlap else 1)
+        sched.add(late)
+        while pipeline.busy():
+            pipeline.step()
+        admitted[overlap] = (late.admit_step, last_launched)
+        assert np.all([r.is_finished for r in (first, late)])
+    # vLLM: a request arriving once step 0 is done, step 1 planned, is scheduled at step 2
+    assert admitted[True][0] == admitted[False][0] == 2
+
+
+def test_a_request_aborted_before_it_joins_waiting_never_runs():
+    """A client that goes away while its request is still held for the next pass (the server's
+    abort) leaves nothing behind: the request is not scheduled and the accounting holds."""
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                                      async_scheduling=True), kv)
+    first, gone = make_request(0, 0.0, [(100, 4)], 4), make_request(1, 0.0, [(101, 4)], 4)
+    sched.add(first)
+    batch = sched.schedule()
+    sched.add(gone)
+    sched.abort(gone)
+    sched.finish_step(batch)
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert gone not in batch.reqs
+        sched.finish_step(batch)
+    assert gone.status is Status.ABORTED and first.status is Status.FINISHED
+    sched.check_accounting()

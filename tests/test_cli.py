@@ -68,7 +68,7 @@ def test_the_answer_prints_before_any_figure_is_drawn(tmp_path, capsys, monkeypa
                  "--set", "workload.num_requests=40"]) == 0
     before = seen["printed"]
     for text in ("model       llama-3.1-8b (bfloat16)", "device      l4, tp=1", "SLOs        TTFT ≤ 1 s, TPOT ≤ 100 ms",
-                 "GPU KV cache size: 33,920 tokens", "Maximum concurrency for 4,096 tokens per request: 8.29x",
+                 "GPU KV cache size: 33,936 tokens", "Maximum concurrency for 4,096 tokens per request: 8.29x",
                  "request throughput (req/s)", "KV usage peak", "quickstart: "):
         assert text in before, text
     assert "wrote" in capsys.readouterr().out and (tmp_path / "q" / "overview.png").exists()

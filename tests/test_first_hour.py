@@ -322,7 +322,7 @@ def test_a_kv_dtype_sweep_shows_pool_concurrency_and_goodput_uncut(tmp_path):
         assert column in header, header
     assert "…" not in done.stdout                     # a pipe gets the full width, nothing cut
     pools = [line.split("│")[-3].strip() for line in done.stdout.splitlines() if line.startswith(("│ auto", "│ fp8"))]
-    assert pools == ["33,920", "67,856"]              # fp8 halves the bytes per token: twice the tokens
+    assert pools == ["33,936", "67,872"]              # fp8 halves the bytes per token: twice the tokens
 
 
 def test_a_prompt_layout_sweep_shows_the_prefix_hit_rate(tmp_path):

@@ -285,14 +285,18 @@ def test_mistral_v01_holds_a_window_per_request_and_reuses_the_shared_prefixes_w
     """Prompts of 10-14k tokens, past Mistral v0.1's 4096 window: no request ever holds more than
     vLLM's bound (window - 1 + budget, in blocks, + 1), so a pool of 1300 blocks runs several at
     once where full attention runs one; the prefix cache still hits on a 6000-token shared prefix
-    (its last 256 blocks stay cached after the window moved past them)."""
+    (its last 256 blocks stay cached after the window moved past them). vLLM 0.20's admission cap
+    (v1/core/single_type_kv_cache_manager.py _max_admission_blocks_per_request) lets 1299 // 385
+    run; 0.19's gate asks every block of the prompt (625-875 here), so at most 2 start."""
     args = dict(max_model_len=16384, prompts=(10_000, 14_000), prefix=6000, num_blocks=1300)
-    records, plan, _ = simulate(scenario("mistral-7b-v0.1", **args))
+    records, plan, _ = simulate(scenario("mistral-7b-v0.1", vllm_version="0.20", **args))
     steps = records.steps_frame()
     bound = plan.kv_groups.blocks_per_request(16384, 16, 2048)
     assert bound == (4095 + 2048 + 15) // 16 + 1 == 385
     assert steps["kv_blocks_used"].max() <= plan.usable_blocks
     assert steps["running"].max() >= 1299 // bound
+    gated, _, _ = simulate(scenario("mistral-7b-v0.1", vllm_version="0.19", **args))
+    assert gated.steps_frame()["running"].max() == 2
     full, _, _ = simulate(scenario({"base": "mistral-7b-v0.1", "sliding_window": None}, **args))
     assert full.steps_frame()["running"].max() == 1 and steps["running"].mean() > 2
     cached = requests_frame(records)["cached_tokens"]

@@ -165,11 +165,19 @@ def test_the_rtx_4090_pool_under_both_plans():
 
 
 def test_version_dependent_terms_follow_engine_vllm_version():
-    """From 0.21 vLLM subtracts its CUDA-graph estimate; before 0.11, tp's non-torch memory is small."""
-    old, new = plan_memory(llama_on("h100-sxm")), plan_memory(llama_on("h100-sxm", vllm_version="0.21.0"))
-    assert old.cudagraph_bytes == 0 < new.cudagraph_bytes
-    assert new.kv_budget_bytes == old.kv_budget_bytes - new.cudagraph_bytes
-    assert new.num_blocks < old.num_blocks
+    """From 0.20 vLLM subtracts its CUDA-graph estimate (vllm 0.20.0 envs.py:
+    VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to "1", "0" in 0.19.0; v1/worker/gpu_worker.py
+    determine_available_memory subtracts cudagraph_memory_estimate_applied), and its
+    gpu_memory_utilization default is 0.92 (0.20.0 config/cache.py, 0.9 in 0.19.0); before 0.11,
+    tp's non-torch memory is small."""
+    old = plan_memory(llama_on("h100-sxm"))
+    same_util = plan_memory(llama_on("h100-sxm", vllm_version="0.20.0", gpu_memory_utilization=0.9))
+    assert old.cudagraph_bytes == 0 < same_util.cudagraph_bytes
+    assert same_util.kv_budget_bytes == old.kv_budget_bytes - same_util.cudagraph_bytes
+    assert same_util.num_blocks < old.num_blocks
+    new = plan_memory(llama_on("h100-sxm", vllm_version="0.21.0"))
+    assert new.utilization == 0.92 and old.utilization == 0.9
+    assert plan_memory(llama_on("h100-sxm", vllm_version="0.19.1")).cudagraph_bytes == 0
     tp2 = {v: plan_memory(validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm",
                                              "parallelism": {"tp": 2}, "engine": {"vllm_version": v}}))
            for v in ("0.10.1", "0.19.0")}
@@ -207,9 +215,26 @@ def test_a_measured_activation_peak_replaces_vllms_estimate():
 
 
 def test_memory_plan_simple_reproduces_the_quickstarts_earlier_pool():
-    """The quickstart (Llama-3.1-8B, one L4) before vLLM's plan was the default: 36,160 tokens, 8.83x."""
+    """The quickstart (Llama-3.1-8B, one L4) before vLLM's plan was the default: 36,176 tokens, 8.83x."""
     from sim.scenario import load_scenario
     quickstart = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
     simple = plan_memory(load_scenario(quickstart, ["engine.memory_plan=simple"]))
-    assert simple.max_tokens == 36_160 and simple.max_concurrency(4096) == pytest.approx(8.83, abs=0.01)
-    assert plan_memory(load_scenario(quickstart)).max_tokens == 33_920
+    # (tokens as vLLM prints them: the null block counted, one block above the usable slots)
+    assert simple.max_tokens == 36_176 and simple.max_concurrency(4096) == pytest.approx(8.83, abs=0.01)
+    assert plan_memory(load_scenario(quickstart)).max_tokens == 33_936
+
+
+def test_enforce_eager_and_kv_cache_memory_bytes():
+    """--enforce-eager: no graphs are captured (0.20.0 gpu_worker.py: the estimate is taken only when
+    cudagraph_mode != NONE), so nothing comes off the 0.20 budget. --kv-cache-memory-bytes replaces
+    the plan (0.19.0 / 0.20.0 gpu_worker.py determine_available_memory returns the given bytes,
+    ignoring gpu_memory_utilization): 20 GiB of Llama-3.1-8B's 2 MiB blocks (128 KiB per token x 16)
+    on an H100 is 10,240 blocks, where the profiled plan gives 29,000-odd."""
+    graphs = plan_memory(llama_on("h100-sxm", vllm_version="0.20"))
+    eager = plan_memory(llama_on("h100-sxm", vllm_version="0.20", enforce_eager=True))
+    assert graphs.cudagraph_bytes > 0 == eager.cudagraph_bytes
+    assert eager.num_blocks > graphs.num_blocks
+    given = plan_memory(llama_on("h100-sxm", kv_cache_memory_bytes=20 * GIB))
+    assert given.block_bytes == 2 * 1024 ** 2 and given.num_blocks == 10_240
+    assert given.max_tokens == 10_240 * 16
+    assert plan_memory(llama_on("h100-sxm")).num_blocks > 27_000

@@ -36,8 +36,8 @@ def test_quantization_kv_dtype_and_parallel_flags():
 
 def test_other_flags_are_listed_never_dropped():
     t = translate(["vllm", "serve", "tiny", "--host", "0.0.0.0", "--trust-remote-code", "--port", "9",
-                   "--brand-new-flag", "x", "--enforce-eager", "--max-num-seqs", "4"], "cpu")
-    assert [f for f, _, _ in t.ignored] == ["--host", "--trust-remote-code", "--port", "--enforce-eager"]
+                   "--brand-new-flag", "x", "--disable-log-stats", "--max-num-seqs", "4"], "cpu")
+    assert [f for f, _, _ in t.ignored] == ["--host", "--trust-remote-code", "--port", "--disable-log-stats"]
     assert t.unknown == [("--brand-new-flag", "x")]
     assert t.raw["engine"] == {"max_num_seqs": 4}      # a switch did not swallow the next flag
     assert any("--brand-new-flag" in n for n in t.notes())
@@ -92,12 +92,53 @@ def test_cli_writes_a_loadable_scenario(tmp_path, capsys):
     assert "--new-thing" in capsys.readouterr().err
 
 
-def test_readme_table_lists_every_modelled_flag():
+def test_docs_table_lists_every_modelled_flag():
     from pathlib import Path
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "live_endpoints.md").read_text()
     assert flag_table_markdown() in page, "docs/live_endpoints.md's from-vllm table is out of date: paste flag_table_markdown()"
     assert len(MODELLED) == flag_table_markdown().count("\n") - 1
+
+
+def test_version_timing_and_memory_flags_are_mapped_not_ignored():
+    """The flags behind vLLM's timing and memory by version land in scenario fields: vLLM 0.19
+    engine/arg_utils.py names them (--enforce-eager, --kv-cache-memory-bytes, --distributed-executor-
+    backend, --speculative-config / -sc, --long-prefill-token-threshold, --max-num-partial-prefills);
+    config/speculative.py infers an unset method (ngram, eagle- / eagle3 in the draft's name, else
+    draft_model) and renames the *_mtp methods mtp."""
+    t = translate("vllm serve tiny --enforce-eager --kv-cache-memory-bytes 20G --distributed-executor-backend ray "
+                  "--long-prefill-token-threshold 1k --max-num-partial-prefills 1 "
+                  "-sc '{\"model\": \"yuhuili/EAGLE3-LLaMA3.1-Instruct-8B\", \"num_speculative_tokens\": 3}'",
+                  "h100-sxm")
+    assert t.raw["engine"] == {"enforce_eager": True, "kv_cache_memory_bytes": 20 * 2 ** 30,
+                               "distributed_executor_backend": "ray", "long_prefill_token_threshold": 1000,
+                               "max_num_partial_prefills": 1, "speculative_method": "eagle3"}
+    assert not t.ignored and not t.unknown
+    for config, method in (('{"method": "deepseek_mtp"}', "mtp"), ('{"model": "ngram"}', "ngram"),
+                           ("{method:ngram_gpu,num_speculative_tokens:3}", "ngram_gpu"),    # shell-unquoted
+                           ('{"model": "some/draft-1b"}', "draft_model")):
+        assert translate(["vllm", "serve", "tiny", "--speculative-config", config],
+                         "cpu").raw["engine"]["speculative_method"] == method
+    # vLLM's engine arguments refuse concurrent partial prefills (0.19 arg_utils.py _check_feature_supported)
+    with pytest.raises(UserError, match="Concurrent Partial Prefill is not supported"):
+        translate("vllm serve tiny --max-num-partial-prefills 2", "cpu")
+    with pytest.raises(UserError, match="JSON object"):
+        translate("vllm serve tiny --speculative-config eagle", "cpu")
+
+
+def test_cli_writes_the_vllm_version_and_what_async_scheduling_resolves_to(tmp_path):
+    """`--vllm-version` lands in engine.vllm_version, which picks vLLM's defaults: 0.20 raises the
+    utilization default to 0.92 (vllm 0.20.0 config/cache.py); the ray executor turns auto async
+    scheduling off (0.19.0 config/vllm.py: executor_class.supports_async_scheduling() is False)."""
+    out = tmp_path / "s.yaml"
+    assert main(["from-vllm", "--device", "h100-sxm", "--vllm-version", "0.20.0", "--out", str(out), "--",
+                 "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--distributed-executor-backend", "ray"]) == 0
+    text = out.read_text()
+    assert "async scheduling: off under auto (the ray executor does not support async scheduling)" in text
+    scenario = load_scenario(out)
+    assert scenario.engine.vllm_version == "0.20.0" and scenario.engine.gpu_memory_utilization == 0.92
+    assert not scenario.async_scheduling
+    assert main(["from-vllm", "--device", "h100-sxm", "--vllm-version", "latest", "vllm serve tiny"]) == 2
 
 
 def test_public_vllm_commands_and_logged_args_translate_without_unknown_flags():

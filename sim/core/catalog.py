@@ -361,6 +361,9 @@ class DeviceSpec(StrictModel):
     reserved_mib: float = Field(
         default=0.0, ge=0, le=MAX_DEVICE_MIB,
         description="memory the simple memory plan keeps back (driver, runtime), MiB")
+    visible_mib: Optional[float] = Field(
+        default=None, gt=0, le=MAX_DEVICE_MIB,
+        description="the total torch.cuda.mem_get_info reports (vLLM's \"Free memory on device (free/total GiB)\"), below memory_mib by the driver's reservation, MiB; from a public log where one printed it")
     cost_per_hour: Optional[float] = Field(
         default=None, ge=0,
         description="an illustrative price per GPU-hour in $ (`simrun plan --cost` overrides it)")

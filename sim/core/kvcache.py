@@ -566,6 +566,9 @@ class KVCacheManager:
     """
 
     private_blocks = True
+    # vLLM >= 0.20 caps a sliding group's admission need at its window; 0.19 asks every block of the
+    # prompt (set by the Scheduler from SchedulerConfig.sliding_admission_cap; full attention ignores it).
+    sliding_admission_cap = True
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  allocation: str = "paged", max_model_len: Optional[int] = None,
@@ -820,6 +823,9 @@ class GroupedKVCacheManager(KVCacheManager):
         """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
         blocks = cdiv(self.reserve_tokens(req), self.block_size)
         g = self.groups
+        if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
+            return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
+                       g.num_groups * cdiv(req.prompt_len, self.block_size))
         return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
 
     # -- prefix cache ---------------------------------------------------------------------
@@ -902,7 +908,8 @@ class GroupedKVCacheManager(KVCacheManager):
         gate = cdiv(gate_tokens, bs)
         g = self.groups
         full = max(gate - held - num_hit, need)
-        sliding = max(min(gate, self.sliding_cap) - held - num_hit, need)   # vLLM's admission cap
+        capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
+        sliding = max(capped - held - num_hit, need)
         return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
 
     def frees_behind_window(self, req: Request) -> int:

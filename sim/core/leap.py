@@ -215,7 +215,9 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     # members nor active; the plan waits for `settle` to go past step t, see LeapPlan)
     # A grouped KV cache leaps only with nobody waiting: its members also free blocks behind their
     # windows, so the free blocks can grow during the stretch and let a waiting head start in it.
-    if (not sched.lazy or kv.grouped and sched.num_waiting or not members or sched.active
+    # Async scheduling: requests that arrived during the last step join WAITING only after the
+    # next schedule() pass (Scheduler.arriving), which a leap would skip: no leap until then.
+    if (not sched.lazy or kv.grouped and sched.num_waiting or not members or sched.active or sched.arriving
             or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None

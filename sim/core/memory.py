@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
+from sim.core import vllm_versions
 from sim.core.catalog import MIB, ModelSpec
 
 
@@ -260,12 +261,12 @@ class MemoryPlan:
 
     @property
     def max_tokens(self) -> int:
-        """Tokens the pool holds at once (vLLM's "GPU KV cache size: N tokens"); with hybrid
-        groups, vLLM's figure: the blocks shared out evenly over the groups."""
+        """vLLM's "GPU KV cache size: N tokens": num_blocks // KV cache groups x block_size, the
+        null block counted (v1/core/kv_cache_utils.py _report_kv_cache_config; one slot fewer
+        than that is usable)."""
         groups = self.kv_groups
-        if groups is None or groups.full_groups + groups.sliding_groups <= 1:
-            return self.usable_blocks * self.block_size
-        return self.num_blocks // (groups.full_groups + groups.sliding_groups) * self.block_size
+        num_groups = 1 if groups is None else max(groups.full_groups + groups.sliding_groups, 1)
+        return self.num_blocks // num_groups * self.block_size
 
     def longest_request_that_fits(self) -> int:
         """The largest request length whose blocks fit in the pool (vLLM's estimated max_model_len)."""
@@ -316,6 +317,8 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     eng = scenario.engine
     activation = _measured_activation(scenario, activation_scale)
     plan = _vllm_plan(scenario, activation) if uses_vllm_plan(scenario) else _simple_plan(scenario, activation)
+    if eng.kv_cache_memory_bytes is not None and eng.num_blocks is None:
+        plan = _given_kv_memory(plan, eng.kv_cache_memory_bytes)
     if eng.num_blocks is not None:
         plan = replace(plan, num_blocks=eng.num_blocks, from_override=True)
     _check_one_request_fits(plan, scenario.max_model_len)
@@ -343,6 +346,13 @@ def kvtwin_activation_bytes(scenario, scale: float = 1.0) -> int:
     return activation_peak_bytes(scenario.model, tokens, rows, scenario.parallelism.tp, scale)
 
 
+def _given_kv_memory(plan: MemoryPlan, kv_bytes: int) -> MemoryPlan:
+    """--kv-cache-memory-bytes: vLLM skips its memory profile (the profile run still compiles) and
+    sizes the pool from the given bytes alone, ignoring gpu_memory_utilization
+    (v1/worker/gpu_worker.py determine_available_memory, 0.12-0.21)."""
+    return replace(plan, kv_budget_bytes=kv_bytes, num_blocks=kv_bytes // plan.block_bytes, from_override=True)
+
+
 def _simple_plan(scenario, activation: int | None) -> MemoryPlan:
     model, device, eng = scenario.model, scenario.device, scenario.engine
     tp, dp = scenario.parallelism.tp, scenario.parallelism.dp
@@ -365,7 +375,8 @@ def _vllm_plan(scenario, activation: int | None) -> MemoryPlan:
     tp = scenario.parallelism.tp
     v = vllm_memory_plan(model, device, tp, eng.gpu_memory_utilization, scenario.max_num_batched_tokens,
                          scenario.max_num_seqs, eng.block_size, eng.vllm_version, eng.kv_cache_dtype,
-                         dp=scenario.parallelism.dp, activation_bytes=activation)
+                         dp=scenario.parallelism.dp, activation_bytes=activation,
+                         enforce_eager=eng.enforce_eager)
     return MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, v.requested_bytes, v.weight_bytes,
                       v.activation_bytes, v.non_torch_bytes + v.cudagraph_bytes, v.kv_budget_bytes,
                       kv_bytes_per_token(model, tp, eng.kv_cache_dtype), eng.block_size, v.block_bytes,
@@ -386,7 +397,7 @@ def _check_one_request_fits(plan: MemoryPlan, max_model_len: int) -> None:
     short = need_blocks * plan.block_bytes - have
     fits = plan.longest_request_that_fits()
     if plan.from_override:
-        cause = f"engine.num_blocks={plan.num_blocks} gives {plan.usable_blocks} usable blocks"
+        cause = f"engine.num_blocks (or kv_cache_memory_bytes) gives {plan.usable_blocks} usable blocks"
     elif plan.memory_plan == "vllm":
         cause = (f"vLLM {plan.vllm_version}'s plan per GPU: {mib(plan.budget_bytes)} budget ({plan.utilization:g} x "
                  f"{mib(plan.visible_bytes)} torch-visible) - {mib(plan.weight_bytes)} weights "
@@ -420,11 +431,10 @@ def _memory_advice(plan: MemoryPlan, fits: int) -> str:
 # ----------------------------------------------------------------------------- vLLM's own plan
 
 GIB = 1024 ** 3
-# What torch.cuda.mem_get_info reports as total (vLLM's "Free memory on device (free/total GiB)"),
-# below the datasheet figure: the driver's own reservation. From public startup logs
-# (tests/data/vllm_public/startup_logs.yaml) where printed, else the parts' well-known totals.
-VISIBLE_GIB = {"h100-sxm": 79.19, "a100-80g": 79.15, "a100-40g": 39.39, "rtx-4090": 23.64, "rtx-3090": 23.58}
-DRIVER_RESERVE_GIB = 0.46       # datasheet - visible on an H100 80GB; used for parts not listed
+# What torch.cuda.mem_get_info reports as total (vLLM's "Free memory on device (free/total GiB)")
+# is below the datasheet figure: the driver's own reservation. The device catalog's `visible_mib`
+# holds it where a public startup log printed it; other parts lose what an H100 80GB loses.
+DRIVER_RESERVE_GIB = 0.46       # datasheet - visible on an H100 80GB; used for parts without visible_mib
 
 
 @dataclass(frozen=True)
@@ -436,7 +446,7 @@ class VllmMemory:
     weight_bytes: int
     activation_bytes: int       # torch peak of the profiling forward + dummy sampler
     non_torch_bytes: int        # CUDA context, cuBLAS workspaces, NCCL / custom all-reduce buffers
-    cudagraph_bytes: int        # subtracted from the budget only from vLLM 0.21 on
+    cudagraph_bytes: int        # subtracted from the budget only from vLLM 0.20 on (and not eager)
     kv_budget_bytes: int
     block_bytes: int
     num_blocks: int             # vLLM's num_gpu_blocks (the null block included)
@@ -448,19 +458,14 @@ class VllmMemory:
         return self.num_blocks * self.block_size
 
 
-def parse_vllm_version(version: str | None) -> tuple[int, int]:
-    """'0.19.0' -> (0, 19); None -> the version these terms were last checked against."""
-    if not version:
-        return (0, 19)
-    parts = [int(p) for p in str(version).lstrip("v").split(".")[:2] if p.isdigit()]
-    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+# '0.19.0' -> (0, 19); None -> the default version (sim/core/vllm_versions.py)
+parse_vllm_version = vllm_versions.parse_version
 
 
 def vllm_visible_bytes(device) -> int:
-    gib = VISIBLE_GIB.get(device.name)
-    if gib is None:
-        gib = device.memory_bytes / GIB - DRIVER_RESERVE_GIB
-    return int(gib * GIB)
+    if device.visible_mib is not None:
+        return int(device.visible_mib * MIB)
+    return int((device.memory_bytes / GIB - DRIVER_RESERVE_GIB) * GIB)
 
 
 def vllm_activation_bytes(model: ModelSpec, num_tokens: int, num_rows: int, tp: int = 1,
@@ -501,12 +506,15 @@ def vllm_non_torch_bytes(tp: int, version: tuple[int, int] = (0, 19)) -> int:
     return int((1.98 + 0.0475 * tp) * GIB)
 
 
-def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19)) -> int:
-    """The graph pool vLLM >= 0.21 estimates and subtracts before sizing the KV cache (before, graphs
-    were captured afterwards, in the (1 - utilization) slack, and did not change num_blocks).
+def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19), enforce_eager: bool = False) -> int:
+    """The graph pool vLLM estimates (profile_cudagraph_memory) and, from 0.20 on, subtracts before
+    sizing the KV cache: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1 in 0.20's envs.py
+    (0 in 0.19). Before, graphs were captured afterwards, in the (1 - utilization) slack, and did
+    not change num_blocks. --enforce-eager captures none (cudagraph_mode NONE): nothing to subtract.
     ~26 MiB per layer for the default 51 PIECEWISE + 51 FULL captures (0.19 logs print the
     estimate: 0.84 GiB for a 32-layer 7B)."""
-    if version < (0, 21):
+    version_text = f"{version[0]}.{version[1]}"
+    if enforce_eager or not vllm_versions.has(version_text, "cudagraph_estimate_in_plan"):
         return 0
     return int(0.84 / 32 * model.num_layers * GIB)
 
@@ -514,7 +522,7 @@ def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19)) -
 def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: float,
                      max_num_batched_tokens: int, max_num_seqs: int, block_size: int = 16,
                      vllm_version: str | None = None, kv_cache_dtype: str = "auto", dp: int = 1,
-                     activation_bytes: int | None = None) -> VllmMemory:
+                     activation_bytes: int | None = None, enforce_eager: bool = False) -> VllmMemory:
     """num_gpu_blocks as vLLM's V1 worker derives it:
     floor((util x visible - weights - activation peak - non-torch - graph estimate) / block bytes),
     the block being one KV cache group's layers (pool_block_bytes: fp8 KV, hybrid groups).
@@ -528,7 +536,7 @@ def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: 
         rows = min(max_num_batched_tokens, max_num_seqs)
         activation = vllm_activation_bytes(model, max_num_batched_tokens, rows, tp, version)
     non_torch = vllm_non_torch_bytes(tp, version)
-    graphs = vllm_cudagraph_bytes(model, version)
+    graphs = vllm_cudagraph_bytes(model, version, enforce_eager)
     budget = requested - weights - activation - non_torch - graphs
     block = pool_block_bytes(model, block_size, tp, kv_cache_dtype)
     return VllmMemory(visible, requested, weights, activation, non_torch, graphs, budget, block,

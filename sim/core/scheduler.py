@@ -25,6 +25,8 @@ blocks at once (it finishes all the same). Here `finish_step` retires such reque
 them in `running` (`_finishing`) until the next pass of `schedule` has run. When nothing else
 is waiting or running there is no next step to plan, and vLLM processes the outputs at once: the
 finishers are freed in `finish_step`, so an engine that goes idle does not keep their blocks.
+New requests are likewise taken only between loop turns: one added while a step is in flight waits
+in `arriving` through the next pass (vLLM's turn after step N plans N+2), docs/vllm_semantics.md.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from sim.core import vllm_versions
 from sim.core.cohort import DecodeCohort, _run_seq
 from sim.core.kvcache import KVCacheManager
 from sim.core.memory import cdiv
@@ -60,15 +63,22 @@ class SchedulerConfig:
     reserve_full_prompt: bool = True
     # Advance steady decodes as a cohort (sim/core/cohort.py); False forces the one-by-one loop.
     lazy_decode: bool = True
-    # vLLM's async scheduling: finished requests leave RUNNING one step late (module docstring).
+    # vLLM's async scheduling: finished requests leave RUNNING one step late, and requests that
+    # arrive while a step runs join WAITING one pass late (module docstring).
     async_scheduling: bool = False
+    # vLLM's long_prefill_token_threshold: the most tokens one prompt chunk computes (0 = no cap).
+    long_prefill_token_threshold: int = 0
+    # vLLM >= 0.20 caps a sliding-window group's admission need at the window (sim/core/vllm_versions.py).
+    sliding_admission_cap: bool = True
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
         e = s.engine
         return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, e.batching,
                    e.chunked_prefill, e.scheduling_policy, e.step_composition,
-                   e.admission_watermark, e.reserve_full_prompt, async_scheduling=s.async_scheduling)
+                   e.admission_watermark, e.reserve_full_prompt, async_scheduling=s.async_scheduling,
+                   long_prefill_token_threshold=s.long_prefill_token_threshold,
+                   sliding_admission_cap=vllm_versions.has(e.vllm_version, "sliding_window_admission_cap"))
 
 
 class Batch:
@@ -180,7 +190,7 @@ class Scheduler:
                  "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished",
                  "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq",
                  "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "_static_rows",
-                 "_static_len", "_static_step", "_finishing", "pending_release")
+                 "_static_len", "_static_step", "_finishing", "pending_release", "arriving", "in_flight")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -220,6 +230,13 @@ class Scheduler:
         # Async scheduling: finished requests still hold blocks and seats until the next pass, i.e.
         # `_finishing` is not empty (kept with it: the leap planner reads it every leap).
         self.pending_release = False
+        # Async scheduling: vLLM's busy loop takes new requests only between loop turns, and the turn
+        # that follows step N plans N+2 (N+1 was planned while N ran). So a request added while a step
+        # is in flight (`in_flight`: the last schedule() returned one) waits in `arriving` through
+        # the next pass and joins WAITING after it: it is scheduled in N+2 at the earliest.
+        self.arriving: list[Request] = []
+        self.in_flight = False
+        kv.sliding_admission_cap = config.sliding_admission_cap
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -232,6 +249,9 @@ class Scheduler:
             self.num_rejected += 1
             return False
         req.status = _WAITING
+        if self.in_flight:               # async scheduling: seen after the next pass (__init__)
+            self.arriving.append(req)
+            return True
         self._push_waiting(req, front=False)
         return True
 
@@ -261,6 +281,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.active.pop(req, None)
+        elif req in self.arriving:        # async scheduling: added while a step ran, not yet waiting
+            self.arriving.remove(req)
         elif self.priority:
             kept = [e for e in self.waiting_heap if e[-1] is not req]
             self.num_waiting -= len(self.waiting_heap) - len(kept)
@@ -306,7 +328,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return len(self.running) > len(self._finishing) or self.num_waiting > 0
+        return len(self.running) > len(self._finishing) or self.num_waiting > 0 or bool(self.arriving)
 
     def has_other_work(self, finished: list) -> bool:
         """Is anything left to schedule besides the step's finishers? Only then does an async
@@ -316,6 +338,27 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Choose this step's work. Returns None when nothing can run.
+
+        Async scheduling: the pass does not see the requests that arrived while the last step ran
+        (`arriving`); they join WAITING after it, or at once when it finds nothing to run (vLLM's
+        empty turn costs nothing and the next turn takes them).
+        """
+        batch = self._schedule_pass()
+        if self.arriving:
+            self.take_arriving()
+            if batch is None:
+                batch = self._schedule_pass()
+        self.in_flight = batch is not None and self.config.async_scheduling
+        return batch
+
+    def take_arriving(self) -> None:
+        """Move the requests held in `arriving` to WAITING (in arrival order)."""
+        for req in self.arriving:
+            self._push_waiting(req, front=False)
+        self.arriving = []
+
+    def _schedule_pass(self) -> Optional[Batch]:
+        """One scheduling pass over RUNNING and WAITING. Returns None when nothing can run.
 
         A pass can preempt every request it tried and schedule nothing (the last running
         request preempts itself); vLLM's next step then admits from the waiting queue. That
@@ -430,6 +473,7 @@ class Scheduler:
         # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
         if self.priority:
             candidates = list(candidates)
+        threshold = 0 if self.static else self.config.long_prefill_token_threshold
         for req in candidates:
             if budget <= 0:
                 break
@@ -438,6 +482,8 @@ class Scheduler:
             n = req.num_tokens - req.num_computed
             if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
                 continue               # prefill_first: this pass takes only prefills or only decodes
+            if 0 < threshold < n:      # vLLM's long_prefill_token_threshold caps every chunk
+                n = threshold
             if n > budget:
                 if not self.config.chunked_prefill and req.num_computed == 0:
                     continue           # a whole prompt must fit one step without chunking
@@ -468,8 +514,11 @@ class Scheduler:
         blocks = cohort.due_blocks(step)
         first_crossing = cohort.first_crossing_seq(step) if others else None
         last_freeing = self._last_freeing_member(step) if others and kv.sliding else -1
+        threshold = self.config.long_prefill_token_threshold
         for req in others:
             n = req.num_tokens - req.num_computed
+            if 0 < threshold < n:      # (as _schedule_running caps it)
+                n = threshold
             if n > left:
                 if not self.config.chunked_prefill and req.num_computed == 0:
                     continue
@@ -600,6 +649,9 @@ class Scheduler:
         hits, hit_tokens = self.kv.find_cached_prefix(req)
         num_tokens = req.prompt_len + req._output       # (no cohort member waits)
         n = num_tokens - hit_tokens
+        threshold = cfg.long_prefill_token_threshold
+        if 0 < threshold < n and not self.static:       # vLLM caps the first chunk too
+            n = threshold
         # prefill_first (nano-vllm): only the step's first prefill may be chunked.
         may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
         if not may_chunk and n > budget and not self.static:
@@ -709,7 +761,7 @@ class Scheduler:
             raise AssertionError(f"waiting count {self.num_waiting} != {queued} requests queued")
         if self.pending_release != bool(self._finishing):
             raise AssertionError(f"pending_release {self.pending_release} with {len(self._finishing)} finishing")
-        live = self.num_waiting + len(self.running) - len(self._finishing)
+        live = self.num_waiting + len(self.running) - len(self._finishing) + len(self.arriving)
         ended = self.num_finished + self.num_rejected + self.num_aborted
         if self.num_added != ended + live:
             raise AssertionError(f"request accounting broken: added {self.num_added} != finished "

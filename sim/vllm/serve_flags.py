@@ -11,7 +11,7 @@ vLLM spellings accepted: `--flag value`, `--flag=value`, underscores for dashes
 (`--max_model_len`), `--no-flag` for booleans, `--config FILE.yaml` (its keys are flag names;
 the command line wins), and the prefixes `vllm serve` or `python -m vllm.entrypoints.openai.api_server`.
 The flag names and defaults follow vLLM's engine arguments (docs.vllm.ai, "Engine Arguments",
-v0.8-v0.11 and main as of 2026); see docs/vllm_semantics.md for the defaults kvtwin copies.
+v0.8-v0.21); docs/vllm_semantics.md lists the flags and the release each behaviour follows.
 """
 from __future__ import annotations
 
@@ -98,6 +98,57 @@ _QUANT = {"fp8": {"method": "fp8", "scales": "tensor"},      # vLLM quantizes a 
           "gptq_marlin": {"method": "gptq"}, "mxfp4": {"method": "mxfp4", "experts_only": True}}
 
 
+def _speculative_method(text: str) -> str:
+    """--speculative-config JSON -> its method, as vLLM 0.19 config/speculative.py infers it when
+    unset: "ngram" for model ngram, eagle / eagle3 from the draft's name, else draft_model; the
+    MTP family is renamed mtp. kvtwin models only what the method does to async scheduling."""
+    import json
+
+    try:
+        config = json.loads(text) if len(text) <= 10_000 else None
+    except ValueError:
+        config = _unquoted_object(text)
+    if not isinstance(config, dict):
+        raise ValueError("expected a JSON object such as '{\"method\": \"eagle\", \"model\": ...}'")
+    method, model = config.get("method"), str(config.get("model") or "").lower()
+    if method is None:
+        if model in ("ngram", "[ngram]"):
+            method = "ngram"
+        elif "eagle-" in model:
+            method = "eagle"
+        elif "eagle3" in model:
+            method = "eagle3"
+        else:
+            method = "draft_model"
+    method = str(method)
+    if method.endswith("_mtp"):
+        method = "mtp"
+    if not method.replace("_", "").isalnum() or len(method) > 40:
+        raise ValueError(f"method {method[:40]!r} is not a method name")
+    return method
+
+
+def _unquoted_object(text: str) -> Optional[dict]:
+    """{method:mtp,num_speculative_tokens:1}: what a shell leaves of an unquoted JSON object."""
+    body = text.strip()
+    if len(body) > 10_000 or not (body.startswith("{") and body.endswith("}")):
+        return None
+    pairs = [p.partition(":") for p in body[1:-1].split(",") if p.strip()]
+    if any(not sep or not key.strip() for key, sep, _ in pairs):
+        return None
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def _partial_prefills(text: str) -> int:
+    """vLLM's engine arguments refuse any value but 1 (engine/arg_utils.py _check_feature_supported,
+    0.12-0.21: NotImplementedError "Concurrent Partial Prefill is not supported")."""
+    value = int(text)
+    if value != 1:
+        raise ValueError("vLLM (0.12-0.21, engine/arg_utils.py) refuses it: \"Concurrent Partial Prefill is "
+                         "not supported\"; only 1 starts")
+    return value
+
+
 def _quantization(text: str) -> dict:
     if text not in _QUANT:
         raise ValueError(f"{excerpt(text)} is not a method kvtwin models ({', '.join(_QUANT)}); a pre-quantized "
@@ -119,8 +170,9 @@ class Modelled:
 
 MODELLED = (
     Modelled("--max-model-len", "engine.max_model_len", _human_int, "the model's context length"),
-    Modelled("--gpu-memory-utilization", "engine.gpu_memory_utilization", _fraction, "0.9"),
-    Modelled("--max-num-seqs", "engine.max_num_seqs", _int, "API server: 1024 on >= 70 GiB GPUs (not A100), else 256"),
+    Modelled("--gpu-memory-utilization", "engine.gpu_memory_utilization", _fraction, "0.9 (0.92 from vLLM 0.20)"),
+    Modelled("--max-num-seqs", "engine.max_num_seqs", _int,
+             "API server: 1024 on >= 70 GiB GPUs (not A100), else 256; at most max_num_batched_tokens"),
     Modelled("--max-num-batched-tokens", "engine.max_num_batched_tokens", _human_int,
              "API server: 8192 on >= 70 GiB GPUs (not A100), else 2048"),
     Modelled("--block-size", "engine.block_size", _int, "16 (CUDA)"),
@@ -137,7 +189,18 @@ MODELLED = (
     Modelled("--data-parallel-size", "parallelism.dp", _int, "1", ("-dp",)),
     Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", boolean=True),
     Modelled("--async-scheduling", "engine.async_scheduling", _bool,
-             "auto: on from vLLM 0.14 (engine.vllm_version)", boolean=True),
+             "auto: on from vLLM 0.14 unless an executor, speculative method or platform turns it off",
+             boolean=True),
+    Modelled("--enforce-eager", "engine.enforce_eager", _bool, "off (CUDA graphs)", boolean=True),
+    Modelled("--kv-cache-memory-bytes", "engine.kv_cache_memory_bytes", _human_int,
+             "none: sized from gpu_memory_utilization", ("--kv-cache-memory",)),
+    Modelled("--distributed-executor-backend", "engine.distributed_executor_backend",
+             _choice("mp", "uni", "ray", "external_launcher"), "uni on one GPU, mp on several"),
+    Modelled("--speculative-config", "engine.speculative_method", _speculative_method,
+             "none (its method decides async scheduling; draft tokens are not modelled)", ("-sc",)),
+    Modelled("--long-prefill-token-threshold", "engine.long_prefill_token_threshold", _human_int, "0 (off)"),
+    Modelled("--max-num-partial-prefills", "engine.max_num_partial_prefills", _partial_prefills,
+             "1 (the only value vLLM V1 accepts)"),
 )
 
 # Flags vLLM has that kvtwin leaves out, with why. True/False: whether the flag is a bare switch
@@ -170,29 +233,24 @@ IGNORED: dict[str, tuple[bool, str]] = {
     **{f: (True, _OUTPUT) for f in ("--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                                     "--enable-force-include-usage")},
     "--seed": (False, "vLLM's sampling seed; kvtwin's `seed` draws the workload instead"),
-    "--enforce-eager": (True, "no CUDA graphs: slower decode steps than a calibrated profile assumes "
-                              "unless it was measured with --enforce-eager too"),
     "--compilation-config": (False, "compilation changes step times: calibrate the cost model on the "
                                     "same setting"),
     "-O": (False, "compilation level changes step times: calibrate the cost model on the same setting"),
     "--calculate-kv-scales": (True, _NOT_MODELLED),
-    "--kv-cache-memory": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
-    "--kv-cache-memory-bytes": (False, _NOT_MODELLED + "; use --num-gpu-blocks-override for a fixed pool"),
-    "--pipeline-parallel-size": (False, _NOT_MODELLED + " (pipeline parallel 1)"),
-    "-pp": (False, _NOT_MODELLED + " (pipeline parallel 1)"),
-    "--distributed-executor-backend": (False, "how workers are launched: no effect on the prediction"),
+    "--pipeline-parallel-size": (False, _NOT_MODELLED + " (pipeline parallel 1; with pp > 1 vLLM 0.14 "
+                                         "would also turn auto async scheduling off)"),
+    "-pp": (False, _NOT_MODELLED + " (pipeline parallel 1; with pp > 1 vLLM 0.14 would also turn auto "
+                   "async scheduling off)"),
     "--swap-space": (False, "CPU swap space: V1 preempts by recompute only, as kvtwin does"),
     "--preemption-mode": (False, "kvtwin (and vLLM V1) preempt by recompute only"),
     "--cpu-offload-gb": (False, _NOT_MODELLED + " (no weight offload)"),
     "--max-seq-len-to-capture": (False, "CUDA-graph capture size: calibrate the cost model on the same setting"),
     "--cuda-graph-sizes": (False, "CUDA-graph capture sizes: calibrate the cost model on the same setting"),
     "--disable-custom-all-reduce": (True, "all-reduce kernel choice: calibrate the link terms on the same setting"),
-    "--long-prefill-token-threshold": (False, _NOT_MODELLED + " (0: off)"),
-    "--max-num-partial-prefills": (False, "V0 only; V1 (what kvtwin models) ignores it"),
-    "--max-long-partial-prefills": (False, "V0 only; V1 (what kvtwin models) ignores it"),
+    "--max-long-partial-prefills": (False, "vLLM V1 only checks it against --max-num-partial-prefills "
+                                           "(which must be 1); its scheduler never reads it"),
     "--num-scheduler-steps": (False, "V0 only; V1 (what kvtwin models) ignores it"),
     "--num-lookahead-slots": (False, "V0 only (speculative decoding); not modelled"),
-    "--speculative-config": (False, _NOT_MODELLED + " (no speculative decoding)"),
     "--prefix-caching-hash-algo": (False, "which hash keys the blocks: no effect on hits or timing"),
     "--disable-sliding-window": (True, _NOT_MODELLED + " (full attention in every layer)"),
     "--rope-scaling": (False, "set it in the model's config (model.rope_scaling); not read from the flag"),
@@ -526,6 +584,9 @@ def from_vllm_main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace an --out file kvtwin did not write, or "
                    "sections of an earlier from-vllm file edited by hand (sections you added are kept)")
     p.add_argument("--strict", action="store_true", help="fail on flags kvtwin does not know")
+    p.add_argument("--vllm-version", help="the vLLM release the command ran on (e.g. 0.19.0): written to "
+                                          "engine.vllm_version, which picks vLLM's defaults and behaviour "
+                                          "(default: the scenario default, 0.19)")
     args = p.parse_args(argv)
     from sim.core.catalog import device_names
 
@@ -539,6 +600,8 @@ def from_vllm_main(argv: list[str]) -> int:
         raise UserError(f"--device {args.device!r}: not in the catalog; {hint}(catalog: {', '.join(device_names())})")
     command = args.command[0] if len(args.command) == 1 else args.command
     result = translate(command, args.device, Path.cwd(), args.model_name)
+    if args.vllm_version is not None:
+        set_vllm_version(result, args.vllm_version)
     if args.strict and result.unknown:
         names = capped([printable(f, 100) for f, _ in result.unknown], "unknown flags", 10)
         raise UserError(f"unknown vLLM flag(s) {', '.join(names)} (--strict)")
@@ -558,6 +621,28 @@ def from_vllm_main(argv: list[str]) -> int:
     return 0
 
 
+def set_vllm_version(result: Translation, version: str) -> None:
+    """Write `--vllm-version` into engine.vllm_version (checked when the scenario is validated)."""
+    from sim.scenario import set_path
+
+    result.raw = set_path(result.raw, ["engine", "vllm_version"], version)
+    result.mapped.append((f"--vllm-version {version}", "engine.vllm_version", version))
+
+
+def async_scheduling_note(raw: dict) -> str:
+    """What async scheduling resolves to for the translated scenario, and why."""
+    from sim.core import vllm_versions
+
+    engine = raw.get("engine", {})
+    setting = engine.get("async_scheduling", "auto")
+    if setting != "auto":
+        return f"async scheduling: {'on' if setting else 'off'} (set by the command)"
+    on, why = vllm_versions.async_scheduling_auto(
+        engine.get("vllm_version"), platform="cpu" if raw.get("device") == "cpu" else "cuda",
+        speculative_method=engine.get("speculative_method"), executor=engine.get("distributed_executor_backend"))
+    return f"async scheduling: {'on' if on else 'off'} under auto ({why})"
+
+
 # the first line of every scenario from-vllm writes: it marks the file as kvtwin's to replace
 WRITTEN_BY = "# written by `simrun from-vllm`"
 # the header line recording a digest of the translated sections: tells a hand edit from a rerun
@@ -571,6 +656,7 @@ def scenario_text(result: Translation, command: str | list[str], kept: Optional[
     head = [f"{WRITTEN_BY} from: {printable(' '.join(shown.split()), MAX_COMMAND_CHARS)}"]
     head += [f"#   {line}" for line in capped(_mapped_lines(result), "mapped flags")]
     head += [f"#   {note}" for note in result.notes()]
+    head.append(f"# {async_scheduling_note(result.raw)}")
     if kept:
         head.append(f"# Kept from the file this one replaced: {', '.join(kept)}.")
     if "workload" not in (kept or {}):

@@ -1,0 +1,83 @@
+"""vLLM's behaviour by release, in one table (engine.vllm_version picks the row).
+
+Each entry names the first release (major, minor) with the behaviour and, where it went away,
+the first release without it; docs/vllm_semantics.md says where in vLLM's code each one lives.
+Everything that depends on the version asks `has(version, NAME)` (or a helper below), so a new
+release is one edit here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+Version = tuple[int, int]
+
+# The version a scenario assumes when it names none (engine.vllm_version's default).
+DEFAULT_VERSION = "0.19"
+
+# name: (first release with it, first release without it or None)
+BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
+    # config/scheduler.py: async_scheduling defaults to None ("auto", resolved on) instead of False.
+    "async_scheduling_default": ((0, 14), None),
+    # config/vllm.py: under auto, pipeline_parallel_size > 1 turns async scheduling off (0.14 only).
+    "async_off_with_pipeline_parallel": ((0, 14), (0, 15)),
+    # config/vllm.py: NGram-GPU speculative decoding keeps async scheduling on under auto.
+    "async_with_ngram_gpu": ((0, 18), None),
+    # envs.py: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1 (the graph estimate comes off
+    # the KV budget, v1/worker/gpu_worker.py determine_available_memory).
+    "cudagraph_estimate_in_plan": ((0, 20), None),
+    # config/cache.py: gpu_memory_utilization defaults to 0.92 (0.9 before).
+    "utilization_default_092": ((0, 20), None),
+    # config/scheduler.py scheduler_reserve_full_isl: a waiting request is admitted only when blocks
+    # for its whole prompt are free (v1/core/kv_cache_manager.py can_fit_full_sequence).
+    "reserve_full_prompt": ((0, 19), None),
+    # v1/core/single_type_kv_cache_manager.py get_num_blocks_to_allocate: a sliding-window group's
+    # admission need is capped at the window's blocks (_max_admission_blocks_per_request); 0.19
+    # asks cdiv(prompt, block_size) blocks of every sliding group too.
+    "sliding_window_admission_cap": ((0, 20), None),
+}
+
+# Speculative methods that keep async scheduling on under auto (config/speculative.py
+# EagleModelTypes: eagle, eagle3, extract_hidden_states and the MTP family, every `*_mtp` method
+# being renamed `mtp`; NgramGPUTypes); `None` = no speculative decoding.
+EAGLE_METHODS = ("eagle", "eagle3", "extract_hidden_states", "mtp")
+NGRAM_GPU_METHODS = ("ngram_gpu",)
+# Executors whose supports_async_scheduling() is True (v1/executor/multiproc_executor.py,
+# uniproc_executor.py; 0.14-0.18: the tuple ("mp", "uni", "external_launcher") in config/vllm.py).
+ASYNC_EXECUTORS = ("mp", "uni", "external_launcher")
+
+
+def parse_version(version: Optional[str]) -> Version:
+    """'0.19.0' -> (0, 19); None -> DEFAULT_VERSION."""
+    parts = [int(p) for p in str(version or DEFAULT_VERSION).lstrip("v").split(".")[:2] if p.isdigit()]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def has(version: Optional[str], name: str) -> bool:
+    """Does vLLM `version` have behaviour `name` (a key of BEHAVIOURS)?"""
+    first, gone = BEHAVIOURS[name]
+    v = parse_version(version)
+    return v >= first and (gone is None or v < gone)
+
+
+def default_gpu_memory_utilization(version: Optional[str]) -> float:
+    return 0.92 if has(version, "utilization_default_092") else 0.9
+
+
+def async_scheduling_auto(version: Optional[str], *, platform: str = "cuda", pipeline_parallel: int = 1,
+                          speculative_method: Optional[str] = None, executor: Optional[str] = None,
+                          ) -> tuple[bool, str]:
+    """What vLLM's `auto` (async_scheduling=None) resolves to, and why (config/vllm.py
+    VllmConfig.__post_init__; platforms/cpu.py check_and_update_config forces it off on CPU)."""
+    if not has(version, "async_scheduling_default"):
+        return False, f"vLLM {version}: async scheduling is opt-in before 0.14"
+    if platform == "cpu":
+        return False, "the CPU platform turns async scheduling off"
+    if pipeline_parallel > 1 and has(version, "async_off_with_pipeline_parallel"):
+        return False, "vLLM 0.14 turns async scheduling off with pipeline parallel"
+    if speculative_method is not None:
+        keeps = EAGLE_METHODS + (NGRAM_GPU_METHODS if has(version, "async_with_ngram_gpu") else ())
+        if speculative_method not in keeps and not speculative_method.endswith("_mtp"):
+            return False, f"{speculative_method} speculative decoding turns async scheduling off"
+    if executor is not None and executor not in ASYNC_EXECUTORS:
+        return False, f"the {executor} executor does not support async scheduling"
+    return True, "on by default"

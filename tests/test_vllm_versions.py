@@ -1,0 +1,138 @@
+"""vLLM's behaviour by release (sim/core/vllm_versions.py), each row pinned against the released
+wheel's code it comes from (vllm 0.12.0-0.21.0 from PyPI; paths inside the `vllm` package)."""
+from __future__ import annotations
+
+import pytest
+
+from sim.core.kvcache import GroupedKVCacheManager
+from sim.core.memory import KVCacheGroups
+from sim.core.request import Status, make_request
+from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.vllm_versions import async_scheduling_auto, has
+from sim.scenario import validate_scenario
+
+
+def scenario(**engine):
+    return validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "engine": engine})
+
+
+def test_what_auto_async_scheduling_resolves_to_by_release():
+    """config/vllm.py VllmConfig.__post_init__: 0.12-0.13 default False (config/scheduler.py);
+    0.14 turns it off with pipeline_parallel_size > 1, 0.15 no longer; speculative methods other
+    than EagleModelTypes (eagle, eagle3, extract_hidden_states, the *_mtp family renamed mtp) turn it
+    off, NgramGPUTypes ("ngram_gpu") keeps it on from 0.18; executors other than mp / uni /
+    external_launcher (0.14-0.18 tuple; 0.19+ supports_async_scheduling(), False for ray) turn it
+    off; platforms/cpu.py sets it False."""
+    assert not async_scheduling_auto("0.13.0")[0] and async_scheduling_auto("0.14.0")[0]
+    assert not async_scheduling_auto("0.14.1", pipeline_parallel=2)[0]
+    assert async_scheduling_auto("0.15.0", pipeline_parallel=2)[0]
+    assert not async_scheduling_auto("0.17", speculative_method="ngram_gpu")[0]
+    assert async_scheduling_auto("0.18", speculative_method="ngram_gpu")[0]
+    for method, on in (("ngram", False), ("draft_model", False), ("medusa", False), ("eagle", True),
+                       ("eagle3", True), ("mtp", True), ("deepseek_mtp", True)):
+        assert async_scheduling_auto("0.19", speculative_method=method)[0] is on, method
+    on, why = async_scheduling_auto("0.19", executor="ray")
+    assert not on and "ray" in why
+    assert async_scheduling_auto("0.19", executor="mp")[0]
+    assert not async_scheduling_auto("0.21", platform="cpu")[0]
+    # through a scenario: the fields from-vllm writes
+    assert scenario().async_scheduling
+    assert not scenario(distributed_executor_backend="ray").async_scheduling
+    assert not scenario(speculative_method="ngram").async_scheduling
+    assert scenario(speculative_method="ngram", async_scheduling=True).async_scheduling
+
+
+def test_reserve_full_prompt_exists_from_0_19():
+    """config/scheduler.py scheduler_reserve_full_isl (default True) first appears in 0.19.0 (absent
+    from 0.18.0's config and v1/core/sched/scheduler.py); an explicit setting wins."""
+    assert not scenario(vllm_version="0.18.0").engine.reserve_full_prompt
+    assert scenario(vllm_version="0.19.0").engine.reserve_full_prompt
+    assert scenario(vllm_version="0.18", reserve_full_prompt=True).engine.reserve_full_prompt
+    assert not SchedulerConfig.from_scenario(scenario(vllm_version="0.17")).reserve_full_prompt
+
+
+def chunks(threshold, prompt=100):
+    """The tokens request 0 (a lone prompt) computes per step until its first token."""
+    from sim.core.kvcache import KVCacheManager
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                                      long_prefill_token_threshold=threshold),
+                      KVCacheManager(64, 16, enable_caching=False))
+    req = make_request(0, 0.0, [(1, prompt)], 2)
+    sched.add(req)
+    sizes = []
+    while req.num_output == 0:
+        batch = sched.schedule()
+        sizes.append(batch.num_prefill_tokens)
+        sched.finish_step(batch)
+    return sizes
+
+
+def test_long_prefill_token_threshold_caps_every_chunk():
+    """v1/core/sched/scheduler.py (0.19.0): `if 0 < long_prefill_token_threshold < num_new_tokens`
+    caps a running request's chunk and a waiting request's first chunk alike; config/scheduler.py
+    __post_init__ sets the threshold to int(max_model_len * 0.04) when max_num_partial_prefills > 1
+    leaves it at 0."""
+    assert chunks(0) == [64, 36]
+    assert chunks(30) == [30, 30, 30, 10]
+    s = scenario(max_model_len=10_000, long_prefill_token_threshold=1000)
+    assert SchedulerConfig.from_scenario(s).long_prefill_token_threshold == 1000
+    assert scenario(max_model_len=10_000, max_num_partial_prefills=2).long_prefill_token_threshold == 400
+    assert scenario(max_model_len=10_000).long_prefill_token_threshold == 0
+
+
+def test_max_num_seqs_defaults_to_at_most_max_num_batched_tokens():
+    """engine/arg_utils.py (0.14.0-0.20.0) _set_default_max_num_seqs_and_batched_tokens_args:
+    an unset max_num_seqs becomes min(the usage-context default, max_num_batched_tokens)."""
+    assert scenario().max_num_seqs == 1024
+    assert scenario(max_num_batched_tokens=512).max_num_seqs == 512
+    assert scenario(max_num_batched_tokens=512, max_num_seqs=8).max_num_seqs == 8
+
+
+# Gemma-3-27B's KV cache groups: 62 layers, 52 sliding (window 1024) and 10 full, in groups of 10:
+# 1 full group and 6 sliding ones, sliding first.
+GEMMA3 = KVCacheGroups(group_size=10, full_groups=1, sliding_groups=6, sliding_window=1024, sliding_first=True)
+
+
+def admit_32k_prompt(version, num_blocks, held_tokens=0):
+    """A 32,768-token prompt behind a running request of `held_tokens` prompt tokens; returns (the
+    prompt's request after up to 3 steps, the blocks the running request held)."""
+    kv = GroupedKVCacheManager(num_blocks, 16, GEMMA3, 8192, enable_caching=False, max_model_len=40_000)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=40_000,
+                             sliding_admission_cap=has(version, "sliding_window_admission_cap"))
+    sched = Scheduler(config, kv)
+    if held_tokens:
+        sched.add(make_request(0, 0.0, [(1, held_tokens)], 50))
+        sched.finish_step(sched.schedule())
+    held = kv.pool.usable_blocks - kv.pool.num_free
+    long = make_request(1, 0.0, [(2, 32_768)], 4)
+    sched.add(long)
+    for _ in range(3):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        sched.finish_step(batch)
+    return long, held
+
+
+def test_the_sliding_window_admission_cap_exists_from_0_20():
+    """v1/core/single_type_kv_cache_manager.py get_num_blocks_to_allocate: 0.20.0 caps
+    num_required_blocks at _max_admission_blocks_per_request for a sliding-window group; 0.19.0
+    has no cap, so kv_cache_manager.py can_fit_full_sequence (the reserve-full-prompt gate) asks
+    cdiv(32768, 16) = 2,048 blocks of each of Gemma-3-27B's 7 groups: 14,336 free blocks (0.20:
+    2,048 + 6 x 577, the window's 1,023 tokens plus an 8,192-token chunk, in blocks, plus one: 5,510)."""
+    assert has("0.20.0", "sliding_window_admission_cap") and not has("0.19.2", "sliding_window_admission_cap")
+    _, held = admit_32k_prompt("0.19", 20_001, held_tokens=800)
+    assert held > 0
+    for free, admitted_019 in ((14_000, False), (14_400, True)):
+        long, _ = admit_32k_prompt("0.19", free + held + 1, held_tokens=800)
+        assert (long.admit_step == 1) is admitted_019, free
+        assert long.status is (Status.RUNNING if admitted_019 else Status.WAITING)
+    long, _ = admit_32k_prompt("0.20", 5_600 + held + 1, held_tokens=800)
+    assert long.admit_step == 1
+    long, _ = admit_32k_prompt("0.20", 5_400 + held + 1, held_tokens=800)
+    assert long.admit_step == -1 and long.status is Status.WAITING
+    # a pool that can never meet 0.19's gate rejects the prompt instead of waiting forever
+    never, _ = admit_32k_prompt("0.19", 10_001)
+    assert never.status is Status.REJECTED and "14336" in never.reject_reason.replace(",", "")
+    assert admit_32k_prompt("0.20", 10_001)[0].admit_step == 0
