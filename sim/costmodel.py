@@ -18,7 +18,7 @@
 
 Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
 max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
-(moe_layer_time); sliding-window layers read at most the window (attention_time).
+(moe_layer_time); sliding-window layers read at most the window (CostModel._roofline).
 
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
@@ -30,6 +30,7 @@ Coefficients are datasheet peaks times default efficiencies, or a calibrated pro
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -143,6 +144,11 @@ class DeviceProfile:
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
 
 
+def _table_sizes(seqs, decodes, prefill_tokens):
+    """The operator tables' first stage: the sizes themselves (every lookup needs the contexts too)."""
+    return seqs, decodes, prefill_tokens
+
+
 IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
 
 
@@ -238,7 +244,7 @@ class CostModel:
             self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6 / c.link_eff
         else:
             self._allreduce_token_s = self._allreduce_fixed_s = 0.0
-        self._price_step = self._step_pricer()
+        self._sizes, self._price = self._stages(max, min, self.block_size)
 
     def _dense_weight_bytes_per_layer(self) -> float:
         """Weights every step reads in one layer on one GPU: attention and the dense MLP (or the
@@ -283,210 +289,128 @@ class CostModel:
         fixed = self._moe_comm_fixed_s * (tokens > 0)
         return maximum(compute, touched * self._expert_read_s) + tokens * self._moe_comm_token_s + fixed
 
-    def attention_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, maximum):
-        """One layer's attention, averaged over the layer types: full layers read every cached
-        token; sliding layers at most `sliding_window` per sequence (bounds from the step's sums:
-        exact when every context is on one side of the window)."""
-        m = self.model
-        kv_tokens = decode_ctx + prefill_ctx + prefill_tokens
-        full = maximum(prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
-        sliding_layers = m.num_sliding_layers
-        if not sliding_layers:
-            return full
-        minimum = min if maximum is max else np.minimum
-        w = m.sliding_window
-        window_pairs = minimum(prefill_attn, prefill_tokens * w)
-        window_kv = (minimum(decode_ctx, decodes * w) + minimum(prefill_ctx, (seqs - decodes) * w)
-                     + prefill_tokens)
-        sliding = maximum(window_pairs * self._attn_pair_s, window_kv * self._kv_token_s)
-        return (m.num_full_layers * full + sliding_layers * sliding) / m.num_layers
-
-    def blocks_per_layer(self, seqs, blocks_read, maximum=max, block_size=None):
-        """KV blocks one layer's kernel walks, averaged over the layer types: `blocks_read` for a
-        full layer; for a sliding layer at most the blocks its window still holds per sequence
-        (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the step's sums like
-        attention_time. `block_size`: per recorded step where the steps came from several pools."""
-        m = self.model
-        sliding_layers = m.num_sliding_layers
-        if not sliding_layers:
-            return blocks_read
-        minimum = min if maximum is max else np.minimum
-        bs = self.block_size if block_size is None else block_size
-        window = minimum(blocks_read, seqs * (cdiv(m.sliding_window - 1, bs) + 1))
-        return (m.num_full_layers * blocks_read + sliding_layers * window) / m.num_layers
-
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
-        host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
-                                        batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read)
+        host, device = self.price(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                  batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
 
-    def _price_by_parts(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                        blocks_read) -> tuple[float, float]:
-        """One step's (host_s, device_s) before any wake-up: host, device and their overlap."""
-        host = self._host_time(seqs, decodes, prefill_tokens)
-        device = self._device_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                                   blocks_read, max)
-        return self._exposed_host(host, device, seqs, max), device
+    def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
+        """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
+        return self._price(self._sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
+                           blocks_read)
 
-    def _step_pricer(self):
-        """`_price_by_parts` as one function, for the simulator's every step: the same float
-        operations in the same order (the coefficients read once, `max(a, b)` written as
-        `b if b > a else a`: the very same value), one call a step instead of five. Where
-        attention is not one roofline term (sliding-window layers, operator tables), the parts."""
-        if self.tables is not None or self.model.num_sliding_layers:
-            return self._price_by_parts
+    def decode_pricer(self, rows: int):
+        """`price` of a decode-only step of `rows` sequences as a function of (decode context,
+        blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
+        terms that depend on the batch's sizes alone worked out once."""
+        return partial(self._price, self._sizes(rows, rows, 0), 0, 0)
+
+    def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
+        """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
+        same pricer over numpy columns (each step with its own pool's block size, if recorded)."""
+        seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read = (
+            np.asarray(steps[name], dtype=float) for name in STEP_SHAPE)
+        if self.tables is not None:       # table lookups are per step
+            priced = np.array([self.price(*row) for row in zip(seqs, decodes, prefill_tokens, decode_ctx,
+                                                               prefill_ctx, prefill_attn, blocks_read)],
+                              dtype=float).reshape(-1, 2)
+            host, device = priced[:, 0], priced[:, 1]
+        else:
+            block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
+            sizes, price = self._stages(np.maximum, np.minimum, block_size)
+            host, device = price(sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
+                                 blocks_read)
+        return host + self.coefficients.wake_s * after_idle(steps), device
+
+    def _stages(self, maximum, minimum, block_size):
+        """The step price, written once, in two stages: `sizes(seqs, decodes, prefill_tokens)`
+        works out what depends on the batch's sizes alone; `price(sizes, prefill_ctx, prefill_attn,
+        decode_ctx, blocks_read)` adds what depends on the contexts and returns (host_s, device_s).
+        `maximum` / `minimum`: max / min for one step, np.maximum / np.minimum for numpy columns
+        (then `block_size` may be a column too: each recorded step's pool). Operator tables replace
+        the roofline's device time; host time and its overlap are the same."""
         c = self.coefficients
         step_host, seq_host, prefill_seq_host, token_host = (c.step_host_s, c.seq_host_s, c.prefill_seq_host_s,
                                                              c.token_host_s)
+        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
+        sizes_of_device, device_time = (self._roofline(maximum, minimum, block_size) if self.tables is None
+                                        else (_table_sizes, self._table_time))
+
+        def sizes(seqs, decodes, prefill_tokens):
+            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
+                    + token_host * (prefill_tokens + decodes))
+            return host, output_token * seqs, sizes_of_device(seqs, decodes, prefill_tokens)
+
+        def price(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
+            host, output, device_sizes = batch
+            device = device_time(device_sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)
+            # the host time a step adds to the device's, by the engine's overlap rules: output
+            # processing (detokenization, API streaming) runs in the API server's process and only
+            # shows when slower than the engine's own step; synchronous scheduling puts the
+            # scheduler's host work before each launch, async scheduling plans step N+1 while step
+            # N runs (only its excess over the device time shows); the graph launch is serial
+            engine = launch + (maximum(host - device, 0.0) if overlap else host)
+            return engine + maximum(output - (engine + device), 0.0), device
+        return sizes, price
+
+    def _roofline(self, maximum, minimum, block_size):
+        """The device time of the module docstring in `_stages`' two stages: (sizes(seqs, decodes,
+        prefill_tokens), device(sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)).
+        Attention is averaged over the layer types: full layers read every cached token and walk
+        every block; sliding layers at most `sliding_window` tokens per sequence and the blocks the
+        window still holds (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the
+        step's sums (exact when every context is on one side of the window)."""
+        c, m = self.coefficients, self.model
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
-        moe_time = self.moe_layer_time if self._moe else None
+        moe = partial(self.moe_layer_time, maximum=maximum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
         allreduce_token, allreduce_fixed = self._allreduce_token_s, self._allreduce_fixed_s
         head_flop, head_weight, sample_row, sample_seq = (self._head_flop_s, self._head_weight_s, self._sample_row_s,
                                                           c.sample_seq_s)
-        step_device, layers = c.step_device_s, self.model.num_layers
-        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
+        step_device, layers = c.step_device_s, m.num_layers
+        full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
+        window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 
-        def price(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
-            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
-                    + token_host * (prefill_tokens + decodes))                         # _host_time
-            tokens = prefill_tokens + decodes                                          # _device_time
-            gemm, weights = tokens * linear_flop, linear_weight + tokens * linear_act
-            linear = weights if weights > gemm else gemm
-            if moe_time is not None:
-                linear = linear + moe_time(tokens, max)
-            pairs, kv_read = prefill_attn * attn_pair, (decode_ctx + prefill_ctx + prefill_tokens) * kv_token
-            attention = kv_read if kv_read > pairs else pairs                          # attention_time
-            per_layer = (layer_overhead + linear + attention + blocks_read * block_s
-                         + (seqs - decodes) * prefill_seq_overhead + tokens * allreduce_token + allreduce_fixed)
-            head_gemm = seqs * head_flop
-            head = (head_weight if head_weight > head_gemm else head_gemm) + seqs * sample_row + seqs * sample_seq
-            device = step_device + layers * per_layer + head
-            output = output_token * seqs                                               # _exposed_host
-            if overlap:
-                hidden = host - device
-                engine = launch + (0.0 if 0.0 > hidden else hidden)
-            else:
-                engine = launch + host
-            shown = output - (engine + device)
-            return engine + (0.0 if 0.0 > shown else shown), device
-        return price
+        def sizes(seqs, decodes, prefill_tokens):
+            tokens = prefill_tokens + decodes
+            linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
+            if moe is not None:
+                linear = linear + moe(tokens)
+            head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
+            return (seqs, decodes, prefill_tokens, layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead,
+                    tokens * allreduce_token, head)
 
-    def decode_pricer(self, rows: int):
-        """`step_time` of a decode-only step of `rows` sequences as a function of (decode context,
-        blocks read), for a leap's steps (sim/simulator.py): the same float operations in the
-        same order, the terms that depend on `rows` alone done once. None where attention is not
-        one roofline term (sliding-window layers, operator tables): the caller uses step_time."""
-        if self.tables is not None or self.model.num_sliding_layers:
-            return None
-        c = self.coefficients
-        # step_time's terms with no prefill, written as it computes them (0 + rows, 0 * x, (rows - rows) * x)
-        # rather than folded away, so every price is step_time's to the last bit
-        tokens = 0 + rows
-        linear = max(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
-        if self._moe:
-            linear = linear + self.moe_layer_time(tokens, max)
-        base = c.layer_overhead_s + linear
-        no_pairs = 0 * self._attn_pair_s
-        kv_token_s, block_s = self._kv_token_s, c.block_overhead_s
-        no_prefill = (rows - rows) * c.prefill_seq_overhead_s
-        allreduce, allreduce_fixed = tokens * self._allreduce_token_s, self._allreduce_fixed_s
-        head = max(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s + rows * c.sample_seq_s
-        step_device, layers = c.step_device_s, self.model.num_layers
-        host = self._host_time(rows, rows, 0)
-        # _exposed_host inlined, its device-independent terms done once
-        output = (c.detok_token_s + c.api_token_s) * rows
-        launch = c.graph_launch_s
-        # (max(a, b) written as `b if b > a else a`: the very same value, without a call per step)
-        if self.async_scheduling:
-            def price(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
-                kv_read = decode_ctx * kv_token_s
-                attention = kv_read if kv_read > no_pairs else no_pairs
-                per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
-                device = step_device + layers * per_layer + head
-                hidden = host - device
-                engine = launch + (0.0 if 0.0 > hidden else hidden)
-                shown = output - (engine + device)
-                return engine + (0.0 if 0.0 > shown else shown), device
-            return price
-        engine = launch + host
+        def device(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
+            seqs, decodes, prefill_tokens, base, prefill_setup, allreduce, head = batch
+            attention = maximum(prefill_attn * attn_pair, (decode_ctx + prefill_ctx + prefill_tokens) * kv_token)
+            blocks = blocks_read
+            if sliding_layers:
+                window_pairs = minimum(prefill_attn, prefill_tokens * window)
+                window_kv = (minimum(decode_ctx, decodes * window) + minimum(prefill_ctx, (seqs - decodes) * window)
+                             + prefill_tokens)
+                sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
+                attention = (full_layers * attention + sliding_layers * sliding) / layers
+                window_walked = minimum(blocks_read, seqs * window_blocks)
+                blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
+            per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
+            return step_device + layers * per_layer + head
+        return sizes, device
 
-        def price_sync(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
-            kv_read = decode_ctx * kv_token_s
-            attention = kv_read if kv_read > no_pairs else no_pairs
-            per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
-            device = step_device + layers * per_layer + head
-            shown = output - (engine + device)
-            return engine + (0.0 if 0.0 > shown else shown), device
-        return price_sync
-
-    def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
-        """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
-        col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
-        block_size = np.asarray(steps["block_size"]) if "block_size" in steps else None
-        device = self._device_time(*col, np.maximum, block_size=block_size)
-        host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum)
-        return host + self.coefficients.wake_s * after_idle(steps), device
-
-    def _exposed_host(self, host, device, seqs, maximum):
-        """The host time a step adds to the device's, by the engine's overlap rules.
-
-        Output processing (detokenization, API streaming) runs in the API server's process and
-        only shows when it is slower than the engine's own step. Synchronous scheduling puts the
-        scheduler's host work before each launch; async scheduling plans step N+1 while step N
-        runs, so only what exceeds the device time shows. The graph launch is always serial."""
-        c = self.coefficients
-        output = (c.detok_token_s + c.api_token_s) * seqs
-        engine = c.graph_launch_s + (maximum(host - device, 0.0) if self.async_scheduling else host)
-        return engine + maximum(output - (engine + device), 0.0)
-
-    def _host_time(self, seqs, decodes, prefill_tokens):
-        c = self.coefficients
-        return (c.step_host_s + c.seq_host_s * seqs + c.prefill_seq_host_s * (seqs - decodes)
-                + c.token_host_s * (prefill_tokens + decodes))
-
-    def _device_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                     blocks_read, maximum, block_size=None):
-        """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for
-        arrays (then `block_size` may be an array: each step's pool)."""
-        if self.tables is not None:
-            if maximum is max:
-                return self._table_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)
-            sizes = np.broadcast_to(self.block_size if block_size is None else block_size, np.shape(seqs))
-            return np.array([self._table_time(*row) for row in zip(
-                seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read, sizes)], dtype=float)
-        c = self.coefficients
-        tokens = prefill_tokens + decodes
-        linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
-        if self._moe:
-            linear = linear + self.moe_layer_time(tokens, maximum)
-        attention = self.attention_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                                        maximum)
-        blocks = self.blocks_per_layer(seqs, blocks_read, maximum, block_size)
-        per_layer = (c.layer_overhead_s + linear + attention + blocks * c.block_overhead_s
-                     + (seqs - decodes) * c.prefill_seq_overhead_s
-                     + tokens * self._allreduce_token_s + self._allreduce_fixed_s)
-        rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
-        head = (maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
-                + rows * c.sample_seq_s)
-        return c.step_device_s + self.model.num_layers * per_layer + head
-
-    def _table_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read,
-                    block_size=None) -> float:
-        """Device time from the operator tables (sim/optables.py) on this step's composition."""
+    def _table_time(self, batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read) -> float:
+        """Device time from the operator tables (sim/optables.py) on this step's composition
+        (dense full-attention models only), as `_stages` calls it."""
         from sim.optables import bucket
 
         t, c = self.tables, self.coefficients
-        seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
+        seqs, decodes, prefill_tokens = (int(x) for x in batch)
         prefills = seqs - decodes
         tokens = prefill_tokens + decodes
-        blocks = self.blocks_per_layer(seqs, blocks_read, block_size=block_size)
-        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks * c.block_overhead_s
+        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
         if prefills:
             chunk = max(1, round(prefill_tokens / prefills))
             per_layer += prefills * t.context_s(chunk, bucket(prefill_ctx / prefills) if prefill_ctx else 0)
