@@ -63,6 +63,42 @@ def gemm_peak_flops(device: DeviceSpec, model: ModelSpec, part: str = "attention
     return peak * WEIGHT_ONLY_GEMM_EFF
 
 
+# Collectives over PCIe (cards without NVLink), after NCCL's own tuning model (NVIDIA/nccl
+# src/graph/tuning.cc, ncclTopoTuneModel): on one server a collective over n ranks runs as a ring,
+#   time = baseLat + steps x hwLat + bytes / algorithm bandwidth,
+# steps = 2 (n - 1) for an all-reduce, n - 1 for an all-gather or a reduce-scatter, and NCCL takes
+# the faster protocol per call: LL (low latency; a quarter of the bus bandwidth for an all-reduce,
+# a third otherwise) or Simple (LL128 stays off on PCIe). NCCL's tree has the same 2 (n - 1) hops
+# inside one server and half the bandwidth, so its tuner never prefers it there. (base, per step)
+# latencies in microseconds, PCI rows of the Ring algorithm:
+NCCL_PCIE_RING_US = {"LL": (6.6, 1.0), "Simple": (8.4, 5.7)}
+# NCCL's PCIe link bandwidth (src/graph/topo.cc): lanes x speed / 80, i.e. 12 / 24 / 48 GB/s for
+# Gen3 / 4 / 5 x16: three quarters of the nominal figure.
+NCCL_PCIE_EFF = 0.75
+# vLLM's custom all-reduce handles messages below this (custom_all_reduce.py max_size, 0.19)
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+
+
+def pcie_collective(device: DeviceSpec, ranks: int, kind: str, c: "CostCoefficients") -> tuple:
+    """((fixed s, s per byte) of NCCL's LL ring, the same of its Simple ring) for one collective
+    over `ranks` PCIe GPUs. Bytes: the whole tensor of an all-reduce, one rank's share of an
+    all-gather or reduce-scatter. Without peer-to-peer access (GeForce) every transfer and every
+    ready flag goes through host memory, two PCIe crossings for one: each ring step runs at
+    `host_staging_eff` of the direct path's speed (bandwidth and hop latency). `link_eff` and
+    `pcie_latency_scale` are the fit's handles on bandwidth and latency."""
+    staging = 1.0 if device.peer_to_peer else c.host_staging_eff
+    bus = device.link_gbps * 1e9 * NCCL_PCIE_EFF * c.link_eff * staging
+    if kind == "all_reduce":
+        steps, bytes_per_bus_byte, ll_share = 2 * (ranks - 1), 2 * (ranks - 1) / ranks, 1 / 4
+    else:
+        steps, bytes_per_bus_byte, ll_share = ranks - 1, ranks - 1, 1 / 3
+    ll_base, ll_hop = NCCL_PCIE_RING_US["LL"]
+    simple_base, simple_hop = NCCL_PCIE_RING_US["Simple"]
+    scale = 1e-6 * c.pcie_latency_scale
+    return (((ll_base + steps * ll_hop / staging) * scale, bytes_per_bus_byte / (bus * ll_share)),
+            ((simple_base + steps * simple_hop / staging) * scale, bytes_per_bus_byte / bus))
+
+
 def expected_experts_touched(num_experts: int, top_k: int, tokens):
     """Distinct experts a step's `tokens` reach with uniform top-k routing: E (1 - (1 - k/E)^T).
     One token reads k experts, a large batch reads them all: what keeps MoE decode bandwidth-bound
@@ -91,6 +127,11 @@ class CostCoefficients:
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
     link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
+    # PCIe collectives (a DeviceSpec with interconnect: pcie): NCCL's latency table x this, and the
+    # speed of a ring step staged through host memory (GPUs without peer-to-peer access) relative to
+    # a direct one: two PCIe crossings for one, so half (an assumption for the fit to learn)
+    pcie_latency_scale: float = 1.0
+    host_staging_eff: float = 0.5
     # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
     graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
     sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
@@ -237,14 +278,40 @@ class CostModel:
         self._head_flop_s = 2 * h * m.vocab_size / tp / (peak_flops * c.flops_eff)
         self._head_weight_s = h * m.vocab_size / tp * s / (bw * c.bw_eff)
         self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
-        if tp > 1:
+        self._allreduce_token_s = self._allreduce_fixed_s = 0.0     # tp 1, or PCIe (_tp_allreduce)
+        if tp > 1 and self.device.interconnect != "pcie":
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
-            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6 / c.link_eff
-        else:
-            self._allreduce_token_s = self._allreduce_fixed_s = 0.0
+            self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
         self._sizes, self._price = self._stages(max, min, self.block_size)
+
+    def _tp_allreduce(self, minimum):
+        """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
+        tokens (`_allreduce_fixed_s` comes on top: a generic link's latency). On PCIe, NCCL's ring
+        with the faster of its LL and Simple protocols (`pcie_collective`), or vLLM's custom
+        all-reduce (custom_all_reduce.py, 0.19), which runs on PCIe for exactly two GPUs with
+        peer-to-peer access and messages under 8 MiB: one kernel reading the peer's data directly,
+        priced at LL's handshake latency and the full bandwidth."""
+        token_s = self._allreduce_token_s
+        if self.tp == 1 or self.device.interconnect != "pcie":
+            return lambda tokens: tokens * token_s
+        token_bytes = self.model.hidden_size * self.model.dtype_bytes
+        (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.tp, "all_reduce",
+                                                                         self.coefficients)
+        ll_fixed, ll_token = 2 * ll_fixed, 2 * ll_byte * token_bytes          # two per layer
+        simple_fixed, simple_token = 2 * simple_fixed, 2 * simple_byte * token_bytes
+
+        def nccl(tokens):
+            return minimum(ll_fixed + tokens * ll_token, simple_fixed + tokens * simple_token)
+        if self.tp != 2 or not self.device.peer_to_peer:
+            return nccl
+        custom_below = CUSTOM_ALLREDUCE_MAX_BYTES / token_bytes             # tokens
+
+        def custom_or_nccl(tokens):
+            small = tokens < custom_below
+            return small * (ll_fixed + tokens * simple_token) + (1 - small) * nccl(tokens)
+        return custom_or_nccl
 
     def _dense_weight_bytes_per_layer(self) -> float:
         """Weights every step reads in one layer on one GPU: attention and the dense MLP (or the
@@ -277,7 +344,7 @@ class CostModel:
             self._moe_comm_token_s = 2 * (self.dp - 1) * h * s / link
         else:
             self._moe_comm_token_s = 0.0    # tp only: the MLP's all-reduce, counted with attention's
-        self._moe_comm_fixed_s = (2 * self.device.link_latency_us * 1e-6) if gpus > 1 and (self.dp > 1 or self.ep > 1) else 0.0
+        self._moe_comm_fixed_s = (2 * self.device.link_latency_s) if gpus > 1 and (self.dp > 1 or self.ep > 1) else 0.0
 
     def moe_layer_time(self, tokens, maximum=max):
         """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (the other dp
@@ -369,7 +436,7 @@ class CostModel:
         moe = partial(self.moe_layer_time, maximum=maximum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
-        allreduce_token, allreduce_fixed = self._allreduce_token_s, self._allreduce_fixed_s
+        tp_allreduce, allreduce_fixed = self._tp_allreduce(minimum), self._allreduce_fixed_s
         head_flop, head_weight, sample_row, sample_seq = (self._head_flop_s, self._head_weight_s, self._sample_row_s,
                                                           c.sample_seq_s)
         step_device, layers = c.step_device_s, m.num_layers
@@ -383,7 +450,7 @@ class CostModel:
                 linear = linear + moe(tokens)
             head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
             return (seqs, decodes, prefill_tokens, layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead,
-                    tokens * allreduce_token, head)
+                    tp_allreduce(tokens), head)
 
         def device(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
             seqs, decodes, prefill_tokens, base, prefill_setup, allreduce, head = batch
@@ -416,7 +483,7 @@ class CostModel:
             per_layer += prefills * t.context_s(chunk, bucket(prefill_ctx / prefills) if prefill_ctx else 0)
         if decodes:
             per_layer += t.generation_s(decodes, bucket(decode_ctx / decodes))
-        per_layer += tokens * self._allreduce_token_s + self._allreduce_fixed_s
+        per_layer += self._tp_allreduce(min)(tokens) + self._allreduce_fixed_s
         rows = seqs
         return (c.step_device_s + self.model.num_layers * per_layer + t.head_s(rows)
                 + rows * (self._sample_row_s + c.sample_seq_s))
