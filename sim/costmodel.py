@@ -185,8 +185,10 @@ class DeviceProfile:
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
 
 
-def _table_sizes(seqs, decodes, prefill_tokens):
-    """The operator tables' first stage: the sizes themselves (every lookup needs the contexts too)."""
+def _table_sizes(seqs, decodes, prefill_tokens, padded=None):
+    """The operator tables' first stage: the sizes themselves (every lookup needs the contexts too;
+    tables price dense models only, never a padded data-parallel MoE step)."""
+    assert padded is None, "operator tables do not price MoE models"
     return seqs, decodes, prefill_tokens
 
 
@@ -332,29 +334,65 @@ class CostModel:
         h, mi = m.hidden_size, m.moe_intermediate_size
         self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
         self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
-        link = self.device.link_gbps * 1e9
-        s = m.dtype_bytes
-        if self.ep > 1:
-            # all-to-all dispatch and combine: a token travels once to each other rank holding one of
-            # its k experts, (ep - 1)(1 - (1 - 1/ep)^k) ranks on average (DeepEP-style, deduplicated)
-            remote = (self.ep - 1) * (1 - (1 - 1 / self.ep) ** m.num_experts_per_tok)
-            self._moe_comm_token_s = 2 * remote * h * s / self.tp / link
+        # vLLM's default all2all backend (allgather_reducescatter: vllm/config/parallel.py and
+        # vllm/distributed/device_communicators/all2all.py, 0.19), with or without expert parallelism:
+        # all-gather the dp ranks' tokens before the experts, reduce-scatter their outputs after
+        # (tp only: the MLP's all-reduce, counted with attention's)
+        self._moe_comm_token_s = self._moe_comm_fixed_s = 0.0
+        self._moe_exchange_pcie = None
+        token_bytes = h * m.dtype_bytes
+        if self.dp > 1 and self.device.interconnect == "pcie":
+            (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.dp, "all_gather", c)
+            self._moe_exchange_pcie = ((2 * ll_fixed, 2 * ll_byte * token_bytes),
+                                       (2 * simple_fixed, 2 * simple_byte * token_bytes))
         elif self.dp > 1:
-            # vLLM's naive DP dispatch: all-gather the dp ranks' tokens, reduce-scatter the outputs
-            self._moe_comm_token_s = 2 * (self.dp - 1) * h * s / link
-        else:
-            self._moe_comm_token_s = 0.0    # tp only: the MLP's all-reduce, counted with attention's
-        self._moe_comm_fixed_s = (2 * self.device.link_latency_s) if gpus > 1 and (self.dp > 1 or self.ep > 1) else 0.0
+            self._moe_comm_token_s = 2 * (self.dp - 1) * token_bytes / (self.device.link_gbps * 1e9)
+            self._moe_comm_fixed_s = 2 * self.device.link_latency_s
 
     def moe_layer_time(self, tokens, maximum=max):
-        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (the other dp
-        ranks assumed as busy): routed FLOPs vs touched experts' bytes, plus the token exchange."""
+        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (every dp rank
+        steps with as many: vLLM pads them alike, `lockstep_times`): routed FLOPs vs touched
+        experts' bytes, plus the token exchange."""
+        return self._moe_time(maximum, min if maximum is max else np.minimum)(tokens)
+
+    def _moe_time(self, maximum, minimum):
+        """`moe_layer_time` as a function of the tokens, for the roofline."""
         m = self.model
-        global_tokens = tokens * self.dp
-        touched = expected_experts_touched(m.num_experts, m.num_experts_per_tok, global_tokens)
-        compute = global_tokens * m.num_experts_per_tok * self._expert_pair_flop_s
-        fixed = self._moe_comm_fixed_s * (tokens > 0)
-        return maximum(compute, touched * self._expert_read_s) + tokens * self._moe_comm_token_s + fixed
+        experts, top_k, dp = m.num_experts, m.num_experts_per_tok, self.dp
+        pair_flop, expert_read = self._expert_pair_flop_s, self._expert_read_s
+        comm_token, comm_fixed, pcie = self._moe_comm_token_s, self._moe_comm_fixed_s, self._moe_exchange_pcie
+
+        def moe(tokens):
+            global_tokens = tokens * dp
+            touched = expected_experts_touched(experts, top_k, global_tokens)
+            compute = global_tokens * top_k * pair_flop
+            if pcie is not None:        # all-gather + reduce-scatter, NCCL's faster protocol
+                (ll_fixed, ll_token), (simple_fixed, simple_token) = pcie
+                return maximum(compute, touched * expert_read) + minimum(ll_fixed + tokens * ll_token,
+                                                                         simple_fixed + tokens * simple_token)
+            fixed = comm_fixed * (tokens > 0)
+            return maximum(compute, touched * expert_read) + tokens * comm_token + fixed
+        return moe
+
+    def lockstep_times(self, batches, after_idle: bool = False) -> list[tuple[float, float]]:
+        """(host_s, device_s) of each rank's part of one step of a data-parallel MoE engine, whose
+        ranks step together (sim/simulator.py); None for a rank with nothing scheduled, which runs
+        vLLM's dummy batch of one token (gpu_worker.execute_dummy_batch, 0.19). Under CUDA graphs
+        vLLM pads every rank's batch to the most tokens any rank has (vllm/v1/worker/dp_utils.py,
+        0.19: `_post_process_dp_padding`), so the GEMMs, the MoE layer and its exchange run at
+        that size on every rank; attention, sampling and host work are each rank's own. The
+        step lasts as long as the slowest rank's part."""
+        shapes = [(0, 0, 0, 0, 0, 0, 0) if b is None else
+                  (b.num_decode + len(b.prefills), b.num_decode, b.num_prefill_tokens, b.prefill_ctx,
+                   b.prefill_attn, b.decode_ctx, b.blocks_read) for b in batches]
+        padded = max(1, max(decodes + prefill_tokens for _, decodes, prefill_tokens, *_ in shapes))
+        wake = self.coefficients.wake_s if after_idle else 0.0
+        times = []
+        for seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read in shapes:
+            host, device = self._price(self._sizes(seqs, decodes, prefill_tokens, padded), prefill_ctx,
+                                       prefill_attn, decode_ctx, blocks_read)
+            times.append((host + wake, device))
+        return times
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
@@ -407,10 +445,10 @@ class CostModel:
         sizes_of_device, device_time = (self._roofline(maximum, minimum, block_size) if self.tables is None
                                         else (_table_sizes, self._table_time))
 
-        def sizes(seqs, decodes, prefill_tokens):
+        def sizes(seqs, decodes, prefill_tokens, padded=None):
             host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
                     + token_host * (prefill_tokens + decodes))
-            return host, output_token * seqs, sizes_of_device(seqs, decodes, prefill_tokens)
+            return host, output_token * seqs, sizes_of_device(seqs, decodes, prefill_tokens, padded)
 
         def price(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
             host, output, device_sizes = batch
@@ -433,7 +471,7 @@ class CostModel:
         step's sums (exact when every context is on one side of the window)."""
         c, m = self.coefficients, self.model
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
-        moe = partial(self.moe_layer_time, maximum=maximum) if self._moe else None
+        moe = self._moe_time(maximum, minimum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
         tp_allreduce, allreduce_fixed = self._tp_allreduce(minimum), self._allreduce_fixed_s
@@ -443,8 +481,9 @@ class CostModel:
         full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
         window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 
-        def sizes(seqs, decodes, prefill_tokens):
-            tokens = prefill_tokens + decodes
+        def sizes(seqs, decodes, prefill_tokens, padded=None):
+            # (`padded`: the tokens the GEMMs run at, where vLLM pads the batch: lockstep_times)
+            tokens = prefill_tokens + decodes if padded is None else padded
             linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
             if moe is not None:
                 linear = linear + moe(tokens)

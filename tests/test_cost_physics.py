@@ -102,3 +102,118 @@ def test_pcie_collective_coefficients_are_the_fits_handles():
     assert tuned._tp_allreduce(min)(1) == pytest.approx(2 * one, rel=0.02)         # latency-bound
     big = 8192
     assert tuned._tp_allreduce(min)(big) == pytest.approx(2 * base._tp_allreduce(min)(big), rel=0.02)
+
+
+# ----------------------------------------------------------------------------- data-parallel MoE
+
+def moe_dp(dp: int = 2, model: str = "qwen3-30b-a3b", **workload):
+    from sim.scenario import validate_scenario
+
+    return validate_scenario({
+        "model": model, "device": "h100-sxm", "parallelism": {"dp": dp},
+        "engine": {"max_model_len": 4096, "prefix_caching": False},
+        "workload": {"num_requests": 40, "arrival": {"process": "poisson", "rate": 8},
+                     "prompt_len": {"dist": "uniform", "min": 64, "max": 512},
+                     "output_len": {"dist": "uniform", "min": 8, "max": 96}, **workload}})
+
+
+def test_lockstep_pads_every_rank_to_the_largest_batch_and_idle_ranks_run_a_dummy():
+    """vLLM pads each dp rank's batch to the most tokens of any rank when CUDA graphs are on
+    (vllm/v1/worker/dp_utils.py, vLLM 0.19: `_post_process_dp_padding`), and a rank with nothing
+    scheduled runs a one-token dummy batch (gpu_worker.execute_dummy_batch), padded alike."""
+    from sim.core.scheduler import Batch
+
+    cost = CostModel(get_model("qwen3-30b-a3b"), get_device("h100-sxm"), dp=2)
+
+    def decode_batch(rows: int) -> Batch:
+        batch = Batch(0)
+        batch.decodes, batch.num_decode = [None] * rows, rows
+        batch.decode_ctx, batch.blocks_read = rows * 800, rows * 50
+        return batch
+    big, small = decode_batch(64), decode_batch(2)
+    (big_host, big_device), (small_host, small_device) = cost.lockstep_times([big, small])
+    assert (big_host, big_device) == cost.step_time(big)          # the largest batch: its own price
+    assert small_host == cost.step_time(small)[0]                 # host work is each rank's own
+    assert small_device > cost.step_time(small)[1]                # its GEMMs and MoE at 64 tokens
+    # the small rank's own attention, at the big one's GEMM size
+    own_attention = cost.price(2, 2, 0, 2 * 800, 0, 0, 2 * 50)[1] - cost.price(2, 2, 0, 0, 0, 0, 0)[1]
+    padded_no_attention = cost._price(cost._sizes(2, 2, 0, 64), 0, 0, 0, 0)[1]
+    assert small_device == pytest.approx(padded_no_attention + own_attention, rel=1e-12)
+    (_, dummy_device), _ = cost.lockstep_times([None, big])
+    assert 0 < dummy_device < big_device
+
+
+def test_dp_moe_ranks_step_in_lockstep():
+    """Every step of a data-parallel MoE engine starts and ends on all its ranks at once
+    (vLLM 0.19, vllm/v1/engine/core.py DPEngineCoreProc.run_busy_loop: each rank runs its step or
+    `execute_dummy_batch()` while the engines are running, and the MoE layers' collectives join
+    them), lasting as long as the slowest rank's part."""
+    from sim.predict import predict
+
+    steps = predict(moe_dp()).records.steps_frame(full=True)
+    ranks = [steps[steps["replica"] == r] for r in (0, 1)]
+    spans = [set(zip(s["start_s"], s["end_s"])) for s in ranks]
+    ends = sorted(set().union(*spans))
+    assert len(spans[0]) > 20 and len(spans[1]) > 20
+    # one clock: any two steps, whichever rank, are the same step or do not overlap
+    for (start, end), (next_start, _) in zip(ends, ends[1:]):
+        assert next_start >= end
+    both = spans[0] & spans[1]
+    assert len(both) > 10                                  # steps both ranks had work in
+    # a step both ranks ran lasts as long as the slower part: each rank's host + device is the step
+    for rank in ranks:
+        shared = rank[[span in both for span in zip(rank["start_s"], rank["end_s"])]]
+        assert ((shared["host_s"] + shared["device_s"]) - (shared["end_s"] - shared["start_s"])).abs().max() < 1e-12
+
+
+def test_an_engine_that_ran_dry_steps_dummies_until_the_32nd_step_check():
+    """vLLM's dp ranks all-reduce 'any unfinished requests?' only every 32nd step of a wave
+    (DPEngineCoreProc._has_global_unfinished_reqs, vllm/v1/engine/core.py, vLLM 0.19: `if
+    self.step_counter % 32 != 0: return True`), stepping dummy batches meanwhile. So a request
+    that arrives just after the engine ran dry waits for the dummy step in flight, where a
+    lone engine would start it at once."""
+    from sim.simulator import simulate
+    from sim.workload import build_requests
+
+    scenario = moe_dp(num_requests=3, output_len={"dist": "fixed", "value": 4})
+
+    def steps_with_third_at(when: float):
+        requests = build_requests(scenario)
+        for req, arrival in zip(requests, (0.0, 0.0, when)):
+            req.arrival = arrival
+        return simulate(scenario, requests)[0].steps_frame(full=True)
+    first = steps_with_third_at(1000.0)
+    dry_at = first[first["start_s"] < 500]["end_s"].max()
+    steps = steps_with_third_at(dry_at + 1e-6)
+    third_starts = steps[steps["start_s"] > dry_at]["start_s"].min()
+    dummy = max(h + d for h, d in CostModel.for_scenario(scenario).lockstep_times([None, None]))
+    assert dry_at + 1e-6 < third_starts <= dry_at + dummy * (1 + 1e-9)   # it waited for the dummy step in flight
+
+
+def test_dense_models_with_dp_run_independent_engines():
+    """DPEngineCoreProc serves MoE models only (vllm/v1/engine/core.py, vLLM 0.19, its assertion
+    'DPEngineCoreProc should only be used for MoE models'): dense dp ranks never wait for each
+    other."""
+    from sim.predict import predict
+
+    steps = predict(moe_dp(model="qwen2.5-0.5b")).records.steps_frame(full=True)
+    spans = [set(zip(s["start_s"], s["end_s"])) for _, s in steps.groupby("replica")]
+    ordered = sorted(spans[0] | spans[1])
+    assert any(nxt[0] < end for (_, end), nxt in zip(ordered, ordered[1:]))   # overlapping, unaligned
+
+
+def test_dp_moe_exchange_over_pcie_is_nccls_all_gather_and_reduce_scatter():
+    """vLLM 0.19's default all2all backend, allgather_reducescatter (vllm/config/parallel.py;
+    AgRsAll2AllManager in vllm/distributed/device_communicators/all2all.py): each MoE layer
+    all-gathers the dp ranks' tokens and reduce-scatters the outputs; on PCIe cards each is an
+    NCCL ring of n - 1 steps (src/graph/tuning.cc), LL at a third of the bus bandwidth or Simple."""
+    model, card = get_model("qwen3-30b-a3b"), get_device("rtx-pro-6000-server")
+    free = card.model_copy(update={"interconnect": None, "link_gbps": 1e15, "link_latency_us": 0.0})
+    bus = 64e9 * 0.75
+    for tokens in (1, 64, 2048):
+        share = tokens * model.hidden_size * 2                 # one rank's hidden states
+        ll = (6.6 + 1 * 1.0) * 1e-6 + share / (bus / 3)
+        simple = (8.4 + 1 * 5.7) * 1e-6 + share / bus
+        paid = CostModel(model, card, dp=2, ep=2).moe_layer_time(tokens)
+        assert paid - CostModel(model, free, dp=2, ep=2).moe_layer_time(tokens) == pytest.approx(
+            2 * min(ll, simple), rel=1e-6)
