@@ -18,7 +18,7 @@
 
 Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
 max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
-(moe_layer_time); sliding-window layers read at most the window (CostModel._roofline).
+(moe_layer_time); sliding-window layers read at most the window (CostModel._stages).
 
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
@@ -29,8 +29,10 @@ Coefficients are datasheet peaks times default efficiencies, or a calibrated pro
 """
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from dataclasses import asdict, dataclass, field, fields
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -185,13 +187,6 @@ class DeviceProfile:
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
 
 
-def _table_sizes(seqs, decodes, prefill_tokens, padded=None):
-    """The operator tables' first stage: the sizes themselves (every lookup needs the contexts too;
-    tables price dense models only, never a padded data-parallel MoE step)."""
-    assert padded is None, "operator tables do not price MoE models"
-    return seqs, decodes, prefill_tokens
-
-
 IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
 
 
@@ -207,6 +202,49 @@ def after_idle(steps) -> np.ndarray:
         replica = np.asarray(steps["replica"])
         gap[1:][replica[1:] != replica[:-1]] = np.inf
     return gap > IDLE_GAP_S
+
+
+class _ScalarForm(ast.NodeTransformer):
+    """Rewrites `maximum(a, b)` / `minimum(a, b)` calls as the conditional expressions Python's
+    max / min evaluate (`b if b > a else a`, `b if b < a else a`: the very same value, each
+    operand evaluated once), and `self.NAME(...)` calls of the generated methods as calls of
+    their scalar forms."""
+
+    def __init__(self, generated: set[str]):
+        self.generated, self.temporaries = generated, 0
+
+    def visit_Call(self, node: ast.Call):
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("maximum", "minimum") and len(node.args) == 2 \
+                and not node.keywords:
+            first, second = (ast.Name(id=f"_operand{self.temporaries + k}", ctx=ast.Load()) for k in (0, 1))
+            self.temporaries += 2
+            store = [ast.NamedExpr(target=ast.Name(id=name.id, ctx=ast.Store()), value=value)
+                     for name, value in zip((first, second), node.args)]
+            op = ast.Gt() if func.id == "maximum" else ast.Lt()
+            # (the second operand first: pure expressions, so the order cannot change a value)
+            return ast.IfExp(test=ast.Compare(left=store[1], ops=[op], comparators=[store[0]]), body=second,
+                             orelse=first)
+        if (isinstance(func, ast.Attribute) and func.attr in self.generated and isinstance(func.value, ast.Name)
+                and func.value.id == "self"):
+            func.attr += "_scalar"
+        return node
+
+
+def scalar_form(method, generated: set[str]):
+    """`method` (written once for Python numbers and numpy columns alike, over its `maximum` /
+    `minimum` arguments) generated again for Python numbers only, without a call per max / min
+    (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
+    its source rewritten by _ScalarForm and compiled against the same globals and line numbers.
+    tests/test_costmodel.py proves both forms price alike to the last bit."""
+    source = textwrap.dedent(inspect.getsource(method))
+    tree = _ScalarForm(generated).visit(ast.parse(source))
+    ast.fix_missing_locations(tree)
+    ast.increment_lineno(tree, method.__code__.co_firstlineno - 1)
+    namespace: dict = {}
+    exec(compile(tree, inspect.getsourcefile(method), "exec"), method.__globals__, namespace)
+    return namespace[method.__name__]
 
 
 class CostModel:
@@ -286,7 +324,7 @@ class CostModel:
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
             self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
-        self._sizes, self._price = self._stages(max, min, self.block_size)
+        self._sizes = self._stages_scalar(max, min, self.block_size)
 
     def _tp_allreduce(self, minimum):
         """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
@@ -389,30 +427,29 @@ class CostModel:
         wake = self.coefficients.wake_s if after_idle else 0.0
         times = []
         for seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read in shapes:
-            host, device = self._price(self._sizes(seqs, decodes, prefill_tokens, padded), prefill_ctx,
-                                       prefill_attn, decode_ctx, blocks_read)
+            host, device = self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded)(
+                decode_ctx, blocks_read)
             times.append((host + wake, device))
         return times
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
-        host, device = self.price(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
-                                  batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read)
+        host, device = self._sizes(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                   batch.prefill_ctx, batch.prefill_attn)(batch.decode_ctx, batch.blocks_read)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
 
     def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
         """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
-        return self._price(self._sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
-                           blocks_read)
+        return self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
 
     def decode_pricer(self, rows: int):
         """`price` of a decode-only step of `rows` sequences as a function of (decode context,
         blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
         terms that depend on the batch's sizes alone worked out once."""
-        return partial(self._price, self._sizes(rows, rows, 0), 0, 0)
+        return self._sizes(rows, rows, 0, 0, 0)
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
@@ -426,50 +463,28 @@ class CostModel:
             host, device = priced[:, 0], priced[:, 1]
         else:
             block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
-            sizes, price = self._stages(np.maximum, np.minimum, block_size)
-            host, device = price(sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
-                                 blocks_read)
+            sizes = self._stages(np.maximum, np.minimum, block_size)
+            host, device = sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
         return host + self.coefficients.wake_s * after_idle(steps), device
 
     def _stages(self, maximum, minimum, block_size):
-        """The step price, written once, in two stages: `sizes(seqs, decodes, prefill_tokens)`
-        works out what depends on the batch's sizes alone; `price(sizes, prefill_ctx, prefill_attn,
-        decode_ctx, blocks_read)` adds what depends on the contexts and returns (host_s, device_s).
-        `maximum` / `minimum`: max / min for one step, np.maximum / np.minimum for numpy columns
-        (then `block_size` may be a column too: each recorded step's pool). Operator tables replace
-        the roofline's device time; host time and its overlap are the same."""
-        c = self.coefficients
-        step_host, seq_host, prefill_seq_host, token_host = (c.step_host_s, c.seq_host_s, c.prefill_seq_host_s,
-                                                             c.token_host_s)
-        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
-        sizes_of_device, device_time = (self._roofline(maximum, minimum, block_size) if self.tables is None
-                                        else (_table_sizes, self._table_time))
+        """The step price of the module docstring, written once, in two stages: `sizes(seqs,
+        decodes, prefill_tokens, prefill_ctx, prefill_attn)` works out what depends on the batch
+        alone and returns `price(decode_ctx, blocks_read)`, which adds what depends on the decode
+        contexts and returns (host_s, device_s) (a leap's decode steps differ in those only). `maximum` / `minimum`: max / min for one step (scalar_form
+        generates that form), np.maximum / np.minimum for numpy columns (then `block_size` may be
+        a column too: each recorded step's pool). Operator tables replace the roofline's device
+        time (`_table_time`); host time and its overlap are the same.
 
-        def sizes(seqs, decodes, prefill_tokens, padded=None):
-            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
-                    + token_host * (prefill_tokens + decodes))
-            return host, output_token * seqs, sizes_of_device(seqs, decodes, prefill_tokens, padded)
-
-        def price(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
-            host, output, device_sizes = batch
-            device = device_time(device_sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)
-            # the host time a step adds to the device's, by the engine's overlap rules: output
-            # processing (detokenization, API streaming) runs in the API server's process and only
-            # shows when slower than the engine's own step; synchronous scheduling puts the
-            # scheduler's host work before each launch, async scheduling plans step N+1 while step
-            # N runs (only its excess over the device time shows); the graph launch is serial
-            engine = launch + (maximum(host - device, 0.0) if overlap else host)
-            return engine + maximum(output - (engine + device), 0.0), device
-        return sizes, price
-
-    def _roofline(self, maximum, minimum, block_size):
-        """The device time of the module docstring in `_stages`' two stages: (sizes(seqs, decodes,
-        prefill_tokens), device(sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)).
         Attention is averaged over the layer types: full layers read every cached token and walk
         every block; sliding layers at most `sliding_window` tokens per sequence and the blocks the
         window still holds (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the
         step's sums (exact when every context is on one side of the window)."""
         c, m = self.coefficients, self.model
+        step_host, seq_host, prefill_seq_host, token_host = (c.step_host_s, c.seq_host_s, c.prefill_seq_host_s,
+                                                             c.token_host_s)
+        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
+        tables = self.tables is not None
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
         moe = self._moe_time(maximum, minimum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
@@ -481,39 +496,54 @@ class CostModel:
         full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
         window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 
-        def sizes(seqs, decodes, prefill_tokens, padded=None):
+        def sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded=None):
             # (`padded`: the tokens the GEMMs run at, where vLLM pads the batch: lockstep_times)
-            tokens = prefill_tokens + decodes if padded is None else padded
-            linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
-            if moe is not None:
-                linear = linear + moe(tokens)
-            head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
-            return (seqs, decodes, prefill_tokens, layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead,
-                    tp_allreduce(tokens), head)
+            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
+                    + token_host * (prefill_tokens + decodes))
+            output = output_token * seqs
+            if not tables:
+                tokens = prefill_tokens + decodes if padded is None else padded
+                linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
+                if moe is not None:
+                    linear = linear + moe(tokens)
+                base, prefill_setup = layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead
+                allreduce = tp_allreduce(tokens)
+                head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
+                pairs, other_kv = prefill_attn * attn_pair, prefill_ctx + prefill_tokens     # (integers: exact)
 
-        def device(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
-            seqs, decodes, prefill_tokens, base, prefill_setup, allreduce, head = batch
-            attention = maximum(prefill_attn * attn_pair, (decode_ctx + prefill_ctx + prefill_tokens) * kv_token)
-            blocks = blocks_read
-            if sliding_layers:
-                window_pairs = minimum(prefill_attn, prefill_tokens * window)
-                window_kv = (minimum(decode_ctx, decodes * window) + minimum(prefill_ctx, (seqs - decodes) * window)
-                             + prefill_tokens)
-                sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
-                attention = (full_layers * attention + sliding_layers * sliding) / layers
-                window_walked = minimum(blocks_read, seqs * window_blocks)
-                blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
-            per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
-            return step_device + layers * per_layer + head
-        return sizes, device
+            def price(decode_ctx, blocks_read):
+                if tables:
+                    device = self._table_time(seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read)
+                else:
+                    attention = maximum(pairs, (decode_ctx + other_kv) * kv_token)
+                    blocks = blocks_read
+                    if sliding_layers:
+                        window_pairs = minimum(prefill_attn, prefill_tokens * window)
+                        window_kv = (minimum(decode_ctx, decodes * window)
+                                     + minimum(prefill_ctx, (seqs - decodes) * window) + prefill_tokens)
+                        sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
+                        attention = (full_layers * attention + sliding_layers * sliding) / layers
+                        window_walked = minimum(blocks_read, seqs * window_blocks)
+                        blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
+                    per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
+                    device = step_device + layers * per_layer + head
+                # the host time a step adds to the device's, by the engine's overlap rules: output
+                # processing (detokenization, API streaming) runs in the API server's process and
+                # only shows when slower than the engine's own step; synchronous scheduling puts the
+                # scheduler's host work before each launch, async scheduling plans step N+1 while
+                # step N runs (only its excess over the device time shows); the graph launch is serial
+                engine = launch + (maximum(host - device, 0.0) if overlap else host)
+                return engine + maximum(output - (engine + device), 0.0), device
+            return price
+        return sizes
 
-    def _table_time(self, batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read) -> float:
+    def _table_time(self, seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read) -> float:
         """Device time from the operator tables (sim/optables.py) on this step's composition
-        (dense full-attention models only), as `_stages` calls it."""
+        (dense full-attention models only)."""
         from sim.optables import bucket
 
         t, c = self.tables, self.coefficients
-        seqs, decodes, prefill_tokens = (int(x) for x in batch)
+        seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
         prefills = seqs - decodes
         tokens = prefill_tokens + decodes
         per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
@@ -533,3 +563,9 @@ class CostModel:
                 "tables": self.tables.describe() if self.tables is not None else None,
                 "source": self.profile.source, "quality": self.profile.fit.get("quality"),
                 "coefficients": asdict(self.coefficients), "tp": self.tp}
+
+
+# The one roofline's scalar forms (CostModel._stages_scalar, ...): what a single step is priced with.
+_GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
+for _name in _GENERATED:
+    setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))

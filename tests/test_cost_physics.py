@@ -137,7 +137,7 @@ def test_lockstep_pads_every_rank_to_the_largest_batch_and_idle_ranks_run_a_dumm
     assert small_device > cost.step_time(small)[1]                # its GEMMs and MoE at 64 tokens
     # the small rank's own attention, at the big one's GEMM size
     own_attention = cost.price(2, 2, 0, 2 * 800, 0, 0, 2 * 50)[1] - cost.price(2, 2, 0, 0, 0, 0, 0)[1]
-    padded_no_attention = cost._price(cost._sizes(2, 2, 0, 64), 0, 0, 0, 0)[1]
+    padded_no_attention = cost._sizes(2, 2, 0, 0, 0, 64)(0, 0)[1]
     assert small_device == pytest.approx(padded_no_attention + own_attention, rel=1e-12)
     (_, dummy_device), _ = cost.lockstep_times([None, big])
     assert 0 < dummy_device < big_device
