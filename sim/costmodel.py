@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -63,6 +64,24 @@ def gemm_peak_flops(device: DeviceSpec, model: ModelSpec, part: str = "attention
     if q.quantized_activations and low_precision:
         return low_precision * 1e12
     return peak * WEIGHT_ONLY_GEMM_EFF
+
+
+def expert_imbalance(experts: int, top_k: int, ep: int, load_cv: float) -> tuple[float, float, float]:
+    """(noise, skew, z) of the expert-parallel load imbalance: with whole experts on each of `ep`
+    GPUs (E / ep apiece), a step's T tokens x k routed pairs land unevenly and the MoE layer waits
+    for the busiest GPU, whose expected load is the mean x (1 + z sqrt(noise / T + skew)), at most
+    ep times it (the experts it reads likewise: CostModel._moe_time). Uniform top-k routing puts a hypergeometric share of each token's k distinct
+    experts on a GPU: relative variance (ep - 1)(E - k) / (T k (E - 1)) of its load ('noise / T');
+    experts unequally popular (coefficient of variation `load_cv` across experts, 0: as uniform as
+    the router's load-balancing loss aims for) add (ep - 1) / (E - 1) x cv^2 ('skew'); z is the
+    expected largest of ep standard normal draws (Blom's approximation). z = 0: no imbalance (one
+    GPU, or experts sliced over the GPUs, each holding a slice of every expert)."""
+    if ep <= 1:
+        return 0.0, 0.0, 0.0
+    noise = (ep - 1) * (experts - top_k) / (top_k * (experts - 1))
+    skew = load_cv ** 2 * (ep - 1) / (experts - 1)
+    z = statistics.NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25))
+    return noise, skew, z
 
 
 # Collectives over PCIe (cards without NVLink), after NCCL's own tuning model (NVIDIA/nccl
@@ -134,6 +153,9 @@ class CostCoefficients:
     # a direct one: two PCIe crossings for one, so half (an assumption for the fit to learn)
     pcie_latency_scale: float = 1.0
     host_staging_eff: float = 0.5
+    # expert parallelism: coefficient of variation of the experts' popularity (0 = uniform routing,
+    # what the models' load-balancing losses train for; the statistical imbalance is modelled anyway)
+    expert_load_cv: float = 0.0
     # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
     graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
     sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
@@ -372,6 +394,7 @@ class CostModel:
         h, mi = m.hidden_size, m.moe_intermediate_size
         self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
         self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
+        self._expert_imbalance = expert_imbalance(m.num_experts, m.num_experts_per_tok, self.ep, c.expert_load_cv)
         # vLLM's default all2all backend (allgather_reducescatter: vllm/config/parallel.py and
         # vllm/distributed/device_communicators/all2all.py, 0.19), with or without expert parallelism:
         # all-gather the dp ranks' tokens before the experts, reduce-scatter their outputs after
@@ -396,20 +419,27 @@ class CostModel:
     def _moe_time(self, maximum, minimum):
         """`moe_layer_time` as a function of the tokens, for the roofline."""
         m = self.model
-        experts, top_k, dp = m.num_experts, m.num_experts_per_tok, self.dp
+        experts, top_k, dp, ep = m.num_experts, m.num_experts_per_tok, self.dp, self.ep
         pair_flop, expert_read = self._expert_pair_flop_s, self._expert_read_s
         comm_token, comm_fixed, pcie = self._moe_comm_token_s, self._moe_comm_fixed_s, self._moe_exchange_pcie
+
+        noise, skew, z = self._expert_imbalance
 
         def moe(tokens):
             global_tokens = tokens * dp
             touched = expected_experts_touched(experts, top_k, global_tokens)
             compute = global_tokens * top_k * pair_flop
+            read = touched * expert_read
+            if z:                       # whole experts per GPU: the busiest GPU sets the pace
+                compute = compute * minimum(1 + z * (noise / maximum(global_tokens, 1) + skew) ** 0.5, ep)
+                # the experts a GPU must read: Binomial(E / ep, q) of its own, q = touched / E
+                hit = maximum(touched, top_k) / experts
+                read = read * minimum(1 + z * ((1 - hit) * ep / (experts * hit)) ** 0.5, 1 / hit)
             if pcie is not None:        # all-gather + reduce-scatter, NCCL's faster protocol
                 (ll_fixed, ll_token), (simple_fixed, simple_token) = pcie
-                return maximum(compute, touched * expert_read) + minimum(ll_fixed + tokens * ll_token,
-                                                                         simple_fixed + tokens * simple_token)
+                return maximum(compute, read) + minimum(ll_fixed + tokens * ll_token, simple_fixed + tokens * simple_token)
             fixed = comm_fixed * (tokens > 0)
-            return maximum(compute, touched * expert_read) + tokens * comm_token + fixed
+            return maximum(compute, read) + tokens * comm_token + fixed
         return moe
 
     def lockstep_times(self, batches, after_idle: bool = False) -> list[tuple[float, float]]:

@@ -217,3 +217,56 @@ def test_dp_moe_exchange_over_pcie_is_nccls_all_gather_and_reduce_scatter():
         paid = CostModel(model, card, dp=2, ep=2).moe_layer_time(tokens)
         assert paid - CostModel(model, free, dp=2, ep=2).moe_layer_time(tokens) == pytest.approx(
             2 * min(ll, simple), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- expert imbalance
+
+def monte_carlo_busiest_gpu(experts: int, top_k: int, ep: int, tokens: int, trials: int = 4000):
+    """Mean over routings of (busiest GPU's routed pairs, busiest GPU's distinct experts), each over
+    its mean: uniform top-k routing of `tokens` tokens, experts split into ep equal groups."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    picks = np.argsort(rng.random((trials, tokens, experts)), axis=2)[:, :, :top_k]   # k distinct each
+    group = picks // (experts // ep)
+    pairs = np.stack([(group == g).sum(axis=(1, 2)) for g in range(ep)], axis=1)
+    hit = np.zeros((trials, experts), dtype=bool)
+    np.put_along_axis(hit, picks.reshape(trials, -1), True, axis=1)
+    touched = hit.reshape(trials, ep, -1).sum(axis=2)
+    return (pairs.max(axis=1).mean() / pairs.mean(), touched.max(axis=1).mean() / touched.mean())
+
+
+@pytest.mark.parametrize("ep, tokens", [(4, 4), (4, 64), (8, 16)])
+def test_expert_parallel_imbalance_follows_the_routing_statistics(ep, tokens):
+    """With whole experts per GPU (expert parallelism) the MoE layer waits for the busiest GPU:
+    the model's factors on the routed pairs (compute) and on the experts read (bandwidth) match a
+    simulation of uniform top-k routing (128 experts, 8 per token: Qwen3-30B-A3B) within 5 %."""
+    import math
+
+    from sim.costmodel import expected_experts_touched, expert_imbalance
+
+    experts, top_k = 128, 8
+    noise, skew, z = expert_imbalance(experts, top_k, ep, 0.0)
+    compute_factor = min(1 + z * math.sqrt(noise / tokens + skew), ep)
+    hit = expected_experts_touched(experts, top_k, tokens) / experts
+    read_factor = min(1 + z * math.sqrt((1 - hit) * ep / (experts * hit)), 1 / hit)
+    pairs, touched = monte_carlo_busiest_gpu(experts, top_k, ep, tokens)
+    assert compute_factor == pytest.approx(pairs, rel=0.05)
+    assert read_factor == pytest.approx(touched, rel=0.05)
+
+
+def test_imbalance_slows_expert_parallel_moe_layers_only():
+    """Experts sliced over the GPUs (vLLM without --enable-expert-parallel: every GPU a slice of
+    every expert) are balanced by construction; whole experts per GPU are not, most visibly
+    where few tokens touch few experts, and more so with skewed routing (expert_load_cv)."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    model, h100 = get_model("qwen3-30b-a3b"), get_device("h100-sxm")
+    sliced, whole = CostModel(model, h100, dp=4), CostModel(model, h100, dp=4, ep=4)
+    assert whole.moe_layer_time(1) > 1.1 * sliced.moe_layer_time(1)           # decode: the reads
+    assert whole.moe_layer_time(4096) > sliced.moe_layer_time(4096)            # prefill: the GEMMs
+    assert CostModel(model, h100, tp=4).moe_layer_time(1) == CostModel(model, h100, tp=4, ep=1).moe_layer_time(1)
+    skewed = DeviceProfile(replace(whole.coefficients, expert_load_cv=0.5))
+    assert CostModel(model, h100, dp=4, ep=4, profile=skewed).moe_layer_time(4096) > whole.moe_layer_time(4096)
