@@ -16,7 +16,8 @@
                  + tp all-reduce)
              + max(LM-head FLOPs, LM-head bytes) + sampling bytes + sample_seq_s x sequences
 
-Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
+Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops), weight-only ones add
+their dequantization per tile of batch rows (weight_only); an MoE layer adds
 max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
 (moe_layer_time); sliding-window layers read at most the window (CostModel._stages).
 
@@ -45,25 +46,41 @@ from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.files import excerpt, read_yaml
 from sim.core.memory import cdiv, kv_bytes_per_token, kv_heads_per_rank
 
-# Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores)
-# dequantize in the main loop: at compute-bound batch sizes they reach this fraction of the
-# 16-bit GEMM's rate (an assumption until calibrated; memory-bound steps are not affected).
-WEIGHT_ONLY_GEMM_EFF = 0.8
+# Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores) run
+# Marlin-style kernels: the weights stream in quantized (their bytes: the memory-bound side) and are
+# dequantized to 16 bits in the main loop, once per tile of at most 64 batch rows (vLLM's
+# csrc/quantization/gptq_marlin/gptq_marlin.cu: max_thread_m_blocks = 4 blocks of 16 rows; a larger
+# batch runs as `par` such problems side by side, each dequantizing the weights again). The tensor
+# cores then run at the 16-bit rate, and the dequantization adds CostCoefficients.dequant_overhead
+# x a full tile's tensor-core work per tile: so small batches stay bound by the quantized bytes,
+# and a batch of whole tiles runs at 1 / (1 + dequant_overhead) of the 16-bit rate.
+WEIGHT_ONLY_TILE_ROWS = 64
+
+
+def weight_only(device: DeviceSpec, model: ModelSpec, part: str) -> bool:
+    """Are this part's GEMMs weight-only quantized on this device (dequantized to 16 bits)?"""
+    if not model.quantized(part):
+        return False
+    q = model.quantization
+    low_precision = {"fp8": device.fp8_tflops, "int8": device.int8_tops}.get(q.method)
+    return not (q.quantized_activations and low_precision)
 
 
 def gemm_peak_flops(device: DeviceSpec, model: ModelSpec, part: str = "attention") -> float:
     """Peak FLOP/s of one part's GEMMs: fp8 / int8 tensor cores for W8A8 checkpoints on parts that
-    have them, else the 16-bit peak (x WEIGHT_ONLY_GEMM_EFF for weight-only quantized weights)."""
+    have them, else the 16-bit peak (weight-only quantized weights too: their dequantization is a
+    term of its own, `weight_only`)."""
     peak = device.bf16_tflops * 1e12
     if model.dtype == "float32":
         peak /= 8       # no bf16 tensor-core rate for fp32 (TF32 at best); a rough cut
-    if not model.quantized(part):
+    if not model.quantized(part) or weight_only(device, model, part):
         return peak
-    q = model.quantization
-    low_precision = {"fp8": device.fp8_tflops, "int8": device.int8_tops}.get(q.method)
-    if q.quantized_activations and low_precision:
-        return low_precision * 1e12
-    return peak * WEIGHT_ONLY_GEMM_EFF
+    return {"fp8": device.fp8_tflops, "int8": device.int8_tops}[model.quantization.method] * 1e12
+
+
+def part_params(model: ModelSpec, part: str) -> int:
+    """Weights of one part's matrices over all layers (linear_shapes)."""
+    return sum(fan_in * fan_out * count for p, fan_in, fan_out, count in model.linear_shapes() if p == part)
 
 
 def expert_imbalance(experts: int, top_k: int, ep: int, load_cv: float) -> tuple[float, float, float]:
@@ -156,6 +173,10 @@ class CostCoefficients:
     # expert parallelism: coefficient of variation of the experts' popularity (0 = uniform routing,
     # what the models' load-balancing losses train for; the statistical imbalance is modelled anyway)
     expert_load_cv: float = 0.0
+    # weight-only quantized GEMMs: dequantizing a weight for one tile of 64 batch rows costs this
+    # share of the tile's 16-bit tensor-core work (0.25: whole tiles at 0.8 x the 16-bit rate, the
+    # figure assumed before this term; small batches stay bound by the quantized bytes)
+    dequant_overhead: float = 0.25
     # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
     graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
     sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
@@ -332,6 +353,10 @@ class CostModel:
             self._linear_flop_s += 6 * h * inter / (gemm_peak_flops(self.device, m, "mlp" if not m.is_moe
                                                                     else "shared_experts") * c.flops_eff)
         self._linear_weight_s = self._dense_weight_bytes_per_layer() / (bw * c.bw_eff)
+        dense_parts = ("attention", "shared_experts") if m.is_moe else ("attention", "mlp")
+        dequantized = sum(part_params(m, p) for p in dense_parts if weight_only(self.device, m, p)) / m.num_layers / tp
+        self._dequant_tile_s = (c.dequant_overhead * dequantized * 2 * WEIGHT_ONLY_TILE_ROWS
+                                / (gemm_peak_flops(self.device, m, "attention") * c.flops_eff)) if dequantized else 0.0
         self._linear_act_s = 2 * (h + q + 2 * kv + 2 * inter) * s / (bw * c.bw_eff)
         self._attn_pair_s = 4 * (m.num_heads // tp) * d / (peak_flops * c.attn_flops_eff)
         self._kv_token_s = (kv_bytes_per_token(m, tp, self.kv_cache_dtype) / m.num_layers
@@ -394,6 +419,12 @@ class CostModel:
         h, mi = m.hidden_size, m.moe_intermediate_size
         self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
         self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
+        # weight-only experts: each touched expert's weights dequantized once, and again per further
+        # WEIGHT_ONLY_TILE_ROWS of its tokens (about touched + pairs / tile tiles in all)
+        expert_weights = part_params(m, "experts") / (m.num_layers * m.num_experts) / gpus
+        self._expert_dequant_s = (c.dequant_overhead * expert_weights * 2 * WEIGHT_ONLY_TILE_ROWS
+                                  / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
+                                  if weight_only(self.device, m, "experts") else 0.0)
         self._expert_imbalance = expert_imbalance(m.num_experts, m.num_experts_per_tok, self.ep, c.expert_load_cv)
         # vLLM's default all2all backend (allgather_reducescatter: vllm/config/parallel.py and
         # vllm/distributed/device_communicators/all2all.py, 0.19), with or without expert parallelism:
@@ -420,7 +451,7 @@ class CostModel:
         """`moe_layer_time` as a function of the tokens, for the roofline."""
         m = self.model
         experts, top_k, dp, ep = m.num_experts, m.num_experts_per_tok, self.dp, self.ep
-        pair_flop, expert_read = self._expert_pair_flop_s, self._expert_read_s
+        pair_flop, expert_read, dequant = self._expert_pair_flop_s, self._expert_read_s, self._expert_dequant_s
         comm_token, comm_fixed, pcie = self._moe_comm_token_s, self._moe_comm_fixed_s, self._moe_exchange_pcie
 
         noise, skew, z = self._expert_imbalance
@@ -429,6 +460,8 @@ class CostModel:
             global_tokens = tokens * dp
             touched = expected_experts_touched(experts, top_k, global_tokens)
             compute = global_tokens * top_k * pair_flop
+            if dequant:
+                compute = compute + (touched + global_tokens * top_k / WEIGHT_ONLY_TILE_ROWS) * dequant
             read = touched * expert_read
             if z:                       # whole experts per GPU: the busiest GPU sets the pace
                 compute = compute * minimum(1 + z * (noise / maximum(global_tokens, 1) + skew) ** 0.5, ep)
@@ -516,6 +549,7 @@ class CostModel:
         output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
         tables = self.tables is not None
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
+        dequant_tile = self._dequant_tile_s
         moe = self._moe_time(maximum, minimum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
@@ -533,7 +567,10 @@ class CostModel:
             output = output_token * seqs
             if not tables:
                 tokens = prefill_tokens + decodes if padded is None else padded
-                linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
+                gemm = tokens * linear_flop
+                if dequant_tile:        # weight-only quantized: per tile of batch rows (WEIGHT_ONLY_TILE_ROWS)
+                    gemm = gemm + -(-tokens // WEIGHT_ONLY_TILE_ROWS) * dequant_tile
+                linear = maximum(gemm, linear_weight + tokens * linear_act)
                 if moe is not None:
                     linear = linear + moe(tokens)
                 base, prefill_setup = layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead

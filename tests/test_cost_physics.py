@@ -270,3 +270,66 @@ def test_imbalance_slows_expert_parallel_moe_layers_only():
     assert CostModel(model, h100, tp=4).moe_layer_time(1) == CostModel(model, h100, tp=4, ep=1).moe_layer_time(1)
     skewed = DeviceProfile(replace(whole.coefficients, expert_load_cv=0.5))
     assert CostModel(model, h100, dp=4, ep=4, profile=skewed).moe_layer_time(4096) > whole.moe_layer_time(4096)
+
+
+# ----------------------------------------------------------------------------- weight-only GEMMs
+
+def quantized_llama(method: str = "awq"):
+    from sim.scenario import validate_scenario
+
+    return validate_scenario({"model": {"base": "llama-3.1-8b", "quantization": {"method": method}},
+                              "device": "h100-sxm"}).model
+
+
+def prefill_device_s(cost: CostModel, tokens: int) -> float:
+    """Device seconds of one prefill chunk of `tokens` new tokens (no cached context)."""
+    return cost.price(1, 0, tokens, 0, 0, 0, 0)[1]
+
+
+def test_weight_only_gemms_dequantize_once_per_64_row_tile():
+    """AWQ int4 Llama-3.1-8B on an H100: Marlin (vLLM csrc/quantization/gptq_marlin/gptq_marlin.cu,
+    max_thread_m_blocks = 4 blocks of 16 rows) runs at most 64 batch rows per weight tile and runs
+    a larger batch as such problems side by side, each dequantizing the weights again; the tensor
+    cores run at the 16-bit rate. So the dequantization steps up at each 64th row, and a batch
+    of whole tiles runs at 1 / (1 + dequant_overhead) = 0.8 x the 16-bit rate."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    model, h100 = quantized_llama(), get_device("h100-sxm")
+    cost = CostModel(model, h100)
+    free = CostModel(model, h100, profile=DeviceProfile(replace(cost.coefficients, dequant_overhead=0.0)))
+    h, q, kv, inter = 4096, 4096, 1024, 14336
+    weights = h * (q + 2 * kv) + q * h + 3 * h * inter           # per layer
+    tile = 0.25 * weights * 2 * 64 / (989e12 * 0.55)               # one tile's dequantization
+    for tokens, tiles in ((4096, 64), (4097, 65), (8192, 128)):
+        added = (prefill_device_s(cost, tokens) - prefill_device_s(free, tokens)) / model.num_layers
+        assert added == pytest.approx(tiles * tile, rel=1e-9)
+    mma = 4096 * 2 * weights / (989e12 * 0.55)
+    assert mma / (mma + 64 * tile) == pytest.approx(0.8)
+
+
+def test_weight_only_small_batches_stay_bound_by_the_quantized_bytes():
+    """A decode step of a few rows streams the 4-bit weights (a quarter of the 16-bit bytes, plus
+    scales) and its one tile's dequantization hides under that stream: the dequantization cost
+    does not show, and the step is ~3.5x quicker on its linear layers than bf16."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    model, h100 = quantized_llama(), get_device("h100-sxm")
+    cost = CostModel(model, h100)
+    free = CostModel(model, h100, profile=DeviceProfile(replace(cost.coefficients, dequant_overhead=0.0)))
+    for rows in (1, 8, 32):
+        step = (rows, rows, 0, rows * 1000, 0, 0, rows * 63)
+        assert cost.price(*step) == free.price(*step)
+    assert cost._linear_weight_s < 0.3 * CostModel(LLAMA, h100)._linear_weight_s
+
+
+def test_w8a8_on_fp8_tensor_cores_has_no_dequantization():
+    """fp8 W8A8 on an H100 runs on the fp8 tensor cores (no dequantization term); the same
+    checkpoint on an A100 (no fp8 tensor cores) runs weight-only, as vLLM's fp8 Marlin does."""
+    fp8 = quantized_llama("fp8")
+    assert CostModel(fp8, get_device("h100-sxm"))._dequant_tile_s == 0.0
+    assert CostModel(fp8, get_device("a100-80g"))._dequant_tile_s > 0.0
+    assert CostModel(LLAMA, get_device("a100-80g"))._dequant_tile_s == 0.0
