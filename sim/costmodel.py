@@ -275,14 +275,38 @@ class _ScalarForm(ast.NodeTransformer):
         return node
 
 
-def scalar_form(method, generated: set[str]):
+def _one_call(tree: ast.Module) -> ast.Module:
+    """`_stages` with its second stage folded into the first: `sizes(seqs, decodes, prefill_tokens,
+    prefill_ctx, prefill_attn, decode_ctx, blocks_read, padded=None)` returns the price itself
+    (the inner `price`'s body in place of its definition and `return price`), for a step priced
+    once: no closure made per step."""
+    sizes = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "sizes")
+    at = next(i for i, node in enumerate(sizes.body) if isinstance(node, ast.FunctionDef) and node.name == "price")
+    price = sizes.body[at]
+    outer = {a.arg for a in sizes.args.args} | {n.id for stmt in sizes.body[:at] for n in ast.walk(stmt)
+                                                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    inner = {a.arg for a in price.args.args} | {n.id for stmt in price.body for n in ast.walk(stmt)
+                                                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    assert not outer & inner, f"_one_call: price would overwrite {sorted(outer & inner)}"
+    assert isinstance(sizes.body[-1], ast.Return) and sizes.body[at + 1:] == sizes.body[-1:]
+    sizes.body = sizes.body[:at] + price.body
+    args = sizes.args.args
+    sizes.args.args = args[:len(args) - len(sizes.args.defaults)] + price.args.args + args[len(args)
+                                                                                          - len(sizes.args.defaults):]
+    return tree
+
+
+def scalar_form(method, generated: set[str], one_call: bool = False):
     """`method` (written once for Python numbers and numpy columns alike, over its `maximum` /
     `minimum` arguments) generated again for Python numbers only, without a call per max / min
     (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
-    its source rewritten by _ScalarForm and compiled against the same globals and line numbers.
-    tests/test_costmodel.py proves both forms price alike to the last bit."""
+    its source rewritten by _ScalarForm (and `_one_call`) and compiled against the same globals
+    and line numbers. tests/test_costmodel.py proves every form prices alike to the last bit."""
     source = textwrap.dedent(inspect.getsource(method))
-    tree = _ScalarForm(generated).visit(ast.parse(source))
+    tree = ast.parse(source)
+    if one_call:
+        tree = _one_call(tree)
+    tree = _ScalarForm(generated).visit(tree)
     ast.fix_missing_locations(tree)
     ast.increment_lineno(tree, method.__code__.co_firstlineno - 1)
     namespace: dict = {}
@@ -372,6 +396,7 @@ class CostModel:
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
             self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
         self._sizes = self._stages_scalar(max, min, self.block_size)
+        self._price_step = self._stages_one_call(max, min, self.block_size)
 
     def _tp_allreduce(self, minimum):
         """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
@@ -498,15 +523,15 @@ class CostModel:
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
-        host, device = self._sizes(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
-                                   batch.prefill_ctx, batch.prefill_attn)(batch.decode_ctx, batch.blocks_read)
+        host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                        batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx, batch.blocks_read)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
 
     def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
         """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
-        return self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
+        return self._price_step(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read)
 
     def decode_pricer(self, rows: int):
         """`price` of a decode-only step of `rows` sequences as a function of (decode context,
@@ -636,3 +661,4 @@ class CostModel:
 _GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
 for _name in _GENERATED:
     setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))
+CostModel._stages_one_call = scalar_form(CostModel._stages, _GENERATED, one_call=True)

@@ -46,10 +46,11 @@ def test_per_block_term_makes_small_blocks_slower():
 
 def test_every_form_of_the_pricer_prices_alike_bit_for_bit():
     """The roofline is written once (CostModel._stages); the simulator calls it three ways: one
-    step (`price`, what step_time calls), a leap's decode steps with the batch's sizes worked out
-    once (`decode_pricer`), and numpy columns of recorded or leaped steps (`step_times`). Every
-    price must be the same to the last bit: dense, sliding-window or MoE (tp, dp, ep),
-    synchronous or async, with the named host costs set."""
+    step (`price`, what step_time calls: the one-call form generated from it), a leap's decode
+    steps with the batch's sizes worked out once (`decode_pricer`: its two stages, generated for
+    Python numbers), and numpy columns of recorded or leaped steps (`step_times`: the source
+    itself). Every price must be the same to the last bit: dense, sliding-window, quantized or
+    MoE (tp, dp, ep), NVLink or PCIe, synchronous or async, with the named host costs set."""
     import random
 
     from sim.core.catalog import get_device, get_model
@@ -58,13 +59,19 @@ def test_every_form_of_the_pricer_prices_alike_bit_for_bit():
                                   detok_token_s=4e-5, api_token_s=9e-5))   # (output shows past ~40 rows)
     gpt_oss = validate_scenario({"model": {"hf_config": "tests/data/hf_configs/openai__gpt-oss-20b.json"},
                                  "device": "h100-sxm"}).model
+    awq = validate_scenario({"model": {"base": "llama-3.1-8b", "quantization": {"method": "awq"}},
+                             "device": "l4"}).model
     models = [(get_model("qwen2.5-0.5b"), {}), (get_model("qwen3-30b-a3b"), {"tp": 4}),
-              (get_model("qwen3-30b-a3b"), {"dp": 4, "ep": 4}), (gpt_oss, {})]
+              (get_model("qwen3-30b-a3b"), {"dp": 4, "ep": 4}), (gpt_oss, {}),
+              (awq, {"tp": 2, "device": "l4"}), (get_model("llama-3.1-8b"), {"tp": 4, "device": "l40s"}),
+              (get_model("qwen3-30b-a3b"), {"dp": 2, "ep": 2, "device": "rtx-pro-6000-server"})]
     rnd = random.Random(0)
     for model, par in models:
         for profile in (None, named):
             for overlap in (False, True):
-                cost = CostModel(model, get_device("h100-sxm"), profile=profile, async_scheduling=overlap, **par)
+                on = {k: v for k, v in par.items() if k != "device"}
+                cost = CostModel(model, get_device(par.get("device", "h100-sxm")), profile=profile,
+                                 async_scheduling=overlap, **on)
                 shapes = []
                 for _ in range(300):
                     decodes, prefills = rnd.randint(0, 256), rnd.randint(0, 4)
