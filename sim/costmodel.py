@@ -18,8 +18,10 @@
 
 Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops), weight-only ones add
 their dequantization per tile of batch rows (weight_only); an MoE layer adds
-max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
-(moe_layer_time); sliding-window layers read at most the window (CostModel._stages).
+max(routed FLOPs, bytes of the experts the batch touches), scaled for the busiest GPU under expert
+parallelism (expert_imbalance), and the dp token exchange (moe_layer_time); data-parallel MoE
+ranks step together (lockstep_times); sliding-window layers read at most the window; PCIe
+collectives follow NCCL's ring model (pcie_collective). docs/cost_model.md walks through it all.
 
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
