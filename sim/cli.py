@@ -307,32 +307,55 @@ class StatusLine:
             console.print(f"{self.message} in {time.monotonic() - self.t0:.1f} s", soft_wrap=True)
 
 
-def predict_with_progress(scenario, name: str, quiet: bool = False):
-    """Run a prediction, showing a progress bar once it has taken more than a second."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+PROGRESS_AFTER_S = 1.0        # a run shorter than this shows no bar
+PROGRESS_EVERY_S = 0.25       # the bar is redrawn at most this often
 
-    from sim.output.console import err_console
+
+def predict_with_progress(scenario, name: str, quiet: bool = False):
+    """Run a prediction, showing a progress bar once it has taken more than a second. The bar is
+    drawn here, on a clock, from the run's own progress calls (every 256 finished requests), with
+    no refresh thread: a second Python thread would take the interpreter lock from the
+    simulation every few milliseconds."""
     from sim.predict import predict
 
     total = scenario.workload.num_requests
-    state: dict = {"t0": time.monotonic(), "bar": None}
-
-    def progress(done: int) -> None:
-        if quiet or total is None:
-            return
-        if state["bar"] is None and time.monotonic() - state["t0"] > 1.0:
-            bar = Progress(TextColumn(f"simulating {name}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                           TimeElapsedColumn(), console=err_console, transient=True)
-            bar.start()
-            state["bar"], state["task"] = bar, bar.add_task(name, total=total)
-        if state["bar"] is not None:
-            state["bar"].update(state["task"], completed=done)
-
+    if quiet or total is None:
+        return predict(scenario, name)
+    bar = ProgressBar(f"simulating {name}", total)
     try:
-        return predict(scenario, name, progress=progress)
+        return predict(scenario, name, progress=bar.update)
     finally:
-        if state["bar"] is not None:
-            state["bar"].stop()
+        bar.stop()
+
+
+class ProgressBar:
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total = what, total
+        self.next_draw = time.monotonic() + PROGRESS_AFTER_S
+        self.bar = None
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if now < self.next_draw:
+            return
+        self.next_draw = now + PROGRESS_EVERY_S
+        if self.bar is None:
+            self._start()
+        self.bar.update(self.task, completed=done, refresh=True)
+
+    def _start(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from sim.output.console import err_console
+
+        self.bar = Progress(TextColumn(self.what), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                            TimeElapsedColumn(), console=err_console, transient=True, auto_refresh=False)
+        self.bar.start()
+        self.task = self.bar.add_task(self.what, total=self.total)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ def write_data_files(result: RunResult, out_dir: Path, steps: str = "aggregated"
     out_dir = Path(out_dir)
     if steps not in STEP_FILE_KINDS:
         raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")
-    step_rows = result.steps if steps == "full" else result.records.steps_frame(full=False)
+    full = steps == "full"
+    step_rows = result.records.steps_columns(full)
+    if step_rows is None:
+        step_rows = result.records.steps_frame(full)
     files = {
         "summary": write_json(out_dir / "summary.json", result.summary),
         "requests": write_csv(out_dir / "requests.csv", result.requests),
