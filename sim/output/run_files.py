@@ -55,7 +55,7 @@ def write_reports(results: Mapping[str, RunResult], out_dir: Path, plots: bool =
     from sim.output.workers import FigureWorkers
 
     out_dir = Path(out_dir)
-    views = {name: view_of(r, name) for name, r in results.items()}
+    views = {name: view_of(r, name, all_step_columns=trace) for name, r in results.items()}
     first = next(iter(results.values()))
     files: dict[str, Path] = {}
     if plots:
@@ -80,11 +80,18 @@ def setup_title(result: RunResult) -> str:
     return f"{s.name}: {s.model.name} on {s.device.name}{tp}"
 
 
-def view_of(result: RunResult, label: Optional[str] = None):
-    from sim.output.views import RunView
+def view_of(result: RunResult, label: Optional[str] = None, all_step_columns: bool = True):
+    """The run as the plots and pages see it. Without `all_step_columns` (no trace to write) its
+    steps hold only the columns the plots read: a fifth of a million-request run's steps frame."""
+    import pandas as pd
 
-    view = RunView.from_records(label or result.name, result.records, result.summary,
-                                result.requests, result.steps)
+    from sim.output.views import PLOT_STEP_COLUMNS, RunView
+
+    if all_step_columns or result._steps is not None or not result.records.recorders:
+        steps = result.steps
+    else:
+        steps = pd.DataFrame(result.records.step_series(PLOT_STEP_COLUMNS), copy=False)
+    view = RunView.from_records(label or result.name, result.records, result.summary, result.requests, steps)
     view.scenario = result.scenario
     return view
 
