@@ -308,18 +308,15 @@ class StatusLine:
 
 
 PROGRESS_AFTER_S = 1.0        # a run shorter than this shows no bar
-PROGRESS_EVERY_S = 0.25       # the bar is redrawn at most this often
+PROGRESS_EVERY_S = 0.5        # the bar is redrawn at most this often
 
 
 def predict_with_progress(scenario, name: str, quiet: bool = False):
-    """Run a prediction, showing a progress bar once it has taken more than a second. The bar is
-    drawn here, on a clock, from the run's own progress calls (every 256 finished requests), with
-    no refresh thread: a second Python thread would take the interpreter lock from the
-    simulation every few milliseconds."""
+    """Run a prediction, showing a progress bar on a terminal once it has taken more than a second."""
     from sim.predict import predict
 
     total = scenario.workload.num_requests
-    if quiet or total is None:
+    if quiet or total is None or not sys.stderr.isatty():
         return predict(scenario, name)
     bar = ProgressBar(f"simulating {name}", total)
     try:
@@ -329,33 +326,35 @@ def predict_with_progress(scenario, name: str, quiet: bool = False):
 
 
 class ProgressBar:
-    def __init__(self, what: str, total: int) -> None:
-        self.what, self.total = what, total
-        self.next_draw = time.monotonic() + PROGRESS_AFTER_S
-        self.bar = None
+    """One line on stderr, redrawn from the run's own progress calls (every 256 finished requests)
+    at most every PROGRESS_EVERY_S, and erased at the end. No refresh thread (a second Python
+    thread takes the interpreter lock from the simulation every few milliseconds) and no rich
+    (whose redraw of a progress bar cost ~10 ms)."""
+
+    WIDTH = 30
+
+    def __init__(self, what: str, total: int, stream=None) -> None:
+        self.what, self.total, self.stream = what, max(1, total), stream or sys.stderr
+        self.t0 = time.monotonic()
+        self.next_draw = self.t0 + PROGRESS_AFTER_S
+        self.drawn = False
 
     def update(self, done: int) -> None:
         now = time.monotonic()
         if now < self.next_draw:
             return
         self.next_draw = now + PROGRESS_EVERY_S
-        if self.bar is None:
-            self._start()
-        self.bar.update(self.task, completed=done, refresh=True)
-
-    def _start(self) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        from sim.output.console import err_console
-
-        self.bar = Progress(TextColumn(self.what), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeElapsedColumn(), console=err_console, transient=True, auto_refresh=False)
-        self.bar.start()
-        self.task = self.bar.add_task(self.what, total=self.total)
+        filled = min(self.WIDTH, self.WIDTH * done // self.total)
+        elapsed = int(now - self.t0)
+        self.stream.write(f"\r{self.what} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done:,}/{self.total:,} "
+                          f"{elapsed // 60}:{elapsed % 60:02d}\x1b[K")
+        self.stream.flush()
+        self.drawn = True
 
     def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
 
 
 if __name__ == "__main__":
