@@ -6,6 +6,7 @@ Used by `simrun` (each variant), by sweeps and searches, and by the validation h
 from __future__ import annotations
 
 import hashlib
+from array import array
 import os
 import platform
 import subprocess
@@ -136,8 +137,8 @@ class WorkloadDescription:
 
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
-        self.prompt_lens: list[int] = []
-        self.output_lens: list[int] = []
+        self.prompt_lens = array("q")          # (a list of a million ints holds 28-byte objects)
+        self.output_lens = array("q")
         self._texts: list[str] = []
 
     def add(self, r: Request) -> None:
@@ -181,7 +182,7 @@ def length_stats(requests: list[Request]) -> dict:
     return _length_stats([r.prompt_len for r in requests], [r.output_len for r in requests])
 
 
-def _length_stats(prompt_lens: list[int], output_lens: list[int]) -> dict:
+def _length_stats(prompt_lens, output_lens) -> dict:
     import numpy as np
 
     out = {}
