@@ -45,6 +45,13 @@ def test_csv_is_pandas_byte_for_byte(tmp_path, monkeypatch, with_arrow):
     assert (tmp_path / "fast.csv").read_bytes() == frame.to_csv(index=False).encode()
 
 
+def test_empty_and_all_missing_columns(tmp_path):
+    for frame in (pd.DataFrame({"a": np.zeros(0), "b": np.zeros(0, int)}),
+                  pd.DataFrame({"a": [np.nan] * 3, "b": [1, 2, 3], "c": [None] * 3})):
+        write_csv(tmp_path / "x.csv", frame)
+        assert (tmp_path / "x.csv").read_bytes() == frame.to_csv(index=False).encode()
+
+
 def test_unsupported_columns_fall_back_to_pandas(tmp_path):
     frame = pd.DataFrame({"mixed": np.array([1, 1.0, True], dtype=object), "f32": np.ones(3, np.float32),
                           "t": pd.to_datetime(["2026-01-01"] * 3)})
