@@ -3,6 +3,8 @@
   python bench/sim_speed.py [--vidur 100000] [--quick 10000 100000 1000000] [--sweep 10]
                             [--sweep-points 100] [--sweep-jobs 2] [--unchained 1000000] [--sliding 5000]
                             [--out bench/results/sim_speed.json]
+  python bench/sim_speed.py --simrun vidur-100k [bench-1m-150 bench-1m-300] [--repeat 3]
+                            [--simrun-out bench/results/simrun_speed.json]
 
 Four workloads, each predicted by both paths of the same code in the same process, so a
 change in the shared machine's load hits both (read the ratios, not the absolute seconds):
@@ -25,6 +27,13 @@ change in the shared machine's load hits both (read the ratios, not the absolute
          workload.arrival.rate=100,125,..,325 --set seed=0,..,9 --jobs 2` (100 points, their
          CSV, plots and page written), its wall clock and the CPU of its main process
          (imports, validation, gathering, files) and of its workers (the points) apart.
+With --simrun (and nothing else run), the user's command instead: each case as a fresh
+`python -m sim.cli SCENARIO --set ... --quiet` process with plots and with --no-plots, and once
+with its progress bar drawn on a terminal (a pty), beside a fresh process that runs `simulate()`
+alone on the same scenario; the CPU of each process tree (getrusage of the reaped children, the
+figure processes included) and its peak RSS, medians of --repeat runs, each also as a ratio to
+`simulate()` alone, and one in-process run timed phase by phase (simulate, predict's
+summary and manifest, the data files, the plots drawn in one process).
 Times are CPU seconds of the simulation proper (time.process_time around `simulate`);
 building the workload and the summary are reported apart (a streamed workload's making, which
 happens inside `simulate`, is measured on an identical stream read alone and taken off). A wall clock on a shared machine
@@ -190,6 +199,158 @@ def measured_sweep(points: int, jobs: int, requests: int = 10_000) -> dict:
             "load_average_before": round(load, 2), "load_average_after": round(os.getloadavg()[0], 2)}
 
 
+# ----------------------------------------------------------------------------- the user's command
+
+# case -> (scenario file, overrides): what `simrun` is timed on
+SIMRUN_CASES = {
+    "vidur-100k": ("vidur_llama2_70b", ("workload.num_requests=100000",)),
+    "bench-1m-150": ("bench_sim_speed", ("workload.num_requests=1000000",)),          # its own 150 req/s
+    "bench-1m-300": ("bench_sim_speed", ("workload.num_requests=1000000", "workload.arrival.rate=300")),
+    "bench-100k-150": ("bench_sim_speed", ("workload.num_requests=100000",)),
+}
+
+
+def simrun_argv(case: str, out: str, plots: bool, quiet: bool = True) -> list[str]:
+    name, overrides = SIMRUN_CASES[case]
+    argv = ["-m", "sim.cli", f"scenarios/{name}.yaml"]
+    for o in overrides:
+        argv += ["--set", o]
+    return argv + ([] if plots else ["--no-plots"]) + (["--quiet"] if quiet else []) + ["--out", out]
+
+
+def measure_tree(argv: list[str], pty: bool = False) -> dict:
+    """Run `python ARGV` from a fresh measuring process: the CPU (user + system) of the whole
+    process tree, its biggest process's peak RSS, and the wall clock. `pty`: its output on a
+    terminal (so the progress bar is drawn), read and dropped here."""
+    out = subprocess.run([sys.executable, __file__, "--measure-tree", json.dumps(argv), "1" if pty else "0"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_tree_child(argv: list[str], pty: bool) -> dict:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, *argv]
+    if pty:
+        import pty as ptys
+
+        master, slave = ptys.openpty()
+        proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, cwd=ROOT)
+        os.close(slave)
+        while True:
+            try:
+                if not os.read(master, 65536):
+                    break
+            except OSError:                 # EIO: the child closed the terminal
+                break
+        code = proc.wait()
+        os.close(master)
+    else:
+        code = subprocess.run(cmd, stdout=subprocess.DEVNULL, cwd=ROOT).returncode
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"exit_code": code, "cpu_s": round(use.ru_utime + use.ru_stime, 2),
+            "peak_rss_mb": round(use.ru_maxrss / 1024, 1), "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def simulate_only_child(case: str) -> dict:
+    """simulate() alone on the case's scenario, its workload streamed as simrun's is."""
+    name, overrides = SIMRUN_CASES[case]
+    size = int(next(o for o in overrides if o.startswith("workload.num_requests=")).split("=")[1])
+    rest = tuple(o for o in overrides if not o.startswith("workload.num_requests="))
+    return run_one(name, size, True, rest, stream=True)
+
+
+def phases_child(case: str, out: str) -> dict:
+    """One `simrun` run in this process, phase by phase (CPU seconds): predict (simulate, the
+    summary and the manifest), the data files, the plots and report.html drawn here, one process."""
+    from sim.output.run_files import write_data_files, write_reports
+    from sim.output.workers import warm_up
+    from sim.predict import predict
+    from sim.scenario import load_scenario
+
+    name, overrides = SIMRUN_CASES[case]
+    scenario = load_scenario(ROOT / "scenarios" / f"{name}.yaml", list(overrides))
+    t0 = time.process_time()
+    result = predict(scenario, name)
+    t1 = time.process_time()
+    write_data_files(result, Path(out))
+    t2 = time.process_time()
+    warm_up()                                    # (simrun's figure process does this while simulating)
+    t3 = time.process_time()
+    write_reports({name: result}, Path(out), plots=True, workers=None)
+    t4 = time.process_time()
+    sizes = {f.name: f.stat().st_size for f in Path(out).iterdir() if f.suffix in (".csv", ".json")}
+    return {"predict_cpu_s": round(t1 - t0, 2), "simulate_wall_s": round(result.records.meta.get("wall_s", 0), 2),
+            "data_files_cpu_s": round(t2 - t1, 2), "matplotlib_import_and_warm_up_cpu_s": round(t3 - t2, 2),
+            "plots_and_page_cpu_s": round(t4 - t3, 2), "file_bytes": sizes,
+            "steps_rows": int(sum(r.num_rows for r in result.records.recorders)),
+            "steps": int(sum(len(r) for r in result.records.recorders))}
+
+
+def _in_fresh_process(flag: str, *values: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, flag, *values], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median(values: list[float]) -> float:
+    return round(sorted(values)[len(values) // 2], 2)
+
+
+def simrun_case(case: str, repeat: int) -> dict:
+    """The user's command on `case`, plots on and off, beside simulate() alone; medians of `repeat`
+    (runs interleaved, so a change in the machine's load hits each kind alike)."""
+    runs: dict[str, list[dict]] = {"simulate_only": [], "no_plots": [], "plots": []}
+    with tempfile.TemporaryDirectory(prefix="simrun_speed_") as tmp:
+        for _ in range(repeat):
+            runs["simulate_only"].append(_in_fresh_process("--simulate-only-child", case))
+            runs["no_plots"].append(measure_tree(simrun_argv(case, f"{tmp}/a", plots=False)))
+            runs["plots"].append(measure_tree(simrun_argv(case, f"{tmp}/b", plots=True)))
+        progress = measure_tree(simrun_argv(case, f"{tmp}/c", plots=False, quiet=False), pty=True)
+        phases = _in_fresh_process("--phases-child", case, f"{tmp}/d")
+    simulate_s = _median([r["simulate_cpu_s"] for r in runs["simulate_only"]])
+    row = {"case": case, "scenario": SIMRUN_CASES[case][0], "overrides": list(SIMRUN_CASES[case][1]),
+           "repeat": repeat, "simulate_only_cpu_s": simulate_s,
+           "simulate_only_peak_rss_mb": _median([r["peak_rss_mb"] for r in runs["simulate_only"]])}
+    for kind in ("no_plots", "plots"):
+        cpu = _median([r["cpu_s"] for r in runs[kind]])
+        row[kind] = {"command": "python " + " ".join(simrun_argv(case, "OUT", plots=kind == "plots")),
+                     "cpu_s": cpu, "ratio_to_simulate": round(cpu / simulate_s, 2),
+                     "peak_rss_mb": _median([r["peak_rss_mb"] for r in runs[kind]]),
+                     "wall_s": _median([r["wall_s"] for r in runs[kind]]),
+                     "runs_cpu_s": [r["cpu_s"] for r in runs[kind]],
+                     "exit_codes": sorted({r["exit_code"] for r in runs[kind]})}
+    row["simulate_only_runs_cpu_s"] = [r["simulate_cpu_s"] for r in runs["simulate_only"]]
+    row["progress_on_a_terminal"] = {
+        "command": "python " + " ".join(simrun_argv(case, "OUT", plots=False, quiet=False)), **progress,
+        "over_quiet": round(progress["cpu_s"] / row["no_plots"]["cpu_s"] - 1, 3)}
+    row["phases_in_one_process"] = phases
+    return row
+
+
+def simrun_main(cases: list[str], repeat: int, out: str) -> None:
+    result = {"bench": "simrun_speed", "machine": machine(), "uptime_at_start": _uptime(),
+              "load_note": "CPU seconds of each process tree; the machine is shared, so read each figure "
+                           "beside simulate() alone measured in the same run (ratio_to_simulate)",
+              "vidur_reference": VIDUR_REFERENCE, "cases": []}
+    for case in cases:
+        row = simrun_case(case, repeat)
+        result["cases"].append(row)
+        print(f"{case}: simulate() alone {row['simulate_only_cpu_s']} s CPU; simrun --no-plots "
+              f"{row['no_plots']['cpu_s']} s ({row['no_plots']['ratio_to_simulate']}x, "
+              f"{row['no_plots']['peak_rss_mb']} MB), with plots {row['plots']['cpu_s']} s "
+              f"({row['plots']['ratio_to_simulate']}x); progress bar +{100 * row['progress_on_a_terminal']['over_quiet']:.1f}%; "
+              f"phases {row['phases_in_one_process']}", flush=True)
+        result["uptime_at_end"] = _uptime()
+        write_json(out, result)               # after each case: a long run keeps what it measured
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return f"load average {os.getloadavg()}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vidur", type=int, default=100_000, help="requests of the Vidur workload (0: skip)")
@@ -209,10 +370,29 @@ def main() -> None:
                     help="requests of each sliding-window workload (Mistral v0.1 with long prompts, gpt-oss-20b "
                          "chat): the fast path vs one by one, and each as full attention (0: skip)")
     ap.add_argument("--out", default="bench/results/sim_speed.json")
+    ap.add_argument("--simrun", nargs="+", choices=sorted(SIMRUN_CASES),
+                    help="time the user's command on these cases instead (nothing else runs)")
+    ap.add_argument("--repeat", type=int, default=3, help="--simrun: runs of each kind (medians)")
+    ap.add_argument("--simrun-out", default="bench/results/simrun_speed.json")
+    ap.add_argument("--measure-tree", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--simulate-only-child", help=argparse.SUPPRESS)
+    ap.add_argument("--phases-child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sweep-child", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--unchained-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.measure_tree:
+        print(json.dumps(measure_tree_child(json.loads(args.measure_tree[0]), args.measure_tree[1] == "1")))
+        return
+    if args.simulate_only_child:
+        print(json.dumps(simulate_only_child(args.simulate_only_child)))
+        return
+    if args.phases_child:
+        print(json.dumps(phases_child(*args.phases_child)))
+        return
+    if args.simrun:
+        simrun_main(args.simrun, args.repeat, args.simrun_out)
+        return
     if args.sweep_child:
         points, jobs, requests, out = args.sweep_child
         print(json.dumps(sweep_child(int(points), int(jobs), int(requests), Path(out))))

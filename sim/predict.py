@@ -6,6 +6,7 @@ Used by `simrun` (each variant), by sweeps and searches, and by the validation h
 from __future__ import annotations
 
 import hashlib
+from array import array
 import os
 import platform
 import subprocess
@@ -129,26 +130,43 @@ def git_commit() -> Optional[str]:
 
 class WorkloadDescription:
     """The manifest's workload entry, taken request by request: over a list, or over a stream
-    as the run reads it (each request is seen as made, before the run changes it)."""
+    as the run reads it (each request is seen as made, before the run changes it). Each
+    request's text is hashed in batches (one sha256 update per BATCH requests, the same digest)."""
+
+    BATCH = 4096
 
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
-        self.prompt_lens: list[int] = []
-        self.output_lens: list[int] = []
+        self.prompt_lens = array("q")          # (a list of a million ints holds 28-byte objects)
+        self.output_lens = array("q")
+        self._texts: list[str] = []
 
     def add(self, r: Request) -> None:
-        segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in r.segments[:-1]]
-        self.hash.update(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)).encode())
+        segs = r.segments[:-1]
+        if not all(type(s) is tuple for s in segs):
+            segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segs]
+        self._texts.append(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)))
         self.prompt_lens.append(r.prompt_len)
         self.output_lens.append(r.output_len)
+        if len(self._texts) >= self.BATCH:
+            self._hash_texts()
+
+    def _hash_texts(self) -> None:
+        self.hash.update("".join(self._texts).encode())
+        self._texts = []
 
     def watch(self, requests: Iterator[Request]) -> Iterator[Request]:
+        add = self.add
         for r in requests:
-            self.add(r)
+            add(r)
             yield r
 
+    def hexdigest(self) -> str:
+        self._hash_texts()
+        return self.hash.hexdigest()[:16]
+
     def manifest(self, notes: list[str]) -> dict:
-        return {"requests": len(self.prompt_lens), "digest": self.hash.hexdigest()[:16],
+        return {"requests": len(self.prompt_lens), "digest": self.hexdigest(),
                 "lengths": _length_stats(self.prompt_lens, self.output_lens), "notes": notes}
 
 
@@ -157,14 +175,14 @@ def workload_digest(requests: list[Request]) -> str:
     described = WorkloadDescription()
     for r in requests:
         described.add(r)
-    return described.hash.hexdigest()[:16]
+    return described.hexdigest()
 
 
 def length_stats(requests: list[Request]) -> dict:
     return _length_stats([r.prompt_len for r in requests], [r.output_len for r in requests])
 
 
-def _length_stats(prompt_lens: list[int], output_lens: list[int]) -> dict:
+def _length_stats(prompt_lens, output_lens) -> dict:
     import numpy as np
 
     out = {}

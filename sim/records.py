@@ -282,12 +282,16 @@ class StepRecorder:
 
     def frame(self, full: bool = True) -> pd.DataFrame:
         """One row per step (`full`, the STEP_COLUMNS), or one per row with its step count."""
-        if full:
-            df = pd.DataFrame({name: self._typed(name, self.step_column(name)) for name in STEP_COLUMNS})
-        else:
-            df = pd.DataFrame({name: self._typed(name, self._aggregated(name)) for name in AGGREGATED_COLUMNS})
-        df.insert(0, "replica", self.replica)
-        return df
+        return pd.DataFrame(self.file_columns(full))
+
+    def file_columns(self, full: bool = True, typed: bool = True) -> dict[str, np.ndarray]:
+        """The columns of `frame`, 'replica' first, as arrays: integers as int64 (`typed`), else as
+        compact as recorded (the files are written from these: the same text, half the memory)."""
+        names = STEP_COLUMNS if full else AGGREGATED_COLUMNS
+        values = self.step_column if full else self._aggregated
+        columns = {name: self._typed(name, values(name)) if typed else values(name) for name in names}
+        n = len(columns["step"])
+        return {"replica": np.full(n, self.replica, dtype=np.int64 if typed else np.int32), **columns}
 
     @staticmethod
     def _typed(name: str, values: np.ndarray) -> np.ndarray:
@@ -455,8 +459,16 @@ class RunRecords:
         """Every replica's steps: one row per step (`full`), or per record (a leap is one row)."""
         frames = [r.frame(full) for r in self.recorders]
         if frames:
-            return pd.concat(frames, ignore_index=True)
+            return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         return pd.DataFrame(columns=STEP_COLUMNS if full else ["replica", *AGGREGATED_COLUMNS])
+
+    def steps_columns(self, full: bool = True) -> Optional[dict[str, np.ndarray]]:
+        """The columns of `steps_frame` as compact arrays, without a frame (a million-request run's
+        steps file is written from these); None without a recorder (the frame's empty columns then)."""
+        if not self.recorders:
+            return None
+        parts = [r.file_columns(full, typed=False) for r in self.recorders]
+        return {name: _joined([p[name] for p in parts]) for name in parts[0]}
 
     def step_series(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """Per-step columns over every replica (replica by replica), plus 'replica'; for the summary,

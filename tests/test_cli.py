@@ -123,3 +123,21 @@ def test_a_reader_that_went_away_stops_simrun_quietly():
             assert done.returncode == 1 and done.stderr == "", (argv, done.stderr)
     finally:
         os.close(write_end)
+
+
+def test_progress_bar_is_drawn_on_a_clock_and_erased(monkeypatch):
+    """The bar redraws at most every PROGRESS_EVERY_S, however often the run reports, and leaves no line."""
+    import io
+
+    from sim import cli
+
+    clock = iter([0.0] + [0.0, 0.5, 1.2, 1.3, 1.4, 1.8, 1.9] + [9.0] * 5)
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    bar = cli.ProgressBar("simulating x", 1000, stream=out)
+    for done in (10, 20, 300, 400, 500, 600, 700):
+        bar.update(done)
+    bar.stop()
+    frames = out.getvalue().split("\r")[1:]
+    assert [f.split("] ")[1].split(" ")[0] for f in frames[:-1]] == ["300/1,000", "600/1,000"]
+    assert frames[-1] == "\x1b[K"

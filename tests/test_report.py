@@ -10,6 +10,7 @@ import pytest
 from sim.metrics import summarise
 from sim.records import requests_frame
 from sim.output import units
+from sim.output import views as report_views
 from sim.output.report import (CDF_POINTS, PLOTS, RunView, cdf_points, format_value, plot_latency_cdf,
                         plot_run_figures, summary_table, timeline, write_html_report,
                         write_perfetto_trace)
@@ -341,3 +342,49 @@ def test_comparison_tables_show_display_units():
     assert shown.loc["prefix hit rate", "measured"] == "40.0%" and shown.loc["KV blocks peak", "predicted"] == "1,234"
     page = html_table(table)
     assert "<td>+23.0%</td>" in page and "e+09" not in page and "0.0123" not in page
+
+
+def _pandas_timeline(steps, agg, buckets, combine="sum"):
+    """The former groupby implementation of `timeline`, as the reference for the numpy one."""
+    cols = list(agg)
+    t0, t1 = float(steps["start_s"].min()), float(steps["end_s"].max())
+    width = (t1 - t0) / buckets if t1 > t0 else 1.0
+    bucket = np.minimum(((steps["start_s"].to_numpy() - t0) / width).astype(np.int64), buckets - 1)
+    per = steps.groupby([steps["replica"].to_numpy(), bucket])[cols].agg(dict(agg))
+    wide = per.unstack(0).reindex(range(buckets)).ffill().fillna(0.0)
+    combined = wide.T.groupby(level=0).agg(combine).T
+    return t0 + width * np.arange(buckets + 1), combined[cols]
+
+
+@pytest.mark.parametrize("combine", ["sum", "mean", "max"])
+def test_timeline_matches_the_groupby_reduction(combine):
+    rng = np.random.default_rng(3)
+    parts = []
+    for replica in (2, 0, 1):              # replicas in any order; replica 1 starts late
+        start = np.sort(rng.uniform(5.0 if replica == 1 else 0.0, 10.0, 3000))
+        parts.append(pd.DataFrame({"replica": replica, "start_s": start, "end_s": start + 1e-3,
+                                   "a": rng.integers(0, 100, len(start)), "b": rng.random(len(start))}))
+    steps = pd.concat(parts, ignore_index=True)
+    agg = {"a": "max", "b": "mean"}
+    edges, got = timeline(steps, agg, buckets=700, combine=combine)
+    ref_edges, ref = _pandas_timeline(steps, agg, 700, combine)
+    assert np.array_equal(edges, ref_edges)
+    assert np.allclose(got.to_numpy(), ref.to_numpy(), rtol=1e-12, atol=0)
+
+
+def test_drawable_views_carry_the_plotted_reductions_only(views, two_replicas, tmp_path):
+    """What a drawing process gets: no frames, every series the plots draw, the same figures."""
+    import pickle
+
+    from sim.output.report import RUN_PLOTS
+
+    for view in (*views.values(), two_replicas):
+        light = RunView(view.label, view.summary, view.requests, view.steps, view.kv_blocks_total,
+                        view.replicas).drawable()
+        assert light.steps.empty and light.requests.empty
+        assert len(pickle.dumps(light)) < len(pickle.dumps(view)) / 2
+        for series in report_views.PLOT_SERIES:
+            assert np.array_equal(light.series(*series)[1].to_numpy(), view.series(*series)[1].to_numpy())
+        assert light.latency_cdf("ttft_s")[2] == len(view.measured["ttft_s"].dropna())
+    drawn = plot_run_figures({k: v.drawable() for k, v in views.items()}, tmp_path, "light", RUN_PLOTS)
+    assert set(drawn) == set(RUN_PLOTS)

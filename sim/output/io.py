@@ -7,7 +7,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Optional
 
 from sim import stop
 
@@ -61,9 +61,47 @@ def finite_json(value: Any) -> Any:
 
 
 def write_csv(path: str | Path, frame) -> Path:
+    """A DataFrame, or a mapping of equal-length columns, as CSV without an index: what pandas'
+    `to_csv(index=False)` writes, through the columnar writer where it formats every column
+    (sim/output/columns.py), else through pandas."""
+    from sim.output.columns import csv_chunks
+
+    columns = frame if isinstance(frame, Mapping) else _frame_columns(frame)
+    chunks = csv_chunks(columns) if columns is not None else None
     with atomic_path(path) as tmp:
-        frame.to_csv(tmp, index=False)
+        if chunks is None:
+            _as_frame(frame).to_csv(tmp, index=False)
+        else:
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
     return Path(path)
+
+
+def _frame_columns(frame) -> Optional[dict]:
+    """A frame's columns as arrays, or None where the columnar writer cannot stand in for pandas
+    (an index to write, repeated column names, a column of an extension type other than text)."""
+    import numpy as np
+    import pandas as pd
+
+    if frame.columns.has_duplicates or isinstance(frame.columns, pd.MultiIndex):
+        return None
+    columns = {}
+    for name in frame.columns:
+        column = frame[name]
+        if isinstance(column.dtype, pd.StringDtype) or column.dtype == object:
+            columns[name] = column.to_numpy(dtype=object)
+        elif isinstance(column.dtype, np.dtype):
+            columns[name] = column.to_numpy()
+        else:
+            return None
+    return columns
+
+
+def _as_frame(frame):
+    import pandas as pd
+
+    return frame if isinstance(frame, pd.DataFrame) else pd.DataFrame(dict(frame))
 
 
 def _jsonable(value: Any) -> Any:

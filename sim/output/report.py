@@ -23,7 +23,8 @@ from sim.output.pages import (CAPTIONS, CSS, SUMMARY_ROWS, html_figure, html_set
                               summary_table, write_html_page, write_html_report)
 from sim.output.trace import TRACE_MAX_REQUESTS, write_perfetto_trace  # noqa: F401
 from sim.output.units import EMPTY, format_value  # noqa: F401
-from sim.output.views import CDF_POINTS, TIMELINE_BUCKETS, RunView, cdf_points, timeline  # noqa: F401
+from sim.output.views import (CDF_POINTS, KV_SERIES, QUEUE_SERIES, SPLIT_SERIES, STEP_MS_MAX,  # noqa: F401
+                              STEP_MS_MEAN, TIMELINE_BUCKETS, TOKENS_SERIES, RunView, cdf_points, timeline)
 
 DPI = 110
 
@@ -80,12 +81,11 @@ def _across_replicas(views: Mapping[str, RunView]) -> str:
 
 def _has_cached_blocks(views: Mapping[str, RunView]) -> bool:
     """Cached-free blocks exist only with prefix caching on: without, their panel means nothing."""
-    return any(len(v.steps) and v.steps["kv_blocks_cached"].max() > 0 for v in views.values())
+    return any(v.num_steps and v.max_cached_blocks > 0 for v in views.values())
 
 
 def _kv_lines(views: Mapping[str, RunView]) -> dict:
-    return {label: timeline(v.steps, {"kv_blocks_used": "max", "kv_blocks_cached": "max"})
-            for label, v in views.items()}
+    return {label: v.series(*KV_SERIES) for label, v in views.items()}
 
 
 def plot_kv_blocks(views: Mapping[str, RunView]) -> Figure:
@@ -127,12 +127,12 @@ def _kv_panel(ax, views: Mapping[str, RunView], lines: dict, column: str, what: 
 
 def draw_queue(ax, views: Mapping[str, RunView]) -> None:
     for (label, v), colour in zip(views.items(), _colours(views)):
-        edges, tl = timeline(v.steps, {"running": "max", "waiting": "max"})
+        edges, tl = v.series(*QUEUE_SERIES)
         if len(tl):
             _stairs(ax, edges, tl["running"], color=colour, label=f"{label}: running")
             _stairs(ax, edges, tl["waiting"], color=colour, ls="--", label=f"{label}: waiting")
         mark_preemptions(ax, v, colour, label)
-    if not any(len(v.steps) for v in views.values()):
+    if not any(v.num_steps for v in views.values()):
         _note(ax, "no steps recorded")
     finish_axes(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
                 counts=True)
@@ -144,16 +144,11 @@ PREEMPTION_MARKS = 400       # at most this many marks per run (steps close in t
 def mark_preemptions(ax, view: RunView, colour: str, label: str) -> None:
     """A triangle along the panel's top at each step that preempted, so the queue's jumps can be
     read against them (the summary's count says how many, not when)."""
-    if "preemptions" not in view.steps or not len(view.steps):
+    times, total = view.preemption_marks(PREEMPTION_MARKS)
+    if not total:
         return
-    hit = view.steps[view.steps["preemptions"] > 0]
-    if hit.empty:
-        return
-    t0, t1 = float(view.steps["start_s"].min()), float(view.steps["end_s"].max())
-    width = (t1 - t0) / PREEMPTION_MARKS or 1.0
-    times = t0 + width * np.unique(((hit["start_s"].to_numpy() - t0) / width).astype(np.int64))
     ax.plot(times, np.full(len(times), 0.97), "v", transform=ax.get_xaxis_transform(), color=colour, ms=5,
-            markeredgecolor="C3", label=f"{label}: preemptions ({int(hit['preemptions'].sum()):,})")
+            markeredgecolor="C3", label=f"{label}: preemptions ({total:,})")
 
 
 def plot_queue(views: Mapping[str, RunView]) -> Figure:
@@ -165,7 +160,7 @@ def plot_queue(views: Mapping[str, RunView]) -> Figure:
 def draw_batch_tokens(ax, views: Mapping[str, RunView]) -> None:
     if len(views) == 1:            # one run: split each step's tokens into decode and prefill
         (label, v), = views.items()
-        edges, tl = timeline(v.steps, {"decode_seqs": "mean", "prefill_tokens": "mean"}, combine="mean")
+        edges, tl = v.series(*SPLIT_SERIES)
         if len(tl):
             decode = tl["decode_seqs"].to_numpy()
             _stairs(ax, edges, decode, baseline=np.zeros_like(decode), alpha=0.7, color="C0",
@@ -174,10 +169,10 @@ def draw_batch_tokens(ax, views: Mapping[str, RunView]) -> None:
                     color="C1", label=f"{label}: prefill")
     else:
         for (label, v), colour in zip(views.items(), _colours(views)):
-            edges, tl = timeline(v.steps, {"batch_tokens": "mean"}, combine="mean")
+            edges, tl = v.series(*TOKENS_SERIES)
             if len(tl):
                 _stairs(ax, edges, tl["batch_tokens"], color=colour, label=label)
-    if not any(len(v.steps) for v in views.values()):
+    if not any(v.num_steps for v in views.values()):
         _note(ax, "no steps recorded")
     finish_axes(ax, "Tokens per step (bucket mean)", "tokens per step", counts=True)
 
@@ -193,16 +188,15 @@ LATENCY_PANELS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E", "e2e_s"))
 
 def draw_latency_cdf(ax, views: Mapping[str, RunView], name: str, column: str, ylabel: str = "") -> None:
     """One latency's CDF per run, the scenario's SLO on it as a dashed vertical line."""
-    samples = {label: v.measured[column].dropna().to_numpy() * 1e3 for label, v in views.items()}
-    for (label, ms), colour in zip(samples.items(), _colours(views)):
-        if len(ms):
-            x, p = cdf_points(ms)
-            ax.plot(x, p, drawstyle="steps-post", color=colour, label=f"{label} (n={len(ms):,})")
+    samples = {label: v.latency_cdf(column) for label, v in views.items()}     # thinned: min and max kept
+    for (label, (x, p, n)), colour in zip(samples.items(), _colours(views)):
+        if n:
+            ax.plot(x, p, drawstyle="steps-post", color=colour, label=f"{label} (n={n:,})")
     limits = sorted({v.slo[column] for v in views.values() if column in v.slo})
     for limit in limits:
         ax.axvline(limit * 1e3, color="C3", ls="--", lw=1, label=f"SLO {units.ms_unit(limit)}")
-    pooled = np.concatenate([*samples.values(), np.asarray(limits) * 1e3])
-    if not any(len(s) for s in samples.values()):
+    pooled = np.concatenate([*(x for x, _, _ in samples.values()), np.asarray(limits) * 1e3])
+    if not any(n for _, _, n in samples.values()):
         _note(ax, "no finished requests")
     elif pooled.min() > 0 and pooled.max() > 50 * pooled.min():   # wide spread: log axis
         ax.set_xscale("log")
@@ -217,15 +211,14 @@ def plot_latency_cdf(views: Mapping[str, RunView]) -> Figure:
 
 
 def _step_ms(views: Mapping[str, RunView]) -> dict[str, np.ndarray]:
-    return {label: (v.steps["end_s"] - v.steps["start_s"]).to_numpy() * 1e3 for label, v in views.items()}
+    return {label: v.step_ms() for label, v in views.items()}
 
 
 def draw_step_timeline(ax, views: Mapping[str, RunView], durations: Mapping[str, np.ndarray]) -> None:
     for (label, v), colour in zip(views.items(), _colours(views)):
-        ms = v.steps.assign(step_ms=durations[label])
-        edges, mean = timeline(ms, {"step_ms": "mean"}, combine="mean")
+        edges, mean = v.series(*STEP_MS_MEAN)
         if len(mean):
-            _, peak = timeline(ms, {"step_ms": "max"}, combine="max")
+            _, peak = v.series(*STEP_MS_MAX)
             _stairs(ax, edges, peak["step_ms"], color=colour, alpha=0.3, lw=0.8)
             _stairs(ax, edges, mean["step_ms"], color=colour, label=f"{label}: mean (light: max)")
     if not any(len(d) for d in durations.values()):

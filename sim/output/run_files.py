@@ -22,7 +22,10 @@ def write_data_files(result: RunResult, out_dir: Path, steps: str = "aggregated"
     out_dir = Path(out_dir)
     if steps not in STEP_FILE_KINDS:
         raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")
-    step_rows = result.steps if steps == "full" else result.records.steps_frame(full=False)
+    full = steps == "full"
+    step_rows = result.records.steps_columns(full)
+    if step_rows is None:
+        step_rows = result.records.steps_frame(full)
     files = {
         "summary": write_json(out_dir / "summary.json", result.summary),
         "requests": write_csv(out_dir / "requests.csv", result.requests),
@@ -52,7 +55,7 @@ def write_reports(results: Mapping[str, RunResult], out_dir: Path, plots: bool =
     from sim.output.workers import FigureWorkers
 
     out_dir = Path(out_dir)
-    views = {name: view_of(r, name) for name, r in results.items()}
+    views = {name: view_of(r, name, all_step_columns=trace) for name, r in results.items()}
     first = next(iter(results.values()))
     files: dict[str, Path] = {}
     if plots:
@@ -77,11 +80,18 @@ def setup_title(result: RunResult) -> str:
     return f"{s.name}: {s.model.name} on {s.device.name}{tp}"
 
 
-def view_of(result: RunResult, label: Optional[str] = None):
-    from sim.output.views import RunView
+def view_of(result: RunResult, label: Optional[str] = None, all_step_columns: bool = True):
+    """The run as the plots and pages see it. Without `all_step_columns` (no trace to write) its
+    steps hold only the columns the plots read: a fifth of a million-request run's steps frame."""
+    import pandas as pd
 
-    view = RunView.from_records(label or result.name, result.records, result.summary,
-                                result.requests, result.steps)
+    from sim.output.views import PLOT_STEP_COLUMNS, RunView
+
+    if all_step_columns or result._steps is not None or not result.records.recorders:
+        steps = result.steps
+    else:
+        steps = pd.DataFrame(result.records.step_series(PLOT_STEP_COLUMNS), copy=False)
+    view = RunView.from_records(label or result.name, result.records, result.summary, result.requests, steps)
     view.scenario = result.scenario
     return view
 

@@ -2,7 +2,7 @@
 reductions plots and tables share: step series on time buckets, thinned CDFs. No matplotlib."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -12,6 +12,20 @@ from sim.records import STEP_COLUMNS, RunRecords, requests_frame
 
 TIMELINE_BUCKETS = 1500        # about a plot's width in pixels: finer buckets show nothing more
 CDF_POINTS = 2000
+
+# The step series the plots draw, as (column -> reduction per bucket, combination over replicas):
+# RunView.series computes each once, and `drawable` ahead of the drawing processes.
+KV_SERIES = ({"kv_blocks_used": "max", "kv_blocks_cached": "max"}, "sum")
+QUEUE_SERIES = ({"running": "max", "waiting": "max"}, "sum")
+SPLIT_SERIES = ({"decode_seqs": "mean", "prefill_tokens": "mean"}, "mean")
+TOKENS_SERIES = ({"batch_tokens": "mean"}, "mean")
+STEP_MS_MEAN = ({"step_ms": "mean"}, "mean")
+STEP_MS_MAX = ({"step_ms": "max"}, "max")
+PLOT_SERIES = (KV_SERIES, QUEUE_SERIES, SPLIT_SERIES, TOKENS_SERIES, STEP_MS_MEAN, STEP_MS_MAX)
+LATENCY_COLUMNS = ("ttft_s", "tpot_s", "e2e_s")
+# the step columns those series read (a prediction's plots need no other)
+PLOT_STEP_COLUMNS = ("start_s", "end_s", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
+                     "decode_seqs", "prefill_tokens", "batch_tokens", "preemptions")
 
 
 @dataclass(eq=False)           # frames do not compare with ==
@@ -32,9 +46,78 @@ class RunView:
         slo = getattr(self.scenario, "slo", None)
         return {k: getattr(slo, k) for k in ("ttft_s", "tpot_s", "e2e_s") if getattr(slo, k, None) is not None}
 
+    # reductions already made ({key: value}): `drawable` fills them so a drawing process gets
+    # a few thousand numbers per series, not the run's every step and request
+    reduced: dict = field(default_factory=dict, repr=False)
+
     def __post_init__(self) -> None:
         if self.steps.empty:       # a run without steps yields object columns; keep them numeric
             self.steps = pd.DataFrame({c: np.zeros(0) for c in ("replica", *STEP_COLUMNS)})
+
+    def _reduce(self, key, make):
+        if key not in self.reduced:
+            self.reduced[key] = make()
+        return self.reduced[key]
+
+    @property
+    def num_steps(self) -> int:
+        return self._reduce("num_steps", lambda: len(self.steps))
+
+    @property
+    def max_cached_blocks(self) -> float:
+        return self._reduce("max_cached_blocks",
+                            lambda: float(self.steps["kv_blocks_cached"].max()) if len(self.steps) else 0.0)
+
+    def step_ms(self) -> np.ndarray:
+        """Every step's duration in ms."""
+        return self._reduce("step_ms", lambda: (self.steps["end_s"] - self.steps["start_s"]).to_numpy() * 1e3)
+
+    def series(self, agg: Mapping[str, str], combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
+        """timeline() of the steps (a 'step_ms' column is the step durations)."""
+        def make():
+            if "step_ms" not in agg:
+                return timeline(self.steps, agg, combine=combine)
+            steps = {"replica": self.steps["replica"], "start_s": self.steps["start_s"],
+                     "end_s": self.steps["end_s"], "step_ms": self.step_ms()}
+            return timeline(steps, agg, combine=combine)
+        return self._reduce(("series", tuple(agg.items()), combine), make)
+
+    def latency_cdf(self, column: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """(thinned sorted values in ms, cumulative fraction, number of samples) over `measured`."""
+        def make():
+            ms = self.measured[column].dropna().to_numpy() * 1e3
+            return (*cdf_points(ms), len(ms)) if len(ms) else (np.zeros(0), np.zeros(0), 0)
+        return self._reduce(("cdf", column), make)
+
+    def preemption_marks(self, marks: int = 400) -> tuple[np.ndarray, int]:
+        """(start times of at most `marks` time buckets holding a preempting step, preemptions in
+        all): where the overview marks when preemptions happen."""
+        def make():
+            steps = self.steps
+            if "preemptions" not in steps or not len(steps):
+                return np.zeros(0), 0
+            count = steps["preemptions"].to_numpy()
+            hit = count > 0
+            if not hit.any():
+                return np.zeros(0), 0
+            start = steps["start_s"].to_numpy()
+            t0, t1 = float(start.min()), float(steps["end_s"].max())
+            width = (t1 - t0) / marks or 1.0
+            times = t0 + width * np.unique(((start[hit] - t0) / width).astype(np.int64))
+            return times, int(count[hit].sum())
+        return self._reduce(("preemption_marks", marks), make)
+
+    def drawable(self) -> "RunView":
+        """This view with every reduction the plots draw made and no frames: what is sent to a
+        drawing process (a million-request run's frames would take seconds to copy there)."""
+        for agg, combine in PLOT_SERIES:
+            self.series(agg, combine)
+        for column in LATENCY_COLUMNS:
+            self.latency_cdf(column)
+        self.num_steps, self.max_cached_blocks  # noqa: B018 (made and kept)
+        self.preemption_marks()
+        return RunView(self.label, self.summary, self.requests.iloc[:0], self.steps.iloc[:0],
+                       self.kv_blocks_total, self.replicas, self.scenario, dict(self.reduced))
 
     @classmethod
     def from_records(cls, label: str, records: RunRecords, summary: dict,
@@ -54,7 +137,7 @@ class RunView:
 
 # ----------------------------------------------------------------------------- downsampling
 
-def timeline(steps: pd.DataFrame, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
+def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
              combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
     """Step series on equal time buckets: (bucket edges in s, one row per bucket).
 
@@ -62,17 +145,53 @@ def timeline(steps: pd.DataFrame, agg: Mapping[str, str], buckets: int = TIMELIN
     KV blocks used; 'mean' for per-step sizes). A bucket in which a replica starts no step
     holds that replica's previous value, as the records' step function does. Replicas are
     then combined with `combine` ('sum' for cluster-wide states such as blocks used).
+    `steps`: a frame, or a mapping of columns (replica, start_s, end_s and those in `agg`).
     """
     cols = list(agg)
-    if steps.empty:
+    start = np.asarray(steps["start_s"], dtype=float)
+    if len(start) == 0:
         return np.zeros(0), pd.DataFrame(columns=cols, dtype=float)
-    t0, t1 = float(steps["start_s"].min()), float(steps["end_s"].max())
+    t0, t1 = float(start.min()), float(np.asarray(steps["end_s"], dtype=float).max())
     width = (t1 - t0) / buckets if t1 > t0 else 1.0
-    bucket = np.minimum(((steps["start_s"].to_numpy() - t0) / width).astype(np.int64), buckets - 1)
-    per = steps.groupby([steps["replica"].to_numpy(), bucket])[cols].agg(dict(agg))
-    wide = per.unstack(0).reindex(range(buckets)).ffill().fillna(0.0)
-    combined = wide.T.groupby(level=0).agg(combine).T
-    return t0 + width * np.arange(buckets + 1), combined[cols]
+    bucket = np.minimum(((start - t0) / width).astype(np.int64), buckets - 1)
+    replica = np.asarray(steps["replica"])
+    order = np.lexsort((bucket, replica))                # (a no-op order for a run's own records)
+    bucket, replica = bucket[order], replica[order]
+    replicas = np.unique(replica)
+    combined = {}
+    for col in cols:
+        values = np.asarray(steps[col], dtype=float)[order]
+        per_replica = [_bucketed(values[replica == r], bucket[replica == r], buckets, agg[col]) for r in replicas]
+        combined[col] = _combine(np.vstack(per_replica), combine)
+    return t0 + width * np.arange(buckets + 1), pd.DataFrame(combined, columns=cols)
+
+
+def _bucketed(values: np.ndarray, bucket: np.ndarray, buckets: int, how: str) -> np.ndarray:
+    """One replica's values (bucket indices sorted) reduced per bucket; an empty bucket holds the
+    previous one's value, 0 before the first."""
+    firsts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    if how == "max":
+        reduced = np.maximum.reduceat(values, firsts)
+    elif how == "mean":
+        reduced = np.add.reduceat(values, firsts) / np.diff(np.r_[firsts, len(values)])
+    else:
+        raise ValueError(f"timeline reduction {how!r}: expected 'max' or 'mean'")
+    out = np.zeros(buckets)
+    held = np.full(buckets, -1, dtype=np.int64)
+    held[bucket[firsts]] = np.arange(len(firsts))
+    held = np.maximum.accumulate(held)
+    out[held >= 0] = reduced[held[held >= 0]]
+    return out
+
+
+def _combine(per_replica: np.ndarray, how: str) -> np.ndarray:
+    if how == "sum":
+        return per_replica.sum(axis=0)
+    if how == "mean":
+        return per_replica.mean(axis=0)
+    if how == "max":
+        return per_replica.max(axis=0)
+    raise ValueError(f"timeline combination {how!r}: expected 'sum', 'mean' or 'max'")
 
 
 def cdf_points(values: np.ndarray, points: int = CDF_POINTS) -> tuple[np.ndarray, np.ndarray]:

@@ -120,7 +120,8 @@ class FigureWorkers:
         names = run_plot_names()
         if self.pool is None:
             return draw_share(views, str(out_dir), title, names)
-        return self.pool.submit(draw_in_parallel, dict(views), str(out_dir), title, names, self.workers).result()
+        drawable = {label: view.drawable() for label, view in views.items()}      # reductions only: small to send
+        return self.pool.submit(draw_in_parallel, drawable, str(out_dir), title, names, self.workers).result()
 
     def close(self) -> None:
         if self.pool is not None:

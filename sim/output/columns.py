@@ -1,0 +1,181 @@
+"""CSV from columns of numpy arrays, byte for byte what pandas' `to_csv(index=False)` writes,
+several times faster (4-5x on a run's files, measured side by side): a million-request run's
+files take seconds, not half a minute.
+
+pandas formats every cell as a Python object (and floats through numpy's slow shortest-digits
+formatting). Here each column becomes a block of bytes at once, a row per cell, padded with
+NUL bytes: integers digit by digit in numpy, floats as their shortest round-trip text (Python's
+`repr`, which is pandas' text too; pyarrow's C++ formatter where it is installed and gives the
+same text, checked by tests/test_columns_csv.py), text columns once per distinct value. The
+blocks of a chunk of rows are laid side by side with the commas and newlines, and the NULs
+dropped from the bytes in one pass.
+
+Columns this does not format (other dtypes, text holding NUL) make `csv_chunks` return None:
+the caller then writes with pandas.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Optional
+
+import numpy as np
+
+CHUNK_ROWS = 65_536           # rows formatted at once: bounded memory for a million-row file
+_COMMA, _NEWLINE = ord(","), ord("\n")
+_NEEDS_QUOTES = (",", '"', "\n", "\r")
+# Where pyarrow's float text is Python's repr (checked over millions of values, boundaries in
+# the tests): non-integral magnitudes in [1e-4, 1e9). Elsewhere repr is used.
+_ARROW_LOW, _ARROW_HIGH = 1e-4, 1e9
+
+
+class Unsupported(Exception):
+    """A column this writer does not format exactly as pandas does."""
+
+
+def csv_chunks(columns: Mapping[str, np.ndarray]) -> Optional[Iterator[bytes]]:
+    """The CSV's bytes (header, then chunks of rows), or None when a column is not supported."""
+    names = list(columns)
+    if not names or any(not isinstance(n, str) or _needs_quotes(n) or "\0" in n for n in names):
+        return None
+    arrays = [np.asarray(columns[n]) for n in names]
+    if len(arrays) == 1 or len({len(a) for a in arrays}) != 1 or not all(map(_supported, arrays)):
+        return None                      # (one column: csv quotes an empty cell there, pandas' way)
+    try:
+        texts = [_distinct_texts(a) if a.dtype.kind == "O" else None for a in arrays]
+    except Unsupported:
+        return None
+    return _chunks(names, arrays, texts)
+
+
+def _chunks(names: list[str], arrays: list[np.ndarray], texts: list) -> Iterator[bytes]:
+    yield (",".join(names) + "\n").encode()
+    n = len(arrays[0])
+    for start in range(0, n, CHUNK_ROWS):
+        stop = min(n, start + CHUNK_ROWS)
+        blocks = []
+        for i, (values, text) in enumerate(zip(arrays, texts)):
+            blocks.append(_cells(values[start:stop], text, start, stop))
+            blocks.append(np.full((stop - start, 1), _COMMA if i < len(arrays) - 1 else _NEWLINE, np.uint8))
+        yield np.hstack(blocks).tobytes().replace(b"\0", b"")
+
+
+def _supported(a: np.ndarray) -> bool:
+    return a.ndim == 1 and (a.dtype.kind in "iubO" or a.dtype == np.float64)
+
+
+def _needs_quotes(text: str) -> bool:
+    return any(c in text for c in _NEEDS_QUOTES)
+
+
+def _cells(values: np.ndarray, text, start: int, stop: int) -> np.ndarray:
+    """One column's cells as a (rows, width) uint8 block, NUL-padded."""
+    kind = values.dtype.kind
+    if kind == "f":
+        return float_cells(values)
+    if kind in "iu":
+        return int_cells(values)
+    if kind == "b":
+        return _bytes_block(np.where(values, b"True", b"False"))
+    codes, table = text
+    return _bytes_block(table[codes[start:stop]])
+
+
+def _bytes_block(cells: np.ndarray) -> np.ndarray:
+    """A fixed-width bytes array ('S') as its (rows, width) uint8 block."""
+    if cells.dtype.itemsize == 0:
+        return np.zeros((len(cells), 0), np.uint8)
+    return cells.view(np.uint8).reshape(len(cells), cells.dtype.itemsize)
+
+
+def int_cells(values: np.ndarray) -> np.ndarray:
+    """Decimal text, NUL-padded: pyarrow's cast where installed, else digit by digit in numpy."""
+    if len(values) == 0:
+        return np.zeros((0, 0), np.uint8)
+    arrow = _pyarrow()
+    if arrow is not None:
+        return _arrow_block(arrow, values)
+    if values.dtype.kind == "u" and int(values.max()) > np.iinfo(np.int64).max \
+            or int(values.min()) == np.iinfo(np.int64).min:
+        return _bytes_block(np.array([str(x).encode() for x in values.tolist()], dtype="S"))
+    v = values.astype(np.int64)
+    magnitude = np.abs(v)
+    width = len(str(int(magnitude.max())))
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    lead = magnitude[:, None] < powers
+    lead[:, -1] = False                                  # 0 is one digit
+    block = np.zeros((len(v), width + 1), np.uint8)      # column 0: room for a sign
+    block[:, 1:] = (magnitude[:, None] // powers) % 10 + ord("0")
+    block[:, 1:][lead] = 0
+    negative = np.flatnonzero(v < 0)
+    if len(negative):
+        block[negative, lead[negative].sum(axis=1)] = ord("-")
+    return block
+
+
+def float_cells(values: np.ndarray) -> np.ndarray:
+    """Shortest round-trip text (Python's repr, as pandas writes), NaN as an empty cell."""
+    n = len(values)
+    nan = np.isnan(values)
+    arrow = _pyarrow()
+    if arrow is None:
+        by_repr = ~nan
+        block = np.zeros((n, 0), np.uint8)
+    else:
+        magnitude = np.abs(values)
+        by_repr = ~nan & ~((magnitude >= _ARROW_LOW) & (magnitude < _ARROW_HIGH) & (values != np.floor(values)))
+        block = _arrow_block(arrow, values)
+    if by_repr.any():
+        texts = _text_block(list(map(float.__repr__, values[by_repr].tolist())))
+        if texts.shape[1] > block.shape[1]:
+            block = np.hstack([block, np.zeros((n, texts.shape[1] - block.shape[1]), np.uint8)])
+        block[by_repr] = 0
+        block[by_repr, :texts.shape[1]] = texts
+    block[nan] = 0
+    return block
+
+
+def _text_block(texts: list[str]) -> np.ndarray:
+    """ASCII strings as a NUL-padded uint8 block (numpy stores them as 4-byte code points)."""
+    u = np.array(texts)
+    return u.view(np.uint32).reshape(len(u), -1).astype(np.uint8)
+
+
+def _arrow_block(arrow, values: np.ndarray) -> np.ndarray:
+    """pyarrow's number -> text cast, padded with NULs to one width: its data buffer is the block."""
+    pa, pc = arrow
+    strings = pc.cast(pa.array(values), pa.string())
+    width = max(1, pc.max(pc.utf8_length(strings)).as_py() or 0)
+    padded = pc.utf8_rpad(strings, width=width, padding="\0")
+    data = padded.buffers()[2]
+    return np.frombuffer(data, np.uint8, len(values) * width).reshape(len(values), width).copy()
+
+
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+    except ImportError:
+        return None
+    return pa, pc
+
+
+def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A text (object) column as (a code per row, the bytes of each code): each distinct value is
+    formatted once (str(), quoted where it holds a comma, quote or line break; missing: empty)."""
+    import pandas as pd
+
+    kinds = set(map(type, values.tolist())) - {str, type(None)}
+    if len(kinds) > 1:
+        raise Unsupported("mixed types")     # 1, 1.0 and True are one value to factorize, not to pandas
+    codes, uniques = pd.factorize(values, use_na_sentinel=True)
+    cells = []
+    for value in uniques.tolist() if hasattr(uniques, "tolist") else list(uniques):
+        if not isinstance(value, (str, int, float)):
+            raise Unsupported(type(value).__name__)
+        text = value if isinstance(value, str) else str(value)
+        if "\0" in text:
+            raise Unsupported("NUL")
+        if _needs_quotes(text):
+            text = '"' + text.replace('"', '""') + '"'
+        cells.append(text.encode())
+    table = np.array(cells + [b""], dtype="S")           # code -1 (missing): the last, empty
+    return codes, table
