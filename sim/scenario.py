@@ -466,8 +466,9 @@ class Scenario(StrictModel):
     slo: Slo = Field(default_factory=Slo)
     cluster: Cluster = Field(default_factory=Cluster)
     # Where device step times come from: the roofline over datasheet peaks, or measured operator
-    # tables (aiconfigurator-core, the `tables` extra). A calibrated device.profile tunes either.
-    step_times: Literal["datasheet", "tables"] = "datasheet"
+    # tables (aiconfigurator-core, the `tables` extra), or the roofline with the coefficients trained
+    # on public vLLM runs (sim/trained.py). A calibrated device.profile tunes datasheet or tables.
+    step_times: Literal["datasheet", "tables", "trained"] = "datasheet"
     # name -> partial scenario merged over this one (nested keys, e.g. {engine: {batching: static}}).
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_VARIANTS)
 
