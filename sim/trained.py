@@ -33,17 +33,34 @@ def family(path: Path = FAMILY_FILE) -> dict:
     return raw
 
 
+# The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
+SCALED = {"gemm_scale": ("flops_eff",),                      # GEMM compute efficiency
+          "attn_scale": ("attn_flops_eff", "attn_bw_eff"),   # attention kernels (prefill compute, KV reads)
+          "memory_scale": ("bw_eff",)}                       # weight streaming
+TERMS = ("step_host_s", "link_eff")                          # host time per step, tp all-reduce link efficiency
+
+
+def trained_coefficients(params: dict):
+    """CostCoefficients with the trained parameters applied to the defaults."""
+    from dataclasses import replace
+
+    from sim.costmodel import CostCoefficients
+
+    base = CostCoefficients()
+    scaled = {eff: getattr(base, eff) * params.get(name, 1.0) for name, effs in SCALED.items() for eff in effs}
+    return replace(base, **scaled, **{t: params[t] for t in TERMS if t in params})
+
+
 def trained_profile(device_name: str):
     """The family's profile for a catalog device (its class's fitted coefficients, else generic)."""
-    from sim.costmodel import CostCoefficients, DeviceProfile
-    from validate.vllm_fit import coefficients_from
+    from sim.costmodel import DeviceProfile
 
     fam = family()
     entry = fam["classes"].get(device_name)
     params = entry["parameters"] if entry else fam["generic"]
     how = (f"fitted on {entry['runs']} public vLLM runs of {len(entry['deployments'])} {device_name} deployment(s)"
            if entry else f"no public run on {device_name}: the generic entry (geometric mean of the fitted classes)")
-    return DeviceProfile(coefficients_from(params, CostCoefficients()), calibrated=False,
+    return DeviceProfile(trained_coefficients(params), calibrated=False,
                          source=f"trained v{fam['version']}: {how}", device_name=device_name,
                          fit={"method": "trained", "version": fam["version"], "class": device_name if entry else "generic",
                               "parameters": dict(params)})

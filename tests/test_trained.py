@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sim.costmodel import CostCoefficients, CostModel
-from sim.trained import band_words, error_band, family, trained_profile
+from sim.trained import band_words, error_band, family, trained_coefficients, trained_profile
 from validate import lodo
 
 TABLE = pd.read_csv(lodo.TABLE_FILE)
@@ -51,8 +51,9 @@ def test_bands_are_computed_from_the_table_not_typed_in():
 def test_every_class_parameter_is_physical():
     for gpu, entry in FAMILY["classes"].items():
         p = entry["parameters"]
-        assert 0.05 < p["compute_scale"] * CostCoefficients().flops_eff <= 1.0, gpu
-        assert 0.05 < p["memory_scale"] * CostCoefficients().bw_eff <= 1.0, gpu
+        c = trained_coefficients(p)
+        for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
+            assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (gpu, eff)
         assert 0 < p["step_host_s"] <= 0.05 and 0 < p.get("link_eff", 1.0) <= 1.0, gpu
     assert FAMILY["generic"] == {k: pytest.approx(v, rel=1e-4) for k, v in lodo.generic(
         {g: e["parameters"] for g, e in FAMILY["classes"].items()}).items()}
@@ -65,7 +66,7 @@ def test_recorded_lodo_errors_still_hold(run_id, runs):
     run = runs[run_id]
     params = {n: float(row[f"fold {n}"]) for n in lodo.NAMES if pd.notna(row.get(f"fold {n}"))}
     now = {f"datasheet {k}": v for k, v in lodo.errors(run, lodo.predict(run, CostCoefficients())).items()}
-    trained = lodo.coefficients_from(params, CostCoefficients())
+    trained = trained_coefficients(params)
     now.update({f"trained {k}": v for k, v in lodo.errors(run, lodo.predict(run, trained)).items()})
     off = {k: (round(v, 4), round(row[k], 4)) for k, v in now.items() if abs(v - row[k]) > band(row[k])}
     assert not off, f"{run_id}: errors moved beyond their bands (now, recorded): {off}"
@@ -95,12 +96,12 @@ def test_trained_step_times_load_the_class_profile_and_fall_back_to_generic():
 
     scenario = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "step_times": "trained"})
     cost = CostModel.for_scenario(scenario)
-    expected = lodo.coefficients_from(FAMILY["classes"]["h100-sxm"]["parameters"], CostCoefficients())
+    expected = trained_coefficients(FAMILY["classes"]["h100-sxm"]["parameters"])
     assert cost.step_time_source == "trained" and cost.coefficients == expected
     assert not cost.calibrated
     other = trained_profile("b200")           # no public run measured one
     assert other.fit["class"] == "generic"
-    assert other.coefficients == lodo.coefficients_from(FAMILY["generic"], CostCoefficients())
+    assert other.coefficients == trained_coefficients(FAMILY["generic"])
 
 
 def test_every_answer_states_its_band_from_the_validation(capsys):
@@ -182,6 +183,7 @@ def test_the_default_step_times_follow_the_validation():
     metric (issue 25); the decision is read from the committed validation, not typed in."""
     from sim.scenario import Scenario
 
-    wins = lodo.trained_wins(FAMILY["validation"]["bands"])
+    wins = lodo.trained_wins(TABLE)
+    assert FAMILY["validation"]["trained_beats_datasheet_and_tables"] == wins
     expected = "trained" if wins and all(wins.values()) else "datasheet"
     assert Scenario.model_fields["step_times"].default == expected

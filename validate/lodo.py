@@ -4,12 +4,15 @@ Every public measured vLLM run kvtwin can express (tests/data/vllm_public: bench
 all-at-once and closed-loop benchmarks, and rate_runs.yaml, the open-loop runs at request rates)
 is grouped by deployment (model / GPU / tp / vLLM version). The coefficients that are not datasheet
 facts are fitted per GPU class (the catalog device) on all of that class's runs jointly, with
-validate/vllm_fit.py's machinery (its damped Gauss-Newton on log errors, `coefficients_from`):
+validate/vllm_fit.py's machinery (its damped Gauss-Newton on log errors) and a pseudo-Huber loss
+(a saturated run's many-fold TTFT error must not drown the others):
 
-    compute_scale  x the GEMM and prefill-attention efficiencies
-    memory_scale   x the weight- and KV-streaming efficiencies
+    gemm_scale     x the GEMM compute efficiency (flops_eff)
+    attn_scale     x the attention kernels' efficiencies (attn_flops_eff, attn_bw_eff)
+    memory_scale   x the weight-streaming efficiency (bw_eff)
     step_host_s    host time per engine step (scheduling, input preparation, launches)
     link_eff       tp all-reduce link efficiency (classes with tp > 1 runs)
+each bounded to its physical range (no efficiency above 1).
 
 A GPU with no measured run takes the geometric mean of the fitted classes (`generic`).
 
@@ -43,7 +46,8 @@ from sim.costmodel import CostCoefficients, CostModel, DeviceProfile
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
 from sim.simulator import Simulation
-from validate.vllm_fit import PARAMETERS, coefficients_from, levenberg_marquardt
+from sim.trained import trained_coefficients
+from validate.vllm_fit import levenberg_marquardt
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -58,8 +62,14 @@ FAMILY_FILE = ROOT / "sim" / "core" / "catalog" / f"trained-v{FAMILY_VERSION}.ya
 METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p99", "throughput")
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
-NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff")
-START = {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 150e-6, "link_eff": 1.0}
+NAMES = ("gemm_scale", "attn_scale", "memory_scale", "step_host_s", "link_eff")
+START = {"gemm_scale": 1.0, "attn_scale": 1.0, "memory_scale": 1.0, "step_host_s": 150e-6, "link_eff": 1.0}
+_BASE = CostCoefficients()
+# (lower, upper): an efficiency stays <= 1, a host term within 1 us .. 50 ms
+BOUNDS = {"gemm_scale": (0.1, 1 / _BASE.flops_eff),
+          "attn_scale": (0.1, 1 / max(_BASE.attn_flops_eff, _BASE.attn_bw_eff)),
+          "memory_scale": (0.1, 1 / _BASE.bw_eff), "step_host_s": (1e-6, 0.05), "link_eff": (0.01, 1.0)}
+HUBER = 0.5       # log-error scale beyond which a residual counts linearly, not squared
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
           "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
@@ -74,6 +84,14 @@ NATIVE_QUANT = {"openai/gpt-oss-20b"}      # checkpoints published quantized: ke
 GPUS = {"A100-80GB": "a100-80g", "A100-SXM-80GB": "a100-80g", "A100-40GB": "a100-40g",
         "A100-SXM4-40GB": "a100-40g", "H100-SXM-80GB": "h100-sxm", "H200-SXM-141GB": "h200", "L4": "l4",
         "RTX-4090": "rtx-4090"}
+# What a deployment's startup log says about its GPUs' link where it is not the catalog device's:
+# dennislee22's same-node tp 2 servers print "Custom allreduce is disabled because your platform
+# lacks GPU P2P capability" (A100 80GB PCIe Gen4 cards: the all-reduce goes through host memory).
+# Applied where the device schema has the fields (sim/core/catalog.py DeviceSpec.interconnect).
+LINKS = {"dennislee-vllm-7B-2gpuA10080GB-0.25GRAM-same-node": {"interconnect": "pcie", "pcie_gen": 4,
+                                                               "peer_to_peer": False},
+         "dennislee-vllm-7B-2gpuA10080GB-0.5GRAM-same-node": {"interconnect": "pcie", "pcie_gen": 4,
+                                                              "peer_to_peer": False}}
 WINDOW_S = 40.0          # a constant-rate stage is replayed over its first WINDOW_S seconds
 MAX_WINDOW_REQUESTS = 600
 FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
@@ -109,10 +127,15 @@ def model_spec(hf_id: str, dtype: Optional[str] = None) -> ModelSpec:
 
 
 def deployment_scenario(name: str, hf_id: str, gpu: str, tp: int, engine: dict, longest: int,
-                        blocks: Optional[int] = None, max_concurrency: Optional[int] = None):
+                        blocks: Optional[int] = None, max_concurrency: Optional[int] = None,
+                        link: Optional[dict] = None):
     """The deployment as a scenario: vLLM's defaults for the GPU, the run's flags, vLLM's KV pool
-    (the startup log's where the source has one, else kvtwin's plan of vLLM's)."""
+    (the startup log's where the source has one, else kvtwin's plan of vLLM's), its GPUs' link."""
+    from sim.core.catalog import DeviceSpec
+
     model, device = model_spec(hf_id, engine.pop("dtype", None)), get_device(GPUS[gpu])
+    if link and all(k in DeviceSpec.model_fields for k in link):
+        device = DeviceSpec(**{**device.model_dump(), **link})
     engine = {k: v for k, v in engine.items() if v is not None}
     engine.setdefault("gpu_memory_utilization", 0.9)
     engine.setdefault("max_model_len", min(model.max_position_embeddings, max(4096, longest + 64)))
@@ -162,7 +185,7 @@ def bench_runs(logs: dict[str, dict]) -> tuple[list[Run], dict[str, int]]:
         log = logs.get(e.get("startup_log_id") or "")
         blocks = (log or {}).get("printed", {}).get("num_gpu_blocks")
         scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + output,
-                                       blocks, concurrency)
+                                       blocks, concurrency, LINKS.get(e.get("startup_log_id") or ""))
         key = stable_key("public-run", e["id"])
         requests = [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
         runs.append(Run(e["id"], _deployment_name(e["model"], e["gpu"]["model"], e["tp"], e.get("vllm_version")),
@@ -311,28 +334,31 @@ def fit_runs(runs: list[Run]) -> list[Run]:
     return chosen
 
 
-def fit_class(runs: list[Run], max_iterations: int = 3,
+def fit_class(runs: list[Run], max_iterations: int = 4,
               progress: Optional[Callable[[str], None]] = None) -> dict[str, float]:
     """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally."""
     names = [n for n in NAMES if n != "link_eff" or any(r.scenario.parallelism.tp > 1 for r in runs)]
-    base = CostCoefficients()
     train = fit_runs(runs)
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        coeffs = coefficients_from(dict(zip(names, np.exp(x))), base)
+        coeffs = trained_coefficients(dict(zip(names, np.exp(x))))
         parts = []
         for run in train:
             e = errors(run, predict(run, coeffs))
-            ok = [math.log1p(e[m]) for m in FIT_METRICS if m in e and e[m] > -1]
+            ok = [_huber(math.log1p(e[m])) for m in FIT_METRICS if m in e and e[m] > -1]
             parts += [v / math.sqrt(len(ok)) for v in ok]
         return np.array(parts)
 
-    lower = np.log([PARAMETERS[n][0] for n in names])
-    upper = np.log([min(PARAMETERS[n][1], PARAMETERS[n][2] or PARAMETERS[n][1]) if n == "link_eff"
-                    else PARAMETERS[n][1] for n in names])
+    lower = np.log([BOUNDS[n][0] for n in names])
+    upper = np.log([BOUNDS[n][1] for n in names])
     x0 = np.log([START[n] for n in names])
     x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations, progress)
     return dict(zip(names, map(float, np.exp(x))))
+
+
+def _huber(r: float) -> float:
+    """A residual whose square is the pseudo-Huber loss of r (quadratic near 0, linear far out)."""
+    return math.copysign(math.sqrt(2 * HUBER ** 2 * (math.sqrt(1 + (r / HUBER) ** 2) - 1)), r)
 
 
 def generic(params: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -345,16 +371,32 @@ def generic(params: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def class_params(runs: list[Run], progress=print) -> dict[str, dict[str, float]]:
-    by_class: dict[str, list[Run]] = {}
-    for run in runs:
-        by_class.setdefault(run.gpu_class, []).append(run)
-    out = {}
-    for gpu, group in sorted(by_class.items()):
-        progress(f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} deployments")
-        out[gpu] = fit_class(group)
-        progress(f"  {gpu}: {out[gpu]}")
-    return out
+_FOLD_STATE: dict = {}       # what forked fold and class fits share: the runs, the full fit, progress
+
+
+def _class_fit(gpu: str) -> dict[str, float]:
+    group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
+    _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} deployments")
+    params = fit_class(group)
+    _FOLD_STATE["progress"](f"  {gpu}: {params}")
+    return params
+
+
+def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, float]]:
+    """Every GPU class fitted on all of its runs (the family's entries)."""
+    classes = sorted({r.gpu_class for r in runs})
+    _FOLD_STATE.update(runs=runs, progress=progress)
+    return dict(zip(classes, _map(_class_fit, classes, jobs)))
+
+
+def _map(fn: Callable, items: list, jobs: int) -> list:
+    """fn over items, in `jobs` forked processes (they share the loaded runs) when more than one."""
+    if jobs > 1 and len(items) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            return pool.map(fn, items, chunksize=1)
+    return [fn(i) for i in items]
 
 
 def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, float]], progress=print) -> dict[str, float]:
@@ -388,20 +430,26 @@ def run_rows(run: Run, params: dict[str, float]) -> dict:
     row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients())).items()})
     if tables_cover(run):
         row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables")).items()})
-    trained = coefficients_from(params, CostCoefficients())
+    trained = trained_coefficients(params)
     row.update({f"trained {k}": v for k, v in errors(run, predict(run, trained)).items()})
     return row
 
 
+def _fold_rows(name: str) -> list[dict]:
+    runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
+    params = fold_params(runs, name, full, progress)
+    return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
+            for run in deployments(runs)[name]]
+
+
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
-               progress=print) -> pd.DataFrame:
-    rows = []
-    for name, group in deployments(runs).items():
-        if only is not None and name not in only:
-            continue
-        params = fold_params(runs, name, full, progress)
-        rows += [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}} for run in group]
-    return pd.DataFrame(rows)
+               progress=print, jobs: int = 1) -> pd.DataFrame:
+    """One row per run, predicted by its fold; folds are independent, so `jobs` processes
+    (forked: they share the loaded runs) give the same table as one."""
+    names = [n for n in deployments(runs) if only is None or n in only]
+    _FOLD_STATE.update(runs=runs, full=full, progress=progress)
+    parts = _map(_fold_rows, names, jobs)
+    return pd.DataFrame([row for part in parts for row in part])
 
 
 def per_deployment(table: pd.DataFrame) -> pd.DataFrame:
@@ -425,18 +473,30 @@ def bands(table: pd.DataFrame) -> dict[str, dict[str, dict]]:
     return out
 
 
-def trained_wins(b: dict) -> dict[str, bool]:
-    """Per metric: does trained's typical error beat datasheet's and tables' (where measured)?"""
+def trained_wins(table: pd.DataFrame) -> dict[str, bool]:
+    """Per metric: is trained's typical error below datasheet's and tables', each compared on the
+    deployments both predict (tables covers fewer GPUs)?"""
+    dep = per_deployment(table)
     out = {}
-    for metric, t in b.get("trained", {}).items():
-        others = [b[s][metric]["typical"] for s in ("datasheet", "tables") if metric in b.get(s, {})]
-        out[metric] = all(t["typical"] < o for o in others)
+    for metric in METRICS:
+        mine = f"trained {metric}"
+        if mine not in dep:
+            continue
+        verdicts = []
+        for other in ("datasheet", "tables"):
+            col = f"{other} {metric}"
+            if col in dep:
+                both = dep[[mine, col]].dropna().abs()
+                if len(both):
+                    verdicts.append(both[mine].median() < both[col].median())
+        out[metric] = bool(verdicts) and all(verdicts)
     return out
 
 
 # ----------------------------------------------------------------------------- writing
 
-def write_family(full: dict[str, dict[str, float]], b: dict, runs: list[Run], path: Path = FAMILY_FILE) -> Path:
+def write_family(full: dict[str, dict[str, float]], table: pd.DataFrame, runs: list[Run],
+                 path: Path = FAMILY_FILE) -> Path:
     from sim.output.io import write_text
 
     deps = deployments(runs)
@@ -453,7 +513,8 @@ def write_family(full: dict[str, dict[str, float]], b: dict, runs: list[Run], pa
         "generic": {k: float(f"{v:.5g}") for k, v in generic(full).items()},
         "sources": sorted({r.source for r in runs}),
         "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
-                       "table": str(TABLE_FILE.relative_to(ROOT)), "bands": b},
+                       "table": str(TABLE_FILE.relative_to(ROOT)), "bands": bands(table),
+                       "trained_beats_datasheet_and_tables": trained_wins(table)},
     }
     header = ("# kvtwin trained step-time profile family (`step_times: trained`), written by\n"
               "# `python -m validate.lodo`; do not edit by hand. Cited sources: tests/data/vllm_public/SOURCES.md.\n")
@@ -468,10 +529,10 @@ def _cell(values: list) -> str:
     return " / ".join("n/a" if v is None or pd.isna(v) else f"{v:+.0%}" for v in values)
 
 
-def markdown(table: pd.DataFrame, b: dict) -> str:
+def markdown(table: pd.DataFrame) -> str:
     """The per-deployment table (mean signed error of its runs; datasheet / tables / trained per
     cell) and the typical error per source and metric, as docs/fidelity.md shows them."""
-    dep = per_deployment(table)
+    dep, b = per_deployment(table), bands(table)
     counts = table.groupby("deployment", sort=False)["run"].count()
     lines = []
     for title, metrics in (("means and throughput", ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")),
@@ -490,20 +551,20 @@ def markdown(table: pd.DataFrame, b: dict) -> str:
             e = b.get(s, {}).get(m)
             cells.append(f"{e['typical']:.0%} ({e['worst']:.0%}, n={e['deployments']})" if e else "n/a")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    wins = trained_wins(b)
+    wins = trained_wins(table)
     lines += ["", "trained beats datasheet and tables on: " + (", ".join(m for m, w in wins.items() if w) or "none")
               + "; not on: " + (", ".join(m for m, w in wins.items() if not w) or "none")]
     return "\n".join(lines)
 
 
-def write_docs(table: pd.DataFrame, b: dict, path: Path = DOCS_FILE) -> Path:
+def write_docs(table: pd.DataFrame, path: Path = DOCS_FILE) -> Path:
     """Replace the generated block of docs/fidelity.md (the prose around it is kept)."""
     from sim.output.io import write_text
 
     text = path.read_text() if path.exists() else f"# Fidelity\n\n{BEGIN}\n{END}\n"
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
-    return write_text(path, f"{head}{BEGIN}\n{markdown(table, b)}\n{END}{tail}")
+    return write_text(path, f"{head}{BEGIN}\n{markdown(table)}\n{END}{tail}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -512,10 +573,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", metavar="DEPLOYMENT", help="recompute one fold and compare with the stored table")
     p.add_argument("--docs-only", action="store_true", help="rewrite docs/fidelity.md from the stored table")
+    p.add_argument("--jobs", type=int, default=1, help="folds fitted in parallel (forked processes)")
     args = p.parse_args(argv)
     if args.docs_only:
-        table = pd.read_csv(TABLE_FILE)
-        write_docs(table, bands(table))
+        write_docs(pd.read_csv(TABLE_FILE))
         return 0
     runs, skipped = all_runs()
     print(f"{len(runs)} runs of {len(deployments(runs))} deployments; skipped: {skipped}")
@@ -525,15 +586,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         now = lodo_table(runs, full, only=[args.check])
         print(now.to_string())
         return 0
-    full = class_params(runs)
-    table = lodo_table(runs, full)
+    full = class_params(runs, jobs=args.jobs)
+    table = lodo_table(runs, full, jobs=args.jobs)
     write_csv(TABLE_FILE, table)
-    b = bands(table)
-    write_family(full, b, runs)
-    write_docs(table, b)
-    print(per_deployment(table).to_string(float_format=lambda v: f"{v:+.1%}"))
-    print(yaml.safe_dump(b, sort_keys=False))
-    print("trained beats datasheet and tables:", trained_wins(b))
+    write_family(full, table, runs)
+    write_docs(table)
+    print(markdown(table))
     return 0
 
 
