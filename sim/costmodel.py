@@ -18,7 +18,7 @@
 
 Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
 max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
-(moe_layer_time); sliding-window layers read at most the window (attention_time).
+(moe_layer_time); sliding-window layers read at most the window (CostModel._roofline).
 
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
@@ -30,6 +30,7 @@ Coefficients are datasheet peaks times default efficiencies, or a calibrated pro
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -62,6 +63,42 @@ def gemm_peak_flops(device: DeviceSpec, model: ModelSpec, part: str = "attention
     return peak * WEIGHT_ONLY_GEMM_EFF
 
 
+# Collectives over PCIe (cards without NVLink), after NCCL's own tuning model (NVIDIA/nccl
+# src/graph/tuning.cc, ncclTopoTuneModel): on one server a collective over n ranks runs as a ring,
+#   time = baseLat + steps x hwLat + bytes / algorithm bandwidth,
+# steps = 2 (n - 1) for an all-reduce, n - 1 for an all-gather or a reduce-scatter, and NCCL takes
+# the faster protocol per call: LL (low latency; a quarter of the bus bandwidth for an all-reduce,
+# a third otherwise) or Simple (LL128 stays off on PCIe). NCCL's tree has the same 2 (n - 1) hops
+# inside one server and half the bandwidth, so its tuner never prefers it there. (base, per step)
+# latencies in microseconds, PCI rows of the Ring algorithm:
+NCCL_PCIE_RING_US = {"LL": (6.6, 1.0), "Simple": (8.4, 5.7)}
+# NCCL's PCIe link bandwidth (src/graph/topo.cc): lanes x speed / 80, i.e. 12 / 24 / 48 GB/s for
+# Gen3 / 4 / 5 x16: three quarters of the nominal figure.
+NCCL_PCIE_EFF = 0.75
+# vLLM's custom all-reduce handles messages below this (custom_all_reduce.py max_size, 0.19)
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+
+
+def pcie_collective(device: DeviceSpec, ranks: int, kind: str, c: "CostCoefficients") -> tuple:
+    """((fixed s, s per byte) of NCCL's LL ring, the same of its Simple ring) for one collective
+    over `ranks` PCIe GPUs. Bytes: the whole tensor of an all-reduce, one rank's share of an
+    all-gather or reduce-scatter. Without peer-to-peer access (GeForce) every transfer and every
+    ready flag goes through host memory, two PCIe crossings for one: each ring step runs at
+    `host_staging_eff` of the direct path's speed (bandwidth and hop latency). `link_eff` and
+    `pcie_latency_scale` are the fit's handles on bandwidth and latency."""
+    staging = 1.0 if device.peer_to_peer else c.host_staging_eff
+    bus = device.link_gbps * 1e9 * NCCL_PCIE_EFF * c.link_eff * staging
+    if kind == "all_reduce":
+        steps, bytes_per_bus_byte, ll_share = 2 * (ranks - 1), 2 * (ranks - 1) / ranks, 1 / 4
+    else:
+        steps, bytes_per_bus_byte, ll_share = ranks - 1, ranks - 1, 1 / 3
+    ll_base, ll_hop = NCCL_PCIE_RING_US["LL"]
+    simple_base, simple_hop = NCCL_PCIE_RING_US["Simple"]
+    scale = 1e-6 * c.pcie_latency_scale
+    return (((ll_base + steps * ll_hop / staging) * scale, bytes_per_bus_byte / (bus * ll_share)),
+            ((simple_base + steps * simple_hop / staging) * scale, bytes_per_bus_byte / bus))
+
+
 def expected_experts_touched(num_experts: int, top_k: int, tokens):
     """Distinct experts a step's `tokens` reach with uniform top-k routing: E (1 - (1 - k/E)^T).
     One token reads k experts, a large batch reads them all: what keeps MoE decode bandwidth-bound
@@ -90,6 +127,11 @@ class CostCoefficients:
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
     link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
+    # PCIe collectives (a DeviceSpec with interconnect: pcie): NCCL's latency table x this, and the
+    # speed of a ring step staged through host memory (GPUs without peer-to-peer access) relative to
+    # a direct one: two PCIe crossings for one, so half (an assumption for the fit to learn)
+    pcie_latency_scale: float = 1.0
+    host_staging_eff: float = 0.5
     # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
     graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
     sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
@@ -141,6 +183,13 @@ class DeviceProfile:
         if not isinstance(extra.get("fit", {}), dict):
             raise ValueError(f"{path}: fit is {excerpt(extra['fit'])}, expected a mapping")
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
+
+
+def _table_sizes(seqs, decodes, prefill_tokens, padded=None):
+    """The operator tables' first stage: the sizes themselves (every lookup needs the contexts too;
+    tables price dense models only, never a padded data-parallel MoE step)."""
+    assert padded is None, "operator tables do not price MoE models"
+    return seqs, decodes, prefill_tokens
 
 
 IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
@@ -237,14 +286,40 @@ class CostModel:
         self._head_flop_s = 2 * h * m.vocab_size / tp / (peak_flops * c.flops_eff)
         self._head_weight_s = h * m.vocab_size / tp * s / (bw * c.bw_eff)
         self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
-        if tp > 1:
+        self._allreduce_token_s = self._allreduce_fixed_s = 0.0     # tp 1, or PCIe (_tp_allreduce)
+        if tp > 1 and self.device.interconnect != "pcie":
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
-            self._allreduce_fixed_s = 2 * self.device.link_latency_us * 1e-6 / c.link_eff
-        else:
-            self._allreduce_token_s = self._allreduce_fixed_s = 0.0
-        self._price_step = self._step_pricer()
+            self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
+        self._sizes, self._price = self._stages(max, min, self.block_size)
+
+    def _tp_allreduce(self, minimum):
+        """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
+        tokens (`_allreduce_fixed_s` comes on top: a generic link's latency). On PCIe, NCCL's ring
+        with the faster of its LL and Simple protocols (`pcie_collective`), or vLLM's custom
+        all-reduce (custom_all_reduce.py, 0.19), which runs on PCIe for exactly two GPUs with
+        peer-to-peer access and messages under 8 MiB: one kernel reading the peer's data directly,
+        priced at LL's handshake latency and the full bandwidth."""
+        token_s = self._allreduce_token_s
+        if self.tp == 1 or self.device.interconnect != "pcie":
+            return lambda tokens: tokens * token_s
+        token_bytes = self.model.hidden_size * self.model.dtype_bytes
+        (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.tp, "all_reduce",
+                                                                         self.coefficients)
+        ll_fixed, ll_token = 2 * ll_fixed, 2 * ll_byte * token_bytes          # two per layer
+        simple_fixed, simple_token = 2 * simple_fixed, 2 * simple_byte * token_bytes
+
+        def nccl(tokens):
+            return minimum(ll_fixed + tokens * ll_token, simple_fixed + tokens * simple_token)
+        if self.tp != 2 or not self.device.peer_to_peer:
+            return nccl
+        custom_below = CUSTOM_ALLREDUCE_MAX_BYTES / token_bytes             # tokens
+
+        def custom_or_nccl(tokens):
+            small = tokens < custom_below
+            return small * (ll_fixed + tokens * simple_token) + (1 - small) * nccl(tokens)
+        return custom_or_nccl
 
     def _dense_weight_bytes_per_layer(self) -> float:
         """Weights every step reads in one layer on one GPU: attention and the dense MLP (or the
@@ -265,240 +340,195 @@ class CostModel:
         h, mi = m.hidden_size, m.moe_intermediate_size
         self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
         self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
-        link = self.device.link_gbps * 1e9
-        s = m.dtype_bytes
-        if self.ep > 1:
-            # all-to-all dispatch and combine: a token travels once to each other rank holding one of
-            # its k experts, (ep - 1)(1 - (1 - 1/ep)^k) ranks on average (DeepEP-style, deduplicated)
-            remote = (self.ep - 1) * (1 - (1 - 1 / self.ep) ** m.num_experts_per_tok)
-            self._moe_comm_token_s = 2 * remote * h * s / self.tp / link
+        # vLLM's default all2all backend (allgather_reducescatter: vllm/config/parallel.py and
+        # vllm/distributed/device_communicators/all2all.py, 0.19), with or without expert parallelism:
+        # all-gather the dp ranks' tokens before the experts, reduce-scatter their outputs after
+        # (tp only: the MLP's all-reduce, counted with attention's)
+        self._moe_comm_token_s = self._moe_comm_fixed_s = 0.0
+        self._moe_exchange_pcie = None
+        token_bytes = h * m.dtype_bytes
+        if self.dp > 1 and self.device.interconnect == "pcie":
+            (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.dp, "all_gather", c)
+            self._moe_exchange_pcie = ((2 * ll_fixed, 2 * ll_byte * token_bytes),
+                                       (2 * simple_fixed, 2 * simple_byte * token_bytes))
         elif self.dp > 1:
-            # vLLM's naive DP dispatch: all-gather the dp ranks' tokens, reduce-scatter the outputs
-            self._moe_comm_token_s = 2 * (self.dp - 1) * h * s / link
-        else:
-            self._moe_comm_token_s = 0.0    # tp only: the MLP's all-reduce, counted with attention's
-        self._moe_comm_fixed_s = (2 * self.device.link_latency_us * 1e-6) if gpus > 1 and (self.dp > 1 or self.ep > 1) else 0.0
+            self._moe_comm_token_s = 2 * (self.dp - 1) * token_bytes / (self.device.link_gbps * 1e9)
+            self._moe_comm_fixed_s = 2 * self.device.link_latency_s
 
     def moe_layer_time(self, tokens, maximum=max):
-        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (the other dp
-        ranks assumed as busy): routed FLOPs vs touched experts' bytes, plus the token exchange."""
-        m = self.model
-        global_tokens = tokens * self.dp
-        touched = expected_experts_touched(m.num_experts, m.num_experts_per_tok, global_tokens)
-        compute = global_tokens * m.num_experts_per_tok * self._expert_pair_flop_s
-        fixed = self._moe_comm_fixed_s * (tokens > 0)
-        return maximum(compute, touched * self._expert_read_s) + tokens * self._moe_comm_token_s + fixed
+        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (every dp rank
+        steps with as many: vLLM pads them alike, `lockstep_times`): routed FLOPs vs touched
+        experts' bytes, plus the token exchange."""
+        return self._moe_time(maximum, min if maximum is max else np.minimum)(tokens)
 
-    def attention_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, maximum):
-        """One layer's attention, averaged over the layer types: full layers read every cached
-        token; sliding layers at most `sliding_window` per sequence (bounds from the step's sums:
-        exact when every context is on one side of the window)."""
+    def _moe_time(self, maximum, minimum):
+        """`moe_layer_time` as a function of the tokens, for the roofline."""
         m = self.model
-        kv_tokens = decode_ctx + prefill_ctx + prefill_tokens
-        full = maximum(prefill_attn * self._attn_pair_s, kv_tokens * self._kv_token_s)
-        sliding_layers = m.num_sliding_layers
-        if not sliding_layers:
-            return full
-        minimum = min if maximum is max else np.minimum
-        w = m.sliding_window
-        window_pairs = minimum(prefill_attn, prefill_tokens * w)
-        window_kv = (minimum(decode_ctx, decodes * w) + minimum(prefill_ctx, (seqs - decodes) * w)
-                     + prefill_tokens)
-        sliding = maximum(window_pairs * self._attn_pair_s, window_kv * self._kv_token_s)
-        return (m.num_full_layers * full + sliding_layers * sliding) / m.num_layers
+        experts, top_k, dp = m.num_experts, m.num_experts_per_tok, self.dp
+        pair_flop, expert_read = self._expert_pair_flop_s, self._expert_read_s
+        comm_token, comm_fixed, pcie = self._moe_comm_token_s, self._moe_comm_fixed_s, self._moe_exchange_pcie
 
-    def blocks_per_layer(self, seqs, blocks_read, maximum=max, block_size=None):
-        """KV blocks one layer's kernel walks, averaged over the layer types: `blocks_read` for a
-        full layer; for a sliding layer at most the blocks its window still holds per sequence
-        (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the step's sums like
-        attention_time. `block_size`: per recorded step where the steps came from several pools."""
-        m = self.model
-        sliding_layers = m.num_sliding_layers
-        if not sliding_layers:
-            return blocks_read
-        minimum = min if maximum is max else np.minimum
-        bs = self.block_size if block_size is None else block_size
-        window = minimum(blocks_read, seqs * (cdiv(m.sliding_window - 1, bs) + 1))
-        return (m.num_full_layers * blocks_read + sliding_layers * window) / m.num_layers
+        def moe(tokens):
+            global_tokens = tokens * dp
+            touched = expected_experts_touched(experts, top_k, global_tokens)
+            compute = global_tokens * top_k * pair_flop
+            if pcie is not None:        # all-gather + reduce-scatter, NCCL's faster protocol
+                (ll_fixed, ll_token), (simple_fixed, simple_token) = pcie
+                return maximum(compute, touched * expert_read) + minimum(ll_fixed + tokens * ll_token,
+                                                                         simple_fixed + tokens * simple_token)
+            fixed = comm_fixed * (tokens > 0)
+            return maximum(compute, touched * expert_read) + tokens * comm_token + fixed
+        return moe
+
+    def lockstep_times(self, batches, after_idle: bool = False) -> list[tuple[float, float]]:
+        """(host_s, device_s) of each rank's part of one step of a data-parallel MoE engine, whose
+        ranks step together (sim/simulator.py); None for a rank with nothing scheduled, which runs
+        vLLM's dummy batch of one token (gpu_worker.execute_dummy_batch, 0.19). Under CUDA graphs
+        vLLM pads every rank's batch to the most tokens any rank has (vllm/v1/worker/dp_utils.py,
+        0.19: `_post_process_dp_padding`), so the GEMMs, the MoE layer and its exchange run at
+        that size on every rank; attention, sampling and host work are each rank's own. The
+        step lasts as long as the slowest rank's part."""
+        shapes = [(0, 0, 0, 0, 0, 0, 0) if b is None else
+                  (b.num_decode + len(b.prefills), b.num_decode, b.num_prefill_tokens, b.prefill_ctx,
+                   b.prefill_attn, b.decode_ctx, b.blocks_read) for b in batches]
+        padded = max(1, max(decodes + prefill_tokens for _, decodes, prefill_tokens, *_ in shapes))
+        wake = self.coefficients.wake_s if after_idle else 0.0
+        times = []
+        for seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read in shapes:
+            host, device = self._price(self._sizes(seqs, decodes, prefill_tokens, padded), prefill_ctx,
+                                       prefill_attn, decode_ctx, blocks_read)
+            times.append((host + wake, device))
+        return times
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
-        host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
-                                        batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read)
+        host, device = self.price(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                  batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
 
-    def _price_by_parts(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                        blocks_read) -> tuple[float, float]:
-        """One step's (host_s, device_s) before any wake-up: host, device and their overlap."""
-        host = self._host_time(seqs, decodes, prefill_tokens)
-        device = self._device_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                                   blocks_read, max)
-        return self._exposed_host(host, device, seqs, max), device
+    def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
+        """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
+        return self._price(self._sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
+                           blocks_read)
 
-    def _step_pricer(self):
-        """`_price_by_parts` as one function, for the simulator's every step: the same float
-        operations in the same order (the coefficients read once, `max(a, b)` written as
-        `b if b > a else a`: the very same value), one call a step instead of five. Where
-        attention is not one roofline term (sliding-window layers, operator tables), the parts."""
-        if self.tables is not None or self.model.num_sliding_layers:
-            return self._price_by_parts
+    def decode_pricer(self, rows: int):
+        """`price` of a decode-only step of `rows` sequences as a function of (decode context,
+        blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
+        terms that depend on the batch's sizes alone worked out once."""
+        return partial(self._price, self._sizes(rows, rows, 0), 0, 0)
+
+    def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
+        """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
+        same pricer over numpy columns (each step with its own pool's block size, if recorded)."""
+        seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read = (
+            np.asarray(steps[name], dtype=float) for name in STEP_SHAPE)
+        if self.tables is not None:       # table lookups are per step
+            priced = np.array([self.price(*row) for row in zip(seqs, decodes, prefill_tokens, decode_ctx,
+                                                               prefill_ctx, prefill_attn, blocks_read)],
+                              dtype=float).reshape(-1, 2)
+            host, device = priced[:, 0], priced[:, 1]
+        else:
+            block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
+            sizes, price = self._stages(np.maximum, np.minimum, block_size)
+            host, device = price(sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
+                                 blocks_read)
+        return host + self.coefficients.wake_s * after_idle(steps), device
+
+    def _stages(self, maximum, minimum, block_size):
+        """The step price, written once, in two stages: `sizes(seqs, decodes, prefill_tokens)`
+        works out what depends on the batch's sizes alone; `price(sizes, prefill_ctx, prefill_attn,
+        decode_ctx, blocks_read)` adds what depends on the contexts and returns (host_s, device_s).
+        `maximum` / `minimum`: max / min for one step, np.maximum / np.minimum for numpy columns
+        (then `block_size` may be a column too: each recorded step's pool). Operator tables replace
+        the roofline's device time; host time and its overlap are the same."""
         c = self.coefficients
         step_host, seq_host, prefill_seq_host, token_host = (c.step_host_s, c.seq_host_s, c.prefill_seq_host_s,
                                                              c.token_host_s)
+        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
+        sizes_of_device, device_time = (self._roofline(maximum, minimum, block_size) if self.tables is None
+                                        else (_table_sizes, self._table_time))
+
+        def sizes(seqs, decodes, prefill_tokens, padded=None):
+            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
+                    + token_host * (prefill_tokens + decodes))
+            return host, output_token * seqs, sizes_of_device(seqs, decodes, prefill_tokens, padded)
+
+        def price(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
+            host, output, device_sizes = batch
+            device = device_time(device_sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)
+            # the host time a step adds to the device's, by the engine's overlap rules: output
+            # processing (detokenization, API streaming) runs in the API server's process and only
+            # shows when slower than the engine's own step; synchronous scheduling puts the
+            # scheduler's host work before each launch, async scheduling plans step N+1 while step
+            # N runs (only its excess over the device time shows); the graph launch is serial
+            engine = launch + (maximum(host - device, 0.0) if overlap else host)
+            return engine + maximum(output - (engine + device), 0.0), device
+        return sizes, price
+
+    def _roofline(self, maximum, minimum, block_size):
+        """The device time of the module docstring in `_stages`' two stages: (sizes(seqs, decodes,
+        prefill_tokens), device(sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)).
+        Attention is averaged over the layer types: full layers read every cached token and walk
+        every block; sliding layers at most `sliding_window` tokens per sequence and the blocks the
+        window still holds (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the
+        step's sums (exact when every context is on one side of the window)."""
+        c, m = self.coefficients, self.model
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
-        moe_time = self.moe_layer_time if self._moe else None
+        moe = self._moe_time(maximum, minimum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
-        allreduce_token, allreduce_fixed = self._allreduce_token_s, self._allreduce_fixed_s
+        tp_allreduce, allreduce_fixed = self._tp_allreduce(minimum), self._allreduce_fixed_s
         head_flop, head_weight, sample_row, sample_seq = (self._head_flop_s, self._head_weight_s, self._sample_row_s,
                                                           c.sample_seq_s)
-        step_device, layers = c.step_device_s, self.model.num_layers
-        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
+        step_device, layers = c.step_device_s, m.num_layers
+        full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
+        window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 
-        def price(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
-            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
-                    + token_host * (prefill_tokens + decodes))                         # _host_time
-            tokens = prefill_tokens + decodes                                          # _device_time
-            gemm, weights = tokens * linear_flop, linear_weight + tokens * linear_act
-            linear = weights if weights > gemm else gemm
-            if moe_time is not None:
-                linear = linear + moe_time(tokens, max)
-            pairs, kv_read = prefill_attn * attn_pair, (decode_ctx + prefill_ctx + prefill_tokens) * kv_token
-            attention = kv_read if kv_read > pairs else pairs                          # attention_time
-            per_layer = (layer_overhead + linear + attention + blocks_read * block_s
-                         + (seqs - decodes) * prefill_seq_overhead + tokens * allreduce_token + allreduce_fixed)
-            head_gemm = seqs * head_flop
-            head = (head_weight if head_weight > head_gemm else head_gemm) + seqs * sample_row + seqs * sample_seq
-            device = step_device + layers * per_layer + head
-            output = output_token * seqs                                               # _exposed_host
-            if overlap:
-                hidden = host - device
-                engine = launch + (0.0 if 0.0 > hidden else hidden)
-            else:
-                engine = launch + host
-            shown = output - (engine + device)
-            return engine + (0.0 if 0.0 > shown else shown), device
-        return price
+        def sizes(seqs, decodes, prefill_tokens, padded=None):
+            # (`padded`: the tokens the GEMMs run at, where vLLM pads the batch: lockstep_times)
+            tokens = prefill_tokens + decodes if padded is None else padded
+            linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
+            if moe is not None:
+                linear = linear + moe(tokens)
+            head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
+            return (seqs, decodes, prefill_tokens, layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead,
+                    tp_allreduce(tokens), head)
 
-    def decode_pricer(self, rows: int):
-        """`step_time` of a decode-only step of `rows` sequences as a function of (decode context,
-        blocks read), for a leap's steps (sim/simulator.py): the same float operations in the
-        same order, the terms that depend on `rows` alone done once. None where attention is not
-        one roofline term (sliding-window layers, operator tables): the caller uses step_time."""
-        if self.tables is not None or self.model.num_sliding_layers:
-            return None
-        c = self.coefficients
-        # step_time's terms with no prefill, written as it computes them (0 + rows, 0 * x, (rows - rows) * x)
-        # rather than folded away, so every price is step_time's to the last bit
-        tokens = 0 + rows
-        linear = max(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
-        if self._moe:
-            linear = linear + self.moe_layer_time(tokens, max)
-        base = c.layer_overhead_s + linear
-        no_pairs = 0 * self._attn_pair_s
-        kv_token_s, block_s = self._kv_token_s, c.block_overhead_s
-        no_prefill = (rows - rows) * c.prefill_seq_overhead_s
-        allreduce, allreduce_fixed = tokens * self._allreduce_token_s, self._allreduce_fixed_s
-        head = max(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s + rows * c.sample_seq_s
-        step_device, layers = c.step_device_s, self.model.num_layers
-        host = self._host_time(rows, rows, 0)
-        # _exposed_host inlined, its device-independent terms done once
-        output = (c.detok_token_s + c.api_token_s) * rows
-        launch = c.graph_launch_s
-        # (max(a, b) written as `b if b > a else a`: the very same value, without a call per step)
-        if self.async_scheduling:
-            def price(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
-                kv_read = decode_ctx * kv_token_s
-                attention = kv_read if kv_read > no_pairs else no_pairs
-                per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
-                device = step_device + layers * per_layer + head
-                hidden = host - device
-                engine = launch + (0.0 if 0.0 > hidden else hidden)
-                shown = output - (engine + device)
-                return engine + (0.0 if 0.0 > shown else shown), device
-            return price
-        engine = launch + host
+        def device(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
+            seqs, decodes, prefill_tokens, base, prefill_setup, allreduce, head = batch
+            attention = maximum(prefill_attn * attn_pair, (decode_ctx + prefill_ctx + prefill_tokens) * kv_token)
+            blocks = blocks_read
+            if sliding_layers:
+                window_pairs = minimum(prefill_attn, prefill_tokens * window)
+                window_kv = (minimum(decode_ctx, decodes * window) + minimum(prefill_ctx, (seqs - decodes) * window)
+                             + prefill_tokens)
+                sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
+                attention = (full_layers * attention + sliding_layers * sliding) / layers
+                window_walked = minimum(blocks_read, seqs * window_blocks)
+                blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
+            per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
+            return step_device + layers * per_layer + head
+        return sizes, device
 
-        def price_sync(decode_ctx: int, blocks_read: int) -> tuple[float, float]:
-            kv_read = decode_ctx * kv_token_s
-            attention = kv_read if kv_read > no_pairs else no_pairs
-            per_layer = base + attention + blocks_read * block_s + no_prefill + allreduce + allreduce_fixed
-            device = step_device + layers * per_layer + head
-            shown = output - (engine + device)
-            return engine + (0.0 if 0.0 > shown else shown), device
-        return price_sync
-
-    def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
-        """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns)."""
-        col = [np.asarray(steps[name], dtype=float) for name in STEP_SHAPE]
-        block_size = np.asarray(steps["block_size"]) if "block_size" in steps else None
-        device = self._device_time(*col, np.maximum, block_size=block_size)
-        host = self._exposed_host(self._host_time(*col[:3]), device, col[0], np.maximum)
-        return host + self.coefficients.wake_s * after_idle(steps), device
-
-    def _exposed_host(self, host, device, seqs, maximum):
-        """The host time a step adds to the device's, by the engine's overlap rules.
-
-        Output processing (detokenization, API streaming) runs in the API server's process and
-        only shows when it is slower than the engine's own step. Synchronous scheduling puts the
-        scheduler's host work before each launch; async scheduling plans step N+1 while step N
-        runs, so only what exceeds the device time shows. The graph launch is always serial."""
-        c = self.coefficients
-        output = (c.detok_token_s + c.api_token_s) * seqs
-        engine = c.graph_launch_s + (maximum(host - device, 0.0) if self.async_scheduling else host)
-        return engine + maximum(output - (engine + device), 0.0)
-
-    def _host_time(self, seqs, decodes, prefill_tokens):
-        c = self.coefficients
-        return (c.step_host_s + c.seq_host_s * seqs + c.prefill_seq_host_s * (seqs - decodes)
-                + c.token_host_s * (prefill_tokens + decodes))
-
-    def _device_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                     blocks_read, maximum, block_size=None):
-        """The roofline sum of the module docstring; `maximum` is max for one step, np.maximum for
-        arrays (then `block_size` may be an array: each step's pool)."""
-        if self.tables is not None:
-            if maximum is max:
-                return self._table_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read)
-            sizes = np.broadcast_to(self.block_size if block_size is None else block_size, np.shape(seqs))
-            return np.array([self._table_time(*row) for row in zip(
-                seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read, sizes)], dtype=float)
-        c = self.coefficients
-        tokens = prefill_tokens + decodes
-        linear = maximum(tokens * self._linear_flop_s, self._linear_weight_s + tokens * self._linear_act_s)
-        if self._moe:
-            linear = linear + self.moe_layer_time(tokens, maximum)
-        attention = self.attention_time(seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn,
-                                        maximum)
-        blocks = self.blocks_per_layer(seqs, blocks_read, maximum, block_size)
-        per_layer = (c.layer_overhead_s + linear + attention + blocks * c.block_overhead_s
-                     + (seqs - decodes) * c.prefill_seq_overhead_s
-                     + tokens * self._allreduce_token_s + self._allreduce_fixed_s)
-        rows = seqs   # one sampled row per sequence (chunks that emit nothing are few)
-        head = (maximum(rows * self._head_flop_s, self._head_weight_s) + rows * self._sample_row_s
-                + rows * c.sample_seq_s)
-        return c.step_device_s + self.model.num_layers * per_layer + head
-
-    def _table_time(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, blocks_read,
-                    block_size=None) -> float:
-        """Device time from the operator tables (sim/optables.py) on this step's composition."""
+    def _table_time(self, batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read) -> float:
+        """Device time from the operator tables (sim/optables.py) on this step's composition
+        (dense full-attention models only), as `_stages` calls it."""
         from sim.optables import bucket
 
         t, c = self.tables, self.coefficients
-        seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
+        seqs, decodes, prefill_tokens = (int(x) for x in batch)
         prefills = seqs - decodes
         tokens = prefill_tokens + decodes
-        blocks = self.blocks_per_layer(seqs, blocks_read, block_size=block_size)
-        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks * c.block_overhead_s
+        per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
         if prefills:
             chunk = max(1, round(prefill_tokens / prefills))
             per_layer += prefills * t.context_s(chunk, bucket(prefill_ctx / prefills) if prefill_ctx else 0)
         if decodes:
             per_layer += t.generation_s(decodes, bucket(decode_ctx / decodes))
-        per_layer += tokens * self._allreduce_token_s + self._allreduce_fixed_s
+        per_layer += self._tp_allreduce(min)(tokens) + self._allreduce_fixed_s
         rows = seqs
         return (c.step_device_s + self.model.num_layers * per_layer + t.head_s(rows)
                 + rows * (self._sample_row_s + c.sample_seq_s))

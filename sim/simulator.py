@@ -69,6 +69,9 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
 
 
 LEAP_SCALAR_STEPS = 32     # a leap's first steps priced one by one (numpy for the rest of a long one)
+# vLLM's data-parallel ranks all-reduce "any unfinished requests?" only every 32nd step
+# (DPEngineCoreProc._has_global_unfinished_reqs, vllm/v1/engine/core.py, 0.19)
+LOCKSTEP_CHECK_STEPS = 32
 
 
 class Client:
@@ -147,8 +150,8 @@ class Simulation:
         first_turns = self._first_turns()
         router = make_router(self.scenario.cluster, self.replicas)
         self._finished = 0
-        for replica in self.replicas:
-            env.process(self._engine_loop(env, replica))
+        for engine in self._engines():
+            env.process(self._engine_loop(env, engine[0]) if len(engine) == 1 else self._lockstep_loop(env, engine))
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
         # One replica, an open-loop client and no follow-up turns: between a leap's end and the
         # next arrival nothing but this replica acts, so leaps run back to back in one event.
@@ -171,6 +174,54 @@ class Simulation:
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
+
+    def _engines(self) -> list[list[Replica]]:
+        """The replicas that step as one: a data-parallel MoE engine's dp ranks (vLLM runs them in
+        lockstep, DPEngineCoreProc: MoE models only), else each replica alone."""
+        dp = self.scenario.parallelism.dp
+        if dp == 1 or not self.scenario.model.is_moe:
+            return [[replica] for replica in self.replicas]
+        return [self.replicas[i:i + dp] for i in range(0, len(self.replicas), dp)]
+
+    def _lockstep_loop(self, env: simpy.Environment, ranks: list[Replica]):
+        """A data-parallel MoE engine, as vLLM's DPEngineCoreProc.run_busy_loop runs it
+        (vllm/v1/engine/core.py, 0.19): while any rank has work every rank steps, one with nothing
+        scheduled running a dummy batch; the MoE layers' collectives hold each step to its slowest
+        rank (CostModel.lockstep_times); the ranks ask whether any still has work only every 32nd
+        step, so an engine that ran dry goes on with dummy steps until that check, then sleeps
+        until a request comes. One step at a time, no leaps."""
+        lockstep_times = self.cost_model.lockstep_times
+        last_end = float("-inf")
+        wave_steps = 0                  # steps since the engine woke (vLLM's step_counter)
+        while True:
+            now = env.now
+            batches = [rank.scheduler.schedule() for rank in ranks]
+            if all(batch is None for batch in batches) and wave_steps % LOCKSTEP_CHECK_STEPS == 0:
+                wave_steps = 0
+                wakeup = env.event()
+                for rank in ranks:
+                    rank.wakeup, rank.busy_until = wakeup, math.inf
+                yield wakeup
+                for rank in ranks:
+                    rank.wakeup = None
+                continue
+            figures = [rank.scheduler.kv_figures() for rank in ranks]
+            times = lockstep_times(batches, now - last_end > IDLE_GAP_S)
+            duration = max(host + device for host, device in times)
+            for rank in ranks:
+                rank.busy_until = now + duration
+            yield env.timeout(duration)
+            end = last_end = env.now
+            wave_steps += 1
+            for rank, batch, (host, _), (kv_used, kv_cached, slack) in zip(ranks, batches, times, figures):
+                if batch is None:
+                    continue
+                # the rank's device time includes its wait for the slowest rank in the collectives
+                rank.recorder.record(batch, rank.scheduler, now, end, host, (end - now) - host, kv_used, kv_cached,
+                                     slack)
+                finished = rank.scheduler.finish_step(batch)
+                if finished:
+                    self._retire(env, rank, finished)
 
     def _first_turns(self) -> Iterator[Request]:
         """The requests that arrive on their own, in order (follow-up turns hang off their previous

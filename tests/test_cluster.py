@@ -110,16 +110,18 @@ def test_tp_splits_weights_and_kv_heads_per_gpu():
 
 
 def test_tp_step_time_includes_two_all_reduces_per_layer():
+    """Over NVLink (PCIe cards: tests/test_cost_physics.py) a ring of the link's bandwidth plus its
+    per-collective latency, twice per layer."""
     model = get_model("llama-3.1-8b")
-    l4 = get_device("l4")
-    free_link = l4.model_copy(update={"link_gbps": 1e12, "link_latency_us": 0.0})
+    h100 = get_device("h100-sxm")
+    free_link = h100.model_copy(update={"link_gbps": 1e12, "link_latency_us": 0.0})
     batch = Batch(0)
     batch.decodes, batch.num_decode = [None] * 32, 32
     batch.decode_ctx, batch.blocks_read = 32 * 500, 32 * 32
-    paid = sum(CostModel(model, l4, tp=2).step_time(batch))
+    paid = sum(CostModel(model, h100, tp=2).step_time(batch))
     free = sum(CostModel(model, free_link, tp=2).step_time(batch))
     ring, bytes_per_token = 2 * (2 - 1) / 2, model.hidden_size * model.dtype_bytes
-    per_layer = 2 * 32 * ring * bytes_per_token / (l4.link_gbps * 1e9) + 2 * l4.link_latency_us * 1e-6
+    per_layer = 2 * 32 * ring * bytes_per_token / (h100.link_gbps * 1e9) + 2 * h100.link_latency_us * 1e-6
     assert paid - free == pytest.approx(model.num_layers * per_layer, rel=1e-6)
 
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from sim.costmodel import IDLE_GAP_S, CostModel, DeviceProfile, after_idle
+from sim.costmodel import IDLE_GAP_S, STEP_SHAPE, CostModel, DeviceProfile, after_idle
 from sim.predict import predict
 from sim.scenario import validate_scenario
 
@@ -44,27 +44,40 @@ def test_per_block_term_makes_small_blocks_slower():
     assert fine["tpot_s"]["p50"] > coarse["tpot_s"]["p50"]
 
 
-def test_one_call_step_pricer_equals_the_parts_bit_for_bit():
-    """CostModel._step_pricer (what step_time calls) does the sums of _host_time, _device_time and
-    _exposed_host in one function: every price must be theirs to the last bit, dense or MoE
-    (tp, dp, ep), synchronous or async, with the named host costs set."""
+def test_every_form_of_the_pricer_prices_alike_bit_for_bit():
+    """The roofline is written once (CostModel._stages); the simulator calls it three ways: one
+    step (`price`, what step_time calls), a leap's decode steps with the batch's sizes worked out
+    once (`decode_pricer`), and numpy columns of recorded or leaped steps (`step_times`). Every
+    price must be the same to the last bit: dense, sliding-window or MoE (tp, dp, ep),
+    synchronous or async, with the named host costs set."""
     import random
 
     from sim.core.catalog import get_device, get_model
 
     named = DeviceProfile(replace(DeviceProfile().coefficients, graph_launch_s=3e-5, sample_seq_s=2e-7,
                                   detok_token_s=4e-5, api_token_s=9e-5))   # (output shows past ~40 rows)
-    models = [("qwen2.5-0.5b", {}), ("qwen3-30b-a3b", {"tp": 4}), ("qwen3-30b-a3b", {"dp": 4, "ep": 4})]
+    gpt_oss = validate_scenario({"model": {"hf_config": "tests/data/hf_configs/openai__gpt-oss-20b.json"},
+                                 "device": "h100-sxm"}).model
+    models = [(get_model("qwen2.5-0.5b"), {}), (get_model("qwen3-30b-a3b"), {"tp": 4}),
+              (get_model("qwen3-30b-a3b"), {"dp": 4, "ep": 4}), (gpt_oss, {})]
     rnd = random.Random(0)
-    for name, par in models:
+    for model, par in models:
         for profile in (None, named):
             for overlap in (False, True):
-                cost = CostModel(get_model(name), get_device("h100-sxm"), profile=profile,
-                                 async_scheduling=overlap, **par)
-                assert cost._price_step != cost._price_by_parts       # the one-call form is in use
+                cost = CostModel(model, get_device("h100-sxm"), profile=profile, async_scheduling=overlap, **par)
+                shapes = []
                 for _ in range(300):
                     decodes, prefills = rnd.randint(0, 256), rnd.randint(0, 4)
                     tokens = rnd.randint(prefills, 4096) if prefills else 0
-                    shape = (decodes + prefills, decodes, tokens, rnd.randint(0, 10 ** 6),
-                             rnd.randint(0, 10 ** 5), rnd.randint(0, 10 ** 7), rnd.randint(0, 10 ** 5))
-                    assert cost._price_step(*shape) == cost._price_by_parts(*shape), (name, par, shape)
+                    shapes.append((decodes + prefills, decodes, tokens, rnd.randint(0, 10 ** 6),
+                                   rnd.randint(0, 10 ** 5), rnd.randint(0, 10 ** 7), rnd.randint(0, 10 ** 5)))
+                    rows, ctx, blocks = rnd.randint(1, 256), rnd.randint(0, 10 ** 6), rnd.randint(0, 10 ** 5)
+                    assert cost.decode_pricer(rows)(ctx, blocks) == cost.price(rows, rows, 0, ctx, 0, 0, blocks)
+                one_by_one = np.array([cost.price(*shape) for shape in shapes])
+                columns = dict(zip(STEP_SHAPE, np.array(shapes).T))
+                host, device = cost.step_times(columns)
+                if cost._moe:      # numpy's power may round the experts touched apart from Python's (1 ulp)
+                    assert np.allclose(device, one_by_one[:, 1], rtol=1e-14, atol=0), (model.name, par)
+                    continue
+                assert host.tolist() == one_by_one[:, 0].tolist(), (model.name, par)
+                assert device.tolist() == one_by_one[:, 1].tolist(), (model.name, par)

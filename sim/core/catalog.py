@@ -19,6 +19,10 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 Dtype = Literal["float32", "float16", "bfloat16"]
 MIB = 1024 * 1024
 MAX_DEVICE_MIB = 2**24          # 16 TiB: far above any accelerator, and int64-safe in bytes
+# PCIe bandwidth per lane and direction, GB/s, by generation (the PCI-SIG's nominal 16 / 32 / 64 /
+# 128 GB/s for x16 links of Gen3 / 4 / 5 / 6)
+PCIE_LANE_GBPS = {3: 1.0, 4: 2.0, 5: 4.0, 6: 8.0}
+DEFAULT_LINK_LATENCY_US = 10.0
 
 
 class StrictModel(BaseModel):
@@ -282,12 +286,56 @@ class DeviceSpec(StrictModel):
     int8_tops: Optional[float] = Field(default=None, gt=0)
     hbm_gbps: float = Field(gt=0)
     link_gbps: float = Field(default=32.0, gt=0)
-    link_latency_us: float = Field(default=10.0, ge=0)
+    # per collective on an nvlink / infinity_fabric / generic link (unset: DEFAULT_LINK_LATENCY_US)
+    link_latency_us: Optional[float] = Field(default=None, ge=0)
+    # How the GPUs of one server reach each other for tensor-parallel collectives (None: a generic
+    # link of link_gbps with link_latency_us per collective, as nvlink and infinity_fabric are priced).
+    interconnect: Optional[Literal["nvlink", "infinity_fabric", "pcie"]] = Field(
+        default=None, description="GPU-to-GPU link for tensor-parallel collectives: nvlink, infinity_fabric "
+                                  "(link_gbps, link_latency_us) or pcie (pcie_gen x pcie_lanes, NCCL's ring "
+                                  "model); unset: a generic link priced like nvlink")
+    pcie_gen: Optional[Literal[3, 4, 5, 6]] = Field(
+        default=None, description="PCIe generation of the card's host link (needed when interconnect is pcie)")
+    pcie_lanes: Literal[1, 2, 4, 8, 16] = Field(default=16, description="PCIe lanes of the card's host link")
+    peer_to_peer: bool = Field(
+        default=True, description="PCIe cards: can GPUs read each other's memory over PCIe (false on GeForce "
+                                  "cards, whose driver disables it: collectives then go through host memory)")
     reserved_mib: float = Field(default=0.0, ge=0, le=MAX_DEVICE_MIB)
     cost_per_hour: Optional[float] = Field(default=None, ge=0)
     source: Optional[str] = None      # the datasheet the figures come from
     # A calibrated cost-model profile (validate/calibrate.py writes it); datasheet defaults when unset.
     profile: Optional[Path] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pcie_link(cls, value: Any) -> Any:
+        """A PCIe card's link bandwidth is its generation times its lanes (link_gbps, when given,
+        must agree: two figures for one link would disagree silently)."""
+        if not isinstance(value, dict) or value.get("interconnect") != "pcie":
+            return value
+        gen, lanes = value.get("pcie_gen"), value.get("pcie_lanes", 16)
+        if gen not in PCIE_LANE_GBPS or lanes not in (1, 2, 4, 8, 16):
+            return value            # the field validators name what is wrong
+        if value.get("link_latency_us") is not None:
+            raise ValueError("link_latency_us is for nvlink / infinity_fabric links: a PCIe card's collectives "
+                             "are priced by NCCL's latency model (the cost model's pcie_latency_scale tunes it)")
+        nominal = PCIE_LANE_GBPS[gen] * lanes
+        given = value.get("link_gbps")
+        if given is not None and given != nominal:
+            raise ValueError(f"link_gbps {excerpt(given)} disagrees with PCIe Gen{gen} x{lanes} ({nominal:g} GB/s "
+                             f"each way): leave link_gbps out for a PCIe card")
+        return {**value, "link_gbps": nominal}
+
+    @model_validator(mode="after")
+    def _pcie_needs_generation(self) -> "DeviceSpec":
+        if self.interconnect == "pcie" and self.pcie_gen is None:
+            raise ValueError("interconnect pcie needs pcie_gen (3, 4, 5 or 6)")
+        return self
+
+    @property
+    def link_latency_s(self) -> float:
+        """Per-collective latency of an nvlink / infinity_fabric / generic link."""
+        return (DEFAULT_LINK_LATENCY_US if self.link_latency_us is None else self.link_latency_us) * 1e-6
 
     @property
     def memory_bytes(self) -> int:

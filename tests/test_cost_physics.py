@@ -1,0 +1,219 @@
+"""Cost-model physics beyond the single-GPU roofline: collectives over PCIe, data-parallel MoE
+engines in lockstep, expert load imbalance, weight-only quantized GEMMs (docs/cost_model.md)."""
+from __future__ import annotations
+
+import pytest
+
+from sim.core.catalog import DeviceSpec, get_device, get_model
+from sim.costmodel import CostModel
+
+LLAMA = get_model("llama-3.1-8b")
+
+
+def allreduce_per_layer(device: DeviceSpec, tp: int, tokens: int, model=LLAMA) -> float:
+    """Seconds a layer's two all-reduces add to a decode step of `tokens` rows: the step against
+    the same step on a free link."""
+    free = device.model_copy(update={"interconnect": None, "link_gbps": 1e15, "link_latency_us": 0.0})
+    step = (tokens, tokens, 0, tokens * 500, 0, 0, tokens * 32)
+    paid = CostModel(model, device, tp=tp).price(*step)[1]
+    return (paid - CostModel(model, free, tp=tp).price(*step)[1]) / model.num_layers
+
+
+def nccl_ring(ranks: int, nbytes: float, bus_bytes_s: float, hop_scale: float = 1.0) -> float:
+    """NCCL's own estimate of a ring all-reduce on PCIe (NVIDIA/nccl src/graph/tuning.cc): base +
+    2 (n - 1) steps x per-step latency + bytes over the algorithm bandwidth, the faster of LL
+    (6.6 + 1.0 us per step, a quarter of the bus bandwidth) and Simple (8.4 + 5.7 us)."""
+    steps = 2 * (ranks - 1)
+    algorithm_bw = bus_bytes_s * ranks / steps
+    ll = (6.6 + steps * 1.0 * hop_scale) * 1e-6 + nbytes / (algorithm_bw / 4)
+    simple = (8.4 + steps * 5.7 * hop_scale) * 1e-6 + nbytes / algorithm_bw
+    return min(ll, simple)
+
+
+def test_pcie_cards_declare_their_link_and_nvlink_parts_keep_theirs():
+    assert get_device("l40s").interconnect == "pcie" and get_device("l40s").link_gbps == 32.0     # Gen4 x16
+    assert get_device("rtx-pro-6000-server").link_gbps == 64.0                                   # Gen5 x16
+    assert get_device("t4").link_gbps == 16.0                                                   # Gen3 x16
+    assert get_device("rtx-4090").peer_to_peer is False
+    assert get_device("h100-sxm").interconnect == "nvlink" and get_device("h100-sxm").link_gbps == 450.0
+    card = dict(name="card", memory_mib=24000, bf16_tflops=100, hbm_gbps=900, interconnect="pcie")
+    assert DeviceSpec(**card, pcie_gen=5, pcie_lanes=8).link_gbps == 32.0
+    with pytest.raises(ValueError, match="needs pcie_gen"):
+        DeviceSpec(**card)
+    with pytest.raises(ValueError, match="disagrees with PCIe Gen4 x16"):
+        DeviceSpec(**card, pcie_gen=4, link_gbps=50.0)
+    with pytest.raises(ValueError, match="link_latency_us is for nvlink"):
+        DeviceSpec(**card, pcie_gen=4, link_latency_us=5.0)
+
+
+def test_pcie_tp4_all_reduce_is_nccl_ring_model():
+    """Four L40S (no NVLink, PCIe Gen4 x16, peer to peer): vLLM's custom all-reduce is off for
+    more than two PCIe-only GPUs (vllm/distributed/device_communicators/custom_all_reduce.py,
+    vLLM 0.19: 'not supported on more than two PCIe-only GPUs'), so NCCL's ring prices each
+    all-reduce, at NCCL's PCIe bandwidth of 24 GB/s (src/graph/topo.cc: lanes x speed / 80)."""
+    l40s = get_device("l40s")
+    for tokens in (1, 32, 1024):
+        nbytes = tokens * LLAMA.hidden_size * 2
+        assert allreduce_per_layer(l40s, 4, tokens) == pytest.approx(2 * nccl_ring(4, nbytes, 24e9), rel=1e-9)
+    # small messages go LL (latency), large ones Simple (bandwidth)
+    one_row, algorithm_bw = LLAMA.hidden_size * 2, 24e9 * 4 / 6
+    assert allreduce_per_layer(l40s, 4, 1) == pytest.approx(2 * ((6.6 + 6 * 1.0) * 1e-6 + one_row / (algorithm_bw / 4)))
+    assert allreduce_per_layer(l40s, 4, 1024) == pytest.approx(2 * ((8.4 + 6 * 5.7) * 1e-6
+                                                                    + 1024 * one_row / algorithm_bw))
+
+
+def test_pcie_tp2_with_peer_to_peer_uses_vllms_custom_all_reduce_below_8_mib():
+    """Two L40S: vLLM's custom all-reduce (custom_all_reduce.py, vLLM 0.19: world size 2 needs no
+    NVLink, only P2P; `should_custom_ar` takes messages under max_size, 8 MiB) for decode
+    steps: LL's handshake latency at the full bandwidth; a 2048-token prefill (16 MiB per
+    all-reduce) goes to NCCL."""
+    l40s = get_device("l40s")
+    bus = 24e9
+    decode_bytes = 32 * LLAMA.hidden_size * 2
+    assert allreduce_per_layer(l40s, 2, 32) == pytest.approx(2 * ((6.6 + 2 * 1.0) * 1e-6 + decode_bytes / bus),
+                                                            rel=1e-9)
+    prefill_bytes = 2048 * LLAMA.hidden_size * 2
+    assert allreduce_per_layer(l40s, 2, 2048) == pytest.approx(2 * nccl_ring(2, prefill_bytes, bus), rel=1e-9)
+
+
+def test_geforce_cards_without_peer_to_peer_stage_collectives_in_host_memory():
+    """RTX 4090s: the driver forbids P2P, so vLLM's custom all-reduce is off (its `_can_p2p` check,
+    custom_all_reduce.py, vLLM 0.19) and NCCL stages each ring step through host memory: half the
+    speed of a direct step (host_staging_eff), bandwidth and per-step latency alike."""
+    geforce = get_device("rtx-4090")
+    same_card_with_p2p = geforce.model_copy(update={"peer_to_peer": True})
+    for tokens in (1, 32, 512):
+        nbytes = tokens * LLAMA.hidden_size * 2
+        staged = allreduce_per_layer(geforce, 2, tokens)
+        assert staged == pytest.approx(2 * nccl_ring(2, nbytes, 24e9 * 0.5, hop_scale=2.0), rel=1e-9)
+        assert staged > allreduce_per_layer(same_card_with_p2p, 2, tokens)
+
+
+def test_pcie_collective_coefficients_are_the_fits_handles():
+    """pcie_latency_scale stretches the latencies, link_eff the bandwidth: what a fit learns."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    l40s, base = get_device("l40s"), CostModel(LLAMA, get_device("l40s"), tp=4)
+    slow = DeviceProfile(replace(base.coefficients, pcie_latency_scale=2.0, link_eff=0.5))
+    tuned = CostModel(LLAMA, l40s, tp=4, profile=slow)
+    one = base._tp_allreduce(min)(1)
+    assert tuned._tp_allreduce(min)(1) == pytest.approx(2 * one, rel=0.02)         # latency-bound
+    big = 8192
+    assert tuned._tp_allreduce(min)(big) == pytest.approx(2 * base._tp_allreduce(min)(big), rel=0.02)
+
+
+# ----------------------------------------------------------------------------- data-parallel MoE
+
+def moe_dp(dp: int = 2, model: str = "qwen3-30b-a3b", **workload):
+    from sim.scenario import validate_scenario
+
+    return validate_scenario({
+        "model": model, "device": "h100-sxm", "parallelism": {"dp": dp},
+        "engine": {"max_model_len": 4096, "prefix_caching": False},
+        "workload": {"num_requests": 40, "arrival": {"process": "poisson", "rate": 8},
+                     "prompt_len": {"dist": "uniform", "min": 64, "max": 512},
+                     "output_len": {"dist": "uniform", "min": 8, "max": 96}, **workload}})
+
+
+def test_lockstep_pads_every_rank_to_the_largest_batch_and_idle_ranks_run_a_dummy():
+    """vLLM pads each dp rank's batch to the most tokens of any rank when CUDA graphs are on
+    (vllm/v1/worker/dp_utils.py, vLLM 0.19: `_post_process_dp_padding`), and a rank with nothing
+    scheduled runs a one-token dummy batch (gpu_worker.execute_dummy_batch), padded alike."""
+    from sim.core.scheduler import Batch
+
+    cost = CostModel(get_model("qwen3-30b-a3b"), get_device("h100-sxm"), dp=2)
+
+    def decode_batch(rows: int) -> Batch:
+        batch = Batch(0)
+        batch.decodes, batch.num_decode = [None] * rows, rows
+        batch.decode_ctx, batch.blocks_read = rows * 800, rows * 50
+        return batch
+    big, small = decode_batch(64), decode_batch(2)
+    (big_host, big_device), (small_host, small_device) = cost.lockstep_times([big, small])
+    assert (big_host, big_device) == cost.step_time(big)          # the largest batch: its own price
+    assert small_host == cost.step_time(small)[0]                 # host work is each rank's own
+    assert small_device > cost.step_time(small)[1]                # its GEMMs and MoE at 64 tokens
+    # the small rank's own attention, at the big one's GEMM size
+    own_attention = cost.price(2, 2, 0, 2 * 800, 0, 0, 2 * 50)[1] - cost.price(2, 2, 0, 0, 0, 0, 0)[1]
+    padded_no_attention = cost._price(cost._sizes(2, 2, 0, 64), 0, 0, 0, 0)[1]
+    assert small_device == pytest.approx(padded_no_attention + own_attention, rel=1e-12)
+    (_, dummy_device), _ = cost.lockstep_times([None, big])
+    assert 0 < dummy_device < big_device
+
+
+def test_dp_moe_ranks_step_in_lockstep():
+    """Every step of a data-parallel MoE engine starts and ends on all its ranks at once
+    (vLLM 0.19, vllm/v1/engine/core.py DPEngineCoreProc.run_busy_loop: each rank runs its step or
+    `execute_dummy_batch()` while the engines are running, and the MoE layers' collectives join
+    them), lasting as long as the slowest rank's part."""
+    from sim.predict import predict
+
+    steps = predict(moe_dp()).records.steps_frame(full=True)
+    ranks = [steps[steps["replica"] == r] for r in (0, 1)]
+    spans = [set(zip(s["start_s"], s["end_s"])) for s in ranks]
+    ends = sorted(set().union(*spans))
+    assert len(spans[0]) > 20 and len(spans[1]) > 20
+    # one clock: any two steps, whichever rank, are the same step or do not overlap
+    for (start, end), (next_start, _) in zip(ends, ends[1:]):
+        assert next_start >= end
+    both = spans[0] & spans[1]
+    assert len(both) > 10                                  # steps both ranks had work in
+    # a step both ranks ran lasts as long as the slower part: each rank's host + device is the step
+    for rank in ranks:
+        shared = rank[[span in both for span in zip(rank["start_s"], rank["end_s"])]]
+        assert ((shared["host_s"] + shared["device_s"]) - (shared["end_s"] - shared["start_s"])).abs().max() < 1e-12
+
+
+def test_an_engine_that_ran_dry_steps_dummies_until_the_32nd_step_check():
+    """vLLM's dp ranks all-reduce 'any unfinished requests?' only every 32nd step of a wave
+    (DPEngineCoreProc._has_global_unfinished_reqs, vllm/v1/engine/core.py, vLLM 0.19: `if
+    self.step_counter % 32 != 0: return True`), stepping dummy batches meanwhile. So a request
+    that arrives just after the engine ran dry waits for the dummy step in flight, where a
+    lone engine would start it at once."""
+    from sim.simulator import simulate
+    from sim.workload import build_requests
+
+    scenario = moe_dp(num_requests=3, output_len={"dist": "fixed", "value": 4})
+
+    def steps_with_third_at(when: float):
+        requests = build_requests(scenario)
+        for req, arrival in zip(requests, (0.0, 0.0, when)):
+            req.arrival = arrival
+        return simulate(scenario, requests)[0].steps_frame(full=True)
+    first = steps_with_third_at(1000.0)
+    dry_at = first[first["start_s"] < 500]["end_s"].max()
+    steps = steps_with_third_at(dry_at + 1e-6)
+    third_starts = steps[steps["start_s"] > dry_at]["start_s"].min()
+    dummy = max(h + d for h, d in CostModel.for_scenario(scenario).lockstep_times([None, None]))
+    assert dry_at + 1e-6 < third_starts <= dry_at + dummy * (1 + 1e-9)   # it waited for the dummy step in flight
+
+
+def test_dense_models_with_dp_run_independent_engines():
+    """DPEngineCoreProc serves MoE models only (vllm/v1/engine/core.py, vLLM 0.19, its assertion
+    'DPEngineCoreProc should only be used for MoE models'): dense dp ranks never wait for each
+    other."""
+    from sim.predict import predict
+
+    steps = predict(moe_dp(model="qwen2.5-0.5b")).records.steps_frame(full=True)
+    spans = [set(zip(s["start_s"], s["end_s"])) for _, s in steps.groupby("replica")]
+    ordered = sorted(spans[0] | spans[1])
+    assert any(nxt[0] < end for (_, end), nxt in zip(ordered, ordered[1:]))   # overlapping, unaligned
+
+
+def test_dp_moe_exchange_over_pcie_is_nccls_all_gather_and_reduce_scatter():
+    """vLLM 0.19's default all2all backend, allgather_reducescatter (vllm/config/parallel.py;
+    AgRsAll2AllManager in vllm/distributed/device_communicators/all2all.py): each MoE layer
+    all-gathers the dp ranks' tokens and reduce-scatters the outputs; on PCIe cards each is an
+    NCCL ring of n - 1 steps (src/graph/tuning.cc), LL at a third of the bus bandwidth or Simple."""
+    model, card = get_model("qwen3-30b-a3b"), get_device("rtx-pro-6000-server")
+    free = card.model_copy(update={"interconnect": None, "link_gbps": 1e15, "link_latency_us": 0.0})
+    bus = 64e9 * 0.75
+    for tokens in (1, 64, 2048):
+        share = tokens * model.hidden_size * 2                 # one rank's hidden states
+        ll = (6.6 + 1 * 1.0) * 1e-6 + share / (bus / 3)
+        simple = (8.4 + 1 * 5.7) * 1e-6 + share / bus
+        paid = CostModel(model, card, dp=2, ep=2).moe_layer_time(tokens)
+        assert paid - CostModel(model, free, dp=2, ep=2).moe_layer_time(tokens) == pytest.approx(
+            2 * min(ll, simple), rel=1e-6)
