@@ -16,9 +16,10 @@
                  + tp all-reduce)
              + max(LM-head FLOPs, LM-head bytes) + sampling bytes + sample_seq_s x sequences
 
-Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops); an MoE layer adds
+Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops), weight-only ones add
+their dequantization per tile of batch rows (weight_only); an MoE layer adds
 max(routed FLOPs, bytes of the experts the batch touches) and the dp / ep token exchange
-(moe_layer_time); sliding-window layers read at most the window (CostModel._roofline).
+(moe_layer_time); sliding-window layers read at most the window (CostModel._stages).
 
 Linear layers read their weights once per step whatever the batch, so small batches are
 bandwidth-bound and large ones compute-bound. Attention reads each sequence's KV (decode)
@@ -29,8 +30,11 @@ Coefficients are datasheet peaks times default efficiencies, or a calibrated pro
 """
 from __future__ import annotations
 
+import ast
+import inspect
+import statistics
+import textwrap
 from dataclasses import asdict, dataclass, field, fields
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -42,25 +46,59 @@ from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.files import excerpt, read_yaml
 from sim.core.memory import cdiv, kv_bytes_per_token, kv_heads_per_rank
 
-# Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores)
-# dequantize in the main loop: at compute-bound batch sizes they reach this fraction of the
-# 16-bit GEMM's rate (an assumption until calibrated; memory-bound steps are not affected).
-WEIGHT_ONLY_GEMM_EFF = 0.8
+# Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores) run
+# Marlin-style kernels: the weights stream in quantized (their bytes: the memory-bound side) and are
+# dequantized to 16 bits in the main loop, once per tile of at most 64 batch rows (vLLM's
+# csrc/quantization/gptq_marlin/gptq_marlin.cu: max_thread_m_blocks = 4 blocks of 16 rows; a larger
+# batch runs as `par` such problems side by side, each dequantizing the weights again). The tensor
+# cores then run at the 16-bit rate, and the dequantization adds CostCoefficients.dequant_overhead
+# x a full tile's tensor-core work per tile: so small batches stay bound by the quantized bytes,
+# and a batch of whole tiles runs at 1 / (1 + dequant_overhead) of the 16-bit rate.
+WEIGHT_ONLY_TILE_ROWS = 64
+
+
+def weight_only(device: DeviceSpec, model: ModelSpec, part: str) -> bool:
+    """Are this part's GEMMs weight-only quantized on this device (dequantized to 16 bits)?"""
+    if not model.quantized(part):
+        return False
+    q = model.quantization
+    low_precision = {"fp8": device.fp8_tflops, "int8": device.int8_tops}.get(q.method)
+    return not (q.quantized_activations and low_precision)
 
 
 def gemm_peak_flops(device: DeviceSpec, model: ModelSpec, part: str = "attention") -> float:
     """Peak FLOP/s of one part's GEMMs: fp8 / int8 tensor cores for W8A8 checkpoints on parts that
-    have them, else the 16-bit peak (x WEIGHT_ONLY_GEMM_EFF for weight-only quantized weights)."""
+    have them, else the 16-bit peak (weight-only quantized weights too: their dequantization is a
+    term of its own, `weight_only`)."""
     peak = device.bf16_tflops * 1e12
     if model.dtype == "float32":
         peak /= 8       # no bf16 tensor-core rate for fp32 (TF32 at best); a rough cut
-    if not model.quantized(part):
+    if not model.quantized(part) or weight_only(device, model, part):
         return peak
-    q = model.quantization
-    low_precision = {"fp8": device.fp8_tflops, "int8": device.int8_tops}.get(q.method)
-    if q.quantized_activations and low_precision:
-        return low_precision * 1e12
-    return peak * WEIGHT_ONLY_GEMM_EFF
+    return {"fp8": device.fp8_tflops, "int8": device.int8_tops}[model.quantization.method] * 1e12
+
+
+def part_params(model: ModelSpec, part: str) -> int:
+    """Weights of one part's matrices over all layers (linear_shapes)."""
+    return sum(fan_in * fan_out * count for p, fan_in, fan_out, count in model.linear_shapes() if p == part)
+
+
+def expert_imbalance(experts: int, top_k: int, ep: int, load_cv: float) -> tuple[float, float, float]:
+    """(noise, skew, z) of the expert-parallel load imbalance: with whole experts on each of `ep`
+    GPUs (E / ep apiece), a step's T tokens x k routed pairs land unevenly and the MoE layer waits
+    for the busiest GPU, whose expected load is the mean x (1 + z sqrt(noise / T + skew)), at most
+    ep times it (the experts it reads likewise: CostModel._moe_time). Uniform top-k routing puts a hypergeometric share of each token's k distinct
+    experts on a GPU: relative variance (ep - 1)(E - k) / (T k (E - 1)) of its load ('noise / T');
+    experts unequally popular (coefficient of variation `load_cv` across experts, 0: as uniform as
+    the router's load-balancing loss aims for) add (ep - 1) / (E - 1) x cv^2 ('skew'); z is the
+    expected largest of ep standard normal draws (Blom's approximation). z = 0: no imbalance (one
+    GPU, or experts sliced over the GPUs, each holding a slice of every expert)."""
+    if ep <= 1:
+        return 0.0, 0.0, 0.0
+    noise = (ep - 1) * (experts - top_k) / (top_k * (experts - 1))
+    skew = load_cv ** 2 * (ep - 1) / (experts - 1)
+    z = statistics.NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25))
+    return noise, skew, z
 
 
 # Collectives over PCIe (cards without NVLink), after NCCL's own tuning model (NVIDIA/nccl
@@ -132,6 +170,13 @@ class CostCoefficients:
     # a direct one: two PCIe crossings for one, so half (an assumption for the fit to learn)
     pcie_latency_scale: float = 1.0
     host_staging_eff: float = 0.5
+    # expert parallelism: coefficient of variation of the experts' popularity (0 = uniform routing,
+    # what the models' load-balancing losses train for; the statistical imbalance is modelled anyway)
+    expert_load_cv: float = 0.0
+    # weight-only quantized GEMMs: dequantizing a weight for one tile of 64 batch rows costs this
+    # share of the tile's 16-bit tensor-core work (0.25: whole tiles at 0.8 x the 16-bit rate, the
+    # figure assumed before this term; small batches stay bound by the quantized bytes)
+    dequant_overhead: float = 0.25
     # Named per-step host costs of a CUDA-graph serving engine (0 = folded into the terms above):
     graph_launch_s: float = 0.0       # per step: launching the captured graph; the device waits for it
     sample_seq_s: float = 0.0         # per sequence per step: the sampler (on the device)
@@ -185,13 +230,6 @@ class DeviceProfile:
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
 
 
-def _table_sizes(seqs, decodes, prefill_tokens, padded=None):
-    """The operator tables' first stage: the sizes themselves (every lookup needs the contexts too;
-    tables price dense models only, never a padded data-parallel MoE step)."""
-    assert padded is None, "operator tables do not price MoE models"
-    return seqs, decodes, prefill_tokens
-
-
 IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
 
 
@@ -207,6 +245,49 @@ def after_idle(steps) -> np.ndarray:
         replica = np.asarray(steps["replica"])
         gap[1:][replica[1:] != replica[:-1]] = np.inf
     return gap > IDLE_GAP_S
+
+
+class _ScalarForm(ast.NodeTransformer):
+    """Rewrites `maximum(a, b)` / `minimum(a, b)` calls as the conditional expressions Python's
+    max / min evaluate (`b if b > a else a`, `b if b < a else a`: the very same value, each
+    operand evaluated once), and `self.NAME(...)` calls of the generated methods as calls of
+    their scalar forms."""
+
+    def __init__(self, generated: set[str]):
+        self.generated, self.temporaries = generated, 0
+
+    def visit_Call(self, node: ast.Call):
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("maximum", "minimum") and len(node.args) == 2 \
+                and not node.keywords:
+            first, second = (ast.Name(id=f"_operand{self.temporaries + k}", ctx=ast.Load()) for k in (0, 1))
+            self.temporaries += 2
+            store = [ast.NamedExpr(target=ast.Name(id=name.id, ctx=ast.Store()), value=value)
+                     for name, value in zip((first, second), node.args)]
+            op = ast.Gt() if func.id == "maximum" else ast.Lt()
+            # (the second operand first: pure expressions, so the order cannot change a value)
+            return ast.IfExp(test=ast.Compare(left=store[1], ops=[op], comparators=[store[0]]), body=second,
+                             orelse=first)
+        if (isinstance(func, ast.Attribute) and func.attr in self.generated and isinstance(func.value, ast.Name)
+                and func.value.id == "self"):
+            func.attr += "_scalar"
+        return node
+
+
+def scalar_form(method, generated: set[str]):
+    """`method` (written once for Python numbers and numpy columns alike, over its `maximum` /
+    `minimum` arguments) generated again for Python numbers only, without a call per max / min
+    (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
+    its source rewritten by _ScalarForm and compiled against the same globals and line numbers.
+    tests/test_costmodel.py proves both forms price alike to the last bit."""
+    source = textwrap.dedent(inspect.getsource(method))
+    tree = _ScalarForm(generated).visit(ast.parse(source))
+    ast.fix_missing_locations(tree)
+    ast.increment_lineno(tree, method.__code__.co_firstlineno - 1)
+    namespace: dict = {}
+    exec(compile(tree, inspect.getsourcefile(method), "exec"), method.__globals__, namespace)
+    return namespace[method.__name__]
 
 
 class CostModel:
@@ -278,6 +359,10 @@ class CostModel:
             self._linear_flop_s += 6 * h * inter / (gemm_peak_flops(self.device, m, "mlp" if not m.is_moe
                                                                     else "shared_experts") * c.flops_eff)
         self._linear_weight_s = self._dense_weight_bytes_per_layer() / (bw * c.bw_eff)
+        dense_parts = ("attention", "shared_experts") if m.is_moe else ("attention", "mlp")
+        dequantized = sum(part_params(m, p) for p in dense_parts if weight_only(self.device, m, p)) / m.num_layers / tp
+        self._dequant_tile_s = (c.dequant_overhead * dequantized * 2 * WEIGHT_ONLY_TILE_ROWS
+                                / (gemm_peak_flops(self.device, m, "attention") * c.flops_eff)) if dequantized else 0.0
         self._linear_act_s = 2 * (h + q + 2 * kv + 2 * inter) * s / (bw * c.bw_eff)
         self._attn_pair_s = 4 * (m.num_heads // tp) * d / (peak_flops * c.attn_flops_eff)
         self._kv_token_s = (kv_bytes_per_token(m, tp, self.kv_cache_dtype) / m.num_layers
@@ -292,7 +377,7 @@ class CostModel:
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
             self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
-        self._sizes, self._price = self._stages(max, min, self.block_size)
+        self._sizes = self._stages_scalar(max, min, self.block_size)
 
     def _tp_allreduce(self, minimum):
         """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
@@ -340,6 +425,13 @@ class CostModel:
         h, mi = m.hidden_size, m.moe_intermediate_size
         self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
         self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
+        # weight-only experts: each touched expert's weights dequantized once, and again per further
+        # WEIGHT_ONLY_TILE_ROWS of its tokens (about touched + pairs / tile tiles in all)
+        expert_weights = part_params(m, "experts") / (m.num_layers * m.num_experts) / gpus
+        self._expert_dequant_s = (c.dequant_overhead * expert_weights * 2 * WEIGHT_ONLY_TILE_ROWS
+                                  / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
+                                  if weight_only(self.device, m, "experts") else 0.0)
+        self._expert_imbalance = expert_imbalance(m.num_experts, m.num_experts_per_tok, self.ep, c.expert_load_cv)
         # vLLM's default all2all backend (allgather_reducescatter: vllm/config/parallel.py and
         # vllm/distributed/device_communicators/all2all.py, 0.19), with or without expert parallelism:
         # all-gather the dp ranks' tokens before the experts, reduce-scatter their outputs after
@@ -364,20 +456,29 @@ class CostModel:
     def _moe_time(self, maximum, minimum):
         """`moe_layer_time` as a function of the tokens, for the roofline."""
         m = self.model
-        experts, top_k, dp = m.num_experts, m.num_experts_per_tok, self.dp
-        pair_flop, expert_read = self._expert_pair_flop_s, self._expert_read_s
+        experts, top_k, dp, ep = m.num_experts, m.num_experts_per_tok, self.dp, self.ep
+        pair_flop, expert_read, dequant = self._expert_pair_flop_s, self._expert_read_s, self._expert_dequant_s
         comm_token, comm_fixed, pcie = self._moe_comm_token_s, self._moe_comm_fixed_s, self._moe_exchange_pcie
+
+        noise, skew, z = self._expert_imbalance
 
         def moe(tokens):
             global_tokens = tokens * dp
             touched = expected_experts_touched(experts, top_k, global_tokens)
             compute = global_tokens * top_k * pair_flop
+            if dequant:
+                compute = compute + (touched + global_tokens * top_k / WEIGHT_ONLY_TILE_ROWS) * dequant
+            read = touched * expert_read
+            if z:                       # whole experts per GPU: the busiest GPU sets the pace
+                compute = compute * minimum(1 + z * (noise / maximum(global_tokens, 1) + skew) ** 0.5, ep)
+                # the experts a GPU must read: Binomial(E / ep, q) of its own, q = touched / E
+                hit = maximum(touched, top_k) / experts
+                read = read * minimum(1 + z * ((1 - hit) * ep / (experts * hit)) ** 0.5, 1 / hit)
             if pcie is not None:        # all-gather + reduce-scatter, NCCL's faster protocol
                 (ll_fixed, ll_token), (simple_fixed, simple_token) = pcie
-                return maximum(compute, touched * expert_read) + minimum(ll_fixed + tokens * ll_token,
-                                                                         simple_fixed + tokens * simple_token)
+                return maximum(compute, read) + minimum(ll_fixed + tokens * ll_token, simple_fixed + tokens * simple_token)
             fixed = comm_fixed * (tokens > 0)
-            return maximum(compute, touched * expert_read) + tokens * comm_token + fixed
+            return maximum(compute, read) + tokens * comm_token + fixed
         return moe
 
     def lockstep_times(self, batches, after_idle: bool = False) -> list[tuple[float, float]]:
@@ -395,30 +496,29 @@ class CostModel:
         wake = self.coefficients.wake_s if after_idle else 0.0
         times = []
         for seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read in shapes:
-            host, device = self._price(self._sizes(seqs, decodes, prefill_tokens, padded), prefill_ctx,
-                                       prefill_attn, decode_ctx, blocks_read)
+            host, device = self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded)(
+                decode_ctx, blocks_read)
             times.append((host + wake, device))
         return times
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
-        host, device = self.price(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
-                                  batch.decode_ctx, batch.prefill_ctx, batch.prefill_attn, batch.blocks_read)
+        host, device = self._sizes(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                   batch.prefill_ctx, batch.prefill_attn)(batch.decode_ctx, batch.blocks_read)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device
 
     def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
         """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
-        return self._price(self._sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
-                           blocks_read)
+        return self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
 
     def decode_pricer(self, rows: int):
         """`price` of a decode-only step of `rows` sequences as a function of (decode context,
         blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
         terms that depend on the batch's sizes alone worked out once."""
-        return partial(self._price, self._sizes(rows, rows, 0), 0, 0)
+        return self._sizes(rows, rows, 0, 0, 0)
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
@@ -432,51 +532,30 @@ class CostModel:
             host, device = priced[:, 0], priced[:, 1]
         else:
             block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
-            sizes, price = self._stages(np.maximum, np.minimum, block_size)
-            host, device = price(sizes(seqs, decodes, prefill_tokens), prefill_ctx, prefill_attn, decode_ctx,
-                                 blocks_read)
+            sizes = self._stages(np.maximum, np.minimum, block_size)
+            host, device = sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
         return host + self.coefficients.wake_s * after_idle(steps), device
 
     def _stages(self, maximum, minimum, block_size):
-        """The step price, written once, in two stages: `sizes(seqs, decodes, prefill_tokens)`
-        works out what depends on the batch's sizes alone; `price(sizes, prefill_ctx, prefill_attn,
-        decode_ctx, blocks_read)` adds what depends on the contexts and returns (host_s, device_s).
-        `maximum` / `minimum`: max / min for one step, np.maximum / np.minimum for numpy columns
-        (then `block_size` may be a column too: each recorded step's pool). Operator tables replace
-        the roofline's device time; host time and its overlap are the same."""
-        c = self.coefficients
-        step_host, seq_host, prefill_seq_host, token_host = (c.step_host_s, c.seq_host_s, c.prefill_seq_host_s,
-                                                             c.token_host_s)
-        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
-        sizes_of_device, device_time = (self._roofline(maximum, minimum, block_size) if self.tables is None
-                                        else (_table_sizes, self._table_time))
+        """The step price of the module docstring, written once, in two stages: `sizes(seqs,
+        decodes, prefill_tokens, prefill_ctx, prefill_attn)` works out what depends on the batch
+        alone and returns `price(decode_ctx, blocks_read)`, which adds what depends on the decode
+        contexts and returns (host_s, device_s) (a leap's decode steps differ in those only). `maximum` / `minimum`: max / min for one step (scalar_form
+        generates that form), np.maximum / np.minimum for numpy columns (then `block_size` may be
+        a column too: each recorded step's pool). Operator tables replace the roofline's device
+        time (`_table_time`); host time and its overlap are the same.
 
-        def sizes(seqs, decodes, prefill_tokens, padded=None):
-            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
-                    + token_host * (prefill_tokens + decodes))
-            return host, output_token * seqs, sizes_of_device(seqs, decodes, prefill_tokens, padded)
-
-        def price(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
-            host, output, device_sizes = batch
-            device = device_time(device_sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)
-            # the host time a step adds to the device's, by the engine's overlap rules: output
-            # processing (detokenization, API streaming) runs in the API server's process and only
-            # shows when slower than the engine's own step; synchronous scheduling puts the
-            # scheduler's host work before each launch, async scheduling plans step N+1 while step
-            # N runs (only its excess over the device time shows); the graph launch is serial
-            engine = launch + (maximum(host - device, 0.0) if overlap else host)
-            return engine + maximum(output - (engine + device), 0.0), device
-        return sizes, price
-
-    def _roofline(self, maximum, minimum, block_size):
-        """The device time of the module docstring in `_stages`' two stages: (sizes(seqs, decodes,
-        prefill_tokens), device(sizes, prefill_ctx, prefill_attn, decode_ctx, blocks_read)).
         Attention is averaged over the layer types: full layers read every cached token and walk
         every block; sliding layers at most `sliding_window` tokens per sequence and the blocks the
         window still holds (vLLM nulls the rest: cdiv(window - 1, block_size) + 1), bounded from the
         step's sums (exact when every context is on one side of the window)."""
         c, m = self.coefficients, self.model
+        step_host, seq_host, prefill_seq_host, token_host = (c.step_host_s, c.seq_host_s, c.prefill_seq_host_s,
+                                                             c.token_host_s)
+        output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
+        tables = self.tables is not None
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
+        dequant_tile = self._dequant_tile_s
         moe = self._moe_time(maximum, minimum) if self._moe else None
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
@@ -487,39 +566,57 @@ class CostModel:
         full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
         window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 
-        def sizes(seqs, decodes, prefill_tokens, padded=None):
+        def sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded=None):
             # (`padded`: the tokens the GEMMs run at, where vLLM pads the batch: lockstep_times)
-            tokens = prefill_tokens + decodes if padded is None else padded
-            linear = maximum(tokens * linear_flop, linear_weight + tokens * linear_act)
-            if moe is not None:
-                linear = linear + moe(tokens)
-            head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
-            return (seqs, decodes, prefill_tokens, layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead,
-                    tp_allreduce(tokens), head)
+            host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
+                    + token_host * (prefill_tokens + decodes))
+            output = output_token * seqs
+            if not tables:
+                tokens = prefill_tokens + decodes if padded is None else padded
+                gemm = tokens * linear_flop
+                if dequant_tile:        # weight-only quantized: per tile of batch rows (WEIGHT_ONLY_TILE_ROWS)
+                    gemm = gemm + -(-tokens // WEIGHT_ONLY_TILE_ROWS) * dequant_tile
+                linear = maximum(gemm, linear_weight + tokens * linear_act)
+                if moe is not None:
+                    linear = linear + moe(tokens)
+                base, prefill_setup = layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead
+                allreduce = tp_allreduce(tokens)
+                head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
+                pairs, other_kv = prefill_attn * attn_pair, prefill_ctx + prefill_tokens     # (integers: exact)
 
-        def device(batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read):
-            seqs, decodes, prefill_tokens, base, prefill_setup, allreduce, head = batch
-            attention = maximum(prefill_attn * attn_pair, (decode_ctx + prefill_ctx + prefill_tokens) * kv_token)
-            blocks = blocks_read
-            if sliding_layers:
-                window_pairs = minimum(prefill_attn, prefill_tokens * window)
-                window_kv = (minimum(decode_ctx, decodes * window) + minimum(prefill_ctx, (seqs - decodes) * window)
-                             + prefill_tokens)
-                sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
-                attention = (full_layers * attention + sliding_layers * sliding) / layers
-                window_walked = minimum(blocks_read, seqs * window_blocks)
-                blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
-            per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
-            return step_device + layers * per_layer + head
-        return sizes, device
+            def price(decode_ctx, blocks_read):
+                if tables:
+                    device = self._table_time(seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read)
+                else:
+                    attention = maximum(pairs, (decode_ctx + other_kv) * kv_token)
+                    blocks = blocks_read
+                    if sliding_layers:
+                        window_pairs = minimum(prefill_attn, prefill_tokens * window)
+                        window_kv = (minimum(decode_ctx, decodes * window)
+                                     + minimum(prefill_ctx, (seqs - decodes) * window) + prefill_tokens)
+                        sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
+                        attention = (full_layers * attention + sliding_layers * sliding) / layers
+                        window_walked = minimum(blocks_read, seqs * window_blocks)
+                        blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
+                    per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
+                    device = step_device + layers * per_layer + head
+                # the host time a step adds to the device's, by the engine's overlap rules: output
+                # processing (detokenization, API streaming) runs in the API server's process and
+                # only shows when slower than the engine's own step; synchronous scheduling puts the
+                # scheduler's host work before each launch, async scheduling plans step N+1 while
+                # step N runs (only its excess over the device time shows); the graph launch is serial
+                engine = launch + (maximum(host - device, 0.0) if overlap else host)
+                return engine + maximum(output - (engine + device), 0.0), device
+            return price
+        return sizes
 
-    def _table_time(self, batch, prefill_ctx, prefill_attn, decode_ctx, blocks_read) -> float:
+    def _table_time(self, seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read) -> float:
         """Device time from the operator tables (sim/optables.py) on this step's composition
-        (dense full-attention models only), as `_stages` calls it."""
+        (dense full-attention models only)."""
         from sim.optables import bucket
 
         t, c = self.tables, self.coefficients
-        seqs, decodes, prefill_tokens = (int(x) for x in batch)
+        seqs, decodes, prefill_tokens = int(seqs), int(decodes), int(prefill_tokens)
         prefills = seqs - decodes
         tokens = prefill_tokens + decodes
         per_layer = (t.linear_s(tokens) if tokens else 0.0) + c.layer_overhead_s + blocks_read * c.block_overhead_s
@@ -539,3 +636,9 @@ class CostModel:
                 "tables": self.tables.describe() if self.tables is not None else None,
                 "source": self.profile.source, "quality": self.profile.fit.get("quality"),
                 "coefficients": asdict(self.coefficients), "tp": self.tp}
+
+
+# The one roofline's scalar forms (CostModel._stages_scalar, ...): what a single step is priced with.
+_GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
+for _name in _GENERATED:
+    setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))

@@ -137,7 +137,7 @@ def test_lockstep_pads_every_rank_to_the_largest_batch_and_idle_ranks_run_a_dumm
     assert small_device > cost.step_time(small)[1]                # its GEMMs and MoE at 64 tokens
     # the small rank's own attention, at the big one's GEMM size
     own_attention = cost.price(2, 2, 0, 2 * 800, 0, 0, 2 * 50)[1] - cost.price(2, 2, 0, 0, 0, 0, 0)[1]
-    padded_no_attention = cost._price(cost._sizes(2, 2, 0, 64), 0, 0, 0, 0)[1]
+    padded_no_attention = cost._sizes(2, 2, 0, 0, 0, 64)(0, 0)[1]
     assert small_device == pytest.approx(padded_no_attention + own_attention, rel=1e-12)
     (_, dummy_device), _ = cost.lockstep_times([None, big])
     assert 0 < dummy_device < big_device
@@ -217,3 +217,119 @@ def test_dp_moe_exchange_over_pcie_is_nccls_all_gather_and_reduce_scatter():
         paid = CostModel(model, card, dp=2, ep=2).moe_layer_time(tokens)
         assert paid - CostModel(model, free, dp=2, ep=2).moe_layer_time(tokens) == pytest.approx(
             2 * min(ll, simple), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- expert imbalance
+
+def monte_carlo_busiest_gpu(experts: int, top_k: int, ep: int, tokens: int, trials: int = 4000):
+    """Mean over routings of (busiest GPU's routed pairs, busiest GPU's distinct experts), each over
+    its mean: uniform top-k routing of `tokens` tokens, experts split into ep equal groups."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    picks = np.argsort(rng.random((trials, tokens, experts)), axis=2)[:, :, :top_k]   # k distinct each
+    group = picks // (experts // ep)
+    pairs = np.stack([(group == g).sum(axis=(1, 2)) for g in range(ep)], axis=1)
+    hit = np.zeros((trials, experts), dtype=bool)
+    np.put_along_axis(hit, picks.reshape(trials, -1), True, axis=1)
+    touched = hit.reshape(trials, ep, -1).sum(axis=2)
+    return (pairs.max(axis=1).mean() / pairs.mean(), touched.max(axis=1).mean() / touched.mean())
+
+
+@pytest.mark.parametrize("ep, tokens", [(4, 4), (4, 64), (8, 16)])
+def test_expert_parallel_imbalance_follows_the_routing_statistics(ep, tokens):
+    """With whole experts per GPU (expert parallelism) the MoE layer waits for the busiest GPU:
+    the model's factors on the routed pairs (compute) and on the experts read (bandwidth) match a
+    simulation of uniform top-k routing (128 experts, 8 per token: Qwen3-30B-A3B) within 5 %."""
+    import math
+
+    from sim.costmodel import expected_experts_touched, expert_imbalance
+
+    experts, top_k = 128, 8
+    noise, skew, z = expert_imbalance(experts, top_k, ep, 0.0)
+    compute_factor = min(1 + z * math.sqrt(noise / tokens + skew), ep)
+    hit = expected_experts_touched(experts, top_k, tokens) / experts
+    read_factor = min(1 + z * math.sqrt((1 - hit) * ep / (experts * hit)), 1 / hit)
+    pairs, touched = monte_carlo_busiest_gpu(experts, top_k, ep, tokens)
+    assert compute_factor == pytest.approx(pairs, rel=0.05)
+    assert read_factor == pytest.approx(touched, rel=0.05)
+
+
+def test_imbalance_slows_expert_parallel_moe_layers_only():
+    """Experts sliced over the GPUs (vLLM without --enable-expert-parallel: every GPU a slice of
+    every expert) are balanced by construction; whole experts per GPU are not, most visibly
+    where few tokens touch few experts, and more so with skewed routing (expert_load_cv)."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    model, h100 = get_model("qwen3-30b-a3b"), get_device("h100-sxm")
+    sliced, whole = CostModel(model, h100, dp=4), CostModel(model, h100, dp=4, ep=4)
+    assert whole.moe_layer_time(1) > 1.1 * sliced.moe_layer_time(1)           # decode: the reads
+    assert whole.moe_layer_time(4096) > sliced.moe_layer_time(4096)            # prefill: the GEMMs
+    assert CostModel(model, h100, tp=4).moe_layer_time(1) == CostModel(model, h100, tp=4, ep=1).moe_layer_time(1)
+    skewed = DeviceProfile(replace(whole.coefficients, expert_load_cv=0.5))
+    assert CostModel(model, h100, dp=4, ep=4, profile=skewed).moe_layer_time(4096) > whole.moe_layer_time(4096)
+
+
+# ----------------------------------------------------------------------------- weight-only GEMMs
+
+def quantized_llama(method: str = "awq"):
+    from sim.scenario import validate_scenario
+
+    return validate_scenario({"model": {"base": "llama-3.1-8b", "quantization": {"method": method}},
+                              "device": "h100-sxm"}).model
+
+
+def prefill_device_s(cost: CostModel, tokens: int) -> float:
+    """Device seconds of one prefill chunk of `tokens` new tokens (no cached context)."""
+    return cost.price(1, 0, tokens, 0, 0, 0, 0)[1]
+
+
+def test_weight_only_gemms_dequantize_once_per_64_row_tile():
+    """AWQ int4 Llama-3.1-8B on an H100: Marlin (vLLM csrc/quantization/gptq_marlin/gptq_marlin.cu,
+    max_thread_m_blocks = 4 blocks of 16 rows) runs at most 64 batch rows per weight tile and runs
+    a larger batch as such problems side by side, each dequantizing the weights again; the tensor
+    cores run at the 16-bit rate. So the dequantization steps up at each 64th row, and a batch
+    of whole tiles runs at 1 / (1 + dequant_overhead) = 0.8 x the 16-bit rate."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    model, h100 = quantized_llama(), get_device("h100-sxm")
+    cost = CostModel(model, h100)
+    free = CostModel(model, h100, profile=DeviceProfile(replace(cost.coefficients, dequant_overhead=0.0)))
+    h, q, kv, inter = 4096, 4096, 1024, 14336
+    weights = h * (q + 2 * kv) + q * h + 3 * h * inter           # per layer
+    tile = 0.25 * weights * 2 * 64 / (989e12 * 0.55)               # one tile's dequantization
+    for tokens, tiles in ((4096, 64), (4097, 65), (8192, 128)):
+        added = (prefill_device_s(cost, tokens) - prefill_device_s(free, tokens)) / model.num_layers
+        assert added == pytest.approx(tiles * tile, rel=1e-9)
+    mma = 4096 * 2 * weights / (989e12 * 0.55)
+    assert mma / (mma + 64 * tile) == pytest.approx(0.8)
+
+
+def test_weight_only_small_batches_stay_bound_by_the_quantized_bytes():
+    """A decode step of a few rows streams the 4-bit weights (a quarter of the 16-bit bytes, plus
+    scales) and its one tile's dequantization hides under that stream: the dequantization cost
+    does not show, and the step is ~3.5x quicker on its linear layers than bf16."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    model, h100 = quantized_llama(), get_device("h100-sxm")
+    cost = CostModel(model, h100)
+    free = CostModel(model, h100, profile=DeviceProfile(replace(cost.coefficients, dequant_overhead=0.0)))
+    for rows in (1, 8, 32):
+        step = (rows, rows, 0, rows * 1000, 0, 0, rows * 63)
+        assert cost.price(*step) == free.price(*step)
+    assert cost._linear_weight_s < 0.3 * CostModel(LLAMA, h100)._linear_weight_s
+
+
+def test_w8a8_on_fp8_tensor_cores_has_no_dequantization():
+    """fp8 W8A8 on an H100 runs on the fp8 tensor cores (no dequantization term); the same
+    checkpoint on an A100 (no fp8 tensor cores) runs weight-only, as vLLM's fp8 Marlin does."""
+    fp8 = quantized_llama("fp8")
+    assert CostModel(fp8, get_device("h100-sxm"))._dequant_tile_s == 0.0
+    assert CostModel(fp8, get_device("a100-80g"))._dequant_tile_s > 0.0
+    assert CostModel(LLAMA, get_device("a100-80g"))._dequant_tile_s == 0.0

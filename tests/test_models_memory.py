@@ -329,8 +329,9 @@ def test_whatif_moe_key_figures(memory_plan):
     assert plans["tp4"].max_concurrency(8192) == pytest.approx(one_engine, abs=0.1)       # one engine
     assert 4 * plans["dp4"].max_concurrency(8192) == pytest.approx(four_ranks, abs=0.1)   # four ranks
     costs = {k: CostModel.for_scenario(s) for k, s in scen.items()}
-    # the same exchange (vLLM 0.19's default all-gather + reduce-scatter), the same expected expert reads
-    assert costs["dp4ep4"].moe_layer_time(32) == costs["dp4"].moe_layer_time(32)
+    # the same exchange (vLLM 0.19's default all-gather + reduce-scatter); whole experts per GPU wait
+    # for the busiest one (tests/test_cost_physics.py)
+    assert costs["dp4ep4"].moe_layer_time(32) > costs["dp4"].moe_layer_time(32)
 
 
 @pytest.mark.parametrize("typed, meant", [
