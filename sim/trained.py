@@ -34,10 +34,9 @@ def family(path: Path = FAMILY_FILE) -> dict:
 
 
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
-SCALED = {"gemm_scale": ("flops_eff",),                      # GEMM compute efficiency
-          "attn_scale": ("attn_flops_eff", "attn_bw_eff"),   # attention kernels (prefill compute, KV reads)
-          "memory_scale": ("bw_eff",)}                       # weight streaming
-TERMS = ("step_host_s", "link_eff")                          # host time per step, tp all-reduce link efficiency
+SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
+          "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
+TERMS = ("step_host_s", "link_eff", "host_staging_eff")     # host time per step; tp all-reduce link terms
 
 
 def trained_coefficients(params: dict):
@@ -47,7 +46,9 @@ def trained_coefficients(params: dict):
     from sim.costmodel import CostCoefficients
 
     base = CostCoefficients()
-    scaled = {eff: getattr(base, eff) * params.get(name, 1.0) for name, effs in SCALED.items() for eff in effs}
+    # an efficiency never exceeds 1 (a fit at its bound, stored to 5 digits, may land a hair above)
+    scaled = {eff: min(1.0, getattr(base, eff) * params.get(name, 1.0)) for name, effs in SCALED.items()
+              for eff in effs}
     return replace(base, **scaled, **{t: params[t] for t in TERMS if t in params})
 
 
