@@ -338,6 +338,10 @@ class CostModel:
         step-time source and overlap rules."""
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
+        if profile is None and getattr(scenario, "step_times", "datasheet") == "trained":
+            from sim.trained import trained_profile
+
+            profile = trained_profile(scenario.device.name)
         par = scenario.parallelism
         overlap = scenario.async_scheduling and scenario.device.name != "cpu"
         tables = None
@@ -356,9 +360,11 @@ class CostModel:
 
     @property
     def step_time_source(self) -> str:
-        """Where step times come from, for every output: 'datasheet', 'tables' or 'calibrated'
-        ('calibrated tables' when a calibrated profile tunes the table-priced steps)."""
+        """Where step times come from, for every output: 'datasheet', 'tables', 'trained' or
+        'calibrated' ('calibrated tables' when a calibrated profile tunes the table-priced steps)."""
         base = "tables" if self.tables is not None else "datasheet"
+        if self.profile.fit.get("method") == "trained":
+            return "trained"
         if self.profile.calibrated:
             return "calibrated" if base == "datasheet" else "calibrated tables"
         return base

@@ -25,6 +25,7 @@ from sim.records import RunRecords, requests_frame
 from sim.core.request import Request
 from sim.simulator import simulate
 from sim.workload import build_workload, stream_requests, warmup_notes
+from sim.trained import error_band
 
 
 @dataclass
@@ -62,6 +63,7 @@ def predict(scenario, name: Optional[str] = None,
     summary = summarise(records, scenario.slo, req_df)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
+    summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
     info = {}
     if described is not None:

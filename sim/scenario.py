@@ -695,11 +695,12 @@ class Scenario(StrictModel):
         default_factory=Slo,
         description="per-request targets; goodput and SLO attainment count requests meeting every one set")
     cluster: Cluster = Field(default_factory=Cluster, description="replicas and the router")
-    step_times: Literal["datasheet", "tables"] = Field(
+    step_times: Literal["datasheet", "tables", "trained"] = Field(
         default="datasheet",
         description="where device step times come from: datasheet (the roofline over catalog peaks) | "
-                    "tables (measured operator latencies, the `tables` extra); a calibrated device.profile "
-                    "tunes either")
+                    "tables (measured operator latencies, the `tables` extra) | trained (the roofline with "
+                    "coefficients fitted on public vLLM runs, docs/fidelity.md); a calibrated device.profile "
+                    "tunes datasheet or tables")
     variants: dict[str, dict[str, Any]] = Field(
         default_factory=dict, max_length=MAX_VARIANTS,
         description="name -> a partial scenario merged over this one (nested keys, e.g. {engine: "

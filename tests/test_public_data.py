@@ -220,3 +220,62 @@ def test_bench_random_token_totals_match_the_requested_lengths(run):
     if ds["random_output_len"] is not None:  # one README command printed the flag without its value
         # without --ignore-eos a request may stop early, never late
         assert m["total_output_tokens"] <= m["completed"] * ds["random_output_len"]
+
+
+# ---------------------------------------------------------------- open-loop runs at request rates
+
+RATES = DATA / "rate_runs.yaml"
+RATE_RUNS = load_entries(RATES, "runs")
+
+
+def test_rate_runs_cover_rates_moe_and_parallelism():
+    ids = [r["id"] for r in RATE_RUNS]
+    assert len(set(ids)) == len(ids), "duplicate ids in rate_runs.yaml"
+    by_deployment: dict = {}
+    for r in RATE_RUNS:
+        d = r["deployment"]
+        by_deployment.setdefault((d["model"], d["gpu"], d["tp"]), set()).add(str(r["workload"]["request_rate"]))
+    assert sum(len(rates) >= 3 for rates in by_deployment.values()) >= 2, "several rates per deployment"
+    assert {r["deployment"]["tp"] for r in RATE_RUNS} >= {1, 2, 4, 8}
+    assert any("Mixtral" in r["deployment"]["model"] for r in RATE_RUNS), "an MoE deployment"
+    assert len({r["source"]["repo"] for r in RATE_RUNS}) >= 2
+
+
+@pytest.mark.parametrize("run", by_id(RATE_RUNS))
+def test_rate_run_cites_a_pinned_file_and_its_licence(run):
+    src = run["source"]
+    assert re.fullmatch(r"[0-9a-f]{40}", src["commit"])
+    assert src["url"] == f"https://github.com/{src['repo']}/blob/{src['commit']}/{src['path']}"
+    assert src["licence"] and src["note"]
+    d = run["deployment"]
+    assert d["gpu"] and d["count"] == d["tp"] * d["pp"] * d["dp"] and "/" in d["model"]
+    assert "vllm_version" in d and "interconnect" in d
+    assert run["workload"]["arrivals"] in ("constant", "poisson")
+
+
+@pytest.mark.parametrize("run", by_id(RATE_RUNS))
+def test_rate_run_metrics_are_consistent(run):
+    m = run["metrics"]
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        assert 0 < m[metric]["mean"] < 1e4 and 0 < m[metric]["p99"] < 1e4
+    assert m["ttft_s"]["mean"] < m["e2e_s"]["mean"]
+    assert m["completed"] > 0 and m["failed"] >= 0
+    assert 0 < m["request_throughput"] <= (run["workload"]["request_rate"] if run["workload"]["request_rate"] != "inf"
+                                           else math.inf) * 1.02
+
+
+@pytest.mark.parametrize("run", by_id([r for r in RATE_RUNS if r["workload"].get("per_request_file")]))
+def test_rate_run_per_request_file_matches_its_summary(run):
+    """The cut per-request file must still give the source's printed summary (mean TTFT, the
+    request count) and the E2E recorded beside it: a truncated or mismatched file fails here."""
+    import json
+
+    path = DATA / run["workload"]["per_request_file"]
+    assert path.stat().st_size < 1_000_000
+    d = json.loads(path.read_text())
+    assert len(d["ttfts"]) == len(d["latencies"]) == len(d["input_lens"]) == run["metrics"]["completed"]
+    assert math.isclose(sum(d["ttfts"]) / len(d["ttfts"]) * 1e3, d["mean_ttft_ms"], rel_tol=1e-5)
+    assert math.isclose(d["mean_ttft_ms"] / 1e3, run["metrics"]["ttft_s"]["mean"], rel_tol=1e-9)
+    assert math.isclose(sum(d["latencies"]) / len(d["latencies"]), run["metrics"]["e2e_s"]["mean"], rel_tol=1e-5)
+    tpot = [(l - t) / (o - 1) for l, t, o in zip(d["latencies"], d["ttfts"], d["output_lens"]) if o > 1]
+    assert math.isclose(sum(tpot) / len(tpot) * 1e3, d["mean_tpot_ms"], rel_tol=1e-4)

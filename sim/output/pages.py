@@ -230,6 +230,17 @@ def html_setup(manifest: Mapping, summary: Optional[Mapping] = None, extra: Sequ
     return f'<div class="setup"><table>{rows}</table>{log}</div>\n' if rows or log else ""
 
 
+def band_line(label: str, band: Optional[Mapping]) -> str:
+    """How far this run's answer is typically off (sim/trained.py), in one sentence; '' without a band."""
+    from sim.trained import band_words
+
+    if not band:
+        return ""
+    parts = [f"{name}{band_words(band, key)}" for name, key in (("TTFT p99", "ttft_p99"), ("TPOT p99", "tpot_p99"),
+                                                                ("throughput", "throughput")) if band.get(key)]
+    return f"Error band ({label}, step times {band['source']}): " + "; ".join(parts) + "." if parts else ""
+
+
 def _warnings(views: Mapping[str, RunView]) -> list[str]:
     uncalibrated = [label for label, v in views.items() if v.summary.get("calibrated") is False
                     and v.summary.get("step_time_source", "datasheet") == "datasheet"]
@@ -237,6 +248,7 @@ def _warnings(views: Mapping[str, RunView]) -> list[str]:
                if v.summary.get("step_time_source") not in (None, "datasheet")}
     out = [f'<p>Step times: {_esc(", ".join(f"{label}: {src}" for label, src in sources.items()))}.</p>'] \
         if sources else []
+    out += [f"<p>{_esc(line)}</p>" for label, v in views.items() if (line := band_line(label, v.summary.get("error_band")))]
     if not uncalibrated:
         return out
     return out + [f'<p class="warning">Uncalibrated cost model ({_esc(", ".join(uncalibrated))}): '

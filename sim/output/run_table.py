@@ -64,11 +64,14 @@ def print_table(frame) -> None:
 
 
 def answer_line(name: str, s: dict) -> str:
-    """The run in one line: throughput, the latency that SLOs bind, memory pressure."""
+    """The run in one line: throughput, the latency that SLOs bind (with the typical error of the
+    step-time source, sim/trained.py), memory pressure."""
+    from sim.trained import band_words
+
     parts = [f"{units.format_value(s.get('request_throughput'))} req/s",
              f"{units.format_value(s.get('output_token_throughput'))} output tok/s",
-             f"TTFT p99 {units.ms_unit((s.get('ttft_s') or {}).get('p99'))}",
-             f"TPOT p99 {units.ms_unit((s.get('tpot_s') or {}).get('p99'))}"]
+             f"TTFT p99 {units.ms_unit((s.get('ttft_s') or {}).get('p99'))}{band_words(s.get('error_band'), 'ttft_p99')}",
+             f"TPOT p99 {units.ms_unit((s.get('tpot_s') or {}).get('p99'))}{band_words(s.get('error_band'), 'tpot_p99')}"]
     if s.get("slo_attainment") is not None:
         parts.append(f"SLOs met by {units.pct(s['slo_attainment'])}")
     parts.append(f"KV peak {units.pct(s.get('kv_usage_peak'))} of the pool")

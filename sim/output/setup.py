@@ -88,7 +88,7 @@ def step_time_source(manifest: Mapping[str, Any]) -> str:
                 "--from-vllm` fits them to your runs, `step_times: tables` uses measured operators)")
     profile = cost.get("source", "fitted")
     words = {"tables": cost.get("tables") or "operator tables",
-             "calibrated": f"calibrated profile ({profile})",
+             "calibrated": f"calibrated profile ({profile})", "trained": f"trained profile ({profile})",
              "calibrated tables": f"operator tables tuned by a calibrated profile ({profile})"}
     poor = " [POOR FIT: see the profile's fit.warnings]" if cost.get("quality") == "poor" else ""
     return f"{words.get(source, source)}{poor}"

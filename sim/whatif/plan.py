@@ -568,6 +568,10 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
                    "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
+    p.add_argument("--pessimistic", action="store_true",
+                   help="answer with the bad edge of the error band: each SLO limit is divided by (1 + the "
+                        "typical error of the scenario's step-time source on that metric), so the answer "
+                        "still holds if the prediction is that far off")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p
 
@@ -607,6 +611,9 @@ def plan_main(argv: list[str]) -> int:
 
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
+    band = scenario_band(scenario)
+    if args.pessimistic:
+        slos = pessimistic_slos(slos, band)
     out = args.out or default_out(args)
     t0 = time.monotonic()
     if args.target_rate is not None:                      # flag errors first, then the folder
@@ -623,12 +630,57 @@ def plan_main(argv: list[str]) -> int:
         print_rate_plan(curve, out, time.monotonic() - t0)
     elif not args.quiet:
         print_replica_plan(plan, out, time.monotonic() - t0)
+    if not args.quiet:
+        print_band(band, slos, args.pessimistic)
     return 0
 
 
 def default_out(args: argparse.Namespace) -> Path:
     """A folder per search: the replica search must not replace the rate search's files."""
     return Path("runs") / args.scenario.stem / ("plan" if args.target_rate is None else "plan_replicas")
+
+
+def scenario_band(scenario) -> Optional[dict]:
+    """The typical error of the scenario's step-time source (sim/trained.py)."""
+    from sim.costmodel import CostModel
+    from sim.trained import error_band
+
+    cost = CostModel.for_scenario(scenario)
+    return error_band(cost.step_time_source, cost.profile)
+
+
+def band_metric(slo: SloTarget) -> str:
+    """The validated metric an SLO is judged by: the p99 band for a percentile, the mean's for a mean."""
+    family = slo.name.partition("_")[0]
+    return f"{'tpot' if family == 'itl' else family}_{'mean' if slo.name.endswith('_mean') else 'p99'}"
+
+
+def pessimistic_slos(slos: Sequence[SloTarget], band: Optional[dict]) -> list[SloTarget]:
+    """Each limit divided by (1 + the band's typical error on its metric): a point passes only if
+    it would still pass were the prediction that much too optimistic."""
+    out = []
+    for slo in slos:
+        entry = (band or {}).get(band_metric(slo))
+        if entry is None:
+            raise PlanError(f"--pessimistic: no validated error band for {slo.name} with step times "
+                            f"'{(band or {}).get('source', 'of this scenario')}' (bands come from "
+                            f"sim/core/catalog/trained-v*.yaml, or a calibrated profile's held-out run)")
+        out.append(SloTarget(slo.name, slo.column, slo.limit_s / (1 + entry["typical"])))
+    return out
+
+
+def print_band(band: Optional[dict], slos: Sequence[SloTarget], pessimistic: bool) -> None:
+    from sim.output.console import console
+    from sim.trained import band_words
+
+    if not band:
+        console.print("error band: none validated for these step times")
+        return
+    shown = [f"{slo.name}{band_words(band, band_metric(slo))}" for slo in slos] or \
+        [f"tpot_p99{band_words(band, 'tpot_p99')}"]
+    lead = ("pessimistic: SLO limits tightened to " + ", ".join(map(str, slos)) + "; "
+            if pessimistic else "")
+    console.print(f"{lead}step times {band['source']}: " + "; ".join(shown))
 
 
 def base_task(args: argparse.Namespace):

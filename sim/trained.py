@@ -1,0 +1,107 @@
+"""The trained step-time profile family (`step_times: trained`) and the error band of every answer.
+
+The family (sim/core/catalog/trained-v<N>.yaml, written by `python -m validate.lodo`) holds per GPU
+class the coefficients fitted on public measured vLLM runs (tests/data/vllm_public), a `generic`
+entry for a GPU no run measured, and the leave-one-deployment-out validation: per step-time source
+(datasheet, tables, trained) and metric, the typical error (median |error| over held-out
+deployments). That validation is the band a prediction states, never a typed-in number; a
+calibrated profile states the error of its own held-out run instead.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from sim.core.files import read_yaml
+
+FAMILY_VERSION = 1
+FAMILY_FILE = Path(__file__).resolve().parent / "core" / "catalog" / f"trained-v{FAMILY_VERSION}.yaml"
+# the summary's figures and the validated metric each is judged by
+BAND_METRICS = {"ttft_p99": "ttft_p99", "tpot_p99": "tpot_p99", "e2e_p99": "e2e_p99", "ttft_mean": "ttft_mean",
+                "tpot_mean": "tpot_mean", "e2e_mean": "e2e_mean", "throughput": "throughput"}
+# a calibrated profile's held-out errors (validate/vllm_fit.py) are of means; duration stands for throughput
+CALIBRATED_METRICS = {"ttft": ("ttft_mean", "ttft_p99"), "tpot": ("tpot_mean", "tpot_p99"),
+                      "e2e": ("e2e_mean", "e2e_p99"), "duration": ("throughput",)}
+
+
+@lru_cache(maxsize=4)
+def family(path: Path = FAMILY_FILE) -> dict:
+    raw = read_yaml(path, "trained profile family (YAML)")
+    if not isinstance(raw, dict) or not isinstance(raw.get("classes"), dict) or "generic" not in raw:
+        raise ValueError(f"{path}: a trained profile family needs 'classes' and 'generic'")
+    return raw
+
+
+# The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
+SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
+          "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
+TERMS = ("step_host_s", "link_eff", "host_staging_eff")     # host time per step; tp all-reduce link terms
+
+
+def trained_coefficients(params: dict):
+    """CostCoefficients with the trained parameters applied to the defaults."""
+    from dataclasses import replace
+
+    from sim.costmodel import CostCoefficients
+
+    base = CostCoefficients()
+    # an efficiency never exceeds 1 (a fit at its bound, stored to 5 digits, may land a hair above)
+    scaled = {eff: min(1.0, getattr(base, eff) * params.get(name, 1.0)) for name, effs in SCALED.items()
+              for eff in effs}
+    return replace(base, **scaled, **{t: params[t] for t in TERMS if t in params})
+
+
+def trained_profile(device_name: str):
+    """The family's profile for a catalog device (its class's fitted coefficients, else generic)."""
+    from sim.costmodel import DeviceProfile
+
+    fam = family()
+    entry = fam["classes"].get(device_name)
+    params = entry["parameters"] if entry else fam["generic"]
+    how = (f"fitted on {entry['runs']} public vLLM runs of {len(entry['deployments'])} {device_name} deployment(s)"
+           if entry else f"no public run on {device_name}: the generic entry (geometric mean of the fitted classes)")
+    return DeviceProfile(trained_coefficients(params), calibrated=False,
+                         source=f"trained v{fam['version']}: {how}", device_name=device_name,
+                         fit={"method": "trained", "version": fam["version"], "class": device_name if entry else "generic",
+                              "parameters": dict(params)})
+
+
+def error_band(source: str, profile=None) -> Optional[dict]:
+    """How far a prediction of this step-time source is typically off, per summary metric:
+    {"source", "basis", metric: {"typical", "deployments"}}; None when nothing validates it."""
+    if source.startswith("calibrated"):
+        return _calibrated_band(profile)
+    try:
+        validated = family()["validation"]["bands"].get(source)
+    except (OSError, ValueError, KeyError):
+        return None
+    if not validated:
+        return None
+    out = {"source": source, "basis": "leave-one-deployment-out validation on public vLLM runs "
+                                      f"(trained v{family()['version']})"}
+    for metric, key in BAND_METRICS.items():
+        if key in validated:
+            out[metric] = {"typical": validated[key]["typical"], "deployments": validated[key]["deployments"]}
+    return out
+
+
+def _calibrated_band(profile) -> Optional[dict]:
+    rows = [r for r in ((profile.fit or {}).get("errors") or []) if r.get("role") == "held out"] if profile else []
+    if not rows:
+        return None
+    out = {"source": "calibrated", "basis": f"the profile's held-out run ({rows[0].get('run')})"}
+    for row in rows:
+        for metric in CALIBRATED_METRICS.get(row.get("metric"), ()):
+            out[metric] = {"typical": round(abs(float(row["error"])), 4), "deployments": 1}
+    return out
+
+
+def band_words(band: Optional[dict], metric: str) -> str:
+    """`(typical error +-9 %, from 14 held-out deployments)`, or '' without a band."""
+    entry = (band or {}).get(metric)
+    if not entry:
+        return ""
+    where = ("from its held-out run" if band["source"] == "calibrated"
+             else f"from {entry['deployments']} held-out deployments")
+    return f" (typical error +-{entry['typical'] * 100:.0f} %, {where})"

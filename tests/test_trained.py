@@ -1,0 +1,196 @@
+"""The trained step-time profile family (`step_times: trained`), its leave-one-deployment-out table
+(docs/fidelity.md) and the error band every answer carries (sim/trained.py, `plan --pessimistic`).
+
+The family and the table are written by `python -m validate.lodo`; these tests check that what is
+committed is what that validation produces: the bands are recomputed from the table, the table's
+errors are recomputed from each fold's stored coefficients (every figure within max(2 points,
+10 %)), and two cheap folds are refitted from scratch."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import yaml
+
+from sim.costmodel import CostCoefficients, CostModel
+from sim.trained import band_words, error_band, family, trained_coefficients, trained_profile
+from validate import lodo
+
+TABLE = pd.read_csv(lodo.TABLE_FILE)
+FAMILY = yaml.safe_load(lodo.FAMILY_FILE.read_text())
+CHEAP = 200          # requests: the runs whose figures are recomputed here (the others in `validate.lodo`)
+
+
+def band(recorded: float) -> float:
+    return max(0.02, 0.1 * abs(recorded))
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, lodo.Run]:
+    return {r.id: r for r in lodo.all_runs()[0]}
+
+
+def test_the_validation_covers_gpus_parallelism_moe_and_rates():
+    deployments = TABLE["deployment"].unique()
+    assert len(deployments) >= 10 and FAMILY["validation"]["deployments"] == len(deployments)
+    assert TABLE["gpu"].nunique() >= 4
+    tps = {int(d.split(" / tp ")[1].split(" ")[0]) for d in deployments}
+    assert tps >= {1, 2, 4, 8}
+    assert any("Mixtral" in d or "gpt-oss" in d for d in deployments), "an MoE deployment"
+    assert TABLE["run"].str.startswith("infsim-").sum() >= 10, "runs at several request rates"
+    assert not TABLE["source"].str.contains("LLMServingSim").any()
+
+
+def test_bands_are_computed_from_the_table_not_typed_in():
+    assert FAMILY["validation"]["bands"] == lodo.bands(TABLE)
+    for source in ("datasheet", "trained"):
+        assert set(FAMILY["validation"]["bands"][source]) >= {"ttft_mean", "tpot_mean", "e2e_mean", "throughput"}
+
+
+def test_every_class_parameter_is_physical():
+    for gpu, entry in FAMILY["classes"].items():
+        p = entry["parameters"]
+        c = trained_coefficients(p)
+        for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
+            assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (gpu, eff)
+        assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, gpu
+    assert FAMILY["generic"] == {k: pytest.approx(v, rel=1e-4) for k, v in lodo.generic(
+        {g: e["parameters"] for g, e in FAMILY["classes"].items()}).items()}
+
+
+@pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
+def test_recorded_lodo_errors_still_hold(run_id, runs):
+    """Each run's datasheet and trained errors, recomputed with its fold's stored coefficients."""
+    row = TABLE.set_index("run").loc[run_id]
+    run = runs[run_id]
+    params = {n: float(row[f"fold {n}"]) for n in lodo.NAMES if pd.notna(row.get(f"fold {n}"))}
+    now = {f"datasheet {k}": v for k, v in lodo.errors(run, lodo.predict(run, CostCoefficients())).items()}
+    trained = trained_coefficients(params)
+    now.update({f"trained {k}": v for k, v in lodo.errors(run, lodo.predict(run, trained)).items()})
+    off = {k: (round(v, 4), round(row[k], 4)) for k, v in now.items() if abs(v - row[k]) > band(row[k])}
+    assert not off, f"{run_id}: errors moved beyond their bands (now, recorded): {off}"
+
+
+@pytest.mark.parametrize("deployment", [
+    "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0",                   # no other L4: generic
+    "meta-llama/Llama-3.3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.8.3",  # refitted on the other a100-40g
+])
+def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, monkeypatch):
+    seen = []
+    fit = lodo.fit_class
+    monkeypatch.setattr(lodo, "fit_class", lambda rs, **kw: seen.extend(r.deployment for r in rs) or fit(rs, **kw))
+    all_runs = list(runs.values())
+    full = {g: e["parameters"] for g, e in FAMILY["classes"].items()}
+    now = lodo.lodo_table(all_runs, full, only=[deployment], progress=lambda *_: None).set_index("run")
+    assert deployment not in seen
+    recorded = TABLE.set_index("run").loc[now.index]
+    for col in [c for c in now.columns if c.startswith(("trained ", "fold "))]:
+        for run_id in now.index:
+            a, b = now.loc[run_id, col], recorded.loc[run_id, col]
+            assert abs(a - b) <= max(0.02, 0.1 * abs(b)), f"{run_id} {col}: now {a:.4g}, recorded {b:.4g}"
+
+
+def test_trained_step_times_load_the_class_profile_and_fall_back_to_generic():
+    from sim.scenario import validate_scenario
+
+    scenario = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "step_times": "trained"})
+    cost = CostModel.for_scenario(scenario)
+    expected = trained_coefficients(FAMILY["classes"]["h100-sxm"]["parameters"])
+    assert cost.step_time_source == "trained" and cost.coefficients == expected
+    assert not cost.calibrated
+    other = trained_profile("b200")           # no public run measured one
+    assert other.fit["class"] == "generic"
+    assert other.coefficients == trained_coefficients(FAMILY["generic"])
+
+
+def test_every_answer_states_its_band_from_the_validation(capsys):
+    from sim.output.run_table import answer_line
+    from sim.predict import predict
+    from sim.scenario import validate_scenario
+
+    scenario = validate_scenario({"model": "llama-3.1-8b", "device": "l4", "step_times": "trained",
+                                  "engine": {"max_model_len": 2048},
+                                  "workload": {"num_requests": 30, "arrival": {"process": "poisson", "rate": 2}}})
+    summary = predict(scenario, manifest=False).summary
+    validated = family()["validation"]["bands"]["trained"]
+    assert summary["error_band"]["source"] == "trained"
+    assert summary["error_band"]["tpot_p99"]["typical"] == validated["tpot_p99"]["typical"]
+    line = answer_line("x", summary)
+    typical = validated["tpot_p99"]["typical"] * 100
+    assert f"(typical error +-{typical:.0f} %, from {validated['tpot_p99']['deployments']} held-out deployments)" in line
+
+
+def test_a_calibrated_profile_carries_the_band_of_its_held_out_run():
+    from sim.costmodel import DeviceProfile
+
+    profile = DeviceProfile(calibrated=True, fit={"errors": [
+        {"run": "b.json", "role": "held out", "metric": "tpot", "error": -0.031},
+        {"run": "a.json", "role": "fitted", "metric": "tpot", "error": 0.5}]})
+    b = error_band("calibrated", profile)
+    assert b["tpot_p99"]["typical"] == 0.031 and "b.json" in b["basis"]
+    assert band_words(b, "tpot_p99") == " (typical error +-3 %, from its held-out run)"
+    assert error_band("calibrated", DeviceProfile(calibrated=True)) is None
+
+
+def test_pessimistic_plan_tightens_each_slo_by_its_band():
+    from sim.whatif.plan import PlanError, parse_slo, pessimistic_slos
+
+    b = error_band("trained")
+    tight = pessimistic_slos([parse_slo("tpot_p99=0.1"), parse_slo("ttft_mean=1"), parse_slo("itl_p90=0.2")], b)
+    assert math.isclose(tight[0].limit_s, 0.1 / (1 + b["tpot_p99"]["typical"]))
+    assert math.isclose(tight[1].limit_s, 1 / (1 + b["ttft_mean"]["typical"]))
+    assert math.isclose(tight[2].limit_s, 0.2 / (1 + b["tpot_p99"]["typical"]))
+    with pytest.raises(PlanError, match="--pessimistic: no validated error band"):
+        pessimistic_slos([parse_slo("tpot_p99=0.1")], None)
+
+
+def test_plan_pessimistic_answers_as_if_each_slo_were_tightened_by_its_band(tmp_path, capsys):
+    """`--pessimistic` at limit L gives the plain plan's answer at L / (1 + typical error)."""
+    from sim.cli import main
+
+    small = {"name": "small", "seed": 0, "model": "llama-3.1-8b", "device": "l4", "step_times": "trained",
+             "engine": {"max_model_len": 1024, "prefix_caching": False, "max_num_seqs": 16},
+             "workload": {"num_requests": 120, "warmup_requests": 10, "arrival": {"process": "poisson", "rate": 2},
+                          "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                          "output_len": {"dist": "uniform", "min": 16, "max": 64}}}
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(small))
+    tight = 0.2 / (1 + error_band("trained")["tpot_p99"]["typical"])
+
+    def plan(limit: float, *flags: str) -> tuple[pd.DataFrame, str]:
+        out = tmp_path / f"plan{limit}{''.join(flags)}"
+        assert main(["plan", str(path), "--slo", f"tpot_p99={limit}", "--out", str(out), "--jobs", "1",
+                     "--tolerance", "0.05", *flags]) == 0
+        return pd.read_csv(out / "plan.csv"), capsys.readouterr().out
+
+    pessimistic, printed = plan(0.2, "--pessimistic")
+    assert f"pessimistic: SLO limits tightened to tpot_p99 <= {tight * 1e3:.3g} ms" in printed
+    assert "typical error +-" in printed
+    assert (pessimistic.loc[pessimistic["ok"], "tpot_s.p99"] <= tight).all()
+    plain_tight, _ = plan(tight)
+    plain, _ = plan(0.2)
+    best = {name: c.loc[c["ok"], "rate"].max() for name, c in
+            (("pessimistic", pessimistic), ("tight", plain_tight), ("plain", plain))}
+    assert best["pessimistic"] == best["tight"] <= best["plain"]
+    assert pessimistic.loc[~pessimistic["ok"], "failed"].str.contains("tpot_p99").any(), "the band must bind"
+
+def test_the_html_report_states_the_band():
+    from sim.output.pages import band_line
+
+    b = error_band("trained")
+    line = band_line("run", b)
+    assert line.startswith("Error band (run, step times trained): TTFT p99 (typical error +-")
+    assert f"from {b['throughput']['deployments']} held-out deployments" in line
+    assert band_line("run", None) == ""
+
+
+def test_the_default_step_times_follow_the_validation():
+    """`trained` is the default only where its held-out error beats datasheet and tables on every
+    metric (issue 25); the decision is read from the committed validation, not typed in."""
+    from sim.scenario import Scenario
+
+    wins = lodo.trained_wins(TABLE)
+    assert FAMILY["validation"]["trained_beats_datasheet_and_tables"] == wins
+    expected = "trained" if wins and all(wins.values()) else "datasheet"
+    assert Scenario.model_fields["step_times"].default == expected

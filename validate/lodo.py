@@ -1,0 +1,608 @@
+"""The trained step-time profile family and its leave-one-deployment-out (LODO) validation.
+
+Every public measured vLLM run kvtwin can express (tests/data/vllm_public: bench_runs.yaml, the
+all-at-once and closed-loop benchmarks, and rate_runs.yaml, the open-loop runs at request rates)
+is grouped by deployment (model / GPU / tp / vLLM version). The coefficients that are not datasheet
+facts are fitted per GPU class (the catalog device) on all of that class's runs jointly, with
+validate/vllm_fit.py's machinery (its damped Gauss-Newton on log errors):
+
+    compute_scale    x the compute efficiencies (GEMM flops_eff, prefill attention attn_flops_eff)
+    memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff)
+    step_host_s      host time per engine step (scheduling, input preparation, launches)
+    link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
+    host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
+each bounded to its physical range (no efficiency above 1). Two richer variants were tried and
+validated worse held out (docs/fidelity.md): separate GEMM / attention / weight scales, and the
+same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
+
+A GPU with no measured run takes the geometric mean of the fitted classes (`generic`).
+
+LODO: for each deployment, its class is refitted without any of its runs (a class left with no
+other deployment falls back to `generic` of the other classes), and that profile predicts the
+deployment's runs. The errors of TTFT / TPOT / E2E (mean and p99) and throughput under datasheet,
+tables (measured operators, where aiconfigurator-core covers the GPU) and trained are the table
+in docs/fidelity.md; the typical error per source and metric (median |error| over deployments)
+is the band every prediction prints (sim/bands.py).
+
+    python -m validate.lodo                 # fit, validate, write the profile family and the table
+    python -m validate.lodo --check FOLD    # recompute one fold and compare it with the stored table
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from sim.core.catalog import ModelSpec, get_device, get_model, model_fields_from_hf_config
+from sim.core.memory import vllm_memory_plan
+from sim.core.request import make_request, stable_key
+from sim.costmodel import CostCoefficients, CostModel, DeviceProfile
+from sim.records import requests_frame
+from sim.scenario import validate_scenario
+from sim.simulator import Simulation
+from sim.trained import trained_coefficients
+from validate.vllm_fit import levenberg_marquardt
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+PUBLIC = DATA / "vllm_public"
+BENCH_FILE = PUBLIC / "bench_runs.yaml"
+RATE_FILE = PUBLIC / "rate_runs.yaml"
+LOGS_FILE = PUBLIC / "startup_logs.yaml"
+TABLE_FILE = PUBLIC / "lodo_table.csv"
+FAMILY_VERSION = 1
+FAMILY_FILE = ROOT / "sim" / "core" / "catalog" / f"trained-v{FAMILY_VERSION}.yaml"
+
+METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p99", "throughput")
+FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
+SOURCES = ("datasheet", "tables", "trained")
+NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff")
+START = {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": CostCoefficients().step_host_s, "link_eff": 1.0,
+         "host_staging_eff": CostCoefficients().host_staging_eff}
+_BASE = CostCoefficients()
+# (lower, upper): an efficiency stays <= 1, a host term within 1 us .. 50 ms
+BOUNDS = {"compute_scale": (0.1, 1 / max(_BASE.flops_eff, _BASE.attn_flops_eff)),
+          "memory_scale": (0.1, 1 / max(_BASE.bw_eff, _BASE.attn_bw_eff)), "step_host_s": (1e-6, 0.05),
+          "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0)}
+
+MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
+          "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
+          "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+          "openai/gpt-oss-20b": "hf:openai__gpt-oss-20b",   # served as published: mxfp4 experts
+          "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-70b-hf": "llama-2-70b",
+          "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b",
+          "codellama/CodeLlama-34b-Instruct-hf": "hf:codellama__CodeLlama-34b-Instruct-hf",
+          "meta-llama/Llama-3.3-70B-Instruct": "llama-3.1-70b",   # Llama-3.3-70B: the 3.1-70B shape
+          "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b"}
+NATIVE_QUANT = {"openai/gpt-oss-20b"}      # checkpoints published quantized: keep their scheme
+GPUS = {"A100-80GB": "a100-80g", "A100-SXM-80GB": "a100-80g", "A100-40GB": "a100-40g",
+        "A100-SXM4-40GB": "a100-40g", "H100-SXM-80GB": "h100-sxm", "H200-SXM-141GB": "h200", "L4": "l4",
+        "RTX-4090": "rtx-4090"}
+# What a deployment's startup log says about its GPUs' link where it is not the catalog device's:
+# dennislee22's same-node tp 2 servers print "Custom allreduce is disabled because your platform
+# lacks GPU P2P capability" (A100 80GB PCIe Gen4 cards: the all-reduce goes through host memory).
+# Applied where the device schema has the fields (sim/core/catalog.py DeviceSpec.interconnect).
+LINKS = {"dennislee-vllm-7B-2gpuA10080GB-0.25GRAM-same-node": {"interconnect": "pcie", "pcie_gen": 4,
+                                                               "peer_to_peer": False},
+         "dennislee-vllm-7B-2gpuA10080GB-0.5GRAM-same-node": {"interconnect": "pcie", "pcie_gen": 4,
+                                                              "peer_to_peer": False}}
+WINDOW_S = 40.0          # a constant-rate stage is replayed over its first WINDOW_S seconds
+MAX_WINDOW_REQUESTS = 600
+FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
+
+
+@dataclass
+class Run:
+    id: str
+    deployment: str
+    gpu_class: str
+    scenario: object
+    requests: list
+    measured: dict[str, float]
+    source: str
+    stage_s: Optional[float] = None      # a windowed constant-rate stage: its full send duration
+    stage_count: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def cost(self) -> float:
+        return sum(r.prompt_len + 4 * r.output_len for r in self.requests)
+
+
+# ----------------------------------------------------------------------------- loading the runs
+
+def model_spec(hf_id: str, dtype: Optional[str] = None) -> ModelSpec:
+    name = MODELS[hf_id]
+    fields = (model_fields_from_hf_config(DATA / "hf_configs" / f"{name[3:]}.json") if name.startswith("hf:")
+              else get_model(name).model_dump())
+    quant = fields.get("quantization") if hf_id in NATIVE_QUANT else None
+    return ModelSpec(**{**fields, "name": hf_id.split("/")[-1].lower(), "dtype": dtype or "bfloat16",
+                        "quantization": quant})
+
+
+def deployment_scenario(name: str, hf_id: str, gpu: str, tp: int, engine: dict, longest: int,
+                        blocks: Optional[int] = None, max_concurrency: Optional[int] = None,
+                        link: Optional[dict] = None):
+    """The deployment as a scenario: vLLM's defaults for the GPU, the run's flags, vLLM's KV pool
+    (the startup log's where the source has one, else kvtwin's plan of vLLM's), its GPUs' link."""
+    from sim.core.catalog import DeviceSpec
+
+    model, device = model_spec(hf_id, engine.pop("dtype", None)), get_device(GPUS[gpu])
+    if link and all(k in DeviceSpec.model_fields for k in link):
+        fields = {k: v for k, v in device.model_dump().items() if k not in ("link_gbps", "link_latency_us")}
+        device = DeviceSpec(**{**fields, **link})      # a PCIe link's speed follows from its generation
+    engine = {k: v for k, v in engine.items() if v is not None}
+    engine.setdefault("gpu_memory_utilization", 0.9)
+    engine.setdefault("max_model_len", min(model.max_position_embeddings, max(4096, longest + 64)))
+    raw = {"name": name, "model": model.model_dump(), "device": device.model_dump(),
+           "parallelism": {"tp": tp}, "engine": engine}
+    if max_concurrency:
+        raw["workload"] = {"max_concurrency": int(max_concurrency)}
+    scenario = validate_scenario(raw)
+    if blocks is None:
+        blocks = vllm_memory_plan(model, device, tp, scenario.engine.gpu_memory_utilization,
+                                  scenario.max_num_batched_tokens, scenario.max_num_seqs,
+                                  vllm_version=engine.get("vllm_version")).num_blocks
+        blocks = max(blocks, -(-scenario.max_model_len // scenario.engine.block_size) + 1)
+    scenario.engine.num_blocks = int(blocks)
+    return scenario
+
+
+def _deployment_name(hf_id: str, gpu: str, tp: int, version) -> str:
+    return f"{hf_id} / {gpu} / tp {tp} / vLLM {version or 'not stated'}"
+
+
+def bench_runs(logs: dict[str, dict]) -> tuple[list[Run], dict[str, int]]:
+    """bench_runs.yaml: fixed-length random datasets sent all at once or by a closed-loop client."""
+    runs, skipped = [], {}
+    for e in yaml.safe_load(BENCH_FILE.read_text())["runs"]:
+        reason = _bench_skip(e)
+        if reason:
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        m, ds = e["metrics"], e["dataset"]
+        n = int(m.get("completed") or 0)
+        concurrency = e.get("max_concurrency")
+        if n:
+            prompt, output = round(m["total_input_tokens"] / n), round(m["total_output_tokens"] / n)
+        else:           # a closed-loop table without totals: its prompts (else 20 per client slot), and
+            # the mean output its token rate over request rate gives (requests may stop before the cap)
+            n, prompt = int(ds.get("num_prompts") or 20 * int(concurrency)), int(ds["random_input_len"])
+            output = int(ds["random_output_len"])
+            if m.get("output_throughput") and m.get("request_throughput") and not ds.get("ignore_eos"):
+                output = min(output, round(m["output_throughput"] / m["request_throughput"]))
+        engine = {k: e.get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                        "gpu_memory_utilization", "dtype")}
+        stated = e.get("async_scheduling")
+        engine["async_scheduling"] = bool(stated) if stated is not None else "auto"
+        stated_version = str(e.get("vllm_version") or "")
+        engine["vllm_version"] = stated_version if stated_version[:1].isdigit() else None
+        log = logs.get(e.get("startup_log_id") or "")
+        blocks = (log or {}).get("printed", {}).get("num_gpu_blocks")
+        scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + output,
+                                       blocks, concurrency, LINKS.get(e.get("startup_log_id") or ""))
+        key = stable_key("public-run", e["id"])
+        requests = [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
+        runs.append(Run(e["id"], _deployment_name(e["model"], e["gpu"]["model"], e["tp"], e.get("vllm_version")),
+                        GPUS[e["gpu"]["model"]], scenario, requests, _bench_measured(m), e["source"]["url"]))
+    return runs, skipped
+
+
+def _bench_skip(e: dict) -> Optional[str]:
+    m = e["metrics"]
+    if e["model"] not in MODELS:
+        return "model shape not in the catalog or tests/data/hf_configs"
+    if (e.get("quantization") and e["model"] not in NATIVE_QUANT) or e.get("kv_cache_dtype") not in (None, "auto"):
+        return "quantized weights or KV cache beyond the checkpoint's own scheme"
+    if e["gpu"]["model"] not in GPUS:
+        return "GPU not in the catalog"
+    if e["dataset"].get("name") != "random":
+        return "dataset lengths not fixed (ShareGPT): its length distribution is not in the file"
+    if str(e.get("request_rate")) != "inf":
+        return "arrival times not in the file"
+    if e.get("max_concurrency") is None and not all(
+            m.get(k) for k in ("completed", "total_input_tokens", "total_output_tokens", "duration_s", "mean_ttft_ms",
+                               "mean_tpot_ms")):
+        return "summary metrics missing"
+    return None
+
+
+def _bench_measured(m: dict) -> dict[str, float]:
+    """The run's printed metrics in seconds. A closed-loop sweep that printed medians only (the
+    L4 page) gives them for the means: its requests are all alike, so the two nearly agree."""
+    out = {}
+    for metric, key in (("ttft", "ttft"), ("tpot", "tpot"), ("e2e", "e2el")):
+        mean = m.get(f"mean_{key}_ms") or (m.get(f"median_{key}_ms") if "mean_ttft_ms" not in m else None)
+        if metric == "tpot" and mean is None and "mean_ttft_ms" not in m:
+            mean = m.get("median_itl_ms")
+        if mean:
+            out[f"{metric}_mean"] = mean / 1e3
+        if m.get(f"p99_{key}_ms"):
+            out[f"{metric}_p99"] = m[f"p99_{key}_ms"] / 1e3
+    if m.get("request_throughput"):
+        out["throughput"] = float(m["request_throughput"])
+    return out
+
+
+def rate_runs() -> list[Run]:
+    """rate_runs.yaml: open-loop runs at request rates (constant or Poisson arrivals)."""
+    from sim.vllm.results import load_results, to_requests
+
+    runs = []
+    for e in yaml.safe_load(RATE_FILE.read_text())["runs"]:
+        d, w, m = e["deployment"], e["workload"], e["metrics"]
+        measured = {f"{k}_{s}": m[f"{k}_s"][s] for k in ("ttft", "tpot", "e2e") for s in ("mean", "p99")}
+        if w["client"] == "inference-perf":
+            # its time_per_output_token averages over stream chunks, about two per token (half its
+            # inter-chunk gaps are ~40 us): vLLM's TPOT is (E2E - TTFT) / (output - 1); no p99 of it
+            measured["tpot_mean"] = (measured["e2e_mean"] - measured["ttft_mean"]) / (w["output_len_mean"] - 1)
+            del measured["tpot_p99"]
+        measured["throughput"] = float(m["request_throughput"])
+        engine = {k: d.get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
+        engine["vllm_version"] = d.get("vllm_version")
+        stage_s = stage_count = None
+        if w.get("per_request_file"):
+            result = load_results(PUBLIC / w["per_request_file"])[0]
+            requests, notes = to_requests(result)
+            longest = max(r.prompt_len + r.output_len for r in requests)
+        else:
+            requests, notes, stage_s, stage_count = _constant_stage(e["id"], w, m)
+            longest = max(r.prompt_len + r.output_len for r in requests)
+        scenario = deployment_scenario(e["id"], d["model"], d["gpu"], d["tp"], engine, longest)
+        runs.append(Run(e["id"], _deployment_name(d["model"], d["gpu"], d["tp"], d.get("vllm_version")),
+                        GPUS[d["gpu"]], scenario, requests, measured, e["source"]["url"], stage_s, stage_count,
+                        notes))
+    return runs
+
+
+def _constant_stage(run_id: str, w: dict, m: dict):
+    """A constant-rate inference-perf stage: evenly spaced sends of the stage's mean lengths, the
+    system prompt shared within its group (vLLM's prefix cache hits it), over the first WINDOW_S s."""
+    sp, rate = w["shared_prefix"], float(w["request_rate"])
+    n = int(min(m["completed"], MAX_WINDOW_REQUESTS, math.ceil(rate * WINDOW_S)))
+    prompt, output = round(w["prompt_len_mean"]), max(1, round(w["output_len_mean"]))
+    system = min(int(sp["system_prompt_len"]), prompt - 1)
+    key, groups = stable_key("rate-run", run_id), int(sp["groups"])
+    requests = [make_request(i, i / rate, [(stable_key(key, "system", i % groups), system),
+                                           (stable_key(key, i), prompt - system)], output)
+                for i in range(n)]
+    notes = [f"{run_id}: first {n} of {m['completed']} requests replayed (steady state)"]
+    return requests, notes, float(w["duration_s"]), int(m["completed"])
+
+
+def all_runs() -> tuple[list[Run], dict[str, int]]:
+    logs = {e["id"]: e for e in yaml.safe_load(LOGS_FILE.read_text())["entries"]}
+    runs, skipped = bench_runs(logs)
+    return runs + rate_runs(), skipped
+
+
+def deployments(runs: list[Run]) -> dict[str, list[Run]]:
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.deployment, []).append(run)
+    return out
+
+
+# ----------------------------------------------------------------------------- predicting a run
+
+def predict(run: Run, coefficients: Optional[CostCoefficients] = None, step_times: str = "datasheet",
+            profile: Optional[DeviceProfile] = None) -> dict[str, float]:
+    """The run's metrics as kvtwin predicts them (same keys as Run.measured)."""
+    scenario = run.scenario
+    if step_times != "datasheet":
+        scenario = scenario.model_copy(deep=True)
+        scenario.step_times = step_times
+    profile = profile or (DeviceProfile(coefficients) if coefficients is not None else None)
+    cost = CostModel.for_scenario(scenario, profile)
+    for r in run.requests:
+        r.reset()
+    from sim.core.memory import plan_memory
+    frame = requests_frame(Simulation(scenario, run.requests, plan_memory(scenario), cost).run())
+    out = {}
+    for metric in ("ttft", "tpot", "e2e"):
+        v = frame[f"{metric}_s"].to_numpy(dtype=float)
+        v = v[np.isfinite(v)]
+        if len(v):
+            out[f"{metric}_mean"], out[f"{metric}_p99"] = float(v.mean()), float(np.percentile(v, 99))
+    arrival, e2e = frame["arrival_s"].to_numpy(float), frame["e2e_s"].to_numpy(float)
+    if run.stage_s:      # the whole stage's rate: its sends plus the drain of the last requests
+        tail = float(np.mean(e2e[-max(1, len(e2e) // 10):]))
+        out["throughput"] = run.stage_count / (run.stage_s + tail)
+    else:
+        out["throughput"] = len(frame) / float((arrival + e2e).max() - arrival.min())
+    return out
+
+
+def errors(run: Run, predicted: dict[str, float]) -> dict[str, float]:
+    return {k: predicted[k] / v - 1 for k, v in run.measured.items() if k in predicted and v}
+
+
+# ----------------------------------------------------------------------------- the fit
+
+def fit_runs(runs: list[Run]) -> list[Run]:
+    """The runs a class fit sees: per deployment its cheapest and its median-cost run (two loads of
+    each deployment at a bounded cost per evaluation; every run is predicted in the table)."""
+    chosen = []
+    for group in deployments(runs).values():
+        ordered = sorted(group, key=lambda r: r.cost)
+        chosen += [ordered[i] for i in sorted({0, len(ordered) // 2})][:FIT_RUNS_PER_DEPLOYMENT]
+    return chosen
+
+
+def fit_class(runs: list[Run], max_iterations: int = 3,
+              progress: Optional[Callable[[str], None]] = None) -> dict[str, float]:
+    """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally."""
+    train = fit_runs(runs)
+    names = [n for n in NAMES if _acts(n, train)]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        coeffs = trained_coefficients(dict(zip(names, np.exp(x))))
+        parts = []
+        for run in train:
+            e = errors(run, predict(run, coeffs))
+            ok = [math.log1p(e[m]) for m in FIT_METRICS if m in e and e[m] > -1]
+            parts += [v / math.sqrt(len(ok)) for v in ok]
+        return np.array(parts)
+
+    lower = np.log([BOUNDS[n][0] for n in names])
+    upper = np.log([BOUNDS[n][1] for n in names])
+    x0 = np.log([START[n] for n in names])
+    x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations, progress)
+    return dict(zip(names, map(float, np.exp(x))))
+
+
+def _acts(name: str, runs: list[Run]) -> bool:
+    """Does the parameter change any of these runs? (the link terms need tp > 1, host staging a
+    PCIe device without peer-to-peer access)"""
+    tp = [r for r in runs if r.scenario.parallelism.tp > 1]
+    if name == "link_eff":
+        return bool(tp)
+    if name == "host_staging_eff":
+        return any(getattr(r.scenario.device, "interconnect", None) == "pcie"
+                   and not getattr(r.scenario.device, "peer_to_peer", True) for r in tp)
+    return True
+
+
+def generic(params: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The geometric mean of the fitted classes: the profile of a GPU no run measured."""
+    out = {}
+    for n in NAMES:
+        values = [p[n] for p in params.values() if n in p]
+        if values:
+            out[n] = float(np.exp(np.mean(np.log(values))))
+    return out
+
+
+_FOLD_STATE: dict = {}       # what forked fold and class fits share: the runs, the full fit, progress
+
+
+def _class_fit(gpu: str) -> dict[str, float]:
+    group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
+    _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} deployments")
+    params = fit_class(group)
+    _FOLD_STATE["progress"](f"  {gpu}: {params}")
+    return params
+
+
+def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, float]]:
+    """Every GPU class fitted on all of its runs (the family's entries)."""
+    classes = sorted({r.gpu_class for r in runs})
+    _FOLD_STATE.update(runs=runs, progress=progress)
+    return dict(zip(classes, _map(_class_fit, classes, jobs)))
+
+
+def _map(fn: Callable, items: list, jobs: int) -> list:
+    """fn over items, in `jobs` forked processes (they share the loaded runs) when more than one."""
+    if jobs > 1 and len(items) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            return pool.map(fn, items, chunksize=1)
+    return [fn(i) for i in items]
+
+
+def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, float]], progress=print) -> dict[str, float]:
+    """The trained parameters that predict deployment `held`: its class refitted without it."""
+    gpu = deployments(runs)[held][0].gpu_class
+    rest = [r for r in runs if r.gpu_class == gpu and r.deployment != held]
+    if rest:
+        progress(f"fold {held}: refitting {gpu} on {len(deployments(rest))} other deployments")
+        return fit_class(rest)
+    progress(f"fold {held}: no other {gpu} deployment; the generic profile of the other classes")
+    return generic({g: p for g, p in full.items() if g != gpu})
+
+
+# ----------------------------------------------------------------------------- the table
+
+def tables_cover(run: Run) -> bool:
+    from sim.optables import TablesUnavailable, tables_for
+
+    s = run.scenario
+    try:
+        tables_for(s.device.name, s.model, s.parallelism.tp, s.max_num_batched_tokens, s.max_num_seqs,
+                   s.max_model_len)
+    except (TablesUnavailable, ImportError):
+        return False
+    return True
+
+
+def run_rows(run: Run, params: dict[str, float]) -> dict:
+    row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": len(run.requests),
+           "source": run.source}
+    row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients())).items()})
+    if tables_cover(run):
+        row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables")).items()})
+    trained = trained_coefficients(params)
+    row.update({f"trained {k}": v for k, v in errors(run, predict(run, trained)).items()})
+    return row
+
+
+def _fold_rows(name: str) -> list[dict]:
+    runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
+    params = fold_params(runs, name, full, progress)
+    return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
+            for run in deployments(runs)[name]]
+
+
+def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
+               progress=print, jobs: int = 1) -> pd.DataFrame:
+    """One row per run, predicted by its fold; folds are independent, so `jobs` processes
+    (forked: they share the loaded runs) give the same table as one."""
+    names = [n for n in deployments(runs) if only is None or n in only]
+    _FOLD_STATE.update(runs=runs, full=full, progress=progress)
+    parts = _map(_fold_rows, names, jobs)
+    return pd.DataFrame([row for part in parts for row in part])
+
+
+def per_deployment(table: pd.DataFrame) -> pd.DataFrame:
+    """Per deployment and source/metric: the mean signed error of its runs."""
+    cols = [c for c in table.columns if c.split(" ")[0] in SOURCES]
+    return table.groupby("deployment", sort=False)[cols].mean()
+
+
+def bands(table: pd.DataFrame) -> dict[str, dict[str, dict]]:
+    """Per source and metric: the typical error (median |error| over deployments), how many
+    held-out deployments it comes from, and the worst one."""
+    dep = per_deployment(table)
+    out: dict[str, dict[str, dict]] = {}
+    for col in dep.columns:
+        source, metric = col.split(" ", 1)
+        values = dep[col].dropna()
+        if len(values):
+            out.setdefault(source, {})[metric] = {
+                "typical": round(float(values.abs().median()), 4), "deployments": int(len(values)),
+                "worst": round(float(values.abs().max()), 4), "mean_signed": round(float(values.mean()), 4)}
+    return out
+
+
+def trained_wins(table: pd.DataFrame) -> dict[str, bool]:
+    """Per metric: is trained's typical error below datasheet's and tables', each compared on the
+    deployments both predict (tables covers fewer GPUs)?"""
+    dep = per_deployment(table)
+    out = {}
+    for metric in METRICS:
+        mine = f"trained {metric}"
+        if mine not in dep:
+            continue
+        verdicts = []
+        for other in ("datasheet", "tables"):
+            col = f"{other} {metric}"
+            if col in dep:
+                both = dep[[mine, col]].dropna().abs()
+                if len(both):
+                    verdicts.append(both[mine].median() < both[col].median())
+        out[metric] = bool(verdicts) and all(verdicts)
+    return out
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_family(full: dict[str, dict[str, float]], table: pd.DataFrame, runs: list[Run],
+                 path: Path = FAMILY_FILE) -> Path:
+    from sim.output.io import write_text
+
+    deps = deployments(runs)
+    data = {
+        "family": "trained", "version": FAMILY_VERSION,
+        "written": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "method": ("validate/lodo.py: per GPU class, validate/vllm_fit.py's least squares on log errors of mean "
+                   "TTFT, TPOT, E2E and throughput of every public run of the class (tests/data/vllm_public)"),
+        "parameters": list(NAMES),
+        "classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
+                          "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
+                          "runs": sum(1 for r in runs if r.gpu_class == gpu)}
+                    for gpu, p in sorted(full.items())},
+        "generic": {k: float(f"{v:.5g}") for k, v in generic(full).items()},
+        "sources": sorted({r.source for r in runs}),
+        "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
+                       "table": str(TABLE_FILE.relative_to(ROOT)), "bands": bands(table),
+                       "trained_beats_datasheet_and_tables": trained_wins(table)},
+    }
+    header = ("# kvtwin trained step-time profile family (`step_times: trained`), written by\n"
+              "# `python -m validate.lodo`; do not edit by hand. Cited sources: tests/data/vllm_public/SOURCES.md.\n")
+    return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
+
+
+DOCS_FILE = ROOT / "docs" / "fidelity.md"
+BEGIN, END = "<!-- lodo table: written by python -m validate.lodo -->", "<!-- end of the lodo table -->"
+
+
+def _cell(values: list) -> str:
+    return " / ".join("n/a" if v is None or pd.isna(v) else f"{v:+.0%}" for v in values)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """The per-deployment table (mean signed error of its runs; datasheet / tables / trained per
+    cell) and the typical error per source and metric, as docs/fidelity.md shows them."""
+    dep, b = per_deployment(table), bands(table)
+    counts = table.groupby("deployment", sort=False)["run"].count()
+    lines = []
+    for title, metrics in (("means and throughput", ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")),
+                           ("p99", ("ttft_p99", "tpot_p99", "e2e_p99"))):
+        lines += [f"**{title}** (each cell: datasheet / tables / trained)", "",
+                  "| deployment | runs | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+        for name in dep.index:
+            cells = [_cell([dep.loc[name].get(f"{s} {m}") for s in SOURCES]) for m in metrics]
+            lines.append(f"| {name} | {counts[name]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["**typical error** (median |error| over held-out deployments; worst in brackets)", "",
+              "| metric | " + " | ".join(SOURCES) + " |", "|---|" + "---|" * len(SOURCES)]
+    for m in METRICS:
+        cells = []
+        for s in SOURCES:
+            e = b.get(s, {}).get(m)
+            cells.append(f"{e['typical']:.0%} ({e['worst']:.0%}, n={e['deployments']})" if e else "n/a")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    wins = trained_wins(table)
+    lines += ["", "trained beats datasheet and tables on: " + (", ".join(m for m, w in wins.items() if w) or "none")
+              + "; not on: " + (", ".join(m for m, w in wins.items() if not w) or "none")]
+    return "\n".join(lines)
+
+
+def write_docs(table: pd.DataFrame, path: Path = DOCS_FILE) -> Path:
+    """Replace the generated block of docs/fidelity.md (the prose around it is kept)."""
+    from sim.output.io import write_text
+
+    text = path.read_text() if path.exists() else f"# Fidelity\n\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return write_text(path, f"{head}{BEGIN}\n{markdown(table)}\n{END}{tail}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from sim.output.io import write_csv
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", metavar="DEPLOYMENT", help="recompute one fold and compare with the stored table")
+    p.add_argument("--docs-only", action="store_true", help="rewrite docs/fidelity.md from the stored table")
+    p.add_argument("--jobs", type=int, default=1, help="folds fitted in parallel (forked processes)")
+    args = p.parse_args(argv)
+    if args.docs_only:
+        write_docs(pd.read_csv(TABLE_FILE))
+        return 0
+    runs, skipped = all_runs()
+    print(f"{len(runs)} runs of {len(deployments(runs))} deployments; skipped: {skipped}")
+    if args.check:
+        family = yaml.safe_load(FAMILY_FILE.read_text())
+        full = {g: c["parameters"] for g, c in family["classes"].items()}
+        now = lodo_table(runs, full, only=[args.check])
+        print(now.to_string())
+        return 0
+    full = class_params(runs, jobs=args.jobs)
+    table = lodo_table(runs, full, jobs=args.jobs)
+    write_csv(TABLE_FILE, table)
+    write_family(full, table, runs)
+    write_docs(table)
+    print(markdown(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
