@@ -23,7 +23,7 @@ OUTSIDE = [
     re.compile(r"/work/(?:shared|main|wt)\b"),
 ]
 NOTE = re.compile(r"\b(?:%s)\.md\b" % "|".join(OUTSIDE_NOTES))
-DOCS_PATH = re.compile(r"\bdocs/[\w./-]+\.md\b")
+DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]+\.md\b")   # (not a path inside a URL)
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 HTML_COMMENT = re.compile(r"<!--.*?-->", re.S)
 
