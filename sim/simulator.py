@@ -3,7 +3,7 @@
 Each engine loop reads like the engine it models: schedule a batch with the shared
 policy, spend the cost model's step time, finish the step, repeat; sleep when there is
 nothing to do and wake on the next arrival. One SimPy event per engine step, never per token,
-and one per *leap* where it can (sim/core/leap.py): a stretch of pure decode steps between
+and one per *leap* where it can (sim/core/fast/leap.py): a stretch of pure decode steps between
 two events runs as one, priced in bulk, and ends before the next request reaches a router
 (so every routing decision sees the same replica states as the step-by-step path).
 """
@@ -21,16 +21,14 @@ import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager, new_kv_manager
-from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
+from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RequestTable, RunRecords, StepRecorder
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.status import REJECTED
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
-
-# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
-_REJECTED = Status.REJECTED
 
 
 @dataclass
@@ -106,7 +104,7 @@ class Client:
         self.in_flight += 1
         req.arrival = self.env.now
         self.route(req)
-        if req.status is _REJECTED:           # answered at once: the slot frees
+        if req.status is REJECTED:           # answered at once: the slot frees
             self.in_flight -= 1
 
 
@@ -202,7 +200,7 @@ class Simulation:
         """Send a request to the router; one rejected at once (with the later turns of its
         conversation) has ended: its figures go into the records."""
         self._router.route(req)
-        if req.status is _REJECTED:
+        if req.status is REJECTED:
             turn: Optional[Request] = req
             while turn is not None:
                 self._ended.add(turn)
@@ -303,8 +301,10 @@ class Simulation:
             else:
                 replica.busy_until = end
                 yield _At(env, end)
-            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
-                                 waiting, used, cached, slack, host, device, sched.num_waiting)
+            recorder.record_leap(first_step=plan.first_step, start_s=start, ends=ends, rows=plan.rows,
+                                 decode_ctx=ctx, blocks_read=blocks, running=running, waiting=waiting,
+                                 kv_used=used, kv_cached=cached, slack=slack, host=host, device=device,
+                                 waiting_last=sched.num_waiting)
             finished = finish_leap(sched)
             if finished:
                 self._retire(env, replica, finished)

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from dataclasses import dataclass
 from operator import and_
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.status import FINISHED
 
 NULL_BLOCK = 0
-_FINISHED = Status.FINISHED    # (an enum member read off its class is a descriptor call)
 # The simulator's pool (CountingBlockPool) names only the blocks the hash map holds. A block table
 # holds ANON for any other block; its free queue holds CACHED for a free block with private content
 # (it counts as cached, and its reuse as an eviction) and EMPTY for one with none.
@@ -526,6 +527,20 @@ class CountingBlockPool(BlockPool):
         self._check_map()
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """The shape of a KV cache, as the decode cohort (sim/core/fast/cohort.py) must know it to
+    take and publish its members' blocks in bulk exactly as `allocate_slots` would one by one."""
+
+    block_size: int
+    paged: bool                   # blocks are taken as tokens are scheduled (contiguous: at admission)
+    prefix_caching: bool
+    private_blocks: bool          # a request's private blocks stay out of the hash map (KVCacheManager)
+    tables: int                   # block tables per request: one per KV cache group
+    sliding_window: Optional[int]     # the window sliding groups free behind, None without one
+    named_blocks: bool            # every block has an id (BlockPool), not only the mapped ones
+
+
 class PrefixCacheStats:
     """Token counts of prefix-cache lookups, as vLLM's PrefixCacheStats (first admissions only)."""
 
@@ -597,6 +612,11 @@ class KVCacheManager:
                               "contiguous" if self.contiguous else "paged", self.max_model_len,
                               self.contiguous_reserve, self.block_ids)
 
+    def layout(self) -> CacheLayout:
+        return CacheLayout(block_size=self.block_size, paged=not self.contiguous, prefix_caching=self.enable_caching,
+                           private_blocks=self.private_blocks, tables=self.num_groups,
+                           sliding_window=self.window if self.sliding else None, named_blocks=self.block_ids)
+
     # -- sizes ---------------------------------------------------------------------------
     def reserve_tokens(self, req: Request) -> int:
         """Tokens a request's allocation must cover by the time it finishes."""
@@ -625,9 +645,9 @@ class KVCacheManager:
     def _lookup_span(self, req: Request) -> int:
         """How many leading blocks of a new request a prefix hit may cover (their hashes made):
         floor((num_tokens - 1) / bs), 0 without caching or once the request computed anything."""
-        if not self.enable_caching or req._computed:      # (no cohort member waits: fields are progress)
+        if not self.enable_caching or req.num_computed:
             return 0
-        max_blocks = (req.prompt_len + req._output - 1) // self.block_size
+        max_blocks = (req.prompt_len + req.num_output - 1) // self.block_size
         if self.private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
             max_blocks = min(max_blocks, req.first_private_block(self.block_size))
         req.extend_block_hashes(max_blocks, self.block_size)
@@ -661,8 +681,8 @@ class KVCacheManager:
             req.blocks.extend(pool.get_new_blocks(need))
         self.held_slots += (len(req.blocks) - held) * bs
         if self.enable_caching:
-            covered = req._computed + len(hit_blocks) * bs + num_new_tokens
-            self.register_full_blocks(req, min(covered, req.prompt_len + req._output))
+            covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
         return True
 
     def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
@@ -675,7 +695,7 @@ class KVCacheManager:
         """(new blocks an allocation takes, free blocks it requires to go ahead)."""
         bs = self.block_size
         held = len(req.blocks)
-        covered = req._computed + len(hit_blocks) * bs + num_new_tokens
+        covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
@@ -713,7 +733,7 @@ class KVCacheManager:
         blocks = req.blocks
         if blocks:
             # (CountingBlockPool counts a finished request's private blocks as cached at free)
-            if self.enable_caching and self.private_blocks and (self.block_ids or req.status < _FINISHED):
+            if self.enable_caching and self.private_blocks and (self.block_ids or req.status < FINISHED):
                 self._settle_private(req)
             self.held_slots -= len(blocks) * self.block_size
             self.pool.free_table(blocks, req.num_registered, req.kv_lease)

@@ -28,23 +28,28 @@ finishers are freed in `finish_step`, so an engine that goes idle does not keep 
 """
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Optional
 
-from sim.core.cohort import DecodeCohort, _run_seq
+from sim.core.fast.cohort import DecodeCohort
 from sim.core.kvcache import KVCacheManager
 from sim.core.memory import cdiv
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.request_queue import make_request_queue
+from sim.core.status import ABORTED, FINISHED, PREEMPTED, REJECTED, RUNNING, WAITING
 
-# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
-_WAITING = Status.WAITING
-_RUNNING = Status.RUNNING
-_PREEMPTED = Status.PREEMPTED
-_FINISHED = Status.FINISHED
-_REJECTED = Status.REJECTED
-_ABORTED = Status.ABORTED
+
+_by_run_seq = attrgetter("run_seq")     # a request's position in the running list (a C-level sort key)
+
+
+@dataclass(frozen=True)
+class StaticBatch:
+    """The static batch running now: its rows, the padded prompt length, the step that formed it."""
+
+    rows: int
+    length: int
+    first_step: int
 
 
 @dataclass(frozen=True)
@@ -58,17 +63,21 @@ class SchedulerConfig:
     step_composition: str = "mixed"         # mixed | prefill_first
     admission_watermark: float = 0.0
     reserve_full_prompt: bool = True
-    # Advance steady decodes as a cohort (sim/core/cohort.py); False forces the one-by-one loop.
+    # Advance steady decodes as a cohort (sim/core/fast/cohort.py); False forces the one-by-one loop.
     lazy_decode: bool = True
     # vLLM's async scheduling: finished requests leave RUNNING one step late (module docstring).
     async_scheduling: bool = False
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
+        """The policy's settings from a validated scenario: every scenario field the scheduler
+        consults is read here, and nowhere else."""
         e = s.engine
-        return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, e.batching,
-                   e.chunked_prefill, e.scheduling_policy, e.step_composition,
-                   e.admission_watermark, e.reserve_full_prompt, async_scheduling=s.async_scheduling)
+        return cls(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                   max_model_len=s.max_model_len, batching=e.batching, chunked_prefill=e.chunked_prefill,
+                   policy=e.scheduling_policy, step_composition=e.step_composition,
+                   admission_watermark=e.admission_watermark, reserve_full_prompt=e.reserve_full_prompt,
+                   async_scheduling=s.async_scheduling)
 
 
 class Batch:
@@ -128,14 +137,14 @@ class Batch:
     def add(self, req: Request, n: int, block_size: int) -> None:
         """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM).
         Requests are added one by one, so never as cohort members: their fields are their progress."""
-        assert req._cohort is None
-        start = req._computed
+        assert req.cohort is None
+        start = req.num_computed
         ctx = start + n
-        tokens = req.prompt_len + req._output
+        tokens = req.prompt_len + req.num_output
         self.blocks_read += -(-ctx // block_size)
         # A decode is the one token that completes the sequence. A resumed request's 1-token
         # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
-        if n == 1 and req._output and ctx == tokens:
+        if n == 1 and req.num_output and ctx == tokens:
             self.decodes.append(req)
             self.num_decode += 1
             self.decode_ctx += ctx
@@ -147,7 +156,7 @@ class Batch:
             self.prefill_attn += n * start + n * (n + 1) // 2
             if ctx < tokens:                     # a chunk that emits nothing: remember its step
                 req.chunk_steps.append(self.step)
-        req._computed = ctx
+        req.num_computed = ctx
 
     def remove(self, req: Request, block_size: int) -> int:
         """Take a request back out (it was preempted after being scheduled); returns its tokens."""
@@ -176,28 +185,22 @@ class Batch:
 class Scheduler:
     # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
     # instance dict past CPython's shared-key limit makes every read a dict lookup)
-    __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
-                 "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished",
-                 "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq",
-                 "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "_static_rows",
-                 "_static_len", "_static_step", "_finishing", "pending_release")
+    __slots__ = ("config", "kv", "block_size", "static", "mixed", "lazy", "cohort", "waiting", "running",
+                 "active", "step", "num_added", "num_finished",
+                 "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_run_seq",
+                 "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "static_batch",
+                 "_finishing", "pending_release")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
-        self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
         self.lazy = config.lazy_decode
         # (a grouped KV cache: a block per table at each crossing, frees behind sliding windows)
-        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks,
-                                   kv.num_groups, kv.window if kv.sliding else None)
-        self.waiting_fifo: deque[Request] = deque()
-        self.waiting_heap: list = []
-        # Requests in the queue in use: a count kept as they come and go, as the drivers read it
-        # several times a step (a property call costs as much as a dozen attribute reads).
-        self.num_waiting = 0
+        self.cohort = DecodeCohort(kv.layout())
+        self.waiting = make_request_queue(config.policy)     # the queue type is the fcfs/priority policy
         self.running: list[Request] = []
         # Running requests outside the decode cohort, in admission order (usually a few prefills).
         self.active: dict[Request, None] = {}
@@ -205,14 +208,12 @@ class Scheduler:
         self.num_added = self.num_finished = self.num_rejected = self.num_aborted = 0
         self.num_preemptions = 0
         self.tokens_held = 0           # sum of num_computed over running requests
-        self._heap_seq = 0
         self._run_seq = 0
         self._empty_preempted: list[Request] = []
         self._returned = 0
         self._usable_blocks = kv.pool.usable_blocks     # (the pool's size is fixed: read once, not per request)
         self._watermark_blocks = int(config.admission_watermark * self._usable_blocks)
-        # The static batch running now: its rows, padded prompt length and first step.
-        self._static_rows = self._static_len = self._static_step = 0
+        self.static_batch: Optional[StaticBatch] = None       # (static batching)
         # async scheduling: requests that finished in the last step, still in `running` with their
         # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
         # planning step N+1)
@@ -227,12 +228,12 @@ class Scheduler:
         self.num_added += 1
         reason = self._reject_reason(req)
         if reason:
-            req.status = _REJECTED
+            req.status = REJECTED
             req.reject_reason = reason
             self.num_rejected += 1
             return False
-        req.status = _WAITING
-        self._push_waiting(req, front=False)
+        req.status = WAITING
+        self.waiting.add(req)
         return True
 
     def _reject_reason(self, req: Request) -> Optional[str]:
@@ -256,50 +257,25 @@ class Scheduler:
         """Drop a queued or running request (a client went away), freeing its blocks."""
         if req.is_finished:
             return
-        if req._cohort is not None:
+        if req.cohort is not None:
             self.cohort.leave(req)
         if req in self.running:
             self.running.remove(req)
             self.active.pop(req, None)
-        elif self.priority:
-            kept = [e for e in self.waiting_heap if e[-1] is not req]
-            self.num_waiting -= len(self.waiting_heap) - len(kept)
-            self.waiting_heap[:] = kept
-            heapq.heapify(self.waiting_heap)
-        elif req in self.waiting_fifo:
-            self.waiting_fifo.remove(req)
-            self.num_waiting -= 1
-        if req.status is _RUNNING:
+        else:
+            self.waiting.discard(req)
+        if req.status is RUNNING:
             self.tokens_held -= req.num_computed
         self.kv.free(req)
-        req.status = _ABORTED
+        req.status = ABORTED
         req.reject_reason = "aborted"
         req.close_emit_run()
         self.num_aborted += 1
 
     # -- queues --------------------------------------------------------------------------
-    def _push_waiting(self, req: Request, front: bool) -> None:
-        self.num_waiting += 1
-        if self.priority:
-            self._heap_seq += 1
-            arrival = req.arrival if req.arrival is not None else 0.0
-            heapq.heappush(self.waiting_heap, (req.priority, arrival, self._heap_seq, req))
-        elif front:
-            self.waiting_fifo.appendleft(req)
-        else:
-            self.waiting_fifo.append(req)
-
-    def _peek_waiting(self) -> Optional[Request]:
-        if self.priority:
-            return self.waiting_heap[0][-1] if self.waiting_heap else None
-        return self.waiting_fifo[0] if self.waiting_fifo else None
-
-    def _pop_waiting(self) -> None:
-        self.num_waiting -= 1
-        if self.priority:
-            heapq.heappop(self.waiting_heap)
-        else:
-            self.waiting_fifo.popleft()
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -329,7 +305,7 @@ class Scheduler:
             # requests (vLLM's update_from_output runs after the next schedule).
             released = bool(self._finishing)
             if released:
-                self._release_finishing()
+                self.release_finishing()
             # A pass that finds nothing only because the last step's finishers still held their
             # blocks or seats is an empty step in vLLM; their release lets the next pass run.
             if batch is not None or not (self._empty_preempted or released):
@@ -375,18 +351,17 @@ class Scheduler:
         """
         bs = self.block_size
         if batch.admitted:
-            self._static_rows = len(batch.admitted)
-            self._static_len = max(r.num_tokens for r in batch.admitted)
-            self._static_step = batch.step
-        rows, length = self._static_rows, self._static_len
-        if batch.step == self._static_step:
+            self.static_batch = StaticBatch(rows=len(batch.admitted), length=max(r.num_tokens for r in batch.admitted),
+                                            first_step=batch.step)
+        rows, length, first_step = self.static_batch.rows, self.static_batch.length, self.static_batch.first_step
+        if batch.step == first_step:
             batch.pad_len = length
             batch.num_prefill_tokens = rows * length
             batch.prefill_ctx = 0
             batch.prefill_attn = rows * (length * (length + 1) // 2)
             batch.blocks_read = rows * -(-length // bs)
             return
-        ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
+        ctx = length + batch.step - first_step     # every prompt was computed when the batch formed
         batch.pad_rows = rows - len(batch.decodes)
         batch.num_decode = rows
         batch.pad_len = ctx
@@ -427,13 +402,13 @@ class Scheduler:
                 candidates = others
         if want != "prefill":
             cohort.sync(batch.step)
-        # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
-        if self.priority:
-            candidates = list(candidates)
+        # A victim (the fcfs tail, or any priority's) leaves `running` while it is walked: walk a
+        # snapshot and skip the preempted.
+        candidates = list(candidates)
         for req in candidates:
             if budget <= 0:
                 break
-            if req.status is not _RUNNING:
+            if req.status is not RUNNING:
                 continue
             n = req.num_tokens - req.num_computed
             if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
@@ -443,14 +418,14 @@ class Scheduler:
                     continue           # a whole prompt must fit one step without chunking
                 n = budget
             budget = self._schedule_slow(req, n, batch, budget)
-            if req.status is not _RUNNING:
+            if req.status is not RUNNING:
                 break                  # it preempted itself
         return budget
 
     def _last_freeing_member(self, step: int) -> int:
         """The latest running position among members that may free behind their window at `step`."""
         freeing = self.cohort.freeing(step)
-        return max(map(_run_seq, freeing)) if freeing else -1
+        return max(map(_by_run_seq, freeing)) if freeing else -1
 
     def _cohort_can_take(self, step: int, budget: int) -> Optional[list[Request]]:
         """The running non-members (admission order) if every member gets its token this step.
@@ -484,7 +459,7 @@ class Scheduler:
             left -= n
             if left == 0:
                 later = self.running[self.running.index(req) + 1:]
-                if any(r._cohort is not None for r in later):
+                if any(r.cohort is not None for r in later):
                     return None
                 break
         return others if blocks <= kv.pool.num_free else None
@@ -519,20 +494,15 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        if self.priority:
-            return max(self.running, key=lambda r: (r.priority, r.arrival or 0.0, r.id))
-        return self.running[-1]
+        return self.waiting.preemption_victim(self.running)
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
-        if victim.status is _FINISHED:
+        if victim.status is FINISHED:
             self._preempt_finishing(victim, batch)
             return
-        if victim._cohort is not None:
+        if victim.cohort is not None:
             self.cohort.leave(victim)
-        if self.priority:
-            self.running.remove(victim)
-        else:
-            self.running.pop()
+        self.running.remove(victim)
         self.active.pop(victim, None)
         scheduled_now = 0
         if victim in batch.decodes or victim in batch.prefills:
@@ -541,20 +511,17 @@ class Scheduler:
         self.tokens_held -= victim.num_computed - scheduled_now
         self.kv.free(victim)
         victim.num_computed = 0
-        victim.status = _PREEMPTED
+        victim.status = PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(victim)
-        self._push_waiting(victim, front=True)
+        self.waiting.add_preempted(victim)
 
     def _preempt_finishing(self, victim: Request, batch: Batch) -> None:
         """Async scheduling: the victim emitted its last token in the step in flight. vLLM frees
         its blocks now and counts a preemption; its output then finishes it from the waiting queue,
         before anything is admitted, so it simply finishes here."""
-        if self.priority:
-            self.running.remove(victim)
-        else:
-            self.running.pop()
+        self.running.remove(victim)
         self._finishing.remove(victim)
         self.pending_release = bool(self._finishing)
         self._free_finished(victim)
@@ -567,21 +534,21 @@ class Scheduler:
         cfg, kv = self.config, self.kv
         running = self.running
         while self.num_waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
-            req = self._peek_waiting()
-            resumed = req.status is _PREEMPTED
+            req = self.waiting.peek()
+            resumed = req.status is PREEMPTED
             args = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if args is None:
                 break
             hits, hit_tokens, n_now, gate, reserve = args
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
-            self._pop_waiting()
-            kv.stats.record(req.prompt_len + req._output, hit_tokens, resumed)   # (num_tokens: no member waits)
+            self.waiting.pop_head()
+            kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)   # (num_tokens: no member waits)
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
-            req.status = _RUNNING
-            req._computed = hit_tokens
+            req.status = RUNNING
+            req.num_computed = hit_tokens
             self.tokens_held += hit_tokens
             self._run_seq += 1
             req.run_seq = self._run_seq
@@ -598,7 +565,7 @@ class Scheduler:
         blocks kept free), or None when the token budget stops it before the pool is asked."""
         cfg = self.config
         hits, hit_tokens = self.kv.find_cached_prefix(req)
-        num_tokens = req.prompt_len + req._output       # (no cohort member waits)
+        num_tokens = req.prompt_len + req.num_output       # (no cohort member waits)
         n = num_tokens - hit_tokens
         # prefill_first (nano-vllm): only the step's first prefill may be chunked.
         may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
@@ -613,10 +580,10 @@ class Scheduler:
 
     def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
         """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
-        (No state changes; the leap planner asks this, sim/core/leap.py.)"""
+        (No state changes; the leap planner asks this, sim/core/fast/leap.py.)"""
         if len(self.running) >= self.config.max_num_seqs or (budget <= 0 and not self.static):
             return False
-        req = self._peek_waiting()
+        req = self.waiting.peek()
         if req is None:
             return False
         args = self._admission(req, budget, batch_empty)
@@ -635,7 +602,7 @@ class Scheduler:
         step = batch.step
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
         for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
-            if r._computed >= r.prompt_len + r._output:    # (one by one: no member, fields are progress)
+            if r.num_computed >= r.prompt_len + r.num_output:    # (one by one: no member, fields are progress)
                 emitted.append(r)
         finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
         for req in emitted:
@@ -645,7 +612,7 @@ class Scheduler:
             self._retire_finished(step, finished)
         if self.lazy:
             for req in emitted:
-                if req.status is _RUNNING and not req.is_live:
+                if req.status is RUNNING and not req.is_live:
                     self.cohort.join(req, step)
                     del self.active[req]
         return finished
@@ -670,9 +637,9 @@ class Scheduler:
         """Mark the step's finished requests and free them (async: after the next pass).
         (Its callers skip it when nothing finished and nothing is held over: most steps.)"""
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
-            finished.sort(key=_run_seq)
+            finished.sort(key=_by_run_seq)
         for req in finished:
-            req.status = _FINISHED
+            req.status = FINISHED
             req.finish_step = step
             req.close_emit_run()
             self.active.pop(req, None)
@@ -681,15 +648,15 @@ class Scheduler:
         # Async: released after the next scheduling pass, unless nothing else is left to plan
         # (then vLLM processes the outputs at once, as a synchronous engine always does).
         if not (self.config.async_scheduling and self.has_other_work(finished)):
-            self._release_finishing()
+            self.release_finishing()
         self.num_finished += len(finished)
 
     def _free_finished(self, req: Request) -> None:
-        self.tokens_held -= req._computed  # (num_computed: a finished request has left the cohort)
+        self.tokens_held -= req.num_computed  # (num_computed: a finished request has left the cohort)
         self.kv.free(req)
         req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
 
-    def _release_finishing(self) -> None:
+    def release_finishing(self) -> None:
         """Free the finished requests in `_finishing` and take them out of RUNNING."""
         finishing, self._finishing = self._finishing, []
         self.pending_release = False
@@ -704,9 +671,6 @@ class Scheduler:
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:
         """Every added request is finished, rejected, aborted, waiting or running."""
-        queued = len(self.waiting_heap if self.priority else self.waiting_fifo)
-        if self.num_waiting != queued:
-            raise AssertionError(f"waiting count {self.num_waiting} != {queued} requests queued")
         if self.pending_release != bool(self._finishing):
             raise AssertionError(f"pending_release {self.pending_release} with {len(self._finishing)} finishing")
         live = self.num_waiting + len(self.running) - len(self._finishing)
