@@ -153,14 +153,16 @@ class Simulation:
         self._chained = (self.chain and self.fast and len(self.replicas) == 1 and self._client.limit is None
                          and self._min_think == math.inf)
         self._router = router
+        # One arrival path (`_Arrivals`): a SimPy process hands the requests over as they fall due;
+        # in a chained run nothing but the one replica acts between arrivals, so it takes them
+        # itself at each of its own events, in the order the process would have delivered them.
+        arrivals = _Arrivals(first_turns, self._client.send)
         if self._chained:
-            # Nothing but the one replica acts between arrivals: it takes them itself, at each of its
-            # own events, in the order SimPy would have delivered them (`_Arrivals`).
-            self._inline = _Arrivals(first_turns, self._route)     # (an open-loop client sends at once)
-            self._next_arrival = self._inline.next_time
+            self._inline = arrivals
+            self._next_arrival = arrivals.next_time
         else:
             self._inline = None
-            env.process(self._arrivals(env, first_turns))
+            env.process(self._arrivals(env, arrivals))
         env.run()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
@@ -187,13 +189,13 @@ class Simulation:
             self.requests.clear()
         return _drain(queue)
 
-    def _arrivals(self, env: simpy.Environment, requests: Iterator[Request]):
-        # (the same arrival times as _Arrivals computes: keep the two in step)
-        for req in requests:
-            if req.arrival > env.now:
-                self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
-                yield env.timeout(req.arrival - env.now)
-            self._client.send(req)
+    def _arrivals(self, env: simpy.Environment, arrivals: "_Arrivals"):
+        """The arrival process: sleep until the next request is due, hand over all that are."""
+        while arrivals.next_time < math.inf:
+            if arrivals.next_time > env.now:
+                self._next_arrival = arrivals.next_time
+                yield env.timeout(arrivals.next_delay())    # (lands on next_time: the same sum)
+            arrivals.deliver(env.now)
         self._next_arrival = math.inf
 
     def _route(self, req: Request) -> None:
@@ -412,10 +414,12 @@ def _drain(queue: deque) -> Iterator[Request]:
 
 
 class _Arrivals:
-    """The arrival process of a chained run (Simulation._chained), without a SimPy process of its
-    own: the replica hands over every request due by each of its events. Each arrival's time is
-    the one SimPy's timeout reaches from the previous (`t + (arrival - t)`), and one due exactly
-    at an event's time goes first, as its timeout, queued earlier, would."""
+    """The requests that arrive on their own, in order, each due where a SimPy timeout from the
+    previous one lands (`t + (arrival - t)`), and the one way they arrive: `deliver(now)` hands
+    over every request due by `now`. The arrival process (`Simulation._arrivals`) sleeps until
+    `next_time` and delivers; in a chained run (Simulation._chained) the one replica delivers at
+    each of its own events instead, a request due exactly then first, as the process's timeout,
+    queued earlier, would have."""
 
     def __init__(self, requests: Iterator[Request], send: Callable[[Request], None]):
         self._requests, self._send = requests, send
@@ -428,6 +432,10 @@ class _Arrivals:
             return math.inf
         t = self._time
         return t + (req.arrival - t) if req.arrival > t else t
+
+    def next_delay(self) -> float:
+        """The timeout from the latest arrival's time to the next one's (`next_time` is its sum)."""
+        return self._head.arrival - self._time
 
     def deliver(self, now: float) -> float:
         """Send every request due by `now`; returns when the next one is due (inf: none left)."""
@@ -442,7 +450,10 @@ class _Arrivals:
 class _At(simpy.events.Event):
     """An event at an absolute time. A leap must end exactly where its last step would have
     (now + d1 + d2 + ..., added step by step); SimPy's timeout computes now + delay, and no
-    float delay reaches every such sum, so the event goes on SimPy's queue as a Timeout does."""
+    float delay reaches every such sum (from now = 0.13319044464948654 every now + d rounds to an
+    even multiple of ulp(0.94): 0.9392256727552156 is out of reach), so the event goes on SimPy's
+    queue as a Timeout does. SimPy has no public call for it: the one place this module reaches
+    into SimPy's internals (docs/architecture_core.md, "The event loop")."""
 
     def __init__(self, env: simpy.Environment, when: float):
         self.env, self.callbacks = env, []      # (simpy.Event.__init__, without a call per step)

@@ -4,7 +4,7 @@ Mechanism (`BlockPool`): reference counts, a free queue in LRU order, the hash -
 map. Policy (`KVCacheManager`): how many blocks a request gets this step, which cached
 blocks it hits. No notion of time; the scheduler calls these between steps.
 
-vLLM behaviours copied on purpose (research/VLLM_SEMANTICS.md sections 2-3):
+vLLM behaviours copied on purpose (vllm/v1/core/block_pool.py, kv_cache_manager.py):
 - block 0 is the null block, never handed out;
 - only full blocks are hashed; a hash chains the parent's hash with the block's tokens;
 - hashes are registered when slots are allocated (schedule time), not after the step;
@@ -537,6 +537,7 @@ class CacheLayout:
     prefix_caching: bool
     private_blocks: bool          # a request's private blocks stay out of the hash map (KVCacheManager)
     tables: int                   # block tables per request: one per KV cache group
+    grouped: bool                 # a table per group, even a single one (GroupedKVCacheManager)
     sliding_window: Optional[int]     # the window sliding groups free behind, None without one
     named_blocks: bool            # every block has an id (BlockPool), not only the mapped ones
 
@@ -614,7 +615,7 @@ class KVCacheManager:
 
     def layout(self) -> CacheLayout:
         return CacheLayout(block_size=self.block_size, paged=not self.contiguous, prefix_caching=self.enable_caching,
-                           private_blocks=self.private_blocks, tables=self.num_groups,
+                           private_blocks=self.private_blocks, tables=self.num_groups, grouped=self.grouped,
                            sliding_window=self.window if self.sliding else None, named_blocks=self.block_ids)
 
     # -- sizes ---------------------------------------------------------------------------
@@ -685,6 +686,18 @@ class KVCacheManager:
             self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
         return True
 
+    def append_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Slots for `num_new_tokens` more tokens of a running request (what vLLM's allocate_slots
+        does for a request it schedules again): within the blocks it holds, only the blocks those
+        tokens fill are published; past them, `allocate_slots`. False, changing nothing, when the
+        pool is too small."""
+        covered = req.num_computed + num_new_tokens
+        if covered > len(req.blocks) * self.block_size:
+            return self.allocate_slots(req, num_new_tokens)
+        if self.enable_caching and covered // self.block_size > req.num_registered:
+            self.register_full_blocks(req, covered)
+        return True
+
     def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
                   reserve_free: int, free_blocks: int) -> bool:
         """Would `allocate_slots` succeed with `free_blocks` free? (No state changes.)"""
@@ -706,9 +719,6 @@ class KVCacheManager:
         gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
         hit_in_free = self.pool.free_among(hit_blocks) if hit_blocks else 0
         return need, gate + hit_in_free + reserve_free
-
-    def remove_skipped_blocks(self, req: Request) -> None:
-        """Free blocks no layer will read again (sliding windows only; see GroupedKVCacheManager)."""
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
@@ -924,6 +934,12 @@ class GroupedKVCacheManager(KVCacheManager):
         full = max(gate - held - num_hit, need)
         sliding = max(min(gate, self.sliding_cap) - held - num_hit, need)   # vLLM's admission cap
         return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
+
+    def append_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """As KVCacheManager.append_slots, after freeing the blocks behind the window (vLLM frees
+        them as it allocates, every step, whether or not a block is needed)."""
+        self.remove_skipped_blocks(req)
+        return super().append_slots(req, num_new_tokens)
 
     def frees_behind_window(self, req: Request) -> int:
         """How many leading table entries are behind the window of the request's next token,

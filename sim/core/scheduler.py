@@ -1,46 +1,55 @@
-"""Batching policies: continuous (vLLM V1 iteration-level, or V0 prefill-first) and static.
+"""The reference scheduling policy: vLLM V1's scheduler, plus the V0 order and static batching.
 
-The scheduler owns no clock. A driver (the SimPy simulator, or the engine in wall-clock
-time) calls `add`, `schedule` and `finish_step`; steps are counted, never timed.
+The scheduler owns no clock. A driver (the SimPy simulator, or the engine in wall-clock time)
+calls `add`, `schedule` and `finish_step`; steps are counted, never timed. docs/architecture_core.md
+walks through it; in short (vLLM's vllm/v1/core/sched/scheduler.py, `Scheduler.schedule`):
 
-Continuous, `mixed` composition (vLLM V1, research/VLLM_SEMANTICS.md section 4):
-RUNNING requests first, in admission order, each taking what it still needs (1 token for
-a decode, the rest of a prompt chunked to the budget); when a block cannot be had, the
-last-admitted (FCFS) or lowest-priority (PRIORITY) running request is preempted and will
-be recomputed. Then, if nothing was preempted, WAITING requests are admitted head first
-until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
-`prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
-be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
-`static` (HF `generate`, research/VLLM_SEMANTICS.md section 5): a batch is formed only
-when none is running, its prompts computed in one padded forward (no token budget, no
-chunks), and it runs until its last member finishes. Every step computes all B rows, padded
-to the longest prompt: a finished member's row keeps being computed (`Batch.pad_rows`).
+`mixed` (vLLM V1): RUNNING requests first, in admission order, each taking what it still needs
+(one token for a decode, the rest of a prompt chunked to the budget); when a block cannot be had,
+the queue type's victim (sim/core/request_queue.py) is preempted, to be recomputed. Then, if
+nothing was preempted, WAITING requests from the head until the token budget, max_num_seqs or the
+KV pool stops the head (head-of-line blocking).
+`prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can be
+scheduled, otherwise all decodes; only a step's first prefill may be chunked.
+`static` (HF `generate`): a batch forms only when none runs, its prompts computed in one padded
+forward, and it runs until its last member finishes; every step computes all B rows, padded to
+the longest (a finished member's row too: `Batch.pad_rows`).
 
-Async scheduling (vLLM's AsyncScheduler, `async_scheduling`): vLLM plans step N+1 while step
-N runs and processes N's outputs only after that, so a request that emits its last token in
-step N is removed from RUNNING, and its blocks freed, after step N+1 was planned. Step N+1
-does not compute for it (vLLM knows it reaches max_tokens), but it still holds its KV blocks
-and its max_num_seqs seat there; it can even be chosen as a preemption victim, which frees its
-blocks at once (it finishes all the same). Here `finish_step` retires such requests but keeps
-them in `running` (`_finishing`) until the next pass of `schedule` has run. When nothing else
-is waiting or running there is no next step to plan, and vLLM processes the outputs at once: the
-finishers are freed in `finish_step`, so an engine that goes idle does not keep their blocks.
+Async scheduling (vLLM's AsyncScheduler): vLLM plans step N+1 before it processes step N's
+outputs, so a request that emits its last token in step N still holds its blocks and its
+max_num_seqs seat while step N+1 is planned (it can even be the victim of a preemption, which
+frees its blocks at once). `finish_step` retires such requests but keeps them in `running`
+(`_finishing`) until the next `schedule` pass has run; with nothing else left to plan, vLLM
+processes the outputs at once, and so does `finish_step`.
+
+The decode cohort (sim/core/fast/cohort.py) is the one fast path inside a step: `take_step` gives
+every steady decode its token at once when that cannot change any outcome, else it dissolves.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Optional
+from typing import NamedTuple, Optional
 
+from sim.core.batch import Batch
 from sim.core.fast.cohort import DecodeCohort
 from sim.core.kvcache import KVCacheManager
-from sim.core.memory import cdiv
 from sim.core.request import Request
 from sim.core.request_queue import make_request_queue
 from sim.core.status import ABORTED, FINISHED, PREEMPTED, REJECTED, RUNNING, WAITING
 
 
 _by_run_seq = attrgetter("run_seq")     # a request's position in the running list (a C-level sort key)
+
+
+class Admission(NamedTuple):
+    """How the waiting head would be admitted now (`Scheduler._admission`)."""
+
+    hits: list                # the prefix-cache hit, as the KV manager found it (not looked inside)
+    hit_tokens: int
+    num_new: int              # tokens computed in this step
+    gate_tokens: int          # tokens whose blocks must be free to admit it (reserve_full_prompt)
+    reserve_free: int         # blocks that must stay free after it (the V0 watermark)
 
 
 @dataclass(frozen=True)
@@ -78,108 +87,6 @@ class SchedulerConfig:
                    policy=e.scheduling_policy, step_composition=e.step_composition,
                    admission_watermark=e.admission_watermark, reserve_full_prompt=e.reserve_full_prompt,
                    async_scheduling=s.async_scheduling)
-
-
-class Batch:
-    """One step's work: which requests compute how many new tokens, plus its composition.
-
-    Decodes (one generated token fed back) and prefills (whole prompts, chunks, recomputes)
-    are kept apart, so the hot decode path needs no per-sequence token count.
-    """
-
-    __slots__ = ("step", "decodes", "num_decode", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new",
-                 "decode_ctx", "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted",
-                 "admitted")
-
-    def __init__(self, step: int):
-        self.step = step
-        self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
-        self.cohort_size = 0
-        # Decode rows computed: len(decodes) + pad_rows, kept as they change (the cost model and
-        # the recorder read it every step; a property read is a call)
-        self.num_decode = 0
-        self.pad_rows = 0            # static batching: rows computed for members that finished
-        self.pad_len = 0             # static batching: the padded length every row reaches this step
-        self.prefills: list[Request] = []
-        self.prefill_new: list[int] = []
-        self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
-        self.num_prefill_tokens = 0  # prompt tokens computed (whole prompts and chunks)
-        self.prefill_ctx = 0         # sum of cached context the prefill chunks attend to
-        self.prefill_attn = 0        # sum over chunks of q x (context + (q + 1) / 2): causal score pairs
-        self.blocks_read = 0         # KV blocks the attention kernels walk
-        self.preempted: list[Request] = []
-        self.admitted: list[Request] = []
-
-    def __len__(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.num_decode + len(self.prefills)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
-        return self.num_prefill_tokens + self.num_decode
-
-    @property
-    def reqs(self) -> list[Request]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_new(self) -> list[int]:
-        return [1] * len(self.decodes) + self.prefill_new
-
-    def starts(self) -> list[int]:
-        """Context length before this step, per sequence in `reqs` order."""
-        return [r.num_computed - n for r, n in zip(self.reqs, self.num_new)]
-
-    def add(self, req: Request, n: int, block_size: int) -> None:
-        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM).
-        Requests are added one by one, so never as cohort members: their fields are their progress."""
-        assert req.cohort is None
-        start = req.num_computed
-        ctx = start + n
-        tokens = req.prompt_len + req.num_output
-        self.blocks_read += -(-ctx // block_size)
-        # A decode is the one token that completes the sequence. A resumed request's 1-token
-        # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
-        if n == 1 and req.num_output and ctx == tokens:
-            self.decodes.append(req)
-            self.num_decode += 1
-            self.decode_ctx += ctx
-        else:
-            self.prefills.append(req)
-            self.prefill_new.append(n)
-            self.num_prefill_tokens += n
-            self.prefill_ctx += start
-            self.prefill_attn += n * start + n * (n + 1) // 2
-            if ctx < tokens:                     # a chunk that emits nothing: remember its step
-                req.chunk_steps.append(self.step)
-        req.num_computed = ctx
-
-    def remove(self, req: Request, block_size: int) -> int:
-        """Take a request back out (it was preempted after being scheduled); returns its tokens."""
-        ctx = req.num_computed
-        if req in self.decodes:
-            i = self.decodes.index(req)
-            del self.decodes[i]
-            self.num_decode -= 1
-            self.cohort_size -= i < self.cohort_size
-            n = 1
-            self.decode_ctx -= ctx
-        else:
-            i = self.prefills.index(req)
-            del self.prefills[i]
-            n = self.prefill_new.pop(i)
-            start = ctx - n
-            self.num_prefill_tokens -= n
-            self.prefill_ctx -= start
-            self.prefill_attn -= n * start + n * (n + 1) // 2
-            if req.chunk_steps and req.chunk_steps[-1] == self.step:
-                req.chunk_steps.pop()
-        self.blocks_read -= -(-ctx // block_size)
-        return n
 
 
 class Scheduler:
@@ -322,17 +229,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.mixed:
             admit = not (self.static and self.running)
-            budget = self._schedule_running(batch, budget, want="all")
+            budget = self._schedule_running(batch, budget)
             if admit and not batch.preempted:
                 self._schedule_waiting(batch, budget)
         else:
-            budget = self._schedule_running(batch, budget, want="prefill")
+            budget = self._schedule_running(batch, budget, only="prefill")
             if not batch.preempted:
                 budget = self._schedule_waiting(batch, budget)
             if len(batch):         # a prefill step: the decodes wait; the cohort sits it out intact
                 self.cohort.pause(batch.step)
             else:
-                self._schedule_running(batch, budget, want="decode")
+                self._schedule_running(batch, budget, only="decode")
         if not (batch.decodes or batch.prefills):
             self._empty_preempted = batch.preempted
             return None
@@ -368,115 +275,47 @@ class Scheduler:
         batch.decode_ctx = rows * ctx
         batch.blocks_read = rows * -(-ctx // bs)
 
-    @property
-    def slack_tokens(self) -> int:
-        """Slots allocated to running requests but holding no token (tails, reservations)."""
-        return self.kv.held_slots - self.tokens_held
-
-    def kv_figures(self) -> tuple[int, int, int]:
-        """(blocks in use, cached free blocks, slack tokens): what a step record keeps, in one call."""
-        kv = self.kv
-        pool = kv.pool
-        return pool.num_blocks - 1 - pool.num_free, pool.num_cached_free, kv.held_slots - self.tokens_held
-
-    def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
-        """RUNNING requests in admission order: decodes and the rest of their prompts."""
-        cohort = self.cohort
+    def _schedule_running(self, batch: Batch, budget: int, only: Optional[str] = None) -> int:
+        """RUNNING requests in admission order, each given what it still needs: one token for a
+        decode, the rest of its prompt (chunked to the budget) otherwise. `only` is prefill_first's
+        pass, taking only "prefill"s or only "decode"s."""
         candidates = self.running
-        if want == "prefill":              # prefill_first's prefill pass: the cohort holds decodes only
-            candidates = list(self.active) if cohort.members else candidates
-        elif cohort.members:
-            others = self._cohort_can_take(batch.step, budget)
-            if others is None:
-                cohort.dissolve()              # some member may not get its token: go one by one
-                self.active = dict.fromkeys(self.running)
-            else:
-                cohort.advance(batch.step, self.kv)
-                n = len(cohort.members)          # (len(cohort) would call DecodeCohort.__len__)
-                batch.decodes.extend(cohort.members)
-                batch.num_decode += n
-                batch.cohort_size = n
-                batch.decode_ctx += cohort.ctx_offset_sum + n * cohort.scheduled_step
-                batch.blocks_read += cohort.blocks_walked
-                budget -= n
-                candidates = others
-        if want != "prefill":
+        cohort = self.cohort
+        if only == "prefill":
+            if cohort.members:             # (members are decodes: the one-by-one requests are `active`)
+                candidates = self.active
+        else:
+            if cohort.members:             # fast path: every member's token at once (sim/core/fast/cohort.py)
+                others = cohort.take_step(self, batch, budget)
+                if others is None:         # some member might not get its token: it dissolved
+                    self.active = dict.fromkeys(self.running)
+                else:
+                    budget -= batch.cohort_size
+                    candidates = others
             cohort.sync(batch.step)
-        # A victim (the fcfs tail, or any priority's) leaves `running` while it is walked: walk a
-        # snapshot and skip the preempted.
-        candidates = list(candidates)
-        for req in candidates:
+        for req in list(candidates):       # (a snapshot: victims leave `running` while it is walked)
             if budget <= 0:
                 break
             if req.status is not RUNNING:
-                continue
+                continue                   # preempted in this pass
             n = req.num_tokens - req.num_computed
-            if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
-                continue               # prefill_first: this pass takes only prefills or only decodes
+            if only is not None and (only == "decode") != (n == 1 and req.num_output > 0):
+                continue
             if n > budget:
                 if not self.config.chunked_prefill and req.num_computed == 0:
-                    continue           # a whole prompt must fit one step without chunking
+                    continue               # a whole prompt must fit one step without chunking
                 n = budget
-            budget = self._schedule_slow(req, n, batch, budget)
+            budget = self._schedule_tokens(req, n, batch, budget)
             if req.status is not RUNNING:
-                break                  # it preempted itself
+                break                      # it preempted itself
         return budget
 
-    def _last_freeing_member(self, step: int) -> int:
-        """The latest running position among members that may free behind their window at `step`."""
-        freeing = self.cohort.freeing(step)
-        return max(map(_by_run_seq, freeing)) if freeing else -1
-
-    def _cohort_can_take(self, step: int, budget: int) -> Optional[list[Request]]:
-        """The running non-members (admission order) if every member gets its token this step.
-
-        That holds when no member sits after the point where the token budget runs out and
-        the free blocks cover every allocation of the step, so no preemption can happen. The
-        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
-        free them) before a member would in the running order.
-        """
-        cohort, kv = self.cohort, self.kv
-        left = budget - len(cohort.members)
-        if left < 0:
-            return None
-        others = list(self.active)
-        blocks = cohort.due_blocks(step)
-        first_crossing = cohort.first_crossing_seq(step) if others else None
-        last_freeing = self._last_freeing_member(step) if others and kv.sliding else -1
-        for req in others:
-            n = req.num_tokens - req.num_computed
-            if n > left:
-                if not self.config.chunked_prefill and req.num_computed == 0:
-                    continue
-                n = left
-            if not kv.contiguous:
-                new = max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
-                if new and req.run_seq < first_crossing:
-                    return None        # it takes its blocks before a member would: keep vLLM's order
-                blocks += new * kv.num_groups
-            if req.run_seq < last_freeing and kv.frees_behind_window(req):
-                return None            # it frees before a member would: keep the free queue's order
-            left -= n
-            if left == 0:
-                later = self.running[self.running.index(req) + 1:]
-                if any(r.cohort is not None for r in later):
-                    return None
-                break
-        return others if blocks <= kv.pool.num_free else None
-
-    def _schedule_slow(self, req: Request, n: int, batch: Batch, budget: int) -> int:
-        """Schedule `n` tokens of a running request that may need blocks (and preemptions)."""
-        kv, bs = self.kv, self.block_size
-        if kv.sliding:                     # vLLM frees behind the window as it allocates, every step
-            kv.remove_skipped_blocks(req)
-        covered = req.num_computed + n
-        if covered <= len(req.blocks) * bs:
-            if kv.enable_caching and covered // bs > req.num_registered:
-                kv.register_full_blocks(req, covered)
-        elif not self._allocate_or_preempt(req, n, batch):
+    def _schedule_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
+        """Schedule `n` tokens of a running request, preempting others while its slots do not fit."""
+        if not self._allocate_or_preempt(req, n, batch):
             return budget + self._take_returned()                  # it preempted itself
         budget += self._take_returned()
-        batch.add(req, n, bs)
+        batch.add(req, n, self.block_size)
         return budget - n
 
     def _take_returned(self) -> int:
@@ -486,7 +325,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
         """Allocate slots, preempting victims until they fit; False if `req` itself was preempted."""
-        while not self.kv.allocate_slots(req, n):
+        while not self.kv.append_slots(req, n):
             victim = self._pick_victim()
             self._preempt(victim, batch)
             if victim is req:
@@ -536,14 +375,15 @@ class Scheduler:
         while self.num_waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self.waiting.peek()
             resumed = req.status is PREEMPTED
-            args = self._admission(req, budget, not (batch.decodes or batch.prefills))
-            if args is None:
+            admit = self._admission(req, budget, not (batch.decodes or batch.prefills))
+            if admit is None:
                 break
-            hits, hit_tokens, n_now, gate, reserve = args
-            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
+            hit_tokens, n_now = admit.hit_tokens, admit.num_new
+            if not kv.allocate_slots(req, n_now, admit.hits, gate_tokens=admit.gate_tokens,
+                                     reserve_free=admit.reserve_free):
                 break
             self.waiting.pop_head()
-            kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)   # (num_tokens: no member waits)
+            kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
@@ -560,12 +400,13 @@ class Scheduler:
                 batch.add(req, n_now, self.block_size)
         return budget
 
-    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
-        """How the waiting head would be admitted now: (hits, hit tokens, tokens now, gate tokens,
-        blocks kept free), or None when the token budget stops it before the pool is asked."""
+    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[Admission]:
+        """How the waiting head would be admitted now, or None when the token budget stops it
+        before the pool is asked. (Every admission rule is here: the driver's, and the leap
+        planner's `head_would_start`.)"""
         cfg = self.config
         hits, hit_tokens = self.kv.find_cached_prefix(req)
-        num_tokens = req.prompt_len + req.num_output       # (no cohort member waits)
+        num_tokens = req.prompt_len + req.num_output
         n = num_tokens - hit_tokens
         # prefill_first (nano-vllm): only the step's first prefill may be chunked.
         may_chunk = cfg.chunked_prefill and (self.mixed or batch_empty)
@@ -576,7 +417,7 @@ class Scheduler:
         # The watermark keeps room for running requests to grow; with none running it
         # would only stop a request that fits the pool from ever starting (vLLM skips it then).
         reserve = self._watermark_blocks if self.running else 0
-        return hits, hit_tokens, n_now, gate, reserve
+        return Admission(hits, hit_tokens, n_now, gate, reserve)
 
     def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
         """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
@@ -586,11 +427,9 @@ class Scheduler:
         req = self.waiting.peek()
         if req is None:
             return False
-        args = self._admission(req, budget, batch_empty)
-        if args is None:
-            return False
-        hits, _, n_now, gate, reserve = args
-        return self.kv.would_fit(req, n_now, hits, gate, reserve, free_blocks)
+        admit = self._admission(req, budget, batch_empty)
+        return admit is not None and self.kv.would_fit(req, admit.num_new, admit.hits, admit.gate_tokens,
+                                                       admit.reserve_free, free_blocks)
 
     # -- after the step ------------------------------------------------------------------
     def finish_step(self, batch: Batch) -> list[Request]:
@@ -604,7 +443,7 @@ class Scheduler:
         for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
             if r.num_computed >= r.prompt_len + r.num_output:    # (one by one: no member, fields are progress)
                 emitted.append(r)
-        finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
+        finished = self.cohort.end_step(step)            # (members, then the others, in batch order)
         for req in emitted:
             if req.emit(step):
                 finished.append(req)
@@ -619,18 +458,9 @@ class Scheduler:
 
     def finish_cohort_step(self, step: int) -> list[Request]:
         """`finish_step` of a step in which only the cohort's members computed (a leap's last)."""
-        finished = self._cohort_finishers(step)
+        finished = self.cohort.end_step(step)
         if finished or self._finishing:
             self._retire_finished(step, finished)
-        return finished
-
-    def _cohort_finishers(self, step: int) -> list[Request]:
-        """The members emitted at `step`: those that emitted their last token leave the cohort."""
-        cohort = self.cohort
-        cohort.finish(step)
-        finished = cohort.finishing(step)
-        for req in finished:
-            cohort.leave(req)
         return finished
 
     def _retire_finished(self, step: int, finished: list[Request]) -> None:
@@ -667,6 +497,18 @@ class Scheduler:
         else:
             for req in finishing:
                 self.running.remove(req)
+
+    # -- figures a step record keeps ------------------------------------------------------
+    @property
+    def slack_tokens(self) -> int:
+        """Slots allocated to running requests but holding no token (tails, reservations)."""
+        return self.kv.held_slots - self.tokens_held
+
+    def kv_figures(self) -> tuple[int, int, int]:
+        """(blocks in use, cached free blocks, slack tokens): what a step record keeps, in one call."""
+        kv = self.kv
+        pool = kv.pool
+        return pool.num_blocks - 1 - pool.num_free, pool.num_cached_free, kv.held_slots - self.tokens_held
 
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:

@@ -4,7 +4,7 @@ Most of a serving run is running requests each feeding back one token per step. 
 every one of them every step costs ~0.5 us of Python per token, which is what made 100k
 simulated requests slow. Between a few well-defined moments such a request's progress is
 a straight line in the step number, so the cohort stores it as offsets from two counters
-(see Request's docstring) and only visits a member at its *events*:
+(`CohortMember`) and only visits a member at its *events*:
 
   cross  - the step whose token starts a new block: allocate it (paged), count it walked;
   fill   - the step whose token completes a block: publish its hash to the prefix cache;
@@ -26,8 +26,8 @@ first step after joining (a prefill chunk may have left several), in the running
 
 Pauses (`prefill_first`): a prefill step schedules no decode, so the members skip it. Rather
 than dissolving, the cohort keeps its own clock, which counts the steps it advanced: `clock =
-step - offset`, `offset` the number of steps it sat out. Members' offsets (`_computed`,
-`_output`), phases and finish times all run on that clock, so a pause is O(1): the offset grows
+step - offset`, `offset` the number of steps it sat out. Members' offsets (`cohort_computed`,
+`cohort_output`), phases and finish times all run on that clock, so a pause is O(1): the offset grows
 and the step is remembered in `pauses`. A member's emission runs (split by every pause it sat
 through) are built from that list when it leaves (`emission`), not at each pause.
 """
@@ -76,6 +76,7 @@ class CohortMember(Request):
 
 class DecodeCohort:
     def __init__(self, layout: CacheLayout):
+        self.layout = layout
         self.block_size = layout.block_size
         self.paged = layout.paged
         self.caching = layout.prefix_caching
@@ -213,6 +214,76 @@ class DecodeCohort:
         return members
 
     # -- one step --------------------------------------------------------------------------
+    def take_step(self, sched, batch, budget: int) -> Optional[list[Request]]:
+        """The members' part of the scheduler's running pass at `batch.step`: if every member gets
+        its token this step (`_others_if_all_take`), schedule them all at once (`advance`) and put
+        them in `batch`; returns the running non-members, which the pass then walks one by one.
+        Otherwise the cohort dissolves (its members are plain requests again) and returns None."""
+        others = self._others_if_all_take(sched, batch.step, budget)
+        if others is None:
+            self.dissolve()
+            return None
+        self.advance(batch.step, sched.kv)
+        n = len(self.members)              # (len(self) would call __len__)
+        batch.decodes.extend(self.members)
+        batch.num_decode += n
+        batch.cohort_size = n
+        batch.decode_ctx += self.ctx_offset_sum + n * self.scheduled_step
+        batch.blocks_read += self.blocks_walked
+        return others
+
+    def _others_if_all_take(self, sched, step: int, budget: int) -> Optional[list[Request]]:
+        """The running non-members (admission order) if every member gets its token this step.
+
+        That holds when no member sits after the point where the token budget runs out and
+        the free blocks cover every allocation of the step, so no preemption can happen. The
+        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
+        free them) before a member would in the running order.
+        """
+        kv, bs = sched.kv, self.block_size
+        left = budget - len(self.members)
+        if left < 0:
+            return None
+        others = list(sched.active)
+        blocks = self.due_blocks(step)
+        first_crossing = self.first_crossing_seq(step) if others else None
+        last_freeing = self._last_freeing_seq(step) if others and self.window is not None else -1
+        chunked = sched.config.chunked_prefill
+        for req in others:
+            n = req.num_tokens - req.num_computed
+            if n > left:
+                if not chunked and req.num_computed == 0:
+                    continue
+                n = left
+            if self.paged:
+                new = max(0, -(-(req.num_computed + n) // bs) - len(req.blocks))
+                if new and req.run_seq < first_crossing:
+                    return None        # it takes its blocks before a member would: keep vLLM's order
+                blocks += new * self.tables
+            if req.run_seq < last_freeing and kv.frees_behind_window(req):
+                return None            # it frees before a member would: keep the free queue's order
+            left -= n
+            if left == 0:
+                running = sched.running
+                if any(r.cohort is not None for r in running[running.index(req) + 1:]):
+                    return None
+                break
+        return others if blocks <= kv.pool.num_free else None
+
+    def _last_freeing_seq(self, step: int) -> int:
+        """The latest running position among members that may free behind their window at `step`."""
+        freeing = self.freeing(step)
+        return max(map(_run_seq, freeing)) if freeing else -1
+
+    def end_step(self, step: int) -> list[Request]:
+        """`step` ran: the members emitted. Returns those that emitted their last token, which
+        have left the cohort."""
+        self.finish(step)
+        finished = self.finishing(step)
+        for req in finished:
+            self.leave(req)
+        return finished
+
     def _crossing(self, step: int) -> dict[Request, None]:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
         return self.by_phase[(1 - step + self.offset) % self.block_size]

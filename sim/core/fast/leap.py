@@ -78,7 +78,7 @@ class LeapPlan:
             self.rows = batch.rows
             self.static_shape = (batch.length - batch.first_step, sched.block_size)
             self._ctx0, self._ctx_per_step = self.rows * (batch.length - batch.first_step), self.rows
-        else:                              # members' context at step t: _computed + clock(t)
+        else:                              # members' context at step t: cohort_computed + clock(t)
             self.rows = self.members
             self.static_shape = None
             self._ctx0 = cohort.ctx_offset_sum - self.members * cohort.offset
@@ -216,7 +216,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     # members nor active; the plan waits for `settle` to go past step t, see LeapPlan)
     # A grouped KV cache leaps only with nobody waiting: its members also free blocks behind their
     # windows, so the free blocks can grow during the stretch and let a waiting head start in it.
-    if (not sched.lazy or kv.grouped and sched.num_waiting or not members or sched.active
+    if (not sched.lazy or cohort.layout.grouped and sched.num_waiting or not members or sched.active
             or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
@@ -254,7 +254,7 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         done = 1
     if done == k:
         figures: tuple[list[int], list[int], list[int]] = ([], [], [])
-    elif sched.cohort.paged and plan.static_shape is None and not sched.kv.grouped:
+    elif sched.cohort.paged and plan.static_shape is None and not sched.cohort.layout.grouped:
         figures = _apply_bulk(sched, plan, done, k)
     else:
         figures = _apply_by_step(sched, plan, done, k)
@@ -296,7 +296,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
     # (or frees behind sliding windows) that is the steps with a member crossing into a new block
     # (the plan counted them).
-    walked = None if kv.enable_caching or kv.sliding or plan.static_shape is not None else plan.walked
+    layout = cohort.layout
+    walked = (None if layout.prefix_caching or layout.sliding_window is not None or plan.static_shape is not None
+              else plan.walked)
     used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i in range(done, k):
         if walked is None or walked[i]:
