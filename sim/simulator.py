@@ -234,6 +234,7 @@ class Simulation:
         step_time = self.cost_model.step_time
         fast, chained = self.fast, self._chained
         inline = self._inline
+        queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
@@ -245,15 +246,15 @@ class Simulation:
             # (chained: no follow-up turn, no other replica, no client queue; the next arrival it is)
             horizon = (self._next_arrival if chained else self._next_route_time(replica)) if fast else math.inf
             # A request that arrived during the last step is most likely admitted now: no leap.
-            if (fast and now == last_end and sched.num_waiting <= seen_waiting
+            if (fast and now == last_end and len(queue) <= seen_waiting
                     and horizon > now):
                 leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
-                    seen_waiting = sched.num_waiting
+                    seen_waiting = len(queue)
                     last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
             batch = schedule()
-            seen_waiting = sched.num_waiting
+            seen_waiting = len(queue)
             if batch is None:
                 if now > env.now:            # catch up before sleeping
                     yield _At(env, now)
@@ -292,7 +293,7 @@ class Simulation:
         start = now
         while True:
             plan, ends, host, device, ctx, blocks = leap
-            waiting = sched.num_waiting
+            waiting = len(sched.waiting)
             used, cached, slack = apply_leap(sched, plan, len(ends))
             running = len(sched.running)     # (after an async release at the leap's first step)
             end = float(ends[-1])
@@ -306,7 +307,7 @@ class Simulation:
             recorder.record_leap(first_step=plan.first_step, start_s=start, ends=ends, rows=plan.rows,
                                  decode_ctx=ctx, blocks_read=blocks, running=running, waiting=waiting,
                                  kv_used=used, kv_cached=cached, slack=slack, host=host, device=device,
-                                 waiting_last=sched.num_waiting)
+                                 waiting_last=len(sched.waiting))
             finished = finish_leap(sched)
             if finished:
                 self._retire(env, replica, finished)

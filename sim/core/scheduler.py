@@ -182,19 +182,19 @@ class Scheduler:
     # -- queues --------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting)      # (hot loops read len(self.waiting), a C call, not this property)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return len(self.running) > len(self._finishing) or self.num_waiting > 0
+        return len(self.running) > len(self._finishing) or len(self.waiting) > 0
 
     def has_other_work(self, finished: list) -> bool:
         """Is anything left to schedule besides the step's finishers? Only then does an async
         engine plan the next step before processing this one's outputs."""
-        return self.num_waiting > 0 or len(self.running) > len(finished)
+        return len(self.waiting) > 0 or len(self.running) > len(finished)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
@@ -224,22 +224,13 @@ class Scheduler:
         return batch
 
     def _schedule_step(self) -> Optional[Batch]:
+        """One scheduling pass; None when it scheduled nothing."""
         batch = Batch(self.step)
         self._empty_preempted = []
-        budget = self.config.max_num_batched_tokens
         if self.mixed:
-            admit = not (self.static and self.running)
-            budget = self._schedule_running(batch, budget)
-            if admit and not batch.preempted:
-                self._schedule_waiting(batch, budget)
+            self._schedule_mixed(batch, self.config.max_num_batched_tokens)
         else:
-            budget = self._schedule_running(batch, budget, only="prefill")
-            if not batch.preempted:
-                budget = self._schedule_waiting(batch, budget)
-            if len(batch):         # a prefill step: the decodes wait; the cohort sits it out intact
-                self.cohort.pause(batch.step)
-            else:
-                self._schedule_running(batch, budget, only="decode")
+            self._schedule_prefill_first(batch, self.config.max_num_batched_tokens)
         if not (batch.decodes or batch.prefills):
             self._empty_preempted = batch.preempted
             return None
@@ -248,6 +239,23 @@ class Scheduler:
             self._pad_static(batch)
         self.step += 1
         return batch
+
+    def _schedule_mixed(self, batch: Batch, budget: int) -> None:
+        """vLLM V1 (and static batching): the running requests, then, unless that preempted, the waiting."""
+        admit = not (self.static and self.running)     # a static batch forms only when none runs
+        budget = self._schedule_running(batch, budget)
+        if admit and not batch.preempted:
+            self._schedule_waiting(batch, budget)
+
+    def _schedule_prefill_first(self, batch: Batch, budget: int) -> None:
+        """V0: the running requests' prefills, then the waiting; only a step with no prefill decodes."""
+        budget = self._schedule_running(batch, budget, only="prefill")
+        if not batch.preempted:
+            budget = self._schedule_waiting(batch, budget)
+        if len(batch):                     # a prefill step: the decodes wait; the cohort sits it out intact
+            self.cohort.pause(batch.step)
+        else:
+            self._schedule_running(batch, budget, only="decode")
 
     def _pad_static(self, batch: Batch) -> None:
         """Make a static batch's step the padded one HF `generate` computes.
@@ -298,17 +306,27 @@ class Scheduler:
                 break
             if req.status is not RUNNING:
                 continue                   # preempted in this pass
-            n = req.num_tokens - req.num_computed
-            if only is not None and (only == "decode") != (n == 1 and req.num_output > 0):
+            if only is not None and (only == "decode") != (req.num_tokens - req.num_computed == 1
+                                                           and req.num_output > 0):
                 continue
-            if n > budget:
-                if not self.config.chunked_prefill and req.num_computed == 0:
-                    continue               # a whole prompt must fit one step without chunking
-                n = budget
+            n = self.num_new_tokens(req, budget)
+            if n is None:
+                continue
             budget = self._schedule_tokens(req, n, batch, budget)
             if req.status is not RUNNING:
                 break                      # it preempted itself
         return budget
+
+    def num_new_tokens(self, req: Request, budget: int) -> Optional[int]:
+        """The tokens a running request computes this step with `budget` left: what it still lacks,
+        chunked to the budget; None when its prompt must be computed whole (no chunked prefill) and
+        does not fit. (The one place the chunking rule lives; the decode cohort asks it too.)"""
+        n = req.num_tokens - req.num_computed
+        if n > budget:
+            if not self.config.chunked_prefill and req.num_computed == 0:
+                return None
+            n = budget
+        return n
 
     def _schedule_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request, preempting others while its slots do not fit."""
@@ -372,7 +390,7 @@ class Scheduler:
         """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
         cfg, kv = self.config, self.kv
         running = self.running
-        while self.num_waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
+        while self.waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self.waiting.peek()
             resumed = req.status is PREEMPTED
             admit = self._admission(req, budget, not (batch.decodes or batch.prefills))

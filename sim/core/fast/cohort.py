@@ -248,13 +248,11 @@ class DecodeCohort:
         blocks = self.due_blocks(step)
         first_crossing = self.first_crossing_seq(step) if others else None
         last_freeing = self._last_freeing_seq(step) if others and self.window is not None else -1
-        chunked = sched.config.chunked_prefill
+        num_new_tokens = sched.num_new_tokens
         for req in others:
-            n = req.num_tokens - req.num_computed
-            if n > left:
-                if not chunked and req.num_computed == 0:
-                    continue
-                n = left
+            n = num_new_tokens(req, left)
+            if n is None:
+                continue
             if self.paged:
                 new = max(0, -(-(req.num_computed + n) // bs) - len(req.blocks))
                 if new and req.run_seq < first_crossing:

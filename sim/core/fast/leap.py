@@ -120,7 +120,7 @@ class LeapPlan:
         if self._free != math.inf:
             self._free, self._taken = pool.num_free, 0
         first = cohort.due_blocks(t + 1)
-        if self.max_steps > 1 and not (first > pool.num_free or sched.num_waiting and _head_starts(
+        if self.max_steps > 1 and not (first > pool.num_free or sched.waiting and _head_starts(
                 sched, self.members, pool.num_free - first)):
             self._limit = self.max_steps
 
@@ -216,7 +216,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     # members nor active; the plan waits for `settle` to go past step t, see LeapPlan)
     # A grouped KV cache leaps only with nobody waiting: its members also free blocks behind their
     # windows, so the free blocks can grow during the stretch and let a waiting head start in it.
-    if (not sched.lazy or cohort.layout.grouped and sched.num_waiting or not members or sched.active
+    if (not sched.lazy or cohort.layout.grouped and sched.waiting or not members or sched.active
             or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
@@ -227,7 +227,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
         return None
     first = cohort.due_blocks(t)           # blocks the members take at the first step
     free = kv.pool.num_free
-    if first > free or sched.num_waiting and _head_starts(sched, members, free - first):
+    if first > free or sched.waiting and _head_starts(sched, members, free - first):
         return None
     return LeapPlan(sched, max_steps, members, clock, free)
 
