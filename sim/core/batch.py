@@ -2,7 +2,18 @@
 tokens, and the step's shape (contexts, blocks read) that the cost model prices."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sim.core.request import Request
+
+
+@dataclass(frozen=True)
+class StaticBatch:
+    """The static batch running now: its rows, the padded prompt length, the step that formed it."""
+
+    rows: int
+    length: int
+    first_step: int
 
 
 class Batch:
@@ -105,3 +116,25 @@ class Batch:
                 req.chunk_steps.pop()
         self.blocks_read -= -(-ctx // block_size)
         return n
+
+    def pad_static(self, static: StaticBatch, block_size: int) -> None:
+        """Make a static batch's step the padded one HF `generate` computes.
+
+        The forming step is one [B, P] prefill, P the longest sequence; step k after it feeds
+        one token per row to all B rows, each attending P + k positions, whether its member
+        finished or not. Only the cost figures change: the members' own progress is untouched.
+        """
+        rows, length = static.rows, static.length
+        if self.step == static.first_step:
+            self.pad_len = length
+            self.num_prefill_tokens = rows * length
+            self.prefill_ctx = 0
+            self.prefill_attn = rows * (length * (length + 1) // 2)
+            self.blocks_read = rows * -(-length // block_size)
+            return
+        ctx = length + self.step - static.first_step     # every prompt was computed when the batch formed
+        self.pad_rows = rows - len(self.decodes)
+        self.num_decode = rows
+        self.pad_len = ctx
+        self.decode_ctx = rows * ctx
+        self.blocks_read = rows * -(-ctx // block_size)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple, Optional
 
-from sim.core.batch import Batch
+from sim.core.batch import Batch, StaticBatch
 from sim.core.fast.cohort import DecodeCohort
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import Request
@@ -50,15 +50,6 @@ class Admission(NamedTuple):
     num_new: int              # tokens computed in this step
     gate_tokens: int          # tokens whose blocks must be free to admit it (reserve_full_prompt)
     reserve_free: int         # blocks that must stay free after it (the V0 watermark)
-
-
-@dataclass(frozen=True)
-class StaticBatch:
-    """The static batch running now: its rows, the padded prompt length, the step that formed it."""
-
-    rows: int
-    length: int
-    first_step: int
 
 
 @dataclass(frozen=True)
@@ -90,13 +81,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
-    # instance dict past CPython's shared-key limit makes every read a dict lookup)
+    # (slots: attribute reads stay cheap on the hot paths, however many attributes there are)
     __slots__ = ("config", "kv", "block_size", "static", "mixed", "lazy", "cohort", "waiting", "running",
-                 "active", "step", "num_added", "num_finished",
-                 "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_run_seq",
-                 "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "static_batch",
-                 "_finishing", "pending_release")
+                 "active", "step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions",
+                 "tokens_held", "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks",
+                 "static_batch", "_finishing", "pending_release")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -121,12 +110,9 @@ class Scheduler:
         self._usable_blocks = kv.pool.usable_blocks     # (the pool's size is fixed: read once, not per request)
         self._watermark_blocks = int(config.admission_watermark * self._usable_blocks)
         self.static_batch: Optional[StaticBatch] = None       # (static batching)
-        # async scheduling: requests that finished in the last step, still in `running` with their
-        # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
-        # planning step N+1)
+        # Async scheduling: the last step's finishers, in `running` with their blocks until the next
+        # pass has run; `pending_release` says whether there are any (the leap planner reads it).
         self._finishing: list[Request] = []
-        # Async scheduling: finished requests still hold blocks and seats until the next pass, i.e.
-        # `_finishing` is not empty (kept with it: the leap planner reads it every leap).
         self.pending_release = False
 
     # -- intake --------------------------------------------------------------------------
@@ -235,8 +221,11 @@ class Scheduler:
             self._empty_preempted = batch.preempted
             return None
         self.tokens_held += batch.num_prefill_tokens + len(batch.decodes)    # (no padding rows yet)
-        if self.static:
-            self._pad_static(batch)
+        if self.static:                    # every step computes the padded batch HF `generate` computes
+            if batch.admitted:             # (a new batch formed)
+                self.static_batch = StaticBatch(rows=len(batch.admitted), first_step=batch.step,
+                                                length=max(r.num_tokens for r in batch.admitted))
+            batch.pad_static(self.static_batch, self.block_size)
         self.step += 1
         return batch
 
@@ -256,32 +245,6 @@ class Scheduler:
             self.cohort.pause(batch.step)
         else:
             self._schedule_running(batch, budget, only="decode")
-
-    def _pad_static(self, batch: Batch) -> None:
-        """Make a static batch's step the padded one HF `generate` computes.
-
-        The forming step is one [B, P] prefill, P the longest sequence; step k after it feeds
-        one token per row to all B rows, each attending P + k positions, whether its member
-        finished or not. Only the cost figures change: the members' own progress is untouched.
-        """
-        bs = self.block_size
-        if batch.admitted:
-            self.static_batch = StaticBatch(rows=len(batch.admitted), length=max(r.num_tokens for r in batch.admitted),
-                                            first_step=batch.step)
-        rows, length, first_step = self.static_batch.rows, self.static_batch.length, self.static_batch.first_step
-        if batch.step == first_step:
-            batch.pad_len = length
-            batch.num_prefill_tokens = rows * length
-            batch.prefill_ctx = 0
-            batch.prefill_attn = rows * (length * (length + 1) // 2)
-            batch.blocks_read = rows * -(-length // bs)
-            return
-        ctx = length + batch.step - first_step     # every prompt was computed when the batch formed
-        batch.pad_rows = rows - len(batch.decodes)
-        batch.num_decode = rows
-        batch.pad_len = ctx
-        batch.decode_ctx = rows * ctx
-        batch.blocks_read = rows * -(-ctx // bs)
 
     def _schedule_running(self, batch: Batch, budget: int, only: Optional[str] = None) -> int:
         """RUNNING requests in admission order, each given what it still needs: one token for a
