@@ -137,7 +137,8 @@ class Request:
 
     def reset(self) -> None:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
-        self.__class__ = Request           # (a cohort member of a run that stopped short is one no more)
+        if type(self) is not Request:      # (a cohort member of a run that stopped short is one no more)
+            self.__class__ = Request
         self.status = WAITING
         self.num_output = 0                # output tokens known (emitted, or appended by the engine)
         self.num_computed = 0              # tokens whose KV is computed or scheduled to be (vLLM commits at schedule time)

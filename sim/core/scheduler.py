@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from sim.core.batch import Batch, StaticBatch
 from sim.core.fast.cohort import DecodeCohort
@@ -40,16 +40,6 @@ from sim.core.status import ABORTED, FINISHED, PREEMPTED, REJECTED, RUNNING, WAI
 
 
 _by_run_seq = attrgetter("run_seq")     # a request's position in the running list (a C-level sort key)
-
-
-class Admission(NamedTuple):
-    """How the waiting head would be admitted now (`Scheduler._admission`)."""
-
-    hits: list                # the prefix-cache hit, as the KV manager found it (not looked inside)
-    hit_tokens: int
-    num_new: int              # tokens computed in this step
-    gate_tokens: int          # tokens whose blocks must be free to admit it (reserve_full_prompt)
-    reserve_free: int         # blocks that must stay free after it (the V0 watermark)
 
 
 @dataclass(frozen=True)
@@ -359,9 +349,8 @@ class Scheduler:
             admit = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if admit is None:
                 break
-            hit_tokens, n_now = admit.hit_tokens, admit.num_new
-            if not kv.allocate_slots(req, n_now, admit.hits, gate_tokens=admit.gate_tokens,
-                                     reserve_free=admit.reserve_free):
+            hits, hit_tokens, n_now, gate, reserve = admit
+            if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
             self.waiting.pop_head()
             kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
@@ -381,10 +370,12 @@ class Scheduler:
                 batch.add(req, n_now, self.block_size)
         return budget
 
-    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[Admission]:
-        """How the waiting head would be admitted now, or None when the token budget stops it
-        before the pool is asked. (Every admission rule is here: the driver's, and the leap
-        planner's `head_would_start`.)"""
+    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
+        """How the waiting head would be admitted now: (prefix hit as the KV manager found it,
+        hit tokens, tokens computed now, tokens whose blocks must be free, blocks kept free), or
+        None when the token budget stops it before the pool is asked. (Every admission rule is
+        here: the waiting pass's, and the leap planner's through `head_would_start`. A plain
+        tuple: it is made at every admission attempt.)"""
         cfg = self.config
         hits, hit_tokens = self.kv.find_cached_prefix(req)
         num_tokens = req.prompt_len + req.num_output
@@ -398,7 +389,7 @@ class Scheduler:
         # The watermark keeps room for running requests to grow; with none running it
         # would only stop a request that fits the pool from ever starting (vLLM skips it then).
         reserve = self._watermark_blocks if self.running else 0
-        return Admission(hits, hit_tokens, n_now, gate, reserve)
+        return hits, hit_tokens, n_now, gate, reserve
 
     def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
         """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
@@ -409,8 +400,10 @@ class Scheduler:
         if req is None:
             return False
         admit = self._admission(req, budget, batch_empty)
-        return admit is not None and self.kv.would_fit(req, admit.num_new, admit.hits, admit.gate_tokens,
-                                                       admit.reserve_free, free_blocks)
+        if admit is None:
+            return False
+        hits, _, n_now, gate, reserve = admit
+        return self.kv.would_fit(req, n_now, hits, gate, reserve, free_blocks)
 
     # -- after the step ------------------------------------------------------------------
     def finish_step(self, batch: Batch) -> list[Request]:
