@@ -9,7 +9,7 @@ times come from (a cost model, or clocks).
 Both are kept in columns, not objects (so a million requests fit in well under 2 GB):
 - `RequestTable`: a request's figures are taken when it ends (finished or rejected) and the
   Request object can go; its emitting steps stay run-length encoded (first, last) pairs.
-- `StepRecorder`: a *row* is one engine step, or one leap (sim/core/leap.py: K pure-decode
+- `StepRecorder`: a *row* is one engine step, or one leap (sim/core/fast/leap.py: K pure-decode
   steps with the same batch). What changes inside a leap (end time, host/device time,
   decode context, blocks read, KV figures) is kept per step, compactly, so every per-step
   series (ITL, KV over time, step times) stays exact; the batch composition, constant over a
@@ -26,14 +26,14 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 
 from sim.core.lazy import lazy_import
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.status import FINISHED, Status
 
 # Frames are made only when asked for (files, the summary): `simulate` itself never needs
 # pandas, so a process that only simulates does not pay its import (~0.3 s).
 pd = lazy_import("pandas")
 
 # (a module constant: an enum member read off its class is a descriptor call in 3.11, once a request here)
-_FINISHED = Status.FINISHED
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "running", "waiting", "num_seqs", "decode_seqs",
                 "prefill_tokens", "batch_tokens", "decode_ctx", "prefill_ctx", "prefill_attn", "blocks_read",
@@ -170,10 +170,10 @@ class StepRecorder:
         if len(steps.data) >= self._chunk_bytes:
             self._flush()
 
-    def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
+    def record_leap(self, *, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
                     running: int, waiting: int, kv_used, kv_cached, slack, host, device,
                     waiting_last: Optional[int] = None) -> None:
-        """Append the k decode-only steps of a leap (sim/core/leap.py) as one row: step i starts
+        """Append the k decode-only steps of a leap (sim/core/fast/leap.py) as one row: step i starts
         where step i-1 ended, the first at `start_s`; the per-step sequences have k entries each.
         `waiting` is read at each step's end, as `record` does: the same for every step but the
         last, in flight when a request arrived (`waiting_last`, default `waiting`); when they
@@ -342,14 +342,14 @@ class RequestTable:
         """Take an ended request's figures (the object itself may then go). An ended request is in
         no decode cohort, so its progress fields are its figures."""
         runs, chunks = req.emit_runs, req.chunk_steps
-        finished = req.status is _FINISHED
+        finished = req.status is FINISHED
         if not finished:
             chunks = ()                 # only a finished request's chunk steps count (host/device split)
         tenant = self._tenants.setdefault(req.tenant, len(self._tenants) - 1)
         self._buffer.append((req.id, req.replica, req.priority,
                              _NO_CONVERSATION if req.conversation is None else req.conversation,
                              req.is_warmup, int(req.status), np.nan if req.arrival is None else req.arrival,
-                             req.prompt_len, req._output, req.num_cached_tokens, req.num_preemptions,
+                             req.prompt_len, req.num_output, req.num_cached_tokens, req.num_preemptions,
                              req.admit_step, req.first_token_step, req.finish_step, tenant,
                              len(runs) // 2, len(chunks)))
         if runs:

@@ -1,10 +1,8 @@
 """Routing requests across replicas: round-robin, least outstanding tokens, prefix-aware."""
 from __future__ import annotations
 
-from sim.core.request import Request, Status
-
-# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
-_REJECTED = Status.REJECTED
+from sim.core.request import Request
+from sim.core.status import REJECTED
 
 
 class Router:
@@ -15,7 +13,7 @@ class Router:
     def route(self, req: Request) -> None:
         replica = self.replicas[0] if len(self.replicas) == 1 else self.choose(req)
         replica.submit(req)
-        if req.status is _REJECTED:
+        if req.status is REJECTED:
             reject_follow_ups(req)
 
     def choose(self, req: Request):
@@ -72,6 +70,6 @@ def reject_follow_ups(req: Request) -> None:
     """Later turns of a rejected conversation can never arrive: reject them with the reason."""
     turn = req.next_turn
     while turn is not None:
-        turn.status = _REJECTED
+        turn.status = REJECTED
         turn.reject_reason = f"an earlier turn (request {req.id}) was rejected"
         turn = turn.next_turn

@@ -3,7 +3,7 @@
 Each engine loop reads like the engine it models: schedule a batch with the shared
 policy, spend the cost model's step time, finish the step, repeat; sleep when there is
 nothing to do and wake on the next arrival. One SimPy event per engine step, never per token,
-and one per *leap* where it can (sim/core/leap.py): a stretch of pure decode steps between
+and one per *leap* where it can (sim/core/fast/leap.py): a stretch of pure decode steps between
 two events runs as one, priced in bulk, and ends before the next request reaches a router
 (so every routing decision sees the same replica states as the step-by-step path).
 """
@@ -21,16 +21,14 @@ import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager, new_kv_manager
-from sim.core.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
+from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.records import RequestTable, RunRecords, StepRecorder
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.status import REJECTED
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
-
-# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
-_REJECTED = Status.REJECTED
 
 
 @dataclass
@@ -109,7 +107,7 @@ class Client:
         self.in_flight += 1
         req.arrival = self.env.now
         self.route(req)
-        if req.status is _REJECTED:           # answered at once: the slot frees
+        if req.status is REJECTED:           # answered at once: the slot frees
             self.in_flight -= 1
 
 
@@ -158,14 +156,16 @@ class Simulation:
         self._chained = (self.chain and self.fast and len(self.replicas) == 1 and self._client.limit is None
                          and self._min_think == math.inf)
         self._router = router
+        # One arrival path (`_Arrivals`): a SimPy process hands the requests over as they fall due;
+        # in a chained run nothing but the one replica acts between arrivals, so it takes them
+        # itself at each of its own events, in the order the process would have delivered them.
+        arrivals = _Arrivals(first_turns, self._client.send)
         if self._chained:
-            # Nothing but the one replica acts between arrivals: it takes them itself, at each of its
-            # own events, in the order SimPy would have delivered them (`_Arrivals`).
-            self._inline = _Arrivals(first_turns, self._route)     # (an open-loop client sends at once)
-            self._next_arrival = self._inline.next_time
+            self._inline = arrivals
+            self._next_arrival = arrivals.next_time
         else:
             self._inline = None
-            env.process(self._arrivals(env, first_turns))
+            env.process(self._arrivals(env, arrivals))
         env.run()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
@@ -240,20 +240,20 @@ class Simulation:
             self.requests.clear()
         return _drain(queue)
 
-    def _arrivals(self, env: simpy.Environment, requests: Iterator[Request]):
-        # (the same arrival times as _Arrivals computes: keep the two in step)
-        for req in requests:
-            if req.arrival > env.now:
-                self._next_arrival = env.now + (req.arrival - env.now)    # the timeout's own time
-                yield env.timeout(req.arrival - env.now)
-            self._client.send(req)
+    def _arrivals(self, env: simpy.Environment, arrivals: "_Arrivals"):
+        """The arrival process: sleep until the next request is due, hand over all that are."""
+        while arrivals.next_time < math.inf:
+            if arrivals.next_time > env.now:
+                self._next_arrival = arrivals.next_time
+                yield env.timeout(arrivals.next_delay())    # (lands on next_time: the same sum)
+            arrivals.deliver(env.now)
         self._next_arrival = math.inf
 
     def _route(self, req: Request) -> None:
         """Send a request to the router; one rejected at once (with the later turns of its
         conversation) has ended: its figures go into the records."""
         self._router.route(req)
-        if req.status is _REJECTED:
+        if req.status is REJECTED:
             turn: Optional[Request] = req
             while turn is not None:
                 self._ended.add(turn)
@@ -285,6 +285,7 @@ class Simulation:
         step_time = self.cost_model.step_time
         fast, chained = self.fast, self._chained
         inline = self._inline
+        queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
         while True:
@@ -296,15 +297,15 @@ class Simulation:
             # (chained: no follow-up turn, no other replica, no client queue; the next arrival it is)
             horizon = (self._next_arrival if chained else self._next_route_time(replica)) if fast else math.inf
             # A request that arrived during the last step is most likely admitted now: no leap.
-            if (fast and now == last_end and sched.num_waiting <= seen_waiting
+            if (fast and now == last_end and len(queue) <= seen_waiting
                     and horizon > now):
                 leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
-                    seen_waiting = sched.num_waiting
+                    seen_waiting = len(queue)
                     last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
             batch = schedule()
-            seen_waiting = sched.num_waiting
+            seen_waiting = len(queue)
             if batch is None:
                 if now > env.now:            # catch up before sleeping
                     yield _At(env, now)
@@ -343,7 +344,7 @@ class Simulation:
         start = now
         while True:
             plan, ends, host, device, ctx, blocks = leap
-            waiting = sched.num_waiting
+            waiting = len(sched.waiting)
             used, cached, slack = apply_leap(sched, plan, len(ends))
             running = len(sched.running)     # (after an async release at the leap's first step)
             end = float(ends[-1])
@@ -354,8 +355,10 @@ class Simulation:
             else:
                 replica.busy_until = end
                 yield _At(env, end)
-            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running,
-                                 waiting, used, cached, slack, host, device, sched.num_waiting)
+            recorder.record_leap(first_step=plan.first_step, start_s=start, ends=ends, rows=plan.rows,
+                                 decode_ctx=ctx, blocks_read=blocks, running=running, waiting=waiting,
+                                 kv_used=used, kv_cached=cached, slack=slack, host=host, device=device,
+                                 waiting_last=len(sched.waiting))
             finished = finish_leap(sched)
             if finished:
                 self._retire(env, replica, finished)
@@ -463,10 +466,12 @@ def _drain(queue: deque) -> Iterator[Request]:
 
 
 class _Arrivals:
-    """The arrival process of a chained run (Simulation._chained), without a SimPy process of its
-    own: the replica hands over every request due by each of its events. Each arrival's time is
-    the one SimPy's timeout reaches from the previous (`t + (arrival - t)`), and one due exactly
-    at an event's time goes first, as its timeout, queued earlier, would."""
+    """The requests that arrive on their own, in order, each due where a SimPy timeout from the
+    previous one lands (`t + (arrival - t)`), and the one way they arrive: `deliver(now)` hands
+    over every request due by `now`. The arrival process (`Simulation._arrivals`) sleeps until
+    `next_time` and delivers; in a chained run (Simulation._chained) the one replica delivers at
+    each of its own events instead, a request due exactly then first, as the process's timeout,
+    queued earlier, would have."""
 
     def __init__(self, requests: Iterator[Request], send: Callable[[Request], None]):
         self._requests, self._send = requests, send
@@ -479,6 +484,10 @@ class _Arrivals:
             return math.inf
         t = self._time
         return t + (req.arrival - t) if req.arrival > t else t
+
+    def next_delay(self) -> float:
+        """The timeout from the latest arrival's time to the next one's (`next_time` is its sum)."""
+        return self._head.arrival - self._time
 
     def deliver(self, now: float) -> float:
         """Send every request due by `now`; returns when the next one is due (inf: none left)."""
@@ -493,7 +502,10 @@ class _Arrivals:
 class _At(simpy.events.Event):
     """An event at an absolute time. A leap must end exactly where its last step would have
     (now + d1 + d2 + ..., added step by step); SimPy's timeout computes now + delay, and no
-    float delay reaches every such sum, so the event goes on SimPy's queue as a Timeout does."""
+    float delay reaches every such sum (from now = 0.13319044464948654 every now + d rounds to an
+    even multiple of ulp(0.94): 0.9392256727552156 is out of reach), so the event goes on SimPy's
+    queue as a Timeout does. SimPy has no public call for it: the one place this module reaches
+    into SimPy's internals (docs/architecture_core.md, "The event loop")."""
 
     def __init__(self, env: simpy.Environment, when: float):
         self.env, self.callbacks = env, []      # (simpy.Event.__init__, without a call per step)

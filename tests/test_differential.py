@@ -129,8 +129,8 @@ def table_view(pool, blocks):
 
 def emission_view(req):
     """(closed runs, open run's start, latest emission); a cohort member's runs are built lazily."""
-    if req._cohort is not None:
-        return req._cohort.emission(req)
+    if req.cohort is not None:
+        return req.cohort.emission(req)
     return req.emit_runs, req.emit_start, req.last_emit
 
 
@@ -204,11 +204,11 @@ def test_fast_paths_match_the_one_by_one_loop(chunk, ids):
 
 
 def run_leaps_pair(case, max_ticks=5000, fast_ids=True, slow_ids=True):
-    """Drive a scheduler by leaps (sim/core/leap.py, of random lengths) wherever one qualifies,
+    """Drive a scheduler by leaps (sim/core/fast/leap.py, of random lengths) wherever one qualifies,
     and a one-by-one scheduler by steps, in lockstep; after each leap every request's state,
     blocks and emissions, the figures the leap reports and the pool's free queue must agree.
     Returns the number of steps that ran inside leaps."""
-    from sim.core.leap import apply_leap, finish_leap, plan_leap
+    from sim.core.fast.leap import apply_leap, finish_leap, plan_leap
 
     rnd = random.Random(len(case["requests"]))
     (fast, fast_reqs), (slow, slow_reqs) = build(case, True, fast_ids), build(case, False, slow_ids)
@@ -448,7 +448,7 @@ def test_leap_timing_prices_step_by_step_and_stops_at_the_horizon():
     """LeapPlan.timed: step i ends at the running sum of the prices (added one by one), the step
     in flight at the horizon is the last, one ending exactly at it is left out, and `more` says
     the plan goes on past the steps asked for."""
-    from sim.core.leap import plan_leap
+    from sim.core.fast.leap import plan_leap
 
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
     sched = Scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))

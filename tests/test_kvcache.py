@@ -156,7 +156,7 @@ class PoolMachine(RuleBasedStateMachine):
             r.num_computed += 1
             self._write(r, r.num_computed - 1, r.num_computed)
         else:
-            r._output -= 1     # undo: the token could not be placed
+            r.num_output -= 1     # undo: the token could not be placed
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100))

@@ -129,8 +129,9 @@ def test_step_buffers_keep_every_value_exactly_across_packs():
         k = 2 + i % 4                      # short and long leaps, numpy and Python values
         ends = list(np.cumsum(np.full(k, 0.7)) + end) if i % 2 else [end + 0.3 * (j + 1) for j in range(k)]
         ctx = np.arange(k, dtype=np.int64) + big
-        recorder.record_leap(len(expected), end, ends, 5, ctx, [3] * k, 5, 0, [big] * k, [0] * k,
-                             list(range(k)), [0.01] * k, [0.02] * k)
+        recorder.record_leap(first_step=len(expected), start_s=end, ends=ends, rows=5, decode_ctx=ctx,
+                             blocks_read=[3] * k, running=5, waiting=0, kv_used=[big] * k, kv_cached=[0] * k,
+                             slack=list(range(k)), host=[0.01] * k, device=[0.02] * k)
         expected += [(ends[j], 0.01, 0.02, int(ctx[j]), 3, big, 0, j) for j in range(k)]
     assert len(recorder) == len(expected)
     for n, name in enumerate(PER_STEP):

@@ -24,7 +24,7 @@ def drive(sched, max_steps=100_000):
         assert batch is not None, "work remains but nothing could be scheduled"
         bs = sched.block_size
         assert sched.slack_tokens == sum(len(r.blocks) * bs - r.num_computed for r in sched.running) >= 0
-        assert list(sched.active) == [r for r in sched.running if r._cohort is None]
+        assert list(sched.active) == [r for r in sched.running if r.cohort is None]
         assert batch.num_decode == len(batch.decodes) + batch.pad_rows     # (a count kept as they change)
         steps.append(dict(n=len(batch), tokens=batch.num_tokens, decode=batch.num_decode,
                           prefill=batch.num_prefill_tokens, running=sched.num_running,
@@ -117,7 +117,7 @@ def test_fcfs_preempts_the_last_admitted_and_requeues_it_first():
     while not (a.num_preemptions or b.num_preemptions):
         s.finish_step(s.schedule())
     assert b.num_preemptions == 1 and a.num_preemptions == 0
-    assert s.waiting_fifo[0] is b and b.num_computed == 0
+    assert s.waiting.peek() is b and b.num_computed == 0
 
 
 def test_priority_policy_preempts_the_lowest_priority():
@@ -256,7 +256,7 @@ def test_decode_cohort_matches_the_one_by_one_loop(reqs, num_blocks, block_size,
                                x.prefill_attn, x.blocks_read, len(x.preempted), len(x.admitted))
             assert shape(a) == shape(b), f"step {step}"
             assert (lazy.kv.num_used_blocks, lazy.slack_tokens) == (exact.kv.num_used_blocks, exact.slack_tokens)
-            assert list(lazy.active) == [r for r in lazy.running if r._cohort is None]
+            assert list(lazy.active) == [r for r in lazy.running if r.cohort is None]
             lazy.finish_step(a)
             exact.finish_step(b)
         step += 1

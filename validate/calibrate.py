@@ -74,7 +74,7 @@ def probe_batch(kv: KVCacheManager, seqs: list[tuple[int, int, bool]], tag: int)
         if not kv.allocate_slots(req, context + new):
             raise ValueError(f"probe of {len(seqs)} sequences at context {context} does not fit the pool")
         if decode:
-            req._output = 1                   # one token generated: this step feeds it back
+            req.num_output = 1                   # one token generated: this step feeds it back
         req.num_computed = context
         batch.add(req, new, kv.block_size)
     return batch

@@ -32,7 +32,7 @@ def triton_available() -> bool:
     CPU tensors) or compiled with a CUDA device."""
     if not _HAVE_TRITON:
         return False
-    return sys.modules[__name__ + ".paged_attention"]._INTERPRET or torch.cuda.is_available()
+    return sys.modules[__name__ + ".paged_attention"].INTERPRET or torch.cuda.is_available()
 
 
 def __getattr__(name: str):

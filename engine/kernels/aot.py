@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     args = ap.parse_args(argv)
     shard, num_shards = map(int, args.shard.split("/"))
-    if importlib.import_module(".paged_attention", __package__)._INTERPRET:
+    if importlib.import_module(".paged_attention", __package__).INTERPRET:
         ap.error("the kernels were decorated for the interpreter: run with TRITON_INTERPRET=0")
     results = compile_all(args.arch, shard, num_shards)
     if args.json:

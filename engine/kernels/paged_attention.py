@@ -31,7 +31,7 @@ from ._checks import check_dtype, check_last_dim_contiguous, check_same_device, 
 from .reference import FP8_DTYPES
 
 # Read when the kernels below are decorated, which fixes interpreted vs compiled for this process.
-_INTERPRET = triton.knobs.runtime.interpret
+INTERPRET = triton.knobs.runtime.interpret
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
@@ -294,7 +294,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], TILE_SIZE=cfg.tile_size, NUM_SEGMENTS=num_segments,
-        DOT_F32=_INTERPRET and q.dtype == torch.bfloat16, FP8_KV=fp8, WINDOW=sliding_window or 0,
+        DOT_F32=INTERPRET and q.dtype == torch.bfloat16, FP8_KV=fp8, WINDOW=sliding_window or 0,
         PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

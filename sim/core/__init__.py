@@ -1,5 +1,5 @@
 """The serving policy that the simulator and the engine both run: requests, the KV block pool and
-prefix cache, the scheduler (with its decode cohort), the memory plan, and the model/device catalog
+prefix cache, the scheduler (its fast paths in sim/core/fast), the memory plan, and the model/device catalog
 those need. No clock lives here: the simulator advances it with modelled step times, the engine with
 real GPU steps.
 

@@ -4,7 +4,8 @@ Mechanism (`BlockPool`): reference counts, a free queue in LRU order, the hash -
 map. Policy (`KVCacheManager`): how many blocks a request gets this step, which cached
 blocks it hits. No notion of time; the scheduler calls these between steps.
 
-vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
+vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3; vLLM's
+vllm/v1/core/block_pool.py, kv_cache_manager.py):
 - block 0 is the null block, never handed out;
 - only full blocks are hashed; a hash chains the parent's hash with the block's tokens;
 - hashes are registered when slots are allocated (schedule time), not after the step;
@@ -23,14 +24,15 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from dataclasses import dataclass
 from operator import and_
 from typing import Optional
 
 from sim.core.memory import KVCacheGroups, cdiv, sliding_window_hit_run, sliding_window_skipped_blocks
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.status import FINISHED
 
 NULL_BLOCK = 0
-_FINISHED = Status.FINISHED    # (an enum member read off its class is a descriptor call)
 # The simulator's pool (CountingBlockPool) names only the blocks the hash map holds. A block table
 # holds ANON for any other block; its free queue holds CACHED for a free block with private content
 # (it counts as cached, and its reuse as an eviction) and EMPTY for one with none.
@@ -526,6 +528,21 @@ class CountingBlockPool(BlockPool):
         self._check_map()
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """The shape of a KV cache, as the decode cohort (sim/core/fast/cohort.py) must know it to
+    take and publish its members' blocks in bulk exactly as `allocate_slots` would one by one."""
+
+    block_size: int
+    paged: bool                   # blocks are taken as tokens are scheduled (contiguous: at admission)
+    prefix_caching: bool
+    private_blocks: bool          # a request's private blocks stay out of the hash map (KVCacheManager)
+    tables: int                   # block tables per request: one per KV cache group
+    grouped: bool                 # a table per group, even a single one (GroupedKVCacheManager)
+    sliding_window: Optional[int]     # the window sliding groups free behind, None without one
+    named_blocks: bool            # every block has an id (BlockPool), not only the mapped ones
+
+
 class PrefixCacheStats:
     """Token counts of prefix-cache lookups, as vLLM's PrefixCacheStats (first admissions only)."""
 
@@ -600,6 +617,11 @@ class KVCacheManager:
                               "contiguous" if self.contiguous else "paged", self.max_model_len,
                               self.contiguous_reserve, self.block_ids)
 
+    def layout(self) -> CacheLayout:
+        return CacheLayout(block_size=self.block_size, paged=not self.contiguous, prefix_caching=self.enable_caching,
+                           private_blocks=self.private_blocks, tables=self.num_groups, grouped=self.grouped,
+                           sliding_window=self.window if self.sliding else None, named_blocks=self.block_ids)
+
     # -- sizes ---------------------------------------------------------------------------
     def reserve_tokens(self, req: Request) -> int:
         """Tokens a request's allocation must cover by the time it finishes."""
@@ -628,9 +650,9 @@ class KVCacheManager:
     def _lookup_span(self, req: Request) -> int:
         """How many leading blocks of a new request a prefix hit may cover (their hashes made):
         floor((num_tokens - 1) / bs), 0 without caching or once the request computed anything."""
-        if not self.enable_caching or req._computed:      # (no cohort member waits: fields are progress)
+        if not self.enable_caching or req.num_computed:
             return 0
-        max_blocks = (req.prompt_len + req._output - 1) // self.block_size
+        max_blocks = (req.prompt_len + req.num_output - 1) // self.block_size
         if self.private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
             max_blocks = min(max_blocks, req.first_private_block(self.block_size))
         req.extend_block_hashes(max_blocks, self.block_size)
@@ -664,8 +686,20 @@ class KVCacheManager:
             req.blocks.extend(pool.get_new_blocks(need))
         self.held_slots += (len(req.blocks) - held) * bs
         if self.enable_caching:
-            covered = req._computed + len(hit_blocks) * bs + num_new_tokens
-            self.register_full_blocks(req, min(covered, req.prompt_len + req._output))
+            covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
+        return True
+
+    def append_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Slots for `num_new_tokens` more tokens of a running request (what vLLM's allocate_slots
+        does for a request it schedules again): within the blocks it holds, only the blocks those
+        tokens fill are published; past them, `allocate_slots`. False, changing nothing, when the
+        pool is too small."""
+        covered = req.num_computed + num_new_tokens
+        if covered > len(req.blocks) * self.block_size:
+            return self.allocate_slots(req, num_new_tokens)
+        if self.enable_caching and covered // self.block_size > req.num_registered:
+            self.register_full_blocks(req, covered)
         return True
 
     def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
@@ -678,7 +712,7 @@ class KVCacheManager:
         """(new blocks an allocation takes, free blocks it requires to go ahead)."""
         bs = self.block_size
         held = len(req.blocks)
-        covered = req._computed + len(hit_blocks) * bs + num_new_tokens
+        covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
@@ -689,9 +723,6 @@ class KVCacheManager:
         gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
         hit_in_free = self.pool.free_among(hit_blocks) if hit_blocks else 0
         return need, gate + hit_in_free + reserve_free
-
-    def remove_skipped_blocks(self, req: Request) -> None:
-        """Free blocks no layer will read again (sliding windows only; see GroupedKVCacheManager)."""
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
@@ -716,7 +747,7 @@ class KVCacheManager:
         blocks = req.blocks
         if blocks:
             # (CountingBlockPool counts a finished request's private blocks as cached at free)
-            if self.enable_caching and self.private_blocks and (self.block_ids or req.status < _FINISHED):
+            if self.enable_caching and self.private_blocks and (self.block_ids or req.status < FINISHED):
                 self._settle_private(req)
             self.held_slots -= len(blocks) * self.block_size
             self.pool.free_table(blocks, req.num_registered, req.kv_lease)
@@ -911,6 +942,12 @@ class GroupedKVCacheManager(KVCacheManager):
         capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
         sliding = max(capped - held - num_hit, need)
         return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
+
+    def append_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """As KVCacheManager.append_slots, after freeing the blocks behind the window (vLLM frees
+        them as it allocates, every step, whether or not a block is needed)."""
+        self.remove_skipped_blocks(req)
+        return super().append_slots(req, num_new_tokens)
 
     def frees_behind_window(self, req: Request) -> int:
         """How many leading table entries are behind the window of the request's next token,

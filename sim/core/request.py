@@ -10,12 +10,13 @@ and growing for live requests.
 """
 from __future__ import annotations
 
-import enum
 import hashlib
 from functools import lru_cache
 from typing import Callable, Optional, Union
 
 import numpy as np
+
+from sim.core.status import FINISHED, WAITING, Status  # noqa: F401  (Status: re-exported)
 
 Segment = Union[tuple, list]  # (key, length) | [token ids]
 NO_PRIVATE_BLOCK = 1 << 62    # Request.first_private_block of a request with no private block
@@ -80,29 +81,14 @@ def segment_len(seg: Segment) -> int:
     return seg[1] if isinstance(seg, tuple) else len(seg)
 
 
-class Status(enum.IntEnum):
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2   # back in the waiting queue, to be recomputed
-    FINISHED = 3
-    REJECTED = 4
-    ABORTED = 5
-
-
-# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
-_WAITING = Status.WAITING
-_FINISHED = Status.FINISHED
-
-
 class Request:
     """A request's workload description plus the scheduling state the policy keeps on it.
 
-    While a request decodes steadily it may belong to the scheduler's DecodeCohort
-    (sim/core/cohort.py), which advances all its members by one token per step in O(1):
-    then `_computed` and `_output` hold offsets from the cohort's step counters, and the
-    properties below add them back, so every reader sees the true values. Outside the cohort
-    they are the true values: the scheduler's one-by-one paths, which see no member, read them
-    directly (in CPython 3.11 a property read costs as much as a dozen attribute reads).
+    Its progress (`num_computed`, `num_output`, `last_emit`) is plain fields. While a request
+    decodes steadily it may belong to a decode cohort (sim/core/fast/cohort.py), which advances
+    all its members by one token per step in O(1): it then turns into a `CohortMember`, whose
+    progress fields are properties computed from the cohort's counters and the `cohort_*` fields
+    (the cohort's own, read and written by it alone), until it leaves the cohort.
     """
 
     __slots__ = (
@@ -111,12 +97,14 @@ class Request:
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
         "is_live", "max_len",
         # scheduling state
-        "status", "_output", "_computed", "_cohort", "cohort_gen", "blocks", "group_tables", "block_hashes",
+        "status", "num_output", "num_computed", "blocks", "group_tables", "block_hashes",
         "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
-        "_private_fills", "_private_start",
+        "_private_start",
+        # a decode cohort's (sim/core/fast/cohort.py): its members' progress as offsets from its counters
+        "cohort", "cohort_gen", "cohort_computed", "cohort_output", "cohort_pause_index", "cohort_private_fills",
         # step bookkeeping (step indices; drivers turn them into times)
-        "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "_last_emit",
-        "chunk_steps", "_pause_index",
+        "admit_step", "run_seq", "first_token_step", "finish_step", "emit_runs", "emit_start", "last_emit",
+        "chunk_steps",
     )
 
     def __init__(self, id: int, arrival: Optional[float], segments: list[Segment], output_len: int,
@@ -149,11 +137,15 @@ class Request:
 
     def reset(self) -> None:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
-        self.status = _WAITING
-        self._output = 0
-        self._computed = 0
-        self._cohort = None
+        if type(self) is not Request:      # (a cohort member of a run that stopped short is one no more)
+            self.__class__ = Request
+        self.status = WAITING
+        self.num_output = 0                # output tokens known (emitted, or appended by the engine)
+        self.num_computed = 0              # tokens whose KV is computed or scheduled to be (vLLM commits at schedule time)
+        self.cohort = None                 # the decode cohort it belongs to, if any
         self.cohort_gen = 0
+        self.cohort_computed = self.cohort_output = self.cohort_pause_index = 0
+        self.cohort_private_fills = False  # a cohort member whose fills are private blocks
         self.blocks: list[int] = []
         # Hybrid / sliding-window models: one block table per KV cache group (group_tables[0] is
         # `blocks`), kept by sim/core/kvcache.py's GroupedKVCacheManager; None otherwise.
@@ -165,7 +157,6 @@ class Request:
         self.num_preemptions = 0
         self.reject_reason: Optional[str] = None
         self._hash_cursor = (0, 0, None, 0)
-        self._private_fills = False        # a cohort member whose fills are private blocks
         self._private_start: Optional[int] = None    # first_private_block's token, once asked
         self.admit_step = -1
         self.run_seq = -1                  # position in the running list's order (set at each admission)
@@ -173,43 +164,18 @@ class Request:
         self.finish_step = -1
         self.emit_runs: list[int] = []
         self.emit_start = -1
-        self._last_emit = -2
-        self._pause_index = 0              # cohort members: the first of the cohort's pauses they sit through
+        self.last_emit = -2                # the step that emitted its latest token
         self.chunk_steps: list[int] = []   # steps of prefill chunks that emitted no token
-
-    # -- progress (see the class docstring for the cohort offsets) -----------------------
-    @property
-    def num_computed(self) -> int:
-        """Tokens whose KV is computed or scheduled to be (vLLM commits at schedule time)."""
-        c = self._cohort
-        return self._computed if c is None else self._computed + c.scheduled_step
-
-    @num_computed.setter
-    def num_computed(self, value: int) -> None:
-        assert self._cohort is None, "a cohort member's progress is the cohort's to change"
-        self._computed = value
-
-    @property
-    def num_output(self) -> int:
-        c = self._cohort
-        return self._output if c is None else self._output + c.finished_step
 
     @property
     def num_tokens(self) -> int:
         """Tokens known so far: the prompt plus every output token appended."""
-        c = self._cohort                   # (num_output inlined: this is read in every hot loop)
-        return self.prompt_len + (self._output if c is None else self._output + c.finished_step)
-
-    @property
-    def last_emit(self) -> int:
-        """The step that emitted this request's latest token (members emit every step)."""
-        c = self._cohort
-        return self._last_emit if c is None else c.last_emit(self)
+        return self.prompt_len + self.num_output
 
     def append_output(self) -> None:
         """One more output token is known (the scripted one, or the live one just sampled)."""
-        assert self._cohort is None
-        self._output += 1
+        assert self.cohort is None
+        self.num_output += 1
 
     def cut_output(self, output_len: int) -> None:
         """A live request sampled EOS: its output ends at `output_len` tokens."""
@@ -220,28 +186,28 @@ class Request:
         """Its next token was emitted at `step` (a request scheduled one by one, no cohort member):
         extend its run of consecutive emissions or start one, and count the token. Returns whether
         it was the last. (One call where the scheduler made five property reads and writes.)"""
-        assert self._cohort is None
-        last = self._last_emit
+        assert self.cohort is None
+        last = self.last_emit
         if last != step - 1:               # a new run of consecutive emissions
             if self.emit_start >= 0:
                 self.emit_runs += (self.emit_start, last)
             self.emit_start = step
             if self.first_token_step < 0:
                 self.first_token_step = step
-        self._last_emit = step
-        self._output += 1
-        return self._output >= self.output_len
+        self.last_emit = step
+        self.num_output += 1
+        return self.num_output >= self.output_len
 
     def close_emit_run(self) -> None:
         """Close the run of emissions of a request that ended (it has left any cohort)."""
-        assert self._cohort is None
+        assert self.cohort is None
         if self.emit_start >= 0:
-            self.emit_runs += (self.emit_start, self._last_emit)
+            self.emit_runs += (self.emit_start, self.last_emit)
             self.emit_start = -1
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= _FINISHED
+        return self.status >= FINISHED
 
     def first_private_block(self, block_size: int) -> int:
         """The first block whose content only this request can ever look up, or NO_PRIVATE_BLOCK.

@@ -1,53 +1,48 @@
-"""Batching policies: continuous (vLLM V1 iteration-level, or V0 prefill-first) and static.
+"""The reference scheduling policy: vLLM V1's scheduler, plus the V0 order and static batching.
 
-The scheduler owns no clock. A driver (the SimPy simulator, or the engine in wall-clock
-time) calls `add`, `schedule` and `finish_step`; steps are counted, never timed.
+The scheduler owns no clock. A driver (the SimPy simulator, or the engine in wall-clock time)
+calls `add`, `schedule` and `finish_step`; steps are counted, never timed. docs/architecture_core.md
+walks through it; in short (vLLM's vllm/v1/core/sched/scheduler.py, `Scheduler.schedule`):
 
-Continuous, `mixed` composition (vLLM V1, docs/vllm_semantics.md section 4):
-RUNNING requests first, in admission order, each taking what it still needs (1 token for
-a decode, the rest of a prompt chunked to the budget); when a block cannot be had, the
-last-admitted (FCFS) or lowest-priority (PRIORITY) running request is preempted and will
-be recomputed. Then, if nothing was preempted, WAITING requests are admitted head first
-until the token budget, max_num_seqs or the KV pool stops the first one (head-of-line).
-`prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can
-be scheduled, otherwise all decodes; only a step's first prefill may be chunked.
-`static` (HF `generate`, docs/vllm_semantics.md section 5): a batch is formed only
-when none is running, its prompts computed in one padded forward (no token budget, no
-chunks), and it runs until its last member finishes. Every step computes all B rows, padded
-to the longest prompt: a finished member's row keeps being computed (`Batch.pad_rows`).
+`mixed` (vLLM V1): RUNNING requests first, in admission order, each taking what it still needs
+(one token for a decode, the rest of a prompt chunked to the budget); when a block cannot be had,
+the queue type's victim (sim/core/request_queue.py) is preempted, to be recomputed. Then, if
+nothing was preempted, WAITING requests from the head until the token budget, max_num_seqs or the
+KV pool stops the head (head-of-line blocking).
+`prefill_first` (V0, nano-vllm, Vidur's vLLM model): a step is all prefills while any can be
+scheduled, otherwise all decodes; only a step's first prefill may be chunked.
+`static` (HF `generate`): a batch forms only when none runs, its prompts computed in one padded
+forward, and it runs until its last member finishes; every step computes all B rows, padded to
+the longest (a finished member's row too: `Batch.pad_rows`).
 
-Async scheduling (vLLM's AsyncScheduler, `async_scheduling`): vLLM plans step N+1 while step
-N runs and processes N's outputs only after that, so a request that emits its last token in
-step N is removed from RUNNING, and its blocks freed, after step N+1 was planned. Step N+1
-does not compute for it (vLLM knows it reaches max_tokens), but it still holds its KV blocks
-and its max_num_seqs seat there; it can even be chosen as a preemption victim, which frees its
-blocks at once (it finishes all the same). Here `finish_step` retires such requests but keeps
-them in `running` (`_finishing`) until the next pass of `schedule` has run. When nothing else
-is waiting or running there is no next step to plan, and vLLM processes the outputs at once: the
-finishers are freed in `finish_step`, so an engine that goes idle does not keep their blocks.
-New requests are likewise taken only between loop turns: one added while a step is in flight waits
-in `arriving` through the next pass (vLLM's turn after step N plans N+2), docs/vllm_semantics.md.
+Async scheduling (vLLM's AsyncScheduler): vLLM plans step N+1 before it processes step N's
+outputs, so a request that emits its last token in step N still holds its blocks and its
+max_num_seqs seat while step N+1 is planned (it can even be the victim of a preemption, which
+frees its blocks at once). `finish_step` retires such requests but keeps them in `running`
+(`_finishing`) until the next `schedule` pass has run; with nothing else left to plan, vLLM
+processes the outputs at once, and so does `finish_step`. New requests are likewise taken only
+between loop turns: one added while a step is in flight waits in `arriving` through the next
+pass (vLLM's turn after step N plans N+2), docs/vllm_semantics.md.
+
+The decode cohort (sim/core/fast/cohort.py) is the one fast path inside a step: `take_step` gives
+every steady decode its token at once when that cannot change any outcome, else it dissolves.
 """
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Optional
 
 from sim.core import vllm_versions
-from sim.core.cohort import DecodeCohort, _run_seq
+from sim.core.batch import Batch, StaticBatch
+from sim.core.fast.cohort import DecodeCohort
 from sim.core.kvcache import KVCacheManager
-from sim.core.memory import cdiv
-from sim.core.request import Request, Status
+from sim.core.request import Request
+from sim.core.request_queue import make_request_queue
+from sim.core.status import ABORTED, FINISHED, PREEMPTED, REJECTED, RUNNING, WAITING
 
-# Statuses as module constants: an enum member read off its class is a descriptor call (3.11)
-_WAITING = Status.WAITING
-_RUNNING = Status.RUNNING
-_PREEMPTED = Status.PREEMPTED
-_FINISHED = Status.FINISHED
-_REJECTED = Status.REJECTED
-_ABORTED = Status.ABORTED
+
+_by_run_seq = attrgetter("run_seq")     # a request's position in the running list (a C-level sort key)
 
 
 @dataclass(frozen=True)
@@ -61,7 +56,7 @@ class SchedulerConfig:
     step_composition: str = "mixed"         # mixed | prefill_first
     admission_watermark: float = 0.0
     reserve_full_prompt: bool = True
-    # Advance steady decodes as a cohort (sim/core/cohort.py); False forces the one-by-one loop.
+    # Advance steady decodes as a cohort (sim/core/fast/cohort.py); False forces the one-by-one loop.
     lazy_decode: bool = True
     # vLLM's async scheduling: finished requests leave RUNNING one step late, and requests that
     # arrive while a step runs join WAITING one pass late (module docstring).
@@ -73,141 +68,35 @@ class SchedulerConfig:
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
+        """The policy's settings from a validated scenario: every scenario field the scheduler
+        consults is read here, and nowhere else."""
         e = s.engine
-        return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, e.batching,
-                   e.chunked_prefill, e.scheduling_policy, e.step_composition,
-                   e.admission_watermark, e.reserve_full_prompt, async_scheduling=s.async_scheduling,
+        return cls(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                   max_model_len=s.max_model_len, batching=e.batching, chunked_prefill=e.chunked_prefill,
+                   policy=e.scheduling_policy, step_composition=e.step_composition,
+                   admission_watermark=e.admission_watermark, reserve_full_prompt=e.reserve_full_prompt,
+                   async_scheduling=s.async_scheduling,
                    long_prefill_token_threshold=s.long_prefill_token_threshold,
                    sliding_admission_cap=vllm_versions.has(e.vllm_version, "sliding_window_admission_cap"))
 
 
-class Batch:
-    """One step's work: which requests compute how many new tokens, plus its composition.
-
-    Decodes (one generated token fed back) and prefills (whole prompts, chunks, recomputes)
-    are kept apart, so the hot decode path needs no per-sequence token count.
-    """
-
-    __slots__ = ("step", "decodes", "num_decode", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new",
-                 "decode_ctx", "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted",
-                 "admitted")
-
-    def __init__(self, step: int):
-        self.step = step
-        self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
-        self.cohort_size = 0
-        # Decode rows computed: len(decodes) + pad_rows, kept as they change (the cost model and
-        # the recorder read it every step; a property read is a call)
-        self.num_decode = 0
-        self.pad_rows = 0            # static batching: rows computed for members that finished
-        self.pad_len = 0             # static batching: the padded length every row reaches this step
-        self.prefills: list[Request] = []
-        self.prefill_new: list[int] = []
-        self.decode_ctx = 0          # sum of decode context lengths (tokens attended)
-        self.num_prefill_tokens = 0  # prompt tokens computed (whole prompts and chunks)
-        self.prefill_ctx = 0         # sum of cached context the prefill chunks attend to
-        self.prefill_attn = 0        # sum over chunks of q x (context + (q + 1) / 2): causal score pairs
-        self.blocks_read = 0         # KV blocks the attention kernels walk
-        self.preempted: list[Request] = []
-        self.admitted: list[Request] = []
-
-    def __len__(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.num_decode + len(self.prefills)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
-        return self.num_prefill_tokens + self.num_decode
-
-    @property
-    def reqs(self) -> list[Request]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_new(self) -> list[int]:
-        return [1] * len(self.decodes) + self.prefill_new
-
-    def starts(self) -> list[int]:
-        """Context length before this step, per sequence in `reqs` order."""
-        return [r.num_computed - n for r, n in zip(self.reqs, self.num_new)]
-
-    def add(self, req: Request, n: int, block_size: int) -> None:
-        """Schedule `n` new tokens of `req` (its num_computed advances now, as in vLLM).
-        Requests are added one by one, so never as cohort members: their fields are their progress."""
-        assert req._cohort is None
-        start = req._computed
-        ctx = start + n
-        tokens = req.prompt_len + req._output
-        self.blocks_read += -(-ctx // block_size)
-        # A decode is the one token that completes the sequence. A resumed request's 1-token
-        # recompute chunk that leaves more to compute is a prefill chunk: it emits nothing.
-        if n == 1 and req._output and ctx == tokens:
-            self.decodes.append(req)
-            self.num_decode += 1
-            self.decode_ctx += ctx
-        else:
-            self.prefills.append(req)
-            self.prefill_new.append(n)
-            self.num_prefill_tokens += n
-            self.prefill_ctx += start
-            self.prefill_attn += n * start + n * (n + 1) // 2
-            if ctx < tokens:                     # a chunk that emits nothing: remember its step
-                req.chunk_steps.append(self.step)
-        req._computed = ctx
-
-    def remove(self, req: Request, block_size: int) -> int:
-        """Take a request back out (it was preempted after being scheduled); returns its tokens."""
-        ctx = req.num_computed
-        if req in self.decodes:
-            i = self.decodes.index(req)
-            del self.decodes[i]
-            self.num_decode -= 1
-            self.cohort_size -= i < self.cohort_size
-            n = 1
-            self.decode_ctx -= ctx
-        else:
-            i = self.prefills.index(req)
-            del self.prefills[i]
-            n = self.prefill_new.pop(i)
-            start = ctx - n
-            self.num_prefill_tokens -= n
-            self.prefill_ctx -= start
-            self.prefill_attn -= n * start + n * (n + 1) // 2
-            if req.chunk_steps and req.chunk_steps[-1] == self.step:
-                req.chunk_steps.pop()
-        self.blocks_read -= -(-ctx // block_size)
-        return n
-
-
 class Scheduler:
-    # Slots: attribute reads stay cheap on the hot paths whatever the number of attributes (an
-    # instance dict past CPython's shared-key limit makes every read a dict lookup)
-    __slots__ = ("config", "kv", "block_size", "priority", "static", "mixed", "lazy", "cohort", "waiting_fifo",
-                 "waiting_heap", "num_waiting", "running", "active", "step", "num_added", "num_finished",
-                 "num_rejected", "num_aborted", "num_preemptions", "tokens_held", "_heap_seq", "_run_seq",
-                 "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "_static_rows",
-                 "_static_len", "_static_step", "_finishing", "pending_release", "arriving", "in_flight")
+    # (slots: attribute reads stay cheap on the hot paths, however many attributes there are)
+    __slots__ = ("config", "kv", "block_size", "static", "mixed", "lazy", "cohort", "waiting", "running",
+                 "active", "step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions",
+                 "tokens_held", "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks",
+                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
-        self.priority = config.policy == "priority"
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
         self.lazy = config.lazy_decode
         # (a grouped KV cache: a block per table at each crossing, frees behind sliding windows)
-        self.cohort = DecodeCohort(kv.block_size, not kv.contiguous, kv.enable_caching, kv.private_blocks,
-                                   kv.num_groups, kv.window if kv.sliding else None)
-        self.waiting_fifo: deque[Request] = deque()
-        self.waiting_heap: list = []
-        # Requests in the queue in use: a count kept as they come and go, as the drivers read it
-        # several times a step (a property call costs as much as a dozen attribute reads).
-        self.num_waiting = 0
+        self.cohort = DecodeCohort(kv.layout())
+        self.waiting = make_request_queue(config.policy)     # the queue type is the fcfs/priority policy
         self.running: list[Request] = []
         # Running requests outside the decode cohort, in admission order (usually a few prefills).
         self.active: dict[Request, None] = {}
@@ -215,20 +104,15 @@ class Scheduler:
         self.num_added = self.num_finished = self.num_rejected = self.num_aborted = 0
         self.num_preemptions = 0
         self.tokens_held = 0           # sum of num_computed over running requests
-        self._heap_seq = 0
         self._run_seq = 0
         self._empty_preempted: list[Request] = []
         self._returned = 0
         self._usable_blocks = kv.pool.usable_blocks     # (the pool's size is fixed: read once, not per request)
         self._watermark_blocks = int(config.admission_watermark * self._usable_blocks)
-        # The static batch running now: its rows, padded prompt length and first step.
-        self._static_rows = self._static_len = self._static_step = 0
-        # async scheduling: requests that finished in the last step, still in `running` with their
-        # blocks until the next scheduling pass has run (vLLM processes step N's outputs after
-        # planning step N+1)
+        self.static_batch: Optional[StaticBatch] = None       # (static batching)
+        # Async scheduling: the last step's finishers, in `running` with their blocks until the next
+        # pass has run; `pending_release` says whether there are any (the leap planner reads it).
         self._finishing: list[Request] = []
-        # Async scheduling: finished requests still hold blocks and seats until the next pass, i.e.
-        # `_finishing` is not empty (kept with it: the leap planner reads it every leap).
         self.pending_release = False
         # Async scheduling: vLLM's busy loop takes new requests only between loop turns, and the turn
         # that follows step N plans N+2 (N+1 was planned while N ran). So a request added while a step
@@ -244,15 +128,15 @@ class Scheduler:
         self.num_added += 1
         reason = self._reject_reason(req)
         if reason:
-            req.status = _REJECTED
+            req.status = REJECTED
             req.reject_reason = reason
             self.num_rejected += 1
             return False
-        req.status = _WAITING
+        req.status = WAITING
         if self.in_flight:               # async scheduling: seen after the next pass (__init__)
             self.arriving.append(req)
             return True
-        self._push_waiting(req, front=False)
+        self.waiting.add(req)
         return True
 
     def _reject_reason(self, req: Request) -> Optional[str]:
@@ -276,64 +160,39 @@ class Scheduler:
         """Drop a queued or running request (a client went away), freeing its blocks."""
         if req.is_finished:
             return
-        if req._cohort is not None:
+        if req.cohort is not None:
             self.cohort.leave(req)
         if req in self.running:
             self.running.remove(req)
             self.active.pop(req, None)
         elif req in self.arriving:        # async scheduling: added while a step ran, not yet waiting
             self.arriving.remove(req)
-        elif self.priority:
-            kept = [e for e in self.waiting_heap if e[-1] is not req]
-            self.num_waiting -= len(self.waiting_heap) - len(kept)
-            self.waiting_heap[:] = kept
-            heapq.heapify(self.waiting_heap)
-        elif req in self.waiting_fifo:
-            self.waiting_fifo.remove(req)
-            self.num_waiting -= 1
-        if req.status is _RUNNING:
+        else:
+            self.waiting.discard(req)
+        if req.status is RUNNING:
             self.tokens_held -= req.num_computed
         self.kv.free(req)
-        req.status = _ABORTED
+        req.status = ABORTED
         req.reject_reason = "aborted"
         req.close_emit_run()
         self.num_aborted += 1
 
     # -- queues --------------------------------------------------------------------------
-    def _push_waiting(self, req: Request, front: bool) -> None:
-        self.num_waiting += 1
-        if self.priority:
-            self._heap_seq += 1
-            arrival = req.arrival if req.arrival is not None else 0.0
-            heapq.heappush(self.waiting_heap, (req.priority, arrival, self._heap_seq, req))
-        elif front:
-            self.waiting_fifo.appendleft(req)
-        else:
-            self.waiting_fifo.append(req)
-
-    def _peek_waiting(self) -> Optional[Request]:
-        if self.priority:
-            return self.waiting_heap[0][-1] if self.waiting_heap else None
-        return self.waiting_fifo[0] if self.waiting_fifo else None
-
-    def _pop_waiting(self) -> None:
-        self.num_waiting -= 1
-        if self.priority:
-            heapq.heappop(self.waiting_heap)
-        else:
-            self.waiting_fifo.popleft()
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)      # (hot loops read len(self.waiting), a C call, not this property)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return len(self.running) > len(self._finishing) or self.num_waiting > 0 or bool(self.arriving)
+        return len(self.running) > len(self._finishing) or len(self.waiting) > 0 or bool(self.arriving)
 
     def has_other_work(self, finished: list) -> bool:
         """Is anything left to schedule besides the step's finishers? Only then does an async
         engine plan the next step before processing this one's outputs."""
-        return self.num_waiting > 0 or len(self.running) > len(finished)
+        return len(self.waiting) > 0 or len(self.running) > len(finished)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
@@ -354,7 +213,7 @@ class Scheduler:
     def take_arriving(self) -> None:
         """Move the requests held in `arriving` to WAITING (in arrival order)."""
         for req in self.arriving:
-            self._push_waiting(req, front=False)
+            self.waiting.add(req)
         self.arriving = []
 
     def _schedule_pass(self) -> Optional[Batch]:
@@ -372,7 +231,7 @@ class Scheduler:
             # requests (vLLM's update_from_output runs after the next schedule).
             released = bool(self._finishing)
             if released:
-                self._release_finishing()
+                self.release_finishing()
             # A pass that finds nothing only because the last step's finishers still held their
             # blocks or seats is an empty step in vLLM; their release lets the next pass run.
             if batch is not None or not (self._empty_preempted or released):
@@ -384,173 +243,96 @@ class Scheduler:
         return batch
 
     def _schedule_step(self) -> Optional[Batch]:
+        """One scheduling pass; None when it scheduled nothing."""
         batch = Batch(self.step)
         self._empty_preempted = []
-        budget = self.config.max_num_batched_tokens
         if self.mixed:
-            admit = not (self.static and self.running)
-            budget = self._schedule_running(batch, budget, want="all")
-            if admit and not batch.preempted:
-                self._schedule_waiting(batch, budget)
+            self._schedule_mixed(batch, self.config.max_num_batched_tokens)
         else:
-            budget = self._schedule_running(batch, budget, want="prefill")
-            if not batch.preempted:
-                budget = self._schedule_waiting(batch, budget)
-            if len(batch):         # a prefill step: the decodes wait; the cohort sits it out intact
-                self.cohort.pause(batch.step)
-            else:
-                self._schedule_running(batch, budget, want="decode")
+            self._schedule_prefill_first(batch, self.config.max_num_batched_tokens)
         if not (batch.decodes or batch.prefills):
             self._empty_preempted = batch.preempted
             return None
         self.tokens_held += batch.num_prefill_tokens + len(batch.decodes)    # (no padding rows yet)
-        if self.static:
-            self._pad_static(batch)
+        if self.static:                    # every step computes the padded batch HF `generate` computes
+            if batch.admitted:             # (a new batch formed)
+                self.static_batch = StaticBatch(rows=len(batch.admitted), first_step=batch.step,
+                                                length=max(r.num_tokens for r in batch.admitted))
+            batch.pad_static(self.static_batch, self.block_size)
         self.step += 1
         return batch
 
-    def _pad_static(self, batch: Batch) -> None:
-        """Make a static batch's step the padded one HF `generate` computes.
+    def _schedule_mixed(self, batch: Batch, budget: int) -> None:
+        """vLLM V1 (and static batching): the running requests, then, unless that preempted, the waiting."""
+        admit = not (self.static and self.running)     # a static batch forms only when none runs
+        budget = self._schedule_running(batch, budget)
+        if admit and not batch.preempted:
+            self._schedule_waiting(batch, budget)
 
-        The forming step is one [B, P] prefill, P the longest sequence; step k after it feeds
-        one token per row to all B rows, each attending P + k positions, whether its member
-        finished or not. Only the cost figures change: the members' own progress is untouched.
-        """
-        bs = self.block_size
-        if batch.admitted:
-            self._static_rows = len(batch.admitted)
-            self._static_len = max(r.num_tokens for r in batch.admitted)
-            self._static_step = batch.step
-        rows, length = self._static_rows, self._static_len
-        if batch.step == self._static_step:
-            batch.pad_len = length
-            batch.num_prefill_tokens = rows * length
-            batch.prefill_ctx = 0
-            batch.prefill_attn = rows * (length * (length + 1) // 2)
-            batch.blocks_read = rows * -(-length // bs)
-            return
-        ctx = length + batch.step - self._static_step     # every prompt was computed when the batch formed
-        batch.pad_rows = rows - len(batch.decodes)
-        batch.num_decode = rows
-        batch.pad_len = ctx
-        batch.decode_ctx = rows * ctx
-        batch.blocks_read = rows * -(-ctx // bs)
+    def _schedule_prefill_first(self, batch: Batch, budget: int) -> None:
+        """V0: the running requests' prefills, then the waiting; only a step with no prefill decodes."""
+        budget = self._schedule_running(batch, budget, only="prefill")
+        if not batch.preempted:
+            budget = self._schedule_waiting(batch, budget)
+        if len(batch):                     # a prefill step: the decodes wait; the cohort sits it out intact
+            self.cohort.pause(batch.step)
+        else:
+            self._schedule_running(batch, budget, only="decode")
 
-    @property
-    def slack_tokens(self) -> int:
-        """Slots allocated to running requests but holding no token (tails, reservations)."""
-        return self.kv.held_slots - self.tokens_held
-
-    def kv_figures(self) -> tuple[int, int, int]:
-        """(blocks in use, cached free blocks, slack tokens): what a step record keeps, in one call."""
-        kv = self.kv
-        pool = kv.pool
-        return pool.num_blocks - 1 - pool.num_free, pool.num_cached_free, kv.held_slots - self.tokens_held
-
-    def _schedule_running(self, batch: Batch, budget: int, want: str) -> int:
-        """RUNNING requests in admission order: decodes and the rest of their prompts."""
-        cohort = self.cohort
+    def _schedule_running(self, batch: Batch, budget: int, only: Optional[str] = None) -> int:
+        """RUNNING requests in admission order, each given what it still needs: one token for a
+        decode, the rest of its prompt (chunked to the budget) otherwise. `only` is prefill_first's
+        pass, taking only "prefill"s or only "decode"s."""
         candidates = self.running
-        if want == "prefill":              # prefill_first's prefill pass: the cohort holds decodes only
-            candidates = list(self.active) if cohort.members else candidates
-        elif cohort.members:
-            others = self._cohort_can_take(batch.step, budget)
-            if others is None:
-                cohort.dissolve()              # some member may not get its token: go one by one
-                self.active = dict.fromkeys(self.running)
-            else:
-                cohort.advance(batch.step, self.kv)
-                n = len(cohort.members)          # (len(cohort) would call DecodeCohort.__len__)
-                batch.decodes.extend(cohort.members)
-                batch.num_decode += n
-                batch.cohort_size = n
-                batch.decode_ctx += cohort.ctx_offset_sum + n * cohort.scheduled_step
-                batch.blocks_read += cohort.blocks_walked
-                budget -= n
-                candidates = others
-        if want != "prefill":
+        cohort = self.cohort
+        if only == "prefill":
+            if cohort.members:             # (members are decodes: the one-by-one requests are `active`)
+                candidates = self.active
+        else:
+            if cohort.members:             # fast path: every member's token at once (sim/core/fast/cohort.py)
+                others = cohort.take_step(self, batch, budget)
+                if others is None:         # some member might not get its token: it dissolved
+                    self.active = dict.fromkeys(self.running)
+                else:
+                    budget -= batch.cohort_size
+                    candidates = others
             cohort.sync(batch.step)
-        # PRIORITY victims can sit anywhere in the list, so walk a snapshot and skip them.
-        if self.priority:
-            candidates = list(candidates)
-        threshold = 0 if self.static else self.config.long_prefill_token_threshold
-        for req in candidates:
+        for req in list(candidates):       # (a snapshot: victims leave `running` while it is walked)
             if budget <= 0:
                 break
-            if req.status is not _RUNNING:
+            if req.status is not RUNNING:
+                continue                   # preempted in this pass
+            if only is not None and (only == "decode") != (req.num_tokens - req.num_computed == 1
+                                                           and req.num_output > 0):
                 continue
-            n = req.num_tokens - req.num_computed
-            if want != "all" and (n == 1 and req.num_output > 0) != (want == "decode"):
-                continue               # prefill_first: this pass takes only prefills or only decodes
-            if 0 < threshold < n:      # vLLM's long_prefill_token_threshold caps every chunk
-                n = threshold
-            if n > budget:
-                if not self.config.chunked_prefill and req.num_computed == 0:
-                    continue           # a whole prompt must fit one step without chunking
-                n = budget
-            budget = self._schedule_slow(req, n, batch, budget)
-            if req.status is not _RUNNING:
-                break                  # it preempted itself
+            n = self.num_new_tokens(req, budget)
+            if n is None:
+                continue
+            budget = self._schedule_tokens(req, n, batch, budget)
+            if req.status is not RUNNING:
+                break                      # it preempted itself
         return budget
 
-    def _last_freeing_member(self, step: int) -> int:
-        """The latest running position among members that may free behind their window at `step`."""
-        freeing = self.cohort.freeing(step)
-        return max(map(_run_seq, freeing)) if freeing else -1
-
-    def _cohort_can_take(self, step: int, budget: int) -> Optional[list[Request]]:
-        """The running non-members (admission order) if every member gets its token this step.
-
-        That holds when no member sits after the point where the token budget runs out and
-        the free blocks cover every allocation of the step, so no preemption can happen. The
-        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
-        free them) before a member would in the running order.
-        """
-        cohort, kv = self.cohort, self.kv
-        left = budget - len(cohort.members)
-        if left < 0:
-            return None
-        others = list(self.active)
-        blocks = cohort.due_blocks(step)
-        first_crossing = cohort.first_crossing_seq(step) if others else None
-        last_freeing = self._last_freeing_member(step) if others and kv.sliding else -1
+    def num_new_tokens(self, req: Request, budget: int) -> Optional[int]:
+        """The tokens a running request computes this step with `budget` left: what it still lacks,
+        chunked to the budget; None when its prompt must be computed whole (no chunked prefill) and
+        does not fit. (The one place the chunking rule lives; the decode cohort asks it too.)"""
+        n = req.num_tokens - req.num_computed
         threshold = self.config.long_prefill_token_threshold
-        for req in others:
-            n = req.num_tokens - req.num_computed
-            if 0 < threshold < n:      # (as _schedule_running caps it)
-                n = threshold
-            if n > left:
-                if not self.config.chunked_prefill and req.num_computed == 0:
-                    continue
-                n = left
-            if not kv.contiguous:
-                new = max(0, cdiv(req.num_computed + n, self.block_size) - len(req.blocks))
-                if new and req.run_seq < first_crossing:
-                    return None        # it takes its blocks before a member would: keep vLLM's order
-                blocks += new * kv.num_groups
-            if req.run_seq < last_freeing and kv.frees_behind_window(req):
-                return None            # it frees before a member would: keep the free queue's order
-            left -= n
-            if left == 0:
-                later = self.running[self.running.index(req) + 1:]
-                if any(r._cohort is not None for r in later):
-                    return None
-                break
-        return others if blocks <= kv.pool.num_free else None
+        if 0 < threshold < n and not self.static:      # vLLM's long_prefill_token_threshold caps every chunk
+            n = threshold
+        if n > budget:
+            if not self.config.chunked_prefill and req.num_computed == 0:
+                return None
+            n = budget
+        return n
 
-    def _schedule_slow(self, req: Request, n: int, batch: Batch, budget: int) -> int:
-        """Schedule `n` tokens of a running request that may need blocks (and preemptions)."""
-        kv, bs = self.kv, self.block_size
-        if kv.sliding:                     # vLLM frees behind the window as it allocates, every step
-            kv.remove_skipped_blocks(req)
-        covered = req.num_computed + n
-        if covered <= len(req.blocks) * bs:
-            if kv.enable_caching and covered // bs > req.num_registered:
-                kv.register_full_blocks(req, covered)
-        elif not self._allocate_or_preempt(req, n, batch):
+    def _schedule_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
+        """Schedule `n` tokens of a running request, preempting others while its slots do not fit."""
+        if not self._allocate_or_preempt(req, n, batch):
             return budget + self._take_returned()                  # it preempted itself
         budget += self._take_returned()
-        batch.add(req, n, bs)
+        batch.add(req, n, self.block_size)
         return budget - n
 
     def _take_returned(self) -> int:
@@ -560,7 +342,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
         """Allocate slots, preempting victims until they fit; False if `req` itself was preempted."""
-        while not self.kv.allocate_slots(req, n):
+        while not self.kv.append_slots(req, n):
             victim = self._pick_victim()
             self._preempt(victim, batch)
             if victim is req:
@@ -568,20 +350,15 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        if self.priority:
-            return max(self.running, key=lambda r: (r.priority, r.arrival or 0.0, r.id))
-        return self.running[-1]
+        return self.waiting.preemption_victim(self.running)
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
-        if victim.status is _FINISHED:
+        if victim.status is FINISHED:
             self._preempt_finishing(victim, batch)
             return
-        if victim._cohort is not None:
+        if victim.cohort is not None:
             self.cohort.leave(victim)
-        if self.priority:
-            self.running.remove(victim)
-        else:
-            self.running.pop()
+        self.running.remove(victim)
         self.active.pop(victim, None)
         scheduled_now = 0
         if victim in batch.decodes or victim in batch.prefills:
@@ -590,20 +367,17 @@ class Scheduler:
         self.tokens_held -= victim.num_computed - scheduled_now
         self.kv.free(victim)
         victim.num_computed = 0
-        victim.status = _PREEMPTED
+        victim.status = PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(victim)
-        self._push_waiting(victim, front=True)
+        self.waiting.add_preempted(victim)
 
     def _preempt_finishing(self, victim: Request, batch: Batch) -> None:
         """Async scheduling: the victim emitted its last token in the step in flight. vLLM frees
         its blocks now and counts a preemption; its output then finishes it from the waiting queue,
         before anything is admitted, so it simply finishes here."""
-        if self.priority:
-            self.running.remove(victim)
-        else:
-            self.running.pop()
+        self.running.remove(victim)
         self._finishing.remove(victim)
         self.pending_release = bool(self._finishing)
         self._free_finished(victim)
@@ -615,22 +389,22 @@ class Scheduler:
         """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
         cfg, kv = self.config, self.kv
         running = self.running
-        while self.num_waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
-            req = self._peek_waiting()
-            resumed = req.status is _PREEMPTED
-            args = self._admission(req, budget, not (batch.decodes or batch.prefills))
-            if args is None:
+        while self.waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
+            req = self.waiting.peek()
+            resumed = req.status is PREEMPTED
+            admit = self._admission(req, budget, not (batch.decodes or batch.prefills))
+            if admit is None:
                 break
-            hits, hit_tokens, n_now, gate, reserve = args
+            hits, hit_tokens, n_now, gate, reserve = admit
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
-            self._pop_waiting()
-            kv.stats.record(req.prompt_len + req._output, hit_tokens, resumed)   # (num_tokens: no member waits)
+            self.waiting.pop_head()
+            kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
-            req.status = _RUNNING
-            req._computed = hit_tokens
+            req.status = RUNNING
+            req.num_computed = hit_tokens
             self.tokens_held += hit_tokens
             self._run_seq += 1
             req.run_seq = self._run_seq
@@ -643,11 +417,14 @@ class Scheduler:
         return budget
 
     def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
-        """How the waiting head would be admitted now: (hits, hit tokens, tokens now, gate tokens,
-        blocks kept free), or None when the token budget stops it before the pool is asked."""
+        """How the waiting head would be admitted now: (prefix hit as the KV manager found it,
+        hit tokens, tokens computed now, tokens whose blocks must be free, blocks kept free), or
+        None when the token budget stops it before the pool is asked. (Every admission rule is
+        here: the waiting pass's, and the leap planner's through `head_would_start`. A plain
+        tuple: it is made at every admission attempt.)"""
         cfg = self.config
         hits, hit_tokens = self.kv.find_cached_prefix(req)
-        num_tokens = req.prompt_len + req._output       # (no cohort member waits)
+        num_tokens = req.prompt_len + req.num_output
         n = num_tokens - hit_tokens
         threshold = cfg.long_prefill_token_threshold
         if 0 < threshold < n and not self.static:       # vLLM caps the first chunk too
@@ -665,16 +442,16 @@ class Scheduler:
 
     def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
         """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
-        (No state changes; the leap planner asks this, sim/core/leap.py.)"""
+        (No state changes; the leap planner asks this, sim/core/fast/leap.py.)"""
         if len(self.running) >= self.config.max_num_seqs or (budget <= 0 and not self.static):
             return False
-        req = self._peek_waiting()
+        req = self.waiting.peek()
         if req is None:
             return False
-        args = self._admission(req, budget, batch_empty)
-        if args is None:
+        admit = self._admission(req, budget, batch_empty)
+        if admit is None:
             return False
-        hits, _, n_now, gate, reserve = args
+        hits, _, n_now, gate, reserve = admit
         return self.kv.would_fit(req, n_now, hits, gate, reserve, free_blocks)
 
     # -- after the step ------------------------------------------------------------------
@@ -687,9 +464,9 @@ class Scheduler:
         step = batch.step
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
         for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
-            if r._computed >= r.prompt_len + r._output:    # (one by one: no member, fields are progress)
+            if r.num_computed >= r.prompt_len + r.num_output:    # (one by one: no member, fields are progress)
                 emitted.append(r)
-        finished = self._cohort_finishers(step)            # (members, then the others, in batch order)
+        finished = self.cohort.end_step(step)            # (members, then the others, in batch order)
         for req in emitted:
             if req.emit(step):
                 finished.append(req)
@@ -697,34 +474,25 @@ class Scheduler:
             self._retire_finished(step, finished)
         if self.lazy:
             for req in emitted:
-                if req.status is _RUNNING and not req.is_live:
+                if req.status is RUNNING and not req.is_live:
                     self.cohort.join(req, step)
                     del self.active[req]
         return finished
 
     def finish_cohort_step(self, step: int) -> list[Request]:
         """`finish_step` of a step in which only the cohort's members computed (a leap's last)."""
-        finished = self._cohort_finishers(step)
+        finished = self.cohort.end_step(step)
         if finished or self._finishing:
             self._retire_finished(step, finished)
-        return finished
-
-    def _cohort_finishers(self, step: int) -> list[Request]:
-        """The members emitted at `step`: those that emitted their last token leave the cohort."""
-        cohort = self.cohort
-        cohort.finish(step)
-        finished = cohort.finishing(step)
-        for req in finished:
-            cohort.leave(req)
         return finished
 
     def _retire_finished(self, step: int, finished: list[Request]) -> None:
         """Mark the step's finished requests and free them (async: after the next pass).
         (Its callers skip it when nothing finished and nothing is held over: most steps.)"""
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
-            finished.sort(key=_run_seq)
+            finished.sort(key=_by_run_seq)
         for req in finished:
-            req.status = _FINISHED
+            req.status = FINISHED
             req.finish_step = step
             req.close_emit_run()
             self.active.pop(req, None)
@@ -733,15 +501,15 @@ class Scheduler:
         # Async: released after the next scheduling pass, unless nothing else is left to plan
         # (then vLLM processes the outputs at once, as a synchronous engine always does).
         if not (self.config.async_scheduling and self.has_other_work(finished)):
-            self._release_finishing()
+            self.release_finishing()
         self.num_finished += len(finished)
 
     def _free_finished(self, req: Request) -> None:
-        self.tokens_held -= req._computed  # (num_computed: a finished request has left the cohort)
+        self.tokens_held -= req.num_computed  # (num_computed: a finished request has left the cohort)
         self.kv.free(req)
         req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
 
-    def _release_finishing(self) -> None:
+    def release_finishing(self) -> None:
         """Free the finished requests in `_finishing` and take them out of RUNNING."""
         finishing, self._finishing = self._finishing, []
         self.pending_release = False
@@ -753,12 +521,21 @@ class Scheduler:
             for req in finishing:
                 self.running.remove(req)
 
+    # -- figures a step record keeps ------------------------------------------------------
+    @property
+    def slack_tokens(self) -> int:
+        """Slots allocated to running requests but holding no token (tails, reservations)."""
+        return self.kv.held_slots - self.tokens_held
+
+    def kv_figures(self) -> tuple[int, int, int]:
+        """(blocks in use, cached free blocks, slack tokens): what a step record keeps, in one call."""
+        kv = self.kv
+        pool = kv.pool
+        return pool.num_blocks - 1 - pool.num_free, pool.num_cached_free, kv.held_slots - self.tokens_held
+
     # -- checks --------------------------------------------------------------------------
     def check_accounting(self) -> None:
         """Every added request is finished, rejected, aborted, waiting or running."""
-        queued = len(self.waiting_heap if self.priority else self.waiting_fifo)
-        if self.num_waiting != queued:
-            raise AssertionError(f"waiting count {self.num_waiting} != {queued} requests queued")
         if self.pending_release != bool(self._finishing):
             raise AssertionError(f"pending_release {self.pending_release} with {len(self._finishing)} finishing")
         live = self.num_waiting + len(self.running) - len(self._finishing) + len(self.arriving)

@@ -49,8 +49,8 @@ class LeapPlan:
     `max_steps` is first the bound set by the members' next finish; the steps whose blocks
     the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
-    __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "_settled", "_ctx0", "_ctx_per_step",
-                 "_walked", "_walked_before", "_static", "_clock", "_groups", "_tables", "_free", "_taken", "_limit")
+    __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "settled", "_ctx0", "_ctx_per_step",
+                 "walked", "_walked_before", "static_shape", "_clock", "_groups", "_tables", "_free", "_taken", "_limit")
 
     def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
         """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
@@ -59,7 +59,7 @@ class LeapPlan:
         self.first_step = sched.step
         self.max_steps = max_steps
         self.members = members
-        self._walked: list[int] = []       # blocks the members start walking at each step
+        self.walked: list[int] = []       # blocks the members start walking at each step
         self._walked_before = cohort.blocks_walked
         self._clock = clock
         self._groups = cohort.by_phase
@@ -70,22 +70,23 @@ class LeapPlan:
         # Async scheduling: the last step's finishers are released after step t's pass. Until
         # `settle` has run it (and re-checked the waiting head), the plan is step t alone.
         self.pending = sched.pending_release
-        self._settled: Optional[tuple[int, int, int]] = None     # step t's KV figures once settled
+        self.settled: Optional[tuple[int, int, int]] = None     # step t's KV figures once settled
         if self.pending:
             self._limit = 1
         if sched.static:                   # every row of the padded batch attends the same length
-            self.rows = sched._static_rows
-            self._static = (sched._static_len - sched._static_step, sched.block_size)
-            self._ctx0, self._ctx_per_step = self.rows * (sched._static_len - sched._static_step), self.rows
-        else:                              # members' context at step t: _computed + clock(t)
+            batch = sched.static_batch
+            self.rows = batch.rows
+            self.static_shape = (batch.length - batch.first_step, sched.block_size)
+            self._ctx0, self._ctx_per_step = self.rows * (batch.length - batch.first_step), self.rows
+        else:                              # members' context at step t: cohort_computed + clock(t)
             self.rows = self.members
-            self._static = None
+            self.static_shape = None
             self._ctx0 = cohort.ctx_offset_sum - self.members * cohort.offset
             self._ctx_per_step = self.members
 
     def reach(self, k: int) -> int:
         """How many of the first k steps can run (their blocks are free); counts them on demand."""
-        walked = self._walked
+        walked = self.walked
         k = min(k, self._limit)
         if len(walked) < k:
             groups, bs, tables = self._groups, len(self._groups), self._tables
@@ -104,22 +105,22 @@ class LeapPlan:
         """Schedule the first step now and release the last step's finishers after it, as the
         one-step path's pass does (a plan with finishers pending; the driver knows step t runs).
         The plan then reaches past step t unless the waiting head would start at t + 1."""
-        if not self.pending or self._settled is not None:
+        if not self.pending or self.settled is not None:
             return
-        if sched.step != self.first_step or (not self._walked and self.reach(1) != 1):
+        if sched.step != self.first_step or (not self.walked and self.reach(1) != 1):
             raise AssertionError("settle: the plan's first step is not the scheduler's next one")
         t, cohort, kv = self.first_step, sched.cohort, sched.kv
         cohort.advance(t, kv)
         sched.tokens_held += self.members
-        sched._release_finishing()
+        sched.release_finishing()
         pool = kv.pool
-        self._settled = sched.kv_figures()
+        self.settled = sched.kv_figures()
         # Free blocks only shrink from here on (or grow, behind sliding windows): steps t+1 ... are
         # counted against what is free now.
         if self._free != math.inf:
             self._free, self._taken = pool.num_free, 0
         first = cohort.due_blocks(t + 1)
-        if self.max_steps > 1 and not (first > pool.num_free or sched.num_waiting and _head_starts(
+        if self.max_steps > 1 and not (first > pool.num_free or sched.waiting and _head_starts(
                 sched, self.members, pool.num_free - first)):
             self._limit = self.max_steps
 
@@ -136,10 +137,10 @@ class LeapPlan:
         devices: list[float] = []
         ctxs: list[int] = []
         reads: list[int] = []
-        walked, per, step = self._walked, self._ctx_per_step, self.first_step
+        walked, per, step = self.walked, self._ctx_per_step, self.first_step
         ctx = self._ctx0 + per * step
         blocks = self._walked_before
-        static = self._static
+        static = self.static_shape
         t = start
         for i in range(most):
             if i >= len(walked) and self.reach(2 * i + 4) <= i:
@@ -170,13 +171,13 @@ class LeapPlan:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
         t = self.first_step
         ctx0, per = self._ctx0, self._ctx_per_step
-        if self._static is not None:
-            offset, bs = self._static
+        if self.static_shape is not None:
+            offset, bs = self.static_shape
             return ([ctx0 + per * (t + i) for i in range(start, k)],
                     [self.rows * -(-(offset + t + i) // bs) for i in range(start, k)])
         # (members >= 1 a step: the context grows by a constant, a range does the list at C speed)
         ctx = list(range(ctx0 + per * (t + start), ctx0 + per * (t + k), per))
-        walked = self._walked
+        walked = self.walked
         blocks = list(accumulate(walked[start:k], initial=self._walked_before + sum(walked[:start])))
         del blocks[0]
         return ctx, blocks
@@ -217,7 +218,8 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     # windows, so the free blocks can grow during the stretch and let a waiting head start in it.
     # Async scheduling: requests that arrived during the last step join WAITING only after the
     # next schedule() pass (Scheduler.arriving), which a leap would skip: no leap until then.
-    if (not sched.lazy or kv.grouped and sched.num_waiting or not members or sched.active or sched.arriving
+    if (not sched.lazy or cohort.layout.grouped and sched.waiting or not members or sched.active
+            or sched.arriving
             or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
         return None
@@ -228,7 +230,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
         return None
     first = cohort.due_blocks(t)           # blocks the members take at the first step
     free = kv.pool.num_free
-    if first > free or sched.num_waiting and _head_starts(sched, members, free - first):
+    if first > free or sched.waiting and _head_starts(sched, members, free - first):
         return None
     return LeapPlan(sched, max_steps, members, clock, free)
 
@@ -255,12 +257,12 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         done = 1
     if done == k:
         figures: tuple[list[int], list[int], list[int]] = ([], [], [])
-    elif sched.cohort.paged and plan._static is None and not sched.kv.grouped:
+    elif sched.cohort.paged and plan.static_shape is None and not sched.cohort.layout.grouped:
         figures = _apply_bulk(sched, plan, done, k)
     else:
         figures = _apply_by_step(sched, plan, done, k)
     if done:
-        for column, value in zip(figures, plan._settled):
+        for column, value in zip(figures, plan.settled):
             column.insert(0, value)
     sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
@@ -272,7 +274,7 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
     step-by-step calls would take them, and the blocks filled registered after
     (DecodeCohort.advance_many); the figures follow from the crossings the plan counted and the
     evictions the take made."""
-    walked = plan._walked[done:k]
+    walked = plan.walked[done:k]
     used0, cached0, slack0 = sched.kv_figures()
     evicted = sched.cohort.advance_many(plan.first_step + done, walked, sched.kv)
     # per step, as running sums at C speed: blocks used grow by the blocks crossed; the slack by
@@ -297,7 +299,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
     # (or frees behind sliding windows) that is the steps with a member crossing into a new block
     # (the plan counted them).
-    walked = None if kv.enable_caching or kv.sliding or plan._static is not None else plan._walked
+    layout = cohort.layout
+    walked = (None if layout.prefix_caching or layout.sliding_window is not None or plan.static_shape is not None
+              else plan.walked)
     used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i in range(done, k):
         if walked is None or walked[i]:

@@ -4,7 +4,7 @@ Most of a serving run is running requests each feeding back one token per step. 
 every one of them every step costs ~0.5 us of Python per token, which is what made 100k
 simulated requests slow. Between a few well-defined moments such a request's progress is
 a straight line in the step number, so the cohort stores it as offsets from two counters
-(see Request's docstring) and only visits a member at its *events*:
+(`CohortMember`) and only visits a member at its *events*:
 
   cross  - the step whose token starts a new block: allocate it (paged), count it walked;
   fill   - the step whose token completes a block: publish its hash to the prefix cache;
@@ -26,8 +26,8 @@ first step after joining (a prefill chunk may have left several), in the running
 
 Pauses (`prefill_first`): a prefill step schedules no decode, so the members skip it. Rather
 than dissolving, the cohort keeps its own clock, which counts the steps it advanced: `clock =
-step - offset`, `offset` the number of steps it sat out. Members' offsets (`_computed`,
-`_output`), phases and finish times all run on that clock, so a pause is O(1): the offset grows
+step - offset`, `offset` the number of steps it sat out. Members' offsets (`cohort_computed`,
+`cohort_output`), phases and finish times all run on that clock, so a pause is O(1): the offset grows
 and the step is remembered in `pauses`. A member's emission runs (split by every pause it sat
 through) are built from that list when it leaves (`emission`), not at each pause.
 """
@@ -40,25 +40,54 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
 
+from sim.core.kvcache import CacheLayout
 from sim.core.request import Request
 
 
 _run_seq = attrgetter("run_seq")      # a request's position in the running list (a C-level sort key)
+_own_last_emit = Request.last_emit.__get__    # a member's own last_emit field (the property hides it)
+
+
+class CohortMember(Request):
+    """A request while it belongs to a decode cohort. Its progress is a straight line in the
+    cohort's clock: the cohort's counters plus the member's offsets (`cohort_computed`,
+    `cohort_output`), so these properties give the true values and nobody but the cohort can
+    change them (they have no setter). `DecodeCohort.join` turns a Request into one, `leave`
+    turns it back, writing the true values into its fields."""
+
+    __slots__ = ()
+
+    @property
+    def num_computed(self) -> int:
+        return self.cohort_computed + self.cohort.scheduled_step
+
+    @property
+    def num_output(self) -> int:
+        return self.cohort_output + self.cohort.finished_step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.cohort_output + self.cohort.finished_step
+
+    @property
+    def last_emit(self) -> int:
+        return self.cohort.last_emit(self)
 
 
 class DecodeCohort:
-    def __init__(self, block_size: int, paged: bool, caching: bool, private_blocks: bool = True,
-                 tables: int = 1, window: Optional[int] = None):
-        self.block_size = block_size
-        self.paged = paged
-        self.caching = caching
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.paged = layout.paged
+        self.caching = layout.prefix_caching
+        self.named = layout.named_blocks  # every block has an id: crossing members take theirs in running order
         # A grouped KV cache (sim/core/kvcache.py GroupedKVCacheManager): `tables` block tables
         # per member, each taking a block at a crossing; with a sliding `window` a member also
         # frees the block behind it, on the steps whose token leaves a block behind the window.
-        self.tables = tables
-        self.window = window
+        self.tables = layout.tables
+        self.window = layout.sliding_window
         self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
-        self.private_blocks = private_blocks   # members' private fills registered as such (kvcache.py)
+        self.private_blocks = layout.private_blocks   # members' private fills registered as such (kvcache.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
         self.members: dict[Request, None] = {}      # insertion-ordered set
         self.offset = 0               # steps the cohort sat out (pauses): clock = step - offset
@@ -67,13 +96,13 @@ class DecodeCohort:
         self.last_emit_step = -2      # the (global) step at which the members last emitted
         self.pauses: list[int] = []   # steps sat out while the cohort had members, ascending
         self._paused = -1             # the latest step sat out
-        self.ctx_offset_sum = 0       # sum of members' _computed (context - scheduled_step)
+        self.ctx_offset_sum = 0       # sum of members' cohort_computed (context - scheduled_step)
         self.blocks_walked = 0        # sum of members' cdiv(context, block_size) at scheduled_step
-        # A member's context at step t is _computed + t, so its block boundaries fall on the steps
-        # t with t = -_computed (mod block_size): members grouped by _computed % block_size all
+        # A member's context at step t is cohort_computed + t, so its block boundaries fall on the steps
+        # t with t = -cohort_computed (mod block_size): members grouped by cohort_computed % block_size all
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
-        # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/leap.py).
-        self.by_phase: list[dict[Request, None]] = [{} for _ in range(block_size)]
+        # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/fast/leap.py).
+        self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
         self._finish: dict[int, list] = defaultdict(list)
         self._finish_steps: list[int] = []          # heap of the keys of _finish
 
@@ -84,17 +113,18 @@ class DecodeCohort:
     def join(self, req: Request, step: int) -> None:
         """Take a decoding request after finish_step(step); its next token is scheduled at step + 1."""
         bs = self.block_size
-        computed, output = req._computed, req._output       # (not a member yet: fields are progress)
-        req._computed = computed - self.scheduled_step
-        req._output = output - self.finished_step
-        req._cohort = self
-        req._pause_index = len(self.pauses)
+        computed, output = req.num_computed, req.num_output
+        offset = req.cohort_computed = computed - self.scheduled_step
+        req.cohort_output = output - self.finished_step
+        req.cohort = self
+        req.cohort_pause_index = len(self.pauses)
         req.cohort_gen += 1
+        req.__class__ = CohortMember
         self.members[req] = None
-        self.by_phase[req._computed % bs][req] = None
+        self.by_phase[offset % bs][req] = None
         if self.window is not None:
             self._joined[req] = None
-        self.ctx_offset_sum += req._computed
+        self.ctx_offset_sum += offset
         self.blocks_walked += -(-computed // bs)
         finish = self.finished_step + req.output_len - output        # on the cohort's clock
         if finish not in self._finish:
@@ -102,26 +132,29 @@ class DecodeCohort:
         self._finish[finish].append((req, req.cohort_gen))
         # Every block a member fills holds some of its output: private, or hashed now in bulk
         # (scripted outputs are known up front).
-        req._private_fills = self.private_blocks and req.first_private_block(bs) <= computed // bs
-        if self.caching and not req._private_fills:
+        req.cohort_private_fills = self.private_blocks and req.first_private_block(bs) <= computed // bs
+        if self.caching and not req.cohort_private_fills:
             req.extend_block_hashes((req.max_len - 1) // bs, bs)
             self._public_fillers += 1
 
     def leave(self, req: Request) -> None:
         """Materialise a member's progress and let it go (finished, preempted, dissolved)."""
-        computed, output = req._computed + self.scheduled_step, req._output + self.finished_step
-        self.ctx_offset_sum -= req._computed
+        offset = req.cohort_computed
+        computed, output = offset + self.scheduled_step, req.cohort_output + self.finished_step
+        self.ctx_offset_sum -= offset
         self.blocks_walked -= -(-computed // self.block_size)
-        del self.by_phase[req._computed % self.block_size][req]
+        del self.by_phase[offset % self.block_size][req]
         if self._joined:
             self._joined.pop(req, None)
-        req.emit_runs, req.emit_start, req._last_emit = self.emission(req)
-        req._computed, req._output = computed, output
-        req._cohort = None
+        runs, start, last = self.emission(req)
+        req.__class__ = Request
+        req.emit_runs, req.emit_start, req.last_emit = runs, start, last
+        req.num_computed, req.num_output = computed, output
+        req.cohort = None
         req.cohort_gen += 1
         del self.members[req]
         if self.caching:
-            if req._private_fills:     # its fills were not marked one by one (the pool marks them at free)
+            if req.cohort_private_fills:     # its fills were not marked one by one (the pool marks them at free)
                 full = computed // self.block_size
                 if full > req.num_registered:
                     req.num_registered = full
@@ -130,17 +163,17 @@ class DecodeCohort:
 
     def last_emit(self, req: Request) -> int:
         """The step of a member's latest token (it joined after emitting one)."""
-        own, members = req._last_emit, self.last_emit_step
+        own, members = _own_last_emit(req), self.last_emit_step
         return members if members > own else own              # max(own, members), without a call
 
     def emission(self, req: Request) -> tuple[list[int], int, int]:
         """A member's (closed emission runs, open run's start, latest emission): it emitted at every
         step from its open run's start on, except at the pauses it sat through (no state changes)."""
-        own, members = req._last_emit, self.last_emit_step
+        own, members = _own_last_emit(req), self.last_emit_step
         last = members if members > own else own          # last_emit(req), without the call
         runs, start = req.emit_runs, req.emit_start
         pauses = self.pauses
-        i = req._pause_index
+        i = req.cohort_pause_index
         j = bisect_left(pauses, last, i)       # the pauses it sat through before its latest token
         if j > i:
             sat_out = pauses[i:j]
@@ -181,6 +214,74 @@ class DecodeCohort:
         return members
 
     # -- one step --------------------------------------------------------------------------
+    def take_step(self, sched, batch, budget: int) -> Optional[list[Request]]:
+        """The members' part of the scheduler's running pass at `batch.step`: if every member gets
+        its token this step (`_others_if_all_take`), schedule them all at once (`advance`) and put
+        them in `batch`; returns the running non-members, which the pass then walks one by one.
+        Otherwise the cohort dissolves (its members are plain requests again) and returns None."""
+        others = self._others_if_all_take(sched, batch.step, budget)
+        if others is None:
+            self.dissolve()
+            return None
+        self.advance(batch.step, sched.kv)
+        n = len(self.members)              # (len(self) would call __len__)
+        batch.decodes.extend(self.members)
+        batch.num_decode += n
+        batch.cohort_size = n
+        batch.decode_ctx += self.ctx_offset_sum + n * self.scheduled_step
+        batch.blocks_read += self.blocks_walked
+        return others
+
+    def _others_if_all_take(self, sched, step: int, budget: int) -> Optional[list[Request]]:
+        """The running non-members (admission order) if every member gets its token this step.
+
+        That holds when no member sits after the point where the token budget runs out and
+        the free blocks cover every allocation of the step, so no preemption can happen. The
+        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
+        free them) before a member would in the running order.
+        """
+        kv, bs = sched.kv, self.block_size
+        left = budget - len(self.members)
+        if left < 0:
+            return None
+        others = list(sched.active)
+        blocks = self.due_blocks(step)
+        first_crossing = self.first_crossing_seq(step) if others else None
+        last_freeing = self._last_freeing_seq(step) if others and self.window is not None else -1
+        num_new_tokens = sched.num_new_tokens
+        for req in others:
+            n = num_new_tokens(req, left)
+            if n is None:
+                continue
+            if self.paged:
+                new = max(0, -(-(req.num_computed + n) // bs) - len(req.blocks))
+                if new and req.run_seq < first_crossing:
+                    return None        # it takes its blocks before a member would: keep vLLM's order
+                blocks += new * self.tables
+            if req.run_seq < last_freeing and kv.frees_behind_window(req):
+                return None            # it frees before a member would: keep the free queue's order
+            left -= n
+            if left == 0:
+                running = sched.running
+                if any(r.cohort is not None for r in running[running.index(req) + 1:]):
+                    return None
+                break
+        return others if blocks <= kv.pool.num_free else None
+
+    def _last_freeing_seq(self, step: int) -> int:
+        """The latest running position among members that may free behind their window at `step`."""
+        freeing = self.freeing(step)
+        return max(map(_run_seq, freeing)) if freeing else -1
+
+    def end_step(self, step: int) -> list[Request]:
+        """`step` ran: the members emitted. Returns those that emitted their last token, which
+        have left the cohort."""
+        self.finish(step)
+        finished = self.finishing(step)
+        for req in finished:
+            self.leave(req)
+        return finished
+
     def _crossing(self, step: int) -> dict[Request, None]:
         """Members whose token at `step` starts a new block (context before it is a multiple of bs)."""
         return self.by_phase[(1 - step + self.offset) % self.block_size]
@@ -214,7 +315,7 @@ class DecodeCohort:
         crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            ordered = self._in_running_order(crossing) if kv.block_ids else crossing
+            ordered = self._in_running_order(crossing) if self.named else crossing
             if self.tables == 1:
                 for req, block in zip(ordered, kv.pool.get_new_blocks(len(crossing))):
                     req.blocks.append(block)
@@ -234,8 +335,8 @@ class DecodeCohort:
         blocks, hashes = [], []
         for clock in clocks:
             for req in by_phase[-clock % bs]:
-                if not req._private_fills:
-                    index = (req._computed + clock) // bs - 1
+                if not req.cohort_private_fills:
+                    index = (req.cohort_computed + clock) // bs - 1
                     if self.tables == 1:
                         blocks.append(kv.named_blocks(req, index, index + 1)[0])
                         hashes.append(req.block_hashes[index])
@@ -262,7 +363,7 @@ class DecodeCohort:
         if total:
             evicted_at: list[int] = []
             blocks = iter(kv.pool.get_new_blocks(total, evicted_at))
-            named, phase = kv.block_ids, 1 - clock
+            named, phase = self.named, 1 - clock
             for i, w in enumerate(walked):
                 if w:
                     crossing = by_phase[(phase - i) % bs]
