@@ -49,6 +49,11 @@ class RunResult:
             self._steps = self.records.steps_frame()
         return self._steps
 
+    @property
+    def has_steps_frame(self) -> bool:
+        """Is the steps frame made already (reading `steps` would cost nothing)?"""
+        return self._steps is not None
+
 
 def predict(scenario, name: Optional[str] = None,
             progress: Optional[Callable[[int], None]] = None, manifest: bool = True) -> RunResult:

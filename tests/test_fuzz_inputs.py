@@ -9,13 +9,11 @@ every run.
 """
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
 import random
 import resource
-import signal
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +26,7 @@ from sim.core.memory import InsufficientMemoryError
 from sim.errors import UserError
 from sim.output.io import write_json
 from sim.scenario import ScenarioError, expand_variants, load_scenario
+from support import alarm
 
 # numpy's "invalid value" warnings mean NaN got through: a case that raises one fails
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -147,18 +146,6 @@ def must_fail_scenarios(good: str) -> dict[str, str]:
 MUST_FAIL_SCENARIOS = frozenset(must_fail_scenarios(""))
 
 
-@contextlib.contextmanager
-def alarm(seconds: int):
-    def fire(*_):
-        raise TimeoutError(f"case ran over {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def assert_clean(error: BaseException, must_name: list[str]) -> None:

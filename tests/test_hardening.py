@@ -1,7 +1,6 @@
 """Untrusted input: names, YAML, bounds, output folders, error text, zero-finished runs."""
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 from sim.cli import main
 from sim.names import folder_name, name_problem
 from sim.scenario import ScenarioError, validate_scenario
+from support import alarm as within
 
 BASE = {"model": "qwen2.5-0.5b", "device": "h100-sxm"}
 SMALL = ("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {num_blocks: 256, max_model_len: 256}\n"
@@ -608,19 +608,6 @@ RECURSIVE_ALIASES = {
 }
 
 
-@contextlib.contextmanager
-def within(seconds: int):
-    """A hang is a failure, not a stuck suite (these inputs used to loop for ever)."""
-    def fire(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.mark.parametrize("text", RECURSIVE_ALIASES.values(), ids=RECURSIVE_ALIASES.keys())

@@ -87,7 +87,7 @@ def view_of(result: RunResult, label: Optional[str] = None, all_step_columns: bo
 
     from sim.output.views import PLOT_STEP_COLUMNS, RunView
 
-    if all_step_columns or result._steps is not None or not result.records.recorders:
+    if all_step_columns or result.has_steps_frame or not result.records.recorders:
         steps = result.steps
     else:
         steps = pd.DataFrame(result.records.step_series(PLOT_STEP_COLUMNS), copy=False)
