@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 
 
@@ -18,3 +19,16 @@ def alarm(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def with_changes(data: dict, **changes) -> dict:
+    """A deep copy of a JSON-like `data` with `field=value` (or `field__INDEX=value` for one list
+    element) set: one hostile variant of a good vLLM result file."""
+    data = json.loads(json.dumps(data))
+    for key, value in changes.items():
+        field, _, index = key.partition("__")
+        if index:
+            data[field][int(index)] = value
+        else:
+            data[field] = value
+    return data

@@ -26,7 +26,7 @@ from sim.core.memory import InsufficientMemoryError
 from sim.errors import UserError
 from sim.output.io import write_json
 from sim.scenario import ScenarioError, expand_variants, load_scenario
-from support import alarm
+from support import alarm, with_changes
 
 # numpy's "invalid value" warnings mean NaN got through: a case that raises one fails
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -482,14 +482,7 @@ HF_CONFIG = (Path(__file__).parent / "data" / "hf_configs" / "meta-llama__Meta-L
 def bad_detailed_results() -> dict[str, dict]:
     """Nonsense a measured file can hold, each of which was once accepted."""
     def with_(**changes):
-        data = json.loads(json.dumps(GOOD_DETAILED))
-        for key, value in changes.items():
-            name, _, index = key.partition("__")
-            if index:
-                data[name][int(index)] = value
-            else:
-                data[name] = value
-        return data
+        return with_changes(GOOD_DETAILED, **changes)
 
     return {"negative ttft": with_(ttfts__0=-0.1), "latencies -1": with_(latencies=[-1, -1, -1]),
             "negative itl": with_(itls__1=[0.02, -0.02]), "latency under ttft": with_(latencies__2=0.01),

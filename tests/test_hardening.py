@@ -10,7 +10,7 @@ import pytest
 from sim.cli import main
 from sim.names import folder_name, name_problem
 from sim.scenario import ScenarioError, validate_scenario
-from support import alarm as within
+from support import alarm as within, with_changes
 
 BASE = {"model": "qwen2.5-0.5b", "device": "h100-sxm"}
 SMALL = ("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {num_blocks: 256, max_model_len: 256}\n"
@@ -749,14 +749,7 @@ def detailed_result(n: int = 4) -> dict:
 
 
 def mutated(**changes) -> dict:
-    data = detailed_result()
-    for key, value in changes.items():
-        field, _, index = key.partition("__")
-        if index:
-            data[field][int(index)] = value
-        else:
-            data[field] = value
-    return data
+    return with_changes(detailed_result(), **changes)
 
 
 BAD_RESULTS = {

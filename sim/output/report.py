@@ -138,13 +138,12 @@ def draw_queue(ax, views: Mapping[str, RunView]) -> None:
                 counts=True)
 
 
-PREEMPTION_MARKS = 400       # at most this many marks per run (steps close in time share one)
 
 
 def mark_preemptions(ax, view: RunView, colour: str, label: str) -> None:
     """A triangle along the panel's top at each step that preempted, so the queue's jumps can be
     read against them (the summary's count says how many, not when)."""
-    times, total = view.preemption_marks(PREEMPTION_MARKS)
+    times, total = view.preemption_marks()
     if not total:
         return
     ax.plot(times, np.full(len(times), 0.97), "v", transform=ax.get_xaxis_transform(), color=colour, ms=5,

@@ -24,6 +24,7 @@ STEP_MS_MAX = ({"step_ms": "max"}, "max")
 PLOT_SERIES = (KV_SERIES, QUEUE_SERIES, SPLIT_SERIES, TOKENS_SERIES, STEP_MS_MEAN, STEP_MS_MAX)
 LATENCY_COLUMNS = ("ttft_s", "tpot_s", "e2e_s")
 # the step columns those series read (a prediction's plots need no other)
+PREEMPTION_MARKS = 400       # at most this many marks per run (steps close in time share one)
 PLOT_STEP_COLUMNS = ("start_s", "end_s", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
                      "decode_seqs", "prefill_tokens", "batch_tokens", "preemptions")
 
@@ -89,7 +90,7 @@ class RunView:
             return (*cdf_points(ms), len(ms)) if len(ms) else (np.zeros(0), np.zeros(0), 0)
         return self._reduce(("cdf", column), make)
 
-    def preemption_marks(self, marks: int = 400) -> tuple[np.ndarray, int]:
+    def preemption_marks(self, marks: int = PREEMPTION_MARKS) -> tuple[np.ndarray, int]:
         """(start times of at most `marks` time buckets holding a preempting step, preemptions in
         all): where the overview marks when preemptions happen."""
         def make():
