@@ -114,6 +114,8 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         **_kv_figures(records, steps),
         **_step_figures(steps),
     }
+    if "routing_regret" in records.meta:      # (sim/routers/regret.py)
+        summary["routing_regret"] = records.meta["routing_regret"]
     if len(records.recorders) > 1:
         summary["replicas"] = _replica_figures(measured, steps, duration, len(records.recorders))
     return summary

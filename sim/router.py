@@ -1,23 +1,38 @@
-"""Routing requests across replicas: round-robin, least outstanding tokens, prefix-aware."""
+"""Routing requests across replicas: round-robin, least outstanding tokens, prefix-aware, and the
+routers people deploy (sim/routers/: llm-d, Dynamo, SGLang)."""
 from __future__ import annotations
+
+from typing import Optional
 
 from sim.core.request import Request
 from sim.core.status import REJECTED
+from sim.routers.config import DEPLOYED_ROUTERS
+from sim.routers.regret import RoutingRegret
 
 
 class Router:
-    def __init__(self, replicas: list):
+    def __init__(self, replicas: list, regret: Optional[RoutingRegret] = None):
         self.replicas = replicas
         self._next = 0
+        self.regret = regret
 
     def route(self, req: Request) -> None:
-        replica = self.replicas[0] if len(self.replicas) == 1 else self.choose(req)
+        if len(self.replicas) == 1:
+            replica = self.replicas[0]
+        else:
+            replica = self.choose(req)
+            if self.regret is not None:
+                self.regret.observe(req, replica, self.replicas)
         replica.submit(req)
         if req.status is REJECTED:
             reject_follow_ups(req)
 
     def choose(self, req: Request):
         raise NotImplementedError
+
+    def figures(self) -> dict:
+        """What the run's records keep of the router (summary.json: routing_regret)."""
+        return {} if self.regret is None else {"routing_regret": self.regret.figures()}
 
 
 class RoundRobin(Router):
@@ -41,8 +56,8 @@ class PrefixAware(LeastOutstandingTokens):
     (plus this request), so one hot prefix cannot pin all traffic to one replica.
     """
 
-    def __init__(self, replicas: list, load_bound: float):
-        super().__init__(replicas)
+    def __init__(self, replicas: list, load_bound: float, regret: Optional[RoutingRegret] = None):
+        super().__init__(replicas, regret)
         self.load_bound = load_bound
 
     def choose(self, req: Request):
@@ -58,12 +73,24 @@ class PrefixAware(LeastOutstandingTokens):
         return best if best is not None else super().choose(req)
 
 
-def make_router(cluster, replicas: list) -> Router:
+def make_router(cluster, replicas: list, seed: int = 0) -> Router:
+    """The router `cluster.router` names; `seed` (the scenario's) seeds its random draws."""
+    regret = RoutingRegret() if measures_regret(cluster) else None
     if cluster.router == "round_robin":
-        return RoundRobin(replicas)
+        return RoundRobin(replicas, regret)
     if cluster.router == "least_outstanding_tokens":
-        return LeastOutstandingTokens(replicas)
-    return PrefixAware(replicas, cluster.load_bound)
+        return LeastOutstandingTokens(replicas, regret)
+    if cluster.router == "prefix_aware":
+        return PrefixAware(replicas, cluster.load_bound, regret)
+    from sim.routers.deployed import make_deployed_router      # (imports the router modules)
+    return make_deployed_router(cluster, replicas, seed, regret)
+
+
+def measures_regret(cluster) -> bool:
+    """cluster.routing_regret, or unset: on for the deployed routers, off for the built-in ones
+    (whose summaries then stay as they were)."""
+    flag = cluster.routing_regret
+    return flag if flag is not None else cluster.router in DEPLOYED_ROUTERS
 
 
 def reject_follow_ups(req: Request) -> None:

@@ -20,6 +20,7 @@ from sim.core import vllm_versions
 from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
+from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -662,12 +663,29 @@ class Slo(StrictModel):
 
 class Cluster(StrictModel):
     replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="engine replicas behind the router")
-    router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware"] = Field(
+    router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware", "llm_d", "dynamo", "sglang"] = Field(
         default="round_robin",
-        description="round_robin | least_outstanding_tokens | prefix_aware")
+        description="round_robin | least_outstanding_tokens | prefix_aware | llm_d (llm-d's endpoint picker) | "
+                    "dynamo (NVIDIA Dynamo's KV router) | sglang (SGLang's cache-aware router); "
+                    "docs/whatif/routers.md")
     load_bound: float = Field(
         default=1.5, ge=1.0,
         description="prefix_aware: a replica may take at most this many times the mean outstanding tokens")
+    llm_d: LlmDRouter = Field(default_factory=LlmDRouter, description="router llm_d: its scorers and weights")
+    dynamo: DynamoRouter = Field(default_factory=DynamoRouter, description="router dynamo: its cost and sampling")
+    sglang: SglangRouter = Field(default_factory=SglangRouter, description="router sglang: its thresholds and tree")
+    routing_regret: Optional[bool] = Field(
+        default=None,
+        description="report prefix-aware routing regret (hits lost vs an oracle) in summary.json; unset: on "
+                    "for llm_d, dynamo and sglang, off for the others")
+
+    @model_validator(mode="after")
+    def _router_section_used(self):
+        for section in DEPLOYED_ROUTERS:
+            if section in self.model_fields_set and self.router != section:
+                raise ValueError(f"cluster.{section} configures the {section} router, but cluster.router is "
+                                 f"{self.router!r}; set cluster.router: {section} or remove cluster.{section}")
+        return self
 
 
 class Scenario(StrictModel):

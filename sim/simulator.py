@@ -146,7 +146,7 @@ class Simulation:
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         self._ended = RequestTable()                 # each request's figures, taken as it ends
         first_turns = self._first_turns()
-        router = make_router(self.scenario.cluster, self.replicas)
+        router = make_router(self.scenario.cluster, self.replicas, self.scenario.seed)
         self._finished = 0
         for engine in self._engines():
             env.process(self._engine_loop(env, engine[0]) if len(engine) == 1 else self._lockstep_loop(env, engine))
@@ -173,7 +173,8 @@ class Simulation:
         return RunRecords(self._ended, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
-                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
+                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
+                                **self._router.figures()})
 
     def _engines(self) -> list[list[Replica]]:
         """The replicas that step as one: a data-parallel MoE engine's dp ranks (vLLM runs them in

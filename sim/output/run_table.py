@@ -76,4 +76,9 @@ def answer_line(name: str, s: dict) -> str:
         parts.append(f"SLOs met by {units.pct(s['slo_attainment'])}")
     parts.append(f"KV peak {units.pct(s.get('kv_usage_peak'))} of the pool")
     parts.append(f"{s.get('preemptions', 0):,} preemptions")
+    regret = s.get("routing_regret")
+    if regret is not None:      # (sim/routers/regret.py)
+        parts.append(f"prefix hit rate {units.pct(s.get('prefix_hit_rate'))}, routing regret "
+                     f"{units.pct(regret['hit_rate_lost'])} of prompt tokens ({units.pct(regret['regret_fraction'])} "
+                     f"of the oracle's hits)")
     return f"[bold]{escape(name)}[/]: " + ", ".join(parts)
