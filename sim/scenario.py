@@ -682,7 +682,9 @@ class Cluster(StrictModel):
     @model_validator(mode="after")
     def _router_section_used(self):
         for section in DEPLOYED_ROUTERS:
-            if section in self.model_fields_set and self.router != section:
+            settings = getattr(self, section)
+            # (a section at its defaults, as a manifest dump writes every one, changes nothing)
+            if self.router != section and settings != type(settings)():
                 raise ValueError(f"cluster.{section} configures the {section} router, but cluster.router is "
                                  f"{self.router!r}; set cluster.router: {section} or remove cluster.{section}")
         return self

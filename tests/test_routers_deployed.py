@@ -285,6 +285,7 @@ def routers_scenario(router, **cluster):
 def test_a_router_section_for_another_router_is_an_error():
     with pytest.raises(ValueError, match=r"cluster\.dynamo configures the dynamo router.*'llm_d'"):
         routers_scenario("llm_d", dynamo={"router_temperature": 0.5})
+    routers_scenario("llm_d", dynamo={"router_temperature": 0.0})      # its defaults change nothing
 
 
 @pytest.mark.parametrize("cluster, field", [
