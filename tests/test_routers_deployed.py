@@ -20,6 +20,8 @@ import pytest
 from sim.core.request import make_request
 from sim.core.status import FINISHED
 from sim.predict import predict
+from sim.records import requests_frame
+from sim.simulator import simulate
 from sim.routers.config import DynamoRouter, LlmDRouter, SglangRouter
 from sim.routers.dynamo import DynamoKvRouter, softmax_pick
 from sim.routers.llm_d import LlmDEndpointPicker, greedy_prefix_matches, queue_scores
@@ -270,11 +272,11 @@ def test_regret_is_the_hits_lost_against_the_longest_cached_prefix_at_arrival():
 
 # ----------------------------------------------------------------------------- schema and runs
 
-def routers_scenario(router, **cluster):
+def routers_scenario(router, replicas=3, **cluster):
     return validate_scenario({
         "name": router, "seed": 0, "model": "qwen2.5-0.5b", "device": "l4",
         "engine": {"max_model_len": 4096, "num_blocks": 600},
-        "cluster": {"replicas": 3, "router": router, **cluster},
+        "cluster": {"replicas": replicas, "router": router, **cluster},
         "workload": {"num_requests": 120, "arrival": {"process": "poisson", "rate": 20},
                      "prompt_len": {"dist": "uniform", "min": 16, "max": 64},
                      "output_len": {"dist": "uniform", "min": 8, "max": 32},
@@ -313,3 +315,17 @@ def test_deployed_routers_run_deterministically_and_report_regret(router):
 def test_built_in_routers_report_regret_only_when_asked():
     assert "routing_regret" not in predict(routers_scenario("round_robin")).summary
     assert predict(routers_scenario("round_robin", routing_regret=True)).summary["routing_regret"]["requests"] == 120
+
+
+@pytest.mark.parametrize("router", ["llm_d", "dynamo", "sglang"])
+def test_deployed_routers_see_the_same_states_with_the_fast_paths_on_or_off(router):
+    """Leaps end before each routing (sim/simulator.py), so a router that reads queues, KV usage,
+    cached blocks and its requests' progress routes every request the same on both paths."""
+    s = routers_scenario(router, replicas=2)
+    s = validate_scenario({**s.model_dump(mode="json"), "workload": {
+        **s.workload.model_dump(mode="json", exclude_none=True),
+        "multi_turn": {"turns": {"value": 3}, "think_time_s": 0.2}}})
+    fast, _, _ = simulate(s, fast=True)
+    slow, _, _ = simulate(s, fast=False)
+    assert requests_frame(fast).equals(requests_frame(slow))
+    assert fast.meta["routing_regret"] == slow.meta["routing_regret"]
