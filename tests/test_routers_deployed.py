@@ -329,3 +329,9 @@ def test_deployed_routers_see_the_same_states_with_the_fast_paths_on_or_off(rout
     slow, _, _ = simulate(s, fast=False)
     assert requests_frame(fast).equals(requests_frame(slow))
     assert fast.meta["routing_regret"] == slow.meta["routing_regret"]
+
+
+def test_llm_d_approximate_skips_prompts_shorter_than_a_block():
+    """hashing.go hashPrompt: a body smaller than one block gives no hashes: every score 0."""
+    router = LlmDEndpointPicker(replicas(2), LlmDRouter(), seed=0)
+    assert router.prefix_scores(request(0, prompt=BS - 1)) == [0.0, 0.0]

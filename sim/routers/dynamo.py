@@ -12,7 +12,10 @@ For each replica w, with the request's prompt of `isl` tokens in blocks of `bs`:
 Temperature 0: the lowest logit; a tie goes to the smallest tree size (blocks the indexer holds for
 w), then to a random one. Temperature T > 0: sample w with probability proportional to
 exp(-(logit(w) / (max - min)) / T), uniform when all logits are equal (softmax_sample).
-Output blocks are not tracked (router_track_output_blocks defaults to false)."""
+Output blocks are not tracked (router_track_output_blocks defaults to false). (Later selectors,
+selector/default.rs at 07a6c9ce, write the cost as prefill_load_scale x max(0, raw prefill blocks -
+overlap_score_credit x overlap) + decode blocks, the same at their 1.0 defaults, and break ties at
+random without the tree size.)"""
 from __future__ import annotations
 
 import math

@@ -100,6 +100,8 @@ class LlmDEndpointPicker(DeployedRouter):
         """hashPrompt (approximateprefix/hashing.go): the prompt in blocks of the engine's block size
         (autoTune), the last partial block hashed too, at most max_prefix_blocks_to_match blocks."""
         bs = self.replicas[0].kv.block_size
+        if req.prompt_len < bs:                                  # "too small for prefix cache"
+            return []
         hashes = list(prompt_block_hashes(req, bs))
         if req.prompt_len % bs:
             hashes.append(hash((hashes[-1] if hashes else req.salt, "partial", req.id)))
