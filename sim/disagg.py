@@ -335,10 +335,8 @@ def wake(replica: Replica) -> None:
         replica.wakeup.succeed()
 
 
-def simulate_disaggregated(scenario, requests=None, progress=None, release: bool = False):
-    """`sim.simulator.simulate` for a scenario with cluster.disaggregation: each pool sized and priced
-    as its own engine. Returns the decode pool's memory plan and cost model (the pools' are in
-    records.meta['disaggregation'])."""
+def build_simulation(scenario, requests=None, progress=None, release: bool = False) -> DisaggSimulation:
+    """The run of a scenario with cluster.disaggregation, each pool sized and priced as its own engine."""
     plans, costs = {}, {}
     for side in SIDES:
         s = pool_scenario(scenario, side)
@@ -350,14 +348,19 @@ def simulate_disaggregated(scenario, requests=None, progress=None, release: bool
     elif isinstance(requests, list):
         for r in requests:
             r.reset()
-    sim = DisaggSimulation(scenario, requests, plans["decode"], costs["decode"], progress=progress, fast=False,
-                           release=release, pool_plans=plans, pool_costs=costs)
+    return DisaggSimulation(scenario, requests, plans["decode"], costs["decode"], progress=progress, fast=False,
+                            release=release, pool_plans=plans, pool_costs=costs)
+
+
+def simulate_disaggregated(scenario, requests=None, progress=None, release: bool = False):
+    """`sim.simulator.simulate` for a scenario with cluster.disaggregation. Returns the decode pool's
+    memory plan and cost model (both pools' block counts are in records.meta['disaggregation'])."""
+    sim = build_simulation(scenario, requests, progress, release)
     del requests
     t0 = time.perf_counter()
     records = sim.run()
     records.meta["wall_s"] = time.perf_counter() - t0
-    records.meta["disaggregation"]["memory"] = {side: plans[side].usable_blocks for side in SIDES}
-    return records, plans["decode"], costs["decode"]
+    return records, sim.plan, sim.cost_model
 
 
 def pool_figures(records: RunRecords, requests) -> Optional[dict]:
