@@ -178,3 +178,32 @@ def pool_cost(scenario, price: Optional[float] = None) -> dict[str, Any]:
     cost = None if None in prices.values() else sum(gpus[s] * prices[s] for s in SIDES)
     return {"gpus": sum(gpus.values()), "prefill_gpus": gpus["prefill"], "decode_gpus": gpus["decode"],
             "cost_per_hour": cost}
+
+
+KV_ROLE_SIDES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+def kv_transfer_note(value: Optional[str]) -> str:
+    """Why `vllm serve --kv-transfer-config ...` does not map onto one scenario, and what to write
+    instead: a `vllm serve` line is one engine, one side of a P/D deployment (its kv_role), while a
+    P/D scenario holds both pools (cluster.disaggregation)."""
+    import json
+
+    try:
+        config = json.loads(value) if value else None
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        return ("a KV connector config that is not a JSON object; kvtwin simulates prefill/decode "
+                "disaggregation as cluster.disaggregation (both pools in one scenario)")
+    connector, role = str(config.get("kv_connector", "?"))[:60], str(config.get("kv_role", "?"))[:20]
+    side = KV_ROLE_SIDES.get(role)
+    head = f"{connector} with kv_role {role}: this command is one engine"
+    if side is not None:
+        return (f"{head}, the {side} side of a P/D deployment; kvtwin simulates both sides in one scenario: put "
+                f"this engine's settings under cluster.disaggregation.{side} (device, tp, engine) and the other "
+                f"side's command under the other pool (docs/whatif/disaggregation.md); this scenario alone "
+                f"predicts the engine co-located")
+    return (f"{head} that both sends and receives KV (kv_both, as LMCache offloading or a P/D pair's symmetric "
+            f"setup); kvtwin does not model KV offloading, and models P/D only as cluster.disaggregation "
+            f"(docs/whatif/disaggregation.md); this scenario predicts the engine co-located")

@@ -230,3 +230,87 @@ def test_disaggregation_keeps_decode_steps_short_against_the_same_gpus_colocated
     tpot_co = predict(validate_scenario(colocated)).summary["tpot_s"]["p99"]
     assert tpot_pd < 0.8 * tpot_co
     assert np.isfinite(tpot_pd)
+
+
+# ----------------------------------------------------------------------------- plan, engine, from-vllm
+
+def test_plan_finds_the_cheapest_split_that_meets_the_slos():
+    """Every split of up to 3 x 3 probed by hand: the search's answer is the cheapest passing one,
+    and it probed no split it could rule out (covered by a failed one)."""
+    from sim.whatif.plan import SloTarget, Traffic
+    from sim.whatif.plan_pd import _probe_split, plan_splits, splits
+    from sim.whatif.sweep import PointTask
+
+    raw = pd_scenario(decode={"device": "a100-80g"})
+    raw["workload"] = {"num_requests": 120, "arrival": {"process": "poisson", "rate": 40},
+                       "prompt_len": {"dist": "uniform", "min": 1500, "max": 2500}, "output_len": 30}
+    base = PointTask(raw, ".", "test", ())
+    slos = (SloTarget("ttft_p99", "ttft_s.p99", 0.6), SloTarget("tpot_p99", "tpot_s.p99", 0.03))
+    prices = {"prefill": 0.8, "decode": 1.6}
+    plan = plan_splits(base, Traffic.of(base.scenario()), slos, 40, prices, 3, 3, jobs=1, ray=None, quiet=True)
+    everything = [_probe_split((base, s, slos)) for s in splits(base.scenario(), prices, 3, 3)]
+    passing = [r for r in everything if r["ok"]]
+    assert passing and len(passing) < len(everything)          # the case has an answer, and choices that fail
+    cheapest = min(passing, key=lambda r: r["cost_per_hour"])
+    assert plan.answer["split"] == cheapest["split"]
+    assert plan.answer["cost_per_hour"] == pytest.approx(cheapest["prefill"] * 0.8 + cheapest["decode"] * 1.6)
+    assert len(plan.rows) + plan.skipped <= len(everything)
+
+
+def test_plan_cli_writes_the_split_table_and_figure(tmp_path):
+    import yaml
+
+    from sim.cli import main
+
+    raw = pd_scenario()
+    raw["workload"] = {"num_requests": 80, "arrival": {"process": "poisson", "rate": 10},
+                       "prompt_len": 500, "output_len": 20}
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "plan"
+    assert main(["plan", str(path), "--target-rate", "10", "--disaggregation", "--max-prefill", "2",
+                 "--max-decode", "2", "--slo", "ttft_p99=1", "--cost", "l4=0.5", "--out", str(out), "--quiet"]) == 0
+    table = (out / "plan.csv").read_text()
+    assert table.startswith("split,prefill,decode,gpus,cost_per_hour,ok") and "1P1D,1,1,2,1.0," in table
+    assert (out / "plan.png").stat().st_size > 0 and (out / "plan.html").exists()
+    assert not [p for p in out.iterdir() if "tmp" in p.name]                 # no temp files left
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--target-rate", "5", "--disaggregation", "--devices", "l4"], "--devices applies to the replica search"),
+    (["--disaggregation"], "give --target-rate"),
+    (["--target-rate", "5", "--max-decode", "3"], "--max-decode applies to the split search"),
+    (["--target-rate", "5", "--disaggregation", "--max-prefill", "0"], "--max-prefill 0"),
+])
+def test_plan_refuses_flags_that_do_not_apply(tmp_path, argv, expected):
+    from sim.whatif.plan import PlanError, plan_main
+
+    path = tmp_path / "pd.yaml"
+    path.write_text(__import__("yaml").safe_dump(pd_scenario()))
+    with pytest.raises(PlanError, match=expected):
+        plan_main([str(path), *argv])
+
+
+def test_the_engine_refuses_a_disaggregated_scenario():
+    pytest.importorskip("torch")
+    from engine.replay import EngineUnsupportedError, check_engine_supports
+
+    with pytest.raises(EngineUnsupportedError, match="cluster.disaggregation: the engine replays one engine"):
+        check_engine_supports(validate_scenario(pd_scenario()))
+
+
+@pytest.mark.parametrize("role, expected", [
+    ("kv_producer", "the prefill side of a P/D deployment; .* cluster.disaggregation.prefill"),
+    ("kv_consumer", "the decode side of a P/D deployment; .* cluster.disaggregation.decode"),
+    ("kv_both", "both sends and receives KV"),
+])
+def test_from_vllm_says_what_a_kv_transfer_config_needs(role, expected):
+    """A `vllm serve --kv-transfer-config` line is one engine of one side (its kv_role): the
+    translation says so and where its settings go, instead of dropping the flag silently."""
+    from sim.vllm.serve_flags import translate
+
+    config = '{"kv_connector":"NixlConnector","kv_role":"%s"}' % role
+    t = translate(["vllm", "serve", "tiny", "--kv-transfer-config", config], "cpu")
+    (note,) = [n for n in t.notes() if n.startswith("--kv-transfer-config")]
+    assert __import__("re").search(expected, note)
+    assert "cluster" not in t.raw
