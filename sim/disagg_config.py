@@ -124,9 +124,9 @@ def disaggregation_problems(scenario) -> list[str]:
     d = scenario.cluster.disaggregation
     where = "cluster.disaggregation"
     problems = []
-    if "replicas" in scenario.cluster.model_fields_set:
-        problems.append(f"cluster.replicas: set {where}.prefill.replicas and {where}.decode.replicas instead "
-                        f"(with disaggregation the pools hold the engines)")
+    if scenario.cluster.replicas != 1:
+        problems.append(f"cluster.replicas: {scenario.cluster.replicas}; set {where}.prefill.replicas and "
+                        f"{where}.decode.replicas instead (with disaggregation the pools hold the engines)")
     if scenario.parallelism.dp != 1:
         problems.append(f"parallelism.dp: {scenario.parallelism.dp}; a disaggregated cluster's engines are its "
                         f"pools' replicas (dp must be 1)")

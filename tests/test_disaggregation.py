@@ -69,7 +69,7 @@ def test_off_by_default_and_a_pool_is_the_scenario_with_its_patch():
 
 
 @pytest.mark.parametrize("change, expected", [
-    (lambda r: r["cluster"].update(replicas=2), "cluster.replicas: set cluster.disaggregation.prefill.replicas"),
+    (lambda r: r["cluster"].update(replicas=2), "cluster.replicas: 2; set cluster.disaggregation.prefill.replicas"),
     (lambda r: r["cluster"]["disaggregation"]["decode"].update(engine={"block_size": 32}),
      "engine.block_size cannot differ between the prefill and decode pools"),
     (lambda r: r["cluster"]["disaggregation"]["prefill"].update(engine={"max_num_seqz": 3}),
