@@ -68,7 +68,7 @@ class SharedLink:
 
     def __init__(self, env: simpy.Environment, bytes_per_s: float, latency_s: float):
         self.env, self.rate, self.latency = env, bytes_per_s, latency_s
-        self.active: dict[Transfer, float] = {}       # transfer -> bytes left
+        self.active: dict[Transfer, tuple] = {}       # transfer -> (bytes left, on_done)
         self.last = 0.0
         self.version = 0
 
@@ -117,7 +117,7 @@ class DisaggSimulation(Simulation):
     def _run(self) -> RunRecords:
         env = simpy.Environment()
         d = self.scenario.cluster.disaggregation
-        self.fast = False
+        self.fast = False          # the reference path: leaps cannot foresee arrivals at transfer ends
         self._next_arrival = math.inf
         self._follow_up_times: list[float] = []
         self._ended = RequestTable()
@@ -243,7 +243,6 @@ class DisaggSimulation(Simulation):
             t.allocated_s = env.now
             t.blocks = len(req.blocks) - len(hits)
             t.shard_bytes = transfer_shard_bytes(self.scenario, t.blocks)
-            req.num_cached_tokens = hit_tokens
             self._links[decode.index].start(t, lambda done, env=env: self._read_done(env, done))
 
     def _read_done(self, env: simpy.Environment, t: Transfer) -> None:

@@ -129,19 +129,22 @@ def plot_split_plan(plan: SplitPlan, title: str = ""):
     """The probed splits on an x (prefill) by y (decode) grid: passing green, failing red, the
     answer outlined, each labelled with its $/hour."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     table = plan.table
-    fig = Figure(figsize=(6.4, 4.8), layout="constrained")
+    fig = Figure(figsize=(6.4, 5.0), layout="constrained")
     ax = fig.subplots()
     for _, row in table.iterrows():
-        ax.scatter(row["prefill"], row["decode"], s=420, color="C2" if row["ok"] else "C3", alpha=0.8)
+        ax.scatter(row["prefill"], row["decode"], s=800, color="C2" if row["ok"] else "C3", alpha=0.8)
         ax.annotate(f"${row['cost_per_hour']:.2f}", (row["prefill"], row["decode"]), ha="center", va="center",
                     fontsize="x-small", color="white")
     best = plan.answer
     if best is not None:
-        ax.scatter(best["prefill"], best["decode"], s=700, facecolors="none", edgecolors="black", linewidths=2,
+        ax.scatter(best["prefill"], best["decode"], s=1300, facecolors="none", edgecolors="black", linewidths=2,
                    label=f"cheapest: {best['split']} (${best['cost_per_hour']:.2f}/hour)")
-        ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize="small", markerscale=0.4, frameon=False)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("prefill engines (x)")
     ax.set_ylabel("decode engines (y)")
     ax.set_title(f"xPyD splits at {plan.target_rate:g} req/s (green: within the SLOs)")
