@@ -314,3 +314,30 @@ def test_from_vllm_says_what_a_kv_transfer_config_needs(role, expected):
     (note,) = [n for n in t.notes() if n.startswith("--kv-transfer-config")]
     assert __import__("re").search(expected, note)
     assert "cluster" not in t.raw
+
+
+def test_conversations_and_a_closed_loop_client_end_every_turn():
+    """Follow-up turns are sent when the decode engine finishes the previous one; a closed-loop
+    client's slots free at decode finishes; every turn ends finished."""
+    raw = pd_scenario(prefill={"replicas": 2}, decode={"replicas": 2})
+    raw["cluster"]["router"] = "prefix_aware"
+    raw["workload"] = {"num_requests": 30, "max_concurrency": 6, "arrival": {"process": "poisson", "rate": 20},
+                       "prompt_len": 300, "output_len": 12,
+                       "multi_turn": {"turns": 3, "user_len": 40, "think_time_s": 0.05}}
+    result = predict(validate_scenario(raw))
+    df = result.requests
+    assert (df["status"] == "finished").all() and len(df) == result.summary["requests_total"]
+    assert df["conversation"].notna().all() and df["replica"].isin([2, 3]).all()
+    # later turns find their conversation's earlier prompt cached on a prefill engine
+    assert result.summary["prefix_hit_rate"] > 0
+
+
+def test_a_sweep_counts_both_pools_gpus_at_their_devices_prices():
+    from sim.core.catalog import get_device
+    from sim.whatif.sweep import gpu_cost
+
+    s = validate_scenario(pd_scenario(prefill={"replicas": 3, "tp": 2}, decode={"replicas": 2, "device": "h100-sxm"}))
+    cost = gpu_cost(s)
+    assert (cost["gpus"], cost["prefill_gpus"], cost["decode_gpus"]) == (8, 6, 2)
+    assert cost["cost_per_hour"] == pytest.approx(6 * get_device("l4").cost_per_hour
+                                                  + 2 * get_device("h100-sxm").cost_per_hour)
