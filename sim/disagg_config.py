@@ -111,7 +111,8 @@ def pool_scenario(scenario, side: str):
 
     pool = scenario.cluster.disaggregation.pool(side)
     engine = EngineConfig.model_validate({**scenario.engine.model_dump(exclude_unset=True), **pool.engine})
-    parallelism = Parallelism(tp=pool.tp or scenario.parallelism.tp)
+    tp = pool.tp or scenario.parallelism.tp
+    parallelism = Parallelism(tp=tp, ep=tp if scenario.parallelism.ep > 1 else 1)     # (dp is 1: checked)
     cluster = Cluster(router=scenario.cluster.router, load_bound=scenario.cluster.load_bound)
     return scenario.model_copy(update={"engine": engine, "parallelism": parallelism, "cluster": cluster,
                                        "device": pool.device or scenario.device})
@@ -144,10 +145,19 @@ def disaggregation_problems(scenario) -> list[str]:
             problems.append(f"{where}.{side}.engine: {str(e).splitlines()[-1].strip()} "
                             f"(expected engine fields, see `EngineConfig`)")
             continue
-        tp, heads = pool.tp or scenario.parallelism.tp, scenario.model.num_heads
-        if heads % tp:
-            problems.append(f"{where}.{side}.tp: {tp} does not divide the model's {heads} attention heads")
+        problems += [f"{where}.{side}: {p}" for p in pool_problems(scenario, side)]
     return problems
+
+
+def pool_problems(scenario, side: str) -> list[str]:
+    """The scenario checks (tp vs heads, experts, memory, ...) on one pool's engine, as a scenario of its own."""
+    from sim.scenario import ScenarioError, validate_scenario
+
+    try:
+        validate_scenario(pool_scenario(scenario, side).model_dump(mode="json"))
+    except ScenarioError as e:
+        return e.problems
+    return []
 
 
 def block_bytes_per_gpu(scenario, side: str) -> int:
