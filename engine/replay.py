@@ -52,6 +52,12 @@ def check_engine_supports(scenario) -> None:
     same window (Mistral v0.1) is one group: the runner reads its table, the blocks behind the
     window null, and the kernels mask the window."""
     model = scenario.model
+    if scenario.cluster.disaggregation is not None:
+        raise EngineUnsupportedError(
+            "cluster.disaggregation: the engine replays one engine, and a prefill/decode deployment is two "
+            "pools of them with a KV link between; simulate it with `simrun run`, or replay one side with "
+            "its engine settings (drop cluster.disaggregation and set that pool's device, tp and engine "
+            "fields at the top level).")
     check_block_pool_supports(model, scenario.engine.allocation)
     if model.num_sliding_layers and model.num_full_layers:
         raise EngineUnsupportedError(

@@ -70,6 +70,9 @@ def predict(scenario, name: Optional[str] = None,
     summary["step_time_source"] = cost_model.step_time_source
     summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
+    if scenario.cluster.disaggregation is not None:
+        from sim.disagg import pool_figures
+        summary["pools"] = pool_figures(records, req_df)
     info = {}
     if described is not None:
         info = simulation_manifest(scenario, cost_model, plan, described)

@@ -21,6 +21,7 @@ from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_p
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
+from sim.disagg_config import Disaggregation, disaggregation_problems
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -663,6 +664,10 @@ class Slo(StrictModel):
 
 class Cluster(StrictModel):
     replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="engine replicas behind the router")
+    disaggregation: Optional[Disaggregation] = Field(
+        default=None,
+        description="prefill and decode pools with a KV link between them, as vLLM's NixlConnector "
+                    "deployments (docs/whatif/disaggregation.md); unset: every engine does both")
     router: Literal["round_robin", "least_outstanding_tokens", "prefix_aware", "llm_d", "dynamo", "sglang"] = Field(
         default="round_robin",
         description="round_robin | least_outstanding_tokens | prefix_aware | llm_d (llm-d's endpoint picker) | "
@@ -810,11 +815,28 @@ def _resolve_sections(raw: dict[str, Any], base_dir: Path | None) -> dict[str, A
                 raw[key] = _resolve_catalog(kind, raw[key], base_dir)
             except (KeyError, ValueError) as e:
                 raise ScenarioError([f"{key}: {e.args[0]}"]) from None
+    _resolve_pool_devices(raw, base_dir)
     for key in ("model", "device"):
         for field in ("weights", "profile"):
             if isinstance(raw.get(key), dict) and raw[key].get(field) is not None:
                 raw[key] = {**raw[key], field: _resolve_path(raw[key][field], base_dir)}
     return raw
+
+
+def _resolve_pool_devices(raw: dict[str, Any], base_dir: Path | None) -> None:
+    """cluster.disaggregation.<side>.device: a catalog name like the top-level device."""
+    pools = (raw.get("cluster") or {}).get("disaggregation") if isinstance(raw.get("cluster"), dict) else None
+    if not isinstance(pools, dict):
+        return
+    raw["cluster"] = cluster = dict(raw["cluster"])
+    cluster["disaggregation"] = pools = dict(pools)
+    for side in ("prefill", "decode"):
+        pool = pools.get(side)
+        if isinstance(pool, dict) and pool.get("device") is not None:
+            try:
+                pools[side] = {**pool, "device": _resolve_catalog("devices", pool["device"], base_dir)}
+            except (KeyError, ValueError) as e:
+                raise ScenarioError([f"cluster.disaggregation.{side}.device: {e.args[0]}"]) from None
 
 
 def _resolve_workload_paths(workload: Workload, base_dir: Path | None) -> None:
@@ -859,6 +881,8 @@ def _cross_checks(s: Scenario) -> list[str]:
                         f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
                         f"could never be scheduled")
     problems += _pool_size_checks(s)
+    if s.cluster.disaggregation is not None:
+        problems += disaggregation_problems(s)
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
     return problems

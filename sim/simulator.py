@@ -150,12 +150,25 @@ class Simulation:
         self._finished = 0
         for engine in self._engines():
             env.process(self._engine_loop(env, engine[0]) if len(engine) == 1 else self._lockstep_loop(env, engine))
+        self._router = router
+        self._start_arrivals(env, first_turns)
+        env.run()
+        for replica in self.replicas:
+            replica.scheduler.check_accounting()
+        self._check_every_request_ended()
+        return RunRecords(self._ended, [r.recorder for r in self.replicas],
+                          kv_blocks_total=self.plan.usable_blocks,
+                          block_size=self.scenario.engine.block_size,
+                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
+                                **self._router.figures()})
+
+    def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
+        """The client and the arrival path, sending to `self._router` (set before)."""
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
         # One replica, an open-loop client and no follow-up turns: between a leap's end and the
         # next arrival nothing but this replica acts, so leaps run back to back in one event.
         self._chained = (self.chain and self.fast and len(self.replicas) == 1 and self._client.limit is None
                          and self._min_think == math.inf)
-        self._router = router
         # One arrival path (`_Arrivals`): a SimPy process hands the requests over as they fall due;
         # in a chained run nothing but the one replica acts between arrivals, so it takes them
         # itself at each of its own events, in the order the process would have delivered them.
@@ -166,15 +179,6 @@ class Simulation:
         else:
             self._inline = None
             env.process(self._arrivals(env, arrivals))
-        env.run()
-        for replica in self.replicas:
-            replica.scheduler.check_accounting()
-        self._check_every_request_ended()
-        return RunRecords(self._ended, [r.recorder for r in self.replicas],
-                          kv_blocks_total=self.plan.usable_blocks,
-                          block_size=self.scenario.engine.block_size,
-                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
-                                **self._router.figures()})
 
     def _engines(self) -> list[list[Replica]]:
         """The replicas that step as one: a data-parallel MoE engine's dp ranks (vLLM runs them in
@@ -523,6 +527,9 @@ def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = 
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model.
     With `release` the caller hands `requests` over (see Simulation.release); a workload made
     here is streamed when synthetic (sim.workload.stream_requests), else built and released."""
+    if scenario.cluster.disaggregation is not None:      # prefill and decode pools (sim/disagg.py)
+        from sim.disagg import simulate_disaggregated
+        return simulate_disaggregated(scenario, requests, progress, release)
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
     check_block_pool_supports(scenario.model, scenario.engine.allocation)

@@ -96,6 +96,9 @@ class Request:
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
         "is_live", "max_len",
+        # prefill/decode disaggregation (sim/disagg.py): None, "send" (a prefill engine keeps the KV
+        # after the first token until a decode engine read it) or "receive" (the prompt's KV was read)
+        "kv_transfer",
         # scheduling state
         "status", "num_output", "num_computed", "blocks", "group_tables", "block_hashes",
         "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
@@ -140,6 +143,7 @@ class Request:
         if type(self) is not Request:      # (a cohort member of a run that stopped short is one no more)
             self.__class__ = Request
         self.status = WAITING
+        self.kv_transfer: Optional[str] = None
         self.num_output = 0                # output tokens known (emitted, or appended by the engine)
         self.num_computed = 0              # tokens whose KV is computed or scheduled to be (vLLM commits at schedule time)
         self.cohort = None                 # the decode cohort it belongs to, if any

@@ -423,7 +423,13 @@ class Scheduler:
         here: the waiting pass's, and the leap planner's through `head_would_start`. A plain
         tuple: it is made at every admission attempt.)"""
         cfg = self.config
-        hits, hit_tokens = self.kv.find_cached_prefix(req)
+        if req.kv_transfer == "receive" and not req.num_preemptions:
+            # P/D: its prompt's blocks are held and filled from a prefill engine (sim/disagg.py);
+            # the last prompt token is recomputed for its logits, as vLLM's scheduler does after
+            # a remote read (_update_waiting_for_remote_kv, vllm/v1/core/sched/scheduler.py, 0.19)
+            hits, hit_tokens = [], req.prompt_len - 1
+        else:
+            hits, hit_tokens = self.kv.find_cached_prefix(req)
         num_tokens = req.prompt_len + req.num_output
         n = num_tokens - hit_tokens
         threshold = cfg.long_prefill_token_threshold
@@ -506,6 +512,8 @@ class Scheduler:
 
     def _free_finished(self, req: Request) -> None:
         self.tokens_held -= req.num_computed  # (num_computed: a finished request has left the cohort)
+        if req.kv_transfer == "send":
+            return      # P/D: held until a decode engine read them (NixlConnector.request_finished)
         self.kv.free(req)
         req.drop_block_hashes()            # never looked up again: 40 B a block, most of a finished request
 

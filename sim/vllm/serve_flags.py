@@ -501,7 +501,10 @@ def _sorted_out(result: Translation, flags: list[tuple[str, Optional[str]]]) -> 
         if name == "--model" or base in _BY_NAME:
             continue
         why = IGNORED.get(base) or IGNORED.get(name)
-        if why is not None:
+        if base == "--kv-transfer-config":            # one side of a P/D deployment: say what kvtwin needs
+            from sim.disagg_config import kv_transfer_note
+            result.ignored.append((name, value, kv_transfer_note(value)))
+        elif why is not None:
             result.ignored.append((name, value, why[1]))
         else:
             result.unknown.append((name, value))

@@ -564,6 +564,13 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost", action="append", default=[], metavar="DEVICE=PRICE",
                    help="price per GPU hour, overriding the catalog's cost_per_hour (repeatable)")
     p.add_argument("--max-replicas", type=int, default=None, help="give up above this many (default 64)")
+    p.add_argument("--disaggregation", action="store_true",
+                   help="with --target-rate: the cheapest split of x prefill and y decode engines "
+                        "(the scenario's cluster.disaggregation pools; sim/whatif/plan_pd.py)")
+    p.add_argument("--max-prefill", type=int, default=None, help="--disaggregation: at most this many "
+                   "prefill engines (default 8)")
+    p.add_argument("--max-decode", type=int, default=None, help="--disaggregation: at most this many "
+                   "decode engines (default 8)")
     add_parallel_args(p)
     p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
                    "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
@@ -606,8 +613,12 @@ MAX_CURVE_POINTS = 1000
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     from sim.output.setup import setup_manifest
+    from sim.whatif import plan_pd
 
+    plan_pd.check_split_flags(args)
     check_plan_flags(args)
+    if args.disaggregation:
+        return plan_pd.split_main(args)
 
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
@@ -637,7 +648,9 @@ def plan_main(argv: list[str]) -> int:
 
 def default_out(args: argparse.Namespace) -> Path:
     """A folder per search: the replica search must not replace the rate search's files."""
-    return Path("runs") / args.scenario.stem / ("plan" if args.target_rate is None else "plan_replicas")
+    search = ("plan" if args.target_rate is None else "plan_splits" if getattr(args, "disaggregation", False)
+              else "plan_replicas")
+    return Path("runs") / args.scenario.stem / search
 
 
 def scenario_band(scenario) -> Optional[dict]:

@@ -165,6 +165,9 @@ def run_point(task: PointTask) -> dict[str, Any]:
 
 def gpu_cost(scenario, price: Optional[float] = None) -> dict[str, Any]:
     """GPUs the scenario occupies (tp x dp x replicas) and their cost per hour (catalog price unless given)."""
+    if scenario.cluster.disaggregation is not None:
+        from sim.disagg_config import pool_cost
+        return pool_cost(scenario, price)
     gpus = scenario.parallelism.gpus * scenario.cluster.replicas
     price = scenario.device.cost_per_hour if price is None else price
     return {"gpus": gpus, "cost_per_hour": None if price is None else gpus * price}
