@@ -44,7 +44,7 @@ def chat(offload=None, rate=1.0, n=120, **engine):
     ({"size_gib": 8, "policy": "lru"}, "engine.kv_offload.policy: unknown key"),
     ({"size_gib": 8, "backend": "mooncake"}, "engine.kv_offload.backend"),
     ({"size_gib": 8, "backend": "lmcache", "eviction_policy": "arc"}, "LRU only"),
-    ({"size_gib": 8, "block_size": 24}, "multiple of engine.block_size"),
+    ({"size_gib": 8, "offloaded_block_size": 24}, "multiple of engine.block_size"),
     ({"size_gib": 8, "bandwidth_gbps": -1}, "engine.kv_offload.bandwidth_gbps"),
 ])
 def test_bad_offload_sections_name_the_field(offload, message):
@@ -67,7 +67,7 @@ def test_capacity_and_link_follow_vllm_and_the_catalog():
     """CPUOffloadingSpec: num_blocks = cpu_bytes_to_use // (page bytes x layers x world size x
     block_size_factor); the default link is the device's PCIe host link (Gen4 x16 on L4 and A100,
     Gen5 x16 on H100 SXM)."""
-    s = chat({"size_gib": 2, "block_size": 64})
+    s = chat({"size_gib": 2, "offloaded_block_size": 64})
     kv_per_token = 28 * 2 * 4 * 128 * 2            # Qwen2.5-7B: layers x K,V x kv heads x head dim x bf16
     tier = build_cpu_tier(s.engine.kv_offload, s.device, BS, kv_per_token * BS)
     assert tier.block_factor == 4 and tier.block_bytes == kv_per_token * 64
@@ -308,7 +308,7 @@ def test_kv_transfer_config_offloading_connectors_map():
     cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"cpu_bytes_to_use": 32 << 30, "block_size": 64, "eviction_policy": "arc"}}
     t = translate(["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct", "--kv-transfer-config", json.dumps(cfg)], "h100-sxm")
-    assert t.raw["engine"]["kv_offload"] == {"backend": "native", "size_gib": 32.0, "block_size": 64,
+    assert t.raw["engine"]["kv_offload"] == {"backend": "native", "size_gib": 32.0, "offloaded_block_size": 64,
                                              "eviction_policy": "arc"}
     assert not t.ignored and any(f == "engine.kv_offload" for _, f, _ in t.mapped)
     validate_scenario(t.raw)

@@ -67,7 +67,7 @@ class KvOffload(StrictModel):
         default="lru",
         description="the native CPU manager's cache policy (kv_connector_extra_config eviction_policy): "
                     "lru | arc; LMCache evicts by LRU")
-    block_size: Optional[int] = Field(
+    offloaded_block_size: Optional[int] = Field(
         default=None, ge=1, le=1 << 16,
         description="tokens per offloaded block (kv_connector_extra_config block_size), a multiple of "
                     "engine.block_size; unset: engine.block_size (native) or 256 (lmcache)")
@@ -87,9 +87,9 @@ class KvOffload(StrictModel):
         return self
 
     def offloaded_block_tokens(self, gpu_block_size: int) -> int:
-        tokens = self.block_size or (LMCACHE_CHUNK_TOKENS if self.backend == "lmcache" else gpu_block_size)
+        tokens = self.offloaded_block_size or (LMCACHE_CHUNK_TOKENS if self.backend == "lmcache" else gpu_block_size)
         if tokens % gpu_block_size:
-            raise ValueError(f"engine.kv_offload.block_size {tokens} must be a multiple of engine.block_size "
+            raise ValueError(f"engine.kv_offload.offloaded_block_size {tokens} must be a multiple of engine.block_size "
                              f"{gpu_block_size} (vLLM's OffloadingSpec asserts it)")
         return tokens
 
@@ -465,9 +465,9 @@ def scenario_problem(scenario) -> Optional[str]:
                 "OffloadingConnector reads request.block_hashes, which exist only with prefix caching)")
     if engine.batching != "continuous" or engine.allocation != "paged" or engine.step_composition != "mixed":
         return "is modelled for vLLM V1's engine only (continuous batching, paged allocation, mixed steps)"
-    tokens = cfg.block_size or (LMCACHE_CHUNK_TOKENS if cfg.backend == "lmcache" else engine.block_size)
+    tokens = cfg.offloaded_block_size or (LMCACHE_CHUNK_TOKENS if cfg.backend == "lmcache" else engine.block_size)
     if tokens % engine.block_size:
-        return (f"block_size {tokens} must be a multiple of engine.block_size {engine.block_size} "
+        return (f"offloaded_block_size {tokens} must be a multiple of engine.block_size {engine.block_size} "
                 f"(vLLM's OffloadingSpec asserts it)")
     groups = kv_cache_groups(scenario.model)
     if groups.is_hybrid or groups.full_groups > 1 or groups.sliding_groups:

@@ -110,7 +110,7 @@ def _native(extra: dict, size_gib: Optional[float]) -> dict[str, Any]:
         size_gib = _number(extra, "cpu_bytes_to_use", 0, float(1 << 50)) / GIB
     out: dict[str, Any] = {"backend": "native", "size_gib": size_gib}
     if "block_size" in extra:
-        out["block_size"] = int(_number(extra, "block_size", 0, 1 << 16))
+        out["offloaded_block_size"] = int(_number(extra, "block_size", 0, 1 << 16))
     if "eviction_policy" in extra:
         policy = extra["eviction_policy"]
         if policy not in ("lru", "arc"):
@@ -131,7 +131,7 @@ def _lmcache(extra: dict, size_gib: Optional[float], ranks: int) -> dict[str, An
                 else LMCACHE_DEFAULT_CPU_GB)
     out: dict[str, Any] = {"backend": "lmcache", "size_gib": per_rank * ranks}
     if "lmcache.chunk_size" in extra:
-        out["block_size"] = int(_number(extra, "lmcache.chunk_size", 0, 1 << 16))
+        out["offloaded_block_size"] = int(_number(extra, "lmcache.chunk_size", 0, 1 << 16))
     return out
 
 
