@@ -52,11 +52,9 @@ def test_bad_offload_sections_name_the_field(offload, message):
         chat(offload)
 
 
-def test_offload_needs_prefix_caching_one_kv_group_and_a_gpu():
-    """OffloadingConnectorScheduler reads request.block_hashes (prefix caching) and asserts one KV
-    cache group; CPUOffloadingSpec.get_handlers refuses non-CUDA platforms (vLLM 0.19)."""
-    with pytest.raises(ScenarioError, match="needs engine.prefix_caching"):
-        chat({"size_gib": 8}, prefix_caching=False)
+def test_offload_needs_one_kv_group_and_a_gpu():
+    """OffloadingConnectorScheduler asserts one KV cache group; CPUOffloadingSpec.get_handlers
+    refuses non-CUDA platforms (vLLM 0.19)."""
     with pytest.raises(ScenarioError, match="one full-attention KV cache group"):
         validate_scenario({"model": "mistral-7b-v0.1", "device": "l4", "engine": {"kv_offload": {"size_gib": 8}}})
     with pytest.raises(ScenarioError, match="needs a GPU device"):
@@ -277,6 +275,14 @@ def test_same_seed_same_prediction(runs):
     again = predict(chat({"size_gib": 16}))
     assert json.dumps(again.summary, sort_keys=True, default=str) == \
         json.dumps(runs["on"].summary, sort_keys=True, default=str)
+
+
+def test_offload_works_without_the_gpu_prefix_cache():
+    """vLLM hashes the request's blocks when a KV connector is set, prefix caching or not
+    (vllm/v1/engine/core.py, 0.19: enable_prefix_caching or kv_connector is not None): every hit
+    then comes from the CPU tier."""
+    s = predict(chat({"size_gib": 16}, prefix_caching=False)).summary["kv_offload"]
+    assert s["gpu_hit_tokens"] == 0 and s["cpu_hit_tokens"] > 0
 
 
 def test_a_small_tier_evicts():

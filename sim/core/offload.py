@@ -142,7 +142,7 @@ class LruPolicy:
     def insert(self, key: int, block: _Block) -> None:
         self.blocks[key] = block
 
-    def touch(self, keys: list[int]) -> None:
+    def touch(self, keys: list[int], now: float) -> None:
         for key in reversed(keys):          # the first block ends most recent: tails go first
             if key in self.blocks:
                 self.blocks.move_to_end(key)
@@ -181,12 +181,12 @@ class ArcPolicy:
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
-    def touch(self, keys: list[int]) -> None:
+    def touch(self, keys: list[int], now: float) -> None:
         for key in reversed(keys):
             if key in self.t1:
                 block = self.t1.pop(key)
                 # a block still being stored was not really used twice: it stays in T1, as newest
-                (self.t1 if block.ready_at == math.inf else self.t2)[key] = block
+                (self.t1 if block.ready_at > now else self.t2)[key] = block
             elif key in self.t2:
                 self.t2.move_to_end(key)
             elif key in self.b1:
@@ -290,7 +290,7 @@ class CpuTier:
             return 0
         self.stats.lookups += 1
         keys = self._keys(req, num_blocks)
-        self.policy.touch(keys)
+        self.policy.touch(keys, self.now)
         if num_blocks * bt - gpu_hit_tokens < bt:
             return 0
         start = gpu_hit_tokens // bt
@@ -390,7 +390,7 @@ class CpuTier:
         for key in new:
             policy.insert(key, _Block())
         self.num_held += len(new)
-        policy.touch(self._keys(req, full))
+        policy.touch(self._keys(req, full), self.now)
         nbytes = len(new) * self.block_bytes
         begin = max(self.d2h_free, self.now)
         self.d2h_free = begin + self.latency_s + nbytes / self.bandwidth_Bps
@@ -460,9 +460,6 @@ def scenario_problem(scenario) -> Optional[str]:
     from sim.core.memory import kv_cache_groups
 
     cfg, engine = scenario.engine.kv_offload, scenario.engine
-    if not engine.prefix_caching:
-        return ("needs engine.prefix_caching (the tier is keyed by the prefix cache's block hashes; vLLM's "
-                "OffloadingConnector reads request.block_hashes, which exist only with prefix caching)")
     if engine.batching != "continuous" or engine.allocation != "paged" or engine.step_composition != "mixed":
         return "is modelled for vLLM V1's engine only (continuous batching, paged allocation, mixed steps)"
     tokens = cfg.offloaded_block_size or (LMCACHE_CHUNK_TOKENS if cfg.backend == "lmcache" else engine.block_size)
