@@ -59,6 +59,11 @@ def check_engine_supports(scenario) -> None:
             "its engine settings (drop cluster.disaggregation and set that pool's device, tp and engine "
             "fields at the top level).")
     check_block_pool_supports(model, scenario.engine.allocation)
+    if scenario.engine.kv_offload is not None:
+        raise EngineUnsupportedError(
+            "engine.kv_offload is set, but the engine (engine/) has no CPU KV tier: it would replay without "
+            "offloading and measure a different deployment. Simulate it with `simrun run`, or remove "
+            "engine.kv_offload to replay the GPU prefix cache alone.")
     if model.num_sliding_layers and model.num_full_layers:
         raise EngineUnsupportedError(
             f"model '{model.name}' mixes {model.num_sliding_layers} sliding-window layers "

@@ -134,6 +134,9 @@ def disaggregation_problems(scenario) -> list[str]:
     if scenario.engine.batching != "continuous" or scenario.engine.allocation != "paged":
         problems.append(f"engine.batching/allocation: {where} needs vLLM's continuous batching with paged "
                         f"allocation (NixlConnector reads paged blocks)")
+    if scenario.engine.kv_offload is not None:
+        problems.append(f"engine.kv_offload: a CPU tier with {where} is not modelled (vLLM runs one KV "
+                        f"connector per engine: OffloadingConnector or NixlConnector); remove one of them")
     if scenario.model.num_sliding_layers:
         problems.append(f"model: {where} supports full-attention models with one KV cache group; "
                         f"'{scenario.model.name}' has sliding-window or hybrid layers")
@@ -199,9 +202,9 @@ def kv_transfer_note(value: Optional[str]) -> str:
     P/D scenario holds both pools (cluster.disaggregation)."""
     import json
 
-    try:
-        config = json.loads(value) if value else None
-    except ValueError:
+    try:      # untrusted text: bounded before parsing (the offload flags' own parser reports the limit)
+        config = json.loads(value) if value and len(value) <= 10_000 else None
+    except (ValueError, RecursionError):
         config = None
     if not isinstance(config, dict):
         return ("a KV connector config that is not a JSON object; kvtwin simulates prefill/decode "
@@ -215,5 +218,6 @@ def kv_transfer_note(value: Optional[str]) -> str:
                 f"side's command under the other pool (docs/whatif/disaggregation.md); this scenario alone "
                 f"predicts the engine co-located")
     return (f"{head} that both sends and receives KV (kv_both, as LMCache offloading or a P/D pair's symmetric "
-            f"setup); kvtwin does not model KV offloading, and models P/D only as cluster.disaggregation "
-            f"(docs/whatif/disaggregation.md); this scenario predicts the engine co-located")
+            f"setup); kvtwin models CPU offloading for OffloadingConnector and LMCacheConnectorV1 only "
+            f"(engine.kv_offload) and P/D only as cluster.disaggregation (docs/whatif/disaggregation.md); "
+            f"this scenario predicts the engine co-located")

@@ -116,9 +116,19 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     }
     if "routing_regret" in records.meta:      # (sim/routers/regret.py)
         summary["routing_regret"] = records.meta["routing_regret"]
+    if "kv_offload" in records.meta:        # (only where engine.kv_offload is set: old summaries unchanged)
+        summary["kv_offload"] = offload_summary(records.meta["kv_offload"], int(df["prompt_tokens"].sum()))
     if len(records.recorders) > 1:
         summary["replicas"] = _replica_figures(measured, steps, duration, len(records.recorders))
     return summary
+
+
+def offload_summary(tier: dict, prompt_tokens: int) -> dict:
+    """The CPU tier's totals (sim/core/offload.py) and the share of prompt tokens each tier served
+    (every request, warm-up included: the tiers' counters do not tell them apart)."""
+    share = (lambda n: n / prompt_tokens if prompt_tokens else 0.0)   # noqa: E731
+    return {**tier, "gpu_hit_rate": share(tier["gpu_hit_tokens"]), "cpu_hit_rate": share(tier["cpu_hit_tokens"]),
+            "gib_loaded": tier["bytes_loaded"] / 2**30, "gib_stored": tier["bytes_stored"] / 2**30}
 
 
 # What the summary reads of the measured requests.

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from sim.core import vllm_versions
 from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
+from sim.core.offload import KvOffload, scenario_problem as offload_problem
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
@@ -212,6 +213,11 @@ class EngineConfig(StrictModel):
         default=None, pattern=r"^[a-z0-9_]{1,40}$",
         description="vLLM's --speculative-config method; only its effect on auto async scheduling is "
                     "modelled (off for methods other than EAGLE/MTP and NGram-GPU), not draft tokens")
+    kv_offload: Optional[KvOffload] = Field(
+        default=None,
+        description="vLLM's KV offloading to CPU (--kv-offloading-size / --kv-offloading-backend, or "
+                    "--kv-transfer-config with OffloadingConnector / LMCacheConnectorV1): a CPU tier below "
+                    "the prefix cache (docs/kv_offload.md); unset: off")
 
     @model_validator(mode="after")
     def _version_defaults(self) -> "EngineConfig":
@@ -750,6 +756,13 @@ class Scenario(StrictModel):
             if problem:
                 raise ValueError(f"variant name {excerpt(name)}: {problem}")
         return variants
+
+    @model_validator(mode="after")
+    def _kv_offload_fits(self) -> "Scenario":
+        problem = offload_problem(self) if self.engine.kv_offload is not None else None
+        if problem:
+            raise ValueError(f"engine.kv_offload: {problem}")
+        return self
 
     @property
     def max_model_len(self) -> int:

@@ -23,6 +23,7 @@ from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.kvcache import KVCacheManager, new_kv_manager
 from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
+from sim.core.offload import offload_meta, offload_tier
 from sim.records import RequestTable, RunRecords, StepRecorder
 from sim.core.request import Request
 from sim.core.status import REJECTED
@@ -63,7 +64,9 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
                         e.contiguous_reserve, plan.kv_groups, scenario.max_step_tokens,
                         block_ids=block_ids)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
-    return Replica(index, Scheduler(config, kv), StepRecorder(index))
+    sched = Scheduler(config, kv)
+    sched.offload = offload_tier(scenario, plan, kv)
+    return Replica(index, sched, StepRecorder(index))
 
 
 LEAP_SCALAR_STEPS = 32     # a leap's first steps priced one by one (numpy for the rest of a long one)
@@ -139,6 +142,8 @@ class Simulation:
 
     def _run(self) -> RunRecords:
         env = simpy.Environment()
+        if self.scenario.engine.kv_offload is not None:
+            self.fast = False        # loads end between steps: the fast paths do not plan for them
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast, self.block_ids)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
@@ -160,7 +165,7 @@ class Simulation:
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
-                                **self._router.figures()})
+                                **self._router.figures(), **offload_meta(self.replicas)})
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
         """The client and the arrival path, sending to `self._router` (set before)."""
@@ -290,6 +295,7 @@ class Simulation:
         step_time = self.cost_model.step_time
         fast, chained = self.fast, self._chained
         inline = self._inline
+        tier = sched.offload
         queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
@@ -309,11 +315,19 @@ class Simulation:
                     seen_waiting = len(queue)
                     last_end = yield from self._leaps(env, replica, leap, now, horizon)
                     continue
+            if tier is not None:
+                tier.now = now
             batch = schedule()
             seen_waiting = len(queue)
             if batch is None:
                 if now > env.now:            # catch up before sleeping
                     yield _At(env, now)
+                if tier is not None and tier.loading:       # asleep until a load ends or a request comes
+                    replica.wakeup = env.event()
+                    replica.busy_until = math.inf
+                    yield env.any_of([replica.wakeup, _At(env, max(tier.next_load_done(), env.now))])
+                    replica.wakeup = None
+                    continue
                 if inline is not None:       # sleep until the next arrival (none: the run is over)
                     if self._next_arrival == math.inf:
                         return
@@ -337,6 +351,8 @@ class Simulation:
                 yield _At(env, end)
             record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
             last_end = end
+            if tier is not None:
+                tier.now = end
             finished = finish_step(batch)
             if finished:
                 self._retire(env, replica, finished)

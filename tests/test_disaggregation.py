@@ -343,3 +343,12 @@ def test_a_sweep_counts_both_pools_gpus_at_their_devices_prices():
     assert (cost["gpus"], cost["prefill_gpus"], cost["decode_gpus"]) == (8, 6, 2)
     assert cost["cost_per_hour"] == pytest.approx(6 * get_device("l4").cost_per_hour
                                                   + 2 * get_device("h100-sxm").cost_per_hour)
+
+
+def test_kv_offload_with_disaggregation_is_refused():
+    """One vLLM engine runs one KV connector (kv_transfer_config names a single kv_connector, vllm/config/
+    kv_transfer.py, 0.19): a CPU-offload tier and a P/D link together are refused, naming both fields."""
+    raw = pd_scenario()
+    raw["engine"]["kv_offload"] = {"size_gib": 8}
+    with pytest.raises(ScenarioError, match=r"engine\.kv_offload.*cluster\.disaggregation"):
+        validate_scenario(raw)

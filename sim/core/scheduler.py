@@ -85,7 +85,7 @@ class Scheduler:
     __slots__ = ("config", "kv", "block_size", "static", "mixed", "lazy", "cohort", "waiting", "running",
                  "active", "step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions",
                  "tokens_held", "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks",
-                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight")
+                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight", "offload")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -121,6 +121,7 @@ class Scheduler:
         self.arriving: list[Request] = []
         self.in_flight = False
         kv.sliding_admission_cap = config.sliding_admission_cap
+        self.offload = None            # a CPU tier below the prefix cache (sim/core/offload.py), or None
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -169,6 +170,8 @@ class Scheduler:
             self.arriving.remove(req)
         else:
             self.waiting.discard(req)
+        if self.offload is not None:
+            self.offload.forget(req)
         if req.status is RUNNING:
             self.tokens_held -= req.num_computed
         self.kv.free(req)
@@ -187,7 +190,8 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return len(self.running) > len(self._finishing) or len(self.waiting) > 0 or bool(self.arriving)
+        return (len(self.running) > len(self._finishing) or len(self.waiting) > 0 or bool(self.arriving)
+                or (self.offload is not None and bool(self.offload.loading)))
 
     def has_other_work(self, finished: list) -> bool:
         """Is anything left to schedule besides the step's finishers? Only then does an async
@@ -365,6 +369,8 @@ class Scheduler:
             scheduled_now = batch.remove(victim, self.block_size)
             self._returned += scheduled_now
         self.tokens_held -= victim.num_computed - scheduled_now
+        if self.offload is not None:
+            self.offload.request_done(victim)
         self.kv.free(victim)
         victim.num_computed = 0
         victim.status = PREEMPTED
@@ -389,6 +395,10 @@ class Scheduler:
         """Admit WAITING requests head first until one does not fit (head-of-line blocking)."""
         cfg, kv = self.config, self.kv
         running = self.running
+        tier = self.offload
+        if tier is not None and tier.loading:      # loads done: back at the head (vLLM's skipped queue)
+            for req in reversed(tier.take_loaded()):
+                self.waiting.add_preempted(req)
         while self.waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self.waiting.peek()
             resumed = req.status is PREEMPTED
@@ -396,10 +406,19 @@ class Scheduler:
             if admit is None:
                 break
             hits, hit_tokens, n_now, gate, reserve = admit
+            cpu_tokens = tier.match(req, hit_tokens) if tier is not None and not req.num_computed else 0
+            if cpu_tokens:     # loaded asynchronously: blocks now, the request back once copied
+                if not kv.allocate_slots(req, cpu_tokens, hits, gate_tokens=gate, reserve_free=reserve):
+                    break
+                self.waiting.pop_head()
+                kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
+                tier.start_load(req, hit_tokens, cpu_tokens)
+                continue
             if not kv.allocate_slots(req, n_now, hits, gate_tokens=gate, reserve_free=reserve):
                 break
             self.waiting.pop_head()
-            kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
+            if not (tier is not None and req.num_computed):      # (a loaded request was counted at its load)
+                kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
             if not resumed:
                 req.num_cached_tokens = hit_tokens
                 req.admit_step = batch.step
@@ -430,6 +449,7 @@ class Scheduler:
             hits, hit_tokens = [], req.prompt_len - 1
         else:
             hits, hit_tokens = self.kv.find_cached_prefix(req)
+            hit_tokens += req.num_computed     # (a request back from a CPU load: its hit is computed)
         num_tokens = req.prompt_len + req.num_output
         n = num_tokens - hit_tokens
         threshold = cfg.long_prefill_token_threshold
@@ -476,6 +496,8 @@ class Scheduler:
         for req in emitted:
             if req.emit(step):
                 finished.append(req)
+        if self.offload is not None:       # write-through of the blocks this step filled
+            self.offload.after_step(batch.prefills + batch.decodes)
         if finished or self._finishing:
             self._retire_finished(step, finished)
         if self.lazy:
@@ -512,6 +534,8 @@ class Scheduler:
 
     def _free_finished(self, req: Request) -> None:
         self.tokens_held -= req.num_computed  # (num_computed: a finished request has left the cohort)
+        if self.offload is not None:
+            self.offload.request_done(req)
         if req.kv_transfer == "send":
             return      # P/D: held until a decode engine read them (NixlConnector.request_finished)
         self.kv.free(req)
@@ -547,6 +571,7 @@ class Scheduler:
         if self.pending_release != bool(self._finishing):
             raise AssertionError(f"pending_release {self.pending_release} with {len(self._finishing)} finishing")
         live = self.num_waiting + len(self.running) - len(self._finishing) + len(self.arriving)
+        live += len(self.offload.loading) if self.offload is not None else 0
         ended = self.num_finished + self.num_rejected + self.num_aborted
         if self.num_added != ended + live:
             raise AssertionError(f"request accounting broken: added {self.num_added} != finished "

@@ -68,6 +68,15 @@ SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
     ("mean batch (seqs)", "mean_batch_seqs", "number"),
 )
 
+# Rows of runs with a CPU KV tier (engine.kv_offload): hits per tier and the bytes copied.
+OFFLOAD_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("GPU prefix hit rate", "kv_offload.gpu_hit_rate", "pct"),
+    ("CPU offload hit rate", "kv_offload.cpu_hit_rate", "pct"),
+    ("CPU loads", "kv_offload.loads", "count"),
+    ("GiB loaded from CPU", "kv_offload.gib_loaded", "number"),
+    ("GiB stored to CPU", "kv_offload.gib_stored", "number"),
+)
+
 
 def _lookup(summary: Mapping, dotted: str) -> float:
     value: Any = summary
@@ -87,9 +96,10 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
     an `error` column instead, (predicted - measured) / measured, the convention of every
     comparison table and chart.
     """
-    numbers = {label: [_lookup(v.summary, key) for _, key, _ in SUMMARY_ROWS] for label, v in views.items()}
-    index = pd.Index([row for row, _, _ in SUMMARY_ROWS], name="metric")
-    kinds = [kind for _, _, kind in SUMMARY_ROWS]
+    rows = SUMMARY_ROWS + (OFFLOAD_ROWS if any("kv_offload" in v.summary for v in views.values()) else ())
+    numbers = {label: [_lookup(v.summary, key) for _, key, _ in rows] for label, v in views.items()}
+    index = pd.Index([row for row, _, _ in rows], name="metric")
+    kinds = [kind for _, _, kind in rows]
     if not formatted:
         return pd.DataFrame({label: [units.display_number(x, k) for x, k in zip(values, kinds)]
                              for label, values in numbers.items()}, index=index)

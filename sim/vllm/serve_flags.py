@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ import yaml
 from sim.core.files import FileFormatError, excerpt, printable, read_yaml
 from sim.errors import UserError
 from sim.output.run_dir import check_out_file, out_file_arg
+from sim.vllm import kv_offload_flags
+from sim.vllm.kv_offload_flags import offloading_size
 
 
 # ----------------------------------------------------------------------------- value parsers
@@ -196,6 +199,10 @@ MODELLED = (
              "none: sized from gpu_memory_utilization", ("--kv-cache-memory",)),
     Modelled("--distributed-executor-backend", "engine.distributed_executor_backend",
              _choice("mp", "uni", "ray", "external_launcher"), "uni on one GPU, mp on several"),
+    Modelled("--kv-offloading-size", "engine.kv_offload.size_gib", offloading_size,
+             "none (off); GiB over all ranks (docs/kv_offload.md)"),
+    Modelled("--kv-offloading-backend", "engine.kv_offload.backend", _choice("native", "lmcache"),
+             "native (only with --kv-offloading-size)"),
     Modelled("--speculative-config", "engine.speculative_method", _speculative_method,
              "none (its method decides async scheduling; draft tokens are not modelled)", ("-sc",)),
     Modelled("--long-prefill-token-threshold", "engine.long_prefill_token_threshold", _human_int, "0 (off)"),
@@ -261,6 +268,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--max-lora-rank": (False, _NOT_MODELLED + " (no LoRA adapters)"),
     "--limit-mm-per-prompt": (False, _NOT_MODELLED + " (text only)"),
     "--mm-processor-kwargs": (False, _NOT_MODELLED + " (text only)"),
+    # OffloadingConnector / LMCacheConnectorV1 configs are mapped (sim/vllm/kv_offload_flags.py)
     "--kv-transfer-config": (False, _NOT_MODELLED + " (no disaggregated prefill)"),
     "--kv-events-config": (False, "event publishing: no effect on the prediction"),
     "--enable-sleep-mode": (True, "no effect on serving performance"),
@@ -401,6 +409,8 @@ def mapping_flags(data: dict[str, Any]) -> list[tuple[str, Optional[str]]]:
             out.append((name, None))
         elif value is False:
             out.append((name, "false") if name in _BY_NAME else ("--no-" + name[2:], None))
+        elif isinstance(value, (dict, list)):      # a JSON flag (--kv-transfer-config) logged as a mapping
+            out.append((name, json.dumps(value)))
         else:
             out.append((name, str(value)))
     return out
@@ -452,7 +462,9 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
             if parsed is not None:
                 result.raw = set_path(result.raw, outcome.field.split("."), parsed)
     _expert_parallel(result)
-    return _sorted_out(result, flags)
+    result = _sorted_out(result, flags)
+    kv_offload_flags.apply(result, flags, result.raw.get("parallelism", {}).get("tp", 1))
+    return result
 
 
 def _not_vllm_serve(words: list[str]) -> UserError:
