@@ -28,6 +28,7 @@ from sim.core.request import Request
 from sim.core.status import REJECTED
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.speculative import speculative_meta
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
 
 
@@ -173,7 +174,8 @@ class Simulation:
         return RunRecords(self._ended, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
-                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas)})
+                          meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
+                                **speculative_meta([r.scheduler for r in self.replicas])})
 
     def _engines(self) -> list[list[Replica]]:
         """The replicas that step as one: a data-parallel MoE engine's dp ranks (vLLM runs them in

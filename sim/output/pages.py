@@ -67,6 +67,11 @@ SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
     ("steps", "num_steps", "count"),
     ("mean batch (seqs)", "mean_batch_seqs", "number"),
 )
+# Speculative decoding's acceptance (vLLM's SpecDecodingLogging figures), shown when a run has it.
+SPECULATIVE_ROWS = (
+    ("spec: draft acceptance rate", "speculative.acceptance_rate", "pct"),
+    ("spec: mean acceptance length", "speculative.mean_acceptance_length", "number"),
+)
 
 
 def _lookup(summary: Mapping, dotted: str) -> float:
@@ -87,9 +92,12 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
     an `error` column instead, (predicted - measured) / measured, the convention of every
     comparison table and chart.
     """
-    numbers = {label: [_lookup(v.summary, key) for _, key, _ in SUMMARY_ROWS] for label, v in views.items()}
-    index = pd.Index([row for row, _, _ in SUMMARY_ROWS], name="metric")
-    kinds = [kind for _, _, kind in SUMMARY_ROWS]
+    rows = SUMMARY_ROWS
+    if any("speculative" in v.summary for v in views.values()):     # only runs with speculative decoding
+        rows = rows + SPECULATIVE_ROWS
+    numbers = {label: [_lookup(v.summary, key) for _, key, _ in rows] for label, v in views.items()}
+    index = pd.Index([row for row, _, _ in rows], name="metric")
+    kinds = [kind for _, _, kind in rows]
     if not formatted:
         return pd.DataFrame({label: [units.display_number(x, k) for x, k in zip(values, kinds)]
                              for label, values in numbers.items()}, index=index)
