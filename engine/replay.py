@@ -46,13 +46,19 @@ class EngineUnsupportedError(ValueError):
 
 
 def check_engine_supports(scenario) -> None:
-    """Refuse a hybrid model (sliding-window and full-attention layers): the shared policy
+    """Refuse speculative decoding (the engine implements none), and a hybrid model (sliding-window and full-attention layers): the shared policy
     (GroupedKVCacheManager) keeps one block table per KV cache group, while the runner keeps one
     KV tensor of every layer and one block table per sequence. A model whose every layer has the
     same window (Mistral v0.1) is one group: the runner reads its table, the blocks behind the
     window null, and the kernels mask the window."""
     model = scenario.model
     check_block_pool_supports(model, scenario.engine.allocation)
+    spec = scenario.engine.speculative
+    if spec is not None:
+        raise EngineUnsupportedError(
+            f"engine.speculative (method {spec.method}, {spec.num_speculative_tokens} speculative tokens): the "
+            "engine has no drafter and no rejection sampler, so it cannot replay speculative decoding. Simulate "
+            "it with `simrun run`, or replay without it (engine.speculative: null).")
     if model.num_sliding_layers and model.num_full_layers:
         raise EngineUnsupportedError(
             f"model '{model.name}' mixes {model.num_sliding_layers} sliding-window layers "

@@ -43,7 +43,7 @@ class SpeculativeConfig(StrictModel):
         description="draft tokens per step (k); required except for mtp (1, DeepSeek-V3's one MTP module)")
     model: Optional[str] = Field(
         default=None, max_length=200,
-        description="the draft model: a catalog name (llama-3.2-1b) for draft_model; for eagle/eagle3/mtp "
+        description="the draft model: a catalog name (qwen3-0.6b) for draft_model; for eagle/eagle3/mtp "
                     "the head's name, kept for the record (its cost is one layer of the target's shapes)")
     acceptance_rates: Optional[list[float]] = Field(
         default=None, max_length=MAX_SPEC_TOKENS,
