@@ -272,3 +272,47 @@ def test_the_engine_refuses_speculative_decoding():
     with pytest.raises(EngineUnsupportedError, match="engine.speculative"):
         check_engine_supports(validate_scenario({"model": "tiny", "device": "cpu",
                                                  "engine": {"speculative": {"method": "mtp"}}}))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_preemption_and_accounting_hold_under_a_tight_pool(seed):
+    """A pool too small for the batch: victims that had drafts scheduled give their tokens back
+    (vLLM pops their scheduled_spec_decode_tokens with num_scheduled_tokens), every request ends,
+    and held slots minus computed tokens is the slack every step."""
+    import random
+
+    rnd = random.Random(seed)
+    k = rnd.randint(1, 5)
+    rates = tuple(sorted((rnd.random() for _ in range(k)), reverse=True))
+    bs = rnd.choice((1, 4, 16))
+    sched = make(spec=("eagle3", k, rates, seed), num_blocks=rnd.randint(30, 60) * 16 // bs, block_size=bs,
+                 max_num_batched_tokens=rnd.choice((32, 64, 256)), max_model_len=512,
+                 async_scheduling=rnd.random() < 0.5)
+    free = sched.kv.pool.num_free
+    for i in range(12):
+        sched.add(make_request(i, 0.0, [(1000 + i, rnd.randint(5, 120))], rnd.randint(1, 150)))
+    steps = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch is not None
+        assert batch.num_tokens <= sched.config.max_num_batched_tokens
+        assert sched.slack_tokens == sum(len(r.blocks) * bs - r.num_computed for r in sched.running) >= 0
+        sched.finish_step(batch)
+        steps += 1
+        assert steps < 20_000
+    sched.check_accounting()
+    assert sched.num_finished == 12 and sched.kv.pool.num_free == free
+
+
+def test_the_reference_and_fast_paths_agree_with_speculation():
+    """Speculation turns the decode cohort and leaps off, so `fast=False` (the reference alone)
+    must give the very same run."""
+    from sim.records import requests_frame
+    from sim.simulator import simulate
+
+    s = scenario(method="eagle3", num_speculative_tokens=2)
+    fast, _, _ = simulate(s)
+    slow, _, _ = simulate(s, fast=False)
+    a, b = requests_frame(fast), requests_frame(slow)
+    assert a.drop(columns=["reject_reason"]).equals(b.drop(columns=["reject_reason"]))
+    assert fast.meta["speculative"] == slow.meta["speculative"]

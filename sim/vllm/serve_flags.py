@@ -112,7 +112,13 @@ def _speculative_config(text: str) -> dict:
             raise ValueError(f"num_speculative_tokens {excerpt(str(k), 40)} is not an integer") from None
     if config.get("model"):
         out["model"] = str(config["model"])[:200]
+    other = sorted(str(key)[:40] for key in config if key not in ("method", "num_speculative_tokens", "model"))
+    if other:               # (reported by _speculative_section, then dropped)
+        out[_OTHER_KEYS] = other[:20]
     return out
+
+
+_OTHER_KEYS = "(other keys)"
 
 
 def _json_object(text: str) -> dict:
@@ -493,6 +499,11 @@ def _speculative_section(result: Translation, spec_metrics: Optional[Path], base
         if spec_metrics is not None:
             raise UserError("--spec-metrics: the command sets no --speculative-config")
         return
+    other = section.pop(_OTHER_KEYS, None)
+    if other:
+        result.ignored.append(("--speculative-config " + ", ".join(other), None,
+                               "their effect on timing goes through the acceptance (engine.speculative."
+                               "acceptance_rates) and the draft cost, which kvtwin models directly"))
     method = section["method"]
     modelled = SpeculativeConfig.model_fields["method"].annotation.__args__
     k = section.get("num_speculative_tokens") or DEFAULT_NUM_SPEC_TOKENS.get(method)
