@@ -339,12 +339,23 @@ class Scheduler:
 
     def _schedule_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request, preempting others while its slots do not fit."""
-        spec = self.spec
-        lookahead = min(spec.lookahead, self.config.max_model_len - req.num_computed - n) if spec else 0
+        if self.spec is not None:
+            return self._schedule_spec_tokens(req, n, batch, budget)
+        if not self._allocate_or_preempt(req, n, batch):
+            return budget + self._take_returned()                  # it preempted itself
+        budget += self._take_returned()
+        batch.add(req, n, self.block_size)
+        return budget - n
+
+    def _schedule_spec_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
+        """`_schedule_tokens` under speculative decoding: the slots come with the lookahead (never
+        past max_model_len), and a decode carrying drafts goes in as one (Batch.add_spec). (Apart,
+        so that a run without speculation pays nothing for it on this per-request path.)"""
+        lookahead = min(self.spec.lookahead, self.config.max_model_len - req.num_computed - n)
         if not self._allocate_or_preempt(req, n, batch, lookahead):
             return budget + self._take_returned()                  # it preempted itself
         budget += self._take_returned()
-        if n > 1 and spec is not None and req.num_output and req.num_computed + 1 == req.num_tokens:
+        if n > 1 and req.num_output and req.num_computed + 1 == req.num_tokens:
             batch.add_spec(req, n, self.block_size)                # a decode verifying n - 1 drafts
         else:
             batch.add(req, n, self.block_size)
