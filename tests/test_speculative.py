@@ -316,3 +316,18 @@ def test_the_reference_and_fast_paths_agree_with_speculation():
     a, b = requests_frame(fast), requests_frame(slow)
     assert a.drop(columns=["reject_reason"]).equals(b.drop(columns=["reject_reason"]))
     assert fast.meta["speculative"] == slow.meta["speculative"]
+
+
+def test_a_draft_head_takes_one_layer_of_weights_and_of_kv_from_the_pool():
+    """vLLM loads the EAGLE/MTP drafter beside the target and adds its attention layer to the KV
+    cache config (its layers share the pool's blocks): a block holds one more layer's KV, and the
+    pool shrinks; ngram has no drafter on the GPU."""
+    from sim.core.memory import plan_memory
+
+    base = plan_memory(scenario())
+    eagle = plan_memory(scenario(method="eagle3", num_speculative_tokens=3))
+    ngram = plan_memory(scenario(method="ngram", num_speculative_tokens=3, acceptance_rate=0.5))
+    layers = scenario().model.num_layers
+    assert eagle.block_bytes * layers == base.block_bytes * (layers + 1)
+    assert eagle.num_blocks < base.num_blocks * layers / (layers + 1)     # the layer's weights too
+    assert (ngram.num_blocks, ngram.block_bytes) == (base.num_blocks, base.block_bytes)
