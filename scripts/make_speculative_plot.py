@@ -7,7 +7,7 @@ Each point is `simrun scenarios/whatif_speculative.yaml --set workload.max_concu
 engine.speculative as the line says (off, the scenario's EAGLE-3 k=3, EAGLE-3 k=7, ngram k=3 at
 acceptance 0.5);
 the crossover is where a speculative line meets the plain one. It also prints the table the docs page
-quotes.
+quotes, and kvtwin's speedup for vLLM's published EAGLE measurement (PUBLISHED).
 """
 from __future__ import annotations
 
@@ -38,6 +38,35 @@ def tpot_ms(sets: list[str], concurrency: int) -> float:
     return predict(s, manifest=False).summary["tpot_s"]["mean"] * 1e3
 
 
+# vLLM's EAGLE measurement, https://github.com/vllm-project/vllm/pull/16035 (Llama-3-8B-Instruct with
+# lmsys/sglang-EAGLE-LLaMA3-Instruct-8B, MT-bench, max_num_seqs 1): output tok/s without, and per k
+# (speedup, mean acceptance length).
+PUBLISHED_BASE_TOK_S = 128.64
+PUBLISHED = {2: (175.49 / 128.64, 1.89), 4: (165.65 / 128.64, 2.08)}
+
+
+def published_comparison() -> tuple[float, dict[int, tuple[float, float]]]:
+    """kvtwin's figures for that measurement, one request at a time with the acceptance fitted to
+    its lengths: (tok/s without, {k: (predicted speedup, published speedup)})."""
+    from sim.scenario import validate_scenario
+    from sim.vllm.spec_metrics import fitted_rates
+
+    def run(spec):
+        engine = {"max_num_seqs": 1, **({"speculative": spec} if spec else {})}
+        s = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "engine": engine, "workload": {
+            "num_requests": 40, "max_concurrency": 1, "arrival": {"rate": 1000}, "prompt_len": 100,
+            "output_len": 256}})
+        return predict(s, manifest=False).summary["output_token_throughput"]
+
+    base = run(None)
+    speedups = {}
+    for k, (published, length) in PUBLISHED.items():
+        rates = fitted_rates(1.0, length - 1, {}, k)
+        speedups[k] = (run({"method": "eagle", "num_speculative_tokens": k, "acceptance_rates": rates}) / base,
+                       published)
+    return base, speedups
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "whatif" / "speculative.png")
@@ -64,6 +93,10 @@ def main() -> int:
     ax.legend()
     save_png(fig, args.out)
     print(f"wrote {args.out}")
+    base, speedups = published_comparison()
+    print(f"no speculation: {base:.1f} tok/s predicted ({PUBLISHED_BASE_TOK_S} published)")
+    for k, (predicted, published) in speedups.items():
+        print(f"eagle k={k}: {predicted:.2f}x predicted, {published:.2f}x published")
     return 0
 
 
