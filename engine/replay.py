@@ -46,7 +46,8 @@ class EngineUnsupportedError(ValueError):
 
 
 def check_engine_supports(scenario) -> None:
-    """Refuse speculative decoding (the engine implements none), and a hybrid model (sliding-window and full-attention layers): the shared policy
+    """Refuse speculative decoding (the engine implements none), and a hybrid model (sliding-window
+    and full-attention layers): the shared policy
     (GroupedKVCacheManager) keeps one block table per KV cache group, while the runner keeps one
     KV tensor of every layer and one block table per sequence. A model whose every layer has the
     same window (Mistral v0.1) is one group: the runner reads its table, the blocks behind the
