@@ -261,7 +261,8 @@ class Scheduler:
         if not (batch.decodes or batch.prefills):
             self._empty_preempted = batch.preempted
             return None
-        self.tokens_held += batch.num_prefill_tokens + len(batch.decodes) + batch.spec_tokens    # (no padding rows yet)
+        # (no padding rows yet; draft tokens count until their rejection rolls them back)
+        self.tokens_held += batch.num_prefill_tokens + len(batch.decodes) + batch.spec_tokens
         if self.static:                    # every step computes the padded batch HF `generate` computes
             if batch.admitted:             # (a new batch formed)
                 self.static_batch = StaticBatch(rows=len(batch.admitted), first_step=batch.step,
