@@ -520,9 +520,8 @@ class CostModel:
         0.19: `_post_process_dp_padding`), so the GEMMs, the MoE layer and its exchange run at
         that size on every rank; attention, sampling and host work are each rank's own. The
         step lasts as long as the slowest rank's part."""
-        if self.draft is not None:
-            raise ValueError("engine.speculative is not modelled for a data-parallel MoE engine (its ranks "
-                             "step in lockstep); use dp 1 or no speculative decoding")
+        if self.draft is not None:       # (DraftCost.for_scenario refuses it first; a guard for direct use)
+            raise ValueError("engine.speculative is not modelled for a data-parallel MoE engine (lockstep steps)")
         shapes = [(0, 0, 0, 0, 0, 0, 0) if b is None else
                   (b.num_decode + len(b.prefills), b.num_decode, b.num_prefill_tokens, b.prefill_ctx,
                    b.prefill_attn, b.decode_ctx, b.blocks_read) for b in batches]

@@ -118,6 +118,11 @@ class DraftCost:
         spec = scenario.engine.speculative
         if spec is None:
             return None
+        if scenario.parallelism.dp > 1 and scenario.model.is_moe:
+            from sim.scenario import ScenarioError
+
+            raise ScenarioError(["engine.speculative: not modelled for a data-parallel MoE engine (its ranks "
+                                 "step in lockstep); set parallelism.dp: 1 or engine.speculative: null"])
         if spec.method == "ngram":
             return cls(spec, None)
         if spec.method in HEAD_METHODS:

@@ -362,3 +362,13 @@ def test_the_published_eagle_speedup_is_reproduced_in_direction_and_order():
     assert speedups[2][0] > speedups[4][0] > 1
     for predicted, published in speedups.values():
         assert abs(predicted / published - 1) < 0.25
+
+
+def test_a_data_parallel_moe_engine_with_speculation_is_refused_up_front():
+    """Its ranks step in lockstep (DPEngineCoreProc), a path without drafts: refused, naming the fields."""
+    from sim.costmodel import CostModel
+
+    s = validate_scenario({"model": "qwen3-30b-a3b", "device": "h100-sxm", "parallelism": {"dp": 2},
+                           "engine": {"speculative": {"method": "eagle3", "num_speculative_tokens": 2}}})
+    with pytest.raises(ScenarioError, match="parallelism.dp"):
+        CostModel.for_scenario(s)
