@@ -46,7 +46,8 @@ class EngineUnsupportedError(ValueError):
 
 
 def check_engine_supports(scenario) -> None:
-    """Refuse a hybrid model (sliding-window and full-attention layers): the shared policy
+    """Refuse speculative decoding (the engine implements none), and a hybrid model (sliding-window
+    and full-attention layers): the shared policy
     (GroupedKVCacheManager) keeps one block table per KV cache group, while the runner keeps one
     KV tensor of every layer and one block table per sequence. A model whose every layer has the
     same window (Mistral v0.1) is one group: the runner reads its table, the blocks behind the
@@ -64,6 +65,12 @@ def check_engine_supports(scenario) -> None:
             "engine.kv_offload is set, but the engine (engine/) has no CPU KV tier: it would replay without "
             "offloading and measure a different deployment. Simulate it with `simrun run`, or remove "
             "engine.kv_offload to replay the GPU prefix cache alone.")
+    spec = scenario.engine.speculative
+    if spec is not None:
+        raise EngineUnsupportedError(
+            f"engine.speculative (method {spec.method}, {spec.num_speculative_tokens} speculative tokens): the "
+            "engine has no drafter and no rejection sampler, so it cannot replay speculative decoding. Simulate "
+            "it with `simrun run`, or replay without it (engine.speculative: null).")
     if model.num_sliding_layers and model.num_full_layers:
         raise EngineUnsupportedError(
             f"model '{model.name}' mixes {model.num_sliding_layers} sliding-window layers "

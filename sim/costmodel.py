@@ -47,6 +47,7 @@ import numpy as np
 from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.files import excerpt, read_yaml
 from sim.core.memory import cdiv, kv_bytes_per_token, kv_heads_per_rank
+from sim.speculative import DraftCost
 
 # Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores) run
 # Marlin-style kernels: the weights stream in quantized (their bytes: the memory-bound side) and are
@@ -330,6 +331,7 @@ class CostModel:
         self.coefficients = self.profile.coefficients
         self.async_scheduling = async_scheduling
         self.tables = tables          # sim.optables.OperatorTables, or None for the roofline
+        self.draft: Optional[DraftCost] = None      # speculative decoding's drafter (for_scenario sets it)
         self._precompute()
 
     @classmethod
@@ -350,9 +352,11 @@ class CostModel:
 
             tables = tables_for(scenario.device.name, scenario.model, par.tp,
                                 scenario.max_num_batched_tokens, scenario.max_num_seqs, scenario.max_model_len)
-        return cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
-                   kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
-                   block_size=scenario.engine.block_size)
+        model = cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
+                    kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
+                    block_size=scenario.engine.block_size)
+        model.draft = DraftCost.for_scenario(scenario, model)
+        return model
 
     @property
     def calibrated(self) -> bool:
@@ -516,6 +520,8 @@ class CostModel:
         0.19: `_post_process_dp_padding`), so the GEMMs, the MoE layer and its exchange run at
         that size on every rank; attention, sampling and host work are each rank's own. The
         step lasts as long as the slowest rank's part."""
+        if self.draft is not None:       # (DraftCost.for_scenario refuses it first; a guard for direct use)
+            raise ValueError("engine.speculative is not modelled for a data-parallel MoE engine (lockstep steps)")
         shapes = [(0, 0, 0, 0, 0, 0, 0) if b is None else
                   (b.num_decode + len(b.prefills), b.num_decode, b.num_prefill_tokens, b.prefill_ctx,
                    b.prefill_attn, b.decode_ctx, b.blocks_read) for b in batches]
@@ -531,8 +537,29 @@ class CostModel:
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
+        if self.draft is not None:          # speculative decoding (no leaps then: every step is a Batch)
+            return self._speculative_step_time(batch, after_idle)
         host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                         batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx, batch.blocks_read)
+        if after_idle:
+            host += self.coefficients.wake_s
+        return host, device
+
+    def _speculative_step_time(self, batch, after_idle: bool) -> tuple[float, float]:
+        """A step with speculative decoding (sim/speculative.py): the target verifies each decode's
+        drafts in the same forward, priced as that many more tokens (GEMMs, KV written and read)
+        with their causal attention pairs, plus their rows of the LM head and the sampler; the
+        drafter's forwards follow on the device."""
+        decodes, spec = batch.num_decode, batch.spec_tokens
+        seqs = decodes + len(batch.prefills)
+        host, device = self._price_step(seqs, decodes, batch.num_prefill_tokens + spec, batch.prefill_ctx,
+                                        batch.prefill_attn + batch.spec_attn, batch.decode_ctx, batch.blocks_read)
+        if spec:
+            head = max((seqs + spec) * self._head_flop_s, self._head_weight_s) - max(seqs * self._head_flop_s,
+                                                                                      self._head_weight_s)
+            device += head + spec * (self._sample_row_s + self.coefficients.sample_seq_s)
+        if self.draft is not None:
+            device += self.draft.device_s(batch)
         if after_idle:
             host += self.coefficients.wake_s
         return host, device

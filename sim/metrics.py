@@ -110,6 +110,8 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
         "preemptions": steps.preemptions() if steps.count else 0,
         "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens
+        # speculative decoding's acceptance (sim/core/speculative.py), only in runs that use it
+        **({"speculative": records.meta["speculative"]} if "speculative" in records.meta else {}),
         "latency_split": _latency_split(measured),
         **_kv_figures(records, steps),
         **_step_figures(steps),

@@ -23,6 +23,7 @@ from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
 from sim.disagg_config import Disaggregation, disaggregation_problems
+from sim.speculative import SpeculativeConfig
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -211,8 +212,12 @@ class EngineConfig(StrictModel):
                     "auto async scheduling off")
     speculative_method: Optional[str] = Field(
         default=None, pattern=r"^[a-z0-9_]{1,40}$",
-        description="vLLM's --speculative-config method; only its effect on auto async scheduling is "
-                    "modelled (off for methods other than EAGLE/MTP and NGram-GPU), not draft tokens")
+        description="vLLM's --speculative-config method for its effect on auto async scheduling alone (off "
+                    "for methods other than EAGLE/MTP and NGram-GPU); set from `speculative` when that is set")
+    speculative: Optional[SpeculativeConfig] = Field(
+        default=None,
+        description="speculative decoding (vLLM's --speculative-config: method, num_speculative_tokens, "
+                    "model, acceptance); off when unset (see `SpeculativeConfig`, docs/whatif/speculative.md)")
     kv_offload: Optional[KvOffload] = Field(
         default=None,
         description="vLLM's KV offloading to CPU (--kv-offloading-size / --kv-offloading-backend, or "
@@ -227,6 +232,14 @@ class EngineConfig(StrictModel):
             self.__dict__["gpu_memory_utilization"] = vllm_versions.default_gpu_memory_utilization(self.vllm_version)
         if "reserve_full_prompt" not in unset:
             self.__dict__["reserve_full_prompt"] = vllm_versions.has(self.vllm_version, "reserve_full_prompt")
+        if self.speculative is not None and self.batching == "static":
+            raise ValueError("speculative decoding needs continuous batching (batching: static pads every "
+                             "row to one token a step)")
+        if self.speculative is not None:       # one method: the section's decides auto async scheduling
+            if self.speculative_method not in (None, self.speculative.method):
+                raise ValueError(f"speculative_method {self.speculative_method!r} differs from "
+                                 f"speculative.method {self.speculative.method!r}; set only speculative")
+            self.__dict__["speculative_method"] = self.speculative.method
         return self
 
 

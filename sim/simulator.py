@@ -29,6 +29,7 @@ from sim.core.request import Request
 from sim.core.status import REJECTED
 from sim.router import make_router
 from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.speculative import speculative_meta
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
 
 
@@ -165,7 +166,8 @@ class Simulation:
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
-                                **self._router.figures(), **offload_meta(self.replicas)})
+                                **self._router.figures(), **offload_meta(self.replicas),
+                                **speculative_meta([r.scheduler for r in self.replicas])})
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
         """The client and the arrival path, sending to `self._router` (set before)."""

@@ -112,13 +112,16 @@ def test_version_timing_and_memory_flags_are_mapped_not_ignored():
                   "h100-sxm")
     assert t.raw["engine"] == {"enforce_eager": True, "kv_cache_memory_bytes": 20 * 2 ** 30,
                                "distributed_executor_backend": "ray", "long_prefill_token_threshold": 1000,
-                               "max_num_partial_prefills": 1, "speculative_method": "eagle3"}
+                               "max_num_partial_prefills": 1,
+                               "speculative": {"method": "eagle3", "num_speculative_tokens": 3,
+                                               "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}}
     assert not t.ignored and not t.unknown
+    # (a method with no default acceptance keeps only its async effect: tests/test_speculative.py)
     for config, method in (('{"method": "deepseek_mtp"}', "mtp"), ('{"model": "ngram"}', "ngram"),
                            ("{method:ngram_gpu,num_speculative_tokens:3}", "ngram_gpu"),    # shell-unquoted
                            ('{"model": "some/draft-1b"}', "draft_model")):
-        assert translate(["vllm", "serve", "tiny", "--speculative-config", config],
-                         "cpu").raw["engine"]["speculative_method"] == method
+        engine = translate(["vllm", "serve", "tiny", "--speculative-config", config], "cpu").raw["engine"]
+        assert engine.get("speculative_method", engine.get("speculative", {}).get("method")) == method
     # vLLM's engine arguments refuse concurrent partial prefills (0.19 arg_utils.py _check_feature_supported)
     with pytest.raises(UserError, match="Concurrent Partial Prefill is not supported"):
         translate("vllm serve tiny --max-num-partial-prefills 2", "cpu")

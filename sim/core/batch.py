@@ -16,6 +16,14 @@ class StaticBatch:
     first_step: int
 
 
+_NO_DRAFTS: dict = {}      # (shared and never written: a step without speculation makes no dict)
+
+
+def _draft_pairs(start: int, drafted: int) -> int:
+    """Causal score pairs of a decode's `drafted` draft queries after its own token at `start`."""
+    return drafted * start + (drafted + 1) * (drafted + 2) // 2 - 1
+
+
 class Batch:
     """One step's work: which requests compute how many new tokens, plus its composition.
 
@@ -25,7 +33,7 @@ class Batch:
 
     __slots__ = ("step", "decodes", "num_decode", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new",
                  "decode_ctx", "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted",
-                 "admitted")
+                 "admitted", "spec_drafts", "spec_tokens", "spec_attn")
 
     def __init__(self, step: int):
         self.step = step
@@ -45,6 +53,11 @@ class Batch:
         self.blocks_read = 0         # KV blocks the attention kernels walk
         self.preempted: list[Request] = []
         self.admitted: list[Request] = []
+        # Speculative decoding (sim/core/speculative.py): decodes that verify drafts, with their
+        # draft counts; the draft tokens; their causal score pairs past the decode's own token.
+        self.spec_drafts: dict = _NO_DRAFTS
+        self.spec_tokens = 0
+        self.spec_attn = 0
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self.prefills)
@@ -56,7 +69,7 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         """Tokens computed (with a static batch's padding once `Scheduler.schedule` returned it)."""
-        return self.num_prefill_tokens + self.num_decode
+        return self.num_prefill_tokens + self.num_decode + self.spec_tokens
 
     @property
     def reqs(self) -> list[Request]:
@@ -64,6 +77,9 @@ class Batch:
 
     @property
     def num_new(self) -> list[int]:
+        drafts = self.spec_drafts
+        if drafts:
+            return [1 + drafts.get(r, 0) for r in self.decodes] + self.prefill_new
         return [1] * len(self.decodes) + self.prefill_new
 
     def starts(self) -> list[int]:
@@ -94,6 +110,23 @@ class Batch:
                 req.chunk_steps.append(self.step)
         req.num_computed = ctx
 
+    def add_spec(self, req: Request, n: int, block_size: int) -> None:
+        """Schedule a decode that verifies `n - 1` draft tokens (speculative decoding): a decode
+        row whose extra query tokens the cost model prices as tokens and attention pairs."""
+        assert req.cohort is None
+        start = req.num_computed
+        drafted = n - 1
+        self.blocks_read += -(-(start + n) // block_size)
+        self.decodes.append(req)
+        self.num_decode += 1
+        self.decode_ctx += start + 1
+        if self.spec_drafts is _NO_DRAFTS:
+            self.spec_drafts = {}
+        self.spec_drafts[req] = drafted
+        self.spec_tokens += drafted
+        self.spec_attn += _draft_pairs(start, drafted)
+        req.num_computed = start + n
+
     def remove(self, req: Request, block_size: int) -> int:
         """Take a request back out (it was preempted after being scheduled); returns its tokens."""
         ctx = req.num_computed
@@ -103,7 +136,12 @@ class Batch:
             self.num_decode -= 1
             self.cohort_size -= i < self.cohort_size
             n = 1
-            self.decode_ctx -= ctx
+            drafted = self.spec_drafts.pop(req, 0) if self.spec_drafts else 0
+            if drafted:                      # (a decode verifying drafts: its context is its own token's)
+                n += drafted
+                self.spec_tokens -= drafted
+                self.spec_attn -= _draft_pairs(ctx - n, drafted)
+            self.decode_ctx -= ctx - drafted
         else:
             i = self.prefills.index(req)
             del self.prefills[i]

@@ -690,16 +690,17 @@ class KVCacheManager:
             self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
         return True
 
-    def append_slots(self, req: Request, num_new_tokens: int) -> bool:
+    def append_slots(self, req: Request, num_new_tokens: int, lookahead_tokens: int = 0) -> bool:
         """Slots for `num_new_tokens` more tokens of a running request (what vLLM's allocate_slots
-        does for a request it schedules again): within the blocks it holds, only the blocks those
-        tokens fill are published; past them, `allocate_slots`. False, changing nothing, when the
-        pool is too small."""
+        does for a request it schedules again), and `lookahead_tokens` past them (speculative
+        decoding's num_lookahead_tokens): within the blocks it holds, only the blocks its known
+        tokens fill are published (draft tokens are not known yet); past them, `allocate_slots`.
+        False, changing nothing, when the pool is too small."""
         covered = req.num_computed + num_new_tokens
-        if covered > len(req.blocks) * self.block_size:
-            return self.allocate_slots(req, num_new_tokens)
+        if covered + lookahead_tokens > len(req.blocks) * self.block_size:
+            return self.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
         if self.enable_caching and covered // self.block_size > req.num_registered:
-            self.register_full_blocks(req, covered)
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
         return True
 
     def would_fit(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
@@ -943,11 +944,11 @@ class GroupedKVCacheManager(KVCacheManager):
         sliding = max(capped - held - num_hit, need)
         return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
 
-    def append_slots(self, req: Request, num_new_tokens: int) -> bool:
+    def append_slots(self, req: Request, num_new_tokens: int, lookahead_tokens: int = 0) -> bool:
         """As KVCacheManager.append_slots, after freeing the blocks behind the window (vLLM frees
         them as it allocates, every step, whether or not a block is needed)."""
         self.remove_skipped_blocks(req)
-        return super().append_slots(req, num_new_tokens)
+        return super().append_slots(req, num_new_tokens, lookahead_tokens)
 
     def frees_behind_window(self, req: Request) -> int:
         """How many leading table entries are behind the window of the request's next token,

@@ -314,6 +314,7 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     Raises InsufficientMemoryError, like an engine refusing to start, when not even one
     max_model_len request fits.
     """
+    scenario = with_draft_head(scenario)
     eng = scenario.engine
     activation = _measured_activation(scenario, activation_scale)
     plan = _vllm_plan(scenario, activation) if uses_vllm_plan(scenario) else _simple_plan(scenario, activation)
@@ -323,6 +324,24 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
         plan = replace(plan, num_blocks=eng.num_blocks, from_override=True)
     _check_one_request_fits(plan, scenario.max_model_len)
     return plan
+
+
+# Speculative methods whose drafter is one decoder layer of the target's shapes (sim/speculative.py).
+DRAFT_HEAD_METHODS = ("eagle", "eagle3", "mtp")
+
+
+def with_draft_head(scenario):
+    """The scenario as its memory plan sees it: with an EAGLE / EAGLE-3 / MTP drafter, one more
+    full-attention decoder layer, whose weights load beside the target's (sharing its embedding and
+    LM head) and whose KV shares the target's pool, as vLLM adds the drafter's attention layers to
+    its KV cache config. (A draft_model's own weights and KV are not planned: docs/whatif/speculative.md.)"""
+    spec = getattr(scenario.engine, "speculative", None)
+    if spec is None or spec.method not in DRAFT_HEAD_METHODS:
+        return scenario
+    m = scenario.model
+    types = [*m.layer_types, "full_attention"] if m.layer_types else None
+    return scenario.model_copy(update={"model": m.model_copy(update={"num_layers": m.num_layers + 1,
+                                                                      "layer_types": types})})
 
 
 def uses_vllm_plan(scenario) -> bool:

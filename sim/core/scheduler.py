@@ -39,6 +39,7 @@ from sim.core.fast.cohort import DecodeCohort
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import Request
 from sim.core.request_queue import make_request_queue
+from sim.core.speculative import SpecDecoder
 from sim.core.status import ABORTED, FINISHED, PREEMPTED, REJECTED, RUNNING, WAITING
 
 
@@ -65,6 +66,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # vLLM >= 0.20 caps a sliding-window group's admission need at the window (sim/core/vllm_versions.py).
     sliding_admission_cap: bool = True
+    # Speculative decoding (sim/core/speculative.py): (method, num_speculative_tokens, per-position
+    # acceptance rates, seed), or None. It turns the decode cohort and leaps off (one token a step).
+    speculative: Optional[tuple] = None
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
@@ -77,7 +81,8 @@ class SchedulerConfig:
                    admission_watermark=e.admission_watermark, reserve_full_prompt=e.reserve_full_prompt,
                    async_scheduling=s.async_scheduling,
                    long_prefill_token_threshold=s.long_prefill_token_threshold,
-                   sliding_admission_cap=vllm_versions.has(e.vllm_version, "sliding_window_admission_cap"))
+                   sliding_admission_cap=vllm_versions.has(e.vllm_version, "sliding_window_admission_cap"),
+                   speculative=e.speculative.policy(s.seed) if e.speculative is not None else None)
 
 
 class Scheduler:
@@ -85,7 +90,7 @@ class Scheduler:
     __slots__ = ("config", "kv", "block_size", "static", "mixed", "lazy", "cohort", "waiting", "running",
                  "active", "step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions",
                  "tokens_held", "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks",
-                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight", "offload")
+                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight", "offload", "spec")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -93,7 +98,10 @@ class Scheduler:
         self.block_size = kv.block_size
         self.static = config.batching == "static"
         self.mixed = config.step_composition == "mixed" or self.static
-        self.lazy = config.lazy_decode
+        # Speculative decoding: drafts per decode and their verification; the fast paths assume
+        # one token per step, so they are off with it.
+        self.spec = SpecDecoder(*config.speculative) if config.speculative else None
+        self.lazy = config.lazy_decode and self.spec is None
         # (a grouped KV cache: a block per table at each crossing, frees behind sliding windows)
         self.cohort = DecodeCohort(kv.layout())
         self.waiting = make_request_queue(config.policy)     # the queue type is the fcfs/priority policy
@@ -257,7 +265,8 @@ class Scheduler:
         if not (batch.decodes or batch.prefills):
             self._empty_preempted = batch.preempted
             return None
-        self.tokens_held += batch.num_prefill_tokens + len(batch.decodes)    # (no padding rows yet)
+        # (no padding rows yet; draft tokens count until their rejection rolls them back)
+        self.tokens_held += batch.num_prefill_tokens + len(batch.decodes) + batch.spec_tokens
         if self.static:                    # every step computes the padded batch HF `generate` computes
             if batch.admitted:             # (a new batch formed)
                 self.static_batch = StaticBatch(rows=len(batch.admitted), first_step=batch.step,
@@ -322,6 +331,8 @@ class Scheduler:
         chunked to the budget; None when its prompt must be computed whole (no chunked prefill) and
         does not fit. (The one place the chunking rule lives; the decode cohort asks it too.)"""
         n = req.num_tokens - req.num_computed
+        if n == 1 and self.spec is not None and req.num_output:     # a decode carries its drafts
+            n = min(1 + self.spec.k, self.config.max_model_len - 1 - req.num_computed)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n and not self.static:      # vLLM's long_prefill_token_threshold caps every chunk
             n = threshold
@@ -333,10 +344,26 @@ class Scheduler:
 
     def _schedule_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request, preempting others while its slots do not fit."""
+        if self.spec is not None:
+            return self._schedule_spec_tokens(req, n, batch, budget)
         if not self._allocate_or_preempt(req, n, batch):
             return budget + self._take_returned()                  # it preempted itself
         budget += self._take_returned()
         batch.add(req, n, self.block_size)
+        return budget - n
+
+    def _schedule_spec_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
+        """`_schedule_tokens` under speculative decoding: the slots come with the lookahead (never
+        past max_model_len), and a decode carrying drafts goes in as one (Batch.add_spec). (Apart,
+        so that a run without speculation pays nothing for it on this per-request path.)"""
+        lookahead = min(self.spec.lookahead, self.config.max_model_len - req.num_computed - n)
+        if not self._allocate_or_preempt(req, n, batch, lookahead):
+            return budget + self._take_returned()                  # it preempted itself
+        budget += self._take_returned()
+        if n > 1 and req.num_output and req.num_computed + 1 == req.num_tokens:
+            batch.add_spec(req, n, self.block_size)                # a decode verifying n - 1 drafts
+        else:
+            batch.add(req, n, self.block_size)
         return budget - n
 
     def _take_returned(self) -> int:
@@ -344,9 +371,10 @@ class Scheduler:
         returned, self._returned = self._returned, 0
         return returned
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: Batch) -> bool:
-        """Allocate slots, preempting victims until they fit; False if `req` itself was preempted."""
-        while not self.kv.append_slots(req, n):
+    def _allocate_or_preempt(self, req: Request, n: int, batch: Batch, lookahead: int = 0) -> bool:
+        """Allocate slots (and `lookahead` slots past them, speculative decoding), preempting victims
+        until they fit; False if `req` itself was preempted."""
+        while not self.kv.append_slots(req, n, lookahead):
             victim = self._pick_victim()
             self._preempt(victim, batch)
             if victim is req:
@@ -488,6 +516,8 @@ class Scheduler:
         length by the runner, so one length test covers scripted and live requests.
         """
         step = batch.step
+        if batch.spec_drafts:              # speculative decoding: rejected drafts roll back, accepted ones count
+            self.tokens_held -= self.spec.settle(batch)
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
         for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
             if r.num_computed >= r.prompt_len + r.num_output:    # (one by one: no member, fields are progress)

@@ -67,6 +67,11 @@ SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
     ("steps", "num_steps", "count"),
     ("mean batch (seqs)", "mean_batch_seqs", "number"),
 )
+# Speculative decoding's acceptance (vLLM's SpecDecodingLogging figures), shown when a run has it.
+SPECULATIVE_ROWS = (
+    ("spec: draft acceptance rate", "speculative.acceptance_rate", "pct"),
+    ("spec: mean acceptance length", "speculative.mean_acceptance_length", "number"),
+)
 
 # Rows of runs with a CPU KV tier (engine.kv_offload): hits per tier and the bytes copied.
 OFFLOAD_ROWS: tuple[tuple[str, str, str], ...] = (
@@ -96,7 +101,11 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
     an `error` column instead, (predicted - measured) / measured, the convention of every
     comparison table and chart.
     """
-    rows = SUMMARY_ROWS + (OFFLOAD_ROWS if any("kv_offload" in v.summary for v in views.values()) else ())
+    rows = SUMMARY_ROWS
+    if any("kv_offload" in v.summary for v in views.values()):      # only runs with a CPU KV tier
+        rows = rows + OFFLOAD_ROWS
+    if any("speculative" in v.summary for v in views.values()):     # only runs with speculative decoding
+        rows = rows + SPECULATIVE_ROWS
     numbers = {label: [_lookup(v.summary, key) for _, key, _ in rows] for label, v in views.items()}
     index = pd.Index([row for row, _, _ in rows], name="metric")
     kinds = [kind for _, _, kind in rows]

@@ -101,10 +101,30 @@ _QUANT = {"fp8": {"method": "fp8", "scales": "tensor"},      # vLLM quantizes a 
           "gptq_marlin": {"method": "gptq"}, "mxfp4": {"method": "mxfp4", "experts_only": True}}
 
 
-def _speculative_method(text: str) -> str:
-    """--speculative-config JSON -> its method, as vLLM 0.19 config/speculative.py infers it when
-    unset: "ngram" for model ngram, eagle / eagle3 from the draft's name, else draft_model; the
-    MTP family is renamed mtp. kvtwin models only what the method does to async scheduling."""
+def _speculative_config(text: str) -> dict:
+    """--speculative-config JSON -> engine.speculative's fields: the method (`_speculative_method`),
+    num_speculative_tokens and the draft model (sim/speculative.py; `_speculative_section` settles
+    what the scenario can take)."""
+    config = _json_object(text)
+    out: dict[str, Any] = {"method": _speculative_method(config)}
+    k = config.get("num_speculative_tokens")
+    if k is not None:
+        try:
+            out["num_speculative_tokens"] = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"num_speculative_tokens {excerpt(str(k), 40)} is not an integer") from None
+    if config.get("model"):
+        out["model"] = str(config["model"])[:200]
+    other = sorted(str(key)[:40] for key in config if key not in ("method", "num_speculative_tokens", "model"))
+    if other:               # (reported by _speculative_section, then dropped)
+        out[_OTHER_KEYS] = other[:20]
+    return out
+
+
+_OTHER_KEYS = "(other keys)"
+
+
+def _json_object(text: str) -> dict:
     import json
 
     try:
@@ -113,6 +133,13 @@ def _speculative_method(text: str) -> str:
         config = _unquoted_object(text)
     if not isinstance(config, dict):
         raise ValueError("expected a JSON object such as '{\"method\": \"eagle\", \"model\": ...}'")
+    return config
+
+
+def _speculative_method(config: dict) -> str:
+    """A --speculative-config object's method, as vLLM 0.19 config/speculative.py infers it when
+    unset: "ngram" for model ngram, eagle / eagle3 from the draft's name, else draft_model; the
+    MTP family is renamed mtp."""
     method, model = config.get("method"), str(config.get("model") or "").lower()
     if method is None:
         if model in ("ngram", "[ngram]"):
@@ -203,8 +230,9 @@ MODELLED = (
              "none (off); GiB over all ranks (docs/kv_offload.md)"),
     Modelled("--kv-offloading-backend", "engine.kv_offload.backend", _choice("native", "lmcache"),
              "native (only with --kv-offloading-size)"),
-    Modelled("--speculative-config", "engine.speculative_method", _speculative_method,
-             "none (its method decides async scheduling; draft tokens are not modelled)", ("-sc",)),
+    Modelled("--speculative-config", "engine.speculative", _speculative_config,
+             "none (method, num_speculative_tokens, model; acceptance from engine.speculative's defaults)",
+             ("-sc",)),
     Modelled("--long-prefill-token-threshold", "engine.long_prefill_token_threshold", _human_int, "0 (off)"),
     Modelled("--max-num-partial-prefills", "engine.max_num_partial_prefills", _partial_prefills,
              "1 (the only value vLLM V1 accepts)"),
@@ -419,9 +447,10 @@ def mapping_flags(data: dict[str, Any]) -> list[tuple[str, Optional[str]]]:
 # ----------------------------------------------------------------------------- translating
 
 def translate(command: str | list[str], device: str, base_dir: Optional[Path] = None,
-              model_name: Optional[str] = None) -> Translation:
+              model_name: Optional[str] = None, spec_metrics: Optional[Path] = None) -> Translation:
     """The scenario mapping for `command` on catalog `device`. UserError on a value vLLM would
-    also refuse, a missing model, or a flag that looks like a misspelt modelled one."""
+    also refuse, a missing model, or a flag that looks like a misspelt modelled one. `spec_metrics`:
+    a /metrics scrape whose spec-decode counters give the speculative section's acceptance."""
     words, named_vllm = _vllm_arguments(command)
     positional, flags = split_flags(words)
     configs = [v for f, v in flags if f == "--config"]
@@ -462,9 +491,60 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
             if parsed is not None:
                 result.raw = set_path(result.raw, outcome.field.split("."), parsed)
     _expert_parallel(result)
+    _speculative_section(result, spec_metrics, base_dir)
     result = _sorted_out(result, flags)
     kv_offload_flags.apply(result, flags, result.raw.get("parallelism", {}).get("tp", 1))
     return result
+
+
+def _speculative_section(result: Translation, spec_metrics: Optional[Path], base_dir: Optional[Path]) -> None:
+    """engine.speculative as the scenario can take it: the acceptance a /metrics scrape measured
+    (`spec_metrics`), else the method's default. A method kvtwin does not draft for, or one with no
+    default and no scrape (ngram, draft_model: it depends on the workload), or a draft model not in
+    the catalog, keeps only its effect on async scheduling (engine.speculative_method) and says so
+    among the ignored flags, naming the field that would model it."""
+    from sim.speculative import DEFAULT_ACCEPTANCE, DEFAULT_NUM_SPEC_TOKENS, SpeculativeConfig
+
+    engine = result.raw.get("engine", {})
+    section = engine.get("speculative")
+    if section is None:
+        if spec_metrics is not None:
+            raise UserError("--spec-metrics: the command sets no --speculative-config")
+        return
+    other = section.pop(_OTHER_KEYS, None)
+    if other:
+        result.ignored.append(("--speculative-config " + ", ".join(other), None,
+                               "their effect on timing goes through the acceptance (engine.speculative."
+                               "acceptance_rates) and the draft cost, which kvtwin models directly"))
+    method = section["method"]
+    modelled = SpeculativeConfig.model_fields["method"].annotation.__args__
+    k = section.get("num_speculative_tokens") or DEFAULT_NUM_SPEC_TOKENS.get(method)
+    if spec_metrics is not None and k is not None:
+        from sim.vllm.spec_metrics import acceptance_from_scrape
+
+        section["acceptance_rates"] = acceptance_from_scrape(spec_metrics, k)
+    why = None
+    if method == "draft_model" and section.get("model"):
+        try:
+            section["model"] = catalog_model(section["model"], base_dir)
+        except UserError:
+            why = f"draft model {printable(section['model'], 80)} is not in the catalog"
+        if not isinstance(section.get("model"), str):
+            why = "a draft model given as a folder is not modelled (a catalog name is)"
+    if method not in modelled:
+        why = f"method {method}: its draft tokens are not modelled (only {', '.join(modelled)})"
+    elif why is not None or "acceptance_rates" in section:
+        pass
+    elif method not in DEFAULT_ACCEPTANCE:
+        why = (f"method {method}: no published default acceptance; set engine.speculative.acceptance_rate "
+               f"(and its fields) to model its draft tokens")
+    elif "num_speculative_tokens" not in section and method not in DEFAULT_NUM_SPEC_TOKENS:
+        why = f"method {method} without num_speculative_tokens (vLLM takes it from the draft's config)"
+    if why is None:
+        return
+    del engine["speculative"]
+    engine["speculative_method"] = method
+    result.ignored.append(("--speculative-config (draft tokens)", None, why + "; async scheduling follows it"))
 
 
 def _not_vllm_serve(words: list[str]) -> UserError:
@@ -602,6 +682,8 @@ def from_vllm_main(argv: list[str]) -> int:
     p.add_argument("--vllm-version", help="the vLLM release the command ran on (e.g. 0.19.0): written to "
                                           "engine.vllm_version, which picks vLLM's defaults and behaviour "
                                           "(default: the scenario default, 0.19)")
+    p.add_argument("--spec-metrics", type=Path, help="a /metrics scrape of that server: its vllm:spec_decode_* "
+                   "counters set engine.speculative's acceptance (any method, ngram and draft_model too)")
     args = p.parse_args(argv)
     from sim.core.catalog import device_names
 
@@ -614,7 +696,7 @@ def from_vllm_main(argv: list[str]) -> int:
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise UserError(f"--device {args.device!r}: not in the catalog; {hint}(catalog: {', '.join(device_names())})")
     command = args.command[0] if len(args.command) == 1 else args.command
-    result = translate(command, args.device, Path.cwd(), args.model_name)
+    result = translate(command, args.device, Path.cwd(), args.model_name, spec_metrics=args.spec_metrics)
     if args.vllm_version is not None:
         set_vllm_version(result, args.vllm_version)
     if args.strict and result.unknown:
@@ -654,7 +736,8 @@ def async_scheduling_note(raw: dict) -> str:
         return f"async scheduling: {'on' if setting else 'off'} (set by the command)"
     on, why = vllm_versions.async_scheduling_auto(
         engine.get("vllm_version"), platform="cpu" if raw.get("device") == "cpu" else "cuda",
-        speculative_method=engine.get("speculative_method"), executor=engine.get("distributed_executor_backend"))
+        speculative_method=engine.get("speculative_method") or (engine.get("speculative") or {}).get("method"),
+        executor=engine.get("distributed_executor_backend"))
     return f"async scheduling: {'on' if on else 'off'} under auto ({why})"
 
 
