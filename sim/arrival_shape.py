@@ -5,7 +5,8 @@ day's shape covers a week-long duration_s. Arrivals are a renewal process run in
 time* and mapped through the inverse of the cumulative rate Lambda(t) = integral of rate(u) du
 (inversion): a unit-rate Poisson process becomes a non-homogeneous Poisson process of rate(t),
 fixed gaps become equal steps of Lambda (one arrival per 1/rate(t) s locally), and gamma gaps
-keep their burstiness cv. Every draw is made in operational time, so the same seed gives the same
+keep their burstiness cv. Bounded by num_requests alone, `rescale` puts the last arrival where
+Lambda reaches N, as it puts a constant rate's at N / rate. Every draw is made in operational time, so the same seed gives the same
 arrivals bit for bit, and changing the shape only moves them.
 
 A schedule's Lambda is piecewise linear and inverts exactly; the diurnal Lambda is inverted by
@@ -144,9 +145,6 @@ def check_shape(arrival) -> None:
         raise ValueError(f"give one of rate, ramp_up, rate_schedule and diurnal (got {', '.join(given)})")
     if arrival.process not in ("poisson", "gamma", "fixed"):
         raise ValueError(f"a time-varying rate needs process poisson, gamma or fixed, not {arrival.process}")
-    if "rescale" in arrival.model_fields_set and arrival.rescale:
-        raise ValueError("rescale applies to a constant rate; with rate_schedule or diurnal the arrivals "
-                         "follow the shape (remove rescale)")
     if arrival.rate_schedule is not None:
         steps = arrival.rate_schedule
         if not steps or len(steps) > MAX_STEPS:
@@ -169,6 +167,8 @@ def shaped_times(arrival, rng, count: Optional[int], duration: Optional[float]):
         ops = np.concatenate([ops, _operational(arrival, rng, len(ops), float(ops[-1]))])
     if duration is not None:
         ops = ops[ops < limit][:count]
+    elif arrival.rescale and arrival.process != "fixed":
+        ops = ops * (count / ops[-1])       # as a constant rate's rescale: the last where Lambda reaches N
     return shape.inverse(ops)
 
 

@@ -254,19 +254,36 @@ def gpu_seconds(lives: list[dict], end_s: float, gpus_per_replica: int) -> float
 
 
 def replicas_over_time(lives: list[dict], end_s: float) -> list[dict]:
-    """Replicas holding GPUs, and those serving, at every change: a step function from t=0."""
+    """At every change, a step function from t=0: replicas holding GPUs (draining ones too), the
+    fleet the HPA counts (started or starting, not draining), and those serving (ready, not draining)."""
     changes = sorted({0.0, end_s, *(t for life in lives for t in (life["requested_s"], life["ready_s"],
                                                                   life["draining_s"], life["stopped_s"])
                                      if t is not None and t <= end_s)})
     rows = []
     for t in changes:
-        held = serving = 0
+        held = counted = serving = 0
         for life in lives:
             stop = life["stopped_s"] if life["stopped_s"] is not None else math.inf
             if life["requested_s"] <= t < stop or (t == end_s and life["requested_s"] <= t and stop >= end_s):
                 held += 1
                 ready, drain = life["ready_s"], life["draining_s"]
-                if ready is not None and ready <= t and (drain is None or t < drain):
-                    serving += 1
-        rows.append({"time_s": t, "replicas": held, "serving": serving})
+                if drain is None or t < drain:
+                    counted += 1
+                    serving += ready is not None and ready <= t
+        rows.append({"time_s": t, "replicas": held, "counted": counted, "serving": serving})
     return rows
+
+
+def autoscaling_summary(timeline: dict, end_s: float, gpus_per_replica: int) -> dict:
+    """The run summary's `autoscaling` entry: GPU-hours and the fleet's size over the run."""
+    series = replicas_over_time(timeline["replicas"], end_s)
+    held = gpu_seconds(timeline["replicas"], end_s, 1)
+    return {"gpu_hours": held * gpus_per_replica / 3600, "mean_replicas": held / end_s if end_s > 0 else None,
+            "peak_replicas": max(row["counted"] for row in series),
+            "peak_replicas_holding_gpus": max(row["replicas"] for row in series),
+            "replicas_started": len(timeline["replicas"]), "decisions": len(timeline["decisions"])}
+
+
+def run_end(requests) -> float:
+    """A run's end from its requests frame: the last finish, or arrival (a request rejected at once)."""
+    return float(requests[["finish_s", "arrival_s"]].max().max())

@@ -70,6 +70,10 @@ def predict(scenario, name: Optional[str] = None,
     summary["step_time_source"] = cost_model.step_time_source
     summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
+    if "autoscaling" in records.meta:          # cluster.autoscaling: GPU-hours, replicas over the run
+        from sim.autoscale import autoscaling_summary, run_end
+        summary["autoscaling"] = autoscaling_summary(records.meta["autoscaling"], run_end(req_df),
+                                                     scenario.parallelism.gpus)
     info = {}
     if described is not None:
         info = simulation_manifest(scenario, cost_model, plan, described)

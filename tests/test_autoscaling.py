@@ -82,6 +82,19 @@ def test_the_inverse_cumulative_rate_round_trips():
         assert np.allclose(curve.cumulative(curve.inverse(u)), u, rtol=1e-9, atol=1e-9)
 
 
+def test_rescale_puts_the_last_of_n_arrivals_where_the_cumulative_rate_reaches_n():
+    """As vLLM's benchmark rescales a constant rate's gaps so the last of N lands at N / rate."""
+    s = validate_scenario({"model": "qwen2.5-0.5b", "device": "l4", "workload": {
+        "num_requests": 5000, "arrival": {"process": "poisson", "rate_schedule": SCHEDULE}}})
+    times = arrivals(s)
+    assert len(times) == 5000
+    assert RateShape(schedule_steps()).cumulative(times[-1]) == pytest.approx(5000)
+
+
+def schedule_steps():
+    return scenario({"process": "poisson", "rate_schedule": SCHEDULE}).workload.arrival.rate_schedule
+
+
 def test_shaped_arrivals_are_deterministic_with_the_seed():
     s = scenario({"process": "gamma", "cv": 2, "rate_schedule": SCHEDULE})
     assert np.array_equal(arrivals(s), arrivals(s))
@@ -92,7 +105,6 @@ def test_shaped_arrivals_are_deterministic_with_the_seed():
 @pytest.mark.parametrize("arrival, message", [
     ({"process": "poisson", "rate": 2, "rate_schedule": SCHEDULE}, "give one of rate, ramp_up, rate_schedule"),
     ({"process": "offline", "rate_schedule": SCHEDULE}, "needs process poisson, gamma or fixed"),
-    ({"process": "poisson", "rescale": True, "rate_schedule": SCHEDULE}, "rescale applies to a constant rate"),
     ({"process": "poisson", "rate_schedule": [{"duration_s": 10, "rate": 0}]}, "every step has rate 0"),
     ({"process": "poisson", "rate_schedule": [{"duration_s": -1, "rate": 1}]}, "duration_s"),
     ({"process": "poisson", "rate_schedule": [{"duration_s": 1, "rate": math.inf}]}, "rate"),
@@ -214,6 +226,17 @@ def test_gpu_hours_are_the_integral_of_the_replicas_holding_gpus(scaled):
     assert gpu_seconds(timeline["replicas"], end, 1) == pytest.approx(area)
     assert gpu_seconds(timeline["replicas"], end, 2) == pytest.approx(2 * area)
     assert area < FAST_SCALER["max_replicas"] * end and area > end       # more than one, fewer than max
+    # the HPA's count stays within max_replicas; draining replicas hold GPUs on top of it
+    assert max(row["counted"] for row in series) <= FAST_SCALER["max_replicas"]
+    assert all(row["serving"] <= row["counted"] <= row["replicas"] for row in series)
+
+
+def test_the_summary_reports_gpu_hours_and_the_peak_fleet(scaled):
+    _, result, timeline = scaled
+    entry = result.summary["autoscaling"]
+    end = float(result.requests["finish_s"].max())
+    assert entry["gpu_hours"] == pytest.approx(gpu_seconds(timeline["replicas"], end, 1) / 3600)
+    assert 3 <= entry["peak_replicas"] <= FAST_SCALER["max_replicas"] and entry["replicas_started"] >= 3
 
 
 def test_an_autoscaled_run_is_deterministic_and_the_fast_path_agrees(scaled):

@@ -3,8 +3,8 @@
     simrun plan scenarios/whatif_autoscaling.yaml --autoscale [--static-replicas N] [--cost l4=0.7] [--bucket-s 3600]
 
 Runs the scenario twice on the same requests: with its `cluster.autoscaling`, and as a static fleet
-(no autoscaling) of --static-replicas, by default the most replicas the autoscaled run held at
-once (the fleet that covers its peak). For each: GPU-hours (every replica from its scale-up
+(no autoscaling) of --static-replicas, by default the largest fleet the autoscaled run's HPA
+counted (the fleet that covers its peak; replicas still draining are not counted). For each: GPU-hours (every replica from its scale-up
 decision, start-up included, to its stop once drained, or to the run's end), cost at the
 device's $/GPU-hour, SLO attainment overall and per --bucket-s window of arrival time (the share
 of the requests arriving then that were served within every target of the scenario's `slo`;
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sim.autoscale import gpu_seconds, replicas_over_time
+from sim.autoscale import gpu_seconds, replicas_over_time, run_end
 from sim.core.lazy import lazy_import
 from sim.scenario import MAX_REPLICAS
 
@@ -46,6 +46,12 @@ class FleetRun:
 
     @property
     def peak_replicas(self) -> int:
+        """The largest fleet the HPA counted (started or starting; draining ones are leaving)."""
+        return max(row["counted"] for row in replicas_over_time(self.lives, self.end_s))
+
+    @property
+    def peak_held(self) -> int:
+        """The most replicas holding GPUs at once, draining ones included."""
         return max(row["replicas"] for row in replicas_over_time(self.lives, self.end_s))
 
 
@@ -54,7 +60,7 @@ def run_fleet(scenario, name: str) -> FleetRun:
 
     result = predict(scenario, f"{scenario.name} ({name})", manifest=False)
     frame = result.requests
-    end_s = float(pd.concat([frame["finish_s"], frame["arrival_s"]]).max())
+    end_s = run_end(frame)
     timeline = result.records.meta.get("autoscaling")
     lives = timeline["replicas"] if timeline else [
         {"replica": i, "requested_s": 0.0, "ready_s": 0.0, "draining_s": None, "stopped_s": None}
@@ -94,7 +100,7 @@ def comparison(runs: list[FleetRun], slo, price: Optional[float]) -> "pd.DataFra
     for run in runs:
         frame = run.requests[~run.requests["is_warmup"].astype(bool)]
         ok = meets_slo(frame, slo) & (frame["status"] == "finished")
-        rows.append({"fleet": run.name, "peak replicas": run.peak_replicas,
+        rows.append({"fleet": run.name, "peak replicas": run.peak_replicas, "peak holding GPUs": run.peak_held,
                      "mean replicas": gpu_seconds(run.lives, run.end_s, 1) / run.end_s,
                      "GPU-hours": run.gpu_hours, "$/GPU-hour": price,
                      "cost ($)": None if price is None else run.gpu_hours * price,
@@ -106,7 +112,8 @@ def comparison(runs: list[FleetRun], slo, price: Optional[float]) -> "pd.DataFra
 
 
 def replica_series(runs: list[FleetRun]) -> "pd.DataFrame":
-    return pd.DataFrame([{"fleet": run.name, **row} for run in runs for row in replicas_over_time(run.lives, run.end_s)])
+    return pd.DataFrame([{"fleet": run.name, **row} for run in runs
+                         for row in replicas_over_time(run.lives, run.end_s)])
 
 
 def plot(runs: list[FleetRun], windows: "pd.DataFrame", shape, bucket_s: float, title: str):
@@ -141,7 +148,8 @@ def plot(runs: list[FleetRun], windows: "pd.DataFrame", shape, bucket_s: float, 
     for i, run in enumerate(runs):
         rows = windows[windows["fleet"] == run.name]
         edges = np.append(rows["window_start_s"].to_numpy(float), rows["window_start_s"].max() + bucket_s)
-        bottom.stairs(rows["slo_attainment"].to_numpy(float) * 100, edges, color=f"C{i}", lw=2, label=run.name)
+        bottom.stairs(rows["slo_attainment"].to_numpy(float) * 100, edges, baseline=None, color=f"C{i}", lw=2,
+                      label=run.name)
     bottom.set_ylabel(f"SLO attainment per {bucket_s:g} s (%)")
     bottom.set_xlabel("time (s)")
     bottom.set_ylim(0, 102)
@@ -159,8 +167,9 @@ def verdict(table: "pd.DataFrame") -> str:
     cost = (f" ({units.money(auto['cost ($)'])} vs {units.money(static['cost ($)'])})"
             if auto["cost ($)"] is not None and not pd.isna(auto["cost ($)"]) else "")
     return (f"Autoscaled: {auto['GPU-hours']:.3g} GPU-hours{cost}, SLO attainment {units.pct(auto['SLO attainment'])}; "
-            f"static fleet of {int(static['peak replicas'])} for the peak: {static['GPU-hours']:.3g} GPU-hours, SLO "
-            f"attainment {units.pct(static['SLO attainment'])}. Autoscaling uses {units.pct(saved)} fewer GPU-hours.")
+            f"static fleet of {int(static['peak replicas'])}: {static['GPU-hours']:.3g} GPU-hours, SLO "
+            f"attainment {units.pct(static['SLO attainment'])}. Autoscaling uses {units.pct(abs(saved))} "
+            f"{'fewer' if saved >= 0 else 'more'} GPU-hours.")
 
 
 def write_files(out: Path, runs: list[FleetRun], table, windows, shape, bucket_s: float, title: str,
