@@ -165,18 +165,18 @@ class Autoscaler:
         self.history: list[tuple[float, int]] = []       # (time, desired) recommendations
         self.events: list[tuple[float, int]] = []        # (time, replicas added (+) or removed (-))
         self.decisions: list[dict] = []
-        self.next_poll = config.interval_s
+        self.next_poll = config.interval_s     # (0 + interval: the first timeout)
 
     def process(self):
         """The HPA's loop, as a SimPy process."""
-        env = self.env
+        env, interval = self.env, self.config.interval_s
         while True:
-            yield env.timeout(self.next_poll - env.now)
+            self.next_poll = env.now + interval        # where SimPy's timeout lands, to the bit
+            yield env.timeout(interval)
             if not self.work_left():
                 self.next_poll = math.inf
                 return
             self.decide(env.now)
-            self.next_poll = env.now + self.config.interval_s
 
     def metric(self) -> float:
         """The policy's gauge summed over the ready, non-draining replicas."""

@@ -195,6 +195,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "GPU-hours, cost, SLO attainment per window, replicas over time")
     p.add_argument("--static-replicas", type=int, default=None, metavar="N",
                    help="--autoscale: the static fleet's size (default: the most replicas the autoscaled run held)")
+    # (--jobs is accepted and changes nothing: the static fleet's size comes from the autoscaled run,
+    # so the two run in turn)
     p.add_argument("--bucket-s", type=float, default=None, metavar="SECONDS",
                    help="--autoscale: the window of SLO attainment (default 3600, an hour)")
 
@@ -202,7 +204,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 # flags of the other searches: refused with --autoscale rather than ignored
 OTHER_FLAGS = (("--target-rate", "target_rate"), ("--devices", "devices"), ("--tp", "tp"),
                ("--max-replicas", "max_replicas"), ("--max-rate", "max_rate"), ("--tolerance", "tolerance"),
-               ("--curve", "curve"), ("--ray", "ray"), ("--jobs", "jobs"))
+               ("--curve", "curve"), ("--ray", "ray"))
 
 
 def check_flags(args: argparse.Namespace) -> None:
