@@ -320,3 +320,24 @@ def test_plan_autoscale_needs_an_autoscaling_section(tmp_path, capsys):
     path.write_text(yaml.safe_dump(raw))
     assert main(["plan", str(path), "--autoscale", "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "--autoscale needs cluster.autoscaling" in capsys.readouterr().err
+
+
+def test_plan_autoscale_replays_a_time_scaled_trace(tmp_path):
+    """A recorded trace replayed at 4x (workload.trace.time_scale) drives the autoscaler too:
+    its burst in the middle brings replicas up, and the plan compares the fleets on it."""
+    rng = np.random.default_rng(0)
+    gaps = np.concatenate([rng.exponential(1 / 0.5, 100), rng.exponential(1 / 12, 3000), rng.exponential(1 / 0.5, 100)])
+    rows = ["t,inp,out"] + [f"{t:.6f},{int(p)},{int(o)}" for t, p, o in zip(
+        np.cumsum(gaps), rng.integers(32, 256, len(gaps)), rng.integers(16, 128, len(gaps)))]
+    (tmp_path / "trace.csv").write_text("\n".join(rows) + "\n")
+    raw = scenario({"process": "poisson", "rate": 1}, FAST_SCALER).model_dump(mode="json", exclude_unset=True)
+    raw["workload"] = {"trace": {"format": "csv", "path": "trace.csv", "time_scale": 4,
+                                 "fields": {"arrival": "t", "prompt_len": "inp", "output_len": "out"}}}
+    path = tmp_path / "trace.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    assert main(["plan", str(path), "--autoscale", "--bucket-s", "60", "--out", str(out), "--quiet"]) == 0
+    table = pd.read_csv(out / "autoscale.csv")
+    assert table["requests"].tolist() == [3200, 3200]
+    assert table["peak replicas"][0] >= 2 and table["GPU-hours"][0] < table["GPU-hours"][1]
+    assert table["run length (s)"][0] < np.cumsum(gaps)[-1] / 4 + 60       # replayed at 4x
