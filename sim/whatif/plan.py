@@ -694,15 +694,25 @@ def print_band(band: Optional[dict], slos: Sequence[SloTarget], pessimistic: boo
 
 def base_task(args: argparse.Namespace):
     """The scenario with --set/--seed applied, as a task, and validated; its arrivals have a rate."""
-    from sim.arrival_shape import shape_of
-
     task, scenario = scenario_task(args)
-    w = scenario.workload
-    if w.trace is not None or w.requests is not None or w.arrival.process == "offline" or shape_of(w.arrival):
+    other = rateless_source(scenario.workload)
+    if other:
         raise PlanError(f"{args.scenario}: plan varies {RATE}, so the workload needs synthetic arrivals "
-                        f"with a rate (process poisson, gamma or fixed), not "
-                        f"{'a trace' if w.trace else 'explicit requests' if w.requests else 'offline arrivals' if w.arrival.process == 'offline' else 'a time-varying rate (plan it with --autoscale)'}")
+                        f"with a rate (process poisson, gamma or fixed), not {other}")
     return task, scenario
+
+
+def rateless_source(w) -> Optional[str]:
+    """What the workload's arrivals come from when it is not one rate to vary, else None."""
+    if w.trace is not None:
+        return "a trace"
+    if w.requests is not None:
+        return "explicit requests"
+    if w.arrival.process == "offline":
+        return "offline arrivals"
+    if w.arrival.rate_schedule is not None or w.arrival.diurnal is not None:
+        return "a time-varying rate (plan it with --autoscale)"
+    return None
 
 
 def scenario_task(args: argparse.Namespace):
