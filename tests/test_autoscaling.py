@@ -341,3 +341,15 @@ def test_plan_autoscale_replays_a_time_scaled_trace(tmp_path):
     assert table["requests"].tolist() == [3200, 3200]
     assert table["peak replicas"][0] >= 2 and table["GPU-hours"][0] < table["GPU-hours"][1]
     assert table["run length (s)"][0] < np.cumsum(gaps)[-1] / 4 + 60       # replayed at 4x
+
+
+@pytest.mark.parametrize("policy, target", [("running", 6), ("kv_usage", 0.2)])
+def test_each_policy_reads_its_gauge_and_scales_with_the_burst(policy, target):
+    """running sums vllm:num_requests_running (at most max_num_seqs = 8 per replica), kv_usage sums
+    vllm:kv_cache_usage_perc (a fraction per replica) over the ready replicas."""
+    s = scenario({"process": "poisson", "rate_schedule": SCHEDULE}, {**FAST_SCALER, "policy": policy, "target": target})
+    result = predict(s, manifest=False)
+    decisions = pd.DataFrame(result.records.meta["autoscaling"]["decisions"])
+    per_replica = decisions["metric"] / decisions["ready"]
+    assert per_replica.max() <= (8 if policy == "running" else 1) and per_replica.max() > target
+    assert decisions["ready"].max() >= 2 and set(result.requests["status"]) == {"finished"}
