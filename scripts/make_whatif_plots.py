@@ -43,6 +43,13 @@ class Question:
         return self.argv[0] == "plan"
 
     @property
+    def plan_files(self) -> tuple[str, str, str]:
+        """The figure, table and page a plan writes (plan --autoscale names its own)."""
+        if "--autoscale" in self.argv:
+            return "autoscale.png", "autoscale.csv", "autoscale.html"
+        return "plan.png", "plan.csv", "plan.html"
+
+    @property
     def command(self) -> str:
         return "simrun " + " ".join(self.argv)
 
@@ -123,6 +130,10 @@ QUESTIONS = (
               "goodput", "ttft_p99", "tpot_p99"),
              ("parallelism.tp", "parallelism.dp", "parallelism.ep", "gpus", "memory.weight_bytes", "goodput",
               "ttft_s.p99", "tpot_s.p99")),
+    Question("autoscaling", "Autoscale over the day, or provision for the peak?",
+             ("plan", "scenarios/whatif_autoscaling.yaml", "--autoscale", "--cost", "l4=0.8"),
+             table=("fleet", "peak replicas", "mean replicas", "GPU-hours", "cost ($)", "SLO attainment",
+                    "TTFT p99 (s)")),
 )
 
 
@@ -133,8 +144,9 @@ def run_question(q: Question, scratch: Path, jobs: int) -> str:
         raise SystemExit(f"{q.command} failed")
     target = DOCS / f"{q.name}.png"
     if q.is_plan:
-        shutil.copyfile(out / "plan.png", target)
-        return section(q, (out / "plan.csv"), verdict=plan_verdict(out))
+        png, csv, page = q.plan_files
+        shutil.copyfile(out / png, target)
+        return section(q, out / csv, verdict=plan_verdict(out / page))
     sweep = read_sweep(q, out / "sweep.csv")
     save_png(plot_metrics(sweep, q.metrics, ncols=3 if len(q.metrics) > 4 else 2, title=q.title), target)
     return section(q, out / "sweep.csv")
@@ -147,9 +159,9 @@ def read_sweep(q: Question, csv: Path) -> Sweep:
     return Sweep(axes, sweep_points(axes, args.zip), args.zip, pd.read_csv(csv))
 
 
-def plan_verdict(out: Path) -> str:
-    """The verdict line plan.html carries (its first paragraph)."""
-    page = (out / "plan.html").read_text()
+def plan_verdict(page_path: Path) -> str:
+    """The verdict line a plan's page carries (its first paragraph)."""
+    page = page_path.read_text()
     return page.split("<p>", 1)[1].split("</p>", 1)[0].replace("&lt;", "<").replace("&gt;", ">")
 
 

@@ -141,6 +141,7 @@ class DisaggSimulation(Simulation):
         for replica in self.replicas:
             env.process(self._pool_loop(env, replica, self.pool_costs[self._side[replica.index]]))
         self._router = self
+        self._autoscaler = None      # (no autoscaling with P/D: refused by the scenario checks)
         self._start_arrivals(env, first_turns)
         env.run()
         for replica in self.replicas:

@@ -73,6 +73,10 @@ def predict(scenario, name: Optional[str] = None,
     if scenario.cluster.disaggregation is not None:
         from sim.disagg import pool_figures
         summary["pools"] = pool_figures(records, req_df)
+    if "autoscaling" in records.meta:          # cluster.autoscaling: GPU-hours, replicas over the run
+        from sim.autoscale import autoscaling_summary, run_end
+        summary["autoscaling"] = autoscaling_summary(records.meta["autoscaling"], run_end(req_df),
+                                                     scenario.parallelism.gpus)
     info = {}
     if described is not None:
         info = simulation_manifest(scenario, cost_model, plan, described)

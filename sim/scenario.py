@@ -24,6 +24,8 @@ from sim.names import name_problem
 from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
 from sim.disagg_config import Disaggregation, disaggregation_problems
 from sim.speculative import SpeculativeConfig
+from sim.autoscale import Autoscaling, autoscaling_problems
+from sim.arrival_shape import MAX_STEPS, Diurnal, RateStep, check_shape, shape_of
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -349,9 +351,25 @@ class Arrival(StrictModel):
     ramp_up: Optional[RampUp] = Field(
         default=None,
         description="vLLM bench's --ramp-up-strategy instead of a constant rate (see `RampUp`)")
+    rate_schedule: Optional[list[RateStep]] = Field(
+        default=None, max_length=MAX_STEPS,
+        description="a piecewise-constant rate instead of `rate`, repeating: [{duration_s: 3600, rate: 2}, "
+                    "...] (sim/arrival_shape.py)")
+    diurnal: Optional[Diurnal] = Field(
+        default=None,
+        description="a daily cosine rate instead of `rate` (see `Diurnal`), repeating every period_s")
+
+    @property
+    def mean_rate(self) -> Optional[float]:
+        """`rate`, or a time-varying shape's mean rate over its period (None for ramp_up, offline)."""
+        shape = shape_of(self)
+        return self.rate if shape is None else shape.mean_rate
 
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
+        check_shape(self)
+        if self.rate_schedule is not None or self.diurnal is not None:
+            return self
         if self.process == "offline" and self.ramp_up is not None:
             raise ValueError("ramp_up needs an arrival process (poisson, gamma or fixed), not offline")
         if self.process != "offline" and self.rate is None and self.ramp_up is None:
@@ -656,11 +674,11 @@ class Workload(StrictModel):
         if synthetic and self.arrival.ramp_up is not None and (self.num_requests is None or self.duration_s):
             raise ValueError("arrival.ramp_up needs num_requests without duration_s (the ramp runs over "
                              "the N requests, as vLLM's benchmark does)")
-        rate = self.arrival.rate
+        rate = self.arrival.mean_rate
         if synthetic and rate and self.num_requests and self.num_requests / rate > MAX_DURATION_S:
             raise ValueError(f"arrival.rate {rate:g}/s spreads {self.num_requests} requests over "
                              f"{self.num_requests / rate:.3g} s, more than the {MAX_DURATION_S:g} s (30 days) allowed")
-        expected = (self.arrival.rate or 0) * (self.duration_s or 0)
+        expected = (self.arrival.mean_rate or 0) * (self.duration_s or 0)
         if synthetic and self.num_requests is None and expected > MAX_REQUESTS:
             raise ValueError(f"arrival.rate x duration_s = {expected:.3g} requests, more than the "
                              f"{MAX_REQUESTS:,} allowed; shorten duration_s or set num_requests")
@@ -703,6 +721,12 @@ class Cluster(StrictModel):
         description="report prefix-aware routing regret (hits lost vs an oracle) in summary.json; unset: on "
                     "for llm_d, dynamo and sglang, off for the others")
 
+    autoscaling: Optional[Autoscaling] = Field(
+        default=None,
+        description="add and drain replicas with load, as KEDA + the HPA on a vLLM metric (see `Autoscaling`); "
+                    "`replicas` is then the starting fleet")
+
+
     @model_validator(mode="after")
     def _router_section_used(self):
         for section in DEPLOYED_ROUTERS:
@@ -712,6 +736,11 @@ class Cluster(StrictModel):
                 raise ValueError(f"cluster.{section} configures the {section} router, but cluster.router is "
                                  f"{self.router!r}; set cluster.router: {section} or remove cluster.{section}")
         return self
+
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas the run can hold at once."""
+        return self.replicas if self.autoscaling is None else max(self.replicas, self.autoscaling.max_replicas)
 
 
 class Scenario(StrictModel):
@@ -909,6 +938,13 @@ def _cross_checks(s: Scenario) -> list[str]:
     problems += _pool_size_checks(s)
     if s.cluster.disaggregation is not None:
         problems += disaggregation_problems(s)
+    problems += autoscaling_problems(s)
+    if s.cluster.autoscaling is not None and (s.cluster.disaggregation is not None
+                                              or s.cluster.router in DEPLOYED_ROUTERS):
+        problems.append(f"cluster.autoscaling: not modelled with "
+                        f"{'cluster.disaggregation' if s.cluster.disaggregation is not None else 'cluster.router ' + s.cluster.router}"
+                        f" (their per-replica state assumes a fixed fleet); use round_robin, "
+                        f"least_outstanding_tokens or prefix_aware on co-located replicas")
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
     return problems
@@ -931,7 +967,7 @@ def _pool_size_checks(s: Scenario) -> list[str]:
                     f"{s.parallelism.tp})"]
     # at most this many blocks per replica (the whole memory budget, before weights)
     per_replica = s.engine.num_blocks or int(s.device.memory_bytes * s.engine.gpu_memory_utilization) // block_bytes
-    engines = s.cluster.replicas * s.parallelism.dp           # each data-parallel rank has its own pool
+    engines = s.cluster.most_replicas * s.parallelism.dp      # each data-parallel rank has its own pool
     total = per_replica * engines
     if total > MAX_POOL_BLOCKS:
         return [f"cluster.replicas: {engines} engine(s) (replicas x dp) of up to {per_replica:,} KV blocks each is "

@@ -28,6 +28,7 @@ from sim.records import RequestTable, RunRecords, StepRecorder
 from sim.core.request import Request
 from sim.core.status import REJECTED
 from sim.router import make_router
+from sim.autoscale import Autoscaler
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.core.speculative import speculative_meta
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
@@ -152,12 +153,20 @@ class Simulation:
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         self._ended = RequestTable()                 # each request's figures, taken as it ends
         first_turns = self._first_turns()
-        router = make_router(self.scenario.cluster, self.replicas, self.scenario.seed)
+        # With autoscaling the router sees only the ready, non-draining replicas (a list the
+        # autoscaler changes); without it, every replica, as before.
+        autoscaling = self.scenario.cluster.autoscaling
+        routable = self.replicas if autoscaling is None else list(self.replicas)
+        router = make_router(self.scenario.cluster, routable, self.scenario.seed)
+        self._autoscaler = None if autoscaling is None else Autoscaler(
+            autoscaling, env, routable, lambda: self._launch_replica(env), self._work_left)
         self._finished = 0
         for engine in self._engines():
             env.process(self._engine_loop(env, engine[0]) if len(engine) == 1 else self._lockstep_loop(env, engine))
         self._router = router
         self._start_arrivals(env, first_turns)
+        if self._autoscaler is not None:
+            env.process(self._autoscaler.process())
         env.run()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
@@ -167,7 +176,8 @@ class Simulation:
                           block_size=self.scenario.engine.block_size,
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
                                 **self._router.figures(), **offload_meta(self.replicas),
-                                **speculative_meta([r.scheduler for r in self.replicas])})
+                                **speculative_meta([r.scheduler for r in self.replicas]),
+                                **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()})})
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
         """The client and the arrival path, sending to `self._router` (set before)."""
@@ -175,7 +185,7 @@ class Simulation:
         # One replica, an open-loop client and no follow-up turns: between a leap's end and the
         # next arrival nothing but this replica acts, so leaps run back to back in one event.
         self._chained = (self.chain and self.fast and len(self.replicas) == 1 and self._client.limit is None
-                         and self._min_think == math.inf)
+                         and self._min_think == math.inf and self._autoscaler is None)
         # One arrival path (`_Arrivals`): a SimPy process hands the requests over as they fall due;
         # in a chained run nothing but the one replica acts between arrivals, so it takes them
         # itself at each of its own events, in the order the process would have delivered them.
@@ -186,6 +196,18 @@ class Simulation:
         else:
             self._inline = None
             env.process(self._arrivals(env, arrivals))
+
+    def _launch_replica(self, env: simpy.Environment) -> Replica:
+        """A replica the autoscaler adds mid-run, with its engine loop (routable once started)."""
+        replica = build_replica(len(self.replicas), self.scenario, self.plan, self.fast, self.block_ids)
+        self.replicas.append(replica)
+        env.process(self._engine_loop(env, replica))
+        return replica
+
+    def _work_left(self) -> bool:
+        """Can a request still arrive, or is one in flight? (The autoscaler stops when not.)"""
+        return (self._next_arrival < math.inf or bool(self._follow_up_times) or self._client.pending
+                or any(r.scheduler.has_unfinished() for r in self.replicas))
 
     def _engines(self) -> list[list[Replica]]:
         """The replicas that step as one: a data-parallel MoE engine's dp ranks (vLLM runs them in
@@ -283,6 +305,8 @@ class Simulation:
         could release (no earlier than the end of its step in flight plus the shortest think time)."""
         follow = self._follow_up_times[0] if self._follow_up_times else math.inf
         horizon = min(self._next_arrival, follow)
+        if self._autoscaler is not None:        # it reads every replica's gauges then
+            horizon = min(horizon, self._autoscaler.next_poll)
         # A closed-loop client holding requests sends one at any replica's finish.
         think = 0.0 if self._client.pending else self._min_think
         if think < math.inf:
@@ -404,6 +428,8 @@ class Simulation:
             self._finished += 1
             if self.progress is not None and self._finished % 256 == 0:
                 self.progress(self._finished)
+        if self._autoscaler is not None:
+            self._autoscaler.retired(replica, env.now)
 
     def _plan_leap(self, sched: Scheduler, now: float, horizon: float):
         """A leap from `now`: (plan, end times, host s, device s, decode ctx, blocks read) of its

@@ -52,6 +52,7 @@ from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key, stable_keys
 from sim.scenario import Arrival, DynamicSegment, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
+from sim.arrival_shape import shaped_times
 
 
 class WorkloadError(ValueError):
@@ -236,7 +237,7 @@ def _conversations(w: Workload, seed: int) -> tuple[np.ndarray, np.ndarray]:
     starts = _arrival_times(w.arrival, arrivals, w.num_requests, w.duration_s)
     if len(starts) == 0:
         raise WorkloadError(f"workload.duration_s: no request arrives within {w.duration_s:g} s "
-                            f"at workload.arrival.rate {w.arrival.rate:g}/s")
+                            f"at workload.arrival.rate {w.arrival.mean_rate:g}/s")
     turns = _turn_counts(w, turns_rng, len(starts))
     if w.num_requests is not None:
         turns = _cut_to(w.num_requests, turns)
@@ -266,6 +267,8 @@ def _arrival_times(arrival: Arrival, rng: np.random.Generator, count: Optional[i
         return np.zeros(count)
     if arrival.ramp_up is not None:       # the schema ensures count is set and duration is not
         return _ramp_times(arrival, rng, count)
+    if arrival.rate_schedule is not None or arrival.diurnal is not None:
+        return shaped_times(arrival, rng, count, duration)
     if duration is None:
         times = _process_times(arrival, rng, count)
         if arrival.process not in ("fixed", "vidur_poisson") and arrival.rescale:

@@ -4,6 +4,9 @@
         The highest request rate the scenario sustains within the SLOs (the knee of its curve).
     simrun plan SCENARIO.yaml --target-rate 40 --devices h100-sxm,l4 [--tp 1,2] [--cost l4=0.7] --slo ...
         Per device (and tp), the fewest replicas serving the rate within the SLOs, ranked by cost.
+    simrun plan SCENARIO.yaml --autoscale [--static-replicas N] [--cost l4=0.7] [--bucket-s 3600]
+        The scenario's cluster.autoscaling against a static fleet sized for the peak: GPU-hours, cost,
+        SLO attainment per hour, replicas over time (sim/whatif/plan_autoscale.py).
 
 A probe (one simulated rate, device, tp and replica count) passes when it is sustainable
 and meets every SLO. SLOs are percentiles of the run's summary in seconds (ttft_p99=0.5);
@@ -538,6 +541,7 @@ def plot_replica_plan(plan: ReplicaPlan, title: str = ""):
 
 def plan_parser() -> argparse.ArgumentParser:
     from sim.scenario import scenario_args
+    from sim.whatif.plan_autoscale import add_args as plan_autoscale_args
 
     p = argparse.ArgumentParser(
         prog="simrun plan", description="Capacity searches. Without --target-rate: the highest request rate "
@@ -572,6 +576,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-decode", type=int, default=None, help="--disaggregation: at most this many "
                    "decode engines (default 8)")
     add_parallel_args(p)
+    plan_autoscale_args(p)
     p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
                    "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
@@ -613,9 +618,14 @@ MAX_CURVE_POINTS = 1000
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     from sim.output.setup import setup_manifest
-    from sim.whatif import plan_pd
+    from sim.whatif import plan_autoscale, plan_pd
 
+    if args.autoscale and args.disaggregation:
+        raise PlanError("--autoscale and --disaggregation are two questions: ask one at a time")
     plan_pd.check_split_flags(args)
+    plan_autoscale.check_flags(args)
+    if args.autoscale:
+        return plan_autoscale.autoscale_main(args)
     check_plan_flags(args)
     if args.disaggregation:
         return plan_pd.split_main(args)
@@ -697,6 +707,29 @@ def print_band(band: Optional[dict], slos: Sequence[SloTarget], pessimistic: boo
 
 
 def base_task(args: argparse.Namespace):
+    """The scenario with --set/--seed applied, as a task, and validated; its arrivals have a rate."""
+    task, scenario = scenario_task(args)
+    other = rateless_source(scenario.workload)
+    if other:
+        raise PlanError(f"{args.scenario}: plan varies {RATE}, so the workload needs synthetic arrivals "
+                        f"with a rate (process poisson, gamma or fixed), not {other}")
+    return task, scenario
+
+
+def rateless_source(w) -> Optional[str]:
+    """What the workload's arrivals come from when it is not one rate to vary, else None."""
+    if w.trace is not None:
+        return "a trace"
+    if w.requests is not None:
+        return "explicit requests"
+    if w.arrival.process == "offline":
+        return "offline arrivals"
+    if w.arrival.rate_schedule is not None or w.arrival.diurnal is not None:
+        return "a time-varying rate (plan it with --autoscale)"
+    return None
+
+
+def scenario_task(args: argparse.Namespace):
     """The scenario with --set/--seed applied, as a task, and validated."""
     plain, axes = split_sets(args.overrides)
     if axes:
@@ -707,13 +740,7 @@ def base_task(args: argparse.Namespace):
         raise PlanError(f"{args.scenario} has variants ({', '.join(raw['variants'])}); plan searches one "
                         f"scenario: drop them with --set 'variants={{}}' or plan a file without them")
     task = PointTask(raw, str(args.scenario.parent.resolve()), str(args.scenario), ())
-    scenario = task.scenario()
-    w = scenario.workload
-    if w.trace is not None or w.requests is not None or w.arrival.process == "offline":
-        raise PlanError(f"{args.scenario}: plan varies {RATE}, so the workload needs synthetic arrivals "
-                        f"with a rate (process poisson, gamma or fixed), not "
-                        f"{'a trace' if w.trace else 'explicit requests' if w.requests else 'offline arrivals'}")
-    return task, scenario
+    return task, task.scenario()
 
 
 def positive(value: float, flag: str) -> float:
