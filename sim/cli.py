@@ -44,7 +44,7 @@ COMMANDS: dict[str, Command] = {
     "calibrate": Command("validate.cli:calibrate_main", "profile the engine and fit the cost model",
                          "simrun calibrate --model tiny --device cpu --out profiles/cpu_tiny.yaml\n"
                          "simrun calibrate --scenario scenarios/cpu_smoke.yaml --device cpu"),
-    "serve": Command("engine.server:serve_main", "the paged engine behind an OpenAI-compatible HTTP API",
+    "serve": Command("engine.serve.cli:serve_main", "the paged engine behind an OpenAI-compatible HTTP API",
                      "simrun serve --model tiny --device cpu\n"
                      "simrun serve --scenario scenarios/serve_smoke.yaml --device cpu --port 8000"),
     "bench": Command("validate.bench:bench_main", "replay a scenario against a live endpoint and compare",

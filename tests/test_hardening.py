@@ -887,7 +887,7 @@ def test_stream_options_values_must_be_booleans(options):
     flags (stricter than pydantic's lax mode, which would read 1 or "yes"): anything else is a
     400 in OpenAI's error shape naming the field."""
     pytest.importorskip("fastapi")
-    from engine.server import ApiError, ServedModel, parse_body
+    from engine.serve.protocol import ApiError, ServedModel, parse_body
 
     served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
     body = json.dumps({"prompt": [1, 2], "stream": True, "stream_options": options}).encode()

@@ -20,7 +20,8 @@ import pytest
 
 from engine.replay import new_scheduler
 from engine.runner import ModelRunner
-from engine.server import ApiError, CompletionParams, EngineLoop, Event, ServedModel, parse_completion
+from engine.serve.engine_loop import EngineLoop
+from engine.serve.protocol import ApiError, CompletionParams, Event, ServedModel, parse_completion
 from sim.cli import main
 from sim.scenario import load_scenario
 from sim.workload import build_workload
@@ -264,7 +265,7 @@ class AsgiCall:
 
 
 def gated_engine():
-    from engine.server import build_app
+    from engine.serve.app import build_app
 
     scenario = load_scenario(SCENARIO, ["workload.shared_prefix=null"])
     runner = GatedRunner(ModelRunner.from_scenario(scenario, "cpu"))
@@ -323,7 +324,7 @@ def test_client_disconnect_frees_its_blocks():
 def test_a_shutdown_aborts_what_the_grace_period_leaves_and_reports_it():
     """The drain, in process with a gated runner: the request cannot finish during the grace
     period, so it is aborted, its client is told, and the report counts it."""
-    from engine.server import shutdown_report
+    from engine.serve.app import shutdown_report
 
     engine, runner, app = gated_engine()
 
@@ -530,7 +531,7 @@ def _served_with_tokenizer():
 
 
 def test_text_prompts_and_chat_messages_are_tokenized():
-    from engine.server import parse_chat
+    from engine.serve.protocol import parse_chat
 
     served, tok = _served_with_tokenizer()
     params = parse_completion({"prompt": "Explain paged attention.", "max_tokens": 4}, served)
@@ -548,7 +549,7 @@ def test_text_prompts_and_chat_messages_are_tokenized():
 
 
 def test_answers_are_decoded_piece_by_piece():
-    from engine.server import Completion
+    from engine.serve.protocol import Completion
 
     _, tok = _served_with_tokenizer()
     ids = tok.encode("Memory is handed out in fixed blocks.")

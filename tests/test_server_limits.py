@@ -13,8 +13,11 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from engine.server import (CompletionParams, Event, ServedModel, ServeLimits, ServerMetrics, Stream,  # noqa: E402
-                           build_app, serve_main)
+from engine.serve.app import ServeLimits, build_app  # noqa: E402
+from engine.serve.cli import serve_main  # noqa: E402
+from engine.serve.engine_loop import Stream  # noqa: E402
+from engine.serve.metrics import ServerMetrics  # noqa: E402
+from engine.serve.protocol import CompletionParams, Event, ServedModel  # noqa: E402
 from sim.errors import UserError  # noqa: E402
 
 SERVED = ServedModel("tiny", "tiny", vocab_size=1024, max_model_len=512, temperature=0.0, eos_token_id=None)
@@ -105,17 +108,17 @@ def test_malformed_bodies_are_4xx_never_500(name):
 
 def test_parsing_runs_off_the_event_loop(monkeypatch):
     """While one body is being parsed, /health answers at once."""
-    import engine.server as server
+    import engine.serve.app as app
 
     started, release = threading.Event(), threading.Event()
-    real = server.parse_body
+    real = app.parse_body
 
     def slow_parse(data, served, parse=None):
         started.set()
         release.wait(10)
         return real(data, served, parse)
 
-    monkeypatch.setattr(server, "parse_body", slow_parse)
+    monkeypatch.setattr(app, "parse_body", slow_parse)
     with client() as c:
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", post(c, {"prompt": [1], "max_tokens": 1})))
@@ -155,9 +158,9 @@ def test_serve_refuses_a_bad_port(port, capsys):
 
 
 def test_serve_fails_a_taken_port_before_building_the_model(monkeypatch):
-    import engine.server as server
+    import engine.serve.cli as cli
 
-    monkeypatch.setattr(server, "_start_engine", lambda *a: pytest.fail("built the model before binding"))
+    monkeypatch.setattr(cli, "_start_engine", lambda *a: pytest.fail("built the model before binding"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
