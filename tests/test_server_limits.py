@@ -198,3 +198,23 @@ def test_metrics_label_escapes_a_hostile_model_name():
     lines = metrics.render().splitlines()
     assert not any(line.startswith("vllm:fake_total") for line in lines)
     assert 'model_name="evil\\"} 1\\nvllm:fake_total{a=\\"b"' in metrics.render()
+
+
+@pytest.mark.parametrize("options", [{"include_usage": "x"}, {"include_usage": 1}, {"continuous_usage_stats": "no"}])
+def test_stream_options_values_must_be_booleans(options):
+    """vLLM's StreamOptions (vllm/entrypoints/openai/protocol.py) types include_usage and
+    continuous_usage_stats `bool | None`; kvtwin takes JSON true/false only, as for its other
+    flags (stricter than pydantic's lax mode, which would read 1 or "yes"): anything else is a
+    400 in OpenAI's error shape naming the field."""
+    pytest.importorskip("fastapi")
+    from engine.serve.protocol import ApiError, ServedModel, parse_body
+
+    served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
+    body = json.dumps({"prompt": [1, 2], "stream": True, "stream_options": options}).encode()
+    with pytest.raises(ApiError) as error:
+        parse_body(body, served)
+    key = next(iter(options))
+    assert error.value.status == 400 and error.value.body()["error"]["param"] == f"stream_options.{key}"
+    assert f"stream_options.{key} must be true or false" in error.value.body()["error"]["message"]
+    assert parse_body(json.dumps({"prompt": [1], "stream": True, "stream_options": {"include_usage": True}}).encode(),
+                      served).include_usage
