@@ -73,3 +73,9 @@ def vllm_result_file(tmp_path: Path, rates: tuple[float, ...] = (20.0,)) -> Path
     path = tmp_path / f"vllm{len(rates)}.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+# `simrun serve` on the tiny model (scenarios/serve_smoke.yaml)
+SMOKE_MAX_MODEL_LEN = 512      # serve_smoke.yaml's engine.max_model_len
+TINY_VOCAB = 1024              # the tiny model's vocabulary
+TOKENIZER = Path(__file__).resolve().parent / "data" / "datasets" / "tokenizer.json"
