@@ -40,7 +40,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from sim.core.catalog import ModelSpec, get_device, get_model, model_fields_from_hf_config
+from sim.core.catalog import ModelSpec, get_device, get_model
+from sim.core.hf_config import model_fields_from_hf_config
 from sim.core.memory import vllm_memory_plan
 from sim.core.request import make_request, stable_key
 from sim.costmodel import CostCoefficients, CostModel, DeviceProfile, trained_coefficients

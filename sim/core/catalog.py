@@ -372,7 +372,8 @@ def model_fields_from_hf_config(path: Path) -> dict[str, Any]:
     """Read a Hugging Face config.json (or a folder holding one) into ModelSpec fields.
 
     Every field that changes memory or cost is modelled or refused naming the field
-    (sim/core/hf_config.py).
+    (sim/core/hf_config.py). Only sim/scenario.py still imports it from here; new callers
+    import sim.core.hf_config, and this forwarder goes once scenario.py does too.
     """
     from sim.core.hf_config import model_fields_from_hf_config as read
 
