@@ -1,14 +1,18 @@
 """No import circle among kvtwin's modules (sim, engine, validate).
 
-A circle means neither module can be read, tested or moved without the other; a lazy import
-inside a function only hides it, so every import counts: module-level, inside functions, and
-relative ones. An import names the deepest project module it reaches (`from sim.core import
-catalog` is sim.core.catalog); importing a module's package `__init__` is not counted.
+A circle means neither module can be read, tested or moved without the other. Two scans:
+module-level imports (including those under a module-level `if` or `try`), where a circle can
+break an import outright; and every import, since a lazy import inside a function only hides a
+circle (sim/core/catalog.py <-> hf_config.py and validate/bench.py <-> compare_sweep.py were
+such). Relative imports count. An import names the deepest project module it reaches (`from
+sim.core import catalog` is sim.core.catalog); importing a module's package `__init__` is not counted.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sim", "engine", "validate")
@@ -39,12 +43,25 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the project modules it imports anywhere in its file."""
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """The statements that run on import: the module's own, and those under its `if` / `try`."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", [])
+            todo += [stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
+    return found
+
+
+def import_graph(modules: dict[str, Path], lazy: bool = True) -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its file (`lazy`), or at module level."""
     graph = {}
     for module, path in modules.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in (ast.walk(tree) if lazy else _module_level(tree)):
             if isinstance(node, ast.Import):
                 deps |= {_deepest(a.name, modules) for a in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -86,8 +103,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circle():
-    graph = import_graph(project_modules())
+@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "lazy-included"])
+def test_no_import_circle(lazy):
+    graph = import_graph(project_modules(), lazy=lazy)
     found = cycles(graph)
     described = ["; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(group)))}" for m in group) for group in found]
     assert not found, "import circles:\n" + "\n".join(described)
@@ -104,3 +122,4 @@ def test_the_scan_finds_a_lazy_and_a_relative_circle(tmp_path):
     graph = import_graph(project_modules(tmp_path))
     assert graph["sim.core.b"] == {"sim.core.a"} and graph["sim.core.c"] == {"sim.core.a"}
     assert cycles(graph) == [["sim.core.a", "sim.core.b"]]
+    assert cycles(import_graph(project_modules(tmp_path), lazy=False)) == []     # a's import is lazy
