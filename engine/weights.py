@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 
 from engine.model import CausalLM
-from sim.core.catalog import ModelSpec, model_fields_from_hf_config
+from sim.core.catalog import ModelSpec
+from sim.core.hf_config import model_fields_from_hf_config
 
 
 class WeightsError(ValueError):

@@ -44,12 +44,12 @@ COMMANDS: dict[str, Command] = {
     "calibrate": Command("validate.cli:calibrate_main", "profile the engine and fit the cost model",
                          "simrun calibrate --model tiny --device cpu --out profiles/cpu_tiny.yaml\n"
                          "simrun calibrate --scenario scenarios/cpu_smoke.yaml --device cpu"),
-    "serve": Command("engine.server:serve_main", "the paged engine behind an OpenAI-compatible HTTP API",
+    "serve": Command("engine.serve.cli:serve_main", "the paged engine behind an OpenAI-compatible HTTP API",
                      "simrun serve --model tiny --device cpu\n"
                      "simrun serve --scenario scenarios/serve_smoke.yaml --device cpu --port 8000"),
-    "bench": Command("validate.bench:bench_main", "replay a scenario against a live endpoint and compare",
+    "bench": Command("validate.bench_cli:bench_main", "replay a scenario against a live endpoint and compare",
                      "simrun bench scenarios/serve_smoke.yaml --endpoint http://127.0.0.1:8000"),
-    "compare": Command("validate.bench:compare_main", "compare a `vllm bench serve` result file with the prediction",
+    "compare": Command("validate.bench_cli:compare_main", "compare a `vllm bench serve` result file with the prediction",
                        "simrun compare my_workload.yaml --vllm-result result.json"),
     "from-vllm": Command("sim.vllm.serve_flags:from_vllm_main", "turn `vllm serve` flags into a scenario",
                          "simrun from-vllm \"vllm serve Qwen/Qwen2.5-7B-Instruct --max-num-seqs 64\" --device h100-sxm "

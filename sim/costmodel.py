@@ -233,6 +233,34 @@ class DeviceProfile:
         return cls(coefficients=CostCoefficients(**raw["coefficients"]), **extra)
 
 
+def trained_coefficients(params: dict) -> CostCoefficients:
+    """CostCoefficients with the trained family's parameters (sim/trained.py) applied to the defaults."""
+    from dataclasses import replace
+
+    from sim.trained import SCALED, TERMS
+
+    base = CostCoefficients()
+    # an efficiency never exceeds 1 (a fit at its bound, stored to 5 digits, may land a hair above)
+    scaled = {eff: min(1.0, getattr(base, eff) * params.get(name, 1.0)) for name, effs in SCALED.items()
+              for eff in effs}
+    return replace(base, **scaled, **{t: params[t] for t in TERMS if t in params})
+
+
+def trained_profile(device_name: str) -> DeviceProfile:
+    """The trained family's profile for a catalog device (its class's fitted coefficients, else generic)."""
+    from sim.trained import family
+
+    fam = family()
+    entry = fam["classes"].get(device_name)
+    params = entry["parameters"] if entry else fam["generic"]
+    how = (f"fitted on {entry['runs']} public vLLM runs of {len(entry['deployments'])} {device_name} deployment(s)"
+           if entry else f"no public run on {device_name}: the generic entry (geometric mean of the fitted classes)")
+    return DeviceProfile(trained_coefficients(params), calibrated=False,
+                         source=f"trained v{fam['version']}: {how}", device_name=device_name,
+                         fit={"method": "trained", "version": fam["version"], "class": device_name if entry else "generic",
+                              "parameters": dict(params)})
+
+
 IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
 
 
@@ -341,8 +369,6 @@ class CostModel:
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
         if profile is None and getattr(scenario, "step_times", "datasheet") == "trained":
-            from sim.trained import trained_profile
-
             profile = trained_profile(scenario.device.name)
         par = scenario.parallelism
         overlap = scenario.async_scheduling and scenario.device.name != "cpu"

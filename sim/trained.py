@@ -37,34 +37,7 @@ def family(path: Path = FAMILY_FILE) -> dict:
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
 TERMS = ("step_host_s", "link_eff", "host_staging_eff")     # host time per step; tp all-reduce link terms
-
-
-def trained_coefficients(params: dict):
-    """CostCoefficients with the trained parameters applied to the defaults."""
-    from dataclasses import replace
-
-    from sim.costmodel import CostCoefficients
-
-    base = CostCoefficients()
-    # an efficiency never exceeds 1 (a fit at its bound, stored to 5 digits, may land a hair above)
-    scaled = {eff: min(1.0, getattr(base, eff) * params.get(name, 1.0)) for name, effs in SCALED.items()
-              for eff in effs}
-    return replace(base, **scaled, **{t: params[t] for t in TERMS if t in params})
-
-
-def trained_profile(device_name: str):
-    """The family's profile for a catalog device (its class's fitted coefficients, else generic)."""
-    from sim.costmodel import DeviceProfile
-
-    fam = family()
-    entry = fam["classes"].get(device_name)
-    params = entry["parameters"] if entry else fam["generic"]
-    how = (f"fitted on {entry['runs']} public vLLM runs of {len(entry['deployments'])} {device_name} deployment(s)"
-           if entry else f"no public run on {device_name}: the generic entry (geometric mean of the fitted classes)")
-    return DeviceProfile(trained_coefficients(params), calibrated=False,
-                         source=f"trained v{fam['version']}: {how}", device_name=device_name,
-                         fit={"method": "trained", "version": fam["version"], "class": device_name if entry else "generic",
-                              "parameters": dict(params)})
+# sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model
 
 
 def error_band(source: str, profile=None) -> Optional[dict]:

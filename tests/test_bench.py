@@ -13,8 +13,10 @@ import yaml
 from sim.cli import main
 from sim.scenario import load_scenario, validate_scenario
 from sim.workload import build_workload
-from validate.bench import (MalformedStream, normalise_endpoint, parse_prometheus, pool_blocks,
-                            read_vllm_result, run_bench, sse_event, timeline_row)
+from sim.vllm.timeseries import parse_prometheus, pool_blocks, timeline_row
+from validate.bench import run_bench
+from validate.endpoint_client import MalformedStream, normalise_endpoint, sse_event
+from validate.vllm_result import read_vllm_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "serve_smoke.yaml"

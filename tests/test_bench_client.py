@@ -7,7 +7,8 @@ import json
 import pytest
 
 from sim.scenario import validate_scenario
-from validate.bench import request_headers, run_bench
+from validate.bench import run_bench
+from validate.bench_cli import request_headers
 
 from test_bench import fake_endpoint   # noqa: E402 (tests/ is on sys.path under pytest)
 

@@ -409,7 +409,7 @@ def test_malformed_traces(tmp_path):
 
 def body_cases() -> list[tuple[str, bytes]]:
     pytest.importorskip("fastapi")
-    from engine.server import NEUTRAL_VALUES, SUPPORTED_FIELDS
+    from engine.serve.protocol import NEUTRAL_VALUES, SUPPORTED_FIELDS
 
     good = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": False, "ignore_eos": True,
             "temperature": 0.0, "n": 1}
@@ -434,7 +434,7 @@ BAD_STREAM_OPTIONS = ({"include_usage": "x"}, {"include_usage": 1}, {"include_us
 
 def test_bad_http_bodies():
     pytest.importorskip("fastapi")
-    from engine.server import ApiError, ServedModel, parse_body
+    from engine.serve.protocol import ApiError, ServedModel, parse_body
 
     served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
     cases = body_cases()

@@ -135,6 +135,19 @@ def test_a_dead_step_does_not_stop_the_next(tmp_path):
     assert "fits" in proc.stdout
 
 
+def test_the_dry_run_replays_a_scenario_on_the_engine_and_archives_the_comparison(tmp_path):
+    """The cheap form of `python -m validate.gpu_check --dry-run`: one validation step end to end
+    (the scenario predicted, replayed on the CPU engine, compared, archived), the GPU run's path."""
+    proc, out, summary = run_check(tmp_path, "--only", "validate_seed_static_vs_continuous")
+    step = summary["steps"]["validate_seed_static_vs_continuous"]
+    assert proc.returncode == 0 and step["ok"], (summary, proc.stderr[-2000:])
+    names = archived(out)
+    for variant in ("static", "continuous"):
+        folder = f"reports/cpu/seed_static_vs_continuous/{variant}"
+        assert {f"{folder}/comparison.csv", f"{folder}/measured/steps.csv", f"{folder}/predicted/summary.json"} <= names
+    assert_flat(out)
+
+
 def test_the_deadline_skips_and_still_archives(tmp_path):
     proc, out, summary = run_check(tmp_path, "--deadline", "0.01")
     assert proc.returncode == 1

@@ -23,7 +23,7 @@ def layer_of(module: str) -> str:
             return parts[1]
         return "cli" if parts[1] == "cli" else "simulation"
     if parts[0] == "engine":
-        return "engine_front" if len(parts) > 1 and parts[1] in ("replay", "server") else "engine"
+        return "engine_front" if len(parts) > 1 and parts[1] in ("replay", "serve") else "engine"
     return parts[0]
 
 

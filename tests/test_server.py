@@ -20,15 +20,14 @@ import pytest
 
 from engine.replay import new_scheduler
 from engine.runner import ModelRunner
-from engine.server import ApiError, CompletionParams, EngineLoop, Event, ServedModel, parse_completion
+from engine.serve.engine_loop import EngineLoop
+from engine.serve.protocol import ServedModel
 from sim.cli import main
 from sim.scenario import load_scenario
 from sim.workload import build_workload
+from support import SMOKE as SCENARIO, SMOKE_MAX_MODEL_LEN as MAX_MODEL_LEN, TINY_VOCAB as VOCAB, TOKENIZER
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "scenarios" / "serve_smoke.yaml"
-MAX_MODEL_LEN = 512      # serve_smoke.yaml's engine.max_model_len
-VOCAB = 1024             # the tiny model's
 
 
 def free_port() -> int:
@@ -264,7 +263,7 @@ class AsgiCall:
 
 
 def gated_engine():
-    from engine.server import build_app
+    from engine.serve.app import build_app
 
     scenario = load_scenario(SCENARIO, ["workload.shared_prefix=null"])
     runner = GatedRunner(ModelRunner.from_scenario(scenario, "cpu"))
@@ -323,7 +322,7 @@ def test_client_disconnect_frees_its_blocks():
 def test_a_shutdown_aborts_what_the_grace_period_leaves_and_reports_it():
     """The drain, in process with a gated runner: the request cannot finish during the grace
     period, so it is aborted, its client is told, and the report counts it."""
-    from engine.server import shutdown_report
+    from engine.serve.app import shutdown_report
 
     engine, runner, app = gated_engine()
 
@@ -376,130 +375,6 @@ def test_sigterm_drains_then_aborts_and_reports():
         assert "[DONE]" in received[-1]
 
 
-# ----------------------------------------------------------------------------- in process, no HTTP
-
-SERVED = ServedModel("m", "m", vocab_size=100, max_model_len=64, temperature=0.0, eos_token_id=None)
-
-
-def test_parse_completion_defaults_follow_vllm():
-    params = parse_completion({"prompt": [1, 2, 3]}, SERVED)
-    assert params.max_tokens == 61 and not params.stream and not params.ignore_eos   # max_model_len - prompt
-    params = parse_completion({"prompt": [1] * 63, "max_tokens": 1, "stream": True,
-                               "stream_options": {"include_usage": True}}, SERVED)
-    assert params.include_usage and params.stream
-    with pytest.raises(ApiError, match="maximum context length is 64"):
-        parse_completion({"prompt": [1] * 64}, SERVED)          # no room for one output token
-    with pytest.raises(ApiError, match="must be integers"):
-        parse_completion({"prompt": [True, 2]}, SERVED)         # a bool is not a token id
-
-
-def test_engine_loop_stops_at_eos_and_relays_scheduler_rejections():
-    """In process: EOS ends a request unless ignore_eos; a request the scheduler refuses is
-    answered with the scheduler's reason (the HTTP layer turns that into a 400)."""
-    scenario = load_scenario(SCENARIO, ["engine.max_model_len=64"])   # the HTTP side believes 512
-    runner = ModelRunner.from_scenario(scenario, "cpu")
-    prompt = [1, 2, 3, 4]
-
-    async def run(ignore_eos: bool, eos: int | None, prompt=prompt, max_tokens=5) -> list:
-        served = ServedModel("m", "m", VOCAB, MAX_MODEL_LEN, 0.0, eos)
-        engine = EngineLoop(new_scheduler(scenario, runner.num_blocks), runner, served)
-        engine.start(asyncio.get_running_loop())
-        stream = engine.submit(CompletionParams(prompt, max_tokens, ignore_eos, True, False))
-        events = [await stream.next()]
-        while not stream.ended:
-            events.append(await stream.next())
-        await asyncio.to_thread(engine.stop)
-        return events
-
-    greedy = [e.token for e in asyncio.run(run(True, None))[1:]]
-    eos = greedy[-1]
-    events = asyncio.run(run(False, eos))
-    assert [e.token for e in events[1:]] == greedy[:greedy.index(eos) + 1] and events[-1].finish_reason == "stop"
-    events = asyncio.run(run(True, eos))
-    assert len(events) == 6 and events[-1].finish_reason == "length"
-    refused = asyncio.run(run(True, None, prompt=list(range(100)), max_tokens=10))
-    assert refused == [Event("rejected", message="prompt of 100 tokens leaves no room for output within "
-                                                  "max_model_len 64")]
-
-
-class FlakyRunner:
-    """The real runner, with `failures` of its steps raising first (an injected engine error)."""
-
-    def __init__(self, runner, failures: int):
-        self.runner, self.failures = runner, failures
-        self.num_blocks = runner.num_blocks
-
-    def execute(self, batch):
-        if self.failures:
-            self.failures -= 1
-            raise RuntimeError("injected: CUDA error: an illegal memory access was encountered")
-        return self.runner.execute(batch)
-
-
-def run_engine(failures: int, requests: int = 3, timeout: float = 60):
-    """Submit `requests` (two at once, then the rest after they end) to an engine whose first
-    `failures` steps raise; every stream's events, the blocks still held, the engine."""
-    scenario = load_scenario(SCENARIO, ["engine.max_model_len=64"])
-    runner = ModelRunner.from_scenario(scenario, "cpu")
-    served = ServedModel("m", "m", VOCAB, 64, 0.0, None)
-
-    async def drain(stream):
-        events = [await stream.next()]
-        while not stream.ended:
-            events.append(await stream.next())
-        return events
-
-    async def main():
-        engine = EngineLoop(new_scheduler(scenario, runner.num_blocks), FlakyRunner(runner, failures), served)
-        engine.start(asyncio.get_running_loop())
-        params = CompletionParams([1, 2, 3, 4], 5, True, True, False)
-        first = [engine.submit(params), engine.submit(params)]
-        results = await asyncio.wait_for(asyncio.gather(*map(drain, first)), timeout)
-        for _ in range(requests - 2):
-            results.append(await asyncio.wait_for(drain(engine.submit(params)), timeout))
-        used = engine.scheduler.kv.num_used_blocks
-        await asyncio.to_thread(engine.stop)
-        return results, used, engine
-
-    return asyncio.run(main())
-
-
-def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_engine_goes_on():
-    results, used, engine = run_engine(failures=1)
-    assert [r[-1].kind for r in results[:2]] == ["error", "error"]          # the failed step's batch
-    assert "illegal memory access" in results[0][-1].message
-    assert results[2][-1].kind == "token" and results[2][-1].finish_reason == "length"
-    assert used == 0 and engine.alive is False and engine.error is None    # stopped cleanly, not down
-    assert engine.counts["failed"] == 2 and engine.counts["finished"] == 1
-
-
-def test_repeated_failures_take_the_engine_down_and_nothing_hangs():
-    results, used, engine = run_engine(failures=10, requests=5, timeout=30)   # down after the 3rd step
-    assert all(r[-1].kind == "error" for r in results)
-    assert "engine is down" in results[-1][-1].message                    # answered at once afterwards
-    assert engine.error is not None and not engine.alive and used == 0
-
-
-def test_a_down_engine_answers_a_prefix_cache_reset_with_503():
-    scenario = load_scenario(SCENARIO, ["engine.max_model_len=64"])
-    runner = ModelRunner.from_scenario(scenario, "cpu")
-    served = ServedModel("m", "m", VOCAB, 64, 0.0, None)
-
-    async def main():
-        engine = EngineLoop(new_scheduler(scenario, runner.num_blocks), FlakyRunner(runner, 10), served)
-        engine.start(asyncio.get_running_loop())
-        for _ in range(3):                      # three failing steps: down
-            stream = engine.submit(CompletionParams([1, 2, 3], 2, True, True, False))
-            while not stream.ended:
-                await asyncio.wait_for(stream.next(), 30)
-        with pytest.raises(ApiError, match="engine is down") as e:
-            await asyncio.wait_for(engine.reset_prefix_cache(), 10)
-        await asyncio.to_thread(engine.stop)
-        return e.value.status
-
-    assert asyncio.run(main()) == 503
-
-
 def test_reset_prefix_cache_forgets_cached_blocks_and_keeps_counters(server):
     prompt = [7] * 64
 
@@ -517,46 +392,6 @@ def test_reset_prefix_cache_forgets_cached_blocks_and_keeps_counters(server):
 
 
 # ----------------------------------------------------------------------------- text prompts and chat
-
-TOKENIZER = ROOT / "tests" / "data" / "datasets" / "tokenizer.json"
-
-
-def _served_with_tokenizer():
-    pytest.importorskip("tokenizers")
-    from sim.datasets import text_tokenizer
-
-    tok = text_tokenizer(TOKENIZER)
-    return ServedModel("m", "m", VOCAB, MAX_MODEL_LEN, 0.0, None, tok), tok
-
-
-def test_text_prompts_and_chat_messages_are_tokenized():
-    from engine.server import parse_chat
-
-    served, tok = _served_with_tokenizer()
-    params = parse_completion({"prompt": "Explain paged attention.", "max_tokens": 4}, served)
-    assert params.prompt == tok.encode("Explain paged attention.") and not params.chat
-    chat = parse_chat({"messages": [{"role": "system", "content": "Be brief."},
-                                    {"role": "user", "content": [{"type": "text", "text": "Why?"}]}],
-                       "max_completion_tokens": 5, "stream": True}, served)
-    assert chat.prompt == tok.encode("system: Be brief.\nuser: Why?\nassistant:") and chat.max_tokens == 5
-    with pytest.raises(ApiError, match="prompt as text needs a tokenizer"):
-        parse_completion({"prompt": "hi", "max_tokens": 1}, SERVED)
-    with pytest.raises(ApiError, match="needs a tokenizer"):
-        parse_chat({"messages": [{"role": "user", "content": "hi"}]}, SERVED)
-    with pytest.raises(ApiError, match="only text parts"):
-        parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, served)
-
-
-def test_answers_are_decoded_piece_by_piece():
-    from engine.server import Completion
-
-    _, tok = _served_with_tokenizer()
-    ids = tok.encode("Memory is handed out in fixed blocks.")
-    reply = Completion("m", 3, chat=True, tokenizer=tok)
-    pieces = [reply.add(Event("token", token=t)) for t in ids]
-    assert "".join(pieces) == tok.decode(ids) == reply.text
-    assert reply.whole()["choices"][0]["message"] == {"role": "assistant", "content": tok.decode(ids)}
-    assert reply.add(Event("token", token=VOCAB - 1)) == f"<{VOCAB - 1}>"     # beyond the tokenizer
 
 
 def test_live_server_with_a_tokenizer_serves_chat_and_text():

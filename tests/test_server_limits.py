@@ -13,8 +13,11 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from engine.server import (CompletionParams, Event, ServedModel, ServeLimits, ServerMetrics, Stream,  # noqa: E402
-                           build_app, serve_main)
+from engine.serve.app import ServeLimits, build_app  # noqa: E402
+from engine.serve.cli import serve_main  # noqa: E402
+from engine.serve.engine_loop import Stream  # noqa: E402
+from engine.serve.metrics import ServerMetrics  # noqa: E402
+from engine.serve.protocol import CompletionParams, Event, ServedModel  # noqa: E402
 from sim.errors import UserError  # noqa: E402
 
 SERVED = ServedModel("tiny", "tiny", vocab_size=1024, max_model_len=512, temperature=0.0, eos_token_id=None)
@@ -105,17 +108,17 @@ def test_malformed_bodies_are_4xx_never_500(name):
 
 def test_parsing_runs_off_the_event_loop(monkeypatch):
     """While one body is being parsed, /health answers at once."""
-    import engine.server as server
+    import engine.serve.app as app
 
     started, release = threading.Event(), threading.Event()
-    real = server.parse_body
+    real = app.parse_body
 
     def slow_parse(data, served, parse=None):
         started.set()
         release.wait(10)
         return real(data, served, parse)
 
-    monkeypatch.setattr(server, "parse_body", slow_parse)
+    monkeypatch.setattr(app, "parse_body", slow_parse)
     with client() as c:
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", post(c, {"prompt": [1], "max_tokens": 1})))
@@ -155,9 +158,9 @@ def test_serve_refuses_a_bad_port(port, capsys):
 
 
 def test_serve_fails_a_taken_port_before_building_the_model(monkeypatch):
-    import engine.server as server
+    import engine.serve.cli as cli
 
-    monkeypatch.setattr(server, "_start_engine", lambda *a: pytest.fail("built the model before binding"))
+    monkeypatch.setattr(cli, "_start_engine", lambda *a: pytest.fail("built the model before binding"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -195,3 +198,23 @@ def test_metrics_label_escapes_a_hostile_model_name():
     lines = metrics.render().splitlines()
     assert not any(line.startswith("vllm:fake_total") for line in lines)
     assert 'model_name="evil\\"} 1\\nvllm:fake_total{a=\\"b"' in metrics.render()
+
+
+@pytest.mark.parametrize("options", [{"include_usage": "x"}, {"include_usage": 1}, {"continuous_usage_stats": "no"}])
+def test_stream_options_values_must_be_booleans(options):
+    """vLLM's StreamOptions (vllm/entrypoints/openai/protocol.py) types include_usage and
+    continuous_usage_stats `bool | None`; kvtwin takes JSON true/false only, as for its other
+    flags (stricter than pydantic's lax mode, which would read 1 or "yes"): anything else is a
+    400 in OpenAI's error shape naming the field."""
+    pytest.importorskip("fastapi")
+    from engine.serve.protocol import ApiError, ServedModel, parse_body
+
+    served = ServedModel("tiny", "tiny", 1024, 512, 0.0, None)
+    body = json.dumps({"prompt": [1, 2], "stream": True, "stream_options": options}).encode()
+    with pytest.raises(ApiError) as error:
+        parse_body(body, served)
+    key = next(iter(options))
+    assert error.value.status == 400 and error.value.body()["error"]["param"] == f"stream_options.{key}"
+    assert f"stream_options.{key} must be true or false" in error.value.body()["error"]["message"]
+    assert parse_body(json.dumps({"prompt": [1], "stream": True, "stream_options": {"include_usage": True}}).encode(),
+                      served).include_usage

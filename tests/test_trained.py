@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from sim.costmodel import CostCoefficients, CostModel
-from sim.trained import band_words, error_band, family, trained_coefficients, trained_profile
+from sim.costmodel import CostCoefficients, CostModel, trained_coefficients, trained_profile
+from sim.trained import band_words, error_band, family
 from validate import lodo
 
 TABLE = pd.read_csv(lodo.TABLE_FILE)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sim.core.catalog import ModelSpec, get_device, get_model, model_fields_from_hf_config
+from sim.core.catalog import ModelSpec, get_device, get_model
+from sim.core.hf_config import model_fields_from_hf_config
 from sim.core.memory import GIB, plan_memory, vllm_memory_plan
 from sim.scenario import validate_scenario
 

@@ -19,6 +19,8 @@ import pandas as pd
 
 from sim.output.console import console, err_console
 from sim.output.io import write_csv
+from validate.comparison_output import print_banner
+from validate.vllm_result import file_workload_scenario, workload_mismatches
 
 # (label, summary section, statistic, vLLM key); latencies in ms in vLLM's file, s in ours
 LATENCIES = (("TTFT mean", "ttft_s", "mean", "mean_ttft_ms"), ("TTFT p50", "ttft_s", "p50", "median_ttft_ms"),
@@ -32,8 +34,6 @@ PLOTTED = ("TTFT mean", "TTFT p99", "TPOT mean", "E2E mean")
 
 def scenario_at_run(scenario, run, use_file_workload: bool):
     """The scenario with the run's arrivals (or its own requests), and notes on what differs."""
-    from validate.bench import file_workload_scenario, workload_mismatches
-
     if use_file_workload:
         return file_workload_scenario(scenario, run)[0], []
     w = scenario.workload
@@ -78,7 +78,6 @@ def _row(rate, metric, unit, predicted, measured) -> dict:
 
 def compare_sweep(scenario, runs, out: Path, use_file_workload: bool, allow_mismatch: bool) -> int:
     from sim.predict import predict
-    from validate.bench import print_banner
 
     rows, notes, summaries = [], [], {}
     for run in sorted(runs, key=lambda r: r.rate):

@@ -40,14 +40,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from sim.core.catalog import ModelSpec, get_device, get_model, model_fields_from_hf_config
+from sim.core.catalog import ModelSpec, get_device, get_model
+from sim.core.hf_config import model_fields_from_hf_config
 from sim.core.memory import vllm_memory_plan
 from sim.core.request import make_request, stable_key
-from sim.costmodel import CostCoefficients, CostModel, DeviceProfile
+from sim.costmodel import CostCoefficients, CostModel, DeviceProfile, trained_coefficients
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
 from sim.simulator import Simulation
-from sim.trained import trained_coefficients
 from validate.vllm_fit import levenberg_marquardt
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sim.core.catalog import WeightQuant
+from sim.core.quantization import WeightQuant
 from sim.core.files import check_bounded, excerpt, read_json
 
 

@@ -1,0 +1,216 @@
+"""The endpoint seen from outside, as vLLM's benchmark client sees it: streamed OpenAI
+completions timestamped per chunk, /v1/models, /version, /metrics and /reset_prefix_cache."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sim.core.lazy import lazy_import
+from sim.core.request import Request
+
+np = lazy_import("numpy")
+
+
+class BenchError(Exception):
+    """The endpoint cannot be benchmarked (down, failing its smoke request)."""
+
+
+@dataclass
+class Trip:
+    """One request's journey, in seconds since the run started."""
+
+    request: Request
+    status: str = "not_sent"           # not_sent -> sent -> finished | failed | aborted (interrupted)
+    error: Optional[str] = None
+    sent: float = math.nan
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0                    # usage.completion_tokens, else tokens counted in chunks
+    cached: Optional[int] = None       # usage.prompt_tokens_details.cached_tokens, when reported
+
+    def fail(self, reason: str, status: str = "failed") -> None:
+        self.status, self.error = status, reason
+
+    def row(self) -> dict:
+        r = self.request
+        done = self.status == "finished"
+        status, reason = self.status, self.error
+        if status in ("not_sent", "sent"):           # the run stopped before this request ended
+            status, reason = "aborted", f"{status.replace('_', ' ')} when the run was interrupted"
+        return {"id": r.id, "tenant": r.tenant, "priority": r.priority, "conversation": r.conversation,
+                "is_warmup": r.is_warmup, "status": status, "reject_reason": reason, "arrival_s": self.sent,
+                "prompt_tokens": r.prompt_len, "output_tokens": self.tokens if done else 0,
+                "cached_tokens": self.cached, "ttft_s": self.chunks[0] - self.sent if done else math.nan,
+                "e2e_s": self.chunks[-1] - self.sent if done else math.nan}
+
+    def gaps(self) -> np.ndarray:
+        return np.diff(self.chunks) if self.status == "finished" else np.zeros(0)
+
+
+class Client:
+    """The endpoint seen from outside: OpenAI completions, /v1/models, /version, /metrics."""
+
+    def __init__(self, endpoint: str, request_timeout: float, headers: Optional[dict[str, str]] = None):
+        import httpx
+
+        self.base = normalise_endpoint(endpoint)
+        self.http = httpx.AsyncClient(
+            base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0), headers=headers or {},
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.model: Optional[str] = None
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def describe(self, model: Optional[str]) -> dict:
+        """The served model and version; a clear error when nothing answers at the URL."""
+        import httpx
+
+        try:
+            reply = await self.http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise BenchError(f"cannot reach {self.base} ({type(e).__name__}: {e or 'no answer'}); "
+                             f"is the server running?") from None
+        try:
+            cards = reply.json().get("data", []) if reply.status_code == 200 else []
+        except ValueError:
+            cards = []
+        if not cards and model is None:
+            raise BenchError(f"{self.base}/v1/models answered HTTP {reply.status_code} without a model; "
+                             f"pass --model NAME")
+        card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
+        self.model = model or card["id"]
+        info = {"model": self.model, "root": card.get("root"), "max_model_len": card.get("max_model_len")}
+        info["version"] = await self._version()
+        return info
+
+    async def _version(self) -> Optional[str]:
+        import httpx
+
+        try:
+            reply = await self.http.get("/version")
+            return reply.json().get("version") if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def reset_prefix_cache(self) -> str:
+        """POST /reset_prefix_cache (ours; vLLM's when started with VLLM_SERVER_DEV_MODE=1): 'reset',
+        or why not."""
+        import httpx
+
+        try:
+            reply = await self.http.post("/reset_prefix_cache", timeout=30.0)
+        except httpx.HTTPError as e:
+            return f"failed ({type(e).__name__})"
+        if reply.status_code == 200:
+            return "reset"
+        if reply.status_code in (404, 405):
+            return f"not offered (HTTP {reply.status_code})"
+        return f"refused (HTTP {reply.status_code}: {error_message(reply.content)})"
+
+    async def metrics(self) -> Optional[str]:
+        import httpx
+
+        try:
+            reply = await self.http.get("/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return reply.text if reply.status_code == 200 else None
+
+    async def send(self, trip: Trip, prompt: list[int]) -> None:
+        """One streamed completion; the trip records its chunk times or why it failed."""
+        import httpx
+
+        payload = {"model": self.model, "prompt": prompt, "max_tokens": trip.request.output_len,
+                   "ignore_eos": True, "temperature": 0.0, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        trip.status, trip.sent = "sent", self.now()
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=payload) as reply:
+                if reply.status_code != 200:
+                    trip.fail(f"HTTP {reply.status_code}: {error_message(await reply.aread())}")
+                    return
+                await self._read_stream(reply, trip)
+        except MalformedStream as e:
+            trip.fail(f"malformed stream: {e}")
+        except httpx.HTTPError as e:
+            trip.fail(f"{type(e).__name__}: {e or 'connection lost'}")
+        except asyncio.CancelledError:
+            trip.fail("interrupted while in flight", status="aborted")
+            raise
+
+    async def _read_stream(self, reply, trip: Trip) -> None:
+        usage = None
+        async for line in reply.aiter_lines():
+            if not line or line.startswith(":"):          # blank separators, SSE comments
+                continue
+            event = sse_event(line)
+            if event == "[DONE]":
+                self._settle(trip, usage)
+                return
+            if "error" in event:
+                trip.fail(f"server error: {error_message(event)}")
+                return
+            if event.get("choices"):
+                trip.chunks.append(self.now())
+                trip.tokens += len(event["choices"][0].get("token_ids") or [0])
+            usage = event.get("usage") or usage
+        trip.fail(f"the stream ended before [DONE], after {len(trip.chunks)} chunk(s)")
+
+    @staticmethod
+    def _settle(trip: Trip, usage: Optional[dict]) -> None:
+        if usage:
+            trip.tokens = usage.get("completion_tokens", trip.tokens)
+            trip.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        expected = trip.request.output_len
+        if not trip.chunks:
+            trip.fail("the stream carried no token")
+        elif trip.tokens != expected:
+            trip.fail(f"{trip.tokens} tokens returned, {expected} asked with ignore_eos")
+        else:
+            trip.status = "finished"
+
+
+class MalformedStream(Exception):
+    """The endpoint answered 200 but its event stream is not OpenAI's."""
+
+
+def sse_event(line: str) -> Any:
+    """A `data:` line's JSON object, or "[DONE]"; MalformedStream otherwise."""
+    if not line.startswith("data:"):
+        raise MalformedStream(f"not a server-sent `data:` line: {line[:80]!r}")
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return data
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError:
+        raise MalformedStream(f"event is not JSON: {data[:80]!r}") from None
+    if not isinstance(event, dict) or not ({"choices", "usage", "error"} & set(event)):
+        raise MalformedStream(f"event has neither choices, usage nor error: {data[:80]!r}")
+    return event
+
+
+def error_message(body: Any) -> str:
+    """The message of an OpenAI/vLLM error body, else the body itself (shortened)."""
+    if isinstance(body, bytes):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return body.decode(errors="replace")[:300]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+    return str(body)[:300]
+
+
+def normalise_endpoint(url: str) -> str:
+    """'host:port', 'http://host:port/' and an OpenAI base URL '.../v1' all mean the server root."""
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    return url.removesuffix("/v1")
