@@ -35,7 +35,7 @@ COMMANDS: dict[str, Command] = {
                    "simrun scenarios/quickstart.yaml --set workload.arrival.rate=3 --no-plots\n"
                    "simrun scenarios/quickstart.yaml --set engine.batching=static --set engine.allocation=contiguous\n"
                    "simrun scenarios/whatif_block_size.yaml --set engine.block_size=8,16,32   # a sweep"),
-    "plan": Command("sim.whatif.plan:plan_main", "capacity searches: highest rate within SLOs, fewest replicas",
+    "plan": Command("sim.whatif.plan_cli:plan_main", "capacity searches: highest rate within SLOs, fewest replicas",
                     "simrun plan scenarios/whatif_rate_slo.yaml --slo ttft_p99=1 --slo tpot_p99=0.1 --curve 6\n"
                     "simrun plan scenarios/whatif_replicas.yaml --target-rate 20 --devices l4,h100-sxm --tp 1,2"),
     "validate": Command("validate.cli:validate_main", "replay a scenario on the engine and compare with the prediction",

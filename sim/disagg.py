@@ -38,9 +38,11 @@ from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.core.memory import check_block_pool_supports, plan_memory
 from sim.core.request import Request
 from sim.core.status import REJECTED
-from sim.disagg_config import SIDES, pool_scenario, transfer_shard_bytes
+from sim.disagg_config import SIDES, transfer_shard_bytes
+from sim.scenario import pool_scenario
 from sim.records import RequestTable, RunRecords
-from sim.router import make_router, reject_follow_ups
+from sim.router import reject_follow_ups
+from sim.routers.factory import make_router
 from sim.simulator import Replica, Simulation, build_replica
 from sim.workload import build_requests, stream_requests
 

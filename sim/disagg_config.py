@@ -104,65 +104,6 @@ class Disaggregation(StrictModel):
         return self.prefill if side == "prefill" else self.decode
 
 
-def pool_scenario(scenario, side: str):
-    """The scenario one engine of `side` serves: the pool's device, tp and engine patch applied, one
-    replica, no disaggregation (a plain scenario every existing piece can size and price)."""
-    from sim.scenario import Cluster, EngineConfig, Parallelism
-
-    pool = scenario.cluster.disaggregation.pool(side)
-    engine = EngineConfig.model_validate({**scenario.engine.model_dump(exclude_unset=True), **pool.engine})
-    tp = pool.tp or scenario.parallelism.tp
-    parallelism = Parallelism(tp=tp, ep=tp if scenario.parallelism.ep > 1 else 1)     # (dp is 1: checked)
-    cluster = Cluster(router=scenario.cluster.router, load_bound=scenario.cluster.load_bound)
-    return scenario.model_copy(update={"engine": engine, "parallelism": parallelism, "cluster": cluster,
-                                       "device": pool.device or scenario.device})
-
-
-def disaggregation_problems(scenario) -> list[str]:
-    """What a P/D scenario cannot be (checked with the scenario's other cross-field checks)."""
-    from sim.scenario import EngineConfig
-
-    d = scenario.cluster.disaggregation
-    where = "cluster.disaggregation"
-    problems = []
-    if scenario.cluster.replicas != 1:
-        problems.append(f"cluster.replicas: {scenario.cluster.replicas}; set {where}.prefill.replicas and "
-                        f"{where}.decode.replicas instead (with disaggregation the pools hold the engines)")
-    if scenario.parallelism.dp != 1:
-        problems.append(f"parallelism.dp: {scenario.parallelism.dp}; a disaggregated cluster's engines are its "
-                        f"pools' replicas (dp must be 1)")
-    if scenario.engine.batching != "continuous" or scenario.engine.allocation != "paged":
-        problems.append(f"engine.batching/allocation: {where} needs vLLM's continuous batching with paged "
-                        f"allocation (NixlConnector reads paged blocks)")
-    if scenario.engine.kv_offload is not None:
-        problems.append(f"engine.kv_offload: a CPU tier with {where} is not modelled (vLLM runs one KV "
-                        f"connector per engine: OffloadingConnector or NixlConnector); remove one of them")
-    if scenario.model.num_sliding_layers:
-        problems.append(f"model: {where} supports full-attention models with one KV cache group; "
-                        f"'{scenario.model.name}' has sliding-window or hybrid layers")
-    for side in SIDES:
-        pool = d.pool(side)
-        try:
-            EngineConfig.model_validate({**scenario.engine.model_dump(exclude_unset=True), **pool.engine})
-        except ValueError as e:
-            problems.append(f"{where}.{side}.engine: {str(e).splitlines()[-1].strip()} "
-                            f"(expected engine fields, see `EngineConfig`)")
-            continue
-        problems += [f"{where}.{side}: {p}" for p in pool_problems(scenario, side)]
-    return problems
-
-
-def pool_problems(scenario, side: str) -> list[str]:
-    """The scenario checks (tp vs heads, experts, memory, ...) on one pool's engine, as a scenario of its own."""
-    from sim.scenario import ScenarioError, validate_scenario
-
-    try:
-        validate_scenario(pool_scenario(scenario, side).model_dump(mode="json"))
-    except ScenarioError as e:
-        return e.problems
-    return []
-
-
 def block_bytes_per_gpu(scenario, side: str) -> int:
     """Bytes of one KV block on one GPU of a `side` engine (its tp shard of every layer)."""
     tp = scenario.cluster.disaggregation.pool(side).tp or scenario.parallelism.tp

@@ -23,6 +23,7 @@ from sim.core.memory import MemoryPlan
 from sim.metrics import summarise
 from sim.records import RunRecords, requests_frame
 from sim.core.request import Request
+from sim.disagg import pool_figures, simulate_disaggregated
 from sim.simulator import simulate
 from sim.workload import build_workload, stream_requests, warmup_notes
 from sim.trained import error_band
@@ -71,7 +72,6 @@ def predict(scenario, name: Optional[str] = None,
     summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
     if scenario.cluster.disaggregation is not None:
-        from sim.disagg import pool_figures
         summary["pools"] = pool_figures(records, req_df)
     if "autoscaling" in records.meta:          # cluster.autoscaling: GPU-hours, replicas over the run
         from sim.autoscale import autoscaling_summary, run_end
@@ -93,13 +93,20 @@ def _simulate(scenario, progress, manifest: bool):
         workload = build_workload(scenario)
         stop.check()
         described = workload_manifest(workload.requests, workload.notes) if manifest else None
-        return (*simulate(scenario, workload.requests, progress=progress, release=True), described)
+        return (*_run(scenario, workload.requests, progress, release=True), described)
     notes = warmup_notes(scenario.workload.warmup_requests, stream.count)
     watcher = WorkloadDescription() if manifest else None
     if watcher is not None:
         stream.requests = watcher.watch(stream.requests)
-    records, plan, cost_model = simulate(scenario, stream, progress=progress)
+    records, plan, cost_model = _run(scenario, stream, progress)
     return records, plan, cost_model, watcher.manifest(notes) if watcher is not None else None
+
+
+def _run(scenario, requests, progress, release: bool = False):
+    """One engine or a cluster of replicas (sim.simulator), or prefill and decode pools (sim.disagg)."""
+    if scenario.cluster.disaggregation is not None:
+        return simulate_disaggregated(scenario, requests, progress, release)
+    return simulate(scenario, requests, progress=progress, release=release)
 
 
 def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:

@@ -6,7 +6,6 @@ from typing import Optional
 
 from sim.core.request import Request
 from sim.core.status import REJECTED
-from sim.routers.config import DEPLOYED_ROUTERS
 from sim.routers.regret import RoutingRegret
 
 
@@ -71,26 +70,6 @@ class PrefixAware(LeastOutstandingTokens):
             if hit > best_hit:
                 best, best_hit = replica, hit
         return best if best is not None else super().choose(req)
-
-
-def make_router(cluster, replicas: list, seed: int = 0) -> Router:
-    """The router `cluster.router` names; `seed` (the scenario's) seeds its random draws."""
-    regret = RoutingRegret() if measures_regret(cluster) else None
-    if cluster.router == "round_robin":
-        return RoundRobin(replicas, regret)
-    if cluster.router == "least_outstanding_tokens":
-        return LeastOutstandingTokens(replicas, regret)
-    if cluster.router == "prefix_aware":
-        return PrefixAware(replicas, cluster.load_bound, regret)
-    from sim.routers.deployed import make_deployed_router      # (imports the router modules)
-    return make_deployed_router(cluster, replicas, seed, regret)
-
-
-def measures_regret(cluster) -> bool:
-    """cluster.routing_regret, or unset: on for the deployed routers, off for the built-in ones
-    (whose summaries then stay as they were)."""
-    flag = cluster.routing_regret
-    return flag if flag is not None else cluster.router in DEPLOYED_ROUTERS
 
 
 def reject_follow_ups(req: Request) -> None:

@@ -19,10 +19,11 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from sim.core import vllm_versions
 from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
 from sim.core.offload import KvOffload, scenario_problem as offload_problem
+from sim.errors import MAX_PROBLEMS_SHOWN, ScenarioError
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
 from sim.names import name_problem
 from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
-from sim.disagg_config import Disaggregation, disaggregation_problems
+from sim.disagg_config import SIDES, Disaggregation
 from sim.speculative import SpeculativeConfig
 from sim.autoscale import Autoscaling, autoscaling_problems
 from sim.arrival_shape import MAX_STEPS, Diurnal, RateStep, check_shape, shape_of
@@ -30,24 +31,6 @@ from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel
                          model_fields_from_hf_config)
 
 
-class ScenarioError(ValueError):
-    """A scenario that cannot be used; `problems` holds one line per offending field."""
-
-    def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = problems
-        self.source = source
-        head = f"{source}: " if source else ""
-        if len(problems) == 1:
-            super().__init__(f"{head}{problems[0]}")
-        else:        # 20,000 unknown keys must not print megabytes: the first few, then a count
-            shown = [f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN]]
-            if len(problems) > MAX_PROBLEMS_SHOWN:
-                shown.append(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN:,} more")
-            lines = "\n".join(shown)
-            super().__init__(f"{head}{len(problems)} problems:\n{lines}")
-
-
-MAX_PROBLEMS_SHOWN = 12
 
 
 # Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
@@ -1225,3 +1208,56 @@ def scenario_args(parser: argparse.ArgumentParser) -> None:
                         help="override a scenario field, e.g. --set engine.block_size=32 (repeatable); "
                              "with several values (A,B,C) `simrun SCENARIO` sweeps them")
     parser.add_argument("--seed", type=seed_arg, default=None, help="override the scenario's seed")
+
+
+def pool_scenario(scenario, side: str):
+    """The scenario one engine of `side` serves: the pool's device, tp and engine patch applied, one
+    replica, no disaggregation (a plain scenario every existing piece can size and price)."""
+    pool = scenario.cluster.disaggregation.pool(side)
+    engine = EngineConfig.model_validate({**scenario.engine.model_dump(exclude_unset=True), **pool.engine})
+    tp = pool.tp or scenario.parallelism.tp
+    parallelism = Parallelism(tp=tp, ep=tp if scenario.parallelism.ep > 1 else 1)     # (dp is 1: checked)
+    cluster = Cluster(router=scenario.cluster.router, load_bound=scenario.cluster.load_bound)
+    return scenario.model_copy(update={"engine": engine, "parallelism": parallelism, "cluster": cluster,
+                                       "device": pool.device or scenario.device})
+
+
+def disaggregation_problems(scenario) -> list[str]:
+    """What a P/D scenario cannot be (checked with the scenario's other cross-field checks)."""
+    d = scenario.cluster.disaggregation
+    where = "cluster.disaggregation"
+    problems = []
+    if scenario.cluster.replicas != 1:
+        problems.append(f"cluster.replicas: {scenario.cluster.replicas}; set {where}.prefill.replicas and "
+                        f"{where}.decode.replicas instead (with disaggregation the pools hold the engines)")
+    if scenario.parallelism.dp != 1:
+        problems.append(f"parallelism.dp: {scenario.parallelism.dp}; a disaggregated cluster's engines are its "
+                        f"pools' replicas (dp must be 1)")
+    if scenario.engine.batching != "continuous" or scenario.engine.allocation != "paged":
+        problems.append(f"engine.batching/allocation: {where} needs vLLM's continuous batching with paged "
+                        f"allocation (NixlConnector reads paged blocks)")
+    if scenario.engine.kv_offload is not None:
+        problems.append(f"engine.kv_offload: a CPU tier with {where} is not modelled (vLLM runs one KV "
+                        f"connector per engine: OffloadingConnector or NixlConnector); remove one of them")
+    if scenario.model.num_sliding_layers:
+        problems.append(f"model: {where} supports full-attention models with one KV cache group; "
+                        f"'{scenario.model.name}' has sliding-window or hybrid layers")
+    for side in SIDES:
+        pool = d.pool(side)
+        try:
+            EngineConfig.model_validate({**scenario.engine.model_dump(exclude_unset=True), **pool.engine})
+        except ValueError as e:
+            problems.append(f"{where}.{side}.engine: {str(e).splitlines()[-1].strip()} "
+                            f"(expected engine fields, see `EngineConfig`)")
+            continue
+        problems += [f"{where}.{side}: {p}" for p in pool_problems(scenario, side)]
+    return problems
+
+
+def pool_problems(scenario, side: str) -> list[str]:
+    """The scenario checks (tp vs heads, experts, memory, ...) on one pool's engine, as a scenario of its own."""
+    try:
+        validate_scenario(pool_scenario(scenario, side).model_dump(mode="json"))
+    except ScenarioError as e:
+        return e.problems
+    return []

@@ -27,7 +27,7 @@ from sim.core.offload import offload_meta, offload_tier
 from sim.records import RequestTable, RunRecords, StepRecorder
 from sim.core.request import Request
 from sim.core.status import REJECTED
-from sim.router import make_router
+from sim.routers.factory import make_router
 from sim.autoscale import Autoscaler
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.core.speculative import speculative_meta
@@ -571,9 +571,9 @@ def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = 
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model.
     With `release` the caller hands `requests` over (see Simulation.release); a workload made
     here is streamed when synthetic (sim.workload.stream_requests), else built and released."""
-    if scenario.cluster.disaggregation is not None:      # prefill and decode pools (sim/disagg.py)
-        from sim.disagg import simulate_disaggregated
-        return simulate_disaggregated(scenario, requests, progress, release)
+    if scenario.cluster.disaggregation is not None:
+        raise ValueError("cluster.disaggregation: prefill and decode pools run in "
+                         "sim.disagg.simulate_disaggregated (sim.predict.predict picks it)")
     cost_model = CostModel.for_scenario(scenario)
     plan = plan_memory(scenario, cost_model.profile.activation_scale)
     check_block_pool_supports(scenario.model, scenario.engine.allocation)

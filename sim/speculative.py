@@ -21,6 +21,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from sim.core.catalog import ModelSpec, StrictModel, catalog_entry
+from sim.errors import ScenarioError
 
 # Geometric per-token acceptance by method (module docstring: sources).
 DEFAULT_ACCEPTANCE = {"eagle3": 0.743, "eagle": 0.585, "mtp": 0.85}
@@ -119,8 +120,6 @@ class DraftCost:
         if spec is None:
             return None
         if scenario.parallelism.dp > 1 and scenario.model.is_moe:
-            from sim.scenario import ScenarioError
-
             raise ScenarioError(["engine.speculative: not modelled for a data-parallel MoE engine (its ranks "
                                  "step in lockstep); set parallelism.dp: 1 or engine.speculative: null"])
         if spec.method == "ngram":

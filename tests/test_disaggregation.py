@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from sim.disagg import build_simulation
-from sim.disagg_config import LINK_DEFAULTS, block_bytes_per_gpu, pool_scenario
+from sim.disagg_config import LINK_DEFAULTS, block_bytes_per_gpu
+from sim.scenario import pool_scenario
 from sim.predict import predict
 from sim.records import requests_frame
 from sim.scenario import ScenarioError, validate_scenario
@@ -285,7 +286,8 @@ def test_plan_cli_writes_the_split_table_and_figure(tmp_path):
     (["--target-rate", "5", "--disaggregation", "--max-prefill", "0"], "--max-prefill 0"),
 ])
 def test_plan_refuses_flags_that_do_not_apply(tmp_path, argv, expected):
-    from sim.whatif.plan import PlanError, plan_main
+    from sim.whatif.plan import PlanError
+    from sim.whatif.plan_cli import plan_main
 
     path = tmp_path / "pd.yaml"
     path.write_text(__import__("yaml").safe_dump(pd_scenario()))

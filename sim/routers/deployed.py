@@ -1,4 +1,4 @@
-"""The deployed routers' common frame and the factory `sim.router.make_router` calls."""
+"""The deployed routers' common frame (sim/routers/factory.py builds them)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -36,13 +36,3 @@ class DeployedRouter(Router):
 
     def ended(self, index: int, req: Request) -> None:
         """The router saw `req` end on replica `index`."""
-
-
-def make_deployed_router(cluster, replicas: list, seed: int, regret: Optional[RoutingRegret]) -> Router:
-    from sim.routers.dynamo import DynamoKvRouter
-    from sim.routers.llm_d import LlmDEndpointPicker
-    from sim.routers.sglang import SglangCacheAware
-    kinds = {"llm_d": (LlmDEndpointPicker, cluster.llm_d), "dynamo": (DynamoKvRouter, cluster.dynamo),
-             "sglang": (SglangCacheAware, cluster.sglang)}
-    kind, config = kinds[cluster.router]
-    return kind(replicas, config, seed, regret)

@@ -43,9 +43,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
-from sim.output.run_dir import out_folder_arg, owned_run_folder
+from sim.output.run_dir import owned_run_folder
 from sim.scenario import MAX_REPLICAS, ScenarioError
-from sim.whatif.sweep import (PointTask, add_parallel_args, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
+from sim.whatif.sweep import (PointTask, base_raw, check_jobs, flatten, gpu_cost, parallel_map,
                        print_frame, save_png, split_sets, write_page)
 
 np = lazy_import("numpy")      # on first use: `simrun plan -h` stays light
@@ -539,55 +539,6 @@ def plot_replica_plan(plan: ReplicaPlan, title: str = ""):
 
 # ----------------------------------------------------------------------------- CLI
 
-def plan_parser() -> argparse.ArgumentParser:
-    from sim.scenario import scenario_args
-    from sim.whatif.plan_autoscale import add_args as plan_autoscale_args
-
-    p = argparse.ArgumentParser(
-        prog="simrun plan", description="Capacity searches. Without --target-rate: the highest request rate "
-        "the scenario sustains within the SLOs. With it: per device and tp, the fewest replicas that serve "
-        "the rate within the SLOs, ranked by cost per hour.")
-    scenario_args(p)
-    p.add_argument("--slo", action="append", default=[], metavar="METRIC=SECONDS",
-                   help=f"a latency target, e.g. ttft_p99=0.5 (repeatable; METRIC one of "
-                        f"{', '.join(allowed_slos())}); default: the scenario's slo as p99 targets")
-    p.add_argument("--max-rate", type=float, default=None, help="highest rate to try (default 256 x the "
-                   "scenario's rate). Every probe keeps the scenario's arrival window: a higher rate "
-                   "gets proportionally more requests")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="stop bisecting when the bracket is this fraction of the rate (default 0.05)")
-    p.add_argument("--curve", type=int, default=None, metavar="N",
-                   help="also probe N evenly spaced rates up to the highest tried, in parallel, to draw "
-                        "the curve (the answer is the search's)")
-    p.add_argument("--target-rate", type=float, default=None, metavar="REQ_PER_S",
-                   help="search replicas instead: the fewest that serve this rate")
-    p.add_argument("--devices", default=None, help="catalog devices to compare, e.g. h100-sxm,l4 "
-                   "(default: the scenario's)")
-    p.add_argument("--tp", default=None, help="tensor-parallel degrees to compare, e.g. 1,2 (default: the "
-                   "scenario's parallelism.tp)")
-    p.add_argument("--cost", action="append", default=[], metavar="DEVICE=PRICE",
-                   help="price per GPU hour, overriding the catalog's cost_per_hour (repeatable)")
-    p.add_argument("--max-replicas", type=int, default=None, help="give up above this many (default 64)")
-    p.add_argument("--disaggregation", action="store_true",
-                   help="with --target-rate: the cheapest split of x prefill and y decode engines "
-                        "(the scenario's cluster.disaggregation pools; sim/whatif/plan_pd.py)")
-    p.add_argument("--max-prefill", type=int, default=None, help="--disaggregation: at most this many "
-                   "prefill engines (default 8)")
-    p.add_argument("--max-decode", type=int, default=None, help="--disaggregation: at most this many "
-                   "decode engines (default 8)")
-    add_parallel_args(p)
-    plan_autoscale_args(p)
-    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
-                   "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
-    p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
-    p.add_argument("--pessimistic", action="store_true",
-                   help="answer with the bad edge of the error band: each SLO limit is divided by (1 + the "
-                        "typical error of the scenario's step-time source on that metric), so the answer "
-                        "still holds if the prediction is that far off")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    return p
-
-
 # (flag, dest, default) of each search; a flag of the other search would change nothing
 RATE_SEARCH_FLAGS = (("--max-rate", "max_rate", None), ("--tolerance", "tolerance", 0.05), ("--curve", "curve", 0))
 REPLICA_SEARCH_FLAGS = (("--devices", "devices", None), ("--tp", "tp", None), ("--max-replicas", "max_replicas", 64))
@@ -615,21 +566,11 @@ def check_plan_flags(args: argparse.Namespace) -> None:
 MAX_CURVE_POINTS = 1000
 
 
-def plan_main(argv: list[str]) -> int:
-    args = plan_parser().parse_args(argv)
+def search_main(args: argparse.Namespace) -> int:
+    """The rate search (no --target-rate) or the replica search (sim/whatif/plan_cli.py dispatches)."""
     from sim.output.setup import setup_manifest
-    from sim.whatif import plan_autoscale, plan_pd
 
-    if args.autoscale and args.disaggregation:
-        raise PlanError("--autoscale and --disaggregation are two questions: ask one at a time")
-    plan_pd.check_split_flags(args)
-    plan_autoscale.check_flags(args)
-    if args.autoscale:
-        return plan_autoscale.autoscale_main(args)
     check_plan_flags(args)
-    if args.disaggregation:
-        return plan_pd.split_main(args)
-
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
     band = scenario_band(scenario)
