@@ -10,6 +10,7 @@ import argparse
 
 import copy
 import difflib
+import functools
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -1148,19 +1149,27 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     return node if isinstance(node, type) and issubclass(node, BaseModel) else None
 
 
-def _paths_ending_in(model: type[BaseModel], key: str, depth: int = 3) -> list[str]:
+def _paths_ending_in(model: type[BaseModel], key: str) -> list[str]:
     """Dotted paths below `model` whose last part is `key` (rate -> workload.arrival.rate): a key
-    given at the wrong level is better answered by where it lives than by a similar spelling."""
-    found = []
+    given at the wrong level is better answered by where it lives than by a similar spelling.
+    A path through a field named `key` itself does not count."""
+    paths = [p for p in _paths_by_leaf(model).get(key, ()) if key not in p.split(".")[:-1]]
+    return paths[:3]
+
+
+@functools.lru_cache(maxsize=None)
+def _paths_by_leaf(model: type[BaseModel], depth: int = 3) -> dict[str, tuple[str, ...]]:
+    """Every dotted path of two or three parts below `model`, sorted, by its last part (built once
+    per schema class: 20,000 unknown keys must not walk the schema 20,000 times)."""
+    index: dict[str, set[str]] = {}
     for name, field in model.model_fields.items():
-        if name == key:
-            continue
         node = _unwrap(field.annotation)
         if depth > 1 and isinstance(node, type) and issubclass(node, BaseModel):
-            if key in node.model_fields:
-                found.append(f"{name}.{key}")
-            found += [f"{name}.{p}" for p in _paths_ending_in(node, key, depth - 1) if p.count(".")]
-    return sorted(set(found))[:3]
+            for leaf in node.model_fields:
+                index.setdefault(leaf, set()).add(f"{name}.{leaf}")
+            for leaf, paths in _paths_by_leaf(node, depth - 1).items():
+                index.setdefault(leaf, set()).update(f"{name}.{p}" for p in paths)
+    return {leaf: tuple(sorted(paths)) for leaf, paths in index.items()}
 
 
 def describe_validation_error(error: ValidationError, root: type[BaseModel]) -> list[str]:
