@@ -11,7 +11,7 @@ the routing weights only:
 Parameters use Hugging Face's fused layout (router `gate.weight` [E, H], `experts.gate_up_proj`
 [E, 2I, H], `experts.down_proj` [E, H, I]). Weights are random in the engine: loading MoE
 checkpoints is not implemented (the simulator models MoE memory and cost; the engine replays
-MoE schedules with random weights). tests/test_moe.py checks both against transformers.
+MoE schedules with random weights). tests/engine/test_moe.py checks both against transformers.
 """
 from __future__ import annotations
 

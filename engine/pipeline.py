@@ -15,7 +15,7 @@ decisions can depend on them: every request that samples in step N is scripted (
 come from the workload, its length is fixed). A step that samples for a live request (the
 server's: EOS cuts its length, prefix-cache hashes read its tokens) is finished after the wait,
 and step N+1 is scheduled only then. So both loops give the same batches, tokens and request
-records (tests/test_pipeline.py), and vLLM's one-step lag (a request scheduled once more after
+records (tests/engine/test_pipeline.py), and vLLM's one-step lag (a request scheduled once more after
 its last token) is not reproduced here. KVTWIN_OVERLAP=0 (or overlap=False) turns overlap off.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 Every field's type, default, bounds and meaning come from the pydantic models themselves (the
 `description` of each `Field`), so the page cannot drift from what `simrun` accepts;
-tests/test_scenario_reference.py fails when the committed page differs from a fresh one or a
+tests/sim/test_scenario_reference.py fails when the committed page differs from a fresh one or a
 field has no description.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@
 
 Startup stays light: this module imports nothing heavy at the top, each command's module is
 imported only when that command runs, and those modules import pandas, matplotlib and torch
-lazily, so `simrun -h` and `simrun COMMAND -h` load none of them (tests/test_cli_startup.py).
+lazily, so `simrun -h` and `simrun COMMAND -h` load none of them (tests/output/test_cli_startup.py).
 Importing `sim` checks that `sim`, `engine` and `validate` are kvtwin's own (sim/ownership.py).
 """
 from __future__ import annotations

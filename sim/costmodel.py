@@ -332,7 +332,7 @@ def scalar_form(method, generated: set[str], one_call: bool = False):
     `minimum` arguments) generated again for Python numbers only, without a call per max / min
     (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
     its source rewritten by _ScalarForm (and `_one_call`) and compiled against the same globals
-    and line numbers. tests/test_costmodel.py proves every form prices alike to the last bit."""
+    and line numbers. tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
     source = textwrap.dedent(inspect.getsource(method))
     tree = ast.parse(source)
     if one_call:

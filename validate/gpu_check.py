@@ -17,7 +17,7 @@ one still runs:
                    profile, replayed on the engine, compared
   engine_bench     continuous+paged vs static+contiguous on a pool where reservation binds
   kernel_bench     decode bandwidth vs copy bandwidth and SDPA, prefill TFLOP/s
-  kernels          tests/test_kernels.py compiled on the GPU (no -x: every failure listed)
+  kernels          tests/engine/test_kernels.py compiled on the GPU (no -x: every failure listed)
 A global deadline (default 430 s: a 540 s call with 20% slack) bounds the run: a step starts
 only if at least half its estimated time is left, runs with the time left as its timeout,
 and the rest are skipped. Every scenario's device is set to the catalog entry of the GPU at
@@ -216,7 +216,7 @@ def write_tolerances(folder: Path, table) -> None:
 
     bands = {row: round(max(target, abs(float(table.loc[row, "relative_error"])) * 1.5 + 0.02), 3)
              for row, target in GPU_TARGETS.items() if not pd.isna(table.loc[row, "relative_error"])}
-    header = ("# Written by validate/gpu_check.py: tests/test_reports.py re-predicts this measurement\n"
+    header = ("# Written by validate/gpu_check.py: tests/validate/test_reports.py re-predicts this measurement\n"
               "# with today's simulator and fails if an error leaves its band.\n")
     (folder / "tolerances.yaml").write_text(header + yaml.safe_dump(bands, sort_keys=True))
 
@@ -256,7 +256,7 @@ def kernel_bench(ctx: Context) -> dict:
 def kernels(ctx: Context) -> dict:
     """The kernel tests compiled on the GPU, every failure listed (no -x), plus the served
     models' attention shapes at long context against the reference."""
-    args = [sys.executable, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider", "-rf"]
+    args = [sys.executable, "-m", "pytest", "tests/engine/test_kernels.py", "-q", "-p", "no:cacheprovider", "-rf"]
     if ctx.dry_run:
         args += ["-k", "decode and fp32"]
     try:

@@ -2,7 +2,7 @@
 
 A report folder holds measured/summary.json, measured/manifest.json (with the resolved
 scenario) and tolerances.yaml; the device folder above it holds the calibrated profile
-(profile_<model>.yaml) the prediction used. tests/test_reports.py runs this for every
+(profile_<model>.yaml) the prediction used. tests/validate/test_reports.py runs this for every
 folder, so a change that makes the simulator worse at predicting real hardware fails CI
 even though CI has no GPU.
 """

@@ -6,7 +6,7 @@
   silu_mul     : silu(gate) * up from the fused gate_up projection
 
 Each matches the torch reference in engine/model.py bit for bit in fp32 and within one
-rounding in 16-bit types (tests/test_fused.py, under the interpreter). Rows are programs;
+rounding in 16-bit types (tests/engine/test_fused.py, under the interpreter). Rows are programs;
 every load is masked (the interpreter does not check bounds) and 16-bit values are cast to
 fp32 right after loading, so the same code runs interpreted and compiled.
 """

@@ -4,5 +4,5 @@ those need. No clock lives here: the simulator advances it with modelled step ti
 real GPU steps.
 
 May import: the standard library, numpy, pydantic, yaml and other `sim.core` modules. Never simpy,
-pandas, torch, or anything else under `sim` (tests/test_layers.py checks).
+pandas, torch, or anything else under `sim` (tests/repo/test_layers.py checks).
 """

@@ -6,7 +6,7 @@ pandas formats every cell as a Python object (and floats through numpy's slow sh
 formatting). Here each column becomes a block of bytes at once, a row per cell, padded with
 NUL bytes: integers digit by digit in numpy, floats as their shortest round-trip text (Python's
 `repr`, which is pandas' text too; pyarrow's C++ formatter where it is installed and gives the
-same text, checked by tests/test_columns_csv.py), text columns once per distinct value. The
+same text, checked by tests/output/test_columns_csv.py), text columns once per distinct value. The
 blocks of a chunk of rows are laid side by side with the commas and newlines, and the NULs
 dropped from the bytes in one pass.
 

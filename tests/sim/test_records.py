@@ -1,0 +1,180 @@
+"""Columnar run records, so a million-request run fits in memory: requests taken as they end, steps a row per step or per leap."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.metrics import summarise
+from sim.output.run_files import write_data_files
+from sim.predict import predict
+from sim.records import AGGREGATED_COLUMNS, STEP_COLUMNS, RunRecords, requests_frame
+from sim.scenario import load_scenario
+from sim.simulator import simulate
+from sim.workload import build_requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def busy_scenario(n=300, *extra):
+    return load_scenario(ROOT / "scenarios" / "bench_sim_speed.yaml",
+                         [f"workload.num_requests={n}", "workload.arrival.rate=300", *extra])
+
+
+@pytest.fixture(scope="module")
+def run():
+    scenario = busy_scenario()
+    records, _, _ = simulate(scenario)
+    return scenario, records
+
+
+def test_leaps_are_one_row_and_expand_to_every_step(run):
+    _, records = run
+    full, rows = records.steps_frame(), records.steps_frame(full=False)
+    assert list(full.columns) == ["replica", *STEP_COLUMNS] and list(rows.columns) == ["replica", *AGGREGATED_COLUMNS]
+    assert (rows["steps"] > 1).any() and len(rows) < len(full) == rows["steps"].sum()
+    assert (full["step"].to_numpy() == np.arange(len(full))).all()
+    last = np.cumsum(rows["steps"].to_numpy()) - 1
+    first = last - rows["steps"].to_numpy() + 1
+    for column in ("start_s", "kv_blocks_used", "decode_ctx", "blocks_read", "running", "num_seqs"):
+        assert (rows[column].to_numpy() == full[column].to_numpy()[first]).all(), column
+    assert (rows["end_s"].to_numpy() == full["end_s"].to_numpy()[last]).all()
+    assert (rows["kv_blocks_used_last"].to_numpy() == full["kv_blocks_used"].to_numpy()[last]).all()
+    assert np.allclose(rows["device_s"], np.add.reduceat(full["device_s"].to_numpy(), first), rtol=1e-12)
+    # within a row every step starts where the previous one ended
+    inner = np.setdiff1d(np.arange(len(full)), first)
+    assert (full["start_s"].to_numpy()[inner] == full["end_s"].to_numpy()[inner - 1]).all()
+
+
+def test_summary_from_columns_equals_the_one_from_a_per_step_frame(run):
+    scenario, records = run
+    df = requests_frame(records)
+    from_frame = summarise(records, scenario.slo, df, records.steps_frame())
+    from_columns = summarise(records, scenario.slo, df)
+    assert json.dumps(from_frame, sort_keys=True) == json.dumps(from_columns, sort_keys=True)
+
+
+def test_requests_taken_as_they_end_equal_requests_taken_at_the_end():
+    scenario = busy_scenario(200, "workload.multi_turn={turns: 3, user_len: 30, think_time_s: 0.2}",
+                             "engine.num_blocks=300")
+    requests = build_requests(scenario)
+    records, _, _ = simulate(scenario, requests)             # not released: the list stays whole
+    assert len(requests) == 200 and all(r.is_finished for r in requests)
+    at_end = RunRecords(requests, records.recorders, records.kv_blocks_total, records.block_size)
+    pd.testing.assert_frame_equal(requests_frame(records), requests_frame(at_end), check_exact=True)
+    assert requests_frame(records)["preemptions"].sum() > 0    # runs split by preemption are covered
+
+
+def test_a_released_workload_is_emptied_and_every_request_recorded():
+    scenario = busy_scenario(100)
+    requests = build_requests(scenario)
+    records, _, _ = simulate(scenario, requests, release=True)
+    assert requests == [] and len(records.requests) == 100
+    assert list(requests_frame(records)["id"]) == list(range(100))
+
+
+def test_steps_csv_is_aggregated_unless_full_is_asked(tmp_path):
+    result = predict(busy_scenario(150))
+    write_data_files(result, tmp_path / "rows")
+    write_data_files(result, tmp_path / "full", steps="full")
+    rows, full = pd.read_csv(tmp_path / "rows" / "steps.csv"), pd.read_csv(tmp_path / "full" / "steps.csv")
+    assert len(full) == result.summary["num_steps"] == rows["steps"].sum() > len(rows)
+    with pytest.raises(ValueError, match="steps='every'"):
+        write_data_files(result, tmp_path / "bad", steps="every")
+
+
+@pytest.mark.parametrize("extra", [
+    ("workload.warmup_requests=10", "workload.multi_turn={turns: 3, user_len: 30, think_time_s: 0.3}"),
+    ("workload.tenants=[{name: a, share: 0.5, salt: true}, {name: b, share: 0.5}]", "cluster.replicas=2"),
+], ids=["multi-turn+warm-up", "tenants+replicas"])
+def test_a_streamed_workload_predicts_what_the_built_list_does(extra):
+    scenario = busy_scenario(150, *extra)
+    streamed, _, _ = simulate(scenario)                       # requests made as the run reaches them
+    built, _, _ = simulate(scenario, build_requests(scenario))
+    a, b = requests_frame(streamed), requests_frame(built)
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert json.dumps(summarise(streamed, scenario.slo), sort_keys=True) == \
+        json.dumps(summarise(built, scenario.slo), sort_keys=True)
+
+
+def test_a_rejected_first_turn_rejects_its_streamed_follow_ups():
+    scenario = busy_scenario(6, "workload.multi_turn={turns: 2, user_len: 30, think_time_s: 0.1}",
+                             "workload.prompt_len={dist: fixed, value: 5000}")
+    df = requests_frame(simulate(scenario)[0])
+    assert len(df) == 6 and (df["status"] == "rejected").all()
+    assert df["reject_reason"].str.contains("an earlier turn").sum() == 3
+
+
+def test_step_buffers_keep_every_value_exactly_across_packs():
+    """Steps and rows are buffered as packed doubles between packs: floats,
+    numpy scalars and integers past 2**31 come back unchanged, in order, over several packs."""
+    from types import SimpleNamespace
+
+    from sim.records import PER_STEP, StepRecorder
+
+    class Small(StepRecorder):
+        CHUNK = 3                          # pack every few steps
+        LONG_LEAP = 4
+
+    recorder, expected = Small(), []
+    big = 2 ** 40 + 7
+    for i in range(7):
+        batch = SimpleNamespace(step=len(expected), num_decode=2, num_prefill_tokens=big + i, prefills=[1],
+                                prefill_ctx=i, prefill_attn=big, preempted=[], decode_ctx=big - i, blocks_read=i)
+        sched = SimpleNamespace(running=[1, 2, 3], num_waiting=i)
+        end = 0.1 * i + 1e-9
+        recorder.record(batch, sched, 0.1 * i, end, 1 / 3, np.float64(0.2 + i), big, i, -i)
+        expected.append((end, 1 / 3, 0.2 + i, big - i, i, big, i, -i))
+        k = 2 + i % 4                      # short and long leaps, numpy and Python values
+        ends = list(np.cumsum(np.full(k, 0.7)) + end) if i % 2 else [end + 0.3 * (j + 1) for j in range(k)]
+        ctx = np.arange(k, dtype=np.int64) + big
+        recorder.record_leap(first_step=len(expected), start_s=end, ends=ends, rows=5, decode_ctx=ctx,
+                             blocks_read=[3] * k, running=5, waiting=0, kv_used=[big] * k, kv_cached=[0] * k,
+                             slack=list(range(k)), host=[0.01] * k, device=[0.02] * k)
+        expected += [(ends[j], 0.01, 0.02, int(ctx[j]), 3, big, 0, j) for j in range(k)]
+    assert len(recorder) == len(expected)
+    for n, name in enumerate(PER_STEP):
+        assert recorder.step_column(name).tolist() == [row[n] for row in expected], name
+    assert recorder.step_column("step").tolist() == list(range(len(expected)))
+    assert recorder.step_column("prefill_tokens")[0] == big
+
+
+def _one_weighted_percentile(values, weights, q):
+    """The summary's weighted percentile as it was, one sort per q (the reference)."""
+    order = np.argsort(values, kind="stable")
+    v, cum = values[order], np.cumsum(weights[order])
+    pos = q / 100 * (int(cum[-1]) - 1)
+    lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+    v_lo, v_hi = v[np.searchsorted(cum, lo, side="right")], v[np.searchsorted(cum, hi, side="right")]
+    return float(v_lo + (v_hi - v_lo) * (pos - lo))
+
+
+def test_percentiles_taken_in_one_pass_equal_one_call_per_percentile():
+    """The summary sorts a sample once for all its percentiles (the ITL sample has a value per
+    step): the figures are those of one call per q, to the last bit."""
+    from sim.metrics import PERCENTILES, distribution
+
+    rng = np.random.default_rng(7)
+    for size in (1, 2, 5, 97, 1000):
+        values = np.round(rng.exponential(0.01, size), 4)          # rounded: ties, as step times have
+        weights = rng.integers(0, 5, size)
+        weights[0] = max(weights[0], 1)
+        plain, weighted = distribution(values), distribution(values, weights)
+        for q in PERCENTILES:
+            assert plain[f"p{q}"] == float(np.percentile(values, q))
+            assert weighted[f"p{q}"] == _one_weighted_percentile(values, weights, q)
+            assert np.isclose(weighted[f"p{q}"], np.percentile(np.repeat(values, weights), q), rtol=1e-12)
+        assert plain["mean"] == float(values.mean()) and weighted["max"] == float(values.max())
+
+
+def test_simulating_does_not_import_pandas():
+    """Frames are made only for files and the summary; a process that only simulates skips pandas."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sim.scenario import load_scenario; from sim.simulator import simulate; "
+            f"simulate(load_scenario({str(ROOT / 'scenarios' / 'bench_sim_speed.yaml')!r}, "
+            "['workload.num_requests=50'])); print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"

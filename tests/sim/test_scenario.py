@@ -1,0 +1,131 @@
+"""Scenario schema: clear errors that name the path, the value and what is allowed."""
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.scenario import (ScenarioError, apply_overrides, expand_variants, load_scenario,
+                          validate_scenario)
+
+BASE = {"model": "qwen2.5-0.5b", "device": "h100-sxm"}
+
+
+def errors_of(raw):
+    with pytest.raises(ScenarioError) as err:
+        validate_scenario(raw)
+    return str(err.value)
+
+
+def test_minimal_scenario_takes_vllm_defaults():
+    s = validate_scenario(BASE)
+    assert s.engine.block_size == 16 and s.engine.batching == "continuous"
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (1024, 8192)   # >= 70 GiB, not A100
+    small = validate_scenario({**BASE, "device": "a100-80g"})
+    assert (small.max_num_seqs, small.max_num_batched_tokens) == (256, 2048)
+    assert s.max_model_len == 32768
+
+
+def test_misspelt_key_names_full_path_and_closest_key():
+    msg = errors_of({**BASE, "engine": {"blok_size": 32}})
+    assert "engine.blok_size: unknown key; did you mean 'block_size'?" in msg
+
+
+def test_misspelt_nested_workload_key():
+    msg = errors_of({**BASE, "workload": {"arrival": {"proces": "poisson", "rate": 1}}})
+    assert "workload.arrival.proces: unknown key; did you mean 'process'?" in msg
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({"engine": {"block_size": 0}}, "engine.block_size: Input should be greater than or equal to 1 (got 0)"),
+    ({"workload": {"arrival": {"process": "poisson", "rate": -2}}}, "workload.arrival.rate: Input should be greater than 0 (got -2)"),
+    ({"engine": {"batching": "dynamic"}}, "engine.batching: Input should be 'continuous' or 'static' (got 'dynamic')"),
+    ({"engine": {"max_num_seqs": "many"}}, "engine.max_num_seqs: Input should be a valid integer"),
+    ({"parallelism": {"tp": 3}}, "parallelism.tp: 3 does not divide the model's 14 attention heads"),
+    ({"workload": {"arrival": {"process": "poisson"}}}, "workload.arrival: arrival process 'poisson' needs a rate"),
+    ({"workload": {"prompt_len": {"dist": "uniform", "min": 10}}}, "workload.prompt_len: dist 'uniform' needs max"),
+    ({"model": "qwen9"}, "model: unknown model 'qwen9'"),
+])
+def test_bad_values_name_path_value_and_allowed(patch, expected):
+    assert expected in errors_of({**BASE, **patch})
+
+
+def test_several_problems_are_all_reported():
+    msg = errors_of({**BASE, "engine": {"block_size": 0, "prefix_cachin": True}})
+    assert "2 problems" in msg and "engine.block_size" in msg and "engine.prefix_cachin" in msg
+
+
+def test_length_shorthand_int_means_fixed():
+    s = validate_scenario({**BASE, "workload": {"prompt_len": 35, "output_len": 1}})
+    assert (s.workload.prompt_len.dist, s.workload.prompt_len.value) == ("fixed", 35)
+
+
+def test_explicit_model_shape_and_device_overrides():
+    shape = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=100, dtype="float16")
+    s = validate_scenario({"model": shape, "device": {"base": "l4", "memory_mib": 12000}})
+    assert s.model.num_layers == 2 and s.device.memory_mib == 12000 and s.device.bf16_tflops == 121.0
+
+
+def test_hf_config_json_is_a_model(tmp_path):
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+           "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+           "vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1e6,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "s.yaml").write_text("model: {hf_config: config.json}\ndevice: h200\n")
+    s = load_scenario(tmp_path / "s.yaml")
+    assert s.model.architecture == "qwen2" and s.model.head_dim == 64 and s.model.qkv_bias
+
+
+def test_overrides_use_the_same_validation(tmp_path):
+    (tmp_path / "s.yaml").write_text("model: qwen2.5-0.5b\ndevice: h200\n")
+    s = load_scenario(tmp_path / "s.yaml", ["engine.block_size=32", "model.dtype=float16"])
+    assert s.engine.block_size == 32 and s.model.dtype == "float16" and s.model.num_layers == 24
+    with pytest.raises(ScenarioError, match="engine.blok_size: unknown key; did you mean 'block_size'"):
+        load_scenario(tmp_path / "s.yaml", ["engine.blok_size=32"])
+    with pytest.raises(ScenarioError, match=r"engine.block_size: .*greater than or equal to 1 \(got 0\)"):
+        load_scenario(tmp_path / "s.yaml", ["engine.block_size=0"])
+    with pytest.raises(ScenarioError, match="expected PATH=VALUE"):
+        apply_overrides({}, ["engine.block_size"])
+
+
+def test_relative_paths_resolve_against_the_scenario_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "s.yaml").write_text(
+        "model: tiny\ndevice: cpu\nworkload:\n  trace: {format: azure, path: ../data/t.csv}\n")
+    s = load_scenario(tmp_path / "sub" / "s.yaml")
+    assert s.workload.trace.path == (tmp_path / "sub" / ".." / "data" / "t.csv").resolve() or \
+        s.workload.trace.path.resolve() == (tmp_path / "data" / "t.csv").resolve()
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    (tmp_path / "s.yaml").write_text("model: tiny\ndevice: [cpu\n")
+    with pytest.raises(ScenarioError, match=r"line \d+, column \d+"):
+        load_scenario(tmp_path / "s.yaml")
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    (tmp_path / "s.yaml").write_text("model: !!python/object/apply:os.system ['echo hi']\ndevice: cpu\n")
+    with pytest.raises(ScenarioError, match="not valid YAML"):
+        load_scenario(tmp_path / "s.yaml")
+
+
+def test_variants_merge_over_the_base_and_validate_with_their_path():
+    s = validate_scenario({**BASE, "variants": {
+        "static": {"engine": {"batching": "static", "allocation": "contiguous"}},
+        "continuous": {}}})
+    runs = expand_variants(s)
+    assert runs["static"].engine.allocation == "contiguous" and runs["continuous"].engine.allocation == "paged"
+    bad = validate_scenario({**BASE, "variants": {"x": {"engine": {"blok_size": 1}}}})
+    with pytest.raises(ScenarioError, match="variants.x.engine.blok_size: unknown key"):
+        expand_variants(bad)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "scenarios").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_scenario_round_trips_through_its_manifest_dump(path):
+    """A manifest stores the resolved scenario; loading it back must give the same scenario."""
+    scenario = load_scenario(path)
+    for variant in expand_variants(scenario, path.parent).values():
+        again = validate_scenario(variant.model_dump(mode="json"))
+        assert again.model_dump() == variant.model_dump()
