@@ -230,7 +230,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def gpu_price(args, scenario) -> Optional[float]:
-    from sim.whatif.plan import PlanError, parse_cost
+    from sim.whatif.plan import PlanError
+    from sim.whatif.plan_args import parse_cost
 
     prices = dict(parse_cost(c) for c in args.cost)
     unknown = sorted(set(prices) - {scenario.device.name})
@@ -244,7 +245,8 @@ def autoscale_main(args: argparse.Namespace) -> int:
     from sim.output.run_dir import owned_run_folder
     from sim.output.setup import setup_manifest
     from sim.arrival_shape import shape_of
-    from sim.whatif.plan import PlanError, scenario_task
+    from sim.whatif.plan import PlanError
+    from sim.whatif.plan_args import scenario_task
 
     task, scenario = scenario_task(args)
     if scenario.cluster.autoscaling is None:

@@ -1,13 +1,19 @@
-"""`simrun plan`: its flags, and which search answers (the searches are plan.py, plan_pd.py and
-plan_autoscale.py; they import plan.py's pieces, this module imports them all)."""
+"""`simrun plan`: its flags, which search answers, and the rate and replica searches' command (the
+P/D split is plan_pd.py's, the autoscaler plan_autoscale.py's). The searches are plan.py, their
+output plan_output.py, the flags they share plan_args.py; nothing imports this module."""
 from __future__ import annotations
 
 import argparse
+import time
 
-from sim.output.run_dir import out_folder_arg
+from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import scenario_args
 from sim.whatif import plan, plan_autoscale, plan_pd
-from sim.whatif.sweep import add_parallel_args
+from sim.whatif.plan import (PlanError, RateCurve, SloTarget, Traffic, fill_curve, parse_slo, pessimistic_slos,
+                             plan_replicas, scenario_band, scenario_slos, search_rate)
+from sim.whatif.plan_args import base_task, candidates, check_plan_flags, default_out, positive
+from sim.whatif.plan_output import print_band, print_rate_plan, print_replica_plan, write_rate_plan, write_replica_plan
+from sim.whatif.sweep import PointTask, add_parallel_args, check_jobs
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -59,12 +65,64 @@ def plan_parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     if args.autoscale and args.disaggregation:
-        raise plan.PlanError("--autoscale and --disaggregation are two questions: ask one at a time")
+        raise PlanError("--autoscale and --disaggregation are two questions: ask one at a time")
     plan_pd.check_split_flags(args)
     plan_autoscale.check_flags(args)
     if args.autoscale:
         return plan_autoscale.autoscale_main(args)
     if args.disaggregation:
-        plan.check_plan_flags(args)
+        check_plan_flags(args)
         return plan_pd.split_main(args)
-    return plan.search_main(args)
+    return search_main(args)
+
+
+def search_main(args: argparse.Namespace) -> int:
+    """The rate search (no --target-rate) or the replica search (sim/whatif/plan_cli.py dispatches)."""
+    from sim.output.setup import setup_manifest
+
+    check_plan_flags(args)
+    base, scenario = base_task(args)
+    slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)
+    band = scenario_band(scenario)
+    if args.pessimistic:
+        slos = pessimistic_slos(slos, band)
+    out = args.out or default_out(args)
+    t0 = time.monotonic()
+    if args.target_rate is not None:                      # flag errors first, then the folder
+        rate, targets = positive(args.target_rate, "--target-rate"), candidates(args, scenario)
+    with owned_run_folder(out, force=args.force):         # checked before searching
+        if args.target_rate is None:
+            curve = run_rate_search(args, base, scenario, slos)
+            write_rate_plan(curve, out, scenario.name, setup_manifest(scenario))     # titled as run figures are
+        else:
+            plan = plan_replicas(base, Traffic.of(scenario), slos, rate, targets, args.max_replicas,
+                                 check_jobs(args.jobs), args.ray, args.quiet)
+            write_replica_plan(plan, out, scenario.name, setup_manifest(scenario))
+    if not args.quiet and args.target_rate is None:
+        print_rate_plan(curve, out, time.monotonic() - t0)
+    elif not args.quiet:
+        print_replica_plan(plan, out, time.monotonic() - t0)
+    if not args.quiet:
+        print_band(band, slos, args.pessimistic)
+    return 0
+
+
+
+def run_rate_search(args, base: PointTask, scenario, slos: list[SloTarget]) -> RateCurve:
+    from sim.output.console import err_console
+    from sim.costmodel import CostModel
+    from sim.core.memory import plan_memory
+
+    plan_memory(scenario, CostModel.for_scenario(scenario).profile.activation_scale)   # fits at all?
+    traffic = Traffic.of(scenario)
+    highest = positive(args.max_rate, "--max-rate") if args.max_rate is not None else 256 * traffic.rate
+
+    def log(row: dict) -> None:
+        if not args.quiet:
+            verdict = "[green]passes[/]" if row["ok"] else f"[red]fails[/]: {row['failed']}"
+            err_console.print(f"  {row['rate']:g} req/s: {verdict}")
+
+    curve = search_rate(base, traffic, slos, highest / 1024, highest, args.tolerance, log)
+    if args.curve > 0:
+        curve = fill_curve(base, traffic, curve, args.curve, check_jobs(args.jobs), args.ray, args.quiet)
+    return curve

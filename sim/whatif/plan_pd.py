@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sim.core.lazy import lazy_import
-from sim.whatif.plan import (PlanError, SloTarget, Traffic, answer_economics, headroom, run_probe, seconds,
-                             with_settings)
+from sim.whatif.plan import PlanError, SloTarget, Traffic, headroom, run_probe, seconds, with_settings
+from sim.whatif.plan_output import answer_economics
 from sim.whatif.sweep import PointTask, parallel_map, save_png, write_page
 
 np = lazy_import("numpy")
@@ -218,8 +218,9 @@ def split_main(args) -> int:
 
     from sim.output.run_dir import owned_run_folder
     from sim.output.setup import setup_manifest
-    from sim.whatif.plan import (base_task, default_out, parse_cost, parse_slo, positive, print_band,
-                                 scenario_band, scenario_slos)
+    from sim.whatif.plan import parse_slo, scenario_band, scenario_slos
+    from sim.whatif.plan_output import print_band
+    from sim.whatif.plan_args import base_task, default_out, parse_cost, positive
     from sim.whatif.sweep import check_jobs
 
     base, scenario = base_task(args)

@@ -6,8 +6,10 @@ import pytest
 import yaml
 
 from sim.cli import main
-from sim.whatif.plan import (answer_economics, dollars_per_million_output_tokens, headroom, Candidate, PlanError, Traffic, fewest_passing, highest_passing, parse_slo, plan_replicas,
-                      run_probe, search_rate, steady_state, with_settings)
+from sim.whatif.plan import (Candidate, PlanError, Traffic, dollars_per_million_output_tokens, fewest_passing, headroom,
+                             highest_passing, parse_slo, plan_replicas, run_probe, search_rate, steady_state,
+                             with_settings)
+from sim.whatif.plan_output import answer_economics
 from sim.predict import predict
 from sim.scenario import load_scenario
 from sim.whatif.sweep import PointTask, load_raw
