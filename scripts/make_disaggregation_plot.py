@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from sim.metrics import meets_slo  # noqa: E402
 from sim.scenario import Slo, load_scenario  # noqa: E402
-from sim.whatif.sweep import save_png  # noqa: E402
+from sim.whatif.sweep_output import save_png  # noqa: E402
 
 SCENARIO = ROOT / "scenarios" / "whatif_disaggregation.yaml"
 RATES = (2, 4, 6, 8, 10, 12, 14)

@@ -80,7 +80,7 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sim.whatif.sweep import save_png
+    from sim.whatif.sweep_output import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, values in table.items():

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from sim.cli import main as simrun, run_parser  # noqa: E402
 from sim.output.report import format_value  # noqa: E402
-from sim.whatif.sweep import Metric, Sweep, plot_metrics, save_png, split_sets, sweep_points  # noqa: E402
+from sim.whatif.sweep import Sweep, split_sets, sweep_points  # noqa: E402
+from sim.whatif.sweep_output import Metric, plot_metrics, save_png  # noqa: E402
 
 DOCS = ROOT / "docs" / "whatif"
 GIB = 1 / 2**30

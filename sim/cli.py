@@ -205,7 +205,7 @@ def is_user_error(e: BaseException) -> bool:
 def run_parser() -> argparse.ArgumentParser:
     from sim.output.run_dir import out_folder_arg
     from sim.scenario import scenario_args
-    from sim.whatif.sweep import add_sweep_args
+    from sim.whatif.sweep_cli import add_sweep_args
 
     p = argparse.ArgumentParser(
         prog="simrun", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -230,7 +230,8 @@ def run_parser() -> argparse.ArgumentParser:
 def run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
     from sim.scenario import expand_variants, load_scenario
-    from sim.whatif.sweep import check_sweep_flags, is_sweep, sweep_main
+    from sim.whatif.sweep import is_sweep
+    from sim.whatif.sweep_cli import check_sweep_flags, sweep_main
 
     if is_sweep(args.overrides):          # a --set with several values: one run per point
         return sweep_main(args)

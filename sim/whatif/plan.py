@@ -41,7 +41,8 @@ from typing import Any, Callable, Optional, Sequence
 from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
 from sim.scenario import ScenarioError
-from sim.whatif.sweep import PointTask, flatten, gpu_cost, parallel_map
+from sim.whatif.sweep import PointTask, flatten, gpu_cost
+from sim.whatif.parallel import parallel_map
 
 np = lazy_import("numpy")      # on first use: `simrun plan -h` stays light
 pd = lazy_import("pandas")

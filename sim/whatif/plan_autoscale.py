@@ -175,7 +175,7 @@ def verdict(table: "pd.DataFrame") -> str:
 def write_files(out: Path, runs: list[FleetRun], table, windows, shape, bucket_s: float, title: str,
                 setup: Optional[dict]) -> dict[str, Path]:
     from sim.output.io import write_csv
-    from sim.whatif.sweep import save_png, write_page
+    from sim.whatif.sweep_output import save_png, write_page
 
     files = {"csv": write_csv(out / "autoscale.csv", table),
              "slo": write_csv(out / "autoscale_slo.csv", windows),
@@ -273,7 +273,7 @@ def autoscale_main(args: argparse.Namespace) -> int:
         write_files(out, runs, table, windows, shape_of(scenario.workload.arrival), args.bucket_s, title,
                     setup_manifest(scenario))
     if not args.quiet:
-        from sim.whatif.sweep import print_frame
+        from sim.output.run_table import print_frame
         print_frame(table)
         console.print(verdict(table))
         console.print(f"2 runs in {time.monotonic() - t0:.1f} s; wrote {out}/ (autoscale.csv, autoscale_slo.csv, "

@@ -13,7 +13,8 @@ from sim.whatif.plan import (PlanError, RateCurve, SloTarget, Traffic, fill_curv
                              plan_replicas, scenario_band, scenario_slos, search_rate)
 from sim.whatif.plan_args import base_task, candidates, check_plan_flags, default_out, positive
 from sim.whatif.plan_output import print_band, print_rate_plan, print_replica_plan, write_rate_plan, write_replica_plan
-from sim.whatif.sweep import PointTask, add_parallel_args, check_jobs
+from sim.whatif.sweep import PointTask
+from sim.whatif.parallel import add_parallel_args, check_jobs
 
 
 def plan_parser() -> argparse.ArgumentParser:

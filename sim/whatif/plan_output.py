@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 from sim.core.lazy import lazy_import
 from sim.whatif.plan import (RateCurve, ReplicaPlan, SloTarget, band_metric, dollars_per_million_output_tokens,
                              headroom, seconds)
-from sim.whatif.sweep import print_frame, save_png, write_page
+from sim.output.run_table import print_frame
+from sim.whatif.sweep_output import save_png, write_page
 
 np = lazy_import("numpy")
 pd = lazy_import("pandas")

@@ -20,7 +20,9 @@ from typing import Optional, Sequence
 from sim.core.lazy import lazy_import
 from sim.whatif.plan import PlanError, SloTarget, Traffic, headroom, run_probe, seconds, with_settings
 from sim.whatif.plan_output import answer_economics
-from sim.whatif.sweep import PointTask, parallel_map, save_png, write_page
+from sim.whatif.sweep import PointTask
+from sim.whatif.parallel import parallel_map
+from sim.whatif.sweep_output import save_png, write_page
 
 np = lazy_import("numpy")
 pd = lazy_import("pandas")
@@ -186,7 +188,7 @@ def write_split_plan(plan: SplitPlan, out: Path, name: str, setup: Optional[dict
 
 def print_split_plan(plan: SplitPlan, out: Path, wall_s: float) -> None:
     from sim.output.console import console
-    from sim.whatif.sweep import print_frame
+    from sim.output.run_table import print_frame
 
     print_frame(plan.table.drop(columns=["failed"]))
     console.print(split_verdict(plan))
@@ -221,7 +223,7 @@ def split_main(args) -> int:
     from sim.whatif.plan import parse_slo, scenario_band, scenario_slos
     from sim.whatif.plan_output import print_band
     from sim.whatif.plan_args import base_task, default_out, parse_cost, positive
-    from sim.whatif.sweep import check_jobs
+    from sim.whatif.parallel import check_jobs
 
     base, scenario = base_task(args)
     slos = [parse_slo(s) for s in args.slo] or scenario_slos(scenario.slo)

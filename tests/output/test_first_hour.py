@@ -336,7 +336,8 @@ def test_a_prompt_layout_sweep_shows_the_prefix_hit_rate(tmp_path):
 
 
 def test_moved_metrics_follow_the_swept_field():
-    from sim.whatif.sweep import Axis, moved_metrics
+    from sim.whatif.sweep import Axis
+    from sim.whatif.sweep_output import moved_metrics
 
     names = lambda path: [m.name for m in moved_metrics([Axis(path, ("1", "2"), (1, 2))])]  # noqa: E731
     assert names("engine.gpu_memory_utilization") == ["kv_pool_tokens", "max_concurrency"]

@@ -115,7 +115,7 @@ WORK = """
 def test_sweep_workers_get_the_stop_and_end_before_the_parent(tmp_path):
     code, err = run_script(tmp_path, WORK + """
     if __name__ == "__main__":
-        from sim.whatif.sweep import _map_on_processes
+        from sim.whatif.parallel import _map_on_processes
         with stop.stop_on_signals():
             try:
                 _map_on_processes(work, ["w0", "w1", "w2", "w3", "w4", "w5"], 2, "points", True)

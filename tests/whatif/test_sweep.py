@@ -11,7 +11,7 @@ import yaml
 from sim.cli import main
 from sim.predict import predict
 from sim.scenario import ScenarioError, apply_overrides, load_raw, load_scenario
-from sim.whatif.sweep import (Axis, SweepError, flatten, run_sweep, split_sets, split_values, sweep_points)
+from sim.whatif.sweep import Axis, SweepError, flatten, run_sweep, split_sets, split_values, sweep_points
 
 SMALL = {
     "name": "small", "seed": 0, "model": "llama-3.1-8b", "device": "l4",
