@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from sim.core import vllm_versions
-from sim.core.memory import parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
+from sim.core.memory import draft_model_problem, parse_vllm_version, pool_block_bytes, weight_bytes_per_gpu
 from sim.core.offload import KvOffload, scenario_problem as offload_problem
 from sim.errors import MAX_PROBLEMS_SHOWN, ScenarioError
 from sim.core.files import FileFormatError, excerpt, load_yaml, read_text
@@ -923,6 +923,7 @@ def _cross_checks(s: Scenario) -> list[str]:
     if s.cluster.disaggregation is not None:
         problems += disaggregation_problems(s)
     problems += autoscaling_problems(s)
+    problems += [p for p in [draft_model_problem(s)] if p]
     if s.cluster.autoscaling is not None and (s.cluster.disaggregation is not None
                                               or s.cluster.router in DEPLOYED_ROUTERS):
         problems.append(f"cluster.autoscaling: not modelled with "

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from sim.core import vllm_versions
-from sim.core.catalog import MIB, ModelSpec
+from sim.core.catalog import MIB, ModelSpec, catalog_entry
 
 
 class InsufficientMemoryError(ValueError):
@@ -318,6 +318,7 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     eng = scenario.engine
     activation = _measured_activation(scenario, activation_scale)
     plan = _vllm_plan(scenario, activation) if uses_vllm_plan(scenario) else _simple_plan(scenario, activation)
+    plan = _with_draft_model(plan, scenario)
     if eng.kv_cache_memory_bytes is not None and eng.num_blocks is None:
         plan = _given_kv_memory(plan, eng.kv_cache_memory_bytes)
     if eng.num_blocks is not None:
@@ -334,7 +335,7 @@ def with_draft_head(scenario):
     """The scenario as its memory plan sees it: with an EAGLE / EAGLE-3 / MTP drafter, one more
     full-attention decoder layer, whose weights load beside the target's (sharing its embedding and
     LM head) and whose KV shares the target's pool, as vLLM adds the drafter's attention layers to
-    its KV cache config. (A draft_model's own weights and KV are not planned: docs/whatif/speculative.md.)"""
+    its KV cache config. (A draft model: `_with_draft_model`.)"""
     spec = getattr(scenario.engine, "speculative", None)
     if spec is None or spec.method not in DRAFT_HEAD_METHODS:
         return scenario
@@ -342,6 +343,50 @@ def with_draft_head(scenario):
     types = [*m.layer_types, "full_attention"] if m.layer_types else None
     return scenario.model_copy(update={"model": m.model_copy(update={"num_layers": m.num_layers + 1,
                                                                       "layer_types": types})})
+
+
+def draft_model_spec(scenario) -> ModelSpec | None:
+    """The draft model of `engine.speculative.method: draft_model` (a catalog entry), else None."""
+    spec = getattr(scenario.engine, "speculative", None)
+    if spec is None or spec.method != "draft_model":
+        return None
+    return ModelSpec(**catalog_entry("models", spec.model))
+
+
+def _with_draft_model(plan: MemoryPlan, scenario) -> MemoryPlan:
+    """A draft model loads beside the target on the same GPUs, at the target's tp by default
+    (vLLM 0.19: DraftModelProposer.load_model in v1/spec_decode/draft_model.py, and
+    config/speculative.py _verify_and_get_draft_tp): its weights come off the KV budget, and its
+    attention layers join the target's in the KV cache config. Both being full attention of
+    different hidden sizes, vLLM makes them one KV cache group whose block holds block_size tokens
+    of every layer of both (v1/core/kv_cache_utils.py _get_kv_cache_groups_uniform_type,
+    v1/kv_cache_interface.py UniformTypeKVCacheSpecs), so a block grows by the draft's bytes per
+    token. (The drafter's profiling forward runs after the target's; its smaller peak is not added.)"""
+    draft = draft_model_spec(scenario)
+    if draft is None:
+        return plan
+    tp, dtype = scenario.parallelism.tp, scenario.engine.kv_cache_dtype
+    weights = weight_bytes_per_gpu(draft, tp, scenario.parallelism.dp)
+    per_token = kv_bytes_per_token(draft, tp, dtype)
+    kv_budget = plan.kv_budget_bytes - weights
+    block_bytes = plan.block_bytes + per_token * plan.block_size
+    return replace(plan, weight_bytes=plan.weight_bytes + weights, kv_budget_bytes=kv_budget,
+                   kv_bytes_per_token=plan.kv_bytes_per_token + per_token, block_bytes=block_bytes,
+                   num_blocks=max(kv_budget, 0) // block_bytes)
+
+
+def draft_model_problem(scenario) -> str | None:
+    """Why the pool above does not describe the scenario's draft model, else None: the one-group
+    block needs full attention in both models."""
+    draft = draft_model_spec(scenario)
+    if draft is None:
+        return None
+    hybrid = [m.name for m in (scenario.model, draft) if m.num_sliding_layers]
+    if hybrid:
+        return (f"engine.speculative.model: a draft model beside '{hybrid[0]}', which has sliding-window "
+                f"layers, is not modelled (its KV cache groups would differ); use a full-attention "
+                f"target and draft, or method eagle/eagle3/mtp")
+    return None
 
 
 def uses_vllm_plan(scenario) -> bool:

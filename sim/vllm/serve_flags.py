@@ -511,7 +511,12 @@ def _speculative_section(result: Translation, spec_metrics: Optional[Path], base
         if spec_metrics is not None:
             raise UserError("--spec-metrics: the command sets no --speculative-config")
         return
-    other = section.pop(_OTHER_KEYS, None)
+    other = section.pop(_OTHER_KEYS, None) or []
+    if "draft_tensor_parallel_size" in other:      # the one key that moves the memory plan
+        other.remove("draft_tensor_parallel_size")
+        result.ignored.append(("--speculative-config draft_tensor_parallel_size", None,
+                               "not modelled: kvtwin loads and prices the draft model at the target's tp "
+                               "(vLLM's default), so with 1 its weights per GPU and the KV pool differ"))
     if other:
         result.ignored.append(("--speculative-config " + ", ".join(other), None,
                                "their effect on timing goes through the acceptance (engine.speculative."

@@ -333,6 +333,48 @@ def test_a_draft_head_takes_one_layer_of_weights_and_of_kv_from_the_pool():
     assert (ngram.num_blocks, ngram.block_bytes) == (base.num_blocks, base.block_bytes)
 
 
+def test_a_draft_model_takes_its_weights_and_its_kv_from_the_pool():
+    """vLLM 0.19 loads a draft model beside the target at the target's tp
+    (v1/spec_decode/draft_model.py DraftModelProposer.load_model; config/speculative.py
+    _verify_and_get_draft_tp) and puts its attention layers in the target's KV cache group: full
+    attention of different hidden sizes is one group whose page is the sum of every layer's
+    (v1/core/kv_cache_utils.py _get_kv_cache_groups_uniform_type, v1/kv_cache_interface.py
+    UniformTypeKVCacheSpecs.page_size_bytes). So the budget loses the draft's weights and a block
+    gains the draft's bytes per token."""
+    from sim.core.catalog import ModelSpec, catalog_entry
+    from sim.core.memory import kv_bytes_per_token, plan_memory, weight_bytes_per_gpu
+
+    base = plan_memory(scenario())
+    draft = plan_memory(scenario(method="draft_model", num_speculative_tokens=3, acceptance_rate=0.6,
+                                 model="qwen3-0.6b"))
+    small = ModelSpec(**catalog_entry("models", "qwen3-0.6b"))
+    assert draft.weight_bytes == base.weight_bytes + weight_bytes_per_gpu(small)
+    assert draft.block_bytes == base.block_bytes + kv_bytes_per_token(small) * base.block_size
+    assert draft.kv_budget_bytes == base.kv_budget_bytes - weight_bytes_per_gpu(small)
+    assert draft.num_blocks == draft.kv_budget_bytes // draft.block_bytes < base.num_blocks * 0.6
+
+
+def test_from_vllm_names_draft_tensor_parallel_size_as_not_modelled():
+    """vLLM 0.19 config/speculative.py: draft_tensor_parallel_size may be 1 or the target's tp; kvtwin
+    plans the draft at the target's, so a 1 is reported as not modelled (never silently kept)."""
+    from sim.vllm.serve_flags import translate
+
+    config = json.dumps({"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 3,
+                         "draft_tensor_parallel_size": 1})
+    result = translate(["vllm", "serve", "llama-3.1-8b", "-tp", "2", "--speculative-config", config], "h100-sxm")
+    reasons = {flag: why for flag, _, why in result.ignored}
+    assert "not modelled" in reasons["--speculative-config draft_tensor_parallel_size"]
+
+
+def test_a_draft_model_beside_sliding_window_layers_is_refused():
+    """The one-group pool above needs full attention in both models; a sliding-window target would
+    make more KV cache groups, which this plan does not model: refused, naming the field."""
+    with pytest.raises(ScenarioError, match="engine.speculative.model: a draft model beside 'mistral-7b-v0.1'"):
+        validate_scenario({"model": "mistral-7b-v0.1", "device": "h100-sxm", "engine": {"speculative": {
+            "method": "draft_model", "num_speculative_tokens": 3, "acceptance_rate": 0.6, "model": "qwen3-0.6b"}},
+            "workload": {"num_requests": 10, "arrival": {"rate": 1.0}}})
+
+
 def test_auto_async_scheduling_follows_the_sections_method_by_release():
     """config/vllm.py VllmConfig.__post_init__ (0.14-0.19): auto async scheduling is on from 0.14,
     kept with EAGLE-type and MTP drafters, turned off by ngram and draft_model
