@@ -35,8 +35,9 @@ MAX_ADAPTERS = 100_000
 # documented in docs/whatif/lora.md; engine.lora.disk_gbps sets another.
 DEFAULT_DISK_GBPS = 2.0
 # The shortest time one punica kernel (a shrink or an expand over one layer's slices) takes however
-# little it computes: a Triton launch's fixed work (docs/whatif/lora.md, calibrated against the
-# published multi-LoRA overhead there). engine.lora.kernel_floor_us sets another.
+# little it computes: a Triton launch's fixed work, an assumption (docs/whatif/lora.md: the published
+# comparison there moves from 0.972x to 0.956x as it goes from 0 to 5 µs). engine.lora.kernel_floor_us
+# sets another.
 DEFAULT_KERNEL_FLOOR_US = 2.0
 _UNIT = float(1 << 63)
 
