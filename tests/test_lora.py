@@ -398,3 +398,33 @@ def test_the_published_lora_throughput_ratio_is_held():
     for device in ("a100-40g", "a100-80g"):
         base, lora = plot.published_comparison(device)
         assert lora < base and abs(lora / base - published) < 0.02
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"engine": {"scheduling_policy": "priority"}, "workload": {"priorities": {"values": [0, 1, 2]}}},
+    {"engine": {"async_scheduling": False}},
+    {"engine": {"num_blocks": 1500}},                       # a tight pool: preemptions under the limit
+    {"cluster": {"replicas": 2, "router": "least_outstanding_tokens"}},
+])
+def test_every_request_ends_and_no_step_exceeds_max_loras(changes):
+    """The fast-path switch (simulate(fast=...)) gives the same run (LoRA runs the reference path),
+    every request finishes, and the largest step holds at most max_loras adapters, under priority
+    scheduling, synchronous scheduling, preemptions and several replicas."""
+    from sim.simulator import simulate
+
+    data = {"model": "llama-3.1-8b", "device": "h100-sxm", "seed": 5,
+            "engine": {"max_model_len": 4096, "lora": {"max_loras": 3, "max_cpu_loras": 5},
+                       **changes.get("engine", {})},
+            "workload": {"num_requests": 150, "arrival": {"process": "poisson", "rate": 30}, "prompt_len": 384,
+                         "output_len": 48, "lora": {"num_adapters": 9, "distribution": "zipf", "base_fraction": 0.2},
+                         **changes.get("workload", {})},
+            **({"cluster": changes["cluster"]} if "cluster" in changes else {})}
+    s = validate_scenario(data)
+    fast, _, _ = simulate(s)
+    slow, _, _ = simulate(s, fast=False)
+    assert fast.meta["lora"] == slow.meta["lora"]
+    lora = fast.meta["lora"]
+    assert lora["max_adapters_per_step"] <= 3 and lora["loads_from_disk"] >= 9
+    frame = predict(s, manifest=False).requests
+    assert (frame["status"] == "finished").all() and len(frame) == 150
