@@ -428,3 +428,15 @@ def test_every_request_ends_and_no_step_exceeds_max_loras(changes):
     assert lora["max_adapters_per_step"] <= 3 and lora["loads_from_disk"] >= 9
     frame = predict(s, manifest=False).requests
     assert (frame["status"] == "finished").all() and len(frame) == 150
+
+
+def test_lora_flags_from_a_config_file_and_the_no_form(tmp_path):
+    """vLLM's --config YAML takes the flags' names as keys (lora-modules as a list); --no-enable-lora
+    turns it off, and the limits are then ignored with the reason."""
+    cfg = tmp_path / "vllm.yaml"
+    cfg.write_text("enable-lora: true\nmax-loras: 3\nlora-modules:\n  - a=/x\n  - '{\"name\": \"b\", \"path\": \"/y\"}'\n")
+    t = translate(f"vllm serve tiny --config {cfg}", "cpu")
+    assert t.raw["engine"]["lora"] == {"max_loras": 3} and t.lora_adapters == 2
+    off = translate("vllm serve tiny --enable-lora --no-enable-lora --max-lora-rank 32", "cpu")
+    assert "lora" not in off.raw.get("engine", {})
+    assert any(f == "--max-lora-rank" and "without --enable-lora" in w for f, _, w in off.ignored)
