@@ -250,6 +250,16 @@ class LoraCost:
             t += self.disk_bytes[a] * self.disk_byte_s + self.h2d_bytes[a] * self.pcie_byte_s
         return t
 
+    def loads_s(self, cpu_loads, disk_loads) -> float:
+        """Seconds of a run's loads ({adapter: count} copied from CPU memory, read from disk first),
+        summed over the replicas (each replica's loads hold up its own steps)."""
+        t = 0.0
+        for a in sorted(cpu_loads):
+            t += cpu_loads[a] * self.h2d_bytes[a] * self.pcie_byte_s
+        for a in sorted(disk_loads):
+            t += disk_loads[a] * (self.disk_bytes[a] * self.disk_byte_s + self.h2d_bytes[a] * self.pcie_byte_s)
+        return t
+
     def kernel_s(self, step: LoraStep) -> float:
         """Seconds of the step's punica kernels over every layer."""
         tokens, adapters, floor = step.tokens, step.adapters, self.floor_s

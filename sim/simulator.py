@@ -180,7 +180,7 @@ class Simulation:
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
                                 **self._router.figures(), **offload_meta(self.replicas),
                                 **speculative_meta([r.scheduler for r in self.replicas]),
-                                **lora_meta([r.scheduler for r in self.replicas]),
+                                **lora_meta([r.scheduler for r in self.replicas], self.cost_model.lora),
                                 **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()})})
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:

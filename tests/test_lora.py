@@ -250,6 +250,10 @@ def test_outputs_and_their_accounting(runs):
     assert lora["requests_skipped_for_max_loras"] > 0 and lora["steps_limited_by_max_loras"] > 0
     assert lora["skips_for_max_loras"] >= lora["requests_skipped_for_max_loras"]
     assert s["memory"]["lora_bytes"] == 4 * 83_886_080
+    # every load here reads an 84 MB adapter from disk at 2 GB/s and copies it over PCIe 5 x16 (64 GB/s)
+    per_disk_load = 83_886_080 / 2e9 + 83_886_080 / 64e9
+    assert lora["load_s"] == pytest.approx(lora["loads_from_disk"] * per_disk_load
+                                           + lora["loads_from_cpu"] * 83_886_080 / 64e9)
 
 
 def test_enabling_lora_costs_even_without_adapters_and_adapters_cost_more(runs):

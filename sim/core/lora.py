@@ -18,7 +18,7 @@ kernels, docs/whatif/lora.md describes both.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 # The projections vLLM wraps with LoRA layers in each decoder layer (a dense model's).
@@ -76,6 +76,8 @@ class LoraStats:
     limited_steps: int = 0           # steps whose waiting pass skipped a request for max_loras
     skips: int = 0                   # waiting requests skipped for max_loras, counted per pass
     skipped: set = field(default_factory=set)    # request ids ever skipped
+    cpu_loads: Counter = field(default_factory=Counter)     # adapter -> slot fills from CPU memory
+    disk_loads: Counter = field(default_factory=Counter)    # adapter -> ... read from disk first
 
     def add(self, other: "LoraStats") -> None:
         self.steps += other.steps
@@ -86,6 +88,8 @@ class LoraStats:
         self.limited_steps += other.limited_steps
         self.skips += other.skips
         self.skipped |= other.skipped
+        self.cpu_loads.update(other.cpu_loads)
+        self.disk_loads.update(other.disk_loads)
 
     def summary(self) -> dict:
         return {"loads_from_cpu": self.loads_from_cpu, "loads_from_disk": self.loads_from_disk,
@@ -164,15 +168,23 @@ class LoraSlots:
         stats.max_adapters = max(stats.max_adapters, len(order))
         stats.loads_from_cpu += len(from_cpu)
         stats.loads_from_disk += len(from_disk)
+        if from_cpu:
+            stats.cpu_loads.update(from_cpu)
+        if from_disk:
+            stats.disk_loads.update(from_disk)
         return LoraStep(tokens, len(order), tuple(from_cpu), tuple(from_disk))
 
 
-def lora_meta(schedulers) -> dict:
-    """{"lora": the adapter figures over the replicas} for a run's records, or {} without LoRA."""
+def lora_meta(schedulers, pricer=None) -> dict:
+    """{"lora": the adapter figures over the replicas} for a run's records, or {} without LoRA.
+    `pricer` (the cost model's LoRA part, sim/lora.py LoraCost) adds the seconds the loads took."""
     slots = [s.lora for s in schedulers if s.lora is not None]
     if not slots:
         return {}
     total = LoraStats()
     for s in slots:
         total.add(s.stats)
-    return {"lora": {"max_loras": slots[0].max_loras, "max_cpu_loras": slots[0].max_cpu_loras, **total.summary()}}
+    figures = {"max_loras": slots[0].max_loras, "max_cpu_loras": slots[0].max_cpu_loras, **total.summary()}
+    if pricer is not None:
+        figures["load_s"] = pricer.loads_s(total.cpu_loads, total.disk_loads)
+    return {"lora": figures}
