@@ -65,6 +65,12 @@ def check_engine_supports(scenario) -> None:
             "engine.kv_offload is set, but the engine (engine/) has no CPU KV tier: it would replay without "
             "offloading and measure a different deployment. Simulate it with `simrun run`, or remove "
             "engine.kv_offload to replay the GPU prefix cache alone.")
+    lora = scenario.engine.lora
+    if lora is not None:
+        raise EngineUnsupportedError(
+            f"engine.lora (max_loras {lora.max_loras}, max_lora_rank {lora.max_lora_rank}): the Triton engine has "
+            "no LoRA layers or punica kernels, so it cannot replay LoRA serving. Simulate it with `simrun run`, or "
+            "replay without it (engine.lora: null, and no workload.lora).")
     spec = scenario.engine.speculative
     if spec is not None:
         raise EngineUnsupportedError(

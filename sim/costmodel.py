@@ -47,6 +47,7 @@ import numpy as np
 from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.files import excerpt, read_yaml
 from sim.core.memory import cdiv, kv_bytes_per_token, kv_heads_per_rank
+from sim.lora import LoraCost
 from sim.speculative import DraftCost
 
 # Weight-only quantized GEMMs (AWQ/GPTQ int4, mxfp4, fp8 or int8 without matching tensor cores) run
@@ -360,6 +361,7 @@ class CostModel:
         self.async_scheduling = async_scheduling
         self.tables = tables          # sim.optables.OperatorTables, or None for the roofline
         self.draft: Optional[DraftCost] = None      # speculative decoding's drafter (for_scenario sets it)
+        self.lora: Optional[LoraCost] = None        # LoRA adapters' loads and kernels (for_scenario sets it)
         self._precompute()
 
     @classmethod
@@ -382,6 +384,9 @@ class CostModel:
                     kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
                     block_size=scenario.engine.block_size)
         model.draft = DraftCost.for_scenario(scenario, model)
+        c = model.coefficients
+        model.lora = LoraCost.for_scenario(scenario, gemm_peak_flops(scenario.device, scenario.model.model_copy(
+            update={"quantization": None})), c.flops_eff, c.bw_eff)
         return model
 
     @property
@@ -563,12 +568,30 @@ class CostModel:
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
         decodes = batch.num_decode          # includes a static batch's padding rows
+        if self.lora is not None:           # LoRA (no leaps then: every step is a Batch)
+            return self._lora_step_time(batch, after_idle)
         if self.draft is not None:          # speculative decoding (no leaps then: every step is a Batch)
             return self._speculative_step_time(batch, after_idle)
         host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                         batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx, batch.blocks_read)
         if after_idle:
             host += self.coefficients.wake_s
+        return host, device
+
+    def _lora_step_time(self, batch, after_idle: bool) -> tuple[float, float]:
+        """A step with LoRA serving on (sim/lora.py): the step's price (with speculation's when it is
+        on too), plus the adapters it copies into GPU slots and the punica kernels of every layer."""
+        if self.draft is not None:
+            host, device = self._speculative_step_time(batch, after_idle)
+        else:
+            decodes = batch.num_decode
+            host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                            batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
+                                            batch.blocks_read)
+            if after_idle:
+                host += self.coefficients.wake_s
+        if batch.lora is not None:
+            device += self.lora.device_s(batch.lora)
         return host, device
 
     def _speculative_step_time(self, batch, after_idle: bool) -> tuple[float, float]:

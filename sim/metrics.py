@@ -112,6 +112,8 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens
         # speculative decoding's acceptance (sim/core/speculative.py), only in runs that use it
         **({"speculative": records.meta["speculative"]} if "speculative" in records.meta else {}),
+        # LoRA adapters' loads and the max_loras limit (sim/core/lora.py), only in runs that serve them
+        **({"lora": records.meta["lora"]} if "lora" in records.meta else {}),
         "latency_split": _latency_split(measured),
         **_kv_figures(records, steps),
         **_step_figures(steps),

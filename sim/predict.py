@@ -121,7 +121,9 @@ def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dic
             "kv_pool_bytes": plan.kv_pool_bytes, "weight_bytes": plan.weight_bytes,
             "activation_bytes": plan.activation_bytes, "reserved_bytes": plan.reserved_bytes,
             "predicted_peak_bytes": plan.predicted_peak_bytes, "max_tokens": plan.max_tokens,
-            "max_concurrency_at_max_model_len": plan.max_concurrency(max_model_len) if max_model_len else None}
+            "max_concurrency_at_max_model_len": plan.max_concurrency(max_model_len) if max_model_len else None,
+            # vLLM's LoRA buffers (part of weight_bytes), only in runs that serve adapters
+            **({"lora_bytes": plan.lora_bytes} if plan.lora_bytes else {})}
 
 
 # ----------------------------------------------------------------------------- manifest

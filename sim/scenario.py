@@ -26,6 +26,8 @@ from sim.names import name_problem
 from sim.routers.config import DEPLOYED_ROUTERS, DynamoRouter, LlmDRouter, SglangRouter
 from sim.disagg_config import SIDES, Disaggregation
 from sim.speculative import SpeculativeConfig
+from sim.lora import LoraConfig, WorkloadLora, scenario_problems as lora_problems
+from sim.lora import scenario_reserved_bytes as lora_reserved_bytes
 from sim.autoscale import Autoscaling, autoscaling_problems
 from sim.arrival_shape import MAX_STEPS, Diurnal, RateStep, check_shape, shape_of
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
@@ -204,6 +206,10 @@ class EngineConfig(StrictModel):
         default=None,
         description="speculative decoding (vLLM's --speculative-config: method, num_speculative_tokens, "
                     "model, acceptance); off when unset (see `SpeculativeConfig`, docs/whatif/speculative.md)")
+    lora: Optional[LoraConfig] = Field(
+        default=None,
+        description="LoRA adapters (vLLM's --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras); off "
+                    "when unset (see `LoraConfig`, docs/whatif/lora.md)")
     kv_offload: Optional[KvOffload] = Field(
         default=None,
         description="vLLM's KV offloading to CPU (--kv-offloading-size / --kv-offloading-backend, or "
@@ -623,6 +629,9 @@ class Workload(StrictModel):
     requests: Optional[list[ExplicitRequest]] = Field(
         default=None, max_length=MAX_REQUESTS,
         description="explicit requests instead of a synthetic workload")
+    lora: Optional[WorkloadLora] = Field(
+        default=None,
+        description="the LoRA adapter each request asks for (see `WorkloadLora`); needs engine.lora")
     trace: Optional[Trace] = Field(default=None, description="replay a recorded trace instead (see `Trace`)")
     dataset: Optional[Dataset] = Field(
         default=None,
@@ -920,6 +929,7 @@ def _cross_checks(s: Scenario) -> list[str]:
                         f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
                         f"could never be scheduled")
     problems += _pool_size_checks(s)
+    problems += lora_problems(s)
     if s.cluster.disaggregation is not None:
         problems += disaggregation_problems(s)
     problems += autoscaling_problems(s)
@@ -942,7 +952,7 @@ def _pool_size_checks(s: Scenario) -> list[str]:
         # a fixed pool skips the memory plan, not the weights: they and the pool share the GPU
         # (vLLM's --num-gpu-blocks-override allocates the pool after loading them)
         pool = s.engine.num_blocks * block_bytes
-        weights = weight_bytes_per_gpu(s.model, s.parallelism.tp, s.parallelism.dp)
+        weights = weight_bytes_per_gpu(s.model, s.parallelism.tp, s.parallelism.dp) + lora_reserved_bytes(s)
         if pool + weights > s.device.memory_bytes:
             gib = lambda b: f"{b / 2**30:.4g} GiB"  # noqa: E731
             alone = "; the weights alone do not fit" if weights > s.device.memory_bytes else ""

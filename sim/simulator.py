@@ -30,6 +30,7 @@ from sim.core.status import REJECTED
 from sim.routers.factory import make_router
 from sim.autoscale import Autoscaler
 from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.lora import lora_meta
 from sim.core.speculative import speculative_meta
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
 
@@ -146,6 +147,8 @@ class Simulation:
         env = simpy.Environment()
         if self.scenario.engine.kv_offload is not None:
             self.fast = False        # loads end between steps: the fast paths do not plan for them
+        if self.scenario.engine.lora is not None:
+            self.fast = False        # every step's adapters are counted and gated one request at a time
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast, self.block_ids)
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
@@ -177,6 +180,7 @@ class Simulation:
                           meta={"kv_evictions": sum(r.kv.pool.evictions for r in self.replicas),
                                 **self._router.figures(), **offload_meta(self.replicas),
                                 **speculative_meta([r.scheduler for r in self.replicas]),
+                                **lora_meta([r.scheduler for r in self.replicas], self.cost_model.lora),
                                 **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()})})
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:

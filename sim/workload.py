@@ -50,6 +50,7 @@ import numpy as np
 
 from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, stable_key, stable_keys
+from sim.lora import assign_adapters
 from sim.scenario import Arrival, DynamicSegment, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
 from sim.arrival_shape import shaped_times
@@ -82,6 +83,8 @@ def stream_requests(scenario: Scenario) -> Optional[StreamedWorkload]:
     if w.trace is not None or w.requests is not None or w.dataset is not None:
         return None
     stream = _synthetic_stream(w, scenario.seed)
+    if w.lora is not None:
+        stream.requests = assign_adapters(stream.requests, w.lora, scenario.seed)
     if w.warmup_requests:
         stream.requests = _marked_warmup(stream.requests, w.warmup_requests)
     return stream
@@ -112,6 +115,8 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
             built = BuiltWorkload(*_dataset_requests(w, seed, scenario.model.vocab_size))
         else:
             built = BuiltWorkload(_synthetic_requests(w, seed))
+    if w.lora is not None:
+        built.requests = list(assign_adapters(built.requests, w.lora, seed))
     _mark_warmup(built, w.warmup_requests)
     return built
 

@@ -33,7 +33,7 @@ class Batch:
 
     __slots__ = ("step", "decodes", "num_decode", "pad_rows", "pad_len", "cohort_size", "prefills", "prefill_new",
                  "decode_ctx", "num_prefill_tokens", "prefill_ctx", "prefill_attn", "blocks_read", "preempted",
-                 "admitted", "spec_drafts", "spec_tokens", "spec_attn")
+                 "admitted", "spec_drafts", "spec_tokens", "spec_attn", "lora")
 
     def __init__(self, step: int):
         self.step = step
@@ -58,6 +58,8 @@ class Batch:
         self.spec_drafts: dict = _NO_DRAFTS
         self.spec_tokens = 0
         self.spec_attn = 0
+        # LoRA (sim/core/lora.py): the step's adapter figures (a LoraStep), None without LoRA.
+        self.lora = None
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self.prefills)

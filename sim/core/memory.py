@@ -12,6 +12,7 @@ from typing import Callable
 
 from sim.core import vllm_versions
 from sim.core.catalog import MIB, ModelSpec, catalog_entry
+from sim.core.lora import reserved_bytes as lora_reserved_bytes
 
 
 class InsufficientMemoryError(ValueError):
@@ -250,6 +251,9 @@ class MemoryPlan:
     visible_bytes: int = 0
     non_torch_bytes: int = 0
     cudagraph_bytes: int = 0
+    # LoRA (engine.lora): the stacked adapter buffers vLLM allocates with the weights (included in
+    # weight_bytes, shown apart), 0 without LoRA.
+    lora_bytes: int = 0
 
     @property
     def usable_blocks(self) -> int:
@@ -297,6 +301,8 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if not self.lora_bytes:            # (a plan without LoRA lists what it always listed)
+            del d["lora_bytes"]
         d.update(usable_blocks=self.usable_blocks, max_tokens=self.max_tokens,
                  kv_pool_bytes=self.kv_pool_bytes, predicted_peak_bytes=self.predicted_peak_bytes)
         return d
@@ -319,12 +325,24 @@ def plan_memory(scenario, activation_scale: float | None = None) -> MemoryPlan:
     activation = _measured_activation(scenario, activation_scale)
     plan = _vllm_plan(scenario, activation) if uses_vllm_plan(scenario) else _simple_plan(scenario, activation)
     plan = _with_draft_model(plan, scenario)
+    lora = getattr(eng, "lora", None)
+    if lora is not None:
+        plan = with_lora_buffers(plan, lora_reserved_bytes(scenario.model, lora.max_loras, lora.max_lora_rank,
+                                                           scenario.parallelism.tp))
     if eng.kv_cache_memory_bytes is not None and eng.num_blocks is None:
         plan = _given_kv_memory(plan, eng.kv_cache_memory_bytes)
     if eng.num_blocks is not None:
         plan = replace(plan, num_blocks=eng.num_blocks, from_override=True)
     _check_one_request_fits(plan, scenario.max_model_len)
     return plan
+
+
+def with_lora_buffers(plan: MemoryPlan, lora_bytes: int) -> MemoryPlan:
+    """The plan with vLLM's LoRA buffers loaded beside the weights (LoRA-wrapped layers allocate
+    them at model load, so the profile counts them as weights): they come off the KV budget."""
+    budget = plan.kv_budget_bytes - lora_bytes
+    return replace(plan, weight_bytes=plan.weight_bytes + lora_bytes, kv_budget_bytes=budget,
+                   num_blocks=max(budget, 0) // plan.block_bytes, lora_bytes=lora_bytes)
 
 
 # Speculative methods whose drafter is one decoder layer of the target's shapes (sim/speculative.py).

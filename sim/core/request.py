@@ -96,6 +96,8 @@ class Request:
         "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
         "is_live", "max_len",
+        # the LoRA adapter it asks for (vLLM's lora_int_id, >= 1), 0 for the base model
+        "lora_id",
         # prefill/decode disaggregation (sim/disagg.py): None, "send" (a prefill engine keeps the KV
         # after the first token until a decode engine read it) or "receive" (the prompt's KV was read)
         "kv_transfer",
@@ -136,6 +138,7 @@ class Request:
         # Output sampled live (the server: a literal output segment that grows), not scripted by
         # the workload. (An attribute, not a property: read at every emission.)
         self.is_live = isinstance(output_segment, list)
+        self.lora_id = 0
         self.reset()
 
     def reset(self) -> None:

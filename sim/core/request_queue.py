@@ -1,8 +1,8 @@
 """The waiting queue, one type per scheduling policy (vLLM's FCFSRequestQueue / PriorityRequestQueue).
 
 The queue type is the policy: it orders the waiting requests and names the running request a
-preemption takes. The scheduler only calls `add`, `add_preempted`, `peek`, `pop_head`, `discard`
-and `preemption_victim`, and `len()`.
+preemption takes. The scheduler only calls `add`, `add_preempted`, `peek`, `pop_head`, `discard`,
+`preemption_victim` and `len()`, and with LoRA `skip_head` / `unskip` (vLLM's skipped_waiting_requests).
 """
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ class FcfsQueue(deque):
     add = deque.append                 # (the deque's own methods: no Python call per request)
     add_preempted = deque.appendleft
     pop_head = deque.popleft
+    skip_head = deque.popleft          # (LoRA: out of the queue for the rest of a pass)
+
+    def unskip(self, skipped: list) -> None:
+        """Put skipped heads back at the head, in the order they were skipped (vLLM's
+        prepend_requests of its skipped_waiting_requests, which were prepended one by one)."""
+        self.extendleft(reversed(skipped))
 
     def peek(self) -> Optional[Request]:
         return self[0] if self else None
@@ -57,6 +63,15 @@ class PriorityQueue(list):
 
     def pop_head(self) -> Request:
         return heapq.heappop(self)[-1]
+
+    def skip_head(self) -> tuple:
+        """The head's entry, out of the queue for the rest of a pass (LoRA)."""
+        return heapq.heappop(self)
+
+    def unskip(self, skipped: list) -> None:
+        """Skipped entries back by their own keys (vLLM's priority queue has no head to prepend to)."""
+        for entry in skipped:
+            heapq.heappush(self, entry)
 
     def discard(self, req: Request) -> None:
         kept = [entry for entry in self if entry[-1] is not req]

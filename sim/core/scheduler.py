@@ -37,6 +37,7 @@ from sim.core import vllm_versions
 from sim.core.batch import Batch, StaticBatch
 from sim.core.fast.cohort import DecodeCohort
 from sim.core.kvcache import KVCacheManager
+from sim.core.lora import LoraSlots
 from sim.core.request import Request
 from sim.core.request_queue import make_request_queue
 from sim.core.speculative import SpecDecoder
@@ -69,6 +70,9 @@ class SchedulerConfig:
     # Speculative decoding (sim/core/speculative.py): (method, num_speculative_tokens, per-position
     # acceptance rates, seed), or None. It turns the decode cohort and leaps off (one token a step).
     speculative: Optional[tuple] = None
+    # LoRA (sim/core/lora.py): (max_loras, max_cpu_loras), or None. It turns the decode cohort off
+    # (every step's adapters are counted one request at a time).
+    lora: Optional[tuple] = None
 
     @classmethod
     def from_scenario(cls, s) -> "SchedulerConfig":
@@ -82,7 +86,8 @@ class SchedulerConfig:
                    async_scheduling=s.async_scheduling,
                    long_prefill_token_threshold=s.long_prefill_token_threshold,
                    sliding_admission_cap=vllm_versions.has(e.vllm_version, "sliding_window_admission_cap"),
-                   speculative=e.speculative.policy(s.seed) if e.speculative is not None else None)
+                   speculative=e.speculative.policy(s.seed) if e.speculative is not None else None,
+                   lora=e.lora.policy() if e.lora is not None else None)
 
 
 class Scheduler:
@@ -90,7 +95,8 @@ class Scheduler:
     __slots__ = ("config", "kv", "block_size", "static", "mixed", "lazy", "cohort", "waiting", "running",
                  "active", "step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions",
                  "tokens_held", "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks",
-                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight", "offload", "spec")
+                 "static_batch", "_finishing", "pending_release", "arriving", "in_flight", "offload", "spec",
+                 "lora")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -101,7 +107,9 @@ class Scheduler:
         # Speculative decoding: drafts per decode and their verification; the fast paths assume
         # one token per step, so they are off with it.
         self.spec = SpecDecoder(*config.speculative) if config.speculative else None
-        self.lazy = config.lazy_decode and self.spec is None
+        # LoRA: GPU slots, the CPU cache and the max_loras limit of a step (no cohort with it).
+        self.lora = LoraSlots(*config.lora) if config.lora else None
+        self.lazy = config.lazy_decode and self.spec is None and self.lora is None
         # (a grouped KV cache: a block per table at each crossing, frees behind sliding windows)
         self.cohort = DecodeCohort(kv.layout())
         self.waiting = make_request_queue(config.policy)     # the queue type is the fcfs/priority policy
@@ -267,6 +275,8 @@ class Scheduler:
             return None
         # (no padding rows yet; draft tokens count until their rejection rolls them back)
         self.tokens_held += batch.num_prefill_tokens + len(batch.decodes) + batch.spec_tokens
+        if self.lora is not None:          # the step's adapters made resident (loads priced by the cost model)
+            batch.lora = self.lora.activate(batch)
         if self.static:                    # every step computes the padded batch HF `generate` computes
             if batch.admitted:             # (a new batch formed)
                 self.static_batch = StaticBatch(rows=len(batch.admitted), first_step=batch.step,
@@ -427,8 +437,15 @@ class Scheduler:
         if tier is not None and tier.loading:      # loads done: back at the head (vLLM's skipped queue)
             for req in reversed(tier.take_loaded()):
                 self.waiting.add_preempted(req)
+        lora = self.lora
+        if lora is not None:               # vLLM's scheduled_loras: the running pass's adapters
+            scheduled_loras, skipped, skipped_reqs = lora.scheduled(batch), [], []
         while self.waiting and len(running) < cfg.max_num_seqs and (budget > 0 or self.static):
             req = self.waiting.peek()
+            if lora is not None and lora.must_skip(req, scheduled_loras):
+                skipped.append(self.waiting.skip_head())     # max_loras taken: later requests may go
+                skipped_reqs.append(req)
+                continue
             resumed = req.status is PREEMPTED
             admit = self._admission(req, budget, not (batch.decodes or batch.prefills))
             if admit is None:
@@ -458,9 +475,14 @@ class Scheduler:
             running.append(req)
             self.active[req] = None
             batch.admitted.append(req)
+            if lora is not None and req.lora_id:
+                scheduled_loras.add(req.lora_id)
             if n_now:
                 budget -= n_now
                 batch.add(req, n_now, self.block_size)
+        if lora is not None and skipped:   # back at the head, in their order (vLLM's prepend_requests)
+            self.waiting.unskip(skipped)
+            lora.skipped(skipped_reqs)
         return budget
 
     def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:

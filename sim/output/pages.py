@@ -82,6 +82,14 @@ OFFLOAD_ROWS: tuple[tuple[str, str, str], ...] = (
     ("GiB stored to CPU", "kv_offload.gib_stored", "number"),
 )
 
+# LoRA adapters (sim/core/lora.py), shown when a run serves them.
+LORA_ROWS = (
+    ("lora: adapters per step", "lora.mean_adapters_per_step", "number"),
+    ("lora: loads from CPU", "lora.loads_from_cpu", "count"),
+    ("lora: loads from disk", "lora.loads_from_disk", "count"),
+    ("lora: steps limited by max_loras", "lora.steps_limited_by_max_loras", "count"),
+)
+
 
 def _lookup(summary: Mapping, dotted: str) -> float:
     value: Any = summary
@@ -106,6 +114,8 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
         rows = rows + OFFLOAD_ROWS
     if any("speculative" in v.summary for v in views.values()):     # only runs with speculative decoding
         rows = rows + SPECULATIVE_ROWS
+    if any("lora" in v.summary for v in views.values()):            # only runs serving LoRA adapters
+        rows = rows + LORA_ROWS
     numbers = {label: [_lookup(v.summary, key) for _, key, _ in rows] for label, v in views.items()}
     index = pd.Index([row for row, _, _ in rows], name="metric")
     kinds = [kind for _, _, kind in rows]

@@ -122,7 +122,9 @@ def _pool_bytes_words(memory: Mapping[str, Any], manifest: Mapping[str, Any]) ->
         return ""
     tp = ((manifest.get("scenario") or {}).get("parallelism") or {}).get("tp") or 1
     total = f"; {units.gib(kv * tp)} KV and {units.gib(weights * tp)} weights over tp={tp}" if tp > 1 else ""
-    return f" ({units.gib(kv)} per GPU; weights {units.gib(weights)} per GPU{total})"
+    lora = memory.get("lora_bytes")
+    adapters = f", of which LoRA buffers {units.gib(lora)}" if lora else ""
+    return f" ({units.gib(kv)} per GPU; weights {units.gib(weights)} per GPU{adapters}{total})"
 
 
 def rejection_reasons(requests) -> Counter:

@@ -29,7 +29,7 @@ import yaml
 from sim.core.files import FileFormatError, excerpt, printable, read_yaml
 from sim.errors import UserError
 from sim.output.run_dir import check_out_file, out_file_arg
-from sim.vllm import kv_offload_flags
+from sim.vllm import kv_offload_flags, lora_flags
 from sim.vllm.kv_offload_flags import offloading_size
 
 
@@ -250,7 +250,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "--allowed-methods", "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
         "--ssl-cert-reqs", "--middleware", "--uvicorn-log-level", "--max-log-len", "--response-role",
         "--chat-template", "--chat-template-content-format", "--tool-call-parser", "--tool-parser-plugin",
-        "--reasoning-parser", "--lora-modules", "--prompt-adapters", "--api-server-count",
+        "--reasoning-parser", "--prompt-adapters", "--api-server-count",
         "--log-config-file", "--h11-max-incomplete-event-size", "--h11-max-header-count")},
     **{f: (True, _SERVER) for f in (
         "--disable-log-requests", "--enable-log-requests", "--disable-log-stats", "--disable-fastapi-docs",
@@ -291,9 +291,8 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--rope-scaling": (False, "set it in the model's config (model.rope_scaling); not read from the flag"),
     "--rope-theta": (False, "set it in the model's config (model.rope_theta); not read from the flag"),
     "--hf-overrides": (False, "set the model's fields in the scenario's model section instead"),
-    "--enable-lora": (True, _NOT_MODELLED + " (no LoRA adapters)"),
-    "--max-loras": (False, _NOT_MODELLED + " (no LoRA adapters)"),
-    "--max-lora-rank": (False, _NOT_MODELLED + " (no LoRA adapters)"),
+    # --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras, --lora-modules are mapped
+    # (sim/vllm/lora_flags.py)
     "--limit-mm-per-prompt": (False, _NOT_MODELLED + " (text only)"),
     "--mm-processor-kwargs": (False, _NOT_MODELLED + " (text only)"),
     # OffloadingConnector / LMCacheConnectorV1 configs are mapped (sim/vllm/kv_offload_flags.py)
@@ -317,6 +316,8 @@ class Translation:
     mapped: list[tuple[str, str, Any]] = field(default_factory=list)     # flag, field, value
     ignored: list[tuple[str, Optional[str], str]] = field(default_factory=list)  # flag, value, why
     unknown: list[tuple[str, Optional[str]]] = field(default_factory=list)       # flag, value
+    lora_adapters: int = 0          # adapters --lora-modules names (sim/vllm/lora_flags.py)
+    remarks: list[str] = field(default_factory=list)     # further lines for the scenario's notes
 
     def notes(self) -> list[str]:
         """One line per ignored or unknown flag, escaped (the command is untrusted text: a newline
@@ -378,6 +379,8 @@ def _takes_value(name: str, explicit: Optional[str], following: Optional[str]) -
     """Whether the next word is this flag's value (an `=value` was already split off)."""
     if explicit is not None or following is None or name.startswith("--no-"):
         return False
+    if name == "--enable-lora":           # a switch (lora_flags)
+        return following.lower() in ("true", "false")
     if name in _BY_NAME:
         m = _BY_NAME[name]
         return not m.boolean or following.lower() in ("true", "false")
@@ -410,6 +413,13 @@ def split_flags(words: list[str]) -> tuple[list[str], list[tuple[str, Optional[s
         if name.startswith("-O") and len(name) > 2:      # -O3: the level glued to the flag
             name, explicit = "-O", name[2:]
         following = words[i + 1] if i + 1 < len(words) else None
+        if name == "--lora-modules" and explicit is None:     # nargs '+': every word up to the next flag
+            while i + 1 < len(words) and not words[i + 1].startswith("-"):
+                flags.append((name, words[i + 1]))
+                i += 1
+            if flags and flags[-1][0] == name:
+                i += 1
+                continue
         if _takes_value(name, explicit, following):
             explicit, i = following, i + 1
         flags.append((name, explicit))
@@ -494,6 +504,7 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
     _speculative_section(result, spec_metrics, base_dir)
     result = _sorted_out(result, flags)
     kv_offload_flags.apply(result, flags, result.raw.get("parallelism", {}).get("tp", 1))
+    lora_flags.apply(result, flags)
     return result
 
 
@@ -571,7 +582,7 @@ def _one_flag(name: str, value: Optional[str]):
     base = "--" + name[5:] if name.startswith("--no-") else name
     if base in _BY_NAME:
         return _BY_NAME[base]
-    if base in IGNORED or name in IGNORED:
+    if base in IGNORED or name in IGNORED or base in lora_flags.LORA_FLAGS:
         return None
     close = difflib.get_close_matches(base, list(_BY_NAME), n=1, cutoff=0.85)
     if close:
@@ -595,8 +606,8 @@ def _parse(m: Modelled, name: str, value: Optional[str]) -> Any:
 def _sorted_out(result: Translation, flags: list[tuple[str, Optional[str]]]) -> Translation:
     for name, value in flags:
         base = "--" + name[5:] if name.startswith("--no-") else name
-        if name == "--model" or base in _BY_NAME:
-            continue
+        if name == "--model" or base in _BY_NAME or base in lora_flags.LORA_FLAGS:
+            continue            # (the LoRA flags: lora_flags.apply)
         why = IGNORED.get(base) or IGNORED.get(name)
         if base == "--kv-transfer-config":            # one side of a P/D deployment: say what kvtwin needs
             from sim.disagg_config import kv_transfer_note
@@ -711,7 +722,11 @@ def from_vllm_main(argv: list[str]) -> int:
 
     validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
     kept = sections_to_keep(args.out, result.raw, args.force) if args.out is not None else {}
-    text = scenario_text(result, command, kept)
+    added = lora_flags.workload_sections(result, kept)      # --lora-modules: workload.lora (unless kept)
+    if result.lora_adapters:
+        validate_scenario({**result.raw, **added, **({"workload": kept["workload"]} if "workload" in kept else {})},
+                          base_dir=Path.cwd(), source="the translated vLLM command")
+    text = scenario_text(result, command, kept, added)
     if args.out is None:
         _report(result, None)
         print(text, end="")
@@ -752,20 +767,24 @@ WRITTEN_BY = "# written by `simrun from-vllm`"
 DIGEST_LINE = "# translated sections digest: "
 
 
-def scenario_text(result: Translation, command: str | list[str], kept: Optional[dict] = None) -> str:
+def scenario_text(result: Translation, command: str | list[str], kept: Optional[dict] = None,
+                  added: Optional[dict] = None) -> str:
     """The scenario YAML, headed by comments recording the command and each flag's fate; `kept`
-    are the sections a user added to an earlier file (see sections_to_keep), written after."""
+    are the sections a user added to an earlier file (see sections_to_keep), written after;
+    `added` the sections a flag implies outside the translation (--lora-modules' workload.lora)."""
     shown = command if isinstance(command, str) else shlex.join(command)
     head = [f"{WRITTEN_BY} from: {printable(' '.join(shown.split()), MAX_COMMAND_CHARS)}"]
     head += [f"#   {line}" for line in capped(_mapped_lines(result), "mapped flags")]
     head += [f"#   {note}" for note in result.notes()]
+    head += [f"# {printable(remark, 300)}" for remark in result.remarks]
     head.append(f"# {async_scheduling_note(result.raw)}")
     if kept:
         head.append(f"# Kept from the file this one replaced: {', '.join(kept)}.")
     if "workload" not in (kept or {}):
-        head.append("# The workload is kvtwin's default: edit `workload` to describe your traffic.")
+        but = " apart from workload.lora" if "workload" in (added or {}) else ""
+        head.append(f"# The workload is kvtwin's default{but}: edit `workload` to describe your traffic.")
     head.append(f"{DIGEST_LINE}{translation_digest(result.raw)} (sections you add are kept on a rerun)")
-    return "\n".join(head) + "\n" + yaml.safe_dump({**result.raw, **(kept or {})}, sort_keys=False)
+    return "\n".join(head) + "\n" + yaml.safe_dump({**result.raw, **(added or {}), **(kept or {})}, sort_keys=False)
 
 
 def translation_digest(raw: dict) -> str:
