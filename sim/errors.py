@@ -25,7 +25,6 @@ class ScenarioError(ValueError):
             super().__init__(f"{head}{len(problems)} problems:\n{lines}")
 
 
-
 class SweepError(ValueError):
     """A sweep, or a run of many points, that cannot run as asked; the message names the flag and
     what is allowed."""
