@@ -351,18 +351,21 @@ class Simulation:
             seen_waiting = len(queue)
             if batch is None:
                 if now > env.now:            # catch up before sleeping
-                    yield _At(env, now)
+                    yield from sleep_until(env, now)
                 if tier is not None and tier.loading:       # asleep until a load ends or a request comes
                     replica.wakeup = env.event()
                     replica.busy_until = math.inf
-                    yield env.any_of([replica.wakeup, _At(env, max(tier.next_load_done(), env.now))])
+                    until = max(tier.next_load_done(), env.now)
+                    yield env.any_of([replica.wakeup, timeout_at(env, until)])
+                    while not replica.wakeup.triggered and env.now != until:
+                        yield env.any_of([replica.wakeup, timeout_at(env, until)])
                     replica.wakeup = None
                     continue
                 if inline is not None:       # sleep until the next arrival (none: the run is over)
                     if self._next_arrival == math.inf:
                         return
                     replica.busy_until = math.inf
-                    yield _At(env, self._next_arrival)
+                    yield from sleep_until(env, self._next_arrival)
                     self._next_arrival = inline.deliver(env.now)
                     continue
                 replica.wakeup = env.event()
@@ -378,7 +381,7 @@ class Simulation:
                     self._next_arrival = inline.deliver(end)
             else:
                 replica.busy_until = end
-                yield _At(env, end)
+                yield from sleep_until(env, end)
             record(batch, sched, now, end, host, device, kv_used, kv_cached, slack)
             last_end = end
             if tier is not None:
@@ -405,7 +408,7 @@ class Simulation:
                     self._next_arrival = self._inline.deliver(end)
             else:
                 replica.busy_until = end
-                yield _At(env, end)
+                yield from sleep_until(env, end)
             recorder.record_leap(first_step=plan.first_step, start_s=start, ends=ends, rows=plan.rows,
                                  decode_ctx=ctx, blocks_read=blocks, running=running, waiting=waiting,
                                  kv_used=used, kv_cached=cached, slack=slack, host=host, device=device,
@@ -552,21 +555,29 @@ class _Arrivals:
         return self.next_time
 
 
-class _At(simpy.events.Event):
-    """An event at an absolute time. A leap must end exactly where its last step would have
-    (now + d1 + d2 + ..., added step by step); SimPy's timeout computes now + delay, and no
-    float delay reaches every such sum (from now = 0.13319044464948654 every now + d rounds to an
-    even multiple of ulp(0.94): 0.9392256727552156 is out of reach), so the event goes on SimPy's
-    queue as a Timeout does. SimPy has no public call for it: the one place this module reaches
-    into SimPy's internals (docs/architecture_core.md, "The event loop")."""
+def timeout_at(env: simpy.Environment, when: float) -> simpy.Timeout:
+    """SimPy's timeout toward the absolute time `when`: a leap or a chain of steps ends at a
+    sum now + d1 + d2 + ..., added step by step, and SimPy's clock must land on exactly that
+    float. The delay `when - now` is exact whenever when <= 2 * now (Sterbenz's lemma), and so
+    is now + delay then; beyond that, now + (when - now) can miss `when` by one ulp (from
+    now = 0.13319044464948654, no float delay reaches 0.9392256727552156). There the timeout
+    goes to 2 * now, itself exact, and the caller waits again (`sleep_until`): the clock
+    doubles until the last delay is exact. Which delay lands where is float arithmetic, so
+    the timeout is the same event, priority and order as any other (docs/architecture_core.md)."""
+    now = env.now
+    if when < now:
+        raise ValueError(f"cannot schedule at {when} before now ({now})")
+    delay = when - now
+    if now + delay != when:
+        delay = now                    # (only when > 2 * now: the doubling above)
+    return env.timeout(delay)
 
-    def __init__(self, env: simpy.Environment, when: float):
-        self.env, self.callbacks = env, []      # (simpy.Event.__init__, without a call per step)
-        if when < env.now:
-            raise ValueError(f"cannot schedule at {when} before now ({env.now})")
-        self._ok = True
-        self._value = None
-        heapq.heappush(env._queue, (when, simpy.events.NORMAL, next(env._eid), self))
+
+def sleep_until(env: simpy.Environment, when: float):
+    """Wait until SimPy's clock reads exactly `when` (see timeout_at)."""
+    yield timeout_at(env, when)
+    while env.now != when:
+        yield timeout_at(env, when)
 
 
 def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = None,

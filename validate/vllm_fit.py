@@ -601,13 +601,13 @@ def write_vllm_profile(path: str | Path, fit: VllmFit) -> Path:
 
     import yaml
 
-    from sim.output.io import _jsonable, write_text
+    from sim.output.io import plain_value, write_text
 
     header = ("# kvtwin device profile, written by `simrun calibrate --from-vllm`. Load it with\n"
               "#   simrun SCENARIO --set device.profile=THIS_FILE\n")
     if fit.warnings:
         header += "# WARNING: POOR FIT, see fit.warnings below before trusting these step times.\n"
-    return write_text(path, header + yaml.safe_dump(json.loads(json.dumps(fit.profile.to_dict(), default=_jsonable)), sort_keys=False))
+    return write_text(path, header + yaml.safe_dump(json.loads(json.dumps(fit.profile.to_dict(), default=plain_value)), sort_keys=False))
 
 
 __all__ = ["calibrate_from_vllm", "VllmFit", "Replay", "simulate_replay", "coefficients_from",
@@ -619,7 +619,7 @@ __all__ = ["calibrate_from_vllm", "VllmFit", "Replay", "simulate_replay", "coeff
 def deployment_scenario(args, runs: list[VllmResult]):
     """The deployment the runs measured: --scenario, else --model (or the runs' model_id found in
     the catalog by its Hugging Face id) on --catalog-device, with --set overrides."""
-    from sim.core.catalog import _catalog
+    from sim.core.catalog import model_names_by_hf_id
     from sim.errors import UserError
     from sim.scenario import apply_overrides, expand_variants, load_scenario, validate_scenario
 
@@ -629,7 +629,7 @@ def deployment_scenario(args, runs: list[VllmResult]):
     model = args.model
     if model is None:
         ids = {r.model for r in runs}
-        by_hf = {entry.get("hf_id"): name for name, entry in _catalog("models").items()}
+        by_hf = model_names_by_hf_id()
         found = {by_hf.get(i) for i in ids} - {None}
         if len(found) != 1:
             raise UserError(f"give --model (or --scenario): the runs' model_id {sorted(map(str, ids))} "

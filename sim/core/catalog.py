@@ -328,6 +328,11 @@ def device_names() -> list[str]:
     return sorted(_catalog("devices"))
 
 
+def model_names_by_hf_id() -> dict[str, str]:
+    """Catalog model names by their Hugging Face id (models without one are left out)."""
+    return {entry["hf_id"]: name for name, entry in _catalog("models").items() if entry.get("hf_id")}
+
+
 def catalog_entry(kind: str, name: str) -> dict[str, Any]:
     """The raw catalog entry (a fresh dict), or KeyError naming the closest and the valid choices."""
     table = _catalog(kind)

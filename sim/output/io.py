@@ -57,7 +57,7 @@ def finite_json(value: Any) -> Any:
         return [finite_json(v) for v in value]
     if value is None or isinstance(value, (str, int, bool)):
         return value
-    return finite_json(_jsonable(value))
+    return finite_json(plain_value(value))
 
 
 def write_csv(path: str | Path, frame) -> Path:
@@ -104,7 +104,8 @@ def _as_frame(frame):
     return frame if isinstance(frame, pd.DataFrame) else pd.DataFrame(dict(frame))
 
 
-def _jsonable(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A Path as text, a numpy scalar or array as Python values (json.dumps' `default`)."""
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "item"):          # numpy scalars

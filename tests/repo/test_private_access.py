@@ -22,13 +22,6 @@ ALLOWED = {
     ("validate/gpu_check.py", "os._exit"): "the standard library's documented exit without cleanup",
     ("sim/output/workers.py", "os._exit"): "the standard library's documented exit without cleanup",
     ("engine/kernels/aot.py", "kernel._pack_args"): "Triton's launcher packs the arguments of an AOT kernel",
-    ("sim/simulator.py", "env._queue"): "SimPy has no public call to schedule at an absolute time (_At)",
-    ("sim/simulator.py", "env._eid"): "SimPy has no public call to schedule at an absolute time (_At)",
-}
-# Project code that still does it, each its owner's to fix this session (a later entry must not be added).
-KNOWN = {
-    ("validate/vllm_fit.py", "from sim.output.io import _jsonable"),
-    ("validate/vllm_fit.py", "from sim.core.catalog import _catalog"),
 }
 
 
@@ -70,7 +63,7 @@ def private_reads(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
                 and node.module.split(".")[0] in PROJECT:
             found += [f"{rel}:{node.lineno} from {node.module} import {a.name}" for a in node.names
-                      if _private(a.name) and (rel, f"from {node.module} import {a.name}") not in KNOWN]
+                      if _private(a.name)]
     return found
 
 
