@@ -90,6 +90,35 @@ class Parallelism(StrictModel):
     ep: int = Field(default=1, ge=1, le=2**20,
                     description="expert-parallel degree: 1, or tp x dp to spread whole MoE experts over the "
                                 "GPUs (--enable-expert-parallel)")
+    # How vLLM spreads requests over the dp ranks and runs their MoE exchange (sim/dp.py,
+    # docs/vllm_semantics.md "Data parallel").
+    dp_local: Optional[int] = Field(
+        default=None, ge=1, le=1024,
+        description="data-parallel ranks per node, vLLM's --data-parallel-size-local (unset: all dp ranks on "
+                    "one node); with dp_load_balancing hybrid each node balances its own ranks")
+    dp_load_balancing: Literal["internal", "hybrid", "external"] = Field(
+        default="internal",
+        description="internal (vLLM's API servers pick a rank by waiting x 4 + running, from counts the DP "
+                    "coordinator publishes every 100 ms) | hybrid (--data-parallel-hybrid-lb: the same per "
+                    "node, cluster.router across nodes) | external (--data-parallel-external-lb: "
+                    "cluster.router picks the rank)")
+    api_servers: Optional[int] = Field(
+        default=None, ge=1, le=1024,
+        description="vLLM's --api-server-count: front-end processes, each balancing with its own view of "
+                    "the ranks (unset: vLLM's default for vllm_version, the ranks balanced from 0.15, else 1)")
+    all2all_backend: Literal[
+        "allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
+        "flashinfer_all2allv", "mori", "nixl_ep", "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided",
+    ] = Field(
+        default="allgather_reducescatter",
+        description="vLLM's --all2all-backend, the MoE token exchange between dp ranks: allgather_reducescatter "
+                    "(default) | naive (broadcasts, an all-reduce back) | the all-to-all kernels (deepep_*, "
+                    "pplx, mori, nixl_ep, flashinfer_*: each token to the ranks of its experts); "
+                    "deepep_high_throughput turns CUDA graphs off")
+    dp_backend: Literal["mp", "ray"] = Field(
+        default="mp",
+        description="vLLM's --data-parallel-backend: how the dp engines are launched (processes or Ray "
+                    "actors); both run the same engine loop, so it does not change the prediction")
 
     @property
     def gpus(self) -> int:
