@@ -947,6 +947,7 @@ def _cross_checks(s: Scenario) -> list[str]:
         problems.append(f"parallelism.tp: {tp} neither divides nor is a multiple of the model's "
                         f"{m.num_kv_heads} KV heads")
     problems += _parallelism_checks(s)
+    problems += _data_parallel_checks(s)
     if s.max_model_len > m.max_position_embeddings:
         problems.append(f"engine.max_model_len: {s.max_model_len} is beyond the model's "
                         f"max_position_embeddings ({m.max_position_embeddings})")
@@ -1015,6 +1016,30 @@ def _parallelism_checks(s: Scenario) -> list[str]:
     elif m.is_moe and m.moe_intermediate_size % par.gpus:
         problems.append(f"parallelism: tp x dp = {par.gpus} does not divide moe_intermediate_size "
                         f"({m.moe_intermediate_size}); use parallelism.ep = {par.gpus}")
+    return problems
+
+
+def _data_parallel_checks(s: Scenario) -> list[str]:
+    """The dp fields as vLLM accepts them (engine/arg_utils.py, config/parallel.py, 0.19), and what
+    kvtwin does not model with ranks stepping in lockstep."""
+    from sim.dp import check_router
+
+    par, version = s.parallelism, s.engine.vllm_version
+    problems = []
+    if par.dp_local is not None and par.dp % par.dp_local:
+        problems.append(f"parallelism.dp_local: {par.dp_local} ranks per node do not divide dp {par.dp}")
+    if par.dp_load_balancing == "hybrid" and par.dp_local is None:
+        problems.append("parallelism.dp_load_balancing: hybrid needs parallelism.dp_local (vLLM: "
+                        "\"data_parallel_size_local must be set to use data_parallel_hybrid_lb\")")
+    backends = vllm_versions.all2all_backends(version)
+    if par.all2all_backend not in backends:
+        problems.append(f"parallelism.all2all_backend: {par.all2all_backend} is not in vLLM {version}'s "
+                        f"--all2all-backend choices ({', '.join(backends)})")
+    problems += [p for p in [check_router(s)] if p]
+    if par.dp > 1 and s.engine.lora is not None and vllm_versions.dp_ranks_in_lockstep(version, s.model.is_moe):
+        problems.append("engine.lora: not modelled for data-parallel ranks stepping in lockstep (their steps "
+                        "are priced together without the adapters' kernels); set parallelism.dp: 1 or "
+                        "engine.lora: null")
     return problems
 
 
