@@ -80,11 +80,13 @@ class Parallelism(StrictModel):
     tp: int = Field(default=1, ge=1, le=1024,
                     description="tensor-parallel degree: weights and KV heads split per GPU, two all-reduces "
                                 "per layer (modelled, not run)")
-    # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
-    # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
+    # vLLM's --data-parallel-size: dp ranks, each a whole engine (own scheduler with the full limits
+    # and own KV pool, attention sliced over tp) behind vLLM's DP load balancer (sim/dp.py); a MoE
+    # model's experts span all tp x dp GPUs and its ranks step in lockstep.
     dp: int = Field(default=1, ge=1, le=1024,
-                    description="data-parallel degree: engine replicas sharing the router, vLLM's "
-                                "--data-parallel-size (modelled, not run)")
+                    description="data-parallel degree, vLLM's --data-parallel-size: ranks that are whole engines "
+                                "(full max_num_seqs, own KV pool each) behind vLLM's DP load balancer; a MoE "
+                                "model's ranks step in lockstep (modelled, not run)")
     # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
     # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
     ep: int = Field(default=1, ge=1, le=2**20,
