@@ -327,3 +327,19 @@ def test_the_experts_see_every_ranks_tokens_and_the_exchange_their_mean_share():
     assert cost.moe_layer_time(64, gathered=128) == cost.moe_layer_time(64)
     assert cost.moe_layer_time(8, gathered=2056) == cost.moe_layer_time(1028)
     assert cost.moe_layer_time(8, gathered=2056) > cost.moe_layer_time(8)
+
+
+@pytest.mark.parametrize("model, extra", [("qwen2.5-0.5b", {}), ("qwen3-30b-a3b", {"ep": 2})])
+def test_fast_paths_and_the_reference_agree_behind_the_balancer(model, extra):
+    """The balancer reads only its own state and the time, so leaps (dense ranks) and the
+    one-by-one path place and time every request alike, bit for bit."""
+    scenario = validate_scenario({
+        "model": model, "device": "h100-sxm", "parallelism": {"dp": 2, **extra},
+        "engine": {"max_model_len": 2048, "num_blocks": 300},
+        "workload": {"num_requests": 200, "arrival": {"process": "poisson", "rate": 60},
+                     "prompt_len": {"dist": "uniform", "min": 16, "max": 600},
+                     "output_len": {"dist": "uniform", "min": 4, "max": 200}}})
+    fast, reference = simulate(scenario, fast=True)[0], simulate(scenario, fast=False)[0]
+    assert fast.steps_frame(full=True).equals(reference.steps_frame(full=True))
+    for column in ("replica", "finish_step", "first_token_step"):
+        assert list(fast.requests.sorted_column(column)) == list(reference.requests.sorted_column(column))
