@@ -104,7 +104,7 @@ def async_scheduling_auto(version: Optional[str], *, platform: str = "cuda", pip
 
 
 def all2all_backends(version: Optional[str]) -> list[str]:
-    """The --all2all-backend values vLLM `version` accepts."""
+    """The --all2all-backend values vLLM `version` accepts (none before 0.12, which had no such flag)."""
     v = parse_version(version)
     return [name for name, first in ALL2ALL_BACKENDS.items() if v >= first]
 
