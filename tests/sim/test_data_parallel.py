@@ -277,6 +277,8 @@ def test_dp_fields_are_checked_as_vllm_accepts_them():
         validate_scenario({**base, "parallelism": {"dp": 2, "all2all_backend": "mori"},
                            "engine": {"max_model_len": 4096, "vllm_version": "0.14"}})
     validate_scenario({**base, "parallelism": {"dp": 2, "all2all_backend": "mori"}})
+    # before 0.12 there was no --all2all-backend to check against (VLLM_ALL2ALL_BACKEND only)
+    validate_scenario({**base, "parallelism": {"dp": 2}, "engine": {"max_model_len": 4096, "vllm_version": "0.11"}})
     with pytest.raises(ScenarioError, match="llm_d in front of data-parallel engines"):
         validate_scenario({**base, "parallelism": {"dp": 2}, "cluster": {"replicas": 2, "router": "llm_d"}})
     validate_scenario({**base, "parallelism": {"dp": 2, "dp_load_balancing": "external"},
