@@ -47,6 +47,7 @@ import numpy as np
 from sim.core.catalog import DeviceSpec, ModelSpec
 from sim.core.files import excerpt, read_yaml
 from sim.core.memory import cdiv, kv_bytes_per_token, kv_heads_per_rank
+from sim.dp import DPPadding, remote_ranks
 from sim.lora import LoraCost
 from sim.speculative import DraftCost
 
@@ -352,10 +353,14 @@ class CostModel:
     def __init__(self, model: ModelSpec, device: DeviceSpec, tp: int = 1,
                  profile: Optional[DeviceProfile] = None, dp: int = 1, ep: int = 1,
                  kv_cache_dtype: str = "auto", async_scheduling: bool = False, tables=None,
-                 block_size: int = 16):
+                 block_size: int = 16, all2all_backend: str = "allgather_reducescatter",
+                 dp_padding: Optional[DPPadding] = None):
         self.model, self.device, self.tp = model, device, tp
         self.block_size = block_size  # for the blocks a sliding-window layer walks
         self.dp, self.ep, self.kv_cache_dtype = dp, ep, kv_cache_dtype
+        self.all2all_backend = all2all_backend
+        # the tokens each rank of a lockstep step runs (sim/dp.py; vLLM 0.19's rule by default)
+        self.dp_padding = dp_padding or DPPadding()
         self.profile = profile or DeviceProfile()
         self.coefficients = self.profile.coefficients
         self.async_scheduling = async_scheduling
@@ -382,7 +387,8 @@ class CostModel:
                                 scenario.max_num_batched_tokens, scenario.max_num_seqs, scenario.max_model_len)
         model = cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
                     kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
-                    block_size=scenario.engine.block_size)
+                    block_size=scenario.engine.block_size, all2all_backend=par.all2all_backend,
+                    dp_padding=DPPadding.for_scenario(scenario))
         model.draft = DraftCost.for_scenario(scenario, model)
         c = model.coefficients
         model.lora = LoraCost.for_scenario(scenario, gemm_peak_flops(scenario.device, scenario.model.model_copy(
@@ -494,26 +500,51 @@ class CostModel:
                                   / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
                                   if weight_only(self.device, m, "experts") else 0.0)
         self._expert_imbalance = expert_imbalance(m.num_experts, m.num_experts_per_tok, self.ep, c.expert_load_cv)
-        # vLLM's default all2all backend (allgather_reducescatter: vllm/config/parallel.py and
-        # vllm/distributed/device_communicators/all2all.py, 0.19), with or without expert parallelism:
-        # all-gather the dp ranks' tokens before the experts, reduce-scatter their outputs after
-        # (tp only: the MLP's all-reduce, counted with attention's)
+        # The dp ranks' token exchange around the experts, by --all2all-backend (vllm/distributed/
+        # device_communicators/all2all.py, 0.19), with or without expert parallelism (tp only: the
+        # MLP's all-reduce, counted with attention's). Per token of a rank's share:
+        #   allgather_reducescatter (the default, 0.12-0.21): all-gather before, reduce-scatter after
+        #   naive: each rank's tokens broadcast (an all-gather's bytes), an all-reduce of them all after
+        #   all-to-all kernels (DeepEP, pplx, mori, NIXL-EP, FlashInfer): each token to the ranks of
+        #     its experts and back, a share remote_ranks / (ep - 1) of an all-gather's bytes each way
         self._moe_comm_token_s = self._moe_comm_fixed_s = 0.0
         self._moe_exchange_pcie = None
         token_bytes = h * m.dtype_bytes
+        backend = self.all2all_backend
+        if self.dp > 1 and backend not in ("allgather_reducescatter", "naive"):
+            share = remote_ranks(m.num_experts, m.num_experts_per_tok, self.ep) / (self.ep - 1) if self.ep > 1 else 1.0
+            dispatch, combine = share, share
+        else:
+            dispatch, combine = 1.0, 1.0       # (naive's all-reduce: below)
         if self.dp > 1 and self.device.interconnect == "pcie":
             (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.dp, "all_gather", c)
-            self._moe_exchange_pcie = ((2 * ll_fixed, 2 * ll_byte * token_bytes),
-                                       (2 * simple_fixed, 2 * simple_byte * token_bytes))
+            if backend == "allgather_reducescatter":
+                self._moe_exchange_pcie = ((2 * ll_fixed, 2 * ll_byte * token_bytes),
+                                           (2 * simple_fixed, 2 * simple_byte * token_bytes))
+            elif backend == "naive":         # the all-reduce's tensor: every rank's tokens
+                (ar_ll_fixed, ar_ll_byte), (ar_simple_fixed, ar_simple_byte) = pcie_collective(
+                    self.device, self.dp, "all_reduce", c)
+                self._moe_exchange_pcie = (
+                    (ll_fixed + ar_ll_fixed, (ll_byte + ar_ll_byte * self.dp) * token_bytes),
+                    (simple_fixed + ar_simple_fixed, (simple_byte + ar_simple_byte * self.dp) * token_bytes))
+            else:
+                self._moe_exchange_pcie = ((2 * ll_fixed, (dispatch + combine) * ll_byte * token_bytes),
+                                           (2 * simple_fixed, (dispatch + combine) * simple_byte * token_bytes))
         elif self.dp > 1:
-            self._moe_comm_token_s = 2 * (self.dp - 1) * token_bytes / (self.device.link_gbps * 1e9)
+            link = self.device.link_gbps * 1e9
+            if backend == "allgather_reducescatter":
+                self._moe_comm_token_s = 2 * (self.dp - 1) * token_bytes / link
+            elif backend == "naive":         # ring all-reduce of dp shares: 2 (dp - 1) shares on the wire
+                self._moe_comm_token_s = 3 * (self.dp - 1) * token_bytes / link
+            else:
+                self._moe_comm_token_s = (dispatch + combine) * (self.dp - 1) * token_bytes / link
             self._moe_comm_fixed_s = 2 * self.device.link_latency_s
 
-    def moe_layer_time(self, tokens, maximum=max):
-        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens` (every dp rank
-        steps with as many: vLLM pads them alike, `lockstep_times`): routed FLOPs vs touched
-        experts' bytes, plus the token exchange."""
-        return self._moe_time(maximum, min if maximum is max else np.minimum)(tokens)
+    def moe_layer_time(self, tokens, maximum=max, gathered=None):
+        """Seconds of one MoE layer on one GPU for a data-parallel rank's `tokens`, the ranks'
+        together being `gathered` (unset: every dp rank with as many, as when vLLM pads them alike,
+        `lockstep_times`): routed FLOPs vs touched experts' bytes, plus the token exchange."""
+        return self._moe_time(maximum, min if maximum is max else np.minimum)(tokens, gathered)
 
     def _moe_time(self, maximum, minimum):
         """`moe_layer_time` as a function of the tokens, for the roofline."""
@@ -524,8 +555,13 @@ class CostModel:
 
         noise, skew, z = self._expert_imbalance
 
-        def moe(tokens):
-            global_tokens = tokens * dp
+        def moe(tokens, gathered=None):
+            # every rank's tokens reach the experts: with unequal ranks (no padding) the exchange
+            # moves their mean share per rank
+            if gathered is None:
+                global_tokens, share = tokens * dp, tokens
+            else:
+                global_tokens, share = gathered, gathered / dp
             touched = expected_experts_touched(experts, top_k, global_tokens)
             compute = global_tokens * top_k * pair_flop
             if dequant:
@@ -536,31 +572,33 @@ class CostModel:
                 # the experts a GPU must read: Binomial(E / ep, q) of its own, q = touched / E
                 hit = maximum(touched, top_k) / experts
                 read = read * minimum(1 + z * ((1 - hit) * ep / (experts * hit)) ** 0.5, 1 / hit)
-            if pcie is not None:        # all-gather + reduce-scatter, NCCL's faster protocol
+            if pcie is not None:        # the exchange's collectives, NCCL's faster protocol
                 (ll_fixed, ll_token), (simple_fixed, simple_token) = pcie
-                return maximum(compute, read) + minimum(ll_fixed + tokens * ll_token, simple_fixed + tokens * simple_token)
-            fixed = comm_fixed * (tokens > 0)
-            return maximum(compute, read) + tokens * comm_token + fixed
+                return maximum(compute, read) + minimum(ll_fixed + share * ll_token, simple_fixed + share * simple_token)
+            fixed = comm_fixed * (share > 0)
+            return maximum(compute, read) + share * comm_token + fixed
         return moe
 
     def lockstep_times(self, batches, after_idle: bool = False) -> list[tuple[float, float]]:
-        """(host_s, device_s) of each rank's part of one step of a data-parallel MoE engine, whose
-        ranks step together (sim/simulator.py); None for a rank with nothing scheduled, which runs
-        vLLM's dummy batch of one token (gpu_worker.execute_dummy_batch, 0.19). Under CUDA graphs
-        vLLM pads every rank's batch to the most tokens any rank has (vllm/v1/worker/dp_utils.py,
-        0.19: `_post_process_dp_padding`), so the GEMMs, the MoE layer and its exchange run at
-        that size on every rank; attention, sampling and host work are each rank's own. The
-        step lasts as long as the slowest rank's part."""
+        """(host_s, device_s) of each rank's part of one step of a data-parallel engine whose ranks
+        step together (sim/simulator.py); None for a rank with nothing scheduled, which runs vLLM's
+        dummy batch of one token (gpu_worker.execute_dummy_batch, 0.19). The ranks agree on the
+        tokens each runs (`dp_padding`, sim/dp.py: the largest rank's when every rank runs a CUDA
+        graph, else its own), the GEMMs and the MoE layer's exchange run at those, the experts at
+        all ranks' tokens together; attention, sampling and host work are each rank's own. The step
+        lasts as long as the slowest rank's part (the MoE collectives join the ranks every layer)."""
         if self.draft is not None:       # (DraftCost.for_scenario refuses it first; a guard for direct use)
             raise ValueError("engine.speculative is not modelled for a data-parallel MoE engine (lockstep steps)")
         shapes = [(0, 0, 0, 0, 0, 0, 0) if b is None else
                   (b.num_decode + len(b.prefills), b.num_decode, b.num_prefill_tokens, b.prefill_ctx,
                    b.prefill_attn, b.decode_ctx, b.blocks_read) for b in batches]
-        padded = max(1, max(decodes + prefill_tokens for _, decodes, prefill_tokens, *_ in shapes))
+        run = self.dp_padding.run_tokens([max(1, decodes + prefill_tokens)
+                                          for _, decodes, prefill_tokens, *_ in shapes])
+        gathered = sum(run)
         wake = self.coefficients.wake_s if after_idle else 0.0
         times = []
-        for seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read in shapes:
-            host, device = self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded)(
+        for (seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read), own in zip(shapes, run):
+            host, device = self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, own, gathered)(
                 decode_ctx, blocks_read)
             times.append((host + wake, device))
         return times
@@ -669,8 +707,9 @@ class CostModel:
         full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
         window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 
-        def sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded=None):
-            # (`padded`: the tokens the GEMMs run at, where vLLM pads the batch: lockstep_times)
+        def sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, padded=None, gathered=None):
+            # (`padded`: the tokens the GEMMs run at, where vLLM pads the batch; `gathered`: every
+            # dp rank's together, what the experts see: lockstep_times)
             host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
                     + token_host * (prefill_tokens + decodes))
             output = output_token * seqs
@@ -681,7 +720,7 @@ class CostModel:
                     gemm = gemm + -(-tokens // WEIGHT_ONLY_TILE_ROWS) * dequant_tile
                 linear = maximum(gemm, linear_weight + tokens * linear_act)
                 if moe is not None:
-                    linear = linear + moe(tokens)
+                    linear = linear + moe(tokens, gathered)
                 base, prefill_setup = layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead
                 allreduce = tp_allreduce(tokens)
                 head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq

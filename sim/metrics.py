@@ -118,6 +118,8 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
         **_kv_figures(records, steps),
         **_step_figures(steps),
     }
+    if "data_parallel" in records.meta:       # (sim/dp.py: only data-parallel runs carry it)
+        summary["data_parallel"] = records.meta["data_parallel"]
     if "routing_regret" in records.meta:      # (sim/routers/regret.py)
         summary["routing_regret"] = records.meta["routing_regret"]
     if "kv_offload" in records.meta:        # (only where engine.kv_offload is set: old summaries unchanged)

@@ -80,16 +80,47 @@ class Parallelism(StrictModel):
     tp: int = Field(default=1, ge=1, le=1024,
                     description="tensor-parallel degree: weights and KV heads split per GPU, two all-reduces "
                                 "per layer (modelled, not run)")
-    # vLLM's --data-parallel-size: dp engine replicas (own scheduler and KV pool each, attention
-    # sliced over tp) that share one router; a MoE model's experts span all tp x dp GPUs.
+    # vLLM's --data-parallel-size: dp ranks, each a whole engine (own scheduler with the full limits
+    # and own KV pool, attention sliced over tp) behind vLLM's DP load balancer (sim/dp.py); a MoE
+    # model's experts span all tp x dp GPUs and its ranks step in lockstep.
     dp: int = Field(default=1, ge=1, le=1024,
-                    description="data-parallel degree: engine replicas sharing the router, vLLM's "
-                                "--data-parallel-size (modelled, not run)")
+                    description="data-parallel degree, vLLM's --data-parallel-size: ranks that are whole engines "
+                                "(full max_num_seqs, own KV pool each) behind vLLM's DP load balancer; a MoE "
+                                "model's ranks step in lockstep (modelled, not run)")
     # vLLM's --enable-expert-parallel: 1 = experts sliced over tp x dp GPUs (each GPU a slice of
     # every expert), tp x dp = whole experts spread over the GPUs with an all-to-all per MoE layer.
     ep: int = Field(default=1, ge=1, le=2**20,
                     description="expert-parallel degree: 1, or tp x dp to spread whole MoE experts over the "
                                 "GPUs (--enable-expert-parallel)")
+    # How vLLM spreads requests over the dp ranks and runs their MoE exchange (sim/dp.py,
+    # docs/vllm_semantics.md "Data parallel").
+    dp_local: Optional[int] = Field(
+        default=None, ge=1, le=1024,
+        description="data-parallel ranks per node, vLLM's --data-parallel-size-local (unset: all dp ranks on "
+                    "one node); with dp_load_balancing hybrid each node balances its own ranks")
+    dp_load_balancing: Literal["internal", "hybrid", "external"] = Field(
+        default="internal",
+        description="internal (vLLM's API servers pick a rank by waiting x 4 + running, from counts the DP "
+                    "coordinator publishes every 100 ms) | hybrid (--data-parallel-hybrid-lb: the same per "
+                    "node, cluster.router across nodes) | external (--data-parallel-external-lb: "
+                    "cluster.router picks the rank)")
+    api_servers: Optional[int] = Field(
+        default=None, ge=1, le=1024,
+        description="vLLM's --api-server-count: front-end processes, each balancing with its own view of "
+                    "the ranks (unset: vLLM's default for vllm_version, the ranks balanced from 0.15, else 1)")
+    all2all_backend: Literal[
+        "allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
+        "flashinfer_all2allv", "mori", "nixl_ep", "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided",
+    ] = Field(
+        default="allgather_reducescatter",
+        description="vLLM's --all2all-backend, the MoE token exchange between dp ranks: allgather_reducescatter "
+                    "(default) | naive (broadcasts, an all-reduce back) | the all-to-all kernels (deepep_*, "
+                    "pplx, mori, nixl_ep, flashinfer_*: each token to the ranks of its experts); "
+                    "deepep_high_throughput turns CUDA graphs off")
+    dp_backend: Literal["mp", "ray"] = Field(
+        default="mp",
+        description="vLLM's --data-parallel-backend: how the dp engines are launched (processes or Ray "
+                    "actors); both run the same engine loop, so it does not change the prediction")
 
     @property
     def gpus(self) -> int:
@@ -918,6 +949,7 @@ def _cross_checks(s: Scenario) -> list[str]:
         problems.append(f"parallelism.tp: {tp} neither divides nor is a multiple of the model's "
                         f"{m.num_kv_heads} KV heads")
     problems += _parallelism_checks(s)
+    problems += _data_parallel_checks(s)
     if s.max_model_len > m.max_position_embeddings:
         problems.append(f"engine.max_model_len: {s.max_model_len} is beyond the model's "
                         f"max_position_embeddings ({m.max_position_embeddings})")
@@ -986,6 +1018,31 @@ def _parallelism_checks(s: Scenario) -> list[str]:
     elif m.is_moe and m.moe_intermediate_size % par.gpus:
         problems.append(f"parallelism: tp x dp = {par.gpus} does not divide moe_intermediate_size "
                         f"({m.moe_intermediate_size}); use parallelism.ep = {par.gpus}")
+    return problems
+
+
+def _data_parallel_checks(s: Scenario) -> list[str]:
+    """The dp fields as vLLM accepts them (engine/arg_utils.py, config/parallel.py, 0.19), and what
+    kvtwin does not model with ranks stepping in lockstep."""
+    from sim.dp import check_router
+
+    par, version = s.parallelism, s.engine.vllm_version
+    problems = []
+    if par.dp_local is not None and par.dp % par.dp_local:
+        problems.append(f"parallelism.dp_local: {par.dp_local} ranks per node do not divide dp {par.dp}")
+    if par.dp_load_balancing == "hybrid" and par.dp_local is None:
+        problems.append("parallelism.dp_load_balancing: hybrid needs parallelism.dp_local (vLLM: "
+                        "\"data_parallel_size_local must be set to use data_parallel_hybrid_lb\")")
+    backends = vllm_versions.all2all_backends(version)
+    # (the table covers 0.12 on, the first release with --all2all-backend: older ones are not checked)
+    if backends and par.all2all_backend not in backends:
+        problems.append(f"parallelism.all2all_backend: {par.all2all_backend} is not in vLLM {version}'s "
+                        f"--all2all-backend choices ({', '.join(backends)})")
+    problems += [p for p in [check_router(s)] if p]
+    if par.dp > 1 and s.engine.lora is not None and vllm_versions.dp_ranks_in_lockstep(version, s.model.is_moe):
+        problems.append("engine.lora: not modelled for data-parallel ranks stepping in lockstep (their steps "
+                        "are priced together without the adapters' kernels); set parallelism.dp: 1 or "
+                        "engine.lora: null")
     return problems
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
+from sim.dp import DPGroup, DPLayout, DPLoadBalancer, engine_peak_running
 from sim.core.kvcache import KVCacheManager, new_kv_manager
 from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
@@ -156,14 +157,19 @@ class Simulation:
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         self._ended = RequestTable()                 # each request's figures, taken as it ends
         first_turns = self._first_turns()
+        self._layout = DPLayout.for_scenario(self.scenario)
         # With autoscaling the router sees only the ready, non-draining replicas (a list the
-        # autoscaler changes); without it, every replica, as before.
+        # autoscaler changes); without it, every replica (or, where vLLM's own API servers balance
+        # data-parallel ranks, every group of them: `_balanced_groups`), as before.
         autoscaling = self.scenario.cluster.autoscaling
         routable = self.replicas if autoscaling is None else list(self.replicas)
+        if self._layout.balanced:
+            routable = self._balanced_groups(env)
         router = make_router(self.scenario.cluster, routable, self.scenario.seed)
         self._autoscaler = None if autoscaling is None else Autoscaler(
             autoscaling, env, routable, lambda: self._launch_replica(env), self._work_left)
         self._finished = 0
+        self._dummy_steps = 0           # a lockstep rank's steps with nothing scheduled
         for engine in self._engines():
             env.process(self._engine_loop(env, engine[0]) if len(engine) == 1 else self._lockstep_loop(env, engine))
         self._router = router
@@ -181,7 +187,8 @@ class Simulation:
                                 **self._router.figures(), **offload_meta(self.replicas),
                                 **speculative_meta([r.scheduler for r in self.replicas]),
                                 **lora_meta([r.scheduler for r in self.replicas], self.cost_model.lora),
-                                **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()})})
+                                **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()}),
+                                **self._dp_meta()})
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
         """The client and the arrival path, sending to `self._router` (set before)."""
@@ -214,21 +221,63 @@ class Simulation:
                 or any(r.scheduler.has_unfinished() for r in self.replicas))
 
     def _engines(self) -> list[list[Replica]]:
-        """The replicas that step as one: a data-parallel MoE engine's dp ranks (vLLM runs them in
-        lockstep, DPEngineCoreProc: MoE models only), else each replica alone."""
+        """The replicas that step as one: a data-parallel engine's dp ranks where vLLM runs them in
+        lockstep (DPEngineCoreProc: MoE models, and dense ones before 0.14: sim/dp.py), else each
+        replica alone."""
         dp = self.scenario.parallelism.dp
-        if dp == 1 or not self.scenario.model.is_moe:
+        if not self._layout.lockstep:
             return [[replica] for replica in self.replicas]
         return [self.replicas[i:i + dp] for i in range(0, len(self.replicas), dp)]
 
+    def _balanced_groups(self, env: simpy.Environment) -> list[DPGroup]:
+        """The groups of dp ranks vLLM's own API servers spread requests over (every rank of an
+        engine; a node's ranks with hybrid balancing), each behind its DPLoadBalancer, which hears
+        the ranks' counts only where they step in lockstep (DPEngineCoreProc publishes them)."""
+        size, layout = self._layout.group_size, self._layout
+        groups, self._balancers = [], {}
+        for start in range(0, len(self.replicas), size):
+            ranks = self.replicas[start:start + size]
+            balancer = DPLoadBalancer(ranks, layout.api_servers, publishes=layout.lockstep)
+            for rank in ranks:
+                self._balancers[rank.index] = balancer
+            groups.append(DPGroup(len(groups), ranks, balancer, lambda: env.now))
+        return groups
+
+    def _dp_meta(self) -> dict:
+        """What summary.json keeps of a data-parallel run (only such runs: other summaries unchanged)."""
+        layout = self._layout
+        if layout.dp == 1:
+            return {}
+        dp = layout.dp
+        engines = [list(range(i, i + dp)) for i in range(0, len(self.replicas), dp)]
+        balancers = {id(b): b for b in getattr(self, "_balancers", {}).values()}.values()
+        return {"data_parallel": {
+            **layout.describe(),
+            "peak_running_per_engine": engine_peak_running(self._steps_frame(), engines),
+            "dummy_steps": self._dummy_steps,
+            "load_balancer_publications": sum(b.publications for b in balancers),
+        }}
+
+    def _steps_frame(self):
+        import pandas as pd
+
+        frames = [r.recorder.frame(full=True) for r in self.replicas]
+        frames = [f for f in frames if len(f)]
+        if not frames:
+            return pd.DataFrame({"replica": [], "start_s": [], "end_s": [], "running": []})
+        return pd.concat(frames, ignore_index=True)
+
     def _lockstep_loop(self, env: simpy.Environment, ranks: list[Replica]):
-        """A data-parallel MoE engine, as vLLM's DPEngineCoreProc.run_busy_loop runs it
-        (vllm/v1/engine/core.py, 0.19): while any rank has work every rank steps, one with nothing
-        scheduled running a dummy batch; the MoE layers' collectives hold each step to its slowest
-        rank (CostModel.lockstep_times); the ranks ask whether any still has work only every 32nd
-        step, so an engine that ran dry goes on with dummy steps until that check, then sleeps
-        until a request comes. One step at a time, no leaps."""
+        """A data-parallel engine whose ranks step together, as vLLM's DPEngineCoreProc.run_busy_loop
+        runs it (vllm/v1/engine/core.py, 0.19): while any rank has work every rank steps, one with
+        nothing scheduled running a dummy batch; the MoE layers' collectives hold each step to its
+        slowest rank (CostModel.lockstep_times); the ranks ask whether any still has work only every
+        32nd step, so an engine that ran dry goes on with dummy steps until that check, then sleeps
+        until a request comes. After each step the ranks' (waiting, running) go to the DP load
+        balancer (`_maybe_publish_request_counts`). One step at a time, no leaps."""
         lockstep_times = self.cost_model.lockstep_times
+        by_rank = getattr(self, "_balancers", {})
+        balancers = list({id(b): b for b in (by_rank.get(rank.index) for rank in ranks) if b is not None}.values())
         last_end = float("-inf")
         wave_steps = 0                  # steps since the engine woke (vLLM's step_counter)
         while True:
@@ -253,6 +302,7 @@ class Simulation:
             wave_steps += 1
             for rank, batch, (host, _), (kv_used, kv_cached, slack) in zip(ranks, batches, times, figures):
                 if batch is None:
+                    self._dummy_steps += 1
                     continue
                 # the rank's device time includes its wait for the slowest rank in the collectives
                 rank.recorder.record(batch, rank.scheduler, now, end, host, (end - now) - host, kv_used, kv_cached,
@@ -260,6 +310,9 @@ class Simulation:
                 finished = rank.scheduler.finish_step(batch)
                 if finished:
                     self._retire(env, rank, finished)
+            for balancer in balancers:
+                balancer.step_ended(end, tuple((len(rank.scheduler.waiting), len(rank.scheduler.running))
+                                               for rank in balancer.ranks))
 
     def _first_turns(self) -> Iterator[Request]:
         """The requests that arrive on their own, in order (follow-up turns hang off their previous

@@ -21,6 +21,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from sim.core.catalog import ModelSpec, StrictModel, catalog_entry
+from sim.core.vllm_versions import dp_ranks_in_lockstep
 from sim.errors import ScenarioError
 
 # Geometric per-token acceptance by method (module docstring: sources).
@@ -119,9 +120,10 @@ class DraftCost:
         spec = scenario.engine.speculative
         if spec is None:
             return None
-        if scenario.parallelism.dp > 1 and scenario.model.is_moe:
-            raise ScenarioError(["engine.speculative: not modelled for a data-parallel MoE engine (its ranks "
-                                 "step in lockstep); set parallelism.dp: 1 or engine.speculative: null"])
+        if scenario.parallelism.dp > 1 and dp_ranks_in_lockstep(scenario.engine.vllm_version, scenario.model.is_moe):
+            raise ScenarioError(["engine.speculative: not modelled for a data-parallel engine whose ranks step "
+                                 "in lockstep (MoE, or dense before vLLM 0.14); set parallelism.dp: 1 or "
+                                 "engine.speculative: null"])
         if spec.method == "ngram":
             return cls(spec, None)
         if spec.method in HEAD_METHODS:

@@ -39,6 +39,7 @@ from pydantic import Field, model_validator
 
 from sim.core.catalog import PCIE_LANE_GBPS, DeviceSpec, StrictModel
 from sim.core.request import Request
+from sim.core.vllm_versions import dp_ranks_in_lockstep
 
 GIB = 1 << 30
 # LMCache's default chunk (LMCACHE_CHUNK_SIZE; vLLM 0.19's lmcache_integration/vllm_v1_adapter.py
@@ -471,8 +472,8 @@ def scenario_problem(scenario) -> Optional[str]:
         return ("is modelled for one full-attention KV cache group (vLLM 0.19's OffloadingConnectorScheduler "
                 "asserts one group; a sliding window's freed blocks are not modelled in the tier); this model "
                 "has sliding-window attention")
-    if scenario.parallelism.dp > 1 and scenario.model.is_moe:
-        return "with data-parallel MoE ranks stepping in lockstep is not modelled"
+    if scenario.parallelism.dp > 1 and dp_ranks_in_lockstep(scenario.engine.vllm_version, scenario.model.is_moe):
+        return "with data-parallel ranks stepping in lockstep (MoE, or dense before vLLM 0.14) is not modelled"
     if scenario.device.name == "cpu":
         return "needs a GPU device (vLLM's CPU offloading runs on CUDA-alike GPUs only, cpu/spec.py)"
     return None

@@ -34,6 +34,26 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # admission need is capped at the window's blocks (_max_admission_blocks_per_request); 0.19
     # asks cdiv(prompt, block_size) blocks of every sliding group too.
     "sliding_window_admission_cap": ((0, 20), None),
+    # Data parallel (docs/vllm_semantics.md "Data parallel"). v1/engine/core.py run_engine_core: a
+    # dense model's dp ranks run plain, independent EngineCoreProcs ("Non-MoE DP ranks are completely
+    # independent", 0.14 on); before, every dp rank ran DPEngineCoreProc's lockstep loop (checked
+    # on 0.12 and 0.13). MoE models' ranks always do.
+    "dense_dp_independent": ((0, 14), None),
+    # entrypoints/cli/serve.py: --api-server-count defaults to the ranks the API servers balance
+    # (dp, dp_local for hybrid, 1 for external LB); 0.12-0.14's entrypoints/openai/cli_args.py: 1.
+    "api_servers_default_dp": ((0, 15), None),
+    # v1/worker/dp_utils.py _synchronize_dp_ranks: ranks are padded to the most tokens of any rank
+    # only when every rank's batch runs a CUDA graph (`should_dp_pad = synced_cudagraph_mode != 0`);
+    # 0.12-0.16 padded whenever CUDA graphs were configured (gpu_model_runner.py allow_dp_padding).
+    "dp_pad_only_under_graphs": ((0, 17), None),
+}
+
+# --all2all-backend's choices (config/parallel.py All2AllBackend): the release each came with.
+# allgather_reducescatter is the default throughout 0.12-0.21.
+ALL2ALL_BACKENDS: dict[str, Version] = {
+    "allgather_reducescatter": (0, 12), "naive": (0, 12), "pplx": (0, 12), "deepep_high_throughput": (0, 12),
+    "deepep_low_latency": (0, 12), "flashinfer_all2allv": (0, 12), "mori": (0, 15), "nixl_ep": (0, 18),
+    "flashinfer_nvlink_two_sided": (0, 18), "flashinfer_nvlink_one_sided": (0, 18),
 }
 
 # Speculative methods that keep async scheduling on under auto (config/speculative.py
@@ -81,3 +101,20 @@ def async_scheduling_auto(version: Optional[str], *, platform: str = "cuda", pip
     if executor is not None and executor not in ASYNC_EXECUTORS:
         return False, f"the {executor} executor does not support async scheduling"
     return True, "on by default"
+
+
+def all2all_backends(version: Optional[str]) -> list[str]:
+    """The --all2all-backend values vLLM `version` accepts (none before 0.12, which had no such flag)."""
+    v = parse_version(version)
+    return [name for name, first in ALL2ALL_BACKENDS.items() if v >= first]
+
+
+def dp_ranks_in_lockstep(version: Optional[str], is_moe: bool) -> bool:
+    """Do the data-parallel ranks of this model step together (DPEngineCoreProc: dummy batches on
+    idle ranks, collectives every step)? MoE models always; dense ones before 0.14."""
+    return is_moe or not has(version, "dense_dp_independent")
+
+
+def default_api_servers(version: Optional[str], balanced_ranks: int) -> int:
+    """--api-server-count unset: one API server per rank the servers balance (from 0.15), else 1."""
+    return balanced_ranks if has(version, "api_servers_default_dp") else 1

@@ -217,7 +217,24 @@ MODELLED = (
     Modelled("--quantization", "model.quantization", _quantization,
              "none (the checkpoint's quantization_config)", ("-q",)),
     Modelled("--data-parallel-size", "parallelism.dp", _int, "1", ("-dp",)),
-    Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", boolean=True),
+    Modelled("--enable-expert-parallel", "parallelism.ep", _bool, "off (ep = tp x dp when on)", ("-ep",),
+             boolean=True),
+    Modelled("--data-parallel-size-local", "parallelism.dp_local", _int, "all dp ranks on this node", ("-dpl",)),
+    Modelled("--data-parallel-hybrid-lb", "parallelism.dp_load_balancing", _bool,
+             "off: internal (the API servers balance every rank)", ("-dph",), boolean=True),
+    Modelled("--data-parallel-external-lb", "parallelism.dp_load_balancing", _bool,
+             "off: internal (the API servers balance every rank)", ("-dpe",), boolean=True),
+    # one rank's or one secondary node's command: vLLM infers external / hybrid balancing from them
+    Modelled("--data-parallel-rank", "parallelism.dp_load_balancing", _int, "unset: internal", ("-dpn",)),
+    Modelled("--data-parallel-start-rank", "parallelism.dp_load_balancing", _int, "unset: internal", ("-dpr",)),
+    Modelled("--data-parallel-backend", "parallelism.dp_backend", _choice("mp", "ray"), "mp", ("-dpb",)),
+    Modelled("--api-server-count", "parallelism.api_servers", _int,
+             "the ranks its API servers balance (dp; dp_local for hybrid, 1 external) from vLLM 0.15, else 1",
+             ("-asc",)),
+    Modelled("--all2all-backend", "parallelism.all2all_backend",
+             _choice("allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
+                     "flashinfer_all2allv", "mori", "nixl_ep", "flashinfer_nvlink_two_sided",
+                     "flashinfer_nvlink_one_sided"), "allgather_reducescatter"),
     Modelled("--async-scheduling", "engine.async_scheduling", _bool,
              "auto: on from vLLM 0.14 unless an executor, speculative method or platform turns it off",
              boolean=True),
@@ -250,7 +267,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "--allowed-methods", "--allowed-headers", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs",
         "--ssl-cert-reqs", "--middleware", "--uvicorn-log-level", "--max-log-len", "--response-role",
         "--chat-template", "--chat-template-content-format", "--tool-call-parser", "--tool-parser-plugin",
-        "--reasoning-parser", "--prompt-adapters", "--api-server-count",
+        "--reasoning-parser", "--prompt-adapters",
         "--log-config-file", "--h11-max-incomplete-event-size", "--h11-max-header-count")},
     **{f: (True, _SERVER) for f in (
         "--disable-log-requests", "--enable-log-requests", "--disable-log-stats", "--disable-fastapi-docs",
@@ -501,6 +518,7 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
             if parsed is not None:
                 result.raw = set_path(result.raw, outcome.field.split("."), parsed)
     _expert_parallel(result)
+    _dp_load_balancing(result)
     _speculative_section(result, spec_metrics, base_dir)
     result = _sorted_out(result, flags)
     kv_offload_flags.apply(result, flags, result.raw.get("parallelism", {}).get("tp", 1))
@@ -575,6 +593,26 @@ def _expert_parallel(result: Translation) -> None:
     par = result.raw.get("parallelism", {})
     if "ep" in par:
         par["ep"] = par.get("tp", 1) * par.get("dp", 1) if par["ep"] else 1
+
+
+# the flags that set parallelism.dp_load_balancing, and the mode each turns on (engine/arg_utils.py,
+# 0.19: --data-parallel-rank implies external balancing, --data-parallel-start-rank hybrid)
+_BALANCING_FLAGS = {"--data-parallel-hybrid-lb": "hybrid", "--data-parallel-external-lb": "external",
+                    "--data-parallel-rank": "external", "--data-parallel-start-rank": "hybrid"}
+
+
+def _dp_load_balancing(result: Translation) -> None:
+    """The dp balancing flags -> parallelism.dp_load_balancing (the last one given wins; --no-... and
+    false leave it internal); a flag's own value (a rank) is not a mode."""
+    mode = None
+    for flag, target, value in result.mapped:
+        if target == "parallelism.dp_load_balancing":
+            name = _canonical(flag.split(" ")[0])
+            base = "--" + name[5:] if name.startswith("--no-") else name
+            base = _BY_NAME[base].flag if base in _BY_NAME else base
+            mode = _BALANCING_FLAGS[base] if value is not False else "internal"
+    if mode is not None:
+        result.raw.setdefault("parallelism", {})["dp_load_balancing"] = mode
 
 
 def _one_flag(name: str, value: Optional[str]):

@@ -349,7 +349,7 @@ def test_unknown_device_names_suggest_the_closest(typed, meant):
 
 
 def test_data_parallel_ranks_are_engines_sharing_the_router():
-    """dp=2 runs two engines (each its own KV pool and scheduler) behind the cluster's router."""
+    """dp=2 runs two ranks (each its own KV pool and scheduler) behind vLLM's DP load balancer."""
     from sim.simulator import simulate
     base = {"model": "qwen3-30b-a3b", "device": "h100-sxm", "engine": {"max_model_len": 2048},
             "workload": {"num_requests": 16, "arrival": {"process": "poisson", "rate": 50},
@@ -357,5 +357,5 @@ def test_data_parallel_ranks_are_engines_sharing_the_router():
     one = simulate(validate_scenario({**base, "parallelism": {"tp": 2}}))[0]
     two = simulate(validate_scenario({**base, "parallelism": {"tp": 1, "dp": 2, "ep": 2}}))[0]
     assert len(one.recorders) == 1 and len(two.recorders) == 2
-    assert all(len(r.frame()) > 0 for r in two.recorders)      # round-robin gave both ranks work
+    assert all(len(r.frame()) > 0 for r in two.recorders)      # the balancer gave both ranks work
     assert (requests_frame(two)["status"] == "finished").all()     # the records keep requests in columns

@@ -34,6 +34,26 @@ def test_quantization_kv_dtype_and_parallel_flags():
         translate("vllm serve tiny --quantization bitsandbytes", "cpu")
 
 
+def test_data_parallel_flags_are_mapped_as_vllm_resolves_them():
+    """vLLM 0.19 engine/arg_utils.py: -dpl / --data-parallel-size-local, -dph / --data-parallel-
+    hybrid-lb, -dpe / --data-parallel-external-lb, -dpn / --data-parallel-rank (implies external
+    balancing), -dpr / --data-parallel-start-rank (implies hybrid), -dpb / --data-parallel-backend,
+    -ep, --all2all-backend; entrypoints/openai/cli_args.py: -asc / --api-server-count. Each lands
+    in a parallelism field (sim/dp.py reads them); none is ignored."""
+    t = translate("vllm serve qwen3-30b-a3b -dp 4 -dpl 2 -dph -ep --all2all-backend deepep_low_latency "
+                  "-asc 3 -dpb ray", "h100-sxm")
+    assert t.raw["parallelism"] == {"dp": 4, "ep": 4, "dp_local": 2, "dp_load_balancing": "hybrid",
+                                    "all2all_backend": "deepep_low_latency", "api_servers": 3, "dp_backend": "ray"}
+    assert not t.ignored and not t.unknown
+    for flags, mode in (("--data-parallel-external-lb", "external"), ("-dpn 1", "external"),
+                        ("--data-parallel-start-rank 2 -dpl 2", "hybrid"), ("--no-data-parallel-hybrid-lb", "internal"),
+                        ("--data-parallel-hybrid-lb false", "internal")):
+        assert translate(f"vllm serve qwen3-30b-a3b -dp 4 {flags}", "h100-sxm").raw["parallelism"][
+            "dp_load_balancing"] == mode, flags
+    with pytest.raises(UserError, match="--all2all-backend nccl: 'nccl' is not one of"):
+        translate("vllm serve qwen3-30b-a3b -dp 2 --all2all-backend nccl", "h100-sxm")
+
+
 def test_other_flags_are_listed_never_dropped():
     t = translate(["vllm", "serve", "tiny", "--host", "0.0.0.0", "--trust-remote-code", "--port", "9",
                    "--brand-new-flag", "x", "--disable-log-stats", "--max-num-seqs", "4"], "cpu")
