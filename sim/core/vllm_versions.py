@@ -34,6 +34,13 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # admission need is capped at the window's blocks (_max_admission_blocks_per_request); 0.19
     # asks cdiv(prompt, block_size) blocks of every sliding group too.
     "sliding_window_admission_cap": ((0, 20), None),
+    # v1/sample/ops/topk_topp_sampler.py: FlashInfer's sampler became opt-in (0.11 used it whenever
+    # installed), so apply_top_k_top_p sorts every logits row (logits.sort) when top-p is set; from
+    # 0.17 rows >= 8 go to the in-place Triton kernel (v1/sample/ops/topk_topp_triton.py).
+    "sampler_sorts_top_k_top_p": ((0, 12), (0, 17)),
+    # engine/arg_utils.py --performance-mode (balanced | interactivity | throughput); throughput
+    # doubles the max_num_seqs and max_num_batched_tokens defaults.
+    "performance_mode": ((0, 17), None),
 }
 
 # Speculative methods that keep async scheduling on under auto (config/speculative.py
