@@ -262,3 +262,18 @@ def test_enforce_eager_and_kv_cache_memory_bytes():
     assert given.block_bytes == 2 * 1024 ** 2 and given.num_blocks == 10_240
     assert given.max_tokens == 10_240 * 16
     assert plan_memory(llama_on("h100-sxm")).num_blocks > 27_000
+
+
+def test_consumer_and_workstation_cards_carry_their_cited_visible_total():
+    """vLLM's budget is gpu_memory_utilization x torch.cuda.mem_get_info's total (v1/worker/utils.py
+    request_memory, 0.19.0), which a GeForce or workstation card reports below nvidia-smi's figure by
+    its own amount: an RTX 4090 23.64 of 23.99 GiB, an RTX PRO 6000 94.97 of 95.59, an L40 44.40 of
+    44.99. Each figure cites where it was printed; the plan uses it, not the H100's 0.46 GiB rule."""
+    for name, gib in (("rtx-4090", 23.64), ("rtx-pro-6000-server", 94.97), ("rtx-pro-6000-workstation", 94.97),
+                      ("l40", 44.40)):
+        device = get_device(name)
+        assert device.visible_source.startswith("https://github.com/"), name
+        assert device.visible_mib / 1024 == pytest.approx(gib, abs=0.005) and device.visible_mib < device.memory_mib
+        plan = plan_memory(validate_scenario({"model": "qwen3-0.6b", "device": name,
+                                              "engine": {"max_model_len": 4096}}))
+        assert plan.visible_bytes == int(device.visible_mib * 1024 ** 2)
