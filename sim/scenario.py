@@ -236,6 +236,9 @@ class EngineConfig(StrictModel):
             self.__dict__["gpu_memory_utilization"] = vllm_versions.default_gpu_memory_utilization(self.vllm_version)
         if "reserve_full_prompt" not in unset:
             self.__dict__["reserve_full_prompt"] = vllm_versions.has(self.vllm_version, "reserve_full_prompt")
+        if self.estimate_cudagraph_memory and not vllm_versions.has(self.vllm_version, "cudagraph_estimate_switch"):
+            raise ValueError(f"estimate_cudagraph_memory: vLLM {self.vllm_version} has no "
+                             f"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS (from 0.18); leave it unset")
         if self.performance_mode != "balanced" and not vllm_versions.has(self.vllm_version, "performance_mode"):
             raise ValueError(f"performance_mode {self.performance_mode!r}: vLLM {self.vllm_version} has no "
                              f"--performance-mode (from 0.17); use balanced")
@@ -885,7 +888,10 @@ class Scenario(StrictModel):
         return e.long_prefill_token_threshold
 
     def _big_gpu(self) -> bool:
-        return self.device.memory_mib >= 70 * 1024 and not self.device.name.startswith("a100")
+        """vLLM's test: NVML's total (the catalog's memory_mib) of at least 70 GiB and "a100" not in
+        the device name (engine/arg_utils.py get_batch_defaults)."""
+        names = f"{self.device.name} {self.device.full_name or ''}".lower()
+        return self.device.memory_mib >= 70 * 1024 and "a100" not in names
 
 
 # ----------------------------------------------------------------------------- loading

@@ -25,6 +25,8 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # envs.py: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1 (the graph estimate comes off
     # the KV budget, v1/worker/gpu_worker.py determine_available_memory).
     "cudagraph_estimate_in_plan": ((0, 20), None),
+    # envs.py: the switch itself (v1/worker/gpu_worker.py profile_cudagraph_memory); absent before 0.18.
+    "cudagraph_estimate_switch": ((0, 18), None),
     # config/cache.py: gpu_memory_utilization defaults to 0.92 (0.9 before).
     "utilization_default_092": ((0, 20), None),
     # config/scheduler.py scheduler_reserve_full_isl: a waiting request is admitted only when blocks

@@ -206,3 +206,21 @@ def test_the_dummy_samplers_peak_follows_the_top_k_top_p_path_of_the_release():
     assert sort.activation_bytes - triton.activation_bytes == pytest.approx(
         (SAMPLER_COPIES_SORT - SAMPLER_COPIES) * rows_bytes, abs=2)
     assert sort.num_blocks < triton.num_blocks
+
+
+def test_the_graph_estimate_switch_exists_from_0_18():
+    """envs.py gains VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS in 0.18.0 (absent from 0.17.0's envs.py
+    and v1/worker/gpu_worker.py): setting it for an earlier release is refused, not dropped."""
+    assert scenario(vllm_version="0.18", estimate_cudagraph_memory=True).engine.estimate_cudagraph_memory
+    with pytest.raises(ValueError, match="vLLM 0.17 has no VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"):
+        scenario(vllm_version="0.17", estimate_cudagraph_memory=True)
+    assert scenario(vllm_version="0.17", estimate_cudagraph_memory=False).engine.estimate_cudagraph_memory is False
+
+
+def test_the_big_gpu_defaults_follow_vllms_name_and_memory_test():
+    """engine/arg_utils.py get_batch_defaults (0.12.0-0.21.0): NVML's total >= 70 GiB and "a100" not in
+    the device name give 8192 tokens / 1024 sequences; an A100 80GB, an L40S get 2048 / 256."""
+    big = {"h100-sxm": True, "h200": True, "a100-80g": False, "l40s": False, "rtx-pro-6000-server": True}
+    for device, is_big in big.items():
+        s = validate_scenario({"model": "qwen3-0.6b", "device": device, "engine": {"max_model_len": 4096}})
+        assert (s.max_num_batched_tokens, s.max_num_seqs) == ((8192, 1024) if is_big else (2048, 256)), device
