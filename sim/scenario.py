@@ -221,6 +221,18 @@ class EngineConfig(StrictModel):
     enforce_eager: bool = Field(
         default=False,
         description="vLLM's --enforce-eager: no CUDA graphs, so none of their memory comes off the KV budget")
+    estimate_cudagraph_memory: Optional[bool] = Field(
+        default=None,
+        description="vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: take the CUDA-graph estimate off the KV "
+                    "budget; unset: the release's default (off up to 0.19, on from 0.20)")
+    performance_mode: Literal["balanced", "interactivity", "throughput"] = Field(
+        default="balanced",
+        description="vLLM's --performance-mode (from 0.17): throughput doubles the default max_num_seqs and "
+                    "max_num_batched_tokens; interactivity changes only CUDA-graph sizes (not modelled)")
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1, le=1024,
+        description="vLLM's --pipeline-parallel-size, for its effect on auto async scheduling alone (vLLM 0.14 "
+                    "turns it off with pp > 1); kvtwin runs the model on tp GPUs without pipeline stages")
     kv_cache_memory_bytes: Optional[int] = Field(
         default=None, ge=1, le=2**50,
         description="vLLM's --kv-cache-memory-bytes: the KV pool's bytes per GPU, replacing the memory plan "
@@ -255,6 +267,17 @@ class EngineConfig(StrictModel):
             self.__dict__["gpu_memory_utilization"] = vllm_versions.default_gpu_memory_utilization(self.vllm_version)
         if "reserve_full_prompt" not in unset:
             self.__dict__["reserve_full_prompt"] = vllm_versions.has(self.vllm_version, "reserve_full_prompt")
+        if self.estimate_cudagraph_memory and not vllm_versions.has(self.vllm_version, "cudagraph_estimate_switch"):
+            raise ValueError(f"estimate_cudagraph_memory: vLLM {self.vllm_version} has no "
+                             f"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS (from 0.18); leave it unset")
+        if self.performance_mode != "balanced" and not vllm_versions.has(self.vllm_version, "performance_mode"):
+            raise ValueError(f"performance_mode {self.performance_mode!r}: vLLM {self.vllm_version} has no "
+                             f"--performance-mode (from 0.17); use balanced")
+        if (self.async_scheduling is True and self.pipeline_parallel_size > 1
+                and vllm_versions.has(self.vllm_version, "async_off_with_pipeline_parallel")):
+            raise ValueError(f"async_scheduling true with pipeline_parallel_size {self.pipeline_parallel_size}: vLLM "
+                             f"{self.vllm_version} refuses it (\"Async scheduling is not yet compatible with "
+                             f"pipeline_parallel_size > 1\", config/vllm.py)")
         if self.speculative is not None and self.batching == "static":
             raise ValueError("speculative decoding needs continuous batching (batching: static pads every "
                              "row to one token a step)")
@@ -841,15 +864,29 @@ class Scenario(StrictModel):
         engine/arg_utils.py: min(default, max_num_batched_tokens) when max_num_seqs is unset)."""
         if self.engine.max_num_seqs:
             return self.engine.max_num_seqs
-        return min(1024 if self._big_gpu() else 256, self.max_num_batched_tokens)
+        return min(self._default_limits()[1], self.max_num_batched_tokens)
 
     @property
     def max_num_batched_tokens(self) -> int:
-        default = 8192 if self._big_gpu() else 2048
-        budget = self.engine.max_num_batched_tokens or default
-        if not self.engine.chunked_prefill and self.engine.max_num_batched_tokens is None:
+        """The setting, else vLLM's API-server default (engine/arg_utils.py
+        _set_default_max_num_seqs_and_batched_tokens_args, 0.12-0.21): at least max_model_len without
+        chunked prefill, and at most max_num_seqs x max_model_len (max_num_seqs as set or defaulted,
+        before its own cap)."""
+        if self.engine.max_num_batched_tokens is not None:
+            return self.engine.max_num_batched_tokens
+        budget, seqs = self._default_limits()
+        if not self.engine.chunked_prefill:
             budget = max(budget, self.max_model_len)  # vLLM: must hold a whole prompt then
-        return budget
+        return min(budget, (self.engine.max_num_seqs or seqs) * self.max_model_len)
+
+    def _default_limits(self) -> tuple[int, int]:
+        """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs): 8192 and 1024 on GPUs
+        of at least 70 GiB (NVML's total) that are not A100s, else 2048 and 256 (engine/arg_utils.py
+        get_batch_defaults, 0.12-0.21), both doubled by --performance-mode throughput (from 0.17)."""
+        tokens, seqs = (8192, 1024) if self._big_gpu() else (2048, 256)
+        if self.engine.performance_mode == "throughput":
+            tokens, seqs = 2 * tokens, 2 * seqs
+        return tokens, seqs
 
     @property
     def max_step_tokens(self) -> int:
@@ -868,7 +905,8 @@ class Scenario(StrictModel):
         e = self.engine
         on, _ = vllm_versions.async_scheduling_auto(
             e.vllm_version, platform="cpu" if self.device.name == "cpu" else "cuda",
-            speculative_method=e.speculative_method, executor=e.distributed_executor_backend)
+            pipeline_parallel=e.pipeline_parallel_size, speculative_method=e.speculative_method,
+            executor=e.distributed_executor_backend)
         return on and e.batching == "continuous"
 
     @property
@@ -881,7 +919,10 @@ class Scenario(StrictModel):
         return e.long_prefill_token_threshold
 
     def _big_gpu(self) -> bool:
-        return self.device.memory_mib >= 70 * 1024 and not self.device.name.startswith("a100")
+        """vLLM's test: NVML's total (the catalog's memory_mib) of at least 70 GiB and "a100" not in
+        the device name (engine/arg_utils.py get_batch_defaults)."""
+        names = f"{self.device.name} {self.device.full_name or ''}".lower()
+        return self.device.memory_mib >= 70 * 1024 and "a100" not in names
 
 
 # ----------------------------------------------------------------------------- loading

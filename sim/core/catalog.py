@@ -265,6 +265,9 @@ class DeviceSpec(StrictModel):
     visible_mib: Optional[float] = Field(
         default=None, gt=0, le=MAX_DEVICE_MIB,
         description="the total torch.cuda.mem_get_info reports (vLLM's \"Free memory on device (free/total GiB)\"), below memory_mib by the driver's reservation, MiB; from a public log where one printed it")
+    visible_source: Optional[str] = Field(
+        default=None, max_length=500,
+        description="where visible_mib was printed (a URL: a vLLM startup log or torch's out-of-memory message)")
     cost_per_hour: Optional[float] = Field(
         default=None, ge=0,
         description="an illustrative price per GPU-hour in $ (`simrun plan --cost` overrides it)")

@@ -458,7 +458,7 @@ def _vllm_plan(scenario, activation: int | None) -> MemoryPlan:
     v = vllm_memory_plan(model, device, tp, eng.gpu_memory_utilization, scenario.max_num_batched_tokens,
                          scenario.max_num_seqs, eng.block_size, eng.vllm_version, eng.kv_cache_dtype,
                          dp=scenario.parallelism.dp, activation_bytes=activation,
-                         enforce_eager=eng.enforce_eager)
+                         enforce_eager=eng.enforce_eager, estimate_cudagraphs=eng.estimate_cudagraph_memory)
     return MemoryPlan(device.memory_bytes, eng.gpu_memory_utilization, v.requested_bytes, v.weight_bytes,
                       v.activation_bytes, v.non_torch_bytes + v.cudagraph_bytes, v.kv_budget_bytes,
                       kv_bytes_per_token(model, tp, eng.kv_cache_dtype), eng.block_size, v.block_bytes,
@@ -557,14 +557,34 @@ def vllm_activation_bytes(model: ModelSpec, num_tokens: int, num_rows: int, tp: 
 
     V1 with torch.compile and CUDA graphs: the live set is small and does not shrink with tp:
     ~19.5 K elements of workspace and ~1.3 hidden states per token, and the sampler's fp32 logits
-    (~3 copies: logits, probabilities, temporaries, in 0.19; one in 0.10). Least-squares fit to
-    the printed `peak activation` of the H100 0.19 sweep (CodeLlama-7B, Llama-3.1-8B, Qwen2.5-7B,
-    Qwen3-8B, Qwen2.5-72B: within 0.03 GiB each) and checked on the A100 0.10 runs' budgets."""
+    rows, as many copies as the release's top-k/top-p path keeps alive (sampler_logits_copies).
+    Least-squares fit to the printed `peak activation` of the H100 0.19 sweep (CodeLlama-7B,
+    Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B, Qwen2.5-72B: within 0.03 GiB each) and checked on the A100
+    0.10 runs' budgets."""
     s = model.dtype_bytes
-    logits_copies = 1.0 if version < (0, 11) else 3.15
+    copies = sampler_logits_copies(version)
     return int(num_tokens * s * (19_500 + 1.33 * model.hidden_size)
-               + logits_copies * num_rows * model.vocab_size * 4
+               + copies * num_rows * model.vocab_size * 4
                + num_tokens * s * moe_workspace_per_token(model, tp))
+
+
+# fp32 logits rows (rows x vocab x 4 bytes) alive at the dummy sampler's peak, by the top-k/top-p path
+# vLLM's TopKTopPSampler takes (v1/sample/ops/topk_topp_sampler.py) with the dummy run's top_k and
+# top_p both set (v1/worker/gpu_model_runner.py _dummy_sampler_run):
+SAMPLER_COPIES_V010 = 1.0      # before 0.11 (fit to the A100 0.10 logs; FlashInfer sampled when installed)
+SAMPLER_COPIES = 3.15          # 0.11 (FlashInfer) and from 0.17 the in-place Triton kernel (fit to H100 0.19)
+# 0.12-0.16: apply_top_k_top_p sorts the rows (logits.sort): alive at the sort are the model's bf16
+# logits (0.5), the fp32 copy (1), the sorted values (1) and int64 indices (2), and the sort's own
+# buffers (the int64 source indices and CUB's alternate key and value buffers: 2 + 1 + 2 = 5).
+SAMPLER_COPIES_SORT = 9.5
+
+
+def sampler_logits_copies(version: tuple[int, int]) -> float:
+    if version < (0, 11):
+        return SAMPLER_COPIES_V010
+    if vllm_versions.has(f"{version[0]}.{version[1]}", "sampler_sorts_top_k_top_p"):
+        return SAMPLER_COPIES_SORT
+    return SAMPLER_COPIES
 
 
 def moe_workspace_per_token(model: ModelSpec, tp: int = 1) -> int:
@@ -588,15 +608,17 @@ def vllm_non_torch_bytes(tp: int, version: tuple[int, int] = (0, 19)) -> int:
     return int((1.98 + 0.0475 * tp) * GIB)
 
 
-def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19), enforce_eager: bool = False) -> int:
-    """The graph pool vLLM estimates (profile_cudagraph_memory) and, from 0.20 on, subtracts before
-    sizing the KV cache: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1 in 0.20's envs.py
-    (0 in 0.19). Before, graphs were captured afterwards, in the (1 - utilization) slack, and did
-    not change num_blocks. --enforce-eager captures none (cudagraph_mode NONE): nothing to subtract.
-    ~26 MiB per layer for the default 51 PIECEWISE + 51 FULL captures (0.19 logs print the
-    estimate: 0.84 GiB for a 32-layer 7B)."""
-    version_text = f"{version[0]}.{version[1]}"
-    if enforce_eager or not vllm_versions.has(version_text, "cudagraph_estimate_in_plan"):
+def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19), enforce_eager: bool = False,
+                         estimate: bool | None = None) -> int:
+    """The graph pool vLLM estimates (profile_cudagraph_memory) and subtracts before sizing the KV
+    cache when VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is on (`estimate`; None: the release's
+    default, "0" up to 0.19 and "1" from 0.20 in envs.py). Off, graphs are captured afterwards, in
+    the (1 - utilization) slack, and do not change num_blocks. --enforce-eager captures none
+    (cudagraph_mode NONE): nothing to subtract. ~26 MiB per layer for the default 51 PIECEWISE +
+    51 FULL captures (0.19 logs print the estimate: 0.84 GiB for a 32-layer 7B)."""
+    if estimate is None:
+        estimate = vllm_versions.has(f"{version[0]}.{version[1]}", "cudagraph_estimate_in_plan")
+    if enforce_eager or not estimate:
         return 0
     return int(0.84 / 32 * model.num_layers * GIB)
 
@@ -604,11 +626,13 @@ def vllm_cudagraph_bytes(model: ModelSpec, version: tuple[int, int] = (0, 19), e
 def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: float,
                      max_num_batched_tokens: int, max_num_seqs: int, block_size: int = 16,
                      vllm_version: str | None = None, kv_cache_dtype: str = "auto", dp: int = 1,
-                     activation_bytes: int | None = None, enforce_eager: bool = False) -> VllmMemory:
+                     activation_bytes: int | None = None, enforce_eager: bool = False,
+                     estimate_cudagraphs: bool | None = None) -> VllmMemory:
     """num_gpu_blocks as vLLM's V1 worker derives it:
     floor((util x visible - weights - activation peak - non-torch - graph estimate) / block bytes),
     the block being one KV cache group's layers (pool_block_bytes: fp8 KV, hybrid groups).
-    `activation_bytes`, when given, replaces the estimated profiling-run peak (a measured one)."""
+    `activation_bytes`, when given, replaces the estimated profiling-run peak (a measured one);
+    `estimate_cudagraphs` is VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS (None: the release's default)."""
     version = parse_vllm_version(vllm_version)
     visible = vllm_visible_bytes(device)
     requested = int(visible * gpu_memory_utilization)
@@ -618,7 +642,7 @@ def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: 
         rows = min(max_num_batched_tokens, max_num_seqs)
         activation = vllm_activation_bytes(model, max_num_batched_tokens, rows, tp, version)
     non_torch = vllm_non_torch_bytes(tp, version)
-    graphs = vllm_cudagraph_bytes(model, version, enforce_eager)
+    graphs = vllm_cudagraph_bytes(model, version, enforce_eager, estimate_cudagraphs)
     budget = requested - weights - activation - non_torch - graphs
     block = pool_block_bytes(model, block_size, tp, kv_cache_dtype)
     return VllmMemory(visible, requested, weights, activation, non_torch, graphs, budget, block,

@@ -25,6 +25,8 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # envs.py: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1 (the graph estimate comes off
     # the KV budget, v1/worker/gpu_worker.py determine_available_memory).
     "cudagraph_estimate_in_plan": ((0, 20), None),
+    # envs.py: the switch itself (v1/worker/gpu_worker.py profile_cudagraph_memory); absent before 0.18.
+    "cudagraph_estimate_switch": ((0, 18), None),
     # config/cache.py: gpu_memory_utilization defaults to 0.92 (0.9 before).
     "utilization_default_092": ((0, 20), None),
     # config/scheduler.py scheduler_reserve_full_isl: a waiting request is admitted only when blocks
@@ -46,6 +48,13 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # only when every rank's batch runs a CUDA graph (`should_dp_pad = synced_cudagraph_mode != 0`);
     # 0.12-0.16 padded whenever CUDA graphs were configured (gpu_model_runner.py allow_dp_padding).
     "dp_pad_only_under_graphs": ((0, 17), None),
+    # v1/sample/ops/topk_topp_sampler.py: FlashInfer's sampler became opt-in (0.11 used it whenever
+    # installed), so apply_top_k_top_p sorts every logits row (logits.sort) when top-p is set; from
+    # 0.17 rows >= 8 go to the in-place Triton kernel (v1/sample/ops/topk_topp_triton.py).
+    "sampler_sorts_top_k_top_p": ((0, 12), (0, 17)),
+    # engine/arg_utils.py --performance-mode (balanced | interactivity | throughput); throughput
+    # doubles the max_num_seqs and max_num_batched_tokens defaults.
+    "performance_mode": ((0, 17), None),
 }
 
 # --all2all-backend's choices (config/parallel.py All2AllBackend): the release each came with.

@@ -253,7 +253,21 @@ MODELLED = (
     Modelled("--long-prefill-token-threshold", "engine.long_prefill_token_threshold", _human_int, "0 (off)"),
     Modelled("--max-num-partial-prefills", "engine.max_num_partial_prefills", _partial_prefills,
              "1 (the only value vLLM V1 accepts)"),
+    Modelled("--scheduler-reserve-full-isl", "engine.reserve_full_prompt", _bool,
+             "on (from vLLM 0.19; earlier releases check the first chunk only)", boolean=True),
+    Modelled("--performance-mode", "engine.performance_mode", _choice("balanced", "interactivity", "throughput"),
+             "balanced (from vLLM 0.17; throughput doubles the max_num_seqs and max_num_batched_tokens defaults)"),
+    Modelled("--pipeline-parallel-size", "engine.pipeline_parallel_size", _int,
+             "1 (stages not modelled: only its effect on auto async scheduling, off with pp > 1 in vLLM 0.14)",
+             ("-pp",)),
 )
+
+# Environment variables a command may set before `vllm serve` (NAME=value words), the scenario field
+# each maps to and its parser; others are reported as ignored (ENV_IGNORED) or unknown.
+ENV_MODELLED: dict[str, tuple[str, Callable[[str], Any]]] = {
+    # envs.py: "0" up to 0.19, "1" from 0.20; read by v1/worker/gpu_worker.py determine_available_memory
+    "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": ("engine.estimate_cudagraph_memory", _bool),
+}
 
 # Flags vLLM has that kvtwin leaves out, with why. True/False: whether the flag is a bare switch
 # (takes no value), so the parser knows whether the next word is its value.
@@ -289,10 +303,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
                                     "same setting"),
     "-O": (False, "compilation level changes step times: calibrate the cost model on the same setting"),
     "--calculate-kv-scales": (True, _NOT_MODELLED),
-    "--pipeline-parallel-size": (False, _NOT_MODELLED + " (pipeline parallel 1; with pp > 1 vLLM 0.14 "
-                                         "would also turn auto async scheduling off)"),
-    "-pp": (False, _NOT_MODELLED + " (pipeline parallel 1; with pp > 1 vLLM 0.14 would also turn auto "
-                   "async scheduling off)"),
     "--swap-space": (False, "CPU swap space: V1 preempts by recompute only, as kvtwin does"),
     "--preemption-mode": (False, "kvtwin (and vLLM V1) preempt by recompute only"),
     "--cpu-offload-gb": (False, _NOT_MODELLED + " (no weight offload)"),
@@ -317,6 +327,12 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--kv-events-config": (False, "event publishing: no effect on the prediction"),
     "--enable-sleep-mode": (True, "no effect on serving performance"),
     "--stream-interval": (False, "tokens per streamed chunk: a client-side ITL effect kvtwin does not model"),
+}
+
+ENV_IGNORED = {
+    "CUDA_VISIBLE_DEVICES": "which GPUs: the scenario's device and parallelism say how many",
+    "HF_TOKEN": _LOADING, "HF_HOME": _LOADING, "HF_HUB_OFFLINE": _LOADING,
+    "VLLM_LOGGING_LEVEL": "logging: no effect on the engine's timing or memory",
 }
 
 # The vLLM command's own words before its arguments.
@@ -368,11 +384,9 @@ def command_words(command: str | list[str]) -> list[str]:
 def _vllm_arguments(command: str | list[str]) -> tuple[list[str], bool]:
     """(the words after `vllm serve`, whether the command named vLLM): `/path/to/vllm serve` and
     `python3.12 -m vllm.entrypoints.openai.api_server` count too; without such a prefix the words
-    are taken as vLLM's arguments themselves (MODEL --flags, or only --flags)."""
-    try:
-        words = shlex.split(command.replace("\\\n", " ")) if isinstance(command, str) else list(command)
-    except ValueError as e:             # an unbalanced quote
-        raise UserError(f"the vLLM command cannot be split into words as a shell would ({e})") from None
+    are taken as vLLM's arguments themselves (MODEL --flags, or only --flags). Leading environment
+    assignments (NAME=value, after an optional `env`) are skipped: `environment` reads them."""
+    words = _leading_environment(_shell_words(command))[1]
     program = [Path(words[0]).name if words else "", *words[1:3]]
     if program[0].startswith("python"):
         program[0] = "python"
@@ -382,6 +396,35 @@ def _vllm_arguments(command: str | list[str]) -> tuple[list[str], bool]:
     if words and words[0] == "serve":
         return words[1:], True
     return words, False
+
+
+def _shell_words(command: str | list[str]) -> list[str]:
+    try:
+        return shlex.split(command.replace("\\\n", " ")) if isinstance(command, str) else list(command)
+    except ValueError as e:             # an unbalanced quote
+        raise UserError(f"the vLLM command cannot be split into words as a shell would ({e})") from None
+
+
+def _leading_environment(words: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """`VLLM_X=1 env Y=2 vllm serve ...` -> ([(VLLM_X, 1), (Y, 2)], [vllm, serve, ...])."""
+    import re
+
+    env, i = [], 0
+    while i < len(words):
+        name, eq, value = words[i].partition("=")
+        if words[i] == "env":
+            i += 1
+        elif eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", name):
+            env.append((name, value))
+            i += 1
+        else:
+            break
+    return env, words[i:]
+
+
+def environment(command: str | list[str]) -> list[tuple[str, str]]:
+    """The NAME=value assignments before the vLLM command."""
+    return _leading_environment(_shell_words(command))[0]
 
 
 def _canonical(name: str) -> str:
@@ -517,8 +560,10 @@ def translate(command: str | list[str], device: str, base_dir: Optional[Path] = 
             result.mapped.append((name if value is None else f"{name} {value}", outcome.field, parsed))
             if parsed is not None:
                 result.raw = set_path(result.raw, outcome.field.split("."), parsed)
+    _environment(result, environment(command))
     _expert_parallel(result)
     _dp_load_balancing(result)
+    _pipeline_parallel_remark(result)
     _speculative_section(result, spec_metrics, base_dir)
     result = _sorted_out(result, flags)
     kv_offload_flags.apply(result, flags, result.raw.get("parallelism", {}).get("tp", 1))
@@ -586,6 +631,33 @@ def _not_vllm_serve(words: list[str]) -> UserError:
                      f"--flag ...`, `python -m vllm.entrypoints.openai.api_server --model MODEL ...`, or the "
                      f"words after `vllm serve` with a catalog model, a catalog hf_id or a folder holding "
                      f"config.json as MODEL)")
+
+
+def _environment(result: Translation, env: list[tuple[str, str]]) -> None:
+    """The command's environment assignments: mapped (ENV_MODELLED), ignored with why, or unknown."""
+    from sim.scenario import set_path
+
+    for name, value in env:
+        if name in ENV_MODELLED:
+            field_path, parse = ENV_MODELLED[name]
+            try:
+                parsed = parse(value)
+            except ValueError as e:
+                raise UserError(f"environment {printable(name, 60)}={printable(value, 60)}: {e}") from None
+            result.mapped.append((f"{name}={value}", field_path, parsed))
+            result.raw = set_path(result.raw, field_path.split("."), parsed)
+        elif name in ENV_IGNORED:
+            result.ignored.append((f"{name}={value}", None, ENV_IGNORED[name]))
+        else:
+            result.unknown.append((f"{name}={value} (environment)", None))
+
+
+def _pipeline_parallel_remark(result: Translation) -> None:
+    pp = result.raw.get("engine", {}).get("pipeline_parallel_size", 1)
+    if pp > 1:
+        result.remarks.append(f"pipeline parallel {pp}: kvtwin runs the model on the tp GPUs without pipeline "
+                              f"stages (per-stage memory and timing are not modelled); the setting decides auto "
+                              f"async scheduling only (off with pp > 1 in vLLM 0.14)")
 
 
 def _expert_parallel(result: Translation) -> None:
@@ -794,7 +866,7 @@ def async_scheduling_note(raw: dict) -> str:
         return f"async scheduling: {'on' if setting else 'off'} (set by the command)"
     on, why = vllm_versions.async_scheduling_auto(
         engine.get("vllm_version"), platform="cpu" if raw.get("device") == "cpu" else "cuda",
-        speculative_method=engine.get("speculative_method") or (engine.get("speculative") or {}).get("method"),
+        pipeline_parallel=engine.get("pipeline_parallel_size", 1), speculative_method=engine.get("speculative_method") or (engine.get("speculative") or {}).get("method"),
         executor=engine.get("distributed_executor_backend"))
     return f"async scheduling: {'on' if on else 'off'} under auto ({why})"
 

@@ -145,24 +145,47 @@ def llama_on(device: str, **engine):
                               "engine": {"max_model_len": 4096, **engine}})
 
 
-def test_the_rtx_4090_pool_under_both_plans():
-    """Llama-3.1-8B on an RTX 4090 without num_blocks: vLLM 0.19 allocated 2,588 blocks (that run's
-    startup log is not in the cited table, so its flags are unknown). memory_plan=simple gives
-    2,950; vLLM's plan, the default, gives 2,861: 0.9 x
-    23.64 GiB torch-visible (not 23.99 datasheet), 0.25 GiB non-torch, a 0.48 GiB profiling peak."""
-    simple = plan_memory(llama_on("rtx-4090", memory_plan="simple"))
-    default = plan_memory(llama_on("rtx-4090"))
-    assert simple.num_blocks == 2950 and simple.memory_plan == "simple"
-    assert default.memory_plan == "vllm" and default.vllm_version == "0.19"
-    assert default.num_blocks == 2861
-    assert abs(default.num_blocks - 2588) < abs(simple.num_blocks - 2588)
+# The held-out case of issue 25: vLLM 0.19, Llama-3.1-8B (bf16), one RTX 4090, --gpu-memory-utilization
+# 0.9 --max-model-len 32768 --max-num-seqs 256 --max-num-batched-tokens 2048 allocated 2,588 blocks.
+HELD_OUT_4090 = {"model": "llama-3.1-8b", "device": "rtx-4090",
+                 "engine": {"vllm_version": "0.19", "gpu_memory_utilization": 0.9, "max_model_len": 32768,
+                            "max_num_seqs": 256, "max_num_batched_tokens": 2048}}
+HELD_OUT_4090_BLOCKS = 2588
+
+
+def test_the_rtx_4090_plan_term_by_term():
+    """vLLM 0.19's plan for the held-out RTX 4090 case, each term as 0.19's code makes it
+    (v1/worker/gpu_worker.py determine_available_memory, utils/mem_utils.py memory_profiling,
+    v1/worker/utils.py request_memory): requested = ceil(0.9 x the torch-visible total, 23.64 GiB on
+    an RTX 4090 (device catalog, cited)); weights; the torch peak of profile_run (a 2,048-token
+    forward, then _dummy_sampler_run over 256 fp32 rows of 128,256 logits, top-k/top-p through the
+    in-place Triton kernel of v1/sample/ops/topk_topp_triton.py); non-torch growth; no CUDA-graph
+    estimate (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 0 in 0.19's envs.py).
+    memory_plan=simple (datasheet memory) gives more."""
+    plan = plan_memory(validate_scenario(HELD_OUT_4090))
+    simple = plan_memory(validate_scenario({**HELD_OUT_4090, "engine": {**HELD_OUT_4090["engine"],
+                                                                        "memory_plan": "simple"}}))
+    assert plan.visible_bytes / GIB == pytest.approx(23.64, abs=0.005)
+    assert plan.budget_bytes == int(plan.visible_bytes * 0.9)
+    assert plan.weight_bytes / GIB == pytest.approx(14.96, abs=0.01)
+    assert plan.activation_bytes / GIB == pytest.approx(0.48, abs=0.01)
+    assert plan.non_torch_bytes / GIB == pytest.approx(0.25) and plan.cudagraph_bytes == 0
+    assert plan.num_blocks == 2861 and simple.num_blocks == 2950
     same = vllm_memory_plan(get_model("llama-3.1-8b"), get_device("rtx-4090"), 1, 0.9, 2048, 256)
-    assert (default.num_blocks, default.visible_bytes, default.non_torch_bytes, default.activation_bytes,
-            default.kv_budget_bytes) == (same.num_blocks, same.visible_bytes, same.non_torch_bytes,
-                                         same.activation_bytes, same.kv_budget_bytes)
-    terms = default.budget_bytes - default.weight_bytes - default.activation_bytes - default.non_torch_bytes
-    assert default.kv_budget_bytes == terms - default.cudagraph_bytes
-    assert default.reserved_bytes == default.non_torch_bytes + default.cudagraph_bytes
+    assert (plan.num_blocks, plan.visible_bytes, plan.non_torch_bytes, plan.activation_bytes,
+            plan.kv_budget_bytes) == (same.num_blocks, same.visible_bytes, same.non_torch_bytes,
+                                      same.activation_bytes, same.kv_budget_bytes)
+    terms = plan.budget_bytes - plan.weight_bytes - plan.activation_bytes - plan.non_torch_bytes
+    assert plan.kv_budget_bytes == terms - plan.cudagraph_bytes
+    assert plan.reserved_bytes == plan.non_torch_bytes + plan.cudagraph_bytes
+
+
+@pytest.mark.xfail(strict=True, reason="not met: vLLM 0.19's code, term by term, gives 2,861 blocks (+10.6 %); "
+                   "the run kept 0.52 GiB less for KV than that code accounts for (docs/vllm_semantics.md, "
+                   "'Known gap: a consumer GPU's pool'), and no cited reason closes it")
+def test_the_held_out_rtx_4090_case_within_3_percent():
+    plan = plan_memory(validate_scenario(HELD_OUT_4090))
+    assert abs(plan.num_blocks / HELD_OUT_4090_BLOCKS - 1) <= TOLERANCE
 
 
 def test_version_dependent_terms_follow_engine_vllm_version():
@@ -239,3 +262,18 @@ def test_enforce_eager_and_kv_cache_memory_bytes():
     assert given.block_bytes == 2 * 1024 ** 2 and given.num_blocks == 10_240
     assert given.max_tokens == 10_240 * 16
     assert plan_memory(llama_on("h100-sxm")).num_blocks > 27_000
+
+
+def test_consumer_and_workstation_cards_carry_their_cited_visible_total():
+    """vLLM's budget is gpu_memory_utilization x torch.cuda.mem_get_info's total (v1/worker/utils.py
+    request_memory, 0.19.0), which a GeForce or workstation card reports below nvidia-smi's figure by
+    its own amount: an RTX 4090 23.64 of 23.99 GiB, an RTX PRO 6000 94.97 of 95.59, an L40 44.40 of
+    44.99. Each figure cites where it was printed; the plan uses it, not the H100's 0.46 GiB rule."""
+    for name, gib in (("rtx-4090", 23.64), ("rtx-pro-6000-server", 94.97), ("rtx-pro-6000-workstation", 94.97),
+                      ("l40", 44.40)):
+        device = get_device(name)
+        assert device.visible_source.startswith("https://github.com/"), name
+        assert device.visible_mib / 1024 == pytest.approx(gib, abs=0.005) and device.visible_mib < device.memory_mib
+        plan = plan_memory(validate_scenario({"model": "qwen3-0.6b", "device": name,
+                                              "engine": {"max_model_len": 4096}}))
+        assert plan.visible_bytes == int(device.visible_mib * 1024 ** 2)

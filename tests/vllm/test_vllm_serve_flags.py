@@ -7,7 +7,7 @@ import yaml
 from sim.cli import main
 from sim.errors import UserError
 from sim.scenario import load_scenario
-from sim.vllm.serve_flags import MODELLED, flag_table_markdown, split_flags, translate
+from sim.vllm.serve_flags import IGNORED, MODELLED, flag_table_markdown, split_flags, translate
 
 
 def test_modelled_flags_land_in_their_fields():
@@ -147,6 +147,29 @@ def test_version_timing_and_memory_flags_are_mapped_not_ignored():
         translate("vllm serve tiny --max-num-partial-prefills 2", "cpu")
     with pytest.raises(UserError, match="JSON object"):
         translate("vllm serve tiny --speculative-config eagle", "cpu")
+
+
+def test_every_flag_issue_25_names_is_mapped():
+    """vLLM 0.19 engine/arg_utils.py: --pipeline-parallel-size / -pp (0.14's auto async rule),
+    --scheduler-reserve-full-isl (config/scheduler.py scheduler_reserve_full_isl, from 0.19),
+    --performance-mode (from 0.17: throughput doubles the batch defaults); envs.py
+    VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS set before the command. None is listed as ignored."""
+    t = translate("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1 CUDA_VISIBLE_DEVICES=0 vllm serve tiny -pp 2 "
+                  "--no-scheduler-reserve-full-isl --performance-mode throughput", "h100-sxm")
+    assert t.raw["engine"] == {"pipeline_parallel_size": 2, "reserve_full_prompt": False,
+                               "performance_mode": "throughput", "estimate_cudagraph_memory": True}
+    assert [flag for flag, _, _ in t.ignored] == ["CUDA_VISIBLE_DEVICES=0"] and not t.unknown
+    assert any("pipeline parallel 2" in remark for remark in t.remarks)
+    assert translate("env FOO=1 vllm serve tiny", "cpu").unknown == [("FOO=1 (environment)", None)]
+    with pytest.raises(UserError, match="VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=maybe"):
+        translate("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=maybe vllm serve tiny", "cpu")
+    named = ("--pipeline-parallel-size", "-pp", "--scheduler-reserve-full-isl", "--performance-mode",
+             "--enforce-eager", "--kv-cache-memory-bytes", "--distributed-executor-backend", "--speculative-config",
+             "--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-num-seqs",
+             "--max-num-batched-tokens", "--gpu-memory-utilization", "--block-size", "--enable-prefix-caching",
+             "--enable-chunked-prefill", "--async-scheduling")
+    assert not [flag for flag in named if flag in IGNORED]
+    assert all(flag in {n for m in MODELLED for n in (m.flag, *m.aliases)} for flag in named)
 
 
 def test_cli_writes_the_vllm_version_and_what_async_scheduling_resolves_to(tmp_path):

@@ -82,7 +82,7 @@ def test_long_prefill_token_threshold_caps_every_chunk():
 
 
 def test_max_num_seqs_defaults_to_at_most_max_num_batched_tokens():
-    """engine/arg_utils.py (0.14.0-0.20.0) _set_default_max_num_seqs_and_batched_tokens_args:
+    """engine/arg_utils.py (0.12.0-0.21.0) _set_default_max_num_seqs_and_batched_tokens_args:
     an unset max_num_seqs becomes min(the usage-context default, max_num_batched_tokens)."""
     assert scenario().max_num_seqs == 1024
     assert scenario(max_num_batched_tokens=512).max_num_seqs == 512
@@ -136,3 +136,91 @@ def test_the_sliding_window_admission_cap_exists_from_0_20():
     never, _ = admit_32k_prompt("0.19", 10_001)
     assert never.status is Status.REJECTED and "14336" in never.reject_reason.replace(",", "")
     assert admit_32k_prompt("0.20", 10_001)[0].admit_step == 0
+
+
+def test_default_token_budget_is_capped_at_max_num_seqs_times_max_model_len():
+    """engine/arg_utils.py _set_default_max_num_seqs_and_batched_tokens_args (0.12.0-0.21.0): a
+    defaulted max_num_batched_tokens becomes min(max_num_seqs x max_model_len, default), max_num_seqs
+    being the one set or defaulted; a set budget is kept as given."""
+    assert scenario(max_num_seqs=2, max_model_len=2048).max_num_batched_tokens == 4096
+    assert scenario(max_num_seqs=2, max_model_len=2048, max_num_batched_tokens=8192).max_num_batched_tokens == 8192
+    assert scenario(max_model_len=2).max_num_batched_tokens == 2048        # 1024 seqs x 2 tokens
+    assert scenario(max_model_len=4096).max_num_batched_tokens == 8192
+    # without chunked prefill the default first rises to max_model_len, then the cap applies
+    assert scenario(chunked_prefill=False, max_model_len=16384, max_num_seqs=1).max_num_batched_tokens == 16384
+
+
+def test_performance_mode_throughput_doubles_the_defaults_from_0_17():
+    """engine/arg_utils.py (0.17.0-0.21.0): --performance-mode throughput doubles a defaulted
+    max_num_batched_tokens and max_num_seqs (16384 and 2048 on an H100 API server); 0.16.0 has no
+    such flag (config/vllm.py PerformanceMode appears in 0.17.0)."""
+    throughput = scenario(vllm_version="0.19", performance_mode="throughput")
+    assert (throughput.max_num_batched_tokens, throughput.max_num_seqs) == (16384, 2048)
+    assert scenario(vllm_version="0.19", performance_mode="throughput", max_num_seqs=64).max_num_seqs == 64
+    assert scenario(vllm_version="0.19", performance_mode="interactivity").max_num_seqs == 1024
+    with pytest.raises(ValueError, match="performance_mode 'throughput': vLLM 0.16 has no --performance-mode"):
+        scenario(vllm_version="0.16", performance_mode="throughput")
+
+
+def test_pipeline_parallel_turns_auto_async_off_in_0_14_only():
+    """config/vllm.py VllmConfig.__post_init__: 0.14.0 turns auto async scheduling off with
+    pipeline_parallel_size > 1 and refuses it when set explicitly ("Async scheduling is not yet
+    compatible with pipeline_parallel_size > 1"); 0.15.0 has neither rule."""
+    assert not scenario(vllm_version="0.14", pipeline_parallel_size=2).async_scheduling
+    assert scenario(vllm_version="0.15", pipeline_parallel_size=2).async_scheduling
+    assert scenario(vllm_version="0.15", pipeline_parallel_size=2, async_scheduling=True).async_scheduling
+    with pytest.raises(ValueError, match="not yet compatible with pipeline_parallel_size"):
+        scenario(vllm_version="0.14", pipeline_parallel_size=2, async_scheduling=True)
+
+
+def test_the_cuda_graph_estimate_follows_the_environment_switch():
+    """envs.py VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: default "0" in 0.19.0, "1" in 0.20.0;
+    v1/worker/gpu_worker.py determine_available_memory (0.19.0) subtracts
+    cudagraph_memory_estimate_applied, the estimate when the switch is on, else 0; and takes no
+    estimate at all under --enforce-eager."""
+    from sim.core.memory import plan_memory
+
+    default_019, on_019 = plan_memory(scenario()), plan_memory(scenario(estimate_cudagraph_memory=True))
+    assert default_019.cudagraph_bytes == 0 < on_019.cudagraph_bytes
+    assert on_019.kv_budget_bytes == default_019.kv_budget_bytes - on_019.cudagraph_bytes
+    assert plan_memory(scenario(vllm_version="0.20")).cudagraph_bytes == on_019.cudagraph_bytes
+    assert plan_memory(scenario(vllm_version="0.20", estimate_cudagraph_memory=False)).cudagraph_bytes == 0
+    assert plan_memory(scenario(estimate_cudagraph_memory=True, enforce_eager=True)).cudagraph_bytes == 0
+
+
+def test_the_dummy_samplers_peak_follows_the_top_k_top_p_path_of_the_release():
+    """v1/sample/ops/topk_topp_sampler.py: 0.12.0-0.16.0 apply_top_k_top_p sorts the fp32 logits
+    rows (logits.sort: sorted values and int64 indices, plus the sort's source indices and CUB's
+    alternate buffers); 0.17.0 sends rows >= 8 to the in-place Triton kernel
+    (v1/sample/ops/topk_topp_triton.py); 0.11.0 sampled with FlashInfer when installed (the
+    VLLM_USE_FLASHINFER_SAMPLER None-means-on rule, opt-in from 0.12.0). The dummy sampler runs
+    max_num_seqs rows with top_k and top_p set (v1/worker/gpu_model_runner.py _dummy_sampler_run)."""
+    from sim.core.memory import (SAMPLER_COPIES, SAMPLER_COPIES_SORT, plan_memory, sampler_logits_copies)
+
+    assert [sampler_logits_copies(v) for v in ((0, 11), (0, 12), (0, 16), (0, 17), (0, 19))] == \
+        [SAMPLER_COPIES, SAMPLER_COPIES_SORT, SAMPLER_COPIES_SORT, SAMPLER_COPIES, SAMPLER_COPIES]
+    sort, triton = (plan_memory(validate_scenario({"model": "llama-3.1-8b", "device": "rtx-4090",
+                                                   "engine": {"vllm_version": v, "max_model_len": 32768}}))
+                     for v in ("0.16", "0.17"))
+    rows_bytes = 256 * 128_256 * 4            # 256 rows (max_num_seqs) of Llama-3.1-8B's vocabulary
+    assert sort.activation_bytes - triton.activation_bytes == pytest.approx(
+        (SAMPLER_COPIES_SORT - SAMPLER_COPIES) * rows_bytes, abs=2)
+    assert sort.num_blocks < triton.num_blocks
+
+
+def test_the_graph_estimate_switch_exists_from_0_18():
+    """envs.py gains VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS in 0.18.0 (absent from 0.17.0's envs.py
+    and v1/worker/gpu_worker.py): setting it for an earlier release is refused, not dropped."""
+    assert scenario(vllm_version="0.18", estimate_cudagraph_memory=True).engine.estimate_cudagraph_memory
+    with pytest.raises(ValueError, match="vLLM 0.17 has no VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"):
+        scenario(vllm_version="0.17", estimate_cudagraph_memory=True)
+    assert scenario(vllm_version="0.17", estimate_cudagraph_memory=False).engine.estimate_cudagraph_memory is False
+
+
+def test_the_big_gpu_defaults_follow_vllms_name_and_memory_test():
+    """engine/arg_utils.py get_batch_defaults (0.12.0-0.21.0): NVML's total >= 70 GiB and "a100" not in
+    the device name give 8192 tokens / 1024 sequences; an A100 80GB, an L40S get 2048 / 256."""
+    big = {"h100-sxm": True, "h200": True, "a100-80g": False, "l40s": False, "rtx-pro-6000-server": True}
+    for device, is_big in big.items():
+        s = validate_scenario({"model": "qwen3-0.6b", "device": device, "engine": {"max_model_len": 4096}})
+        assert (s.max_num_batched_tokens, s.max_num_seqs) == ((8192, 1024) if is_big else (2048, 256)), device
