@@ -28,7 +28,8 @@ from sim.core.catalog import MIB  # noqa: E402
 from sim.core.kvcache import KVCacheManager  # noqa: E402
 from sim.core.request import Request, make_request, stable_key  # noqa: E402
 from sim.scenario import validate_scenario  # noqa: E402
-from sim.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from sim.core.scheduler import SchedulerConfig  # noqa: E402
+from sim.core.scheduler_variants import make_scheduler  # noqa: E402
 
 MODES = [("continuous", "paged"), ("static", "contiguous")]
 CUDA = torch.cuda.is_available()
@@ -98,7 +99,7 @@ def run(runner: ModelRunner, args, batching: str, allocation: str, requests: lis
                         max_model_len=args.max_model_len, contiguous_reserve="max_model_len")
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len, batching=batching)
-    scheduler = Scheduler(config, kv)
+    scheduler = make_scheduler(config, kv)
     for r in requests:
         r.reset()
         if not scheduler.add(r):
@@ -154,7 +155,7 @@ def time_decode_steps(runner: ModelRunner, batch_size: int, context: int, steps:
 
     bs, max_len = runner.block_size, runner.max_model_len
     kv = KVCacheManager(runner.num_blocks, bs, enable_caching=False, max_model_len=max_len)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size * context,
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size * context,
                                           max_model_len=max_len), kv)
     for i in range(batch_size):
         scheduler.add(make_request(i, 0.0, [(stable_key("host", i), context)], steps + 5))

@@ -22,6 +22,7 @@ from bench._util import machine, write_json  # noqa: E402
 from sim.core.kvcache import KVCacheManager  # noqa: E402
 from sim.core.request import make_request  # noqa: E402
 from sim.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from sim.core.scheduler_variants import make_scheduler  # noqa: E402
 
 
 def steady_scheduler(batch: int, prompt: int = 200, mixed: bool = False, cohort: bool = True) -> Scheduler:
@@ -29,7 +30,7 @@ def steady_scheduler(batch: int, prompt: int = 200, mixed: bool = False, cohort:
     kv = KVCacheManager(num_blocks=batch * 200 + 10_000, block_size=16, enable_caching=True)
     cfg = SchedulerConfig(max_num_seqs=batch + 1, max_num_batched_tokens=batch + 512, max_model_len=65_536,
                           lazy_decode=cohort)
-    sched = Scheduler(cfg, kv)
+    sched = make_scheduler(cfg, kv)
     for i in range(batch):
         sched.add(make_request(i, 0.0, [(7, 64), (10_000 + i, prompt - 64)], 60_000))
     while sched.num_waiting:             # admit and prefill everyone

@@ -31,6 +31,7 @@ from sim.records import RunRecords, StepRecorder, requests_frame
 from sim.core.request import Request, Status, make_request, stable_key
 from sim.router import reject_follow_ups
 from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.workload import build_workload
 
 SMOKE_PROMPT_TOKENS = 16
@@ -92,7 +93,7 @@ def new_scheduler(scenario, num_blocks: int) -> Scheduler:
     e = scenario.engine
     kv = new_kv_manager(num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
                         e.contiguous_reserve, kv_cache_groups(scenario.model), scenario.max_step_tokens)
-    return Scheduler(SchedulerConfig.from_scenario(scenario), kv)
+    return make_scheduler(SchedulerConfig.from_scenario(scenario), kv)
 
 
 def replay(scenario, runner: Optional[ModelRunner] = None, device: Optional[str] = None,

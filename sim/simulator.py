@@ -31,6 +31,7 @@ from sim.core.status import REJECTED
 from sim.routers.factory import make_router
 from sim.autoscale import Autoscaler
 from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.core.lora import lora_meta
 from sim.core.speculative import speculative_meta
 from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
@@ -68,8 +69,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
                         e.contiguous_reserve, plan.kv_groups, scenario.max_step_tokens,
                         block_ids=block_ids)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
-    sched = Scheduler(config, kv)
-    sched.offload = offload_tier(scenario, plan, kv)
+    sched = make_scheduler(config, kv, offload=offload_tier(scenario, plan, kv))
     return Replica(index, sched, StepRecorder(index))
 
 

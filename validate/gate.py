@@ -83,7 +83,8 @@ def overlap_check(runner: ModelRunner, num_requests: int = 3) -> dict:
     the pinned copies, events and double buffers, which the CPU runs synchronously)."""
     from engine.pipeline import StepPipeline
     from sim.core.request import make_request, stable_key
-    from sim.core.scheduler import Scheduler, SchedulerConfig
+    from sim.core.scheduler import SchedulerConfig
+    from sim.core.scheduler_variants import make_scheduler
 
     bs = runner.block_size
     prompt = min(40, runner.max_model_len // 4)
@@ -91,7 +92,7 @@ def overlap_check(runner: ModelRunner, num_requests: int = 3) -> dict:
     runs = {}
     for overlap in (False, True):
         kv = KVCacheManager(runner.num_blocks, bs, enable_caching=False, max_model_len=runner.max_model_len)
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=num_requests * prompt,
+        scheduler = make_scheduler(SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=num_requests * prompt,
                                               max_model_len=runner.max_model_len), kv)
         for i in range(num_requests):
             scheduler.add(make_request(i, 0.0, [(stable_key("gate", i), prompt - 3 * i)], output))

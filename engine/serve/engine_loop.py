@@ -214,7 +214,7 @@ class EngineLoop:
     def _reset_prefix_cache(self) -> bool:
         """A fresh pool and scheduler (no block holds a hash any more), keeping the counters that
         /metrics reports; refused, as vLLM refuses it, while a request holds blocks."""
-        from sim.core.scheduler import Scheduler
+        from sim.core.scheduler_variants import make_scheduler
 
         old = self.scheduler
         if self.live or old.num_running or old.num_waiting:
@@ -222,7 +222,7 @@ class EngineLoop:
         kv = old.kv
         fresh_kv = kv.empty_copy()
         fresh_kv.stats = kv.stats
-        fresh = Scheduler(old.config, fresh_kv)
+        fresh = make_scheduler(old.config, fresh_kv)
         for counter in ("step", "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions"):
             setattr(fresh, counter, getattr(old, counter))
         self.scheduler = fresh

@@ -188,3 +188,46 @@ def lora_meta(schedulers, pricer=None) -> dict:
     if pricer is not None:
         figures["load_s"] = pricer.loads_s(total.cpu_loads, total.disk_loads)
     return {"lora": figures}
+
+
+class LoraScheduling:
+    """The scheduler's part (a mixin `make_scheduler` puts in front of the reference
+    Scheduler): the waiting pass skips a head whose adapter would exceed max_loras distinct
+    adapters in the step (vLLM's scheduled_loras and skipped_waiting_requests), and a step's
+    adapters are made resident. Every step's adapters are counted one request at a time, so the
+    decode cohort is off."""
+
+    __slots__ = ()
+    state = ("_pass_loras", "_skipped")
+
+    def __init__(self, config, kv, offload=None):
+        super().__init__(config, kv, offload)
+        self.lora = LoraSlots(*config.lora)
+        self.lazy = False
+        self._pass_loras: set = set()
+        self._skipped: list = []       # (queue entry, request) skipped in this pass
+
+    def _schedule_waiting(self, batch, budget: int) -> int:
+        self._pass_loras = self.lora.scheduled(batch)      # the running pass's adapters
+        self._skipped = []
+        budget = super()._schedule_waiting(batch, budget)
+        if self._skipped:              # back at the head, in their order (vLLM's prepend_requests)
+            self.waiting.unskip([entry for entry, _ in self._skipped])
+            self.lora.skipped([req for _, req in self._skipped])
+        return budget
+
+    def _skip_head(self, req) -> bool:
+        if not self.lora.must_skip(req, self._pass_loras):
+            return False
+        self._skipped.append((self.waiting.skip_head(), req))     # later requests may go
+        return True
+
+    def _admit(self, req, admission, batch):
+        scheduled = super()._admit(req, admission, batch)
+        if scheduled is not None and req.lora_id:
+            self._pass_loras.add(req.lora_id)
+        return scheduled
+
+    def _batch_formed(self, batch) -> None:
+        super()._batch_formed(batch)
+        batch.lora = self.lora.activate(batch)             # (loads priced by the cost model)

@@ -39,6 +39,7 @@ from pydantic import Field, model_validator
 
 from sim.core.catalog import PCIE_LANE_GBPS, DeviceSpec, StrictModel
 from sim.core.request import Request
+from sim.core.status import Status
 from sim.core.vllm_versions import dp_ranks_in_lockstep
 
 GIB = 1 << 30
@@ -412,6 +413,59 @@ class CpuTier:
                 block = self.policy.get(key)
                 if block is not None:
                     block.ready_at = ready
+
+
+class OffloadScheduling:
+    """The scheduler's part (a mixin `make_scheduler` puts in front of the reference
+    Scheduler, with the tier as `offload`): the waiting pass looks a request up in the tier after
+    its GPU hit and loads it asynchronously; loaded requests come back at the head; every step's
+    filled blocks are written through; a request's stores become visible when it leaves RUNNING."""
+
+    __slots__ = ()
+    state = ()
+
+    def abort(self, req: Request) -> None:
+        if not req.is_finished:
+            self.offload.forget(req)
+        super().abort(req)
+
+    def num_live(self) -> int:
+        return super().num_live() + len(self.offload.loading)
+
+    def _schedule_waiting(self, batch, budget: int) -> int:
+        tier = self.offload
+        if tier.loading:               # loads done: back at the head (vLLM's skipped queue)
+            for req in reversed(tier.take_loaded()):
+                self.waiting.add_preempted(req)
+        return super()._schedule_waiting(batch, budget)
+
+    def _admit(self, req: Request, admission, batch) -> Optional[int]:
+        """A CPU hit is loaded asynchronously: blocks now, the request back once copied."""
+        tier, kv = self.offload, self.kv
+        hits, hit_tokens, _, gate, reserve = admission
+        cpu_tokens = tier.match(req, hit_tokens) if not req.num_computed else 0
+        if not cpu_tokens:
+            return super()._admit(req, admission, batch)
+        if not kv.allocate_slots(req, cpu_tokens, hits, gate_tokens=gate, reserve_free=reserve):
+            return None
+        resumed = req.status is Status.PREEMPTED
+        self.waiting.pop_head()
+        kv.stats.record(req.prompt_len + req.num_output, hit_tokens, resumed)
+        tier.start_load(req, hit_tokens, cpu_tokens)
+        return 0
+
+    def _tokens_emitted(self, batch) -> None:
+        self.offload.after_step(batch.prefills + batch.decodes)      # write-through
+        super()._tokens_emitted(batch)
+
+    def _preempt(self, victim: Request, batch) -> None:
+        self.offload.request_done(victim)
+        super()._preempt(victim, batch)
+
+    def _free_finished(self, finished: list) -> None:
+        for req in finished:
+            self.offload.request_done(req)
+        super()._free_finished(finished)
 
 
 def build_cpu_tier(cfg: KvOffload, device: DeviceSpec, gpu_block_size: int, gpu_block_bytes_all_ranks: int) -> CpuTier:

@@ -125,3 +125,42 @@ def speculative_meta(schedulers) -> dict:
         total.add(d.stats)
     return {"speculative": {"method": decoders[0].method, "num_speculative_tokens": decoders[0].k,
                             **total.summary()}}
+
+
+class SpecScheduling:
+    """The scheduler's part (a mixin `make_scheduler` puts in front of the reference
+    Scheduler): a decode asks for its drafts too, its slots come with the lookahead, and the step's
+    drafts are verified before its tokens are emitted. The fast paths assume one token a step, so
+    the decode cohort (and with it leaps) is off."""
+
+    __slots__ = ()
+    state = ()
+
+    def __init__(self, config, kv, offload=None):
+        super().__init__(config, kv, offload)
+        self.spec = SpecDecoder(*config.speculative)
+        self.lazy = False
+
+    def num_new_tokens(self, req, budget: int):
+        n = req.num_tokens - req.num_computed
+        if n == 1 and req.num_output:      # a decode carries its drafts
+            n = min(1 + self.spec.k, self.config.max_model_len - 1 - req.num_computed)
+        return self._chunk(req, n, budget)
+
+    def _schedule_tokens(self, req, n: int, batch, budget: int) -> int:
+        """The slots come with the lookahead (never past max_model_len), and a decode carrying
+        drafts goes in as one (Batch.add_spec)."""
+        lookahead = min(self.spec.lookahead, self.config.max_model_len - req.num_computed - n)
+        if not self._allocate_or_preempt(req, n, batch, lookahead):
+            return budget + self._take_returned()                  # it preempted itself
+        budget += self._take_returned()
+        if n > 1 and req.num_output and req.num_computed + 1 == req.num_tokens:
+            batch.add_spec(req, n, self.block_size)                # a decode verifying n - 1 drafts
+        else:
+            batch.add(req, n, self.block_size)
+        return budget - n
+
+    def finish_step(self, batch):
+        if batch.spec_drafts:              # rejected drafts roll back, accepted ones count
+            self.tokens_held -= self.spec.settle(batch)
+        return super().finish_step(batch)

@@ -9,7 +9,8 @@ import pytest
 
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import Status, make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.scenario import validate_scenario
 
 
@@ -19,7 +20,7 @@ def run(async_scheduling, requests, num_blocks=64, max_num_seqs=8, block_size=4)
     kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=256,
                              async_scheduling=async_scheduling)
-    sched = Scheduler(config, kv)
+    sched = make_scheduler(config, kv)
     reqs = [make_request(i, 0.0, [(100 + i, prompt)], output) for i, (prompt, output) in enumerate(requests)]
     for r in reqs:
         sched.add(r)
@@ -113,7 +114,7 @@ def test_an_engine_that_goes_idle_frees_its_finishers_at_once():
     assert not sched.pending_release and sched.num_running == 0
     assert sched.kv.pool.num_free == sched.kv.pool.usable_blocks
     kv = KVCacheManager(5, 4, enable_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                                       async_scheduling=True), kv)
     for i, output in enumerate((2, 5)):
         sched.add(make_request(i, 0.0, [(100 + i, 4)], output))
@@ -128,7 +129,7 @@ def lagged_admission(async_scheduling, first_output=6):
     """Request 0 alone from step 0; request 1 added while step 1 is in flight (after schedule(),
     before finish_step). Returns (request 1's admit step, the steps each computed)."""
     kv = KVCacheManager(64, 4, enable_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                                       async_scheduling=async_scheduling), kv)
     first, late = make_request(0, 0.0, [(100, 4)], first_output), make_request(1, 0.5, [(101, 4)], 2)
     sched.add(first)
@@ -164,7 +165,7 @@ def test_an_idle_or_empty_turn_takes_arrivals_at_once():
     admit, steps = lagged_admission(True, first_output=2)
     assert admit == 2 and steps == [[0], [0], [1], [1]]
     kv = KVCacheManager(64, 4, enable_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                                       async_scheduling=True), kv)
     req = make_request(0, 0.0, [(100, 4)], 1)
     sched.add(req)
@@ -216,7 +217,7 @@ def test_the_overlapped_pipeline_admits_as_vllm_does():
     admitted = {}
     for overlap in (False, True):
         kv = KVCacheManager(24, 4, enable_caching=False, max_model_len=64)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+        sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
                                           async_scheduling=True), kv)
         pipeline = StepPipeline(sched, ModelRunner(model, 24, 4, 64, seed=7), overlap=overlap)
         first, late = make_request(0, 0.0, [(100, 6)], 8), make_request(1, 0.0, [(101, 6)], 3)
@@ -236,7 +237,7 @@ def test_a_request_aborted_before_it_joins_waiting_never_runs():
     """A client that goes away while its request is still held for the next pass (the server's
     abort) leaves nothing behind: the request is not scheduled and the accounting holds."""
     kv = KVCacheManager(64, 4, enable_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                                       async_scheduling=True), kv)
     first, gone = make_request(0, 0.0, [(100, 4)], 4), make_request(1, 0.0, [(101, 4)], 4)
     sched.add(first)

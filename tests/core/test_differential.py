@@ -13,7 +13,8 @@ import pytest
 from sim.core.kvcache import CACHED, EMPTY, PRIVATE, KVCacheManager, new_kv_manager
 from sim.core.memory import KVCacheGroups
 from sim.core.request import make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 
 SEEDS = range(300)
 
@@ -58,7 +59,7 @@ def build(case, lazy, block_ids=True):
     else:
         kv = KVCacheManager(case["num_blocks"], case["block_size"], case["caching"], case["allocation"], 256,
                             block_ids=block_ids)
-    sched = Scheduler(SchedulerConfig(**case["config"], lazy_decode=lazy), kv)
+    sched = make_scheduler(SchedulerConfig(**case["config"], lazy_decode=lazy), kv)
     reqs = []
     for i, (at, shared, prompt, out, group, prio) in enumerate(case["requests"]):
         segments = ([(900 + group, shared)] if shared else []) + [(i, prompt)]
@@ -421,8 +422,8 @@ def test_cohort_sits_out_prefill_steps_without_dissolving():
     their emission runs split around it exactly as the one-by-one loop records them."""
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, chunked_prefill=False,
                step_composition="prefill_first")
-    fast = Scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))
-    slow = Scheduler(SchedulerConfig(**cfg, lazy_decode=False), KVCacheManager(200, 4, False, "paged", 256))
+    fast = make_scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))
+    slow = make_scheduler(SchedulerConfig(**cfg, lazy_decode=False), KVCacheManager(200, 4, False, "paged", 256))
     pairs = [[make_request(i, 0.0, [(i, 10)], 20) for i in range(4)] for _ in range(2)]
     for sched, reqs in zip((fast, slow), pairs):
         for r in reqs[:3]:
@@ -451,7 +452,7 @@ def test_leap_timing_prices_step_by_step_and_stops_at_the_horizon():
     from sim.core.fast.leap import plan_leap
 
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
-    sched = Scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))
+    sched = make_scheduler(SchedulerConfig(**cfg), KVCacheManager(200, 4, False, "paged", 256))
     for i in range(3):
         sched.add(make_request(i, 0.0, [(i, 10 + 3 * i)], 60))
     for _ in range(2):

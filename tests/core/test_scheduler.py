@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import Status, make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 
 
 def make(num_blocks=1000, block_size=16, caching=True, allocation="paged", **cfg):
@@ -13,7 +14,7 @@ def make(num_blocks=1000, block_size=16, caching=True, allocation="paged", **cfg
     cfg.setdefault("max_num_batched_tokens", 256)
     cfg.setdefault("max_model_len", 4096)
     kv = KVCacheManager(num_blocks, block_size, caching, allocation, cfg["max_model_len"])
-    return Scheduler(SchedulerConfig(**cfg), kv)
+    return make_scheduler(SchedulerConfig(**cfg), kv)
 
 
 def drive(sched, max_steps=100_000):

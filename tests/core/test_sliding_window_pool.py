@@ -14,7 +14,8 @@ from sim.core.kvcache import NULL_BLOCK, GroupedKVCacheManager, KVCacheManager, 
 from sim.core.memory import (BlockPoolUnsupportedError, KVCacheGroups, blocks_for_tokens, check_block_pool_supports,
                              plan_memory, sliding_window_hit_blocks, sliding_window_skipped_blocks)
 from sim.core.request import Status, make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.core.catalog import get_model
 from sim.scenario import validate_scenario
 from sim.records import requests_frame
@@ -35,7 +36,7 @@ def scheduler(groups, num_blocks=64, block_size=4, caching=True, budget=64, seqs
     kv = new_kv_manager(num_blocks, block_size, caching, "paged", 256, groups=groups, max_num_batched_tokens=budget)
     config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=256, lazy_decode=lazy,
                              **cfg)
-    return Scheduler(config, kv)
+    return make_scheduler(config, kv)
 
 
 # ----------------------------------------------------------------------------- hand-checked
@@ -395,7 +396,7 @@ def test_the_engine_replays_a_windowed_model_on_freed_blocks_with_the_same_logit
 
     def run(kv):
         runner = ModelRunner(model, kv.pool.num_blocks, 4, 128)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128), kv)
+        sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128), kv)
         for i in range(num_requests):
             sched.add(make_request(i, 0.0, [(7, 20), (10 + i, 5 + 3 * i)], output_len))
         logits, peak = [], 0

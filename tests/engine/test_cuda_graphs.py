@@ -126,7 +126,8 @@ def test_a_static_batch_padding_row_rides_in_the_graph_on_cpu(triton_runner, cpu
     then padding) and hands back the live row's logits, equal to the eager path's."""
     from sim.core.kvcache import KVCacheManager
     from sim.core.request import make_request
-    from sim.core.scheduler import Scheduler, SchedulerConfig
+    from sim.core.scheduler import SchedulerConfig
+    from sim.core.scheduler_variants import make_scheduler
 
     runner = triton_runner
     graphs = cpu_graphs(runner, 2)
@@ -135,7 +136,7 @@ def test_a_static_batch_padding_row_rides_in_the_graph_on_cpu(triton_runner, cpu
     for mode, g in (("eager", None), ("graph", graphs)):
         runner.kv_cache.zero_()
         runner.graphs = g
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+        scheduler = make_scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
                                               batching="static"),
                               KVCacheManager(runner.num_blocks, 16, enable_caching=False, max_model_len=64))
         for i, (prompt, output) in enumerate([(20, 1), (9, 3)]):

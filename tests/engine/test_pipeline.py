@@ -12,7 +12,8 @@ from engine.weights import build_model, init_random_weights
 from sim.core.catalog import get_model
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import Request, make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 
 BLOCK, MAX_MODEL_LEN = 4, 64
 RECORD_FIELDS = ("num_output", "output_len", "num_computed", "finish_step", "first_token_step",
@@ -37,7 +38,7 @@ def requests(live: bool) -> list[Request]:
 
 def run(model, overlap: bool, live: bool, eos: int | None = None):
     kv = KVCacheManager(24, BLOCK, enable_caching=True, max_model_len=MAX_MODEL_LEN)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN), kv)
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN), kv)
     runner = ModelRunner(model, 24, BLOCK, MAX_MODEL_LEN, seed=7)
     reqs = requests(live)
     if eos is not None:
@@ -102,7 +103,7 @@ def test_the_switch(monkeypatch, model):
     assert overlap_wanted()
     monkeypatch.setenv("KVTWIN_OVERLAP", "0")
     assert not overlap_wanted()
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN),
                           KVCacheManager(24, BLOCK, enable_caching=False, max_model_len=MAX_MODEL_LEN))
     assert not StepPipeline(scheduler, ModelRunner(model, 24, BLOCK, MAX_MODEL_LEN)).overlap
     assert StepPipeline(scheduler, None).step() is None     # nothing to run: no step, no runner call

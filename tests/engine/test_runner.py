@@ -21,6 +21,7 @@ from sim.core.memory import InsufficientMemoryError, plan_memory
 from sim.core.request import Request, make_request
 from sim.scenario import validate_scenario
 from sim.core.scheduler import Batch, Scheduler, SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 BLOCK = 4
@@ -40,7 +41,7 @@ def make_engine(model, num_blocks: int, max_num_seqs: int = 6, max_num_batched_t
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=MAX_MODEL_LEN)
     runner = ModelRunner(model, num_blocks, BLOCK, MAX_MODEL_LEN, temperature=temperature, seed=7)
-    return Scheduler(config, kv), runner
+    return make_scheduler(config, kv), runner
 
 
 def drive(scheduler: Scheduler, runner: ModelRunner) -> dict[int, dict[int, torch.Tensor]]:
@@ -225,7 +226,7 @@ def drive_static(model, pad: bool, temperature: float = 0.0):
     kv = KVCacheManager(40, BLOCK, enable_caching=False, max_model_len=MAX_MODEL_LEN)
     config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=MAX_MODEL_LEN,
                              batching="static")
-    scheduler = Scheduler(config, kv)
+    scheduler = make_scheduler(config, kv)
     runner = ModelRunner(model, 40, BLOCK, MAX_MODEL_LEN, temperature=temperature, seed=7)
     if not pad:
         runner.static_padding = lambda batch: ([], [], [])

@@ -7,7 +7,8 @@ import pytest
 from sim.core.kvcache import GroupedKVCacheManager
 from sim.core.memory import KVCacheGroups
 from sim.core.request import Status, make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.core.vllm_versions import async_scheduling_auto, has
 from sim.scenario import validate_scenario
 
@@ -55,7 +56,7 @@ def chunks(threshold, prompt=100):
     """The tokens request 0 (a lone prompt) computes per step until its first token."""
     from sim.core.kvcache import KVCacheManager
 
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+    sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
                                       long_prefill_token_threshold=threshold),
                       KVCacheManager(64, 16, enable_caching=False))
     req = make_request(0, 0.0, [(1, prompt)], 2)
@@ -100,7 +101,7 @@ def admit_32k_prompt(version, num_blocks, held_tokens=0):
     kv = GroupedKVCacheManager(num_blocks, 16, GEMMA3, 8192, enable_caching=False, max_model_len=40_000)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=40_000,
                              sliding_admission_cap=has(version, "sliding_window_admission_cap"))
-    sched = Scheduler(config, kv)
+    sched = make_scheduler(config, kv)
     if held_tokens:
         sched.add(make_request(0, 0.0, [(1, held_tokens)], 50))
         sched.finish_step(sched.schedule())

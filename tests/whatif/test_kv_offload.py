@@ -15,7 +15,8 @@ import pytest
 from sim.core.kvcache import KVCacheManager
 from sim.core.offload import CpuTier, KvOffload, build_cpu_tier, host_link_gbps
 from sim.core.request import make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.errors import UserError
 from sim.predict import predict
 from sim.scenario import ScenarioError, validate_scenario
@@ -177,10 +178,8 @@ def test_arc_promotes_a_block_touched_again_and_evicts_t1_first():
 
 def scheduler(num_blocks=12, capacity=100):
     kv = KVCacheManager(num_blocks, BS, block_ids=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096,
-                                      lazy_decode=False), kv)
-    sched.offload = tier(capacity)
-    return sched
+    return make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096,
+                                          lazy_decode=False), kv, offload=tier(capacity))
 
 
 def run_to_end(sched, clock, step_s=0.01, limit=10_000):

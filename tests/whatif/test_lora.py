@@ -31,7 +31,8 @@ from sim.core.kvcache import KVCacheManager
 from sim.core.lora import LoraSlots, adapter_bytes, reserved_bytes
 from sim.core.memory import plan_memory
 from sim.core.request import make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.errors import UserError
 from sim.predict import predict
 from sim.scenario import ScenarioError, validate_scenario
@@ -44,7 +45,7 @@ def make(max_loras=2, max_cpu_loras=None, num_blocks=2000, **cfg):
     cfg.setdefault("max_num_batched_tokens", 4096)
     cfg.setdefault("max_model_len", 4096)
     kv = KVCacheManager(num_blocks, 16, True, "paged", cfg["max_model_len"])
-    return Scheduler(SchedulerConfig(lora=(max_loras, max_cpu_loras or max_loras), **cfg), kv)
+    return make_scheduler(SchedulerConfig(lora=(max_loras, max_cpu_loras or max_loras), **cfg), kv)
 
 
 def req(i, adapter, prompt=64, output=4):
@@ -383,7 +384,7 @@ def test_the_fast_paths_are_off_with_lora_so_they_cannot_skip_an_adapter_change(
     adapters are counted (and loads priced) one request at a time instead."""
     assert not make().lazy
     kv = KVCacheManager(100, 16, True, "paged", 4096)
-    assert Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=4096), kv).lazy
+    assert make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=4096), kv).lazy
 
 
 def test_the_published_lora_throughput_ratio_is_held():

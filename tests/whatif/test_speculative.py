@@ -24,7 +24,8 @@ import pytest
 
 from sim.core.kvcache import KVCacheManager
 from sim.core.request import make_request
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from sim.core.scheduler import SchedulerConfig
+from sim.core.scheduler_variants import make_scheduler
 from sim.core.speculative import SpecDecoder
 from sim.scenario import ScenarioError, validate_scenario
 
@@ -34,7 +35,7 @@ def make(spec=("eagle3", 3, (0.8, 0.6, 0.4), 0), num_blocks=1000, block_size=16,
     cfg.setdefault("max_num_batched_tokens", 256)
     cfg.setdefault("max_model_len", 4096)
     kv = KVCacheManager(num_blocks, block_size, True, "paged", cfg["max_model_len"])
-    return Scheduler(SchedulerConfig(speculative=spec, **cfg), kv)
+    return make_scheduler(SchedulerConfig(speculative=spec, **cfg), kv)
 
 
 def scenario(**spec):
