@@ -10,20 +10,16 @@ decode phase, only each request's `num_computed` against its `num_tokens`:
 2. Then, if nothing was preempted, WAITING requests from the head until the token budget,
    max_num_seqs or the KV pool stops the head (head-of-line blocking).
 
-This class is that policy and nothing else. `make_scheduler` (sim/core/scheduler_variants.py)
-composes it with the variants a config asks for, each a small mixin overriding the hooks below,
-kept beside its own subject: static batching and vLLM V0's prefill-first order
-(sim/core/step_orders.py), async scheduling (sim/core/async_scheduling.py), speculative decoding
-(sim/core/speculative.py), LoRA's max_loras (sim/core/lora.py) and the CPU offload tier
-(sim/core/offload.py). The decode cohort
-(sim/core/fast/cohort.py) is the one fast path inside a step: `take_step` gives every steady
-decode its token at once when that cannot change any outcome, else it dissolves.
-docs/architecture_core.md walks through the whole.
+This class is that policy and nothing else: `make_scheduler` (sim/core/scheduler_variants.py)
+composes it with the variants a config asks for, each a small mixin beside its own subject
+overriding the hooks below. The decode cohort (sim/core/fast/cohort.py) is the one fast path
+inside a step: `take_step` gives every steady decode its token at once when that cannot change
+any outcome, else it dissolves. docs/architecture_core.md walks through the whole.
 """
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from sim.core.batch import Batch, StaticBatch  # noqa: F401  (drivers import Batch from here)
 from sim.core.fast.cohort import DecodeCohort
@@ -34,18 +30,9 @@ from sim.core.request_queue import make_request_queue
 from sim.core.scheduler_config import SchedulerConfig, variants_of
 from sim.core.status import ABORTED, FINISHED, PREEMPTED, REJECTED, RUNNING, WAITING
 
-__all__ = ["Admission", "Batch", "Scheduler", "SchedulerConfig"]
+__all__ = ["Batch", "Scheduler", "SchedulerConfig"]
 
 _by_run_seq = attrgetter("run_seq")     # a request's position in the running list (a C-level sort key)
-
-
-class Admission(NamedTuple):
-    """How the waiting head would be admitted now (`Scheduler._admission`)."""
-    hits: list                 # the prefix hit as the KV manager found it
-    hit_tokens: int
-    n_now: int                 # tokens computed in this step
-    gate: int                  # tokens whose blocks must be free
-    reserve: int               # blocks kept free (the admission watermark)
 
 
 class Scheduler:
@@ -329,7 +316,7 @@ class Scheduler:
         """Take the head out of this pass and go on to the next (LoRA's max_loras)?"""
         return False
 
-    def _admit(self, req: Request, admission: Admission, batch: Batch) -> Optional[int]:
+    def _admit(self, req: Request, admission: tuple, batch: Batch) -> Optional[int]:
         """Give the waiting head its blocks and run it; the tokens it computes now, or None when
         the pool cannot give them (it stays at the head)."""
         kv = self.kv
@@ -355,10 +342,11 @@ class Scheduler:
             batch.add(req, n_now, self.block_size)
         return n_now
 
-    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[Admission]:
-        """How the waiting head would be admitted now, or None when the token budget stops it
-        before the pool is asked. (Every admission rule is here: the waiting pass's, and the leap
-        planner's through `head_would_start`.)"""
+    def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
+        """How the waiting head would be admitted now: (prefix hit as the KV manager found it,
+        hit tokens, tokens computed now, tokens whose blocks must be free, blocks kept free), or
+        None when the token budget stops it before the pool is asked. (Every admission rule is
+        here: the waiting pass's, and the leap planner's through `head_would_start`.)"""
         if req.kv_transfer == "receive" and not req.num_preemptions:
             # P/D: its prompt's blocks are held and filled from a prefill engine (sim/disagg.py);
             # the last prompt token is recomputed for its logits, as vLLM's scheduler does after
@@ -375,7 +363,7 @@ class Scheduler:
         # The watermark keeps room for running requests to grow; with none running it
         # would only stop a request that fits the pool from ever starting (vLLM skips it then).
         reserve = self._watermark_blocks if self.running else 0
-        return Admission(hits, hit_tokens, n_now, gate, reserve)
+        return hits, hit_tokens, n_now, gate, reserve
 
     def _first_chunk(self, n: int, budget: int, batch_empty: bool) -> Optional[int]:
         """The tokens a newly admitted request computes now out of the `n` it lacks (vLLM caps
@@ -398,8 +386,8 @@ class Scheduler:
         admission = self._admission(req, budget, batch_empty)
         if admission is None:
             return False
-        return self.kv.would_fit(req, admission.n_now, admission.hits, admission.gate, admission.reserve,
-                                 free_blocks)
+        hits, _, n_now, gate, reserve = admission
+        return self.kv.would_fit(req, n_now, hits, gate, reserve, free_blocks)
 
     # -- after the step ------------------------------------------------------------------
     def finish_step(self, batch: Batch) -> list[Request]:
