@@ -25,7 +25,7 @@ from bench._util import machine, write_json  # noqa: E402
 from engine.pipeline import StepPipeline  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from sim.core.catalog import MIB  # noqa: E402
-from sim.core.kvcache import KVCacheManager  # noqa: E402
+from sim.core.kv import KVCacheManager  # noqa: E402
 from sim.core.request import Request, make_request, stable_key  # noqa: E402
 from sim.scenario import validate_scenario  # noqa: E402
 from sim.core.scheduler import SchedulerConfig  # noqa: E402

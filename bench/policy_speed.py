@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import machine, write_json  # noqa: E402
-from sim.core.kvcache import KVCacheManager  # noqa: E402
+from sim.core.kv import KVCacheManager  # noqa: E402
 from sim.core.request import make_request  # noqa: E402
 from sim.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from sim.core.scheduler_variants import make_scheduler  # noqa: E402

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.runner import InconsistentBatchError, ModelRunner
-from sim.core.kvcache import new_kv_manager
+from sim.core.kv import new_kv_manager
 from sim.core.memory import check_block_pool_supports, kv_cache_groups
 from sim.metrics import summarise
 from sim.predict import RunResult, git_commit, kvtwin_version, length_stats, memory_summary, workload_digest
@@ -48,9 +48,8 @@ class EngineUnsupportedError(ValueError):
 
 def check_engine_supports(scenario) -> None:
     """Refuse speculative decoding (the engine implements none), and a hybrid model (sliding-window
-    and full-attention layers): the shared policy
-    (GroupedKVCacheManager) keeps one block table per KV cache group, while the runner keeps one
-    KV tensor of every layer and one block table per sequence. A model whose every layer has the
+    and full-attention layers): the shared policy (sim/core/kv/coordinator.py HybridCoordinator)
+    keeps one block table per KV cache group, while the runner keeps one KV tensor of every layer and one block table per sequence. A model whose every layer has the
     same window (Mistral v0.1) is one group: the runner reads its table, the blocks behind the
     window null, and the kernels mask the window."""
     model = scenario.model

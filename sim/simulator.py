@@ -21,7 +21,7 @@ import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.dp import DPGroup, DPLayout, DPLoadBalancer, engine_peak_running
-from sim.core.kvcache import KVCacheManager, new_kv_manager
+from sim.core.kv import KVCacheManager, new_kv_manager
 from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.core.offload import offload_meta, offload_tier
@@ -129,7 +129,7 @@ class Simulation:
     # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
     fast: bool = True
     # Ids for every KV block (the engine's pool) instead of only for those the prefix cache maps
-    # (kvcache.CountingBlockPool): the same predictions, slower (tests compare the two).
+    # (sim/core/kv/counting_pool.py): the same predictions, slower (tests compare the two).
     block_ids: ClassVar[bool] = False
     # The caller hands `requests` over: the list is emptied as the run starts, and each request
     # is dropped once it ended and its figures went into the records (a million requests then

@@ -26,7 +26,7 @@ import yaml
 from engine.runner import ModelRunner
 from sim.costmodel import STEP_SHAPE, CostCoefficients, CostModel, DeviceProfile
 from sim.output.io import write_text
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.memory import activation_peak_bytes, cdiv
 from sim.core.request import make_request, stable_key
 from sim.core.scheduler import Batch

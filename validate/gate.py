@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.runner import ModelRunner
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 
 # Relative L2 error of a logits row: bf16 through 24 layers differs by ~1e-2 between two
 # correct attention implementations; a wrong block, position or mask is off by O(1).

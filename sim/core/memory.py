@@ -25,7 +25,7 @@ class BlockPoolUnsupportedError(ValueError):
 
 def check_block_pool_supports(model: ModelSpec, allocation: str = "paged") -> None:
     """Sliding-window and hybrid models run on the paged pool with one block table per KV cache group
-    (sim/core/kvcache.py GroupedKVCacheManager); the contiguous (max-length reservation) baseline
+    (sim/core/kv/coordinator.py HybridCoordinator); the contiguous (max-length reservation) baseline
     has no notion of freeing the blocks behind a window, so that pairing is refused by name."""
     if model.num_sliding_layers and allocation == "contiguous":
         raise BlockPoolUnsupportedError(

@@ -485,7 +485,7 @@ def offload_tier(scenario, plan, kv) -> Optional[CpuTier]:
     cfg = scenario.engine.kv_offload
     if cfg is None:
         return None
-    if kv.grouped:
+    if not kv.is_one_full_attention_group:
         raise ValueError("engine.kv_offload: vLLM 0.19's OffloadingConnector takes one KV cache group "
                          "(OffloadingConnectorScheduler asserts it); this model has sliding-window or hybrid groups")
     tp = scenario.parallelism.tp

@@ -155,7 +155,7 @@ class Request:
         self.cohort_private_fills = False  # a cohort member whose fills are private blocks
         self.blocks: list[int] = []
         # Hybrid / sliding-window models: one block table per KV cache group (group_tables[0] is
-        # `blocks`), kept by sim/core/kvcache.py's GroupedKVCacheManager; None otherwise.
+        # `blocks`), kept by sim/core/kv/coordinator.py's HybridCoordinator; None otherwise.
         self.group_tables: Optional[list[list[int]]] = None
         self.block_hashes: list[int] = []
         self.num_registered = 0
@@ -223,7 +223,7 @@ class Request:
         prompt the workload marked as its own) is looked up by nobody else unless a later turn
         carries it in its prompt (`next_turn`), and by the request itself only after a preemption.
         A live output is literal tokens a client may send back: never private. The pool keeps such
-        blocks out of its hash map while held (sim/core/kvcache.py)."""
+        blocks out of its hash map while held (sim/core/kv/coordinator.py)."""
         start = self._private_start
         if start is None:       # (asked first at admission, when the workload has linked the turns)
             private = self.next_turn is None and type(self.segments[-1]) is tuple

@@ -23,7 +23,7 @@ from typing import Optional
 
 from sim.core.batch import Batch, StaticBatch  # noqa: F401  (drivers import Batch from here)
 from sim.core.fast.cohort import DecodeCohort
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import NO_BLOCKS, KVCacheManager
 from sim.core.offload import CpuTier
 from sim.core.request import Request
 from sim.core.request_queue import make_request_queue
@@ -70,7 +70,7 @@ class Scheduler:
         self._returned = 0
         self._usable_blocks = kv.pool.usable_blocks     # (the pool's size is fixed: read once, not per request)
         self._watermark_blocks = int(config.admission_watermark * self._usable_blocks)
-        kv.sliding_admission_cap = config.sliding_admission_cap
+        kv.set_sliding_admission_cap(config.sliding_admission_cap)
         # What the fast paths and drivers read, set by the variants that have them.
         self.static_batch: Optional[StaticBatch] = None
         self.pending_release = False   # finishers still hold blocks until the next pass (async)
@@ -351,7 +351,7 @@ class Scheduler:
             # P/D: its prompt's blocks are held and filled from a prefill engine (sim/disagg.py);
             # the last prompt token is recomputed for its logits, as vLLM's scheduler does after
             # a remote read (_update_waiting_for_remote_kv, vllm/v1/core/sched/scheduler.py, 0.19)
-            hits, hit_tokens = [], req.prompt_len - 1
+            hits, hit_tokens = NO_BLOCKS, req.prompt_len - 1
         else:
             hits, hit_tokens = self.kv.find_cached_prefix(req)
             hit_tokens += req.num_computed     # (a request back from a CPU load: its hit is computed)

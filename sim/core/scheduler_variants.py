@@ -22,7 +22,7 @@ from functools import cache
 from typing import Optional
 
 from sim.core.async_scheduling import AsyncScheduling
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.lora import LoraScheduling
 from sim.core.offload import CpuTier, OffloadScheduling
 from sim.core.scheduler import Scheduler

@@ -7,7 +7,7 @@ below is small enough to follow by hand; the expected steps are worked out in th
 """
 import pytest
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.request import Status, make_request
 from sim.core.scheduler import SchedulerConfig
 from sim.core.scheduler_variants import make_scheduler

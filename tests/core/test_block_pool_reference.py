@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.core.kvcache import ANON, CACHED, EMPTY, PRIVATE, BlockPool, CountingBlockPool
+from sim.core.kv import ANON, CACHED, EMPTY, PRIVATE, BlockPool, CountingBlockPool
 from sim.core.request import make_request
 
 

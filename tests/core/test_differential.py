@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from sim.core.kvcache import CACHED, EMPTY, PRIVATE, KVCacheManager, new_kv_manager
+from sim.core.kv import CACHED, EMPTY, PRIVATE, KVCacheManager, UnitaryCoordinator, new_kv_manager
 from sim.core.memory import KVCacheGroups
 from sim.core.request import make_request
 from sim.core.scheduler import SchedulerConfig
@@ -79,7 +79,7 @@ def by_content(*scheds):
     """Compare pools by content unless each has an id for every block (the engine's BlockPool:
     then the ids must agree too). CountingBlockPool names a block when it is registered, so two
     runs may name the same content differently."""
-    return not all(sched.kv.block_ids for sched in scheds)
+    return not all(sched.kv.layout().named_blocks for sched in scheds)
 
 
 def pool_view(pool, content=False):
@@ -170,7 +170,7 @@ def run_pair(case, max_steps=5000, fast_ids=True, slow_ids=True):
         if step_both(fast, slow, tick):
             view_a, view_b = request_views(fast, fast_reqs, slow, slow_reqs)
             assert view_a == view_b, f"tick {tick}"
-            assert getattr(fast.kv, "windowed_frees", 0) == getattr(slow.kv, "windowed_frees", 0), f"tick {tick}"
+            assert getattr(fast.kv.coordinator, "windowed_frees", 0) == getattr(slow.kv.coordinator, "windowed_frees", 0), f"tick {tick}"
             steps += 1
         tick += 1
         assert tick < max_steps, "no progress"
@@ -237,7 +237,7 @@ def run_leaps_pair(case, max_ticks=5000, fast_ids=True, slow_ids=True):
         else:
             step_both(fast, slow, tick)
         assert pool_view(fast.kv.pool, content) == pool_view(slow.kv.pool, content), f"tick {tick}"
-        assert getattr(fast.kv, "windowed_frees", 0) == getattr(slow.kv, "windowed_frees", 0), f"tick {tick}"
+        assert getattr(fast.kv.coordinator, "windowed_frees", 0) == getattr(slow.kv.coordinator, "windowed_frees", 0), f"tick {tick}"
         view_a, view_b = request_views(fast, fast_reqs, slow, slow_reqs)
         assert view_a == view_b, f"tick {tick}"
         tick += 1
@@ -488,7 +488,7 @@ def simulate_with_private_blocks(raw, private: bool, monkeypatch):
     from sim.simulator import simulate
     from sim.workload import build_requests
 
-    monkeypatch.setattr(KVCacheManager, "private_blocks", private)
+    monkeypatch.setattr(UnitaryCoordinator, "private_blocks", private)
     scenario = validate_scenario(raw)
     records, _, _ = simulate(scenario, build_requests(scenario))
     return records.steps_frame(), requests_frame(records)
@@ -496,7 +496,7 @@ def simulate_with_private_blocks(raw, private: bool, monkeypatch):
 
 @pytest.mark.parametrize("chunk", range(2))
 def test_private_blocks_change_no_prediction(chunk, monkeypatch):
-    """Keeping a request's own output blocks out of the hash map (KVCacheManager.private_blocks)
+    """Keeping a request's own output blocks out of the hash map (UnitaryCoordinator.private_blocks)
     gives the same steps (incl. KV used / cached-free) and requests as mapping every block at
     once, as vLLM does: over random scenarios with caching on, preemption pressure, multi-turn."""
     for seed in range(chunk, 32, 2):

@@ -3,7 +3,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sim.core.kvcache import PRIVATE, BlockPool, KVCacheManager
+from sim.core.kv import PRIVATE, BlockPool, KVCacheManager
 from sim.core.memory import cdiv
 from sim.core.request import NO_PRIVATE_BLOCK, Request, Status, make_request, stable_key
 
@@ -50,7 +50,7 @@ def test_hit_leaves_last_token_and_block_aligned_prompt_recomputes_last_block():
     admit(kv, a)
     b = req(1, [(7, 32)])
     hits, hit_tokens = kv.find_cached_prefix(b)
-    assert hit_tokens == 16 and hits == a.blocks[:1]   # 32 tokens: at most (32-1)//16 = 1 block
+    assert hit_tokens == 16 and hits.groups == [a.blocks[:1]]   # 32 tokens: at most (32-1)//16 = 1 block
 
 
 def test_only_full_blocks_are_cached_and_freed_blocks_stay_revivable():
@@ -137,7 +137,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         hits, hit_tokens = self.kv.find_cached_prefix(r)
         bs = self.kv.block_size
-        for i, b in enumerate(hits):   # a hit never hands out a block holding other tokens
+        for i, b in enumerate(hits.groups[0] if hits.groups else []):   # a hit never hands out a block holding other tokens
             assert self.content[b] == tuple(r.token_ids(i * bs, (i + 1) * bs, VOCAB))
         n = r.num_tokens - hit_tokens
         if self.kv.allocate_slots(r, n, hits, gate_tokens=r.num_tokens):
@@ -265,7 +265,7 @@ def test_a_preempted_request_publishes_its_output_blocks_and_hits_them_again():
     kv.free(r)                                     # unfinished: a preemption (as the scheduler does it)
     r.num_computed, r.num_preemptions = 0, 1
     hits, tokens = kv.find_cached_prefix(r)        # prompt + 9 outputs = 17 tokens: 4 blocks
-    assert tokens == 16 and hits == blocks[:4]
+    assert tokens == 16 and hits.groups == [blocks[:4]]
     kv.pool.check_invariants()
 
 

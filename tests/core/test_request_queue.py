@@ -8,7 +8,7 @@ and the max (priority, arrival) under PRIORITY (vllm/v1/core/sched/scheduler.py,
 import pytest
 
 from sim.core.fast.cohort import CohortMember, DecodeCohort
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.request import Request, make_request
 from sim.core.request_queue import FcfsQueue, PriorityQueue, make_request_queue
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.request import Status, make_request
 from sim.core.scheduler import SchedulerConfig
 from sim.core.scheduler_variants import make_scheduler

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.core.kvcache import NULL_BLOCK, GroupedKVCacheManager, KVCacheManager, new_kv_manager
+from sim.core.kv import NULL_BLOCK, KVCacheManager, new_kv_manager
 from sim.core.memory import (BlockPoolUnsupportedError, KVCacheGroups, blocks_for_tokens, check_block_pool_supports,
                              plan_memory, sliding_window_hit_blocks, sliding_window_skipped_blocks)
 from sim.core.request import Status, make_request
@@ -60,7 +60,7 @@ def test_a_window_of_two_blocks_holds_two_or_three_blocks_as_it_decodes():
     assert tables[2] == [NULL_BLOCK, 2, 3]             # block 0 freed when token 11 leaves it behind
     assert tables[-1][:2] == [NULL_BLOCK, NULL_BLOCK] and NULL_BLOCK not in tables[-1][2:]
     assert sched.kv.num_used_blocks == 0 and sched.kv.pool.num_free == 63
-    assert sched.kv.windowed_frees == 2
+    assert sched.kv.coordinator.windowed_frees == 2
 
 
 @pytest.mark.parametrize("sliding_first", [False, True])
@@ -76,7 +76,7 @@ def test_a_hybrid_request_holds_every_full_block_and_a_window_of_sliding_ones(sl
         if batch.step == 0:
             assert req.group_tables[0] == [1, 2, 3] and req.group_tables[1] == [4, 5, 6]
         seen.append((len(full) - full.count(NULL_BLOCK), len(slide) - slide.count(NULL_BLOCK)))
-        sched.kv.check_request(req)
+        sched.kv.coordinator.check_request(req)
         sched.finish_step(batch)
     assert seen == [(3, 3), (3, 3), (3, 2), (4, 3), (4, 3), (4, 3), (4, 2), (5, 3), (5, 3), (5, 3)]
 
@@ -97,7 +97,7 @@ def test_a_long_prefill_chunk_holds_all_its_blocks_for_one_step():
 
 def _compute(kv, req, n, hits=None):
     """Allocate and mark `n` more tokens computed (as the scheduler does), then check the pool."""
-    hit_tokens = len(hits[0]) * kv.block_size if hits else 0
+    hit_tokens = hits.num_blocks * kv.block_size if hits else 0
     assert kv.allocate_slots(req, n, hits)
     req.num_computed += hit_tokens + n
     kv.pool.check_invariants()
@@ -105,7 +105,7 @@ def _compute(kv, req, n, hits=None):
 
 def test_a_sliding_group_hits_from_the_right_where_full_attention_stops_at_the_first_miss():
     # blocks of 4, window 9: a sliding hit needs cdiv(8, 4) = 2 consecutive cached blocks
-    kv = GroupedKVCacheManager(7, 4, sliding_only(9), 64)         # 6 usable blocks
+    kv = KVCacheManager(7, 4, groups=sliding_only(9), max_num_batched_tokens=64)         # 6 usable blocks
     a = make_request(0, 0.0, [(1, 24)], 1)
     _compute(kv, a, 24)
     assert a.blocks == [1, 2, 3, 4, 5, 6]
@@ -117,7 +117,7 @@ def test_a_sliding_group_hits_from_the_right_where_full_attention_stops_at_the_f
     _compute(kv, filler, 8)                                       # evicts 4 and 3: prompt blocks 3 and 2
     b = make_request(2, 0.0, [(1, 24), (3, 4)], 1)                # a's prompt and 4 more tokens
     hits, tokens = kv.find_cached_prefix(b)
-    assert tokens == 24 and hits == [[NULL_BLOCK] * 4 + [5, 6]]   # blocks 4, 5: a window's worth
+    assert tokens == 24 and hits.groups == [[NULL_BLOCK] * 4 + [5, 6]]   # blocks 4, 5: a window's worth
     full = KVCacheManager(7, 4)                                   # the same story with full attention
     fa = make_request(0, 0.0, [(1, 24)], 1)
     assert full.allocate_slots(fa, 24)
@@ -132,18 +132,18 @@ def test_a_sliding_group_hits_from_the_right_where_full_attention_stops_at_the_f
 
 
 def test_a_short_run_from_block_zero_is_a_hit_and_a_lone_tail_block_is_not():
-    kv = GroupedKVCacheManager(7, 4, sliding_only(9), 64)
+    kv = KVCacheManager(7, 4, groups=sliding_only(9), max_num_batched_tokens=64)
     a = make_request(0, 0.0, [(1, 24)], 1)
     _compute(kv, a, 24)
     kv.free(a)                                          # no window pass: free queue 6 5 4 3 2 1
     assert list(kv.pool.free_queue) == [6, 5, 4, 3, 2, 1]
     _compute(kv, make_request(1, 0.0, [(2, 16)], 1), 16)     # evicts 6 5 4 3: prompt blocks 5 4 3 2
     hits, tokens = kv.find_cached_prefix(make_request(2, 0.0, [(1, 24), (3, 4)], 1))
-    assert tokens == 8 and hits == [[1, 2]]
+    assert tokens == 8 and hits.groups == [[1, 2]]
 
 
 def test_hybrid_hits_are_the_shorter_of_the_full_and_the_sliding_group():
-    kv = GroupedKVCacheManager(20, 4, hybrid(9), 64)
+    kv = KVCacheManager(20, 4, groups=hybrid(9), max_num_batched_tokens=64)
     a = make_request(0, 0.0, [(1, 24)], 1)
     _compute(kv, a, 24)
     full_blocks, sliding_blocks = (list(t) for t in a.group_tables)
@@ -153,21 +153,21 @@ def test_hybrid_hits_are_the_shorter_of_the_full_and_the_sliding_group():
     b = make_request(2, 0.0, [(1, 24), (3, 4)], 1)
     hits, tokens = kv.find_cached_prefix(b)
     assert tokens == 24
-    assert hits == [full_blocks, [NULL_BLOCK] * 4 + sliding_blocks[4:]]
+    assert hits.groups == [full_blocks, [NULL_BLOCK] * 4 + sliding_blocks[4:]]
     # lose the full group's block 3: the full hit stops at 3 blocks, the sliding scan runs within
     # it (blocks 1, 2 are cached) and the full hit is not cut further
     kv.pool.evict([full_blocks[3]])
     hits, tokens = kv.find_cached_prefix(make_request(3, 0.0, [(1, 24), (3, 4)], 1))
-    assert tokens == 12 and hits == [full_blocks[:3], [NULL_BLOCK] + sliding_blocks[1:3]]
+    assert tokens == 12 and hits.groups == [full_blocks[:3], [NULL_BLOCK] + sliding_blocks[1:3]]
 
 
 def test_admission_counts_every_group_and_caps_the_sliding_ones():
     # 1 full + 2 sliding groups, blocks of 4, window 8, budget 8: a sliding group holds at most
     # cdiv(8 - 1 + 8, 4) + 1 = 5 blocks; a 40-token request needs 10 + 2 x 5 = 20 at most.
-    kv = GroupedKVCacheManager(64, 4, hybrid(8, full=1, sliding=2), 8)
+    kv = KVCacheManager(64, 4, groups=hybrid(8, full=1, sliding=2), max_num_batched_tokens=8)
     req = make_request(0, 0.0, [(1, 36)], 4)
-    assert kv.sliding_cap == 5 and kv.blocks_needed_at_most(req) == 20
-    need, required = kv._blocks_required(req, 8, [], gate_tokens=36, reserve_free=0, lookahead_tokens=0)
+    assert kv.coordinator.sliding_cap == 5 and kv.blocks_needed_at_most(req) == 20
+    need, required = kv.coordinator._blocks_required(req, 8, [], gate_tokens=36, reserve_free=0, lookahead_tokens=0)
     assert (need, required) == (2, 9 + 2 * 5)       # gate: the whole prompt, sliding groups capped
     assert kv.allocate_slots(req, 8) and kv.num_used_blocks == 6
 
@@ -227,11 +227,11 @@ def test_pool_use_over_whole_runs_follows_the_window_arithmetic(seed):
             blocks = blocks_for_tokens(c + n, bs)
             kept = blocks - sliding_window_skipped_blocks(c, bs, groups.sliding_window)
             held = groups.full_groups * blocks + groups.sliding_groups * kept
-            assert kv.held_blocks(r) == held, (seed, batch.step, r)
+            assert kv.coordinator.held_blocks(r) == held, (seed, batch.step, r)
             assert held <= groups.blocks_per_request(r.max_len, bs, sched.config.max_num_batched_tokens)
-            kv.check_request(r)
+            kv.coordinator.check_request(r)
             expected += held
-        assert all(kv.held_blocks(r) == 0 for r in reqs if r.status is not Status.RUNNING)
+        assert all(kv.coordinator.held_blocks(r) == 0 for r in reqs if r.status is not Status.RUNNING)
         shared = _shared_blocks(sched.running)
         assert kv.num_used_blocks == expected - shared
         kv.pool.check_invariants()
@@ -413,7 +413,7 @@ def test_the_engine_replays_a_windowed_model_on_freed_blocks_with_the_same_logit
     assert len(ours) == len(full) > output_len and hits == full_hits > 0
     for a, b in zip(ours, full):
         assert torch_equal(a, b)
-    assert windowed.windowed_frees > 0 and peak < full_peak
+    assert windowed.coordinator.windowed_frees > 0 and peak < full_peak
 
 
 def torch_equal(a, b) -> bool:
@@ -435,7 +435,7 @@ T, F = True, False
 def test_sliding_hits_as_vllms_own_cases(cached, expected):
     assert sliding_window_hit_blocks(cached, 2, 4) == expected
     # and through the pool: the hit's last two blocks are the cached ones, the rest null
-    kv = GroupedKVCacheManager(40, 2, sliding_only(4), 8)
+    kv = KVCacheManager(40, 2, groups=sliding_only(4), max_num_batched_tokens=8)
     req = make_request(0, 0.0, [(5, 2 * len(cached) + 1)], 1)
     req.extend_block_hashes(len(cached), 2)
     for i, hit in enumerate(cached):
@@ -444,14 +444,14 @@ def test_sliding_hits_as_vllms_own_cases(cached, expected):
     hits, tokens = kv.find_cached_prefix(req)
     assert tokens == 2 * expected
     if expected:
-        table = hits[0]
+        table = hits.groups[0]
         tail = min(expected, 2)
         assert table[:expected - tail] == [NULL_BLOCK] * (expected - tail)
         assert table[expected - tail:] == [10 + i for i in range(expected - tail, expected)]
 
 
 def test_window_frees_as_vllms_own_case():
-    kv = GroupedKVCacheManager(20, 2, sliding_only(4), 8, enable_caching=False)
+    kv = KVCacheManager(20, 2, False, groups=sliding_only(4), max_num_batched_tokens=8)
     req = make_request(0, 0.0, [(5, 22)], 1)
     assert kv.allocate_slots(req, 22)
     first = list(req.blocks)                       # 11 blocks

@@ -100,7 +100,7 @@ def cpu_graphs():
 def test_the_graph_path_matches_eager_steps_on_cpu(triton_runner, cpu_graphs):
     """The runner's graph path (inputs into static buffers, padded to 4, rows cut back to 3)
     against its eager path, with the Triton backend interpreted."""
-    from sim.core.kvcache import KVCacheManager
+    from sim.core.kv import KVCacheManager
     from validate.calibrate import probe_batch
 
     runner = triton_runner
@@ -124,7 +124,7 @@ def test_the_graph_path_matches_eager_steps_on_cpu(triton_runner, cpu_graphs):
 def test_a_static_batch_padding_row_rides_in_the_graph_on_cpu(triton_runner, cpu_graphs):
     """A static batch's decode step with a finished member: the graph runs both rows (live,
     then padding) and hands back the live row's logits, equal to the eager path's."""
-    from sim.core.kvcache import KVCacheManager
+    from sim.core.kv import KVCacheManager
     from sim.core.request import make_request
     from sim.core.scheduler import SchedulerConfig
     from sim.core.scheduler_variants import make_scheduler

@@ -21,7 +21,7 @@ import torch
 from engine.runner import ModelRunner, check_batch
 from engine.weights import build_model
 from sim.core.catalog import get_model
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.memory import cdiv, plan_memory
 from validate import gpu_check
 from validate.calibrate import (Grid, ProbeLimits, measure_points, planned_extra_pool_tokens, probe_batch,

@@ -22,7 +22,7 @@ if not triton_available():
 from engine.runner import ModelRunner  # noqa: E402
 from engine.weights import build_model  # noqa: E402
 from sim.core.catalog import get_model  # noqa: E402
-from sim.core.kvcache import KVCacheManager  # noqa: E402
+from sim.core.kv import KVCacheManager  # noqa: E402
 from validate.calibrate import probe_batch  # noqa: E402
 
 MAX_PER_LAYER = 12

@@ -140,7 +140,7 @@ def test_a_catalog_moe_model_builds_and_runs_a_step():
     """A tiny Qwen3-MoE-shaped catalog model through the engine (paged, torch backend)."""
     from engine.runner import ModelRunner
     from engine.weights import build_model
-    from sim.core.kvcache import KVCacheManager
+    from sim.core.kv import KVCacheManager
     from validate.calibrate import probe_batch
 
     spec = ModelSpec(name="tiny-moe", architecture="qwen3", num_layers=2, hidden_size=64, num_heads=4,

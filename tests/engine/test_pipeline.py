@@ -10,7 +10,7 @@ from engine.pipeline import StepPipeline, overlap_wanted
 from engine.runner import ModelRunner
 from engine.weights import build_model, init_random_weights
 from sim.core.catalog import get_model
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.request import Request, make_request
 from sim.core.scheduler import SchedulerConfig
 from sim.core.scheduler_variants import make_scheduler

@@ -16,7 +16,7 @@ from engine.attention import AttentionMetadata
 from engine.runner import InconsistentBatchError, ModelRunner, profile_query_lens, profile_run
 from engine.weights import build_model, init_random_weights
 from sim.core.catalog import get_model
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.memory import InsufficientMemoryError, plan_memory
 from sim.core.request import Request, make_request
 from sim.scenario import validate_scenario

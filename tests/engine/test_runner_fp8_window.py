@@ -7,7 +7,7 @@ from engine.attention import AttentionMetadata, LayerKV
 from engine.runner import ModelRunner, kv_pool_dtype
 from engine.weights import build_model, init_random_weights
 from sim.core.catalog import get_model
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from validate.calibrate import probe_batch
 
 SEQS = [(40, 1, True), (23, 1, True), (0, 19, False), (16, 9, False)]

@@ -85,7 +85,7 @@ def test_layer_rule_catches_a_wrong_import(tmp_path):
 
 
 def test_importing_core_loads_no_heavy_dependency():
-    code = ("import sys, json, sim.core.scheduler, sim.core.kvcache, sim.core.memory, sim.core.fast.cohort, "
+    code = ("import sys, json, sim.core.scheduler, sim.core.kv, sim.core.memory, sim.core.fast.cohort, "
             "sim.core.request, sim.core.catalog; print(json.dumps(sorted(sys.modules)))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
                                        capture_output=True, text=True).stdout)

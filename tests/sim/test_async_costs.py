@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.costmodel import CostCoefficients, CostModel, DeviceProfile
 from sim.scenario import validate_scenario
 from validate.calibrate import probe_batch

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("aiconfigurator_core")
 
-from sim.core.kvcache import KVCacheManager  # noqa: E402
+from sim.core.kv import KVCacheManager  # noqa: E402
 from sim.costmodel import CostModel  # noqa: E402
 from sim.optables import OperatorTables, TablesUnavailable, bucket, data_root, tables_for  # noqa: E402
 from sim.scenario import validate_scenario  # noqa: E402

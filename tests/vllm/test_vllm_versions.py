@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.core.kvcache import GroupedKVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.memory import KVCacheGroups
 from sim.core.request import Status, make_request
 from sim.core.scheduler import SchedulerConfig
@@ -54,8 +54,6 @@ def test_reserve_full_prompt_exists_from_0_19():
 
 def chunks(threshold, prompt=100):
     """The tokens request 0 (a lone prompt) computes per step until its first token."""
-    from sim.core.kvcache import KVCacheManager
-
     sched = make_scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
                                       long_prefill_token_threshold=threshold),
                       KVCacheManager(64, 16, enable_caching=False))
@@ -98,7 +96,7 @@ GEMMA3 = KVCacheGroups(group_size=10, full_groups=1, sliding_groups=6, sliding_w
 def admit_32k_prompt(version, num_blocks, held_tokens=0):
     """A 32,768-token prompt behind a running request of `held_tokens` prompt tokens; returns (the
     prompt's request after up to 3 steps, the blocks the running request held)."""
-    kv = GroupedKVCacheManager(num_blocks, 16, GEMMA3, 8192, enable_caching=False, max_model_len=40_000)
+    kv = KVCacheManager(num_blocks, 16, False, max_model_len=40_000, groups=GEMMA3, max_num_batched_tokens=8192)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=40_000,
                              sliding_admission_cap=has(version, "sliding_window_admission_cap"))
     sched = make_scheduler(config, kv)

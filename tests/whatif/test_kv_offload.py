@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.offload import CpuTier, KvOffload, build_cpu_tier, host_link_gbps
 from sim.core.request import make_request
 from sim.core.scheduler import SchedulerConfig

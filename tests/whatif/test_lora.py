@@ -27,7 +27,7 @@ import json
 
 import pytest
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.lora import LoraSlots, adapter_bytes, reserved_bytes
 from sim.core.memory import plan_memory
 from sim.core.request import make_request

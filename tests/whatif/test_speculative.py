@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 
-from sim.core.kvcache import KVCacheManager
+from sim.core.kv import KVCacheManager
 from sim.core.request import make_request
 from sim.core.scheduler import SchedulerConfig
 from sim.core.scheduler_variants import make_scheduler

@@ -40,7 +40,7 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
 
-from sim.core.kvcache import CacheLayout
+from sim.core.kv import CacheLayout
 from sim.core.request import Request
 
 
@@ -81,13 +81,14 @@ class DecodeCohort:
         self.paged = layout.paged
         self.caching = layout.prefix_caching
         self.named = layout.named_blocks  # every block has an id: crossing members take theirs in running order
-        # A grouped KV cache (sim/core/kvcache.py GroupedKVCacheManager): `tables` block tables
+        # Per-group tables (sim/core/kv/coordinator.py HybridCoordinator): `tables` block tables
         # per member, each taking a block at a crossing; with a sliding `window` a member also
         # frees the block behind it, on the steps whose token leaves a block behind the window.
         self.tables = layout.tables
+        self.per_group_tables = layout.per_group_tables
         self.window = layout.sliding_window
         self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
-        self.private_blocks = layout.private_blocks   # members' private fills registered as such (kvcache.py)
+        self.private_blocks = layout.private_blocks   # members' private fills registered as such (kv/coordinator.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
         self.members: dict[Request, None] = {}      # insertion-ordered set
         self.offset = 0               # steps the cohort sat out (pauses): clock = step - offset
@@ -337,7 +338,7 @@ class DecodeCohort:
             for req in by_phase[-clock % bs]:
                 if not req.cohort_private_fills:
                     index = (req.cohort_computed + clock) // bs - 1
-                    if self.tables == 1:
+                    if not self.per_group_tables:
                         blocks.append(kv.named_blocks(req, index, index + 1)[0])
                         hashes.append(req.block_hashes[index])
                     else:

@@ -1,0 +1,449 @@
+"""The coordinators: how a request's blocks are taken, looked up and freed over the KV cache groups,
+as vLLM's kv_cache_coordinator.py (0.19) splits it: `UnitaryCoordinator` for one full-attention
+group (every uniform model: one table, `Request.blocks`), `HybridCoordinator` for several groups
+or a sliding window (a table per group, `Request.group_tables`, each group run by its
+single-type manager, sim/core/kv/single_type.py). Both answer the same calls (`API`), which
+`KVCacheManager` (sim/core/kv/manager.py) hands to the scheduler and the decode cohort; a prefix
+hit is always per group (`KVCacheBlocks`).
+
+vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
+- lookup happens only for requests with nothing computed, stops at the first miss and always
+  leaves at least the last prompt token to compute;
+- hashes are registered when slots are allocated (schedule time), not after the step;
+- a request's blocks are freed last block first, so its tail is evicted before its head.
+One departure, invisible to every lookup and figure: blocks only their own request can ever look
+up (`UnitaryCoordinator.private_blocks`) stay out of the hash map unless that request is preempted.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
+from sim.core.kv.blocks import NO_BLOCKS, KVCacheBlocks
+from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_key, group_keys
+from sim.core.memory import KVCacheGroups, cdiv
+from sim.core.request import Request
+from sim.core.status import FINISHED
+
+
+class KVCacheCoordinator:
+    """What both coordinators share: the pool, the block size, the prefix-cache lookup span."""
+
+    # The calls a coordinator answers for its KVCacheManager (bound there, no call in between).
+    API = ("blocks_needed_at_most", "find_cached_prefix", "allocate_slots", "append_slots", "would_fit",
+           "register_full_blocks", "free")
+
+    def __init__(self, manager, pool: BlockPool, block_size: int, enable_caching: bool):
+        self.manager = manager         # (its held_slots: slots held over all requests, the cohort's too)
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+
+    def lookup_span(self, req: Request, private_blocks: bool) -> int:
+        """How many leading blocks of a new request a prefix hit may cover (their hashes made):
+        floor((num_tokens - 1) / bs), 0 without caching or once the request computed anything."""
+        if not self.enable_caching or req.num_computed:
+            return 0
+        max_blocks = (req.prompt_len + req.num_output - 1) // self.block_size
+        if private_blocks and not req.num_preemptions:     # its private blocks cannot be mapped yet
+            max_blocks = min(max_blocks, req.first_private_block(self.block_size))
+        req.extend_block_hashes(max_blocks, self.block_size)
+        return max_blocks
+
+
+class UnitaryCoordinator(KVCacheCoordinator):
+    """One full-attention group (vLLM's UnitaryKVCacheCoordinator): the request's one table is
+    `Request.blocks`.
+
+    `contiguous` reserves `reserve_tokens(request)` tokens' worth of blocks at admission (the
+    traditional max-length reservation), so nothing is allocated later; paged grows a request
+    block by block as tokens are scheduled.
+
+    Blocks only their request can look up (Request.first_private_block: its scripted output and
+    the prompt tail the workload marked as its own, when no later turn repeats them) are
+    registered privately (BlockPool.cache_private) and mapped if it is freed unfinished;
+    `private_blocks = False` maps every full block at once, as vLLM does (tests check both give
+    the same predictions). The simulator's pool (CountingBlockPool) leaves such blocks unnamed.
+    """
+
+    private_blocks = True
+    per_group_tables = False
+    num_groups = 1
+    window = None
+    API = KVCacheCoordinator.API + ("named_blocks",)
+
+    def __init__(self, manager, pool: BlockPool, block_size: int, enable_caching: bool, contiguous: bool,
+                 max_model_len: Optional[int], contiguous_reserve: str, named: bool):
+        super().__init__(manager, pool, block_size, enable_caching)
+        self.contiguous = contiguous
+        self.paged = not contiguous
+        self.max_model_len = max_model_len
+        self.contiguous_reserve = contiguous_reserve
+        self.named = named             # every block has an id (BlockPool, not CountingBlockPool)
+        self.full = FullAttentionManager(0)
+
+    def reserve_tokens(self, req: Request) -> int:
+        """Tokens a request's allocation must cover by the time it finishes."""
+        if self.contiguous and self.contiguous_reserve == "max_model_len" and self.max_model_len:
+            return self.max_model_len
+        return req.max_len
+
+    def blocks_needed_at_most(self, req: Request) -> int:
+        return (self.reserve_tokens(req) + self.block_size - 1) // self.block_size
+
+    def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest run of cached full blocks at the start of the request, and its tokens."""
+        max_blocks = self.lookup_span(req, self.private_blocks)
+        if not max_blocks:
+            return NO_BLOCKS, 0
+        hits = self.full.find_longest_cache_hit(self.pool, req.block_hashes, max_blocks, [0])
+        return KVCacheBlocks(hits), len(hits[0]) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: Optional[KVCacheBlocks] = None,
+                       gate_tokens: int = 0, reserve_free: int = 0, lookahead_tokens: int = 0) -> bool:
+        """Give `req` slots for `num_new_tokens` more tokens (after any `hit`).
+
+        For admission, `gate_tokens` > 0 also requires blocks for that many tokens to be
+        free (vLLM's reserve-full-prompt gate) and `reserve_free` blocks to stay free (the
+        V0 watermark). `lookahead_tokens` are allocated but not published to the prefix
+        cache (their KV is computed in a later step). Returns False, changing nothing,
+        when the pool is too small. (`req` is no decode-cohort member, which the cohort
+        allocates for: its progress fields are read as they are.)
+        """
+        pool = self.pool
+        bs = self.block_size
+        hit_blocks = hit.groups[0] if hit is not None and hit.groups else []
+        held = len(req.blocks)
+        need, required = self._blocks_required(req, num_new_tokens, hit_blocks, gate_tokens, reserve_free,
+                                               lookahead_tokens)
+        if required > pool.num_free:
+            return False
+        if hit_blocks:
+            req.kv_lease = pool.touch_shared(hit_blocks)
+            req.blocks.extend(hit_blocks)
+            req.num_registered = len(req.blocks)   # hit blocks are already registered
+        if need:
+            req.blocks.extend(pool.get_new_blocks(need))
+        self.manager.held_slots += (len(req.blocks) - held) * bs
+        if self.enable_caching:
+            covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
+        return True
+
+    def append_slots(self, req: Request, num_new_tokens: int, lookahead_tokens: int = 0) -> bool:
+        """Slots for `num_new_tokens` more tokens of a running request (what vLLM's allocate_slots
+        does for a request it schedules again), and `lookahead_tokens` past them (speculative
+        decoding's num_lookahead_tokens): within the blocks it holds, only the blocks its known
+        tokens fill are published (draft tokens are not known yet); past them, `allocate_slots`.
+        False, changing nothing, when the pool is too small."""
+        covered = req.num_computed + num_new_tokens
+        if covered + lookahead_tokens > len(req.blocks) * self.block_size:
+            return self.allocate_slots(req, num_new_tokens, None, 0, 0, lookahead_tokens)
+        if self.enable_caching and covered // self.block_size > req.num_registered:
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
+        return True
+
+    def would_fit(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks, gate_tokens: int,
+                  reserve_free: int, free_blocks: int) -> bool:
+        """Would `allocate_slots` succeed with `free_blocks` free? (No state changes.)"""
+        hit_blocks = hit.groups[0] if hit.groups else []
+        return self._blocks_required(req, num_new_tokens, hit_blocks, gate_tokens, reserve_free, 0)[1] <= free_blocks
+
+    def _blocks_required(self, req: Request, num_new_tokens: int, hit_blocks: list[int], gate_tokens: int,
+                         reserve_free: int, lookahead_tokens: int) -> tuple[int, int]:
+        """(new blocks an allocation takes, free blocks it requires to go ahead)."""
+        bs = self.block_size
+        held = len(req.blocks)
+        covered = req.num_computed + len(hit_blocks) * bs + num_new_tokens
+        if self.contiguous and held == 0:
+            target = self.blocks_needed_at_most(req)
+        else:
+            target = (covered + lookahead_tokens + bs - 1) // bs      # (cdiv, inline: once per allocation)
+        need = max(target - held - len(hit_blocks), 0)
+        if not (gate_tokens or reserve_free or hit_blocks):
+            return need, need
+        gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
+        hit_in_free = self.pool.free_among(hit_blocks) if hit_blocks else 0
+        return need, gate + hit_in_free + reserve_free
+
+    def register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the hashes of the request's blocks that `num_tokens` tokens fill completely."""
+        bs = self.block_size
+        full = num_tokens // bs
+        first = req.num_registered
+        if full <= first:
+            return
+        public_end = min(full, req.first_private_block(bs)) if self.private_blocks else full
+        if public_end > first:
+            req.extend_block_hashes(public_end, bs)
+            self.pool.cache_blocks(self.named_blocks(req, first, public_end), req.block_hashes[first:public_end])
+        if full > public_end and self.named:     # (CountingBlockPool counts them as cached at free)
+            self.pool.cache_private(req.blocks[max(first, public_end):full])
+        req.num_registered = full
+
+    def free(self, req: Request) -> None:
+        """Release a request's blocks, last block first (it is evicted first). Its private blocks
+        are marked (the decode cohort leaves its members' unmarked: nothing reads the mark of a
+        held block), or mapped if it is freed unfinished (preempted, aborted): a preempted
+        request looks them up when it is admitted again."""
+        blocks = req.blocks
+        if blocks:
+            # (CountingBlockPool counts a finished request's private blocks as cached at free)
+            if self.enable_caching and self.private_blocks and (self.named or req.status < FINISHED):
+                self._settle_private(req)
+            self.manager.held_slots -= len(blocks) * self.block_size
+            self.pool.free_table(blocks, req.num_registered, req.kv_lease)
+        req.blocks = []
+        req.num_registered = 0
+        req.kv_lease = None
+
+    def _settle_private(self, req: Request) -> None:
+        first, end = req.first_private_block(self.block_size), req.num_registered
+        if end <= first:
+            return
+        if req.is_finished:
+            self.pool.cache_private(req.blocks[first:end])
+        else:
+            req.extend_block_hashes(end, self.block_size)
+            self.pool.publish(self.named_blocks(req, first, end), req.block_hashes[first:end])
+
+    def named_blocks(self, req: Request, start: int, end: int) -> list[int]:
+        """The ids of the request's blocks start .. end - 1, naming those the pool left unnamed
+        (CountingBlockPool: a block gets an id when it is registered under a hash)."""
+        blocks = req.blocks[start:end]
+        unnamed = blocks.count(ANON) if not self.named else 0
+        if unnamed:
+            ids = self.pool.name(unnamed)
+            if unnamed < len(blocks):
+                fresh = iter(ids)
+                blocks = [b if b != ANON else next(fresh) for b in blocks]
+            else:
+                blocks = ids
+            req.blocks[start:end] = blocks
+        return blocks
+
+
+class HybridCoordinator(KVCacheCoordinator):
+    """Several KV cache groups, or a sliding window (vLLM's HybridKVCacheCoordinator): one block
+    table per group, all drawing on one pool.
+
+    The groups (sim/core/memory.py KVCacheGroups: `full_groups` full-attention groups and
+    `sliding_groups` sliding-window ones, in vLLM's order: the type of layer 0 first) each give a
+    request one block per `block_size` tokens it holds, so every table has the same length. A
+    sliding group frees the blocks whose tokens all fell behind the window (`remove_skipped_blocks`,
+    run before each allocation as vLLM's allocate_slots does) and keeps the null block in their
+    place. Prefix caching is per group (a block's key includes its group): full groups hit from
+    the left, sliding groups need cdiv(window - 1, block_size) consecutive cached blocks found
+    scanning from the right, within the full groups' hit; the full groups' hit is then cut to the
+    sliding one (the coordinator's simple-hybrid pass). Free order: group by group, each table
+    last block first. A request's `blocks` is its first group's table; `group_tables` holds all.
+    Every full block is registered under its group key (no private blocks).
+    """
+
+    API = KVCacheCoordinator.API + ("frees_behind_window", "remove_skipped_blocks", "filled_entries")
+    per_group_tables = True
+    paged = True
+    private_blocks = False
+    named = True               # (per-group tables always use BlockPool's ids)
+
+    def __init__(self, manager, pool: BlockPool, block_size: int, enable_caching: bool, groups: KVCacheGroups,
+                 max_num_batched_tokens: int):
+        super().__init__(manager, pool, block_size, enable_caching)
+        if groups.sliding_groups and (groups.sliding_window is None or groups.sliding_window < 1):
+            raise ValueError(f"sliding-window groups need a sliding_window >= 1, got {groups.sliding_window}")
+        self.groups = groups
+        self.num_groups = groups.num_groups
+        self.window = groups.sliding_window if groups.sliding_groups else None
+        kinds = [False] * groups.full_groups + [True] * groups.sliding_groups    # is the group sliding
+        if groups.sliding_first:
+            kinds.reverse()
+        self.managers = [SlidingWindowManager(g, groups.sliding_window, block_size) if sliding
+                         else FullAttentionManager(g) for g, sliding in enumerate(kinds)]
+        self.full_ids = [m.group_id for m in self.managers if not m.sliding]
+        self.sliding_ids = [m.group_id for m in self.managers if m.sliding]
+        self.sliding_managers = [m for m in self.managers if m.sliding]
+        # The most blocks a sliding group holds for one request (vLLM's admission cap, as its startup check).
+        self.sliding_cap = groups.sliding_blocks_cap(block_size, max_num_batched_tokens) if self.window else 0
+        # vLLM >= 0.20 caps a sliding group's admission need at its window; 0.19 asks every block of
+        # the prompt (KVCacheManager.set_sliding_admission_cap).
+        self.sliding_admission_cap = True
+        self.windowed_frees = 0        # blocks freed because they fell behind a window
+
+    def _tables(self, req: Request) -> list[list[int]]:
+        tables = req.group_tables
+        if tables is None:
+            req.blocks = []
+            tables = req.group_tables = [req.blocks] + [[] for _ in range(self.num_groups - 1)]
+        return tables
+
+    def blocks_needed_at_most(self, req: Request) -> int:
+        """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
+        blocks = cdiv(req.max_len, self.block_size)
+        g = self.groups
+        if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
+            return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
+                       g.num_groups * cdiv(req.prompt_len, self.block_size))
+        return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
+
+    def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
+        """Per group, the cached blocks a new request starts from (null where a sliding group
+        needs nothing), and the hit's tokens; (NO_BLOCKS, 0) without a hit."""
+        max_blocks = self.lookup_span(req, False)
+        if not max_blocks:
+            return NO_BLOCKS, 0
+        hashes, pool = req.block_hashes, self.pool
+        full = FullAttentionManager.find_longest_cache_hit(pool, hashes, max_blocks, self.full_ids) \
+            if self.full_ids else []
+        length = len(full[0]) if full else max_blocks
+        first = 0
+        if self.sliding_ids:
+            first, length = SlidingWindowManager.find_longest_cache_hit(pool, hashes, length, self.sliding_ids,
+                                                                        self.window, self.block_size)
+        if not length:
+            return NO_BLOCKS, 0
+        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for g, table in zip(self.full_ids, full):
+            hits[g] = table[:length]
+        lookup = pool.cached.get
+        for g in self.sliding_ids:
+            hits[g] = [NULL_BLOCK] * first + [lookup(group_key(hashes[i], g)) for i in range(first, length)]
+        return KVCacheBlocks(hits), length * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: Optional[KVCacheBlocks] = None,
+                       gate_tokens: int = 0, reserve_free: int = 0, lookahead_tokens: int = 0) -> bool:
+        """As UnitaryCoordinator.allocate_slots, for every group: the blocks behind the window are
+        freed first (even when the allocation then fails, as vLLM does), then each group takes the
+        same number of new blocks."""
+        self.remove_skipped_blocks(req)
+        pool = self.pool
+        hits = hit.groups if hit is not None else ()
+        need, required = self._blocks_required(req, num_new_tokens, hits, gate_tokens, reserve_free,
+                                               lookahead_tokens)
+        if required > pool.num_free:
+            return False
+        tables = self._tables(req)
+        held = len(req.blocks)
+        if hits:
+            for table in hits:                 # every group's hits first: no allocation may evict them
+                pool.touch([b for b in table if b != NULL_BLOCK])
+            for table, hit_table in zip(tables, hits):
+                table.extend(hit_table)
+            req.num_registered = len(req.blocks)
+        if need:
+            for table in tables:
+                table.extend(pool.get_new_blocks(need))
+        self.manager.held_slots += (len(req.blocks) - held) * self.block_size
+        if self.enable_caching:
+            covered = req.num_computed + (len(hits[0]) if hits else 0) * self.block_size + num_new_tokens
+            self.register_full_blocks(req, min(covered, req.num_tokens))
+        return True
+
+    def would_fit(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks, gate_tokens: int,
+                  reserve_free: int, free_blocks: int) -> bool:
+        """Would `allocate_slots` succeed with `free_blocks` free? (No state changes.)"""
+        return self._blocks_required(req, num_new_tokens, hit.groups, gate_tokens, reserve_free, 0)[1] <= free_blocks
+
+    def _blocks_required(self, req: Request, num_new_tokens: int, hit_blocks, gate_tokens: int,
+                         reserve_free: int, lookahead_tokens: int) -> tuple[int, int]:
+        """(new blocks each group takes, free blocks the allocation requires to go ahead)."""
+        bs = self.block_size
+        held = len(req.blocks)
+        num_hit = len(hit_blocks[0]) if hit_blocks else 0
+        covered = req.num_computed + num_hit * bs + num_new_tokens
+        need = max(cdiv(covered + lookahead_tokens, bs) - held - num_hit, 0)
+        if not (gate_tokens or reserve_free or hit_blocks):
+            return need, need * self.num_groups
+        ref = self.pool.ref_cnt
+        revived = sum(1 for table in hit_blocks for b in table if b != NULL_BLOCK and ref[b] == 0)
+        gate = cdiv(gate_tokens, bs)
+        g = self.groups
+        full = max(gate - held - num_hit, need)
+        capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
+        sliding = max(capped - held - num_hit, need)
+        return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
+
+    def append_slots(self, req: Request, num_new_tokens: int, lookahead_tokens: int = 0) -> bool:
+        """Slots for more tokens of a running request, after freeing the blocks behind the window
+        (vLLM frees them as it allocates, every step, whether or not a block is needed)."""
+        self.remove_skipped_blocks(req)
+        covered = req.num_computed + num_new_tokens
+        if covered + lookahead_tokens > len(req.blocks) * self.block_size:
+            return self.allocate_slots(req, num_new_tokens, None, 0, 0, lookahead_tokens)
+        if self.enable_caching and covered // self.block_size > req.num_registered:
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
+        return True
+
+    def frees_behind_window(self, req: Request) -> int:
+        """How many leading table entries are behind the window of the request's next token,
+        when the nearest of them still holds a block (remove_skipped_blocks would free); else 0."""
+        tables = req.group_tables
+        if not self.sliding_managers or not tables:
+            return 0
+        first = self.sliding_managers[0]
+        skipped = min(first.skipped_blocks(req.num_computed), len(req.blocks))
+        if not skipped or tables[first.group_id][skipped - 1] == NULL_BLOCK:
+            return 0
+        return skipped
+
+    def remove_skipped_blocks(self, req: Request) -> None:
+        """Free, in every sliding group, the blocks behind the window of the request's next token
+        (null in the table), nearest first, stopping at the first already null."""
+        skipped = self.frees_behind_window(req)
+        if not skipped:
+            return
+        tables = req.group_tables
+        for manager in self.sliding_managers:
+            removed = manager.remove_skipped_blocks(tables[manager.group_id], skipped)
+            self.windowed_frees += len(removed)
+            self.pool.free_blocks(removed)
+
+    def register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        full = num_tokens // self.block_size
+        if full <= req.num_registered:
+            return
+        req.extend_block_hashes(full, self.block_size)
+        first = req.num_registered
+        hashes = req.block_hashes[first:full]
+        for g, table in enumerate(self._tables(req)):
+            blocks, keys = table[first:full], group_keys(hashes, g)
+            if NULL_BLOCK in blocks:
+                kept = [i for i, b in enumerate(blocks) if b != NULL_BLOCK]
+                blocks, keys = [blocks[i] for i in kept], [keys[i] for i in kept]
+            self.pool.cache_blocks(blocks, keys)
+        req.num_registered = full
+
+    def filled_entries(self, req: Request, index: int) -> tuple[list[int], list[int]]:
+        """(blocks, prefix-cache keys) that publish the request's block `index` in every group
+        holding it, in group order (register_full_blocks' order for one block)."""
+        h = req.block_hashes[index]
+        blocks, keys = [], []
+        for g, table in enumerate(req.group_tables):
+            if table[index] != NULL_BLOCK:
+                blocks.append(table[index])
+                keys.append(group_key(h, g))
+        return blocks, keys
+
+    def free(self, req: Request) -> None:
+        tables = req.group_tables
+        if tables:
+            self.manager.held_slots -= len(req.blocks) * self.block_size
+            for table in tables:
+                self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
+        req.blocks = []
+        req.group_tables = None
+        req.num_registered = 0
+
+    def held_blocks(self, req: Request) -> int:
+        """Pool blocks the request holds over all groups (null entries excluded; tests)."""
+        return sum(len(t) - t.count(NULL_BLOCK) for t in req.group_tables or ())
+
+    def check_request(self, req: Request) -> None:
+        """Assert a request's tables are consistent (tests): equal lengths, nulls only where a
+        sliding group may have freed, every real block referenced."""
+        tables = req.group_tables or [[]]
+        assert tables[0] is req.blocks and len({len(t) for t in tables}) == 1
+        for g, table in enumerate(tables):
+            for b in table:
+                assert b == NULL_BLOCK or self.pool.ref_cnt[b] >= 1
+            if g in self.full_ids:
+                assert NULL_BLOCK not in table, f"full-attention group {g} holds a null block"

@@ -1,0 +1,94 @@
+"""One manager per KV cache group, by the group's attention type: vLLM's single-type managers
+(vllm/v1/core/single_type_kv_cache_manager.py, 0.19: FullAttentionManager, SlidingWindowManager).
+
+A group's manager knows what its attention type needs of a request's table: which cached blocks
+a new request can start from (`find_longest_cache_hit`, over all the groups of its type at once,
+as vLLM's classmethod does) and, for a sliding window, which blocks fell behind it
+(`remove_skipped_blocks`). The coordinator (sim/core/kv/coordinator.py) runs them over a request's
+tables; the pool (sim/core/kv/block_pool.py) is shared by every group.
+"""
+from __future__ import annotations
+
+from operator import and_
+
+from sim.core.kv.block_pool import NULL_BLOCK, BlockPool
+from sim.core.memory import sliding_window_hit_run, sliding_window_skipped_blocks
+
+
+def group_key(block_hash: int, group: int) -> int:
+    """The prefix-cache key of a block hash in KV cache group `group` (vLLM keys its map by
+    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys by the hash."""
+    return block_hash if group == 0 else hash((block_hash, group))
+
+
+def group_keys(hashes: list[int], group: int) -> list[int]:
+    """The prefix-cache keys of block hashes in `group` (group 0: the hashes themselves)."""
+    return hashes if group == 0 else [group_key(h, group) for h in hashes]
+
+
+class FullAttentionManager:
+    """A full-attention group: a request holds every block of its context."""
+
+    sliding = False
+
+    def __init__(self, group_id: int):
+        self.group_id = group_id
+
+    @staticmethod
+    def find_longest_cache_hit(pool: BlockPool, hashes: list[int], max_blocks: int,
+                               group_ids: list[int]) -> list[list[int]]:
+        """Per group in `group_ids`, the blocks of the longest run of leading blocks cached in every
+        one of them (a left-to-right scan that stops at the first miss)."""
+        lookup = pool.cached.get
+        if group_ids == [0]:                   # one group keyed by the hashes: looked up at C speed
+            hits = list(map(lookup, hashes[:max_blocks]))
+            if None in hits:
+                del hits[hits.index(None):]
+            return [hits]
+        tables: list[list[int]] = [[] for _ in group_ids]
+        for i in range(max_blocks):
+            found = [lookup(group_key(hashes[i], g)) for g in group_ids]
+            if None in found:
+                break
+            for table, block in zip(tables, found):
+                table.append(block)
+        return tables
+
+
+class SlidingWindowManager:
+    """A sliding-window group: a request needs only the blocks its window still reaches; the ones
+    behind it go back to the pool and leave the null block in the table."""
+
+    sliding = True
+
+    def __init__(self, group_id: int, window: int, block_size: int):
+        self.group_id = group_id
+        self.window = window
+        self.block_size = block_size
+
+    @staticmethod
+    def find_longest_cache_hit(pool: BlockPool, hashes: list[int], max_blocks: int, group_ids: list[int],
+                               window: int, block_size: int) -> tuple[int, int]:
+        """The blocks [first, end) of the hit the sliding groups `group_ids` take: a run of
+        cdiv(window - 1, block_size) blocks cached in every one of them, scanned from the right
+        within the first `max_blocks` (a run reaching block 0 counts even when shorter)."""
+        cached = None                      # is block i cached in every group (looked up at C speed)
+        for g in group_ids:
+            found = list(map(pool.cached.__contains__, group_keys(hashes[:max_blocks], g)))
+            cached = found if cached is None else list(map(and_, cached, found))
+        return sliding_window_hit_run(cached.__getitem__, max_blocks, block_size, window)
+
+    def skipped_blocks(self, num_computed: int) -> int:
+        """Leading table entries behind the window of the token after `num_computed`."""
+        return sliding_window_skipped_blocks(num_computed, self.block_size, self.window)
+
+    def remove_skipped_blocks(self, table: list[int], skipped: int) -> list[int]:
+        """Null the table's entries before `skipped`, nearest first, stopping at the first already
+        null; returns the blocks removed, in that order (to be freed)."""
+        removed = []
+        i = skipped - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            removed.append(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
+        return removed
