@@ -134,14 +134,9 @@ class Scheduler:
     def _dequeue(self, req: Request) -> None:
         self.waiting.discard(req)
 
-    # -- queues --------------------------------------------------------------------------
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)      # (hot loops read len(self.waiting), a C call, not this property)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
+    # -- queues (hot loops read len(self.waiting), a C call, not the property) ---------------
+    num_waiting = property(lambda self: len(self.waiting))
+    num_running = property(lambda self: len(self.running))
 
     def has_unfinished(self) -> bool:
         return self.num_live() > 0
@@ -196,7 +191,9 @@ class Scheduler:
         return batch
 
     def _compose(self, batch: Batch, budget: int) -> None:
-        """The step order: the running requests, then, unless that preempted, the waiting."""
+        """The step order: RUNNING requests in admission order, each given what it still needs (one
+        token for a decode, the rest of its prompt chunked to the budget; the decode cohort first),
+        then, unless that preempted, the WAITING ones."""
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -205,14 +202,11 @@ class Scheduler:
         """A pass scheduled `batch` (LoRA makes its adapters resident, static batching pads it)."""
 
     def _schedule_running(self, batch: Batch, budget: int) -> int:
-        """RUNNING requests in admission order, each given what it still needs: one token for a
-        decode, the rest of its prompt (chunked to the budget) otherwise. The decode cohort goes
-        first: all its members at once, or it dissolves and everyone is walked one by one."""
-        candidates, budget = self._cohort_first(batch, budget)
-        return self._schedule_each(candidates, batch, budget)
+        return self._schedule_each(*self._cohort_first(batch, budget), batch)
 
     def _cohort_first(self, batch: Batch, budget: int) -> tuple:
-        """(the running requests left to walk one by one, the budget left) after the cohort's turn."""
+        """(the running requests left to walk one by one, the budget left) after the decode cohort's
+        turn: all its members at once, or it dissolves and everyone is walked one by one."""
         candidates = self.running
         cohort = self.cohort
         if cohort.members:             # fast path: every member's token at once (sim/core/fast/cohort.py)
@@ -225,7 +219,7 @@ class Scheduler:
         cohort.sync(batch.step)
         return candidates, budget
 
-    def _schedule_each(self, candidates, batch: Batch, budget: int) -> int:
+    def _schedule_each(self, candidates, budget: int, batch: Batch) -> int:
         for req in list(candidates):       # (a snapshot: victims leave `running` while it is walked)
             if budget <= 0:
                 break

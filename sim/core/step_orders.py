@@ -57,14 +57,14 @@ class PrefillFirst:
     def _compose(self, batch, budget: int) -> None:
         # (the cohort's members are decodes: the one-by-one requests are `active`)
         candidates = self.active if self.cohort.members else self.running
-        budget = self._schedule_each([r for r in candidates if not _is_decode(r)], batch, budget)
+        budget = self._schedule_each([r for r in candidates if not _is_decode(r)], budget, batch)
         if not batch.preempted:
             budget = self._schedule_waiting(batch, budget)
         if len(batch):                 # a prefill step: the decodes wait; the cohort sits it out intact
             self.cohort.pause(batch.step)
             return
         candidates, budget = self._cohort_first(batch, budget)
-        self._schedule_each([r for r in candidates if _is_decode(r)], batch, budget)
+        self._schedule_each([r for r in candidates if _is_decode(r)], budget, batch)
 
     def _first_chunk(self, n: int, budget: int, batch_empty: bool):
         """Only the step's first prefill may be chunked (nano-vllm)."""

@@ -72,7 +72,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
     window = None
     API = KVCacheCoordinator.API + ("named_blocks",)
 
-    def __init__(self, manager, pool: BlockPool, block_size: int, enable_caching: bool, contiguous: bool,
+    def __init__(self, manager, pool: BlockPool, *, block_size: int, enable_caching: bool, contiguous: bool,
                  max_model_len: Optional[int], contiguous_reserve: str, named: bool):
         super().__init__(manager, pool, block_size, enable_caching)
         self.contiguous = contiguous
@@ -138,7 +138,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         False, changing nothing, when the pool is too small."""
         covered = req.num_computed + num_new_tokens
         if covered + lookahead_tokens > len(req.blocks) * self.block_size:
-            return self.allocate_slots(req, num_new_tokens, None, 0, 0, lookahead_tokens)
+            return self.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
         if self.enable_caching and covered // self.block_size > req.num_registered:
             self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
         return True
@@ -246,7 +246,7 @@ class HybridCoordinator(KVCacheCoordinator):
     private_blocks = False
     named = True               # (per-group tables always use BlockPool's ids)
 
-    def __init__(self, manager, pool: BlockPool, block_size: int, enable_caching: bool, groups: KVCacheGroups,
+    def __init__(self, manager, pool: BlockPool, *, block_size: int, enable_caching: bool, groups: KVCacheGroups,
                  max_num_batched_tokens: int):
         super().__init__(manager, pool, block_size, enable_caching)
         if groups.sliding_groups and (groups.sliding_window is None or groups.sliding_window < 1):
@@ -368,7 +368,7 @@ class HybridCoordinator(KVCacheCoordinator):
         self.remove_skipped_blocks(req)
         covered = req.num_computed + num_new_tokens
         if covered + lookahead_tokens > len(req.blocks) * self.block_size:
-            return self.allocate_slots(req, num_new_tokens, None, 0, 0, lookahead_tokens)
+            return self.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
         if self.enable_caching and covered // self.block_size > req.num_registered:
             self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
         return True

@@ -60,11 +60,12 @@ class KVCacheManager:
         # as do its tokens), so held_slots - tokens computed = unfilled slots (slack).
         self.held_slots = 0
         if unitary:
-            self.coordinator = UnitaryCoordinator(self, self.pool, block_size, enable_caching,
-                                                  allocation == "contiguous", max_model_len, contiguous_reserve, named)
+            self.coordinator = UnitaryCoordinator(self, self.pool, block_size=block_size, enable_caching=enable_caching,
+                                                  contiguous=allocation == "contiguous", max_model_len=max_model_len,
+                                                  contiguous_reserve=contiguous_reserve, named=named)
         else:
-            self.coordinator = HybridCoordinator(self, self.pool, block_size, enable_caching, groups,
-                                                 max_num_batched_tokens)
+            self.coordinator = HybridCoordinator(self, self.pool, block_size=block_size, enable_caching=enable_caching,
+                                                 groups=groups, max_num_batched_tokens=max_num_batched_tokens)
         for name in self.coordinator.API:
             setattr(self, name, getattr(self.coordinator, name))
 
