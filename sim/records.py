@@ -508,6 +508,13 @@ _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtyp
 
 def requests_frame(records: RunRecords) -> pd.DataFrame:
     """One row per request (in id order) with times, token counts and the queue/host/device split."""
+    return pd.DataFrame(request_columns(records), copy=False)   # (no second copy of a million rows)
+
+
+def request_columns(records: RunRecords) -> dict[str, np.ndarray]:
+    """The columns of `requests_frame` as numpy arrays, each as the frame would hold it (a column
+    of ints and missing values as float64 with NaN; text as objects): the summary and requests.csv
+    are made from these, without a frame."""
     table: RequestTable = records.requests
     col = table.sorted_column
     n = len(table)
@@ -518,9 +525,9 @@ def requests_frame(records: RunRecords) -> pd.DataFrame:
         "tenant": table.tenants(), "priority": col("priority").astype(np.int64),
         "conversation": (conversation.astype(np.int64) if not none.any()
                          else np.full(n, None, dtype=object) if none.all()
-                         else [None if c == _NO_CONVERSATION else int(c) for c in conversation.tolist()]),
+                         else np.where(none, np.nan, conversation)),
         "is_warmup": col("is_warmup").astype(bool),
-        "status": _STATUS_NAMES[col("status")], "reject_reason": table.reasons(),
+        "status": _STATUS_NAMES[col("status")], "reject_reason": np.array(table.reasons(), dtype=object),
         "arrival_s": col("arrival_s").astype(float),
         "prompt_tokens": col("prompt_tokens").astype(np.int64), "output_tokens": col("output_tokens").astype(np.int64),
         "cached_tokens": col("cached_tokens").astype(np.int64), "preemptions": col("preemptions").astype(np.int64),
@@ -535,13 +542,14 @@ def requests_frame(records: RunRecords) -> pd.DataFrame:
             idx = np.flatnonzero(replica == rec.replica)
             if len(idx) and len(rec):
                 _fill_times(out, idx, table, rec, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
-    df = pd.DataFrame(out, copy=False)      # the columns as made (no second copy of a million rows)
-    df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
-    df["e2e_s"] = df["finish_s"] - df["arrival_s"]
-    decode_tokens = df["output_tokens"] - 1
-    df["tpot_s"] = np.where(decode_tokens > 0, (df["e2e_s"] - df["ttft_s"]) / decode_tokens.clip(lower=1), np.nan)
-    df["queue_s"] = df["e2e_s"] - df["host_s"] - df["device_s"]
-    return df
+    out["ttft_s"] = out["first_token_s"] - out["arrival_s"]
+    out["e2e_s"] = out["finish_s"] - out["arrival_s"]
+    decode_tokens = out["output_tokens"] - 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["tpot_s"] = np.where(decode_tokens > 0, (out["e2e_s"] - out["ttft_s"]) / np.maximum(decode_tokens, 1),
+                                 np.nan)
+    out["queue_s"] = out["e2e_s"] - out["host_s"] - out["device_s"]
+    return out
 
 
 def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):

@@ -28,7 +28,7 @@ def write_data_files(result: RunResult, out_dir: Path, steps: str = "aggregated"
         step_rows = result.records.steps_frame(full)
     files = {
         "summary": write_json(out_dir / "summary.json", result.summary),
-        "requests": write_csv(out_dir / "requests.csv", result.requests),
+        "requests": write_csv(out_dir / "requests.csv", result.request_columns),
         "steps": write_csv(out_dir / "steps.csv", step_rows),
         "manifest": write_json(out_dir / "manifest.json", result.manifest),
     }
