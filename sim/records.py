@@ -419,8 +419,14 @@ class RequestTable:
         rank = np.empty(len(counts), dtype=np.int64)
         rank[self.order] = np.arange(len(counts))          # recording position -> id-order position
         owner = np.repeat(rank, counts)
-        # every owner's entries together, owners in id order (the order the rows list them)
-        by_owner = np.argsort(owner, kind="stable")
+        # every owner's entries together, owners in id order (the order the rows list them): each
+        # owner's block moved from its recording place to its place in id order (a stable sort of
+        # `owner`, without sorting)
+        counts = counts.astype(np.int64)
+        in_id_order = counts[self.order]
+        moved = np.repeat((np.cumsum(counts) - counts)[self.order] - (np.cumsum(in_id_order) - in_id_order),
+                          in_id_order)
+        by_owner = moved + np.arange(len(moved))
         values = flat.reshape(-1, width)[by_owner]
         if width == 1:
             return owner[by_owner], values[:, 0]
@@ -606,9 +612,7 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
             continue
         end = rec.step_column("end_s")
         owner, a, b = _select(run_owner, idx, run_a, run_b)
-        counts = np.zeros(len(end) + 1, dtype=np.int64)
-        np.add.at(counts, a + 1, 1)
-        np.add.at(counts, b + 1, -1)
+        counts = np.bincount(a + 1, minlength=len(end) + 1) - np.bincount(b + 1, minlength=len(end) + 1)
         per_step = np.cumsum(counts)[1:len(end)]
         gaps = np.diff(end)
         values.append(gaps[per_step > 0])
