@@ -92,17 +92,14 @@ def setup_title(result: RunResult) -> str:
 
 
 def view_of(result: RunResult, label: Optional[str] = None, all_step_columns: bool = True):
-    """The run as the plots and pages see it. Without `all_step_columns` (no trace to write) its
-    steps hold only the columns the plots read: a fifth of a million-request run's steps frame."""
-    import pandas as pd
+    """The run as the plots and pages see it. Without `all_step_columns` (no trace to write) its step
+    series are reduced from the records' columns: no per-step frame of a million-request run."""
+    from sim.output.views import RunView
 
-    from sim.output.views import PLOT_STEP_COLUMNS, RunView
-
-    if all_step_columns or result.has_steps_frame or not result.records.recorders:
-        steps = result.steps
-    else:
-        steps = pd.DataFrame(result.records.step_series(PLOT_STEP_COLUMNS), copy=False)
-    view = RunView.from_records(label or result.name, result.records, result.summary, result.requests, steps)
+    steps = result.steps if all_step_columns or result.has_steps_frame or not result.records.recorders else None
+    requests = result.requests if all_step_columns else result.request_columns    # (the trace sorts a frame)
+    view = RunView.from_records(label or result.name, result.records, result.summary, requests, steps,
+                                step_frame=False)
     view.scenario = result.scenario
     return view
 

@@ -47,10 +47,11 @@ class StepBuckets:
         self.first_rows = np.searchsorted(self.row_ends, self.firsts, side="right")
         self.last_rows = np.searchsorted(self.row_ends, lasts, side="right")
 
-    def reduce(self, column: str, how: str) -> np.ndarray:
-        """Per bucket: 'sum', 'mean' or 'max' of a recorded column over the bucket's steps."""
-        if column in PER_STEP:
-            values = self.rec.step_column(column)
+    def reduce(self, column, how: str) -> np.ndarray:
+        """Per bucket: 'sum', 'mean' or 'max' over the bucket's steps of a recorded column, or of
+        an array with a value per step."""
+        if not isinstance(column, str) or column in PER_STEP:
+            values = self.rec.step_column(column) if isinstance(column, str) else column
             if not len(values):
                 return np.zeros(0)
             if how == "max":
@@ -65,6 +66,9 @@ class StepBuckets:
                 self._running_row_sum(values, self.firsts)
         else:
             raise ValueError(f"step column {column!r}: not recorded")
+        return self._finish(total, how)
+
+    def _finish(self, total: np.ndarray, how: str) -> np.ndarray:
         if how == "sum":
             return total
         if how == "mean":
@@ -88,6 +92,34 @@ class StepBuckets:
         """Per bucket: the summed duration of its steps."""
         duration = self.rec.step_column("end_s") - self.rec.step_column("start_s")
         return np.add.reduceat(duration, self.firsts) if len(duration) else np.zeros(0)
+
+
+def held(ids: np.ndarray, values: np.ndarray, buckets: int) -> np.ndarray:
+    """Values of the buckets `ids` (ascending) on all `buckets`: an empty bucket holds the previous
+    one's value, 0 before the first (a replica's state holds until its next step)."""
+    out = np.zeros(buckets)
+    index = np.full(buckets, -1, dtype=np.int64)
+    index[ids] = np.arange(len(ids))
+    index = np.maximum.accumulate(index)
+    out[index >= 0] = values[index[index >= 0]]
+    return out
+
+
+def records_timeline(records: RunRecords, agg, buckets: int, combine: str, step_ms: bool = False):
+    """views.timeline() of a run's records without a per-step frame: (bucket edges, {column:
+    per-bucket values}). A 'step_ms' column is the steps' durations in ms."""
+    recs = [r for r in records.recorders if len(r)]
+    t0 = min(float(r.step_column("start_s")[0]) for r in recs)      # (steps are in time order)
+    t1 = max(float(r.step_column("end_s")[-1]) for r in recs)
+    width = (t1 - t0) / buckets if t1 > t0 else 1.0
+    per_replica: dict[str, list[np.ndarray]] = {c: [] for c in agg}
+    for rec in sorted(recs, key=lambda r: r.replica):
+        start = rec.step_column("start_s")
+        cut = StepBuckets(rec, np.minimum(((start - t0) / width).astype(np.int64), buckets - 1))
+        for column, how in agg.items():
+            values = (rec.step_column("end_s") - start) * 1e3 if column == "step_ms" else column
+            per_replica[column].append(held(cut.ids, cut.reduce(values, how).astype(np.float64), buckets))
+    return t0 + width * np.arange(buckets + 1), {c: np.vstack(v) for c, v in per_replica.items()}
 
 
 def timeline_columns(records: RunRecords, interval_s: float = DEFAULT_INTERVAL_S) -> Optional[dict[str, np.ndarray]]:

@@ -8,6 +8,7 @@ import pytest
 
 from sim.cli import main as simrun
 from sim.output.step_buckets import TIMELINE_COLUMNS, timeline_columns
+from sim.records import request_columns
 from sim.scenario import load_scenario
 from sim.simulator import simulate
 
@@ -62,3 +63,26 @@ def test_the_interval_is_checked(records, tmp_path, capsys):
     with pytest.raises(SystemExit):
         simrun([str(ROOT / "scenarios" / "quickstart.yaml"), "--steps-interval", "-1", "--out", str(tmp_path)])
     assert "--steps-interval" in capsys.readouterr().err
+
+
+def test_plot_series_from_the_records_equal_those_of_the_per_step_frame(records):
+    """A prediction's plots reduce its steps from the recorders' columns; a per-step frame gives
+    the same series, marks and step-time histogram (the frame path serves measured runs)."""
+    from sim.output.views import PLOT_SERIES, RunView, step_ms_bins
+
+    summary = {"requests_measured": 0}
+    from_records = RunView.from_records("r", records, summary, request_columns(records), step_frame=False)
+    from_frame = RunView("f", summary, from_records.requests, records.steps_frame(), records.kv_blocks_total, 2)
+    assert from_records.records is records and from_records.steps.empty
+    for agg, combine in PLOT_SERIES:
+        (e1, got), (e2, want) = from_records.series(agg, combine), from_frame.series(agg, combine)
+        assert np.array_equal(e1, e2) and list(got.columns) == list(want.columns)
+        assert np.allclose(got.to_numpy(), want.to_numpy(), rtol=1e-12, atol=0), agg
+    times, count = from_records.preemption_marks()
+    want_times, want_count = from_frame.preemption_marks()
+    assert count == want_count > 0 and np.array_equal(times, want_times)
+    assert from_records.num_steps == from_frame.num_steps and from_records.max_cached_blocks == from_frame.max_cached_blocks
+    bins = step_ms_bins({"r": from_records})
+    assert np.array_equal(bins, step_ms_bins({"f": from_frame}))
+    assert np.array_equal(from_records.step_ms_histogram(bins), from_frame.step_ms_histogram(bins))
+    assert from_records.drawable().reduced[("step_ms_histogram", bins.tobytes())].sum() == from_frame.num_steps
