@@ -45,11 +45,14 @@ def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs) -> list[fl
 
 def distribution(values: np.ndarray, weights: Optional[np.ndarray] = None) -> dict[str, Optional[float]]:
     """mean, p50, p90, p99 (and max) of a sample; None entries when it is empty."""
-    values = np.asarray(values, dtype=float)
-    keep = ~np.isnan(values)
-    values = values[keep]
-    if weights is not None:
-        weights = np.asarray(weights)[keep]
+    # contiguous, as a copy would be: numpy sums a strided array in buffered chunks, other figures
+    values = np.ascontiguousarray(values, dtype=float)
+    weights = None if weights is None else np.ascontiguousarray(weights)
+    missing = np.isnan(values)
+    if missing.any():                 # (no copy of a sample without NaN: the ITL's is a value per step)
+        values = values[~missing]
+        if weights is not None:
+            weights = weights[~missing]
     if values.size == 0 or (weights is not None and weights.sum() == 0):
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
     if weights is None:

@@ -502,11 +502,12 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _step_times(rec: StepRecorder) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """start, end, and cumulative host / device time (index k = sum of steps < k)."""
-    host = np.concatenate([[0.0], np.cumsum(rec.step_column("host_s"))])
-    device = np.concatenate([[0.0], np.cumsum(rec.step_column("device_s"))])
-    return rec.step_column("start_s"), rec.step_column("end_s"), host, device
+def _prefix_sums(values: np.ndarray) -> np.ndarray:
+    """Index k: the sum of values[:k] (np.cumsum's own additions, written after a leading 0)."""
+    out = np.empty(len(values) + 1)
+    out[0] = 0.0
+    np.cumsum(values, out=out[1:])
+    return out
 
 
 _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtype=object)
@@ -566,8 +567,6 @@ def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
 
 
 def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecorder, runs, chunks) -> None:
-    start, end, host_c, dev_c = _step_times(rec)
-
     def at(steps: np.ndarray, times: np.ndarray) -> np.ndarray:
         valid = steps >= 0
         res = np.full(len(steps), np.nan)
@@ -575,20 +574,19 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecord
         return res
 
     col = table.sorted_column
-    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), start)
-    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), end)
-    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), end)
+    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), rec.step_column("start_s"))
+    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), rec.step_column("end_s"))
+    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), rec.step_column("end_s"))
     owner, a, b = _select(runs[0], idx, runs[1], runs[2])
-    host = np.bincount(owner, weights=host_c[b + 1] - host_c[a], minlength=len(idx))
-    dev = np.bincount(owner, weights=dev_c[b + 1] - dev_c[a], minlength=len(idx))
-    step_host = np.diff(host_c)
-    step_dev = np.diff(dev_c)
     chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
-    host += np.bincount(chunk_owner, weights=step_host[chunk_step], minlength=len(idx))
-    dev += np.bincount(chunk_owner, weights=step_dev[chunk_step], minlength=len(idx))
     done = col("status")[idx] == int(Status.FINISHED)
-    out["host_s"][idx] = np.where(done, host, np.nan)
-    out["device_s"][idx] = np.where(done, dev, np.nan)
+    # a request's host (device) time: its runs of steps and its chunk steps, from the run's running
+    # sum (one column at a time: a million-request run has millions of steps)
+    for name in ("host_s", "device_s"):
+        running = _prefix_sums(rec.step_column(name))
+        total = np.bincount(owner, weights=running[b + 1] - running[a], minlength=len(idx))
+        total += np.bincount(chunk_owner, weights=running[chunk_step + 1] - running[chunk_step], minlength=len(idx))
+        out[name][idx] = np.where(done, total, np.nan)
 
 
 def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -612,15 +610,16 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
             continue
         end = rec.step_column("end_s")
         owner, a, b = _select(run_owner, idx, run_a, run_b)
-        counts = np.bincount(a + 1, minlength=len(end) + 1) - np.bincount(b + 1, minlength=len(end) + 1)
-        per_step = np.cumsum(counts)[1:len(end)]
-        gaps = np.diff(end)
-        values.append(gaps[per_step > 0])
-        weights.append(per_step[per_step > 0])
+        counts = np.bincount(a + 1, minlength=len(end) + 1)
+        counts -= np.bincount(b + 1, minlength=len(end) + 1)
+        per_step = np.cumsum(counts, out=counts)[1:len(end)]
+        emitting = per_step > 0
+        values.append(np.diff(end)[emitting])
+        weights.append(per_step[emitting].astype(np.int32))    # (requests emitting in a step)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         between = end[a[1:][same]] - end[b[:-1][same]]
         values.append(between)
-        weights.append(np.ones(len(between), dtype=np.int64))
+        weights.append(np.ones(len(between), dtype=np.int32))
     if not values:
         return np.zeros(0), np.zeros(0, dtype=np.int64)
     return np.concatenate(values), np.concatenate(weights)

@@ -162,10 +162,10 @@ def draw_batch_tokens(ax, views: Mapping[str, RunView]) -> None:
         (label, v), = views.items()
         edges, tl = v.series(*SPLIT_SERIES)
         if len(tl):
-            decode = tl["decode_seqs"].to_numpy()
+            decode = np.asarray(tl["decode_seqs"])
             _stairs(ax, edges, decode, baseline=np.zeros_like(decode), alpha=0.7, color="C0",
                     label=f"{label}: decode")
-            _stairs(ax, edges, decode + tl["prefill_tokens"].to_numpy(), baseline=decode, alpha=0.7,
+            _stairs(ax, edges, decode + tl["prefill_tokens"], baseline=decode, alpha=0.7,
                     color="C1", label=f"{label}: prefill")
     else:
         for (label, v), colour in zip(views.items(), _colours(views)):

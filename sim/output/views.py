@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import numpy as np
-import pandas as pd
 
+from sim.core.lazy import lazy_import
 from sim.output.step_buckets import records_timeline
 from sim.records import STEP_COLUMNS, RunRecords, requests_frame
+
+pd = lazy_import("pandas")     # frames only where a view was given them: a drawing process imports none
 
 TIMELINE_BUCKETS = 1500        # about a plot's width in pixels: finer buckets show nothing more
 CDF_POINTS = 2000
@@ -33,8 +35,8 @@ class RunView:
 
     label: str
     summary: dict
-    requests: pd.DataFrame
-    steps: pd.DataFrame
+    requests: Any                  # a frame, or the request columns (sim.records.request_columns)
+    steps: Optional[pd.DataFrame]  # None where the step series come from `records` (or are reduced already)
     kv_blocks_total: int           # usable blocks per replica
     replicas: int = 1
     scenario: Any = None           # the validated scenario when known: SLO lines, titles
@@ -53,7 +55,7 @@ class RunView:
     records: Optional[RunRecords] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.steps is None or self.steps.empty:   # no steps (or read from records): numeric columns
+        if self.steps is not None and self.steps.empty:   # a run without steps: keep numeric columns
             self.steps = pd.DataFrame({c: np.zeros(0) for c in ("replica", *STEP_COLUMNS)})
 
     def _reduce(self, key, make):
@@ -98,13 +100,12 @@ class RunView:
         """Steps per duration bin (ms)."""
         return self._reduce(("step_ms_histogram", bins.tobytes()), lambda: np.histogram(self.step_ms(), bins)[0])
 
-    def series(self, agg: Mapping[str, str], combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
+    def series(self, agg: Mapping[str, str], combine: str = "sum") -> tuple[np.ndarray, "Buckets"]:
         """timeline() of the steps (a 'step_ms' column is the step durations)."""
         def make():
             if self._recorders:
                 edges, per_replica = records_timeline(self.records, agg, TIMELINE_BUCKETS, combine)
-                return edges, pd.DataFrame({c: _combine(v, combine) for c, v in per_replica.items()},
-                                           columns=list(agg))
+                return edges, Buckets({c: _combine(per_replica[c], combine) for c in agg}, TIMELINE_BUCKETS)
             if self.records is not None:
                 return timeline({c: np.zeros(0) for c in ("replica", "start_s", "end_s", *agg)}, agg)
             if "step_ms" not in agg:
@@ -168,7 +169,7 @@ class RunView:
         self.preemption_marks()
         requests = (self.requests.iloc[:0] if hasattr(self.requests, "iloc")
                     else {c: v[:0] for c, v in self.requests.items()})
-        return RunView(self.label, self.summary, requests, self.steps.iloc[:0],
+        return RunView(self.label, self.summary, requests, None,
                        self.kv_blocks_total, self.replicas, self.scenario, dict(self.reduced))
 
     @classmethod
@@ -216,7 +217,7 @@ def drawable_views(views: Mapping[str, RunView]) -> dict[str, RunView]:
 # ----------------------------------------------------------------------------- downsampling
 
 def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
-             combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
+             combine: str = "sum") -> tuple[np.ndarray, "Buckets"]:
     """Step series on equal time buckets: (bucket edges in s, one row per bucket).
 
     Each column is reduced per replica and bucket with its `agg` ('max' keeps peaks such as
@@ -228,7 +229,7 @@ def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
     cols = list(agg)
     start = np.asarray(steps["start_s"], dtype=float)
     if len(start) == 0:
-        return np.zeros(0), pd.DataFrame(columns=cols, dtype=float)
+        return np.zeros(0), Buckets({c: np.zeros(0) for c in cols}, 0)
     t0, t1 = float(start.min()), float(np.asarray(steps["end_s"], dtype=float).max())
     width = (t1 - t0) / buckets if t1 > t0 else 1.0
     bucket = np.minimum(((start - t0) / width).astype(np.int64), buckets - 1)
@@ -241,7 +242,25 @@ def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
         values = np.asarray(steps[col], dtype=float)[order]
         per_replica = [_bucketed(values[replica == r], bucket[replica == r], buckets, agg[col]) for r in replicas]
         combined[col] = _combine(np.vstack(per_replica), combine)
-    return t0 + width * np.arange(buckets + 1), pd.DataFrame(combined, columns=cols)
+    return t0 + width * np.arange(buckets + 1), Buckets({c: combined[c] for c in cols}, buckets)
+
+
+class Buckets:
+    """Step series per time bucket: named columns of one length (what `timeline` gives; numpy
+    only, so a drawing process imports no pandas). `len()` is the number of buckets."""
+
+    def __init__(self, columns: Mapping[str, np.ndarray], rows: int):
+        self.columns, self.rows = dict(columns), rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def to_numpy(self) -> np.ndarray:
+        """(buckets, columns), as a frame's to_numpy()."""
+        return np.column_stack(list(self.columns.values())) if self.columns else np.zeros((self.rows, 0))
 
 
 def _bucketed(values: np.ndarray, bucket: np.ndarray, buckets: int, how: str) -> np.ndarray:

@@ -73,7 +73,7 @@ def test_plot_series_from_the_records_equal_those_of_the_per_step_frame(records)
     summary = {"requests_measured": 0}
     from_records = RunView.from_records("r", records, summary, request_columns(records), step_frame=False)
     from_frame = RunView("f", summary, from_records.requests, records.steps_frame(), records.kv_blocks_total, 2)
-    assert from_records.records is records and from_records.steps.empty
+    assert from_records.records is records and from_records.steps is None
     for agg, combine in PLOT_SERIES:
         (e1, got), (e2, want) = from_records.series(agg, combine), from_frame.series(agg, combine)
         assert np.array_equal(e1, e2) and list(got.columns) == list(want.columns)
