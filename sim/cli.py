@@ -219,12 +219,26 @@ def run_parser() -> argparse.ArgumentParser:
                    help="write the data files (summary.json, CSVs, manifest) but no plots or report.html")
     p.add_argument("--trace", action="store_true", help="also write a Chrome/Perfetto trace.json (open it at "
                    f"{PERFETTO_HINT})")
-    p.add_argument("--steps", choices=("aggregated", "full"), default="aggregated",
-                   help="steps.csv: a row per record, a leap of K decode steps being one row with its "
-                        "step count (aggregated, the default), or a row per engine step (full)")
+    p.add_argument("--steps", choices=("timeline", "aggregated", "full"), default="timeline",
+                   help="steps.csv: a row per replica per --steps-interval of simulated time (timeline, the "
+                        "default), a row per record, a leap of K decode steps being one row (aggregated), or "
+                        "a row per engine step (full)")
+    p.add_argument("--steps-interval", type=positive_seconds, default=1.0, metavar="S",
+                   help="seconds of simulated time per row of the timeline steps.csv (default 1)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_sweep_args(p)
     return p
+
+
+def positive_seconds(text: str) -> float:
+    """argparse `type=` for a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of seconds")
+    return value
 
 
 def run_main(argv: list[str]) -> int:
@@ -271,7 +285,7 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
 
         print_results(results, out)
     for name, result in results.items():
-        write_data_files(result, out / name if len(results) > 1 else out, args.steps)
+        write_data_files(result, out / name if len(results) > 1 else out, args.steps, args.steps_interval)
     if not args.no_plots or args.trace:
         with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)

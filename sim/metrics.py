@@ -8,12 +8,17 @@ first measured arrival to the last measured finish.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
-import pandas as pd
 
-from sim.records import RunRecords, itl_samples, requests_frame
+from sim import exact
+from sim.core.lazy import lazy_import
+from sim.records import RunRecords, itl_samples, request_columns
+
+# pandas only for frames given in (and the rejection reasons' counting): the summary of a
+# prediction is made from numpy columns
+pd = lazy_import("pandas")
 
 PERCENTILES = (50, 90, 99)
 
@@ -40,11 +45,14 @@ def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs) -> list[fl
 
 def distribution(values: np.ndarray, weights: Optional[np.ndarray] = None) -> dict[str, Optional[float]]:
     """mean, p50, p90, p99 (and max) of a sample; None entries when it is empty."""
-    values = np.asarray(values, dtype=float)
-    keep = ~np.isnan(values)
-    values = values[keep]
-    if weights is not None:
-        weights = np.asarray(weights)[keep]
+    # contiguous, as a copy would be: numpy sums a strided array in buffered chunks, other figures
+    values = np.ascontiguousarray(values, dtype=float)
+    weights = None if weights is None else np.ascontiguousarray(weights)
+    missing = np.isnan(values)
+    if missing.any():                 # (no copy of a sample without NaN: the ITL's is a value per step)
+        values = values[~missing]
+        if weights is not None:
+            weights = weights[~missing]
     if values.size == 0 or (weights is not None and weights.sum() == 0):
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
     if weights is None:
@@ -57,57 +65,65 @@ def distribution(values: np.ndarray, weights: Optional[np.ndarray] = None) -> di
     return out
 
 
-def meets_slo(df: pd.DataFrame, slo) -> pd.Series:
-    """Per request: every SLO that is set is met (a 1-token answer has TPOT 0, as in vLLM)."""
-    ok = pd.Series(True, index=df.index)
+def meets_slo(requests, slo) -> np.ndarray:
+    """Per request: every SLO that is set is met (a 1-token answer has TPOT 0, as in vLLM).
+    `requests`: a frame or a mapping of columns."""
+    ok = np.ones(len(requests["ttft_s"]), dtype=bool)
     if slo.ttft_s is not None:
-        ok &= df["ttft_s"] <= slo.ttft_s
+        ok &= np.asarray(requests["ttft_s"], dtype=float) <= slo.ttft_s
     if slo.tpot_s is not None:
-        ok &= df["tpot_s"].fillna(0.0) <= slo.tpot_s
+        tpot = np.asarray(requests["tpot_s"], dtype=float)
+        ok &= np.where(np.isnan(tpot), 0.0, tpot) <= slo.tpot_s
     if slo.e2e_s is not None:
-        ok &= df["e2e_s"] <= slo.e2e_s
+        ok &= np.asarray(requests["e2e_s"], dtype=float) <= slo.e2e_s
     return ok
 
 
-def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = None,
+Columns = Mapping[str, np.ndarray]
+
+
+def summarise(records: RunRecords, slo=None, requests=None,
               steps: Optional[pd.DataFrame] = None) -> dict[str, Any]:
-    """The summary.json figures of one run."""
-    df = requests if requests is not None else requests_frame(records)
+    """The summary.json figures of one run. `requests`: the request columns
+    (sim.records.request_columns) or a requests frame; made from the records when not given.
+    Every figure is computed on numpy arrays as pandas computed it on the frame (sim/exact.py)."""
+    cols = _request_columns(records, requests)
+    warm = cols["is_warmup"].astype(bool)
+    status = cols["status"]
+    keep = (status == "finished") & ~warm
+    measured = {c: cols[c][keep] for c in _MEASURED_COLUMNS if c in cols}
+    n_measured = int(keep.sum())
     steps = _Steps(records, steps)
-    # masks and the measured requests' columns, not copies of the whole frame (a million rows)
-    warm = df["is_warmup"].astype(bool).to_numpy()
-    status = df["status"].to_numpy()
-    measured = df.loc[(status == "finished") & ~warm, [c for c in _MEASURED_COLUMNS if c in df]]
     offered = int((~warm).sum())
-    duration = _duration(measured)
-    n_out = measured["output_tokens"].sum()
-    n_in = measured["prompt_tokens"].sum()
-    itl_values, itl_weights = itl_samples(records, measured["id"].to_numpy())
+    duration = _duration(measured, n_measured)
+    n_out = exact.nansum(measured["output_tokens"])
+    n_in = exact.nansum(measured["prompt_tokens"])
+    itl_values, itl_weights = itl_samples(records, measured["id"])
     has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
     rate = (lambda x: x / duration if duration > 0 else None)   # noqa: E731
     steady = status[~warm]
+    met = int(meets_slo(measured, slo).sum()) if has_slo else 0
     summary = {
         # requests_total counts warm-up requests; finished / rejected / aborted count the rest
-        "requests_total": int(len(df)),
-        "requests_finished": int(len(measured)),
+        "requests_total": int(len(status)),
+        "requests_finished": n_measured,
         "requests_rejected": int((steady == "rejected").sum()),
         "requests_aborted": int((steady == "aborted").sum()),
-        "rejection_reasons": rejection_reasons(df),
-        "requests_measured": int(len(measured)),
-        "warmup_requests": int(df["is_warmup"].sum()),
+        "rejection_reasons": rejection_reasons(cols),
+        "requests_measured": n_measured,
+        "warmup_requests": int(exact.nansum(cols["is_warmup"])),
         "duration_s": duration,
-        "request_throughput": rate(len(measured)),
+        "request_throughput": rate(n_measured),
         "output_token_throughput": rate(float(n_out)),
         "total_token_throughput": rate(float(n_in + n_out)),
-        "ttft_s": distribution(measured["ttft_s"].to_numpy()),
-        "tpot_s": distribution(measured["tpot_s"].to_numpy()),
+        "ttft_s": distribution(measured["ttft_s"]),
+        "tpot_s": distribution(measured["tpot_s"]),
         "itl_s": distribution(itl_values, itl_weights),
-        "e2e_s": distribution(measured["e2e_s"].to_numpy()),
-        "goodput": rate(float(meets_slo(measured, slo).sum())) if has_slo else None,
+        "e2e_s": distribution(measured["e2e_s"]),
+        "goodput": rate(float(met)) if has_slo else None,
         # over every non-warm-up request: a rejected or aborted request missed its SLOs
-        "slo_attainment": (float(meets_slo(measured, slo).sum() / offered) if has_slo and offered
-                           else None),
-        "prefix_hit_rate": float(measured["cached_tokens"].sum() / n_in) if n_in else 0.0,
+        "slo_attainment": (float(np.int64(met) / offered) if has_slo and offered else None),
+        "prefix_hit_rate": float(exact.nansum(measured["cached_tokens"]) / n_in) if n_in else 0.0,
         "preemptions": steps.preemptions() if steps.count else 0,
         "kv_evictions": records.meta.get("kv_evictions"),    # cached blocks reused for other tokens
         # speculative decoding's acceptance (sim/core/speculative.py), only in runs that use it
@@ -123,10 +139,19 @@ def summarise(records: RunRecords, slo=None, requests: Optional[pd.DataFrame] = 
     if "routing_regret" in records.meta:      # (sim/routers/regret.py)
         summary["routing_regret"] = records.meta["routing_regret"]
     if "kv_offload" in records.meta:        # (only where engine.kv_offload is set: old summaries unchanged)
-        summary["kv_offload"] = offload_summary(records.meta["kv_offload"], int(df["prompt_tokens"].sum()))
+        summary["kv_offload"] = offload_summary(records.meta["kv_offload"], int(exact.nansum(cols["prompt_tokens"])))
     if len(records.recorders) > 1:
         summary["replicas"] = _replica_figures(measured, steps, duration, len(records.recorders))
     return summary
+
+
+def _request_columns(records: RunRecords, requests) -> dict[str, np.ndarray]:
+    """The requests as numpy columns: as given, from a frame, or from the records."""
+    if requests is None:
+        return request_columns(records)
+    if isinstance(requests, dict):
+        return requests
+    return {c: requests[c].to_numpy() for c in requests.columns}      # a frame
 
 
 def offload_summary(tier: dict, prompt_tokens: int) -> dict:
@@ -174,32 +199,38 @@ class _Steps:
         return float(np.float64(int((self.row[column] * self.row["steps"]).sum())) / np.float64(self.count))
 
 
-def rejection_reasons(requests: pd.DataFrame) -> list[dict[str, Any]]:
+def rejection_reasons(requests) -> list[dict[str, Any]]:
     """[{reason (its numbers as N), count}] over rejected requests (warm-up included), most first.
-    A list, so a sweep's flattened table keeps fixed columns."""
-    rejected = requests.loc[requests["status"] == "rejected", "reject_reason"].fillna("unknown")
-    kinds = rejected.astype(str).str.replace(r"\d+", "N", regex=True).value_counts()
+    A list, so a sweep's flattened table keeps fixed columns. (pandas' counting, for its order of
+    ties, made only when something was rejected.)"""
+    rejected = np.asarray(requests["status"]) == "rejected"
+    if not rejected.any():
+        return []
+    reasons = pd.Series(np.asarray(requests["reject_reason"], dtype=object)[rejected]).fillna("unknown")
+    kinds = reasons.astype(str).str.replace(r"\d+", "N", regex=True).value_counts()
     return [{"reason": str(k), "count": int(v)} for k, v in kinds.items()]
 
 
-def _replica_figures(measured: pd.DataFrame, steps: _Steps, duration: float,
+def _replica_figures(measured: Columns, steps: _Steps, duration: float,
                      replicas: int) -> list[dict[str, Any]]:
     """Per replica: its share of the measured requests and their figures. Throughputs are
     over the cluster's duration, so the replicas' throughputs add up to the cluster's."""
     out = []
     for index in range(replicas):
-        mine = measured[measured["replica"] == index]
+        mask = measured["replica"] == index
+        mine = {c: v[mask] for c, v in measured.items()}
+        count = int(mask.sum())
         own_used = steps.step["kv_blocks_used"][steps.step["replica"] == index]
-        n_in = mine["prompt_tokens"].sum()
+        n_in = exact.nansum(mine["prompt_tokens"])
         out.append({
             "replica": index,
-            "requests": int(len(mine)),
-            "request_throughput": len(mine) / duration if duration > 0 else None,
-            "output_token_throughput": float(mine["output_tokens"].sum()) / duration if duration > 0 else None,
-            "ttft_s_p99": distribution(mine["ttft_s"].to_numpy())["p99"],
-            "tpot_s_p99": distribution(mine["tpot_s"].to_numpy())["p99"],
+            "requests": count,
+            "request_throughput": count / duration if duration > 0 else None,
+            "output_token_throughput": float(exact.nansum(mine["output_tokens"])) / duration if duration > 0 else None,
+            "ttft_s_p99": distribution(mine["ttft_s"])["p99"],
+            "tpot_s_p99": distribution(mine["tpot_s"])["p99"],
             "kv_blocks_peak": int(own_used.max()) if len(own_used) else 0,
-            "prefix_hit_rate": float(mine["cached_tokens"].sum() / n_in) if n_in else 0.0,
+            "prefix_hit_rate": float(exact.nansum(mine["cached_tokens"]) / n_in) if n_in else 0.0,
             "preemptions": steps.preemptions(index) if len(own_used) else 0,
         })
     return out
@@ -218,17 +249,17 @@ def replica_frame(summary: dict[str, Any]) -> pd.DataFrame:
                                  "kv_blocks_peak": "KV blocks peak", "prefix_hit_rate": "prefix hit (%)"})
 
 
-def _duration(measured: pd.DataFrame) -> float:
-    if measured.empty:
+def _duration(measured: Columns, count: int) -> float:
+    if not count:
         return 0.0
-    return float(measured["finish_s"].max() - measured["arrival_s"].min())
+    return float(exact.nanmax(measured["finish_s"]) - exact.nanmin(measured["arrival_s"]))
 
 
-def _latency_split(measured: pd.DataFrame) -> dict[str, Optional[float]]:
-    total = measured["e2e_s"].sum()
+def _latency_split(measured: Columns) -> dict[str, Optional[float]]:
+    total = exact.nansum(measured["e2e_s"])
     if not total:
         return {"queue": None, "host": None, "device": None}
-    return {k: float(measured[f"{k}_s"].sum() / total) for k in ("queue", "host", "device")}
+    return {k: float(exact.nansum(measured[f"{k}_s"]) / total) for k in ("queue", "host", "device")}
 
 
 def _kv_figures(records: RunRecords, steps: _Steps) -> dict[str, Any]:
@@ -254,4 +285,4 @@ def _step_figures(steps: _Steps) -> dict[str, Any]:
     return {"num_steps": steps.count, "mean_batch_seqs": steps.mean_per_step("num_seqs"),
             "mean_batch_tokens": steps.mean_per_step("batch_tokens"),
             "peak_running": int(steps.row["running"].max()),
-            "mean_step_s": float(pd.Series(steps.step["end_s"] - steps.step["start_s"]).mean())}
+            "mean_step_s": float(exact.nanmean(steps.step["end_s"] - steps.step["start_s"]))}

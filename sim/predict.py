@@ -15,18 +15,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import pandas as pd
-
 from sim import stop
 from sim.costmodel import CostModel
 from sim.core.memory import MemoryPlan
 from sim.metrics import summarise
-from sim.records import RunRecords, requests_frame
+from sim.core.lazy import lazy_import
+from sim.records import RunRecords, request_columns
 from sim.core.request import Request
 from sim.disagg import pool_figures, simulate_disaggregated
 from sim.simulator import simulate
 from sim.workload import build_workload, stream_requests, warmup_notes
 from sim.trained import error_band
+
+pd = lazy_import("pandas")      # a frame of the requests or steps only where one is read
 
 
 @dataclass
@@ -37,10 +38,25 @@ class RunResult:
     plan: MemoryPlan
     cost_model: Optional[CostModel]        # None for a measured run
     summary: dict
-    requests: pd.DataFrame
+    _requests: Any                         # the request columns (sim.records.request_columns) or a frame
     _steps: Optional[pd.DataFrame]         # None: made from the records on first use
     manifest: dict = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        """One row per request, made from the columns when first read (the summary and
+        requests.csv are made from the columns: a million-request frame is ~0.5 GB)."""
+        if isinstance(self._requests, dict):
+            self._requests = pd.DataFrame(self._requests, copy=False)
+        return self._requests
+
+    @property
+    def request_columns(self) -> dict:
+        """The requests as numpy columns (a frame's, where the run was given one)."""
+        if isinstance(self._requests, dict):
+            return self._requests
+        return {c: self._requests[c].to_numpy() for c in self._requests.columns}
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -65,23 +81,24 @@ def predict(scenario, name: Optional[str] = None,
     stop.check()
     records, plan, cost_model, described = _simulate(scenario, stop.polling(progress), manifest)
     stop.check()
-    req_df = requests_frame(records)
-    summary = summarise(records, scenario.slo, req_df)
+    req_cols = request_columns(records)
+    summary = summarise(records, scenario.slo, req_cols)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
     summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
     if scenario.cluster.disaggregation is not None:
-        summary["pools"] = pool_figures(records, req_df)
+        summary["pools"] = pool_figures(records, pd.DataFrame(req_cols, copy=False))
     if "autoscaling" in records.meta:          # cluster.autoscaling: GPU-hours, replicas over the run
         from sim.autoscale import autoscaling_summary, run_end
-        summary["autoscaling"] = autoscaling_summary(records.meta["autoscaling"], run_end(req_df),
+        frame = pd.DataFrame(req_cols, copy=False)
+        summary["autoscaling"] = autoscaling_summary(records.meta["autoscaling"], run_end(frame),
                                                      scenario.parallelism.gpus)
     info = {}
     if described is not None:
         info = simulation_manifest(scenario, cost_model, plan, described)
         info["simulation_wall_s"] = records.meta.get("wall_s")
-    return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary, req_df, None, info)
+    return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary, req_cols, None, info)
 
 
 def _simulate(scenario, progress, manifest: bool):

@@ -419,8 +419,14 @@ class RequestTable:
         rank = np.empty(len(counts), dtype=np.int64)
         rank[self.order] = np.arange(len(counts))          # recording position -> id-order position
         owner = np.repeat(rank, counts)
-        # every owner's entries together, owners in id order (the order the rows list them)
-        by_owner = np.argsort(owner, kind="stable")
+        # every owner's entries together, owners in id order (the order the rows list them): each
+        # owner's block moved from its recording place to its place in id order (a stable sort of
+        # `owner`, without sorting)
+        counts = counts.astype(np.int64)
+        in_id_order = counts[self.order]
+        moved = np.repeat((np.cumsum(counts) - counts)[self.order] - (np.cumsum(in_id_order) - in_id_order),
+                          in_id_order)
+        by_owner = moved + np.arange(len(moved))
         values = flat.reshape(-1, width)[by_owner]
         if width == 1:
             return owner[by_owner], values[:, 0]
@@ -496,11 +502,12 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _step_times(rec: StepRecorder) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """start, end, and cumulative host / device time (index k = sum of steps < k)."""
-    host = np.concatenate([[0.0], np.cumsum(rec.step_column("host_s"))])
-    device = np.concatenate([[0.0], np.cumsum(rec.step_column("device_s"))])
-    return rec.step_column("start_s"), rec.step_column("end_s"), host, device
+def _prefix_sums(values: np.ndarray) -> np.ndarray:
+    """Index k: the sum of values[:k] (np.cumsum's own additions, written after a leading 0)."""
+    out = np.empty(len(values) + 1)
+    out[0] = 0.0
+    np.cumsum(values, out=out[1:])
+    return out
 
 
 _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtype=object)
@@ -508,6 +515,13 @@ _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtyp
 
 def requests_frame(records: RunRecords) -> pd.DataFrame:
     """One row per request (in id order) with times, token counts and the queue/host/device split."""
+    return pd.DataFrame(request_columns(records), copy=False)   # (no second copy of a million rows)
+
+
+def request_columns(records: RunRecords) -> dict[str, np.ndarray]:
+    """The columns of `requests_frame` as numpy arrays, each as the frame would hold it (a column
+    of ints and missing values as float64 with NaN; text as objects): the summary and requests.csv
+    are made from these, without a frame."""
     table: RequestTable = records.requests
     col = table.sorted_column
     n = len(table)
@@ -518,9 +532,9 @@ def requests_frame(records: RunRecords) -> pd.DataFrame:
         "tenant": table.tenants(), "priority": col("priority").astype(np.int64),
         "conversation": (conversation.astype(np.int64) if not none.any()
                          else np.full(n, None, dtype=object) if none.all()
-                         else [None if c == _NO_CONVERSATION else int(c) for c in conversation.tolist()]),
+                         else np.where(none, np.nan, conversation)),
         "is_warmup": col("is_warmup").astype(bool),
-        "status": _STATUS_NAMES[col("status")], "reject_reason": table.reasons(),
+        "status": _STATUS_NAMES[col("status")], "reject_reason": np.array(table.reasons(), dtype=object),
         "arrival_s": col("arrival_s").astype(float),
         "prompt_tokens": col("prompt_tokens").astype(np.int64), "output_tokens": col("output_tokens").astype(np.int64),
         "cached_tokens": col("cached_tokens").astype(np.int64), "preemptions": col("preemptions").astype(np.int64),
@@ -535,13 +549,14 @@ def requests_frame(records: RunRecords) -> pd.DataFrame:
             idx = np.flatnonzero(replica == rec.replica)
             if len(idx) and len(rec):
                 _fill_times(out, idx, table, rec, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
-    df = pd.DataFrame(out, copy=False)      # the columns as made (no second copy of a million rows)
-    df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
-    df["e2e_s"] = df["finish_s"] - df["arrival_s"]
-    decode_tokens = df["output_tokens"] - 1
-    df["tpot_s"] = np.where(decode_tokens > 0, (df["e2e_s"] - df["ttft_s"]) / decode_tokens.clip(lower=1), np.nan)
-    df["queue_s"] = df["e2e_s"] - df["host_s"] - df["device_s"]
-    return df
+    out["ttft_s"] = out["first_token_s"] - out["arrival_s"]
+    out["e2e_s"] = out["finish_s"] - out["arrival_s"]
+    decode_tokens = out["output_tokens"] - 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["tpot_s"] = np.where(decode_tokens > 0, (out["e2e_s"] - out["ttft_s"]) / np.maximum(decode_tokens, 1),
+                                 np.nan)
+    out["queue_s"] = out["e2e_s"] - out["host_s"] - out["device_s"]
+    return out
 
 
 def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
@@ -552,8 +567,6 @@ def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
 
 
 def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecorder, runs, chunks) -> None:
-    start, end, host_c, dev_c = _step_times(rec)
-
     def at(steps: np.ndarray, times: np.ndarray) -> np.ndarray:
         valid = steps >= 0
         res = np.full(len(steps), np.nan)
@@ -561,20 +574,19 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecord
         return res
 
     col = table.sorted_column
-    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), start)
-    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), end)
-    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), end)
+    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), rec.step_column("start_s"))
+    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), rec.step_column("end_s"))
+    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), rec.step_column("end_s"))
     owner, a, b = _select(runs[0], idx, runs[1], runs[2])
-    host = np.bincount(owner, weights=host_c[b + 1] - host_c[a], minlength=len(idx))
-    dev = np.bincount(owner, weights=dev_c[b + 1] - dev_c[a], minlength=len(idx))
-    step_host = np.diff(host_c)
-    step_dev = np.diff(dev_c)
     chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
-    host += np.bincount(chunk_owner, weights=step_host[chunk_step], minlength=len(idx))
-    dev += np.bincount(chunk_owner, weights=step_dev[chunk_step], minlength=len(idx))
     done = col("status")[idx] == int(Status.FINISHED)
-    out["host_s"][idx] = np.where(done, host, np.nan)
-    out["device_s"][idx] = np.where(done, dev, np.nan)
+    # a request's host (device) time: its runs of steps and its chunk steps, from the run's running
+    # sum (one column at a time: a million-request run has millions of steps)
+    for name in ("host_s", "device_s"):
+        running = _prefix_sums(rec.step_column(name))
+        total = np.bincount(owner, weights=running[b + 1] - running[a], minlength=len(idx))
+        total += np.bincount(chunk_owner, weights=running[chunk_step + 1] - running[chunk_step], minlength=len(idx))
+        out[name][idx] = np.where(done, total, np.nan)
 
 
 def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -598,17 +610,16 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
             continue
         end = rec.step_column("end_s")
         owner, a, b = _select(run_owner, idx, run_a, run_b)
-        counts = np.zeros(len(end) + 1, dtype=np.int64)
-        np.add.at(counts, a + 1, 1)
-        np.add.at(counts, b + 1, -1)
-        per_step = np.cumsum(counts)[1:len(end)]
-        gaps = np.diff(end)
-        values.append(gaps[per_step > 0])
-        weights.append(per_step[per_step > 0])
+        counts = np.bincount(a + 1, minlength=len(end) + 1)
+        counts -= np.bincount(b + 1, minlength=len(end) + 1)
+        per_step = np.cumsum(counts, out=counts)[1:len(end)]
+        emitting = per_step > 0
+        values.append(np.diff(end)[emitting])
+        weights.append(per_step[emitting].astype(np.int32))    # (requests emitting in a step)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         between = end[a[1:][same]] - end[b[:-1][same]]
         values.append(between)
-        weights.append(np.ones(len(between), dtype=np.int64))
+        weights.append(np.ones(len(between), dtype=np.int32))
     if not values:
         return np.zeros(0), np.zeros(0, dtype=np.int64)
     return np.concatenate(values), np.concatenate(weights)

@@ -24,7 +24,7 @@ def write_comparison(predicted, measured: Measured, out: Path, title: str) -> tu
     from validate.plots import plot_relative_errors
 
     out = Path(out)
-    files = {f"predicted_{k}": p for k, p in write_run(predicted, out / "predicted", report=False).items()}
+    files = {f"predicted_{k}": p for k, p in write_run(predicted, out / "predicted", report=False, steps="aggregated").items()}
     table = comparison_table(predicted.summary, measured.summary)
     files["comparison"] = write_csv(out / "comparison.csv", table.reset_index())
     views = {"predicted": view_of(predicted, "predicted"), "measured": measured.view()}

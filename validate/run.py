@@ -72,8 +72,8 @@ def write_validation(v: Validation, out: Path, title: Optional[str] = None) -> d
     from sim.output.report import plot_run_figures
 
     out = Path(out)
-    files = {f"predicted_{k}": p for k, p in write_run(v.predicted, out / "predicted", report=False).items()}
-    files.update({f"measured_{k}": p for k, p in write_run(v.measured, out / "measured", report=False).items()})
+    files = {f"predicted_{k}": p for k, p in write_run(v.predicted, out / "predicted", report=False, steps="aggregated").items()}
+    files.update({f"measured_{k}": p for k, p in write_run(v.measured, out / "measured", report=False, steps="aggregated").items()})
     files["comparison"] = write_csv(out / "comparison.csv", v.table.reset_index())
     files["step_times"] = write_csv(out / "step_times.csv", v.steps)
     files["step_errors"] = write_json(out / "step_errors.json", v.step_errors)

@@ -142,7 +142,10 @@ def _text_block(texts: list[str]) -> np.ndarray:
 def _arrow_block(arrow, values: np.ndarray) -> np.ndarray:
     """pyarrow's number -> text cast, padded with NULs to one width: its data buffer is the block."""
     pa, pc = arrow
-    strings = pc.cast(pa.array(values), pa.string())
+    values = np.ascontiguousarray(values)
+    # from the buffer: pa.array(values) imports pandas (~0.4 s) to check for its types
+    array = pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+    strings = pc.cast(array, pa.string())
     width = max(1, pc.max(pc.utf8_length(strings)).as_py() or 0)
     padded = pc.utf8_rpad(strings, width=width, padding="\0")
     data = padded.buffers()[2]
@@ -161,14 +164,13 @@ def _pyarrow():
 def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A text (object) column as (a code per row, the bytes of each code): each distinct value is
     formatted once (str(), quoted where it holds a comma, quote or line break; missing: empty)."""
-    import pandas as pd
-
-    kinds = set(map(type, values.tolist())) - {str, type(None)}
+    items = values.tolist()
+    kinds = set(map(type, items)) - {str, type(None)}
     if len(kinds) > 1:
-        raise Unsupported("mixed types")     # 1, 1.0 and True are one value to factorize, not to pandas
-    codes, uniques = pd.factorize(values, use_na_sentinel=True)
+        raise Unsupported("mixed types")     # 1, 1.0 and True are one value to a dict, not to pandas
+    codes, uniques = _factorize(items)
     cells = []
-    for value in uniques.tolist() if hasattr(uniques, "tolist") else list(uniques):
+    for value in uniques:
         if not isinstance(value, (str, int, float)):
             raise Unsupported(type(value).__name__)
         text = value if isinstance(value, str) else str(value)
@@ -179,3 +181,13 @@ def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cells.append(text.encode())
     table = np.array(cells + [b""], dtype="S")           # code -1 (missing): the last, empty
     return codes, table
+
+
+def _factorize(items: list) -> tuple[np.ndarray, list]:
+    """(a code per item, the distinct values in order of appearance); None and NaN are missing
+    (code -1), as pandas.factorize has them."""
+    index: dict = {}
+    setdefault = index.setdefault
+    codes = np.fromiter((-1 if v is None or v != v else setdefault(v, len(index)) for v in items),
+                        np.int64, len(items))
+    return codes, list(index)

@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
-import pandas as pd
 
+from sim.core.lazy import lazy_import
 from sim.output import units
 from sim.output.io import write_text
 from sim.output.setup import rejection_line, setup_fields, vllm_startup_lines
 from sim.output.units import EMPTY, format_value
 from sim.output.views import RunView
+
+pd = lazy_import("pandas")      # imported where a frame is made (not by a drawing process)
 
 CAPTIONS = {
     "overview": "The run on one page: KV blocks used against the pool, running and waiting requests, "

@@ -24,7 +24,8 @@ from sim.output.pages import (CAPTIONS, CSS, SUMMARY_ROWS, html_figure, html_set
 from sim.output.trace import TRACE_MAX_REQUESTS, write_perfetto_trace  # noqa: F401
 from sim.output.units import EMPTY, format_value  # noqa: F401
 from sim.output.views import (CDF_POINTS, KV_SERIES, QUEUE_SERIES, SPLIT_SERIES, STEP_MS_MAX,  # noqa: F401
-                              STEP_MS_MEAN, TIMELINE_BUCKETS, TOKENS_SERIES, RunView, cdf_points, timeline)
+                              STEP_MS_MEAN, TIMELINE_BUCKETS, TOKENS_SERIES, RunView, cdf_points, step_ms_bins,
+                              timeline)
 
 DPI = 110
 
@@ -161,10 +162,10 @@ def draw_batch_tokens(ax, views: Mapping[str, RunView]) -> None:
         (label, v), = views.items()
         edges, tl = v.series(*SPLIT_SERIES)
         if len(tl):
-            decode = tl["decode_seqs"].to_numpy()
+            decode = np.asarray(tl["decode_seqs"])
             _stairs(ax, edges, decode, baseline=np.zeros_like(decode), alpha=0.7, color="C0",
                     label=f"{label}: decode")
-            _stairs(ax, edges, decode + tl["prefill_tokens"].to_numpy(), baseline=decode, alpha=0.7,
+            _stairs(ax, edges, decode + tl["prefill_tokens"], baseline=decode, alpha=0.7,
                     color="C1", label=f"{label}: prefill")
     else:
         for (label, v), colour in zip(views.items(), _colours(views)):
@@ -209,32 +210,26 @@ def plot_latency_cdf(views: Mapping[str, RunView]) -> Figure:
     return fig
 
 
-def _step_ms(views: Mapping[str, RunView]) -> dict[str, np.ndarray]:
-    return {label: v.step_ms() for label, v in views.items()}
-
-
-def draw_step_timeline(ax, views: Mapping[str, RunView], durations: Mapping[str, np.ndarray]) -> None:
+def draw_step_timeline(ax, views: Mapping[str, RunView]) -> None:
     for (label, v), colour in zip(views.items(), _colours(views)):
         edges, mean = v.series(*STEP_MS_MEAN)
         if len(mean):
             _, peak = v.series(*STEP_MS_MAX)
             _stairs(ax, edges, peak["step_ms"], color=colour, alpha=0.3, lw=0.8)
             _stairs(ax, edges, mean["step_ms"], color=colour, label=f"{label}: mean (light: max)")
-    if not any(len(d) for d in durations.values()):
+    if not any(v.num_steps for v in views.values()):
         _note(ax, "no steps recorded")
     finish_axes(ax, "Step time (per bucket)", "step time (ms)")
 
 
 def plot_step_time(views: Mapping[str, RunView]) -> Figure:
     fig, (ax, hist) = new_figure(2, width_ratios=(3, 1))
-    durations = _step_ms(views)
-    draw_step_timeline(ax, views, durations)
-    pooled = np.concatenate(list(durations.values()))
-    if len(pooled):
-        bins = np.histogram_bin_edges(pooled, bins=60)
-        for (label, ms), colour in zip(durations.items(), _colours(views)):
-            if len(ms):                      # a run without steps gets no empty legend entry
-                _stairs(hist, bins, np.histogram(ms, bins)[0], color=colour, label=label)
+    draw_step_timeline(ax, views)
+    bins = step_ms_bins(views)
+    if bins is not None:
+        for (label, v), colour in zip(views.items(), _colours(views)):
+            if v.step_ms_range() is not None:      # a run without steps gets no empty legend entry
+                _stairs(hist, bins, v.step_ms_histogram(bins), color=colour, label=label)
         hist.set_yscale("log")
     else:
         _note(hist, "no steps recorded")
@@ -253,7 +248,7 @@ def plot_overview(views: Mapping[str, RunView]) -> Figure:
     draw_batch_tokens(tokens, views)
     draw_latency_cdf(ttft, views, "TTFT", "ttft_s", "fraction of requests")
     draw_latency_cdf(tpot, views, "TPOT", "tpot_s")
-    draw_step_timeline(step, views, _step_ms(views))
+    draw_step_timeline(step, views)
     return fig
 
 

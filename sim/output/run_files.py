@@ -9,37 +9,48 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
+import numpy as np
+
 from sim.output.io import write_csv, write_json
+from sim.output.step_buckets import DEFAULT_INTERVAL_S, TIMELINE_COLUMNS, timeline_columns
 from sim.predict import RunResult
 
 
-STEP_FILE_KINDS = ("aggregated", "full")
+STEP_FILE_KINDS = ("timeline", "aggregated", "full")
 
 
-def write_data_files(result: RunResult, out_dir: Path, steps: str = "aggregated") -> dict[str, Path]:
-    """summary.json, requests.csv, steps.csv, manifest.json. steps.csv has a row per record (a leap of
-    K decode steps is one row, with K in `steps`: docs/outputs.md) or with `steps="full"` a row per step."""
+def write_data_files(result: RunResult, out_dir: Path, steps: str = "timeline",
+                     interval_s: float = DEFAULT_INTERVAL_S) -> dict[str, Path]:
+    """summary.json, requests.csv, steps.csv, manifest.json. steps.csv (docs/outputs.md) has a row per
+    replica and `interval_s` of simulated time (`timeline`, the default), a row per record (a leap of K
+    decode steps is one row, with K in `steps`: `aggregated`) or a row per engine step (`full`)."""
     out_dir = Path(out_dir)
-    if steps not in STEP_FILE_KINDS:
-        raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")
-    full = steps == "full"
-    step_rows = result.records.steps_columns(full)
-    if step_rows is None:
-        step_rows = result.records.steps_frame(full)
     files = {
         "summary": write_json(out_dir / "summary.json", result.summary),
-        "requests": write_csv(out_dir / "requests.csv", result.requests),
-        "steps": write_csv(out_dir / "steps.csv", step_rows),
+        "requests": write_csv(out_dir / "requests.csv", result.request_columns),
+        "steps": write_csv(out_dir / "steps.csv", step_file_columns(result, steps, interval_s)),
         "manifest": write_json(out_dir / "manifest.json", result.manifest),
     }
     result.files.update(files)
     return files
 
 
+def step_file_columns(result: RunResult, steps: str, interval_s: float = DEFAULT_INTERVAL_S):
+    """The columns of steps.csv of the kind `steps` (a frame of empty columns without a recorder)."""
+    if steps not in STEP_FILE_KINDS:
+        raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")
+    if steps == "timeline":
+        columns = timeline_columns(result.records, interval_s)
+        return columns if columns is not None else {c: np.zeros(0) for c in TIMELINE_COLUMNS}
+    full = steps == "full"
+    columns = result.records.steps_columns(full)
+    return columns if columns is not None else result.records.steps_frame(full)
+
+
 def write_run(result: RunResult, out_dir: Path, trace: bool = False, report: bool = True,
-              steps: str = "aggregated") -> dict[str, Path]:
+              steps: str = "timeline", interval_s: float = DEFAULT_INTERVAL_S) -> dict[str, Path]:
     """The data files, and unless `report` is False the plots and report.html (+ trace.json when asked)."""
-    files = write_data_files(result, out_dir, steps)
+    files = write_data_files(result, out_dir, steps, interval_s)
     if report or trace:
         files.update(write_reports({result.name: result}, Path(out_dir), plots=report, trace=trace))
     return files
@@ -81,17 +92,14 @@ def setup_title(result: RunResult) -> str:
 
 
 def view_of(result: RunResult, label: Optional[str] = None, all_step_columns: bool = True):
-    """The run as the plots and pages see it. Without `all_step_columns` (no trace to write) its
-    steps hold only the columns the plots read: a fifth of a million-request run's steps frame."""
-    import pandas as pd
+    """The run as the plots and pages see it. Without `all_step_columns` (no trace to write) its step
+    series are reduced from the records' columns: no per-step frame of a million-request run."""
+    from sim.output.views import RunView
 
-    from sim.output.views import PLOT_STEP_COLUMNS, RunView
-
-    if all_step_columns or result.has_steps_frame or not result.records.recorders:
-        steps = result.steps
-    else:
-        steps = pd.DataFrame(result.records.step_series(PLOT_STEP_COLUMNS), copy=False)
-    view = RunView.from_records(label or result.name, result.records, result.summary, result.requests, steps)
+    steps = result.steps if all_step_columns or result.has_steps_frame or not result.records.recorders else None
+    requests = result.requests if all_step_columns else result.request_columns    # (the trace sorts a frame)
+    view = RunView.from_records(label or result.name, result.records, result.summary, requests, steps,
+                                step_frame=False)
     view.scenario = result.scenario
     return view
 

@@ -29,7 +29,7 @@ def print_results(results: Mapping, out: Path) -> None:
     views = {name: view_of(r, name) for name, r in results.items()}
     print_table(summary_table(views, ratios=True))
     for name, r in results.items():
-        line = rejection_line(r.requests, r.summary)
+        line = rejection_line(r.request_columns, r.summary)
         if line:
             console.print(f"[yellow]{escape((name + ': ') if len(results) > 1 else '')}{escape(line)}[/]",
                           soft_wrap=True)

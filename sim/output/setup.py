@@ -128,10 +128,16 @@ def _pool_bytes_words(memory: Mapping[str, Any], manifest: Mapping[str, Any]) ->
 
 
 def rejection_reasons(requests) -> Counter:
-    """reason -> count over rejected (and aborted) requests of a requests frame."""
-    gone = requests[requests["status"].isin(["rejected", "aborted"])]
-    reasons = gone["reject_reason"].fillna(gone["status"]) if "reject_reason" in gone else gone["status"]
-    return Counter(str(r) for r in reasons)
+    """reason -> count over rejected (and aborted) requests of a requests frame or columns."""
+    import numpy as np
+
+    status = np.asarray(requests["status"], dtype=object)
+    gone = np.flatnonzero((status == "rejected") | (status == "aborted"))
+    if not len(gone):
+        return Counter()
+    reasons = (np.asarray(requests["reject_reason"], dtype=object)[gone] if "reject_reason" in requests
+               else status[gone])
+    return Counter(str(r if isinstance(r, str) else s) for r, s in zip(reasons, status[gone]))
 
 
 def rejection_line(requests, summary: Mapping[str, Any]) -> Optional[str]:

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
-import pandas as pd
 
+from sim.core.lazy import lazy_import
 from sim.output.io import write_bytes, write_text
 from sim.output.views import RunView
+
+pd = lazy_import("pandas")      # imported where a frame is made (not by a drawing process)
 
 TRACE_MAX_REQUESTS = 5000      # request slices per run in the trace; steps are never capped
 

@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import numpy as np
-import pandas as pd
 
+from sim.core.lazy import lazy_import
+from sim.output.step_buckets import records_timeline
 from sim.records import STEP_COLUMNS, RunRecords, requests_frame
+
+pd = lazy_import("pandas")     # frames only where a view was given them: a drawing process imports none
 
 TIMELINE_BUCKETS = 1500        # about a plot's width in pixels: finer buckets show nothing more
 CDF_POINTS = 2000
@@ -23,10 +26,7 @@ STEP_MS_MEAN = ({"step_ms": "mean"}, "mean")
 STEP_MS_MAX = ({"step_ms": "max"}, "max")
 PLOT_SERIES = (KV_SERIES, QUEUE_SERIES, SPLIT_SERIES, TOKENS_SERIES, STEP_MS_MEAN, STEP_MS_MAX)
 LATENCY_COLUMNS = ("ttft_s", "tpot_s", "e2e_s")
-# the step columns those series read (a prediction's plots need no other)
 PREEMPTION_MARKS = 400       # at most this many marks per run (steps close in time share one)
-PLOT_STEP_COLUMNS = ("start_s", "end_s", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
-                     "decode_seqs", "prefill_tokens", "batch_tokens", "preemptions")
 
 
 @dataclass(eq=False)           # frames do not compare with ==
@@ -35,8 +35,8 @@ class RunView:
 
     label: str
     summary: dict
-    requests: pd.DataFrame
-    steps: pd.DataFrame
+    requests: Any                  # a frame, or the request columns (sim.records.request_columns)
+    steps: Optional[pd.DataFrame]  # None where the step series come from `records` (or are reduced already)
     kv_blocks_total: int           # usable blocks per replica
     replicas: int = 1
     scenario: Any = None           # the validated scenario when known: SLO lines, titles
@@ -50,9 +50,12 @@ class RunView:
     # reductions already made ({key: value}): `drawable` fills them so a drawing process gets
     # a few thousand numbers per series, not the run's every step and request
     reduced: dict = field(default_factory=dict, repr=False)
+    # a prediction's records: its step series are reduced from the recorders' columns (no
+    # per-step frame: a million-request run has millions of steps); `steps` is then empty
+    records: Optional[RunRecords] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.steps.empty:       # a run without steps yields object columns; keep them numeric
+        if self.steps is not None and self.steps.empty:   # a run without steps: keep numeric columns
             self.steps = pd.DataFrame({c: np.zeros(0) for c in ("replica", *STEP_COLUMNS)})
 
     def _reduce(self, key, make):
@@ -61,21 +64,50 @@ class RunView:
         return self.reduced[key]
 
     @property
+    def _recorders(self) -> list:
+        """The recorders holding steps, when the steps are read from the records."""
+        return [r for r in self.records.recorders if len(r)] if self.records is not None else []
+
+    @property
     def num_steps(self) -> int:
+        if self.records is not None:
+            return self._reduce("num_steps", lambda: sum(len(r) for r in self.records.recorders))
         return self._reduce("num_steps", lambda: len(self.steps))
 
     @property
     def max_cached_blocks(self) -> float:
+        if self.records is not None:
+            return self._reduce("max_cached_blocks", lambda: max(
+                (float(r.step_column("kv_blocks_cached").max()) for r in self._recorders), default=0.0))
         return self._reduce("max_cached_blocks",
                             lambda: float(self.steps["kv_blocks_cached"].max()) if len(self.steps) else 0.0)
 
     def step_ms(self) -> np.ndarray:
         """Every step's duration in ms."""
-        return self._reduce("step_ms", lambda: (self.steps["end_s"] - self.steps["start_s"]).to_numpy() * 1e3)
+        if self.records is not None:
+            return np.concatenate([np.zeros(0)] + [(r.step_column("end_s") - r.step_column("start_s")) * 1e3
+                                                   for r in self._recorders])
+        return (self.steps["end_s"] - self.steps["start_s"]).to_numpy() * 1e3
 
-    def series(self, agg: Mapping[str, str], combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
+    def step_ms_range(self) -> Optional[tuple[float, float]]:
+        """(shortest, longest) step in ms; None without steps."""
+        def make():
+            ms = self.step_ms()
+            return (float(ms.min()), float(ms.max())) if len(ms) else None
+        return self._reduce("step_ms_range", make)
+
+    def step_ms_histogram(self, bins: np.ndarray) -> np.ndarray:
+        """Steps per duration bin (ms)."""
+        return self._reduce(("step_ms_histogram", bins.tobytes()), lambda: np.histogram(self.step_ms(), bins)[0])
+
+    def series(self, agg: Mapping[str, str], combine: str = "sum") -> tuple[np.ndarray, "Buckets"]:
         """timeline() of the steps (a 'step_ms' column is the step durations)."""
         def make():
+            if self._recorders:
+                edges, per_replica = records_timeline(self.records, agg, TIMELINE_BUCKETS, combine)
+                return edges, Buckets({c: _combine(per_replica[c], combine) for c in agg}, TIMELINE_BUCKETS)
+            if self.records is not None:
+                return timeline({c: np.zeros(0) for c in ("replica", "start_s", "end_s", *agg)}, agg)
             if "step_ms" not in agg:
                 return timeline(self.steps, agg, combine=combine)
             steps = {"replica": self.steps["replica"], "start_s": self.steps["start_s"],
@@ -86,7 +118,8 @@ class RunView:
     def latency_cdf(self, column: str) -> tuple[np.ndarray, np.ndarray, int]:
         """(thinned sorted values in ms, cumulative fraction, number of samples) over `measured`."""
         def make():
-            ms = self.measured[column].dropna().to_numpy() * 1e3
+            values = np.asarray(self.measured[column], dtype=float)
+            ms = values[~np.isnan(values)] * 1e3
             return (*cdf_points(ms), len(ms)) if len(ms) else (np.zeros(0), np.zeros(0), 0)
         return self._reduce(("cdf", column), make)
 
@@ -94,6 +127,8 @@ class RunView:
         """(start times of at most `marks` time buckets holding a preempting step, preemptions in
         all): where the overview marks when preemptions happen."""
         def make():
+            if self.records is not None:
+                return self._preemption_marks_from_rows(marks)
             steps = self.steps
             if "preemptions" not in steps or not len(steps):
                 return np.zeros(0), 0
@@ -108,6 +143,21 @@ class RunView:
             return times, int(count[hit].sum())
         return self._reduce(("preemption_marks", marks), make)
 
+    def _preemption_marks_from_rows(self, marks: int) -> tuple[np.ndarray, int]:
+        """preemption_marks from the recorders: a preempting record is one step (a leap never preempts)."""
+        recs = self._recorders
+        if not recs:
+            return np.zeros(0), 0
+        counts = [r.row_column("preemptions").astype(np.int64) * r.row_column("steps") for r in recs]
+        if not any(c.any() for c in counts):
+            return np.zeros(0), 0
+        starts = np.concatenate([r.row_column("start_s")[c > 0] for r, c in zip(recs, counts)])
+        t0 = min(float(r.step_column("start_s")[0]) for r in recs)
+        t1 = max(float(r.step_column("end_s")[-1]) for r in recs)
+        width = (t1 - t0) / marks or 1.0
+        times = t0 + width * np.unique(((starts - t0) / width).astype(np.int64))
+        return times, int(sum(int(c.sum()) for c in counts))
+
     def drawable(self) -> "RunView":
         """This view with every reduction the plots draw made and no frames: what is sent to a
         drawing process (a million-request run's frames would take seconds to copy there)."""
@@ -115,31 +165,59 @@ class RunView:
             self.series(agg, combine)
         for column in LATENCY_COLUMNS:
             self.latency_cdf(column)
-        self.num_steps, self.max_cached_blocks  # noqa: B018 (made and kept)
+        self.num_steps, self.max_cached_blocks, self.step_ms_range()  # noqa: B018 (made and kept)
         self.preemption_marks()
-        return RunView(self.label, self.summary, self.requests.iloc[:0], self.steps.iloc[:0],
+        requests = (self.requests.iloc[:0] if hasattr(self.requests, "iloc")
+                    else {c: v[:0] for c, v in self.requests.items()})
+        return RunView(self.label, self.summary, requests, None,
                        self.kv_blocks_total, self.replicas, self.scenario, dict(self.reduced))
 
     @classmethod
     def from_records(cls, label: str, records: RunRecords, summary: dict,
-                     requests: Optional[pd.DataFrame] = None,
-                     steps: Optional[pd.DataFrame] = None) -> "RunView":
-        return cls(label, summary,
-                   requests if requests is not None else requests_frame(records),
-                   steps if steps is not None else records.steps_frame(),
+                     requests=None, steps: Optional[pd.DataFrame] = None,
+                     step_frame: bool = True) -> "RunView":
+        """`requests`: a frame or the request columns. Without `steps` and `step_frame`, the step
+        series are reduced from the records' columns and `steps` stays empty."""
+        view = cls(label, summary, requests if requests is not None else requests_frame(records),
+                   steps if steps is not None else records.steps_frame() if step_frame else None,
                    records.kv_blocks_total, max(1, len(records.recorders)))
+        if steps is None and not step_frame:
+            view.records = records
+        return view
 
     @property
-    def measured(self) -> pd.DataFrame:
-        """Finished, non-warm-up requests: what every latency figure is over (as in metrics)."""
+    def measured(self):
+        """Finished, non-warm-up requests: what every latency figure is over (as in metrics); a
+        frame, or a mapping of columns where the view holds the request columns."""
         r = self.requests
-        return r[(r["status"] == "finished") & ~r["is_warmup"].astype(bool)]
+        keep = (np.asarray(r["status"]) == "finished") & ~np.asarray(r["is_warmup"]).astype(bool)
+        if hasattr(r, "iloc"):
+            return r[keep]
+        return {c: v[keep] for c, v in r.items()}
+
+
+def step_ms_bins(views: Mapping[str, RunView], bins: int = 60) -> Optional[np.ndarray]:
+    """The step-time histogram's bin edges, shared by every run drawn (np.histogram_bin_edges of
+    the pooled durations, which depend on their extremes only); None without steps."""
+    ranges = [r for v in views.values() if (r := v.step_ms_range()) is not None]
+    if not ranges:
+        return None
+    return np.histogram_bin_edges(np.array([min(lo for lo, _ in ranges), max(hi for _, hi in ranges)]), bins=bins)
+
+
+def drawable_views(views: Mapping[str, RunView]) -> dict[str, RunView]:
+    """Each view's `drawable()`, with the step-time histogram on the bins the figure will use."""
+    bins = step_ms_bins(views)
+    if bins is not None:
+        for view in views.values():
+            view.step_ms_histogram(bins)
+    return {label: view.drawable() for label, view in views.items()}
 
 
 # ----------------------------------------------------------------------------- downsampling
 
 def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
-             combine: str = "sum") -> tuple[np.ndarray, pd.DataFrame]:
+             combine: str = "sum") -> tuple[np.ndarray, "Buckets"]:
     """Step series on equal time buckets: (bucket edges in s, one row per bucket).
 
     Each column is reduced per replica and bucket with its `agg` ('max' keeps peaks such as
@@ -151,7 +229,7 @@ def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
     cols = list(agg)
     start = np.asarray(steps["start_s"], dtype=float)
     if len(start) == 0:
-        return np.zeros(0), pd.DataFrame(columns=cols, dtype=float)
+        return np.zeros(0), Buckets({c: np.zeros(0) for c in cols}, 0)
     t0, t1 = float(start.min()), float(np.asarray(steps["end_s"], dtype=float).max())
     width = (t1 - t0) / buckets if t1 > t0 else 1.0
     bucket = np.minimum(((start - t0) / width).astype(np.int64), buckets - 1)
@@ -164,7 +242,25 @@ def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
         values = np.asarray(steps[col], dtype=float)[order]
         per_replica = [_bucketed(values[replica == r], bucket[replica == r], buckets, agg[col]) for r in replicas]
         combined[col] = _combine(np.vstack(per_replica), combine)
-    return t0 + width * np.arange(buckets + 1), pd.DataFrame(combined, columns=cols)
+    return t0 + width * np.arange(buckets + 1), Buckets({c: combined[c] for c in cols}, buckets)
+
+
+class Buckets:
+    """Step series per time bucket: named columns of one length (what `timeline` gives; numpy
+    only, so a drawing process imports no pandas). `len()` is the number of buckets."""
+
+    def __init__(self, columns: Mapping[str, np.ndarray], rows: int):
+        self.columns, self.rows = dict(columns), rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def to_numpy(self) -> np.ndarray:
+        """(buckets, columns), as a frame's to_numpy()."""
+        return np.column_stack(list(self.columns.values())) if self.columns else np.zeros((self.rows, 0))
 
 
 def _bucketed(values: np.ndarray, bucket: np.ndarray, buckets: int, how: str) -> np.ndarray:

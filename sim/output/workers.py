@@ -120,7 +120,9 @@ class FigureWorkers:
         names = run_plot_names()
         if self.pool is None:
             return draw_share(views, str(out_dir), title, names)
-        drawable = {label: view.drawable() for label, view in views.items()}      # reductions only: small to send
+        from sim.output.views import drawable_views
+
+        drawable = drawable_views(views)      # reductions only: small to send
         return self.pool.submit(draw_in_parallel, drawable, str(out_dir), title, names, self.workers).result()
 
     def close(self) -> None:

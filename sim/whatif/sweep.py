@@ -123,7 +123,7 @@ class PointTask:
     label: str = ""
     out_dir: Optional[str] = None               # write the point's full run here (--point-outputs)
     trace: bool = False
-    steps: str = "aggregated"                   # steps.csv of a written point (simrun --steps)
+    steps: str = "timeline"                   # steps.csv of a written point (simrun --steps)
     plots: bool = True                          # a written point's figures and report.html (not --no-plots)
 
     def scenario(self):
@@ -186,7 +186,7 @@ class Sweep:
 
 
 def point_tasks(raw: dict, base_dir: Path, source: str, axes: Sequence[Axis], points: Sequence[Point],
-                outputs: Optional[Path] = None, trace: bool = False, steps: str = "aggregated",
+                outputs: Optional[Path] = None, trace: bool = False, steps: str = "timeline",
                 plots: bool = True) -> list[PointTask]:
     """One task per point, each validated here so a bad value fails before anything runs."""
     tasks = []
@@ -207,7 +207,7 @@ def point_folder(point: Point, axes: Sequence[Axis]) -> str:
 
 def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
               jobs: int = 1, ray: Optional[str] = None, outputs: Optional[Path] = None,
-              trace: bool = False, quiet: bool = False, steps: str = "aggregated", plots: bool = True) -> Sweep:
+              trace: bool = False, quiet: bool = False, steps: str = "timeline", plots: bool = True) -> Sweep:
     if raw.get("variants"):
         raise SweepError(f"{source} has variants ({', '.join(raw['variants'])}); a sweep runs one "
                          f"scenario: sweep the field the variants change instead, or drop them "

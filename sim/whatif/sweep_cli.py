@@ -26,7 +26,8 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
 
 def sweep_main(args: argparse.Namespace) -> int:
     """`simrun SCENARIO --set PATH=A,B ...`: run the sweep, write and print its results."""
-    for flag, given in (("--trace", args.trace), ("--steps full", getattr(args, "steps", "aggregated") == "full")):
+    steps = getattr(args, "steps", "timeline")
+    for flag, given in (("--trace", args.trace), (f"--steps {steps}", steps != "timeline")):
         if given and not args.point_outputs:
             raise SweepError(f"{flag} applies to each point's own run files: add --point-outputs")
     plain, axes = split_sets(args.overrides)
@@ -37,7 +38,7 @@ def sweep_main(args: argparse.Namespace) -> int:
         plots = not getattr(args, "no_plots", False)
         sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
                           check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
-                          args.trace, args.quiet, getattr(args, "steps", "aggregated"), plots)
+                          args.trace, args.quiet, steps, plots)
         # titled by the scenario's name, as its run figures are (the folder keeps the file's stem)
         write_sweep(sweep, out, f"kvtwin sweep: {raw.get('name') or 'scenario'}", sweep_setup(raw, args.scenario),
                     plots)

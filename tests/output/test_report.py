@@ -74,7 +74,7 @@ def test_timeline_keeps_the_peak_of_a_long_run():
     edges, tl = timeline(steps, {"kv_blocks_used": "max"}, buckets=1000)
     assert len(tl) == 1000 and len(edges) == 1001
     assert tl["kv_blocks_used"].max() == 5_000
-    assert tl["kv_blocks_used"].idxmax() == np.searchsorted(edges, 123.457, side="right") - 1
+    assert tl["kv_blocks_used"].argmax() == np.searchsorted(edges, 123.457, side="right") - 1
     _, mean = timeline(steps, {"kv_blocks_used": "mean"}, buckets=1000)
     assert mean["kv_blocks_used"].max() < 5_000
 
@@ -381,7 +381,7 @@ def test_drawable_views_carry_the_plotted_reductions_only(views, two_replicas, t
     for view in (*views.values(), two_replicas):
         light = RunView(view.label, view.summary, view.requests, view.steps, view.kv_blocks_total,
                         view.replicas).drawable()
-        assert light.steps.empty and light.requests.empty
+        assert light.steps is None and light.requests.empty
         assert len(pickle.dumps(light)) < len(pickle.dumps(view)) / 2
         for series in report_views.PLOT_SERIES:
             assert np.array_equal(light.series(*series)[1].to_numpy(), view.series(*series)[1].to_numpy())

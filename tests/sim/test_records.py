@@ -74,12 +74,15 @@ def test_a_released_workload_is_emptied_and_every_request_recorded():
     assert list(requests_frame(records)["id"]) == list(range(100))
 
 
-def test_steps_csv_is_aggregated_unless_full_is_asked(tmp_path):
+def test_steps_csv_is_a_timeline_unless_rows_or_steps_are_asked(tmp_path):
     result = predict(busy_scenario(150))
-    write_data_files(result, tmp_path / "rows")
+    write_data_files(result, tmp_path / "timeline", interval_s=0.1)
+    write_data_files(result, tmp_path / "rows", steps="aggregated")
     write_data_files(result, tmp_path / "full", steps="full")
+    timeline = pd.read_csv(tmp_path / "timeline" / "steps.csv")
     rows, full = pd.read_csv(tmp_path / "rows" / "steps.csv"), pd.read_csv(tmp_path / "full" / "steps.csv")
-    assert len(full) == result.summary["num_steps"] == rows["steps"].sum() > len(rows)
+    assert len(full) == result.summary["num_steps"] == rows["steps"].sum() == timeline["steps"].sum() > len(rows)
+    assert len(rows) > len(timeline) and (np.diff(timeline["time_s"]) > 0).all()
     with pytest.raises(ValueError, match="steps='every'"):
         write_data_files(result, tmp_path / "bad", steps="every")
 

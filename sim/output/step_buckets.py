@@ -1,0 +1,144 @@
+"""A replica's steps reduced per time bucket straight from its recorder's columns: the default
+steps.csv (a row per replica per second of simulated time) and the plots' step series.
+
+A recorder keeps what changes inside a leap per step and a leap's batch once per row
+(sim/records.py), and a million-request run has millions of steps. Every reduction here reads
+the per-step columns as stored and the per-row ones per row, never expanded to a value per step:
+a bucket's sum of a row value is taken from the rows' running sum at the bucket's two ends, its
+maximum from the rows the bucket overlaps. Steps are in time order, so a replica's buckets
+(by start time) are runs of consecutive steps.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from sim.records import PER_ROW, PER_STEP, RunRecords, StepRecorder
+
+DEFAULT_INTERVAL_S = 1.0
+# The timeline steps.csv: per replica and interval in which it started a step.
+TIMELINE_COLUMNS = ("replica", "time_s", "steps", "first_step", "busy_s", "num_seqs", "decode_seqs",
+                    "prefill_tokens", "batch_tokens", "running", "waiting", "kv_blocks_used", "kv_blocks_used_mean",
+                    "kv_blocks_cached", "preemptions", "host_s", "device_s")
+# column -> (recorded column, reduction over the interval's steps)
+_TIMELINE = {"num_seqs": ("num_seqs", "mean"), "decode_seqs": ("decode_seqs", "mean"),
+             "prefill_tokens": ("prefill_tokens", "sum"), "batch_tokens": ("batch_tokens", "sum"),
+             "running": ("running", "max"), "waiting": ("waiting", "max"),
+             "kv_blocks_used": ("kv_blocks_used", "max"), "kv_blocks_used_mean": ("kv_blocks_used", "mean"),
+             "kv_blocks_cached": ("kv_blocks_cached", "max"), "preemptions": ("preemptions", "sum"),
+             "host_s": ("host_s", "sum"), "device_s": ("device_s", "sum")}
+
+
+class StepBuckets:
+    """One replica's steps cut into buckets: `bucket` gives each step's bucket (non-decreasing).
+    `ids` are the buckets that hold a step, `firsts` their first steps, `counts` their sizes."""
+
+    def __init__(self, rec: StepRecorder, bucket: np.ndarray):
+        self.rec = rec
+        n = len(bucket)
+        self.firsts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]]) if n else np.zeros(0, np.int64)
+        self.ids = bucket[self.firsts]
+        self.counts = np.diff(np.r_[self.firsts, n])
+        lasts = self.firsts + self.counts - 1
+        row_steps = rec.row_column("steps").astype(np.int64)
+        self.row_ends = np.cumsum(row_steps)                  # a row's steps are [end - steps, end)
+        self.row_steps = row_steps
+        self.first_rows = np.searchsorted(self.row_ends, self.firsts, side="right")
+        self.last_rows = np.searchsorted(self.row_ends, lasts, side="right")
+
+    def reduce(self, column, how: str) -> np.ndarray:
+        """Per bucket: 'sum', 'mean' or 'max' over the bucket's steps of a recorded column, or of
+        an array with a value per step."""
+        if not isinstance(column, str) or column in PER_STEP:
+            values = self.rec.step_column(column) if isinstance(column, str) else column
+            if not len(values):
+                return np.zeros(0)
+            if how == "max":
+                return np.maximum.reduceat(values, self.firsts)
+            total = np.add.reduceat(values.astype(np.float64 if values.dtype.kind == "f" else np.int64),
+                                    self.firsts)
+        elif column in PER_ROW:
+            values = self.rec.row_column(column).astype(np.int64)
+            if how == "max":                                    # the rows each bucket overlaps
+                return np.maximum(np.maximum.reduceat(values, self.first_rows), values[self.last_rows])
+            total = self._running_row_sum(values, self.firsts + self.counts) - \
+                self._running_row_sum(values, self.firsts)
+        else:
+            raise ValueError(f"step column {column!r}: not recorded")
+        return self._finish(total, how)
+
+    def _finish(self, total: np.ndarray, how: str) -> np.ndarray:
+        if how == "sum":
+            return total
+        if how == "mean":
+            return total / self.counts
+        raise ValueError(f"bucket reduction {how!r}: expected 'sum', 'mean' or 'max'")
+
+    def _running_row_sum(self, values: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Sum of a per-row value over steps [0, at) (integers: exact)."""
+        before = np.r_[0, np.cumsum(values * self.row_steps)]       # over whole rows before row r
+        row = np.minimum(np.searchsorted(self.row_ends, at, side="right"), len(values) - 1)
+        row_start = self.row_ends[row] - self.row_steps[row]
+        inside = np.clip(at - row_start, 0, self.row_steps[row])
+        return before[row] + values[row] * inside
+
+    def first_step(self) -> np.ndarray:
+        """The engine step number of each bucket's first step."""
+        row_start = self.row_ends[self.first_rows] - self.row_steps[self.first_rows]
+        return self.rec.row_column("step").astype(np.int64)[self.first_rows] + (self.firsts - row_start)
+
+    def busy_s(self) -> np.ndarray:
+        """Per bucket: the summed duration of its steps."""
+        duration = self.rec.step_column("end_s") - self.rec.step_column("start_s")
+        return np.add.reduceat(duration, self.firsts) if len(duration) else np.zeros(0)
+
+
+def held(ids: np.ndarray, values: np.ndarray, buckets: int) -> np.ndarray:
+    """Values of the buckets `ids` (ascending) on all `buckets`: an empty bucket holds the previous
+    one's value, 0 before the first (a replica's state holds until its next step)."""
+    out = np.zeros(buckets)
+    index = np.full(buckets, -1, dtype=np.int64)
+    index[ids] = np.arange(len(ids))
+    index = np.maximum.accumulate(index)
+    out[index >= 0] = values[index[index >= 0]]
+    return out
+
+
+def records_timeline(records: RunRecords, agg, buckets: int, combine: str, step_ms: bool = False):
+    """views.timeline() of a run's records without a per-step frame: (bucket edges, {column:
+    per-bucket values}). A 'step_ms' column is the steps' durations in ms."""
+    recs = [r for r in records.recorders if len(r)]
+    t0 = min(float(r.step_column("start_s")[0]) for r in recs)      # (steps are in time order)
+    t1 = max(float(r.step_column("end_s")[-1]) for r in recs)
+    width = (t1 - t0) / buckets if t1 > t0 else 1.0
+    per_replica: dict[str, list[np.ndarray]] = {c: [] for c in agg}
+    for rec in sorted(recs, key=lambda r: r.replica):
+        start = rec.step_column("start_s")
+        cut = StepBuckets(rec, np.minimum(((start - t0) / width).astype(np.int64), buckets - 1))
+        for column, how in agg.items():
+            values = (rec.step_column("end_s") - start) * 1e3 if column == "step_ms" else column
+            per_replica[column].append(held(cut.ids, cut.reduce(values, how).astype(np.float64), buckets))
+    return t0 + width * np.arange(buckets + 1), {c: np.vstack(v) for c, v in per_replica.items()}
+
+
+def timeline_columns(records: RunRecords, interval_s: float = DEFAULT_INTERVAL_S) -> Optional[dict[str, np.ndarray]]:
+    """The timeline steps.csv: a row per replica and `interval_s` of simulated time in which it
+    started a step (none for idle intervals); None without a recorder."""
+    if not interval_s > 0:
+        raise ValueError(f"steps interval {interval_s!r}: expected a positive number of seconds")
+    if not records.recorders:
+        return None
+    parts = [_replica_timeline(rec, interval_s) for rec in records.recorders]
+    return {name: np.concatenate([p[name] for p in parts]) for name in TIMELINE_COLUMNS}
+
+
+def _replica_timeline(rec: StepRecorder, interval_s: float) -> dict[str, np.ndarray]:
+    start = rec.step_column("start_s")
+    buckets = StepBuckets(rec, np.floor(start / interval_s).astype(np.int64))
+    out = {"replica": np.full(len(buckets.ids), rec.replica, dtype=np.int64),
+           "time_s": buckets.ids * interval_s, "steps": buckets.counts.astype(np.int64),
+           "first_step": buckets.first_step(), "busy_s": buckets.busy_s()}
+    for name, (column, how) in _TIMELINE.items():
+        out[name] = buckets.reduce(column, how)
+    return out
