@@ -506,8 +506,10 @@ def _step_times(rec: StepRecorder) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
 _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtype=object)
 
 
-def requests_frame(records: RunRecords) -> pd.DataFrame:
-    """One row per request (in id order) with times, token counts and the queue/host/device split."""
+def requests_frame(records: RunRecords, step_times: Optional[Callable[[int], tuple]] = None) -> pd.DataFrame:
+    """One row per request (in id order) with times, token counts and the queue/host/device split.
+    `step_times(replica)`, where given, gives a replica's `_step_times` made once beforehand (a
+    streamed run's requests come block by block: sim/streamed.py)."""
     table: RequestTable = records.requests
     col = table.sorted_column
     n = len(table)
@@ -534,7 +536,8 @@ def requests_frame(records: RunRecords) -> pd.DataFrame:
         for rec in records.recorders:
             idx = np.flatnonzero(replica == rec.replica)
             if len(idx) and len(rec):
-                _fill_times(out, idx, table, rec, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
+                times = _step_times(rec) if step_times is None else step_times(rec.replica)
+                _fill_times(out, idx, table, times, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
     df = pd.DataFrame(out, copy=False)      # the columns as made (no second copy of a million rows)
     df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
     df["e2e_s"] = df["finish_s"] - df["arrival_s"]
@@ -551,8 +554,8 @@ def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
     return (pos[keep], *(v[keep] for v in values))
 
 
-def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecorder, runs, chunks) -> None:
-    start, end, host_c, dev_c = _step_times(rec)
+def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times: tuple, runs, chunks) -> None:
+    start, end, host_c, dev_c = times
 
     def at(steps: np.ndarray, times: np.ndarray) -> np.ndarray:
         valid = steps >= 0

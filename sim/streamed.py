@@ -1,0 +1,372 @@
+"""Records streamed to disk: a run whose per-request and per-step records never all sit in memory
+(`simrun --spill-records`; docs/performance.md "Runs of millions of requests").
+
+In memory, a run keeps every ended request's figures and every step in compact columns
+(sim/records.py), then makes a frame of all requests for the summary and the files. Spilled, each
+packed chunk of those columns (RequestTable.CHUNK requests, StepRecorder.CHUNK steps of a replica)
+goes to an .npz file under the run's `records/` folder as soon as it is packed, and is dropped from
+memory. The outputs are then made from the chunks:
+
+- steps.csv replica by replica (one replica's steps in memory at a time);
+- requests.csv block by block of BLOCK request ids, each block a RequestTable of the chunks' rows
+  with those ids, through the same `requests_frame` as in memory: a request's times come from its
+  replica's step times, cumulated once per replica and read back memory-mapped;
+- summary.json through the same `summarise`, given only the columns it reads (the measured requests'
+  figures, not the frame of everything), the steps' summary columns, and the inter-token gaps
+  gathered block by block as `itl_samples` gathers them.
+
+So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py),
+and what grows with the request count is only what exact percentiles need: a handful of columns
+of the measured requests and the per-step series, read one at a time by the summary.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from sim.core.status import FINISHED
+from sim.errors import UserError
+from sim.records import _REQUEST_FIELDS, PER_ROW, PER_STEP, RequestTable, RunRecords, StepRecorder, _select, _step_times, \
+    requests_frame
+
+FOLDER = "records"            # the chunks' folder, under the run's --out
+BLOCK = 1 << 17               # request ids per block of requests.csv (bounded memory per block)
+
+
+def check_spillable(scenario) -> None:
+    """Spilling covers one engine per replica behind a router; the runs whose summaries read more
+    of the records are refused, naming the field."""
+    c = scenario.cluster
+    for field, set_ in (("cluster.disaggregation", c.disaggregation is not None),
+                        ("cluster.autoscaling", c.autoscaling is not None),
+                        ("parallelism.dp", scenario.parallelism.dp > 1)):
+        if set_:
+            raise UserError(f"--spill-records: {field} is set; its summary reads every record in memory "
+                            f"(run it without --spill-records)")
+
+
+class RecordSpill:
+    """Where a run's records go: `folder`/requests-NNNNNN.npz (the RequestTable's columns, and its
+    runs of emitting steps and steps of prefill chunks flattened: `run_steps`, `chunk_steps`) and `folder`/steps-RRRR-NNNNNN.npz (a replica's PER_STEP columns as
+    `s.NAME`, its PER_ROW ones as `r.NAME`), each written atomically."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.request_chunks: list[tuple[Path, int, int]] = []      # (file, lowest id, highest id)
+        self.step_chunks: dict[int, list[Path]] = {}
+        self.requests_csv: Optional[Path] = None                    # made by `summarise`
+
+    # -- while the run records ---------------------------------------------------------
+    def request_table(self) -> "SpilledRequestTable":
+        return SpilledRequestTable(self)
+
+    def step_recorder(self, replica: int) -> "SpilledStepRecorder":
+        self.step_chunks.setdefault(replica, [])
+        return SpilledStepRecorder(replica, self)
+
+    def _write(self, name: str, arrays: dict[str, np.ndarray]) -> Path:
+        from sim.output.io import atomic_path
+
+        path = self.folder / name
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        return path
+
+    def add_requests(self, arrays: dict[str, np.ndarray]) -> None:
+        ids = arrays["id"]
+        path = self._write(f"requests-{len(self.request_chunks):06d}.npz", arrays)
+        self.request_chunks.append((path, int(ids.min()), int(ids.max())))
+
+    def add_steps(self, replica: int, arrays: dict[str, np.ndarray]) -> None:
+        chunks = self.step_chunks.setdefault(replica, [])
+        chunks.append(self._write(f"steps-{replica:04d}-{len(chunks):06d}.npz", arrays))
+
+    # -- reading back ------------------------------------------------------------------
+    def recorder(self, replica: int) -> StepRecorder:
+        """A replica's steps, loaded into an ordinary StepRecorder."""
+        rec = StepRecorder(replica)
+        for path in self.step_chunks.get(replica, []):
+            with np.load(path) as z:
+                for prefix, columns, names in (("s.", rec._steps, PER_STEP), ("r.", rec._rows, PER_ROW)):
+                    for name in names:
+                        columns.chunks[name].append(z[prefix + name])
+                    columns.count += len(z[prefix + names[0]])
+        return rec
+
+    def summarise(self, records: RunRecords, slo) -> dict:
+        """The run's summary.json from its chunks; requests.csv is made on the way (`requests_csv`)."""
+        from sim.metrics import distribution, summarise
+
+        records.requests._pack()                       # the last, partly filled chunks
+        for rec in records.recorders:
+            rec._flush()
+        series = [self._step_pass(rec.replica) for rec in records.recorders]
+        reading = _RequestPass(self, records.requests, series)
+        slim = reading.run()
+        view = RunRecords(RequestTable(), series, kv_blocks_total=records.kv_blocks_total,
+                          block_size=records.block_size, explicit_itl=np.zeros(0), meta=records.meta)
+        summary = summarise(view, slo, slim)
+        summary["itl_s"] = distribution(*reading.itl())
+        return summary
+
+    def _step_pass(self, replica: int) -> "_StepSeries":
+        """A replica's step times, cumulated once and saved for the requests' blocks; its summary columns."""
+        rec = self.recorder(replica)
+        for name, values in zip(_TIMES, _step_times(rec)):
+            np.save(self._times_path(replica, name), values)
+        return _StepSeries(rec)
+
+    def _times_path(self, replica: int, name: str) -> Path:
+        return self.folder / f"times-{replica:04d}-{name}.npy"
+
+    def step_times(self, replica: int) -> tuple:
+        """(start, end, cumulative host, cumulative device) of a replica's steps, memory-mapped: only
+        the pages a block reads are loaded, and they go when the block's maps are dropped."""
+        return tuple(np.load(self._times_path(replica, name), mmap_mode="r") for name in _TIMES)
+
+    def write_steps_csv(self, path: Path, full: bool) -> Path:
+        """steps.csv as RunRecords.steps_columns writes it, replica by replica."""
+        from sim.output.columns import csv_chunks
+        from sim.output.io import atomic_path
+
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            for i, replica in enumerate(sorted(self.step_chunks)):
+                chunks = csv_chunks(self.recorder(replica).file_columns(full, typed=False))
+                _write_chunks(f, chunks, header=i == 0)
+        return Path(path)
+
+
+_TIMES = ("start", "end", "host", "device")
+
+
+def _write_chunks(f, chunks: Iterator[bytes], header: bool) -> None:
+    first = next(chunks)
+    if header:
+        f.write(first)
+    for chunk in chunks:
+        f.write(chunk)
+
+
+class SpilledRequestTable(RequestTable):
+    """A RequestTable whose packed chunks go to disk (the buffer of one chunk stays in memory)."""
+
+    def __init__(self, spill: RecordSpill):
+        super().__init__()
+        self.spill = spill
+
+    def _pack(self) -> None:
+        super()._pack()
+        cols = self._cols
+        if not cols.chunks["id"]:
+            return
+        arrays = {name: _one(cols.chunks[name]) for name in cols.names}
+        arrays["run_steps"] = _one(self._runs)
+        arrays["chunk_steps"] = _one(self._chunk_steps)
+        self.spill.add_requests(arrays)
+        for name in cols.names:
+            cols.chunks[name] = []
+        self._runs, self._chunk_steps = [], []
+
+
+class SpilledStepRecorder(StepRecorder):
+    """A StepRecorder whose packed chunks go to disk."""
+
+    def __init__(self, replica: int, spill: RecordSpill):
+        super().__init__(replica)
+        self.spill = spill
+
+    def _flush(self) -> None:
+        super()._flush()
+        steps, rows = self._steps, self._rows
+        if not steps.chunks["end_s"] and not rows.chunks["step"]:
+            return
+        arrays = {**{"s." + n: _one(steps.chunks[n]) for n in PER_STEP},
+                  **{"r." + n: _one(rows.chunks[n]) for n in PER_ROW}}
+        self.spill.add_steps(self.replica, arrays)
+        for columns in (steps, rows):
+            for name in columns.names:
+                columns.chunks[name] = []
+
+
+def _one(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=np.int32)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class _StepSeries:
+    """A replica's steps as the summary reads them (RunRecords.step_series / row_series), and as
+    requests_frame sees a recorder (its replica, its step count)."""
+
+    def __init__(self, rec: StepRecorder):
+        from sim.metrics import _PER_ROW, _PER_STEP
+
+        self.replica = rec.replica
+        self.steps = {name: rec.step_column(name) for name in _PER_STEP}
+        self.rows = {name: rec.row_column(name) for name in (*_PER_ROW, "steps")}
+
+    def __len__(self) -> int:
+        return len(self.steps["end_s"])
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows["steps"])
+
+    def step_column(self, name: str) -> np.ndarray:
+        return self.steps[name]
+
+    def row_column(self, name: str) -> np.ndarray:
+        return self.rows[name]
+
+
+# What the summary reads of every request (sim/metrics.py: summarise, rejection_reasons).
+_SUMMARY_COLUMNS = ("is_warmup", "status", "reject_reason")
+
+
+class _RequestPass:
+    """requests.csv, block by block of ids, and what the summary needs of the requests: their
+    columns it reads, and the inter-token gaps (itl_samples, gathered per replica)."""
+
+    def __init__(self, spill: RecordSpill, table: RequestTable, series: list[_StepSeries]):
+        from sim.metrics import _MEASURED_COLUMNS
+
+        self.spill, self.table, self.series = spill, table, series
+        self.columns = (*_SUMMARY_COLUMNS, *_MEASURED_COLUMNS)
+        self.kept: dict[str, list[np.ndarray]] = {name: [] for name in self.columns}
+        # per replica: +1/-1 at each emitting run's ends (a difference array over its steps), and
+        # the gaps between consecutive runs of one request, in id order
+        self.run_counts = {s.replica: np.zeros(len(s) + 1, dtype=np.int64) for s in series}
+        self.between: dict[int, list[np.ndarray]] = {s.replica: [] for s in series}
+
+    def run(self):
+        import pandas as pd
+
+        from sim.output.io import atomic_path
+
+        path = self.spill.folder / "requests.csv"
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            for i, block in enumerate(self._blocks()):
+                frame = requests_frame(RunRecords(block, self.series, 0, 0), self.spill.step_times)
+                _write_frame(f, frame, header=i == 0)
+                for name in self.columns:
+                    self.kept[name].append(frame[name].to_numpy())
+                self._gaps(block)
+                del frame
+        self.spill.requests_csv = path
+        columns = {name: _one(parts) if parts else np.zeros(0) for name, parts in self.kept.items()}
+        self.kept = {}
+        return pd.DataFrame(columns, copy=False)
+
+    def _blocks(self) -> Iterator[RequestTable]:
+        """RequestTables of the requests with ids [lo, lo + BLOCK), lo from the lowest id up. A
+        chunk is read by the blocks its ids span (requests end nearly in arrival order: two or three)."""
+        chunks = self.spill.request_chunks
+        if not chunks:
+            yield self._table([])
+            return
+        lowest, highest = min(c[1] for c in chunks), max(c[2] for c in chunks)
+        for lo in range(lowest, highest + 1, BLOCK):
+            hi = lo + BLOCK
+            yield self._table([_rows_in(path, lo, hi) for path, a, b in chunks if a < hi and b >= lo])
+
+    def _table(self, parts: list[dict]) -> RequestTable:
+        table = RequestTable()
+        for name in table._cols.names:
+            table._cols.chunks[name] = [_one([p[name] for p in parts])] if parts else []
+        table.count = table._cols.count = sum(len(p["id"]) for p in parts)
+        table._runs = [p["run_steps"] for p in parts]
+        table._chunk_steps = [p["chunk_steps"] for p in parts]
+        table._tenants, table._reasons = self.table._tenants, self.table._reasons
+        return table
+
+    def _gaps(self, block: RequestTable) -> None:
+        """itl_samples' per-replica pieces for this block's measured requests."""
+        if not len(block):
+            return
+        ids_status = block.sorted_column("status")
+        measured = (ids_status == int(FINISHED)) & ~block.sorted_column("is_warmup").astype(bool)
+        replica = block.sorted_column("replica")
+        run_owner, run_a, run_b = block.emit_runs()
+        for r in np.unique(replica[measured]).tolist():
+            idx = np.flatnonzero((replica == r) & measured)
+            counts = self.run_counts.get(r)
+            if counts is None or len(counts) == 1:
+                continue
+            owner, a, b = _select(run_owner, idx, run_a, run_b)
+            np.add.at(counts, a + 1, 1)
+            np.add.at(counts, b + 1, -1)
+            same = owner[1:] == owner[:-1]
+            if same.any():
+                end = self.spill.step_times(r)[1]
+                self.between[r].append(end[a[1:][same]] - end[b[:-1][same]])
+
+    def itl(self) -> tuple[np.ndarray, np.ndarray]:
+        """(values, weights) as itl_samples gives them: replica by replica, per-step gaps then
+        the gaps between runs."""
+        values, weights = [], []
+        for s in self.series:
+            counts = self.run_counts[s.replica]
+            if len(counts) == 1:
+                continue
+            end = np.asarray(self.spill.step_times(s.replica)[1])
+            per_step = np.cumsum(counts)[1:len(end)]
+            values.append(np.diff(end)[per_step > 0])
+            weights.append(per_step[per_step > 0])
+            between = _one(self.between[s.replica]) if self.between[s.replica] else np.zeros(0)
+            values.append(between.astype(np.float64))
+            weights.append(np.ones(len(between), dtype=np.int64))
+        if not values:
+            return np.zeros(0), np.zeros(0, dtype=np.int64)
+        return np.concatenate(values), np.concatenate(weights)
+
+
+def _rows_in(path: Path, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """A chunk's requests with ids in [lo, hi), in recording order, with their runs and chunk steps."""
+    with np.load(path) as z:
+        chunk = {name: z[name] for name in z.files}
+    keep = (chunk["id"] >= lo) & (chunk["id"] < hi)
+    out = {name: chunk[name][keep] for name in _REQUEST_FIELDS}
+    out["run_steps"] = _entries(chunk["run_steps"], 2, chunk, keep, "runs")
+    out["chunk_steps"] = _entries(chunk["chunk_steps"], 1, chunk, keep, "chunks")
+    return out
+
+
+def _entries(flat: np.ndarray, width: int, chunk: dict, keep: np.ndarray, count_name: str) -> np.ndarray:
+    """The flat entries (`width` values each) of the kept rows, in row order."""
+    owner_kept = np.repeat(keep, chunk[count_name].astype(np.int64))
+    return flat.reshape(-1, width)[owner_kept].reshape(-1)
+
+
+def _write_frame(f, frame, header: bool) -> None:
+    """A block of requests.csv: the columnar writer's bytes where it formats every column, else pandas'."""
+    from sim.output.columns import csv_chunks
+    from sim.output.io import _frame_columns
+
+    columns = _frame_columns(frame)
+    chunks = csv_chunks(columns) if columns is not None else None
+    if chunks is not None:
+        _write_chunks(f, chunks, header)
+    else:
+        f.write(frame.to_csv(index=False, header=header).encode())
+
+
+def write_spilled_files(result, spill: RecordSpill, out_dir: Path, steps: str = "aggregated") -> dict[str, Path]:
+    """summary.json, requests.csv (made with the summary), steps.csv, manifest.json of a spilled run:
+    the files `write_data_files` writes for one kept in memory."""
+    from sim.output.io import write_json
+    from sim.output.run_files import STEP_FILE_KINDS
+
+    if steps not in STEP_FILE_KINDS:
+        raise ValueError(f"steps={steps!r}: expected one of {', '.join(STEP_FILE_KINDS)}")
+    out_dir = Path(out_dir)
+    files = {"summary": write_json(out_dir / "summary.json", result.summary)}
+    files["requests"] = out_dir / "requests.csv"
+    os.replace(spill.requests_csv, files["requests"])        # (same folder tree: an atomic rename)
+    files["steps"] = spill.write_steps_csv(out_dir / "steps.csv", steps == "full")
+    files["manifest"] = write_json(out_dir / "manifest.json", result.manifest)
+    result.files.update(files)
+    return files

@@ -1,0 +1,69 @@
+"""Records spilled to disk (sim/streamed.py): the same summary.json, requests.csv and steps.csv,
+byte for byte, as the run kept in memory; chunk and block sizes made small so a few thousand
+requests span many chunks and blocks."""
+import json
+from pathlib import Path
+
+import pytest
+
+import sim.streamed as streamed
+from sim.errors import UserError
+from sim.output.run_files import write_data_files
+from sim.predict import predict
+from sim.records import RequestTable, StepRecorder
+from sim.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fleet(*extra):
+    return load_scenario(ROOT / "scenarios" / "fleet_64.yaml",
+                         ["cluster.replicas=4", "workload.num_requests=3000", "workload.arrival.rate=400",
+                          "workload.warmup_requests=50", *extra])
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(RequestTable, "CHUNK", 256)
+    monkeypatch.setattr(StepRecorder, "CHUNK", 100)
+    monkeypatch.setattr(streamed, "BLOCK", 500)
+
+
+def files_of(scenario, out: Path, spilled: bool, steps: str) -> dict[str, bytes]:
+    if spilled:
+        spill = streamed.RecordSpill(out / streamed.FOLDER)
+        result = predict(scenario, "run", spill=spill)
+        assert result.requests is None
+        streamed.write_spilled_files(result, spill, out, steps)
+        assert len(spill.request_chunks) > 5 and all(len(c) > 1 for c in spill.step_chunks.values()), spill.step_chunks
+    else:
+        write_data_files(predict(scenario, "run"), out, steps)
+    return {name: (out / name).read_bytes() for name in ("summary.json", "requests.csv", "steps.csv")}
+
+
+@pytest.mark.parametrize("extra,steps", [
+    ((), "aggregated"),
+    # a small KV pool: preemptions (requests emitting in several runs), multi-turn conversations
+    # and a rejection (a prompt over max_model_len)
+    (("engine.num_blocks=120", "engine.max_model_len=600", "workload.prompt_len.max=700",
+      "workload.multi_turn.turns.dist=uniform", "workload.multi_turn.turns.min=1",
+      "workload.multi_turn.turns.max=3", "workload.multi_turn.user_len.dist=fixed",
+      "workload.multi_turn.user_len.value=20", "workload.multi_turn.think_time_s=0.5",
+      "workload.arrival.rate=150"), "full"),
+])
+def test_spilled_run_writes_the_in_memory_files_byte_for_byte(tmp_path, small_chunks, extra, steps):
+    scenario = fleet(*extra)
+    kept = files_of(scenario, tmp_path / "memory", False, steps)
+    spilled = files_of(scenario, tmp_path / "spilled", True, steps)
+    summary = json.loads(kept["summary.json"])
+    assert summary["requests_finished"] > 0 and len(summary["replicas"]) == 4
+    if extra:
+        assert summary["preemptions"] > 0 and summary["requests_rejected"] > 0
+    for name in kept:
+        assert spilled[name] == kept[name], name
+
+
+def test_spilling_refuses_a_disaggregated_or_autoscaled_run():
+    scenario = load_scenario(ROOT / "scenarios" / "whatif_disaggregation.yaml")
+    with pytest.raises(UserError, match="cluster.disaggregation"):
+        streamed.check_spillable(scenario)
