@@ -223,6 +223,10 @@ def run_parser() -> argparse.ArgumentParser:
                    help="steps.csv: a row per record, a leap of K decode steps being one row with its "
                         "step count (aggregated, the default), or a row per engine step (full)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--spill-records", action="store_true",
+                   help="stream the per-request and per-step records to OUT/records/ in chunks as the run makes "
+                        "them and write the data files from there: bounded memory for millions of requests "
+                        "(data files only: with --no-plots; docs/performance.md)")
     add_sweep_args(p)
     return p
 
@@ -234,11 +238,17 @@ def run_main(argv: list[str]) -> int:
     from sim.whatif.sweep_cli import check_sweep_flags, sweep_main
 
     if is_sweep(args.overrides):          # a --set with several values: one run per point
+        if args.spill_records:
+            from sim.errors import UserError
+            raise UserError("--spill-records applies to one run (a sweep keeps only each point's summary)")
         return sweep_main(args)
     check_sweep_flags(args)
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
+    if args.spill_records:
+        from sim.streamed import run_spilled
+        return run_spilled(args, variants, out)
     import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
     from sim.output.run_dir import owned_run_folder
     from sim.output.workers import FigureWorkers
@@ -312,16 +322,16 @@ PROGRESS_AFTER_S = 1.0        # a run shorter than this shows no bar
 PROGRESS_EVERY_S = 0.5        # the bar is redrawn at most this often
 
 
-def predict_with_progress(scenario, name: str, quiet: bool = False):
+def predict_with_progress(scenario, name: str, quiet: bool = False, spill=None):
     """Run a prediction, showing a progress bar on a terminal once it has taken more than a second."""
     from sim.predict import predict
 
     total = scenario.workload.num_requests
     if quiet or total is None or not sys.stderr.isatty():
-        return predict(scenario, name)
+        return predict(scenario, name, spill=spill)
     bar = ProgressBar(f"simulating {name}", total)
     try:
-        return predict(scenario, name, progress=bar.update)
+        return predict(scenario, name, progress=bar.update, spill=spill)
     finally:
         bar.stop()
 

@@ -370,3 +370,32 @@ def write_spilled_files(result, spill: RecordSpill, out_dir: Path, steps: str = 
     files["manifest"] = write_json(out_dir / "manifest.json", result.manifest)
     result.files.update(files)
     return files
+
+
+def run_spilled(args, variants: dict, out: Path) -> int:
+    """`simrun SCENARIO --spill-records`: each variant simulated with its records spilled under its
+    folder's records/, then its data files written from them; a line per variant on screen."""
+    from sim.cli import exit_code_of, predict_with_progress
+    from sim.output.console import console
+    from sim.output.run_dir import owned_run_folder
+    from sim.output.run_table import answer_line
+
+    if not args.no_plots or args.trace:
+        raise UserError("--spill-records writes the data files only (summary.json, requests.csv, steps.csv, "
+                        "manifest.json): add --no-plots, and leave out --trace")
+    for variant in variants.values():
+        check_spillable(variant)
+    results = {}
+    with owned_run_folder(out, force=args.force):
+        for name, variant in variants.items():
+            folder = out / name if len(variants) > 1 else out
+            spill = RecordSpill(folder / FOLDER)
+            results[name] = predict_with_progress(variant, name, quiet=args.quiet, spill=spill)
+            write_spilled_files(results[name], spill, folder, args.steps)
+            if not args.quiet:
+                console.print(answer_line(name if len(variants) > 1 else variant.name, results[name].summary),
+                              soft_wrap=True)
+    if not args.quiet:
+        print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; the records' chunks "
+              f"in {FOLDER}/)")
+    return exit_code_of(results)
