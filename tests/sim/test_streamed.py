@@ -26,6 +26,7 @@ def fleet(*extra):
 def small_chunks(monkeypatch):
     monkeypatch.setattr(RequestTable, "CHUNK", 256)
     monkeypatch.setattr(StepRecorder, "CHUNK", 100)
+    monkeypatch.setattr(streamed.SpilledStepRecorder, "CHUNK", 100)
     monkeypatch.setattr(streamed, "BLOCK", 500)
 
 
