@@ -98,18 +98,22 @@ class RecordSpill:
         return rec
 
     def summarise(self, records: RunRecords, slo) -> dict:
-        """The run's summary.json from its chunks; requests.csv is made on the way (`requests_csv`)."""
+        """The run's summary.json from its chunks; requests.csv is made on the way (`requests_csv`).
+        `summarise` itself gives the figures of the steps and the run's meta (given no request);
+        the requests' figures are then taken as it takes them, from columns gathered block by block."""
         from sim.metrics import distribution, summarise
 
         records.requests._pack()                       # the last, partly filled chunks
         for rec in records.recorders:
             rec._flush()
         series = [self._step_pass(rec.replica) for rec in records.recorders]
-        reading = _RequestPass(self, records.requests, series)
-        slim = reading.run()
+        figures = _RequestFigures(self.folder, slo, len(series))
+        reading = _RequestPass(self, records.requests, series, figures)
+        reading.run()
         view = RunRecords(RequestTable(), series, kv_blocks_total=records.kv_blocks_total,
                           block_size=records.block_size, explicit_itl=np.zeros(0), meta=records.meta)
-        summary = summarise(view, slo, slim)
+        summary = summarise(view, slo, figures.no_requests)
+        figures.fill(summary, records.meta)
         summary["itl_s"] = distribution(*reading.itl())
         return summary
 
@@ -226,28 +230,19 @@ class _StepSeries:
         return self.rows[name]
 
 
-# What the summary reads of every request (sim/metrics.py: summarise, rejection_reasons).
-_SUMMARY_COLUMNS = ("is_warmup", "status", "reject_reason")
-
-
 class _RequestPass:
     """requests.csv, block by block of ids, and what the summary needs of the requests: their
-    columns it reads, and the inter-token gaps (itl_samples, gathered per replica)."""
+    figures (_RequestFigures), and the inter-token gaps (itl_samples, gathered per replica)."""
 
-    def __init__(self, spill: RecordSpill, table: RequestTable, series: list[_StepSeries]):
-        from sim.metrics import _MEASURED_COLUMNS
-
-        self.spill, self.table, self.series = spill, table, series
-        self.columns = (*_SUMMARY_COLUMNS, *_MEASURED_COLUMNS)
-        self.kept: dict[str, list[np.ndarray]] = {name: [] for name in self.columns}
+    def __init__(self, spill: RecordSpill, table: RequestTable, series: list[_StepSeries],
+                 figures: "_RequestFigures"):
+        self.spill, self.table, self.series, self.figures = spill, table, series, figures
         # per replica: +1/-1 at each emitting run's ends (a difference array over its steps), and
         # the gaps between consecutive runs of one request, in id order
         self.run_counts = {s.replica: np.zeros(len(s) + 1, dtype=np.int64) for s in series}
         self.between: dict[int, list[np.ndarray]] = {s.replica: [] for s in series}
 
-    def run(self):
-        import pandas as pd
-
+    def run(self) -> None:
         from sim.output.io import atomic_path
 
         path = self.spill.folder / "requests.csv"
@@ -255,14 +250,11 @@ class _RequestPass:
             for i, block in enumerate(self._blocks()):
                 frame = requests_frame(RunRecords(block, self.series, 0, 0), self.spill.step_times)
                 _write_frame(f, frame, header=i == 0)
-                for name in self.columns:
-                    self.kept[name].append(frame[name].to_numpy())
+                self.figures.add(frame)
                 self._gaps(block)
                 del frame
+        self.figures.close()
         self.spill.requests_csv = path
-        columns = {name: _one(parts) if parts else np.zeros(0) for name, parts in self.kept.items()}
-        self.kept = {}
-        return pd.DataFrame(columns, copy=False)
 
     def _blocks(self) -> Iterator[RequestTable]:
         """RequestTables of the requests with ids [lo, lo + BLOCK), lo from the lowest id up. A
@@ -325,6 +317,134 @@ class _RequestPass:
         if not values:
             return np.zeros(0), np.zeros(0, dtype=np.int64)
         return np.concatenate(values), np.concatenate(weights)
+
+
+# The measured requests' columns the summary takes whole (percentiles, float sums), kept on disk
+# block by block and read back one at a time.
+_KEPT = ("ttft_s", "tpot_s", "e2e_s", "queue_s", "host_s", "device_s", "replica")
+_TOKENS = ("output_tokens", "prompt_tokens", "cached_tokens")
+
+
+class _RequestFigures:
+    """The request figures of `summarise` (sim/metrics.py), taken block by block: counts and integer
+    sums as they come, the measured requests' columns to files, each read back whole (its
+    distribution, its float sum in the same order) when the figures are made. Which figures and how
+    mirrors `summarise` and `_replica_figures`: tests/sim/test_streamed.py holds them to its bytes."""
+
+    def __init__(self, folder: Path, slo, replicas: int):
+        self.folder, self.slo, self.replicas = folder, slo, replicas
+        self.files = {name: open(self._path(name), "wb") for name in _KEPT}
+        self.no_requests = None                 # an empty frame of the columns, for `summarise`
+        self.total = self.measured = self.warmup = self.offered = self.rejected = self.aborted = 0
+        self.met = 0
+        self.prompt_all = 0                                 # over every request (the offload shares)
+        self.tokens = dict.fromkeys(_TOKENS, 0)             # over the measured ones
+        self.first_arrival, self.last_finish = np.inf, -np.inf
+        self.rejections: list = []
+        self.per_replica = {key: np.zeros(replicas, dtype=np.int64)
+                            for key in ("requests", "output_tokens", "prompt_tokens", "cached_tokens")}
+
+    def _path(self, name: str) -> Path:
+        return self.folder / f"measured-{name}.bin"
+
+    def add(self, frame) -> None:
+        from sim.metrics import _MEASURED_COLUMNS, meets_slo
+
+        if self.no_requests is None:
+            self.no_requests = frame.iloc[:0]
+        warm = frame["is_warmup"].to_numpy().astype(bool)
+        status = frame["status"].to_numpy()
+        measured = frame.loc[(status == "finished") & ~warm, [c for c in _MEASURED_COLUMNS if c in frame]]
+        self.total += len(frame)
+        self.measured += len(measured)
+        self.warmup += int(warm.sum())
+        self.offered += int((~warm).sum())
+        self.rejected += int((status[~warm] == "rejected").sum())
+        self.aborted += int((status[~warm] == "aborted").sum())
+        self.rejections.append(frame.loc[status == "rejected", ["status", "reject_reason"]])
+        self.prompt_all += int(frame["prompt_tokens"].sum())
+        if not len(measured):
+            return
+        self.met += int(meets_slo(measured, self.slo).sum()) if self.slo is not None else 0
+        self.first_arrival = min(self.first_arrival, float(measured["arrival_s"].min()))
+        self.last_finish = max(self.last_finish, float(measured["finish_s"].max()))
+        replica = measured["replica"].to_numpy()
+        for key in _TOKENS:
+            values = measured[key].to_numpy().astype(np.int64)
+            self.tokens[key] += int(values.sum())
+            np.add.at(self.per_replica[key], replica, values)
+        np.add.at(self.per_replica["requests"], replica, 1)
+        for name in _KEPT:
+            self.files[name].write(measured[name].to_numpy().astype(np.int64 if name == "replica" else np.float64)
+                                   .tobytes())
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def column(self, name: str) -> np.ndarray:
+        return np.fromfile(self._path(name), dtype=np.int64 if name == "replica" else np.float64)
+
+    def fill(self, summary: dict, meta: dict) -> None:
+        """Replace `summarise`'s figures of no requests with this run's."""
+        import pandas as pd
+
+        from sim.metrics import distribution, offload_summary, rejection_reasons
+
+        slo = self.slo
+        has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
+        duration = float(self.last_finish - self.first_arrival) if self.measured else 0.0
+        rate = (lambda x: x / duration if duration > 0 else None)   # noqa: E731
+        n_in, n_out = self.tokens["prompt_tokens"], self.tokens["output_tokens"]
+        summary.update({
+            "requests_total": self.total, "requests_finished": self.measured,
+            "requests_rejected": self.rejected, "requests_aborted": self.aborted,
+            "rejection_reasons": rejection_reasons(pd.concat(self.rejections) if self.rejections
+                                                   else self.no_requests),
+            "requests_measured": self.measured, "warmup_requests": self.warmup, "duration_s": duration,
+            "request_throughput": rate(self.measured), "output_token_throughput": rate(float(n_out)),
+            "total_token_throughput": rate(float(n_in + n_out)),
+            **{name: distribution(self.column(name)) for name in ("ttft_s", "tpot_s", "e2e_s")},
+            "goodput": rate(float(self.met)) if has_slo else None,
+            "slo_attainment": float(np.int64(self.met) / self.offered) if has_slo and self.offered else None,
+            "prefix_hit_rate": float(np.int64(self.tokens["cached_tokens"]) / np.int64(n_in)) if n_in else 0.0,
+            "latency_split": self._latency_split(),
+        })
+        if "kv_offload" in summary:
+            summary["kv_offload"] = offload_summary(meta["kv_offload"], self.prompt_all)
+        if "replicas" in summary:
+            self._replica_figures(summary["replicas"], duration)
+        for path in map(self._path, _KEPT):
+            path.unlink(missing_ok=True)
+
+    def _latency_split(self) -> dict:
+        import pandas as pd
+
+        total = pd.Series(self.column("e2e_s")).sum()
+        if not total:
+            return {"queue": None, "host": None, "device": None}
+        return {k: float(pd.Series(self.column(f"{k}_s")).sum() / total) for k in ("queue", "host", "device")}
+
+    def _replica_figures(self, rows: list[dict], duration: float) -> None:
+        from sim.metrics import distribution
+
+        replica = self.column("replica")
+        p99 = {}
+        for name in ("ttft_s", "tpot_s"):
+            values = self.column(name)
+            p99[name] = [distribution(values[replica == row["replica"]])["p99"] for row in rows]
+        for i, row in enumerate(rows):
+            index = row["replica"]
+            n_in = self.per_replica["prompt_tokens"][index]
+            n = int(self.per_replica["requests"][index])
+            row.update({
+                "requests": n,
+                "request_throughput": n / duration if duration > 0 else None,
+                "output_token_throughput": (float(self.per_replica["output_tokens"][index]) / duration
+                                            if duration > 0 else None),
+                "ttft_s_p99": p99["ttft_s"][i], "tpot_s_p99": p99["tpot_s"][i],
+                "prefix_hit_rate": float(self.per_replica["cached_tokens"][index] / n_in) if n_in else 0.0,
+            })
 
 
 def _rows_in(path: Path, lo: int, hi: int) -> dict[str, np.ndarray]:
