@@ -168,6 +168,16 @@ def sweep_rows(out: Path) -> int:
 
 
 def merge(path: Path, key: str, entry) -> None:
+    """Add `entry` to the results file, under a lock (two of these scripts may run side by side)."""
+    import fcntl
+
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _merge(path, key, entry)
+    path.with_suffix(".lock").unlink(missing_ok=True)
+
+
+def _merge(path: Path, key: str, entry) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data.setdefault("runs", [])
     data["machine"] = machine()
