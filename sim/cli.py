@@ -247,7 +247,6 @@ def run_main(argv: list[str]) -> int:
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
     if args.spill_records:
-        from sim.streamed import run_spilled
         return run_spilled(args, variants, out)
     import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
     from sim.output.run_dir import owned_run_folder
@@ -289,6 +288,36 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
                  + (f"; view trace.json at {PERFETTO_HINT}" if args.trace else ""))
     elif not args.quiet:
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
+
+
+def run_spilled(args, variants: dict, out: Path) -> int:
+    """`simrun SCENARIO --spill-records`: each variant simulated with its records spilled under its
+    folder's records/, then its data files written from them; a line per variant on screen."""
+    from sim.errors import UserError
+    from sim.output.console import console
+    from sim.output.run_dir import owned_run_folder
+    from sim.output.run_table import answer_line
+    from sim.output.streamed import FOLDER, RecordSpill, check_spillable, write_spilled_files
+
+    if not args.no_plots or args.trace:
+        raise UserError("--spill-records writes the data files only (summary.json, requests.csv, steps.csv, "
+                        "manifest.json): add --no-plots, and leave out --trace")
+    for variant in variants.values():
+        check_spillable(variant)
+    results = {}
+    with owned_run_folder(out, force=args.force):
+        for name, variant in variants.items():
+            folder = out / name if len(variants) > 1 else out
+            spill = RecordSpill(folder / FOLDER)
+            results[name] = predict_with_progress(variant, name, quiet=args.quiet, spill=spill)
+            write_spilled_files(results[name], spill, folder, args.steps)
+            if not args.quiet:
+                console.print(answer_line(name if len(variants) > 1 else variant.name, results[name].summary),
+                              soft_wrap=True)
+    if not args.quiet:
+        print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; the records' chunks "
+              f"in {FOLDER}/)")
+    return exit_code_of(results)
 
 
 class StatusLine:

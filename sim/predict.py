@@ -61,7 +61,7 @@ def predict(scenario, name: Optional[str] = None,
     """Simulate and summarise; nothing is written. Stops with stop.StopRequested at its checks
     (here, and every 256 finished requests through the progress callback) once a signal asked.
     Without `manifest` (a sweep point whose files are not written) the manifest is left empty:
-    hashing the workload costs a few % of a point. With `spill` (sim/streamed.py) the records go to
+    hashing the workload costs a few % of a point. With `spill` (sim/output/streamed.py) the records go to
     disk as they are made and the summary is taken from them there: `requests` is then None."""
     stop.check()
     records, plan, cost_model, described = _simulate(scenario, stop.polling(progress), manifest, spill)

@@ -219,6 +219,31 @@ class StepRecorder:
         self._steps.pack()
         self._rows.pack()
 
+    @classmethod
+    def of_chunks(cls, replica: int, chunks: Iterable[dict[str, np.ndarray]]) -> "StepRecorder":
+        """A recorder of packed chunks as `take_packed` gave them (a spilled run read back: sim/output/streamed.py)."""
+        rec = cls(replica)
+        for chunk in chunks:
+            for prefix, columns, names in (("s.", rec._steps, PER_STEP), ("r.", rec._rows, PER_ROW)):
+                for name in names:
+                    columns.chunks[name].append(chunk[prefix + name])
+                columns.count += len(chunk[prefix + names[0]])
+        return rec
+
+    def take_packed(self) -> Optional[dict[str, np.ndarray]]:
+        """Pack what is buffered and hand over every packed column (PER_STEP as 's.NAME', PER_ROW as
+        'r.NAME'), keeping none of it: None when there was nothing. The step count stays."""
+        self._flush()
+        steps, rows = self._steps, self._rows
+        if not steps.chunks["end_s"] and not rows.chunks["step"]:
+            return None
+        packed = {**{"s." + n: _joined(steps.chunks[n]) for n in PER_STEP},
+                  **{"r." + n: _joined(rows.chunks[n]) for n in PER_ROW}}
+        for columns in (steps, rows):
+            columns.chunks = {name: [] for name in columns.names}
+        self._cache = {}
+        return packed
+
     def __len__(self) -> int:
         """Steps recorded."""
         return self._steps.count + len(self.step_values)
@@ -388,6 +413,32 @@ class RequestTable:
     def __len__(self) -> int:
         return self.count
 
+    def take_packed(self) -> Optional[dict[str, np.ndarray]]:
+        """Pack what is buffered and hand over the packed columns (REQUEST_FIELDS, and the flattened
+        runs and chunk steps as 'run_steps' and 'chunk_steps'), keeping none of them: None when there
+        was nothing. Names (tenants, reasons) and the count stay."""
+        self._pack()
+        cols = self._cols
+        if not cols.chunks["id"]:
+            return None
+        packed = {name: _joined(cols.chunks[name]) for name in cols.names}
+        packed["run_steps"] = _joined(self._runs)
+        packed["chunk_steps"] = _joined(self._chunk_steps)
+        cols.chunks = {name: [] for name in cols.names}
+        self._runs, self._chunk_steps = [], []
+        return packed
+
+    def with_columns(self, columns: dict[str, np.ndarray]) -> "RequestTable":
+        """A table of the given columns (as `take_packed` gives them), with this table's tenant names
+        and reasons (a block of a spilled run's requests: sim/output/streamed.py)."""
+        table = RequestTable()
+        for name in table._cols.names:
+            table._cols.chunks[name] = [columns[name]]
+        table.count = table._cols.count = len(columns["id"])
+        table._runs, table._chunk_steps = [columns["run_steps"]], [columns["chunk_steps"]]
+        table._tenants, table._reasons = self._tenants, self._reasons
+        return table
+
     def column(self, name: str) -> np.ndarray:
         """A column in recording order."""
         self._pack()
@@ -509,7 +560,7 @@ _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtyp
 def requests_frame(records: RunRecords, step_times: Optional[Callable[[int], tuple]] = None) -> pd.DataFrame:
     """One row per request (in id order) with times, token counts and the queue/host/device split.
     `step_times(replica)`, where given, gives a replica's `_step_times` made once beforehand (a
-    streamed run's requests come block by block: sim/streamed.py)."""
+    streamed run's requests come block by block: sim/output/streamed.py)."""
     table: RequestTable = records.requests
     col = table.sorted_column
     n = len(table)
@@ -615,3 +666,9 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
     if not values:
         return np.zeros(0), np.zeros(0, dtype=np.int64)
     return np.concatenate(values), np.concatenate(weights)
+
+
+# Public names for a spilled run's records, read back block by block (sim/output/streamed.py).
+REQUEST_FIELDS = _REQUEST_FIELDS
+select_owned = _select
+cumulated_step_times = _step_times

@@ -40,7 +40,7 @@ from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel
 # clear error rather than a MemoryError after minutes. docs/security.md lists them.
 MAX_REQUESTS = 1_000_000
 # A synthetic workload is made as the run reaches it, and with --spill-records its records go to
-# disk (sim/streamed.py): its request count is bounded by time, not memory (10M: bench/fleet_scale.py).
+# disk (sim/output/streamed.py): its request count is bounded by time, not memory (10M: bench/fleet_scale.py).
 MAX_SYNTHETIC_REQUESTS = 100_000_000
 MAX_TOKENS = 2**27            # a prompt, an answer, a context (134M tokens)
 MAX_DURATION_S = 30 * 86400.0
@@ -717,7 +717,8 @@ class Workload(StrictModel):
         if self.multi_turn is not None and self.multi_turn.turns.dist == "sharegpt":
             raise ValueError("multi_turn.turns cannot use the sharegpt preset (it describes token lengths)")
         synthetic = self.requests is None and self.trace is None
-        if (self.dataset is not None or not synthetic) and max(self.num_requests or 0, self.warmup_requests) > MAX_REQUESTS:
+        built_whole = self.dataset is not None or not synthetic
+        if built_whole and max(self.num_requests or 0, self.warmup_requests) > MAX_REQUESTS:
             raise ValueError(f"num_requests: at most {MAX_REQUESTS:,} from a data set, trace or explicit requests "
                              f"(built whole in memory); up to {MAX_SYNTHETIC_REQUESTS:,} for a synthetic workload")
         if synthetic and self.num_requests is None and self.duration_s is None:

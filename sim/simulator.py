@@ -141,7 +141,7 @@ class Simulation:
     # off, every step waits for SimPy's clock and a SimPy process sends the arrivals (tests compare).
     chain: ClassVar[bool] = True
     # Where the records go as the run makes them: None keeps them in memory; a RecordSpill
-    # (sim/streamed.py) writes them to disk chunk by chunk (`simrun --spill-records`).
+    # (sim/output/streamed.py) writes them to disk chunk by chunk (`simrun --spill-records`).
     spill: Optional[object] = None
 
     def run(self) -> RunRecords:

@@ -1,4 +1,4 @@
-"""Records spilled to disk (sim/streamed.py): the same summary.json, requests.csv and steps.csv,
+"""Records spilled to disk (sim/output/streamed.py): the same summary.json, requests.csv and steps.csv,
 byte for byte, as the run kept in memory; chunk and block sizes made small so a few thousand
 requests span many chunks and blocks."""
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import sim.streamed as streamed
+import sim.output.streamed as streamed
 from sim.errors import UserError
 from sim.output.run_files import write_data_files
 from sim.predict import predict

@@ -29,8 +29,8 @@ import numpy as np
 
 from sim.core.status import FINISHED
 from sim.errors import UserError
-from sim.records import _REQUEST_FIELDS, PER_ROW, PER_STEP, RequestTable, RunRecords, StepRecorder, _select, _step_times, \
-    requests_frame
+from sim.records import REQUEST_FIELDS, RequestTable, RunRecords, StepRecorder, cumulated_step_times, \
+    requests_frame, select_owned
 
 FOLDER = "records"            # the chunks' folder, under the run's --out
 BLOCK = 1 << 17               # request ids per block of requests.csv (bounded memory per block)
@@ -49,9 +49,10 @@ def check_spillable(scenario) -> None:
 
 
 class RecordSpill:
-    """Where a run's records go: `folder`/requests-NNNNNN.npz (the RequestTable's columns, and its
-    runs of emitting steps and steps of prefill chunks flattened: `run_steps`, `chunk_steps`) and `folder`/steps-RRRR-NNNNNN.npz (a replica's PER_STEP columns as
-    `s.NAME`, its PER_ROW ones as `r.NAME`), each written atomically."""
+    """Where a run's records go, each file written atomically: `folder`/requests-NNNNNN.npz (a
+    RequestTable's packed columns, its runs of emitting steps and steps of prefill chunks flattened
+    as `run_steps` and `chunk_steps`) and `folder`/steps-RRRR-NNNNNN.npz (replica RRRR's packed
+    step columns, PER_STEP as `s.NAME` and PER_ROW as `r.NAME`: StepRecorder.take_packed)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -88,14 +89,7 @@ class RecordSpill:
     # -- reading back ------------------------------------------------------------------
     def recorder(self, replica: int) -> StepRecorder:
         """A replica's steps, loaded into an ordinary StepRecorder."""
-        rec = StepRecorder(replica)
-        for path in self.step_chunks.get(replica, []):
-            with np.load(path) as z:
-                for prefix, columns, names in (("s.", rec._steps, PER_STEP), ("r.", rec._rows, PER_ROW)):
-                    for name in names:
-                        columns.chunks[name].append(z[prefix + name])
-                    columns.count += len(z[prefix + names[0]])
-        return rec
+        return StepRecorder.of_chunks(replica, map(_loaded, self.step_chunks.get(replica, [])))
 
     def summarise(self, records: RunRecords, slo) -> dict:
         """The run's summary.json from its chunks; requests.csv is made on the way (`requests_csv`).
@@ -120,7 +114,7 @@ class RecordSpill:
     def _step_pass(self, replica: int) -> "_StepSeries":
         """A replica's step times, cumulated once and saved for the requests' blocks; its summary columns."""
         rec = self.recorder(replica)
-        for name, values in zip(_TIMES, _step_times(rec)):
+        for name, values in zip(_TIMES, cumulated_step_times(rec)):
             np.save(self._times_path(replica, name), values)
         return _StepSeries(rec)
 
@@ -164,16 +158,12 @@ class SpilledRequestTable(RequestTable):
 
     def _pack(self) -> None:
         super()._pack()
-        cols = self._cols
-        if not cols.chunks["id"]:
-            return
-        arrays = {name: _one(cols.chunks[name]) for name in cols.names}
-        arrays["run_steps"] = _one(self._runs)
-        arrays["chunk_steps"] = _one(self._chunk_steps)
-        self.spill.add_requests(arrays)
-        for name in cols.names:
-            cols.chunks[name] = []
-        self._runs, self._chunk_steps = [], []
+        if self.spill is not None:
+            spill, self.spill = self.spill, None          # (take_packed packs again: no second spill)
+            packed = self.take_packed()
+            self.spill = spill
+            if packed is not None:
+                spill.add_requests(packed)
 
 
 class SpilledStepRecorder(StepRecorder):
@@ -188,15 +178,17 @@ class SpilledStepRecorder(StepRecorder):
 
     def _flush(self) -> None:
         super()._flush()
-        steps, rows = self._steps, self._rows
-        if not steps.chunks["end_s"] and not rows.chunks["step"]:
-            return
-        arrays = {**{"s." + n: _one(steps.chunks[n]) for n in PER_STEP},
-                  **{"r." + n: _one(rows.chunks[n]) for n in PER_ROW}}
-        self.spill.add_steps(self.replica, arrays)
-        for columns in (steps, rows):
-            for name in columns.names:
-                columns.chunks[name] = []
+        if self.spill is not None:
+            spill, self.spill = self.spill, None
+            packed = self.take_packed()
+            self.spill = spill
+            if packed is not None:
+                spill.add_steps(self.replica, packed)
+
+
+def _loaded(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as z:
+        return {name: z[name] for name in z.files}
 
 
 def _one(parts: list[np.ndarray]) -> np.ndarray:
@@ -210,11 +202,11 @@ class _StepSeries:
     requests_frame sees a recorder (its replica, its step count)."""
 
     def __init__(self, rec: StepRecorder):
-        from sim.metrics import _PER_ROW, _PER_STEP
+        from sim.metrics import SUMMARY_ROW_COLUMNS, SUMMARY_STEP_COLUMNS
 
         self.replica = rec.replica
-        self.steps = {name: rec.step_column(name) for name in _PER_STEP}
-        self.rows = {name: rec.row_column(name) for name in (*_PER_ROW, "steps")}
+        self.steps = {name: rec.step_column(name) for name in SUMMARY_STEP_COLUMNS}
+        self.rows = {name: rec.row_column(name) for name in (*SUMMARY_ROW_COLUMNS, "steps")}
 
     def __len__(self) -> int:
         return len(self.steps["end_s"])
@@ -269,14 +261,8 @@ class _RequestPass:
             yield self._table([_rows_in(path, lo, hi) for path, a, b in chunks if a < hi and b >= lo])
 
     def _table(self, parts: list[dict]) -> RequestTable:
-        table = RequestTable()
-        for name in table._cols.names:
-            table._cols.chunks[name] = [_one([p[name] for p in parts])] if parts else []
-        table.count = table._cols.count = sum(len(p["id"]) for p in parts)
-        table._runs = [p["run_steps"] for p in parts]
-        table._chunk_steps = [p["chunk_steps"] for p in parts]
-        table._tenants, table._reasons = self.table._tenants, self.table._reasons
-        return table
+        names = (*REQUEST_FIELDS, "run_steps", "chunk_steps")
+        return self.table.with_columns({name: _one([p[name] for p in parts]) for name in names})
 
     def _gaps(self, block: RequestTable) -> None:
         """itl_samples' per-replica pieces for this block's measured requests."""
@@ -291,7 +277,7 @@ class _RequestPass:
             counts = self.run_counts.get(r)
             if counts is None or len(counts) == 1:
                 continue
-            owner, a, b = _select(run_owner, idx, run_a, run_b)
+            owner, a, b = select_owned(run_owner, idx, run_a, run_b)
             np.add.at(counts, a + 1, 1)
             np.add.at(counts, b + 1, -1)
             same = owner[1:] == owner[:-1]
@@ -348,13 +334,13 @@ class _RequestFigures:
         return self.folder / f"measured-{name}.bin"
 
     def add(self, frame) -> None:
-        from sim.metrics import _MEASURED_COLUMNS, meets_slo
+        from sim.metrics import MEASURED_COLUMNS, meets_slo
 
         if self.no_requests is None:
             self.no_requests = frame.iloc[:0]
         warm = frame["is_warmup"].to_numpy().astype(bool)
         status = frame["status"].to_numpy()
-        measured = frame.loc[(status == "finished") & ~warm, [c for c in _MEASURED_COLUMNS if c in frame]]
+        measured = frame.loc[(status == "finished") & ~warm, [c for c in MEASURED_COLUMNS if c in frame]]
         self.total += len(frame)
         self.measured += len(measured)
         self.warmup += int(warm.sum())
@@ -449,10 +435,9 @@ class _RequestFigures:
 
 def _rows_in(path: Path, lo: int, hi: int) -> dict[str, np.ndarray]:
     """A chunk's requests with ids in [lo, hi), in recording order, with their runs and chunk steps."""
-    with np.load(path) as z:
-        chunk = {name: z[name] for name in z.files}
+    chunk = _loaded(path)
     keep = (chunk["id"] >= lo) & (chunk["id"] < hi)
-    out = {name: chunk[name][keep] for name in _REQUEST_FIELDS}
+    out = {name: chunk[name][keep] for name in REQUEST_FIELDS}
     out["run_steps"] = _entries(chunk["run_steps"], 2, chunk, keep, "runs")
     out["chunk_steps"] = _entries(chunk["chunk_steps"], 1, chunk, keep, "chunks")
     return out
@@ -467,10 +452,8 @@ def _entries(flat: np.ndarray, width: int, chunk: dict, keep: np.ndarray, count_
 def _write_frame(f, frame, header: bool) -> None:
     """A block of requests.csv: the columnar writer's bytes where it formats every column, else pandas'."""
     from sim.output.columns import csv_chunks
-    from sim.output.io import _frame_columns
 
-    columns = _frame_columns(frame)
-    chunks = csv_chunks(columns) if columns is not None else None
+    chunks = csv_chunks({name: frame[name].to_numpy() for name in frame.columns})
     if chunks is not None:
         _write_chunks(f, chunks, header)
     else:
@@ -493,32 +476,3 @@ def write_spilled_files(result, spill: RecordSpill, out_dir: Path, steps: str = 
     files["manifest"] = write_json(out_dir / "manifest.json", result.manifest)
     result.files.update(files)
     return files
-
-
-def run_spilled(args, variants: dict, out: Path) -> int:
-    """`simrun SCENARIO --spill-records`: each variant simulated with its records spilled under its
-    folder's records/, then its data files written from them; a line per variant on screen."""
-    from sim.cli import exit_code_of, predict_with_progress
-    from sim.output.console import console
-    from sim.output.run_dir import owned_run_folder
-    from sim.output.run_table import answer_line
-
-    if not args.no_plots or args.trace:
-        raise UserError("--spill-records writes the data files only (summary.json, requests.csv, steps.csv, "
-                        "manifest.json): add --no-plots, and leave out --trace")
-    for variant in variants.values():
-        check_spillable(variant)
-    results = {}
-    with owned_run_folder(out, force=args.force):
-        for name, variant in variants.items():
-            folder = out / name if len(variants) > 1 else out
-            spill = RecordSpill(folder / FOLDER)
-            results[name] = predict_with_progress(variant, name, quiet=args.quiet, spill=spill)
-            write_spilled_files(results[name], spill, folder, args.steps)
-            if not args.quiet:
-                console.print(answer_line(name if len(variants) > 1 else variant.name, results[name].summary),
-                              soft_wrap=True)
-    if not args.quiet:
-        print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; the records' chunks "
-              f"in {FOLDER}/)")
-    return exit_code_of(results)
