@@ -42,7 +42,7 @@ def run_once(n: int, spilled: bool, scratch: Path) -> dict:
     out = scratch / f"fleet-{n}-{'spilled' if spilled else 'memory'}"
     command = [sys.executable, "-m", "sim.cli", SCENARIO, "--set", f"workload.num_requests={n}",
                "--out", str(out), "--no-plots", "--quiet", "--force"] + (["--spill-records"] if spilled else [])
-    load_before = os.getloadavg()
+    load_before, commit = os.getloadavg(), git_commit()
     t0 = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT)
     sampler = TreeSampler(proc.pid)
@@ -54,7 +54,7 @@ def run_once(n: int, spilled: bool, scratch: Path) -> dict:
         raise SystemExit(f"{' '.join(command)}: exit status {status}")
     summary = json.loads((out / "summary.json").read_text())
     result = {
-        "requests": n, "records": "spilled" if spilled else "memory",
+        "requests": n, "records": "spilled" if spilled else "memory", "git_commit": commit,
         "command": " ".join(["python", *command[1:]]),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "wall_s": round(wall, 1),
         "peak_rss_mb": round(usage.ru_maxrss / 1024), "peak_tree_rss_sampled_mb": round(sampler.peak_kb / 1024),

@@ -11,13 +11,17 @@ memory. The outputs are then made from the chunks:
 - requests.csv block by block of BLOCK request ids, each block a RequestTable of the chunks' rows
   with those ids, through the same `requests_frame` as in memory: a request's times come from its
   replica's step times, cumulated once per replica and read back memory-mapped;
-- summary.json through the same `summarise`, given only the columns it reads (the measured requests'
-  figures, not the frame of everything), the steps' summary columns, and the inter-token gaps
-  gathered block by block as `itl_samples` gathers them.
+- summary.json: `summarise` itself for the steps' figures (given the steps' summary columns and no
+  request), the requests' figures taken block by block as it takes them (_RequestFigures: counts
+  and integer sums as they come; each measured column it reads whole, for a percentile or a float
+  sum in id order, kept on disk and read back alone), the inter-token gaps gathered per replica
+  as `itl_samples` gathers them.
 
-So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py),
-and what grows with the request count is only what exact percentiles need: a handful of columns
-of the measured requests and the per-step series, read one at a time by the summary.
+So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py).
+What still grows with the request count: the workload's draws (arrays made before the run, ~75
+bytes a request), the manifest's lengths (16), one measured column at a time in the summary (8,
+twice while a percentile sorts it), and the steps' summary series and inter-token gaps (a few
+tens of bytes per engine step).
 """
 from __future__ import annotations
 

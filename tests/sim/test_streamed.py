@@ -51,6 +51,9 @@ def files_of(scenario, out: Path, spilled: bool, steps: str) -> dict[str, bytes]
       "workload.multi_turn.turns.max=3", "workload.multi_turn.user_len.dist=fixed",
       "workload.multi_turn.user_len.value=20", "workload.multi_turn.think_time_s=0.5",
       "workload.arrival.rate=150"), "full"),
+    # a CPU tier for the KV cache: its summary shares count every request's prompt tokens
+    (("engine.num_blocks=400", "engine.kv_offload.backend=native", "engine.kv_offload.size_gib=1",
+      "workload.num_requests=1500"), "aggregated"),
 ])
 def test_spilled_run_writes_the_in_memory_files_byte_for_byte(tmp_path, small_chunks, extra, steps):
     scenario = fleet(*extra)
@@ -58,8 +61,10 @@ def test_spilled_run_writes_the_in_memory_files_byte_for_byte(tmp_path, small_ch
     spilled = files_of(scenario, tmp_path / "spilled", True, steps)
     summary = json.loads(kept["summary.json"])
     assert summary["requests_finished"] > 0 and len(summary["replicas"]) == 4
-    if extra:
+    if "engine.max_model_len=600" in extra:
         assert summary["preemptions"] > 0 and summary["requests_rejected"] > 0
+    if "engine.kv_offload.backend=native" in extra:
+        assert summary["kv_offload"]["cpu_hit_rate"] > 0
     for name in kept:
         assert spilled[name] == kept[name], name
 
@@ -68,3 +73,28 @@ def test_spilling_refuses_a_disaggregated_or_autoscaled_run():
     scenario = load_scenario(ROOT / "scenarios" / "whatif_disaggregation.yaml")
     with pytest.raises(UserError, match="cluster.disaggregation"):
         streamed.check_spillable(scenario)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--set", "workload.arrival.rate=100,200", "--no-plots"], "applies to one run"),
+    ([], "add --no-plots"),
+    (["--no-plots", "--trace"], "leave out --trace"),
+])
+def test_spill_records_names_what_it_cannot_do(tmp_path, capsys, flags, message):
+    from sim.cli import main
+
+    code = main([str(ROOT / "scenarios" / "fleet_64.yaml"), "--out", str(tmp_path / "out"), "--spill-records",
+                 *flags])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_simrun_spill_records_writes_the_data_files_and_the_chunks(tmp_path):
+    from sim.cli import main
+
+    out = tmp_path / "out"
+    assert main([str(ROOT / "scenarios" / "fleet_64.yaml"), "--set", "workload.num_requests=500",
+                 "--set", "cluster.replicas=2", "--out", str(out), "--spill-records", "--no-plots", "--quiet"]) == 0
+    assert {p.name for p in out.iterdir()} >= {"summary.json", "requests.csv", "steps.csv", "manifest.json", "records"}
+    assert json.loads((out / "summary.json").read_text())["requests_total"] == 500
+    assert sorted(p.name for p in (out / "records").glob("*.npz"))[:2] == ["requests-000000.npz",
+                                                                          "steps-0000-000000.npz"]
