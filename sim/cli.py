@@ -226,6 +226,10 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-interval", type=positive_seconds, default=1.0, metavar="S",
                    help="seconds of simulated time per row of the timeline steps.csv (default 1)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--spill-records", action="store_true",
+                   help="stream the per-request and per-step records to OUT/records/ in chunks as the run makes "
+                        "them and write the data files from there: bounded memory for millions of requests "
+                        "(data files only: with --no-plots; docs/performance.md)")
     add_sweep_args(p)
     return p
 
@@ -248,11 +252,16 @@ def run_main(argv: list[str]) -> int:
     from sim.whatif.sweep_cli import check_sweep_flags, sweep_main
 
     if is_sweep(args.overrides):          # a --set with several values: one run per point
+        if args.spill_records:
+            from sim.errors import UserError
+            raise UserError("--spill-records applies to one run (a sweep keeps only each point's summary)")
         return sweep_main(args)
     check_sweep_flags(args)
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
     variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
     out = args.out or Path("runs") / args.scenario.stem
+    if args.spill_records:
+        return run_spilled(args, variants, out)
     import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
     from sim.output.run_dir import owned_run_folder
     from sim.output.workers import FigureWorkers
@@ -295,6 +304,36 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
 
 
+def run_spilled(args, variants: dict, out: Path) -> int:
+    """`simrun SCENARIO --spill-records`: each variant simulated with its records spilled under its
+    folder's records/, then its data files written from them; a line per variant on screen."""
+    from sim.errors import UserError
+    from sim.output.console import console
+    from sim.output.run_dir import owned_run_folder
+    from sim.output.run_table import answer_line
+    from sim.output.streamed import FOLDER, RecordSpill, check_spillable, write_spilled_files
+
+    if not args.no_plots or args.trace:
+        raise UserError("--spill-records writes the data files only (summary.json, requests.csv, steps.csv, "
+                        "manifest.json): add --no-plots, and leave out --trace")
+    for variant in variants.values():
+        check_spillable(variant)
+    results = {}
+    with owned_run_folder(out, force=args.force):
+        for name, variant in variants.items():
+            folder = out / name if len(variants) > 1 else out
+            spill = RecordSpill(folder / FOLDER)
+            results[name] = predict_with_progress(variant, name, quiet=args.quiet, spill=spill)
+            write_spilled_files(results[name], spill, folder, args.steps)
+            if not args.quiet:
+                console.print(answer_line(name if len(variants) > 1 else variant.name, results[name].summary),
+                              soft_wrap=True)
+    if not args.quiet:
+        print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; the records' chunks "
+              f"in {FOLDER}/)")
+    return exit_code_of(results)
+
+
 class StatusLine:
     """A one-line status on stderr while a slow step runs, replaced by its outcome on stdout."""
 
@@ -326,16 +365,16 @@ PROGRESS_AFTER_S = 1.0        # a run shorter than this shows no bar
 PROGRESS_EVERY_S = 0.5        # the bar is redrawn at most this often
 
 
-def predict_with_progress(scenario, name: str, quiet: bool = False):
+def predict_with_progress(scenario, name: str, quiet: bool = False, spill=None):
     """Run a prediction, showing a progress bar on a terminal once it has taken more than a second."""
     from sim.predict import predict
 
     total = scenario.workload.num_requests
     if quiet or total is None or not sys.stderr.isatty():
-        return predict(scenario, name)
+        return predict(scenario, name, spill=spill)
     bar = ProgressBar(f"simulating {name}", total)
     try:
-        return predict(scenario, name, progress=bar.update)
+        return predict(scenario, name, progress=bar.update, spill=spill)
     finally:
         bar.stop()
 

@@ -286,3 +286,7 @@ def _step_figures(steps: _Steps) -> dict[str, Any]:
             "mean_batch_tokens": steps.mean_per_step("batch_tokens"),
             "peak_running": int(steps.row["running"].max()),
             "mean_step_s": float(exact.nanmean(steps.step["end_s"] - steps.step["start_s"]))}
+
+
+# Public names for a spilled run's summary, taken block by block (sim/output/streamed.py).
+MEASURED_COLUMNS, SUMMARY_STEP_COLUMNS, SUMMARY_ROW_COLUMNS = _MEASURED_COLUMNS, _PER_STEP, _PER_ROW

@@ -73,16 +73,20 @@ class RunResult:
 
 
 def predict(scenario, name: Optional[str] = None,
-            progress: Optional[Callable[[int], None]] = None, manifest: bool = True) -> RunResult:
+            progress: Optional[Callable[[int], None]] = None, manifest: bool = True, spill=None) -> RunResult:
     """Simulate and summarise; nothing is written. Stops with stop.StopRequested at its checks
     (here, and every 256 finished requests through the progress callback) once a signal asked.
     Without `manifest` (a sweep point whose files are not written) the manifest is left empty:
-    hashing the workload costs a few % of a point."""
+    hashing the workload costs a few % of a point. With `spill` (sim/output/streamed.py) the records go to
+    disk as they are made and the summary is taken from them there: `requests` is then None."""
     stop.check()
-    records, plan, cost_model, described = _simulate(scenario, stop.polling(progress), manifest)
+    records, plan, cost_model, described = _simulate(scenario, stop.polling(progress), manifest, spill)
     stop.check()
-    req_cols = request_columns(records)
-    summary = summarise(records, scenario.slo, req_cols)
+    if spill is None:
+        req_cols = request_columns(records)
+        summary = summarise(records, scenario.slo, req_cols)
+    else:
+        req_cols, summary = None, spill.summarise(records, scenario.slo)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
     summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
@@ -101,7 +105,7 @@ def predict(scenario, name: Optional[str] = None,
     return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary, req_cols, None, info)
 
 
-def _simulate(scenario, progress, manifest: bool):
+def _simulate(scenario, progress, manifest: bool, spill=None):
     """Run the scenario's workload, made as the run reaches it when synthetic (else built whole):
     the run lets each request go once its figures are recorded. With `manifest`, the workload's
     manifest entry too."""
@@ -110,20 +114,20 @@ def _simulate(scenario, progress, manifest: bool):
         workload = build_workload(scenario)
         stop.check()
         described = workload_manifest(workload.requests, workload.notes) if manifest else None
-        return (*_run(scenario, workload.requests, progress, release=True), described)
+        return (*_run(scenario, workload.requests, progress, release=True, spill=spill), described)
     notes = warmup_notes(scenario.workload.warmup_requests, stream.count)
     watcher = WorkloadDescription() if manifest else None
     if watcher is not None:
         stream.requests = watcher.watch(stream.requests)
-    records, plan, cost_model = _run(scenario, stream, progress)
+    records, plan, cost_model = _run(scenario, stream, progress, spill=spill)
     return records, plan, cost_model, watcher.manifest(notes) if watcher is not None else None
 
 
-def _run(scenario, requests, progress, release: bool = False):
+def _run(scenario, requests, progress, release: bool = False, spill=None):
     """One engine or a cluster of replicas (sim.simulator), or prefill and decode pools (sim.disagg)."""
     if scenario.cluster.disaggregation is not None:
         return simulate_disaggregated(scenario, requests, progress, release)
-    return simulate(scenario, requests, progress=progress, release=release)
+    return simulate(scenario, requests, progress=progress, release=release, spill=spill)
 
 
 def memory_summary(plan: MemoryPlan, max_model_len: Optional[int] = None) -> dict:

@@ -219,6 +219,31 @@ class StepRecorder:
         self._steps.pack()
         self._rows.pack()
 
+    @classmethod
+    def of_chunks(cls, replica: int, chunks: Iterable[dict[str, np.ndarray]]) -> "StepRecorder":
+        """A recorder of packed chunks as `take_packed` gave them (a spilled run read back: sim/output/streamed.py)."""
+        rec = cls(replica)
+        for chunk in chunks:
+            for prefix, columns, names in (("s.", rec._steps, PER_STEP), ("r.", rec._rows, PER_ROW)):
+                for name in names:
+                    columns.chunks[name].append(chunk[prefix + name])
+                columns.count += len(chunk[prefix + names[0]])
+        return rec
+
+    def take_packed(self) -> Optional[dict[str, np.ndarray]]:
+        """Pack what is buffered and hand over every packed column (PER_STEP as 's.NAME', PER_ROW as
+        'r.NAME'), keeping none of it: None when there was nothing. The step count stays."""
+        self._flush()
+        steps, rows = self._steps, self._rows
+        if not steps.chunks["end_s"] and not rows.chunks["step"]:
+            return None
+        packed = {**{"s." + n: _joined(steps.chunks[n]) for n in PER_STEP},
+                  **{"r." + n: _joined(rows.chunks[n]) for n in PER_ROW}}
+        for columns in (steps, rows):
+            columns.chunks = {name: [] for name in columns.names}
+        self._cache = {}
+        return packed
+
     def __len__(self) -> int:
         """Steps recorded."""
         return self._steps.count + len(self.step_values)
@@ -388,6 +413,32 @@ class RequestTable:
     def __len__(self) -> int:
         return self.count
 
+    def take_packed(self) -> Optional[dict[str, np.ndarray]]:
+        """Pack what is buffered and hand over the packed columns (REQUEST_FIELDS, and the flattened
+        runs and chunk steps as 'run_steps' and 'chunk_steps'), keeping none of them: None when there
+        was nothing. Names (tenants, reasons) and the count stay."""
+        self._pack()
+        cols = self._cols
+        if not cols.chunks["id"]:
+            return None
+        packed = {name: _joined(cols.chunks[name]) for name in cols.names}
+        packed["run_steps"] = _joined(self._runs)
+        packed["chunk_steps"] = _joined(self._chunk_steps)
+        cols.chunks = {name: [] for name in cols.names}
+        self._runs, self._chunk_steps = [], []
+        return packed
+
+    def with_columns(self, columns: dict[str, np.ndarray]) -> "RequestTable":
+        """A table of the given columns (as `take_packed` gives them), with this table's tenant names
+        and reasons (a block of a spilled run's requests: sim/output/streamed.py)."""
+        table = RequestTable()
+        for name in table._cols.names:
+            table._cols.chunks[name] = [columns[name]]
+        table.count = table._cols.count = len(columns["id"])
+        table._runs, table._chunk_steps = [columns["run_steps"]], [columns["chunk_steps"]]
+        table._tenants, table._reasons = self._tenants, self._reasons
+        return table
+
     def column(self, name: str) -> np.ndarray:
         """A column in recording order."""
         self._pack()
@@ -513,15 +564,17 @@ def _prefix_sums(values: np.ndarray) -> np.ndarray:
 _STATUS_NAMES = np.array([s.name.lower() for s in sorted(Status, key=int)], dtype=object)
 
 
-def requests_frame(records: RunRecords) -> pd.DataFrame:
+def requests_frame(records: RunRecords, step_times: Optional[Callable[[int], dict]] = None) -> pd.DataFrame:
     """One row per request (in id order) with times, token counts and the queue/host/device split."""
-    return pd.DataFrame(request_columns(records), copy=False)   # (no second copy of a million rows)
+    return pd.DataFrame(request_columns(records, step_times), copy=False)   # (no second copy of a million rows)
 
 
-def request_columns(records: RunRecords) -> dict[str, np.ndarray]:
+def request_columns(records: RunRecords, step_times: Optional[Callable[[int], dict]] = None) -> dict[str, np.ndarray]:
     """The columns of `requests_frame` as numpy arrays, each as the frame would hold it (a column
     of ints and missing values as float64 with NaN; text as objects): the summary and requests.csv
-    are made from these, without a frame."""
+    are made from these, without a frame. `step_times(replica)`, where given, gives a replica's
+    `cumulated_step_times` made once beforehand (a spilled run's requests come block by block:
+    sim/output/streamed.py)."""
     table: RequestTable = records.requests
     col = table.sorted_column
     n = len(table)
@@ -548,7 +601,8 @@ def request_columns(records: RunRecords) -> dict[str, np.ndarray]:
         for rec in records.recorders:
             idx = np.flatnonzero(replica == rec.replica)
             if len(idx) and len(rec):
-                _fill_times(out, idx, table, rec, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
+                times = _RecorderTimes(rec) if step_times is None else step_times(rec.replica)
+                _fill_times(out, idx, table, times, (run_owner, run_a, run_b), (chunk_owner, chunk_step))
     out["ttft_s"] = out["first_token_s"] - out["arrival_s"]
     out["e2e_s"] = out["finish_s"] - out["arrival_s"]
     decode_tokens = out["output_tokens"] - 1
@@ -559,6 +613,24 @@ def request_columns(records: RunRecords) -> dict[str, np.ndarray]:
     return out
 
 
+class _RecorderTimes:
+    """A recorder's step times as `cumulated_step_times` gives them, each made when first asked for
+    and not kept (one column at a time: a million-request run has millions of steps)."""
+
+    def __init__(self, rec: StepRecorder):
+        self.rec = rec
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        values = self.rec.step_column(name)
+        return values if name in ("start_s", "end_s") else _prefix_sums(values)
+
+
+def cumulated_step_times(rec: StepRecorder) -> dict[str, np.ndarray]:
+    """A replica's step start_s and end_s, and its running sums of host_s and device_s (index k =
+    the sum over steps < k): what a request's times are read from."""
+    return {name: _RecorderTimes(rec)[name] for name in ("start_s", "end_s", "host_s", "device_s")}
+
+
 def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
     """Entries whose owner is among `idx` (sorted positions), owners renumbered 0..len(idx)-1."""
     pos = np.searchsorted(idx, owner)
@@ -566,7 +638,8 @@ def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
     return (pos[keep], *(v[keep] for v in values))
 
 
-def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecorder, runs, chunks) -> None:
+def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, chunks) -> None:
+    """`times[name]`: the replica's step column (start_s, end_s) or running sum (host_s, device_s)."""
     def at(steps: np.ndarray, times: np.ndarray) -> np.ndarray:
         valid = steps >= 0
         res = np.full(len(steps), np.nan)
@@ -574,16 +647,17 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, rec: StepRecord
         return res
 
     col = table.sorted_column
-    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), rec.step_column("start_s"))
-    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), rec.step_column("end_s"))
-    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), rec.step_column("end_s"))
+    end = times["end_s"]
+    out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), times["start_s"])
+    out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), end)
+    out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), end)
     owner, a, b = _select(runs[0], idx, runs[1], runs[2])
     chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
     done = col("status")[idx] == int(Status.FINISHED)
     # a request's host (device) time: its runs of steps and its chunk steps, from the run's running
     # sum (one column at a time: a million-request run has millions of steps)
     for name in ("host_s", "device_s"):
-        running = _prefix_sums(rec.step_column(name))
+        running = times[name]
         total = np.bincount(owner, weights=running[b + 1] - running[a], minlength=len(idx))
         total += np.bincount(chunk_owner, weights=running[chunk_step + 1] - running[chunk_step], minlength=len(idx))
         out[name][idx] = np.where(done, total, np.nan)
@@ -623,3 +697,8 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
     if not values:
         return np.zeros(0), np.zeros(0, dtype=np.int64)
     return np.concatenate(values), np.concatenate(weights)
+
+
+# Public names for a spilled run's records, read back block by block (sim/output/streamed.py).
+REQUEST_FIELDS = _REQUEST_FIELDS
+select_owned = _select

@@ -39,6 +39,9 @@ from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel
 # Upper bounds on sizes: far above any real deployment, low enough that a typo (1e12) is a
 # clear error rather than a MemoryError after minutes. docs/security.md lists them.
 MAX_REQUESTS = 1_000_000
+# A synthetic workload is made as the run reaches it, and with --spill-records its records go to
+# disk (sim/output/streamed.py): its request count is bounded by time, not memory (10M: bench/fleet_scale.py).
+MAX_SYNTHETIC_REQUESTS = 100_000_000
 MAX_TOKENS = 2**27            # a prompt, an answer, a context (134M tokens)
 MAX_DURATION_S = 30 * 86400.0
 MAX_REPLICAS = 1024
@@ -641,13 +644,13 @@ DATASET_REPLACES = {"prompt_len", "length_correlation", "shared_prefix", "dynami
 
 class Workload(StrictModel):
     num_requests: Optional[int] = Field(
-        default=None, ge=1, le=MAX_REQUESTS,
+        default=None, ge=1, le=MAX_SYNTHETIC_REQUESTS,
         description="requests to send (default 100 when neither this nor duration_s is set)")
     duration_s: Optional[float] = Field(
         default=None, gt=0, le=MAX_DURATION_S,
         description="or: send for this long, s")
     warmup_requests: int = Field(
-        default=0, ge=0, le=MAX_REQUESTS,
+        default=0, ge=0, le=MAX_SYNTHETIC_REQUESTS,
         description="the first N requests warm the engine and are left out of every figure")
     max_concurrency: Optional[int] = Field(
         default=None, ge=1, le=MAX_REQUESTS,
@@ -714,6 +717,10 @@ class Workload(StrictModel):
         if self.multi_turn is not None and self.multi_turn.turns.dist == "sharegpt":
             raise ValueError("multi_turn.turns cannot use the sharegpt preset (it describes token lengths)")
         synthetic = self.requests is None and self.trace is None
+        built_whole = self.dataset is not None or not synthetic
+        if built_whole and max(self.num_requests or 0, self.warmup_requests) > MAX_REQUESTS:
+            raise ValueError(f"num_requests: at most {MAX_REQUESTS:,} from a data set, trace or explicit requests "
+                             f"(built whole in memory); up to {MAX_SYNTHETIC_REQUESTS:,} for a synthetic workload")
         if synthetic and self.num_requests is None and self.duration_s is None:
             self.num_requests = 100
         if synthetic and self.arrival.process == "offline" and self.num_requests is None:

@@ -63,14 +63,15 @@ class Replica:
             self.busy_until = -math.inf
 
 
-def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True, block_ids: bool = False) -> Replica:
+def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = True, block_ids: bool = False,
+                  recorder: Optional[StepRecorder] = None) -> Replica:
     e = scenario.engine
     kv = new_kv_manager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
                         e.contiguous_reserve, plan.kv_groups, scenario.max_step_tokens,
                         block_ids=block_ids)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     sched = make_scheduler(config, kv, offload=offload_tier(scenario, plan, kv))
-    return Replica(index, sched, StepRecorder(index))
+    return Replica(index, sched, StepRecorder(index) if recorder is None else recorder)
 
 
 LEAP_SCALAR_STEPS = 32     # a leap's first steps priced one by one (numpy for the rest of a long one)
@@ -139,6 +140,9 @@ class Simulation:
     # and leaps back to back and take the arrivals at the replica's own events (`_chained`);
     # off, every step waits for SimPy's clock and a SimPy process sends the arrivals (tests compare).
     chain: ClassVar[bool] = True
+    # Where the records go as the run makes them: None keeps them in memory; a RecordSpill
+    # (sim/output/streamed.py) writes them to disk chunk by chunk (`simrun --spill-records`).
+    spill: Optional[object] = None
 
     def run(self) -> RunRecords:
         with gc_paused():
@@ -150,12 +154,12 @@ class Simulation:
             self.fast = False        # loads end between steps: the fast paths do not plan for them
         if self.scenario.engine.lora is not None:
             self.fast = False        # every step's adapters are counted and gated one request at a time
-        self.replicas = [build_replica(i, self.scenario, self.plan, self.fast, self.block_ids)
+        self.replicas = [build_replica(i, self.scenario, self.plan, self.fast, self.block_ids, self._recorder(i))
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
         self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
-        self._ended = RequestTable()                 # each request's figures, taken as it ends
+        self._ended = RequestTable() if self.spill is None else self.spill.request_table()   # taken as each ends
         first_turns = self._first_turns()
         self._layout = DPLayout.for_scenario(self.scenario)
         # With autoscaling the router sees only the ready, non-draining replicas (a list the
@@ -190,6 +194,9 @@ class Simulation:
                                 **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()}),
                                 **self._dp_meta()})
 
+    def _recorder(self, index: int) -> Optional[StepRecorder]:
+        return None if self.spill is None else self.spill.step_recorder(index)
+
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
         """The client and the arrival path, sending to `self._router` (set before)."""
         self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
@@ -210,7 +217,8 @@ class Simulation:
 
     def _launch_replica(self, env: simpy.Environment) -> Replica:
         """A replica the autoscaler adds mid-run, with its engine loop (routable once started)."""
-        replica = build_replica(len(self.replicas), self.scenario, self.plan, self.fast, self.block_ids)
+        index = len(self.replicas)
+        replica = build_replica(index, self.scenario, self.plan, self.fast, self.block_ids, self._recorder(index))
         self.replicas.append(replica)
         env.process(self._engine_loop(env, replica))
         return replica
@@ -635,7 +643,7 @@ def sleep_until(env: simpy.Environment, when: float):
 
 def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = None,
              progress: Optional[Callable[[int], None]] = None,
-             fast: bool = True, release: bool = False) -> tuple[RunRecords, MemoryPlan, CostModel]:
+             fast: bool = True, release: bool = False, spill=None) -> tuple[RunRecords, MemoryPlan, CostModel]:
     """Predict one scenario: build its workload, size its KV pool, run the SimPy model.
     With `release` the caller hands `requests` over (see Simulation.release); a workload made
     here is streamed when synthetic (sim.workload.stream_requests), else built and released."""
@@ -650,7 +658,8 @@ def simulate(scenario, requests: Union[list[Request], StreamedWorkload, None] = 
     elif isinstance(requests, list):
         for r in requests:
             r.reset()
-    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast, release=release)
+    sim = Simulation(scenario, requests, plan, cost_model, progress=progress, fast=fast, release=release,
+                     spill=spill)
     del requests
     t0 = time.perf_counter()
     records = sim.run()

@@ -193,7 +193,9 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
     def requests() -> Iterator[Request]:
         # A conversation's turns are made together (and linked) before its first is given out:
         # a first turn rejected at once rejects the later ones, which must exist by then.
-        starts_l, group_l, tenant_l = starts.tolist(), group.tolist(), tenant_of.tolist()
+        # Python values as tolist gives them, listed a chunk at a time (ten million requests' lists
+        # of Python numbers would hold gigabytes)
+        starts_l, group_l, tenant_l = _Listed(starts), _Listed(group), _Listed(tenant_of)
         names = [t.name for t in tenants] or [None]       # (tenant_of is all 0 without tenants)
         salted_of = [bool(t.salt) for t in tenants] or [False]
         user_key = stable_keys("user", seed)
@@ -201,8 +203,7 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
         dynamic = w.dynamic_segment
         prev: Optional[Request] = None
         turns: list[Request] = []
-        for i, (c, first, last, own_len, out_len) in enumerate(zip(
-                conv.tolist(), opening.tolist(), closing.tolist(), own.tolist(), output.tolist())):
+        for i, (c, first, last, own_len, out_len) in enumerate(_listed_rows(conv, opening, closing, own, output)):
             user = (user_key(i), own_len)
             if first:
                 t = tenant_l[c]
@@ -231,6 +232,28 @@ def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
                 turns = []
 
     return StreamedWorkload(requests(), len(conv), min_think)
+
+
+LISTED_CHUNK = 65_536
+
+
+class _Listed:
+    """values[k] as tolist gives it, listing LISTED_CHUNK entries at a time (k read in increasing order)."""
+
+    def __init__(self, values: np.ndarray):
+        self.values, self.lo, self.items = values, 0, []
+
+    def __getitem__(self, k: int):
+        if not 0 <= k - self.lo < len(self.items):
+            self.lo = k - k % LISTED_CHUNK
+            self.items = self.values[self.lo:self.lo + LISTED_CHUNK].tolist()
+        return self.items[k - self.lo]
+
+
+def _listed_rows(*columns: np.ndarray) -> Iterator[tuple]:
+    """zip(*(c.tolist() for c in columns)), listing LISTED_CHUNK rows at a time."""
+    for lo in range(0, len(columns[0]), LISTED_CHUNK):
+        yield from zip(*(c[lo:lo + LISTED_CHUNK].tolist() for c in columns))
 
 
 def _conversations(w: Workload, seed: int) -> tuple[np.ndarray, np.ndarray]:
