@@ -28,6 +28,9 @@ IMPORTED = {
     "PatronusAI__Llama-3.1-70B-Instruct-AWQ-INT4.json": (70.55, 39.77, "awq", 0, 0),
     "Sumail__Llama-3.1-8B-Instruct-125m-4bit.json": (8.03, 5.70, "gptq", 0, 0),
     "openai__gpt-oss-20b.json": (20.91, 13.76, "mxfp4", 12, 32),        # mxfp4 experts only
+    "openai__gpt-oss-120b.json": (116.83, 65.25, "mxfp4", 18, 128),    # model card: 116.8B
+    "Qwen__Qwen3-235B-A22B.json": (235.09, 470.19, None, 0, 128),       # model card: 235B, 22B active
+    "Qwen__Qwen3-235B-A22B-FP8.json": (235.09, 236.45, "fp8", 0, 128),
     "codellama__CodeLlama-34b-Instruct-hf.json": (33.74, 67.49, None, 0, 0),  # GQA 64/8, untied
 }
 # file -> the field the refusal must name
