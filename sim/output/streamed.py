@@ -286,7 +286,7 @@ class _RequestPass:
             np.add.at(counts, b + 1, -1)
             same = owner[1:] == owner[:-1]
             if same.any():
-                end = self.spill.step_times(r)[1]
+                end = self.spill.step_times(r)["end_s"]
                 self.between[r].append(end[a[1:][same]] - end[b[:-1][same]])
 
     def itl(self) -> tuple[np.ndarray, np.ndarray]:
@@ -297,7 +297,7 @@ class _RequestPass:
             counts = self.run_counts[s.replica]
             if len(counts) == 1:
                 continue
-            end = np.asarray(self.spill.step_times(s.replica)[1])
+            end = np.asarray(self.spill.step_times(s.replica)["end_s"])
             per_step = np.cumsum(counts)[1:len(end)]
             values.append(np.diff(end)[per_step > 0])
             weights.append(per_step[per_step > 0])
