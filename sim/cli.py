@@ -324,7 +324,7 @@ def run_spilled(args, variants: dict, out: Path) -> int:
             folder = out / name if len(variants) > 1 else out
             spill = RecordSpill(folder / FOLDER)
             results[name] = predict_with_progress(variant, name, quiet=args.quiet, spill=spill)
-            write_spilled_files(results[name], spill, folder, args.steps)
+            write_spilled_files(results[name], spill, folder, args.steps, args.steps_interval)
             if not args.quiet:
                 console.print(answer_line(name if len(variants) > 1 else variant.name, results[name].summary),
                               soft_wrap=True)

@@ -129,11 +129,12 @@ def timeline_columns(records: RunRecords, interval_s: float = DEFAULT_INTERVAL_S
         raise ValueError(f"steps interval {interval_s!r}: expected a positive number of seconds")
     if not records.recorders:
         return None
-    parts = [_replica_timeline(rec, interval_s) for rec in records.recorders]
+    parts = [replica_timeline(rec, interval_s) for rec in records.recorders]
     return {name: np.concatenate([p[name] for p in parts]) for name in TIMELINE_COLUMNS}
 
 
-def _replica_timeline(rec: StepRecorder, interval_s: float) -> dict[str, np.ndarray]:
+def replica_timeline(rec: StepRecorder, interval_s: float) -> dict[str, np.ndarray]:
+    """One replica's rows of the timeline steps.csv (a spilled run writes them replica by replica)."""
     start = rec.step_column("start_s")
     buckets = StepBuckets(rec, np.floor(start / interval_s).astype(np.int64))
     out = {"replica": np.full(len(buckets.ids), rec.replica, dtype=np.int64),

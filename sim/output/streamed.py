@@ -33,6 +33,7 @@ import numpy as np
 
 from sim.core.status import FINISHED
 from sim.errors import UserError
+from sim.output.step_buckets import DEFAULT_INTERVAL_S
 from sim.records import REQUEST_FIELDS, RequestTable, RunRecords, StepRecorder, cumulated_step_times, \
     requests_frame, select_owned
 
@@ -130,14 +131,18 @@ class RecordSpill:
         the pages a block reads are loaded, and they go when the block's maps are dropped."""
         return {name: np.load(self._times_path(replica, name), mmap_mode="r") for name in _TIMES}
 
-    def write_steps_csv(self, path: Path, full: bool) -> Path:
-        """steps.csv as RunRecords.steps_columns writes it, replica by replica."""
+    def write_steps_csv(self, path: Path, steps: str, interval_s: float) -> Path:
+        """steps.csv of the kind `steps` as `write_data_files` writes it, replica by replica."""
         from sim.output.columns import csv_chunks
         from sim.output.io import atomic_path
+        from sim.output.step_buckets import replica_timeline
 
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             for i, replica in enumerate(sorted(self.step_chunks)):
-                chunks = csv_chunks(self.recorder(replica).file_columns(full, typed=False))
+                rec = self.recorder(replica)
+                columns = (replica_timeline(rec, interval_s) if steps == "timeline"
+                           else rec.file_columns(steps == "full", typed=False))
+                chunks = csv_chunks(columns)
                 _write_chunks(f, chunks, header=i == 0)
         return Path(path)
 
@@ -464,7 +469,8 @@ def _write_frame(f, frame, header: bool) -> None:
         f.write(frame.to_csv(index=False, header=header).encode())
 
 
-def write_spilled_files(result, spill: RecordSpill, out_dir: Path, steps: str = "aggregated") -> dict[str, Path]:
+def write_spilled_files(result, spill: RecordSpill, out_dir: Path, steps: str = "timeline",
+                        interval_s: float = DEFAULT_INTERVAL_S) -> dict[str, Path]:
     """summary.json, requests.csv (made with the summary), steps.csv, manifest.json of a spilled run:
     the files `write_data_files` writes for one kept in memory."""
     from sim.output.io import write_json
@@ -476,7 +482,9 @@ def write_spilled_files(result, spill: RecordSpill, out_dir: Path, steps: str = 
     files = {"summary": write_json(out_dir / "summary.json", result.summary)}
     files["requests"] = out_dir / "requests.csv"
     os.replace(spill.requests_csv, files["requests"])        # (same folder tree: an atomic rename)
-    files["steps"] = spill.write_steps_csv(out_dir / "steps.csv", steps == "full")
+    if not interval_s > 0:
+        raise ValueError(f"steps interval {interval_s!r}: expected a positive number of seconds")
+    files["steps"] = spill.write_steps_csv(out_dir / "steps.csv", steps, interval_s)
     files["manifest"] = write_json(out_dir / "manifest.json", result.manifest)
     result.files.update(files)
     return files

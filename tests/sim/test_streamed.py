@@ -44,6 +44,7 @@ def files_of(scenario, out: Path, spilled: bool, steps: str) -> dict[str, bytes]
 
 @pytest.mark.parametrize("extra,steps", [
     ((), "aggregated"),
+    ((), "timeline"),
     # a small KV pool: preemptions (requests emitting in several runs), multi-turn conversations
     # and a rejection (a prompt over max_model_len)
     (("engine.num_blocks=120", "engine.max_model_len=600", "workload.prompt_len.max=700",
