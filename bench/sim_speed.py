@@ -3,7 +3,7 @@
   python bench/sim_speed.py [--vidur 100000] [--quick 10000 100000 1000000] [--sweep 10]
                             [--sweep-points 100] [--sweep-jobs 2] [--unchained 1000000] [--sliding 5000]
                             [--out bench/results/sim_speed.json]
-  python bench/sim_speed.py --simrun vidur-100k [bench-1m-150 bench-1m-300] [--repeat 3]
+  python bench/sim_speed.py --simrun vidur-100k [bench-1m-150 bench-1m-300] [--repeat 3] [--lean]
                             [--simrun-out bench/results/simrun_speed.json]
 
 Four workloads, each predicted by both paths of the same code in the same process, so a
@@ -310,17 +310,19 @@ def _median(values: list[float]) -> float:
     return round(sorted(values)[len(values) // 2], 2)
 
 
-def simrun_case(case: str, repeat: int) -> dict:
+def simrun_case(case: str, repeat: int, lean: bool = False) -> dict:
     """The user's command on `case`, plots on and off, beside simulate() alone; medians of `repeat`
-    (runs interleaved, so a change in the machine's load hits each kind alike)."""
+    (runs interleaved, so a change in the machine's load hits each kind alike). Unless `lean`, once
+    more on a terminal (the progress display) and phase by phase in one process."""
     runs: dict[str, list[dict]] = {"simulate_only": [], "no_plots": [], "plots": []}
     with tempfile.TemporaryDirectory(prefix="simrun_speed_") as tmp:
         for _ in range(repeat):
             runs["simulate_only"].append(_in_fresh_process("--simulate-only-child", case))
             runs["no_plots"].append(measure_tree(simrun_argv(case, f"{tmp}/a", plots=False)))
             runs["plots"].append(measure_tree(simrun_argv(case, f"{tmp}/b", plots=True)))
-        progress = measure_tree(simrun_argv(case, f"{tmp}/c", plots=False, quiet=False), pty=True)
-        phases = _in_fresh_process("--phases-child", case, f"{tmp}/d")
+        if not lean:
+            progress = measure_tree(simrun_argv(case, f"{tmp}/c", plots=False, quiet=False), pty=True)
+            phases = _in_fresh_process("--phases-child", case, f"{tmp}/d")
     simulate_s = _median([r["simulate_cpu_s"] for r in runs["simulate_only"]])
     row = {"case": case, "scenario": SIMRUN_CASES[case][0], "overrides": list(SIMRUN_CASES[case][1]),
            "repeat": repeat, "simulate_only_cpu_s": simulate_s,
@@ -334,28 +336,43 @@ def simrun_case(case: str, repeat: int) -> dict:
                      "runs_cpu_s": [r["cpu_s"] for r in runs[kind]],
                      "exit_codes": sorted({r["exit_code"] for r in runs[kind]})}
     row["simulate_only_runs_cpu_s"] = [r["simulate_cpu_s"] for r in runs["simulate_only"]]
-    row["progress_on_a_terminal"] = {
-        "command": "python " + " ".join(simrun_argv(case, "OUT", plots=False, quiet=False)), **progress,
-        "over_quiet": round(progress["cpu_s"] / row["no_plots"]["cpu_s"] - 1, 3)}
-    row["phases_in_one_process"] = phases
+    if not lean:
+        row["progress_on_a_terminal"] = {
+            "command": "python " + " ".join(simrun_argv(case, "OUT", plots=False, quiet=False)), **progress,
+            "over_quiet": round(progress["cpu_s"] / row["no_plots"]["cpu_s"] - 1, 3)}
+        row["phases_in_one_process"] = phases
     return row
 
 
-def simrun_main(cases: list[str], repeat: int, out: str) -> None:
-    result = {"bench": "simrun_speed", "machine": machine(), "uptime_at_start": _uptime(),
+def simrun_main(cases: list[str], repeat: int, out: str, lean: bool = False) -> None:
+    """Measure each case and write `out`: a case measured here replaces its row, the rows of other
+    cases (measured by an earlier invocation: a million requests take minutes) are kept. Each row
+    carries the machine's `uptime` before and after it."""
+    result = {"bench": "simrun_speed", "machine": machine(),
               "load_note": "CPU seconds of each process tree; the machine is shared, so read each figure "
                            "beside simulate() alone measured in the same run (ratio_to_simulate)",
-              "vidur_reference": VIDUR_REFERENCE, "cases": []}
+              "vidur_reference": VIDUR_REFERENCE, "cases": _earlier_rows(out, cases)}
     for case in cases:
-        row = simrun_case(case, repeat)
+        before = _uptime()
+        row = simrun_case(case, repeat, lean)
+        row["uptime_before"], row["uptime_after"] = before, _uptime()
         result["cases"].append(row)
+        extras = "" if lean else (f"; progress bar +{100 * row['progress_on_a_terminal']['over_quiet']:.1f}%; "
+                                  f"phases {row['phases_in_one_process']}")
         print(f"{case}: simulate() alone {row['simulate_only_cpu_s']} s CPU; simrun --no-plots "
               f"{row['no_plots']['cpu_s']} s ({row['no_plots']['ratio_to_simulate']}x, "
               f"{row['no_plots']['peak_rss_mb']} MB), with plots {row['plots']['cpu_s']} s "
-              f"({row['plots']['ratio_to_simulate']}x); progress bar +{100 * row['progress_on_a_terminal']['over_quiet']:.1f}%; "
-              f"phases {row['phases_in_one_process']}", flush=True)
-        result["uptime_at_end"] = _uptime()
+              f"({row['plots']['ratio_to_simulate']}x, {row['plots']['peak_rss_mb']} MB){extras}", flush=True)
         write_json(out, result)               # after each case: a long run keeps what it measured
+
+
+def _earlier_rows(out: str, cases: list[str]) -> list[dict]:
+    """The rows of `out` for cases not measured now."""
+    try:
+        earlier = json.loads(Path(out).read_text())
+    except (OSError, ValueError):
+        return []
+    return [row for row in earlier.get("cases", []) if row.get("case") not in cases]
 
 
 def _uptime() -> str:
@@ -388,6 +405,9 @@ def main() -> None:
                     help="time the user's command on these cases instead (nothing else runs)")
     ap.add_argument("--repeat", type=int, default=3, help="--simrun: runs of each kind (medians)")
     ap.add_argument("--simrun-out", default="bench/results/simrun_speed.json")
+    ap.add_argument("--lean", action="store_true",
+                    help="--simrun: only simulate() alone and the command with and without plots (no "
+                         "progress-bar run, no phase-by-phase run): for the million-request cases")
     ap.add_argument("--measure-tree", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--simulate-only-child", help=argparse.SUPPRESS)
     ap.add_argument("--phases-child", nargs=2, help=argparse.SUPPRESS)
@@ -405,7 +425,7 @@ def main() -> None:
         print(json.dumps(phases_child(*args.phases_child)))
         return
     if args.simrun:
-        simrun_main(args.simrun, args.repeat, args.simrun_out)
+        simrun_main(args.simrun, args.repeat, args.simrun_out, args.lean)
         return
     if args.sweep_child:
         points, jobs, requests, out = args.sweep_child

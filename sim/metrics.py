@@ -31,14 +31,14 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
     """weighted_percentile at each q, sorting once (the ITL sample is a value per step: millions)."""
     order = np.argsort(values, kind="stable")
-    v, cum = values[order], np.cumsum(weights[order])
+    cum = np.cumsum(weights[order])          # (the sorted values are read at the few ranks wanted only)
     total = int(cum[-1])
     out = []
     for q in qs:
         pos = q / 100 * (total - 1)
         lo, hi = int(np.floor(pos)), int(np.ceil(pos))
-        v_lo = v[np.searchsorted(cum, lo, side="right")]
-        v_hi = v[np.searchsorted(cum, hi, side="right")]
+        v_lo = values[order[np.searchsorted(cum, lo, side="right")]]
+        v_hi = values[order[np.searchsorted(cum, hi, side="right")]]
         out.append(float(v_lo + (v_hi - v_lo) * (pos - lo)))
     return out
 
@@ -98,7 +98,8 @@ def summarise(records: RunRecords, slo=None, requests=None,
     duration = _duration(measured, n_measured)
     n_out = exact.nansum(measured["output_tokens"])
     n_in = exact.nansum(measured["prompt_tokens"])
-    itl_values, itl_weights = itl_samples(records, measured["id"])
+    # the ITL sample (a value per step) let go once its figures are taken
+    itl = distribution(*itl_samples(records, measured["id"]))
     has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
     rate = (lambda x: x / duration if duration > 0 else None)   # noqa: E731
     steady = status[~warm]
@@ -118,7 +119,7 @@ def summarise(records: RunRecords, slo=None, requests=None,
         "total_token_throughput": rate(float(n_in + n_out)),
         "ttft_s": distribution(measured["ttft_s"]),
         "tpot_s": distribution(measured["tpot_s"]),
-        "itl_s": distribution(itl_values, itl_weights),
+        "itl_s": itl,
         "e2e_s": distribution(measured["e2e_s"]),
         "goodput": rate(float(met)) if has_slo else None,
         # over every non-warm-up request: a rejected or aborted request missed its SLOs

@@ -23,3 +23,15 @@ def test_the_measured_sweep_runs_every_point_on_its_workers():
     m = measured_sweep(3, 2, requests=40)
     assert m["exit_code"] == 0 and m["points_written"] == 3 and m["points_failed"] == 0
     assert m["workers_cpu_s"] > 0 and m["main_process_cpu_s"] > 0 and m["wall_s"] >= m["wall_in_process_s"]
+
+
+def test_simrun_results_keep_the_rows_of_cases_not_measured_again(tmp_path):
+    """A million-request case is measured by its own invocation: it must not drop the others' rows."""
+    import json
+
+    from bench.sim_speed import _earlier_rows
+
+    out = tmp_path / "simrun_speed.json"
+    assert _earlier_rows(str(out), ["vidur-100k"]) == []
+    out.write_text(json.dumps({"cases": [{"case": "vidur-100k", "cpu": 1}, {"case": "bench-1m-150", "cpu": 2}]}))
+    assert _earlier_rows(str(out), ["vidur-100k"]) == [{"case": "bench-1m-150", "cpu": 2}]
