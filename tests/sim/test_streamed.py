@@ -99,3 +99,13 @@ def test_simrun_spill_records_writes_the_data_files_and_the_chunks(tmp_path):
     assert json.loads((out / "summary.json").read_text())["requests_total"] == 500
     assert sorted(p.name for p in (out / "records").glob("*.npz"))[:2] == ["requests-000000.npz",
                                                                           "steps-0000-000000.npz"]
+
+
+def test_the_workload_lists_its_draws_in_chunks_and_makes_the_same_requests(monkeypatch):
+    import sim.workload as workload
+    from sim.predict import workload_digest
+
+    scenario = load_scenario(ROOT / "scenarios" / "whatif_routers.yaml", ["workload.num_requests=300"])
+    whole = workload_digest(workload.build_requests(scenario))
+    monkeypatch.setattr(workload, "LISTED_CHUNK", 7)       # conversations straddle the chunks
+    assert workload_digest(workload.build_requests(scenario)) == whole
