@@ -244,7 +244,7 @@ class DisaggSimulation(Simulation):
                 return                        # back-pressure: the prefill engine keeps holding the KV
             queue.pop(0)
             t.allocated_s = env.now
-            t.blocks = len(req.blocks) - len(hits)
+            t.blocks = len(req.blocks) - hit_tokens // kv.block_size     # (the blocks read from the prefill engine)
             t.shard_bytes = transfer_shard_bytes(self.scenario, t.blocks)
             self._links[decode.index].start(t, lambda done, env=env: self._read_done(env, done))
 

@@ -163,7 +163,7 @@ class Scheduler:
         preempted: list[Request] = []
         while True:
             batch = self._schedule_pass()
-            freed = self._after_pass()
+            freed = self.pending_release and self._after_pass()    # (only async holds finishers over)
             if batch is not None or not (self._empty_preempted or freed):
                 break
             preempted += self._empty_preempted
@@ -173,7 +173,8 @@ class Scheduler:
         return batch
 
     def _after_pass(self) -> bool:
-        """Runs after each pass; True when it freed what a second pass could use (async)."""
+        """Runs after a pass with finishers pending; True when it freed what a second pass could use
+        (async scheduling)."""
         return False
 
     def _schedule_pass(self) -> Optional[Batch]:
@@ -201,12 +202,9 @@ class Scheduler:
     def _batch_formed(self, batch: Batch) -> None:
         """A pass scheduled `batch` (LoRA makes its adapters resident, static batching pads it)."""
 
-    def _schedule_running(self, batch: Batch, budget: int) -> int:
-        return self._schedule_each(*self._cohort_first(batch, budget), batch)
-
-    def _cohort_first(self, batch: Batch, budget: int) -> tuple:
-        """(the running requests left to walk one by one, the budget left) after the decode cohort's
-        turn: all its members at once, or it dissolves and everyone is walked one by one."""
+    def _schedule_running(self, batch: Batch, budget: int, select=None) -> int:
+        """The decode cohort's turn (all its members at once, or it dissolves), then the requests
+        left, one by one (those `select` picks: prefill_first's decode pass, sim/core/step_orders.py)."""
         candidates = self.running
         cohort = self.cohort
         if cohort.members:             # fast path: every member's token at once (sim/core/fast/cohort.py)
@@ -217,7 +215,9 @@ class Scheduler:
                 budget -= batch.cohort_size
                 candidates = others
         cohort.sync(batch.step)
-        return candidates, budget
+        if select is not None:
+            candidates = select(candidates)
+        return self._schedule_each(candidates, budget, batch)
 
     def _schedule_each(self, candidates, budget: int, batch: Batch) -> int:
         for req in list(candidates):       # (a snapshot: victims leave `running` while it is walked)

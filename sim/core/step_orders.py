@@ -43,8 +43,13 @@ class StaticBatching:
         batch.pad_static(self.static_batch, self.block_size)
 
 
-def _is_decode(req) -> bool:
-    return req.num_tokens - req.num_computed == 1 and req.num_output > 0
+def _prefills(reqs) -> list:
+    """The requests that are not decodes (one generated token to feed back), in order."""
+    return [r for r in reqs if r.num_tokens - r.num_computed != 1 or not r.num_output]
+
+
+def _decodes(reqs) -> list:
+    return [r for r in reqs if r.num_tokens - r.num_computed == 1 and r.num_output > 0]
 
 
 class PrefillFirst:
@@ -57,14 +62,13 @@ class PrefillFirst:
     def _compose(self, batch, budget: int) -> None:
         # (the cohort's members are decodes: the one-by-one requests are `active`)
         candidates = self.active if self.cohort.members else self.running
-        budget = self._schedule_each([r for r in candidates if not _is_decode(r)], budget, batch)
+        budget = self._schedule_each(_prefills(candidates), budget, batch)
         if not batch.preempted:
             budget = self._schedule_waiting(batch, budget)
         if len(batch):                 # a prefill step: the decodes wait; the cohort sits it out intact
             self.cohort.pause(batch.step)
             return
-        candidates, budget = self._cohort_first(batch, budget)
-        self._schedule_each([r for r in candidates if _is_decode(r)], budget, batch)
+        self._schedule_running(batch, budget, select=_decodes)
 
     def _first_chunk(self, n: int, budget: int, batch_empty: bool):
         """Only the step's first prefill may be chunked (nano-vllm)."""

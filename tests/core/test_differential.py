@@ -38,8 +38,9 @@ def random_case(seed):
 
 
 def with_sliding_windows(case, seed):
-    """The case on a grouped KV cache (GroupedKVCacheManager): a sliding window of a few blocks,
-    alone or beside full-attention groups, in either order; paged, as vLLM requires."""
+    """The case on a grouped KV cache (the hybrid coordinator, sim/core/kv/coordinator.py): a
+    sliding window of a few blocks, alone or beside full-attention groups, in either order; paged,
+    as vLLM requires."""
     rnd = random.Random(seed + 10_000)
     full, sliding = rnd.choice([(0, 1), (1, 1), (1, 2), (2, 1)])
     window = rnd.randint(1, 5 * case["block_size"] + 3)

@@ -1,8 +1,8 @@
 """Sliding-window and hybrid (local + global) models in the simulated block pool.
 
-GroupedKVCacheManager keeps one block table per KV cache group, frees the blocks a sliding
-group's window left behind, and finds prefix hits per group as vLLM's hybrid KV cache manager
-does. Hand-checked small cases first, then whole runs checked block for block against
+The hybrid coordinator (sim/core/kv/coordinator.py) keeps one block table per KV cache group,
+frees the blocks a sliding group's window left behind, and finds prefix hits per group as vLLM's
+hybrid KV cache manager does. Hand-checked small cases first, then whole runs checked block for block against
 sim/core/memory.py's arithmetic, then scenarios from imported config.json files.
 """
 import random

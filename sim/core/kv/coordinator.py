@@ -4,7 +4,9 @@ group (every uniform model: one table, `Request.blocks`), `HybridCoordinator` fo
 or a sliding window (a table per group, `Request.group_tables`, each group run by its
 single-type manager, sim/core/kv/single_type.py). Both answer the same calls (`API`), which
 `KVCacheManager` (sim/core/kv/manager.py) hands to the scheduler and the decode cohort; a prefix
-hit is always per group (`KVCacheBlocks`).
+hit is always per group (`KVCacheBlocks`). (vLLM's UnitaryKVCacheCoordinator also runs a lone
+sliding-window group; here the hybrid coordinator does, so the unitary one keeps the simulator's
+id-light pool and private blocks to full attention.)
 
 vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
 - lookup happens only for requests with nothing computed, stops at the first miss and always
