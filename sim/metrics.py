@@ -31,7 +31,10 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
     """weighted_percentile at each q, sorting once (the ITL sample is a value per step: millions)."""
     order = np.argsort(values, kind="stable")
-    cum = np.cumsum(weights[order])          # (the sorted values are read at the few ranks wanted only)
+    # (the sorted values are read at the few ranks wanted only; the running weight in int32 where
+    # the total fits: a million-request run's ITL sample has a value per step)
+    fits = int(np.sum(weights, dtype=np.int64)) <= np.iinfo(np.int32).max
+    cum = np.cumsum(weights[order], dtype=np.int32 if fits else np.int64)
     total = int(cum[-1])
     out = []
     for q in qs:
@@ -185,19 +188,24 @@ class _Steps:
         else:
             per_step, rows = records.step_series(_PER_STEP), records.row_series(_PER_ROW)
         # integers stay as stored (int32 mostly): their max, sum and float average are the same
+        # (products are taken in int64)
         self.step = {c: v.astype(np.float64, copy=False) if c in ("start_s", "end_s") else v
                      for c, v in per_step.items()}
-        self.row = {c: v.astype(np.int64, copy=False) for c, v in rows.items()}
+        self.row = rows
         self.count = len(self.step["end_s"])
+
+    def _per_step_total(self, column: str, keep=slice(None)) -> int:
+        """Sum over steps of a per-row integer column (each row's value times its step count)."""
+        return int(np.multiply(self.row[column][keep], self.row["steps"][keep], dtype=np.int64).sum())
 
     def preemptions(self, replica: Optional[int] = None) -> int:
         keep = slice(None) if replica is None else self.row["replica"] == replica
-        return int((self.row["preemptions"][keep] * self.row["steps"][keep]).sum())
+        return self._per_step_total("preemptions", keep)
 
     def mean_per_step(self, column: str) -> float:
         """pandas' mean over a per-step column of integers (float64 sum / count), from the rows:
         the integer sum is exact, and so is its float64 sum below 2**53, so the figure is the same."""
-        return float(np.float64(int((self.row[column] * self.row["steps"]).sum())) / np.float64(self.count))
+        return float(np.float64(self._per_step_total(column)) / np.float64(self.count))
 
 
 def rejection_reasons(requests) -> list[dict[str, Any]]:

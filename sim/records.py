@@ -684,12 +684,16 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
             continue
         end = rec.step_column("end_s")
         owner, a, b = _select(run_owner, idx, run_a, run_b)
-        counts = np.bincount(a + 1, minlength=len(end) + 1)
-        counts -= np.bincount(b + 1, minlength=len(end) + 1)
-        per_step = np.cumsum(counts, out=counts)[1:len(end)]
+        # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
+        # float64 array, exact for counts; then reused for the gaps: millions of steps)
+        ones = np.ones(len(a))
+        work = np.bincount(np.concatenate([a + 1, b + 1]), weights=np.concatenate([ones, -ones]),
+                           minlength=len(end) + 1)
+        per_step = np.cumsum(work, out=work)[1:len(end)]
         emitting = per_step > 0
-        values.append(np.diff(end)[emitting])
-        weights.append(per_step[emitting].astype(np.int32))    # (requests emitting in a step)
+        weights.append(per_step[emitting].astype(np.int32))
+        gaps = np.subtract(end[1:], end[:-1], out=work[:len(end) - 1])
+        values.append(gaps[emitting])
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         between = end[a[1:][same]] - end[b[:-1][same]]
         values.append(between)

@@ -92,3 +92,26 @@ def test_requests_csv_from_columns_is_pandas_to_csv(varied_run, tmp_path):
     write_csv(tmp_path / "a.csv", columns)
     frame.to_csv(tmp_path / "b.csv", index=False)
     assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+
+
+def test_the_itl_sample_is_every_gap_between_a_requests_tokens(varied_run):
+    """itl_samples counts the gaps inside runs of emitting steps per step (weights); listed one by
+    one from the runs, token by token, they are the same multiset."""
+    from sim.records import itl_samples
+
+    _, records = varied_run
+    table = records.requests
+    ids, replica = table.sorted_column("id"), table.sorted_column("replica")
+    finished = request_columns(records)["status"] == "finished"
+    owner, first, last = table.emit_runs()
+    want = []
+    for rec in records.recorders:
+        end = rec.step_column("end_s")
+        for who in np.flatnonzero(finished & (replica == rec.replica)):
+            runs = [(a, b) for o, a, b in zip(owner, first, last) if o == who]
+            times = [end[k] for a, b in runs for k in range(a, b + 1)]
+            want += list(np.diff(times))
+    values, weights = itl_samples(records, ids[finished])
+    got = np.repeat(values, weights)
+    assert len(got) == len(want) > 1000
+    assert np.array_equal(np.sort(got), np.sort(np.array(want)))
