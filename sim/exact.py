@@ -6,6 +6,8 @@ to the operation's identity and calling numpy's own reduction on the array: a su
 pairwise summation of the values with NaN set to 0, a mean that sum over the count of non-NaN
 values, a max or min the numpy max or min with NaN set to -inf or +inf (NaN when none is left).
 Integers and booleans have no missing values: numpy's reduction as it is (a bool's sum counts).
+An object column (a measured run's field the endpoint did not report: None) is left to pandas
+itself: only measured runs have them, and their None-skipping rules are pandas' own.
 tests/sim/test_exact.py holds each to pandas on random data, NaN included.
 """
 from __future__ import annotations
@@ -23,9 +25,17 @@ def _floats_without_nan(values: np.ndarray, fill: float) -> tuple[np.ndarray, in
     return values, len(values) - missing
 
 
+def _object_series(values: np.ndarray):
+    import pandas as pd
+
+    return pd.Series(values, dtype=object)
+
+
 def nansum(values: np.ndarray):
     """Series.sum(): float64, or the integer sum for integers and booleans (a count)."""
     values = np.asarray(values)
+    if values.dtype.kind == "O":
+        return _object_series(values).sum()
     if values.dtype.kind == "f":
         return _floats_without_nan(values, 0.0)[0].sum()
     if values.dtype.kind == "b":
@@ -36,6 +46,8 @@ def nansum(values: np.ndarray):
 def nanmean(values: np.ndarray) -> float:
     """Series.mean(): the sum of the non-NaN values over their count (NaN when there is none)."""
     values = np.asarray(values)
+    if values.dtype.kind == "O":
+        return _object_series(values).mean()
     if values.dtype.kind == "f":
         kept, count = _floats_without_nan(values, 0.0)
         total, count = kept.sum(), np.float64(count)
@@ -55,6 +67,9 @@ def nanmin(values: np.ndarray):
 
 
 def _extreme(values: np.ndarray, fill: float, reduce):
+    if values.dtype.kind == "O":
+        series = _object_series(values)
+        return series.max() if reduce is np.max else series.min()
     if values.dtype.kind != "f":
         return reduce(values) if len(values) else np.nan
     kept, count = _floats_without_nan(values, fill)

@@ -18,14 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def random_columns(seed: int) -> list[np.ndarray]:
     """Float columns of awkward sums (magnitudes over 12 decades, long enough for numpy's pairwise
-    blocks), with and without NaN, all-NaN, empty; integer and boolean columns."""
+    blocks), with and without NaN, all-NaN, empty; integer and boolean columns; object columns."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 20_000))
     floats = rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)
     with_nan = floats.copy()
     with_nan[rng.random(n) < 0.1] = np.nan
+    # a measured run's field an endpoint did not report: objects, None where missing
+    reported = np.array([None if m else int(v) for m, v in zip(rng.random(n) < 0.2, rng.integers(0, 100, n))],
+                        dtype=object)
     return [floats, with_nan, np.full(5, np.nan), np.zeros(0), floats[::3],
-            rng.integers(-10**9, 10**9, n), rng.random(n) < 0.3, rng.integers(0, 100, n).astype(np.int32)]
+            rng.integers(-10**9, 10**9, n), rng.random(n) < 0.3, rng.integers(0, 100, n).astype(np.int32),
+            reported, np.array([None, None], dtype=object)]
 
 
 @pytest.mark.parametrize("seed", range(8))
