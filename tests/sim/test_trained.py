@@ -40,6 +40,22 @@ def test_the_validation_covers_gpus_parallelism_moe_and_rates():
     assert any("Mixtral" in d or "gpt-oss" in d for d in deployments), "an MoE deployment"
     assert TABLE["run"].str.startswith("infsim-").sum() >= 10, "runs at several request rates"
     assert not TABLE["source"].str.contains("LLMServingSim").any()
+    kept_back = (TABLE["gpu"].str.startswith(("rtx-4090", "rtx-pro-6000"))
+                 & TABLE["deployment"].str.contains(r"vLLM 0\.19"))
+    assert not kept_back.any(), "the vLLM 0.19 RTX 4090 / RTX PRO 6000 runs are the independent check"
+    if FAMILY.get("data_pass", 1) >= 2:      # the second data pass (validate/lodo.py LATEST_DATA_PASS)
+        assert len(deployments) >= 40 and TABLE["gpu"].nunique() >= 8
+        assert {"rtx-4090", "rtx-6000-ada", "rtx-a6000", "l4"} <= set(TABLE["gpu"]), "consumer and workstation cards"
+        moe = ("Mixtral", "gpt-oss", "A22B", "A3B")
+        assert sum(any(m in d for m in moe) for d in deployments) >= 5, "MoE deployments"
+        rates = TABLE.loc[TABLE["run"].str.startswith("accelmark-"), "run"].str.extract(r"-qps([\d_.]+)$")[0]
+        assert rates.nunique() >= 6, "Poisson runs at several rates"
+
+
+def test_the_loader_follows_the_committed_data_pass(runs):
+    """The table pins the runs of the pass the family was fitted on: the loader gives exactly those."""
+    assert lodo.committed_data_pass() == FAMILY.get("data_pass", 1) <= lodo.LATEST_DATA_PASS
+    assert set(runs) == set(TABLE["run"])
 
 
 def test_bands_are_computed_from_the_table_not_typed_in():
@@ -73,7 +89,7 @@ def test_recorded_lodo_errors_still_hold(run_id, runs):
 
 
 @pytest.mark.parametrize("deployment", [
-    "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0",                   # no other L4: generic
+    "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0",   # pass 1: no other L4 (generic); pass 2: AccelMark's L4
     "meta-llama/Llama-3.3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.8.3",  # refitted on the other a100-40g
 ])
 def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, monkeypatch):
