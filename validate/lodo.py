@@ -484,12 +484,37 @@ def generic(params: dict[str, dict[str, float]]) -> dict[str, float]:
 _FOLD_STATE: dict = {}       # what forked fold and class fits share: the runs, the full fit, progress
 
 
+def _resumable(kind: str, name: str, compute: Callable):
+    """compute(), kept in the --resume folder as it finishes and read back from there when present
+    (a refit that was killed half way does not redo its finished class fits and folds)."""
+    import hashlib
+    import json
+
+    from sim.output.io import write_text
+
+    folder = _FOLD_STATE.get("resume")
+    if folder is None:
+        return compute()
+    path = Path(folder) / f"{kind}-{hashlib.sha1(name.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored["name"] == name:
+            return stored["value"]
+    value = compute()
+    write_text(path, json.dumps({"name": name, "value": value}))
+    return value
+
+
 def _class_fit(gpu: str) -> dict[str, float]:
-    group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
-    _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} deployments")
-    params = fit_class(group)
-    _FOLD_STATE["progress"](f"  {gpu}: {params}")
-    return params
+    def fit() -> dict[str, float]:
+        group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
+        _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} "
+                                "deployments")
+        params = fit_class(group)
+        _FOLD_STATE["progress"](f"  {gpu}: {params}")
+        return params
+
+    return _resumable("class", gpu, fit)
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, float]]:
@@ -548,9 +573,13 @@ def run_rows(run: Run, params: dict[str, float]) -> dict:
 
 def _fold_rows(name: str) -> list[dict]:
     runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
-    params = fold_params(runs, name, full, progress)
-    return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
-            for run in deployments(runs)[name]]
+
+    def fold() -> list[dict]:
+        params = fold_params(runs, name, full, progress)
+        return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
+                for run in deployments(runs)[name]]
+
+    return _resumable("fold", name, fold)
 
 
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
@@ -685,6 +714,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--check", metavar="DEPLOYMENT", help="recompute one fold and compare with the stored table")
     p.add_argument("--docs-only", action="store_true", help="rewrite docs/fidelity.md from the stored table")
     p.add_argument("--jobs", type=int, default=1, help="folds fitted in parallel (forked processes)")
+    p.add_argument("--resume", metavar="DIR", help="keep each class fit and fold in DIR as it finishes and reuse "
+                   "those already there (one folder per refit: a killed refit picks up where it stopped)")
     p.add_argument("--data-pass", type=int, default=LATEST_DATA_PASS, choices=range(1, LATEST_DATA_PASS + 1),
                    help="the data pass to refit on (default: the latest); --check uses the committed one")
     args = p.parse_args(argv)
@@ -699,6 +730,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         now = lodo_table(runs, full, only=[args.check])
         print(now.to_string())
         return 0
+    if args.resume:
+        Path(args.resume).mkdir(parents=True, exist_ok=True)
+        _FOLD_STATE["resume"] = Path(args.resume) / f"pass{args.data_pass}"
+        _FOLD_STATE["resume"].mkdir(exist_ok=True)
     full = class_params(runs, jobs=args.jobs)
     table = lodo_table(runs, full, jobs=args.jobs)
     write_csv(TABLE_FILE, table)

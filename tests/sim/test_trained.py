@@ -107,6 +107,22 @@ def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, 
             assert abs(a - b) <= max(0.02, 0.1 * abs(b)), f"{run_id} {col}: now {a:.4g}, recorded {b:.4g}"
 
 
+def test_a_resumed_refit_reuses_the_folds_it_kept(runs, tmp_path, monkeypatch):
+    """`--resume DIR`: a fold finished once is read back, not refitted (a refit killed half way resumes)."""
+    deployment = "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0"
+    full = {g: e["parameters"] for g, e in FAMILY["classes"].items()}
+    monkeypatch.setitem(lodo._FOLD_STATE, "resume", tmp_path)
+    first = lodo.lodo_table(list(runs.values()), full, only=[deployment], progress=lambda *_: None)
+    assert len(list(tmp_path.glob("fold-*.json"))) == 1
+
+    def refit(*args, **kwargs):
+        raise AssertionError("a kept fold was refitted")
+
+    monkeypatch.setattr(lodo, "fold_params", refit)
+    again = lodo.lodo_table(list(runs.values()), full, only=[deployment], progress=lambda *_: None)
+    pd.testing.assert_frame_equal(first, again)
+
+
 def test_trained_step_times_load_the_class_profile_and_fall_back_to_generic():
     from sim.scenario import validate_scenario
 
