@@ -529,7 +529,9 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
     if jobs > 1 and len(items) > 1:
         import multiprocessing
 
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        # a fresh fork per item: a worker's memory grows over the folds it fits (to ~13 GB, which
+        # the out-of-memory killer took on a shared machine, leaving the map waiting forever)
+        with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
             return pool.map(fn, items, chunksize=1)
     return [fn(i) for i in items]
 
