@@ -83,8 +83,22 @@ MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2
           "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
           "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3.1-8b",      # Llama-3-8B: the 3.1-8B shape
           "meta-llama/Meta-Llama-3-70B-Instruct": "llama-3.1-70b",
-          "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b"}
-NATIVE_QUANT = {"openai/gpt-oss-20b"}      # checkpoints published quantized: keep their scheme
+          "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
+          "openai/gpt-oss-120b": "hf:openai__gpt-oss-120b",
+          # the 2507 Instruct releases: the original's shape (only the context length grew)
+          "Qwen/Qwen3-235B-A22B-Instruct-2507": "hf:Qwen__Qwen3-235B-A22B",
+          "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8": "hf:Qwen__Qwen3-235B-A22B-FP8",
+          "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b"}
+# Data passes: 1 = issue 25's first collection (14 deployments); 2 = AccelMark's V0 runs, GPUStack's
+# gpt-oss-120b / Qwen3-235B, vLLM PR #23151, inference-perf's fixed prompt set with a warm cache on
+# later stages, and the cross-node servers left out. The committed family names the pass it was
+# fitted on (`data_pass`), and the loader follows it, so the committed table stays what the loader
+# gives until `python -m validate.lodo` refits on the latest pass.
+LATEST_DATA_PASS = 2
+PASS_2_MODELS = {"openai/gpt-oss-120b", "Qwen/Qwen3-235B-A22B-Instruct-2507",
+                 "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8", "Qwen/Qwen3-30B-A3B"}
+NATIVE_QUANT = {"openai/gpt-oss-20b", "openai/gpt-oss-120b",   # checkpoints published quantized: keep their scheme
+                "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8"}
 GPUS = {"A100-80GB": "a100-80g", "A100-SXM-80GB": "a100-80g", "A100-40GB": "a100-40g",
         "A100-SXM4-40GB": "a100-40g", "H100-SXM-80GB": "h100-sxm", "H200-SXM-141GB": "h200", "L4": "l4",
         "RTX-4090": "rtx-4090", "RTX-6000-Ada": "rtx-6000-ada", "RTX-A6000": "rtx-a6000", "T4": "t4"}
@@ -96,10 +110,15 @@ LINKS = {"dennislee-vllm-7B-2gpuA10080GB-0.25GRAM-same-node": {"interconnect": "
                                                                "peer_to_peer": False},
          "dennislee-vllm-7B-2gpuA10080GB-0.5GRAM-same-node": {"interconnect": "pcie", "pcie_gen": 4,
                                                               "peer_to_peer": False}}
+# Servers whose tensor-parallel GPUs sit in two nodes (dennislee22's "diff-nodes" pods under Ray): their
+# all-reduce crosses the pods' network, which no catalog link describes; priced as PCIe they read as a
+# -83 % TPOT quirk of the A100 classes, so they are left out of the fit and the table.
+CROSS_NODE_LOGS = {"dennislee-vllm-7B-2gpuA10040GB-0.5GRAM-diff-nodes",
+                   "dennislee-vllm-120B-4gpuA10080GB-0.8GRAM-diff-nodes"}
 WINDOW_S = 40.0          # a constant-rate stage is replayed over its first WINDOW_S seconds
+WARMUP_RATE = 50.0       # req/s of the warm-up pass that fills the prefix cache before a later stage
 MAX_WINDOW_REQUESTS = 600
 FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
-ACCELMARK_IN_VALIDATION = False   # until the family is refitted on them (the committed table pins the rest)
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
 
 
@@ -165,11 +184,16 @@ def _deployment_name(hf_id: str, gpu: str, tp: int, version) -> str:
     return f"{hf_id} / {gpu} / tp {tp} / vLLM {version or 'not stated'}"
 
 
-def bench_runs(logs: dict[str, dict]) -> tuple[list[Run], dict[str, int]]:
+def committed_data_pass() -> int:
+    """The data pass the committed family was fitted on (1 before the family recorded it)."""
+    return int(yaml.safe_load(FAMILY_FILE.read_text()).get("data_pass", 1)) if FAMILY_FILE.exists() else 1
+
+
+def bench_runs(logs: dict[str, dict], data_pass: int = LATEST_DATA_PASS) -> tuple[list[Run], dict[str, int]]:
     """bench_runs.yaml: fixed-length random datasets sent all at once or by a closed-loop client."""
     runs, skipped = [], {}
     for e in yaml.safe_load(BENCH_FILE.read_text())["runs"]:
-        reason = _bench_skip(e)
+        reason = _bench_skip(e, data_pass)
         if reason:
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
@@ -201,14 +225,16 @@ def bench_runs(logs: dict[str, dict]) -> tuple[list[Run], dict[str, int]]:
     return runs, skipped
 
 
-def _bench_skip(e: dict) -> Optional[str]:
+def _bench_skip(e: dict, data_pass: int = LATEST_DATA_PASS) -> Optional[str]:
     m = e["metrics"]
-    if e["model"] not in MODELS:
+    if e["model"] not in MODELS or (data_pass < 2 and e["model"] in PASS_2_MODELS):
         return "model shape not in the catalog or tests/data/hf_configs"
     if (e.get("quantization") and e["model"] not in NATIVE_QUANT) or e.get("kv_cache_dtype") not in (None, "auto"):
         return "quantized weights or KV cache beyond the checkpoint's own scheme"
     if e["gpu"]["model"] not in GPUS:
         return "GPU not in the catalog"
+    if data_pass >= 2 and e.get("startup_log_id") in CROSS_NODE_LOGS:
+        return "tensor parallel across two nodes (all-reduce over the network, not modelled)"
     if e["dataset"].get("name") != "random":
         return "dataset lengths not fixed (ShareGPT): its length distribution is not in the file"
     if str(e.get("request_rate")) != "inf":
@@ -237,7 +263,7 @@ def _bench_measured(m: dict) -> dict[str, float]:
     return out
 
 
-def rate_runs() -> list[Run]:
+def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
     """rate_runs.yaml: open-loop runs at request rates (constant or Poisson arrivals)."""
     from sim.vllm.results import load_results, to_requests
 
@@ -245,7 +271,7 @@ def rate_runs() -> list[Run]:
     for e in yaml.safe_load(RATE_FILE.read_text())["runs"]:
         d, w, m = e["deployment"], e["workload"], e["metrics"]
         if w["client"] == "accelmark":
-            if ACCELMARK_IN_VALIDATION:
+            if data_pass >= 2:
                 runs.append(_accelmark_run(e))
             continue
         measured = {f"{k}_{s}": m[f"{k}_s"][s] for k in ("ttft", "tpot", "e2e") for s in ("mean", "p99")}
@@ -263,7 +289,7 @@ def rate_runs() -> list[Run]:
             requests, notes = to_requests(result)
             longest = max(r.prompt_len + r.output_len for r in requests)
         else:
-            requests, notes, stage_s, stage_count = _constant_stage(e["id"], w, m)
+            requests, notes, stage_s, stage_count = _constant_stage(e["id"], w, m, data_pass)
             longest = max(r.prompt_len + r.output_len for r in requests)
         scenario = deployment_scenario(e["id"], d["model"], d["gpu"], d["tp"], engine, longest)
         runs.append(Run(e["id"], _deployment_name(d["model"], d["gpu"], d["tp"], d.get("vllm_version")),
@@ -318,25 +344,42 @@ def _accelmark_run(e: dict) -> Run:
                scenario, requests, measured, e["source"]["url"], notes=notes, centre="median")
 
 
-def _constant_stage(run_id: str, w: dict, m: dict):
-    """A constant-rate inference-perf stage: evenly spaced sends of the stage's mean lengths, the
-    system prompt shared within its group (vLLM's prefix cache hits it), over the first WINDOW_S s."""
+def _constant_stage(run_id: str, w: dict, m: dict, data_pass: int = LATEST_DATA_PASS):
+    """A constant-rate inference-perf stage over its first WINDOW_S s: evenly spaced sends of the
+    stage's mean lengths. inference-perf's shared_prefix data is a fixed set of groups x
+    prompts_per_group prompts (a system prompt per group plus one question each) sent in turn
+    (inference_perf/datagen/shared_prefix_datagen.py: data_index % len(prompts)), so after one pass
+    vLLM's prefix cache holds whole prompts; a later stage starts with all of them cached, which the
+    replay reproduces by sending each prompt once first (warm-up requests, not measured). The first
+    data pass gave every request its own question, with profile.yaml's system-prompt count."""
     sp, rate = w["shared_prefix"], float(w["request_rate"])
     n = int(min(m["completed"], MAX_WINDOW_REQUESTS, math.ceil(rate * WINDOW_S)))
     prompt, output = round(w["prompt_len_mean"]), max(1, round(w["output_len_mean"]))
     system = min(int(sp["system_prompt_len"]), prompt - 1)
     key, groups = stable_key("rate-run", run_id), int(sp["groups"])
-    requests = [make_request(i, i / rate, [(stable_key(key, "system", i % groups), system),
-                                           (stable_key(key, i), prompt - system)], output)
-                for i in range(n)]
-    notes = [f"{run_id}: first {n} of {m['completed']} requests replayed (steady state)"]
+    distinct = groups * int(sp["prompts_per_group"])
+    if data_pass < 2:
+        groups, distinct = int(sp["profile"]["system_prompts"]), n
+
+    def segments(p: int) -> list:
+        question = stable_key(key, p) if data_pass < 2 else stable_key(key, "question", p)
+        return [(stable_key(key, "system", p % groups), system), (question, prompt - system)]
+
+    warm = distinct if w.get("stage", 0) > 0 and data_pass >= 2 else 0
+    start = warm / WARMUP_RATE + 1.0 if warm else 0.0
+    requests = [make_request(j, j / WARMUP_RATE, segments(j), 1, is_warmup=True) for j in range(warm)]
+    requests += [make_request(warm + i, start + i / rate, segments(i % distinct), output) for i in range(n)]
+    notes = [f"{run_id}: first {n} of {m['completed']} requests replayed (steady state)"
+             + (f", after the {warm} prompts an earlier stage left in the prefix cache" if warm else "")]
     return requests, notes, float(w["duration_s"]), int(m["completed"])
 
 
-def all_runs() -> tuple[list[Run], dict[str, int]]:
+def all_runs(data_pass: Optional[int] = None) -> tuple[list[Run], dict[str, int]]:
+    """Every run of a data pass (default: the one the committed family was fitted on)."""
+    data_pass = data_pass or committed_data_pass()
     logs = {e["id"]: e for e in yaml.safe_load(LOGS_FILE.read_text())["entries"]}
-    runs, skipped = bench_runs(logs)
-    return runs + rate_runs(), skipped
+    runs, skipped = bench_runs(logs, data_pass)
+    return runs + rate_runs(data_pass), skipped
 
 
 def deployments(runs: list[Run]) -> dict[str, list[Run]]:
@@ -441,12 +484,37 @@ def generic(params: dict[str, dict[str, float]]) -> dict[str, float]:
 _FOLD_STATE: dict = {}       # what forked fold and class fits share: the runs, the full fit, progress
 
 
+def _resumable(kind: str, name: str, compute: Callable):
+    """compute(), kept in the --resume folder as it finishes and read back from there when present
+    (a refit that was killed half way does not redo its finished class fits and folds)."""
+    import hashlib
+    import json
+
+    from sim.output.io import write_text
+
+    folder = _FOLD_STATE.get("resume")
+    if folder is None:
+        return compute()
+    path = Path(folder) / f"{kind}-{hashlib.sha1(name.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored["name"] == name:
+            return stored["value"]
+    value = compute()
+    write_text(path, json.dumps({"name": name, "value": value}))
+    return value
+
+
 def _class_fit(gpu: str) -> dict[str, float]:
-    group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
-    _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} deployments")
-    params = fit_class(group)
-    _FOLD_STATE["progress"](f"  {gpu}: {params}")
-    return params
+    def fit() -> dict[str, float]:
+        group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
+        _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} "
+                                "deployments")
+        params = fit_class(group)
+        _FOLD_STATE["progress"](f"  {gpu}: {params}")
+        return params
+
+    return _resumable("class", gpu, fit)
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, float]]:
@@ -461,7 +529,9 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
     if jobs > 1 and len(items) > 1:
         import multiprocessing
 
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        # a fresh fork per item: a worker's memory grows over the folds it fits (to ~13 GB, which
+        # the out-of-memory killer took on a shared machine, leaving the map waiting forever)
+        with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
             return pool.map(fn, items, chunksize=1)
     return [fn(i) for i in items]
 
@@ -492,7 +562,8 @@ def tables_cover(run: Run) -> bool:
 
 
 def run_rows(run: Run, params: dict[str, float]) -> dict:
-    row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": len(run.requests),
+    measured = sum(not r.is_warmup for r in run.requests)
+    row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": measured,
            "source": run.source}
     row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients())).items()})
     if tables_cover(run):
@@ -504,9 +575,13 @@ def run_rows(run: Run, params: dict[str, float]) -> dict:
 
 def _fold_rows(name: str) -> list[dict]:
     runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
-    params = fold_params(runs, name, full, progress)
-    return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
-            for run in deployments(runs)[name]]
+
+    def fold() -> list[dict]:
+        params = fold_params(runs, name, full, progress)
+        return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
+                for run in deployments(runs)[name]]
+
+    return _resumable("fold", name, fold)
 
 
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
@@ -563,12 +638,12 @@ def trained_wins(table: pd.DataFrame) -> dict[str, bool]:
 # ----------------------------------------------------------------------------- writing
 
 def write_family(full: dict[str, dict[str, float]], table: pd.DataFrame, runs: list[Run],
-                 path: Path = FAMILY_FILE) -> Path:
+                 path: Path = FAMILY_FILE, data_pass: int = LATEST_DATA_PASS) -> Path:
     from sim.output.io import write_text
 
     deps = deployments(runs)
     data = {
-        "family": "trained", "version": FAMILY_VERSION,
+        "family": "trained", "version": FAMILY_VERSION, "data_pass": data_pass,
         "written": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "method": ("validate/lodo.py: per GPU class, validate/vllm_fit.py's least squares on log errors of mean "
                    "TTFT, TPOT, E2E and throughput of every public run of the class (tests/data/vllm_public)"),
@@ -641,11 +716,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--check", metavar="DEPLOYMENT", help="recompute one fold and compare with the stored table")
     p.add_argument("--docs-only", action="store_true", help="rewrite docs/fidelity.md from the stored table")
     p.add_argument("--jobs", type=int, default=1, help="folds fitted in parallel (forked processes)")
+    p.add_argument("--resume", metavar="DIR", help="keep each class fit and fold in DIR as it finishes and reuse "
+                   "those already there (one folder per refit: a killed refit picks up where it stopped)")
+    p.add_argument("--data-pass", type=int, default=LATEST_DATA_PASS, choices=range(1, LATEST_DATA_PASS + 1),
+                   help="the data pass to refit on (default: the latest); --check uses the committed one")
     args = p.parse_args(argv)
     if args.docs_only:
         write_docs(pd.read_csv(TABLE_FILE))
         return 0
-    runs, skipped = all_runs()
+    runs, skipped = all_runs(None if args.check else args.data_pass)
     print(f"{len(runs)} runs of {len(deployments(runs))} deployments; skipped: {skipped}")
     if args.check:
         family = yaml.safe_load(FAMILY_FILE.read_text())
@@ -653,10 +732,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         now = lodo_table(runs, full, only=[args.check])
         print(now.to_string())
         return 0
+    if args.resume:
+        Path(args.resume).mkdir(parents=True, exist_ok=True)
+        _FOLD_STATE["resume"] = Path(args.resume) / f"pass{args.data_pass}"
+        _FOLD_STATE["resume"].mkdir(exist_ok=True)
     full = class_params(runs, jobs=args.jobs)
     table = lodo_table(runs, full, jobs=args.jobs)
     write_csv(TABLE_FILE, table)
-    write_family(full, table, runs)
+    write_family(full, table, runs, data_pass=args.data_pass)
     write_docs(table)
     print(markdown(table))
     return 0

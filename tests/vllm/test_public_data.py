@@ -295,7 +295,8 @@ def test_accelmark_run_names_its_replay_inputs(run):
     import json
 
     w, m = run["workload"], run["metrics"]
-    assert w["arrivals"] == "poisson" and w["seed"] == 42 and w["draws_before"] % (w["num_requests"] * w["repeats"]) == 0
+    assert w["arrivals"] == "poisson" and w["seed"] == 42
+    assert w["draws_before"] % (w["num_requests"] * w["repeats"]) == 0
     counts = json.loads((DATA / w["input_tokens_file"]).read_text())["input_tokens"]
     assert len(counts) >= w["num_requests"] and all(c > 0 for c in counts)
     assert ("template_tokens" in w) != ("input_scale" in w)
@@ -303,3 +304,15 @@ def test_accelmark_run_names_its_replay_inputs(run):
     assert math.isclose(m["request_throughput"], w["num_requests"] / m["elapsed_s_median"], rel_tol=1e-3)
     assert m["completed"] + m["failed"] == w["num_requests"] * w["repeats"]
     assert run["deployment"]["engine"] == ("V0" if run["deployment"]["vllm_version"].startswith("0.7") else "V1")
+
+
+@pytest.mark.parametrize("run", by_id([r for r in RATE_RUNS if r["workload"]["client"] == "inference-perf"]))
+def test_inference_perf_stage_names_its_prompt_set_and_earlier_stages(run):
+    """The fixed prompt set the replay cycles through, from the configuration inference-perf ran, and
+    the stages before this one (a later stage starts with every prompt in vLLM's prefix cache)."""
+    w = run["workload"]
+    sp = w["shared_prefix"]
+    assert sp["groups"] >= 1 and sp["prompts_per_group"] >= 1
+    assert sp["source"] == run["source"]["path"].split("/results/")[0] + "/results/config.yaml"
+    assert len(w["stages_before"]) == w["stage"] and f"stage_{w['stage']}_" in run["source"]["path"]
+    assert sp["system_prompt_len"] < w["prompt_len_mean"] < sp["system_prompt_len"] + sp["question_len"] + 64
