@@ -26,6 +26,7 @@ from sim.disagg import pool_figures, simulate_disaggregated
 from sim.simulator import simulate
 from sim.workload import build_workload, stream_requests, warmup_notes
 from sim.trained import error_band
+from sim.core.vllm_versions import engine_generation
 
 pd = lazy_import("pandas")      # a frame of the requests or steps only where one is read
 
@@ -89,7 +90,8 @@ def predict(scenario, name: Optional[str] = None,
         req_cols, summary = None, spill.summarise(records, scenario.slo)
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
-    summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile)
+    summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile,
+                                       engine_generation(scenario.engine.vllm_version))
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
     if scenario.cluster.disaggregation is not None:
         summary["pools"] = pool_figures(records, pd.DataFrame(req_cols, copy=False))

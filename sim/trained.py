@@ -40,19 +40,23 @@ TERMS = ("step_host_s", "link_eff", "host_staging_eff")     # host time per step
 # sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model
 
 
-def error_band(source: str, profile=None) -> Optional[dict]:
+def error_band(source: str, profile=None, engine: str = "v1") -> Optional[dict]:
     """How far a prediction of this step-time source is typically off, per summary metric:
-    {"source", "basis", metric: {"typical", "deployments"}}; None when nothing validates it."""
+    {"source", "basis", metric: {"typical", "deployments"}}; None when nothing validates it.
+    `engine` (sim.core.vllm_versions.engine_generation of the scenario's vllm_version): the band comes
+    from the held-out deployments of that vLLM engine generation where the family validated any."""
     if source.startswith("calibrated"):
         return _calibrated_band(profile)
     try:
-        validated = family()["validation"]["bands"].get(source)
+        validation = family()["validation"]
+        per_engine = (validation.get("bands_by_engine") or {}).get(engine, {}).get(source)
+        validated = per_engine or validation["bands"].get(source)
     except (OSError, ValueError, KeyError):
         return None
     if not validated:
         return None
-    out = {"source": source, "basis": "leave-one-deployment-out validation on public vLLM runs "
-                                      f"(trained v{family()['version']})"}
+    runs = f"public vLLM {engine.upper()} runs" if per_engine else "public vLLM runs"
+    out = {"source": source, "basis": f"leave-one-deployment-out validation on {runs} (trained v{family()['version']})"}
     for metric, key in BAND_METRICS.items():
         if key in validated:
             out[metric] = {"typical": validated[key]["typical"], "deployments": validated[key]["deployments"]}

@@ -615,6 +615,22 @@ def bands(table: pd.DataFrame) -> dict[str, dict[str, dict]]:
     return out
 
 
+def deployment_engine(deployment: str) -> str:
+    """The engine generation (v0/v1) of a deployment named by `_deployment_name`."""
+    from sim.core.vllm_versions import engine_generation
+
+    stated = deployment.rsplit(" / vLLM ", 1)[-1]
+    return engine_generation(stated if stated[:1].isdigit() else None)
+
+
+def bands_by_engine(table: pd.DataFrame) -> dict[str, dict[str, dict[str, dict]]]:
+    """`bands` over the deployments of each vLLM engine generation: a V1 scenario's band comes from the
+    V1 deployments (V0's runs share their process with the load generator, a host cost kvtwin does not
+    price, and would widen every V1 band with errors a V1 deployment does not have)."""
+    engine = table["deployment"].map(deployment_engine)
+    return {gen: bands(table[engine == gen]) for gen in sorted(set(engine))}
+
+
 def trained_wins(table: pd.DataFrame) -> dict[str, bool]:
     """Per metric: is trained's typical error below datasheet's and tables', each compared on the
     deployments both predict (tables covers fewer GPUs)?"""
@@ -656,10 +672,22 @@ def write_family(full: dict[str, dict[str, float]], table: pd.DataFrame, runs: l
         "sources": sorted({r.source for r in runs}),
         "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
                        "table": str(TABLE_FILE.relative_to(ROOT)), "bands": bands(table),
+                       "bands_by_engine": bands_by_engine(table),
                        "trained_beats_datasheet_and_tables": trained_wins(table)},
     }
     header = ("# kvtwin trained step-time profile family (`step_times: trained`), written by\n"
               "# `python -m validate.lodo`; do not edit by hand. Cited sources: tests/data/vllm_public/SOURCES.md.\n")
+    return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
+
+
+def write_bands(table: pd.DataFrame, path: Path = FAMILY_FILE) -> Path:
+    """The committed family with its validation's bands recomputed from `table` (the fit kept)."""
+    from sim.output.io import write_text
+
+    text = path.read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    data = yaml.safe_load(text)
+    data["validation"].update(bands=bands(table), bands_by_engine=bands_by_engine(table))
     return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
 
 
@@ -685,14 +713,19 @@ def markdown(table: pd.DataFrame) -> str:
             cells = [_cell([dep.loc[name].get(f"{s} {m}") for s in SOURCES]) for m in metrics]
             lines.append(f"| {name} | {counts[name]} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["**typical error** (median |error| over held-out deployments; worst in brackets)", "",
-              "| metric | " + " | ".join(SOURCES) + " |", "|---|" + "---|" * len(SOURCES)]
-    for m in METRICS:
-        cells = []
-        for s in SOURCES:
-            e = b.get(s, {}).get(m)
-            cells.append(f"{e['typical']:.0%} ({e['worst']:.0%}, n={e['deployments']})" if e else "n/a")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    by_engine = bands_by_engine(table)
+    for title, typical in (("", b), *((f", {gen.upper()} engine deployments only (the band of a {gen.upper()} "
+                                        "scenario)", by_engine[gen]) for gen in sorted(by_engine, reverse=True))):
+        lines += [f"**typical error{title}** (median |error| over held-out deployments; worst in brackets)", "",
+                  "| metric | " + " | ".join(SOURCES) + " |", "|---|" + "---|" * len(SOURCES)]
+        for m in METRICS:
+            cells = []
+            for s in SOURCES:
+                e = typical.get(s, {}).get(m)
+                cells.append(f"{e['typical']:.0%} ({e['worst']:.0%}, n={e['deployments']})" if e else "n/a")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.pop()
     wins = trained_wins(table)
     lines += ["", "trained beats datasheet and tables on: " + (", ".join(m for m, w in wins.items() if w) or "none")
               + "; not on: " + (", ".join(m for m, w in wins.items() if not w) or "none")]
@@ -714,7 +747,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", metavar="DEPLOYMENT", help="recompute one fold and compare with the stored table")
-    p.add_argument("--docs-only", action="store_true", help="rewrite docs/fidelity.md from the stored table")
+    p.add_argument("--docs-only", action="store_true",
+                   help="rewrite docs/fidelity.md and the family's bands from the stored table (no refit)")
     p.add_argument("--jobs", type=int, default=1, help="folds fitted in parallel (forked processes)")
     p.add_argument("--resume", metavar="DIR", help="keep each class fit and fold in DIR as it finishes and reuse "
                    "those already there (one folder per refit: a killed refit picks up where it stopped)")
@@ -722,7 +756,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="the data pass to refit on (default: the latest); --check uses the committed one")
     args = p.parse_args(argv)
     if args.docs_only:
-        write_docs(pd.read_csv(TABLE_FILE))
+        table = pd.read_csv(TABLE_FILE)
+        write_bands(table)
+        write_docs(table)
         return 0
     runs, skipped = all_runs(None if args.check else args.data_pass)
     print(f"{len(runs)} runs of {len(deployments(runs))} deployments; skipped: {skipped}")

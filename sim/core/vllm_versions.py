@@ -81,6 +81,12 @@ def parse_version(version: Optional[str]) -> Version:
     return (parts + [0, 0])[0], (parts + [0, 0])[1]
 
 
+def engine_generation(version: Optional[str]) -> str:
+    """'v0' for releases before 0.8.0 (where V1 became vLLM's default engine), else 'v1'; a version not
+    stated reads as DEFAULT_VERSION, a V1 release."""
+    return "v0" if parse_version(version) < (0, 8) else "v1"
+
+
 def has(version: Optional[str], name: str) -> bool:
     """Does vLLM `version` have behaviour `name` (a key of BEHAVIOURS)?"""
     first, gone = BEHAVIOURS[name]

@@ -60,6 +60,7 @@ def test_the_loader_follows_the_committed_data_pass(runs):
 
 def test_bands_are_computed_from_the_table_not_typed_in():
     assert FAMILY["validation"]["bands"] == lodo.bands(TABLE)
+    assert FAMILY["validation"]["bands_by_engine"] == lodo.bands_by_engine(TABLE)
     for source in ("datasheet", "trained"):
         assert set(FAMILY["validation"]["bands"][source]) >= {"ttft_mean", "tpot_mean", "e2e_mean", "throughput"}
 
@@ -145,12 +146,33 @@ def test_every_answer_states_its_band_from_the_validation(capsys):
                                   "engine": {"max_model_len": 2048},
                                   "workload": {"num_requests": 30, "arrival": {"process": "poisson", "rate": 2}}})
     summary = predict(scenario, manifest=False).summary
-    validated = family()["validation"]["bands"]["trained"]
+    validated = family()["validation"]["bands_by_engine"]["v1"]["trained"]   # the default release is V1
     assert summary["error_band"]["source"] == "trained"
     assert summary["error_band"]["tpot_p99"]["typical"] == validated["tpot_p99"]["typical"]
     line = answer_line("x", summary)
     typical = validated["tpot_p99"]["typical"] * 100
     assert f"(typical error +-{typical:.0f} %, from {validated['tpot_p99']['deployments']} held-out deployments)" in line
+
+
+def test_a_band_comes_from_the_deployments_of_the_scenarios_engine_generation():
+    """V1 became vLLM's default engine in 0.8.0 (vllm/envs.py VLLM_USE_V1 default, 0.8.0): a 0.7.3
+    scenario's band is the V0 deployments', a 0.19 one's the V1 deployments' (the two differ: V0's
+    runs carry a host cost kvtwin does not price)."""
+    from sim.core.vllm_versions import engine_generation
+    from sim.trained import error_band
+
+    assert [engine_generation(v) for v in ("0.7.3", "0.8.0", "0.19.1", None)] == ["v0", "v1", "v1", "v1"]
+    assert lodo.deployment_engine("m / H100 / tp 1 / vLLM 0.7.3") == "v0"
+    assert lodo.deployment_engine("m / H100 / tp 1 / vLLM not stated") == "v1"
+    per_engine = FAMILY["validation"]["bands_by_engine"]
+    for gen in ("v0", "v1"):
+        band = error_band("datasheet", engine=gen)
+        assert band["tpot_mean"]["typical"] == per_engine[gen]["datasheet"]["tpot_mean"]["typical"]
+        assert gen.upper() in band["basis"]
+    assert error_band("datasheet", engine="v1")["tpot_mean"] != error_band("datasheet", engine="v0")["tpot_mean"]
+    deps = TABLE["deployment"].drop_duplicates()
+    assert per_engine["v1"]["datasheet"]["ttft_mean"]["deployments"] + \
+        per_engine["v0"]["datasheet"]["ttft_mean"]["deployments"] == len(deps)
 
 
 def test_a_calibrated_profile_carries_the_band_of_its_held_out_run():
@@ -189,8 +211,8 @@ def test_plan_pessimistic_answers_as_if_each_slo_were_tightened_by_its_band(tmp_
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(small))
     # the L4 profile's TPOT p99 here is ~86-92 ms at every rate (16 sequences at most): a limit
-    # whose tightened edge falls inside that range makes the band bind before the queue does
-    limit = 0.137
+    # whose tightened edge (89 ms) falls inside that range makes the band bind before the queue does
+    limit = round(0.089 * (1 + error_band("trained")["tpot_p99"]["typical"]), 4)
     tight = limit / (1 + error_band("trained")["tpot_p99"]["typical"])
 
     def plan(limit: float, *flags: str) -> tuple[pd.DataFrame, str]:
