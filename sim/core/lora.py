@@ -228,6 +228,8 @@ class LoraScheduling:
             self._pass_loras.add(req.lora_id)
         return scheduled
 
-    def _batch_formed(self, batch) -> None:
-        super()._batch_formed(batch)
-        batch.lora = self.lora.activate(batch)             # (loads priced by the cost model)
+    def _schedule_pass(self):
+        batch = super()._schedule_pass()
+        if batch is not None:
+            batch.lora = self.lora.activate(batch)         # (loads priced by the cost model)
+        return batch

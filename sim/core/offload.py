@@ -454,9 +454,11 @@ class OffloadScheduling:
         tier.start_load(req, hit_tokens, cpu_tokens)
         return 0
 
-    def _tokens_emitted(self, batch) -> None:
-        self.offload.after_step(batch.prefills + batch.decodes)      # write-through
-        super()._tokens_emitted(batch)
+    def finish_step(self, batch) -> list:
+        # Write-through, before the step's finishers are freed (their stores then become visible);
+        # what it stores does not depend on the tokens the step emits.
+        self.offload.after_step(batch.prefills + batch.decodes)
+        return super().finish_step(batch)
 
     def _preempt(self, victim: Request, batch) -> None:
         self.offload.request_done(victim)

@@ -187,7 +187,6 @@ class Scheduler:
             return None
         # (draft tokens count until their rejection rolls them back)
         self.tokens_held += batch.num_prefill_tokens + len(batch.decodes) + batch.spec_tokens
-        self._batch_formed(batch)
         self.step += 1
         return batch
 
@@ -198,9 +197,6 @@ class Scheduler:
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
-
-    def _batch_formed(self, batch: Batch) -> None:
-        """A pass scheduled `batch` (LoRA makes its adapters resident, static batching pads it)."""
 
     def _schedule_running(self, batch: Batch, budget: int, select=None) -> int:
         """The decode cohort's turn (all its members at once, or it dissolves), then the requests
@@ -399,7 +395,6 @@ class Scheduler:
         for req in emitted:
             if req.emit(step):
                 finished.append(req)
-        self._tokens_emitted(batch)
         if finished or self.pending_release:
             self._retire_finished(step, finished)
         if self.lazy:
@@ -408,9 +403,6 @@ class Scheduler:
                     self.cohort.join(req, step)
                     del self.active[req]
         return finished
-
-    def _tokens_emitted(self, batch: Batch) -> None:
-        """The step's tokens are in, its finishers not yet freed (the CPU tier stores what it filled)."""
 
     def finish_cohort_step(self, step: int) -> list[Request]:
         """`finish_step` of a step in which only the cohort's members computed (a leap's last)."""

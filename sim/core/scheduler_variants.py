@@ -2,7 +2,7 @@
 config asks for.
 
 Each variant is a mixin kept beside its own subject, overriding a few of the reference's hooks
-(`_compose`, `_first_chunk`, `_batch_formed`, `_skip_head`, `_admit`, `_tokens_emitted`,
+(`_compose`, `_schedule_pass`, `_first_chunk`, `_skip_head`, `_admit`, `finish_step`,
 `_after_pass`, `_free_finished`, ...) and calling the next through `super()`:
 
 | name | mixin | module |

@@ -34,13 +34,16 @@ class StaticBatching:
     def _first_chunk(self, n: int, budget: int, batch_empty: bool) -> int:
         return n
 
-    def _batch_formed(self, batch) -> None:
+    def _schedule_pass(self):
         """Every step computes the padded batch HF `generate` computes."""
-        super()._batch_formed(batch)
+        batch = super()._schedule_pass()
+        if batch is None:
+            return None
         if batch.admitted:             # (a new batch formed)
             self.static_batch = StaticBatch(rows=len(batch.admitted), first_step=batch.step,
                                             length=max(r.num_tokens for r in batch.admitted))
         batch.pad_static(self.static_batch, self.block_size)
+        return batch
 
 
 def _prefills(reqs) -> list:
