@@ -71,7 +71,8 @@ class StepPipeline:
         if self._pending is not None:
             # Overlapped: step N+1 was planned before the requests added since the last call, so
             # they are what vLLM's next loop turn takes (N+2): the scheduler need not hold them too.
-            self.scheduler.take_arriving()
+            if self.scheduler.arriving:         # (only async scheduling holds arrivals back)
+                self.scheduler.take_arriving()
         if self._pending is None and not self._launch_next():
             return None
         pending, finished = self._pending, self._finished

@@ -52,6 +52,12 @@ class AsyncScheduling:
         self.in_flight = batch is not None
         return batch
 
+    def take_arriving(self) -> None:
+        """Move the requests held in `arriving` to WAITING, in arrival order."""
+        for req in self.arriving:
+            self.waiting.add(req)
+        self.arriving = []
+
     def _after_pass(self) -> bool:
         """After the pass, the last step's outputs retire their finished requests (vLLM's
         update_from_output runs after the next schedule); a pass that found nothing only because

@@ -11,10 +11,8 @@ decode phase, only each request's `num_computed` against its `num_tokens`:
    max_num_seqs or the KV pool stops the head (head-of-line blocking).
 
 This class is that policy and nothing else: `make_scheduler` (sim/core/scheduler_variants.py)
-composes it with the variants a config asks for, each a small mixin beside its own subject
-overriding the hooks below. The decode cohort (sim/core/fast/cohort.py) is the one fast path
-inside a step: `take_step` gives every steady decode its token at once when that cannot change
-any outcome, else it dissolves. docs/architecture_core.md walks through the whole.
+puts the variants a config asks for in front of it, and the decode cohort (sim/core/fast/cohort.py)
+is its one fast path inside a step. docs/architecture_core.md walks through the whole.
 """
 from __future__ import annotations
 
@@ -145,20 +143,13 @@ class Scheduler:
         """Requests accepted and not yet ended."""
         return len(self.waiting) + len(self.running)
 
-    def take_arriving(self) -> None:
-        """Move the requests held in `arriving` (async scheduling) to WAITING, in arrival order."""
-        for req in self.arriving:
-            self.waiting.add(req)
-        self.arriving = []
-
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> Optional[Batch]:
         """Choose this step's work. Returns None when nothing can run.
 
         A pass can preempt every request it tried and schedule nothing (the last running request
-        preempts itself); vLLM's next step then admits from the waiting queue. That empty step
-        takes no time, so it is folded into the next one (its preemptions with it) rather than
-        returned as nothing to do, which would leave the engine asleep.
+        preempts itself); vLLM's next step then admits from the waiting queue. That empty step takes
+        no time, so it is folded into the next one with its preemptions (None would idle the engine).
         """
         preempted: list[Request] = []
         while True:
@@ -169,12 +160,10 @@ class Scheduler:
             preempted += self._empty_preempted
         if batch is not None and preempted:
             batch.preempted[:0] = preempted
-        self._empty_preempted = []
         return batch
 
     def _after_pass(self) -> bool:
-        """Runs after a pass with finishers pending; True when it freed what a second pass could use
-        (async scheduling)."""
+        """After a pass with finishers held over (async): True when it freed what a second pass can use."""
         return False
 
     def _schedule_pass(self) -> Optional[Batch]:
@@ -191,9 +180,7 @@ class Scheduler:
         return batch
 
     def _compose(self, batch: Batch, budget: int) -> None:
-        """The step order: RUNNING requests in admission order, each given what it still needs (one
-        token for a decode, the rest of its prompt chunked to the budget; the decode cohort first),
-        then, unless that preempted, the WAITING ones."""
+        """vLLM V1's step order: the RUNNING requests, then, unless that preempted, the WAITING ones."""
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -335,8 +322,7 @@ class Scheduler:
     def _admission(self, req: Request, budget: int, batch_empty: bool) -> Optional[tuple]:
         """How the waiting head would be admitted now: (prefix hit as the KV manager found it,
         hit tokens, tokens computed now, tokens whose blocks must be free, blocks kept free), or
-        None when the token budget stops it before the pool is asked. (Every admission rule is
-        here: the waiting pass's, and the leap planner's through `head_would_start`.)"""
+        None when the token budget stops it before the pool is asked. (The leap planner asks it too.)"""
         if req.kv_transfer == "receive" and not req.num_preemptions:
             # P/D: its prompt's blocks are held and filled from a prefill engine (sim/disagg.py);
             # the last prompt token is recomputed for its logits, as vLLM's scheduler does after
@@ -388,8 +374,8 @@ class Scheduler:
         """
         step = batch.step
         emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
-        for r in batch.prefills:     # (a loop, not a comprehension: that is a call, for one or two)
-            if r.num_computed >= r.prompt_len + r.num_output:    # (one by one: no member, fields are progress)
+        for r in batch.prefills:           # a prefill emits once its prompt is all computed
+            if r.num_computed >= r.prompt_len + r.num_output:
                 emitted.append(r)
         finished = self.cohort.end_step(step)            # (members, then the others, in batch order)
         for req in emitted:
@@ -412,8 +398,7 @@ class Scheduler:
         return finished
 
     def _retire_finished(self, step: int, finished: list[Request]) -> None:
-        """Mark the step's finished requests and free them. (Its callers skip it when nothing
-        finished and nothing is held over: most steps.)"""
+        """Mark the step's finished requests and free them (not called on most steps: none finished)."""
         if len(finished) > 1:              # freed in the running list's order, as vLLM walks the step's requests
             finished.sort(key=_by_run_seq)
         for req in finished:
