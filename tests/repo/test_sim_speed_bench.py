@@ -35,3 +35,12 @@ def test_simrun_results_keep_the_rows_of_cases_not_measured_again(tmp_path):
     assert _earlier_rows(str(out), ["vidur-100k"]) == []
     out.write_text(json.dumps({"cases": [{"case": "vidur-100k", "cpu": 1}, {"case": "bench-1m-150", "cpu": 2}]}))
     assert _earlier_rows(str(out), ["vidur-100k"]) == [{"case": "bench-1m-150", "cpu": 2}]
+
+
+def test_sliding_cost_is_read_per_request_and_per_step_against_full_attention():
+    """Full attention may take a different number of steps (its predictions differ): both ratios."""
+    from bench.sim_speed import cost_vs_full_attention
+
+    sliding = {"simulate_cpu_s": 3.0, "steps": 200}
+    full = {"simulate_cpu_s": 1.0, "steps": 100}
+    assert cost_vs_full_attention(sliding, full) == {"per_request": 3.0, "per_step": 1.5}
