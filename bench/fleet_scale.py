@@ -38,11 +38,8 @@ HEADLINE = ("requests_finished", "num_steps", "request_throughput", "output_toke
             "duration_s", "kv_usage_peak")
 
 
-def run_once(n: int, spilled: bool, scratch: Path) -> dict:
-    out = scratch / f"fleet-{n}-{'spilled' if spilled else 'memory'}"
-    command = [sys.executable, "-m", "sim.cli", SCENARIO, "--set", f"workload.num_requests={n}",
-               "--out", str(out), "--no-plots", "--quiet", "--force"] + (["--spill-records"] if spilled else [])
-    load_before, commit = os.getloadavg(), git_commit()
+def timed_child(command: list[str]):
+    """Run `command` as a child: (wall s, its rusage, the sampler of its process tree); exit on failure."""
     t0 = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT)
     sampler = TreeSampler(proc.pid)
@@ -52,6 +49,15 @@ def run_once(n: int, spilled: bool, scratch: Path) -> dict:
     sampler.stop()
     if status != 0:
         raise SystemExit(f"{' '.join(command)}: exit status {status}")
+    return wall, usage, sampler
+
+
+def run_once(n: int, spilled: bool, scratch: Path) -> dict:
+    out = scratch / f"fleet-{n}-{'spilled' if spilled else 'memory'}"
+    command = [sys.executable, "-m", "sim.cli", SCENARIO, "--set", f"workload.num_requests={n}",
+               "--out", str(out), "--no-plots", "--quiet", "--force"] + (["--spill-records"] if spilled else [])
+    load_before, commit = os.getloadavg(), git_commit()
+    wall, usage, sampler = timed_child(command)
     summary = json.loads((out / "summary.json").read_text())
     result = {
         "requests": n, "records": "spilled" if spilled else "memory", "git_commit": commit,
@@ -152,15 +158,7 @@ def ray_sweep(points: int, scratch: Path) -> dict:
                "--set", f"seed={','.join(seeds)}", "--out", str(out), "--no-plots", "--quiet", "--force",
                "--ray"]
     load_before = os.getloadavg()
-    t0 = time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT)
-    sampler = TreeSampler(proc.pid)
-    sampler.start()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.monotonic() - t0
-    sampler.stop()
-    if status != 0:
-        raise SystemExit(f"{' '.join(command)}: exit status {status}")
+    wall, usage, sampler = timed_child(command)
     rows = sweep_rows(out)
     result = {"points": rows, "requests_per_point": 200, "replicas_per_point": 4,
               "command": " ".join(["python", *command[1:]]), "wall_s": round(wall, 1),

@@ -138,12 +138,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         decoding's num_lookahead_tokens): within the blocks it holds, only the blocks its known
         tokens fill are published (draft tokens are not known yet); past them, `allocate_slots`.
         False, changing nothing, when the pool is too small."""
-        covered = req.num_computed + num_new_tokens
-        if covered + lookahead_tokens > len(req.blocks) * self.block_size:
-            return self.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
-        if self.enable_caching and covered // self.block_size > req.num_registered:
-            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
-        return True
+        return _append_within_held(self, req, num_new_tokens, lookahead_tokens)
 
     def would_fit(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks, gate_tokens: int,
                   reserve_free: int, free_blocks: int) -> bool:
@@ -368,12 +363,7 @@ class HybridCoordinator(KVCacheCoordinator):
         """Slots for more tokens of a running request, after freeing the blocks behind the window
         (vLLM frees them as it allocates, every step, whether or not a block is needed)."""
         self.remove_skipped_blocks(req)
-        covered = req.num_computed + num_new_tokens
-        if covered + lookahead_tokens > len(req.blocks) * self.block_size:
-            return self.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
-        if self.enable_caching and covered // self.block_size > req.num_registered:
-            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
-        return True
+        return _append_within_held(self, req, num_new_tokens, lookahead_tokens)
 
     def frees_behind_window(self, req: Request) -> int:
         """How many leading table entries are behind the window of the request's next token,
@@ -449,3 +439,14 @@ class HybridCoordinator(KVCacheCoordinator):
                 assert b == NULL_BLOCK or self.pool.ref_cnt[b] >= 1
             if g in self.full_ids:
                 assert NULL_BLOCK not in table, f"full-attention group {g} holds a null block"
+
+
+def _append_within_held(coordinator, req: Request, num_new_tokens: int, lookahead_tokens: int) -> bool:
+    """append_slots of either coordinator once its frees are done: within the blocks the request
+    holds, publish the blocks its known tokens fill; past them, allocate_slots."""
+    covered = req.num_computed + num_new_tokens
+    if covered + lookahead_tokens > len(req.blocks) * coordinator.block_size:
+        return coordinator.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
+    if coordinator.enable_caching and covered // coordinator.block_size > req.num_registered:
+        coordinator.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
+    return True
