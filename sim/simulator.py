@@ -21,7 +21,8 @@ import simpy
 
 from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.dp import DPGroup, DPLayout, DPLoadBalancer, engine_peak_running
-from sim.core.kv import KVCacheManager, new_kv_manager
+from sim.core.kv import BlockPool, KVCacheManager, new_kv_manager
+from sim.core.fast.counting_pool import CountingBlockPool
 from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.core.offload import offload_meta, offload_tier
@@ -68,7 +69,7 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
     e = scenario.engine
     kv = new_kv_manager(plan.num_blocks, e.block_size, e.prefix_caching, e.allocation, scenario.max_model_len,
                         e.contiguous_reserve, plan.kv_groups, scenario.max_step_tokens,
-                        block_ids=block_ids)
+                        pool_class=BlockPool if block_ids else CountingBlockPool)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     sched = make_scheduler(config, kv, offload=offload_tier(scenario, plan, kv))
     return Replica(index, sched, StepRecorder(index) if recorder is None else recorder)
@@ -130,7 +131,7 @@ class Simulation:
     # The fast paths (decode cohort, event leaps); off = the one-by-one reference path.
     fast: bool = True
     # Ids for every KV block (the engine's pool) instead of only for those the prefix cache maps
-    # (sim/core/kv/counting_pool.py): the same predictions, slower (tests compare the two).
+    # (sim/core/fast/counting_pool.py): the same predictions, slower (tests compare the two).
     block_ids: ClassVar[bool] = False
     # The caller hands `requests` over: the list is emptied as the run starts, and each request
     # is dropped once it ended and its figures went into the records (a million requests then

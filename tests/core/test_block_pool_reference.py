@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.core.kv import ANON, CACHED, EMPTY, PRIVATE, BlockPool, CountingBlockPool
+from sim.core.fast.counting_pool import CountingBlockPool
+from sim.core.kv import ANON, CACHED, EMPTY, PRIVATE, BlockPool
 from sim.core.request import make_request
 
 

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from sim.core.kv import CACHED, EMPTY, PRIVATE, KVCacheManager, UnitaryCoordinator, new_kv_manager
+from sim.core.fast.counting_pool import CountingBlockPool
+from sim.core.kv import CACHED, EMPTY, PRIVATE, BlockPool, KVCacheManager, UnitaryCoordinator, new_kv_manager
 from sim.core.memory import KVCacheGroups
 from sim.core.request import make_request
 from sim.core.scheduler import SchedulerConfig
@@ -59,7 +60,7 @@ def build(case, lazy, block_ids=True):
                             groups=case["groups"], max_num_batched_tokens=max_step_tokens(case["config"]))
     else:
         kv = KVCacheManager(case["num_blocks"], case["block_size"], case["caching"], case["allocation"], 256,
-                            block_ids=block_ids)
+                            pool_class=BlockPool if block_ids else CountingBlockPool)
     sched = make_scheduler(SchedulerConfig(**case["config"], lazy_decode=lazy), kv)
     reqs = []
     for i, (at, shared, prompt, out, group, prio) in enumerate(case["requests"]):
@@ -513,7 +514,7 @@ def test_private_blocks_change_no_prediction(chunk, monkeypatch):
 
 @pytest.mark.parametrize("chunk", range(2))
 def test_counting_pool_changes_no_prediction(chunk, monkeypatch):
-    """The simulator's pool (ids only for mapped blocks, kvcache.CountingBlockPool) against the
+    """The simulator's pool (ids only for mapped blocks, sim/core/fast/counting_pool.py) against the
     engine's (an id for every block): the same steps, requests and final pools (by content), over
     random scenarios with caching on, preemption pressure (victims publish private blocks),
     multi-turn, tenants and replicas."""

@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from sim.core.fast.counting_pool import CountingBlockPool
 from sim.core.kv import KVCacheManager
 from sim.core.offload import CpuTier, KvOffload, build_cpu_tier, host_link_gbps
 from sim.core.request import make_request
@@ -177,7 +178,7 @@ def test_arc_promotes_a_block_touched_again_and_evicts_t1_first():
 # -- in the scheduler ----------------------------------------------------------------------
 
 def scheduler(num_blocks=12, capacity=100):
-    kv = KVCacheManager(num_blocks, BS, block_ids=False)
+    kv = KVCacheManager(num_blocks, BS, pool_class=CountingBlockPool)
     return make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096,
                                           lazy_decode=False), kv, offload=tier(capacity))
 

@@ -13,7 +13,7 @@ vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
   hash; a lookup returns the first registered, the next takes over when it is evicted).
 One departure, invisible to every lookup and figure: blocks only their own request can ever look
 up stay out of the hash map (marked PRIVATE) unless that request is preempted
-(sim/core/kv/coordinator.py). The simulator's pool (sim/core/kv/counting_pool.py) goes further:
+(sim/core/kv/coordinator.py). The simulator's pool (sim/core/fast/counting_pool.py) goes further:
 only blocks the hash map holds have an id.
 """
 from __future__ import annotations
@@ -56,6 +56,8 @@ class BlockPool:
     # The queue drops its taken front, and rebuilds without its stale entries, once they pass
     # this many and half the list: each costs O(list) after O(list) takes or revivals.
     compact_at = 4096
+
+    names_every_block = True       # (the simulator's CountingBlockPool names only mapped blocks)
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 2:

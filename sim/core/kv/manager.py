@@ -15,7 +15,6 @@ from typing import Optional
 from sim.core.kv.block_pool import BlockPool
 from sim.core.kv.blocks import CacheLayout, PrefixCacheStats
 from sim.core.kv.coordinator import HybridCoordinator, UnitaryCoordinator
-from sim.core.kv.counting_pool import CountingBlockPool
 from sim.core.memory import KVCacheGroups
 
 
@@ -34,13 +33,14 @@ class KVCacheManager:
     `groups`: the model's KV cache groups (sim/core/memory.py); None or one full-attention group
     is the unitary coordinator. `max_num_batched_tokens`: the most tokens a request computes in
     one step (a static batch: a whole sequence), which bounds the blocks a sliding group holds.
-    `block_ids=False` (the simulator): a pool that names only the blocks the prefix cache maps,
-    for one table per request (per-group tables always use ids).
+    `pool_class`: the block pool of a cache with one table per request. The simulator passes its
+    id-light pool (sim/core/fast/counting_pool.py: names only the blocks the prefix cache maps);
+    per-group tables always use `BlockPool`, whose every block has an id.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  allocation: str = "paged", max_model_len: Optional[int] = None,
-                 contiguous_reserve: str = "max_model_len", block_ids: bool = True, *,
+                 contiguous_reserve: str = "max_model_len", *, pool_class: type[BlockPool] = BlockPool,
                  groups: Optional[KVCacheGroups] = None, max_num_batched_tokens: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -49,10 +49,12 @@ class KVCacheManager:
         unitary = groups is None or not groups.is_hybrid and groups.full_groups <= 1
         if not unitary and allocation != "paged":
             raise ValueError(f"allocation '{allocation}' cannot free the blocks behind a sliding window; use 'paged'")
-        self._settings = (num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve,
-                          block_ids, groups, max_num_batched_tokens)
-        named = block_ids or not unitary
-        self.pool = (BlockPool if named else CountingBlockPool)(num_blocks, enable_caching)
+        self._settings = (num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve)
+        self._keywords = dict(pool_class=pool_class, groups=groups, max_num_batched_tokens=max_num_batched_tokens)
+        if not unitary:
+            pool_class = BlockPool
+        named = pool_class.names_every_block
+        self.pool = pool_class(num_blocks, enable_caching)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
@@ -71,8 +73,7 @@ class KVCacheManager:
 
     def empty_copy(self) -> "KVCacheManager":
         """A manager with the same settings and a fresh pool (no block held, nothing cached)."""
-        *positional, groups, max_num_batched_tokens = self._settings
-        return KVCacheManager(*positional, groups=groups, max_num_batched_tokens=max_num_batched_tokens)
+        return KVCacheManager(*self._settings, **self._keywords)
 
     def layout(self) -> CacheLayout:
         c = self.coordinator
@@ -109,8 +110,8 @@ class KVCacheManager:
 def new_kv_manager(num_blocks: int, block_size: int, enable_caching: bool = True, allocation: str = "paged",
                    max_model_len: Optional[int] = None, contiguous_reserve: str = "max_model_len",
                    groups: Optional[KVCacheGroups] = None, max_num_batched_tokens: int = 0,
-                   block_ids: bool = True) -> KVCacheManager:
+                   pool_class: type[BlockPool] = BlockPool) -> KVCacheManager:
     """The manager for a model's KV cache groups (KVCacheManager's arguments, positionally as the
     simulator and engine pass them)."""
     return KVCacheManager(num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve,
-                          block_ids, groups=groups, max_num_batched_tokens=max_num_batched_tokens)
+                          pool_class=pool_class, groups=groups, max_num_batched_tokens=max_num_batched_tokens)

@@ -28,6 +28,8 @@ class CountingBlockPool(BlockPool):
     same, and a hit on a hot prefix costs O(1) instead of a count per block and holder.
     """
 
+    names_every_block = False
+
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         super().__init__(num_blocks, enable_caching)
         self._spare: list[int] = []        # ids given back
