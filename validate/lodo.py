@@ -62,7 +62,7 @@ BENCH_FILE = PUBLIC / "bench_runs.yaml"
 RATE_FILE = PUBLIC / "rate_runs.yaml"
 LOGS_FILE = PUBLIC / "startup_logs.yaml"
 TABLE_FILE = PUBLIC / "lodo_table.csv"
-FAMILY_VERSION = 2     # 2: coefficients keyed by vLLM engine generation as well as GPU class
+FAMILY_VERSION = 1
 FAMILY_FILE = ROOT / "sim" / "core" / "catalog" / f"trained-v{FAMILY_VERSION}.yaml"
 
 METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p99", "throughput")
