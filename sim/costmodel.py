@@ -248,19 +248,22 @@ def trained_coefficients(params: dict) -> CostCoefficients:
     return replace(base, **scaled, **{t: params[t] for t in TERMS if t in params})
 
 
-def trained_profile(device_name: str) -> DeviceProfile:
-    """The trained family's profile for a catalog device (its class's fitted coefficients, else generic)."""
-    from sim.trained import family
+def trained_profile(device_name: str, engine: str = "v1") -> DeviceProfile:
+    """The trained family's profile for a catalog device under a vLLM engine generation
+    (sim.core.vllm_versions.engine_generation): the coefficients fitted on that generation's runs of
+    the device's class, else the generation's generic entry."""
+    from sim.trained import family, family_entry
 
     fam = family()
-    entry = fam["classes"].get(device_name)
-    params = entry["parameters"] if entry else fam["generic"]
-    how = (f"fitted on {entry['runs']} public vLLM runs of {len(entry['deployments'])} {device_name} deployment(s)"
-           if entry else f"no public run on {device_name}: the generic entry (geometric mean of the fitted classes)")
+    params, entry = family_entry(device_name, engine)
+    gen = engine.upper()
+    how = (f"fitted on {entry['runs']} public vLLM {gen} runs of {len(entry['deployments'])} {device_name} "
+           "deployment(s)" if entry else
+           f"no public vLLM {gen} run on {device_name}: the {gen} generic entry (geometric mean of the fitted classes)")
     return DeviceProfile(trained_coefficients(params), calibrated=False,
                          source=f"trained v{fam['version']}: {how}", device_name=device_name,
-                         fit={"method": "trained", "version": fam["version"], "class": device_name if entry else "generic",
-                              "parameters": dict(params)})
+                         fit={"method": "trained", "version": fam["version"], "engine": engine,
+                              "class": device_name if entry else "generic", "parameters": dict(params)})
 
 
 IDLE_GAP_S = 5e-4    # a step starting this long after the previous one ended follows an idle engine
@@ -376,7 +379,9 @@ class CostModel:
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
         if profile is None and getattr(scenario, "step_times", "datasheet") == "trained":
-            profile = trained_profile(scenario.device.name)
+            from sim.core.vllm_versions import engine_generation
+
+            profile = trained_profile(scenario.device.name, engine_generation(scenario.engine.vllm_version))
         par = scenario.parallelism
         overlap = scenario.async_scheduling and scenario.device.name != "cpu"
         tables = None

@@ -1,8 +1,9 @@
 """The trained step-time profile family (`step_times: trained`) and the error band of every answer.
 
-The family (sim/core/catalog/trained-v<N>.yaml, written by `python -m validate.lodo`) holds per GPU
-class the coefficients fitted on public measured vLLM runs (tests/data/vllm_public), a `generic`
-entry for a GPU no run measured, and the leave-one-deployment-out validation: per step-time source
+The family (sim/core/catalog/trained-v<N>.yaml, written by `python -m validate.lodo`) holds per vLLM
+engine generation (`engines`: v0, v1) and GPU class the coefficients fitted on public measured vLLM
+runs of that generation (tests/data/vllm_public), a `generic` entry per generation for a GPU no run
+of it measured, and the leave-one-deployment-out validation: per step-time source
 (datasheet, tables, trained) and metric, the typical error (median |error| over held-out
 deployments). That validation is the band a prediction states, never a typed-in number; a
 calibrated profile states the error of its own held-out run instead.
@@ -28,15 +29,32 @@ CALIBRATED_METRICS = {"ttft": ("ttft_mean", "ttft_p99"), "tpot": ("tpot_mean", "
 @lru_cache(maxsize=4)
 def family(path: Path = FAMILY_FILE) -> dict:
     raw = read_yaml(path, "trained profile family (YAML)")
-    if not isinstance(raw, dict) or not isinstance(raw.get("classes"), dict) or "generic" not in raw:
-        raise ValueError(f"{path}: a trained profile family needs 'classes' and 'generic'")
+    engines = raw.get("engines") if isinstance(raw, dict) else None
+    if not isinstance(engines, dict) or not engines:
+        raise ValueError(f"{path}: a trained profile family needs 'engines' (per vLLM engine generation)")
+    for name, entry in engines.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("classes"), dict) or "generic" not in entry:
+            raise ValueError(f"{path}: engines.{name} needs 'classes' and 'generic'")
     return raw
+
+
+def family_entry(device_name: str, engine: str) -> tuple[dict, Optional[dict]]:
+    """The parameters `step_times: trained` prices a `device_name` GPU with under vLLM engine
+    generation `engine`, and the class entry they come from (None: the generation's generic
+    profile, for a GPU no run of that generation measured)."""
+    engines = family()["engines"]
+    if engine not in engines:
+        raise ValueError(f"the trained family has no fit for vLLM engine generation {engine!r} "
+                         f"(it has {sorted(engines)})")
+    entry = engines[engine]["classes"].get(device_name)
+    return (entry["parameters"], entry) if entry else (engines[engine]["generic"], None)
 
 
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
-TERMS = ("step_host_s", "link_eff", "host_staging_eff")     # host time per step; tp all-reduce link terms
+# host time per step; tp all-reduce link terms; (V0) host time per sequence per step and per admitted prompt
+TERMS = ("step_host_s", "link_eff", "host_staging_eff", "seq_host_s", "prefill_seq_host_s")
 # sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model
 
 

@@ -3,22 +3,27 @@
 Every public measured vLLM run kvtwin can express (tests/data/vllm_public: bench_runs.yaml, the
 all-at-once and closed-loop benchmarks, and rate_runs.yaml, the open-loop runs at request rates)
 is grouped by deployment (model / GPU / tp / vLLM version). The coefficients that are not datasheet
-facts are fitted per GPU class (the catalog device) on all of that class's runs jointly, with
-validate/vllm_fit.py's machinery (its damped Gauss-Newton on log errors):
+facts are fitted per vLLM engine generation (V0 before 0.8.0, V1 from it) and GPU class (the catalog
+device) on all of that pair's runs jointly, with validate/vllm_fit.py's machinery (its damped
+Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 runs, nor V0 on V1.
 
     compute_scale    x the compute efficiencies (GEMM flops_eff, prefill attention attn_flops_eff)
     memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff)
     step_host_s      host time per engine step (scheduling, input preparation, launches)
     link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
+    seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
 each bounded to its physical range (no efficiency above 1). Two richer variants were tried and
 validated worse held out (docs/fidelity.md): separate GEMM / attention / weight scales, and the
 same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
 
-A GPU with no measured run takes the geometric mean of the fitted classes (`generic`).
+A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
+classes (`generic`): the engine generation, not the GPU, is what moves the host terms most (V0's
+AccelMark runs need 1-2 ms per step where V1 needs a few hundred microseconds), so a V1 coefficient
+set from another GPU is closer than a V0 one of the same GPU.
 
-LODO: for each deployment, its class is refitted without any of its runs (a class left with no
-other deployment falls back to `generic` of the other classes), and that profile predicts the
+LODO: for each deployment, its (generation, class) is refitted without any of its runs (one left with
+no other deployment falls back to `generic` of the generation's other classes), and that profile predicts the
 deployment's runs. The errors of TTFT / TPOT / E2E (mean and p99) and throughput under datasheet,
 tables (measured operators, where aiconfigurator-core covers the GPU) and trained are the table
 in docs/fidelity.md; the typical error per source and metric (median |error| over deployments)
@@ -63,13 +68,33 @@ FAMILY_FILE = ROOT / "sim" / "core" / "catalog" / f"trained-v{FAMILY_VERSION}.ya
 METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p99", "throughput")
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
-NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff")
-START = {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": CostCoefficients().step_host_s, "link_eff": 1.0,
-         "host_staging_eff": CostCoefficients().host_staging_eff}
+NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "seq_host_s",
+         "prefill_seq_host_s")
+ENGINES = ("v1", "v0")       # vLLM engine generations (sim.core.vllm_versions.engine_generation)
+# What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
+# with the API server: one host time per step (the richer variants validated worse held out). V0
+# runs the scheduler, input preparation, sampler output processing and detokenization of every
+# sequence in one Python loop between GPU steps (vLLM 0.7.3 vllm/engine/llm_engine.py step(),
+# _process_model_outputs), and AccelMark's V0 runs also host the load generator in that process:
+# its cost grows with the sequences a step carries and the prompts it admits, so V0 also learns the
+# per-sequence and per-prefill-sequence host terms.
+FIT_NAMES = {"v1": ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff"),
+             "v0": ("compute_scale", "memory_scale", "step_host_s", "seq_host_s", "prefill_seq_host_s",
+                    "link_eff", "host_staging_eff")}
 _BASE = CostCoefficients()
-# (lower, upper): an efficiency stays <= 1, a host term within 1 us .. 50 ms
+START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.step_host_s, "link_eff": 1.0,
+                "host_staging_eff": _BASE.host_staging_eff},
+         # V0's Python loop: about a millisecond per step and tens of microseconds per sequence (the
+         # order of its per-step Python work); started there, the damped solver (at most x2 per
+         # parameter per iteration) reaches the host times V0 runs show within its iterations, where
+         # from V1's 150 us it stopped at 150 us x 2^3 = 1.2 ms after three
+         "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
+                "prefill_seq_host_s": 1e-3, "link_eff": 1.0, "host_staging_eff": _BASE.host_staging_eff}}
+ITERATIONS = {"v1": 3, "v0": 6}
+# (lower, upper): an efficiency stays <= 1, a host term within 1 us .. 50 ms (per sequence: 0.1 us .. 1 ms)
 BOUNDS = {"compute_scale": (0.1, 1 / max(_BASE.flops_eff, _BASE.attn_flops_eff)),
           "memory_scale": (0.1, 1 / max(_BASE.bw_eff, _BASE.attn_bw_eff)), "step_host_s": (1e-6, 0.05),
+          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0)}
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
@@ -135,6 +160,16 @@ class Run:
     stage_count: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     centre: str = "mean"                 # "median": the source publishes medians, compared with kvtwin's medians
+
+    @property
+    def engine(self) -> str:
+        """The vLLM engine generation (v0/v1) of the run's deployment."""
+        return deployment_engine(self.deployment)
+
+    @property
+    def group(self) -> tuple[str, str]:
+        """What the family keys coefficients by: (engine generation, GPU class)."""
+        return self.engine, self.gpu_class
 
     @property
     def cost(self) -> float:
@@ -437,11 +472,16 @@ def fit_runs(runs: list[Run]) -> list[Run]:
     return chosen
 
 
-def fit_class(runs: list[Run], max_iterations: int = 3,
+def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None) -> dict[str, float]:
-    """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally."""
+    """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally. The
+    runs are of one engine generation, whose parameters, start and iterations the fit takes."""
+    engines = {r.engine for r in runs}
+    if len(engines) != 1:
+        raise ValueError(f"a class fit takes the runs of one engine generation, got {sorted(engines)}")
+    engine = engines.pop()
     train = fit_runs(runs)
-    names = [n for n in NAMES if _acts(n, train)]
+    names = [n for n in FIT_NAMES[engine] if _acts(n, train)]
 
     def residuals(x: np.ndarray) -> np.ndarray:
         coeffs = trained_coefficients(dict(zip(names, np.exp(x))))
@@ -454,8 +494,8 @@ def fit_class(runs: list[Run], max_iterations: int = 3,
 
     lower = np.log([BOUNDS[n][0] for n in names])
     upper = np.log([BOUNDS[n][1] for n in names])
-    x0 = np.log([START[n] for n in names])
-    x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations, progress)
+    x0 = np.log([START[engine][n] for n in names])
+    x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations or ITERATIONS[engine], progress)
     return dict(zip(names, map(float, np.exp(x))))
 
 
@@ -472,7 +512,8 @@ def _acts(name: str, runs: list[Run]) -> bool:
 
 
 def generic(params: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The geometric mean of the fitted classes: the profile of a GPU no run measured."""
+    """The geometric mean of the fitted classes (of one engine generation): the profile of a GPU no
+    run of that generation measured."""
     out = {}
     for n in NAMES:
         values = [p[n] for p in params.values() if n in p]
@@ -505,23 +546,29 @@ def _resumable(kind: str, name: str, compute: Callable):
     return value
 
 
-def _class_fit(gpu: str) -> dict[str, float]:
+def _class_fit(key: tuple[str, str]) -> dict[str, float]:
+    engine, gpu = key
+
     def fit() -> dict[str, float]:
-        group = [r for r in _FOLD_STATE["runs"] if r.gpu_class == gpu]
-        _FOLD_STATE["progress"](f"fitting {gpu} on {len(fit_runs(group))} runs of {len(deployments(group))} "
-                                "deployments")
+        group = [r for r in _FOLD_STATE["runs"] if r.group == key]
+        _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
+                                f"{len(deployments(group))} deployments")
         params = fit_class(group)
-        _FOLD_STATE["progress"](f"  {gpu}: {params}")
+        _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
 
-    return _resumable("class", gpu, fit)
+    return _resumable("class", f"{engine}/{gpu}", fit)
 
 
-def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, float]]:
-    """Every GPU class fitted on all of its runs (the family's entries)."""
-    classes = sorted({r.gpu_class for r in runs})
+def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, dict[str, float]]]:
+    """Every (engine generation, GPU class) fitted on all of its runs (the family's entries):
+    {engine: {gpu: parameters}}."""
+    keys = sorted({r.group for r in runs})
     _FOLD_STATE.update(runs=runs, progress=progress)
-    return dict(zip(classes, _map(_class_fit, classes, jobs)))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (engine, gpu), params in zip(keys, _map(_class_fit, keys, jobs)):
+        out.setdefault(engine, {})[gpu] = params
+    return out
 
 
 def _map(fn: Callable, items: list, jobs: int) -> list:
@@ -536,15 +583,19 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
     return [fn(i) for i in items]
 
 
-def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, float]], progress=print) -> dict[str, float]:
-    """The trained parameters that predict deployment `held`: its class refitted without it."""
-    gpu = deployments(runs)[held][0].gpu_class
-    rest = [r for r in runs if r.gpu_class == gpu and r.deployment != held]
+def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, float]]],
+                progress=print) -> dict[str, float]:
+    """The trained parameters that predict deployment `held`: its (engine generation, GPU class)
+    refitted without it; with no other deployment there, the generic profile of the generation's
+    other classes (what `step_times: trained` gives a GPU no run of that generation measured)."""
+    key = deployments(runs)[held][0].group
+    engine, gpu = key
+    rest = [r for r in runs if r.group == key and r.deployment != held]
     if rest:
-        progress(f"fold {held}: refitting {gpu} on {len(deployments(rest))} other deployments")
+        progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
         return fit_class(rest)
-    progress(f"fold {held}: no other {gpu} deployment; the generic profile of the other classes")
-    return generic({g: p for g, p in full.items() if g != gpu})
+    progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
+    return generic({g: p for g, p in full.get(engine, {}).items() if g != gpu})
 
 
 # ----------------------------------------------------------------------------- the table
@@ -653,7 +704,7 @@ def trained_wins(table: pd.DataFrame) -> dict[str, bool]:
 
 # ----------------------------------------------------------------------------- writing
 
-def write_family(full: dict[str, dict[str, float]], table: pd.DataFrame, runs: list[Run],
+def write_family(full: dict[str, dict[str, dict[str, float]]], table: pd.DataFrame, runs: list[Run],
                  path: Path = FAMILY_FILE, data_pass: int = LATEST_DATA_PASS) -> Path:
     from sim.output.io import write_text
 
@@ -661,14 +712,12 @@ def write_family(full: dict[str, dict[str, float]], table: pd.DataFrame, runs: l
     data = {
         "family": "trained", "version": FAMILY_VERSION, "data_pass": data_pass,
         "written": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "method": ("validate/lodo.py: per GPU class, validate/vllm_fit.py's least squares on log errors of mean "
-                   "TTFT, TPOT, E2E and throughput of every public run of the class (tests/data/vllm_public)"),
-        "parameters": list(NAMES),
-        "classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
-                          "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
-                          "runs": sum(1 for r in runs if r.gpu_class == gpu)}
-                    for gpu, p in sorted(full.items())},
-        "generic": {k: float(f"{v:.5g}") for k, v in generic(full).items()},
+        "method": ("validate/lodo.py: per vLLM engine generation and GPU class, validate/vllm_fit.py's least "
+                   "squares on log errors of mean TTFT, TPOT, E2E and throughput of every public run of the class "
+                   "and generation (tests/data/vllm_public)"),
+        "parameters": {engine: list(FIT_NAMES[engine]) for engine in ENGINES},
+        "engines": {engine: _engine_entry(full.get(engine, {}), [r for r in runs if r.engine == engine])
+                    for engine in ENGINES if full.get(engine)},
         "sources": sorted({r.source for r in runs}),
         "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
                        "table": str(TABLE_FILE.relative_to(ROOT)), "bands": bands(table),
@@ -689,6 +738,22 @@ def write_bands(table: pd.DataFrame, path: Path = FAMILY_FILE) -> Path:
     data = yaml.safe_load(text)
     data["validation"].update(bands=bands(table), bands_by_engine=bands_by_engine(table))
     return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
+
+
+def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run]) -> dict:
+    """One engine generation's classes (parameters, deployments, runs) and its generic profile."""
+    return {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
+                              "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
+                              "runs": sum(1 for r in runs if r.gpu_class == gpu)}
+                        for gpu, p in sorted(params.items())},
+            "generic": {k: float(f"{v:.5g}") for k, v in generic(params).items()}}
+
+
+def committed_params(family: Optional[dict] = None) -> dict[str, dict[str, dict[str, float]]]:
+    """The committed family's parameters as class_params gives them: {engine: {gpu: parameters}}."""
+    family = family or yaml.safe_load(FAMILY_FILE.read_text())
+    return {engine: {g: c["parameters"] for g, c in entry["classes"].items()}
+            for engine, entry in family["engines"].items()}
 
 
 DOCS_FILE = ROOT / "docs" / "fidelity.md"
@@ -763,9 +828,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs, skipped = all_runs(None if args.check else args.data_pass)
     print(f"{len(runs)} runs of {len(deployments(runs))} deployments; skipped: {skipped}")
     if args.check:
-        family = yaml.safe_load(FAMILY_FILE.read_text())
-        full = {g: c["parameters"] for g, c in family["classes"].items()}
-        now = lodo_table(runs, full, only=[args.check])
+        now = lodo_table(runs, committed_params(), only=[args.check])
         print(now.to_string())
         return 0
     if args.resume:

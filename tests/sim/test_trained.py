@@ -66,14 +66,32 @@ def test_bands_are_computed_from_the_table_not_typed_in():
 
 
 def test_every_class_parameter_is_physical():
-    for gpu, entry in FAMILY["classes"].items():
-        p = entry["parameters"]
-        c = trained_coefficients(p)
-        for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
-            assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (gpu, eff)
-        assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, gpu
-    assert FAMILY["generic"] == {k: pytest.approx(v, rel=1e-4) for k, v in lodo.generic(
-        {g: e["parameters"] for g, e in FAMILY["classes"].items()}).items()}
+    for engine, fitted in FAMILY["engines"].items():
+        for gpu, entry in fitted["classes"].items():
+            p = entry["parameters"]
+            assert set(p) <= set(lodo.FIT_NAMES[engine]), (engine, gpu)
+            c = trained_coefficients(p)
+            for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
+                assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (engine, gpu, eff)
+            assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, (engine, gpu)
+            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s"):
+                low, high = lodo.BOUNDS[term]
+                assert low * 0.999 <= p.get(term, low) <= high * 1.001, (engine, gpu, term)
+        assert fitted["generic"] == {k: pytest.approx(v, rel=1e-4) for k, v in lodo.generic(
+            {g: e["parameters"] for g, e in fitted["classes"].items()}).items()}
+
+
+def test_each_engine_generation_is_fitted_on_its_own_runs(runs):
+    """A V1 scenario never uses coefficients fitted on V0 runs, nor V0 on V1 (V1 became vLLM's
+    default engine in 0.8.0: vllm/envs.py VLLM_USE_V1, 0.8.0)."""
+    for engine, fitted in FAMILY["engines"].items():
+        for gpu, entry in fitted["classes"].items():
+            assert entry["deployments"] and all(lodo.deployment_engine(d) == engine for d in entry["deployments"])
+            assert all(lodo.GPUS[d.split(" / ")[1]] == gpu for d in entry["deployments"]), (engine, gpu)
+    assert set(FAMILY["engines"]) == {"v0", "v1"}
+    mixed = [next(r for r in runs.values() if r.engine == gen) for gen in ("v0", "v1")]
+    with pytest.raises(ValueError, match="one engine generation"):
+        lodo.fit_class(mixed)
 
 
 @pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
@@ -90,17 +108,18 @@ def test_recorded_lodo_errors_still_hold(run_id, runs):
 
 
 @pytest.mark.parametrize("deployment", [
-    "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0",   # pass 1: no other L4 (generic); pass 2: AccelMark's L4
-    "meta-llama/Llama-3.3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.8.3",  # refitted on the other a100-40g
+    "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0",   # no other V1 L4: the V1 generic profile
+    "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.7.3",    # refitted on the other V0 L4 deployment
 ])
 def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, monkeypatch):
     seen = []
     fit = lodo.fit_class
     monkeypatch.setattr(lodo, "fit_class", lambda rs, **kw: seen.extend(r.deployment for r in rs) or fit(rs, **kw))
     all_runs = list(runs.values())
-    full = {g: e["parameters"] for g, e in FAMILY["classes"].items()}
+    full = lodo.committed_params(FAMILY)
     now = lodo.lodo_table(all_runs, full, only=[deployment], progress=lambda *_: None).set_index("run")
     assert deployment not in seen
+    assert {lodo.deployment_engine(d) for d in seen} <= {lodo.deployment_engine(deployment)}
     recorded = TABLE.set_index("run").loc[now.index]
     for col in [c for c in now.columns if c.startswith(("trained ", "fold "))]:
         for run_id in now.index:
@@ -111,7 +130,7 @@ def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, 
 def test_a_resumed_refit_reuses_the_folds_it_kept(runs, tmp_path, monkeypatch):
     """`--resume DIR`: a fold finished once is read back, not refitted (a refit killed half way resumes)."""
     deployment = "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0"
-    full = {g: e["parameters"] for g, e in FAMILY["classes"].items()}
+    full = lodo.committed_params(FAMILY)
     monkeypatch.setitem(lodo._FOLD_STATE, "resume", tmp_path)
     first = lodo.lodo_table(list(runs.values()), full, only=[deployment], progress=lambda *_: None)
     assert len(list(tmp_path.glob("fold-*.json"))) == 1
@@ -124,17 +143,25 @@ def test_a_resumed_refit_reuses_the_folds_it_kept(runs, tmp_path, monkeypatch):
     pd.testing.assert_frame_equal(first, again)
 
 
-def test_trained_step_times_load_the_class_profile_and_fall_back_to_generic():
+def test_trained_step_times_load_the_class_profile_of_the_engine_generation_and_fall_back_to_generic():
     from sim.scenario import validate_scenario
 
-    scenario = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "step_times": "trained"})
-    cost = CostModel.for_scenario(scenario)
-    expected = trained_coefficients(FAMILY["classes"]["h100-sxm"]["parameters"])
-    assert cost.step_time_source == "trained" and cost.coefficients == expected
-    assert not cost.calibrated
-    other = trained_profile("b200")           # no public run measured one
-    assert other.fit["class"] == "generic"
-    assert other.coefficients == trained_coefficients(FAMILY["generic"])
+    v1, v0 = FAMILY["engines"]["v1"], FAMILY["engines"]["v0"]
+    for version, fitted in ((None, v1), ("0.19.1", v1), ("0.7.3", v0)):
+        engine = {"vllm_version": version} if version else {}          # None: the default release (V1)
+        scenario = validate_scenario({"model": "llama-3.1-8b", "device": "h100-sxm", "step_times": "trained",
+                                      "engine": engine})
+        cost = CostModel.for_scenario(scenario)
+        expected = trained_coefficients(fitted["classes"]["h100-sxm"]["parameters"])
+        assert cost.step_time_source == "trained" and cost.coefficients == expected, version
+        assert not cost.calibrated
+    assert trained_profile("h100-sxm", "v0").coefficients != trained_profile("h100-sxm", "v1").coefficients
+    for engine, fitted in (("v1", v1), ("v0", v0)):
+        other = trained_profile("b200", engine)           # no public run measured one
+        assert other.fit["class"] == "generic" and other.fit["engine"] == engine
+        assert other.coefficients == trained_coefficients(fitted["generic"])
+    t4 = trained_profile("t4", "v1")                      # measured under V0 only: V1's generic, not V0's T4
+    assert t4.fit["class"] == "generic" and t4.coefficients == trained_coefficients(v1["generic"])
 
 
 def test_every_answer_states_its_band_from_the_validation(capsys):
@@ -210,9 +237,9 @@ def test_plan_pessimistic_answers_as_if_each_slo_were_tightened_by_its_band(tmp_
                           "output_len": {"dist": "uniform", "min": 16, "max": 64}}}
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(small))
-    # the L4 profile's TPOT p99 here is ~86-92 ms at every rate (16 sequences at most): a limit
-    # whose tightened edge (89 ms) falls inside that range makes the band bind before the queue does
-    limit = round(0.089 * (1 + error_band("trained")["tpot_p99"]["typical"]), 4)
+    # the V1 L4 profile's TPOT p99 here is ~138-147 ms at every rate (16 sequences at most): a limit
+    # whose tightened edge (142 ms) falls inside that range makes the band bind before the queue does
+    limit = round(0.142 * (1 + error_band("trained")["tpot_p99"]["typical"]), 4)
     tight = limit / (1 + error_band("trained")["tpot_p99"]["typical"])
 
     def plan(limit: float, *flags: str) -> tuple[pd.DataFrame, str]:
