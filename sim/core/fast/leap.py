@@ -272,17 +272,24 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
 def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
     """A paged pool: steps done .. k-1 of the leap, their blocks taken in one go, in the order the
     step-by-step calls would take them, and the blocks filled registered after
-    (DecodeCohort.advance_many); the figures follow from the crossings the plan counted and the
-    evictions the take made."""
+    (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
+    the windows step by step); the figures follow from the crossings the plan counted and the
+    evictions the take made (and what the frees gave back)."""
     walked = plan.walked[done:k]
+    cohort, kv = sched.cohort, sched.kv
     used0, cached0, slack0 = sched.kv_figures()
-    evicted = sched.cohort.advance_many(plan.first_step + done, walked, sched.kv)
-    # per step, as running sums at C speed: blocks used grow by the blocks crossed; the slack by
-    # block_size x those, less one token per member
-    used = list(accumulate(walked, initial=used0))
+    # per step, as running sums at C speed: the slack grows by block_size x the blocks crossed,
+    # less one token per member
     growth = map(sub, map(mul, repeat(sched.block_size), walked), repeat(plan.members))
     slack = list(accumulate(growth, initial=slack0))
-    del used[0], slack[0]
+    del slack[0]
+    if cohort.per_group_tables:
+        free, cached = cohort.advance_grouped(plan.first_step + done, k - done, kv)
+        usable = kv.pool.usable_blocks
+        return [usable - f for f in free], cached, slack
+    evicted = cohort.advance_many(plan.first_step + done, walked, kv)
+    used = list(accumulate(walked, initial=used0))      # blocks used grow by the blocks crossed
+    del used[0]
     cached = [cached0 - e for e in evicted] if evicted[-1] else [cached0] * len(walked)   # (counts so far)
     return used, cached, slack
 
