@@ -22,7 +22,7 @@ from typing import Optional
 
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
 from sim.core.kv.blocks import NO_BLOCKS, KVCacheBlocks
-from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_key, group_keys
+from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_keys, group_salt
 from sim.core.memory import KVCacheGroups, cdiv
 from sim.core.request import Request
 from sim.core.status import FINISHED
@@ -272,6 +272,7 @@ class HybridCoordinator(KVCacheCoordinator):
         # the prompt (KVCacheManager.set_sliding_admission_cap).
         self.sliding_admission_cap = True
         self.windowed_frees = 0        # blocks freed because they fell behind a window
+        self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
 
     def _tables(self, req: Request) -> list[list[int]]:
         tables = req.group_tables
@@ -310,7 +311,7 @@ class HybridCoordinator(KVCacheCoordinator):
             hits[g] = table[:length]
         lookup = pool.cached.get
         for g in self.sliding_ids:
-            hits[g] = [NULL_BLOCK] * first + [lookup(group_key(hashes[i], g)) for i in range(first, length)]
+            hits[g] = [NULL_BLOCK] * first + list(map(lookup, group_keys(hashes[first:length], g)))
         return KVCacheBlocks(hits), length * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: Optional[KVCacheBlocks] = None,
@@ -433,13 +434,14 @@ class HybridCoordinator(KVCacheCoordinator):
         every group holding it, in group order (register_full_blocks' order for one block)."""
         blocks: list[int] = []
         keys: list[int] = []
+        salts = self.salts
         for req, index in zip(reqs, indexes):
             h = req.block_hashes[index]
-            for g, table in enumerate(req.group_tables):
+            for table, salt in zip(req.group_tables, salts):
                 block = table[index]
                 if block != NULL_BLOCK:
                     blocks.append(block)
-                    keys.append(h if g == 0 else hash((h, g)))     # group_key(h, g), inline
+                    keys.append(h ^ salt)          # group_key(h, g)
         return blocks, keys
 
     def free(self, req: Request) -> None:
@@ -447,7 +449,8 @@ class HybridCoordinator(KVCacheCoordinator):
         if tables:
             self.manager.held_slots -= len(req.blocks) * self.block_size
             for table in tables:
-                self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
+                self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK] if NULL_BLOCK in table
+                                      else table[::-1])
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0

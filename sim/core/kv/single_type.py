@@ -15,15 +15,23 @@ from sim.core.kv.block_pool import NULL_BLOCK, BlockPool
 from sim.core.memory import sliding_window_hit_run, sliding_window_skipped_blocks
 
 
+def group_salt(group: int) -> int:
+    """What a block hash is XORed with to key it in KV cache group `group`: 0 for group 0, else a
+    64-bit hash of the group id (of ints only, so the same in every process)."""
+    return 0 if group == 0 else hash((group, 0x9E3779B97F4A7C15))
+
+
 def group_key(block_hash: int, group: int) -> int:
     """The prefix-cache key of a block hash in KV cache group `group` (vLLM keys its map by
-    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys by the hash."""
-    return block_hash if group == 0 else hash((block_hash, group))
+    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys by the hash; another
+    group XORs it with a salt of its own, a 64-bit hash, so two keys collide with the chance two
+    block hashes do (and a request's keys are one C-speed `map` over its hashes: group_keys)."""
+    return block_hash ^ group_salt(group)
 
 
 def group_keys(hashes: list[int], group: int) -> list[int]:
     """The prefix-cache keys of block hashes in `group` (group 0: the hashes themselves)."""
-    return hashes if group == 0 else [group_key(h, group) for h in hashes]
+    return hashes if group == 0 else list(map(group_salt(group).__xor__, hashes))
 
 
 class FullAttentionManager:
@@ -40,8 +48,8 @@ class FullAttentionManager:
         """Per group in `group_ids`, the blocks of the longest run of leading blocks cached in every
         one of them (a left-to-right scan that stops at the first miss)."""
         lookup = pool.cached.get
-        if group_ids == [0]:                   # one group keyed by the hashes: looked up at C speed
-            hits = list(map(lookup, hashes[:max_blocks]))
+        if len(group_ids) == 1:                # one group: its keys looked up at C speed
+            hits = list(map(lookup, group_keys(hashes[:max_blocks], group_ids[0])))
             if None in hits:
                 del hits[hits.index(None):]
             return [hits]
