@@ -215,15 +215,21 @@ class BlockPool:
             self._queue += blocks
             self.num_free += len(blocks)
             return
-        freed = []
-        revivable = 0
-        for block in blocks:
-            left = ref[block] - 1
-            ref[block] = left
-            if not left:
-                freed.append(block)
-                if hashes[block] is not None:
-                    revivable += 1
+        if list(map(ref.__getitem__, blocks)).count(1) == len(blocks):    # none shared (most calls)
+            for block in blocks:
+                ref[block] = 0
+            freed = blocks
+            revivable = len(blocks) - list(map(hashes.__getitem__, blocks)).count(None)
+        else:
+            freed = []
+            revivable = 0
+            for block in blocks:
+                left = ref[block] - 1
+                ref[block] = left
+                if not left:
+                    freed.append(block)
+                    if hashes[block] is not None:
+                        revivable += 1
         if not freed:
             return
         queue, where = self._queue, self._where

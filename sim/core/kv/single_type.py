@@ -93,10 +93,15 @@ class SlidingWindowManager:
     def remove_skipped_blocks(self, table: list[int], skipped: int) -> list[int]:
         """Null the table's entries before `skipped`, nearest first, stopping at the first already
         null; returns the blocks removed, in that order (to be freed)."""
-        removed = []
-        i = skipped - 1
-        while i >= 0 and table[i] != NULL_BLOCK:
-            removed.append(table[i])
-            table[i] = NULL_BLOCK
-            i -= 1
+        last = skipped - 1
+        if last < 0 or table[last] == NULL_BLOCK:
+            return []
+        if last == 0 or table[last - 1] == NULL_BLOCK:    # a decode step's one block (most calls)
+            removed = [table[last]]
+        else:                              # several (a prefill chunk's): back to the last null, at C speed
+            before = table[:last]
+            first = last - before[::-1].index(NULL_BLOCK) if NULL_BLOCK in before else 0
+            removed = table[first:skipped]
+            removed.reverse()
+        table[skipped - len(removed):skipped] = [NULL_BLOCK] * len(removed)
         return removed
