@@ -337,8 +337,8 @@ class DecodeCohort:
         for crossing in crossings:
             if crossing:
                 for req in self._in_running_order(crossing):
-                    for table in req.group_tables:
-                        table.append(next(blocks))
+                    for table, block in zip(req.group_tables, blocks):     # (zip stops at the tables' end)
+                        table.append(block)
 
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order (members
