@@ -449,8 +449,7 @@ class HybridCoordinator(KVCacheCoordinator):
         if tables:
             self.manager.held_slots -= len(req.blocks) * self.block_size
             for table in tables:
-                self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK] if NULL_BLOCK in table
-                                      else table[::-1])
+                self.pool.free_blocks(_held_last_first(table))
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0
@@ -480,3 +479,14 @@ def _append_within_held(coordinator, req: Request, num_new_tokens: int, lookahea
     if coordinator.enable_caching and covered // coordinator.block_size > req.num_registered:
         coordinator.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
     return True
+
+
+def _held_last_first(table: list[int]) -> list[int]:
+    """A table's blocks, last first, without its null entries (at C speed: a sliding group's nulls
+    lead its table, what fell behind the window)."""
+    if NULL_BLOCK not in table:
+        return table[::-1]
+    after_nulls = len(table) - table[::-1].index(NULL_BLOCK)
+    if table.count(NULL_BLOCK) == after_nulls:
+        return table[:after_nulls - 1:-1] if after_nulls < len(table) else []
+    return [b for b in reversed(table) if b != NULL_BLOCK]

@@ -84,7 +84,7 @@ class SlidingWindowManager:
         for g in group_ids:
             found = list(map(pool.cached.__contains__, group_keys(hashes[:max_blocks], g)))
             cached = found if cached is None else list(map(and_, cached, found))
-        return sliding_window_hit_run(cached.__getitem__, max_blocks, block_size, window)
+        return sliding_window_hit_run(cached, block_size, window)
 
     def skipped_blocks(self, num_computed: int) -> int:
         """Leading table entries behind the window of the token after `num_computed`."""
