@@ -311,7 +311,8 @@ class DecodeCohort:
             freeing = self.freeing(step)
             if freeing:
                 kv.free_behind_windows(self._in_running_order(freeing))
-            self._joined = {}
+            if self._joined:
+                self._joined = {}
         self.scheduled_step = clock
         bs = self.block_size
         crossing = self.by_phase[(1 - clock) % bs]

@@ -359,7 +359,7 @@ class HybridCoordinator(KVCacheCoordinator):
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need * self.num_groups
         ref = self.pool.ref_cnt
-        revived = sum(1 for table in hit_blocks for b in table if b != NULL_BLOCK and ref[b] == 0)
+        revived = sum(list(map(ref.__getitem__, table)).count(0) for table in hit_blocks)   # (the null block's is 1)
         gate = cdiv(gate_tokens, bs)
         g = self.groups
         full = max(gate - held - num_hit, need)
