@@ -26,9 +26,9 @@ any router (sim/simulator.py cuts it at the first step ending at or after that t
 
 `apply_leap` takes the stretch's blocks from a paged pool in one go, in the order the one-step
 path takes them, and registers the blocks the members fill (DecodeCohort.advance_many, so every
-block id, hash and eviction comes out the same); static and contiguous batches, and grouped
-caches (whose members free behind their windows between crossings), replay their steps through
-the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
+block id, hash and eviction comes out the same; grouped caches, whose members free behind their
+windows between crossings, then free step by step: DecodeCohort.advance_grouped); static and
+contiguous batches replay their steps through the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
 in bulk; equal, bit for bit, to pricing the steps one by one (same float operations).
 """
 from __future__ import annotations
@@ -304,11 +304,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
     usable = pool.usable_blocks
     # A step at which no member reaches a block boundary changes nothing but the cohort's clock
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
-    # (or frees behind sliding windows) that is the steps with a member crossing into a new block
-    # (the plan counted them).
+    # that is the steps with a member crossing into a new block (the plan counted them).
     layout = cohort.layout
-    walked = (None if layout.prefix_caching or layout.sliding_window is not None or plan.static_shape is not None
-              else plan.walked)
+    walked = None if layout.prefix_caching or plan.static_shape is not None else plan.walked
     used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i in range(done, k):
         if walked is None or walked[i]:
