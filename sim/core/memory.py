@@ -8,7 +8,6 @@ is the null block, so usable blocks = num_blocks - 1.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Callable
 
 from sim.core import vllm_versions
 from sim.core.catalog import MIB, ModelSpec, catalog_entry
@@ -147,33 +146,30 @@ def sliding_window_blocks_kept(num_computed: int, block_size: int, window: int) 
                                                                                        window)
 
 
-def sliding_window_hit_run(is_cached: Callable[[int], bool], num_blocks: int, block_size: int,
-                           window: int) -> tuple[int, int]:
+def sliding_window_hit_run(cached: list[bool], block_size: int, window: int) -> tuple[int, int]:
     """The prompt blocks [first, end) a sliding-window group takes from the prefix cache.
 
-    `is_cached(i)`: is the prompt's i-th full block still cached for this group (i < num_blocks).
-    A sliding layer needs only the last cdiv(window - 1, block_size) blocks before the first
-    recomputed token, so vLLM's SlidingWindowManager.find_longest_cache_hit scans from the end for
-    such a run of cached blocks (earlier blocks may have been freed as the window moved on; the
-    hit's blocks before `first` are null); a run reaching block 0 counts even when shorter.
+    `cached[i]`: is the prompt's i-th full block still cached for this group. A sliding layer
+    needs only the last cdiv(window - 1, block_size) blocks before the first recomputed token, so
+    vLLM's SlidingWindowManager.find_longest_cache_hit scans from the end for such a run of cached
+    blocks (earlier blocks may have been freed as the window moved on; the hit's blocks before
+    `first` are null); a run reaching block 0 counts even when shorter. (The scan is a search of
+    the flags as bytes, at C speed: the last `need` cached blocks in a row, else the leading run.)
     """
     need = blocks_for_tokens(window - 1, block_size)
-    run = 0
-    for i in range(num_blocks - 1, -1, -1):
-        if not is_cached(i):
-            run = 0
-            continue
-        run += 1
-        if run >= need:
-            return i, i + run
-    return 0, run     # a run from block 0 shorter than the window
+    flags = bytes(cached)
+    first = flags.rfind(b"\x01" * max(need, 1))     # (a window of one token: the last cached block)
+    if first >= 0:
+        return first, first + max(need, 1)
+    leading = flags.find(b"\x00")
+    return 0, len(flags) if leading < 0 else leading     # a run from block 0 shorter than the window
 
 
 def sliding_window_hit_blocks(cached: list[bool], block_size: int, window: int) -> int:
     """Leading blocks of a prompt a sliding-window group can take from the prefix cache
-    (`sliding_window_hit_run` over a list of cached flags). In a hybrid model the hit is the
-    shorter of the full-attention hit and this one."""
-    return sliding_window_hit_run(cached.__getitem__, len(cached), block_size, window)[1]
+    (`sliding_window_hit_run`'s end). In a hybrid model the hit is the shorter of the
+    full-attention hit and this one."""
+    return sliding_window_hit_run(cached, block_size, window)[1]
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -462,3 +462,38 @@ def test_window_frees_as_vllms_own_case():
         kv.remove_skipped_blocks(req)
         assert req.blocks == table, computed
     assert list(kv.pool.free_queue)[-4:] == [first[0], first[1], first[3], first[2]]   # 1003 before 1002
+
+
+def test_the_c_speed_window_searches_equal_the_plain_scans():
+    """`sliding_window_hit_run` searches the cached flags as bytes and `remove_skipped_blocks`
+    slices a prefill chunk's run; both equal the plain right-to-left scans vLLM writes."""
+    from sim.core.kv import SlidingWindowManager
+    from sim.core.memory import sliding_window_hit_run
+
+    def hit_scan(cached, block_size, window):
+        need, run = blocks_for_tokens(window - 1, block_size), 0
+        for i in range(len(cached) - 1, -1, -1):
+            run = run + 1 if cached[i] else 0
+            if cached[i] and run >= need:
+                return i, i + run
+        return 0, run
+
+    def remove_scan(table, skipped):
+        removed, i = [], skipped - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            removed.append(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
+        return removed
+
+    rnd = random.Random(26)
+    manager = SlidingWindowManager(0, 8, 4)
+    for _ in range(3000):
+        cached = [rnd.random() < 0.7 for _ in range(rnd.randint(0, 14))]
+        block_size, window = rnd.randint(1, 5), rnd.randint(1, 20)
+        assert sliding_window_hit_run(cached, block_size, window) == hit_scan(cached, block_size, window)
+        table = [rnd.choice([NULL_BLOCK, rnd.randint(1, 99)]) for _ in range(rnd.randint(0, 12))]
+        skipped = rnd.randint(0, len(table))
+        expected = list(table)
+        assert manager.remove_skipped_blocks(table, skipped) == remove_scan(expected, skipped)
+        assert table == expected

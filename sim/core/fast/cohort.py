@@ -308,46 +308,109 @@ class DecodeCohort:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         if self.window is not None:        # before the clock moves: members' contexts before the token
-            for req in self._in_running_order(self.freeing(step)):
-                kv.remove_skipped_blocks(req)
-            self._joined = {}
+            freeing = self.freeing(step)
+            if freeing:
+                kv.free_behind_windows(self._in_running_order(freeing))
+            if self._joined:
+                self._joined = {}
         self.scheduled_step = clock
         bs = self.block_size
         crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            ordered = self._in_running_order(crossing) if self.named else crossing
-            if self.tables == 1:
-                for req, block in zip(ordered, kv.pool.get_new_blocks(len(crossing))):
-                    req.blocks.append(block)
-            else:                          # each member's tables in turn, as allocate_slots takes them
-                blocks = iter(kv.pool.get_new_blocks(len(crossing) * self.tables))
-                for req in ordered:
-                    for table in req.group_tables:
-                        table.append(next(blocks))
+            self._hand_out((crossing,), kv.pool.get_new_blocks(len(crossing) * self.tables))
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
             self._register_fills(range(clock, clock + 1), kv)
+
+    def _hand_out(self, crossings, blocks: list[int]) -> None:
+        """Give the members crossing into a block at a run of steps (`crossings`, step by step) the
+        blocks taken for them, as the one-by-one loop takes them: step, then running order (a pool
+        that names its blocks), then each member's tables in turn (a table per group)."""
+        blocks = iter(blocks)
+        if not self.per_group_tables:
+            named = self.named
+            for crossing in crossings:
+                if crossing:
+                    for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
+                        req.blocks.append(block)
+            return
+        for crossing in crossings:
+            if crossing:
+                for req in self._in_running_order(crossing):
+                    for table, block in zip(req.group_tables, blocks):     # (zip stops at the tables' end)
+                        table.append(block)
 
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order (members
         whose fills are private are left alone: see `leave`)."""
         by_phase, bs = self.by_phase, self.block_size
-        blocks, hashes = [], []
+        filling: list[Request] = []
+        indexes: list[int] = []
         for clock in clocks:
             for req in by_phase[-clock % bs]:
                 if not req.cohort_private_fills:
                     index = (req.cohort_computed + clock) // bs - 1
-                    if not self.per_group_tables:
-                        blocks.append(kv.named_blocks(req, index, index + 1)[0])
-                        hashes.append(req.block_hashes[index])
-                    else:
-                        filled, keys = kv.filled_entries(req, index)
-                        blocks += filled
-                        hashes += keys
+                    filling.append(req)
+                    indexes.append(index)
                     req.num_registered = index + 1
-        if blocks:
-            kv.pool.cache_blocks(blocks, hashes)
+        if filling:
+            kv.pool.cache_blocks(*kv.filled_entries(filling, indexes))
+
+    def advance_grouped(self, step: int, steps: int, kv) -> tuple[list[int], list[int]]:
+        """`advance` over steps step .. step + steps - 1 with a table per KV cache group (members
+        behind sliding windows free blocks between their crossings). The stretch's blocks come off
+        the free queue in one take (step, then running order, then each member's tables in turn),
+        the blocks the members fill are registered, then the blocks behind the windows are freed,
+        step by step, each step's in running order. That is what the step-by-step order (at each
+        step: frees, takes, registrations) does:
+          - the takes come off the queue's head ahead of every block freed in the stretch: a
+            stretch runs only when its blocks are free before any of its frees (the scheduler's
+            `_others_if_all_take`, the leap's `reach`), and a free only appends to the tail;
+          - registrations commute with takes (see `advance_many`), and frees touch no hash;
+          - a block freed behind a window was filled, so registered, at least a step before, and
+            a free drops a reference held until then: what it counts as cached is what it would.
+        Returns the pool's free and cached-free blocks after each step."""
+        bs, by_phase, pool = self.block_size, self.by_phase, kv.pool
+        clock = step - self.offset
+        free0, cached0 = pool.num_free, pool.num_cached_free
+        crossings = [by_phase[(1 - c) % bs] for c in range(clock, clock + steps)]
+        walked = list(map(len, crossings))
+        total = sum(walked)
+        taken = total * self.tables
+        evicted_at: list[int] = []
+        if total:
+            self._hand_out(crossings, pool.get_new_blocks(taken, evicted_at))
+            kv.held_slots += bs * total
+            self.blocks_walked += total
+        if self._public_fillers:
+            self._register_fills(range(clock, clock + steps), kv)
+        free_after: list[int] = []
+        cached_after: list[int] = []
+        if self.window is not None:
+            free_behind_windows, window = kv.free_behind_windows, self.window
+            free_before, cached_before = pool.num_free, pool.num_cached_free
+            for c in range(clock, clock + steps):
+                freeing = by_phase[(window - c) % bs]
+                if self._joined:               # (members that joined since the last step: a prefill may have left several)
+                    freeing = {**freeing, **self._joined}
+                    self._joined = {}
+                if freeing:                    # (the members' context is the one before the token at c)
+                    free_behind_windows(self._in_running_order(freeing))
+                self.scheduled_step = c
+                free_after.append(pool.num_free - free_before)
+                cached_after.append(pool.num_cached_free - cached_before)
+        else:
+            free_after = cached_after = [0] * steps
+        self.scheduled_step = clock + steps - 1
+        # the pool's figures step by step: what the frees gave back by then, less the blocks taken
+        # and the hashes evicted by then
+        per_table = self.tables
+        ends = list(accumulate(walked))
+        evicted = [bisect_left(evicted_at, end * per_table) for end in ends] if evicted_at else [0] * steps
+        free = [free0 - end * per_table + f for end, f in zip(ends, free_after)]
+        cached = [cached0 - e + r for e, r in zip(evicted, cached_after)]
+        return free, cached
 
     def advance_many(self, step: int, walked: list[int], kv) -> list[int]:
         """`advance` over steps step .. step + len(walked) - 1 at once (a paged pool), `walked[i]`
@@ -363,13 +426,9 @@ class DecodeCohort:
         evicted_by_step = [0] * len(walked)
         if total:
             evicted_at: list[int] = []
-            blocks = iter(kv.pool.get_new_blocks(total, evicted_at))
-            named, phase = self.named, 1 - clock
-            for i, w in enumerate(walked):
-                if w:
-                    crossing = by_phase[(phase - i) % bs]
-                    for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
-                        req.blocks.append(block)
+            blocks = kv.pool.get_new_blocks(total, evicted_at)
+            phase = 1 - clock
+            self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
             if evicted_at:
                 ends = list(accumulate(walked))
                 evicted_by_step = [bisect_left(evicted_at, end) for end in ends]

@@ -26,9 +26,9 @@ any router (sim/simulator.py cuts it at the first step ending at or after that t
 
 `apply_leap` takes the stretch's blocks from a paged pool in one go, in the order the one-step
 path takes them, and registers the blocks the members fill (DecodeCohort.advance_many, so every
-block id, hash and eviction comes out the same); static and contiguous batches, and grouped
-caches (whose members free behind their windows between crossings), replay their steps through
-the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
+block id, hash and eviction comes out the same; grouped caches, whose members free behind their
+windows between crossings, then free step by step: DecodeCohort.advance_grouped); static and
+contiguous batches replay their steps through the cohort itself. It closes with one `finish_step`. The driver's step times come from the cost model
 in bulk; equal, bit for bit, to pricing the steps one by one (same float operations).
 """
 from __future__ import annotations
@@ -272,17 +272,24 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
 def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
     """A paged pool: steps done .. k-1 of the leap, their blocks taken in one go, in the order the
     step-by-step calls would take them, and the blocks filled registered after
-    (DecodeCohort.advance_many); the figures follow from the crossings the plan counted and the
-    evictions the take made."""
+    (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
+    the windows step by step); the figures follow from the crossings the plan counted and the
+    evictions the take made (and what the frees gave back)."""
     walked = plan.walked[done:k]
+    cohort, kv = sched.cohort, sched.kv
     used0, cached0, slack0 = sched.kv_figures()
-    evicted = sched.cohort.advance_many(plan.first_step + done, walked, sched.kv)
-    # per step, as running sums at C speed: blocks used grow by the blocks crossed; the slack by
-    # block_size x those, less one token per member
-    used = list(accumulate(walked, initial=used0))
+    # per step, as running sums at C speed: the slack grows by block_size x the blocks crossed,
+    # less one token per member
     growth = map(sub, map(mul, repeat(sched.block_size), walked), repeat(plan.members))
     slack = list(accumulate(growth, initial=slack0))
-    del used[0], slack[0]
+    del slack[0]
+    if cohort.per_group_tables:
+        free, cached = cohort.advance_grouped(plan.first_step + done, k - done, kv)
+        usable = kv.pool.usable_blocks
+        return [usable - f for f in free], cached, slack
+    evicted = cohort.advance_many(plan.first_step + done, walked, kv)
+    used = list(accumulate(walked, initial=used0))      # blocks used grow by the blocks crossed
+    del used[0]
     cached = [cached0 - e for e in evicted] if evicted[-1] else [cached0] * len(walked)   # (counts so far)
     return used, cached, slack
 
@@ -297,11 +304,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
     usable = pool.usable_blocks
     # A step at which no member reaches a block boundary changes nothing but the cohort's clock
     # (set at the end), so only boundary steps go through the cohort; without prefix caching
-    # (or frees behind sliding windows) that is the steps with a member crossing into a new block
-    # (the plan counted them).
+    # that is the steps with a member crossing into a new block (the plan counted them).
     layout = cohort.layout
-    walked = (None if layout.prefix_caching or layout.sliding_window is not None or plan.static_shape is not None
-              else plan.walked)
+    walked = None if layout.prefix_caching or plan.static_shape is not None else plan.walked
     used_now, cached_now = usable - pool.num_free, pool.num_cached_free
     for i in range(done, k):
         if walked is None or walked[i]:

@@ -217,6 +217,15 @@ class BlockPool:
             self._queue += blocks
             self.num_free += len(blocks)
             return
+        queue, where = self._queue, self._where
+        if list(map(ref.__getitem__, blocks)).count(1) == len(blocks):    # none shared (most calls): all go
+            for i, block in enumerate(blocks, self._base + len(queue)):
+                ref[block] = 0
+                where[block] = i
+            queue += blocks
+            self.num_free += len(blocks)
+            self.num_cached_free += len(blocks) - list(map(hashes.__getitem__, blocks)).count(None)
+            return
         freed = []
         revivable = 0
         for block in blocks:
@@ -228,7 +237,6 @@ class BlockPool:
                     revivable += 1
         if not freed:
             return
-        queue, where = self._queue, self._where
         for i, block in enumerate(freed, self._base + len(queue)):
             where[block] = i
         queue += freed

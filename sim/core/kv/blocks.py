@@ -54,9 +54,10 @@ class CacheLayout:
 
     @property
     def takes_stretch_in_bulk(self) -> bool:
-        """Can a stretch of decode steps take its blocks from the pool in one go (one table per
-        request, paged)? Otherwise the cohort replays the stretch step by step."""
-        return self.paged and not self.per_group_tables
+        """Can a stretch of decode steps take its blocks from the pool in one go (paged; with a
+        table per group, the frees behind the windows follow step by step)? Otherwise the cohort
+        replays the stretch step by step."""
+        return self.paged
 
 
 class PrefixCacheStats:

@@ -22,7 +22,7 @@ from typing import Optional
 
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
 from sim.core.kv.blocks import NO_BLOCKS, KVCacheBlocks
-from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_key, group_keys
+from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_keys, group_salt
 from sim.core.memory import KVCacheGroups, cdiv
 from sim.core.request import Request
 from sim.core.status import FINISHED
@@ -72,7 +72,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
     per_group_tables = False
     num_groups = 1
     window = None
-    API = KVCacheCoordinator.API + ("named_blocks",)
+    API = KVCacheCoordinator.API + ("filled_entries",)
 
     def __init__(self, manager, pool: BlockPool, *, block_size: int, enable_caching: bool, contiguous: bool,
                  max_model_len: Optional[int], contiguous_reserve: str, named: bool):
@@ -204,6 +204,12 @@ class UnitaryCoordinator(KVCacheCoordinator):
             req.extend_block_hashes(end, self.block_size)
             self.pool.publish(self.named_blocks(req, first, end), req.block_hashes[first:end])
 
+    def filled_entries(self, reqs: list[Request], indexes: list[int]) -> tuple[list[int], list[int]]:
+        """(blocks, hashes) that publish each request's block at its index, in turn (the decode
+        cohort's fills; a block the pool left unnamed is named here, in that order)."""
+        blocks = [self.named_blocks(req, index, index + 1)[0] for req, index in zip(reqs, indexes)]
+        return blocks, [req.block_hashes[index] for req, index in zip(reqs, indexes)]
+
     def named_blocks(self, req: Request, start: int, end: int) -> list[int]:
         """The ids of the request's blocks start .. end - 1, naming those the pool left unnamed
         (CountingBlockPool: a block gets an id when it is registered under a hash)."""
@@ -237,7 +243,8 @@ class HybridCoordinator(KVCacheCoordinator):
     Every full block is registered under its group key (no private blocks).
     """
 
-    API = KVCacheCoordinator.API + ("frees_behind_window", "remove_skipped_blocks", "filled_entries")
+    API = KVCacheCoordinator.API + ("frees_behind_window", "remove_skipped_blocks", "free_behind_windows",
+                                     "filled_entries")
     per_group_tables = True
     paged = True
     private_blocks = False
@@ -265,6 +272,7 @@ class HybridCoordinator(KVCacheCoordinator):
         # the prompt (KVCacheManager.set_sliding_admission_cap).
         self.sliding_admission_cap = True
         self.windowed_frees = 0        # blocks freed because they fell behind a window
+        self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
 
     def _tables(self, req: Request) -> list[list[int]]:
         tables = req.group_tables
@@ -303,7 +311,7 @@ class HybridCoordinator(KVCacheCoordinator):
             hits[g] = table[:length]
         lookup = pool.cached.get
         for g in self.sliding_ids:
-            hits[g] = [NULL_BLOCK] * first + [lookup(group_key(hashes[i], g)) for i in range(first, length)]
+            hits[g] = [NULL_BLOCK] * first + list(map(lookup, group_keys(hashes[first:length], g)))
         return KVCacheBlocks(hits), length * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: Optional[KVCacheBlocks] = None,
@@ -351,7 +359,7 @@ class HybridCoordinator(KVCacheCoordinator):
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need * self.num_groups
         ref = self.pool.ref_cnt
-        revived = sum(1 for table in hit_blocks for b in table if b != NULL_BLOCK and ref[b] == 0)
+        revived = sum(list(map(ref.__getitem__, table)).count(0) for table in hit_blocks)   # (the null block's is 1)
         gate = cdiv(gate_tokens, bs)
         g = self.groups
         full = max(gate - held - num_hit, need)
@@ -380,12 +388,29 @@ class HybridCoordinator(KVCacheCoordinator):
     def remove_skipped_blocks(self, req: Request) -> None:
         """Free, in every sliding group, the blocks behind the window of the request's next token
         (null in the table), nearest first, stopping at the first already null."""
-        skipped = self.frees_behind_window(req)
-        if not skipped:
+        self.free_behind_windows((req,))
+
+    def free_behind_windows(self, reqs) -> None:
+        """`remove_skipped_blocks` of each request in turn (the decode cohort's members freeing at
+        one step, in running order): their blocks go back in that order, in one pool call (a free
+        only appends to the free queue, so one call is the calls one after the other).
+        (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here.)"""
+        if not self.sliding_managers:
             return
-        tables = req.group_tables
-        for manager in self.sliding_managers:
-            removed = manager.remove_skipped_blocks(tables[manager.group_id], skipped)
+        bs, window = self.block_size, self.window
+        first = self.sliding_managers[0].group_id
+        removed: list[int] = []
+        for req in reqs:
+            tables = req.group_tables
+            skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
+            held = len(req.blocks)
+            if skipped > held:
+                skipped = held
+            if skipped <= 0 or not tables or tables[first][skipped - 1] == NULL_BLOCK:
+                continue
+            for manager in self.sliding_managers:
+                removed += manager.remove_skipped_blocks(tables[manager.group_id], skipped)
+        if removed:
             self.windowed_frees += len(removed)
             self.pool.free_blocks(removed)
 
@@ -404,15 +429,19 @@ class HybridCoordinator(KVCacheCoordinator):
             self.pool.cache_blocks(blocks, keys)
         req.num_registered = full
 
-    def filled_entries(self, req: Request, index: int) -> tuple[list[int], list[int]]:
-        """(blocks, prefix-cache keys) that publish the request's block `index` in every group
-        holding it, in group order (register_full_blocks' order for one block)."""
-        h = req.block_hashes[index]
-        blocks, keys = [], []
-        for g, table in enumerate(req.group_tables):
-            if table[index] != NULL_BLOCK:
-                blocks.append(table[index])
-                keys.append(group_key(h, g))
+    def filled_entries(self, reqs: list[Request], indexes: list[int]) -> tuple[list[int], list[int]]:
+        """(blocks, prefix-cache keys) that publish each request's block at its index, in turn, in
+        every group holding it, in group order (register_full_blocks' order for one block)."""
+        blocks: list[int] = []
+        keys: list[int] = []
+        salts = self.salts
+        for req, index in zip(reqs, indexes):
+            h = req.block_hashes[index]
+            for table, salt in zip(req.group_tables, salts):
+                block = table[index]
+                if block != NULL_BLOCK:
+                    blocks.append(block)
+                    keys.append(h ^ salt)          # group_key(h, g)
         return blocks, keys
 
     def free(self, req: Request) -> None:
@@ -420,7 +449,7 @@ class HybridCoordinator(KVCacheCoordinator):
         if tables:
             self.manager.held_slots -= len(req.blocks) * self.block_size
             for table in tables:
-                self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
+                self.pool.free_blocks(_held_last_first(table))
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0
@@ -450,3 +479,14 @@ def _append_within_held(coordinator, req: Request, num_new_tokens: int, lookahea
     if coordinator.enable_caching and covered // coordinator.block_size > req.num_registered:
         coordinator.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
     return True
+
+
+def _held_last_first(table: list[int]) -> list[int]:
+    """A table's blocks, last first, without its null entries (at C speed: a sliding group's nulls
+    lead its table, what fell behind the window)."""
+    if NULL_BLOCK not in table:
+        return table[::-1]
+    after_nulls = len(table) - table[::-1].index(NULL_BLOCK)
+    if table.count(NULL_BLOCK) == after_nulls:
+        return table[:after_nulls - 1:-1] if after_nulls < len(table) else []
+    return [b for b in reversed(table) if b != NULL_BLOCK]

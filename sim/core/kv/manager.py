@@ -26,8 +26,8 @@ class KVCacheManager:
     `allocate_slots(req, n, hit, gate_tokens, reserve_free, lookahead_tokens) -> bool`,
     `append_slots(req, n, lookahead_tokens) -> bool`, `would_fit(...)`, `register_full_blocks`,
     `free(req)`, `blocks_needed_at_most(req)`, and the decode cohort's bulk helpers
-    (`named_blocks` with one table per request; `filled_entries`, `frees_behind_window`,
-    `remove_skipped_blocks` with a table per group).
+    (`filled_entries`; `frees_behind_window`, `remove_skipped_blocks` and `free_behind_windows`
+    with a table per group).
 
     `allocation="contiguous"` reserves a request's whole length at admission (one group only).
     `groups`: the model's KV cache groups (sim/core/memory.py); None or one full-attention group

@@ -15,15 +15,23 @@ from sim.core.kv.block_pool import NULL_BLOCK, BlockPool
 from sim.core.memory import sliding_window_hit_run, sliding_window_skipped_blocks
 
 
+def group_salt(group: int) -> int:
+    """What a block hash is XORed with to key it in KV cache group `group`: 0 for group 0, else a
+    64-bit hash of the group id (of ints only, so the same in every process)."""
+    return 0 if group == 0 else hash((group, 0x9E3779B97F4A7C15))
+
+
 def group_key(block_hash: int, group: int) -> int:
     """The prefix-cache key of a block hash in KV cache group `group` (vLLM keys its map by
-    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys by the hash."""
-    return block_hash if group == 0 else hash((block_hash, group))
+    (hash, group id)): group 0 keeps the hash itself, so a one-group pool keys by the hash; another
+    group XORs it with a salt of its own, a 64-bit hash, so two keys collide with the chance two
+    block hashes do (and a request's keys are one C-speed `map` over its hashes: group_keys)."""
+    return block_hash ^ group_salt(group)
 
 
 def group_keys(hashes: list[int], group: int) -> list[int]:
     """The prefix-cache keys of block hashes in `group` (group 0: the hashes themselves)."""
-    return hashes if group == 0 else [group_key(h, group) for h in hashes]
+    return hashes if group == 0 else list(map(group_salt(group).__xor__, hashes))
 
 
 class FullAttentionManager:
@@ -40,8 +48,8 @@ class FullAttentionManager:
         """Per group in `group_ids`, the blocks of the longest run of leading blocks cached in every
         one of them (a left-to-right scan that stops at the first miss)."""
         lookup = pool.cached.get
-        if group_ids == [0]:                   # one group keyed by the hashes: looked up at C speed
-            hits = list(map(lookup, hashes[:max_blocks]))
+        if len(group_ids) == 1:                # one group: its keys looked up at C speed
+            hits = list(map(lookup, group_keys(hashes[:max_blocks], group_ids[0])))
             if None in hits:
                 del hits[hits.index(None):]
             return [hits]
@@ -76,7 +84,7 @@ class SlidingWindowManager:
         for g in group_ids:
             found = list(map(pool.cached.__contains__, group_keys(hashes[:max_blocks], g)))
             cached = found if cached is None else list(map(and_, cached, found))
-        return sliding_window_hit_run(cached.__getitem__, max_blocks, block_size, window)
+        return sliding_window_hit_run(cached, block_size, window)
 
     def skipped_blocks(self, num_computed: int) -> int:
         """Leading table entries behind the window of the token after `num_computed`."""
@@ -85,10 +93,15 @@ class SlidingWindowManager:
     def remove_skipped_blocks(self, table: list[int], skipped: int) -> list[int]:
         """Null the table's entries before `skipped`, nearest first, stopping at the first already
         null; returns the blocks removed, in that order (to be freed)."""
-        removed = []
-        i = skipped - 1
-        while i >= 0 and table[i] != NULL_BLOCK:
-            removed.append(table[i])
-            table[i] = NULL_BLOCK
-            i -= 1
+        last = skipped - 1
+        if last < 0 or table[last] == NULL_BLOCK:
+            return []
+        if last == 0 or table[last - 1] == NULL_BLOCK:    # a decode step's one block (most calls)
+            removed = [table[last]]
+        else:                              # several (a prefill chunk's): back to the last null, at C speed
+            before = table[:last]
+            first = last - before[::-1].index(NULL_BLOCK) if NULL_BLOCK in before else 0
+            removed = table[first:skipped]
+            removed.reverse()
+        table[skipped - len(removed):skipped] = [NULL_BLOCK] * len(removed)
         return removed
