@@ -202,9 +202,9 @@ def linear_percentiles(n: int, percentiles, kth: Callable[[list[int]], dict]) ->
     virtual = np.asanyarray(method["get_virtual_index"](n, q))
     previous_i, next_i = fb._get_indexes(np.zeros(0), virtual, n)
     previous_i, next_i = previous_i % n, next_i % n           # (-1: the last)
-    values = kth(sorted({*previous_i.tolist(), *next_i.tolist()}))
-    previous = np.array([values[i] for i in previous_i.tolist()], dtype=np.float64)
-    following = np.array([values[i] for i in next_i.tolist()], dtype=np.float64)
+    values = kth(sorted({*previous_i.ravel().tolist(), *next_i.ravel().tolist()}))
+    previous = np.array([values[i] for i in previous_i.ravel().tolist()]).reshape(virtual.shape)
+    following = np.array([values[i] for i in next_i.ravel().tolist()]).reshape(virtual.shape)
     gamma = fb._get_gamma(virtual, previous_i, method).reshape(virtual.shape)
     return fb._lerp(previous, following, gamma)
 
