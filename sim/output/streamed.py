@@ -11,17 +11,21 @@ memory. The outputs are then made from the chunks:
 - requests.csv block by block of BLOCK request ids, each block a RequestTable of the chunks' rows
   with those ids, through the same `requests_frame` as in memory: a request's times come from its
   replica's step times, cumulated once per replica and read back memory-mapped;
-- summary.json: `summarise` itself for the steps' figures (given the steps' summary columns and no
-  request), the requests' figures taken block by block as it takes them (_RequestFigures: counts
-  and integer sums as they come; each measured column it reads whole, for a percentile or a float
-  sum in id order, kept on disk and read back alone), the inter-token gaps gathered per replica
-  as `itl_samples` gathers them.
+- summary.json: `summarise` itself, given the steps' figures (_StepFigures: maxima and integer sums
+  taken replica by replica, the float sums over every step from columns on disk) and no request;
+  the requests' figures taken block by block as it takes them (_RequestFigures: counts and integer
+  sums as they come; the measured columns it reads whole, for a distribution or a float sum in id
+  order, kept on disk); the inter-token gaps gathered per replica as `itl_samples` gathers them,
+  their runs' ends kept on disk per replica meanwhile. Every sum and percentile over a column on
+  disk is numpy's, to the bit, read back a slice at a time (sim/exact_disk.py).
 
-So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py).
-What still grows with the request count: the workload's draws (arrays made before the run, ~75
-bytes a request), the manifest's lengths (16), one measured column at a time in the summary (8,
-twice while a percentile sorts it), and the steps' summary series and inter-token gaps (a few
-tens of bytes per engine step).
+So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py),
+and what the summary holds at once is a block of requests, one replica's steps and a slice of a
+column. With a synthetic single-turn workload drawn a chunk at a time (sim/workload.py
+`drawn_in_chunks`) and the manifest's lengths counted per length (sim/predict.py LengthCounts),
+what grows with the request count is only one replica's share of the steps (its steps are loaded
+whole, one replica at a time), the rejected and aborted requests' reasons, and the chunks' names
+(docs/performance.md).
 """
 from __future__ import annotations
 
