@@ -11,6 +11,8 @@ slice, whatever the column's length.
   first pass counts the values by the top 16 bits of their order-preserving 64-bit keys, finds the
   bucket holding rank k, and the next pass counts within that bucket by the next 16 bits, until the
   bucket is small enough to load (LOAD values) or holds one key; that bucket is then sorted.
+  (-0.0 and 0.0 share a key, as they compare equal; which of the two a rank among such ties
+  holds is numpy's partition order, not reproduced: a latency or a gap is never -0.0.)
 - A percentile: the order statistics numpy's linear method reads, interpolated by numpy's own
   index, gamma and lerp (numpy.lib._function_base_impl), so the figure is np.percentile's.
 
