@@ -85,10 +85,11 @@ def meets_slo(requests, slo) -> np.ndarray:
 Columns = Mapping[str, np.ndarray]
 
 
-def summarise(records: RunRecords, slo=None, requests=None,
-              steps: Optional[pd.DataFrame] = None) -> dict[str, Any]:
+def summarise(records: RunRecords, slo=None, requests=None, steps=None) -> dict[str, Any]:
     """The summary.json figures of one run. `requests`: the request columns
     (sim.records.request_columns) or a requests frame; made from the records when not given.
+    `steps`: a per-step frame, or figures with _Steps' methods taken elsewhere (a spilled run's,
+    sim/output/streamed.py); read from the records when not given.
     Every figure is computed on numpy arrays as pandas computed it on the frame (sim/exact.py)."""
     cols = _request_columns(records, requests)
     warm = cols["is_warmup"].astype(bool)
@@ -96,7 +97,8 @@ def summarise(records: RunRecords, slo=None, requests=None,
     keep = (status == "finished") & ~warm
     measured = {c: cols[c][keep] for c in _MEASURED_COLUMNS if c in cols}
     n_measured = int(keep.sum())
-    steps = _Steps(records, steps)
+    if steps is None or isinstance(steps, pd.DataFrame):
+        steps = _Steps(records, steps)
     offered = int((~warm).sum())
     duration = _duration(measured, n_measured)
     n_out = exact.nansum(measured["output_tokens"])
@@ -193,6 +195,35 @@ class _Steps:
                      for c, v in per_step.items()}
         self.row = rows
         self.count = len(self.step["end_s"])
+        self._dur = None
+
+    def durations(self) -> np.ndarray:
+        if self._dur is None:
+            self._dur = self.step["end_s"] - self.step["start_s"]
+        return self._dur
+
+    def kv_used_mean(self) -> float:
+        """The KV blocks in use, time-weighted over busy time: a step's KV state holds for its duration."""
+        dur, used = self.durations(), self.step["kv_blocks_used"]
+        return float(np.average(used, weights=dur)) if dur.sum() > 0 else float(used.mean())
+
+    def replica_steps(self, replica: int) -> int:
+        return int(np.count_nonzero(self.step["replica"] == replica))
+
+    def kv_peak(self, replica: Optional[int] = None) -> int:
+        used = self.step["kv_blocks_used"]
+        if replica is not None:
+            used = used[self.step["replica"] == replica]
+        return int(used.max()) if len(used) else 0
+
+    def slack_peak(self) -> int:
+        return int(self.step["slack_tokens"].max())
+
+    def peak_running(self) -> int:
+        return int(self.row["running"].max())
+
+    def mean_step_s(self) -> float:
+        return float(exact.nanmean(self.durations()))
 
     def _per_step_total(self, column: str, keep=slice(None)) -> int:
         """Sum over steps of a per-row integer column (each row's value times its step count)."""
@@ -229,7 +260,7 @@ def _replica_figures(measured: Columns, steps: _Steps, duration: float,
         mask = measured["replica"] == index
         mine = {c: v[mask] for c, v in measured.items()}
         count = int(mask.sum())
-        own_used = steps.step["kv_blocks_used"][steps.step["replica"] == index]
+        own_steps = steps.replica_steps(index)
         n_in = exact.nansum(mine["prompt_tokens"])
         out.append({
             "replica": index,
@@ -238,9 +269,9 @@ def _replica_figures(measured: Columns, steps: _Steps, duration: float,
             "output_token_throughput": float(exact.nansum(mine["output_tokens"])) / duration if duration > 0 else None,
             "ttft_s_p99": distribution(mine["ttft_s"])["p99"],
             "tpot_s_p99": distribution(mine["tpot_s"])["p99"],
-            "kv_blocks_peak": int(own_used.max()) if len(own_used) else 0,
+            "kv_blocks_peak": steps.kv_peak(index),
             "prefix_hit_rate": float(exact.nansum(mine["cached_tokens"]) / n_in) if n_in else 0.0,
-            "preemptions": steps.preemptions(index) if len(own_used) else 0,
+            "preemptions": steps.preemptions(index) if own_steps else 0,
         })
     return out
 
@@ -276,15 +307,11 @@ def _kv_figures(records: RunRecords, steps: _Steps) -> dict[str, Any]:
     if not steps.count:
         return {"kv_blocks_total": total, "kv_blocks_peak": 0, "kv_blocks_mean": 0.0,
                 "kv_usage_mean": 0.0, "kv_usage_peak": 0.0, "kv_slack_tokens_peak": 0}
-    # time-weighted over busy time: a step's KV state holds for the step's duration
-    dur = steps.step["end_s"] - steps.step["start_s"]
-    used = steps.step["kv_blocks_used"]
-    mean_used = float(np.average(used, weights=dur)) if dur.sum() > 0 else float(used.mean())
-    peak = int(used.max())
+    mean_used, peak = steps.kv_used_mean(), steps.kv_peak()
     return {"kv_blocks_total": total, "kv_blocks_peak": peak, "kv_blocks_mean": mean_used,
             "kv_usage_mean": mean_used / total if total else 0.0,
             "kv_usage_peak": peak / total if total else 0.0,
-            "kv_slack_tokens_peak": int(steps.step["slack_tokens"].max())}
+            "kv_slack_tokens_peak": steps.slack_peak()}
 
 
 def _step_figures(steps: _Steps) -> dict[str, Any]:
@@ -293,8 +320,7 @@ def _step_figures(steps: _Steps) -> dict[str, Any]:
     # the same figures, to the last bit, as pandas' means over a per-step frame's columns
     return {"num_steps": steps.count, "mean_batch_seqs": steps.mean_per_step("num_seqs"),
             "mean_batch_tokens": steps.mean_per_step("batch_tokens"),
-            "peak_running": int(steps.row["running"].max()),
-            "mean_step_s": float(exact.nanmean(steps.step["end_s"] - steps.step["start_s"]))}
+            "peak_running": steps.peak_running(), "mean_step_s": steps.mean_step_s()}
 
 
 # Public names for a spilled run's summary, taken block by block (sim/output/streamed.py).

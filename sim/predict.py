@@ -183,8 +183,7 @@ class WorkloadDescription:
 
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
-        self.prompt_lens = array("q")          # (a list of a million ints holds 28-byte objects)
-        self.output_lens = array("q")
+        self.lengths = LengthCounts()         # (counted: a list of ten million lengths would grow)
         self._texts: list[str] = []
 
     def add(self, r: Request) -> None:
@@ -192,8 +191,7 @@ class WorkloadDescription:
         if not all(type(s) is tuple for s in segs):
             segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segs]
         self._texts.append(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)))
-        self.prompt_lens.append(r.prompt_len)
-        self.output_lens.append(r.output_len)
+        self.lengths.add(r.prompt_len, r.output_len)
         if len(self._texts) >= self.BATCH:
             self._hash_texts()
 
@@ -212,8 +210,65 @@ class WorkloadDescription:
         return self.hash.hexdigest()[:16]
 
     def manifest(self, notes: list[str]) -> dict:
-        return {"requests": len(self.prompt_lens), "digest": self.hexdigest(),
-                "lengths": _length_stats(self.prompt_lens, self.output_lens), "notes": notes}
+        return {"requests": self.lengths.count, "digest": self.hexdigest(),
+                "lengths": self.lengths.stats(), "notes": notes}
+
+
+class LengthCounts:
+    """The prompt and output lengths of the requests as counts of each length (bounded memory
+    however many requests), giving _length_stats' figures to the bit: the mean of integers is their
+    exact sum over the count (float64 sums integers exactly below 2**53), the percentiles numpy's
+    interpolation of the order statistics read from the counts (sim/exact_disk.py)."""
+
+    BATCH = 65_536
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.count = 0
+        self._pending = (array("q"), array("q"))
+        self._counts = [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))] * 2   # (values, counts)
+
+    def add(self, prompt_len: int, output_len: int) -> None:
+        self._pending[0].append(prompt_len)
+        self._pending[1].append(output_len)
+        self.count += 1
+        if len(self._pending[0]) >= self.BATCH:
+            self._fold()
+
+    def _fold(self) -> None:
+        import numpy as np
+
+        for i, pending in enumerate(self._pending):
+            if not len(pending):
+                continue
+            values, counts = self._counts[i]
+            merged, where = np.unique(np.concatenate([values, np.frombuffer(pending, dtype=np.int64)]),
+                                      return_inverse=True)
+            weights = np.concatenate([counts, np.ones(len(pending), dtype=np.int64)])
+            self._counts[i] = (merged, np.bincount(where, weights=weights, minlength=len(merged)).astype(np.int64))
+        self._pending = (array("q"), array("q"))
+
+    def stats(self) -> dict:
+        import numpy as np
+
+        from sim.exact_disk import linear_percentiles, median
+
+        self._fold()
+        out = {}
+        for key, (values, counts) in zip(("prompt_tokens", "output_tokens"), self._counts):
+            n = int(counts.sum())
+            if not n:
+                out[key] = {}
+                continue
+            cum = np.cumsum(counts)
+            kth = (lambda ranks, v=values, c=cum: {k: np.float64(v[np.searchsorted(c, k, side="right")])   # noqa: E731
+                                                  for k in ranks})
+            total = int(np.dot(values, counts))
+            out[key] = {"mean": float(np.float64(total) / n), "p50": float(median(n, kth)),
+                        "p90": float(linear_percentiles(n, 90, kth)), "p99": float(linear_percentiles(n, 99, kth)),
+                        "min": int(values[0]), "max": int(values[-1])}
+        return out
 
 
 def workload_digest(requests: list[Request]) -> str:

@@ -172,88 +172,195 @@ def _synthetic_requests(w: Workload, seed: int) -> list[Request]:
 
 
 def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
-    """Every random draw made now (arrays); the Request objects made as the stream is read."""
-    starts, turns = _conversations(w, seed)
-    n_conv = len(turns)
-    conv = np.repeat(np.arange(n_conv), turns)
-    opening = np.ones(len(conv), dtype=bool)
-    opening[1:] = conv[1:] != conv[:-1]
-    closing = np.ones(len(conv), dtype=bool)     # a conversation's last turn
-    closing[:-1] = opening[1:]
-    own, output = _request_lengths(w, seed, opening)
-    prefixes, group = _prefix_groups(w.shared_prefix, seed, n_conv)
+    """The random draws made (whole, or set up to be drawn a chunk at a time); the Request objects
+    made as the stream is read."""
+    draws = _ChunkedDraws(w, seed) if drawn_in_chunks(w) else _WholeDraws(w, seed)
+    return StreamedWorkload(_made_requests(w, seed, draws), draws.count, draws.min_think)
+
+
+def _made_requests(w: Workload, seed: int, draws) -> Iterator[Request]:
+    # A conversation's turns are made together (and linked) before its first is given out:
+    # a first turn rejected at once rejects the later ones, which must exist by then.
     tenants = w.tenants or []
-    tenant_of = _draw(_stream(seed, "tenants"), n_conv, [t.share for t in tenants])
-    priority_of = _priorities(w, seed, n_conv)
-    think = _think_times(w, seed, len(conv))
-
-    follow_ups = np.flatnonzero(~opening)
-    min_think = min(think[i - 1] for i in follow_ups.tolist()) if len(follow_ups) else math.inf
-
-    def requests() -> Iterator[Request]:
-        # A conversation's turns are made together (and linked) before its first is given out:
-        # a first turn rejected at once rejects the later ones, which must exist by then.
-        # Python values as tolist gives them, listed a chunk at a time (ten million requests' lists
-        # of Python numbers would hold gigabytes)
-        starts_l, group_l, tenant_l = _Listed(starts), _Listed(group), _Listed(tenant_of)
-        names = [t.name for t in tenants] or [None]       # (tenant_of is all 0 without tenants)
-        salted_of = [bool(t.salt) for t in tenants] or [False]
-        user_key = stable_keys("user", seed)
-        multi_turn = w.multi_turn is not None
-        dynamic = w.dynamic_segment
-        prev: Optional[Request] = None
-        turns: list[Request] = []
-        for i, (c, first, last, own_len, out_len) in enumerate(_listed_rows(conv, opening, closing, own, output)):
-            user = (user_key(i), own_len)
-            if first:
-                t = tenant_l[c]
-                tenant, salted, priority, arrival = names[t], salted_of[t], priority_of[c], starts_l[c]
-                g = group_l[c]
-                prompt = [prefixes[g], user] if g >= 0 else [user]
-                if dynamic is not None:
-                    _add_dynamic(prompt, dynamic, seed, c)
-            else:
-                arrival = None
-                prompt = prev.segments + [user]
-            req = make_request(i, arrival, prompt, out_len, seed, tenant, salted, priority,
-                               own_prompt_tokens=own_len)   # its user key is its own
-            if not first:
-                prev.next_turn, prev.think_time = req, think[i - 1]
-            if multi_turn:
-                req.conversation = c
-            prev = req
-            if not last:
-                turns.append(req)
-            elif first:             # a conversation of one turn
-                yield req
-            else:
-                turns.append(req)
-                yield from turns
-                turns = []
-
-    return StreamedWorkload(requests(), len(conv), min_think)
+    names = [t.name for t in tenants] or [None]       # (tenant_of is all 0 without tenants)
+    salted_of = [bool(t.salt) for t in tenants] or [False]
+    user_key = stable_keys("user", seed)
+    multi_turn = w.multi_turn is not None
+    dynamic = w.dynamic_segment
+    prefixes, think = draws.prefixes, draws.think
+    prev: Optional[Request] = None
+    turns: list[Request] = []
+    for i, (c, first, last, own_len, out_len, t, g, priority, start) in enumerate(draws.rows()):
+        user = (user_key(i), own_len)
+        if first:
+            tenant, salted, arrival = names[t], salted_of[t], start
+            prompt = [prefixes[g], user] if g >= 0 else [user]
+            if dynamic is not None:
+                _add_dynamic(prompt, dynamic, seed, c)
+        else:
+            arrival = None
+            prompt = prev.segments + [user]
+        req = make_request(i, arrival, prompt, out_len, seed, tenant, salted, priority,
+                           own_prompt_tokens=own_len)   # its user key is its own
+        if not first:
+            prev.next_turn, prev.think_time = req, think[i - 1]
+        if multi_turn:
+            req.conversation = c
+        prev = req
+        if not last:
+            turns.append(req)
+        elif first:             # a conversation of one turn
+            yield req
+        else:
+            turns.append(req)
+            yield from turns
+            turns = []
 
 
 LISTED_CHUNK = 65_536
 
 
-class _Listed:
-    """values[k] as tolist gives it, listing LISTED_CHUNK entries at a time (k read in increasing order)."""
+class _WholeDraws:
+    """Every random draw made now, as arrays; rows listed as Python values (as tolist gives them)
+    LISTED_CHUNK requests at a time (ten million requests' lists of Python numbers would hold
+    gigabytes)."""
 
-    def __init__(self, values: np.ndarray):
-        self.values, self.lo, self.items = values, 0, []
+    def __init__(self, w: Workload, seed: int):
+        starts, turns = _conversations(w, seed)
+        n_conv = len(turns)
+        self.conv = np.repeat(np.arange(n_conv), turns)
+        self.opening = np.ones(len(self.conv), dtype=bool)
+        self.opening[1:] = self.conv[1:] != self.conv[:-1]
+        self.closing = np.ones(len(self.conv), dtype=bool)     # a conversation's last turn
+        self.closing[:-1] = self.opening[1:]
+        self.own, self.output = _request_lengths(w, seed, self.opening)
+        self.prefixes, self.group = _prefix_groups(w.shared_prefix, seed, n_conv)
+        self.tenant_of = _draw(_stream(seed, "tenants"), n_conv, [t.share for t in w.tenants or []])
+        self.priority_of = _priorities(w, seed, n_conv)
+        self.starts = starts
+        self.think = _think_times(w, seed, len(self.conv))
+        self.count = len(self.conv)
+        follow_ups = np.flatnonzero(~self.opening)
+        self.min_think = min(self.think[i - 1] for i in follow_ups.tolist()) if len(follow_ups) else math.inf
 
-    def __getitem__(self, k: int):
-        if not 0 <= k - self.lo < len(self.items):
-            self.lo = k - k % LISTED_CHUNK
-            self.items = self.values[self.lo:self.lo + LISTED_CHUNK].tolist()
-        return self.items[k - self.lo]
+    def rows(self) -> Iterator[tuple]:
+        """(conversation, first turn, last turn, own prompt part, output length, tenant index,
+        prefix group, priority, conversation start) per request."""
+        for lo in range(0, self.count, LISTED_CHUNK):
+            hi = lo + LISTED_CHUNK
+            c = self.conv[lo:hi]
+            yield from zip(*(column.tolist() for column in (
+                c, self.opening[lo:hi], self.closing[lo:hi], self.own[lo:hi], self.output[lo:hi],
+                self.tenant_of[c], self.group[c], self.priority_of[c], self.starts[c])))
 
 
-def _listed_rows(*columns: np.ndarray) -> Iterator[tuple]:
-    """zip(*(c.tolist() for c in columns)), listing LISTED_CHUNK rows at a time."""
-    for lo in range(0, len(columns[0]), LISTED_CHUNK):
-        yield from zip(*(c[lo:lo + LISTED_CHUNK].tolist() for c in columns))
+def drawn_in_chunks(w: Workload) -> bool:
+    """Workloads whose draws are made LISTED_CHUNK requests at a time, the same values as whole
+    arrays give (one conversation per request, no duration bound, a plain arrival process, lengths
+    with no file to read): memory flat in the request count."""
+    a = w.arrival
+    return (w.multi_turn is None and w.duration_s is None and w.num_requests is not None
+            and a.ramp_up is None and a.rate_schedule is None and a.diurnal is None
+            and a.process in ("poisson", "gamma", "fixed", "offline")
+            and "empirical" not in (w.prompt_len.dist, w.output_len.dist))
+
+
+def _skipped(rng: np.random.Generator, draw, n: int) -> np.random.Generator:
+    """A copy of `rng` moved past `draw`(rng, k) calls making n values (made LISTED_CHUNK at a time)."""
+    import copy
+
+    rng = copy.deepcopy(rng)
+    for lo in range(0, n, LISTED_CHUNK):
+        draw(rng, min(LISTED_CHUNK, n - lo))
+    return rng
+
+
+class _ChunkedDraws:
+    """The draws of _WholeDraws, for the workloads `drawn_in_chunks` allows, made LISTED_CHUNK
+    requests at a time. Each array drawn whole from a stream is drawn here in consecutive calls
+    on that stream (numpy's Generator then gives the same values in the same order); where a
+    stream draws two arrays one after the other, the second is drawn from a copy of the stream
+    moved past the first (drawn and discarded a chunk at a time); a running sum (the arrival
+    times) carries its last value into the next chunk's np.cumsum, which adds in the same order.
+    tests/sim/test_workload.py holds every row to _WholeDraws'."""
+
+    def __init__(self, w: Workload, seed: int):
+        self.w, self.seed = w, seed
+        self.count = w.num_requests
+        self.min_think, self.think = math.inf, None
+        sp = w.shared_prefix
+        self.prefixes, self._groups = ([], None) if sp is None else _prefix_setup(sp, seed)
+        self._scale = self._arrival_scale()       # (raising what _conversations raises, before the run)
+
+    def _gaps(self, rng: np.random.Generator, k: int) -> np.ndarray:
+        a = self.w.arrival
+        if a.process == "poisson":
+            return rng.exponential(1.0 / a.rate, k)
+        shape = 1.0 / a.cv ** 2
+        return rng.gamma(shape, 1.0 / (a.rate * shape), k)
+
+    def _times(self) -> Iterator[np.ndarray]:
+        """_process_times' running sums, a chunk at a time."""
+        rng, last = _stream(self.seed, "arrivals"), None
+        for lo in range(0, self.count, LISTED_CHUNK):
+            gaps = self._gaps(rng, min(LISTED_CHUNK, self.count - lo))
+            times = np.cumsum(gaps) if last is None else np.cumsum(np.concatenate([[last], gaps]))[1:]
+            last = times[-1]
+            yield times
+
+    def _arrival_scale(self):
+        """_arrival_times' rescaling factor (None: none), from a first pass over the times."""
+        a, n = self.w.arrival, self.count
+        if a.process not in ("poisson", "gamma"):
+            return None
+        last = None
+        for times in self._times():
+            last = times[-1]
+        if a.process == "gamma" and not last > 0:
+            raise WorkloadError(f"workload.arrival: cv {a.cv:g} gives {n} arrivals all at t=0 "
+                                f"(every gamma gap underflows); use a smaller cv or process: offline")
+        return n / a.rate / last if a.rescale else None
+
+    def _starts(self) -> Iterator[np.ndarray]:
+        a = self.w.arrival
+        if a.process in ("offline", "fixed"):
+            for lo in range(0, self.count, LISTED_CHUNK):
+                hi = min(lo + LISTED_CHUNK, self.count)
+                yield np.zeros(hi - lo) if a.process == "offline" else np.arange(lo + 1, hi + 1) / a.rate
+            return
+        for times in self._times():
+            if self._scale is not None:
+                times *= self._scale
+            yield times
+
+    def rows(self) -> Iterator[tuple]:
+        w, seed, n = self.w, self.seed, self.count
+        rho = 2.0 * math.sin(math.pi * w.length_correlation / 6.0)
+        normals = (lambda rng, k: rng.standard_normal(k))          # noqa: E731
+        z_prompt_rng = _stream(seed, "lengths")
+        z_output_rng = _skipped(z_prompt_rng, normals, n)
+        tenants = [t.share for t in w.tenants or []]
+        tenant_rng, priority_rng = _stream(seed, "tenants"), _stream(seed, "priorities")
+        if self._groups is not None:
+            group_rng, p = self._groups
+            draw_groups = (lambda rng, k: rng.choice(w.shared_prefix.groups, size=k, p=p))   # noqa: E731
+            carry_rng = _skipped(group_rng, draw_groups, n)
+        for lo, starts in zip(range(0, n, LISTED_CHUNK), self._starts()):
+            k = len(starts)
+            z_prompt = z_prompt_rng.standard_normal(k)
+            z_output = rho * z_prompt + math.sqrt(max(0.0, 1.0 - rho * rho)) * z_output_rng.standard_normal(k)
+            own = _lengths(w.prompt_len, z_prompt, "workload.prompt_len", "prompt")
+            output = _lengths(w.output_len, z_output, "workload.output_len", "output")
+            if self._groups is None:
+                group = np.full(k, -1)
+            else:
+                chosen = draw_groups(group_rng, k)
+                group = np.where(carry_rng.random(k) < w.shared_prefix.fraction, chosen, -1)
+            conv = np.arange(lo, lo + k)
+            ones = np.ones(k, dtype=bool)
+            yield from zip(*(column.tolist() for column in (
+                conv, ones, ones, own, output, _draw(tenant_rng, k, tenants),
+                group, _priorities_drawn(w, priority_rng, k), starts)))
 
 
 def _conversations(w: Workload, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -379,14 +486,21 @@ def _prefix_groups(sp: Optional[SharedPrefix], seed: int, n_conv: int) -> tuple[
     """The shared prefixes, and each conversation's prefix group (-1: none)."""
     if sp is None:
         return [], np.full(n_conv, -1)
+    prefixes, (rng, p) = _prefix_setup(sp, seed)
+    group = rng.choice(sp.groups, size=n_conv, p=p)
+    carries = rng.random(n_conv) < sp.fraction
+    return prefixes, np.where(carries, group, -1)
+
+
+def _prefix_setup(sp: SharedPrefix, seed: int) -> tuple[list[Segment], tuple[np.random.Generator, np.ndarray]]:
+    """The shared prefixes, and (the stream that then draws each conversation's group, the groups'
+    probabilities)."""
     rng = _stream(seed, "shared_prefix")
     lengths = _lengths(sp.length, rng.standard_normal(sp.groups), "workload.shared_prefix.length", "prompt")
     prefixes = [(stable_key("prefix", seed, g), n) for g, n in enumerate(lengths.tolist())]
     rank = np.arange(1, sp.groups + 1, dtype=np.float64)
     popularity = rank ** -sp.zipf_s if sp.popularity == "zipf" else np.ones(sp.groups)
-    group = rng.choice(sp.groups, size=n_conv, p=popularity / popularity.sum())
-    carries = rng.random(n_conv) < sp.fraction
-    return prefixes, np.where(carries, group, -1)
+    return prefixes, (rng, popularity / popularity.sum())
 
 
 def _add_dynamic(prompt: list[Segment], dyn: DynamicSegment, seed: int, conv: int) -> None:
@@ -396,12 +510,15 @@ def _add_dynamic(prompt: list[Segment], dyn: DynamicSegment, seed: int, conv: in
     prompt.insert(0 if dyn.position == "first" else len(prompt) - 1, segment)
 
 
-def _priorities(w: Workload, seed: int, n_conv: int) -> list[int]:
+def _priorities(w: Workload, seed: int, n_conv: int) -> np.ndarray:
+    return _priorities_drawn(w, _stream(seed, "priorities"), n_conv)
+
+
+def _priorities_drawn(w: Workload, rng: np.random.Generator, n: int) -> np.ndarray:
     if w.priorities is None:
-        return [0] * n_conv
+        return np.zeros(n, dtype=np.int64)
     p = w.priorities
-    pick = _draw(_stream(seed, "priorities"), n_conv, p.weights or [1.0] * len(p.values))
-    return np.asarray(p.values)[pick].tolist()
+    return np.asarray(p.values)[_draw(rng, n, p.weights or [1.0] * len(p.values))]
 
 
 def _draw(rng: np.random.Generator, n: int, weights: list[float]) -> np.ndarray:

@@ -11,17 +11,21 @@ memory. The outputs are then made from the chunks:
 - requests.csv block by block of BLOCK request ids, each block a RequestTable of the chunks' rows
   with those ids, through the same `requests_frame` as in memory: a request's times come from its
   replica's step times, cumulated once per replica and read back memory-mapped;
-- summary.json: `summarise` itself for the steps' figures (given the steps' summary columns and no
-  request), the requests' figures taken block by block as it takes them (_RequestFigures: counts
-  and integer sums as they come; each measured column it reads whole, for a percentile or a float
-  sum in id order, kept on disk and read back alone), the inter-token gaps gathered per replica
-  as `itl_samples` gathers them.
+- summary.json: `summarise` itself, given the steps' figures (_StepFigures: maxima and integer sums
+  taken replica by replica, the float sums over every step from columns on disk) and no request;
+  the requests' figures taken block by block as it takes them (_RequestFigures: counts and integer
+  sums as they come; the measured columns it reads whole, for a distribution or a float sum in id
+  order, kept on disk); the inter-token gaps gathered per replica as `itl_samples` gathers them,
+  their runs' ends kept on disk per replica meanwhile. Every sum and percentile over a column on
+  disk is numpy's, to the bit, read back a slice at a time (sim/exact_disk.py).
 
-So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py).
-What still grows with the request count: the workload's draws (arrays made before the run, ~75
-bytes a request), the manifest's lengths (16), one measured column at a time in the summary (8,
-twice while a percentile sorts it), and the steps' summary series and inter-token gaps (a few
-tens of bytes per engine step).
+So the files and the summary are the in-memory run's, byte for byte (tests/sim/test_streamed.py),
+and what the summary holds at once is a block of requests, one replica's steps and a slice of a
+column. With a synthetic single-turn workload drawn a chunk at a time (sim/workload.py
+`drawn_in_chunks`) and the manifest's lengths counted per length (sim/predict.py LengthCounts),
+what grows with the request count is only one replica's share of the steps (its steps are loaded
+whole, one replica at a time), the rejected and aborted requests' reasons, and the chunks' names
+(docs/performance.md).
 """
 from __future__ import annotations
 
@@ -100,27 +104,32 @@ class RecordSpill:
         """The run's summary.json from its chunks; requests.csv is made on the way (`requests_csv`).
         `summarise` itself gives the figures of the steps and the run's meta (given no request);
         the requests' figures are then taken as it takes them, from columns gathered block by block."""
-        from sim.metrics import distribution, summarise
+        from sim.metrics import summarise
 
         records.requests._pack()                       # the last, partly filled chunks
         for rec in records.recorders:
             rec._flush()
-        series = [self._step_pass(rec.replica) for rec in records.recorders]
+        steps = _StepFigures(self.folder)
+        series = [self._step_pass(rec.replica, steps) for rec in records.recorders]
+        steps.close()
         figures = _RequestFigures(self.folder, slo, len(series))
         reading = _RequestPass(self, records.requests, series, figures)
         reading.run()
         view = RunRecords(RequestTable(), series, kv_blocks_total=records.kv_blocks_total,
                           block_size=records.block_size, explicit_itl=np.zeros(0), meta=records.meta)
-        summary = summarise(view, slo, figures.no_requests)
+        summary = summarise(view, slo, figures.no_requests, steps)
+        steps.unlink()
         figures.fill(summary, records.meta)
-        summary["itl_s"] = distribution(*reading.itl())
+        summary["itl_s"] = reading.itl()
         return summary
 
-    def _step_pass(self, replica: int) -> "_StepSeries":
-        """A replica's step times, cumulated once and saved for the requests' blocks; its summary columns."""
+    def _step_pass(self, replica: int, steps: "_StepFigures") -> "_StepSeries":
+        """A replica's step times, cumulated once and saved for the requests' blocks; its summary
+        figures taken (steps)."""
         rec = self.recorder(replica)
         for name, values in cumulated_step_times(rec).items():
             np.save(self._times_path(replica, name), values)
+        steps.add(rec)
         return _StepSeries(rec)
 
     def _times_path(self, replica: int, name: str) -> Path:
@@ -207,28 +216,101 @@ def _one(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class _StepSeries:
-    """A replica's steps as the summary reads them (RunRecords.step_series / row_series), and as
-    requests_frame sees a recorder (its replica, its step count)."""
+    """A replica as requests_frame and the summary's view see a recorder: its replica, its step count."""
 
     def __init__(self, rec: StepRecorder):
-        from sim.metrics import SUMMARY_ROW_COLUMNS, SUMMARY_STEP_COLUMNS
-
-        self.replica = rec.replica
-        self.steps = {name: rec.step_column(name) for name in SUMMARY_STEP_COLUMNS}
-        self.rows = {name: rec.row_column(name) for name in (*SUMMARY_ROW_COLUMNS, "steps")}
+        self.replica, self.count = rec.replica, len(rec)
 
     def __len__(self) -> int:
-        return len(self.steps["end_s"])
+        return self.count
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows["steps"])
 
-    def step_column(self, name: str) -> np.ndarray:
-        return self.steps[name]
+class _StepFigures:
+    """The steps' figures of `summarise` (metrics._Steps' methods), taken replica by replica: maxima
+    and integer sums as they come; the two float sums over every step in replica order (busy time,
+    and KV blocks times duration) from columns on disk, summed as numpy sums the joined series
+    (sim/exact_disk.py)."""
 
-    def row_column(self, name: str) -> np.ndarray:
-        return self.rows[name]
+    def __init__(self, folder: Path):
+        from sim.exact_disk import DiskColumn
+
+        self.durations = DiskColumn(folder / "steps-duration.bin", np.float64)
+        self.used_time = DiskColumn(folder / "steps-used-time.bin", np.float64)
+        self.count = 0
+        self.nan_durations = 0
+        self.used_total = 0
+        self.per_replica: dict[int, dict] = {}       # replica -> steps, kv peak, preemptions
+        self.totals = {"num_seqs": 0, "batch_tokens": 0}
+        self.slack, self.running = None, None
+
+    def add(self, rec: StepRecorder) -> None:
+        from sim.metrics import SUMMARY_ROW_COLUMNS, SUMMARY_STEP_COLUMNS
+
+        step = {name: rec.step_column(name) for name in SUMMARY_STEP_COLUMNS}
+        row = {name: rec.row_column(name) for name in (*SUMMARY_ROW_COLUMNS, "steps")}
+        n = len(step["end_s"])
+        if not n:
+            self.per_replica[rec.replica] = {"steps": 0, "kv_peak": 0, "preemptions": 0}
+            return
+        # the joined series' elementwise figures, as metrics._Steps makes them
+        dur = step["end_s"].astype(np.float64, copy=False) - step["start_s"].astype(np.float64, copy=False)
+        used = step["kv_blocks_used"]
+        self.durations.append(dur)
+        self.used_time.append(np.multiply(used, dur, dtype=np.float64))
+        self.nan_durations += int(np.isnan(dur).sum())
+        self.count += n
+        self.used_total += int(used.sum(dtype=np.int64))
+        per_step = (lambda c: int(np.multiply(row[c], row["steps"], dtype=np.int64).sum()))   # noqa: E731
+        for name in self.totals:
+            self.totals[name] += per_step(name)
+        self.per_replica[rec.replica] = {"steps": n, "kv_peak": int(used.max()),
+                                         "preemptions": per_step("preemptions")}
+        slack, running = int(step["slack_tokens"].max()), int(row["running"].max())
+        self.slack = slack if self.slack is None else max(self.slack, slack)
+        self.running = running if self.running is None else max(self.running, running)
+
+    def close(self) -> None:
+        self.durations.close()
+        self.used_time.close()
+
+    def unlink(self) -> None:
+        self.durations.unlink()
+        self.used_time.unlink()
+
+    # -- metrics._Steps' methods ----------------------------------------------------------------
+    def kv_used_mean(self) -> float:
+        from sim.exact_disk import column_sum
+
+        busy = column_sum(self.durations)
+        if busy > 0:        # np.average: the weighted sum over the weights' sum
+            return float(column_sum(self.used_time) / busy)
+        return float(np.float64(self.used_total) / self.count)    # (an integer sum: exact in float64)
+
+    def replica_steps(self, replica: int) -> int:
+        return self.per_replica.get(replica, {"steps": 0})["steps"]
+
+    def kv_peak(self, replica: Optional[int] = None) -> int:
+        peaks = [r["kv_peak"] for i, r in self.per_replica.items() if replica is None or i == replica]
+        return max(peaks, default=0)
+
+    def slack_peak(self) -> int:
+        return self.slack
+
+    def peak_running(self) -> int:
+        return self.running
+
+    def mean_step_s(self) -> float:
+        from sim.exact_disk import column_sum
+
+        count = np.float64(self.count - self.nan_durations)
+        total = column_sum(self.durations, nan_as_zero=True)
+        return float(total / count if count > 0 else np.nan)
+
+    def preemptions(self, replica: Optional[int] = None) -> int:
+        return sum(r["preemptions"] for i, r in self.per_replica.items() if replica is None or i == replica)
+
+    def mean_per_step(self, column: str) -> float:
+        return float(np.float64(self.totals[column]) / np.float64(self.count))
 
 
 class _RequestPass:
@@ -237,11 +319,18 @@ class _RequestPass:
 
     def __init__(self, spill: RecordSpill, table: RequestTable, series: list[_StepSeries],
                  figures: "_RequestFigures"):
+        from sim.exact_disk import DiskColumn
+
         self.spill, self.table, self.series, self.figures = spill, table, series, figures
-        # per replica: +1/-1 at each emitting run's ends (a difference array over its steps), and
-        # the gaps between consecutive runs of one request, in id order
-        self.run_counts = {s.replica: np.zeros(len(s) + 1, dtype=np.int64) for s in series}
-        self.between: dict[int, list[np.ndarray]] = {s.replica: [] for s in series}
+        # per replica, on disk: the steps where each emitting run starts and after it ends (a
+        # difference array's +1 and -1, counted per replica at the end), and the gaps between
+        # consecutive runs of one request, in id order
+        folder = spill.folder
+        self.steps = {s.replica: len(s) for s in series}
+        self.run_ends = {r: (DiskColumn(folder / f"runs-{r:04d}-start.bin", np.int64),
+                             DiskColumn(folder / f"runs-{r:04d}-stop.bin", np.int64))
+                         for r, n in self.steps.items() if n}
+        self.between = {r: DiskColumn(folder / f"runs-{r:04d}-between.bin", np.float64) for r in self.run_ends}
 
     def run(self) -> None:
         from sim.output.io import atomic_path
@@ -283,52 +372,64 @@ class _RequestPass:
         run_owner, run_a, run_b = block.emit_runs()
         for r in np.unique(replica[measured]).tolist():
             idx = np.flatnonzero((replica == r) & measured)
-            counts = self.run_counts.get(r)
-            if counts is None or len(counts) == 1:
+            if r not in self.run_ends:
                 continue
             owner, a, b = select_owned(run_owner, idx, run_a, run_b)
-            np.add.at(counts, a + 1, 1)
-            np.add.at(counts, b + 1, -1)
+            starts, stops = self.run_ends[r]
+            starts.append(a + 1)
+            stops.append(b + 1)
             same = owner[1:] == owner[:-1]
             if same.any():
                 end = self.spill.step_times(r)["end_s"]
                 self.between[r].append(end[a[1:][same]] - end[b[:-1][same]])
 
-    def itl(self) -> tuple[np.ndarray, np.ndarray]:
-        """(values, weights) as itl_samples gives them: replica by replica, per-step gaps then
-        the gaps between runs."""
-        values, weights = [], []
+    def itl(self) -> dict:
+        """The summary's itl_s: metrics.distribution of the sample itl_samples gives (replica by
+        replica, the per-step gaps weighted by the requests emitting, then the gaps between runs),
+        made on disk one replica at a time."""
+        from sim.exact_disk import Sample
+        from sim.metrics import PERCENTILES
+
+        sample = Sample(self.spill.folder, "itl", weighted=True)
         for s in self.series:
-            counts = self.run_counts[s.replica]
-            if len(counts) == 1:
+            if s.replica not in self.run_ends:
                 continue
+            starts, stops = self.run_ends[s.replica]
             end = np.asarray(self.spill.step_times(s.replica)["end_s"])
+            counts = (np.bincount(starts.read(0, len(starts)), minlength=len(end) + 1)
+                      - np.bincount(stops.read(0, len(stops)), minlength=len(end) + 1))
             per_step = np.cumsum(counts)[1:len(end)]
-            values.append(np.diff(end)[per_step > 0])
-            weights.append(per_step[per_step > 0])
-            between = _one(self.between[s.replica]) if self.between[s.replica] else np.zeros(0)
-            values.append(between.astype(np.float64))
-            weights.append(np.ones(len(between), dtype=np.int64))
-        if not values:
-            return np.zeros(0), np.zeros(0, dtype=np.int64)
-        return np.concatenate(values), np.concatenate(weights)
+            sample.add(np.diff(end)[per_step > 0], per_step[per_step > 0])
+            between = self.between[s.replica]
+            sample.add(between.read(0, len(between)), np.ones(len(between), dtype=np.int64))
+            for column in (starts, stops, between):
+                column.unlink()
+        figures = sample.distribution(PERCENTILES)
+        sample.unlink()
+        return figures
 
 
-# The measured requests' columns the summary takes whole (percentiles, float sums), kept on disk
-# block by block and read back one at a time.
-_KEPT = ("ttft_s", "tpot_s", "e2e_s", "queue_s", "host_s", "device_s", "replica")
+# The measured requests' columns the summary takes whole, kept on disk block by block: samples for
+# a distribution (NaN left out), and columns for a float sum in id order (the latency split).
+_SAMPLES = ("ttft_s", "tpot_s", "e2e_s")
+_REPLICA_SAMPLES = ("ttft_s", "tpot_s")             # (each replica's p99)
+_SUMMED = ("e2e_s", "queue_s", "host_s", "device_s")
 _TOKENS = ("output_tokens", "prompt_tokens", "cached_tokens")
 
 
 class _RequestFigures:
     """The request figures of `summarise` (sim/metrics.py), taken block by block: counts and integer
-    sums as they come, the measured requests' columns to files, each read back whole (its
-    distribution, its float sum in the same order) when the figures are made. Which figures and how
+    sums as they come, the measured requests' columns to files, read back a slice at a time when the
+    figures are made (their distributions and float sums, bit for bit: sim/exact_disk.py). Which figures and how
     mirrors `summarise` and `_replica_figures`: tests/sim/test_streamed.py holds them to its bytes."""
 
     def __init__(self, folder: Path, slo, replicas: int):
+        from sim.exact_disk import DiskColumn, Sample
+
         self.folder, self.slo, self.replicas = folder, slo, replicas
-        self.files = {name: open(self._path(name), "wb") for name in _KEPT}
+        self.samples = {name: Sample(folder, f"measured-{name}") for name in _SAMPLES}
+        self.replica_samples: dict[tuple[str, int], Sample] = {}
+        self.summed = {name: DiskColumn(folder / f"measured-sum-{name}.bin", np.float64) for name in _SUMMED}
         self.no_requests = None                 # an empty frame of the columns, for `summarise`
         self.total = self.measured = self.warmup = self.offered = self.rejected = self.aborted = 0
         self.met = 0
@@ -338,9 +439,6 @@ class _RequestFigures:
         self.rejections: list = []
         self.per_replica = {key: np.zeros(replicas, dtype=np.int64)
                             for key in ("requests", "output_tokens", "prompt_tokens", "cached_tokens")}
-
-    def _path(self, name: str) -> Path:
-        return self.folder / f"measured-{name}.bin"
 
     def add(self, frame) -> None:
         from sim.metrics import MEASURED_COLUMNS, meets_slo
@@ -369,22 +467,39 @@ class _RequestFigures:
             self.tokens[key] += int(values.sum())
             np.add.at(self.per_replica[key], replica, values)
         np.add.at(self.per_replica["requests"], replica, 1)
-        for name in _KEPT:
-            self.files[name].write(measured[name].to_numpy().astype(np.int64 if name == "replica" else np.float64)
-                                   .tobytes())
+        column = {name: measured[name].to_numpy().astype(np.float64) for name in {*_SAMPLES, *_SUMMED}}
+        for name in _SAMPLES:
+            self.samples[name].add(column[name])
+        for name in _SUMMED:
+            self.summed[name].append(column[name])
+        if self.replicas > 1:
+            for r in np.unique(replica).tolist():
+                mine = replica == r
+                for name in _REPLICA_SAMPLES:
+                    self._replica_sample(name, r).add(column[name][mine])
+
+    def _replica_sample(self, name: str, replica: int):
+        from sim.exact_disk import Sample
+
+        key = (name, replica)
+        if key not in self.replica_samples:
+            self.replica_samples[key] = Sample(self.folder, f"measured-{name}-{replica:04d}")
+        return self.replica_samples[key]
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        for column in self.summed.values():
+            column.close()
 
-    def column(self, name: str) -> np.ndarray:
-        return np.fromfile(self._path(name), dtype=np.int64 if name == "replica" else np.float64)
+    def _distribution(self, sample) -> dict:
+        from sim.metrics import PERCENTILES, distribution
+
+        return distribution(np.zeros(0)) if sample is None else sample.distribution(PERCENTILES)
 
     def fill(self, summary: dict, meta: dict) -> None:
         """Replace `summarise`'s figures of no requests with this run's."""
         import pandas as pd
 
-        from sim.metrics import distribution, offload_summary, rejection_reasons
+        from sim.metrics import offload_summary, rejection_reasons
 
         slo = self.slo
         has_slo = slo is not None and any(v is not None for v in (slo.ttft_s, slo.tpot_s, slo.e2e_s))
@@ -399,7 +514,7 @@ class _RequestFigures:
             "requests_measured": self.measured, "warmup_requests": self.warmup, "duration_s": duration,
             "request_throughput": rate(self.measured), "output_token_throughput": rate(float(n_out)),
             "total_token_throughput": rate(float(n_in + n_out)),
-            **{name: distribution(self.column(name)) for name in ("ttft_s", "tpot_s", "e2e_s")},
+            **{name: self._distribution(self.samples[name]) for name in _SAMPLES},
             "goodput": rate(float(self.met)) if has_slo else None,
             "slo_attainment": float(np.int64(self.met) / self.offered) if has_slo and self.offered else None,
             "prefix_hit_rate": float(np.int64(self.tokens["cached_tokens"]) / np.int64(n_in)) if n_in else 0.0,
@@ -409,25 +524,22 @@ class _RequestFigures:
             summary["kv_offload"] = offload_summary(meta["kv_offload"], self.prompt_all)
         if "replicas" in summary:
             self._replica_figures(summary["replicas"], duration)
-        for path in map(self._path, _KEPT):
-            path.unlink(missing_ok=True)
+        for column in (*self.samples.values(), *self.replica_samples.values(), *self.summed.values()):
+            column.unlink()
 
     def _latency_split(self) -> dict:
-        import pandas as pd
+        from sim.exact_disk import column_sum
 
-        total = pd.Series(self.column("e2e_s")).sum()
+        # pandas' Series.sum of each column (NaN as 0: sim/exact.py), in id order
+        total = column_sum(self.summed["e2e_s"], nan_as_zero=True)
         if not total:
             return {"queue": None, "host": None, "device": None}
-        return {k: float(pd.Series(self.column(f"{k}_s")).sum() / total) for k in ("queue", "host", "device")}
+        return {k: float(column_sum(self.summed[f"{k}_s"], nan_as_zero=True) / total)
+                for k in ("queue", "host", "device")}
 
     def _replica_figures(self, rows: list[dict], duration: float) -> None:
-        from sim.metrics import distribution
-
-        replica = self.column("replica")
-        p99 = {}
-        for name in ("ttft_s", "tpot_s"):
-            values = self.column(name)
-            p99[name] = [distribution(values[replica == row["replica"]])["p99"] for row in rows]
+        p99 = {name: [self._distribution(self.replica_samples.get((name, row["replica"])))["p99"] for row in rows]
+               for name in _REPLICA_SAMPLES}
         for i, row in enumerate(rows):
             index = row["replica"]
             n_in = self.per_replica["prompt_tokens"][index]

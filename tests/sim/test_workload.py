@@ -398,3 +398,48 @@ def test_vidur_poisson_arrivals_are_vidurs_stream():
     assert arrivals == expected
     gaps = np.diff([0.0] + arrivals)
     assert gaps.max() == 1.5 and abs(gaps.mean() - 0.5) < 0.03     # capped, not rescaled
+
+
+# ----------------------------------------------------------------------------- draws made in chunks
+
+SINGLE_TURN = {k: v for k, v in RICH.items() if k != "multi_turn"}
+
+
+@pytest.mark.parametrize("workload", [
+    SINGLE_TURN,
+    dict(SINGLE_TURN, arrival={"process": "poisson", "rate": 50}, length_correlation=-0.3),
+    dict(SINGLE_TURN, arrival={"process": "poisson", "rate": 50, "rescale": False}),
+    dict(SINGLE_TURN, arrival={"process": "fixed", "rate": 7}, dynamic_segment={"length": 4, "position": "first"}),
+    dict(num_requests=300, arrival={"process": "offline"}, output_len={"dist": "uniform", "min": 1, "max": 9}),
+    dict(num_requests=300, arrival={"process": "poisson", "rate": 10}, shared_prefix={"length": 16},
+         priorities={"values": [3, 1], "weights": [1, 2]}),
+])
+def test_draws_made_in_chunks_are_the_whole_arrays_draws(monkeypatch, workload):
+    """_ChunkedDraws (chunks of 7 requests: every stream drawn in many calls, the second array of a
+    stream from a copy moved past the first, running sums carried across chunks) gives every row,
+    value and Python type, and so every request, that the whole arrays give."""
+    import sim.workload as wl
+
+    s = scenario(**workload)
+    assert wl.drawn_in_chunks(s.workload)
+    whole = list(wl._WholeDraws(s.workload, s.seed).rows())
+    expected = signature(build_requests(s))
+    monkeypatch.setattr(wl, "LISTED_CHUNK", 7)
+    chunked = list(wl._ChunkedDraws(s.workload, s.seed).rows())
+    assert [[(type(v), v) for v in row] for row in chunked] == [[(type(v), v) for v in row] for row in whole]
+    assert signature(build_requests(s)) == expected
+    monkeypatch.setattr(wl, "drawn_in_chunks", lambda w: False)
+    assert signature(build_requests(s)) == expected
+
+
+def test_draws_in_chunks_refuse_what_the_whole_draws_refuse(monkeypatch):
+    import sim.workload as wl
+
+    s = scenario(num_requests=2, arrival={"process": "gamma", "rate": 1, "cv": 100})   # (gaps underflow)
+    assert wl.drawn_in_chunks(s.workload)
+    with pytest.raises(WorkloadError) as chunked:
+        build_requests(s)
+    monkeypatch.setattr(wl, "drawn_in_chunks", lambda w: False)
+    with pytest.raises(WorkloadError) as whole:
+        build_requests(s)
+    assert str(chunked.value) == str(whole.value)
