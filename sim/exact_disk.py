@@ -196,19 +196,34 @@ def _select(values: np.ndarray, weights: np.ndarray, rank: int) -> np.float64:
 
 def linear_percentiles(n: int, percentiles, kth: Callable[[list[int]], dict]) -> np.ndarray:
     """np.percentile(a, percentiles) (method 'linear') of an array of n values, given `kth` that
-    returns {rank: value} of the sorted array: numpy's own index, gamma and interpolation."""
-    from numpy.lib import _function_base_impl as fb
-
+    returns {rank: value} of the sorted array. numpy's own arithmetic, step by step (numpy 2.x,
+    lib/_function_base_impl.py: `_quantile` with the 'linear' method, `_get_indexes`, `_get_gamma`,
+    `_lerp`), so the result is equal bit for bit; tests/sim/test_exact_disk.py compares the two."""
     q = np.true_divide(np.asanyarray(percentiles), 100)
-    method = fb._QuantileMethods["linear"]
-    virtual = np.asanyarray(method["get_virtual_index"](n, q))
-    previous_i, next_i = fb._get_indexes(np.zeros(0), virtual, n)
-    previous_i, next_i = previous_i % n, next_i % n           # (-1: the last)
+    virtual = np.asanyarray((n - 1) * q)
+    previous_i = np.array(np.floor(virtual))          # (arrays, also for one percentile)
+    next_i = np.array(previous_i + 1)
+    last = virtual >= n - 1                  # numpy takes the last value there (index -1)
+    previous_i[last] = -1
+    next_i[last] = -1
+    previous_i[virtual < 0] = 0
+    next_i[virtual < 0] = 0
+    gamma = np.asanyarray(virtual - previous_i, dtype=virtual.dtype)
+    previous_i = previous_i.astype(np.intp) % n
+    next_i = next_i.astype(np.intp) % n
     values = kth(sorted({*previous_i.ravel().tolist(), *next_i.ravel().tolist()}))
-    previous = np.array([values[i] for i in previous_i.ravel().tolist()]).reshape(virtual.shape)
-    following = np.array([values[i] for i in next_i.ravel().tolist()]).reshape(virtual.shape)
-    gamma = fb._get_gamma(virtual, previous_i, method).reshape(virtual.shape)
-    return fb._lerp(previous, following, gamma)
+    a = np.array([values[i] for i in previous_i.ravel().tolist()]).reshape(virtual.shape)
+    b = np.array([values[i] for i in next_i.ravel().tolist()]).reshape(virtual.shape)
+    return _lerp(a, b, gamma)
+
+
+def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray):
+    """numpy's interpolation between neighbours: from the nearer end, a + (b - a) t below one half
+    and b - (b - a)(1 - t) from it (monotone and exact at both ends)."""
+    diff = b - a
+    out = np.asanyarray(np.add(a, diff * t))
+    np.subtract(b, diff * (1 - t), out=out, where=t >= 0.5, casting="unsafe", dtype=type(out.dtype))
+    return out[()] if out.ndim == 0 else out
 
 
 def median(n: int, kth: Callable[[list[int]], dict]) -> np.float64:
