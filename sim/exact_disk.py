@@ -14,7 +14,7 @@ slice, whatever the column's length.
   (-0.0 and 0.0 share a key, as they compare equal; which of the two a rank among such ties
   holds is numpy's partition order, not reproduced: a latency or a gap is never -0.0.)
 - A percentile: the order statistics numpy's linear method reads, interpolated by numpy's own
-  index, gamma and lerp (numpy.lib._function_base_impl), so the figure is np.percentile's.
+  index, gamma and lerp, repeated here step by step, so the figure is np.percentile's.
 
 tests/sim/test_exact_disk.py holds each to numpy and to metrics.distribution on adversarial data.
 """
