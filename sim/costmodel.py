@@ -700,6 +700,9 @@ class CostModel:
                                                              c.token_host_s)
         output_token, launch, overlap = c.detok_token_s + c.api_token_s, c.graph_launch_s, self.async_scheduling
         tables = self.tables is not None
+        # (a bound method only where tables price the step: a closure holding `self` would make a
+        # cycle, cost model -> its pricer -> cost model, which only a full collection frees)
+        table_time = self._table_time if tables else None
         linear_flop, linear_weight, linear_act = self._linear_flop_s, self._linear_weight_s, self._linear_act_s
         dequant_tile = self._dequant_tile_s
         moe = self._moe_time(maximum, minimum) if self._moe else None
@@ -733,7 +736,7 @@ class CostModel:
 
             def price(decode_ctx, blocks_read):
                 if tables:
-                    device = self._table_time(seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read)
+                    device = table_time(seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read)
                 else:
                     attention = maximum(pairs, (decode_ctx + other_kv) * kv_token)
                     blocks = blocks_read

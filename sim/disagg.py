@@ -141,7 +141,7 @@ class DisaggSimulation(Simulation):
         self._prefill_cached: dict[Request, int] = {}          # request -> its prefill leg's prefix hit
         self.transfers: list[Transfer] = []
         for replica in self.replicas:
-            env.process(self._pool_loop(env, replica, self.pool_costs[self._side[replica.index]]))
+            self._start(env, self._pool_loop(env, replica, self.pool_costs[self._side[replica.index]]))
         self._router = self
         self._autoscaler = None      # (no autoscaling with P/D: refused by the scenario checks)
         self._start_arrivals(env, first_turns)

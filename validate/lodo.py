@@ -576,8 +576,9 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
     if jobs > 1 and len(items) > 1:
         import multiprocessing
 
-        # a fresh fork per item: a worker's memory grows over the folds it fits (to ~13 GB, which
-        # the out-of-memory killer took on a shared machine, leaving the map waiting forever)
+        # a fresh fork per item: nothing one fit leaves behind reaches the next (workers once grew
+        # to ~13 GB over their folds, finished simulations kept in reference cycles: see
+        # sim.simulator.Simulation._drop_callbacks; the out-of-memory killer took them)
         with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
             return pool.map(fn, items, chunksize=1)
     return [fn(i) for i in items]

@@ -18,6 +18,7 @@ up (`UnitaryCoordinator.private_blocks`) stay out of the hash map unless that re
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
@@ -36,7 +37,11 @@ class KVCacheCoordinator:
            "register_full_blocks", "free")
 
     def __init__(self, manager, pool: BlockPool, block_size: int, enable_caching: bool):
-        self.manager = manager         # (its held_slots: slots held over all requests, the cohort's too)
+        # (its held_slots: slots held over all requests, the cohort's too). A weak proxy: the
+        # manager holds this coordinator's bound methods, and a strong reference back would make
+        # a cycle that keeps the whole pool alive until a full collection (which, after
+        # sim.workload.gc_paused, comes rarely: a LODO refit grew to 13 GB of pools)
+        self.manager = weakref.proxy(manager)
         self.pool = pool
         self.block_size = block_size
         self.enable_caching = enable_caching
