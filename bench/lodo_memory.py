@@ -40,7 +40,7 @@ def main() -> int:
     engine, gpu = args.group.split("/")
     runs, _ = lodo.all_runs(lodo.LATEST_DATA_PASS)
     train = lodo.fit_runs([r for r in runs if r.group == (engine, gpu)])
-    names = [n for n in lodo.FIT_NAMES[engine] if lodo._acts(n, train)]
+    names = [n for n in lodo.FIT_NAMES[engine] if lodo.parameter_acts(n, train)]
     x0 = np.log([lodo.START[engine][n] for n in names])
     rng = np.random.default_rng(0)          # coefficients move as in a fit's Jacobian probes
     start, t0, rss = rss_mb(), time.perf_counter(), []

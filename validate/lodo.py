@@ -481,7 +481,7 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
         raise ValueError(f"a class fit takes the runs of one engine generation, got {sorted(engines)}")
     engine = engines.pop()
     train = fit_runs(runs)
-    names = [n for n in FIT_NAMES[engine] if _acts(n, train)]
+    names = [n for n in FIT_NAMES[engine] if parameter_acts(n, train)]
 
     def residuals(x: np.ndarray) -> np.ndarray:
         coeffs = trained_coefficients(dict(zip(names, np.exp(x))))
@@ -499,7 +499,7 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
     return dict(zip(names, map(float, np.exp(x))))
 
 
-def _acts(name: str, runs: list[Run]) -> bool:
+def parameter_acts(name: str, runs: list[Run]) -> bool:
     """Does the parameter change any of these runs? (the link terms need tp > 1, host staging a
     PCIe device without peer-to-peer access)"""
     tp = [r for r in runs if r.scenario.parallelism.tp > 1]
