@@ -42,6 +42,16 @@ SMALL = ("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {num_blocks: 256, max_m
          "workload: {num_requests: 4, prompt_len: 16, output_len: 4}\n")
 
 
+REPO = Path(__file__).resolve().parents[1]
+CODE_PACKAGES = ("sim", "engine", "validate", "bench")
+
+
+def code_files(skip: Path | None = None) -> list[Path]:
+    """The project's Python sources (what the repository scans read), without those under `skip`."""
+    return [p for package in CODE_PACKAGES for p in sorted((REPO / package).rglob("*.py"))
+            if skip is None or skip not in p.parents]
+
+
 def files_under(folder: Path) -> set[Path]:
     return {p for p in folder.rglob("*")}
 

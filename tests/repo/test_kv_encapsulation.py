@@ -11,9 +11,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import code_files
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sim", "engine", "validate", "bench")
 KV_PACKAGE = ROOT / "sim" / "core" / "kv"
 # The attributes that say how a KV cache is built (the coordinator, the pool, the tables).
 KV_FLAGS = {"sliding", "grouped", "contiguous", "block_ids", "coordinator", "full_ids", "sliding_ids",
@@ -40,12 +40,7 @@ def kv_flag_reads(path: Path) -> list[str]:
             if isinstance(node, ast.Attribute) and node.attr in KV_FLAGS and _holder(node.value) in KV_HOLDERS]
 
 
-def source_files() -> list[Path]:
-    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
-            if KV_PACKAGE not in p.parents]
-
-
-@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", code_files(skip=KV_PACKAGE), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_outside_the_kv_package_reads_its_flags(path):
     found = kv_flag_reads(path)
     assert not found, "KV cache flags read outside sim/core/kv (ask the KV package a question instead):\n" + \

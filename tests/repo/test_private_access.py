@@ -12,10 +12,10 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import CODE_PACKAGES, code_files
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sim", "engine", "validate", "bench")
-PROJECT = set(PACKAGES)
+PROJECT = set(CODE_PACKAGES)
 
 # Private names of code outside the project, read on purpose: (file, `obj._name`) -> why.
 ALLOWED = {
@@ -67,11 +67,7 @@ def private_reads(path: Path) -> list[str]:
     return found
 
 
-def source_files() -> list[Path]:
-    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
-
-
-@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", code_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_reads_another_modules_private_names(path):
     found = private_reads(path)
     assert not found, "private names read across modules (make them public, or ask through a method):\n" + \
