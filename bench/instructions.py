@@ -1,0 +1,113 @@
+"""Instructions per bench line: the simulator's cost where a shared machine's load cannot blur it.
+
+  python bench/instructions.py [--tree LABEL=DIR ...] [--lines vidur-leap ...]
+                               [--out bench/results/instructions.json]
+
+On a loaded 2-core VM a CPU-time A/B moves by 10-60 % from run to run, so it cannot tell a 5 %
+change apart (docs/performance.md). The number of instructions a run executes does not depend on
+the load: each line's `simulate()` runs under valgrind (cachegrind, no cache simulation,
+`PYTHONHASHSEED=0` so set and dict orders repeat), once in full and once stopping after the
+workload is built, and the difference is the simulation's own count. Each `--tree` is a checkout
+of this project (default: this one), run with its own code (the driver runs with the tree as its
+working directory, which comes first on `sys.path`); the first tree is the baseline the ratios
+are taken against. Sizes are small (valgrind runs ~50x slower), so fixed per-run costs weigh more
+than in `bench/sim_speed.py`. Needs `valgrind` on PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._util import machine, write_json  # noqa: E402
+
+GPT_OSS = "model={hf_config: ../tests/data/hf_configs/openai__gpt-oss-20b.json}"
+AS_FULL_ATTENTION = ("model.sliding_window=null", "model.layer_types=null")
+
+# line -> (scenario file, requests, fast path?, overrides): the lines of bench/sim_speed.py, smaller
+LINES = {
+    "vidur-leap": ("vidur_llama2_70b", 3000, True, ()),
+    "vidur-one-by-one": ("vidur_llama2_70b", 1000, False, ()),
+    "bench-leap": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=300",)),
+    "bench-one-by-one": ("bench_sim_speed", 1000, False, ("workload.arrival.rate=300",)),
+    "sweep-point": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=200",)),
+    "mistral-sliding": ("whatif_sliding_window", 200, True, ()),
+    "gpt-oss-sliding": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40")),
+    "gpt-oss-full": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40", *AS_FULL_ATTENTION)),
+}
+
+# Run inside the measured tree: load the scenario, build the workload whole, then simulate it
+# unless told to stop there. Only public entry points every tree has.
+DRIVER = """
+import sys
+from sim.scenario import load_scenario
+from sim.simulator import simulate
+from sim.workload import build_requests
+path, size, fast, build_only, *overrides = sys.argv[1:]
+scenario = load_scenario(path, [f"workload.num_requests={size}", *overrides])
+requests = build_requests(scenario)
+if build_only == "0":
+    records, _, _ = simulate(scenario, requests, fast=fast == "1", release=True)
+"""
+
+
+def count(tree: Path, line: str, build_only: bool) -> int:
+    """Instructions of one driver run in `tree` (valgrind's `I refs`)."""
+    name, size, fast, overrides = LINES[line]
+    argv = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+            sys.executable, "-c", DRIVER, str(tree / "scenarios" / f"{name}.yaml"), str(size),
+            "1" if fast else "0", "1" if build_only else "0", *overrides]
+    out = subprocess.run(argv, cwd=tree, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": "0"})
+    found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+    if out.returncode != 0 or not found:
+        raise SystemExit(f"{tree} {line}: the run failed:\n{out.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def simulation_count(tree: Path, line: str) -> int:
+    return count(tree, line, build_only=False) - count(tree, line, build_only=True)
+
+
+def _commit(tree: Path) -> str:
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "not a git checkout"
+
+
+def _tree(arg: str) -> tuple[str, Path]:
+    label, sep, path = arg.partition("=")
+    if not sep or not Path(path, "sim").is_dir():
+        raise argparse.ArgumentTypeError(f"--tree wants LABEL=DIR with DIR a kvtwin checkout, got {arg!r}")
+    return label, Path(path).resolve()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", type=_tree, action="append",
+                    help="LABEL=DIR, a checkout to measure (repeatable; the first is the baseline; default: this one)")
+    ap.add_argument("--lines", nargs="+", choices=list(LINES), default=list(LINES))
+    ap.add_argument("--out", default="bench/results/instructions.json")
+    args = ap.parse_args()
+    trees = args.tree or [("this", ROOT)]
+    rows = []
+    for line in args.lines:
+        counts = {label: simulation_count(tree, line) for label, tree in trees}
+        base = counts[trees[0][0]]
+        row = {"line": line, "requests": LINES[line][1],
+               "million_instructions": {k: round(v / 1e6, 1) for k, v in counts.items()},
+               "ratio_to_" + trees[0][0]: {k: round(v / base, 3) for k, v in counts.items()}}
+        rows.append(row)
+        print(line, "  ".join(f"{k} {v / 1e6:,.0f}M ({v / base:.3f})" for k, v in counts.items()), flush=True)
+    write_json(Path(args.out), {"machine": machine(), "method": __doc__.split("\n\n")[1],
+                                "trees": {label: {"path": str(tree), "commit": _commit(tree)} for label, tree in trees},
+                                "lines": rows})
+
+
+if __name__ == "__main__":
+    main()
