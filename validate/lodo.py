@@ -7,13 +7,15 @@ facts are fitted per vLLM engine generation (V0 before 0.8.0, V1 from it) and GP
 device) on all of that pair's runs jointly, with validate/vllm_fit.py's machinery (its damped
 Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 runs, nor V0 on V1.
 
-    compute_scale    x the compute efficiencies (GEMM flops_eff, prefill attention attn_flops_eff)
-    memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff)
+    compute_scale    x the compute efficiencies (GEMM flops_eff, prefill attention attn_flops_eff) (V1)
+    memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff) (V1)
     step_host_s      host time per engine step (scheduling, input preparation, launches)
     link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
     seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
-each bounded to its physical range (no efficiency above 1). Two richer variants were tried and
+each bounded to its physical range (no efficiency above 1). V0's three host terms are one profile
+fitted on all V0 classes pooled times a per-class machine speed (pooled_v0_host, V0_CLASS_FIT), its
+efficiencies the datasheet's. Two richer variants were tried and
 validated worse held out (docs/fidelity.md): separate GEMM / attention / weight scales, and the
 same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
 
