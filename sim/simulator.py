@@ -114,7 +114,7 @@ class Client:
 
     def _go(self, req: Request) -> None:
         self.in_flight += 1
-        req.arrival = self.env.now
+        req.sent_at(self.env.now)
         self.route(req)
         if req.status is REJECTED:           # answered at once: the slot frees
             self.in_flight -= 1
@@ -385,7 +385,7 @@ class Simulation:
     def _follow_up(self, env: simpy.Environment, req: Request, delay: float):
         yield env.timeout(delay)
         heapq.heappop(self._follow_up_times)
-        req.arrival = env.now
+        req.sent_at(env.now)
         self._client.send(req)
 
     def _next_route_time(self, replica: Replica) -> float:

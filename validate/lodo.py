@@ -7,13 +7,15 @@ facts are fitted per vLLM engine generation (V0 before 0.8.0, V1 from it) and GP
 device) on all of that pair's runs jointly, with validate/vllm_fit.py's machinery (its damped
 Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 runs, nor V0 on V1.
 
-    compute_scale    x the compute efficiencies (GEMM flops_eff, prefill attention attn_flops_eff)
-    memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff)
+    compute_scale    x the compute efficiencies (GEMM flops_eff, prefill attention attn_flops_eff) (V1)
+    memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff) (V1)
     step_host_s      host time per engine step (scheduling, input preparation, launches)
     link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
     seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
-each bounded to its physical range (no efficiency above 1). Two richer variants were tried and
+each bounded to its physical range (no efficiency above 1). V0's three host terms are one profile
+fitted on all V0 classes pooled times a per-class machine speed (pooled_v0_host, V0_CLASS_FIT), its
+efficiencies the datasheet's. Two richer variants were tried and
 validated worse held out (docs/fidelity.md): separate GEMM / attention / weight scales, and the
 same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
 
@@ -76,11 +78,20 @@ ENGINES = ("v1", "v0")       # vLLM engine generations (sim.core.vllm_versions.e
 # runs the scheduler, input preparation, sampler output processing and detokenization of every
 # sequence in one Python loop between GPU steps (vLLM 0.7.3 vllm/engine/llm_engine.py step(),
 # _process_model_outputs), and AccelMark's V0 runs also host the load generator in that process:
-# its cost grows with the sequences a step carries and the prompts it admits, so V0 also learns the
-# per-sequence and per-prefill-sequence host terms.
+# its cost grows with the sequences a step carries and the prompts it admits, so V0 prices a host
+# time per step, per sequence and per admitted prompt. That cost is the machine's CPU running the
+# same Python, not the GPU's: V0's host profile (V0_HOST) is fitted once on the V0 runs of every GPU
+# class pooled (pooled_v0_host), and a V0 class fits only how fast its machine runs it (host_scale,
+# a factor on the pooled profile) and its tp link terms (V0_CLASS_FIT); its GEMM and streaming
+# efficiencies stay the datasheet's. Fitting all seven per class (the first V0 design) learned the
+# host terms from one or two other models of the class and missed held out by up to +4657 % TTFT
+# (docs/fidelity.md).
+V0_POOLED_HOST = True      # False: the first V0 design (all seven parameters fitted per class)
+V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s")
+V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff")
 FIT_NAMES = {"v1": ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff"),
-             "v0": ("compute_scale", "memory_scale", "step_host_s", "seq_host_s", "prefill_seq_host_s",
-                    "link_eff", "host_staging_eff")}
+             "v0": (*V0_HOST, "link_eff", "host_staging_eff") if V0_POOLED_HOST else
+             ("compute_scale", "memory_scale", *V0_HOST, "link_eff", "host_staging_eff")}
 _BASE = CostCoefficients()
 START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.step_host_s, "link_eff": 1.0,
                 "host_staging_eff": _BASE.host_staging_eff},
@@ -95,7 +106,7 @@ ITERATIONS = {"v1": 3, "v0": 6}
 BOUNDS = {"compute_scale": (0.1, 1 / max(_BASE.flops_eff, _BASE.attn_flops_eff)),
           "memory_scale": (0.1, 1 / max(_BASE.bw_eff, _BASE.attn_bw_eff)), "step_host_s": (1e-6, 0.05),
           "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
-          "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0)}
+          "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0)}
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
           "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
@@ -473,18 +484,26 @@ def fit_runs(runs: list[Run]) -> list[Run]:
 
 
 def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
-              progress: Optional[Callable[[str], None]] = None) -> dict[str, float]:
+              progress: Optional[Callable[[str], None]] = None, fixed: Optional[dict[str, float]] = None,
+              names: Optional[tuple[str, ...]] = None) -> dict[str, float]:
     """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally. The
-    runs are of one engine generation, whose parameters, start and iterations the fit takes."""
+    runs are of one engine generation, whose parameters, start and iterations the fit takes.
+    `fixed`: parameters held at given values (returned with the fitted ones); `names`: the
+    parameters fitted (default: the generation's FIT_NAMES less the fixed ones), where `host_scale`
+    multiplies the fixed V0 host terms (the machine's CPU speed over the pooled host profile)."""
     engines = {r.engine for r in runs}
     if len(engines) != 1:
         raise ValueError(f"a class fit takes the runs of one engine generation, got {sorted(engines)}")
     engine = engines.pop()
+    fixed = dict(fixed or {})
     train = fit_runs(runs)
-    names = [n for n in FIT_NAMES[engine] if parameter_acts(n, train)]
+    wanted = names if names is not None else tuple(n for n in FIT_NAMES[engine] if n not in fixed)
+    names = [n for n in wanted if parameter_acts(n, train)]
+    if not names:
+        return fixed
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        coeffs = trained_coefficients(dict(zip(names, np.exp(x))))
+        coeffs = trained_coefficients(_with_fixed(dict(zip(names, np.exp(x))), fixed))
         parts = []
         for run in train:
             e = errors(run, predict(run, coeffs))
@@ -494,9 +513,19 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
 
     lower = np.log([BOUNDS[n][0] for n in names])
     upper = np.log([BOUNDS[n][1] for n in names])
-    x0 = np.log([START[engine][n] for n in names])
+    x0 = np.log([START[engine].get(n, 1.0) for n in names])
     x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations or ITERATIONS[engine], progress)
-    return dict(zip(names, map(float, np.exp(x))))
+    return _with_fixed(dict(zip(names, map(float, np.exp(x)))), fixed)
+
+
+def _with_fixed(fitted: dict[str, float], fixed: dict[str, float]) -> dict[str, float]:
+    """The fitted parameters over the fixed ones; a fitted `host_scale` multiplies the fixed V0
+    host terms (and is not itself a family parameter)."""
+    out = {**fixed, **fitted}
+    scale = out.pop("host_scale", None)
+    if scale is not None:
+        out.update({n: fixed[n] * scale for n in V0_HOST if n in fixed})
+    return out
 
 
 def parameter_acts(name: str, runs: list[Run]) -> bool:
@@ -553,7 +582,8 @@ def _class_fit(key: tuple[str, str]) -> dict[str, float]:
         group = [r for r in _FOLD_STATE["runs"] if r.group == key]
         _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
                                 f"{len(deployments(group))} deployments")
-        params = fit_class(group)
+        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT)
+                  if engine == "v0" and V0_POOLED_HOST else fit_class(group))
         _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
 
@@ -565,6 +595,8 @@ def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, di
     {engine: {gpu: parameters}}."""
     keys = sorted({r.group for r in runs})
     _FOLD_STATE.update(runs=runs, progress=progress)
+    if V0_POOLED_HOST and any(engine == "v0" for engine, _ in keys):
+        pooled_v0_host(runs, progress=progress)      # once, before the class fits (forked ones share it)
     out: dict[str, dict[str, dict[str, float]]] = {}
     for (engine, gpu), params in zip(keys, _map(_class_fit, keys, jobs)):
         out.setdefault(engine, {})[gpu] = params
@@ -588,15 +620,46 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
                 progress=print) -> dict[str, float]:
     """The trained parameters that predict deployment `held`: its (engine generation, GPU class)
     refitted without it; with no other deployment there, the generic profile of the generation's
-    other classes (what `step_times: trained` gives a GPU no run of that generation measured)."""
+    other classes (what `step_times: trained` gives a GPU no run of that generation measured). A V0
+    fold's host profile is pooled over the V0 runs of the other models (no run of `held`'s model on
+    any GPU), its class fitted on the class's other deployments over that profile."""
     key = deployments(runs)[held][0].group
     engine, gpu = key
     rest = [r for r in runs if r.group == key and r.deployment != held]
+    host = pooled_v0_host(runs, deployment_model(held), progress) if engine == "v0" and V0_POOLED_HOST else None
     if rest:
         progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
-        return fit_class(rest)
+        return fit_class(rest, fixed=host, names=V0_CLASS_FIT) if host else fit_class(rest)
     progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
-    return generic({g: p for g, p in full.get(engine, {}).items() if g != gpu})
+    return {**generic({g: p for g, p in full.get(engine, {}).items() if g != gpu}), **(host or {})}
+
+
+def deployment_model(deployment: str) -> str:
+    """The model (Hugging Face id) of a deployment named by `_deployment_name`."""
+    return deployment.split(" / ")[0]
+
+
+_V0_HOSTS: dict = {}       # pooled_v0_host's fits in this process, by (left-out model, runs)
+
+
+def pooled_v0_host(runs: list[Run], without_model: Optional[str] = None, progress=print) -> dict[str, float]:
+    """V0's host profile (V0_HOST at the datasheet efficiencies) fitted on the V0 runs of every GPU
+    class pooled, less every run of `without_model` (a fold's: leave-one-deployment-out clean, and
+    stricter: the held-out model's runs on other GPUs are out too). Kept per process and in the
+    --resume folder: one fit per left-out model serves all of that model's folds."""
+    import hashlib
+
+    pool = [r for r in runs if r.engine == "v0" and deployment_model(r.deployment) != without_model]
+    digest = hashlib.sha1("\n".join(r.id for r in pool).encode()).hexdigest()[:12]
+    memo = (without_model, digest)
+    if memo not in _V0_HOSTS:
+        def fit() -> dict[str, float]:
+            progress(f"pooling the V0 host profile over {len(deployments(pool))} deployments"
+                     + (f" without {without_model}" if without_model else ""))
+            return fit_class(pool, names=V0_HOST)
+
+        _V0_HOSTS[memo] = _resumable("host", f"v0 without {without_model} / {digest}", fit)
+    return dict(_V0_HOSTS[memo])
 
 
 # ----------------------------------------------------------------------------- the table
@@ -642,6 +705,8 @@ def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optiona
     (forked: they share the loaded runs) give the same table as one."""
     names = [n for n in deployments(runs) if only is None or n in only]
     _FOLD_STATE.update(runs=runs, full=full, progress=progress)
+    for model in sorted({deployment_model(n) for n in names if V0_POOLED_HOST and deployment_engine(n) == "v0"}):
+        pooled_v0_host(runs, model, progress)        # before the folds (forked ones share them)
     parts = _map(_fold_rows, names, jobs)
     return pd.DataFrame([row for part in parts for row in part])
 

@@ -20,6 +20,9 @@ from sim.core.status import FINISHED, WAITING, Status  # noqa: F401  (Status: re
 
 Segment = Union[tuple, list]  # (key, length) | [token ids]
 NO_PRIVATE_BLOCK = 1 << 62    # Request.first_private_block of a request with no private block
+# Request._workload_arrival until a client sends it at a time of the run's own (no arrival is
+# negative; a plain float, so a pickled request keeps its meaning)
+NOT_SENT = -1.0
 
 
 def stable_key(*parts: object) -> int:
@@ -93,7 +96,7 @@ class Request:
 
     __slots__ = (
         # workload
-        "id", "arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
+        "id", "arrival", "_workload_arrival", "segments", "prompt_len", "output_len", "tenant", "salt", "priority",
         "is_warmup", "next_turn", "think_time", "conversation", "eos_token_id", "replica", "own_prompt_tokens",
         "is_live", "max_len",
         # the LoRA adapter it asks for (vLLM's lora_int_id, >= 1), 0 for the base model
@@ -117,6 +120,7 @@ class Request:
                  priority: int = 0, is_warmup: bool = False):
         self.id = id
         self.arrival = arrival
+        self._workload_arrival = NOT_SENT
         self.segments = list(segments) + [output_segment]
         self.prompt_len = sum(segment_len(s) for s in segments)
         self.output_len = output_len
@@ -145,6 +149,8 @@ class Request:
         """Clear all scheduling state, so one workload can be replayed by several runs."""
         if type(self) is not Request:      # (a cohort member of a run that stopped short is one no more)
             self.__class__ = Request
+        if self._workload_arrival != NOT_SENT:   # the arrival the workload gave, not a run's send time
+            self.arrival, self._workload_arrival = self._workload_arrival, NOT_SENT
         self.status = WAITING
         self.kv_transfer: Optional[str] = None
         self.num_output = 0                # output tokens known (emitted, or appended by the engine)
@@ -173,6 +179,14 @@ class Request:
         self.emit_start = -1
         self.last_emit = -2                # the step that emitted its latest token
         self.chunk_steps: list[int] = []   # steps of prefill chunks that emitted no token
+
+    def sent_at(self, now: float) -> None:
+        """The client sent it at `now` (a closed loop's free slot, a follow-up turn's release): its
+        arrival from now on, the one its latencies count from; reset() gives back the workload's, so
+        a replay of the same requests sends them as the workload did, not as the last run did."""
+        if self._workload_arrival == NOT_SENT:
+            self._workload_arrival = self.arrival
+        self.arrival = now
 
     @property
     def num_tokens(self) -> int:

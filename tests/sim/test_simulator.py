@@ -157,6 +157,29 @@ def test_multi_turn_follow_ups_wait_for_the_answer_and_hit_the_cache():
     assert len(df) == 60 and df["id"].is_unique and (df["status"] == "finished").all()
 
 
+@pytest.mark.parametrize("workload", [
+    {"num_requests": 24, "arrival": {"process": "offline"}, "max_concurrency": 4},       # closed loop
+    {"num_requests": 12, "arrival": {"process": "poisson", "rate": 5},                     # follow-up turns
+     "multi_turn": {"turns": 2, "user_len": 30, "think_time_s": 1.0, "think_dist": "fixed"}},
+])
+def test_the_same_requests_replayed_give_the_same_run(workload):
+    """A client's send time (a closed loop's free slot, a follow-up turn's release) is that run's:
+    reset() gives the requests back the workload's arrivals, so a second simulation of the same
+    request objects (validate/lodo.py and vllm_fit.py replay each run under many coefficients) is
+    the first one again (it used to start from the first run's send times)."""
+    from sim.workload import build_requests
+
+    s = base(prompt_len=200, output_len=40, **workload)
+    requests = build_requests(s)
+    arrivals = [r.arrival for r in requests]
+    first = requests_frame(simulate(s, requests)[0])
+    second = requests_frame(simulate(s, requests)[0])
+    assert first.equals(second)
+    for r in requests:
+        r.reset()
+    assert [r.arrival for r in requests] == arrivals
+
+
 def test_rejected_requests_end_with_a_reason_and_are_counted():
     s = base(requests=[{"prompt_len": 5000, "output_len": 1}, {"prompt_len": 10, "output_len": 5}])
     records, _, _ = simulate(s)

@@ -94,6 +94,21 @@ def test_each_engine_generation_is_fitted_on_its_own_runs(runs):
         lodo.fit_class(mixed)
 
 
+def test_v0_classes_share_one_host_profile():
+    """V0's host cost is the machine's CPU running vLLM 0.7.3's Python loop (and AccelMark's load
+    generator) between GPU steps (vllm/engine/llm_engine.py step(), 0.7.3), not the GPU's: every V0
+    class prices the pooled host profile times its machine's speed, so the per-step, per-sequence
+    and per-admitted-prompt terms keep one ratio across classes; the efficiencies stay the datasheet's."""
+    if not lodo.V0_POOLED_HOST:
+        pytest.skip("the first V0 design: every parameter fitted per class")
+    classes = FAMILY["engines"]["v0"]["classes"]
+    ratios = [(p["seq_host_s"] / p["step_host_s"], p["prefill_seq_host_s"] / p["step_host_s"])
+              for p in (c["parameters"] for c in classes.values())]
+    for seq, prefill in ratios[1:]:
+        assert seq == pytest.approx(ratios[0][0], rel=1e-3) and prefill == pytest.approx(ratios[0][1], rel=1e-3)
+    assert not any({"compute_scale", "memory_scale"} & set(c["parameters"]) for c in classes.values())
+
+
 @pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
 def test_recorded_lodo_errors_still_hold(run_id, runs):
     """Each run's datasheet and trained errors, recomputed with its fold's stored coefficients."""
@@ -120,6 +135,8 @@ def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, 
     now = lodo.lodo_table(all_runs, full, only=[deployment], progress=lambda *_: None).set_index("run")
     assert deployment not in seen
     assert {lodo.deployment_engine(d) for d in seen} <= {lodo.deployment_engine(deployment)}
+    if lodo.deployment_engine(deployment) == "v0" and lodo.V0_POOLED_HOST:   # host: pooled over the other models
+        assert lodo.deployment_model(deployment) not in {lodo.deployment_model(d) for d in seen}
     recorded = TABLE.set_index("run").loc[now.index]
     for col in [c for c in now.columns if c.startswith(("trained ", "fold "))]:
         for run_id in now.index:
