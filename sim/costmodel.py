@@ -33,6 +33,7 @@ Coefficients are datasheet peaks times default efficiencies, or a calibrated pro
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import statistics
 import textwrap
@@ -286,8 +287,8 @@ def after_idle(steps) -> np.ndarray:
 class _ScalarForm(ast.NodeTransformer):
     """Rewrites `maximum(a, b)` / `minimum(a, b)` calls as the conditional expressions Python's
     max / min evaluate (`b if b > a else a`, `b if b < a else a`: the very same value, each
-    operand evaluated once), and `self.NAME(...)` calls of the generated methods as calls of
-    their scalar forms."""
+    operand evaluated once: an expression is held in a temporary, a name or a constant is read
+    again), and `self.NAME(...)` calls of the generated methods as calls of their scalar forms."""
 
     def __init__(self, generated: set[str]):
         self.generated, self.temporaries = generated, 0
@@ -297,14 +298,20 @@ class _ScalarForm(ast.NodeTransformer):
         func = node.func
         if isinstance(func, ast.Name) and func.id in ("maximum", "minimum") and len(node.args) == 2 \
                 and not node.keywords:
-            first, second = (ast.Name(id=f"_operand{self.temporaries + k}", ctx=ast.Load()) for k in (0, 1))
-            self.temporaries += 2
-            store = [ast.NamedExpr(target=ast.Name(id=name.id, ctx=ast.Store()), value=value)
-                     for name, value in zip((first, second), node.args)]
+            tested, chosen = [], []
+            for value in node.args:
+                if isinstance(value, (ast.Name, ast.Constant)):
+                    tested.append(value)
+                    chosen.append(copy.copy(value))
+                else:
+                    name = f"_operand{self.temporaries}"
+                    self.temporaries += 1
+                    tested.append(ast.NamedExpr(target=ast.Name(id=name, ctx=ast.Store()), value=value))
+                    chosen.append(ast.Name(id=name, ctx=ast.Load()))
             op = ast.Gt() if func.id == "maximum" else ast.Lt()
             # (the second operand first: pure expressions, so the order cannot change a value)
-            return ast.IfExp(test=ast.Compare(left=store[1], ops=[op], comparators=[store[0]]), body=second,
-                             orelse=first)
+            return ast.IfExp(test=ast.Compare(left=tested[1], ops=[op], comparators=[tested[0]]), body=chosen[1],
+                             orelse=chosen[0])
         if (isinstance(func, ast.Attribute) and func.attr in self.generated and isinstance(func.value, ast.Name)
                 and func.value.id == "self"):
             func.attr += "_scalar"
@@ -444,6 +451,7 @@ class CostModel:
         self._head_weight_s = h * m.vocab_size / tp * s / (bw * c.bw_eff)
         self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
         self._allreduce_token_s = self._allreduce_fixed_s = 0.0     # tp 1, or PCIe (_tp_allreduce)
+        self._allreduce_per_token = tp == 1 or self.device.interconnect != "pcie"
         if tp > 1 and self.device.interconnect != "pcie":
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
@@ -460,7 +468,7 @@ class CostModel:
         peer-to-peer access and messages under 8 MiB: one kernel reading the peer's data directly,
         priced at LL's handshake latency and the full bandwidth."""
         token_s = self._allreduce_token_s
-        if self.tp == 1 or self.device.interconnect != "pcie":
+        if self._allreduce_per_token:
             return lambda tokens: tokens * token_s
         token_bytes = self.model.hidden_size * self.model.dtype_bytes
         (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.tp, "all_reduce",
@@ -709,6 +717,8 @@ class CostModel:
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
         tp_allreduce, allreduce_fixed = self._tp_allreduce(minimum), self._allreduce_fixed_s
+        # (a link priced per token, _tp_allreduce's usual form, is written out: no call per step)
+        allreduce_token = self._allreduce_token_s if self._allreduce_per_token else None
         head_flop, head_weight, sample_row, sample_seq = (self._head_flop_s, self._head_weight_s, self._sample_row_s,
                                                           c.sample_seq_s)
         step_device, layers = c.step_device_s, m.num_layers
@@ -730,7 +740,7 @@ class CostModel:
                 if moe is not None:
                     linear = linear + moe(tokens, gathered)
                 base, prefill_setup = layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead
-                allreduce = tp_allreduce(tokens)
+                allreduce = tokens * allreduce_token if allreduce_token is not None else tp_allreduce(tokens)
                 head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
                 pairs, other_kv = prefill_attn * attn_pair, prefill_ctx + prefill_tokens     # (integers: exact)
 
@@ -739,7 +749,6 @@ class CostModel:
                     device = table_time(seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read)
                 else:
                     attention = maximum(pairs, (decode_ctx + other_kv) * kv_token)
-                    blocks = blocks_read
                     if sliding_layers:
                         window_pairs = minimum(prefill_attn, prefill_tokens * window)
                         window_kv = (minimum(decode_ctx, decodes * window)
@@ -747,8 +756,8 @@ class CostModel:
                         sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
                         attention = (full_layers * attention + sliding_layers * sliding) / layers
                         window_walked = minimum(blocks_read, seqs * window_blocks)
-                        blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
-                    per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
+                        blocks_read = (full_layers * blocks_read + sliding_layers * window_walked) / layers
+                    per_layer = base + attention + blocks_read * block_s + prefill_setup + allreduce + allreduce_fixed
                     device = step_device + layers * per_layer + head
                 # the host time a step adds to the device's, by the engine's overlap rules: output
                 # processing (detokenization, API streaming) runs in the API server's process and

@@ -80,6 +80,9 @@ class DecodeCohort:
         self.block_size = layout.block_size
         self.paged = layout.paged
         self.caching = layout.prefix_caching
+        # (the leap planner's questions, read once: CacheLayout answers them in properties)
+        self.free_blocks_only_shrink = layout.free_blocks_only_shrink
+        self.takes_stretch_in_bulk = layout.takes_stretch_in_bulk
         self.named = layout.named_blocks  # every block has an id: crossing members take theirs in running order
         # Per-group tables (sim/core/kv/coordinator.py HybridCoordinator): `tables` block tables
         # per member, each taking a block at a crossing; with a sliding `window` a member also
@@ -87,6 +90,9 @@ class DecodeCohort:
         self.tables = layout.tables
         self.per_group_tables = layout.per_group_tables
         self.window = layout.sliding_window
+        # One table of blocks with no ids (CountingBlockPool): crossing members take theirs in any
+        # order, so `advance` and `advance_many` hand them out inline, not through `_hand_out`.
+        self.any_order = not self.per_group_tables and not self.named
         self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
         self.private_blocks = layout.private_blocks   # members' private fills registered as such (kv/coordinator.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
@@ -318,7 +324,12 @@ class DecodeCohort:
         crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            self._hand_out((crossing,), kv.pool.get_new_blocks(len(crossing) * self.tables))
+            blocks = kv.pool.get_new_blocks(len(crossing) * self.tables)
+            if self.any_order:
+                for req, block in zip(crossing, blocks):
+                    req.blocks.append(block)
+            else:
+                self._hand_out((crossing,), blocks)
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
             self._register_fills(range(clock, clock + 1), kv)
@@ -428,7 +439,14 @@ class DecodeCohort:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)
             phase = 1 - clock
-            self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
+            if self.any_order:
+                blocks = iter(blocks)
+                for i, w in enumerate(walked):
+                    if w:
+                        for req, block in zip(by_phase[(phase - i) % bs], blocks):    # (zip asks the members first)
+                            req.blocks.append(block)
+            else:
+                self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
             if evicted_at:
                 ends = list(accumulate(walked))
                 evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
