@@ -74,8 +74,11 @@ class PrefillFirst:
         self._schedule_running(batch, budget, select=_decodes)
 
     def _first_chunk(self, n: int, budget: int, batch_empty: bool):
-        """Only the step's first prefill may be chunked (nano-vllm)."""
+        """Only the step's first prefill may be chunked (nano-vllm). (The reference rule with that
+        one condition more, written out: every admission check of a V0 run comes here.)"""
         cap = self.prefill_cap
-        if not batch_empty and (cap if 0 < cap < n else n) > budget:
+        if 0 < cap < n:
+            n = cap
+        if n > budget and (not batch_empty or not self.config.chunked_prefill):
             return None
-        return super()._first_chunk(n, budget, batch_empty)
+        return min(n, budget)
