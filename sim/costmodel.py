@@ -318,6 +318,38 @@ class _ScalarForm(ast.NodeTransformer):
         return node
 
 
+class _Known(ast.NodeTransformer):
+    """Reads of the names in `known` become their values, and the `if`s those decide keep only
+    the branch taken (no test of them per step, and a closure holds none of the names the
+    branches not taken read)."""
+
+    def __init__(self, known: dict):
+        self.known = known
+
+    def visit_Name(self, node: ast.Name):
+        if isinstance(node.ctx, ast.Load) and node.id in self.known:
+            return ast.copy_location(ast.Constant(self.known[node.id]), node)
+        return node
+
+    def visit_UnaryOp(self, node: ast.UnaryOp):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Not) and isinstance(node.operand, ast.Constant):
+            return ast.copy_location(ast.Constant(not node.operand.value), node)
+        return node
+
+    def visit_If(self, node: ast.If):
+        self.generic_visit(node)
+        if isinstance(node.test, ast.Constant):
+            return (node.body if node.test.value else node.orelse) or [ast.Pass()]
+        return node
+
+    def visit_IfExp(self, node: ast.IfExp):
+        self.generic_visit(node)
+        if isinstance(node.test, ast.Constant):
+            return node.body if node.test.value else node.orelse
+        return node
+
+
 def _one_call(tree: ast.Module) -> ast.Module:
     """`_stages` with its second stage folded into the first: `sizes(seqs, decodes, prefill_tokens,
     prefill_ctx, prefill_attn, decode_ctx, blocks_read, padded=None)` returns the price itself
@@ -339,14 +371,17 @@ def _one_call(tree: ast.Module) -> ast.Module:
     return tree
 
 
-def scalar_form(method, generated: set[str], one_call: bool = False):
+def scalar_form(method, generated: set[str], one_call: bool = False, known: tuple = ()):
     """`method` (written once for Python numbers and numpy columns alike, over its `maximum` /
     `minimum` arguments) generated again for Python numbers only, without a call per max / min
     (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
-    its source rewritten by _ScalarForm (and `_one_call`) and compiled against the same globals
-    and line numbers. tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
+    its source rewritten by _ScalarForm (and `_one_call`, and `_Known` with the (name, value)
+    pairs `known` fixes) and compiled against the same globals and line numbers.
+    tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
     source = textwrap.dedent(inspect.getsource(method))
     tree = ast.parse(source)
+    if known:
+        tree = _Known(dict(known)).visit(tree)
     if one_call:
         tree = _one_call(tree)
     tree = _ScalarForm(generated).visit(tree)
@@ -457,8 +492,11 @@ class CostModel:
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
             self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
-        self._sizes = self._stages_scalar(max, min, self.block_size)
-        self._price_step = self._stages_one_call(max, min, self.block_size)
+        # the scalar forms (the usual case's with its branches taken: the roofline, full attention)
+        usual = self.tables is None and not self.model.num_sliding_layers
+        stages, one_call = _STAGES_SCALAR[_ROOFLINE_FULL_ATTENTION if usual else ()]
+        self._sizes = stages(self, max, min, self.block_size)
+        self._price_step = one_call(self, max, min, self.block_size)
 
     def _tp_allreduce(self, minimum):
         """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
@@ -731,6 +769,7 @@ class CostModel:
             host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
                     + token_host * (prefill_tokens + decodes))
             output = output_token * seqs
+            serial_engine = launch + host          # (synchronous scheduling's engine time, below)
             if not tables:
                 tokens = prefill_tokens + decodes if padded is None else padded
                 gemm = tokens * linear_flop
@@ -764,7 +803,7 @@ class CostModel:
                 # only shows when slower than the engine's own step; synchronous scheduling puts the
                 # scheduler's host work before each launch, async scheduling plans step N+1 while
                 # step N runs (only its excess over the device time shows); the graph launch is serial
-                engine = launch + (maximum(host - device, 0.0) if overlap else host)
+                engine = launch + maximum(host - device, 0.0) if overlap else serial_engine
                 return engine + maximum(output - (engine + device), 0.0), device
             return price
         return sizes
@@ -797,8 +836,13 @@ class CostModel:
                 "coefficients": asdict(self.coefficients), "tp": self.tp}
 
 
-# The one roofline's scalar forms (CostModel._stages_scalar, ...): what a single step is priced with.
+# The one roofline's scalar forms (CostModel._moe_time_scalar, ...): what a single step is priced with.
 _GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
-for _name in _GENERATED:
+for _name in ("_moe_time", "_tp_allreduce"):
     setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))
-CostModel._stages_one_call = scalar_form(CostModel._stages, _GENERATED, one_call=True)
+# `_stages`' scalar forms (two stages, for leaps; one call, for a step), made here once: for any
+# cost model, and for the usual one (the roofline, no sliding layer) with what it fixes folded in
+_ROOFLINE_FULL_ATTENTION = (("sliding_layers", 0), ("tables", False))
+_STAGES_SCALAR = {known: (scalar_form(CostModel._stages, _GENERATED, known=known),
+                          scalar_form(CostModel._stages, _GENERATED, one_call=True, known=known))
+                  for known in ((), _ROOFLINE_FULL_ATTENTION)}
