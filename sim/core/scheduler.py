@@ -200,7 +200,7 @@ class Scheduler:
         cohort.sync(batch.step)
         if select is not None:
             candidates = select(candidates)
-        return self._schedule_each(candidates, budget, batch)
+        return self._schedule_each(candidates, budget, batch) if candidates else budget
 
     def _schedule_each(self, candidates, budget: int, batch: Batch) -> int:
         for req in list(candidates):       # (a snapshot: victims leave `running` while it is walked)

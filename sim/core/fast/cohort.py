@@ -223,15 +223,25 @@ class DecodeCohort:
     # -- one step --------------------------------------------------------------------------
     def take_step(self, sched, batch, budget: int) -> Optional[list[Request]]:
         """The members' part of the scheduler's running pass at `batch.step`: if every member gets
-        its token this step (`_others_if_all_take`), schedule them all at once (`advance`) and put
-        them in `batch`; returns the running non-members, which the pass then walks one by one.
-        Otherwise the cohort dissolves (its members are plain requests again) and returns None."""
-        others = self._others_if_all_take(sched, batch.step, budget)
-        if others is None:
+        its token this step, schedule them all at once (`advance`) and put them in `batch`; returns
+        the running non-members (admission order), which the pass then walks one by one.
+        Otherwise the cohort dissolves (its members are plain requests again) and returns None.
+
+        Every member gets its token when no member sits after the point where the token budget
+        runs out and the free blocks cover every allocation of the step, so no preemption can
+        happen. The cohort then goes first, so no non-member may take blocks (or, behind a sliding
+        window, free them) before a member would in the running order (`_others_blocks`).
+        """
+        step, kv = batch.step, sched.kv
+        n = len(self.members)              # (len(self) would call __len__)
+        others = list(sched.active)
+        blocks = self.due_blocks(step)
+        if others and n <= budget:
+            blocks = self._others_blocks(sched, others, step, budget - n, blocks)
+        if n > budget or blocks is None or blocks > kv.pool.num_free:
             self.dissolve()
             return None
-        self.advance(batch.step, sched.kv)
-        n = len(self.members)              # (len(self) would call __len__)
+        self.advance(step, kv)
         batch.decodes.extend(self.members)
         batch.num_decode += n
         batch.cohort_size = n
@@ -239,22 +249,13 @@ class DecodeCohort:
         batch.blocks_read += self.blocks_walked
         return others
 
-    def _others_if_all_take(self, sched, step: int, budget: int) -> Optional[list[Request]]:
-        """The running non-members (admission order) if every member gets its token this step.
-
-        That holds when no member sits after the point where the token budget runs out and
-        the free blocks cover every allocation of the step, so no preemption can happen. The
-        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
-        free them) before a member would in the running order.
-        """
+    def _others_blocks(self, sched, others: list[Request], step: int, left: int, blocks: int) -> Optional[int]:
+        """The blocks the step takes, the members' `blocks` and what the non-members `others`
+        take with `left` tokens after the members', or None when one of them would take blocks or
+        free behind its window before a member would, or leave no budget to a member after it."""
         kv, bs = sched.kv, self.block_size
-        left = budget - len(self.members)
-        if left < 0:
-            return None
-        others = list(sched.active)
-        blocks = self.due_blocks(step)
-        first_crossing = self.first_crossing_seq(step) if others else None
-        last_freeing = self._last_freeing_seq(step) if others and self.window is not None else -1
+        first_crossing = self.first_crossing_seq(step)
+        last_freeing = self._last_freeing_seq(step) if self.window is not None else -1
         num_new_tokens = sched.num_new_tokens
         for req in others:
             n = num_new_tokens(req, left)
@@ -273,7 +274,7 @@ class DecodeCohort:
                 if any(r.cohort is not None for r in running[running.index(req) + 1:]):
                     return None
                 break
-        return others if blocks <= kv.pool.num_free else None
+        return blocks
 
     def _last_freeing_seq(self, step: int) -> int:
         """The latest running position among members that may free behind their window at `step`."""
@@ -376,8 +377,8 @@ class DecodeCohort:
         step by step, each step's in running order. That is what the step-by-step order (at each
         step: frees, takes, registrations) does:
           - the takes come off the queue's head ahead of every block freed in the stretch: a
-            stretch runs only when its blocks are free before any of its frees (the scheduler's
-            `_others_if_all_take`, the leap's `reach`), and a free only appends to the tail;
+            stretch runs only when its blocks are free before any of its frees (the cohort's
+            `take_step`, the leap's `reach`), and a free only appends to the tail;
           - registrations commute with takes (see `advance_many`), and frees touch no hash;
           - a block freed behind a window was filled, so registered, at least a step before, and
             a free drops a reference held until then: what it counts as cached is what it would.
