@@ -33,6 +33,7 @@ Coefficients are datasheet peaks times default efficiencies, or a calibrated pro
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import statistics
 import textwrap
@@ -286,8 +287,8 @@ def after_idle(steps) -> np.ndarray:
 class _ScalarForm(ast.NodeTransformer):
     """Rewrites `maximum(a, b)` / `minimum(a, b)` calls as the conditional expressions Python's
     max / min evaluate (`b if b > a else a`, `b if b < a else a`: the very same value, each
-    operand evaluated once), and `self.NAME(...)` calls of the generated methods as calls of
-    their scalar forms."""
+    operand evaluated once: an expression is held in a temporary, a name or a constant is read
+    again), and `self.NAME(...)` calls of the generated methods as calls of their scalar forms."""
 
     def __init__(self, generated: set[str]):
         self.generated, self.temporaries = generated, 0
@@ -297,17 +298,55 @@ class _ScalarForm(ast.NodeTransformer):
         func = node.func
         if isinstance(func, ast.Name) and func.id in ("maximum", "minimum") and len(node.args) == 2 \
                 and not node.keywords:
-            first, second = (ast.Name(id=f"_operand{self.temporaries + k}", ctx=ast.Load()) for k in (0, 1))
-            self.temporaries += 2
-            store = [ast.NamedExpr(target=ast.Name(id=name.id, ctx=ast.Store()), value=value)
-                     for name, value in zip((first, second), node.args)]
+            tested, chosen = [], []
+            for value in node.args:
+                if isinstance(value, (ast.Name, ast.Constant)):
+                    tested.append(value)
+                    chosen.append(copy.copy(value))
+                else:
+                    name = f"_operand{self.temporaries}"
+                    self.temporaries += 1
+                    tested.append(ast.NamedExpr(target=ast.Name(id=name, ctx=ast.Store()), value=value))
+                    chosen.append(ast.Name(id=name, ctx=ast.Load()))
             op = ast.Gt() if func.id == "maximum" else ast.Lt()
             # (the second operand first: pure expressions, so the order cannot change a value)
-            return ast.IfExp(test=ast.Compare(left=store[1], ops=[op], comparators=[store[0]]), body=second,
-                             orelse=first)
+            return ast.IfExp(test=ast.Compare(left=tested[1], ops=[op], comparators=[tested[0]]), body=chosen[1],
+                             orelse=chosen[0])
         if (isinstance(func, ast.Attribute) and func.attr in self.generated and isinstance(func.value, ast.Name)
                 and func.value.id == "self"):
             func.attr += "_scalar"
+        return node
+
+
+class _Known(ast.NodeTransformer):
+    """Reads of the names in `known` become their values, and the `if`s those decide keep only
+    the branch taken (no test of them per step, and a closure holds none of the names the
+    branches not taken read)."""
+
+    def __init__(self, known: dict):
+        self.known = known
+
+    def visit_Name(self, node: ast.Name):
+        if isinstance(node.ctx, ast.Load) and node.id in self.known:
+            return ast.copy_location(ast.Constant(self.known[node.id]), node)
+        return node
+
+    def visit_UnaryOp(self, node: ast.UnaryOp):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Not) and isinstance(node.operand, ast.Constant):
+            return ast.copy_location(ast.Constant(not node.operand.value), node)
+        return node
+
+    def visit_If(self, node: ast.If):
+        self.generic_visit(node)
+        if isinstance(node.test, ast.Constant):
+            return (node.body if node.test.value else node.orelse) or [ast.Pass()]
+        return node
+
+    def visit_IfExp(self, node: ast.IfExp):
+        self.generic_visit(node)
+        if isinstance(node.test, ast.Constant):
+            return node.body if node.test.value else node.orelse
         return node
 
 
@@ -332,14 +371,17 @@ def _one_call(tree: ast.Module) -> ast.Module:
     return tree
 
 
-def scalar_form(method, generated: set[str], one_call: bool = False):
+def scalar_form(method, generated: set[str], one_call: bool = False, known: tuple = ()):
     """`method` (written once for Python numbers and numpy columns alike, over its `maximum` /
     `minimum` arguments) generated again for Python numbers only, without a call per max / min
     (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
-    its source rewritten by _ScalarForm (and `_one_call`) and compiled against the same globals
-    and line numbers. tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
+    its source rewritten by _ScalarForm (and `_one_call`, and `_Known` with the (name, value)
+    pairs `known` fixes) and compiled against the same globals and line numbers.
+    tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
     source = textwrap.dedent(inspect.getsource(method))
     tree = ast.parse(source)
+    if known:
+        tree = _Known(dict(known)).visit(tree)
     if one_call:
         tree = _one_call(tree)
     tree = _ScalarForm(generated).visit(tree)
@@ -444,13 +486,17 @@ class CostModel:
         self._head_weight_s = h * m.vocab_size / tp * s / (bw * c.bw_eff)
         self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
         self._allreduce_token_s = self._allreduce_fixed_s = 0.0     # tp 1, or PCIe (_tp_allreduce)
+        self._allreduce_per_token = tp == 1 or self.device.interconnect != "pcie"
         if tp > 1 and self.device.interconnect != "pcie":
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
             self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
-        self._sizes = self._stages_scalar(max, min, self.block_size)
-        self._price_step = self._stages_one_call(max, min, self.block_size)
+        # the scalar forms (the usual case's with its branches taken: the roofline, full attention)
+        usual = self.tables is None and not self.model.num_sliding_layers
+        stages, one_call = _STAGES_SCALAR[_ROOFLINE_FULL_ATTENTION if usual else ()]
+        self._sizes = stages(self, max, min, self.block_size)
+        self._price_step = one_call(self, max, min, self.block_size)
 
     def _tp_allreduce(self, minimum):
         """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
@@ -460,7 +506,7 @@ class CostModel:
         peer-to-peer access and messages under 8 MiB: one kernel reading the peer's data directly,
         priced at LL's handshake latency and the full bandwidth."""
         token_s = self._allreduce_token_s
-        if self.tp == 1 or self.device.interconnect != "pcie":
+        if self._allreduce_per_token:
             return lambda tokens: tokens * token_s
         token_bytes = self.model.hidden_size * self.model.dtype_bytes
         (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.tp, "all_reduce",
@@ -709,6 +755,8 @@ class CostModel:
         attn_pair, kv_token = self._attn_pair_s, self._kv_token_s
         layer_overhead, block_s, prefill_seq_overhead = c.layer_overhead_s, c.block_overhead_s, c.prefill_seq_overhead_s
         tp_allreduce, allreduce_fixed = self._tp_allreduce(minimum), self._allreduce_fixed_s
+        # (a link priced per token, _tp_allreduce's usual form, is written out: no call per step)
+        allreduce_token = self._allreduce_token_s if self._allreduce_per_token else None
         head_flop, head_weight, sample_row, sample_seq = (self._head_flop_s, self._head_weight_s, self._sample_row_s,
                                                           c.sample_seq_s)
         step_device, layers = c.step_device_s, m.num_layers
@@ -721,6 +769,7 @@ class CostModel:
             host = (step_host + seq_host * seqs + prefill_seq_host * (seqs - decodes)
                     + token_host * (prefill_tokens + decodes))
             output = output_token * seqs
+            serial_engine = launch + host          # (synchronous scheduling's engine time, below)
             if not tables:
                 tokens = prefill_tokens + decodes if padded is None else padded
                 gemm = tokens * linear_flop
@@ -730,7 +779,7 @@ class CostModel:
                 if moe is not None:
                     linear = linear + moe(tokens, gathered)
                 base, prefill_setup = layer_overhead + linear, (seqs - decodes) * prefill_seq_overhead
-                allreduce = tp_allreduce(tokens)
+                allreduce = tokens * allreduce_token if allreduce_token is not None else tp_allreduce(tokens)
                 head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
                 pairs, other_kv = prefill_attn * attn_pair, prefill_ctx + prefill_tokens     # (integers: exact)
 
@@ -739,7 +788,6 @@ class CostModel:
                     device = table_time(seqs, decodes, prefill_tokens, prefill_ctx, decode_ctx, blocks_read)
                 else:
                     attention = maximum(pairs, (decode_ctx + other_kv) * kv_token)
-                    blocks = blocks_read
                     if sliding_layers:
                         window_pairs = minimum(prefill_attn, prefill_tokens * window)
                         window_kv = (minimum(decode_ctx, decodes * window)
@@ -747,15 +795,15 @@ class CostModel:
                         sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
                         attention = (full_layers * attention + sliding_layers * sliding) / layers
                         window_walked = minimum(blocks_read, seqs * window_blocks)
-                        blocks = (full_layers * blocks_read + sliding_layers * window_walked) / layers
-                    per_layer = base + attention + blocks * block_s + prefill_setup + allreduce + allreduce_fixed
+                        blocks_read = (full_layers * blocks_read + sliding_layers * window_walked) / layers
+                    per_layer = base + attention + blocks_read * block_s + prefill_setup + allreduce + allreduce_fixed
                     device = step_device + layers * per_layer + head
                 # the host time a step adds to the device's, by the engine's overlap rules: output
                 # processing (detokenization, API streaming) runs in the API server's process and
                 # only shows when slower than the engine's own step; synchronous scheduling puts the
                 # scheduler's host work before each launch, async scheduling plans step N+1 while
                 # step N runs (only its excess over the device time shows); the graph launch is serial
-                engine = launch + (maximum(host - device, 0.0) if overlap else host)
+                engine = launch + maximum(host - device, 0.0) if overlap else serial_engine
                 return engine + maximum(output - (engine + device), 0.0), device
             return price
         return sizes
@@ -788,8 +836,13 @@ class CostModel:
                 "coefficients": asdict(self.coefficients), "tp": self.tp}
 
 
-# The one roofline's scalar forms (CostModel._stages_scalar, ...): what a single step is priced with.
+# The one roofline's scalar forms (CostModel._moe_time_scalar, ...): what a single step is priced with.
 _GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
-for _name in _GENERATED:
+for _name in ("_moe_time", "_tp_allreduce"):
     setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))
-CostModel._stages_one_call = scalar_form(CostModel._stages, _GENERATED, one_call=True)
+# `_stages`' scalar forms (two stages, for leaps; one call, for a step), made here once: for any
+# cost model, and for the usual one (the roofline, no sliding layer) with what it fixes folded in
+_ROOFLINE_FULL_ATTENTION = (("sliding_layers", 0), ("tables", False))
+_STAGES_SCALAR = {known: (scalar_form(CostModel._stages, _GENERATED, known=known),
+                          scalar_form(CostModel._stages, _GENERATED, one_call=True, known=known))
+                  for known in ((), _ROOFLINE_FULL_ATTENTION)}

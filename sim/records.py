@@ -161,7 +161,7 @@ class StepRecorder:
         decodes = batch.num_decode
         prefill = batch.num_prefill_tokens
         rows = self.rows
-        rows.data += rows.pack(batch.step, 1, start_s, len(scheduler.running), scheduler.num_waiting,
+        rows.data += rows.pack(batch.step, 1, start_s, len(scheduler.running), len(scheduler.waiting),
                                decodes + len(batch.prefills), decodes, prefill, prefill + decodes,
                                batch.prefill_ctx, batch.prefill_attn, len(batch.preempted))
         steps = self.step_values

@@ -200,7 +200,7 @@ class Scheduler:
         cohort.sync(batch.step)
         if select is not None:
             candidates = select(candidates)
-        return self._schedule_each(candidates, budget, batch)
+        return self._schedule_each(candidates, budget, batch) if candidates else budget
 
     def _schedule_each(self, candidates, budget: int, batch: Batch) -> int:
         for req in list(candidates):       # (a snapshot: victims leave `running` while it is walked)
@@ -220,7 +220,7 @@ class Scheduler:
         """The tokens a running request computes this step with `budget` left: what it still lacks,
         chunked to the budget; None when its prompt must be computed whole (no chunked prefill) and
         does not fit. (The one place the chunking rule lives; the decode cohort asks it too.)"""
-        return self._chunk(req, req.num_tokens - req.num_computed, budget)
+        return self._chunk(req, req.prompt_len + req.num_output - req.num_computed, budget)
 
     def _chunk(self, req: Request, n: int, budget: int) -> Optional[int]:
         cap = self.prefill_cap
@@ -234,9 +234,11 @@ class Scheduler:
 
     def _schedule_tokens(self, req: Request, n: int, batch: Batch, budget: int) -> int:
         """Schedule `n` tokens of a running request, preempting others while its slots do not fit."""
-        if not self._allocate_or_preempt(req, n, batch):
-            return budget + self._take_returned()                  # it preempted itself
-        budget += self._take_returned()
+        if not self.kv.append_slots(req, n):
+            fits = self._preempt_until_fits(req, n, batch)
+            budget += self._take_returned()
+            if not fits:
+                return budget              # it preempted itself
         batch.add(req, n, self.block_size)
         return budget - n
 
@@ -245,15 +247,16 @@ class Scheduler:
         returned, self._returned = self._returned, 0
         return returned
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: Batch, lookahead: int = 0) -> bool:
-        """Allocate slots (and `lookahead` slots past them, speculative decoding), preempting victims
-        until they fit; False if `req` itself was preempted."""
-        while not self.kv.append_slots(req, n, lookahead):
+    def _preempt_until_fits(self, req: Request, n: int, batch: Batch, lookahead: int = 0) -> bool:
+        """The pool is short of slots for `req` (and `lookahead` slots past them, speculative
+        decoding): preempt victims until they fit; False if `req` itself was preempted."""
+        while True:
             victim = self.waiting.preemption_victim(self.running)
             self._preempt(victim, batch)
             if victim is req:
                 return False
-        return True
+            if self.kv.append_slots(req, n, lookahead):
+                return True
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
         if victim.cohort is not None:

@@ -151,9 +151,11 @@ class SpecScheduling:
         """The slots come with the lookahead (never past max_model_len), and a decode carrying
         drafts goes in as one (Batch.add_spec)."""
         lookahead = min(self.spec.lookahead, self.config.max_model_len - req.num_computed - n)
-        if not self._allocate_or_preempt(req, n, batch, lookahead):
-            return budget + self._take_returned()                  # it preempted itself
-        budget += self._take_returned()
+        if not self.kv.append_slots(req, n, lookahead):
+            fits = self._preempt_until_fits(req, n, batch, lookahead)
+            budget += self._take_returned()
+            if not fits:
+                return budget              # it preempted itself
         if n > 1 and req.num_output and req.num_computed + 1 == req.num_tokens:
             batch.add_spec(req, n, self.block_size)                # a decode verifying n - 1 drafts
         else:

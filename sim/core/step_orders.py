@@ -68,14 +68,17 @@ class PrefillFirst:
         budget = self._schedule_each(_prefills(candidates), budget, batch)
         if not batch.preempted:
             budget = self._schedule_waiting(batch, budget)
-        if len(batch):                 # a prefill step: the decodes wait; the cohort sits it out intact
+        if batch.decodes or batch.prefills:     # a prefill step: the decodes wait; the cohort sits it out intact
             self.cohort.pause(batch.step)
             return
-        self._schedule_running(batch, budget, select=_decodes)
+        self._schedule_running(batch, budget, _decodes)
 
     def _first_chunk(self, n: int, budget: int, batch_empty: bool):
-        """Only the step's first prefill may be chunked (nano-vllm)."""
+        """Only the step's first prefill may be chunked (nano-vllm). (The reference rule with that
+        one condition more, written out: every admission check of a V0 run comes here.)"""
         cap = self.prefill_cap
-        if not batch_empty and (cap if 0 < cap < n else n) > budget:
+        if 0 < cap < n:
+            n = cap
+        if n > budget and (not batch_empty or not self.config.chunked_prefill):
             return None
-        return super()._first_chunk(n, budget, batch_empty)
+        return min(n, budget)

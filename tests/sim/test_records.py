@@ -125,7 +125,7 @@ def test_step_buffers_keep_every_value_exactly_across_packs():
     for i in range(7):
         batch = SimpleNamespace(step=len(expected), num_decode=2, num_prefill_tokens=big + i, prefills=[1],
                                 prefill_ctx=i, prefill_attn=big, preempted=[], decode_ctx=big - i, blocks_read=i)
-        sched = SimpleNamespace(running=[1, 2, 3], num_waiting=i)
+        sched = SimpleNamespace(running=[1, 2, 3], waiting=[None] * i)
         end = 0.1 * i + 1e-9
         recorder.record(batch, sched, 0.1 * i, end, 1 / 3, np.float64(0.2 + i), big, i, -i)
         expected.append((end, 1 / 3, 0.2 + i, big - i, i, big, i, -i))

@@ -80,6 +80,9 @@ class DecodeCohort:
         self.block_size = layout.block_size
         self.paged = layout.paged
         self.caching = layout.prefix_caching
+        # (the leap planner's questions, read once: CacheLayout answers them in properties)
+        self.free_blocks_only_shrink = layout.free_blocks_only_shrink
+        self.takes_stretch_in_bulk = layout.takes_stretch_in_bulk
         self.named = layout.named_blocks  # every block has an id: crossing members take theirs in running order
         # Per-group tables (sim/core/kv/coordinator.py HybridCoordinator): `tables` block tables
         # per member, each taking a block at a crossing; with a sliding `window` a member also
@@ -87,6 +90,9 @@ class DecodeCohort:
         self.tables = layout.tables
         self.per_group_tables = layout.per_group_tables
         self.window = layout.sliding_window
+        # One table of blocks with no ids (CountingBlockPool): crossing members take theirs in any
+        # order, so `advance` and `advance_many` hand them out inline, not through `_hand_out`.
+        self.any_order = not self.per_group_tables and not self.named
         self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
         self.private_blocks = layout.private_blocks   # members' private fills registered as such (kv/coordinator.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
@@ -217,15 +223,25 @@ class DecodeCohort:
     # -- one step --------------------------------------------------------------------------
     def take_step(self, sched, batch, budget: int) -> Optional[list[Request]]:
         """The members' part of the scheduler's running pass at `batch.step`: if every member gets
-        its token this step (`_others_if_all_take`), schedule them all at once (`advance`) and put
-        them in `batch`; returns the running non-members, which the pass then walks one by one.
-        Otherwise the cohort dissolves (its members are plain requests again) and returns None."""
-        others = self._others_if_all_take(sched, batch.step, budget)
-        if others is None:
+        its token this step, schedule them all at once (`advance`) and put them in `batch`; returns
+        the running non-members (admission order), which the pass then walks one by one.
+        Otherwise the cohort dissolves (its members are plain requests again) and returns None.
+
+        Every member gets its token when no member sits after the point where the token budget
+        runs out and the free blocks cover every allocation of the step, so no preemption can
+        happen. The cohort then goes first, so no non-member may take blocks (or, behind a sliding
+        window, free them) before a member would in the running order (`_others_blocks`).
+        """
+        step, kv = batch.step, sched.kv
+        n = len(self.members)              # (len(self) would call __len__)
+        others = list(sched.active)
+        blocks = self.due_blocks(step)
+        if others and n <= budget:
+            blocks = self._others_blocks(sched, others, step, budget - n, blocks)
+        if n > budget or blocks is None or blocks > kv.pool.num_free:
             self.dissolve()
             return None
-        self.advance(batch.step, sched.kv)
-        n = len(self.members)              # (len(self) would call __len__)
+        self.advance(step, kv)
         batch.decodes.extend(self.members)
         batch.num_decode += n
         batch.cohort_size = n
@@ -233,22 +249,13 @@ class DecodeCohort:
         batch.blocks_read += self.blocks_walked
         return others
 
-    def _others_if_all_take(self, sched, step: int, budget: int) -> Optional[list[Request]]:
-        """The running non-members (admission order) if every member gets its token this step.
-
-        That holds when no member sits after the point where the token budget runs out and
-        the free blocks cover every allocation of the step, so no preemption can happen. The
-        cohort then goes first, so no non-member may take blocks (or, behind a sliding window,
-        free them) before a member would in the running order.
-        """
+    def _others_blocks(self, sched, others: list[Request], step: int, left: int, blocks: int) -> Optional[int]:
+        """The blocks the step takes, the members' `blocks` and what the non-members `others`
+        take with `left` tokens after the members', or None when one of them would take blocks or
+        free behind its window before a member would, or leave no budget to a member after it."""
         kv, bs = sched.kv, self.block_size
-        left = budget - len(self.members)
-        if left < 0:
-            return None
-        others = list(sched.active)
-        blocks = self.due_blocks(step)
-        first_crossing = self.first_crossing_seq(step) if others else None
-        last_freeing = self._last_freeing_seq(step) if others and self.window is not None else -1
+        first_crossing = self.first_crossing_seq(step)
+        last_freeing = self._last_freeing_seq(step) if self.window is not None else -1
         num_new_tokens = sched.num_new_tokens
         for req in others:
             n = num_new_tokens(req, left)
@@ -267,7 +274,7 @@ class DecodeCohort:
                 if any(r.cohort is not None for r in running[running.index(req) + 1:]):
                     return None
                 break
-        return others if blocks <= kv.pool.num_free else None
+        return blocks
 
     def _last_freeing_seq(self, step: int) -> int:
         """The latest running position among members that may free behind their window at `step`."""
@@ -318,7 +325,12 @@ class DecodeCohort:
         crossing = self.by_phase[(1 - clock) % bs]
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
-            self._hand_out((crossing,), kv.pool.get_new_blocks(len(crossing) * self.tables))
+            blocks = kv.pool.get_new_blocks(len(crossing) * self.tables)
+            if self.any_order:
+                for req, block in zip(crossing, blocks):
+                    req.blocks.append(block)
+            else:
+                self._hand_out((crossing,), blocks)
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
             self._register_fills(range(clock, clock + 1), kv)
@@ -365,8 +377,8 @@ class DecodeCohort:
         step by step, each step's in running order. That is what the step-by-step order (at each
         step: frees, takes, registrations) does:
           - the takes come off the queue's head ahead of every block freed in the stretch: a
-            stretch runs only when its blocks are free before any of its frees (the scheduler's
-            `_others_if_all_take`, the leap's `reach`), and a free only appends to the tail;
+            stretch runs only when its blocks are free before any of its frees (the cohort's
+            `take_step`, the leap's `reach`), and a free only appends to the tail;
           - registrations commute with takes (see `advance_many`), and frees touch no hash;
           - a block freed behind a window was filled, so registered, at least a step before, and
             a free drops a reference held until then: what it counts as cached is what it would.
@@ -428,7 +440,14 @@ class DecodeCohort:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)
             phase = 1 - clock
-            self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
+            if self.any_order:
+                blocks = iter(blocks)
+                for i, w in enumerate(walked):
+                    if w:
+                        for req, block in zip(by_phase[(phase - i) % bs], blocks):    # (zip asks the members first)
+                            req.blocks.append(block)
+            else:
+                self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
             if evicted_at:
                 ends = list(accumulate(walked))
                 evicted_by_step = [bisect_left(evicted_at, end) for end in ends]

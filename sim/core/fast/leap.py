@@ -218,7 +218,7 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     # windows, so the free blocks can grow during the stretch and let a waiting head start in it.
     # Async scheduling: requests that arrived during the last step join WAITING only after the
     # next schedule() pass (Scheduler.arriving), which a leap would skip: no leap until then.
-    if (not sched.lazy or not cohort.layout.free_blocks_only_shrink and sched.waiting or not members or sched.active
+    if (not sched.lazy or not cohort.free_blocks_only_shrink and sched.waiting or not members or sched.active
             or sched.arriving
             or cohort.scheduled_step != clock - 1
             or cohort.finished_step != clock - 1 or members > cfg.max_num_batched_tokens):
@@ -257,7 +257,7 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         done = 1
     if done == k:
         figures: tuple[list[int], list[int], list[int]] = ([], [], [])
-    elif sched.cohort.layout.takes_stretch_in_bulk and plan.static_shape is None:
+    elif sched.cohort.takes_stretch_in_bulk and plan.static_shape is None:
         figures = _apply_bulk(sched, plan, done, k)
     else:
         figures = _apply_by_step(sched, plan, done, k)

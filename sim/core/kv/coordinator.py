@@ -87,7 +87,6 @@ class UnitaryCoordinator(KVCacheCoordinator):
         self.max_model_len = max_model_len
         self.contiguous_reserve = contiguous_reserve
         self.named = named             # every block has an id (BlockPool, not CountingBlockPool)
-        self.full = FullAttentionManager(0)
 
     def reserve_tokens(self, req: Request) -> int:
         """Tokens a request's allocation must cover by the time it finishes."""
@@ -103,8 +102,14 @@ class UnitaryCoordinator(KVCacheCoordinator):
         max_blocks = self.lookup_span(req, self.private_blocks)
         if not max_blocks:
             return NO_BLOCKS, 0
-        hits = self.full.find_longest_cache_hit(self.pool, req.block_hashes, max_blocks, [0])
-        return KVCacheBlocks(hits), len(hits[0]) * self.block_size
+        # (FullAttentionManager.find_longest_cache_hit of the one group, inline: group 0's keys are
+        # the hashes themselves, looked up at C speed)
+        hits = list(map(self.pool.cached.get, req.block_hashes[:max_blocks]))
+        if None in hits:
+            del hits[hits.index(None):]
+            if not hits:
+                return NO_BLOCKS, 0
+        return KVCacheBlocks([hits]), len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: Optional[KVCacheBlocks] = None,
                        gate_tokens: int = 0, reserve_free: int = 0, lookahead_tokens: int = 0) -> bool:
@@ -143,7 +148,14 @@ class UnitaryCoordinator(KVCacheCoordinator):
         decoding's num_lookahead_tokens): within the blocks it holds, only the blocks its known
         tokens fill are published (draft tokens are not known yet); past them, `allocate_slots`.
         False, changing nothing, when the pool is too small."""
-        return _append_within_held(self, req, num_new_tokens, lookahead_tokens)
+        # (_append_within_held's body, inline: every running request comes here every step)
+        covered = req.num_computed + num_new_tokens
+        bs = self.block_size
+        if covered + lookahead_tokens > len(req.blocks) * bs:
+            return self.allocate_slots(req, num_new_tokens, lookahead_tokens=lookahead_tokens)
+        if self.enable_caching and covered // bs > req.num_registered:
+            self.register_full_blocks(req, min(covered, req.prompt_len + req.num_output))
+        return True
 
     def would_fit(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks, gate_tokens: int,
                   reserve_free: int, free_blocks: int) -> bool:
