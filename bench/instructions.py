@@ -109,7 +109,7 @@ def main() -> None:
                "ratio_to_" + trees[0][0]: {k: round(v / base, 3) for k, v in counts.items()}}
         rows.append(row)
         print(line, "  ".join(f"{k} {v / 1e6:,.0f}M ({v / base:.3f})" for k, v in counts.items()), flush=True)
-    write_json(Path(args.out), {"machine": machine(), "method": __doc__.split("\n\n")[1],
+    write_json(Path(args.out), {"machine": machine(), "method": __doc__.split("\n\n")[2],
                                 "trees": {label: {"path": str(tree), "commit": _commit(tree)} for label, tree in trees},
                                 "lines": rows})
 
