@@ -335,9 +335,10 @@ class DecodeCohort:
                     for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
                         req.blocks.append(block)
             return
+        named = self.named
         for crossing in crossings:
             if crossing:
-                for req in self._in_running_order(crossing):
+                for req in self._in_running_order(crossing) if named else crossing:
                     for table, block in zip(req.group_tables, blocks):     # (zip stops at the tables' end)
                         table.append(block)
 
