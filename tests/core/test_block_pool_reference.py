@@ -244,6 +244,32 @@ def test_counting_pool_evict_empties_a_free_named_block_in_place():
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("pool_class", [BlockPool, CountingBlockPool])
+def test_a_free_entrys_position_is_followed_across_takes_and_compactions(pool_class):
+    """queue_mark / queued_at (what a preempted request's sliding groups use to find the private
+    blocks they freed behind the window): a free entry's position is followed while cache hits
+    revive other free blocks and the queue is compacted, and is None once a take passed it."""
+    pool = pool_class(12)
+    pool.track_positions()
+    pool.compact_at = 2
+    table = pool.get_new_blocks(11)
+    named = pool.name(4) if pool_class is CountingBlockPool else table[:4]
+    pool.cache_blocks(named, [10, 11, 12, 13])
+    private = table[4] if pool_class is BlockPool else ANON
+    pool.free_blocks(named)                            # 4 named free blocks, then the private one
+    epoch, at = pool.queue_mark()
+    pool.free_blocks([private])
+    pool.free_blocks(table[5:6] if pool_class is BlockPool else [ANON])
+    pool.touch(named)                                  # 4 stale entries of 6: a compaction
+    assert pool._moves and pool.queued_at(epoch, at) == 0
+    assert pool.free_queue[-2] == (private if pool_class is BlockPool else CACHED)
+    pool.free_blocks(named[:1])                        # (it joins behind)
+    assert pool.queued_at(epoch, at) == 0
+    pool.get_new_blocks(1)                             # takes it
+    assert pool.queued_at(epoch, at) is None
+    pool.check_invariants()
+
+
 keyed = st.tuples(st.integers(1, 4), st.integers(1, 70))
 literal = st.lists(st.integers(0, 5), min_size=1, max_size=20)
 
