@@ -57,6 +57,11 @@ if build_only == "0":
 """
 
 
+# Hash seeds fixed (set and dict orders repeat) and one thread per library: an idle BLAS or OpenMP
+# worker spins while waiting, and valgrind counts a spinning thread's instructions by its luck.
+QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def count(tree: Path, line: str, build_only: bool) -> int:
     """Instructions of one driver run in `tree` (valgrind's `I refs`)."""
     name, size, fast, overrides = LINES[line]
@@ -64,7 +69,7 @@ def count(tree: Path, line: str, build_only: bool) -> int:
             sys.executable, "-c", DRIVER, str(tree / "scenarios" / f"{name}.yaml"), str(size),
             "1" if fast else "0", "1" if build_only else "0", *overrides]
     out = subprocess.run(argv, cwd=tree, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": "0"})
+                         env={**os.environ, **QUIET_ENV})
     found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode != 0 or not found:
         raise SystemExit(f"{tree} {line}: the run failed:\n{out.stderr[-2000:]}")

@@ -40,7 +40,7 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
 
-from sim.core.kv import CacheLayout
+from sim.core.kv import ANON, CacheLayout
 from sim.core.request import Request
 
 
@@ -335,10 +335,16 @@ class DecodeCohort:
                     for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
                         req.blocks.append(block)
             return
-        named = self.named
+        if not self.named:                 # (unnamed blocks are all alike: any order, no ids to hand out)
+            block = ANON
+            for crossing in crossings:
+                for req in crossing:
+                    for table in req.group_tables:
+                        table.append(block)
+            return
         for crossing in crossings:
             if crossing:
-                for req in self._in_running_order(crossing) if named else crossing:
+                for req in self._in_running_order(crossing):
                     for table, block in zip(req.group_tables, blocks):     # (zip stops at the tables' end)
                         table.append(block)
 

@@ -107,12 +107,16 @@ class CountingBlockPool(BlockPool):
                 self.num_cached_free += unnamed
             return
         entries: list[int] = []
-        at = len(queue)
+        ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
         for block in blocks:
             if block == ANON:
                 entries.append(content)
-            else:
-                entries += self._release([block], at + len(entries))
+            else:                          # (_release, inline: a shared prefix's blocks, one by one)
+                left = ref[block] - 1
+                ref[block] = left
+                if not left:
+                    where[block] = at + len(entries)
+                    entries.append(block)
         queue += entries
         self.num_free += len(entries)
         self.num_cached_free += len(entries) - entries.count(EMPTY)

@@ -276,6 +276,8 @@ class HybridCoordinator(KVCacheCoordinator):
         self.full_ids = [m.group_id for m in self.managers if not m.sliding]
         self.sliding_ids = [m.group_id for m in self.managers if m.sliding]
         self.sliding_managers = [m for m in self.managers if m.sliding]
+        # is group g of full attention (its hit is leased: held whole until the request is freed)
+        self.full_attention = [not m.sliding for m in self.managers]
         # The most blocks a sliding group holds for one request (vLLM's admission cap, as its startup check).
         self.sliding_cap = groups.sliding_blocks_cap(block_size, max_num_batched_tokens) if self.window else 0
         # vLLM >= 0.20 caps a sliding group's admission need at its window; 0.19 asks every block of
@@ -283,8 +285,7 @@ class HybridCoordinator(KVCacheCoordinator):
         self.sliding_admission_cap = True
         self.windowed_frees = 0        # blocks freed because they fell behind a window
         self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
-        # request -> its private blocks freed behind a window: (group, skipped, blocks freed nearest
-        # first, their free-queue positions or None where a block stayed held, compactions then)
+        # request -> what its sliding groups freed behind the window (_publish_window_freed)
         self._window_freed: dict[Request, list[tuple]] = {}
         self._track_window_frees = bool(enable_caching and self.private_blocks and self.sliding_managers)
         if self._track_window_frees:
@@ -344,9 +345,11 @@ class HybridCoordinator(KVCacheCoordinator):
             return False
         tables = self._tables(req)
         held = len(req.blocks)
-        if hits:
-            for table in hits:                 # every group's hits first: no allocation may evict them
-                pool.touch([b for b in table if b != NULL_BLOCK])
+        if hits:                               # every group's hits first: no allocation may evict them
+            leases = [pool.touch_shared(table) if full else pool.touch(_held(table))     # (touch: None)
+                      for table, full in zip(hits, self.full_attention)]
+            if leases.count(None) < len(leases):
+                req.kv_lease = leases
             for table, hit_table in zip(tables, hits):
                 table.extend(hit_table)
             req.num_registered = len(req.blocks)
@@ -416,11 +419,12 @@ class HybridCoordinator(KVCacheCoordinator):
             return
         bs, window, sliding = self.block_size, self.window, self.sliding_ids
         first = sliding[0]
-        track = self._track_window_frees
-        if track:
-            epoch, at = self.pool.queue_mark()
-            window_freed = self._window_freed
         removed: list[int] = []
+        track = self._track_window_frees
+        if track:                          # what each request freed: see _publish_window_freed
+            epoch, at = self.pool.queue_mark()
+            free = [epoch, at, removed, None]
+            window_freed = self._window_freed
         for req in reqs:
             tables = req.group_tables
             skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
@@ -439,35 +443,18 @@ class HybridCoordinator(KVCacheCoordinator):
                 else:
                     removed += self.managers[g].remove_skipped_blocks(table, skipped)
             if track:
-                freed = removed[start:]
                 records = window_freed.get(req)
                 if records is None:
                     records = window_freed[req] = []
-                if freed.count(ANON) == len(freed):      # (unnamed: all join the queue; most calls)
-                    records.append((skipped, freed, range(at, at + len(freed)), epoch))
-                    at += len(freed)
-                else:
-                    positions = self._queue_positions(freed, at)
-                    records.append((skipped, freed, positions, epoch))
-                    at += len(positions) - positions.count(None)
+                records.append((skipped, start, len(removed), free))
         if removed:
             self.windowed_frees += len(removed)
-            if track and self.named:       # (private ones registered unmarked: the cohort's fills)
-                self.pool.cache_private(removed)
+            if track:
+                if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
+                    free[3] = list(map(self.pool.ref_cnt.__getitem__, removed))
+                if self.named:             # (private ones registered unmarked: the cohort's fills)
+                    self.pool.cache_private(removed)
             self.pool.free_blocks(removed)
-
-    def _queue_positions(self, blocks: list[int], at: int) -> list[Optional[int]]:
-        """Where each of these blocks joins the free queue when freed in turn from position `at`
-        (None: a named block another request still holds)."""
-        ref = self.pool.ref_cnt
-        positions: list[Optional[int]] = []
-        for block in blocks:
-            if block == ANON or ref[block] == 1:
-                positions.append(at)
-                at += 1
-            else:
-                positions.append(None)
-        return positions
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish, in every group, the request's blocks that `num_tokens` tokens fill completely
@@ -531,17 +518,14 @@ class HybridCoordinator(KVCacheCoordinator):
             if self.enable_caching and self.private_blocks and (self.named or req.status < FINISHED):
                 self._settle_private(req, window_freed)
             self.manager.held_slots -= len(req.blocks) * self.block_size
-            registered = req.num_registered
-            for table in tables:
-                nulls = table.count(NULL_BLOCK)
-                if nulls:                  # (a sliding table's nulls lead it: what fell behind the window)
-                    held = table[nulls:] if table[nulls - 1] == NULL_BLOCK else _held(table)
-                    self.pool.free_table(held, registered - table[:registered].count(NULL_BLOCK))
-                else:
-                    self.pool.free_table(table, registered)
+            registered, leases = req.num_registered, req.kv_lease
+            for g, table in enumerate(tables):
+                nulls = table[:registered].count(NULL_BLOCK)      # (none past the registered blocks)
+                self.pool.free_table(_held(table), registered - nulls, leases[g] if leases else None)
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0
+        req.kv_lease = None
 
     def _settle_private(self, req: Request, window_freed: Optional[list[tuple]]) -> None:
         first, end = req.first_private_block(self.block_size), req.num_registered
@@ -559,17 +543,21 @@ class HybridCoordinator(KVCacheCoordinator):
             self.pool.publish(*self._named_entries(table, first, end, group_keys(hashes[first:end], g)))
 
     def _publish_window_freed(self, req: Request, window_freed: list[tuple]) -> None:
-        """Map a request's private blocks freed behind its windows that are still free (records of
-        free_behind_windows: each sliding table's entries skipped - 1, skipped - 2, ..., in turn)."""
+        """Map a request's private blocks freed behind its windows that are still free. Each record
+        of free_behind_windows: (skipped, where the request's blocks start and end in the free's
+        list, the free: [compactions by then, the free queue's end then, the blocks freed, their
+        reference counts before it, or None if all were unnamed]); a request's blocks are each
+        sliding table's entries skipped - 1, skipped - 2, ..., table after table."""
         pool, salts, sliding = self.pool, self.salts, self.sliding_ids
         first_private = req.first_private_block(self.block_size)
         hashes = req.block_hashes
         blocks: list[int] = []
         positions: list[int] = []
         keys: list[int] = []
-        for skipped, freed, at, epoch in window_freed:
-            per_table = len(freed) // len(sliding)
-            for i, (block, position) in enumerate(zip(freed, at)):
+        for skipped, start, end, (epoch, at, removed, refs) in window_freed:
+            per_table = (end - start) // len(sliding)
+            where = range(at + start, at + end) if refs is None else _queue_positions(removed, refs, at)[start:end]
+            for i, (block, position) in enumerate(zip(removed[start:end], where)):
                 index = skipped - 1 - i % per_table
                 if position is None or index < first_private:      # (a public block: mapped already)
                     continue
@@ -608,6 +596,25 @@ def _append_within_held(coordinator, req: Request, num_new_tokens: int, lookahea
     return True
 
 
+def _queue_positions(blocks: list[int], refs: list[int], at: int) -> list[Optional[int]]:
+    """Where each of these blocks joined the free queue, freed in turn from position `at` with these
+    reference counts (None: a named block another request still held)."""
+    positions: list[Optional[int]] = []
+    for block, ref in zip(blocks, refs):
+        if block == ANON or ref == 1:
+            positions.append(at)
+            at += 1
+        else:
+            positions.append(None)
+    return positions
+
+
 def _held(table: list[int]) -> list[int]:
-    """A table's entries without its null ones."""
-    return [b for b in table if b != NULL_BLOCK] if NULL_BLOCK in table else table
+    """A table's entries without its null ones (at C speed where they lead it, as a sliding
+    group's do: what fell behind the window, or its hit's blocks before the window)."""
+    nulls = table.count(NULL_BLOCK)
+    if not nulls:
+        return table
+    if table[nulls - 1] == NULL_BLOCK:
+        return table[nulls:]
+    return [b for b in table if b != NULL_BLOCK]
