@@ -598,10 +598,14 @@ def _append_within_held(coordinator, req: Request, num_new_tokens: int, lookahea
 
 def _queue_positions(blocks: list[int], refs: list[int], at: int) -> list[Optional[int]]:
     """Where each of these blocks joined the free queue, freed in turn from position `at` with these
-    reference counts (None: a named block another request still held)."""
+    reference counts before (None: a named block another request still held; a block shared by
+    two of the requests freeing comes twice)."""
     positions: list[Optional[int]] = []
+    left: dict[int, int] = {}
     for block, ref in zip(blocks, refs):
-        if block == ANON or ref == 1:
+        if block != ANON:
+            ref = left[block] = left.get(block, ref) - 1
+        if block == ANON or not ref:
             positions.append(at)
             at += 1
         else:
