@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections import defaultdict, deque
-from itertools import accumulate, chain, repeat
+from collections import defaultdict
+from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
 
@@ -45,7 +45,6 @@ from sim.core.request import Request
 
 
 _run_seq = attrgetter("run_seq")      # a request's position in the running list (a C-level sort key)
-_group_tables = attrgetter("group_tables")
 _own_last_emit = Request.last_emit.__get__    # a member's own last_emit field (the property hides it)
 
 
@@ -336,9 +335,11 @@ class DecodeCohort:
                     for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
                         req.blocks.append(block)
             return
-        if not self.named:                 # unnamed blocks are all alike: any order, each table one ANON
-            tables = chain.from_iterable(map(_group_tables, chain.from_iterable(crossings)))
-            deque(map(list.append, tables, repeat(ANON)), maxlen=0)        # (the appends at C speed)
+        if not self.named:                 # (unnamed blocks are all alike: any order, no ids to hand out)
+            for crossing in crossings:
+                for req in crossing:
+                    for table in req.group_tables:
+                        table.append(ANON)
             return
         for crossing in crossings:
             if crossing:
