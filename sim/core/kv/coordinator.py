@@ -5,8 +5,8 @@ or a sliding window (a table per group, `Request.group_tables`, each group run b
 single-type manager, sim/core/kv/single_type.py). Both answer the same calls (`API`), which
 `KVCacheManager` (sim/core/kv/manager.py) hands to the scheduler and the decode cohort; a prefix
 hit is always per group (`KVCacheBlocks`). (vLLM's UnitaryKVCacheCoordinator also runs a lone
-sliding-window group; here the hybrid coordinator does, so the unitary one keeps the simulator's
-id-light pool and private blocks to full attention.)
+sliding-window group; here the hybrid coordinator does, so the unitary one knows nothing of
+windows.) Both run on the simulator's id-light pool (CountingBlockPool) or the engine's.
 
 vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
 - lookup happens only for requests with nothing computed, stops at the first miss and always
@@ -14,7 +14,8 @@ vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
 - hashes are registered when slots are allocated (schedule time), not after the step;
 - a request's blocks are freed last block first, so its tail is evicted before its head.
 One departure, invisible to every lookup and figure: blocks only their own request can ever look
-up (`UnitaryCoordinator.private_blocks`) stay out of the hash map unless that request is preempted.
+up (`private_blocks` of either coordinator) stay out of the hash map unless that request is
+preempted (with a window: also those its sliding groups freed that the pool still holds).
 """
 from __future__ import annotations
 
