@@ -425,7 +425,7 @@ class HybridCoordinator(KVCacheCoordinator):
         if track:                          # what each request freed: see _publish_window_freed
             epoch, at = self.pool.queue_mark()
             free = [epoch, at, removed, None]
-            records_of = self._window_freed.setdefault
+            window_freed = self._window_freed
         for req in reqs:
             tables = req.group_tables
             skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
@@ -444,7 +444,10 @@ class HybridCoordinator(KVCacheCoordinator):
                 else:
                     removed += self.managers[g].remove_skipped_blocks(table, skipped)
             if track:
-                records_of(req, []).append((skipped, start, len(removed), free))
+                records = window_freed.get(req)
+                if records is None:
+                    records = window_freed[req] = []
+                records.append((skipped, start, len(removed), free))
         if removed:
             self.windowed_frees += len(removed)
             if track:
