@@ -2,12 +2,9 @@
 only for the blocks the hash map holds (the engine needs every id: it uses `BlockPool`)."""
 from __future__ import annotations
 
-from itertools import compress
 from typing import Optional
 
 from sim.core.kv.block_pool import ANON, CACHED, EMPTY, PRIVATE, BlockPool
-
-_LEFT_OUT = -4         # (free_blocks: the place of a named block another holder keeps)
 
 
 class CountingBlockPool(BlockPool):
@@ -109,24 +106,17 @@ class CountingBlockPool(BlockPool):
             if self.enable_caching:
                 self.num_cached_free += unnamed
             return
-        # a shared prefix's named blocks among them: each drops a reference, in turn (one may come
-        # twice: two requests freeing it), and takes its place in the queue if it was the last,
-        # else leaves it; the unnamed ones fill theirs at C speed
-        entries = [content] * len(blocks)
+        entries: list[int] = []
         ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
-        left_out = 0
-        for i in compress(range(len(blocks)), map(ANON.__ne__, blocks)):
-            block = blocks[i]
-            left = ref[block] - 1
-            ref[block] = left
-            if left:
-                entries[i] = _LEFT_OUT
-                left_out += 1
-            else:
-                entries[i] = block
-                where[block] = at + i - left_out
-        if left_out:
-            entries = list(filter(_LEFT_OUT.__ne__, entries))
+        for block in blocks:
+            if block == ANON:
+                entries.append(content)
+            else:                          # (_release, inline: a shared prefix's blocks, one by one)
+                left = ref[block] - 1
+                ref[block] = left
+                if not left:
+                    where[block] = at + len(entries)
+                    entries.append(block)
         queue += entries
         self.num_free += len(entries)
         self.num_cached_free += len(entries) - entries.count(EMPTY)
