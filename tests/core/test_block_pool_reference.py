@@ -244,6 +244,60 @@ def test_counting_pool_evict_empties_a_free_named_block_in_place():
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("pool_class", [BlockPool, CountingBlockPool])
+def test_a_free_entrys_position_is_followed_across_takes_and_compactions(pool_class):
+    """queue_mark / queued_at (what a preempted request's sliding groups use to find the private
+    blocks they freed behind the window): a free entry's position is followed while cache hits
+    revive other free blocks and the queue is compacted, and is None once a take passed it."""
+    pool = pool_class(12)
+    pool.track_positions()
+    pool.compact_at = 2
+    table = pool.get_new_blocks(11)
+    named = pool.name(4) if pool_class is CountingBlockPool else table[:4]
+    pool.cache_blocks(named, [10, 11, 12, 13])
+    private = table[4] if pool_class is BlockPool else ANON
+    pool.free_blocks(named)                            # 4 named free blocks, then the private one
+    epoch, at = pool.queue_mark()
+    pool.free_blocks([private])
+    pool.free_blocks(table[5:6] if pool_class is BlockPool else [ANON])
+    pool.touch(named)                                  # 4 stale entries of 6: a compaction
+    assert pool._moves and pool.queued_at(epoch, at) == 0
+    assert pool.free_queue[-2] == (private if pool_class is BlockPool else CACHED)
+    pool.free_blocks(named[:1])                        # (it joins behind)
+    assert pool.queued_at(epoch, at) == 0
+    pool.get_new_blocks(1)                             # takes it
+    assert pool.queued_at(epoch, at) is None
+    pool.check_invariants()
+
+
+def test_a_shared_block_two_requests_free_at_once_joins_where_its_last_reference_goes():
+    """Two requests freeing behind their windows at one step can both hold a prefix hit's block:
+    it comes twice in one free_blocks call and joins the free queue once, where the second
+    reference goes; private blocks join as they come (both pools; the queue compared by content;
+    the coordinator's record of the positions agrees)."""
+    from sim.core.kv.coordinator import _queue_positions
+
+    def queue_after(pool_class):
+        pool = pool_class(8)
+        table = pool.get_new_blocks(3)
+        shared = pool.name(1)[0] if pool_class is CountingBlockPool else table[0]
+        pool.cache_blocks([shared], [5])
+        pool.touch([shared])                           # a second holder
+        private = table[1:] if pool_class is BlockPool else [ANON, ANON]
+        pool.cache_private(private if pool_class is BlockPool else [])
+        freed = [shared, private[0], shared, private[1]]
+        refs = [pool.ref_cnt[b] if b != ANON else 1 for b in freed]
+        assert _queue_positions(freed, refs, 10) == [None, 10, 11, 12]
+        pool.free_blocks(freed)
+        pool.check_invariants()
+        hashes = pool.block_hash
+        return [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b] else EMPTY
+                for b in pool.free_queue]
+
+    assert queue_after(BlockPool) == queue_after(CountingBlockPool)
+    assert queue_after(BlockPool)[-3:] == [CACHED, 5, CACHED]
+
+
 keyed = st.tuples(st.integers(1, 4), st.integers(1, 70))
 literal = st.lists(st.integers(0, 5), min_size=1, max_size=20)
 

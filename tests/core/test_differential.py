@@ -11,7 +11,8 @@ import random
 import pytest
 
 from sim.core.fast.counting_pool import CountingBlockPool
-from sim.core.kv import CACHED, EMPTY, PRIVATE, BlockPool, KVCacheManager, UnitaryCoordinator, new_kv_manager
+from sim.core.kv import (CACHED, EMPTY, PRIVATE, BlockPool, HybridCoordinator, KVCacheManager, UnitaryCoordinator,
+                         new_kv_manager)
 from sim.core.memory import KVCacheGroups
 from sim.core.request import make_request
 from sim.core.scheduler import SchedulerConfig
@@ -57,7 +58,8 @@ def max_step_tokens(config):
 def build(case, lazy, block_ids=True):
     if case.get("groups"):
         kv = new_kv_manager(case["num_blocks"], case["block_size"], case["caching"], "paged", 256,
-                            groups=case["groups"], max_num_batched_tokens=max_step_tokens(case["config"]))
+                            groups=case["groups"], max_num_batched_tokens=max_step_tokens(case["config"]),
+                            pool_class=BlockPool if block_ids else CountingBlockPool)
     else:
         kv = KVCacheManager(case["num_blocks"], case["block_size"], case["caching"], case["allocation"], 256,
                             pool_class=BlockPool if block_ids else CountingBlockPool)
@@ -112,8 +114,12 @@ def request_view(reqs, pool=None):
     """Every request's state; its blocks by content if a `pool` is given."""
     view = [tuple(getattr(r, f) for f in REQUEST_FIELDS) + emission_view(r) for r in reqs]
     if pool is not None:
-        at = REQUEST_FIELDS.index("blocks")
-        view = [v[:at] + (table_view(pool, r.blocks),) + v[at + 1:] for v, r in zip(view, reqs)]
+        at, grouped = REQUEST_FIELDS.index("blocks"), REQUEST_FIELDS.index("group_tables")
+        view = [list(v) for v in view]
+        for v, r in zip(view, reqs):
+            v[at] = table_view(pool, r.blocks)
+            v[grouped] = r.group_tables and [table_view(pool, table) for table in r.group_tables]
+        view = [tuple(v) for v in view]
     return view
 
 
@@ -125,9 +131,10 @@ def request_views(sched_a, reqs_a, sched_b, reqs_b):
 
 
 def table_view(pool, blocks):
-    """A block table as content: each block's mapped hash, or "-" (unmapped or unnamed)."""
+    """A block table as content: each block's mapped hash, or "-" (unmapped or unnamed), or
+    "null" (a sliding window's entry behind it)."""
     hashes = pool.block_hash
-    return [hashes[b] if b > 0 and hashes[b] not in (None, PRIVATE) else "-" for b in blocks]
+    return [hashes[b] if b > 0 and hashes[b] not in (None, PRIVATE) else "null" if b == 0 else "-" for b in blocks]
 
 
 def emission_view(req):
@@ -264,21 +271,26 @@ def test_scheduler_leaps_match_the_one_by_one_loop(chunk, ids):
 
 
 @pytest.mark.parametrize("chunk", range(3))
-def test_the_cohort_on_sliding_windows_matches_the_one_by_one_loop(chunk):
+@pytest.mark.parametrize("ids", [(True, True), (False, False), (True, False)], ids=["ids", "counting", "mixed"])
+def test_the_cohort_on_sliding_windows_matches_the_one_by_one_loop(chunk, ids):
     """Grouped KV caches (sliding-only and hybrid, either group first): members take a block per
     table at a crossing and free what falls behind the window; every table, the free queue and
-    the prefix-cache map equal the one-by-one loop's after every step. (Seed 1481: a running
-    non-member frees behind its window before a member would, so the cohort must stand down for
-    the step to keep the free queue's order.)"""
-    results = run_seeds([*SEEDS, 1481][chunk::3], sliding_case, run_pair)
+    the prefix-cache map equal the one-by-one loop's after every step, with the engine's pool,
+    the simulator's (CountingBlockPool) and one of each (then compared by content). (Seed 1481:
+    a running non-member frees behind its window before a member would, so the cohort must
+    stand down for the step to keep the free queue's order.)"""
+    results = run_seeds([*SEEDS, 1481][chunk::3], sliding_case,
+                        lambda case: run_pair(case, fast_ids=ids[0], slow_ids=ids[1]))
     assert sum(in_cohort for _, in_cohort in results) > 1000
 
 
-def test_scheduler_leaps_on_sliding_windows_match_the_one_by_one_loop():
+@pytest.mark.parametrize("ids", [(True, True), (False, True)], ids=["ids", "counting"])
+def test_scheduler_leaps_on_sliding_windows_match_the_one_by_one_loop(ids):
     """Leaps on grouped KV caches (with nobody waiting; each step through the cohort, frees
     behind the windows included): every table, figure and the free queue equal the one-by-one
-    loop's after every leap."""
-    results = run_seeds(SEEDS[::2], sliding_case, run_leaps_pair)
+    loop's after every leap (leaps with the simulator's CountingBlockPool against steps with the
+    engine's BlockPool, too)."""
+    results = run_seeds(SEEDS[::2], sliding_case, lambda case: run_leaps_pair(case, fast_ids=ids[0], slow_ids=ids[1]))
     assert sum(leapt for leapt, _ in results) > 500
 
 
@@ -491,6 +503,7 @@ def simulate_with_private_blocks(raw, private: bool, monkeypatch):
     from sim.workload import build_requests
 
     monkeypatch.setattr(UnitaryCoordinator, "private_blocks", private)
+    monkeypatch.setattr(HybridCoordinator, "private_blocks", private)
     scenario = validate_scenario(raw)
     records, _, _ = simulate(scenario, build_requests(scenario))
     return records.steps_frame(), requests_frame(records)
@@ -538,3 +551,61 @@ def test_chained_runs_take_arrivals_as_simpy_would(chunk, monkeypatch):
         raw["workload"].pop("max_concurrency", None)
         raw["workload"].pop("multi_turn", None)
         assert_switch_changes_nothing(raw, "chain", monkeypatch, seed)
+
+
+def sliding_scenario(seed):
+    """random_scenario on the tiny model with a sliding window (every layer, or one of its two
+    layers: a hybrid, either first), prefix caching on and a pool just big enough for
+    max_model_len, so that requests are preempted and looked up again."""
+    from sim.scenario import validate_scenario
+
+    raw = random_scenario(seed)
+    rnd = random.Random(seed)
+    block_size = raw["engine"]["block_size"]
+    model = {"base": "tiny", "sliding_window": rnd.choice([5, 2 * block_size, 3 * block_size + 2, 24])}
+    if seed % 2:
+        model["layer_types"] = rnd.choice([["sliding_attention", "full_attention"],
+                                           ["full_attention", "sliding_attention"]])
+    raw["model"] = model
+    raw["engine"].update(allocation="paged", prefix_caching=True, max_num_seqs=max(raw["engine"]["max_num_seqs"], 8),
+                         num_blocks=100_000)
+    raw["workload"]["output_len"] = {"dist": "uniform", "min": 20, "max": 200}
+    raw["cluster"]["replicas"] = 1
+    plan_blocks = max_model_len_blocks(validate_scenario(raw))
+    raw["engine"]["num_blocks"] = plan_blocks + 1 + (seed % 3) * 8
+    return raw
+
+
+def max_model_len_blocks(scenario) -> int:
+    """The fewest usable blocks the startup check accepts for the scenario's max_model_len."""
+    from sim.core.memory import plan_memory
+
+    plan = plan_memory(scenario)
+    return plan.kv_groups.blocks_per_request(scenario.engine.max_model_len, scenario.engine.block_size,
+                                            scenario.engine.max_num_batched_tokens)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_grouped_caches_on_the_counting_pool_change_no_prediction(chunk, monkeypatch):
+    """Sliding-window and hybrid caches on the simulator's pool (unnamed blocks) against the
+    engine's (an id for every block): the same steps, requests and final pools (by content),
+    over random scenarios under preemption pressure."""
+    for seed in range(chunk, 24, 2):
+        assert_switch_changes_nothing(sliding_scenario(seed), "block_ids", monkeypatch, seed)
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_private_blocks_on_grouped_caches_change_no_prediction(chunk, monkeypatch):
+    """Private blocks in every KV cache group (HybridCoordinator.private_blocks: mapped when their
+    request is preempted, with those its windows freed and the pool still holds) give the steps
+    and requests of mapping every full block at once, as vLLM does, over random sliding-window
+    and hybrid scenarios under preemption pressure."""
+    preempted = 0
+    for seed in range(chunk, 24, 2):
+        raw = sliding_scenario(seed)
+        steps_a, reqs_a = simulate_with_private_blocks(raw, True, monkeypatch)
+        steps_b, reqs_b = simulate_with_private_blocks(raw, False, monkeypatch)
+        assert steps_a.equals(steps_b), (seed, raw)
+        assert reqs_a.equals(reqs_b), (seed, raw)
+        preempted += int(reqs_a["preemptions"].sum())
+    assert preempted > 10

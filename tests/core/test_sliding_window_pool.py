@@ -131,6 +131,39 @@ def test_a_sliding_group_hits_from_the_right_where_full_attention_stops_at_the_f
     assert b.blocks == [NULL_BLOCK] * 4 + [5, 6, 2] and kv.pool.num_free == 1
 
 
+@pytest.mark.parametrize("steps", range(8, 30))
+def test_a_preempted_request_hits_the_private_blocks_its_window_left_behind(steps, monkeypatch):
+    """A request's own output blocks stay out of the hash map (private, as with full attention),
+    yet vLLM keeps the hash of every block a window frees: re-admitted after a preemption, the
+    request's sliding hit may need one of those (window 14, blocks of 4: a run of 4 cached blocks,
+    where it holds 3 of them at some steps). Mapped at the preemption if still free, they give the
+    hits of a pool that maps every block (BlockPool) and of the simulator's (CountingBlockPool)."""
+    from sim.core.fast.counting_pool import CountingBlockPool
+    from sim.core.kv import BlockPool, HybridCoordinator
+
+    def readmitted_hit(pool_class, private):
+        monkeypatch.setattr(HybridCoordinator, "private_blocks", private)
+        kv = new_kv_manager(64, 4, True, "paged", 256, groups=sliding_only(14), max_num_batched_tokens=64,
+                            pool_class=pool_class)
+        r = make_request(0, 0.0, [(1, 8)], 60)
+        assert r.first_private_block(4) == 2
+        _compute(kv, r, 8)
+        r.num_output = 1
+        for _ in range(steps):
+            assert kv.append_slots(r, 1)
+            r.num_computed += 1
+            r.num_output += 1
+        kv.free(r)                                     # preempted (the scheduler's order: free, then reset)
+        r.num_computed, r.status, r.num_preemptions = 0, Status.PREEMPTED, 1
+        kv.pool.check_invariants()
+        return kv.find_cached_prefix(r)[1], kv.pool.num_cached_free
+
+    public = readmitted_hit(BlockPool, False)
+    assert readmitted_hit(BlockPool, True) == public
+    assert readmitted_hit(CountingBlockPool, True) == public
+    assert public[0] == (8 + steps) // 4 * 4          # every full block computed
+
+
 def test_a_short_run_from_block_zero_is_a_hit_and_a_lone_tail_block_is_not():
     kv = KVCacheManager(7, 4, groups=sliding_only(9), max_num_batched_tokens=64)
     a = make_request(0, 0.0, [(1, 24)], 1)

@@ -40,7 +40,7 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
 
-from sim.core.kv import CacheLayout
+from sim.core.kv import ANON, CacheLayout
 from sim.core.request import Request
 
 
@@ -346,6 +346,12 @@ class DecodeCohort:
                 if crossing:
                     for req, block in zip(self._in_running_order(crossing) if named else crossing, blocks):
                         req.blocks.append(block)
+            return
+        if not self.named:                 # (unnamed blocks are all alike: any order, no ids to hand out)
+            for crossing in crossings:
+                for req in crossing:
+                    for table in req.group_tables:
+                        table.append(ANON)
             return
         for crossing in crossings:
             if crossing:

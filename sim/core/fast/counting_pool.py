@@ -93,6 +93,48 @@ class CountingBlockPool(BlockPool):
             ref[block] = 1
         return ids
 
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Free table entries of full blocks (a sliding window's, behind it): an unnamed one joins
+        the free queue as private content (CACHED; EMPTY without prefix caching), a named one
+        drops a reference and joins when it reaches zero."""
+        unnamed = blocks.count(ANON)
+        queue = self._queue
+        content = CACHED if self.enable_caching else EMPTY
+        if unnamed == len(blocks):                   # (most calls)
+            queue += [content] * unnamed
+            self.num_free += unnamed
+            if self.enable_caching:
+                self.num_cached_free += unnamed
+            return
+        entries: list[int] = []
+        ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
+        for block in blocks:
+            if block == ANON:
+                entries.append(content)
+            else:                          # (_release, inline: a shared prefix's blocks, one by one)
+                left = ref[block] - 1
+                ref[block] = left
+                if not left:
+                    where[block] = at + len(entries)
+                    entries.append(block)
+        queue += entries
+        self.num_free += len(entries)
+        self.num_cached_free += len(entries) - entries.count(EMPTY)
+
+    def publish_queued(self, blocks: list[int], positions: list[int], hashes: list[int]) -> None:
+        """Map free blocks with private content at these queue positions, in order (the unnamed
+        ones among `blocks`: each gets an id where its CACHED entry was, staying free)."""
+        picked = [(at, h) for block, at, h in zip(blocks, positions, hashes) if block == ANON]
+        if not picked:
+            return
+        ids = self.name(len(picked))
+        queue, where, base, ref = self._queue, self._where, self._base, self.ref_cnt
+        for block, (at, _) in zip(ids, picked):
+            ref[block] = 0
+            queue[at - base] = block
+            where[block] = at
+        self.cache_blocks(ids, [h for _, h in picked])
+
     def touch_shared(self, blocks: list[int]) -> Optional[int]:
         key = blocks[-1]
         lease = self._leases.get(key)

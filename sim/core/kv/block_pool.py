@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from bisect import bisect_left
 from typing import Optional
 
 
@@ -86,6 +87,10 @@ class BlockPool:
         self.duplicates: dict[int, list[int]] = {}
         self.num_cached_free = 0              # free blocks that still hold a hash (revivable)
         self.evictions = 0
+        # Each compaction's (first position it kept, the stale positions it dropped, sorted), kept
+        # only once `track_positions` is called: a free entry's position, taken with queue_mark,
+        # can then be followed across compactions (queued_at).
+        self._moves: Optional[list[tuple[int, list[int]]]] = None
 
     @property
     def usable_blocks(self) -> int:
@@ -201,6 +206,8 @@ class BlockPool:
 
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
+        if self._moves is not None:
+            self._moves.append((self._base + self._head, sorted(self._stale)))
         live = self._freed_queue()
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
         where = self._where
@@ -242,6 +249,29 @@ class BlockPool:
         queue += freed
         self.num_free += len(freed)
         self.num_cached_free += revivable
+
+    def track_positions(self) -> None:
+        """Keep what queued_at needs to follow a free entry's position across compactions."""
+        if self._moves is None:
+            self._moves = []
+
+    def queue_mark(self) -> tuple[int, int]:
+        """Where the next freed block joins the free queue: (compactions so far, position)."""
+        return len(self._moves), self._base + len(self._queue)
+
+    def queued_at(self, epoch: int, position: int) -> Optional[int]:
+        """The position now of the free-queue entry that was at `position` after `epoch`
+        compactions (queue_mark), or None if it was taken since. (For entries no cache hit can
+        revive: only takes and compactions move them.)"""
+        for start, stale in self._moves[epoch:]:
+            if position < start:
+                return None
+            position -= start + bisect_left(stale, position)
+        return position if position >= self._base + self._head else None
+
+    def publish_queued(self, blocks: list[int], positions: list[int], hashes: list[int]) -> None:
+        """Map free blocks registered privately (at these queue positions), in order."""
+        self.publish(blocks, hashes)
 
     def free_table(self, table: list[int], num_registered: int, lease: Optional[int] = None) -> None:
         """Free a request's block table (its first `num_registered` blocks full and registered),

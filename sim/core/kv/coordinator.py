@@ -5,8 +5,8 @@ or a sliding window (a table per group, `Request.group_tables`, each group run b
 single-type manager, sim/core/kv/single_type.py). Both answer the same calls (`API`), which
 `KVCacheManager` (sim/core/kv/manager.py) hands to the scheduler and the decode cohort; a prefix
 hit is always per group (`KVCacheBlocks`). (vLLM's UnitaryKVCacheCoordinator also runs a lone
-sliding-window group; here the hybrid coordinator does, so the unitary one keeps the simulator's
-id-light pool and private blocks to full attention.)
+sliding-window group; here the hybrid coordinator does, so the unitary one knows nothing of
+windows.) Both run on the simulator's id-light pool (CountingBlockPool) or the engine's.
 
 vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
 - lookup happens only for requests with nothing computed, stops at the first miss and always
@@ -14,7 +14,8 @@ vLLM behaviours copied on purpose (docs/vllm_semantics.md sections 2-3):
 - hashes are registered when slots are allocated (schedule time), not after the step;
 - a request's blocks are freed last block first, so its tail is evicted before its head.
 One departure, invisible to every lookup and figure: blocks only their own request can ever look
-up (`UnitaryCoordinator.private_blocks`) stay out of the hash map unless that request is preempted.
+up (`private_blocks` of either coordinator) stay out of the hash map unless that request is
+preempted (with a window: also those its sliding groups freed that the pool still holds).
 """
 from __future__ import annotations
 
@@ -257,19 +258,24 @@ class HybridCoordinator(KVCacheCoordinator):
     scanning from the right, within the full groups' hit; the full groups' hit is then cut to the
     sliding one (the coordinator's simple-hybrid pass). Free order: group by group, each table
     last block first. A request's `blocks` is its first group's table; `group_tables` holds all.
-    Every full block is registered under its group key (no private blocks).
+
+    Private blocks as `UnitaryCoordinator`'s, in every group: registered privately and mapped if
+    the request is freed unfinished, with what its sliding groups freed behind the window and the
+    pool has not reused since (the request records where those entries joined the free queue:
+    a preempted request looks them up too, as vLLM keeps every freed block's hash). The simulator's
+    pool (CountingBlockPool) leaves such blocks unnamed, so a table holds ANON for them.
     """
 
     API = KVCacheCoordinator.API + ("frees_behind_window", "remove_skipped_blocks", "free_behind_windows",
                                      "filled_entries")
     per_group_tables = True
     paged = True
-    private_blocks = False
-    named = True               # (per-group tables always use BlockPool's ids)
+    private_blocks = True
 
     def __init__(self, manager, pool: BlockPool, *, block_size: int, enable_caching: bool, groups: KVCacheGroups,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, named: bool):
         super().__init__(manager, pool, block_size, enable_caching)
+        self.named = named             # every block has an id (BlockPool, not CountingBlockPool)
         if groups.sliding_groups and (groups.sliding_window is None or groups.sliding_window < 1):
             raise ValueError(f"sliding-window groups need a sliding_window >= 1, got {groups.sliding_window}")
         self.groups = groups
@@ -283,6 +289,8 @@ class HybridCoordinator(KVCacheCoordinator):
         self.full_ids = [m.group_id for m in self.managers if not m.sliding]
         self.sliding_ids = [m.group_id for m in self.managers if m.sliding]
         self.sliding_managers = [m for m in self.managers if m.sliding]
+        # is group g of full attention (its hit is leased: held whole until the request is freed)
+        self.full_attention = [not m.sliding for m in self.managers]
         # The most blocks a sliding group holds for one request (vLLM's admission cap, as its startup check).
         self.sliding_cap = groups.sliding_blocks_cap(block_size, max_num_batched_tokens) if self.window else 0
         # vLLM >= 0.20 caps a sliding group's admission need at its window; 0.19 asks every block of
@@ -290,6 +298,11 @@ class HybridCoordinator(KVCacheCoordinator):
         self.sliding_admission_cap = True
         self.windowed_frees = 0        # blocks freed because they fell behind a window
         self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
+        # request -> what its sliding groups freed behind the window (_publish_window_freed)
+        self._window_freed: dict[Request, list[tuple]] = {}
+        self._track_window_frees = bool(enable_caching and self.private_blocks and self.sliding_managers)
+        if self._track_window_frees:
+            pool.track_positions()
 
     def _tables(self, req: Request) -> list[list[int]]:
         tables = req.group_tables
@@ -310,7 +323,7 @@ class HybridCoordinator(KVCacheCoordinator):
     def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """Per group, the cached blocks a new request starts from (null where a sliding group
         needs nothing), and the hit's tokens; (NO_BLOCKS, 0) without a hit."""
-        max_blocks = self.lookup_span(req, False)
+        max_blocks = self.lookup_span(req, self.private_blocks)
         if not max_blocks:
             return NO_BLOCKS, 0
         hashes, pool = req.block_hashes, self.pool
@@ -345,9 +358,11 @@ class HybridCoordinator(KVCacheCoordinator):
             return False
         tables = self._tables(req)
         held = len(req.blocks)
-        if hits:
-            for table in hits:                 # every group's hits first: no allocation may evict them
-                pool.touch([b for b in table if b != NULL_BLOCK])
+        if hits:                               # every group's hits first: no allocation may evict them
+            leases = [pool.touch_shared(table) if full else pool.touch(_held(table))     # (touch: None)
+                      for table, full in zip(hits, self.full_attention)]
+            if leases.count(None) < len(leases):
+                req.kv_lease = leases
             for table, hit_table in zip(tables, hits):
                 table.extend(hit_table)
             req.num_registered = len(req.blocks)
@@ -411,12 +426,18 @@ class HybridCoordinator(KVCacheCoordinator):
         """`remove_skipped_blocks` of each request in turn (the decode cohort's members freeing at
         one step, in running order): their blocks go back in that order, in one pool call (a free
         only appends to the free queue, so one call is the calls one after the other).
-        (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here.)"""
+        (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here; so is
+        SlidingWindowManager.remove_skipped_blocks' one-block case, a decode step's.)"""
         if not self.sliding_managers:
             return
-        bs, window = self.block_size, self.window
-        first = self.sliding_managers[0].group_id
+        bs, window, sliding = self.block_size, self.window, self.sliding_ids
+        first = sliding[0]
         removed: list[int] = []
+        track = self._track_window_frees
+        if track:                          # what each request freed: see _publish_window_freed
+            epoch, at = self.pool.queue_mark()
+            free = [epoch, at, removed, None]
+            window_freed = self._window_freed
         for req in reqs:
             tables = req.group_tables
             skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
@@ -425,26 +446,63 @@ class HybridCoordinator(KVCacheCoordinator):
                 skipped = held
             if skipped <= 0 or not tables or tables[first][skipped - 1] == NULL_BLOCK:
                 continue
-            for manager in self.sliding_managers:
-                removed += manager.remove_skipped_blocks(tables[manager.group_id], skipped)
+            start = len(removed)
+            last = skipped - 1
+            for g in sliding:              # (the sliding tables hold nulls at the same entries)
+                table = tables[g]
+                if last == 0 or table[last - 1] == NULL_BLOCK:
+                    removed.append(table[last])
+                    table[last] = NULL_BLOCK
+                else:
+                    removed += self.managers[g].remove_skipped_blocks(table, skipped)
+            if track:
+                records = window_freed.get(req)
+                if records is None:
+                    records = window_freed[req] = []
+                records.append((skipped, start, len(removed), free))
         if removed:
             self.windowed_frees += len(removed)
+            if track:
+                if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
+                    free[3] = list(map(self.pool.ref_cnt.__getitem__, removed))
+                if self.named:             # (private ones registered unmarked: the cohort's fills)
+                    self.pool.cache_private(removed)
             self.pool.free_blocks(removed)
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
-        full = num_tokens // self.block_size
-        if full <= req.num_registered:
-            return
-        req.extend_block_hashes(full, self.block_size)
+        """Publish, in every group, the request's blocks that `num_tokens` tokens fill completely
+        (its private ones registered privately: see the class)."""
+        bs = self.block_size
+        full = num_tokens // bs
         first = req.num_registered
-        hashes = req.block_hashes[first:full]
-        for g, table in enumerate(self._tables(req)):
-            blocks, keys = table[first:full], group_keys(hashes, g)
-            if NULL_BLOCK in blocks:
-                kept = [i for i, b in enumerate(blocks) if b != NULL_BLOCK]
-                blocks, keys = [blocks[i] for i in kept], [keys[i] for i in kept]
-            self.pool.cache_blocks(blocks, keys)
+        if full <= first:
+            return
+        public_end = min(full, req.first_private_block(bs)) if self.private_blocks else full
+        tables = self._tables(req)
+        if public_end > first:
+            req.extend_block_hashes(public_end, bs)
+            hashes = req.block_hashes[first:public_end]
+            for g, table in enumerate(tables):
+                self.pool.cache_blocks(*self._named_entries(table, first, public_end, group_keys(hashes, g)))
+        if full > public_end and self.named:     # (CountingBlockPool counts them as cached at free)
+            for table in tables:
+                self.pool.cache_private(_held(table[max(first, public_end):full]))
         req.num_registered = full
+
+    def _named_entries(self, table: list[int], start: int, end: int, keys: list[int]) -> tuple[list[int], list[int]]:
+        """The blocks of table[start:end] and their keys, null entries left out, naming those the
+        pool left unnamed (written back into the table)."""
+        blocks = table[start:end]
+        if not self.named:
+            unnamed = blocks.count(ANON)
+            if unnamed:
+                ids = iter(self.pool.name(unnamed))
+                blocks = [next(ids) if b == ANON else b for b in blocks]
+                table[start:end] = blocks
+        if NULL_BLOCK in blocks:
+            kept = [i for i, b in enumerate(blocks) if b != NULL_BLOCK]
+            blocks, keys = [blocks[i] for i in kept], [keys[i] for i in kept]
+        return blocks, keys
 
     def filled_entries(self, reqs: list[Request], indexes: list[int]) -> tuple[list[int], list[int]]:
         """(blocks, prefix-cache keys) that publish each request's block at its index, in turn, in
@@ -457,19 +515,72 @@ class HybridCoordinator(KVCacheCoordinator):
             for table, salt in zip(req.group_tables, salts):
                 block = table[index]
                 if block != NULL_BLOCK:
+                    if block == ANON:          # (CountingBlockPool: named as it is registered)
+                        block = table[index] = self.pool.name(1)[0]
                     blocks.append(block)
                     keys.append(h ^ salt)          # group_key(h, g)
         return blocks, keys
 
     def free(self, req: Request) -> None:
+        """Release a request's blocks, group by group, each table last block first. Its private
+        blocks are marked (a pool that names every block), or mapped if it is freed unfinished,
+        with those its sliding groups freed behind the window that are still free (see the class)."""
         tables = req.group_tables
+        window_freed = self._window_freed.pop(req, None) if self._window_freed else None
         if tables:
+            if self.enable_caching and self.private_blocks and (self.named or req.status < FINISHED):
+                self._settle_private(req, window_freed)
             self.manager.held_slots -= len(req.blocks) * self.block_size
-            for table in tables:
-                self.pool.free_blocks(_held_last_first(table))
+            registered, leases = req.num_registered, req.kv_lease
+            for g, table in enumerate(tables):
+                nulls = table[:registered].count(NULL_BLOCK)      # (none past the registered blocks)
+                self.pool.free_table(_held(table), registered - nulls, leases[g] if leases else None)
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0
+        req.kv_lease = None
+
+    def _settle_private(self, req: Request, window_freed: Optional[list[tuple]]) -> None:
+        first, end = req.first_private_block(self.block_size), req.num_registered
+        if end <= first:
+            return
+        if req.is_finished:
+            for table in req.group_tables:
+                self.pool.cache_private(_held(table[first:end]))
+            return
+        req.extend_block_hashes(end, self.block_size)
+        if window_freed:
+            self._publish_window_freed(req, window_freed)
+        hashes = req.block_hashes
+        for g, table in enumerate(req.group_tables):
+            self.pool.publish(*self._named_entries(table, first, end, group_keys(hashes[first:end], g)))
+
+    def _publish_window_freed(self, req: Request, window_freed: list[tuple]) -> None:
+        """Map a request's private blocks freed behind its windows that are still free. Each record
+        of free_behind_windows: (skipped, where the request's blocks start and end in the free's
+        list, the free: [compactions by then, the free queue's end then, the blocks freed, their
+        reference counts before it, or None if all were unnamed]); a request's blocks are each
+        sliding table's entries skipped - 1, skipped - 2, ..., table after table."""
+        pool, salts, sliding = self.pool, self.salts, self.sliding_ids
+        first_private = req.first_private_block(self.block_size)
+        hashes = req.block_hashes
+        blocks: list[int] = []
+        positions: list[int] = []
+        keys: list[int] = []
+        for skipped, start, end, (epoch, at, removed, refs) in window_freed:
+            per_table = (end - start) // len(sliding)
+            where = range(at + start, at + end) if refs is None else _queue_positions(removed, refs, at)[start:end]
+            for i, (block, position) in enumerate(zip(removed[start:end], where)):
+                index = skipped - 1 - i % per_table
+                if position is None or index < first_private:      # (a public block: mapped already)
+                    continue
+                position = pool.queued_at(epoch, position)
+                if position is not None:
+                    blocks.append(block)
+                    positions.append(position)
+                    keys.append(hashes[index] ^ salts[sliding[i // per_table]])      # group_key
+        if blocks:
+            pool.publish_queued(blocks, positions, keys)
 
     def held_blocks(self, req: Request) -> int:
         """Pool blocks the request holds over all groups (null entries excluded; tests)."""
@@ -482,7 +593,7 @@ class HybridCoordinator(KVCacheCoordinator):
         assert tables[0] is req.blocks and len({len(t) for t in tables}) == 1
         for g, table in enumerate(tables):
             for b in table:
-                assert b == NULL_BLOCK or self.pool.ref_cnt[b] >= 1
+                assert b in (NULL_BLOCK, ANON) or self.pool.ref_cnt[b] >= 1
             if g in self.full_ids:
                 assert NULL_BLOCK not in table, f"full-attention group {g} holds a null block"
 
@@ -498,12 +609,29 @@ def _append_within_held(coordinator, req: Request, num_new_tokens: int, lookahea
     return True
 
 
-def _held_last_first(table: list[int]) -> list[int]:
-    """A table's blocks, last first, without its null entries (at C speed: a sliding group's nulls
-    lead its table, what fell behind the window)."""
-    if NULL_BLOCK not in table:
-        return table[::-1]
-    after_nulls = len(table) - table[::-1].index(NULL_BLOCK)
-    if table.count(NULL_BLOCK) == after_nulls:
-        return table[:after_nulls - 1:-1] if after_nulls < len(table) else []
-    return [b for b in reversed(table) if b != NULL_BLOCK]
+def _queue_positions(blocks: list[int], refs: list[int], at: int) -> list[Optional[int]]:
+    """Where each of these blocks joined the free queue, freed in turn from position `at` with these
+    reference counts before (None: a named block another request still held; a block shared by
+    two of the requests freeing comes twice)."""
+    positions: list[Optional[int]] = []
+    left: dict[int, int] = {}
+    for block, ref in zip(blocks, refs):
+        if block != ANON:
+            ref = left[block] = left.get(block, ref) - 1
+        if block == ANON or not ref:
+            positions.append(at)
+            at += 1
+        else:
+            positions.append(None)
+    return positions
+
+
+def _held(table: list[int]) -> list[int]:
+    """A table's entries without its null ones (at C speed where they lead it, as a sliding
+    group's do: what fell behind the window, or its hit's blocks before the window)."""
+    nulls = table.count(NULL_BLOCK)
+    if not nulls:
+        return table
+    if table[nulls - 1] == NULL_BLOCK:
+        return table[nulls:]
+    return [b for b in table if b != NULL_BLOCK]

@@ -33,9 +33,9 @@ class KVCacheManager:
     `groups`: the model's KV cache groups (sim/core/memory.py); None or one full-attention group
     is the unitary coordinator. `max_num_batched_tokens`: the most tokens a request computes in
     one step (a static batch: a whole sequence), which bounds the blocks a sliding group holds.
-    `pool_class`: the block pool of a cache with one table per request. The simulator passes its
-    id-light pool (sim/core/fast/counting_pool.py: names only the blocks the prefix cache maps);
-    per-group tables always use `BlockPool`, whose every block has an id.
+    `pool_class`: the block pool. The simulator passes its id-light pool
+    (sim/core/fast/counting_pool.py: names only the blocks the prefix cache maps); the engine
+    `BlockPool`, whose every block has an id (they address its KV tensors).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -51,8 +51,6 @@ class KVCacheManager:
             raise ValueError(f"allocation '{allocation}' cannot free the blocks behind a sliding window; use 'paged'")
         self._settings = (num_blocks, block_size, enable_caching, allocation, max_model_len, contiguous_reserve)
         self._keywords = dict(pool_class=pool_class, groups=groups, max_num_batched_tokens=max_num_batched_tokens)
-        if not unitary:
-            pool_class = BlockPool
         named = pool_class.names_every_block
         self.pool = pool_class(num_blocks, enable_caching)
         self.block_size = block_size
@@ -67,7 +65,8 @@ class KVCacheManager:
                                                   contiguous_reserve=contiguous_reserve, named=named)
         else:
             self.coordinator = HybridCoordinator(self, self.pool, block_size=block_size, enable_caching=enable_caching,
-                                                 groups=groups, max_num_batched_tokens=max_num_batched_tokens)
+                                                 groups=groups, max_num_batched_tokens=max_num_batched_tokens,
+                                                 named=named)
         for name in self.coordinator.API:
             setattr(self, name, getattr(self.coordinator, name))
 
