@@ -359,6 +359,7 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
     from sim.vllm.results import load_results, to_requests
 
     runs = []
+    served: dict[tuple, int] = {}       # (deployment, prompt lengths): runs of those prompts so far
     for e in yaml.safe_load(RATE_FILE.read_text())["runs"]:
         d, w, m = e["deployment"], e["workload"], e["metrics"]
         if w["client"] == "accelmark":
@@ -378,6 +379,9 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
         if w.get("per_request_file"):
             result = load_results(PUBLIC / w["per_request_file"])[0]
             requests, notes = to_requests(result)
+            if BENCH_WARM_CACHE and w["client"] == "benchmark_serving.py" and d.get("enable_prefix_caching"):
+                requests = _after_earlier_runs(requests, _deployment_name(d["model"], d["gpu"], d["tp"],
+                                                                          d.get("vllm_version")), served)
             longest = max(r.prompt_len + r.output_len for r in requests)
         else:
             requests, notes, stage_s, stage_count = _constant_stage(e["id"], w, m, data_pass)
@@ -387,6 +391,24 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
                         GPUS[d["gpu"]], scenario, requests, measured, e["source"]["url"], stage_s, stage_count,
                         notes))
     return runs
+
+
+def _after_earlier_runs(requests: list, deployment: str, served: dict[tuple, int]) -> list:
+    """A benchmark_serving run replayed with the prefix cache its server held (BENCH_WARM_CACHE):
+    its "initial single prompt test run" sent the first prompt before the benchmark, and a run of the
+    same dataset at the same seed on the same server before it (surajssd's Llama-3.3-70B runs at
+    1, 4, 16 and inf req/s, one minute apart, the same 200 ShareGPT prompts: the same lengths in
+    the same order) sent every prompt. Those go first as warm-up requests (not measured), the
+    run's own arrivals after them (file order is run order)."""
+    lengths = tuple(r.prompt_len for r in requests)
+    key = stable_key("public-served", deployment, *lengths)
+    seen = served.get((deployment, lengths), 0)
+    served[(deployment, lengths)] = seen + 1
+    warm = list(range(len(requests))) if seen else [0]
+    start = after_warmup(sum(lengths[i] for i in warm))
+    out = [make_request(j, 0.0, [(stable_key(key, i), lengths[i])], 1, is_warmup=True) for j, i in enumerate(warm)]
+    return out + [make_request(len(warm) + i, start + r.arrival, [(stable_key(key, i), r.prompt_len)], r.output_len)
+                  for i, r in enumerate(requests)]
 
 
 def v0_engine(version: Optional[str], max_model_len: int) -> dict:
