@@ -155,7 +155,7 @@ WINDOW_S = 40.0          # a constant-rate stage is replayed over its first WIND
 WARMUP_RATE = 50.0       # req/s of the warm-up pass that fills the prefix cache before a later stage
 MAX_WINDOW_REQUESTS = 600
 FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
-BENCH_WARM_CACHE = True      # benchmark_serving's warm prefix cache on a known server (_bench_requests)
+BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
 
 
@@ -286,13 +286,13 @@ def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str
     BENCH_WARM_CACHE, a benchmark_serving random-dataset run at the default seed on a known server
     (its startup log) replays the prefix cache that server held when the run started. vLLM's
     benchmark_serving.py sends the first prompt once ("initial single prompt test run") before
-    the benchmark, and its random dataset draws, from the same seed in every run, n input lengths,
-    n output lengths, then n token offsets, prompt i being (offset_i + i + arange(length)) % vocab:
-    two runs with the same number of prompts send the same prompts, the longer one's starting with
-    the shorter one's tokens. (dennislee22's Qwen2-7B A100 runs show it: 10 prompts of 1024 tokens
-    after 10 of 1024 start in 111 ms, after 75 of 1024 in 602 ms.) The server's earlier runs'
-    prompts and this run's test prompt are sent first (warm-up requests of one output token, not
-    measured, in the order they ran: the prefix cache keeps what its LRU kept)."""
+    the benchmark, and at the default seed its random dataset sends the same prompts in every run
+    of the same prompt count: dennislee22's Qwen2-7B A100 runs show it (10 prompts of 1024 tokens
+    start in 111 ms after a 10-prompt run, in 602 ms after a 75-prompt one). The random dataset's
+    prompt i is (offset_i + i + arange(length)) % vocab, so prompts of one count and index share
+    their first tokens whatever their length. The server's earlier runs' prompts and this run's
+    test prompt are sent first (warm-up requests of one output token, not measured, in the order
+    they ran: the prefix cache keeps what its LRU kept)."""
     cmd, server, ds = e.get("bench_command") or "", e.get("startup_log_id"), e["dataset"]
     if not (BENCH_WARM_CACHE and server and "benchmark_serving" in cmd and "--seed" not in cmd
             and ds.get("name") == "random"):
