@@ -58,6 +58,27 @@ def test_the_loader_follows_the_committed_data_pass(runs):
     assert set(runs) == set(TABLE["run"])
 
 
+def test_replayed_runs_start_with_the_prefix_cache_their_server_held(runs):
+    """vLLM's benchmarks/benchmark_serving.py (0.10.1.1, 0.8.3) sends its first prompt once, the
+    "initial single prompt test run", before the benchmark; at the default seed a run of the same
+    dataset sends the prompts an earlier run on that server sent (validate/lodo.py
+    _bench_requests, _after_earlier_runs). Every replayed run starts after its warm-up requests."""
+    def split(run):
+        return ([q.segments[0][0] for q in run.requests if q.is_warmup],
+                [q.segments[0][0] for q in run.requests if not q.is_warmup])
+
+    warm, measured = split(runs["dennislee-test2-19"])      # 10 prompts after runs 17, 18 of 10
+    assert set(measured) <= set(warm)
+    warm, measured = split(runs["dennislee-test2-17"])      # 10 prompts after 1, 20, 30, 75
+    assert measured[0] in warm and not set(measured[1:]) & set(warm)
+    surajssd = "surajssd-llama-3.3-70b-a100-40g-tp8-"
+    assert len(split(runs[surajssd + "qps01"])[0]) == 1 and len(split(runs[surajssd + "qps04"])[0]) == 200
+    for run_id in ("dennislee-test2-19", surajssd + "qps04", "infsim-llama-2-70b-hf-tp4-codegen-rate10"):
+        run = runs[run_id]
+        last_warmup = max(q.arrival for q in run.requests if q.is_warmup)
+        assert min(q.arrival for q in run.requests if not q.is_warmup) >= last_warmup + 1.0
+
+
 def test_bands_are_computed_from_the_table_not_typed_in():
     assert FAMILY["validation"]["bands"] == lodo.bands(TABLE)
     assert FAMILY["validation"]["bands_by_engine"] == lodo.bands_by_engine(TABLE)
