@@ -421,7 +421,8 @@ class HybridCoordinator(KVCacheCoordinator):
     def remove_skipped_blocks(self, req: Request) -> None:
         """Free, in every sliding group, the blocks behind the window of the request's next token
         (null in the table), nearest first, stopping at the first already null."""
-        self.free_behind_windows((req,))
+        if req.group_tables:               # (a request being admitted holds nothing yet)
+            self.free_behind_windows((req,))
 
     def free_behind_windows(self, reqs) -> None:
         """`remove_skipped_blocks` of each request in turn (the decode cohort's members freeing at
@@ -437,8 +438,6 @@ class HybridCoordinator(KVCacheCoordinator):
         # Members that did not free one block per sliding table: their place in `reqs` -> blocks
         # per table (0 or several). The log keeps no per-member record, as most free exactly one.
         odd: dict[int, int] = {}
-        if self._track_window_frees:
-            epoch, at = self.pool.queue_mark()
         for k, req in enumerate(reqs):
             tables = req.group_tables
             skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
@@ -461,14 +460,16 @@ class HybridCoordinator(KVCacheCoordinator):
         if removed:
             self.windowed_frees += len(removed)
             if self._track_window_frees:
-                self._log_window_free(epoch, at, removed, reqs, odd)
+                self._log_window_free(removed, reqs, odd)
             self.pool.free_blocks(removed)
 
-    def _log_window_free(self, epoch: int, at: int, removed: list[int], reqs, odd: dict[int, int]) -> None:
+    def _log_window_free(self, removed: list[int], reqs, odd: dict[int, int]) -> None:
         """Log one free_behind_windows call: [compactions by then, the free queue's end then, the
         blocks freed, their reference counts before it (None if all were unnamed), the members
         in order, `odd`]. A member's blocks follow those of the members before it, table after
-        table; which table entries they were is rebuilt from its table (_window_frees_of)."""
+        table; which table entries they were is rebuilt from its table (_window_frees_of).
+        (Before the pool frees them: until then the free queue is as it was when the call began.)"""
+        epoch, at = self.pool.queue_mark()
         refs = None
         if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
             refs = list(map(self.pool.ref_cnt.__getitem__, removed))
