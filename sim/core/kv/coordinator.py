@@ -298,9 +298,8 @@ class HybridCoordinator(KVCacheCoordinator):
         self.sliding_admission_cap = True
         self.windowed_frees = 0        # blocks freed because they fell behind a window
         self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
-        # One entry per free_behind_windows call, for a preempted request's lookups (_window_frees_of)
-        self._window_log: list[list] = []
-        self._window_log_limit = 64        # prune the log's stale head when it grows past this
+        # request -> what its sliding groups freed behind the window (_publish_window_freed)
+        self._window_freed: dict[Request, list[tuple]] = {}
         self._track_window_frees = bool(enable_caching and self.private_blocks and self.sliding_managers)
         if self._track_window_frees:
             pool.track_positions()
@@ -435,18 +434,19 @@ class HybridCoordinator(KVCacheCoordinator):
         bs, window, sliding = self.block_size, self.window, self.sliding_ids
         first = sliding[0]
         removed: list[int] = []
-        # Members that did not free one block per sliding table: their place in `reqs` -> blocks
-        # per table (0 or several). The log keeps no per-member record, as most free exactly one.
-        odd: dict[int, int] = {}
-        for k, req in enumerate(reqs):
+        track = self._track_window_frees
+        if track:                          # what each request freed: see _publish_window_freed
+            free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
+            window_freed = self._window_freed
+        for req in reqs:
             tables = req.group_tables
             skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
             held = len(req.blocks)
             if skipped > held:
                 skipped = held
             if skipped <= 0 or not tables or tables[first][skipped - 1] == NULL_BLOCK:
-                odd[k] = 0
                 continue
+            start = len(removed)
             last = skipped - 1
             for g in sliding:              # (the sliding tables hold nulls at the same entries)
                 table = tables[g]
@@ -454,43 +454,21 @@ class HybridCoordinator(KVCacheCoordinator):
                     removed.append(table[last])
                     table[last] = NULL_BLOCK
                 else:
-                    freed = self.managers[g].remove_skipped_blocks(table, skipped)
-                    removed += freed
-                    odd[k] = len(freed)
+                    removed += self.managers[g].remove_skipped_blocks(table, skipped)
+            if track:
+                records = window_freed.get(req)
+                if records is None:
+                    records = window_freed[req] = []
+                records.append((skipped, start, len(removed), free))
         if removed:
             self.windowed_frees += len(removed)
-            if self._track_window_frees:
-                self._log_window_free(removed, reqs, odd)
+            if track:                      # (the queue has not moved since the call began)
+                free[0], free[1] = self.pool.queue_mark()
+                if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
+                    free[3] = list(map(self.pool.ref_cnt.__getitem__, removed))
+                if self.named:             # (private ones registered unmarked: the cohort's fills)
+                    self.pool.cache_private(removed)
             self.pool.free_blocks(removed)
-
-    def _log_window_free(self, removed: list[int], reqs, odd: dict[int, int]) -> None:
-        """Log one free_behind_windows call: [compactions by then, the free queue's end then, the
-        blocks freed, their reference counts before it (None if all were unnamed), the members
-        in order, `odd`]. A member's blocks follow those of the members before it, table after
-        table; which table entries they were is rebuilt from its table (_window_frees_of).
-        (Before the pool frees them: until then the free queue is as it was when the call began.)"""
-        epoch, at = self.pool.queue_mark()
-        refs = None
-        if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
-            refs = list(map(self.pool.ref_cnt.__getitem__, removed))
-        if self.named:                     # (private ones registered unmarked: the cohort's fills)
-            self.pool.cache_private(removed)
-        log = self._window_log
-        log.append([epoch, at, removed, refs, tuple(reqs), odd])
-        if len(log) > self._window_log_limit:
-            self._prune_window_log()
-            self._window_log_limit = 2 * len(log) + 64
-
-    def _prune_window_log(self) -> None:
-        """Drop the log's head entries whose blocks the free queue has all handed out again (the
-        queue's head passed the last position they could hold): no lookup can find them."""
-        log, queued_at = self._window_log, self.pool.queued_at
-        stale = 0
-        for epoch, at, removed, *_ in log:
-            if queued_at(epoch, at + len(removed) - 1) is not None:
-                break
-            stale += 1
-        del log[:stale]
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish, in every group, the request's blocks that `num_tokens` tokens fill completely
@@ -549,7 +527,7 @@ class HybridCoordinator(KVCacheCoordinator):
         blocks are marked (a pool that names every block), or mapped if it is freed unfinished,
         with those its sliding groups freed behind the window that are still free (see the class)."""
         tables = req.group_tables
-        window_freed = self._window_frees_of(req) if self._track_window_frees and req.status < FINISHED else None
+        window_freed = self._window_freed.pop(req, None) if self._window_freed else None
         if tables:
             if self.enable_caching and self.private_blocks and (self.named or req.status < FINISHED):
                 self._settle_private(req, window_freed)
@@ -578,45 +556,19 @@ class HybridCoordinator(KVCacheCoordinator):
         for g, table in enumerate(req.group_tables):
             self.pool.publish(*self._named_entries(table, first, end, group_keys(hashes[first:end], g)))
 
-    def _window_frees_of(self, req: Request) -> list[tuple]:
-        """What a request freed unfinished freed behind its windows, call by call: (the call's log
-        entry, where its blocks start and end in the call's list), taken out of the log (a request
-        re-admitted starts afresh). Freed unfinished is rare, so the log is searched."""
-        self._prune_window_log()
-        frees: list[tuple] = []
-        per_member = len(self.sliding_ids)
-        for entry in self._window_log:
-            members, odd = entry[4], entry[5]
-            if req not in members:
-                continue
-            start = 0
-            for k, member in enumerate(members):
-                count = odd.get(k, 1) * per_member
-                if member is req:
-                    frees.append((entry, start, start + count))
-                    break
-                start += count
-            entry[4] = tuple(m for m in members if m is not req)
-            entry[5] = _odd_without(odd, members, req)
-        return frees
-
     def _publish_window_freed(self, req: Request, window_freed: list[tuple]) -> None:
-        """Map a request's private blocks freed behind its windows that are still free
-        (_window_frees_of's list). Its frees freed its sliding tables' null entries, the last
-        free the ones just before its first held entry, each free nearest first, table after table."""
+        """Map a request's private blocks freed behind its windows that are still free. Each record
+        of free_behind_windows: (skipped, where the request's blocks start and end in the free's
+        list, the free: [compactions by then, the free queue's end then, the blocks freed, their
+        reference counts before it, or None if all were unnamed]); a request's blocks are each
+        sliding table's entries skipped - 1, skipped - 2, ..., table after table."""
         pool, salts, sliding = self.pool, self.salts, self.sliding_ids
         first_private = req.first_private_block(self.block_size)
         hashes = req.block_hashes
         blocks: list[int] = []
         positions: list[int] = []
         keys: list[int] = []
-        skipped = req.group_tables[sliding[0]].count(NULL_BLOCK)    # (the nulls lead the table)
-        ends = []
-        for _entry, start, end in reversed(window_freed):
-            ends.append(skipped)
-            skipped -= (end - start) // len(sliding)
-        ends.reverse()
-        for skipped, ((epoch, at, removed, refs, *_), start, end) in zip(ends, window_freed):
+        for skipped, start, end, (epoch, at, removed, refs) in window_freed:
             per_table = (end - start) // len(sliding)
             where = range(at + start, at + end) if refs is None else _queue_positions(removed, refs, at)[start:end]
             for i, (block, position) in enumerate(zip(removed[start:end], where)):
@@ -673,12 +625,6 @@ def _queue_positions(blocks: list[int], refs: list[int], at: int) -> list[Option
         else:
             positions.append(None)
     return positions
-
-
-def _odd_without(odd: dict[int, int], members, req: Request) -> dict[int, int]:
-    """A log entry's `odd` once `req` leaves its members (the places after it move down one)."""
-    place = next(k for k, m in enumerate(members) if m is req)
-    return {k - (k > place): count for k, count in odd.items() if k != place}
 
 
 def _held(table: list[int]) -> list[int]:
