@@ -492,9 +492,10 @@ class CostModel:
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
             self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
-        # the scalar forms (the usual case's with its branches taken: the roofline, full attention)
-        usual = self.tables is None and not self.model.num_sliding_layers
-        stages, one_call = _STAGES_SCALAR[_ROOFLINE_FULL_ATTENTION if usual else ()]
+        # the scalar forms, with the branches the roofline fixes taken (operator tables: none fixed)
+        known = () if self.tables is not None else \
+            _ROOFLINE_SLIDING if self.model.num_sliding_layers else _ROOFLINE_FULL_ATTENTION
+        stages, one_call = _STAGES_SCALAR[known]
         self._sizes = stages(self, max, min, self.block_size)
         self._price_step = one_call(self, max, min, self.block_size)
 
@@ -782,6 +783,10 @@ class CostModel:
                 allreduce = tokens * allreduce_token if allreduce_token is not None else tp_allreduce(tokens)
                 head = maximum(seqs * head_flop, head_weight) + seqs * sample_row + seqs * sample_seq
                 pairs, other_kv = prefill_attn * attn_pair, prefill_ctx + prefill_tokens     # (integers: exact)
+                if sliding_layers:      # (the sliding layers' terms the batch's sizes decide: integers, exact)
+                    window_pairs = minimum(prefill_attn, prefill_tokens * window) * attn_pair
+                    window_other_kv = minimum(prefill_ctx, (seqs - decodes) * window) + prefill_tokens
+                    window_decode_kv, window_walk = decodes * window, seqs * window_blocks
 
             def price(decode_ctx, blocks_read):
                 if tables:
@@ -789,12 +794,10 @@ class CostModel:
                 else:
                     attention = maximum(pairs, (decode_ctx + other_kv) * kv_token)
                     if sliding_layers:
-                        window_pairs = minimum(prefill_attn, prefill_tokens * window)
-                        window_kv = (minimum(decode_ctx, decodes * window)
-                                     + minimum(prefill_ctx, (seqs - decodes) * window) + prefill_tokens)
-                        sliding = maximum(window_pairs * attn_pair, window_kv * kv_token)
+                        window_kv = minimum(decode_ctx, window_decode_kv) + window_other_kv
+                        sliding = maximum(window_pairs, window_kv * kv_token)
                         attention = (full_layers * attention + sliding_layers * sliding) / layers
-                        window_walked = minimum(blocks_read, seqs * window_blocks)
+                        window_walked = minimum(blocks_read, window_walk)
                         blocks_read = (full_layers * blocks_read + sliding_layers * window_walked) / layers
                     per_layer = base + attention + blocks_read * block_s + prefill_setup + allreduce + allreduce_fixed
                     device = step_device + layers * per_layer + head
@@ -841,8 +844,10 @@ _GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
 for _name in ("_moe_time", "_tp_allreduce"):
     setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))
 # `_stages`' scalar forms (two stages, for leaps; one call, for a step), made here once: for any
-# cost model, and for the usual one (the roofline, no sliding layer) with what it fixes folded in
+# cost model (operator tables), and for the roofline with what it fixes folded in (no sliding
+# layer: the usual model; or some: a sliding-window model, whose steps a leap prices one by one)
 _ROOFLINE_FULL_ATTENTION = (("sliding_layers", 0), ("tables", False))
+_ROOFLINE_SLIDING = (("tables", False),)
 _STAGES_SCALAR = {known: (scalar_form(CostModel._stages, _GENERATED, known=known),
                           scalar_form(CostModel._stages, _GENERATED, one_call=True, known=known))
-                  for known in ((), _ROOFLINE_FULL_ATTENTION)}
+                  for known in ((), _ROOFLINE_FULL_ATTENTION, _ROOFLINE_SLIDING)}

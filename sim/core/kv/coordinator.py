@@ -420,7 +420,8 @@ class HybridCoordinator(KVCacheCoordinator):
     def remove_skipped_blocks(self, req: Request) -> None:
         """Free, in every sliding group, the blocks behind the window of the request's next token
         (null in the table), nearest first, stopping at the first already null."""
-        self.free_behind_windows((req,))
+        if req.group_tables:               # (a request being admitted holds nothing yet)
+            self.free_behind_windows((req,))
 
     def free_behind_windows(self, reqs) -> None:
         """`remove_skipped_blocks` of each request in turn (the decode cohort's members freeing at
@@ -435,8 +436,7 @@ class HybridCoordinator(KVCacheCoordinator):
         removed: list[int] = []
         track = self._track_window_frees
         if track:                          # what each request freed: see _publish_window_freed
-            epoch, at = self.pool.queue_mark()
-            free = [epoch, at, removed, None]
+            free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
             window_freed = self._window_freed
         for req in reqs:
             tables = req.group_tables
@@ -462,7 +462,8 @@ class HybridCoordinator(KVCacheCoordinator):
                 records.append((skipped, start, len(removed), free))
         if removed:
             self.windowed_frees += len(removed)
-            if track:
+            if track:                      # (the queue has not moved since the call began)
+                free[0], free[1] = self.pool.queue_mark()
                 if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
                     free[3] = list(map(self.pool.ref_cnt.__getitem__, removed))
                 if self.named:             # (private ones registered unmarked: the cohort's fills)
