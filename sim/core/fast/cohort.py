@@ -317,7 +317,7 @@ class DecodeCohort:
         if self.window is not None:        # before the clock moves: members' contexts before the token
             freeing = self.freeing(step)
             if freeing:
-                kv.free_behind_windows(self._in_running_order(freeing))
+                kv.free_behind_windows(((self._in_running_order(freeing), 0),))
             if self._joined:
                 self._joined = {}
         self.scheduled_step = clock
@@ -406,18 +406,18 @@ class DecodeCohort:
         free_after: list[int] = []
         cached_after: list[int] = []
         if self.window is not None:
-            free_behind_windows, window = kv.free_behind_windows, self.window
-            free_before, cached_before = pool.num_free, pool.num_cached_free
+            # each step's freeing members, with how far their contexts are past their `num_computed`
+            # then (the clock moves step by step; `num_computed` reads the stretch's start until the end)
+            window, start, ahead = self.window, self.scheduled_step, 0
+            steps_freeing = []
             for c in range(clock, clock + steps):
                 freeing = by_phase[(window - c) % bs]
                 if self._joined:               # (members that joined since the last step: a prefill may have left several)
                     freeing = {**freeing, **self._joined}
                     self._joined = {}
-                if freeing:                    # (the members' context is the one before the token at c)
-                    free_behind_windows(self._in_running_order(freeing))
-                self.scheduled_step = c
-                free_after.append(pool.num_free - free_before)
-                cached_after.append(pool.num_cached_free - cached_before)
+                steps_freeing.append((self._in_running_order(freeing) if freeing else (), ahead))
+                ahead = c - start              # (the context before the token at c + 1)
+            kv.free_behind_windows(steps_freeing, (free_after, cached_after))
         else:
             free_after = cached_after = [0] * steps
         self.scheduled_step = clock + steps - 1

@@ -301,6 +301,7 @@ class HybridCoordinator(KVCacheCoordinator):
         # request -> what its sliding groups freed behind the window (_publish_window_freed)
         self._window_freed: dict[Request, list[tuple]] = {}
         self._track_window_frees = bool(enable_caching and self.private_blocks and self.sliding_managers)
+        self._one_window = len(self.sliding_managers) == 1     # (free_behind_windows' usual case)
         if self._track_window_frees:
             pool.track_positions()
 
@@ -420,55 +421,102 @@ class HybridCoordinator(KVCacheCoordinator):
     def remove_skipped_blocks(self, req: Request) -> None:
         """Free, in every sliding group, the blocks behind the window of the request's next token
         (null in the table), nearest first, stopping at the first already null."""
-        if req.group_tables:               # (a request being admitted holds nothing yet)
-            self.free_behind_windows((req,))
+        if req.group_tables and self.sliding_managers:     # (a request being admitted holds nothing yet)
+            self.free_behind_windows((((req,), 0),))
 
-    def free_behind_windows(self, reqs) -> None:
-        """`remove_skipped_blocks` of each request in turn (the decode cohort's members freeing at
-        one step, in running order): their blocks go back in that order, in one pool call (a free
-        only appends to the free queue, so one call is the calls one after the other).
+    def free_behind_windows(self, steps, gains: Optional[tuple[list[int], list[int]]] = None) -> None:
+        """`remove_skipped_blocks` of each request in turn: `steps` is (members, ahead) per step, the
+        decode cohort's members freeing at that step in running order, their contexts `ahead` tokens
+        past their `num_computed` (a stretch's later steps: the cohort's clock moves after the
+        call). Their blocks go back in that order; a free only appends to the free queue, so one
+        pool call is the calls one after the other. With `gains` (two lists), appends the free and
+        cached-free blocks the pool gained by the end of each step.
         (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here; so is
-        SlidingWindowManager.remove_skipped_blocks' one-block case, a decode step's.)"""
-        if not self.sliding_managers:
-            return
-        bs, window, sliding = self.block_size, self.window, self.sliding_ids
-        first = sliding[0]
+        SlidingWindowManager.remove_skipped_blocks' one-block case, a decode step's, with one
+        sliding group.)"""
+        bs, first, one_window = self.block_size, self.sliding_ids[0], self._one_window
         removed: list[int] = []
         track = self._track_window_frees
         if track:                          # what each request freed: see _publish_window_freed
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
             window_freed = self._window_freed
-        for req in reqs:
-            tables = req.group_tables
-            skipped = (req.num_computed - window + 1) // bs      # sliding_window_skipped_blocks, when > 0
-            held = len(req.blocks)
-            if skipped > held:
-                skipped = held
-            if skipped <= 0 or not tables or tables[first][skipped - 1] == NULL_BLOCK:
-                continue
-            start = len(removed)
-            last = skipped - 1
-            for g in sliding:              # (the sliding tables hold nulls at the same entries)
-                table = tables[g]
-                if last == 0 or table[last - 1] == NULL_BLOCK:
-                    removed.append(table[last])
+        ends = [] if gains is not None else None
+        for reqs, ahead in steps:
+            behind = self.window - 1 - ahead
+            for req in reqs:
+                skipped = (req.num_computed - behind) // bs      # sliding_window_skipped_blocks, when > 0
+                if skipped <= 0:
+                    continue
+                table = req.group_tables[first]
+                last = skipped - 1
+                try:
+                    block = table[last]
+                except IndexError:         # (no more than the request holds)
+                    skipped = len(table)
+                    last = skipped - 1
+                    if last < 0:
+                        continue
+                    block = table[last]
+                if block == NULL_BLOCK:
+                    continue
+                start = len(removed)
+                if one_window and (last == 0 or table[last - 1] == NULL_BLOCK):    # (most calls)
+                    removed.append(block)
                     table[last] = NULL_BLOCK
                 else:
-                    removed += self.managers[g].remove_skipped_blocks(table, skipped)
-            if track:
-                records = window_freed.get(req)
-                if records is None:
-                    records = window_freed[req] = []
-                records.append((skipped, start, len(removed), free))
+                    self._remove_behind(req.group_tables, skipped, removed)
+                if track:
+                    records = window_freed.get(req)
+                    if records is None:
+                        records = window_freed[req] = []
+                    records.append((skipped, start, len(removed), free))
+            if ends is not None:
+                ends.append(len(removed))
         if removed:
-            self.windowed_frees += len(removed)
-            if track:                      # (the queue has not moved since the call began)
-                free[0], free[1] = self.pool.queue_mark()
-                if removed.count(ANON) != len(removed):      # (named blocks join only when no one holds them)
-                    free[3] = list(map(self.pool.ref_cnt.__getitem__, removed))
-                if self.named:             # (private ones registered unmarked: the cohort's fills)
-                    self.pool.cache_private(removed)
-            self.pool.free_blocks(removed)
+            self._free_removed(removed, free if track else None, ends, gains)
+        elif gains is not None:
+            gains[0].extend(ends)          # (all 0)
+            gains[1].extend(ends)
+
+    def _remove_behind(self, tables: list[list[int]], skipped: int, removed: list[int]) -> None:
+        """Null every sliding table's entries before `skipped`, nearest first, back to the first
+        null (the sliding tables hold nulls at the same entries), adding their blocks to `removed`."""
+        last = skipped - 1
+        for g in self.sliding_ids:
+            table = tables[g]
+            if last == 0 or table[last - 1] == NULL_BLOCK:
+                removed.append(table[last])
+                table[last] = NULL_BLOCK
+            else:
+                removed += self.managers[g].remove_skipped_blocks(table, skipped)
+
+    def _free_removed(self, removed: list[int], free: Optional[list], ends: Optional[list[int]],
+                      gains: Optional[tuple[list[int], list[int]]]) -> None:
+        """Give the pool the blocks free_behind_windows removed (`ends`: where each step's end)."""
+        pool = self.pool
+        self.windowed_frees += len(removed)
+        unnamed = removed.count(ANON) == len(removed)
+        if free is not None:               # (the queue has not moved since the call began)
+            free[0], free[1] = pool.queue_mark()
+            if not unnamed:                # (named blocks join only when no one holds them)
+                free[3] = list(map(pool.ref_cnt.__getitem__, removed))
+            if self.named:                 # (private ones registered unmarked: the cohort's fills)
+                pool.cache_private(removed)
+        if gains is None:
+            pool.free_blocks(removed)
+        elif unnamed:                      # (each joins the free queue: one a block)
+            pool.free_blocks(removed)
+            gains[0].extend(ends)
+            gains[1].extend(ends if pool.enable_caching else [0] * len(ends))
+        else:                              # (a named block joins only when no one holds it: step by step)
+            free0, cached0 = pool.num_free, pool.num_cached_free
+            start = 0
+            for end in ends:
+                if end > start:
+                    pool.free_blocks(removed[start:end])
+                    start = end
+                gains[0].append(pool.num_free - free0)
+                gains[1].append(pool.num_cached_free - cached0)
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish, in every group, the request's blocks that `num_tokens` tokens fill completely
