@@ -98,14 +98,11 @@ class CountingBlockPool(BlockPool):
         the free queue as private content (CACHED; EMPTY without prefix caching), a named one
         drops a reference and joins when it reaches zero."""
         unnamed = blocks.count(ANON)
+        if unnamed == len(blocks):                   # (most calls)
+            self.free_unnamed(unnamed)
+            return
         queue = self._queue
         content = CACHED if self.enable_caching else EMPTY
-        if unnamed == len(blocks):                   # (most calls)
-            queue += [content] * unnamed
-            self.num_free += unnamed
-            if self.enable_caching:
-                self.num_cached_free += unnamed
-            return
         entries: list[int] = []
         ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
         for block in blocks:
@@ -120,6 +117,15 @@ class CountingBlockPool(BlockPool):
         queue += entries
         self.num_free += len(entries)
         self.num_cached_free += len(entries) - entries.count(EMPTY)
+
+    def free_unnamed(self, n: int) -> None:
+        """free_blocks of n unnamed blocks (private content: CACHED; EMPTY without prefix caching)."""
+        if self.enable_caching:
+            self._queue += [CACHED] * n
+            self.num_cached_free += n
+        else:
+            self._queue += [EMPTY] * n
+        self.num_free += n
 
     def publish_queued(self, blocks: list[int], positions: list[int], hashes: list[int]) -> None:
         """Map free blocks with private content at these queue positions, in order (the unnamed

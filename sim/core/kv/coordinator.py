@@ -460,16 +460,15 @@ class HybridCoordinator(KVCacheCoordinator):
                 if block == NULL_BLOCK:
                     continue
                 start = len(removed)
-                if one_window and (last == 0 or table[last - 1] == NULL_BLOCK):    # (most calls)
+                # (most calls: one block, its predecessor freed already; with last == 0, table[-1] is
+                # a held block, so the test fails and the general path frees it)
+                if table[last - 1] == NULL_BLOCK and one_window:
                     removed.append(block)
                     table[last] = NULL_BLOCK
                 else:
                     self._remove_behind(req.group_tables, skipped, removed)
                 if track:
-                    records = window_freed.get(req)
-                    if records is None:
-                        records = window_freed[req] = []
-                    records.append((skipped, start, len(removed), free))
+                    window_freed.setdefault(req, []).append((skipped, start, len(removed), free))
             if ends is not None:
                 ends.append(len(removed))
         if removed:
@@ -502,12 +501,13 @@ class HybridCoordinator(KVCacheCoordinator):
                 free[3] = list(map(pool.ref_cnt.__getitem__, removed))
             if self.named:                 # (private ones registered unmarked: the cohort's fills)
                 pool.cache_private(removed)
-        if gains is None:
+        if unnamed:                        # (each joins the free queue: one a block)
+            pool.free_unnamed(len(removed))
+            if gains is not None:
+                gains[0].extend(ends)
+                gains[1].extend(ends if pool.enable_caching else [0] * len(ends))
+        elif gains is None:
             pool.free_blocks(removed)
-        elif unnamed:                      # (each joins the free queue: one a block)
-            pool.free_blocks(removed)
-            gains[0].extend(ends)
-            gains[1].extend(ends if pool.enable_caching else [0] * len(ends))
         else:                              # (a named block joins only when no one holds it: step by step)
             free0, cached0 = pool.num_free, pool.num_cached_free
             start = 0
