@@ -530,3 +530,45 @@ def test_the_c_speed_window_searches_equal_the_plain_scans():
         expected = list(table)
         assert manager.remove_skipped_blocks(table, skipped) == remove_scan(expected, skipped)
         assert table == expected
+
+
+@pytest.mark.parametrize("counting", [False, True])
+@pytest.mark.parametrize("groups", [sliding_only(9), hybrid(9), hybrid(9, full=1, sliding=2)])
+def test_a_stretch_of_window_frees_in_one_call_is_the_calls_step_by_step(counting, groups):
+    """`free_behind_windows` over several steps (the decode cohort's stretch: members' contexts
+    `ahead` tokens past their num_computed) frees, records and counts what one call a step does,
+    a member freeing at two steps of one call included; with `gains`, the pool's free and
+    cached-free blocks gained by the end of each step."""
+    from sim.core.fast.counting_pool import CountingBlockPool
+    pool_class = CountingBlockPool if counting else KVCacheManager.__init__.__kwdefaults__["pool_class"]
+
+    def run(stretch: bool):
+        kv = KVCacheManager(128, 4, groups=groups, max_num_batched_tokens=64, pool_class=pool_class)
+        a = make_request(0, 0.0, [(1, 8), (2, 40)], 30)               # a shared prefix, then its own
+        b = make_request(1, 0.0, [(1, 8), (3, 30)], 30)
+        for req in (a, b):
+            _compute(kv, req, req.prompt_len)
+        steps = [((a, b), 0), ((), 1), ((b,), 4), ((a, b), 8)]      # contexts: +0, +1, +4, +8 tokens
+        gains = ([], [])
+        if stretch:
+            kv.free_behind_windows(steps, gains)
+        else:
+            free0, cached0 = kv.pool.num_free, kv.pool.num_cached_free
+            for reqs, ahead in steps:
+                for req in (a, b):
+                    req.num_computed += ahead
+                kv.free_behind_windows([(reqs, 0)])
+                for req in (a, b):
+                    req.num_computed -= ahead
+                gains[0].append(kv.pool.num_free - free0)
+                gains[1].append(kv.pool.num_cached_free - cached0)
+        kv.pool.check_invariants()
+        for req in (a, b):
+            req.status = Status.PREEMPTED                               # (its window frees are published)
+            kv.free(req)
+        kv.pool.check_invariants()
+        return gains, list(kv.pool.free_queue), dict(kv.pool.cached), kv.coordinator.windowed_frees
+
+    stepwise = run(False)
+    assert stepwise == run(True)
+    assert stepwise[0][0][-1] > stepwise[0][0][0] > 0 and stepwise[3] > 0
