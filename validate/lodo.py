@@ -156,6 +156,7 @@ WARMUP_RATE = 50.0       # req/s of the warm-up pass that fills the prefix cache
 MAX_WINDOW_REQUESTS = 600
 FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
+BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
 
 
@@ -290,16 +291,21 @@ def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str
     prefix cache that server held when the run started. vLLM's benchmark client sends the first
     prompt once ("initial single prompt test run") before the benchmark, and the random dataset's
     prompt i is (offset_i + i + arange(length)) % vocab, so prompts of one set and index share
-    their first tokens whatever their length. The server's earlier runs' prompts and this run's
-    test prompt are sent first (warm-up requests of one output token, not measured, in the order
-    they ran: the prefix cache keeps what its LRU kept)."""
+    their first tokens whatever their length. The server's earlier runs are replayed first as they
+    ran (BENCH_EARLIER_OUTPUTS; warm-up requests, not measured): each all at once with its printed
+    mean output, the next one its measured duration plus 1 s later, so their outputs' KV evicts
+    from the LRU what they would have evicted (dennislee's 100 x 4096/4096 run streams 808k
+    tokens through a 450k-token pool before its 100 x 1024/7168 run); then this run's test prompt
+    (one output token: its real output only adds a request's KV to a pool that holds the run)."""
     server, prompt_set = e.get("startup_log_id") or e.get("server"), _prompt_set(e)
     if not (BENCH_WARM_CACHE and server and prompt_set is not None):
         key = stable_key("public-run", e["id"])
         return [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
     earlier = history.setdefault(server, [])
-    dataset = (prompt_set, int(e["dataset"].get("num_prompts") or n), prompt)
-    cuts = sorted({length for _, _, length in earlier} | {prompt})
+    m = e["metrics"]      # how long the run took: printed, or its requests over its request rate
+    duration = float(m.get("duration_s") or n / m["request_throughput"])
+    dataset = (prompt_set, int(e["dataset"].get("num_prompts") or n), prompt, output, duration)
+    cuts = sorted({length for _, _, length, _, _ in earlier} | {prompt})
 
     def segments(identity, length: int, i: int) -> list:
         # a prompt is the first `length` tokens of one sequence per (prompt set, index): segments
@@ -307,11 +313,17 @@ def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str
         bounds = [0] + [c for c in cuts if c < length] + [length]
         return [(stable_key("public-server", server, identity, i, lo), hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
-    warm = [segments(identity, length, i) for identity, count, length in earlier for i in range(count)]
-    warm.append(segments(prompt_set, prompt, 0))
+    warm, sent = [], 0.0        # (arrival, segments, output tokens) of each warm-up request
+    for identity, count, length, out, took in earlier:
+        if BENCH_EARLIER_OUTPUTS:      # as it ran: all at once, its outputs, then its measured duration
+            warm += [(sent, segments(identity, length, i), out) for i in range(count)]
+            sent += after_warmup(0) + took
+        else:
+            warm += [(0.0, segments(identity, length, i), 1) for i in range(count)]
+    warm.append((sent, segments(prompt_set, prompt, 0), 1))
     earlier.append(dataset)
-    requests = [make_request(j, 0.0, seg, 1, is_warmup=True) for j, seg in enumerate(warm)]
-    start = after_warmup(sum(t for seg in warm for _, t in seg))
+    requests = [make_request(j, at, seg, out, is_warmup=True) for j, (at, seg, out) in enumerate(warm)]
+    start = sent + after_warmup(prompt if BENCH_EARLIER_OUTPUTS else sum(t for _, seg, _ in warm for _, t in seg))
     return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), output) for i in range(n)]
 
 

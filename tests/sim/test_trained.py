@@ -74,6 +74,12 @@ def test_replayed_runs_start_with_the_prefix_cache_their_server_held(runs):
     assert measured[0] in warm and not set(measured[1:]) & set(warm)
     surajssd = "surajssd-llama-3.3-70b-a100-40g-tp8-"
     assert len(split(runs[surajssd + "qps01"])[0]) == 1 and len(split(runs[surajssd + "qps04"])[0]) == 200
+    # the earlier runs as they ran (validate/lodo.py BENCH_EARLIER_OUTPUTS): all at once, with their
+    # outputs, one run after the other's measured duration, so run 24's 100 x (4096 + 3977) tokens
+    # pass through the 450k-token pool and evict what the runs before it cached
+    warm = [q for q in runs["dennislee-test2-25"].requests if q.is_warmup]
+    sent = {q.output_len: q.arrival for q in warm}
+    assert {1017, 3977} <= set(sent) and sent[3977] >= sent[1017] + 35.12, "run 24 after run 23's 35.12 s"
     for run_id in ("dennislee-test2-19", surajssd + "qps04", "infsim-llama-2-70b-hf-tp4-codegen-rate10"):
         run = runs[run_id]
         last_warmup = max(q.arrival for q in run.requests if q.is_warmup)
