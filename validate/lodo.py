@@ -156,6 +156,7 @@ WARMUP_RATE = 50.0       # req/s of the warm-up pass that fills the prefix cache
 MAX_WINDOW_REQUESTS = 600
 FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
+BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
 
 
@@ -256,6 +257,7 @@ def bench_runs(logs: dict[str, dict], data_pass: int = LATEST_DATA_PASS) -> tupl
             output = int(ds["random_output_len"])
             if m.get("output_throughput") and m.get("request_throughput") and not ds.get("ignore_eos"):
                 output = min(output, round(m["output_throughput"] / m["request_throughput"]))
+        prompt += int(ds.get("template_tokens") or 0)     # the chat template the server wraps it in
         engine = {k: e.get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                         "gpu_memory_utilization", "dtype")}
         stated = e.get("async_scheduling")
@@ -268,7 +270,8 @@ def bench_runs(logs: dict[str, dict], data_pass: int = LATEST_DATA_PASS) -> tupl
                                        blocks, concurrency, LINKS.get(e.get("startup_log_id") or ""))
         requests = _bench_requests(e, n, prompt, output, history)
         runs.append(Run(e["id"], _deployment_name(e["model"], e["gpu"]["model"], e["tp"], e.get("vllm_version")),
-                        GPUS[e["gpu"]["model"]], scenario, requests, _bench_measured(m), e["source"]["url"]))
+                        GPUS[e["gpu"]["model"]], scenario, requests, _bench_measured(m), e["source"]["url"],
+                        centre="mean" if "mean_ttft_ms" in m else "median"))
     return runs, skipped
 
 
@@ -283,37 +286,64 @@ def after_warmup(warm_tokens: int) -> float:
 
 def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str, list]) -> list:
     """The run's requests, all sent at once (a closed-loop client's cap is the scenario's). With
-    BENCH_WARM_CACHE, a benchmark_serving random-dataset run at the default seed on a known server
-    (its startup log) replays the prefix cache that server held when the run started. vLLM's
-    benchmark_serving.py sends the first prompt once ("initial single prompt test run") before
-    the benchmark, and at the default seed its random dataset sends the same prompts in every run
-    of the same prompt count: dennislee22's Qwen2-7B A100 runs show it (10 prompts of 1024 tokens
-    start in 111 ms after a 10-prompt run, in 602 ms after a 75-prompt one). The random dataset's
-    prompt i is (offset_i + i + arange(length)) % vocab, so prompts of one count and index share
-    their first tokens whatever their length. The server's earlier runs' prompts and this run's
-    test prompt are sent first (warm-up requests of one output token, not measured, in the order
-    they ran: the prefix cache keeps what its LRU kept)."""
-    cmd, server, ds = e.get("bench_command") or "", e.get("startup_log_id"), e["dataset"]
-    if not (BENCH_WARM_CACHE and server and "benchmark_serving" in cmd and "--seed" not in cmd
-            and ds.get("name") == "random"):
+    BENCH_WARM_CACHE, a random-dataset run on a known server (its startup log, or the `server`
+    its runs went to one after another) whose prompts recur across runs (_prompt_set) replays the
+    prefix cache that server held when the run started. vLLM's benchmark client sends the first
+    prompt once ("initial single prompt test run") before the benchmark, and the random dataset's
+    prompt i is (offset_i + i + arange(length)) % vocab, so prompts of one set and index share
+    their first tokens whatever their length. The server's earlier runs are replayed first as they
+    ran (BENCH_EARLIER_OUTPUTS; warm-up requests, not measured): each all at once with its printed
+    mean output, the next one its measured duration plus 1 s later, so their outputs' KV evicts
+    from the LRU what they would have evicted (dennislee's 100 x 4096/4096 run streams 808k
+    tokens through a 450k-token pool before its 100 x 1024/7168 run); then this run's test prompt
+    (one output token: its real output only adds a request's KV to a pool that holds the run)."""
+    server, prompt_set = e.get("startup_log_id") or e.get("server"), _prompt_set(e)
+    if not (BENCH_WARM_CACHE and server and prompt_set is not None):
         key = stable_key("public-run", e["id"])
         return [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
     earlier = history.setdefault(server, [])
-    dataset = (int(ds["num_prompts"]), prompt)
-    cuts = sorted({length for _, length in earlier} | {prompt})
+    m = e["metrics"]      # how long the run took: printed, or its requests over its request rate
+    duration = float(m.get("duration_s") or n / m["request_throughput"])
+    dataset = (prompt_set, int(e["dataset"].get("num_prompts") or n), prompt, output, duration)
+    cuts = sorted({length for _, _, length, _, _ in earlier} | {prompt})
 
-    def segments(count: int, length: int, i: int) -> list:
-        # a prompt is the first `length` tokens of one sequence per (prompt count, index): segments
+    def segments(identity, length: int, i: int) -> list:
+        # a prompt is the first `length` tokens of one sequence per (prompt set, index): segments
         # cut at every length the server was sent, so a shorter prompt is a prefix of a longer one
         bounds = [0] + [c for c in cuts if c < length] + [length]
-        return [(stable_key("public-server", server, count, i, lo), hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+        return [(stable_key("public-server", server, identity, i, lo), hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
-    warm = [segments(count, length, i) for count, length in earlier for i in range(count)]
-    warm.append(segments(*dataset, 0))
+    warm, sent = [], 0.0        # (arrival, segments, output tokens) of each warm-up request
+    for identity, count, length, out, took in earlier:
+        if BENCH_EARLIER_OUTPUTS:      # as it ran: all at once, its outputs, then its measured duration
+            warm += [(sent, segments(identity, length, i), out) for i in range(count)]
+            sent += after_warmup(0) + took
+        else:
+            warm += [(0.0, segments(identity, length, i), 1) for i in range(count)]
+    warm.append((sent, segments(prompt_set, prompt, 0), 1))
     earlier.append(dataset)
-    requests = [make_request(j, 0.0, seg, 1, is_warmup=True) for j, seg in enumerate(warm)]
-    start = after_warmup(sum(t for seg in warm for _, t in seg))
-    return requests + [make_request(len(warm) + i, start, segments(*dataset, i), output) for i in range(n)]
+    requests = [make_request(j, at, seg, out, is_warmup=True) for j, (at, seg, out) in enumerate(warm)]
+    start = sent + after_warmup(prompt if BENCH_EARLIER_OUTPUTS else sum(t for _, seg, _ in warm for _, t in seg))
+    return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), output) for i in range(n)]
+
+
+def _prompt_set(e: dict):
+    """What names a random-dataset run's prompts among its server's runs (None: none recur).
+    benchmarks/benchmark_serving.py at its default seed (vLLM 0.10.1.1, dennislee22's runs):
+    the prompt count, as the runs show (10 prompts of 1024 tokens start in 111 ms after a
+    10-prompt run, in 602 ms after a 75-prompt one). `vllm bench serve --seed S` with fixed
+    lengths (no --random-range-ratio: 0.0, the default) draws prompt i's offset as the i-th of
+    numpy default_rng(S).integers(0, vocab, size=num_prompts), after length draws over a single
+    value that consume nothing (vLLM 0.23.0 vllm/benchmarks/datasets/utils.py get_sampling_params):
+    prompt i is the same in every run at that seed, whatever the prompt count."""
+    cmd, ds = e.get("bench_command") or "", e["dataset"]
+    if ds.get("name") != "random":
+        return None
+    if "benchmark_serving" in cmd and "--seed" not in cmd:
+        return int(ds["num_prompts"])
+    if cmd.startswith("vllm bench serve") and "--seed" in cmd and "--random-range-ratio" not in cmd:
+        return f"seed {int(ds['seed'])}"
+    return None
 
 
 def _bench_skip(e: dict, data_pass: int = LATEST_DATA_PASS) -> Optional[str]:
@@ -339,7 +369,7 @@ def _bench_skip(e: dict, data_pass: int = LATEST_DATA_PASS) -> Optional[str]:
 
 def _bench_measured(m: dict) -> dict[str, float]:
     """The run's printed metrics in seconds. A closed-loop sweep that printed medians only (the
-    L4 page) gives them for the means: its requests are all alike, so the two nearly agree."""
+    L4 page) gives them in the mean columns, compared with kvtwin's medians (Run.centre)."""
     out = {}
     for metric, key in (("ttft", "ttft"), ("tpot", "tpot"), ("e2e", "e2el")):
         mean = m.get(f"mean_{key}_ms") or (m.get(f"median_{key}_ms") if "mean_ttft_ms" not in m else None)

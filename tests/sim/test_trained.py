@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -73,10 +74,46 @@ def test_replayed_runs_start_with_the_prefix_cache_their_server_held(runs):
     assert measured[0] in warm and not set(measured[1:]) & set(warm)
     surajssd = "surajssd-llama-3.3-70b-a100-40g-tp8-"
     assert len(split(runs[surajssd + "qps01"])[0]) == 1 and len(split(runs[surajssd + "qps04"])[0]) == 200
+    # the earlier runs as they ran (validate/lodo.py BENCH_EARLIER_OUTPUTS): all at once, with their
+    # outputs, one run after the other's measured duration, so run 24's 100 x (4096 + 3977) tokens
+    # pass through the 450k-token pool and evict what the runs before it cached
+    warm = [q for q in runs["dennislee-test2-25"].requests if q.is_warmup]
+    sent = {q.output_len: q.arrival for q in warm}
+    assert {1017, 3977} <= set(sent) and sent[3977] >= sent[1017] + 35.12, "run 24 after run 23's 35.12 s"
     for run_id in ("dennislee-test2-19", surajssd + "qps04", "infsim-llama-2-70b-hf-tp4-codegen-rate10"):
         run = runs[run_id]
         last_warmup = max(q.arrival for q in run.requests if q.is_warmup)
         assert min(q.arrival for q in run.requests if not q.is_warmup) >= last_warmup + 1.0
+
+
+def test_the_l4_sweep_replays_its_job(runs):
+    """The L4 page's six levels ran one after another in one Job against one server
+    (k8s-llm-inference-platform benchmarks/job.yaml at 221552cc): `vllm bench serve --backend
+    openai-chat --seed 42`, 20 prompts per client slot and at most 320, so the server wraps each
+    prompt in Qwen2.5's chat template (29 tokens) and, vLLM 0.23.0's random dataset drawing prompt
+    i's offset as the i-th of default_rng(seed).integers(0, vocab, size=num_prompts) after length
+    draws over a single value that consume nothing (vllm/benchmarks/datasets/utils.py
+    get_sampling_params), every level sends the prompts of the levels before it again: the 320 of
+    the concurrency-32 level are all cached. The page gives medians: kvtwin's medians are compared."""
+    def offsets(count):
+        rng = np.random.default_rng(42)
+        rng.integers(256, 257, size=count), rng.integers(128, 129, size=count)
+        return rng.integers(0, 151643, size=count)
+    assert (offsets(20) == offsets(320)[:20]).all(), "prompt i is the same at any prompt count"
+
+    def split(run):
+        return ({q.segments[0][0] for q in run.requests if q.is_warmup},
+                [q for q in run.requests if not q.is_warmup])
+
+    level = {c: runs[f"wmx-l4-qwen2.5-0.5b-c{c}"] for c in (1, 2, 16, 32)}
+    assert [len(split(r)[1]) for r in level.values()] == [20, 40, 320, 320]
+    warm, measured = split(level[1])
+    assert {q.prompt_len for q in measured} == {256 + 29} and len(warm) == 1 and measured[0].segments[0][0] in warm
+    warm, measured = split(level[2])
+    assert sum(q.segments[0][0] in warm for q in measured) == 20, "the 20 prompts of the first level"
+    warm, measured = split(level[32])
+    assert all(q.segments[0][0] in warm for q in measured)
+    assert all(r.centre == "median" for r in level.values())
 
 
 def test_bands_are_computed_from_the_table_not_typed_in():
