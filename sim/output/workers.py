@@ -25,14 +25,12 @@ from sim import stop
 
 def warm_up() -> None:
     """Import matplotlib and load its fonts (the figure process does this while the parent simulates)."""
-    import io
-
-    from sim.output.report import new_figure
+    from sim.output.report import figure_pixels, new_figure
 
     fig, (ax,) = new_figure()
     ax.set_title("warm-up")
     ax.plot([0, 1])
-    fig.savefig(io.BytesIO(), format="png", dpi=20)
+    figure_pixels(fig, dpi=20)
 
 
 def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
