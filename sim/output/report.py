@@ -61,7 +61,9 @@ def _note(ax, text: str) -> None:
 
 
 def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
-    ax.set_title(title)
+    # y given: matplotlib then skips measuring every tick label to lift the title above an x axis
+    # drawn on top, which no figure here has (the same place, ~3% of the drawing)
+    ax.set_title(title, y=1.0)
     if counts:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     # shorten big numbers on a numeric axis, but never replace tick labels set by hand (metric names)
