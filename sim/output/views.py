@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from sim.core.lazy import lazy_import
-from sim.output.step_buckets import records_timeline
+from sim.output.step_buckets import TimelineCuts
 from sim.records import STEP_COLUMNS, RunRecords, requests_frame
 
 pd = lazy_import("pandas")     # frames only where a view was given them: a drawing process imports none
@@ -54,6 +54,7 @@ class RunView:
     # per-step frame: a million-request run has millions of steps); `steps` is then empty
     records: Optional[RunRecords] = field(default=None, repr=False)
     _measured: Optional[np.ndarray] = field(default=None, init=False, repr=False)   # (_measured_mask)
+    _cuts: Optional[TimelineCuts] = field(default=None, init=False, repr=False)     # (series)
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps.empty:   # a run without steps: keep numeric columns
@@ -105,7 +106,9 @@ class RunView:
         """timeline() of the steps (a 'step_ms' column is the step durations)."""
         def make():
             if self._recorders:
-                edges, per_replica = records_timeline(self.records, agg, TIMELINE_BUCKETS, combine)
+                if self._cuts is None:
+                    self._cuts = TimelineCuts(self.records, TIMELINE_BUCKETS)
+                edges, per_replica = self._cuts.edges, self._cuts.reduce(agg)
                 return edges, Buckets({c: _combine(per_replica[c], combine) for c in agg}, TIMELINE_BUCKETS)
             if self.records is not None:
                 return timeline({c: np.zeros(0) for c in ("replica", "start_s", "end_s", *agg)}, agg)
