@@ -15,10 +15,11 @@ started, so none outlives the run (or holds its stderr open).
 """
 from __future__ import annotations
 
+import gc
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from sim import stop
 
@@ -57,7 +58,8 @@ def in_forked_shares(names: Sequence[str], ways: int, draw: Callable[[list[str]]
     with ExitStack() as forwards:
         try:
             for share in shares[1:]:
-                pid = os.fork()
+                with frozen_heap():
+                    pid = os.fork()
                 if pid == 0:                               # the copy: draw, then leave without cleanup
                     code = 1
                     try:
@@ -78,6 +80,22 @@ def in_forked_shares(names: Sequence[str], ways: int, draw: Callable[[list[str]]
     for share in shares[1:]:
         drawn.update({name: path_of(name) for name in share})
     return {name: drawn[name] for name in names}
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Around a fork: the objects alive now are moved out of the cyclic collector's reach
+    (gc.freeze) until the fork is done, so the child's collections (matplotlib's import makes
+    several) never write to the pages it shares with its parent, each of which would then be
+    copied: ~1/3 of the figure processes' page faults (docs/performance.md). The parent's
+    collector gets them back at once; the child keeps them frozen (it lives for one run)."""
+    parent = os.getpid()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if os.getpid() == parent:
+            gc.unfreeze()
 
 
 def plot_ways() -> int:
@@ -111,7 +129,8 @@ class FigureWorkers:
 
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
                                             initializer=stop.in_worker)
-            self.pool.submit(warm_up)
+            with frozen_heap():
+                self.pool.submit(warm_up)                 # (forks the figure process)
             self._forwarding.enter_context(stop.forwarding(stop.forward_to_pool(self.pool)))
 
     def draw(self, views: Mapping, out_dir: str | Path, title: str = "") -> dict[str, Path]:
