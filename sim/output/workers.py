@@ -34,6 +34,22 @@ def warm_up() -> None:
     figure_pixels(fig, dpi=20)
 
 
+def figure_process_start() -> None:
+    """What the figure process does first, while the parent simulates: matplotlib imported without
+    its Artist docstrings, then warm_up. matplotlib writes each Artist subclass's `set()`
+    docstring, a list of every property, as it imports (artist.kwdoc: ~30% of the import's
+    instructions, measured); a process that only draws never reads one, so there the list is left
+    empty. Only where matplotlib has not been imported yet, and only in this process."""
+    import sys
+
+    if "matplotlib.artist" not in sys.modules:
+        import matplotlib.artist
+
+        if callable(getattr(matplotlib.artist, "kwdoc", None)):
+            matplotlib.artist.kwdoc = lambda artist: ""
+    warm_up()
+
+
 def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
     from sim.output.report import RUN_PLOTS, plot_run_figures
 
@@ -130,7 +146,7 @@ class FigureWorkers:
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
                                             initializer=stop.in_worker)
             with frozen_heap():
-                self.pool.submit(warm_up)                 # (forks the figure process)
+                self.pool.submit(figure_process_start)    # (forks the figure process)
             self._forwarding.enter_context(stop.forwarding(stop.forward_to_pool(self.pool)))
 
     def draw(self, views: Mapping, out_dir: str | Path, title: str = "") -> dict[str, Path]:
