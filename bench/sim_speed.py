@@ -273,7 +273,7 @@ def phases_child(case: str, out: str) -> dict:
     summary and the manifest; the summary timed again apart), the data files (steps.csv as
     simrun writes it by default), the plots and report.html drawn here, one process."""
     from sim.output.run_files import write_data_files, write_reports
-    from sim.output.workers import warm_up
+    from sim.output.workers import figure_process_start
     from sim.predict import predict
     from sim.scenario import load_scenario
 
@@ -286,7 +286,7 @@ def phases_child(case: str, out: str) -> dict:
     t2 = time.process_time()
     write_data_files(result, Path(out))
     t3 = time.process_time()
-    warm_up()                                    # (simrun's figure process does this while simulating)
+    figure_process_start()                       # (simrun's figure process does this while simulating)
     t4 = time.process_time()
     write_reports({name: result}, Path(out), plots=True, workers=None)
     t5 = time.process_time()

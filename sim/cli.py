@@ -276,12 +276,14 @@ def run_main(argv: list[str]) -> int:
 
 def exit_code_of(results: dict) -> int:
     """1 when a run finished no request (every figure would be empty), with the reasons counted."""
-    from sim.output.console import print_error
     from sim.output.run_files import nothing_finished
 
     empty = [msg for name, r in results.items() if (msg := nothing_finished(name, r.summary))]
-    for msg in empty:
-        print_error(msg)
+    if empty:
+        from sim.output.console import print_error     # (rich: not loaded by a --quiet run that went well)
+
+        for msg in empty:
+            print_error(msg)
     return 1 if empty else 0
 
 

@@ -186,8 +186,8 @@ def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _factorize(items: list) -> tuple[np.ndarray, list]:
     """(a code per item, the distinct values in order of appearance); None and NaN are missing
     (code -1), as pandas.factorize has them."""
-    index: dict = {}
-    setdefault = index.setdefault
-    codes = np.fromiter((-1 if v is None or v != v else setdefault(v, len(index)) for v in items),
-                        np.int64, len(items))
-    return codes, list(index)
+    distinct = dict.fromkeys(items)                   # (each loop over the items runs in C)
+    uniques = [v for v in distinct if not (v is None or v != v)]
+    code = {v: -1 for v in distinct}
+    code.update(zip(uniques, range(len(uniques))))
+    return np.fromiter(map(code.__getitem__, items), np.int64, len(items)), uniques

@@ -8,7 +8,7 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -101,6 +101,49 @@ def _lookup(summary: Mapping, dotted: str) -> float:
     return float(value) if numeric else math.nan
 
 
+def summary_rows(views: Mapping[str, RunView]) -> tuple[tuple[str, str, str], ...]:
+    """SUMMARY_ROWS and the rows of the extras some run has (a CPU KV tier, speculative decoding,
+    LoRA adapters)."""
+    rows = SUMMARY_ROWS
+    if any("kv_offload" in v.summary for v in views.values()):      # only runs with a CPU KV tier
+        rows = rows + OFFLOAD_ROWS
+    if any("speculative" in v.summary for v in views.values()):     # only runs with speculative decoding
+        rows = rows + SPECULATIVE_ROWS
+    if any("lora" in v.summary for v in views.values()):            # only runs serving LoRA adapters
+        rows = rows + LORA_ROWS
+    return rows
+
+
+class TextTable(NamedTuple):
+    """A table of display strings without pandas (the CLI and report.html print one as soon as a
+    run ends; importing pandas for it cost ~0.4 s): row labels under `index_name`, {column: cells}."""
+
+    index_name: str
+    labels: list[str]
+    columns: dict[str, list[str]]
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.columns, index=pd.Index(self.labels, name=self.index_name))
+
+
+def summary_text(views: Mapping[str, RunView], ratios: bool = False) -> TextTable:
+    """summary_table's formatted table as a TextTable (what summary_table(views, ratios=ratios)
+    holds, cell for cell)."""
+    rows = summary_rows(views)
+    numbers = {label: [_lookup(v.summary, key) for _, key, _ in rows] for label, v in views.items()}
+    kinds = [kind for _, _, kind in rows]
+    columns = {label: [units.display(x, k) for x, k in zip(values, kinds)] for label, values in numbers.items()}
+    if ratios and {"predicted", "measured"} <= set(numbers):     # a comparison: its one error convention
+        columns["error"] = [units.signed_pct((p - m) / m) if m and not math.isnan(m) and not math.isnan(p)
+                            else EMPTY for p, m in zip(numbers["predicted"], numbers["measured"])]
+    elif ratios and len(views) > 1:
+        base_label, base = next(iter(numbers.items()))
+        for label, values in list(numbers.items())[1:]:
+            columns[f"{label} / {base_label}"] = [units.ratio(x / b) if b and not math.isnan(b) and not math.isnan(x)
+                                                  else EMPTY for x, b in zip(values, base)]
+    return TextTable("metric", [row for row, _, _ in rows], columns)
+
+
 def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: bool = False) -> pd.DataFrame:
     """Headline metrics: one row per metric, one column per run.
 
@@ -111,30 +154,12 @@ def summary_table(views: Mapping[str, RunView], formatted: bool = True, ratios: 
     an `error` column instead, (predicted - measured) / measured, the convention of every
     comparison table and chart.
     """
-    rows = SUMMARY_ROWS
-    if any("kv_offload" in v.summary for v in views.values()):      # only runs with a CPU KV tier
-        rows = rows + OFFLOAD_ROWS
-    if any("speculative" in v.summary for v in views.values()):     # only runs with speculative decoding
-        rows = rows + SPECULATIVE_ROWS
-    if any("lora" in v.summary for v in views.values()):            # only runs serving LoRA adapters
-        rows = rows + LORA_ROWS
-    numbers = {label: [_lookup(v.summary, key) for _, key, _ in rows] for label, v in views.items()}
+    if formatted:
+        return summary_text(views, ratios).frame()
+    rows = summary_rows(views)
     index = pd.Index([row for row, _, _ in rows], name="metric")
-    kinds = [kind for _, _, kind in rows]
-    if not formatted:
-        return pd.DataFrame({label: [units.display_number(x, k) for x, k in zip(values, kinds)]
-                             for label, values in numbers.items()}, index=index)
-    table = pd.DataFrame({label: [units.display(x, k) for x, k in zip(values, kinds)]
-                          for label, values in numbers.items()}, index=index)
-    if ratios and {"predicted", "measured"} <= set(numbers):     # a comparison: its one error convention
-        table["error"] = [units.signed_pct((p - m) / m) if m and not math.isnan(m) and not math.isnan(p)
-                          else EMPTY for p, m in zip(numbers["predicted"], numbers["measured"])]
-    elif ratios and len(views) > 1:
-        base_label, base = next(iter(numbers.items()))
-        for label, values in list(numbers.items())[1:]:
-            table[f"{label} / {base_label}"] = [units.ratio(x / b) if b and not math.isnan(b) and not math.isnan(x)
-                                                else EMPTY for x, b in zip(values, base)]
-    return table
+    return pd.DataFrame({label: [units.display_number(_lookup(v.summary, key), kind) for _, key, kind in rows]
+                         for label, v in views.items()}, index=index)
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -229,6 +254,21 @@ def html_table(frame: pd.DataFrame) -> str:
         cells = [f'<td class="label">{_esc(key)}</td>'] if show_index else []
         cells += [f"<td>{_esc(_cell(c, v))}</td>" for c, v in zip(frame.columns, row)]
         rows.append(f"<tr>{''.join(cells)}</tr>")
+    return _html_grid(head, rows)
+
+
+def html_text_table(table: TextTable) -> str:
+    """html_table(table.frame()), made without pandas: every cell is a display string already."""
+    if {"predicted", "measured", "relative_error"} <= set(table.columns):   # (read as a comparison table)
+        return html_table(table.frame())
+    head = [_esc(table.index_name), *map(_esc, table.columns)]
+    cells = list(zip(*table.columns.values())) or [()] * len(table.labels)
+    rows = [f'<tr><td class="label">{_esc(label)}</td>' + "".join(f"<td>{_esc(v)}</td>" for v in row) + "</tr>"
+            for label, row in zip(table.labels, cells)]
+    return _html_grid(head, rows)
+
+
+def _html_grid(head: Sequence[str], rows: Sequence[str]) -> str:
     header = "".join(f"<th>{h}</th>" for h in head)
     return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -298,7 +338,7 @@ def write_html_report(path: str | Path, title: str, views: Mapping[str, RunView]
     first = next(iter(views.values()), None)
     notes = [line for v in views.values() if (line := rejection_line(v.requests, v.summary))]
     header = [html_setup(setup, first.summary if first else None, notes)] if setup else []
-    body = [*header, *_warnings(views), "<h2>Summary</h2>", html_table(summary_table(views, ratios=True))]
+    body = [*header, *_warnings(views), "<h2>Summary</h2>", html_text_table(summary_text(views, ratios=True))]
     for table_title, frame in extra_tables:
         body += [f"<h2>{_esc(table_title)}</h2>", html_table(frame)]
     body += ["<h2>Figures</h2>", *(html_figure(name, p) for name, p in figures.items())]

@@ -10,15 +10,18 @@ small one. Data are in seconds; axes show milliseconds.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
+import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, ScalarFormatter
+from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, MaxNLocator, ScalarFormatter
 
 from sim.output import units
-from sim.output.io import atomic_path
+from sim.output.png import write_png
 from sim.output.pages import (CAPTIONS, CSS, SUMMARY_ROWS, html_figure, html_setup, html_table,  # noqa: F401
                               summary_table, write_html_page, write_html_report)
 from sim.output.trace import TRACE_MAX_REQUESTS, write_perfetto_trace  # noqa: F401
@@ -28,6 +31,7 @@ from sim.output.views import (CDF_POINTS, KV_SERIES, QUEUE_SERIES, SPLIT_SERIES,
                               timeline)
 
 DPI = 110
+SOFTWARE = f"Matplotlib version{matplotlib.__version__}, https://matplotlib.org/"     # (as savefig writes it)
 
 # ----------------------------------------------------------------------------- plots
 
@@ -58,17 +62,40 @@ def _note(ax, text: str) -> None:
 
 
 def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
-    ax.set_title(title)
+    # y given: matplotlib then skips measuring every tick label to lift the title above an x axis
+    # drawn on top, which no figure here has (the same place, ~3% of the drawing)
+    ax.set_title(title, y=1.0)
     if counts:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     # shorten big numbers on a numeric axis, but never replace tick labels set by hand (metric names)
     if ax.get_yscale() == "linear" and isinstance(ax.yaxis.get_major_formatter(), ScalarFormatter):
         ax.yaxis.set_major_formatter(_short_number)
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log" and type(axis.get_major_formatter()) is LogFormatterSciNotation:
+            axis.set_major_formatter(PlainLogFormatter())
+            axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
+
+
+class PlainLogFormatter(LogFormatterSciNotation):
+    """A log axis' labels as matplotlib's default formatter picks them (10⁵, 2×10³), in plain
+    text: mathtext's parser, built on a process's first log axis, was ~7% of drawing the figures."""
+
+    MATHTEXT = re.compile(r"\$\\mathdefault\{(.*)\}\$")
+    POWER = re.compile(r"\^\{(-?\d+)\}")
+    SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+    def __call__(self, x: float, pos: Optional[int] = None) -> str:
+        text = super().__call__(x, pos)
+        shown = self.MATHTEXT.fullmatch(text)
+        if shown is None:
+            return text
+        plain = shown.group(1).replace("\\times", "×")
+        return self.POWER.sub(lambda power: power.group(1).translate(self.SUPERSCRIPT), plain)
 
 
 @FuncFormatter
@@ -262,9 +289,21 @@ RUN_PLOTS: dict[str, Callable[[Mapping[str, RunView]], Figure]] = {"overview": p
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=dpi)
-    return Path(path)
+    """The figure drawn on matplotlib's Agg canvas at `dpi`, as fig.savefig(path, dpi=dpi) would,
+    and written by sim/output/png.py (Pillow's PNG encoder cost as much as the drawing)."""
+    return write_png(path, figure_pixels(fig, dpi), dpi, SOFTWARE)
+
+
+def figure_pixels(fig: Figure, dpi: float = DPI) -> np.ndarray:
+    """The figure drawn on matplotlib's Agg canvas at `dpi`: (height, width, 4) uint8 RGBA."""
+    shown_dpi = fig.dpi
+    fig.dpi = dpi
+    try:
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        return np.asarray(canvas.buffer_rgba())
+    finally:
+        fig.dpi = shown_dpi
 
 
 def titled(fig: Figure, title: str) -> Figure:

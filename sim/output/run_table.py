@@ -15,7 +15,7 @@ from sim.output.setup import rejection_line, setup_text, vllm_startup_lines
 
 
 def print_results(results: Mapping, out: Path) -> None:
-    from sim.output.pages import summary_table
+    from sim.output.pages import summary_text
     from sim.output.run_files import view_of
 
     first = next(iter(results.values()))
@@ -26,8 +26,8 @@ def print_results(results: Mapping, out: Path) -> None:
     for name, lines in (list(startup.items())[:1] if same else startup.items()):
         for line in lines:
             console.print(f"[dim]{escape(('' if same else name + ': ') + line)}[/]", soft_wrap=True)
-    views = {name: view_of(r, name) for name, r in results.items()}
-    print_table(summary_table(views, ratios=True))
+    views = {name: view_of(r, name, all_step_columns=False) for name, r in results.items()}   # (the summaries)
+    print_table(summary_text(views, ratios=True))
     for name, r in results.items():
         line = rejection_line(r.request_columns, r.summary)
         if line:
@@ -53,12 +53,13 @@ def print_frame(frame, title: Optional[str] = None) -> None:
     console.print(table)
 
 
-def print_table(frame) -> None:
+def print_table(text) -> None:
+    """A table of display strings (sim.output.pages.TextTable), as rich draws it."""
     table = Table(show_header=True, header_style="bold")
-    table.add_column(str(frame.index.name or "metric"))
-    for col in frame.columns:
+    table.add_column(str(text.index_name or "metric"))
+    for col in text.columns:
         table.add_column(str(col), justify="right")
-    for metric, row in frame.iterrows():
+    for metric, *row in zip(text.labels, *text.columns.values()):
         table.add_row(str(metric), *[str(v) for v in row])
     console.print(table)
 

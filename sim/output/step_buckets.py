@@ -105,21 +105,30 @@ def held(ids: np.ndarray, values: np.ndarray, buckets: int) -> np.ndarray:
     return out
 
 
-def records_timeline(records: RunRecords, agg, buckets: int, combine: str, step_ms: bool = False):
-    """views.timeline() of a run's records without a per-step frame: (bucket edges, {column:
-    per-bucket values}). A 'step_ms' column is the steps' durations in ms."""
-    recs = [r for r in records.recorders if len(r)]
-    t0 = min(float(r.step_column("start_s")[0]) for r in recs)      # (steps are in time order)
-    t1 = max(float(r.step_column("end_s")[-1]) for r in recs)
-    width = (t1 - t0) / buckets if t1 > t0 else 1.0
-    per_replica: dict[str, list[np.ndarray]] = {c: [] for c in agg}
-    for rec in sorted(recs, key=lambda r: r.replica):
-        start = rec.step_column("start_s")
-        cut = StepBuckets(rec, np.minimum(((start - t0) / width).astype(np.int64), buckets - 1))
-        for column, how in agg.items():
-            values = (rec.step_column("end_s") - start) * 1e3 if column == "step_ms" else column
-            per_replica[column].append(held(cut.ids, cut.reduce(values, how).astype(np.float64), buckets))
-    return t0 + width * np.arange(buckets + 1), {c: np.vstack(v) for c, v in per_replica.items()}
+class TimelineCuts:
+    """A run's steps cut into `buckets` equal time buckets, once per run: each of the plots' step
+    series is then reduced over the same cuts (they were made again for each series)."""
+
+    def __init__(self, records: RunRecords, buckets: int):
+        recs = [r for r in records.recorders if len(r)]
+        t0 = min(float(r.step_column("start_s")[0]) for r in recs)      # (steps are in time order)
+        t1 = max(float(r.step_column("end_s")[-1]) for r in recs)
+        width = (t1 - t0) / buckets if t1 > t0 else 1.0
+        self.buckets, self.edges = buckets, t0 + width * np.arange(buckets + 1)
+        self.cuts = [StepBuckets(rec, np.minimum(((rec.step_column("start_s") - t0) / width).astype(np.int64),
+                                                 buckets - 1))
+                     for rec in sorted(recs, key=lambda r: r.replica)]
+
+    def reduce(self, agg) -> dict[str, np.ndarray]:
+        """{column: (replicas, buckets) values}; a 'step_ms' column is the steps' durations in ms."""
+        per_replica: dict[str, list[np.ndarray]] = {c: [] for c in agg}
+        for cut in self.cuts:
+            rec = cut.rec
+            for column, how in agg.items():
+                values = (rec.step_column("end_s") - rec.step_column("start_s")) * 1e3 if column == "step_ms" \
+                    else column
+                per_replica[column].append(held(cut.ids, cut.reduce(values, how).astype(np.float64), self.buckets))
+        return {c: np.vstack(v) for c, v in per_replica.items()}
 
 
 def timeline_columns(records: RunRecords, interval_s: float = DEFAULT_INTERVAL_S) -> Optional[dict[str, np.ndarray]]:

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from sim.core.lazy import lazy_import
-from sim.output.step_buckets import records_timeline
+from sim.output.step_buckets import TimelineCuts
 from sim.records import STEP_COLUMNS, RunRecords, requests_frame
 
 pd = lazy_import("pandas")     # frames only where a view was given them: a drawing process imports none
@@ -53,6 +53,8 @@ class RunView:
     # a prediction's records: its step series are reduced from the recorders' columns (no
     # per-step frame: a million-request run has millions of steps); `steps` is then empty
     records: Optional[RunRecords] = field(default=None, repr=False)
+    _measured: Optional[np.ndarray] = field(default=None, init=False, repr=False)   # (_measured_mask)
+    _cuts: Optional[TimelineCuts] = field(default=None, init=False, repr=False)     # (series)
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps.empty:   # a run without steps: keep numeric columns
@@ -104,7 +106,9 @@ class RunView:
         """timeline() of the steps (a 'step_ms' column is the step durations)."""
         def make():
             if self._recorders:
-                edges, per_replica = records_timeline(self.records, agg, TIMELINE_BUCKETS, combine)
+                if self._cuts is None:
+                    self._cuts = TimelineCuts(self.records, TIMELINE_BUCKETS)
+                edges, per_replica = self._cuts.edges, self._cuts.reduce(agg)
                 return edges, Buckets({c: _combine(per_replica[c], combine) for c in agg}, TIMELINE_BUCKETS)
             if self.records is not None:
                 return timeline({c: np.zeros(0) for c in ("replica", "start_s", "end_s", *agg)}, agg)
@@ -118,7 +122,7 @@ class RunView:
     def latency_cdf(self, column: str) -> tuple[np.ndarray, np.ndarray, int]:
         """(thinned sorted values in ms, cumulative fraction, number of samples) over `measured`."""
         def make():
-            values = np.asarray(self.measured[column], dtype=float)
+            values = np.asarray(self.requests[column], dtype=float)[self._measured_mask()]
             ms = values[~np.isnan(values)] * 1e3
             return (*cdf_points(ms), len(ms)) if len(ms) else (np.zeros(0), np.zeros(0), 0)
         return self._reduce(("cdf", column), make)
@@ -189,11 +193,17 @@ class RunView:
     def measured(self):
         """Finished, non-warm-up requests: what every latency figure is over (as in metrics); a
         frame, or a mapping of columns where the view holds the request columns."""
-        r = self.requests
-        keep = (np.asarray(r["status"]) == "finished") & ~np.asarray(r["is_warmup"]).astype(bool)
+        r, keep = self.requests, self._measured_mask()
         if hasattr(r, "iloc"):
             return r[keep]
         return {c: v[keep] for c, v in r.items()}
+
+    def _measured_mask(self) -> np.ndarray:
+        """Which requests `measured` keeps (made once: each latency CDF reads one column of them)."""
+        if self._measured is None:
+            r = self.requests
+            self._measured = (np.asarray(r["status"]) == "finished") & ~np.asarray(r["is_warmup"]).astype(bool)
+        return self._measured
 
 
 def step_ms_bins(views: Mapping[str, RunView], bins: int = 60) -> Optional[np.ndarray]:

@@ -15,24 +15,39 @@ started, so none outlives the run (or holds its stderr open).
 """
 from __future__ import annotations
 
+import gc
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from sim import stop
 
 
 def warm_up() -> None:
     """Import matplotlib and load its fonts (the figure process does this while the parent simulates)."""
-    import io
-
-    from sim.output.report import new_figure
+    from sim.output.report import figure_pixels, new_figure
 
     fig, (ax,) = new_figure()
     ax.set_title("warm-up")
     ax.plot([0, 1])
-    fig.savefig(io.BytesIO(), format="png", dpi=20)
+    figure_pixels(fig, dpi=20)
+
+
+def figure_process_start() -> None:
+    """What the figure process does first, while the parent simulates: matplotlib imported without
+    its Artist docstrings, then warm_up. matplotlib writes each Artist subclass's `set()`
+    docstring, a list of every property, as it imports (artist.kwdoc: ~30% of the import's
+    instructions, measured); a process that only draws never reads one, so there the list is left
+    empty. Only where matplotlib has not been imported yet, and only in this process."""
+    import sys
+
+    if "matplotlib.artist" not in sys.modules:
+        import matplotlib.artist
+
+        if callable(getattr(matplotlib.artist, "kwdoc", None)):
+            matplotlib.artist.kwdoc = lambda artist: ""
+    warm_up()
 
 
 def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
@@ -59,7 +74,8 @@ def in_forked_shares(names: Sequence[str], ways: int, draw: Callable[[list[str]]
     with ExitStack() as forwards:
         try:
             for share in shares[1:]:
-                pid = os.fork()
+                with frozen_heap():
+                    pid = os.fork()
                 if pid == 0:                               # the copy: draw, then leave without cleanup
                     code = 1
                     try:
@@ -80,6 +96,22 @@ def in_forked_shares(names: Sequence[str], ways: int, draw: Callable[[list[str]]
     for share in shares[1:]:
         drawn.update({name: path_of(name) for name in share})
     return {name: drawn[name] for name in names}
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Around a fork: the objects alive now are moved out of the cyclic collector's reach
+    (gc.freeze) until the fork is done, so the child's collections (matplotlib's import makes
+    several) never write to the pages it shares with its parent, each of which would then be
+    copied: ~1/3 of the figure processes' page faults (docs/performance.md). The parent's
+    collector gets them back at once; the child keeps them frozen (it lives for one run)."""
+    parent = os.getpid()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if os.getpid() == parent:
+            gc.unfreeze()
 
 
 def plot_ways() -> int:
@@ -113,7 +145,8 @@ class FigureWorkers:
 
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
                                             initializer=stop.in_worker)
-            self.pool.submit(warm_up)
+            with frozen_heap():
+                self.pool.submit(figure_process_start)    # (forks the figure process)
             self._forwarding.enter_context(stop.forwarding(stop.forward_to_pool(self.pool)))
 
     def draw(self, views: Mapping, out_dir: str | Path, title: str = "") -> dict[str, Path]:

@@ -10,7 +10,6 @@ from sim.output.run_dir import owned_run_folder
 from sim.scenario import validate_scenario
 from sim.whatif.parallel import add_parallel_args, check_jobs
 from sim.whatif.sweep import SweepError, base_raw, run_sweep, split_sets
-from sim.whatif.sweep_output import print_sweep, write_sweep
 
 
 
@@ -26,6 +25,10 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
 
 def sweep_main(args: argparse.Namespace) -> int:
     """`simrun SCENARIO --set PATH=A,B ...`: run the sweep, write and print its results."""
+    # (imported here: a single run, which builds this module's parser, needs none of the sweep's
+    # tables and pages, nor rich behind them when --quiet)
+    from sim.whatif.sweep_output import print_sweep, write_sweep
+
     steps = getattr(args, "steps", "timeline")
     for flag, given in (("--trace", args.trace), (f"--steps {steps}", steps != "timeline")):
         if given and not args.point_outputs:

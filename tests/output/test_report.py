@@ -388,3 +388,47 @@ def test_drawable_views_carry_the_plotted_reductions_only(views, two_replicas, t
         assert light.latency_cdf("ttft_s")[2] == len(view.measured["ttft_s"].dropna())
     drawn = plot_run_figures({k: v.drawable() for k, v in views.items()}, tmp_path, "light", RUN_PLOTS)
     assert set(drawn) == set(RUN_PLOTS)
+
+
+# ----------------------------------------------------------------------------- files and tables without pandas
+
+@pytest.mark.parametrize("alpha", [255, 128])
+def test_png_writer_keeps_every_pixel(tmp_path, alpha):
+    from PIL import Image
+
+    from sim.output.png import write_png
+
+    rgba = np.random.default_rng(0).integers(0, 256, (37, 53, 4), dtype=np.uint8)
+    rgba[..., 3] = alpha
+    rgba[10:20] = rgba[9]                                  # repeated rows: the Up filter's zeros
+    with Image.open(write_png(tmp_path / "x.png", rgba, 110, "kvtwin")) as image:
+        assert image.mode == ("RGB" if alpha == 255 else "RGBA")
+        assert np.array_equal(np.asarray(image.convert("RGBA")), rgba)
+        assert image.info["Software"] == "kvtwin" and round(image.info["dpi"][0]) == 110
+    assert [p.name for p in tmp_path.iterdir()] == ["x.png"]     # written atomically
+
+
+def test_summary_text_is_the_summary_table_cell_for_cell(views, rejected):
+    from sim.output.pages import html_table, html_text_table, summary_text
+
+    for group in ({**views, "rejected": rejected}, {"one": views["static"]}, {}):
+        for ratios in (False, True):
+            text, frame = summary_text(group, ratios), summary_table(group, ratios=ratios)
+            assert text.frame().equals(frame)
+            assert html_text_table(text) == html_table(frame)
+
+
+def test_log_axes_label_decades_in_plain_text():
+    from matplotlib.figure import Figure
+
+    from sim.output.report import PlainLogFormatter, figure_pixels, finish_axes
+
+    fig = Figure()
+    ax = fig.subplots()
+    ax.plot([1, 10, 1e5], [1, 2, 3])
+    ax.set_xscale("log")
+    finish_axes(ax, "t", "y", "x")
+    assert isinstance(ax.xaxis.get_major_formatter(), PlainLogFormatter)
+    figure_pixels(fig, 20)
+    labels = {t.get_text() for t in ax.get_xticklabels() if t.get_text()}
+    assert {"10⁰", "10¹", "10⁵"} <= labels and not any("$" in label for label in labels)
