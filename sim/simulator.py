@@ -434,8 +434,9 @@ class Simulation:
                     continue
             if tier is not None:
                 tier.now = now
+            arrived = len(sched.arriving)    # (async: they join WAITING after this pass, new to the next)
             batch = schedule()
-            seen_waiting = len(queue)
+            seen_waiting = len(queue) - arrived
             if batch is None:
                 if now > env.now:            # catch up before sleeping
                     yield from sleep_until(env, now)
