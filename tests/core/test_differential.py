@@ -570,7 +570,7 @@ def test_leaps_held_over_past_an_arrival_match_the_one_by_one_simulation(chunk, 
         original(self, sched, price, i, t, ctx, blocks, columns)
         held.append(len(columns[0]) - before)
     monkeypatch.setattr(LeapPlan, "_held_over_step", spy)
-    for seed in range(2 * chunk + 1, 24, 4):
+    for seed in range(2 * chunk + 1, 48, 4):
         raw = random_scenario(seed)
         raw["cluster"]["replicas"] = 1
         raw["workload"].pop("max_concurrency", None)
@@ -582,7 +582,7 @@ def test_leaps_held_over_past_an_arrival_match_the_one_by_one_simulation(chunk, 
         assert steps_a.equals(steps_b), (seed, raw)
         assert reqs_a.equals(reqs_b), (seed, raw)
         assert pools_a == pools_b, (seed, raw)
-    assert sum(held) >= 10
+    assert sum(held) >= 20
 
 
 def sliding_scenario(seed):
