@@ -22,7 +22,10 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
     driver knows step t runs (`LeapPlan.settle`), step t is scheduled and its finishers released,
     and the waiting head is checked again at t+1 against what they freed.
 Arrivals are the driver's business: it must end the leap before the next request reaches
-any router (sim/simulator.py cuts it at the first step ending at or after that time).
+any router (sim/simulator.py cuts it at the first step ending at or after that time). With async
+scheduling, a request that arrives while a step is in flight joins WAITING only after the next
+step's pass, so a driver that alone sees the arrivals (a chained run) may take that step too
+(`LeapPlan.timed`'s `held_over`) and move them to WAITING after it.
 
 `apply_leap` takes the stretch's blocks from a paged pool in one go, in the order the one-step
 path takes them, and registers the blocks the members fill (DecodeCohort.advance_many, so every
