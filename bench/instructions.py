@@ -37,6 +37,7 @@ LINES = {
     "bench-leap": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=300",)),
     "bench-one-by-one": ("bench_sim_speed", 1000, False, ("workload.arrival.rate=300",)),
     "sweep-point": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=200",)),
+    "bench-150": ("bench_sim_speed", 3000, True, ()),       # its own 150 req/s: arrivals cut most leaps
     "mistral-sliding": ("whatif_sliding_window", 200, True, ()),
     "gpt-oss-sliding": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40")),
     "gpt-oss-full": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40", *AS_FULL_ATTENTION)),

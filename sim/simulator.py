@@ -434,8 +434,9 @@ class Simulation:
                     continue
             if tier is not None:
                 tier.now = now
+            arrived = len(sched.arriving)    # (async: they join WAITING after this pass, new to the next)
             batch = schedule()
-            seen_waiting = len(queue)
+            seen_waiting = len(queue) - arrived
             if batch is None:
                 if now > env.now:            # catch up before sleeping
                     yield from sleep_until(env, now)
@@ -492,6 +493,11 @@ class Simulation:
             chained = self._chained and end < horizon
             if self._chained:
                 if not chained:
+                    if len(ends) > 1 and ends[-2] > horizon:
+                        # held over (LeapPlan.timed): what arrived by the end of the step in flight
+                        # at the horizon joined WAITING after the last step's pass, the rest after
+                        self._inline.deliver(float(ends[-2]))
+                        sched.take_arriving()
                     self._next_arrival = self._inline.deliver(end)
             else:
                 replica.busy_until = end
@@ -540,9 +546,12 @@ class Simulation:
             (ctx,), (blocks,) = plan.shapes(1)
             price = self._decode_pricer(plan.rows, ctx, blocks)
         # most leaps are short: their first steps priced one by one (cheaper than numpy for a few)
-        ends, hosts, devices, ctx, blocks, more = plan.timed(sched, price, now, horizon, LEAP_SCALAR_STEPS)
+        # Async scheduling in a chained run: what arrives at the horizon joins WAITING only after
+        # the next step's pass, so the leap runs through that step too (LeapPlan.timed, `_leaps`).
+        held_over = self._chained and sched.holds_arrivals and sched.in_flight
+        ends, hosts, devices, ctx, blocks, more = plan.timed(sched, price, now, horizon, LEAP_SCALAR_STEPS, held_over)
         if more:
-            return self._bulk_times(plan, now, ends, hosts, devices, horizon)
+            return self._bulk_times(plan, now, ends, hosts, devices, horizon, held_over)
         if not ends:
             return None
         return plan, ends, hosts, devices, ctx, blocks
@@ -560,9 +569,11 @@ class Simulation:
             self._pricers[rows] = pricer
         return pricer
 
-    def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float):
+    def _bulk_times(self, plan: LeapPlan, now: float, ends: list, hosts: list, devices: list, horizon: float,
+                    held_over: bool):
         """A long leap priced with numpy (the same float operations, element by element), in
-        growing stretches until one crosses the horizon (or the plan ends)."""
+        growing stretches until one crosses the horizon (or the plan ends); with `held_over`, one
+        step past the one in flight then, where it is priced already (see LeapPlan.timed)."""
         size = 4 * len(ends)
         while True:
             size *= 4
@@ -581,6 +592,8 @@ class Simulation:
                 break
         if before < len(tail) and tail[before] > horizon:
             before += 1                                                      # and the one in flight then
+            if held_over and before < len(tail):
+                before += 1                                                  # and the next (async)
         k = len(ends) + before
         ends = np.concatenate((ends, tail[:before]))
         return plan, ends, host[:k], device[:k], columns["decode_ctx"][:k], columns["blocks_read"][:k]

@@ -18,6 +18,7 @@ class AsyncScheduling:
     """Finishers release one pass late; arrivals during a step join WAITING one pass late."""
 
     __slots__ = ()
+    holds_arrivals = True                   # (while `in_flight`: the leap planner asks)
     state = ("_finishing", "in_flight")     # the composed class's slots (make_scheduler)
 
     def __init__(self, config, kv, offload=None):

@@ -38,6 +38,7 @@ class Scheduler:
     variants: frozenset = frozenset()
     static = False             # static batching (the leap planner asks)
     mixed = True               # running and waiting in one step (False: V0's prefill-first order)
+    holds_arrivals = False     # requests added while a step is in flight wait through the next pass (async)
     # (slots: attribute reads stay cheap on the hot paths, however many attributes there are)
     __slots__ = ("config", "kv", "block_size", "lazy", "cohort", "waiting", "running", "active", "step",
                  "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions", "tokens_held",

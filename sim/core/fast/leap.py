@@ -22,7 +22,10 @@ A leap covers steps t .. t+K-1 that the one-step path would schedule as pure coh
     driver knows step t runs (`LeapPlan.settle`), step t is scheduled and its finishers released,
     and the waiting head is checked again at t+1 against what they freed.
 Arrivals are the driver's business: it must end the leap before the next request reaches
-any router (sim/simulator.py cuts it at the first step ending at or after that time).
+any router (sim/simulator.py cuts it at the first step ending at or after that time). With async
+scheduling, a request that arrives while a step is in flight joins WAITING only after the next
+step's pass, so a driver that alone sees the arrivals (a chained run) may take that step too
+(`LeapPlan.timed`'s `held_over`) and move them to WAITING after it.
 
 `apply_leap` takes the stretch's blocks from a paged pool in one go, in the order the one-step
 path takes them, and registers the blocks the members fill (DecodeCohort.advance_many, so every
@@ -124,14 +127,18 @@ class LeapPlan:
                 sched, self.members, pool.num_free - first)):
             self._limit = self.max_steps
 
-    def timed(self, sched: Scheduler, price, start: float, horizon: float, most: int) -> tuple:
+    def timed(self, sched: Scheduler, price, start: float, horizon: float, most: int,
+              held_over: bool = False) -> tuple:
         """Price the plan's first steps one by one, up to `most`: step i ends where step i-1 ended
         plus its host + device time (`price(decode ctx, blocks read)`), the first at `start` plus
         its own, added one by one as SimPy's clock adds them, until the step in flight at `horizon`
         or the plan's end. (A step ending exactly at `horizon` is left out: which of the two comes
-        first is the driver's queue order.) Returns (ends, hosts, devices, ctx, blocks, more), with
-        `more` when all `most` steps end before `horizon` and the plan goes on. A pending plan is
-        settled (`settle`) once its first step ends before `horizon`."""
+        first is the driver's queue order.) With `held_over` (async scheduling: what arrives while
+        a step is in flight joins WAITING only after the next step's pass) the step after the one
+        in flight is the leap's last, where the plan reaches it (`_held_over_step`). Returns (ends,
+        hosts, devices, ctx, blocks, more), with `more` when all `most` steps end before `horizon`
+        and the plan goes on. A pending plan is settled (`settle`) once its first step ends before
+        `horizon` (or is in flight then, with `held_over`)."""
         ends: list[float] = []
         hosts: list[float] = []
         devices: list[float] = []
@@ -156,6 +163,8 @@ class LeapPlan:
                     devices.append(d)
                     ctxs.append(ctx)
                     reads.append(read)
+                    if held_over:
+                        self._held_over_step(sched, price, i, t, ctx + per, blocks, (ends, hosts, devices, ctxs, reads))
                 return ends, hosts, devices, ctxs, reads, False
             ends.append(t)
             hosts.append(h)
@@ -166,6 +175,24 @@ class LeapPlan:
             if not i and self.pending:
                 self.settle(sched)             # step t runs: its finishers go, the plan goes on
         return ends, hosts, devices, ctxs, reads, self.reach(most + 1) > most
+
+    def _held_over_step(self, sched: Scheduler, price, i: int, t: float, ctx: int, blocks: int,
+                        columns: tuple) -> None:
+        """Step i + 1 after step i, in flight at the horizon, ending at `t` (`timed`), appended to
+        `columns` where the plan reaches it. With async scheduling, requests that arrive while
+        step i runs wait in `arriving` through step i + 1's pass (sim/core/async_scheduling.py),
+        which therefore schedules what it would without them: the plan's next step (the waiting
+        head, as the plan found it, does not start). The driver moves them to WAITING after it."""
+        if not i and self.pending:
+            self.settle(sched)                 # step t runs: its finishers go
+        if self.reach(i + 2) <= i + 1:
+            return                             # the plan ends at step i
+        blocks += self.walked[i + 1]
+        static = self.static_shape
+        read = blocks if static is None else self.rows * -(-(static[0] + self.first_step + i + 1) // static[1])
+        h, d = price(ctx, read)
+        for column, value in zip(columns, (t + (h + d), h, d, ctx, read)):
+            column.append(value)
 
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
