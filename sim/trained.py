@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from sim.core.files import read_yaml
+from sim.core.files import load_package_yaml, read_yaml
 
 FAMILY_VERSION = 1
 FAMILY_FILE = Path(__file__).resolve().parent / "core" / "catalog" / f"trained-v{FAMILY_VERSION}.yaml"
@@ -28,7 +28,8 @@ CALIBRATED_METRICS = {"ttft": ("ttft_mean", "ttft_p99"), "tpot": ("tpot_mean", "
 
 @lru_cache(maxsize=4)
 def family(path: Path = FAMILY_FILE) -> dict:
-    raw = read_yaml(path, "trained profile family (YAML)")
+    raw = (load_package_yaml(path.read_text()) if path == FAMILY_FILE
+           else read_yaml(path, "trained profile family (YAML)"))
     engines = raw.get("engines") if isinstance(raw, dict) else None
     if not isinstance(engines, dict) or not engines:
         raise ValueError(f"{path}: a trained profile family needs 'engines' (per vLLM engine generation)")

@@ -10,10 +10,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
-from sim.core.files import check_bounded, excerpt
+from sim.core.files import check_bounded, excerpt, load_package_yaml
 from sim.core.quantization import WeightQuant
 from sim.core.strict import StrictModel
 
@@ -320,7 +319,7 @@ class DeviceSpec(StrictModel):
 @lru_cache(maxsize=None)
 def _catalog(kind: str) -> dict[str, dict[str, Any]]:
     text = resources.files("sim.core").joinpath("catalog", f"{kind}.yaml").read_text()
-    return yaml.safe_load(text)
+    return load_package_yaml(text)
 
 
 def model_names() -> list[str]:

@@ -2,6 +2,8 @@
 upper bounds on sizes, booleans and 5,000-digit integers, arrival processes that cannot advance."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sim.cli import main
@@ -212,3 +214,18 @@ def test_a_5000_digit_integer_names_the_file_line_or_set_path(tmp_path, capsys):
         main([str(scenario), "--seed", huge])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "argument --seed: '9999" in err and len(err) < 1000
+
+
+def test_the_package_yaml_loader_reads_what_safe_load_reads():
+    """The catalog and the trained family are read with libyaml's safe loader (start-up time);
+    each bundled file must come out exactly as yaml.safe_load gives it."""
+    import yaml
+
+    from sim.core.files import load_package_yaml
+
+    catalog = Path(__file__).resolve().parents[2] / "sim" / "core" / "catalog"
+    files = sorted(catalog.glob("*.yaml"))
+    assert {f.name for f in files} >= {"devices.yaml", "models.yaml", "trained-v1.yaml"}
+    for f in files:
+        text = f.read_text()
+        assert load_package_yaml(text) == yaml.safe_load(text), f.name
