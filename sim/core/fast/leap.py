@@ -53,7 +53,7 @@ class LeapPlan:
     the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
     __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "settled", "_ctx0", "_ctx_per_step",
-                 "walked", "_walked_before", "static_shape", "_cycle", "_widest", "_tables", "_free", "_taken", "_limit")
+                 "walked", "_walked_before", "static_shape", "_clock", "_groups", "_tables", "_free", "_taken", "_limit")
 
     def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
         """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
@@ -64,14 +64,9 @@ class LeapPlan:
         self.members = members
         self.walked: list[int] = []       # blocks the members start walking at each step
         self._walked_before = cohort.blocks_walked
-        # Members crossing into a block at step i: the phase group (1 - clock - i) mod block_size. The
-        # groups do not change during the plan, so their sizes repeat every block_size steps: `_cycle[j]`
-        # is step j's (and step i's is `_cycle[i % block_size]`), read once, at C speed.
-        sizes = list(map(len, cohort.by_phase))
-        p = (1 - clock) % len(sizes)
-        self._cycle = sizes[p::-1] + sizes[:p:-1]
+        self._clock = clock
+        self._groups = cohort.by_phase
         self._tables = cohort.tables       # blocks a crossing member takes (a grouped cache: one per table)
-        self._widest = max(sizes) * self._tables    # the most blocks one step takes
         self._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
         self._taken = 0
         self._limit = max_steps            # lowered where the pool runs out
@@ -95,25 +90,12 @@ class LeapPlan:
     def reach(self, k: int) -> int:
         """How many of the first k steps can run (their blocks are free); counts them on demand."""
         walked = self.walked
-        if k > self._limit:
-            k = self._limit
-        n = len(walked)
-        if n < k:
-            cycle, tables = self._cycle, self._tables
-            bs = len(cycle)
-            if self._free - self._taken >= (k - n) * self._widest:
-                # no step up to k can run the pool out (most plans): their crossings at C speed
-                j = n % bs
-                if k - n <= bs - j:
-                    new = cycle[j:j + k - n]
-                else:
-                    new = ((cycle[j:] + cycle[:j]) * -(-(k - n) // bs))[:k - n]
-                walked += new
-                self._taken += sum(new) * tables
-                return k
-            free, taken = self._free, self._taken
-            for i in range(n, k):
-                w = cycle[i % bs]                      # the members crossing into a block at step i
+        k = min(k, self._limit)
+        if len(walked) < k:
+            groups, bs, tables = self._groups, len(self._groups), self._tables
+            phase, free, taken = 1 - self._clock, self._free, self._taken
+            for i in range(len(walked), k):
+                w = len(groups[(phase - i) % bs])      # the members crossing into a block at step i
                 taken += w * tables                    # (blocks freed behind windows are not counted)
                 if taken > free:
                     self._limit = k = i
@@ -167,39 +149,32 @@ class LeapPlan:
         blocks = self._walked_before
         static = self.static_shape
         t = start
-        first, want = 0, min(4, most)          # (counted ahead in growing stretches: most leaps are short)
-        while True:
-            n = self.reach(want)               # the plan's steps so far (step t alone while pending)
-            for i in range(first, n):
-                blocks += walked[i]
-                read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
-                h, d = price(ctx, read)
-                t = t + (h + d)
-                if t >= horizon:
-                    if t > horizon:            # the step in flight when the horizon comes
-                        ends.append(t)
-                        hosts.append(h)
-                        devices.append(d)
-                        ctxs.append(ctx)
-                        reads.append(read)
-                        if held_over:
-                            self._held_over_step(sched, price, i, t, ctx + per, blocks,
-                                                 (ends, hosts, devices, ctxs, reads))
-                    return ends, hosts, devices, ctxs, reads, False
-                ends.append(t)
-                hosts.append(h)
-                devices.append(d)
-                ctxs.append(ctx)
-                reads.append(read)
-                ctx += per
-                if not i and self.pending:
-                    self.settle(sched)         # step t runs: its finishers go, the plan goes on
-                    first = 1
-                    break
-            else:
-                if n < want or n == most:      # the plan ends here, or all `most` steps end before `horizon`
-                    return ends, hosts, devices, ctxs, reads, n == most and self.reach(most + 1) > most
-                first, want = n, min(2 * n + 4, most)
+        for i in range(most):
+            if i >= len(walked) and self.reach(2 * i + 4) <= i:
+                return ends, hosts, devices, ctxs, reads, False        # the plan ends here
+            blocks += walked[i]
+            read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
+            h, d = price(ctx, read)
+            t = t + (h + d)
+            if t >= horizon:
+                if t > horizon:                # the step in flight when the horizon comes
+                    ends.append(t)
+                    hosts.append(h)
+                    devices.append(d)
+                    ctxs.append(ctx)
+                    reads.append(read)
+                    if held_over:
+                        self._held_over_step(sched, price, i, t, ctx + per, blocks, (ends, hosts, devices, ctxs, reads))
+                return ends, hosts, devices, ctxs, reads, False
+            ends.append(t)
+            hosts.append(h)
+            devices.append(d)
+            ctxs.append(ctx)
+            reads.append(read)
+            ctx += per
+            if not i and self.pending:
+                self.settle(sched)             # step t runs: its finishers go, the plan goes on
+        return ends, hosts, devices, ctxs, reads, self.reach(most + 1) > most
 
     def _held_over_step(self, sched: Scheduler, price, i: int, t: float, ctx: int, blocks: int,
                         columns: tuple) -> None:
