@@ -103,37 +103,40 @@ class _Columns:
 
 
 class _Buffer:
-    """Values not yet packed into `_Columns`: entry after entry, packed as doubles into one byte
-    buffer (every recorded value, integers included, is exact as a double: all are far below
-    2**53). An entry is one `struct` pack, a leap's entries one more: where a list of tuples of
+    """Values not yet packed into `_Columns`: entry after entry, packed into one byte buffer, each
+    value as its column's type (`_FLOAT`'s as doubles, the rest as 64-bit integers: every recorded
+    integer is one). An entry is one `struct` pack, a leap's entries one more: where a list of tuples of
     Python numbers cost ~10% of a decode-heavy run to convert, and typed arrays a C-level
-    conversion per value several times slower than `struct`'s."""
+    conversion per value several times slower than `struct`'s. (Integers packed as doubles went
+    through a temporary float object each: ~7% of what recording cost.)"""
 
-    __slots__ = ("names", "data", "pack", "_packs")
+    __slots__ = ("names", "dtype", "data", "pack", "_format", "_packs")
 
     def __init__(self, names: tuple):
         self.names = names
+        self._format = "".join("d" if name in _FLOAT else "q" for name in names)
+        self.dtype = np.dtype([(name, "<f8" if name in _FLOAT else "<i8") for name in names])
         self.data = bytearray()
         # One entry, a value per column in `names` order: `buffer.data += buffer.pack(*values)`
         # (written out by the recorder, a step at a time: a method of two lines cost a call per step).
-        self.pack = Struct(f"<{len(names)}d").pack
+        self.pack = Struct("<" + self._format).pack
         self._packs: dict[int, Callable] = {}     # k -> the pack of k entries
 
     def __len__(self) -> int:
-        return len(self.data) // (8 * len(self.names))
+        return len(self.data) // self.dtype.itemsize
 
     def extend(self, sequences: tuple) -> None:
         """Several entries: a sequence per column, all of one length."""
         k = len(sequences[0])
         pack = self._packs.get(k)
         if pack is None:
-            pack = self._packs[k] = Struct(f"<{k * len(self.names)}d").pack
+            pack = self._packs[k] = Struct("<" + self._format * k).pack
         self.data += pack(*chain.from_iterable(zip(*sequences)))
 
     def take(self) -> dict[str, np.ndarray]:
         """The columns as arrays (strided views of the buffer: it is not appended to after)."""
-        table = np.frombuffer(self.data, dtype="<f8").reshape(-1, len(self.names))
-        return {name: table[:, i] for i, name in enumerate(self.names)}
+        table = np.frombuffer(self.data, dtype=self.dtype)
+        return {name: table[name] for name in self.names}
 
 
 class StepRecorder:
