@@ -280,7 +280,8 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
     done = 0                               # steps already scheduled (a settled first step)
     if plan.pending:
-        plan.settle(sched)
+        if plan.settled is None:           # (`timed` settles most)
+            plan.settle(sched)
         done = 1
     if done == k:
         figures: tuple[list[int], list[int], list[int]] = ([], [], [])
