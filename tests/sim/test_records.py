@@ -110,8 +110,9 @@ def test_a_rejected_first_turn_rejects_its_streamed_follow_ups():
 
 
 def test_step_buffers_keep_every_value_exactly_across_packs():
-    """Steps and rows are buffered as packed doubles between packs: floats,
-    numpy scalars and integers past 2**31 come back unchanged, in order, over several packs."""
+    """Steps and rows are buffered packed between packs (times as doubles, integer columns as
+    64-bit integers): floats, numpy scalars and integers past 2**31 come back unchanged, in order,
+    over several packs."""
     from types import SimpleNamespace
 
     from sim.records import PER_STEP, StepRecorder
