@@ -108,35 +108,50 @@ class _Buffer:
     integer is one). An entry is one `struct` pack, a leap's entries one more: where a list of tuples of
     Python numbers cost ~10% of a decode-heavy run to convert, and typed arrays a C-level
     conversion per value several times slower than `struct`'s. (Integers packed as doubles went
-    through a temporary float object each: ~15% of what recording cost at 150 req/s.)"""
+    through a temporary float object each: ~15% of what recording cost at 150 req/s.) A leap's
+    entries are packed column after column (`pack_block`: its sequences unpacked at C speed, no
+    tuple per entry); `take` puts them back in entry order."""
 
-    __slots__ = ("names", "dtype", "data", "pack", "_format", "_packs")
+    __slots__ = ("names", "data", "pack", "blocks", "_format", "_packs")
 
     def __init__(self, names: tuple):
         self.names = names
         self._format = "".join("d" if name in _FLOAT else "q" for name in names)
-        self.dtype = np.dtype([(name, "<f8" if name in _FLOAT else "<i8") for name in names])
         self.data = bytearray()
         # One entry, a value per column in `names` order: `buffer.data += buffer.pack(*values)`
         # (written out by the recorder, a step at a time: a method of two lines cost a call per step).
         self.pack = Struct("<" + self._format).pack
-        self._packs: dict[int, Callable] = {}     # k -> the pack of k entries
+        self.blocks: list[int] = []      # (first entry, k) of each block `pack_block` packed, flat
+        self._packs: dict[int, Callable] = {}     # k -> the pack of a block of k entries
 
     def __len__(self) -> int:
-        return len(self.data) // self.dtype.itemsize
+        return len(self.data) // (8 * len(self.names))
 
-    def extend(self, sequences: tuple) -> None:
-        """Several entries: a sequence per column, all of one length."""
-        k = len(sequences[0])
+    def pack_block(self, k: int) -> Callable:
+        """The pack of k entries column after column (k values of the first column, then the
+        second's, ...): `buffer.blocks += (len(buffer), k)`, then `buffer.data += pack(*column, ...)`."""
         pack = self._packs.get(k)
         if pack is None:
-            pack = self._packs[k] = Struct("<" + self._format * k).pack
-        self.data += pack(*chain.from_iterable(zip(*sequences)))
+            pack = self._packs[k] = Struct("<" + "".join(f"{k}{kind}" for kind in self._format)).pack
+        return pack
 
     def take(self) -> dict[str, np.ndarray]:
-        """The columns as arrays (strided views of the buffer: it is not appended to after)."""
-        table = np.frombuffer(self.data, dtype=self.dtype)
-        return {name: table[name] for name in self.names}
+        """The columns as arrays, in entry order."""
+        width, n = len(self.names), len(self)
+        doubles, integers = np.frombuffer(self.data, dtype="<f8"), np.frombuffer(self.data, dtype="<i8")
+        # entry i's value of column c is value first[i] + c * stride[i] of the buffer: an entry packed
+        # alone holds its columns side by side; in a block of k entries from entry s, entry s + j's
+        # value of column c is at s * width + c * k + j
+        first = np.arange(0, n * width, width, dtype=np.int64)
+        stride = np.ones(n, dtype=np.int64)
+        if self.blocks:
+            start, k = np.asarray(self.blocks, dtype=np.int64).reshape(-1, 2).T
+            within = np.arange(int(k.sum()), dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
+            entries = np.repeat(start, k) + within
+            first[entries] = np.repeat(start * width, k) + within
+            stride[entries] = np.repeat(k, k)
+        return {name: (doubles if kind == "d" else integers)[first + c * stride]
+                for c, (name, kind) in enumerate(zip(self.names, self._format))}
 
 
 class StepRecorder:
@@ -194,7 +209,9 @@ class StepRecorder:
             for row in new_rows:
                 buffer.data += buffer.pack(*row)
             steps = self.step_values
-            steps.extend((ends, host, device, decode_ctx, blocks_read, kv_used, kv_cached, slack))
+            steps.blocks += (len(steps), k)
+            steps.data += steps.pack_block(k)(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached,
+                                              *slack)
             if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return
