@@ -144,6 +144,33 @@ def test_step_buffers_keep_every_value_exactly_across_packs():
     assert recorder.step_column("prefill_tokens")[0] == big
 
 
+def test_a_leaps_steps_packed_column_after_column_come_back_in_step_order():
+    """A short leap's step values are packed one column after the other (one pack for the leap);
+    taken between single steps packed side by side, every column comes back in step order."""
+    from types import SimpleNamespace
+
+    from sim.records import PER_STEP, StepRecorder
+
+    recorder, expected = StepRecorder(), []
+
+    def step(i):
+        batch = SimpleNamespace(step=len(expected), num_decode=1, num_prefill_tokens=0, prefills=[], prefill_ctx=0,
+                                prefill_attn=0, preempted=[], decode_ctx=10 + i, blocks_read=i)
+        recorder.record(batch, SimpleNamespace(running=[1], waiting=[]), i, i + 0.5, 0.1, 0.4, 7, 8, -9)
+        expected.append((i + 0.5, 0.1, 0.4, 10 + i, i, 7, 8, -9))
+
+    step(0)
+    k = 3
+    recorder.record_leap(first_step=len(expected), start_s=0.5, ends=[1.0, 1.5, 2.0], rows=1, decode_ctx=[20, 21, 22],
+                         blocks_read=[2, 2, 3], running=1, waiting=0, kv_used=[5, 5, 6], kv_cached=[1, 0, 0],
+                         slack=[3, 2, 17], host=[0.1, 0.2, 0.3], device=[0.4, 0.5, 0.6])
+    expected += [(1.0, 0.1, 0.4, 20, 2, 5, 1, 3), (1.5, 0.2, 0.5, 21, 2, 5, 0, 2), (2.0, 0.3, 0.6, 22, 3, 6, 0, 17)]
+    step(2)
+    assert recorder.step_values.blocks == [1, k]          # the leap went in as one block, after one step
+    for n, name in enumerate(PER_STEP):
+        assert recorder.step_column(name).tolist() == [row[n] for row in expected], name
+
+
 def _one_weighted_percentile(values, weights, q):
     """The summary's weighted percentile as it was, one sort per q (the reference)."""
     order = np.argsort(values, kind="stable")
