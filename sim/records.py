@@ -121,7 +121,7 @@ class _Buffer:
         # One entry, a value per column in `names` order: `buffer.data += buffer.pack(*values)`
         # (written out by the recorder, a step at a time: a method of two lines cost a call per step).
         self.pack = Struct("<" + self._format).pack
-        self.blocks: list[int] = []      # (first entry, k) of each block `pack_block` packed, flat
+        self.blocks: list[int] = []      # (its byte offset, k) of each block `pack_block` packed, flat
         self._packs: dict[int, Callable] = {}     # k -> the pack of a block of k entries
 
     def __len__(self) -> int:
@@ -129,7 +129,7 @@ class _Buffer:
 
     def pack_block(self, k: int) -> Callable:
         """The pack of k entries column after column (k values of the first column, then the
-        second's, ...): `buffer.blocks += (len(buffer), k)`, then `buffer.data += pack(*column, ...)`."""
+        second's, ...): `buffer.blocks += (len(buffer.data), k)`, then `buffer.data += pack(*column, ...)`."""
         pack = self._packs.get(k)
         if pack is None:
             pack = self._packs[k] = Struct("<" + "".join(f"{k}{kind}" for kind in self._format)).pack
@@ -145,7 +145,8 @@ class _Buffer:
         first = np.arange(0, n * width, width, dtype=np.int64)
         stride = np.ones(n, dtype=np.int64)
         if self.blocks:
-            start, k = np.asarray(self.blocks, dtype=np.int64).reshape(-1, 2).T
+            offset, k = np.asarray(self.blocks, dtype=np.int64).reshape(-1, 2).T
+            start = offset // (8 * width)
             within = np.arange(int(k.sum()), dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
             entries = np.repeat(start, k) + within
             first[entries] = np.repeat(start * width, k) + within
@@ -209,7 +210,7 @@ class StepRecorder:
             for row in new_rows:
                 buffer.data += buffer.pack(*row)
             steps = self.step_values
-            steps.blocks += (len(steps), k)
+            steps.blocks += (len(steps.data), k)       # (the byte offset: len(steps) is a call)
             steps.data += steps.pack_block(k)(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached,
                                               *slack)
             if len(steps.data) >= self._chunk_bytes:

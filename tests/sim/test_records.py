@@ -166,7 +166,7 @@ def test_a_leaps_steps_packed_column_after_column_come_back_in_step_order():
                          slack=[3, 2, 17], host=[0.1, 0.2, 0.3], device=[0.4, 0.5, 0.6])
     expected += [(1.0, 0.1, 0.4, 20, 2, 5, 1, 3), (1.5, 0.2, 0.5, 21, 2, 5, 0, 2), (2.0, 0.3, 0.6, 22, 3, 6, 0, 17)]
     step(2)
-    assert recorder.step_values.blocks == [1, k]          # the leap went in as one block, after one step
+    assert recorder.step_values.blocks == [8 * len(PER_STEP), k]     # the leap went in as one block, after one step
     for n, name in enumerate(PER_STEP):
         assert recorder.step_column(name).tolist() == [row[n] for row in expected], name
 
