@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import math
 
@@ -495,7 +496,7 @@ class CostModel:
         # the scalar forms, with the branches the roofline fixes taken (operator tables: none fixed)
         known = () if self.tables is not None else \
             _ROOFLINE_SLIDING if self.model.num_sliding_layers else _ROOFLINE_FULL_ATTENTION
-        stages, one_call = _STAGES_SCALAR[known]
+        stages, one_call = _stages_scalar(known)
         self._sizes = stages(self, max, min, self.block_size)
         self._price_step = one_call(self, max, min, self.block_size)
 
@@ -843,11 +844,16 @@ class CostModel:
 _GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
 for _name in ("_moe_time", "_tp_allreduce"):
     setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))
-# `_stages`' scalar forms (two stages, for leaps; one call, for a step), made here once: for any
-# cost model (operator tables), and for the roofline with what it fixes folded in (no sliding
-# layer: the usual model; or some: a sliding-window model, whose steps a leap prices one by one)
+# `_stages`' scalar forms (two stages, for leaps; one call, for a step), made once per process
+# for each kind a cost model asks for: any cost model (operator tables, known=()), and the
+# roofline with what it fixes folded in (no sliding layer: the usual model; or some: a
+# sliding-window model, whose steps a leap prices one by one). Made on first use, not at import:
+# a run needs one kind of the three, and each costs a parse and a compile (~10 ms).
 _ROOFLINE_FULL_ATTENTION = (("sliding_layers", 0), ("tables", False))
 _ROOFLINE_SLIDING = (("tables", False),)
-_STAGES_SCALAR = {known: (scalar_form(CostModel._stages, _GENERATED, known=known),
-                          scalar_form(CostModel._stages, _GENERATED, one_call=True, known=known))
-                  for known in ((), _ROOFLINE_FULL_ATTENTION, _ROOFLINE_SLIDING)}
+
+
+@functools.cache
+def _stages_scalar(known: tuple) -> tuple[Callable, Callable]:
+    return (scalar_form(CostModel._stages, _GENERATED, known=known),
+            scalar_form(CostModel._stages, _GENERATED, one_call=True, known=known))

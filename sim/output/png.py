@@ -27,9 +27,9 @@ def png_bytes(rgba: np.ndarray, dpi: float, software: str = "") -> bytes:
     """(height, width, 4) uint8 pixels as a PNG: RGB when every pixel is opaque, with the
     resolution (pHYs) and a Software text as matplotlib writes them."""
     height, width, _ = rgba.shape
-    opaque = bool((rgba[..., 3] == 255).all())
+    opaque = rgba.size == 0 or int(rgba[..., 3].min()) == 255      # (one pass, no mask array)
     pixels = rgba[..., :3] if opaque else rgba
-    rows = np.ascontiguousarray(pixels).reshape(height, -1)
+    rows = np.ascontiguousarray(pixels).reshape(height, -1)      # (numpy subtracts contiguous rows fastest)
     filtered = np.empty((height, rows.shape[1] + 1), dtype=np.uint8)
     filtered[:1, 0] = FILTER_NONE
     filtered[:1, 1:] = rows[:1]
@@ -41,7 +41,7 @@ def png_bytes(rgba: np.ndarray, dpi: float, software: str = "") -> bytes:
              _chunk(b"pHYs", struct.pack(">IIB", per_metre, per_metre, 1))]
     if software:
         parts.append(_chunk(b"tEXt", b"Software\0" + software.encode("latin-1", "replace")))
-    parts += [_chunk(b"IDAT", zlib.compress(filtered.tobytes(), LEVEL)), _chunk(b"IEND", b"")]
+    parts += [_chunk(b"IDAT", zlib.compress(filtered, LEVEL)), _chunk(b"IEND", b"")]
     return b"".join(parts)
 
 

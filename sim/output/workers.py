@@ -25,13 +25,15 @@ from sim import stop
 
 
 def warm_up() -> None:
-    """Import matplotlib and load its fonts (the figure process does this while the parent simulates)."""
-    from sim.output.report import figure_pixels, new_figure
+    """Import matplotlib and the plotting code, and load the font the figures' text is set in (the
+    figure process does this while the parent simulates; copies forked after it inherit the
+    loaded font). One text measured, no figure drawn: drawing a small one here cost ~0.16 G
+    instructions that the figures' own first drawing did not save (docs/performance.md)."""
+    import sim.output.report  # noqa: F401
+    from matplotlib.backends.backend_agg import RendererAgg
+    from matplotlib.font_manager import FontProperties
 
-    fig, (ax,) = new_figure()
-    ax.set_title("warm-up")
-    ax.plot([0, 1])
-    figure_pixels(fig, dpi=20)
+    RendererAgg(10, 10, 72).get_text_width_height_descent("warm-up", FontProperties(), ismath=False)
 
 
 def figure_process_start() -> None:
