@@ -141,28 +141,24 @@ def _text_block(texts: list[str]) -> np.ndarray:
 
 def _arrow_block(arrow, values: np.ndarray) -> np.ndarray:
     """pyarrow's number -> text cast, padded with NULs to one width: its data buffer is the block."""
-    pa, compute = arrow
+    pa, pc = arrow
     values = np.ascontiguousarray(values)
     # from the buffer: pa.array(values) imports pandas (~0.4 s) to check for its types
     array = pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
-    strings = compute.call_function("cast", [array], compute.CastOptions.safe(pa.string()))   # (= pc.cast)
-    width = max(1, compute.call_function("max", [compute.call_function("utf8_length", [strings])]).as_py() or 0)
-    padded = compute.call_function("utf8_rpad", [strings], compute.PadOptions(width, "\0"))
+    strings = pc.cast(array, pa.string())
+    width = max(1, pc.max(pc.utf8_length(strings)).as_py() or 0)
+    padded = pc.utf8_rpad(strings, width=width, padding="\0")
     data = padded.buffers()[2]
     return np.frombuffer(data, np.uint8, len(values) * width).reshape(len(values), width).copy()
 
 
 def _pyarrow():
-    """(pyarrow, its compute kernels), or None where pyarrow is not installed. The kernels are
-    called through pyarrow._compute's call_function, which is what pyarrow.compute's functions
-    call: importing pyarrow.compute writes a Python wrapper and its docstring for each of its
-    ~400 kernels (~0.18 G instructions, a third of pyarrow's import), four of which are used here."""
     try:
         import pyarrow as pa
-        from pyarrow import _compute
+        import pyarrow.compute as pc
     except ImportError:
         return None
-    return pa, _compute
+    return pa, pc
 
 
 def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
