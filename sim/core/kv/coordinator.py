@@ -424,13 +424,16 @@ class HybridCoordinator(KVCacheCoordinator):
         if req.group_tables and self.sliding_managers:     # (a request being admitted holds nothing yet)
             self.free_behind_windows((((req,), 0),))
 
-    def free_behind_windows(self, steps, gains: Optional[tuple[list[int], list[int]]] = None) -> None:
+    def free_behind_windows(self, steps, gains: Optional[tuple[list[int], list[int]]] = None,
+                            clock: Optional[int] = None) -> None:
         """`remove_skipped_blocks` of each request in turn: `steps` is (members, ahead) per step, the
         decode cohort's members freeing at that step in running order, their contexts `ahead` tokens
         past their `num_computed` (a stretch's later steps: the cohort's clock moves after the
         call). Their blocks go back in that order; a free only appends to the free queue, so one
         pool call is the calls one after the other. With `gains` (two lists), appends the free and
-        cached-free blocks the pool gained by the end of each step.
+        cached-free blocks the pool gained by the end of each step. With `clock`, the requests are
+        a decode cohort's members at that scheduled step: their `num_computed` is
+        `cohort_computed + clock`, read as the field (the property is a call a member visit).
         (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here; so is
         SlidingWindowManager.remove_skipped_blocks' one-block case, a decode step's, with one
         sliding group.)"""
@@ -441,10 +444,12 @@ class HybridCoordinator(KVCacheCoordinator):
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
             window_freed = self._window_freed
         ends = [] if gains is not None else None
+        offsets = clock is not None
         for reqs, ahead in steps:
-            behind = self.window - 1 - ahead
+            behind = self.window - 1 - ahead - (clock if offsets else 0)
             for req in reqs:
-                skipped = (req.num_computed - behind) // bs      # sliding_window_skipped_blocks, when > 0
+                # sliding_window_skipped_blocks, when > 0
+                skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
                 if skipped <= 0:
                     continue
                 table = req.group_tables[first]
