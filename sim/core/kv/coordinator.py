@@ -443,90 +443,78 @@ class HybridCoordinator(KVCacheCoordinator):
         # once anything is freed
         free = [0, 0, removed, None] if self._track_window_frees else None
         ends = [] if gains is not None else None
+        window_freed = self._window_freed if free is not None else None
+        bs, first = self.block_size, self.sliding_ids[0]
         if clock is not None and self._one_window:
-            self._free_members_behind(steps, clock, removed, free, ends)
+            # a decode cohort's members with one sliding group (most calls): fewer tests a visit
+            behind_at_clock = self.window - 1 - clock
+            for reqs, ahead in steps:
+                behind = behind_at_clock - ahead
+                for req in reqs:
+                    last = (req.cohort_computed - behind) // bs - 1     # (skipped blocks - 1)
+                    if last < 0:
+                        continue
+                    table = req.group_tables[first]
+                    try:
+                        block = table[last]
+                    except IndexError:         # (no more than the request holds)
+                        last = len(table) - 1
+                        if last < 0:
+                            continue
+                        block = table[last]
+                    if block == NULL_BLOCK:
+                        continue
+                    start = len(removed)
+                    # (most visits: one block, its predecessor freed already; with last == 0,
+                    # table[-1] is a held block, so the test fails and the general path frees it)
+                    if table[last - 1] == NULL_BLOCK:
+                        removed.append(block)
+                        table[last] = NULL_BLOCK
+                        if window_freed is not None:
+                            window_freed[req].append((last + 1, start, start + 1, free))
+                    else:
+                        self._remove_behind(req.group_tables, last + 1, removed)
+                        if window_freed is not None:
+                            window_freed[req].append((last + 1, start, len(removed), free))
+                if ends is not None:
+                    ends.append(len(removed))
         else:
-            self._free_each_behind(steps, clock, removed, free, ends)
+            one_window = self._one_window
+            offsets = clock is not None
+            for reqs, ahead in steps:
+                behind = self.window - 1 - ahead - (clock if offsets else 0)
+                for req in reqs:
+                    # sliding_window_skipped_blocks, when > 0
+                    skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
+                    if skipped <= 0:
+                        continue
+                    table = req.group_tables[first]
+                    last = skipped - 1
+                    try:
+                        block = table[last]
+                    except IndexError:         # (no more than the request holds)
+                        skipped = len(table)
+                        last = skipped - 1
+                        if last < 0:
+                            continue
+                        block = table[last]
+                    if block == NULL_BLOCK:
+                        continue
+                    start = len(removed)
+                    if table[last - 1] == NULL_BLOCK and one_window:
+                        removed.append(block)
+                        table[last] = NULL_BLOCK
+                    else:
+                        self._remove_behind(req.group_tables, skipped, removed)
+                    if window_freed is not None:
+                        window_freed[req].append((skipped, start, len(removed), free))
+                if ends is not None:
+                    ends.append(len(removed))
         if removed:
             self._free_removed(removed, free, ends, gains)
         elif gains is not None:
             gains[0].extend(ends)          # (all 0)
             gains[1].extend(ends)
-
-    def _free_members_behind(self, steps, clock: int, removed: list[int], free: Optional[list],
-                             ends: Optional[list[int]]) -> None:
-        """free_behind_windows' loop for a decode cohort's members (contexts `cohort_computed +
-        clock`) with one sliding group: the same steps as `_free_each_behind`, fewer tests a visit
-        (a member's every 16th step or so comes here)."""
-        bs, first = self.block_size, self.sliding_ids[0]
-        window_freed = self._window_freed if free is not None else None
-        behind_at_clock = self.window - 1 - clock
-        for reqs, ahead in steps:
-            behind = behind_at_clock - ahead
-            for req in reqs:
-                last = (req.cohort_computed - behind) // bs - 1      # sliding_window_skipped_blocks - 1
-                if last < 0:
-                    continue
-                table = req.group_tables[first]
-                try:
-                    block = table[last]
-                except IndexError:         # (no more than the request holds)
-                    last = len(table) - 1
-                    if last < 0:
-                        continue
-                    block = table[last]
-                if block == NULL_BLOCK:
-                    continue
-                start = len(removed)
-                # (most visits: one block, its predecessor freed already; with last == 0, table[-1]
-                # is a held block, so the test fails and the general path frees it)
-                if table[last - 1] == NULL_BLOCK:
-                    removed.append(block)
-                    table[last] = NULL_BLOCK
-                    if window_freed is not None:
-                        window_freed[req].append((last + 1, start, start + 1, free))
-                else:
-                    self._remove_behind(req.group_tables, last + 1, removed)
-                    if window_freed is not None:
-                        window_freed[req].append((last + 1, start, len(removed), free))
-            if ends is not None:
-                ends.append(len(removed))
-
-    def _free_each_behind(self, steps, clock: Optional[int], removed: list[int], free: Optional[list],
-                          ends: Optional[list[int]]) -> None:
-        """free_behind_windows' loop, any request, any number of sliding groups."""
-        bs, first, one_window = self.block_size, self.sliding_ids[0], self._one_window
-        window_freed = self._window_freed if free is not None else None
-        offsets = clock is not None
-        for reqs, ahead in steps:
-            behind = self.window - 1 - ahead - (clock if offsets else 0)
-            for req in reqs:
-                # sliding_window_skipped_blocks, when > 0
-                skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
-                if skipped <= 0:
-                    continue
-                table = req.group_tables[first]
-                last = skipped - 1
-                try:
-                    block = table[last]
-                except IndexError:         # (no more than the request holds)
-                    skipped = len(table)
-                    last = skipped - 1
-                    if last < 0:
-                        continue
-                    block = table[last]
-                if block == NULL_BLOCK:
-                    continue
-                start = len(removed)
-                if table[last - 1] == NULL_BLOCK and one_window:
-                    removed.append(block)
-                    table[last] = NULL_BLOCK
-                else:
-                    self._remove_behind(req.group_tables, skipped, removed)
-                if window_freed is not None:
-                    window_freed[req].append((skipped, start, len(removed), free))
-            if ends is not None:
-                ends.append(len(removed))
 
     def _remove_behind(self, tables: list[list[int]], skipped: int, removed: list[int]) -> None:
         """Null every sliding table's entries before `skipped`, nearest first, back to the first
