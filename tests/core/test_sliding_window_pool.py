@@ -538,20 +538,30 @@ def test_a_stretch_of_window_frees_in_one_call_is_the_calls_step_by_step(countin
     """`free_behind_windows` over several steps (the decode cohort's stretch: members' contexts
     `ahead` tokens past their num_computed) frees, records and counts what one call a step does,
     a member freeing at two steps of one call included; with `gains`, the pool's free and
-    cached-free blocks gained by the end of each step."""
+    cached-free blocks gained by the end of each step. With `clock` (a cohort's members: their
+    contexts read as `cohort_computed + clock`) it is the same call, its one-group loop included
+    (`_free_members_behind`): what the preempted requests' windows freed is mapped alike."""
     from sim.core.fast.counting_pool import CountingBlockPool
     pool_class = CountingBlockPool if counting else KVCacheManager.__init__.__kwdefaults__["pool_class"]
 
-    def run(stretch: bool):
+    def run(stretch: bool, clock=None):
         kv = KVCacheManager(128, 4, groups=groups, max_num_batched_tokens=64, pool_class=pool_class)
-        a = make_request(0, 0.0, [(1, 8), (2, 40)], 30)               # a shared prefix, then its own
-        b = make_request(1, 0.0, [(1, 8), (3, 30)], 30)
+        # a shared prefix, then its own (private: what the windows free of it is mapped at the preemption)
+        a = make_request(0, 0.0, [(1, 8), (2, 40)], 30, own_prompt_tokens=40)
+        b = make_request(1, 0.0, [(1, 8), (3, 30)], 30, own_prompt_tokens=30)
         for req in (a, b):
             _compute(kv, req, req.prompt_len)
         steps = [((a, b), 0), ((), 1), ((b,), 4), ((a, b), 8)]      # contexts: +0, +1, +4, +8 tokens
         gains = ([], [])
+        if clock is not None:              # as a cohort holds them: offsets from its clock
+            for req in (a, b):
+                req.cohort_computed = req.num_computed - clock
+                req.num_computed = -10**6          # (must not be read)
         if stretch:
-            kv.free_behind_windows(steps, gains)
+            kv.free_behind_windows(steps, gains, clock=clock)
+            if clock is not None:
+                for req in (a, b):
+                    req.num_computed = req.cohort_computed + clock
         else:
             free0, cached0 = kv.pool.num_free, kv.pool.num_cached_free
             for reqs, ahead in steps:
@@ -571,4 +581,5 @@ def test_a_stretch_of_window_frees_in_one_call_is_the_calls_step_by_step(countin
 
     stepwise = run(False)
     assert stepwise == run(True)
+    assert stepwise == run(True, clock=37)
     assert stepwise[0][0][-1] > stepwise[0][0][0] > 0 and stepwise[3] > 0

@@ -323,7 +323,7 @@ class DecodeCohort:
         if self.window is not None:        # before the clock moves: members' contexts before the token
             freeing = self.freeing(step)
             if freeing:
-                kv.free_behind_windows(((self._in_running_order(freeing), 0),))
+                kv.free_behind_windows(((self._in_running_order(freeing), 0),), clock=self.scheduled_step)
             if self._joined:
                 self._joined = {}
         self.scheduled_step = clock
@@ -423,7 +423,7 @@ class DecodeCohort:
                     self._joined = {}
                 steps_freeing.append((self._in_running_order(freeing) if freeing else (), ahead))
                 ahead = c - start              # (the context before the token at c + 1)
-            kv.free_behind_windows(steps_freeing, (free_after, cached_after))
+            kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
         else:
             free_after = cached_after = [0] * steps
         self.scheduled_step = clock + steps - 1
@@ -491,3 +491,4 @@ class DecodeCohort:
         if due is None:                    # most steps (and no comprehension to call for them)
             return []
         return [req for req, gen in due if req.cohort_gen == gen]
+
