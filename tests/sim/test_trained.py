@@ -116,6 +116,21 @@ def test_the_l4_sweep_replays_its_job(runs):
     assert all(r.centre == "median" for r in level.values())
 
 
+def test_gpustack_chat_runs_replay_the_chat_template(runs):
+    """GPUStack's performance lab (gpustack/gpustack at 47277d79, docs/performance-lab/*) benchmarks
+    with `vllm bench serve --backend openai-chat`: each random prompt goes out as a user message and
+    the server prefills it inside the model's chat template. vLLM 0.10.2/0.11.0 render gpt-oss
+    requests with openai_harmony (vllm/entrypoints/openai/serving_chat.py
+    `_make_request_with_harmony`): the default system message (vllm/entrypoints/harmony_utils.py
+    `get_system_message`), an empty developer message, the user message and the assistant header,
+    67 tokens around the prompt; Qwen3's template wraps it in 8. The client counts the bare prompt
+    (127.755 tokens per 128-token request), so the replay adds the template: for 1000 x 128/4 it is
+    a third of what gpt-oss prefills."""
+    oss, qwen = runs["gpustack-gpt-oss-20b-h100-07"], runs["gpustack-qwen3-32b-h100-05"]
+    assert {q.prompt_len for q in oss.requests if not q.is_warmup} == {128 + 67}
+    assert {q.prompt_len for q in qwen.requests if not q.is_warmup} == {128 + 8}
+
+
 def test_bands_are_computed_from_the_table_not_typed_in():
     assert FAMILY["validation"]["bands"] == lodo.bands(TABLE)
     assert FAMILY["validation"]["bands_by_engine"] == lodo.bands_by_engine(TABLE)
