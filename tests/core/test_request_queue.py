@@ -59,12 +59,12 @@ def test_a_cohort_member_reads_its_progress_off_the_cohort_and_cannot_write_it()
     cohort = DecodeCohort(kv.layout())
     r = make_request(0, 0.0, [(1, 20)], 10)
     cohort.sync(0)                                      # step 0 ran: the prompt computed, one token out
-    cohort.finish(0)
+    assert cohort.end_step(0) == []
     r.num_computed, r.num_output = 21, 1
     cohort.join(r, step=0)
     assert type(r) is CohortMember and r.cohort is cohort
     cohort.sync(3)                                      # steps 1..3 scheduled, 1..2 emitted
-    cohort.finish(2)
+    assert cohort.end_step(2) == []
     assert (r.num_computed, r.num_output, r.num_tokens) == (24, 3, 23)
     with pytest.raises(AttributeError):
         r.num_computed = 0

@@ -208,12 +208,6 @@ class DecodeCohort:
         """`step` is scheduled (with or without members)."""
         self.scheduled_step = step - self.offset
 
-    def finish(self, step: int) -> None:
-        """`step` ran: the members emitted, unless the cohort sat it out."""
-        if step != self._paused:
-            self.last_emit_step = step
-        self.finished_step = step - self.offset
-
     def dissolve(self) -> list[Request]:
         members = list(self.members)
         for req in members:
@@ -284,8 +278,8 @@ class DecodeCohort:
     def end_step(self, step: int) -> list[Request]:
         """`step` ran: the members emitted. Returns those that emitted their last token, which
         have left the cohort."""
-        clock = step - self.offset        # (`finish` and `finishing` written out: two calls a step or leap)
-        if step != self._paused:
+        clock = step - self.offset
+        if step != self._paused:           # (unless the cohort sat this step out)
             self.last_emit_step = step
         self.finished_step = clock
         due = self._finish.pop(clock, None)
@@ -484,11 +478,3 @@ class DecodeCohort:
         while heap and heap[0] not in self._finish:
             heapq.heappop(heap)
         return heap[0] + self.offset if heap else float("inf")
-
-    def finishing(self, step: int) -> list[Request]:
-        """Members whose last token was emitted at `step` (call after `finish(step)`)."""
-        due = self._finish.pop(step - self.offset, None)
-        if due is None:                    # most steps (and no comprehension to call for them)
-            return []
-        return [req for req, gen in due if req.cohort_gen == gen]
-
