@@ -20,7 +20,6 @@ preempted (with a window: also those its sliding groups freed that the pool stil
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
 from typing import Optional
 
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
@@ -300,7 +299,7 @@ class HybridCoordinator(KVCacheCoordinator):
         self.windowed_frees = 0        # blocks freed because they fell behind a window
         self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
         # request -> what its sliding groups freed behind the window (_publish_window_freed)
-        self._window_freed: defaultdict[Request, list[tuple]] = defaultdict(list)
+        self._window_freed: dict[Request, list[tuple]] = {}
         self._track_window_frees = bool(enable_caching and self.private_blocks and self.sliding_managers)
         self._one_window = len(self.sliding_managers) == 1     # (free_behind_windows' usual case)
         if self._track_window_frees:
@@ -438,80 +437,47 @@ class HybridCoordinator(KVCacheCoordinator):
         (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here; so is
         SlidingWindowManager.remove_skipped_blocks' one-block case, a decode step's, with one
         sliding group.)"""
+        bs, first, one_window = self.block_size, self.sliding_ids[0], self._one_window
         removed: list[int] = []
-        # what each request freed (see _publish_window_freed): the free queue's end is filled in
-        # once anything is freed
-        free = [0, 0, removed, None] if self._track_window_frees else None
+        track = self._track_window_frees
+        if track:                          # what each request freed: see _publish_window_freed
+            free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
+            window_freed = self._window_freed
         ends = [] if gains is not None else None
-        window_freed = self._window_freed if free is not None else None
-        bs, first = self.block_size, self.sliding_ids[0]
-        if clock is not None and self._one_window:
-            # a decode cohort's members with one sliding group (most calls): fewer tests a visit
-            behind_at_clock = self.window - 1 - clock
-            for reqs, ahead in steps:
-                behind = behind_at_clock - ahead
-                for req in reqs:
-                    last = (req.cohort_computed - behind) // bs - 1     # (skipped blocks - 1)
+        offsets = clock is not None
+        for reqs, ahead in steps:
+            behind = self.window - 1 - ahead - (clock if offsets else 0)
+            for req in reqs:
+                # sliding_window_skipped_blocks, when > 0
+                skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
+                if skipped <= 0:
+                    continue
+                table = req.group_tables[first]
+                last = skipped - 1
+                try:
+                    block = table[last]
+                except IndexError:         # (no more than the request holds)
+                    skipped = len(table)
+                    last = skipped - 1
                     if last < 0:
                         continue
-                    table = req.group_tables[first]
-                    try:
-                        block = table[last]
-                    except IndexError:         # (no more than the request holds)
-                        last = len(table) - 1
-                        if last < 0:
-                            continue
-                        block = table[last]
-                    if block == NULL_BLOCK:
-                        continue
-                    start = len(removed)
-                    # (most visits: one block, its predecessor freed already; with last == 0,
-                    # table[-1] is a held block, so the test fails and the general path frees it)
-                    if table[last - 1] == NULL_BLOCK:
-                        removed.append(block)
-                        table[last] = NULL_BLOCK
-                        if window_freed is not None:
-                            window_freed[req].append((last + 1, start, start + 1, free))
-                    else:
-                        self._remove_behind(req.group_tables, last + 1, removed)
-                        if window_freed is not None:
-                            window_freed[req].append((last + 1, start, len(removed), free))
-                if ends is not None:
-                    ends.append(len(removed))
-        else:
-            one_window = self._one_window
-            offsets = clock is not None
-            for reqs, ahead in steps:
-                behind = self.window - 1 - ahead - (clock if offsets else 0)
-                for req in reqs:
-                    # sliding_window_skipped_blocks, when > 0
-                    skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
-                    if skipped <= 0:
-                        continue
-                    table = req.group_tables[first]
-                    last = skipped - 1
-                    try:
-                        block = table[last]
-                    except IndexError:         # (no more than the request holds)
-                        skipped = len(table)
-                        last = skipped - 1
-                        if last < 0:
-                            continue
-                        block = table[last]
-                    if block == NULL_BLOCK:
-                        continue
-                    start = len(removed)
-                    if table[last - 1] == NULL_BLOCK and one_window:
-                        removed.append(block)
-                        table[last] = NULL_BLOCK
-                    else:
-                        self._remove_behind(req.group_tables, skipped, removed)
-                    if window_freed is not None:
-                        window_freed[req].append((skipped, start, len(removed), free))
-                if ends is not None:
-                    ends.append(len(removed))
+                    block = table[last]
+                if block == NULL_BLOCK:
+                    continue
+                start = len(removed)
+                # (most calls: one block, its predecessor freed already; with last == 0, table[-1] is
+                # a held block, so the test fails and the general path frees it)
+                if table[last - 1] == NULL_BLOCK and one_window:
+                    removed.append(block)
+                    table[last] = NULL_BLOCK
+                else:
+                    self._remove_behind(req.group_tables, skipped, removed)
+                if track:
+                    window_freed.setdefault(req, []).append((skipped, start, len(removed), free))
+            if ends is not None:
+                ends.append(len(removed))
         if removed:
-            self._free_removed(removed, free, ends, gains)
+            self._free_removed(removed, free if track else None, ends, gains)
         elif gains is not None:
             gains[0].extend(ends)          # (all 0)
             gains[1].extend(ends)
