@@ -43,16 +43,19 @@ LINES = {
     "gpt-oss-full": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40", *AS_FULL_ATTENTION)),
 }
 
-# Run inside the measured tree: load the scenario, build the workload whole, then simulate it
-# unless told to stop there. Only public entry points every tree has.
+# Run inside the measured tree: load the scenario, build the workload whole and a cost model (what a
+# process sets up once: trees from 6a78cb1 on generate the cost model's scalar forms on first use),
+# then simulate it unless told to stop there. Only public entry points every tree has.
 DRIVER = """
 import sys
+from sim.costmodel import CostModel
 from sim.scenario import load_scenario
 from sim.simulator import simulate
 from sim.workload import build_requests
 path, size, fast, build_only, *overrides = sys.argv[1:]
 scenario = load_scenario(path, [f"workload.num_requests={size}", *overrides])
 requests = build_requests(scenario)
+CostModel.for_scenario(scenario)    # a process's one-off set-up (the cost model's generated forms) in both runs
 if build_only == "0":
     records, _, _ = simulate(scenario, requests, fast=fast == "1", release=True)
 """
