@@ -259,8 +259,6 @@ def html_table(frame: pd.DataFrame) -> str:
 
 def html_text_table(table: TextTable) -> str:
     """html_table(table.frame()), made without pandas: every cell is a display string already."""
-    if {"predicted", "measured", "relative_error"} <= set(table.columns):   # (read as a comparison table)
-        return html_table(table.frame())
     head = [_esc(table.index_name), *map(_esc, table.columns)]
     cells = list(zip(*table.columns.values())) or [()] * len(table.labels)
     rows = [f'<tr><td class="label">{_esc(label)}</td>' + "".join(f"<td>{_esc(v)}</td>" for v in row) + "</tr>"
