@@ -539,8 +539,8 @@ def test_a_stretch_of_window_frees_in_one_call_is_the_calls_step_by_step(countin
     `ahead` tokens past their num_computed) frees, records and counts what one call a step does,
     a member freeing at two steps of one call included; with `gains`, the pool's free and
     cached-free blocks gained by the end of each step. With `clock` (a cohort's members: their
-    contexts read as `cohort_computed + clock`) it is the same call, its one-group loop included
-    (`_free_members_behind`): what the preempted requests' windows freed is mapped alike."""
+    contexts read as `cohort_computed + clock`) it is the same call: what the preempted requests'
+    windows freed is mapped alike."""
     from sim.core.fast.counting_pool import CountingBlockPool
     pool_class = CountingBlockPool if counting else KVCacheManager.__init__.__kwdefaults__["pool_class"]
 

@@ -444,9 +444,9 @@ class HybridCoordinator(KVCacheCoordinator):
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
             window_freed = self._window_freed
         ends = [] if gains is not None else None
-        offsets = clock is not None
+        offsets = clock is not None        # (members' contexts as offsets from the cohort's clock)
         for reqs, ahead in steps:
-            behind = self.window - 1 - ahead - (clock if offsets else 0)
+            behind = self.window - 1 - ahead - (clock or 0)
             for req in reqs:
                 # sliding_window_skipped_blocks, when > 0
                 skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
