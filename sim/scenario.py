@@ -221,6 +221,13 @@ class EngineConfig(StrictModel):
         description="the vLLM release whose version-dependent behaviour applies (memory terms, async "
                     "default; the default is the release the memory terms were fitted on); major.minor "
                     "count, a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed")
+    front_end_s: Optional[float] = Field(
+        default=None, ge=0, le=1.0,
+        description="vLLM's API-server time per request before it reaches the engine (HTTP, chat template, "
+                    "tokenization, the asyncio loop: sim/core/front_end.py), seconds; the requests queue first "
+                    "come, first served over parallelism.api_servers processes (--api-server-count); 0 = no "
+                    "front end; unset: the trained family's fitted value for vllm_version's engine generation "
+                    "on a vLLM server (continuous, paged), else 0 (docs/fidelity.md)")
     enforce_eager: bool = Field(
         default=False,
         description="vLLM's --enforce-eager: no CUDA graphs, so none of their memory comes off the KV budget")

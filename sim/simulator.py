@@ -24,6 +24,7 @@ from sim.dp import DPGroup, DPLayout, DPLoadBalancer, engine_peak_running
 from sim.core.kv import BlockPool, KVCacheManager, new_kv_manager
 from sim.core.fast.counting_pool import CountingBlockPool
 from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
+from sim.core.front_end import FrontEnd
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.core.offload import offload_meta, offload_tier
 from sim.records import RequestTable, RunRecords, StepRecorder
@@ -224,8 +225,21 @@ class Simulation:
         return None if self.spill is None else self.spill.step_recorder(index)
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
-        """The client and the arrival path, sending to `self._router` (set before)."""
-        self._client = Client(env, self._route, self.scenario.workload.max_concurrency)
+        """The client, vLLM's API-server front end and the arrival path, sending to `self._router`
+        (set before). The front end (sim/core/front_end.py, none where engine.front_end_s is 0)
+        is one FIFO recurrence either way: an open-loop run with no follow-up turns hands each
+        request over at its arrival, in order, so the arrival path delivers it where it leaves
+        the front end (`_Arrivals`, no event of its own); where a closed-loop client or a
+        follow-up turn sends at a time of the run's own, the request waits in `_front_exits`
+        for the one process that routes each as it leaves (`_front_end_exits`)."""
+        front = FrontEnd.for_scenario(self.scenario)
+        self._front_exits: deque = deque()       # (when it leaves the front end, request)
+        in_stream = front is not None and self.scenario.workload.max_concurrency is None \
+            and self._min_think == math.inf
+        route = self._route
+        if front is not None and not in_stream:
+            route = self._front_end_entry(env, front)
+        self._client = Client(env, route, self.scenario.workload.max_concurrency)
         # One replica, an open-loop client and no follow-up turns: between a leap's end and the
         # next arrival nothing but this replica acts, so leaps run back to back in one event.
         self._chained = (self.chain and self.fast and len(self.replicas) == 1 and self._client.limit is None
@@ -233,13 +247,42 @@ class Simulation:
         # One arrival path (`_Arrivals`): a SimPy process hands the requests over as they fall due;
         # in a chained run nothing but the one replica acts between arrivals, so it takes them
         # itself at each of its own events, in the order the process would have delivered them.
-        arrivals = _Arrivals(first_turns, self._client.send)
+        arrivals = _Arrivals(first_turns, self._client.send, front if in_stream else None)
         if self._chained:
             self._inline = arrivals
             self._next_arrival = arrivals.next_time
         else:
             self._inline = None
             self._start(env, self._arrivals(env, arrivals))
+
+    def _front_end_entry(self, env: simpy.Environment, front: FrontEnd) -> Callable[[Request], None]:
+        """What the client sends to where requests go through the front end at times of the
+        run's own: each queues for when it leaves (`front.admit(now)`, calls in time order), and
+        one process routes them (started here)."""
+        exits = self._front_exits
+        idle: list = []          # the exits process's wake-up event while it waits for a request
+
+        def enter(req: Request) -> None:
+            exits.append((front.admit(env.now), req))
+            if idle:
+                idle.pop().succeed()
+
+        def leave():
+            while True:
+                if not exits:
+                    idle.append(env.event())
+                    yield idle[0]
+                    continue
+                when = exits[0][0]
+                if when > env.now:
+                    yield from sleep_until(env, when)
+                req = exits.popleft()[1]
+                self._route(req)
+                if req.status is REJECTED:       # answered at once: its client slot frees
+                    self._client.done()
+
+        self._start(env, leave())
+        return enter
 
     def _launch_replica(self, env: simpy.Environment) -> Replica:
         """A replica the autoscaler adds mid-run, with its engine loop (routable once started)."""
@@ -252,6 +295,7 @@ class Simulation:
     def _work_left(self) -> bool:
         """Can a request still arrive, or is one in flight? (The autoscaler stops when not.)"""
         return (self._next_arrival < math.inf or bool(self._follow_up_times) or self._client.pending
+                or bool(self._front_exits)
                 or any(r.scheduler.has_unfinished() for r in self.replicas))
 
     def _engines(self) -> list[list[Replica]]:
@@ -396,6 +440,8 @@ class Simulation:
         could release (no earlier than the end of its step in flight plus the shortest think time)."""
         follow = self._follow_up_times[0] if self._follow_up_times else math.inf
         horizon = min(self._next_arrival, follow)
+        if self._front_exits:                   # one leaving the API-server front end
+            horizon = min(horizon, self._front_exits[0][0])
         if self._autoscaler is not None:        # it reads every replica's gauges then
             horizon = min(horizon, self._autoscaler.next_poll)
         # A closed-loop client holding requests sends one at any replica's finish.
@@ -627,23 +673,31 @@ class _Arrivals:
     over every request due by `now`. The arrival process (`Simulation._arrivals`) sleeps until
     `next_time` and delivers; in a chained run (Simulation._chained) the one replica delivers at
     each of its own events instead, a request due exactly then first, as the process's timeout,
-    queued earlier, would have."""
+    queued earlier, would have. With a `front_end` (sim/core/front_end.py) a request is due where it
+    leaves the API servers, `front_end.admit(arrival)` taken in arrival order; its arrival, which its
+    latencies count from, stays the client's."""
 
-    def __init__(self, requests: Iterator[Request], send: Callable[[Request], None]):
+    def __init__(self, requests: Iterator[Request], send: Callable[[Request], None],
+                 front_end: Optional[FrontEnd] = None):
         self._requests, self._send = requests, send
+        self._admit = None if front_end is None else front_end.admit
         self._time = 0.0                 # the arrival process's clock (SimPy's starts at 0)
+        self._handed = 0.0               # (front end) the latest arrival handed to it
         self._head = next(requests, None)
         self.next_time = self._due(self._head)
 
     def _due(self, req: Optional[Request]) -> float:
         if req is None:
             return math.inf
-        t = self._time
-        return t + (req.arrival - t) if req.arrival > t else t
+        t, target = self._time, req.arrival
+        if self._admit is not None:
+            handed = self._handed = target if target > self._handed else self._handed
+            target = self._target = self._admit(handed)
+        return t + (target - t) if target > t else t
 
     def next_delay(self) -> float:
         """The timeout from the latest arrival's time to the next one's (`next_time` is its sum)."""
-        return self._head.arrival - self._time
+        return (self._head.arrival if self._admit is None else self._target) - self._time
 
     def deliver(self, now: float) -> float:
         """Send every request due by `now`; returns when the next one is due (inf: none left)."""

@@ -51,6 +51,15 @@ def family_entry(device_name: str, engine: str) -> tuple[dict, Optional[dict]]:
     return (entry["parameters"], entry) if entry else (engines[engine]["generic"], None)
 
 
+def front_end_default(engine: str) -> float:
+    """The API-server time per request (engine.front_end_s unset on a vLLM server) the family fitted
+    for vLLM engine generation `engine`: 0 where it has none (V0: no V0 run went through an API server)."""
+    try:
+        return float(family()["engines"].get(engine, {}).get("front_end_s", 0.0))
+    except (OSError, ValueError, KeyError):
+        return 0.0
+
+
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming

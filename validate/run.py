@@ -41,11 +41,14 @@ def with_profile(scenario, profile: Optional[Path]):
 
 
 def synchronous(scenario):
-    """kvtwin's engine schedules each step after the previous one: predict it without vLLM's overlap."""
-    if not scenario.async_scheduling:
+    """kvtwin's engine schedules each step after the previous one, and the replay hands it requests
+    in-process, through no HTTP server: predict it without vLLM's overlap and without vLLM's
+    API-server front end (engine.front_end_s 0, sim/core/front_end.py)."""
+    if not scenario.async_scheduling and scenario.engine.front_end_s == 0:
         return scenario
     copy = scenario.model_copy(deep=True)
     copy.engine.async_scheduling = False
+    copy.engine.front_end_s = 0.0
     return copy
 
 
