@@ -158,6 +158,18 @@ FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its med
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
 BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
+# vLLM's API-server front end (sim/core/front_end.py, engine.front_end_s): the time a request spends in
+# the API-server process before the engine. Every public V1 run went through it (vllm bench serve,
+# benchmark_serving and inference-perf send HTTP to `vllm serve`); AccelMark's V0 runs call
+# engine.generate in the benchmark's own process, through no HTTP server (Run.api_server False: 0).
+# Host CPU physics, not the GPU's: one value pooled over the API-server runs of every deployment
+# (pooled_front_end), fitted per fold without the held-out deployment's runs, at the datasheet
+# coefficients (what every source shares), on FRONT_END_GRID (each run's residuals at every grid
+# value computed once; a fold's loss is their sum over the other deployments), refined between grid
+# points by a parabola, bounded to FRONT_END_BOUNDS. Every source's cells of a fold use that value.
+FRONT_END = True           # False: no front end in any replay (the table before issue 25's front-end term)
+FRONT_END_GRID = tuple(ms * 1e-3 for ms in (0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 13, 16, 20))
+FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s through one API server
 
 
 @dataclass
@@ -173,6 +185,7 @@ class Run:
     stage_count: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     centre: str = "mean"                 # "median": the source publishes medians, compared with kvtwin's medians
+    api_server: bool = True              # sent over HTTP to vLLM's API server (FRONT_END); AccelMark: in-process
 
     @property
     def engine(self) -> str:
@@ -213,6 +226,7 @@ def deployment_scenario(name: str, hf_id: str, gpu: str, tp: int, engine: dict, 
         device = DeviceSpec(**{**fields, **link})      # a PCIe link's speed follows from its generation
     engine = {k: v for k, v in engine.items() if v is not None}
     engine.setdefault("gpu_memory_utilization", 0.9)
+    engine["front_end_s"] = 0.0       # predict() sets the fold's (never the committed family's default)
     engine.setdefault("max_model_len", min(model.max_position_embeddings, max(4096, longest + 64)))
     raw = {"name": name, "model": model.model_dump(), "device": device.model_dump(),
            "parallelism": {"tp": tp}, "engine": engine}
@@ -484,7 +498,7 @@ def _accelmark_run(e: dict) -> Run:
                                    max(r.prompt_len + r.output_len for r in requests))
     notes = [f"{e['id']}: the first of {w['repeats']} repeats replayed; outputs at the measured mean {output}"]
     return Run(e["id"], _deployment_name(d["model"], d["gpu"], d["tp"], d["vllm_version"]), GPUS[d["gpu"]],
-               scenario, requests, measured, e["source"]["url"], notes=notes, centre="median")
+               scenario, requests, measured, e["source"]["url"], notes=notes, centre="median", api_server=False)
 
 
 def _constant_stage(run_id: str, w: dict, m: dict, data_pass: int = LATEST_DATA_PASS):
@@ -535,12 +549,15 @@ def deployments(runs: list[Run]) -> dict[str, list[Run]]:
 # ----------------------------------------------------------------------------- predicting a run
 
 def predict(run: Run, coefficients: Optional[CostCoefficients] = None, step_times: str = "datasheet",
-            profile: Optional[DeviceProfile] = None) -> dict[str, float]:
-    """The run's metrics as kvtwin predicts them (same keys as Run.measured)."""
+            profile: Optional[DeviceProfile] = None, front_end_s: float = 0.0) -> dict[str, float]:
+    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s`: the
+    API-server time per request of a run sent through one (Run.api_server; FRONT_END)."""
     scenario = run.scenario
-    if step_times != "datasheet":
+    front_end_s = front_end_s if run.api_server and FRONT_END else 0.0
+    if step_times != "datasheet" or front_end_s:
         scenario = scenario.model_copy(deep=True)
         scenario.step_times = step_times
+        scenario.engine.front_end_s = front_end_s
     profile = profile or (DeviceProfile(coefficients) if coefficients is not None else None)
     cost = CostModel.for_scenario(scenario, profile)
     for r in run.requests:
@@ -568,6 +585,14 @@ def errors(run: Run, predicted: dict[str, float]) -> dict[str, float]:
     return {k: predicted[k] / v - 1 for k, v in run.measured.items() if k in predicted and v}
 
 
+def residuals(run: Run, predicted: dict[str, float]) -> list[float]:
+    """What the fits minimise for one run: log(predicted / measured) of FIT_METRICS, the run
+    weighted as one (each term over the square root of how many it has)."""
+    e = errors(run, predicted)
+    ok = [math.log1p(e[m]) for m in FIT_METRICS if m in e and e[m] > -1]
+    return [v / math.sqrt(len(ok)) for v in ok]
+
+
 # ----------------------------------------------------------------------------- the fit
 
 def fit_runs(runs: list[Run]) -> list[Run]:
@@ -582,9 +607,10 @@ def fit_runs(runs: list[Run]) -> list[Run]:
 
 def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None, fixed: Optional[dict[str, float]] = None,
-              names: Optional[tuple[str, ...]] = None) -> dict[str, float]:
+              names: Optional[tuple[str, ...]] = None, front_end_s: float = 0.0) -> dict[str, float]:
     """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally. The
-    runs are of one engine generation, whose parameters, start and iterations the fit takes.
+    runs are of one engine generation, whose parameters, start and iterations the fit takes, and
+    are replayed with `front_end_s` (the pooled API-server time: pooled_front_end).
     `fixed`: parameters held at given values (returned with the fitted ones); `names`: the
     parameters fitted (default: the generation's FIT_NAMES less the fixed ones), where `host_scale`
     multiplies the fixed V0 host terms (the machine's CPU speed over the pooled host profile)."""
@@ -599,19 +625,14 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
     if not names:
         return fixed
 
-    def residuals(x: np.ndarray) -> np.ndarray:
+    def all_residuals(x: np.ndarray) -> np.ndarray:
         coeffs = trained_coefficients(_with_fixed(dict(zip(names, np.exp(x))), fixed))
-        parts = []
-        for run in train:
-            e = errors(run, predict(run, coeffs))
-            ok = [math.log1p(e[m]) for m in FIT_METRICS if m in e and e[m] > -1]
-            parts += [v / math.sqrt(len(ok)) for v in ok]
-        return np.array(parts)
+        return np.array([v for run in train for v in residuals(run, predict(run, coeffs, front_end_s=front_end_s))])
 
     lower = np.log([BOUNDS[n][0] for n in names])
     upper = np.log([BOUNDS[n][1] for n in names])
     x0 = np.log([START[engine].get(n, 1.0) for n in names])
-    x = levenberg_marquardt(residuals, x0, lower, upper, max_iterations or ITERATIONS[engine], progress)
+    x = levenberg_marquardt(all_residuals, x0, lower, upper, max_iterations or ITERATIONS[engine], progress)
     return _with_fixed(dict(zip(names, map(float, np.exp(x)))), fixed)
 
 
@@ -674,17 +695,18 @@ def _resumable(kind: str, name: str, compute: Callable):
 
 def _class_fit(key: tuple[str, str]) -> dict[str, float]:
     engine, gpu = key
+    front = pooled_front_end(_FOLD_STATE["runs"])
 
     def fit() -> dict[str, float]:
         group = [r for r in _FOLD_STATE["runs"] if r.group == key]
         _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
                                 f"{len(deployments(group))} deployments")
-        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT)
-                  if engine == "v0" and V0_POOLED_HOST else fit_class(group))
+        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT, front_end_s=front)
+                  if engine == "v0" and V0_POOLED_HOST else fit_class(group, front_end_s=front))
         _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
 
-    return _resumable("class", f"{engine}/{gpu}", fit)
+    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else ""), fit)
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, dict[str, float]]]:
@@ -692,6 +714,7 @@ def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, di
     {engine: {gpu: parameters}}."""
     keys = sorted({r.group for r in runs})
     _FOLD_STATE.update(runs=runs, progress=progress)
+    pooled_front_end(runs, progress=progress)       # once, before the class fits (forked ones share it)
     if V0_POOLED_HOST and any(engine == "v0" for engine, _ in keys):
         pooled_v0_host(runs, progress=progress)      # once, before the class fits (forked ones share it)
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -714,7 +737,7 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
 
 
 def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, float]]],
-                progress=print) -> dict[str, float]:
+                progress=print, front_end_s: float = 0.0) -> dict[str, float]:
     """The trained parameters that predict deployment `held`: its (engine generation, GPU class)
     refitted without it; with no other deployment there, the generic profile of the generation's
     other classes (what `step_times: trained` gives a GPU no run of that generation measured). A V0
@@ -726,7 +749,8 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
     host = pooled_v0_host(runs, deployment_model(held), progress) if engine == "v0" and V0_POOLED_HOST else None
     if rest:
         progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
-        return fit_class(rest, fixed=host, names=V0_CLASS_FIT) if host else fit_class(rest)
+        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, front_end_s=front_end_s) if host
+                else fit_class(rest, front_end_s=front_end_s))
     progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
     return {**generic({g: p for g, p in full.get(engine, {}).items() if g != gpu}), **(host or {})}
 
@@ -734,6 +758,62 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
 def deployment_model(deployment: str) -> str:
     """The model (Hugging Face id) of a deployment named by `_deployment_name`."""
     return deployment.split(" / ")[0]
+
+
+_FRONT_ENDS: dict = {}     # pooled_front_end's fits in this process, by (left-out deployment, runs)
+
+
+def pooled_front_end(runs: list[Run], without: Optional[str] = None, progress=print) -> float:
+    """The API-server time per request (FRONT_END) fitted on the fit runs (fit_runs) sent through
+    an API server, of every deployment but `without` (a fold's: its runs never reach it): the
+    value minimising the summed squared residuals at the datasheet coefficients over
+    FRONT_END_GRID, refined by the parabola through the best grid point and its neighbours."""
+    import hashlib
+
+    if not FRONT_END:
+        return 0.0
+    pool = [r for r in fit_runs([r for r in runs if r.api_server]) if r.deployment != without]
+    digest = hashlib.sha1("\n".join(r.id for r in pool).encode()).hexdigest()[:12]
+    memo = (without, digest)
+    if memo not in _FRONT_ENDS:
+        if not pool:
+            return 0.0
+        if without is None:
+            progress(f"the front end's profile over {len(pool)} runs of {len(deployments(pool))} deployments")
+        loss = np.sum([front_end_profile(r) for r in pool], axis=0)
+        _FRONT_ENDS[memo] = _parabola_min(np.array(FRONT_END_GRID), loss)
+    return _FRONT_ENDS[memo]
+
+
+def front_end_profile(run: Run) -> list[float]:
+    """The run's summed squared residuals at the datasheet coefficients with each FRONT_END_GRID
+    value (kept in the --resume folder: every fold sums the same ones)."""
+    def compute() -> list[float]:
+        return [float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=c)))))
+                for c in FRONT_END_GRID]
+
+    if run.id not in _PROFILES:
+        _PROFILES[run.id] = _resumable("frontend", f"{run.id} / {FRONT_END_GRID}", compute)
+    return _PROFILES[run.id]
+
+
+_PROFILES: dict = {}       # front_end_profile's in this process, by run id
+
+
+def _parabola_min(x: np.ndarray, y: np.ndarray) -> float:
+    """The minimum of y(x) sampled on a grid: the lowest point, moved to the vertex of the parabola
+    through it and its two neighbours where that is a minimum between them; within FRONT_END_BOUNDS."""
+    i = int(np.argmin(y))
+    best = float(x[i])
+    if 0 < i < len(x) - 1:
+        (x0, x1, x2), (y0, y1, y2) = x[i - 1:i + 2], y[i - 1:i + 2]
+        denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
+        a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
+        b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
+        if a > 0:
+            best = min(max(-b / (2 * a), float(x0)), float(x2))
+    low, high = FRONT_END_BOUNDS
+    return float(min(max(best, low), high))
 
 
 _V0_HOSTS: dict = {}       # pooled_v0_host's fits in this process, by (left-out model, runs)
@@ -773,15 +853,18 @@ def tables_cover(run: Run) -> bool:
     return True
 
 
-def run_rows(run: Run, params: dict[str, float]) -> dict:
+def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0) -> dict:
+    """The run's errors under each source, all replayed with the fold's front end."""
     measured = sum(not r.is_warmup for r in run.requests)
     row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": measured,
            "source": run.source}
-    row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients())).items()})
+    fe = front_end_s
+    row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients(), front_end_s=fe)).items()})
     if tables_cover(run):
-        row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables")).items()})
+        row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables",
+                                                                     front_end_s=fe)).items()})
     trained = trained_coefficients(params)
-    row.update({f"trained {k}": v for k, v in errors(run, predict(run, trained)).items()})
+    row.update({f"trained {k}": v for k, v in errors(run, predict(run, trained, front_end_s=fe)).items()})
     return row
 
 
@@ -789,8 +872,12 @@ def _fold_rows(name: str) -> list[dict]:
     runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
 
     def fold() -> list[dict]:
-        params = fold_params(runs, name, full, progress)
-        return [{**run_rows(run, params), **{f"fold {k}": v for k, v in params.items()}}
+        front = pooled_front_end(runs, name, progress)
+        params = fold_params(runs, name, full, progress, front)
+        front_col = {"fold front_end_s": front} if FRONT_END else {}
+        return [{**run_rows(run, params, front if run.api_server else 0.0),
+                 **{f"fold {k}": v for k, v in params.items()},
+                 **(front_col if run.api_server else {})}
                 for run in deployments(runs)[name]]
 
     return _resumable("fold", name, fold)
@@ -802,6 +889,8 @@ def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optiona
     (forked: they share the loaded runs) give the same table as one."""
     names = [n for n in deployments(runs) if only is None or n in only]
     _FOLD_STATE.update(runs=runs, full=full, progress=progress)
+    for name in names:
+        pooled_front_end(runs, name, progress)      # before the folds (forked ones share them)
     for model in sorted({deployment_model(n) for n in names if V0_POOLED_HOST and deployment_engine(n) == "v0"}):
         pooled_v0_host(runs, model, progress)        # before the folds (forked ones share them)
     parts = _map(_fold_rows, names, jobs)
@@ -879,7 +968,8 @@ def write_family(full: dict[str, dict[str, dict[str, float]]], table: pd.DataFra
                    "squares on log errors of mean TTFT, TPOT, E2E and throughput of every public run of the class "
                    "and generation (tests/data/vllm_public)"),
         "parameters": {engine: list(FIT_NAMES[engine]) for engine in ENGINES},
-        "engines": {engine: _engine_entry(full.get(engine, {}), [r for r in runs if r.engine == engine])
+        "engines": {engine: _engine_entry(full.get(engine, {}), [r for r in runs if r.engine == engine],
+                                          pooled_front_end(runs))
                     for engine in ENGINES if full.get(engine)},
         "sources": sorted({r.source for r in runs}),
         "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
@@ -903,13 +993,18 @@ def write_bands(table: pd.DataFrame, path: Path = FAMILY_FILE) -> Path:
     return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
 
 
-def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run]) -> dict:
-    """One engine generation's classes (parameters, deployments, runs) and its generic profile."""
-    return {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
-                              "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
-                              "runs": sum(1 for r in runs if r.gpu_class == gpu)}
-                        for gpu, p in sorted(params.items())},
-            "generic": {k: float(f"{v:.5g}") for k, v in generic(params).items()}}
+def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], front_end_s: float = 0.0) -> dict:
+    """One engine generation's classes (parameters, deployments, runs), its generic profile and,
+    where its runs went through vLLM's API server, the pooled front-end time per request (the
+    default engine.front_end_s of a vLLM server of that generation: sim.trained.front_end_default)."""
+    entry = {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
+                               "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
+                               "runs": sum(1 for r in runs if r.gpu_class == gpu)}
+                         for gpu, p in sorted(params.items())},
+             "generic": {k: float(f"{v:.5g}") for k, v in generic(params).items()}}
+    if FRONT_END and any(r.api_server for r in runs):
+        entry["front_end_s"] = float(f"{front_end_s:.5g}")
+    return entry
 
 
 def committed_params(family: Optional[dict] = None) -> dict[str, dict[str, dict[str, float]]]:

@@ -1,0 +1,185 @@
+"""vLLM's API-server front end (sim/core/front_end.py, engine.front_end_s).
+
+What the API-server process does per request, in vLLM 0.19.1 (the wheel from the package registry):
+vllm/entrypoints/openai/chat_completion/serving.py `create_chat_completion` renders the chat template
+and tokenizes (`render_chat_request`), then `engine_client.generate` (vllm/v1/engine/async_llm.py
+`generate` -> `add_request` -> `input_processor.process_inputs`) hands the request to the engine core,
+all on the process's one asyncio loop; `--api-server-count` (vllm/entrypoints/cli/serve.py
+`ServeSubcommand.cmd`: 1 without data parallelism, the dp size under internal balancing) sets how
+many such processes take requests (`run_multi_api_server`, SO_REUSEPORT in
+vllm/entrypoints/openai/api_server.py). kvtwin prices them as a FIFO over that many servers with
+one service time per request before the router.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sim.core.front_end import FrontEnd, front_end_s
+from sim.errors import ScenarioError
+from sim.records import requests_frame
+from sim.scenario import validate_scenario
+from sim.simulator import Simulation, simulate
+
+SERVICE = 0.25          # exact in binary: the recurrence's sums are exact too
+
+
+def scenario(front=None, n=8, **workload):
+    engine = {"num_blocks": 512, "max_model_len": 256}
+    if front is not None:
+        engine["front_end_s"] = front
+    return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine,
+                              "workload": {"num_requests": n, "prompt_len": 16, "output_len": 4,
+                                           "arrival": {"process": "offline"}, **workload}})
+
+
+def frame(s, chain=True):
+    old = Simulation.chain
+    Simulation.chain = chain
+    try:
+        return requests_frame(simulate(s)[0]).sort_values("id").reset_index(drop=True)
+    finally:
+        Simulation.chain = old
+
+
+def test_one_server_is_the_fifo_recurrence():
+    """A burst of N at t=0 through one API server with service c leaves at c, 2c, ..., N*c
+    (start = max(arrival, previous finish)); a later arrival to an idle server waits only c."""
+    front = FrontEnd(1, SERVICE)
+    assert [front.admit(0.0) for _ in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert front.admit(5.0) == 5.25 and front.admit(5.1) == 5.5
+    two = FrontEnd(2, SERVICE)
+    assert [two.admit(0.0) for _ in range(4)] == [0.25, 0.25, 0.5, 0.5]
+
+
+def test_a_burst_waits_in_the_front_end_and_ttft_counts_it():
+    n = 8
+    base, fronted = frame(scenario(0.0, n)), frame(scenario(SERVICE, n))
+    # the last request reaches the engine at N x c; each request's TTFT counts its wait from t=0
+    assert (fronted["arrival_s"] == 0).all()
+    for i, row in fronted.iterrows():
+        assert row["ttft_s"] >= (i + 1) * SERVICE
+        assert row["ttft_s"] - (i + 1) * SERVICE < 0.01          # then one prefill of 16 tokens
+        assert row["e2e_s"] >= row["ttft_s"]
+    assert fronted["ttft_s"].max() == pytest.approx(n * SERVICE, abs=0.01)
+    assert base["ttft_s"].max() < SERVICE                          # without it: all prefilled at once
+    assert len(fronted) == n and (fronted["status"] == base["status"]).all()   # every request finished
+
+
+def test_the_chained_and_the_step_by_step_paths_agree():
+    s = scenario(SERVICE, 6)
+    a, b = frame(s, chain=True), frame(s, chain=False)
+    assert (a[["ttft_s", "e2e_s"]].to_numpy() == b[["ttft_s", "e2e_s"]].to_numpy()).all()
+
+
+def test_a_closed_loop_client_sends_then_waits_in_the_front_end():
+    """Concurrency 2: the third request is sent when the first finishes, and queues behind the
+    second in the API server (which the client's semaphore does not see)."""
+    t = frame(scenario(SERVICE, 4, max_concurrency=2))
+    assert list(t["ttft_s"].round(2))[:2] == [0.25, 0.5]
+    third = t.iloc[2]
+    assert third["arrival_s"] > 0                                 # sent at the first one's finish
+    assert third["arrival_s"] + third["ttft_s"] >= 0.75            # left the front end after the second
+    assert (t["status"] == t["status"].iloc[0]).all() and len(t) == 4
+
+
+def test_the_field_is_bounded_and_named():
+    for bad in (-0.001, 1.5, "fast"):
+        with pytest.raises(ScenarioError, match="engine.front_end_s"):
+            scenario(bad)
+    with pytest.raises(ValueError, match="at least one API server"):
+        FrontEnd(0, SERVICE)
+
+
+def test_zero_is_no_front_end_and_changes_nothing(monkeypatch):
+    """0 builds no front end: the same requests, the same records as before the term existed
+    (the arrival path takes no admit call)."""
+    import sim.trained
+
+    assert FrontEnd.for_scenario(scenario(0.0)) is None
+    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: 0.0)
+    unset, zero = frame(scenario(None, 5, arrival={"process": "poisson", "rate": 50})), \
+        frame(scenario(0.0, 5, arrival={"process": "poisson", "rate": 50}))
+    assert unset.equals(zero)
+
+
+def test_the_default_is_the_families_value_on_a_vllm_server_and_zero_elsewhere(monkeypatch):
+    import sim.trained
+
+    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: {"v1": 0.003, "v0": 0.0}[engine])
+    assert front_end_s(scenario()) == 0.003
+    static = validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": {"batching": "static"}})
+    assert front_end_s(static) == 0.0
+    old = validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": {"vllm_version": "0.7.3"}})
+    assert front_end_s(old) == 0.0
+    assert front_end_s(scenario(0.001)) == 0.001
+
+
+def test_kvtwins_own_engine_replays_have_no_front_end():
+    """validate/run.py predicts the Triton engine's replays: requests handed over in-process."""
+    from validate.run import synchronous
+
+    assert synchronous(scenario(0.004)).engine.front_end_s == 0.0
+    assert synchronous(scenario(None)).engine.front_end_s == 0.0
+
+
+def test_from_vllm_api_server_count_sets_the_front_ends_servers():
+    """`simrun from-vllm`: --api-server-count / -asc lands in parallelism.api_servers (vLLM 0.19.1
+    vllm/entrypoints/cli/serve.py), the front end's capacity; unset, one server without dp."""
+    from sim.vllm.serve_flags import translate
+
+    raw = translate("vllm serve qwen2.5-0.5b --api-server-count 3", "h100-sxm").raw
+    assert raw["parallelism"]["api_servers"] == 3
+    raw.setdefault("engine", {})["front_end_s"] = SERVICE
+    three = FrontEnd.for_scenario(validate_scenario({**raw, "model": "qwen2.5-0.5b", "device": "h100-sxm"}))
+    assert [three.admit(0.0) for _ in range(4)] == [0.25, 0.25, 0.25, 0.5]
+    one = FrontEnd.for_scenario(scenario(SERVICE))
+    assert [one.admit(0.0) for _ in range(2)] == [0.25, 0.5]
+
+
+def test_a_cluster_pools_its_replicas_api_servers():
+    s = validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": {"front_end_s": SERVICE},
+                           "cluster": {"replicas": 2}})
+    front = FrontEnd.for_scenario(s)
+    assert [front.admit(0.0) for _ in range(3)] == [0.25, 0.25, 0.5]
+    assert not math.isnan(front.service_s)
+
+
+def test_the_public_vllm_replays_go_through_the_api_server_and_a_fold_never_fits_on_its_own_runs(monkeypatch):
+    """validate/lodo.py: every public V1 run was sent over HTTP to `vllm serve` (vllm bench serve,
+    benchmark_serving, inference-perf), so its replay takes the fold's front end; AccelMark's V0 runs
+    call engine.generate in the benchmark's process and take none. The pooled value of a fold is
+    fitted on the other deployments' runs only."""
+    import numpy as np
+
+    from sim.costmodel import CostCoefficients
+    from validate import lodo
+
+    runs, _ = lodo.all_runs()
+    by_id = {r.id: r for r in runs}
+    chat = by_id["gpustack-gpt-oss-20b-h100-07"]          # 1000 x 128/4, all at once
+    assert chat.api_server and chat.scenario.engine.front_end_s == 0.0
+    assert not any(r.api_server for r in runs if r.engine == "v0")
+    plain, fronted = lodo.predict(chat, CostCoefficients()), lodo.predict(chat, CostCoefficients(), front_end_s=0.004)
+    assert fronted["ttft_mean"] > plain["ttft_mean"]
+    assert 1000 / fronted["throughput"] >= 1000 * 0.004       # the intake alone takes N x c
+    v0 = next(r for r in runs if r.engine == "v0")
+    assert lodo.predict(v0, CostCoefficients(), front_end_s=0.004) == lodo.predict(v0, CostCoefficients())
+
+    seen = []
+    grid = np.array(lodo.FRONT_END_GRID)
+
+    def profile(run):
+        seen.append(run.deployment)
+        return list((grid - 0.0042) ** 2)          # every run's loss lowest at 4.2 ms
+
+    monkeypatch.setattr(lodo, "front_end_profile", profile)
+    monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
+    held = chat.deployment
+    assert lodo.pooled_front_end(runs, held) == pytest.approx(0.0042, abs=1e-6)
+    assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
+    low, high = lodo.FRONT_END_BOUNDS
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: list(-grid))    # lowest past the grid's end
+    monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
+    assert low <= lodo.pooled_front_end(runs) <= high
