@@ -110,7 +110,8 @@ class Parallelism(StrictModel):
     api_servers: Optional[int] = Field(
         default=None, ge=1, le=1024,
         description="vLLM's --api-server-count: front-end processes, each balancing with its own view of "
-                    "the ranks (unset: vLLM's default for vllm_version, the ranks balanced from 0.15, else 1)")
+                    "the ranks and each one server of engine.front_end_s's queue (unset: vLLM's default for "
+                    "vllm_version, the ranks balanced from 0.15, else 1)")
     all2all_backend: Literal[
         "allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
         "flashinfer_all2allv", "mori", "nixl_ep", "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided",

@@ -229,7 +229,8 @@ MODELLED = (
     Modelled("--data-parallel-start-rank", "parallelism.dp_load_balancing", _int, "unset: internal", ("-dpr",)),
     Modelled("--data-parallel-backend", "parallelism.dp_backend", _choice("mp", "ray"), "mp", ("-dpb",)),
     Modelled("--api-server-count", "parallelism.api_servers", _int,
-             "the ranks its API servers balance (dp; dp_local for hybrid, 1 external) from vLLM 0.15, else 1",
+             "the ranks its API servers balance (dp; dp_local for hybrid, 1 external) from vLLM 0.15, else 1; "
+             "also the servers of the API-server front end (engine.front_end_s)",
              ("-asc",)),
     Modelled("--all2all-backend", "parallelism.all2all_backend",
              _choice("allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
