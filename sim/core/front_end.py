@@ -64,13 +64,16 @@ class FrontEnd:
 
 
 def front_end_s(scenario) -> float:
-    """engine.front_end_s resolved: the value set, else the default for a vLLM server (vLLM's
-    continuous batching over a paged pool): the trained family's fitted value for the scenario's
-    engine generation (sim.trained.front_end_default; 0 where the family has none), else 0."""
+    """engine.front_end_s resolved: the value set; unset, under `step_times: trained` on a vLLM
+    server (continuous batching over a paged pool) the trained family's value for the scenario's
+    engine generation (sim.trained.front_end_default, fitted with the family on the public runs: 0
+    where it has none), else 0. Unset under datasheet or tables it stays 0, so their answers (and
+    every scenario written before the term) do not move: a prediction's front end is opt-in there,
+    the fitted value one field away (docs/fidelity.md "The API-server front end")."""
     e = scenario.engine
     if e.front_end_s is not None:
         return float(e.front_end_s)
-    if e.batching != "continuous" or e.allocation != "paged":
+    if scenario.step_times != "trained" or e.batching != "continuous" or e.allocation != "paged":
         return 0.0
     from sim.core.vllm_versions import engine_generation
     from sim.trained import front_end_default
