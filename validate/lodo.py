@@ -19,6 +19,14 @@ efficiencies the datasheet's. Two richer variants were tried and
 validated worse held out (docs/fidelity.md): separate GEMM / attention / weight scales, and the
 same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
 
+Every public V1 run went through vLLM's API server, whose time per request before the engine
+(HTTP, chat template, tokenization, its asyncio loop: sim/core/front_end.py) no step-time
+coefficient carries: each replay of such a run takes a front end (engine.front_end_s), one value
+pooled over every API-server deployment (host CPU physics, not the GPU's), fitted per fold without
+the held-out deployment's runs (pooled_front_end) and used by all three sources' cells of that fold;
+the family stores the value pooled over all of them (`front_end_s` of its engine entry), the
+default of a `step_times: trained` scenario.
+
 A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
 classes (`generic`): the engine generation, not the GPU, is what moves the host terms most (V0's
 AccelMark runs need 1-2 ms per step where V1 needs a few hundred microseconds), so a V1 coefficient
