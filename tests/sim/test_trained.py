@@ -131,6 +131,25 @@ def test_gpustack_chat_runs_replay_the_chat_template(runs):
     assert {q.prompt_len for q in qwen.requests if not q.is_warmup} == {128 + 8}
 
 
+def test_gpt_oss_requests_share_the_harmony_head_that_vllms_prefix_cache_serves(runs):
+    """vLLM renders every gpt-oss chat request as harmony's system message, an empty developer
+    message, then the user's (vllm/entrypoints/openai/serving_chat.py 0.11.0
+    `_make_request_with_harmony`); the system message is the same for every request of a day
+    (vllm/entrypoints/harmony_utils.py `get_system_message`: the current date), and V1 turns the
+    prefix cache on by default (vllm/engine/arg_utils.py `_set_default_args`). So 61 of the 67
+    template tokens (all but `<|start|>user<|message|>` and `<|end|><|start|>assistant` around the
+    prompt) are one shared segment, whose three full 16-token blocks the cache serves: GPUStack's
+    gpt-oss-20b A100 128/4 run prefills 147 of its 195 tokens per request, not 195. Qwen3's head
+    (`<|im_start|>user\n`, 3 tokens) fills no block and is not replayed as shared."""
+    oss = [q for q in runs["gpustack-gpt-oss-20b-a100-08"].requests if not q.is_warmup]
+    heads = {q.segments[0] for q in oss}
+    assert len(heads) == 1 and next(iter(heads))[1] == 61
+    assert {q.prompt_len for q in oss} == {128 + 67}
+    assert len({q.segments[1][0] for q in oss}) == len(oss)          # the rest stays each request's own
+    qwen = [q for q in runs["gpustack-qwen3-32b-h100-05"].requests if not q.is_warmup]
+    assert len({q.segments[0] for q in qwen}) == len(qwen)
+
+
 def test_mxfp4_experts_take_marlins_padded_shapes_on_gpus_below_hopper(runs):
     """vLLM 0.11.0 runs mxfp4 MoE experts with the Marlin kernel wherever the GPU's compute
     capability is below 9 (vllm/model_executor/layers/quantization/mxfp4.py `get_mxfp4_backend`),
