@@ -200,7 +200,8 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, dp: int = 1) -> int:
 # below 9 (get_mxfp4_backend); the catalog marks those parts by their lack of fp8 tensor cores
 # (Ampere and older; Ada, capability 8.9, also runs Marlin but has fp8 and is not caught here).
 # gpt-oss-120b: 2880 -> 3072 x 2880 -> 2944, 5.1 GiB more than the checkpoint on one GPU, as the
-# Marlin load on an H100 logged it (vllm-project/vllm#23278: "Model loading took 65.9651 GiB").
+# Marlin load on an H100 logged it (vllm-project/vllm#23278: "Model loading took 65.9651 GiB"); at
+# tp 4 on A100s, 17.15 GiB per GPU against the 17.22 dennislee22's log printed (startup_logs.yaml).
 MARLIN_MXFP4_HIDDEN_MULTIPLE = 256
 MARLIN_MXFP4_INTERMEDIATE_MULTIPLE = 128
 

@@ -169,6 +169,10 @@ def test_mxfp4_experts_take_marlins_padded_shapes_on_gpus_below_hopper(runs):
     assert marlin_mxfp4_padding_bytes(oss, h100) == 0          # fp8 tensor cores: not Marlin's padding
     assert marlin_mxfp4_padding_bytes(lodo.model_spec("Qwen/Qwen3-32B"), a100) == 0
     assert runs["gpustack-gpt-oss-120b-a100-07"].scenario.engine.num_blocks == 7845
+    # dennislee22's four A100s (tests/data/vllm_public/startup_logs.yaml, vLLM 0.10.1.1, tp 4) logged
+    # "Model loading took 17.2217 GiB" per GPU: 15.2 GiB unpadded, 17.1 with the 3072 x 768 slices
+    padded = weight_bytes_per_gpu(oss, 4) + marlin_mxfp4_padding_bytes(oss, a100, 4)
+    assert padded / 2**30 == pytest.approx(17.22, abs=0.1)
 
 
 def test_bands_are_computed_from_the_table_not_typed_in():
