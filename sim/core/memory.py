@@ -207,7 +207,9 @@ MARLIN_MXFP4_INTERMEDIATE_MULTIPLE = 128
 
 
 def marlin_mxfp4_padding_bytes(model: ModelSpec, device, tp: int = 1, dp: int = 1) -> int:
-    """Bytes per GPU that Marlin's padding adds to mxfp4 experts (0 where another backend runs)."""
+    """Bytes per GPU that Marlin's padding adds to mxfp4 experts (0 where another backend runs).
+    The experts are taken as sliced over tp x dp (whole under expert parallelism, where the
+    intermediate size pads less: not told apart here, the plan does not know of it)."""
     q = model.quantization
     if not (model.is_moe and q is not None and q.method == "mxfp4") or getattr(device, "fp8_tflops", None):
         return 0
