@@ -53,7 +53,7 @@ class LeapPlan:
     the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
     __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "settled", "_ctx0", "_ctx_per_step",
-                 "walked", "_walked_before", "static_shape", "_clock", "_groups", "_tables", "_free", "_taken", "_limit")
+                 "walked", "_walked_before", "static_shape", "_clock", "_crossings", "_tables", "_free", "_taken", "_limit")
 
     def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
         """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
@@ -65,7 +65,7 @@ class LeapPlan:
         self.walked: list[int] = []       # blocks the members start walking at each step
         self._walked_before = cohort.blocks_walked
         self._clock = clock
-        self._groups = cohort.by_phase
+        self._crossings = cohort.crossings     # (the cohort's: no member joins or leaves during the plan)
         self._tables = cohort.tables       # blocks a crossing member takes (a grouped cache: one per table)
         self._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
         self._taken = 0
@@ -91,16 +91,24 @@ class LeapPlan:
         """How many of the first k steps can run (their blocks are free); counts them on demand."""
         walked = self.walked
         k = min(k, self._limit)
-        if len(walked) < k:
-            groups, bs, tables = self._groups, len(self._groups), self._tables
-            phase, free, taken = 1 - self._clock, self._free, self._taken
-            for i in range(len(walked), k):
-                w = len(groups[(phase - i) % bs])      # the members crossing into a block at step i
-                taken += w * tables                    # (blocks freed behind windows are not counted)
-                if taken > free:
-                    self._limit = k = i
-                    break
-                walked.append(w)
+        n = len(walked)
+        if n < k:
+            # the members crossing into a block at step i: crossings[(clock + i) % bs], so steps
+            # n .. k-1 are one slice of the cycle repeated (at C speed, where most leaps are short)
+            crossings, tables = self._crossings, self._tables
+            bs = len(crossings)
+            start = (self._clock + n) % bs
+            new = (crossings * (1 + (start + k - n - 1) // bs))[start:start + k - n]
+            taken = self._taken + sum(new) * tables    # (blocks freed behind windows are not counted)
+            if taken > self._free:                     # the pool runs out in these steps: at which?
+                taken = self._taken
+                for i, w in enumerate(new):
+                    taken += w * tables
+                    if taken > self._free:
+                        self._limit = k = n + i
+                        del new[i:]
+                        break
+            walked += new
             self._taken = taken
         return k
 
@@ -149,9 +157,12 @@ class LeapPlan:
         blocks = self._walked_before
         static = self.static_shape
         t = start
+        reached = 0
         for i in range(most):
-            if i >= len(walked) and self.reach(2 * i + 4) <= i:
-                return ends, hosts, devices, ctxs, reads, False        # the plan ends here
+            if i >= reached:
+                reached = self.reach(most)     # (a pending plan: step t alone until it settles)
+                if reached <= i:
+                    return ends, hosts, devices, ctxs, reads, False    # the plan ends here
             blocks += walked[i]
             read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
             h, d = price(ctx, read)
