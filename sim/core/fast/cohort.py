@@ -331,9 +331,9 @@ class DecodeCohort:
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             blocks = kv.pool.get_new_blocks(len(crossing) * self.tables)
-            if self.any_order:
-                for req, block in zip(crossing, blocks):
-                    req.blocks.append(block)
+            if self.any_order:             # (unnamed blocks: every one is ANON)
+                for req in crossing:
+                    req.blocks.append(ANON)
             else:
                 self._hand_out((crossing,), blocks)
             kv.held_slots += bs * len(crossing)
@@ -451,12 +451,12 @@ class DecodeCohort:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)
             phase = 1 - clock
-            if self.any_order:
-                blocks = iter(blocks)
+            if self.any_order:             # (unnamed blocks: every one is ANON)
+                anon = ANON
                 for i, w in enumerate(walked):
                     if w:
-                        for req, block in zip(by_phase[(phase - i) % bs], blocks):    # (zip asks the members first)
-                            req.blocks.append(block)
+                        for req in by_phase[(phase - i) % bs]:
+                            req.blocks.append(anon)
             else:
                 self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
             if evicted_at:
