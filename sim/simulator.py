@@ -549,12 +549,11 @@ class Simulation:
         # Async scheduling in a chained run: what arrives at the horizon joins WAITING only after
         # the next step's pass, so the leap runs through that step too (LeapPlan.timed, `_leaps`).
         held_over = self._chained and sched.holds_arrivals and sched.in_flight
-        ends, hosts, devices, more = plan.timed(sched, price, now, horizon, LEAP_SCALAR_STEPS, held_over)
+        ends, hosts, devices, ctx, blocks, more = plan.timed(sched, price, now, horizon, LEAP_SCALAR_STEPS, held_over)
         if more:
             return self._bulk_times(plan, now, ends, hosts, devices, horizon, held_over)
         if not ends:
             return None
-        ctx, blocks = plan.shapes(len(ends))      # (at C speed, not a list append each a step)
         return plan, ends, hosts, devices, ctx, blocks
 
     def _decode_pricer(self, rows: int, ctx: int, blocks: int):

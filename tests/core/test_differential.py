@@ -484,8 +484,8 @@ def test_leap_timing_prices_step_by_step_and_stops_at_the_horizon():
         h, d = price(c, b)
         t = t + (h + d)
         expected.append(t)
-    ends, hosts, devices, more = plan.timed(sched, price, 1.0, float("inf"), 10)
-    assert ends == expected and more
+    ends, hosts, devices, ctx, blocks, more = plan.timed(sched, price, 1.0, float("inf"), 10)
+    assert ends == expected and more and (ctx, blocks) == tuple(map(list, shapes))
     assert [h + d for h, d in zip(hosts, devices)] == [price(c, b)[0] + price(c, b)[1] for c, b in zip(*shapes)]
     between = (expected[3] + expected[4]) / 2
     assert plan.timed(sched, price, 1.0, between, 10)[0] == expected[:5]      # the step in flight

@@ -144,13 +144,14 @@ class LeapPlan:
         first is the driver's queue order.) With `held_over` (async scheduling: what arrives while
         a step is in flight joins WAITING only after the next step's pass) the step after the one
         in flight is the leap's last, where the plan reaches it (`_held_over_step`). Returns (ends,
-        hosts, devices, more), with `more` when all `most` steps end before `horizon` and the plan
-        goes on (the steps' decode contexts and blocks read: `shapes(len(ends))`). A pending plan is
-        settled (`settle`) once its first step ends before `horizon` (or is in flight then, with
-        `held_over`)."""
+        hosts, devices, ctx, blocks, more), with `more` when all `most` steps end before `horizon`
+        and the plan goes on. A pending plan is settled (`settle`) once its first step ends before
+        `horizon` (or is in flight then, with `held_over`)."""
         ends: list[float] = []
         hosts: list[float] = []
         devices: list[float] = []
+        ctxs: list[int] = []
+        reads: list[int] = []
         walked, per, step = self.walked, self._ctx_per_step, self.first_step
         ctx = self._ctx0 + per * step
         blocks = self._walked_before
@@ -161,7 +162,7 @@ class LeapPlan:
             if i >= reached:
                 reached = self.reach(most)     # (a pending plan: step t alone until it settles)
                 if reached <= i:
-                    return ends, hosts, devices, False     # the plan ends here
+                    return ends, hosts, devices, ctxs, reads, False    # the plan ends here
             blocks += walked[i]
             read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
             h, d = price(ctx, read)
@@ -171,21 +172,25 @@ class LeapPlan:
                     ends.append(t)
                     hosts.append(h)
                     devices.append(d)
+                    ctxs.append(ctx)
+                    reads.append(read)
                     if held_over:
-                        self._held_over_step(sched, price, i, t, ctx + per, blocks, (ends, hosts, devices))
-                return ends, hosts, devices, False
+                        self._held_over_step(sched, price, i, t, ctx + per, blocks, (ends, hosts, devices, ctxs, reads))
+                return ends, hosts, devices, ctxs, reads, False
             ends.append(t)
             hosts.append(h)
             devices.append(d)
+            ctxs.append(ctx)
+            reads.append(read)
             ctx += per
             if not i and self.pending:
                 self.settle(sched)             # step t runs: its finishers go, the plan goes on
-        return ends, hosts, devices, self.reach(most + 1) > most
+        return ends, hosts, devices, ctxs, reads, self.reach(most + 1) > most
 
     def _held_over_step(self, sched: Scheduler, price, i: int, t: float, ctx: int, blocks: int,
                         columns: tuple) -> None:
         """Step i + 1 after step i, in flight at the horizon, ending at `t` (`timed`), appended to
-        `columns` (ends, hosts, devices) where the plan reaches it. With async scheduling, requests that arrive while
+        `columns` where the plan reaches it. With async scheduling, requests that arrive while
         step i runs wait in `arriving` through step i + 1's pass (sim/core/async_scheduling.py),
         which therefore schedules what it would without them: the plan's next step (the waiting
         head, as the plan found it, does not start). The driver moves them to WAITING after it."""
@@ -197,7 +202,7 @@ class LeapPlan:
         static = self.static_shape
         read = blocks if static is None else self.rows * -(-(static[0] + self.first_step + i + 1) // static[1])
         h, d = price(ctx, read)
-        for column, value in zip(columns, (t + (h + d), h, d)):
+        for column, value in zip(columns, (t + (h + d), h, d, ctx, read)):
             column.append(value)
 
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
