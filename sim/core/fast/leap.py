@@ -98,7 +98,8 @@ class LeapPlan:
             crossings, tables = self._crossings, self._tables
             bs = len(crossings)
             start = (self._clock + n) % bs
-            new = (crossings * (1 + (start + k - n - 1) // bs))[start:start + k - n]
+            end = start + k - n
+            new = crossings[start:end] if end <= bs else (crossings * (1 + (end - 1) // bs))[start:end]
             taken = self._taken + sum(new) * tables    # (blocks freed behind windows are not counted)
             if taken > self._free:                     # the pool runs out in these steps: at which?
                 taken = self._taken
@@ -202,8 +203,12 @@ class LeapPlan:
         static = self.static_shape
         read = blocks if static is None else self.rows * -(-(static[0] + self.first_step + i + 1) // static[1])
         h, d = price(ctx, read)
-        for column, value in zip(columns, (t + (h + d), h, d, ctx, read)):
-            column.append(value)
+        ends, hosts, devices, ctxs, reads = columns
+        ends.append(t + (h + d))
+        hosts.append(h)
+        devices.append(d)
+        ctxs.append(ctx)
+        reads.append(read)
 
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
