@@ -331,7 +331,7 @@ class DecodeCohort:
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             blocks = kv.pool.get_new_blocks(len(crossing) * self.tables)
-            if self.any_order:             # (unnamed blocks: every one is ANON)
+            if self.any_order:             # (unnamed blocks: the take counts and evicts, every one is ANON)
                 for req in crossing:
                     req.blocks.append(ANON)
             else:
@@ -451,7 +451,7 @@ class DecodeCohort:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)
             phase = 1 - clock
-            if self.any_order:             # (unnamed blocks: every one is ANON)
+            if self.any_order:             # (unnamed blocks: the take counts and evicts, every one is ANON)
                 anon = ANON
                 for i, w in enumerate(walked):
                     if w:
