@@ -442,11 +442,12 @@ class DecodeCohort:
         order); then the blocks the members fill are registered, step by step. Taking before
         registering changes nothing: a take only drops hashes of free blocks, a registration only
         adds hashes of held ones, and per hash those are a removal and an append on one ordered
-        list of blocks, which commute. Returns the hashes evicted by the end of each step."""
+        list of blocks, which commute. Returns the hashes evicted by the end of each step (an
+        empty list when none was)."""
         total = sum(walked)
         bs = self.block_size
         by_phase, clock = self.by_phase, step - self.offset
-        evicted_by_step = [0] * len(walked)
+        evicted_by_step: list[int] = []    # (none evicted: empty)
         if total:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)

@@ -306,8 +306,10 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     else:
         figures = _apply_by_step(sched, plan, done, k)
     if done:
-        for column, value in zip(figures, plan.settled):
-            column.insert(0, value)
+        (used, cached, slack), (used0, cached0, slack0) = figures, plan.settled
+        used.insert(0, used0)
+        cached.insert(0, cached0)
+        slack.insert(0, slack0)
     sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
     return figures
@@ -334,7 +336,7 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
     evicted = cohort.advance_many(plan.first_step + done, walked, kv)
     used = list(accumulate(walked, initial=used0))      # blocks used grow by the blocks crossed
     del used[0]
-    cached = [cached0 - e for e in evicted] if evicted[-1] else [cached0] * len(walked)   # (counts so far)
+    cached = [cached0 - e for e in evicted] if evicted else [cached0] * len(walked)   # (counts so far)
     return used, cached, slack
 
 
