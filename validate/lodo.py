@@ -293,7 +293,7 @@ def bench_runs(logs: dict[str, dict], data_pass: int = LATEST_DATA_PASS) -> tupl
         blocks = (log or {}).get("printed", {}).get("num_gpu_blocks")
         scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + output,
                                        blocks, concurrency, LINKS.get(e.get("startup_log_id") or ""))
-        requests = _bench_requests(e, n, prompt, output, history)
+        requests = _with_template_prefix(_bench_requests(e, n, prompt, output, history), e)
         runs.append(Run(e["id"], _deployment_name(e["model"], e["gpu"]["model"], e["tp"], e.get("vllm_version")),
                         GPUS[e["gpu"]["model"]], scenario, requests, _bench_measured(m), e["source"]["url"],
                         centre="mean" if "mean_ttft_ms" in m else "median"))
@@ -350,6 +350,30 @@ def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str
     requests = [make_request(j, at, seg, out, is_warmup=True) for j, (at, seg, out) in enumerate(warm)]
     start = sent + after_warmup(prompt if BENCH_EARLIER_OUTPUTS else sum(t for _, seg, _ in warm for _, t in seg))
     return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), output) for i in range(n)]
+
+
+def _with_template_prefix(requests: list, e: dict) -> list:
+    """The chat template's head, the same tokens in every request the server renders (gpt-oss:
+    harmony's system and developer messages before the user's), as one shared segment in front of
+    each prompt: vLLM's prefix cache (on by default in V1: vllm/engine/arg_utils.py 0.11.0
+    `_set_default_args`) serves its full blocks to every request after the first."""
+    shared = int(e["dataset"].get("template_shared_tokens") or 0)
+    if not shared:
+        return requests
+    head = (stable_key("chat-template", e["model"]), shared)
+    return [make_request(r.id, r.arrival, [head] + _without_head(r.segments[:-1], shared), r.output_len,
+                         is_warmup=r.is_warmup) for r in requests]
+
+
+def _without_head(segments: list, tokens: int) -> list:
+    """A prompt's segments less their first `tokens` (the template head replaces them)."""
+    out = []
+    for key, length in segments:
+        cut = min(tokens, length)
+        tokens -= cut
+        if length > cut:
+            out.append((key if cut == 0 else stable_key(key, "after", cut), length - cut))
+    return out
 
 
 def _prompt_set(e: dict):

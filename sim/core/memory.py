@@ -193,6 +193,33 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1, dp: int = 1) -> int:
     return cdiv(model.weight_bytes() - experts, tp) + cdiv(experts, tp * dp)
 
 
+# vLLM's Marlin MoE kernel for mxfp4 experts needs n % 256 == 0 and k % 128 == 0, so the expert
+# tensors are allocated padded: hidden size up to a multiple of 256, the intermediate size per
+# partition up to a multiple of 128 (vllm/model_executor/layers/quantization/mxfp4.py, 0.11.0,
+# Mxfp4MoEMethod.create_weights). Marlin is the backend wherever the GPU's compute capability is
+# below 9 (get_mxfp4_backend); the catalog marks those parts by their lack of fp8 tensor cores
+# (Ampere and older; Ada, capability 8.9, also runs Marlin but has fp8 and is not caught here).
+# gpt-oss-120b: 2880 -> 3072 x 2880 -> 2944, 5.1 GiB more than the checkpoint on one GPU, as the
+# Marlin load on an H100 logged it (vllm-project/vllm#23278: "Model loading took 65.9651 GiB"); at
+# tp 4 on A100s, 17.15 GiB per GPU against the 17.22 dennislee22's log printed (startup_logs.yaml).
+MARLIN_MXFP4_HIDDEN_MULTIPLE = 256
+MARLIN_MXFP4_INTERMEDIATE_MULTIPLE = 128
+
+
+def marlin_mxfp4_padding_bytes(model: ModelSpec, device, tp: int = 1, dp: int = 1) -> int:
+    """Bytes per GPU that Marlin's padding adds to mxfp4 experts (0 where another backend runs).
+    The experts are taken as sliced over tp x dp (whole under expert parallelism, where the
+    intermediate size pads less: not told apart here, the plan does not know of it)."""
+    q = model.quantization
+    if not (model.is_moe and q is not None and q.method == "mxfp4") or getattr(device, "fp8_tflops", None):
+        return 0
+    hidden, inter = model.hidden_size, max(1, model.moe_intermediate_size // (tp * dp))
+    padded = (cdiv(hidden, MARLIN_MXFP4_HIDDEN_MULTIPLE) * MARLIN_MXFP4_HIDDEN_MULTIPLE
+              * cdiv(inter, MARLIN_MXFP4_INTERMEDIATE_MULTIPLE) * MARLIN_MXFP4_INTERMEDIATE_MULTIPLE)
+    experts = cdiv(model.part_bytes("experts"), tp * dp)
+    return experts * padded // (hidden * inter) - experts
+
+
 def mlp_width_per_token(model: ModelSpec) -> int:
     """Intermediate activations one token computes: the dense MLP, or its top-k experts plus shared ones."""
     if not model.is_moe:
@@ -632,7 +659,7 @@ def vllm_memory_plan(model: ModelSpec, device, tp: int, gpu_memory_utilization: 
     version = parse_vllm_version(vllm_version)
     visible = vllm_visible_bytes(device)
     requested = int(visible * gpu_memory_utilization)
-    weights = weight_bytes_per_gpu(model, tp, dp)
+    weights = weight_bytes_per_gpu(model, tp, dp) + marlin_mxfp4_padding_bytes(model, device, tp, dp)
     activation = activation_bytes
     if activation is None:
         rows = min(max_num_batched_tokens, max_num_seqs)

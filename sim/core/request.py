@@ -106,7 +106,7 @@ class Request:
         "kv_transfer",
         # scheduling state
         "status", "num_output", "num_computed", "blocks", "group_tables", "block_hashes",
-        "num_registered", "kv_lease", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
+        "num_registered", "kv_lease", "window_frees", "num_cached_tokens", "num_preemptions", "reject_reason", "_hash_cursor",
         "_private_start",
         # a decode cohort's (sim/core/fast/cohort.py): its members' progress as offsets from its counters
         "cohort", "cohort_gen", "cohort_computed", "cohort_output", "cohort_pause_index", "cohort_private_fills",
@@ -163,6 +163,8 @@ class Request:
         # Hybrid / sliding-window models: one block table per KV cache group (group_tables[0] is
         # `blocks`), kept by sim/core/kv/coordinator.py's HybridCoordinator; None otherwise.
         self.group_tables: Optional[list[list[int]]] = None
+        # what its sliding groups freed behind the window while it runs (HybridCoordinator's records)
+        self.window_frees: Optional[list[tuple]] = None
         self.block_hashes: list[int] = []
         self.num_registered = 0
         self.kv_lease: Optional[int] = None   # the pool's shared lease on its prefix hit, if any (CountingBlockPool)

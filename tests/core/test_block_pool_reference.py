@@ -326,3 +326,29 @@ def test_block_hashes_follow_content_not_segment_layout_within_a_run():
         r.extend_block_hashes(8, 16)
     assert a.block_hashes[:4] == b.block_hashes[:4] and a.block_hashes[4] != b.block_hashes[4]
     assert not set(a.block_hashes) & set(c.block_hashes)
+
+
+@pytest.mark.parametrize("order", [(1, 2, 0, 0, 3), (0, 0, 3), (1, 2, 3, 0, 0), (1, 0, 2, 0)])
+def test_a_window_free_of_private_then_named_blocks_queues_as_the_engines_pool(order):
+    """A window free mixing private blocks and named ones (a window passing a hit: private first,
+    then named, or any other mix) queues in CountingBlockPool what BlockPool queues, a named
+    block freed twice in one call joining once, where its last reference goes."""
+    def queue_after(pool_class):
+        pool = pool_class(10)
+        table = pool.get_new_blocks(4)
+        if pool_class is CountingBlockPool:
+            named = pool.name(2)
+            private = [ANON, ANON]
+        else:
+            named, private = table[:2], table[2:]
+            pool.cache_private(private)
+        pool.cache_blocks(named, [5, 6])
+        pool.touch(named[:1])                          # named[0] has a second holder
+        blocks = {0: named[0], 1: private[0], 2: private[1], 3: named[1]}
+        pool.free_blocks([blocks[i] for i in order])
+        pool.check_invariants()
+        hashes = pool.block_hash
+        return [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b] else EMPTY
+                for b in pool.free_queue]
+
+    assert queue_after(CountingBlockPool) == queue_after(BlockPool)

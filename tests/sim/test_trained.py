@@ -131,6 +131,50 @@ def test_gpustack_chat_runs_replay_the_chat_template(runs):
     assert {q.prompt_len for q in qwen.requests if not q.is_warmup} == {128 + 8}
 
 
+def test_gpt_oss_requests_share_the_harmony_head_that_vllms_prefix_cache_serves(runs):
+    """vLLM renders every gpt-oss chat request as harmony's system message, an empty developer
+    message, then the user's (vllm/entrypoints/openai/serving_chat.py 0.11.0
+    `_make_request_with_harmony`); the system message is the same for every request of a day
+    (vllm/entrypoints/harmony_utils.py `get_system_message`: the current date), and V1 turns the
+    prefix cache on by default (vllm/engine/arg_utils.py `_set_default_args`). So 61 of the 67
+    template tokens (all but `<|start|>user<|message|>` and `<|end|><|start|>assistant` around the
+    prompt) are one shared segment, whose three full 16-token blocks the cache serves: GPUStack's
+    gpt-oss-20b A100 128/4 run prefills 147 of its 195 tokens per request, not 195. Qwen3's head
+    (`<|im_start|>user\n`, 3 tokens) fills no block and is not replayed as shared."""
+    oss = [q for q in runs["gpustack-gpt-oss-20b-a100-08"].requests if not q.is_warmup]
+    heads = {q.segments[0] for q in oss}
+    assert len(heads) == 1 and next(iter(heads))[1] == 61
+    assert {q.prompt_len for q in oss} == {128 + 67}
+    assert len({q.segments[1][0] for q in oss}) == len(oss)          # the rest stays each request's own
+    qwen = [q for q in runs["gpustack-qwen3-32b-h100-05"].requests if not q.is_warmup]
+    assert len({q.segments[0] for q in qwen}) == len(qwen)
+
+
+def test_mxfp4_experts_take_marlins_padded_shapes_on_gpus_below_hopper(runs):
+    """vLLM 0.11.0 runs mxfp4 MoE experts with the Marlin kernel wherever the GPU's compute
+    capability is below 9 (vllm/model_executor/layers/quantization/mxfp4.py `get_mxfp4_backend`),
+    and Marlin allocates the expert tensors padded: hidden size to a multiple of 256, intermediate
+    size per partition to a multiple of 128 (`Mxfp4MoEMethod.create_weights`). gpt-oss-120b's
+    2880 x 2880 experts become 3072 x 2944: 65.9 GiB of weights on one GPU where the checkpoint holds
+    60.8, as vLLM logged a Marlin load ("Model loading took 65.9651 GiB", vllm-project/vllm#23278).
+    GPUStack's A100 runs of it lose more than half their KV pool to that (17178 -> 7845 blocks)."""
+    from sim.core.catalog import get_device
+    from sim.core.memory import marlin_mxfp4_padding_bytes, vllm_memory_plan, weight_bytes_per_gpu
+
+    oss = lodo.model_spec("openai/gpt-oss-120b")
+    a100, h100 = get_device("a100-80g"), get_device("h100-sxm")
+    plan = vllm_memory_plan(oss, a100, 1, 0.9, 2048, 256, vllm_version="0.11.0")
+    assert plan.weight_bytes / 2**30 == pytest.approx(65.9, abs=0.1)
+    assert weight_bytes_per_gpu(oss) / 2**30 == pytest.approx(60.8, abs=0.1)
+    assert marlin_mxfp4_padding_bytes(oss, h100) == 0          # fp8 tensor cores: not Marlin's padding
+    assert marlin_mxfp4_padding_bytes(lodo.model_spec("Qwen/Qwen3-32B"), a100) == 0
+    assert runs["gpustack-gpt-oss-120b-a100-07"].scenario.engine.num_blocks == 7845
+    # dennislee22's four A100s (tests/data/vllm_public/startup_logs.yaml, vLLM 0.10.1.1, tp 4) logged
+    # "Model loading took 17.2217 GiB" per GPU: 15.2 GiB unpadded, 17.1 with the 3072 x 768 slices
+    padded = weight_bytes_per_gpu(oss, 4) + marlin_mxfp4_padding_bytes(oss, a100, 4)
+    assert padded / 2**30 == pytest.approx(17.22, abs=0.1)
+
+
 def test_bands_are_computed_from_the_table_not_typed_in():
     assert FAMILY["validation"]["bands"] == lodo.bands(TABLE)
     assert FAMILY["validation"]["bands_by_engine"] == lodo.bands_by_engine(TABLE)

@@ -110,6 +110,9 @@ class DecodeCohort:
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
         # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/fast/leap.py).
         self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
+        # The same groups counted by the clocks at which they cross: crossings[c % block_size] members
+        # start a block at clock c (the leap planner reads a stretch's crossings as a slice of it).
+        self.crossings = [0] * self.block_size
         self._finish: dict[int, list] = defaultdict(list)
         self._finish_steps: list[int] = []          # heap of the keys of _finish
 
@@ -129,6 +132,7 @@ class DecodeCohort:
         req.__class__ = CohortMember
         self.members[req] = None
         self.by_phase[offset % bs][req] = None
+        self.crossings[(1 - offset) % bs] += 1
         if self.window is not None:
             self._joined[req] = None
         self.ctx_offset_sum += offset
@@ -151,6 +155,7 @@ class DecodeCohort:
         self.ctx_offset_sum -= offset
         self.blocks_walked -= -(-computed // self.block_size)
         del self.by_phase[offset % self.block_size][req]
+        self.crossings[(1 - offset) % self.block_size] -= 1
         if self._joined:
             self._joined.pop(req, None)
         runs, start, last = self.emission(req)
@@ -300,9 +305,9 @@ class DecodeCohort:
         return min(map(_run_seq, crossing)) if crossing else float("inf")
 
     def due_blocks(self, step: int) -> int:
-        """Blocks the members need at `step` (`_crossing`'s group, read here without the call:
-        the scheduler and the leap planner ask this at every step)."""
-        return len(self.by_phase[(1 - step + self.offset) % self.block_size]) * self.tables if self.paged else 0
+        """Blocks the members need at `step` (`_crossing`'s group counted, read here without the
+        call: the scheduler and the leap planner ask this at every step)."""
+        return self.crossings[(step - self.offset) % self.block_size] * self.tables if self.paged else 0
 
     def freeing(self, step: int) -> dict[Request, None]:
         """Members whose token at `step` may leave blocks behind the window: those whose context
@@ -326,9 +331,9 @@ class DecodeCohort:
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             blocks = kv.pool.get_new_blocks(len(crossing) * self.tables)
-            if self.any_order:
-                for req, block in zip(crossing, blocks):
-                    req.blocks.append(block)
+            if self.any_order:             # (unnamed blocks: the take counts and evicts, every one is ANON)
+                for req in crossing:
+                    req.blocks.append(ANON)
             else:
                 self._hand_out((crossing,), blocks)
             kv.held_slots += bs * len(crossing)
@@ -437,21 +442,22 @@ class DecodeCohort:
         order); then the blocks the members fill are registered, step by step. Taking before
         registering changes nothing: a take only drops hashes of free blocks, a registration only
         adds hashes of held ones, and per hash those are a removal and an append on one ordered
-        list of blocks, which commute. Returns the hashes evicted by the end of each step."""
+        list of blocks, which commute. Returns the hashes evicted by the end of each step (an
+        empty list when none was)."""
         total = sum(walked)
         bs = self.block_size
         by_phase, clock = self.by_phase, step - self.offset
-        evicted_by_step = [0] * len(walked)
+        evicted_by_step: list[int] = []    # (none evicted: empty)
         if total:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)
             phase = 1 - clock
-            if self.any_order:
-                blocks = iter(blocks)
+            if self.any_order:             # (unnamed blocks: the take counts and evicts, every one is ANON)
+                anon = ANON
                 for i, w in enumerate(walked):
                     if w:
-                        for req, block in zip(by_phase[(phase - i) % bs], blocks):    # (zip asks the members first)
-                            req.blocks.append(block)
+                        for req in by_phase[(phase - i) % bs]:
+                            req.blocks.append(anon)
             else:
                 self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
             if evicted_at:

@@ -53,7 +53,7 @@ class LeapPlan:
     the pool can still give are counted lazily (`reach`), as far as a driver asks."""
 
     __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "settled", "_ctx0", "_ctx_per_step",
-                 "walked", "_walked_before", "static_shape", "_clock", "_groups", "_tables", "_free", "_taken", "_limit")
+                 "walked", "_walked_before", "static_shape", "_clock", "_crossings", "_tables", "_free", "_taken", "_limit")
 
     def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
         """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
@@ -65,7 +65,7 @@ class LeapPlan:
         self.walked: list[int] = []       # blocks the members start walking at each step
         self._walked_before = cohort.blocks_walked
         self._clock = clock
-        self._groups = cohort.by_phase
+        self._crossings = cohort.crossings     # (the cohort's: no member joins or leaves during the plan)
         self._tables = cohort.tables       # blocks a crossing member takes (a grouped cache: one per table)
         self._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
         self._taken = 0
@@ -91,16 +91,25 @@ class LeapPlan:
         """How many of the first k steps can run (their blocks are free); counts them on demand."""
         walked = self.walked
         k = min(k, self._limit)
-        if len(walked) < k:
-            groups, bs, tables = self._groups, len(self._groups), self._tables
-            phase, free, taken = 1 - self._clock, self._free, self._taken
-            for i in range(len(walked), k):
-                w = len(groups[(phase - i) % bs])      # the members crossing into a block at step i
-                taken += w * tables                    # (blocks freed behind windows are not counted)
-                if taken > free:
-                    self._limit = k = i
-                    break
-                walked.append(w)
+        n = len(walked)
+        if n < k:
+            # the members crossing into a block at step i: crossings[(clock + i) % bs], so steps
+            # n .. k-1 are one slice of the cycle repeated (at C speed, where most leaps are short)
+            crossings, tables = self._crossings, self._tables
+            bs = len(crossings)
+            start = (self._clock + n) % bs
+            end = start + k - n
+            new = crossings[start:end] if end <= bs else (crossings * (1 + (end - 1) // bs))[start:end]
+            taken = self._taken + sum(new) * tables    # (blocks freed behind windows are not counted)
+            if taken > self._free:                     # the pool runs out in these steps: at which?
+                taken = self._taken
+                for i, w in enumerate(new):
+                    taken += w * tables
+                    if taken > self._free:
+                        self._limit = k = n + i
+                        del new[i:]
+                        break
+            walked += new
             self._taken = taken
         return k
 
@@ -149,9 +158,12 @@ class LeapPlan:
         blocks = self._walked_before
         static = self.static_shape
         t = start
+        reached = 0
         for i in range(most):
-            if i >= len(walked) and self.reach(2 * i + 4) <= i:
-                return ends, hosts, devices, ctxs, reads, False        # the plan ends here
+            if i >= reached:
+                reached = self.reach(most)     # (a pending plan: step t alone until it settles)
+                if reached <= i:
+                    return ends, hosts, devices, ctxs, reads, False    # the plan ends here
             blocks += walked[i]
             read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
             h, d = price(ctx, read)
@@ -191,8 +203,12 @@ class LeapPlan:
         static = self.static_shape
         read = blocks if static is None else self.rows * -(-(static[0] + self.first_step + i + 1) // static[1])
         h, d = price(ctx, read)
-        for column, value in zip(columns, (t + (h + d), h, d, ctx, read)):
-            column.append(value)
+        ends, hosts, devices, ctxs, reads = columns
+        ends.append(t + (h + d))
+        hosts.append(h)
+        devices.append(d)
+        ctxs.append(ctx)
+        reads.append(read)
 
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
@@ -290,8 +306,10 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
     else:
         figures = _apply_by_step(sched, plan, done, k)
     if done:
-        for column, value in zip(figures, plan.settled):
-            column.insert(0, value)
+        (used, cached, slack), (used0, cached0, slack0) = figures, plan.settled
+        used.insert(0, used0)
+        cached.insert(0, cached0)
+        slack.insert(0, slack0)
     sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
     return figures
@@ -318,7 +336,7 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
     evicted = cohort.advance_many(plan.first_step + done, walked, kv)
     used = list(accumulate(walked, initial=used0))      # blocks used grow by the blocks crossed
     del used[0]
-    cached = [cached0 - e for e in evicted] if evicted[-1] else [cached0] * len(walked)   # (counts so far)
+    cached = [cached0 - e for e in evicted] if evicted else [cached0] * len(walked)   # (counts so far)
     return used, cached, slack
 
 

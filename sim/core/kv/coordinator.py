@@ -298,8 +298,8 @@ class HybridCoordinator(KVCacheCoordinator):
         self.sliding_admission_cap = True
         self.windowed_frees = 0        # blocks freed because they fell behind a window
         self.salts = [group_salt(g) for g in range(self.num_groups)]      # group_key(h, g) = h ^ salts[g]
-        # request -> what its sliding groups freed behind the window (_publish_window_freed)
-        self._window_freed: dict[Request, list[tuple]] = {}
+        # (what a request's sliding groups freed behind the window: its `window_frees`, read by
+        # _publish_window_freed)
         self._track_window_frees = bool(enable_caching and self.private_blocks and self.sliding_managers)
         self._one_window = len(self.sliding_managers) == 1     # (free_behind_windows' usual case)
         if self._track_window_frees:
@@ -310,6 +310,8 @@ class HybridCoordinator(KVCacheCoordinator):
         if tables is None:
             req.blocks = []
             tables = req.group_tables = [req.blocks] + [[] for _ in range(self.num_groups - 1)]
+            if self._track_window_frees:
+                req.window_frees = []
         return tables
 
     def blocks_needed_at_most(self, req: Request) -> int:
@@ -442,7 +444,6 @@ class HybridCoordinator(KVCacheCoordinator):
         track = self._track_window_frees
         if track:                          # what each request freed: see _publish_window_freed
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
-            window_freed = self._window_freed
         ends = [] if gains is not None else None
         offsets = clock is not None        # (members' contexts as offsets from the cohort's clock)
         for reqs, ahead in steps:
@@ -473,7 +474,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 else:
                     self._remove_behind(req.group_tables, skipped, removed)
                 if track:
-                    window_freed.setdefault(req, []).append((skipped, start, len(removed), free))
+                    req.window_frees.append((skipped, start, len(removed), free))
             if ends is not None:
                 ends.append(len(removed))
         if removed:
@@ -580,7 +581,7 @@ class HybridCoordinator(KVCacheCoordinator):
         blocks are marked (a pool that names every block), or mapped if it is freed unfinished,
         with those its sliding groups freed behind the window that are still free (see the class)."""
         tables = req.group_tables
-        window_freed = self._window_freed.pop(req, None) if self._window_freed else None
+        window_freed, req.window_frees = req.window_frees, None
         if tables:
             if self.enable_caching and self.private_blocks and (self.named or req.status < FINISHED):
                 self._settle_private(req, window_freed)
