@@ -225,7 +225,7 @@ class EngineConfig(StrictModel):
     front_end_s: Optional[float] = Field(
         default=None, ge=0, le=1.0,
         description="vLLM's API-server time per request before it reaches the engine (HTTP, chat template, "
-                    "tokenization, the asyncio loop: sim/core/front_end.py), seconds; the requests queue first "
+                    "tokenization, the asyncio loop: sim/front_end.py), seconds; the requests queue first "
                     "come, first served over parallelism.api_servers processes (--api-server-count); 0 = no "
                     "front end; unset: with step_times trained on a vLLM server (continuous, paged) the trained "
                     "family's fitted value for vllm_version's engine generation, else 0 (docs/fidelity.md)")

@@ -24,7 +24,7 @@ from sim.dp import DPGroup, DPLayout, DPLoadBalancer, engine_peak_running
 from sim.core.kv import BlockPool, KVCacheManager, new_kv_manager
 from sim.core.fast.counting_pool import CountingBlockPool
 from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
-from sim.core.front_end import FrontEnd
+from sim.front_end import FrontEnd
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.core.offload import offload_meta, offload_tier
 from sim.records import RequestTable, RunRecords, StepRecorder
@@ -226,7 +226,7 @@ class Simulation:
 
     def _start_arrivals(self, env: simpy.Environment, first_turns: Iterator[Request]) -> None:
         """The client, vLLM's API-server front end and the arrival path, sending to `self._router`
-        (set before). The front end (sim/core/front_end.py, none where engine.front_end_s is 0)
+        (set before). The front end (sim/front_end.py, none where engine.front_end_s is 0)
         is one FIFO recurrence either way: an open-loop run with no follow-up turns hands each
         request over at its arrival, in order, so the arrival path delivers it where it leaves
         the front end (`_Arrivals`, no event of its own); where a closed-loop client or a
@@ -673,7 +673,7 @@ class _Arrivals:
     over every request due by `now`. The arrival process (`Simulation._arrivals`) sleeps until
     `next_time` and delivers; in a chained run (Simulation._chained) the one replica delivers at
     each of its own events instead, a request due exactly then first, as the process's timeout,
-    queued earlier, would have. With a `front_end` (sim/core/front_end.py) a request is due where it
+    queued earlier, would have. With a `front_end` (sim/front_end.py) a request is due where it
     leaves the API servers, `front_end.admit(arrival)` taken in arrival order; its arrival, which its
     latencies count from, stays the client's."""
 

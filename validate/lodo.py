@@ -20,7 +20,7 @@ validated worse held out (docs/fidelity.md): separate GEMM / attention / weight 
 same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
 
 Every public V1 run went through vLLM's API server, whose time per request before the engine
-(HTTP, chat template, tokenization, its asyncio loop: sim/core/front_end.py) no step-time
+(HTTP, chat template, tokenization, its asyncio loop: sim/front_end.py) no step-time
 coefficient carries: each replay of such a run takes a front end (engine.front_end_s), one value
 pooled over every API-server deployment (host CPU physics, not the GPU's), fitted per fold without
 the held-out deployment's runs (pooled_front_end) and used by all three sources' cells of that fold;
@@ -169,7 +169,7 @@ FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its med
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
 BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
-# vLLM's API-server front end (sim/core/front_end.py, engine.front_end_s): the time a request spends in
+# vLLM's API-server front end (sim/front_end.py, engine.front_end_s): the time a request spends in
 # the API-server process before the engine. Every public V1 run went through it (vllm bench serve,
 # benchmark_serving and inference-perf send HTTP to `vllm serve`); AccelMark's V0 runs call
 # engine.generate in the benchmark's own process, through no HTTP server (Run.api_server False: 0).

@@ -38,7 +38,7 @@ def repredict(folder: Path, root: Path = REPORTS):
     profile = device_folder(folder, root) / f"profile_{raw['model']['name']}.yaml"
     raw["device"]["profile"] = str(profile) if profile.exists() else None
     raw.setdefault("engine", {})["async_scheduling"] = False     # measured on kvtwin's synchronous engine
-    raw["engine"]["front_end_s"] = 0.0        # driven in-process: no API server (sim/core/front_end.py)
+    raw["engine"]["front_end_s"] = 0.0        # driven in-process: no API server (sim/front_end.py)
     scenario = validate_scenario(raw)
     predicted = predict(scenario).summary
     return comparison_table(predicted, measured, tolerances), scenario

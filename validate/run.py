@@ -43,7 +43,7 @@ def with_profile(scenario, profile: Optional[Path]):
 def synchronous(scenario):
     """kvtwin's engine schedules each step after the previous one, and the replay hands it requests
     in-process, through no HTTP server: predict it without vLLM's overlap and without vLLM's
-    API-server front end (engine.front_end_s 0, sim/core/front_end.py)."""
+    API-server front end (engine.front_end_s 0, sim/front_end.py)."""
     if not scenario.async_scheduling and scenario.engine.front_end_s == 0:
         return scenario
     copy = scenario.model_copy(deep=True)

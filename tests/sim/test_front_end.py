@@ -1,4 +1,4 @@
-"""vLLM's API-server front end (sim/core/front_end.py, engine.front_end_s).
+"""vLLM's API-server front end (sim/front_end.py, engine.front_end_s).
 
 What the API-server process does per request, in vLLM 0.19.1 (the wheel from the package registry):
 vllm/entrypoints/openai/chat_completion/serving.py `create_chat_completion` renders the chat template
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.core.front_end import FrontEnd, front_end_s
+from sim.front_end import FrontEnd, front_end_s
 from sim.errors import ScenarioError
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
