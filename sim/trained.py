@@ -53,11 +53,9 @@ def family_entry(device_name: str, engine: str) -> tuple[dict, Optional[dict]]:
 
 def front_end_default(engine: str) -> float:
     """The API-server time per request (engine.front_end_s unset on a vLLM server) the family fitted
-    for vLLM engine generation `engine`: 0 where it has none (V0: no V0 run went through an API server)."""
-    try:
-        return float(family()["engines"].get(engine, {}).get("front_end_s", 0.0))
-    except (OSError, ValueError, KeyError):
-        return 0.0
+    for vLLM engine generation `engine`: 0 where it has none (V0: no V0 run went through an API server).
+    A family file that cannot be read raises, as it does for the step-time parameters."""
+    return float(family()["engines"].get(engine, {}).get("front_end_s", 0.0))
 
 
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
