@@ -45,6 +45,7 @@ is the band every prediction prints (sim/bands.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -710,7 +711,6 @@ _FOLD_STATE: dict = {}       # what forked fold and class fits share: the runs, 
 def _resumable(kind: str, name: str, compute: Callable):
     """compute(), kept in the --resume folder as it finishes and read back from there when present
     (a refit that was killed half way does not redo its finished class fits and folds)."""
-    import hashlib
     import json
 
     from sim.output.io import write_text
@@ -795,6 +795,11 @@ def deployment_model(deployment: str) -> str:
     return deployment.split(" / ")[0]
 
 
+def _runs_digest(runs: list[Run]) -> str:
+    """A short key for a set of runs (a pooled fit's memo and --resume name)."""
+    return hashlib.sha1("\n".join(r.id for r in runs).encode()).hexdigest()[:12]
+
+
 _FRONT_ENDS: dict = {}     # pooled_front_end's fits in this process, by (left-out deployment, runs)
 
 
@@ -803,13 +808,10 @@ def pooled_front_end(runs: list[Run], without: Optional[str] = None, progress=pr
     an API server, of every deployment but `without` (a fold's: its runs never reach it): the
     value minimising the summed squared residuals at the datasheet coefficients over
     FRONT_END_GRID, refined by the parabola through the best grid point and its neighbours."""
-    import hashlib
-
     if not FRONT_END:
         return 0.0
     pool = [r for r in fit_runs([r for r in runs if r.api_server]) if r.deployment != without]
-    digest = hashlib.sha1("\n".join(r.id for r in pool).encode()).hexdigest()[:12]
-    memo = (without, digest)
+    memo = (without, _runs_digest(pool))
     if memo not in _FRONT_ENDS:
         if not pool:
             return 0.0
@@ -859,10 +861,8 @@ def pooled_v0_host(runs: list[Run], without_model: Optional[str] = None, progres
     class pooled, less every run of `without_model` (a fold's: leave-one-deployment-out clean, and
     stricter: the held-out model's runs on other GPUs are out too). Kept per process and in the
     --resume folder: one fit per left-out model serves all of that model's folds."""
-    import hashlib
-
     pool = [r for r in runs if r.engine == "v0" and deployment_model(r.deployment) != without_model]
-    digest = hashlib.sha1("\n".join(r.id for r in pool).encode()).hexdigest()[:12]
+    digest = _runs_digest(pool)
     memo = (without_model, digest)
     if memo not in _V0_HOSTS:
         def fit() -> dict[str, float]:
