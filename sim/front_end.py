@@ -64,16 +64,19 @@ class FrontEnd:
 
 
 def front_end_s(scenario) -> float:
-    """engine.front_end_s resolved: the value set; unset, under `step_times: trained` on a vLLM
-    server (continuous batching over a paged pool) the trained family's value for the scenario's
-    engine generation (sim.trained.front_end_default, fitted with the family on the public runs: 0
-    where it has none), else 0. Unset under datasheet or tables it stays 0, so their answers (and
-    every scenario written before the term) do not move: a prediction's front end is opt-in there,
-    the fitted value one field away (docs/fidelity.md "The API-server front end")."""
+    """engine.front_end_s resolved: the value set; unset, on a vLLM server (continuous batching over
+    a paged pool) the trained family's value for the scenario's engine generation
+    (sim.trained.front_end_default, fitted with the family on the public runs: 0 where it has none)
+    under the datasheet, tables and trained sources alike, else 0. Each of those sources' error band
+    is measured with this front end in the replays (docs/fidelity.md), so an answer and its band
+    describe the same server. A device profile (a calibration of your own engine or vLLM runs) leaves
+    it at 0: the calibration replays without it and fits the server's own host and API-server terms
+    (validate/vllm_fit.py). kvtwin's own engine has no API server: its replays set 0
+    (validate/run.py `synchronous`)."""
     e = scenario.engine
     if e.front_end_s is not None:
         return float(e.front_end_s)
-    if scenario.step_times != "trained" or e.batching != "continuous" or e.allocation != "paged":
+    if e.batching != "continuous" or e.allocation != "paged" or scenario.device.profile:
         return 0.0
     from sim.core.vllm_versions import engine_generation
     from sim.trained import front_end_default

@@ -227,8 +227,9 @@ class EngineConfig(StrictModel):
         description="vLLM's API-server time per request before it reaches the engine (HTTP, chat template, "
                     "tokenization, the asyncio loop: sim/front_end.py), seconds; the requests queue first "
                     "come, first served over parallelism.api_servers processes (--api-server-count); 0 = no "
-                    "front end; unset: with step_times trained on a vLLM server (continuous, paged) the trained "
-                    "family's fitted value for vllm_version's engine generation, else 0 (docs/fidelity.md)")
+                    "front end; unset: on a vLLM server (continuous, paged) without a device profile the trained family's "
+                    "fitted value for vllm_version's engine generation, whatever step_times is, else 0 "
+                    "(docs/fidelity.md)")
     enforce_eager: bool = Field(
         default=False,
         description="vLLM's --enforce-eager: no CUDA graphs, so none of their memory comes off the KV budget")

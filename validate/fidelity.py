@@ -96,6 +96,9 @@ def scenario_for(entry: dict, logs: dict[str, dict]):
     model, device = model_spec(entry), get_device(GPUS[entry["gpu"]["model"]])
     engine = {k: entry[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len") if entry.get(k)}
     engine["gpu_memory_utilization"] = entry.get("gpu_memory_utilization") or 0.9
+    # the engine alone, for all three sources: a calibration fits no pooled API-server time
+    # (vllm_fit.without_default_front_end); validate/lodo.py's table replays the front end
+    engine["front_end_s"] = 0.0
     # async scheduling: as the run states, else vLLM's default for its version (Scenario.async_scheduling)
     stated = entry.get("async_scheduling")
     engine["async_scheduling"] = bool(stated) if stated is not None else "auto"

@@ -511,6 +511,18 @@ def run_errors(scenario, replay: Replay, coefficients: CostCoefficients, role: s
     return rows
 
 
+def without_default_front_end(scenario):
+    """The scenario a calibration replays: engine.front_end_s 0 unless set. The pooled API-server
+    time (sim/front_end.py) is a default of uncalibrated answers; a fit carries the server's own
+    host and API-server terms instead, and a prediction with the profile it writes runs without
+    the pooled time too."""
+    if scenario.engine.front_end_s is not None:
+        return scenario
+    copy = scenario.model_copy(deep=True)
+    copy.engine.front_end_s = 0.0
+    return copy
+
+
 def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int] = -1,
                         base: Optional[CostCoefficients] = None, seed: int = 0,
                         progress: Optional[Callable[[str], None]] = None, max_iterations: int = 20,
@@ -519,6 +531,7 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
     `series[i]` (or None) is run i's measured running/waiting/KV % (sim.vllm.timeseries.load_series)."""
     if not runs:
         raise ValueError("calibrate --from-vllm needs at least one result file")
+    scenario = without_default_front_end(scenario)
     base = base or CostCoefficients()
     replays = [Replay.of(r, seed) for r in runs]
     for replay, curve in zip(replays, series or []):

@@ -102,9 +102,10 @@ def test_zero_is_no_front_end_and_changes_nothing(monkeypatch):
     assert unset.equals(zero)
 
 
-def test_the_default_is_the_families_value_under_trained_on_a_vllm_server_and_zero_elsewhere(monkeypatch):
-    """Unset: trained step times on a vLLM server take the family's pooled fit; datasheet and
-    tables stay at 0 (their answers unchanged); a set value always wins."""
+def test_the_default_is_the_families_value_on_a_vllm_server_whatever_the_step_time_source(monkeypatch):
+    """Unset: a vLLM server (continuous, paged) takes the family's pooled fit for its engine
+    generation under every step-time source, since every source's error band is measured with it
+    (validate/lodo.py replays); static batching and V0 (no fitted value) get 0; a set value wins."""
     import sim.trained
 
     monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: {"v1": 0.003, "v0": 0.0}[engine])
@@ -113,11 +114,30 @@ def test_the_default_is_the_families_value_under_trained_on_a_vllm_server_and_ze
         return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine or {},
                                   "step_times": step_times})
 
-    assert front_end_s(made()) == 0.003
-    assert front_end_s(made(step_times="datasheet")) == 0.0 == front_end_s(scenario())
+    assert front_end_s(made()) == 0.003 == front_end_s(made(step_times="datasheet")) == front_end_s(scenario())
+    assert front_end_s(made(step_times="tables")) == 0.003
     assert front_end_s(made({"batching": "static"})) == 0.0
+    assert front_end_s(made({"allocation": "contiguous"}, "datasheet")) == 0.0
     assert front_end_s(made({"vllm_version": "0.7.3"})) == 0.0
     assert front_end_s(made({"front_end_s": 0.001}, "datasheet")) == 0.001
+    assert front_end_s(made({"front_end_s": 0.0})) == 0.0
+
+
+def test_a_calibrated_profile_and_its_fit_run_without_the_pooled_front_end(monkeypatch, tmp_path):
+    """A device profile carries the server's own fitted host and API-server terms, and the fit that
+    wrote it replays without the pooled time (validate/vllm_fit.py without_default_front_end)."""
+    import sim.trained
+    from validate.vllm_fit import without_default_front_end
+
+    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: 0.003)
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("coefficients: {}\n")
+    raw = {"model": "qwen2.5-0.5b", "device": {"base": "h100-sxm", "profile": str(profile)}}
+    assert front_end_s(validate_scenario(raw)) == 0.0
+    assert front_end_s(validate_scenario({**raw, "engine": {"front_end_s": 0.002}})) == 0.002
+    served = scenario()
+    assert front_end_s(served) == 0.003 and front_end_s(without_default_front_end(served)) == 0.0
+    assert without_default_front_end(scenario(0.002)).engine.front_end_s == 0.002
 
 
 def test_kvtwins_own_engine_replays_have_no_front_end():

@@ -119,7 +119,9 @@ def test_link_defaults_apply_per_kind_and_transfers_share_the_link():
     slow = {"kind": "ethernet", "bandwidth_gb_s": 0.5, "latency_s": 0.0}
     alone, _, _ = run(pd_scenario(link=slow, requests=one))
     two = [{"arrival_s": 0.0, "prompt": [{"segment": k, "len": 800}], "output_len": 4} for k in "ab"]
-    pair, _, _ = run(pd_scenario(link=slow, requests=two))
+    together = pd_scenario(link=slow, requests=two)
+    together["engine"]["front_end_s"] = 0.0      # no API server between: both reach the prefill engine at once
+    pair, _, _ = run(together)
     single = alone.transfers[0].done_s - alone.transfers[0].allocated_s
     assert [t.allocated_s for t in pair.transfers] == [pair.transfers[0].allocated_s] * 2
     for t in pair.transfers:
