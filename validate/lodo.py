@@ -170,6 +170,21 @@ FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its med
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
 BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
+# inference-perf's output count is its client tokenizer's count of the streamed text (inference_perf/
+# apis/completion.py process_response: tokenizer.count_tokens(output_text)), not the tokens vLLM
+# generated. With ignore_eos the engine generates exactly max_tokens (the shared_prefix output_len,
+# shared_prefix_datagen.py: CompletionAPIData(max_tokens=self.output_len)), and the text drops what
+# detokenization skips: Llama-2-7b's stages count 194-210 of their 247-251 tokens (the EOS tokens a
+# base model keeps emitting are special tokens, skip_special_tokens=True by default in vLLM's
+# SamplingParams), every other model 98-101 %. Replayed at the counted mean, Llama-2-7b generated a
+# fifth fewer tokens than it did, and its TPOT ((E2E - TTFT) / (output - 1)) read a fifth too slow.
+IGNORE_EOS_OUTPUT_IS_MAX_TOKENS = True   # False: the counted mean (the table before this fix)
+# An open-loop stage the server could not keep up with (completed requests per second below this
+# share of its send rate) has no steady state: its queue grows through the whole stage (inference-
+# sim's CodeLlama-34b reasoning stage: 3.2 of 4 req/s served, mean TTFT 120 s over 1200 s), which a
+# WINDOW_S replay cannot reproduce; left out, as its source's DESIGN.md leaves out its other
+# overloaded reasoning experiments.
+OVERLOADED_SERVED_SHARE = 0.9
 # vLLM's API-server front end (sim/front_end.py, engine.front_end_s): the time a request spends in
 # the API-server process before the engine. Every public V1 run went through it (vllm bench serve,
 # benchmark_serving and inference-perf send HTTP to `vllm serve`); AccelMark's V0 runs call
@@ -434,8 +449,9 @@ def _bench_measured(m: dict) -> dict[str, float]:
     return out
 
 
-def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
-    """rate_runs.yaml: open-loop runs at request rates (constant or Poisson arrivals)."""
+def rate_runs(data_pass: int = LATEST_DATA_PASS, skipped: Optional[dict[str, int]] = None) -> list[Run]:
+    """rate_runs.yaml: open-loop runs at request rates (constant or Poisson arrivals); a run left
+    out is counted in `skipped` by its reason."""
     from sim.vllm.results import load_results, to_requests
 
     runs = []
@@ -446,11 +462,16 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
             if data_pass >= 2:
                 runs.append(_accelmark_run(e))
             continue
+        reason = _rate_skip(w, m)
+        if reason:
+            if skipped is not None:
+                skipped[reason] = skipped.get(reason, 0) + 1
+            continue
         measured = {f"{k}_{s}": m[f"{k}_s"][s] for k in ("ttft", "tpot", "e2e") for s in ("mean", "p99")}
         if w["client"] == "inference-perf":
             # its time_per_output_token averages over stream chunks, about two per token (half its
             # inter-chunk gaps are ~40 us): vLLM's TPOT is (E2E - TTFT) / (output - 1); no p99 of it
-            measured["tpot_mean"] = (measured["e2e_mean"] - measured["ttft_mean"]) / (w["output_len_mean"] - 1)
+            measured["tpot_mean"] = (measured["e2e_mean"] - measured["ttft_mean"]) / (stage_output_len(w) - 1)
             del measured["tpot_p99"]
         measured["throughput"] = float(m["request_throughput"])
         engine = {k: d.get(k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
@@ -471,6 +492,22 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS) -> list[Run]:
                         GPUS[d["gpu"]], scenario, requests, measured, e["source"]["url"], stage_s, stage_count,
                         notes))
     return runs
+
+
+def stage_output_len(w: dict) -> float:
+    """The tokens vLLM generated per request of an inference-perf stage: max_tokens under ignore_eos
+    (IGNORE_EOS_OUTPUT_IS_MAX_TOKENS), else the client's count of the streamed text."""
+    if IGNORE_EOS_OUTPUT_IS_MAX_TOKENS and w.get("ignore_eos"):
+        return float(w["shared_prefix"]["output_len"])
+    return float(w["output_len_mean"])
+
+
+def _rate_skip(w: dict, m: dict) -> Optional[str]:
+    if w.get("arrivals") == "constant" and \
+            float(m["request_throughput"]) < OVERLOADED_SERVED_SHARE * float(w["request_rate"]):
+        return (f"overloaded stage (served below {OVERLOADED_SERVED_SHARE:.0%} of its send rate: its queue "
+                "grows through the stage)")
+    return None
 
 
 def _after_earlier_runs(requests: list, deployment: str, served: dict[tuple, int]) -> list:
@@ -547,7 +584,7 @@ def _constant_stage(run_id: str, w: dict, m: dict, data_pass: int = LATEST_DATA_
     data pass gave every request its own question, with profile.yaml's system-prompt count."""
     sp, rate = w["shared_prefix"], float(w["request_rate"])
     n = int(min(m["completed"], MAX_WINDOW_REQUESTS, math.ceil(rate * WINDOW_S)))
-    prompt, output = round(w["prompt_len_mean"]), max(1, round(w["output_len_mean"]))
+    prompt, output = round(w["prompt_len_mean"]), max(1, round(stage_output_len(w)))
     system = min(int(sp["system_prompt_len"]), prompt - 1)
     key, groups = stable_key("rate-run", run_id), int(sp["groups"])
     distinct = groups * int(sp["prompts_per_group"])
@@ -572,7 +609,7 @@ def all_runs(data_pass: Optional[int] = None) -> tuple[list[Run], dict[str, int]
     data_pass = data_pass or committed_data_pass()
     logs = {e["id"]: e for e in yaml.safe_load(LOGS_FILE.read_text())["entries"]}
     runs, skipped = bench_runs(logs, data_pass)
-    return runs + rate_runs(data_pass), skipped
+    return runs + rate_runs(data_pass, skipped), skipped
 
 
 def deployments(runs: list[Run]) -> dict[str, list[Run]]:
