@@ -12,6 +12,7 @@ import platform
 import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -184,7 +185,7 @@ class WorkloadDescription:
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
         self.lengths = LengthCounts()         # (counted: a list of ten million lengths would grow)
-        self._texts: list[str] = []
+        self._described: list[tuple] = []     # each request's figures, made text BATCH at a time
 
     def add(self, r: Request) -> None:
         for _ in self.watch((r,)):
@@ -193,32 +194,37 @@ class WorkloadDescription:
     def watch(self, requests: Iterable[Request]) -> Iterator[Request]:
         """Each request, described before it is passed on. One loop with no call per request
         (it runs beside the simulation on every request of a run: ~4% of simulate() was
-        spent in a per-request add() and its calls)."""
-        texts, lengths, batch = self._texts, self.lengths, self.BATCH
-        prompts, outputs = lengths.prompts, lengths.outputs
+        spent in a per-request add() and its calls): each request's figures are kept as a tuple
+        of values the run does not change (its segments but the output, copied), and turned
+        into text, hashed and counted a batch at a time (`_hash_described`)."""
+        described, batch = self._described, self.BATCH
         for r in requests:
             segs = r.segments[:-1]
             for s in segs:
                 if type(s) is not tuple:          # a literal segment: described by its hash
                     segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segs]
                     break
-            texts.append(repr((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs)))
-            prompts.append(r.prompt_len)
-            outputs.append(r.output_len)
-            if len(texts) >= batch:
-                self._hash_texts()
-                lengths.fold_if_full()
+            described.append((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs))
+            if len(described) >= batch:
+                self._hash_described()
             yield r
 
-    def _hash_texts(self) -> None:
-        self.hash.update("".join(self._texts).encode())
-        self._texts.clear()
+    def _hash_described(self) -> None:
+        """The batch's text (each request's tuple's repr, as one string) into the hash, and its
+        prompt and output lengths into the counts."""
+        described = self._described
+        self.hash.update("".join(map(repr, described)).encode())
+        self.lengths.prompts.extend(map(itemgetter(2), described))
+        self.lengths.outputs.extend(map(itemgetter(3), described))
+        described.clear()
+        self.lengths.fold_if_full()
 
     def hexdigest(self) -> str:
-        self._hash_texts()
+        self._hash_described()
         return self.hash.hexdigest()[:16]
 
     def manifest(self, notes: list[str]) -> dict:
+        self._hash_described()
         return {"requests": self.lengths.count, "digest": self.hexdigest(),
                 "lengths": self.lengths.stats(), "notes": notes}
 
@@ -264,7 +270,7 @@ class LengthCounts:
             weights = np.concatenate([counts, np.ones(len(pending), dtype=np.int64)])
             self._counts[i] = (merged, np.bincount(where, weights=weights, minlength=len(merged)).astype(np.int64))
         self._folded += len(self.prompts)
-        del self.prompts[:], self.outputs[:]        # (emptied in place: WorkloadDescription.watch holds them)
+        del self.prompts[:], self.outputs[:]        # (emptied in place, as the arrays stay the same objects)
 
     def stats(self) -> dict:
         import numpy as np
