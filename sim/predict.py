@@ -12,6 +12,7 @@ import platform
 import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
+from itertools import chain
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -213,7 +214,7 @@ class WorkloadDescription:
         """The batch's text (each request's tuple's repr, as one string) into the hash, and its
         prompt and output lengths into the counts."""
         described = self._described
-        self.hash.update("".join(map(repr, described)).encode())
+        self.hash.update(described_text(described))
         self.lengths.prompts.extend(map(itemgetter(2), described))
         self.lengths.outputs.extend(map(itemgetter(3), described))
         described.clear()
@@ -227,6 +228,61 @@ class WorkloadDescription:
         self._hash_described()
         return {"requests": self.lengths.count, "digest": self.hexdigest(),
                 "lengths": self.lengths.stats(), "notes": notes}
+
+
+def described_text(described: list[tuple]) -> bytes:
+    """`"".join(map(repr, described)).encode()`, the text hashed for a batch of requests, made
+    column by column where every request has the plain form a synthetic workload gives (ints, a
+    finite float arrival, the same number of keyed segments): per request, repr spent ~19k
+    instructions, 7k of them on the arrival alone, ~6% of the simulation the text describes. The
+    columns' text is the CSV writer's (sim/output/columns.py), which is repr's; anything else is
+    made tuple by tuple."""
+    columnar = _columnar_text(described)
+    return columnar if columnar is not None else "".join(map(repr, described)).encode()
+
+
+def _columnar_text(described: list[tuple]) -> Optional[bytes]:
+    """The text of `described_text` from columns, or None where a request is not of the plain form."""
+    import numpy as np
+
+    from sim.output.columns import _bytes_block, float_cells, int_cells, joined_rows
+
+    if not described:
+        return b""
+    ids, arrivals, prompts, outputs, tenants, priorities, segs = zip(*described)
+    if any(set(map(type, col)) != {int} for col in (ids, prompts, outputs, priorities)) \
+            or set(map(type, arrivals)) != {float} or set(map(type, segs)) != {list}:
+        return None
+    widths = set(map(len, segs))
+    if len(widths) != 1:
+        return None
+    k = widths.pop()                               # keyed segments per request: (key, length) pairs
+    pairs = list(chain.from_iterable(segs))
+    if k and (set(map(type, pairs)) != {tuple} or set(map(len, pairs)) != {2}):
+        return None
+    numbers = list(chain.from_iterable(pairs))
+    if k and set(map(type, numbers)) != {int}:
+        return None
+    try:
+        columns = [np.array(col, dtype=np.int64) for col in (ids, prompts, outputs, priorities)]
+        pair_columns = np.array(numbers, dtype=np.int64).reshape(len(described), 2 * k)
+        distinct = {t: i for i, t in enumerate(dict.fromkeys(tenants))}
+    except (OverflowError, TypeError):             # an int past int64, an unhashable tenant
+        return None
+    arrival = np.array(arrivals, dtype=np.float64)
+    if not np.isfinite(arrival).all():
+        return None
+    n = len(described)
+    table = np.array([repr(t).encode() for t in distinct], dtype="S")
+    tenant = _bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
+    id_, prompt, output, priority = map(int_cells, columns)
+    parts = [b"(", id_, b", ", float_cells(arrival), b", ", prompt, b", ", output, b", ", tenant, b", ",
+             priority, b", ["]
+    for j in range(k):
+        parts += [b"(" if j == 0 else b", (", int_cells(pair_columns[:, 2 * j]), b", ",
+                  int_cells(pair_columns[:, 2 * j + 1]), b")"]
+    parts.append(b"])")
+    return joined_rows(parts, n)
 
 
 class LengthCounts:

@@ -59,6 +59,15 @@ def _chunks(names: list[str], arrays: list[np.ndarray], texts: list) -> Iterator
         yield np.hstack(blocks).tobytes().replace(b"\0", b"")
 
 
+def joined_rows(parts: list, rows: int) -> bytes:
+    """Rows of text laid out as the CSV's rows are: each part a (rows, width) NUL-padded block of
+    cells (`int_cells`, `float_cells`, `_bytes_block`) or bytes every row carries; the rows' texts
+    one after another, nothing between them (the manifest's workload digest: sim/predict.py)."""
+    blocks = [np.broadcast_to(np.frombuffer(p, np.uint8), (rows, len(p))) if isinstance(p, bytes) else p
+              for p in parts]
+    return np.hstack(blocks).tobytes().replace(b"\0", b"")
+
+
 def _supported(a: np.ndarray) -> bool:
     return a.ndim == 1 and (a.dtype.kind in "iubO" or a.dtype == np.float64)
 
