@@ -12,6 +12,13 @@ of this project (default: this one), run with its own code (the driver runs with
 working directory, which comes first on `sys.path`); the first tree is the baseline the ratios
 are taken against. Sizes are small (valgrind runs ~50x slower), so fixed per-run costs weigh more
 than in `bench/sim_speed.py`. Needs `valgrind` on PATH.
+
+Two lines count the user's path instead, on vidur-leap's scenario and size, against the same
+build-only run: `vidur-predict` (`sim.predict.predict`, which makes its workload as a stream and
+describes it for the manifest, then summarises) and `vidur-simrun` (simrun's entry point with
+`--no-plots --quiet`: also its imports and the data files). Their excess over vidur-leap is what
+that path adds to `simulate()` alone (issue 26's simrun ratio); each tree's bytecode is written
+first, as an installed package has it. At 3000 requests fixed costs (imports) weigh heavily.
 """
 from __future__ import annotations
 

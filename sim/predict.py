@@ -182,6 +182,10 @@ class WorkloadDescription:
     request's text is hashed in batches (one sha256 update per BATCH requests, the same digest)."""
 
     BATCH = 4096
+    # Requests described before the text is made from columns: that loads pyarrow (~0.12 G
+    # instructions, where simrun's CSV writer has not yet), which ~6.6k instructions saved a
+    # request repay after ~18k requests (the same text either way).
+    COLUMNAR_AFTER = 16_384
 
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
@@ -214,7 +218,7 @@ class WorkloadDescription:
         """The batch's text (each request's tuple's repr, as one string) into the hash, and its
         prompt and output lengths into the counts."""
         described = self._described
-        self.hash.update(described_text(described))
+        self.hash.update(described_text(described, columnar=self.lengths.count >= self.COLUMNAR_AFTER))
         self.lengths.prompts.extend(map(itemgetter(2), described))
         self.lengths.outputs.extend(map(itemgetter(3), described))
         described.clear()
@@ -230,15 +234,15 @@ class WorkloadDescription:
                 "lengths": self.lengths.stats(), "notes": notes}
 
 
-def described_text(described: list[tuple]) -> bytes:
-    """`"".join(map(repr, described)).encode()`, the text hashed for a batch of requests, made
-    column by column where every request has the plain form a synthetic workload gives (ints, a
-    finite float arrival, the same number of keyed segments): per request, repr spent ~19k
-    instructions, 7k of them on the arrival alone, ~6% of the simulation the text describes. The
-    columns' text is the CSV writer's (sim/output/columns.py), which is repr's; anything else is
-    made tuple by tuple."""
-    columnar = _columnar_text(described)
-    return columnar if columnar is not None else "".join(map(repr, described)).encode()
+def described_text(described: list[tuple], columnar: bool = True) -> bytes:
+    """`"".join(map(repr, described)).encode()`, the text hashed for a batch of requests. With
+    `columnar` it is made column by column where every request has the plain form a synthetic
+    workload gives (ints, a finite float arrival, the same number of keyed segments): repr spends
+    ~19k instructions a request (7k on the arrival's float alone, ~6% of the simulation the text
+    describes), the columns ~12.7k. Their text is the CSV writer's (sim/output/columns.py), which
+    is repr's; anything else is made tuple by tuple."""
+    text = _columnar_text(described) if columnar else None
+    return text if text is not None else "".join(map(repr, described)).encode()
 
 
 def _columnar_text(described: list[tuple]) -> Optional[bytes]:

@@ -51,3 +51,22 @@ def test_other_forms_go_by_repr(odd):
 
 def test_empty_batch():
     assert described_text([]) == b""
+
+
+@pytest.mark.parametrize("scenario", ["vidur_llama2_70b", "bench_prefix_reuse", "quickstart"])
+def test_digest_does_not_depend_on_the_columns(monkeypatch, scenario):
+    """The manifest's digest is the same whether each batch's text is made from columns or by repr."""
+    from sim.predict import WorkloadDescription
+    from sim.scenario import load_scenario
+    from sim.workload import build_requests
+
+    requests = build_requests(load_scenario(f"scenarios/{scenario}.yaml", ["workload.num_requests=600"]))
+    digests = []
+    for after in (0, 10 ** 9):
+        monkeypatch.setattr(WorkloadDescription, "COLUMNAR_AFTER", after)
+        monkeypatch.setattr(WorkloadDescription, "BATCH", 128)
+        described = WorkloadDescription()
+        for r in requests:
+            described.add(r)
+        digests.append(described.manifest([]))
+    assert digests[0] == digests[1]
