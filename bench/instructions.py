@@ -12,6 +12,13 @@ of this project (default: this one), run with its own code (the driver runs with
 working directory, which comes first on `sys.path`); the first tree is the baseline the ratios
 are taken against. Sizes are small (valgrind runs ~50x slower), so fixed per-run costs weigh more
 than in `bench/sim_speed.py`. Needs `valgrind` on PATH.
+
+Two lines count the user's path instead, on vidur-leap's scenario and size, against the same
+build-only run: `vidur-predict` (`sim.predict.predict`, which makes its workload as a stream and
+describes it for the manifest, then summarises) and `vidur-simrun` (simrun's entry point with
+`--no-plots --quiet`: also its imports and the data files). Their excess over vidur-leap is what
+that path adds to `simulate()` alone (issue 26's simrun ratio); each tree's bytecode is written
+first, as an installed package has it. At 3000 requests fixed costs (imports) weigh heavily.
 """
 from __future__ import annotations
 
@@ -41,23 +48,48 @@ LINES = {
     "mistral-sliding": ("whatif_sliding_window", 200, True, ()),
     "gpt-oss-sliding": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40")),
     "gpt-oss-full": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40", *AS_FULL_ATTENTION)),
+    # The user's path on vidur-leap's scenario and size, beside simulate() alone: the same set-up
+    # run subtracted, so each line's excess over vidur-leap is what the path adds to the simulation
+    # (making the streamed workload, the manifest's watcher, the summary; for simrun also its own
+    # imports and the data files of `--no-plots --quiet`).
+    "vidur-predict": ("vidur_llama2_70b", 3000, True, ()),
+    "vidur-simrun": ("vidur_llama2_70b", 3000, True, ()),
 }
+# line -> the entry point its full run calls (the others: simulate() on the built workload)
+ENTRY = {"vidur-predict": "predict", "vidur-simrun": "simrun"}
 
 # Run inside the measured tree: load the scenario, build the workload whole and a cost model (what a
 # process sets up once: trees from 6a78cb1 on generate the cost model's scalar forms on first use),
-# then simulate it unless told to stop there. Only public entry points every tree has.
+# then simulate it unless told to stop there. Only public entry points every tree has. The user's
+# lines (ENTRY) run after the same set-up: `predict(scenario)`, which makes its own streamed
+# workload, or simrun's entry point (`sim.cli.main`) with --no-plots --quiet into a scratch folder.
 DRIVER = """
 import sys
 from sim.costmodel import CostModel
 from sim.scenario import load_scenario
 from sim.simulator import simulate
 from sim.workload import build_requests
-path, size, fast, build_only, *overrides = sys.argv[1:]
+path, size, fast, build_only, entry, *overrides = sys.argv[1:]
 scenario = load_scenario(path, [f"workload.num_requests={size}", *overrides])
 requests = build_requests(scenario)
 CostModel.for_scenario(scenario)    # a process's one-off set-up (the cost model's generated forms) in both runs
-if build_only == "0":
+if build_only == "1":
+    pass
+elif entry == "simulate":
     records, _, _ = simulate(scenario, requests, fast=fast == "1", release=True)
+elif entry == "predict":
+    from sim.predict import predict
+    del requests
+    predict(scenario)
+else:
+    import tempfile
+    from sim.cli import main
+    del requests
+    sets = [a for o in ["workload.num_requests=" + size, *overrides] for a in ("--set", o)]
+    with tempfile.TemporaryDirectory() as out:
+        code = main([path, *sets, "--no-plots", "--quiet", "--out", out + "/run"])
+    if code != 0:
+        raise SystemExit(f"simrun exited {code}")
 """
 
 
@@ -71,7 +103,7 @@ def count(tree: Path, line: str, build_only: bool) -> int:
     name, size, fast, overrides = LINES[line]
     argv = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
             sys.executable, "-c", DRIVER, str(tree / "scenarios" / f"{name}.yaml"), str(size),
-            "1" if fast else "0", "1" if build_only else "0", *overrides]
+            "1" if fast else "0", "1" if build_only else "0", ENTRY.get(line, "simulate"), *overrides]
     out = subprocess.run(argv, cwd=tree, capture_output=True, text=True,
                          env={**os.environ, **QUIET_ENV})
     found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
@@ -80,8 +112,29 @@ def count(tree: Path, line: str, build_only: bool) -> int:
     return int(found.group(1).replace(",", ""))
 
 
+_set_up_counts: dict[tuple, int] = {}
+
+
+def set_up_count(tree: Path, line: str) -> int:
+    """The build-only run's count, shared by the lines whose set-up is the same (vidur-leap and
+    the user's lines on its scenario)."""
+    name, size, _, overrides = LINES[line]
+    key = (tree, name, size, overrides)
+    if key not in _set_up_counts:
+        _set_up_counts[key] = count(tree, line, build_only=True)
+    return _set_up_counts[key]
+
+
 def simulation_count(tree: Path, line: str) -> int:
-    return count(tree, line, build_only=False) - count(tree, line, build_only=True)
+    return count(tree, line, build_only=False) - set_up_count(tree, line)
+
+
+def compile_bytecode(tree: Path) -> None:
+    """Write the tree's bytecode (__pycache__, git-ignored) first, as an installed package has it:
+    with PYTHONDONTWRITEBYTECODE set (this project's VMs set it) the user's lines would count the
+    compiling of every module simrun imports beyond the set-up run's (bench/sim_speed.py does the same)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "sim", "validate", "engine"], cwd=tree,
+                   stdout=subprocess.DEVNULL, check=True)
 
 
 def _commit(tree: Path) -> str:
@@ -105,6 +158,9 @@ def main() -> None:
     args = ap.parse_args()
     trees = args.tree or [("this", ROOT)]
     rows = []
+    if any(line in ENTRY for line in args.lines):
+        for _, tree in trees:
+            compile_bytecode(tree)
     for line in args.lines:
         counts = {label: simulation_count(tree, line) for label, tree in trees}
         base = counts[trees[0][0]]

@@ -423,13 +423,14 @@ class RequestTable:
                                  len(table) * len(_REQUEST_FIELDS)).reshape(len(table), -1)
             self._cols.add({name: values[:, i] for i, name in enumerate(_REQUEST_FIELDS)}, len(table))
             self._cols.pack()
+            self._order = None          # (ids were added: made again when asked; else kept, not
+                                        # sorted again for each of a summary's ~20 columns)
         if self._run_buffer:
             self._runs.append(_compact(np.asarray(self._run_buffer, dtype=np.int64)))
             self._run_buffer = []
         if self._chunk_buffer:
             self._chunk_steps.append(_compact(np.asarray(self._chunk_buffer, dtype=np.int64)))
             self._chunk_buffer = []
-        self._order = None
 
     def __len__(self) -> int:
         return self.count
@@ -447,6 +448,7 @@ class RequestTable:
         packed["chunk_steps"] = _joined(self._chunk_steps)
         cols.chunks = {name: [] for name in cols.names}
         self._runs, self._chunk_steps = [], []
+        self._order = None
         return packed
 
     def with_columns(self, columns: dict[str, np.ndarray]) -> "RequestTable":

@@ -121,8 +121,10 @@ class Request:
         self.id = id
         self.arrival = arrival
         self._workload_arrival = NOT_SENT
-        self.segments = list(segments) + [output_segment]
-        self.prompt_len = sum(segment_len(s) for s in segments)
+        self.segments = segs = list(segments)
+        # (segment_len inlined: a request is made per workload request, ~30k instructions each)
+        self.prompt_len = sum([s[1] if isinstance(s, tuple) else len(s) for s in segs])
+        segs.append(output_segment)
         self.output_len = output_len
         # prompt + output_len: an attribute, read at intake, admission, routing and retirement
         # (a live request's cut at EOS changes both together: `cut_output`)

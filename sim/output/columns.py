@@ -15,6 +15,7 @@ the caller then writes with pandas.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Iterator, Mapping, Optional
 
 import numpy as np
@@ -56,6 +57,15 @@ def _chunks(names: list[str], arrays: list[np.ndarray], texts: list) -> Iterator
             blocks.append(_cells(values[start:stop], text, start, stop))
             blocks.append(np.full((stop - start, 1), _COMMA if i < len(arrays) - 1 else _NEWLINE, np.uint8))
         yield np.hstack(blocks).tobytes().replace(b"\0", b"")
+
+
+def joined_rows(parts: list, rows: int) -> bytes:
+    """Rows of text laid out as the CSV's rows are: each part a (rows, width) NUL-padded block of
+    cells (`int_cells`, `float_cells`, `_bytes_block`) or bytes every row carries; the rows' texts
+    one after another, nothing between them (the manifest's workload digest: sim/predict.py)."""
+    blocks = [np.broadcast_to(np.frombuffer(p, np.uint8), (rows, len(p))) if isinstance(p, bytes) else p
+              for p in parts]
+    return np.hstack(blocks).tobytes().replace(b"\0", b"")
 
 
 def _supported(a: np.ndarray) -> bool:
@@ -140,25 +150,35 @@ def _text_block(texts: list[str]) -> np.ndarray:
 
 
 def _arrow_block(arrow, values: np.ndarray) -> np.ndarray:
-    """pyarrow's number -> text cast, padded with NULs to one width: its data buffer is the block."""
-    pa, pc = arrow
+    """pyarrow's number -> text cast, each text padded with NULs to one width (read off the cast's
+    offsets and laid out in numpy: the same block as pyarrow's rpad gave, without loading
+    pyarrow.compute, whose import builds ~300 wrappers from docstrings, ~0.2 G instructions,
+    a fixed cost of every simrun)."""
+    pa, cast = arrow
     values = np.ascontiguousarray(values)
     # from the buffer: pa.array(values) imports pandas (~0.4 s) to check for its types
     array = pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
-    strings = pc.cast(array, pa.string())
-    width = max(1, pc.max(pc.utf8_length(strings)).as_py() or 0)
-    padded = pc.utf8_rpad(strings, width=width, padding="\0")
-    data = padded.buffers()[2]
-    return np.frombuffer(data, np.uint8, len(values) * width).reshape(len(values), width).copy()
+    strings = cast(array)
+    _, offsets_buffer, data_buffer = strings.buffers()
+    offsets = np.frombuffer(offsets_buffer, np.int32, len(values) + 1, strings.offset * 4)
+    lengths = np.diff(offsets)
+    width = max(1, int(lengths.max(initial=0)))
+    block = np.zeros((len(values), width), np.uint8)
+    block[np.arange(width) < lengths[:, None]] = np.frombuffer(data_buffer, np.uint8, offsets[-1] - offsets[0],
+                                                               int(offsets[0]))
+    return block
 
 
+@lru_cache(maxsize=1)
 def _pyarrow():
+    """(pyarrow, its cast of an array to text), or None where pyarrow is not installed."""
     try:
         import pyarrow as pa
-        import pyarrow.compute as pc
+        from pyarrow._compute import CastOptions, call_function
     except ImportError:
         return None
-    return pa, pc
+    to_text = CastOptions.safe(pa.string())
+    return pa, lambda array: call_function("cast", [array], to_text)
 
 
 def _distinct_texts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

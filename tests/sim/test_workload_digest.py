@@ -1,0 +1,72 @@
+"""The manifest's workload text made from columns (sim/predict.py described_text) is repr's, byte
+for byte, with and without pyarrow; requests of another form go tuple by tuple."""
+import random
+
+import pytest
+
+import sim.output.columns as columnar
+from sim.predict import _columnar_text, described_text
+
+
+def _plain(rng: random.Random, n: int, k: int, tenants=(None,)) -> list[tuple]:
+    arrivals = [rng.choice([0.0, -0.0, 1.0, 2.5e-7, 1e-4, 3e9, 1e22, 5e-324]) if rng.random() < 0.2
+                else rng.random() * 10 ** rng.randint(-6, 10) for _ in range(n)]
+    return [(i * rng.choice([1, -1, 977]), arrivals[i], rng.randint(0, 10 ** 6), rng.randint(1, 4096),
+             rng.choice(tenants), rng.randint(-3, 3),
+             [(rng.getrandbits(63), rng.randint(1, 8192)) for _ in range(k)]) for i in range(n)]
+
+
+def _expected(described: list[tuple]) -> bytes:
+    return "".join(map(repr, described)).encode()
+
+
+@pytest.mark.parametrize("with_arrow", [True, False])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_columnar_text_is_repr(monkeypatch, with_arrow, k):
+    if with_arrow:
+        pytest.importorskip("pyarrow")
+    else:
+        monkeypatch.setattr(columnar, "_pyarrow", lambda: None)
+    rng = random.Random(k)
+    for tenants in ((None,), ("a", "bé", "", "x,y'\"", None)):
+        described = _plain(rng, 500, k, tenants)
+        text = _columnar_text(described)
+        assert text is not None
+        assert text == _expected(described)
+
+
+@pytest.mark.parametrize("odd", [
+    (1, None, 5, 5, None, 0, [(1, 2)]),                 # a follow-up turn: no arrival
+    (1, 1.5, 5, 5, None, True, [(1, 2)]),               # a bool
+    (1, float("nan"), 5, 5, None, 0, [(1, 2)]),
+    (1, 1.5, 5, 5, None, 0, [("lit", 3, -7)]),          # a literal segment's description
+    (1, 1.5, 5, 5, None, 0, [(1, 2), (3, 4)]),          # another number of segments
+    (2 ** 70, 1.5, 5, 5, None, 0, [(1, 2)]),
+    (1, 1.5, 5, 5, ["unhashable"], 0, [(1, 2)]),
+])
+def test_other_forms_go_by_repr(odd):
+    described = _plain(random.Random(7), 50, 1) + [odd]
+    assert described_text(described) == _expected(described)
+
+
+def test_empty_batch():
+    assert described_text([]) == b""
+
+
+@pytest.mark.parametrize("scenario", ["vidur_llama2_70b", "bench_prefix_reuse", "quickstart"])
+def test_digest_does_not_depend_on_the_columns(monkeypatch, scenario):
+    """The manifest's digest is the same whether each batch's text is made from columns or by repr."""
+    from sim.predict import WorkloadDescription
+    from sim.scenario import load_scenario
+    from sim.workload import build_requests
+
+    requests = build_requests(load_scenario(f"scenarios/{scenario}.yaml", ["workload.num_requests=600"]))
+    digests = []
+    for after in (0, 10 ** 9):
+        monkeypatch.setattr(WorkloadDescription, "COLUMNAR_AFTER", after)
+        monkeypatch.setattr(WorkloadDescription, "BATCH", 128)
+        described = WorkloadDescription()
+        for r in requests:
+            described.add(r)
+        digests.append(described.manifest([]))
+    assert digests[0] == digests[1]
