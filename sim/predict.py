@@ -239,7 +239,7 @@ def described_text(described: list[tuple], columnar: bool = True) -> bytes:
     `columnar` it is made column by column where every request has the plain form a synthetic
     workload gives (ints, a finite float arrival, the same number of keyed segments): repr spends
     ~19k instructions a request (7k on the arrival's float alone, ~6% of the simulation the text
-    describes), the columns ~12.7k. Their text is the CSV writer's (sim/output/columns.py), which
+    describes), the columns ~12.7k. Their text is the CSV writer's (sim/columns.py), which
     is repr's; anything else is made tuple by tuple."""
     text = _columnar_text(described) if columnar else None
     return text if text is not None else "".join(map(repr, described)).encode()
@@ -249,7 +249,7 @@ def _columnar_text(described: list[tuple]) -> Optional[bytes]:
     """The text of `described_text` from columns, or None where a request is not of the plain form."""
     import numpy as np
 
-    from sim.output.columns import _bytes_block, float_cells, int_cells, joined_rows
+    from sim.columns import bytes_block, float_cells, int_cells, joined_rows
 
     if not described:
         return b""
@@ -278,7 +278,7 @@ def _columnar_text(described: list[tuple]) -> Optional[bytes]:
         return None
     n = len(described)
     table = np.array([repr(t).encode() for t in distinct], dtype="S")
-    tenant = _bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
+    tenant = bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
     id_, prompt, output, priority = map(int_cells, columns)
     parts = [b"(", id_, b", ", float_cells(arrival), b", ", prompt, b", ", output, b", ", tenant, b", ",
              priority, b", ["]

@@ -63,8 +63,8 @@ def finite_json(value: Any) -> Any:
 def write_csv(path: str | Path, frame) -> Path:
     """A DataFrame, or a mapping of equal-length columns, as CSV without an index: what pandas'
     `to_csv(index=False)` writes, through the columnar writer where it formats every column
-    (sim/output/columns.py), else through pandas."""
-    from sim.output.columns import csv_chunks
+    (sim/columns.py), else through pandas."""
+    from sim.columns import csv_chunks
 
     columns = frame if isinstance(frame, Mapping) else _frame_columns(frame)
     chunks = csv_chunks(columns) if columns is not None else None

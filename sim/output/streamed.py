@@ -142,7 +142,7 @@ class RecordSpill:
 
     def write_steps_csv(self, path: Path, steps: str, interval_s: float) -> Path:
         """steps.csv of the kind `steps` as `write_data_files` writes it, replica by replica."""
-        from sim.output.columns import csv_chunks
+        from sim.columns import csv_chunks
         from sim.output.io import atomic_path
         from sim.output.step_buckets import replica_timeline
 
@@ -572,7 +572,7 @@ def _entries(flat: np.ndarray, width: int, chunk: dict, keep: np.ndarray, count_
 
 def _write_frame(f, frame, header: bool) -> None:
     """A block of requests.csv: the columnar writer's bytes where it formats every column, else pandas'."""
-    from sim.output.columns import csv_chunks
+    from sim.columns import csv_chunks
 
     chunks = csv_chunks({name: frame[name].to_numpy() for name in frame.columns})
     if chunks is not None:

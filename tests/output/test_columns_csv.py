@@ -1,4 +1,4 @@
-"""The columnar CSV writer (sim/output/columns.py) writes exactly pandas' `to_csv(index=False)` bytes."""
+"""The columnar CSV writer (sim/columns.py) writes exactly pandas' `to_csv(index=False)` bytes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sim.output import columns as columnar
+from sim import columns as columnar
 from sim.output.io import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]

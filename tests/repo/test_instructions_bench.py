@@ -5,17 +5,32 @@ import sys
 
 import pytest
 
-from bench.instructions import DRIVER, LINES, ROOT, _tree
+from bench.instructions import DRIVER, ENTRY, LINES, ROOT, _tree
 
 
 @pytest.mark.parametrize("line", ["vidur-one-by-one", "gpt-oss-sliding", "mistral-sliding"])
 def test_the_driver_simulates_each_kind_of_line(line):
     name, _, fast, overrides = LINES[line]
     argv = [sys.executable, "-c", DRIVER + "\nprint('recorded', len(records.requests))",
-            str(ROOT / "scenarios" / f"{name}.yaml"), "20", "1" if fast else "0", "0", *overrides]
+            str(ROOT / "scenarios" / f"{name}.yaml"), "20", "1" if fast else "0", "0", "simulate", *overrides]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "recorded 20"
+
+
+@pytest.mark.parametrize("line", sorted(ENTRY))
+def test_the_driver_runs_the_users_path_of_each_user_line(line):
+    """vidur-predict runs predict() and vidur-simrun simrun's entry point, after the same set-up."""
+    name, _, fast, overrides = LINES[line]
+    probe = {"predict": "import sim.predict as p; p.predict = lambda s: print('predicted', s.workload.num_requests)",
+             "simrun": "import sim.cli as c; c.main = lambda argv: print('simrun', *argv[:3]) or 0"}[ENTRY[line]]
+    argv = [sys.executable, "-c", probe + "\n" + DRIVER,
+            str(ROOT / "scenarios" / f"{name}.yaml"), "20", "1" if fast else "0", "0", ENTRY[line], *overrides]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected = {"predict": "predicted 20",
+                "simrun": f"simrun {ROOT / 'scenarios' / (name + '.yaml')} --set workload.num_requests=20"}
+    assert out.stdout.strip() == expected[ENTRY[line]]
 
 
 def test_a_tree_must_be_label_equals_a_checkout(tmp_path):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-import sim.output.columns as columnar
+import sim.columns as columnar
 from sim.predict import _columnar_text, described_text
 
 

@@ -12,6 +12,9 @@ dropped from the bytes in one pass.
 
 Columns this does not format (other dtypes, text holding NUL) make `csv_chunks` return None:
 the caller then writes with pandas.
+
+It sits in the simulation layer, below sim/output/, because the manifest's workload digest
+(sim/predict.py) makes its text from the same cells the CSV writer does.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def _chunks(names: list[str], arrays: list[np.ndarray], texts: list) -> Iterator
 
 def joined_rows(parts: list, rows: int) -> bytes:
     """Rows of text laid out as the CSV's rows are: each part a (rows, width) NUL-padded block of
-    cells (`int_cells`, `float_cells`, `_bytes_block`) or bytes every row carries; the rows' texts
+    cells (`int_cells`, `float_cells`, `bytes_block`) or bytes every row carries; the rows' texts
     one after another, nothing between them (the manifest's workload digest: sim/predict.py)."""
     blocks = [np.broadcast_to(np.frombuffer(p, np.uint8), (rows, len(p))) if isinstance(p, bytes) else p
               for p in parts]
@@ -84,12 +87,12 @@ def _cells(values: np.ndarray, text, start: int, stop: int) -> np.ndarray:
     if kind in "iu":
         return int_cells(values)
     if kind == "b":
-        return _bytes_block(np.where(values, b"True", b"False"))
+        return bytes_block(np.where(values, b"True", b"False"))
     codes, table = text
-    return _bytes_block(table[codes[start:stop]])
+    return bytes_block(table[codes[start:stop]])
 
 
-def _bytes_block(cells: np.ndarray) -> np.ndarray:
+def bytes_block(cells: np.ndarray) -> np.ndarray:
     """A fixed-width bytes array ('S') as its (rows, width) uint8 block."""
     if cells.dtype.itemsize == 0:
         return np.zeros((len(cells), 0), np.uint8)
@@ -105,7 +108,7 @@ def int_cells(values: np.ndarray) -> np.ndarray:
         return _arrow_block(arrow, values)
     if values.dtype.kind == "u" and int(values.max()) > np.iinfo(np.int64).max \
             or int(values.min()) == np.iinfo(np.int64).min:
-        return _bytes_block(np.array([str(x).encode() for x in values.tolist()], dtype="S"))
+        return bytes_block(np.array([str(x).encode() for x in values.tolist()], dtype="S"))
     v = values.astype(np.int64)
     magnitude = np.abs(v)
     width = len(str(int(magnitude.max())))
