@@ -94,7 +94,7 @@ ENGINES = ("v1", "v0")       # vLLM engine generations (sim.core.vllm_versions.e
 # a factor on the pooled profile) and its tp link terms (V0_CLASS_FIT); its GEMM and streaming
 # efficiencies stay the datasheet's. Fitting all seven per class (the first V0 design) learned the
 # host terms from one or two other models of the class and missed held out by up to +4657 % TTFT
-# (docs/fidelity.md).
+# (docs/fidelity_log.md, "V0 held out: the designs measured").
 V0_POOLED_HOST = True      # False: the first V0 design (all seven parameters fitted per class)
 V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s")
 V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff")
