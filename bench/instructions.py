@@ -19,6 +19,10 @@ describes it for the manifest, then summarises) and `vidur-simrun` (simrun's ent
 `--no-plots --quiet`: also its imports and the data files). Their excess over vidur-leap is what
 that path adds to `simulate()` alone (issue 26's simrun ratio); each tree's bytecode is written
 first, as an installed package has it. At 3000 requests fixed costs (imports) weigh heavily.
+`vidur-simrun-plots` is simrun with its plots and report.html: the figure process it forks and
+the copies that forks (KVTWIN_PLOT_WORKERS=2) are counted too (valgrind follows a fork and each
+process reports its own count; the line sums them), so it is the CPU work of all processes, not
+the time the user waits.
 """
 from __future__ import annotations
 
@@ -54,15 +58,17 @@ LINES = {
     # imports and the data files of `--no-plots --quiet`).
     "vidur-predict": ("vidur_llama2_70b", 3000, True, ()),
     "vidur-simrun": ("vidur_llama2_70b", 3000, True, ()),
+    "vidur-simrun-plots": ("vidur_llama2_70b", 3000, True, ()),     # also the figure processes
 }
 # line -> the entry point its full run calls (the others: simulate() on the built workload)
-ENTRY = {"vidur-predict": "predict", "vidur-simrun": "simrun"}
+ENTRY = {"vidur-predict": "predict", "vidur-simrun": "simrun", "vidur-simrun-plots": "simrun-plots"}
 
 # Run inside the measured tree: load the scenario, build the workload whole and a cost model (what a
 # process sets up once: trees from 6a78cb1 on generate the cost model's scalar forms on first use),
 # then simulate it unless told to stop there. Only public entry points every tree has. The user's
 # lines (ENTRY) run after the same set-up: `predict(scenario)`, which makes its own streamed
-# workload, or simrun's entry point (`sim.cli.main`) with --no-plots --quiet into a scratch folder.
+# workload, or simrun's entry point (`sim.cli.main`) with --quiet (and --no-plots: "simrun") into a
+# scratch folder.
 DRIVER = """
 import sys
 from sim.costmodel import CostModel
@@ -87,7 +93,8 @@ else:
     del requests
     sets = [a for o in ["workload.num_requests=" + size, *overrides] for a in ("--set", o)]
     with tempfile.TemporaryDirectory() as out:
-        code = main([path, *sets, "--no-plots", "--quiet", "--out", out + "/run"])
+        plots = [] if entry == "simrun-plots" else ["--no-plots"]
+        code = main([path, *sets, *plots, "--quiet", "--out", out + "/run"])
     if code != 0:
         raise SystemExit(f"simrun exited {code}")
 """
@@ -95,7 +102,9 @@ else:
 
 # Hash seeds fixed (set and dict orders repeat) and one thread per library: an idle BLAS or OpenMP
 # worker spins while waiting, and valgrind counts a spinning thread's instructions by its luck.
-QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Two drawing processes whatever the machine's cores (vidur-simrun-plots).
+QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+             "KVTWIN_PLOT_WORKERS": "2"}
 
 
 def count(tree: Path, line: str, build_only: bool) -> int:
@@ -106,10 +115,11 @@ def count(tree: Path, line: str, build_only: bool) -> int:
             "1" if fast else "0", "1" if build_only else "0", ENTRY.get(line, "simulate"), *overrides]
     out = subprocess.run(argv, cwd=tree, capture_output=True, text=True,
                          env={**os.environ, **QUIET_ENV})
-    found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+    # one count per process: a run that forks (the figure processes) reports each, summed here
+    found = re.findall(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode != 0 or not found:
         raise SystemExit(f"{tree} {line}: the run failed:\n{out.stderr[-2000:]}")
-    return int(found.group(1).replace(",", ""))
+    return sum(int(n.replace(",", "")) for n in found)
 
 
 _set_up_counts: dict[tuple, int] = {}

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from sim import exact
+from sim.exact_disk import linear_percentiles
 from sim.core.lazy import lazy_import
 from sim.records import RunRecords, itl_samples, request_columns
 
@@ -21,6 +22,19 @@ from sim.records import RunRecords, itl_samples, request_columns
 pd = lazy_import("pandas")
 
 PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: np.ndarray, qs) -> np.ndarray:
+    """np.percentile(values, qs) of NaN-free float values, bit for bit: the same partition (numpy
+    partitions a copy at the ranks it reads plus the first and the last) and numpy's own
+    interpolation (exact_disk.linear_percentiles). np.percentile finds those ranks with np.unique,
+    whose first call imports numpy.ma (~15 ms of every run, for nothing masked)."""
+    n = len(values)
+
+    def kth(ranks: list[int]) -> dict:
+        part = np.partition(values, sorted({0, n - 1, *ranks}))
+        return {r: part[r] for r in ranks}
+    return linear_percentiles(n, qs, kth)
 
 
 def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -60,7 +74,7 @@ def distribution(values: np.ndarray, weights: Optional[np.ndarray] = None) -> di
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
     if weights is None:
         # one call for every q: the same figures as one call per q (each q is interpolated alone)
-        mean, cuts = values.mean(), np.percentile(values, PERCENTILES)
+        mean, cuts = values.mean(), percentiles(values, PERCENTILES)
     else:
         mean, cuts = np.average(values, weights=weights), weighted_percentiles(values, weights, PERCENTILES)
     out = {"mean": float(mean), **{f"p{p}": float(c) for p, c in zip(PERCENTILES, cuts)}}
