@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import sim.exact_disk as ed
-from sim.metrics import distribution
+from sim.metrics import distribution, percentiles
 from sim.predict import _length_stats
 
 
@@ -72,6 +72,16 @@ def test_percentiles_and_median_from_order_statistics_are_numpys(n):
     assert ed.linear_percentiles(n, qs, kth).tobytes() == np.percentile(a, qs).tobytes()
     assert float(ed.linear_percentiles(n, 90, kth)) == float(np.percentile(a, 90))
     assert float(ed.median(n, kth)) == float(np.median(a))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 99, 100, 1001, 30_000])
+def test_the_summarys_percentiles_are_numpys_to_the_bit(n):
+    """metrics.percentiles (a partition and exact_disk's interpolation, no np.unique) is np.percentile."""
+    rng = np.random.default_rng(n)
+    qs = (0, 1, 50, 90, 99, 99.9, 100)
+    for a in (rng.integers(1, 50, n).astype(float), rng.lognormal(-3, 2, n), -rng.standard_normal(n)):
+        assert percentiles(a, qs).tobytes() == np.percentile(a, qs).tobytes()
+        assert percentiles(a, (50, 90, 99)).tobytes() == np.percentile(a, (50, 90, 99)).tobytes()
 
 
 def test_length_counts_give_the_manifests_length_figures():
