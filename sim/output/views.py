@@ -143,7 +143,7 @@ class RunView:
             start = steps["start_s"].to_numpy()
             t0, t1 = float(start.min()), float(steps["end_s"].max())
             width = (t1 - t0) / marks or 1.0
-            times = t0 + width * np.unique(((start[hit] - t0) / width).astype(np.int64))
+            times = t0 + width * sorted_unique(((start[hit] - t0) / width).astype(np.int64))
             return times, int(count[hit].sum())
         return self._reduce(("preemption_marks", marks), make)
 
@@ -159,7 +159,7 @@ class RunView:
         t0 = min(float(r.step_column("start_s")[0]) for r in recs)
         t1 = max(float(r.step_column("end_s")[-1]) for r in recs)
         width = (t1 - t0) / marks or 1.0
-        times = t0 + width * np.unique(((starts - t0) / width).astype(np.int64))
+        times = t0 + width * sorted_unique(((starts - t0) / width).astype(np.int64))
         return times, int(sum(int(c.sum()) for c in counts))
 
     def drawable(self) -> "RunView":
@@ -246,7 +246,7 @@ def timeline(steps, agg: Mapping[str, str], buckets: int = TIMELINE_BUCKETS,
     replica = np.asarray(steps["replica"])
     order = np.lexsort((bucket, replica))                # (a no-op order for a run's own records)
     bucket, replica = bucket[order], replica[order]
-    replicas = np.unique(replica)
+    replicas = sorted_unique(replica)
     combined = {}
     for col in cols:
         values = np.asarray(steps[col], dtype=float)[order]
@@ -304,5 +304,13 @@ def _combine(per_replica: np.ndarray, how: str) -> np.ndarray:
 def cdf_points(values: np.ndarray, points: int = CDF_POINTS) -> tuple[np.ndarray, np.ndarray]:
     """(sorted values, cumulative fraction), thinned to `points` evenly spaced ranks (min and max kept)."""
     v = np.sort(np.asarray(values, dtype=float))
-    rank = np.unique(np.linspace(0, len(v) - 1, min(points, len(v))).round().astype(np.int64))
+    rank = sorted_unique(np.linspace(0, len(v) - 1, min(points, len(v))).round().astype(np.int64))
     return v[rank], (rank + 1) / len(v)
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """The distinct values, sorted, as np.unique gives them. np.unique's first call imports
+    numpy.ma (to ask whether the array is masked): ~15 ms that the main process, which draws
+    nothing, would otherwise spend on every run with plots."""
+    ordered = np.sort(values)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
