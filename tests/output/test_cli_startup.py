@@ -107,3 +107,18 @@ def test_a_hidden_package_is_named_in_a_warning(tmp_path):
         check_top_level_modules(path=[str(ROOT), str(tmp_path)], root=ROOT)
     with pytest.raises(ShadowedModuleError):
         check_top_level_modules(path=[str(tmp_path), str(ROOT)], root=tmp_path.parent / "elsewhere")
+
+
+@pytest.mark.parametrize("plots", [False, True], ids=["no-plots", "plots"])
+def test_a_run_imports_no_numpy_ma_in_the_main_process(tmp_path, plots):
+    """np.percentile and np.unique import numpy.ma on first use (~15 ms a run, for nothing masked):
+    the summary and the figures' reductions avoid both (the figure process imports it, through
+    matplotlib). Same figures: tests/sim/test_exact_disk.py holds the percentiles to numpy's."""
+    args = ["scenarios/quickstart.yaml", "--set", "workload.num_requests=30", "--quiet",
+            "--out", str(tmp_path / "run"), *([] if plots else ["--no-plots"])]
+    probe = PROBE.replace("%r" % (HEAVY,), "('numpy.ma',)")
+    out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "KVTWIN_PLOT_WORKERS": "2"},
+                         timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"code": 0, "heavy": []}, out.stderr[-2000:]
