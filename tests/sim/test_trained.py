@@ -121,9 +121,9 @@ def test_inference_perf_stages_replay_the_tokens_vllm_generated(runs):
     (inference_perf/datagen/shared_prefix_datagen.py: CompletionAPIData(max_tokens=self.output_len))
     and counts a response's output by re-tokenizing its streamed text (inference_perf/apis/
     completion.py process_response: tokenizer.count_tokens(output_text)). vLLM with ignore_eos
-    stops only at max_tokens and leaves special tokens out of the text (vllm/sampling_params.py at
-    00388f65, SamplingParams: ignore_eos "continue generating tokens after the EOS token",
-    skip_special_tokens=True): Llama-2-7b's stages count 78-85 % of their tokens. The replay
+    stops only at max_tokens and leaves special tokens out of the text (vllm/sampling_params.py,
+    release 0.19.1 from the package registry, and commit 00388f65: SamplingParams ignore_eos
+    "continue generating tokens after the EOS token", skip_special_tokens: bool = True): Llama-2-7b's stages count 78-85 % of their tokens. The replay
     generates max_tokens, and vLLM's TPOT is (E2E - TTFT) / (max_tokens - 1)."""
     entries = {e["id"]: e for e in yaml.safe_load(lodo.RATE_FILE.read_text())["runs"]}
     for run_id in ("infsim-llama-2-7b-tp1-general-rate8", "infsim-mixtral-8x7b-v0-1-tp2-codegen-rate5"):
