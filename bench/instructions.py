@@ -19,8 +19,8 @@ describes it for the manifest, then summarises) and `vidur-simrun` (simrun's ent
 `--no-plots --quiet`: also its imports and the data files). Their excess over vidur-leap is what
 that path adds to `simulate()` alone (issue 26's simrun ratio); each tree's bytecode is written
 first, as an installed package has it. At 3000 requests fixed costs (imports) weigh heavily.
-`vidur-simrun-plots` is simrun with its plots and report.html: the figure process it forks and
-the copies that forks (KVTWIN_PLOT_WORKERS=2) are counted too (valgrind follows a fork and each
+`vidur-simrun-plots` is simrun with its plots and report.html as each tree draws them by default
+(KVTWIN_PLOT_WORKERS unset): the figure process it forks and any copies that forks are counted too (valgrind follows a fork and each
 process reports its own count; the line sums them), so it is the CPU work of all processes, not
 the time the user waits.
 """
@@ -102,9 +102,13 @@ else:
 
 # Hash seeds fixed (set and dict orders repeat) and one thread per library: an idle BLAS or OpenMP
 # worker spins while waiting, and valgrind counts a spinning thread's instructions by its luck.
-# Two drawing processes whatever the machine's cores (vidur-simrun-plots).
-QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-             "KVTWIN_PLOT_WORKERS": "2"}
+# vidur-simrun-plots counts each tree's default figure processes (from 7 December one, set by no
+# core count; before, two on a machine with two cores or more).
+QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def without_plot_workers(env: dict) -> dict:
+    return {key: value for key, value in env.items() if key != "KVTWIN_PLOT_WORKERS"}
 
 
 def count(tree: Path, line: str, build_only: bool) -> int:
@@ -114,7 +118,7 @@ def count(tree: Path, line: str, build_only: bool) -> int:
             sys.executable, "-c", DRIVER, str(tree / "scenarios" / f"{name}.yaml"), str(size),
             "1" if fast else "0", "1" if build_only else "0", ENTRY.get(line, "simulate"), *overrides]
     out = subprocess.run(argv, cwd=tree, capture_output=True, text=True,
-                         env={**os.environ, **QUIET_ENV})
+                         env={**without_plot_workers(os.environ), **QUIET_ENV})
     # one count per process: a run that forks (the figure processes) reports each, summed here
     found = re.findall(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode != 0 or not found:

@@ -267,7 +267,7 @@ def run_main(argv: list[str]) -> int:
     from sim.output.workers import FigureWorkers
 
     # the folder is checked before simulating; the figure workers import matplotlib meanwhile
-    with owned_run_folder(out, force=args.force), FigureWorkers(1 if args.no_plots else None) as workers:
+    with owned_run_folder(out, force=args.force), FigureWorkers(0 if args.no_plots else None) as workers:
         results = {name: predict_with_progress(variant, name, quiet=args.quiet)
                    for name, variant in variants.items()}
         write_outputs(results, out, args, workers)

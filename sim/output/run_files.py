@@ -70,7 +70,7 @@ def write_reports(results: Mapping[str, RunResult], out_dir: Path, plots: bool =
     first = next(iter(results.values()))
     files: dict[str, Path] = {}
     if plots:
-        figures = (workers or FigureWorkers(1)).draw(views, out_dir, setup_title(first))
+        figures = (workers or FigureWorkers(0)).draw(views, out_dir, setup_title(first))
         files.update(figures)
         title = (f"kvtwin prediction: {first.scenario.name}" if len(results) == 1
                  else f"kvtwin prediction: {first.scenario.name}, variants compared")

@@ -2,12 +2,14 @@
 
 `simrun` starts one figure process before it simulates: it imports matplotlib and loads fonts
 while the main process simulates (this module imports no plotting library, so the main process
-prints its table without one). When the results come, that process forks once per further
-share, so the shares draw in parallel without importing matplotlib again, and each writes its
-share of report.RUN_PLOTS. With one core, where fork is not available, or from a process that
-runs other threads, the figures are drawn in the calling process instead. KVTWIN_PLOT_WORKERS=N
-sets the number of drawing processes (1: none besides the caller). A sweep's plots are split
-the same way (`in_forked_shares`), once its points are done.
+prints its table without one), then draws report.RUN_PLOTS when the results come.
+KVTWIN_PLOT_WORKERS=N sets the number of figure processes (default 1; 0 draws in the calling
+process, as happens where fork is not available or from a process that runs other threads);
+with N > 1 the figure process forks N - 1 copies, which draw their shares in parallel without
+importing matplotlib again. One is the default because each drawing process pays its own
+first-figure costs: two drew Vidur's run ~0.6 s sooner for ~3.7 G instructions (~30 % of the
+plots) more CPU (docs/performance.md). A sweep's plots are split the same way
+(`in_forked_shares`, in N processes, the caller one of them), once its points are done.
 
 A stop a signal asks for (sim/stop.py) is passed on to the figure process and from it to its
 forked copies; each stops at its next figure write, and each waits for the processes it
@@ -116,9 +118,18 @@ def frozen_heap() -> Iterator[None]:
             gc.unfreeze()
 
 
+def figure_processes() -> int:
+    """KVTWIN_PLOT_WORKERS (default 1): the processes that draw a run's figures beside the main one."""
+    text = os.environ.get("KVTWIN_PLOT_WORKERS", "").strip() or "1"
+    if not text.isdigit() or int(text) > 64:
+        from sim.errors import UserError
+        raise UserError(f"KVTWIN_PLOT_WORKERS={text!r}: expected a whole number from 0 to 64")
+    return int(text)
+
+
 def plot_ways() -> int:
-    """Processes that draw figures: KVTWIN_PLOT_WORKERS, else two where there are two cores."""
-    return int(os.environ.get("KVTWIN_PLOT_WORKERS") or min(2, os.cpu_count() or 1))
+    """The shares a sweep's figures are drawn in (the calling process one of them)."""
+    return max(1, figure_processes())
 
 
 def can_fork_here() -> bool:
@@ -139,10 +150,10 @@ class FigureWorkers:
     def __init__(self, workers: Optional[int] = None) -> None:
         import multiprocessing
 
-        self.workers = plot_ways() if workers is None else workers
+        self.workers = figure_processes() if workers is None else workers
         self.pool = None
         self._forwarding = ExitStack()
-        if self.workers > 1 and can_fork_here():      # else draw here
+        if self.workers >= 1 and can_fork_here():      # else draw here
             from concurrent.futures import ProcessPoolExecutor
 
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),

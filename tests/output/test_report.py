@@ -285,15 +285,33 @@ def test_perfetto_trace_caps_request_slices_and_says_so(views, tmp_path):
     assert trace["otherData"]["request_slices"]["static"] == "first 10 of 80 requests by arrival"
 
 
-def test_figure_workers_draw_every_run_plot(views, tmp_path):
+@pytest.mark.parametrize("processes", [0, 1, 2])
+def test_figure_workers_draw_every_run_plot(views, tmp_path, processes):
     from sim.output.report import RUN_PLOTS
     from sim.output.workers import FigureWorkers, run_plot_names
 
     assert run_plot_names() == list(RUN_PLOTS)
-    with FigureWorkers(2) as workers:
+    with FigureWorkers(processes) as workers:
+        assert (workers.pool is not None) == (processes > 0)     # 0: drawn in this process
         drawn = workers.draw(views, tmp_path, "continuous vs static: qwen2.5-0.5b on h100-sxm")
     assert list(drawn) == list(RUN_PLOTS)
     assert all(p.stat().st_size > 10_000 for p in drawn.values())
+
+
+def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
+    from sim.errors import UserError
+    from sim.output.workers import figure_processes, plot_ways
+
+    monkeypatch.delenv("KVTWIN_PLOT_WORKERS", raising=False)
+    assert figure_processes() == 1 and plot_ways() == 1
+    monkeypatch.setenv("KVTWIN_PLOT_WORKERS", "0")
+    assert figure_processes() == 0 and plot_ways() == 1          # a sweep draws in its own process
+    monkeypatch.setenv("KVTWIN_PLOT_WORKERS", "3")
+    assert figure_processes() == 3 and plot_ways() == 3
+    for bad in ("two", "-1", "1000"):
+        monkeypatch.setenv("KVTWIN_PLOT_WORKERS", bad)
+        with pytest.raises(UserError, match="KVTWIN_PLOT_WORKERS"):
+            figure_processes()
 
 
 def test_overview_leaves_out_cached_free_blocks_without_prefix_caching(views):
