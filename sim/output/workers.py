@@ -9,7 +9,7 @@ with N > 1 the figure process forks N - 1 copies, which draw their shares in par
 importing matplotlib again. One is the default because each drawing process pays its own
 first-figure costs: two drew Vidur's run ~0.6 s sooner for ~3.7 G instructions (~30 % of the
 plots) more CPU (docs/performance.md). A sweep's plots are split the same way
-(`in_forked_shares`, in N processes, the caller one of them), once its points are done.
+(`in_forked_shares`), once its points are done, in N + 1 processes: the caller and N copies.
 
 A stop a signal asks for (sim/stop.py) is passed on to the figure process and from it to its
 forked copies; each stops at its next figure write, and each waits for the processes it
@@ -128,8 +128,8 @@ def figure_processes() -> int:
 
 
 def plot_ways() -> int:
-    """The shares a sweep's figures are drawn in (the calling process one of them)."""
-    return max(1, figure_processes())
+    """The shares a sweep's figures are drawn in: the calling process's and its figure processes'."""
+    return 1 + figure_processes()
 
 
 def can_fork_here() -> bool:

@@ -303,11 +303,11 @@ def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
     from sim.output.workers import figure_processes, plot_ways
 
     monkeypatch.delenv("KVTWIN_PLOT_WORKERS", raising=False)
-    assert figure_processes() == 1 and plot_ways() == 1
+    assert figure_processes() == 1 and plot_ways() == 2          # a sweep: its own process and one copy
     monkeypatch.setenv("KVTWIN_PLOT_WORKERS", "0")
-    assert figure_processes() == 0 and plot_ways() == 1          # a sweep draws in its own process
+    assert figure_processes() == 0 and plot_ways() == 1
     monkeypatch.setenv("KVTWIN_PLOT_WORKERS", "3")
-    assert figure_processes() == 3 and plot_ways() == 3
+    assert figure_processes() == 3 and plot_ways() == 4
     for bad in ("two", "-1", "1000"):
         monkeypatch.setenv("KVTWIN_PLOT_WORKERS", bad)
         with pytest.raises(UserError, match="KVTWIN_PLOT_WORKERS"):
