@@ -68,7 +68,7 @@ QUESTIONS = (
     Question("replicas", "How many GPUs, and which?",
              ("plan", "scenarios/whatif_replicas.yaml", "--target-rate", "20", "--devices",
               "l4,a100-80g,h100-sxm", "--tp", "1,2"),
-             table=("device", "tp", "replicas", "gpus", "$/hour", "TTFT p99 (ms)", "TPOT p99 (ms)")),
+             table=("device", "tp", "replicas", "gpus", "$/hour", "TTFT p99 (s)", "TPOT p99 (s)")),
     Question("prefix_caching", "What does prefix caching buy?",
              ("scenarios/whatif_prefix_caching.yaml", "--set", "workload.arrival.rate=0.5,1,1.5,2,3,4",
               "--set", "engine.prefix_caching=false,true"),
