@@ -353,6 +353,13 @@ class DecodeCohort:
                         req.blocks.append(block)
             return
         if not self.named:                 # (unnamed blocks are all alike: any order, no ids to hand out)
+            if self.tables == 2:           # (a hybrid model's usual two groups: no loop over the tables)
+                for crossing in crossings:
+                    for req in crossing:
+                        first, second = req.group_tables
+                        first.append(ANON)
+                        second.append(ANON)
+                return
             for crossing in crossings:
                 for req in crossing:
                     for table in req.group_tables:
@@ -420,7 +427,8 @@ class DecodeCohort:
                 if self._joined:               # (members that joined since the last step: a prefill may have left several)
                     freeing = {**freeing, **self._joined}
                     self._joined = {}
-                steps_freeing.append((self._in_running_order(freeing) if freeing else (), ahead))
+                # (_in_running_order, inline: a call a step)
+                steps_freeing.append((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, ahead))
                 ahead = c - start              # (the context before the token at c + 1)
             kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
         else:
