@@ -316,11 +316,11 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def blocks_needed_at_most(self, req: Request) -> int:
         """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
-        blocks = cdiv(req.max_len, self.block_size)
+        blocks = -(-req.max_len // self.block_size)      # (cdiv, inline: asked twice an admission)
         g = self.groups
         if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
             return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
-                       g.num_groups * cdiv(req.prompt_len, self.block_size))
+                       g.num_groups * -(-req.prompt_len // self.block_size))
         return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
 
     def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
@@ -352,7 +352,8 @@ class HybridCoordinator(KVCacheCoordinator):
         """As UnitaryCoordinator.allocate_slots, for every group: the blocks behind the window are
         freed first (even when the allocation then fails, as vLLM does), then each group takes the
         same number of new blocks."""
-        self.remove_skipped_blocks(req)
+        if req.group_tables:               # (remove_skipped_blocks: a request being admitted holds nothing yet)
+            self.remove_skipped_blocks(req)
         pool = self.pool
         hits = hit.groups if hit is not None else ()
         need, required = self._blocks_required(req, num_new_tokens, hits, gate_tokens, reserve_free,
@@ -390,12 +391,14 @@ class HybridCoordinator(KVCacheCoordinator):
         held = len(req.blocks)
         num_hit = len(hit_blocks[0]) if hit_blocks else 0
         covered = req.num_computed + num_hit * bs + num_new_tokens
-        need = max(cdiv(covered + lookahead_tokens, bs) - held - num_hit, 0)
+        need = max(-(-(covered + lookahead_tokens) // bs) - held - num_hit, 0)     # (cdiv, inline)
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need * self.num_groups
         ref = self.pool.ref_cnt
-        revived = sum(list(map(ref.__getitem__, table)).count(0) for table in hit_blocks)   # (the null block's is 1)
-        gate = cdiv(gate_tokens, bs)
+        revived = 0                        # hit blocks now free (the null block's count is 1)
+        for table in hit_blocks:
+            revived += list(map(ref.__getitem__, table)).count(0)
+        gate = -(-gate_tokens // bs)
         g = self.groups
         full = max(gate - held - num_hit, need)
         capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
