@@ -25,7 +25,7 @@ from typing import Optional
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
 from sim.core.kv.blocks import NO_BLOCKS, KVCacheBlocks
 from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_keys, group_salt
-from sim.core.memory import KVCacheGroups, cdiv
+from sim.core.memory import KVCacheGroups
 from sim.core.request import Request
 from sim.core.status import FINISHED
 
@@ -316,7 +316,7 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def blocks_needed_at_most(self, req: Request) -> int:
         """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
-        blocks = -(-req.max_len // self.block_size)      # (cdiv, inline: asked twice an admission)
+        blocks = -(-req.max_len // self.block_size)      # (cdiv, inline: asked at each admission)
         g = self.groups
         if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
             return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
