@@ -449,8 +449,9 @@ class HybridCoordinator(KVCacheCoordinator):
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
         ends = [] if gains is not None else None
         offsets = clock is not None        # (members' contexts as offsets from the cohort's clock)
+        edge = self.window - 1 - (clock or 0)
         for reqs, ahead in steps:
-            behind = self.window - 1 - ahead - (clock or 0)
+            behind = edge - ahead
             for req in reqs:
                 # sliding_window_skipped_blocks, when > 0
                 skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
@@ -474,8 +475,10 @@ class HybridCoordinator(KVCacheCoordinator):
                 if table[last - 1] == NULL_BLOCK and one_window:
                     removed.append(block)
                     table[last] = NULL_BLOCK
-                else:
-                    self._remove_behind(req.group_tables, skipped, removed)
+                    if track:
+                        req.window_frees.append((skipped, start, start + 1, free))
+                    continue
+                self._remove_behind(req.group_tables, skipped, removed)
                 if track:
                     req.window_frees.append((skipped, start, len(removed), free))
             if ends is not None:
