@@ -320,11 +320,13 @@ class DecodeCohort:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         if self.window is not None:        # before the clock moves: members' contexts before the token
-            freeing = self.freeing(step)
-            if freeing:
-                kv.free_behind_windows(((self._in_running_order(freeing), 0),), clock=self.scheduled_step)
+            freeing = self.by_phase[(self.window - clock) % self.block_size]     # (freeing(step), inline)
             if self._joined:
+                freeing = {**freeing, **self._joined}
                 self._joined = {}
+            if freeing:                    # (in running order: _in_running_order, inline)
+                kv.free_behind_windows(((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, 0),),
+                                       clock=self.scheduled_step)
         self.scheduled_step = clock
         bs = self.block_size
         crossing = self.by_phase[(1 - clock) % bs]
@@ -353,6 +355,13 @@ class DecodeCohort:
                         req.blocks.append(block)
             return
         if not self.named:                 # (unnamed blocks are all alike: any order, no ids to hand out)
+            if self.tables == 2:           # (a hybrid model's usual two groups: no loop over the tables)
+                for crossing in crossings:
+                    for req in crossing:
+                        first, second = req.group_tables
+                        first.append(ANON)
+                        second.append(ANON)
+                return
             for crossing in crossings:
                 for req in crossing:
                     for table in req.group_tables:
@@ -397,7 +406,11 @@ class DecodeCohort:
         bs, by_phase, pool = self.block_size, self.by_phase, kv.pool
         clock = step - self.offset
         free0, cached0 = pool.num_free, pool.num_cached_free
-        crossings = [by_phase[(1 - c) % bs] for c in range(clock, clock + steps)]
+        # by_phase[(1 - c) % bs] for c in the stretch: a slice of the groups in reverse, repeated (C speed)
+        first = (clock - 2) % bs
+        end = first + steps
+        cycle = by_phase[::-1]
+        crossings = cycle[first:end] if end <= bs else (cycle * (1 + (end - 1) // bs))[first:end]
         walked = list(map(len, crossings))
         total = sum(walked)
         taken = total * self.tables
@@ -420,7 +433,8 @@ class DecodeCohort:
                 if self._joined:               # (members that joined since the last step: a prefill may have left several)
                     freeing = {**freeing, **self._joined}
                     self._joined = {}
-                steps_freeing.append((self._in_running_order(freeing) if freeing else (), ahead))
+                # (_in_running_order, inline: a call a step)
+                steps_freeing.append((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, ahead))
                 ahead = c - start              # (the context before the token at c + 1)
             kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
         else:
@@ -430,10 +444,11 @@ class DecodeCohort:
         # and the hashes evicted by then
         per_table = self.tables
         ends = list(accumulate(walked))
-        evicted = [bisect_left(evicted_at, end * per_table) for end in ends] if evicted_at else [0] * steps
         free = [free0 - end * per_table + f for end, f in zip(ends, free_after)]
-        cached = [cached0 - e + r for e, r in zip(evicted, cached_after)]
-        return free, cached
+        if not evicted_at:                 # (most stretches: nothing evicted)
+            return free, [cached0 + r for r in cached_after]
+        evicted = [bisect_left(evicted_at, end * per_table) for end in ends]
+        return free, [cached0 - e + r for e, r in zip(evicted, cached_after)]
 
     def advance_many(self, step: int, walked: list[int], kv) -> list[int]:
         """`advance` over steps step .. step + len(walked) - 1 at once (a paged pool), `walked[i]`

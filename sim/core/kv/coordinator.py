@@ -25,7 +25,7 @@ from typing import Optional
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
 from sim.core.kv.blocks import NO_BLOCKS, KVCacheBlocks
 from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_keys, group_salt
-from sim.core.memory import KVCacheGroups, cdiv
+from sim.core.memory import KVCacheGroups
 from sim.core.request import Request
 from sim.core.status import FINISHED
 
@@ -316,11 +316,11 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def blocks_needed_at_most(self, req: Request) -> int:
         """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
-        blocks = cdiv(req.max_len, self.block_size)
+        blocks = -(-req.max_len // self.block_size)      # (cdiv, inline: asked at each admission)
         g = self.groups
         if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
             return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
-                       g.num_groups * cdiv(req.prompt_len, self.block_size))
+                       g.num_groups * -(-req.prompt_len // self.block_size))
         return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
 
     def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
@@ -352,7 +352,8 @@ class HybridCoordinator(KVCacheCoordinator):
         """As UnitaryCoordinator.allocate_slots, for every group: the blocks behind the window are
         freed first (even when the allocation then fails, as vLLM does), then each group takes the
         same number of new blocks."""
-        self.remove_skipped_blocks(req)
+        if req.group_tables:               # (remove_skipped_blocks: a request being admitted holds nothing yet)
+            self.remove_skipped_blocks(req)
         pool = self.pool
         hits = hit.groups if hit is not None else ()
         need, required = self._blocks_required(req, num_new_tokens, hits, gate_tokens, reserve_free,
@@ -390,12 +391,14 @@ class HybridCoordinator(KVCacheCoordinator):
         held = len(req.blocks)
         num_hit = len(hit_blocks[0]) if hit_blocks else 0
         covered = req.num_computed + num_hit * bs + num_new_tokens
-        need = max(cdiv(covered + lookahead_tokens, bs) - held - num_hit, 0)
+        need = max(-(-(covered + lookahead_tokens) // bs) - held - num_hit, 0)     # (cdiv, inline)
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need * self.num_groups
         ref = self.pool.ref_cnt
-        revived = sum(list(map(ref.__getitem__, table)).count(0) for table in hit_blocks)   # (the null block's is 1)
-        gate = cdiv(gate_tokens, bs)
+        revived = 0                        # hit blocks now free (the null block's count is 1)
+        for table in hit_blocks:
+            revived += list(map(ref.__getitem__, table)).count(0)
+        gate = -(-gate_tokens // bs)
         g = self.groups
         full = max(gate - held - num_hit, need)
         capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
@@ -446,8 +449,9 @@ class HybridCoordinator(KVCacheCoordinator):
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
         ends = [] if gains is not None else None
         offsets = clock is not None        # (members' contexts as offsets from the cohort's clock)
+        edge = self.window - 1 - (clock or 0)
         for reqs, ahead in steps:
-            behind = self.window - 1 - ahead - (clock or 0)
+            behind = edge - ahead
             for req in reqs:
                 # sliding_window_skipped_blocks, when > 0
                 skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
@@ -471,8 +475,10 @@ class HybridCoordinator(KVCacheCoordinator):
                 if table[last - 1] == NULL_BLOCK and one_window:
                     removed.append(block)
                     table[last] = NULL_BLOCK
-                else:
-                    self._remove_behind(req.group_tables, skipped, removed)
+                    if track:
+                        req.window_frees.append((skipped, start, start + 1, free))
+                    continue
+                self._remove_behind(req.group_tables, skipped, removed)
                 if track:
                     req.window_frees.append((skipped, start, len(removed), free))
             if ends is not None:
