@@ -561,10 +561,10 @@ class Simulation:
             else:
                 replica.busy_until = end
                 yield from sleep_until(env, end)
-            recorder.record_leap(first_step=plan.first_step, start_s=start, ends=ends, rows=plan.rows,
-                                 decode_ctx=ctx, blocks_read=blocks, running=running, waiting=waiting,
-                                 kv_used=used, kv_cached=cached, slack=slack, host=host, device=device,
-                                 waiting_last=len(sched.waiting))
+            # (first_step, start_s, ends, rows, decode_ctx, blocks_read, running, waiting, kv_used,
+            # kv_cached, slack, host, device, waiting_last: positional, once a leap)
+            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running, waiting,
+                                 used, cached, slack, host, device, len(sched.waiting))
             finished = finish_leap(sched)
             if finished:
                 self._retire(env, replica, finished)
