@@ -476,11 +476,9 @@ class Simulation:
             now = last_end if last_end > clock else clock
             # (chained: no follow-up turn, no other replica, no client queue; the next arrival it is)
             horizon = (self._next_arrival if chained else self._next_route_time(replica)) if fast else math.inf
-            # A request that arrived during the last step is most likely admitted now: no leap. (With
-            # async scheduling one that arrived during it waits in `arriving` through this step's
-            # pass, which plan_leap refuses to skip: the step is one by one, no plan tried.)
+            # A request that arrived during the last step is most likely admitted now: no leap.
             if (fast and now == last_end and len(queue) <= seen_waiting
-                    and horizon > now and not sched.arriving):
+                    and horizon > now):
                 leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
                     seen_waiting = len(queue)
