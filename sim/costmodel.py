@@ -407,7 +407,7 @@ def scalar_form(method, generated: set[str], one_call: bool = False, known: tupl
     pairs `known` fixes, then `_VanishingTerms` with `vanishing`) and compiled against the same
     globals and line numbers.
     tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
-    source = textwrap.dedent(inspect.getsource(method))
+    source, filename = _method_source(method)
     tree = ast.parse(source)
     if known:
         tree = _Known(dict(known)).visit(tree)
@@ -419,8 +419,16 @@ def scalar_form(method, generated: set[str], one_call: bool = False, known: tupl
     ast.fix_missing_locations(tree)
     ast.increment_lineno(tree, method.__code__.co_firstlineno - 1)
     namespace: dict = {}
-    exec(compile(tree, inspect.getsourcefile(method), "exec"), method.__globals__, namespace)
+    exec(compile(tree, filename, "exec"), method.__globals__, namespace)
     return namespace[method.__name__]
+
+
+@functools.cache
+def _method_source(method) -> tuple[str, str]:
+    """A method's source text (dedented) and file, read once per process: `inspect.getsource`
+    tokenizes the module's lines to find the block (~7 ms, more than parsing and compiling the
+    form), and `_stages` is generated in up to three forms."""
+    return textwrap.dedent(inspect.getsource(method)), inspect.getsourcefile(method)
 
 
 class CostModel:
@@ -529,10 +537,8 @@ class CostModel:
         stages, one_call = _stages_scalar(known)
         self._sizes = stages(self, max, min, self.block_size)
         self._price_step = one_call(self, max, min, self.block_size)
-        # a leap's decode steps: the same two stages with the terms a decode-only step has at zero
-        # taken out (no prompt tokens; on one GPU or a per-token link with no latency, no all-reduce)
-        self._decode_sizes = self._sizes if self.tables is not None else \
-            _decode_stages_scalar(known + self._decode_zeros())(self, max, min, self.block_size)
+        self._known = known
+        self._decode_sizes = None     # (decode_pricer makes it on first use)
 
     def _decode_zeros(self) -> tuple:
         """The names of `_stages` whose value is zero in a decode-only step of this model (seqs
@@ -757,7 +763,13 @@ class CostModel:
         """`price` of a decode-only step of `rows` sequences as a function of (decode context,
         blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
         terms that depend on the batch's sizes alone worked out once."""
-        return self._decode_sizes(rows, rows, 0, 0, 0)
+        sizes = self._decode_sizes
+        if sizes is None:
+            # the same two stages with the terms a decode-only step has at zero taken out (no prompt
+            # tokens; on one GPU, or a per-token link with no latency, no all-reduce), made once
+            sizes = self._decode_sizes = self._sizes if self.tables is not None else \
+                _decode_stages_scalar(self._known + self._decode_zeros())(self, max, min, self.block_size)
+        return sizes(rows, rows, 0, 0, 0)
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
