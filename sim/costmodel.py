@@ -311,8 +311,8 @@ class _ScalarForm(ast.NodeTransformer):
                     chosen.append(ast.Name(id=name, ctx=ast.Load()))
             op = ast.Gt() if func.id == "maximum" else ast.Lt()
             # (the second operand first: pure expressions, so the order cannot change a value)
-            return ast.IfExp(test=ast.Compare(left=tested[1], ops=[op], comparators=[tested[0]]), body=chosen[1],
-                             orelse=chosen[0])
+            return _located(ast.IfExp(test=ast.Compare(left=tested[1], ops=[op], comparators=[tested[0]]),
+                                      body=chosen[1], orelse=chosen[0]), node)
         if (isinstance(func, ast.Attribute) and func.attr in self.generated and isinstance(func.value, ast.Name)
                 and func.value.id == "self"):
             func.attr += "_scalar"
@@ -341,7 +341,7 @@ class _Known(ast.NodeTransformer):
     def visit_If(self, node: ast.If):
         self.generic_visit(node)
         if isinstance(node.test, ast.Constant):
-            return (node.body if node.test.value else node.orelse) or [ast.Pass()]
+            return (node.body if node.test.value else node.orelse) or [ast.copy_location(ast.Pass(), node)]
         return node
 
     def visit_IfExp(self, node: ast.IfExp):
@@ -349,6 +349,39 @@ class _Known(ast.NodeTransformer):
         if isinstance(node.test, ast.Constant):
             return node.body if node.test.value else node.orelse
         return node
+
+
+class _VanishingTerms(ast.NodeTransformer):
+    """For the decode-only form (`CostModel.decode_pricer`, `_Known` having fixed the terms a
+    decode-only step has at zero): `x + 0` becomes `x`, and `maximum(0, a * b)` becomes `a * b`.
+    Both are the very same float: adding +0.0 (or -0.0) changes no value but -0.0, and every sum
+    here is of nonnegative costs with a positive base; a product of nonnegative counts and costs
+    is at least +0.0, and where it is +0.0 max returns the other zero, +0.0 too. One addition and
+    one comparison fewer per term, at every leap step."""
+
+    def visit_BinOp(self, node: ast.BinOp):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Add) and _is_zero(node.right):
+            return node.left
+        return node
+
+    def visit_Call(self, node: ast.Call):
+        self.generic_visit(node)
+        if (isinstance(node.func, ast.Name) and node.func.id == "maximum" and len(node.args) == 2
+                and _is_zero(node.args[0]) and isinstance(node.args[1], ast.BinOp)
+                and isinstance(node.args[1].op, ast.Mult)):
+            return node.args[1]
+        return node
+
+
+def _located(new: ast.AST, old: ast.AST) -> ast.AST:
+    """`new`, replacing `old`, at its place in the source (and the nodes made with it), so that the
+    generated tree needs no walk of its own before it compiles (ast.fix_missing_locations)."""
+    return ast.fix_missing_locations(ast.copy_location(new, old))
+
+
+def _is_zero(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 0
 
 
 def _one_call(tree: ast.Module) -> ast.Module:
@@ -372,25 +405,37 @@ def _one_call(tree: ast.Module) -> ast.Module:
     return tree
 
 
-def scalar_form(method, generated: set[str], one_call: bool = False, known: tuple = ()):
+def scalar_form(method, generated: set[str], one_call: bool = False, known: tuple = (), vanishing: bool = False):
     """`method` (written once for Python numbers and numpy columns alike, over its `maximum` /
     `minimum` arguments) generated again for Python numbers only, without a call per max / min
     (Python 3.11's builtin max costs several times a comparison, and a leap prices every step):
     its source rewritten by _ScalarForm (and `_one_call`, and `_Known` with the (name, value)
-    pairs `known` fixes) and compiled against the same globals and line numbers.
+    pairs `known` fixes, then `_VanishingTerms` with `vanishing`) and compiled against the same
+    globals and line numbers (the source is parsed where it stands in its file, and every node a
+    rewrite makes takes the place of the one it replaces: no walk of the whole tree to number it).
     tests/sim/test_costmodel.py proves every form prices alike to the last bit."""
-    source = textwrap.dedent(inspect.getsource(method))
+    source, filename = _method_source(method)
     tree = ast.parse(source)
     if known:
         tree = _Known(dict(known)).visit(tree)
+    if vanishing:
+        tree = _VanishingTerms().visit(tree)
     if one_call:
         tree = _one_call(tree)
     tree = _ScalarForm(generated).visit(tree)
-    ast.fix_missing_locations(tree)
-    ast.increment_lineno(tree, method.__code__.co_firstlineno - 1)
     namespace: dict = {}
-    exec(compile(tree, inspect.getsourcefile(method), "exec"), method.__globals__, namespace)
+    exec(compile(tree, filename, "exec"), method.__globals__, namespace)
     return namespace[method.__name__]
+
+
+@functools.cache
+def _method_source(method) -> tuple[str, str]:
+    """A method's source text (dedented, after as many empty lines as precede it in its file, so
+    that a parse numbers its lines as the file does) and file, read once per process:
+    `inspect.getsource` tokenizes the module's lines to find the block (~7 ms, more than parsing
+    and compiling the form), and `_stages` is generated in up to three forms."""
+    padding = "\n" * (method.__code__.co_firstlineno - 1)
+    return padding + textwrap.dedent(inspect.getsource(method)), inspect.getsourcefile(method)
 
 
 class CostModel:
@@ -496,9 +541,34 @@ class CostModel:
         # the scalar forms, with the branches the roofline fixes taken (operator tables: none fixed)
         known = () if self.tables is not None else \
             _ROOFLINE_SLIDING if self.model.num_sliding_layers else _ROOFLINE_FULL_ATTENTION
-        stages, one_call = _stages_scalar(known)
-        self._sizes = stages(self, max, min, self.block_size)
-        self._price_step = one_call(self, max, min, self.block_size)
+        self._known = known
+        self._price_step = _stages_scalar(known, one_call=True)(self, max, min, self.block_size)
+        # A leap's decode steps (`decode_pricer`): the two stages with the terms a decode-only step
+        # has at zero taken out (no prompt tokens; on one GPU, or a per-token link with no latency,
+        # no all-reduce). The general two stages, which only lockstep_times asks for (and operator
+        # tables, which fix nothing), are made where asked (`_sizes`): a run generates two forms.
+        self._general_sizes = None
+        self._decode_sizes = None if self.tables is not None else \
+            _stages_scalar(known + self._decode_zeros(), vanishing=True)(self, max, min, self.block_size)
+
+    def _sizes(self, *shape):
+        """`_stages`' two stages for any step's `shape` (its first stage's arguments), generated for
+        Python numbers on first use."""
+        sizes = self._general_sizes
+        if sizes is None:
+            sizes = self._general_sizes = _stages_scalar(self._known)(self, max, min, self.block_size)
+        return sizes(*shape)
+
+    def _decode_zeros(self) -> tuple:
+        """The names of `_stages` whose value is zero in a decode-only step of this model (seqs
+        equal to decodes, no prompt tokens), as `_Known` pairs."""
+        zeros = (("prefill_tokens", 0), ("prefill_ctx", 0), ("prefill_attn", 0), ("pairs", 0.0),
+                 ("other_kv", 0), ("prefill_setup", 0.0))
+        if self._allreduce_per_token and self._allreduce_token_s == 0.0:
+            zeros += (("allreduce", 0.0),)
+        if self._allreduce_fixed_s == 0.0:
+            zeros += (("allreduce_fixed", 0.0),)
+        return zeros
 
     def _tp_allreduce(self, minimum):
         """Seconds of one layer's two tensor-parallel all-reduces as a function of the step's
@@ -712,7 +782,8 @@ class CostModel:
         """`price` of a decode-only step of `rows` sequences as a function of (decode context,
         blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
         terms that depend on the batch's sizes alone worked out once."""
-        return self._sizes(rows, rows, 0, 0, 0)
+        sizes = self._decode_sizes      # (None with operator tables: they fix no term)
+        return sizes(rows, rows, 0, 0, 0) if sizes is not None else self._sizes(rows, rows, 0, 0, 0)
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
@@ -844,16 +915,19 @@ class CostModel:
 _GENERATED = {"_stages", "_moe_time", "_tp_allreduce"}
 for _name in ("_moe_time", "_tp_allreduce"):
     setattr(CostModel, _name + "_scalar", scalar_form(getattr(CostModel, _name), _GENERATED))
-# `_stages`' scalar forms (two stages, for leaps; one call, for a step), made once per process
-# for each kind a cost model asks for: any cost model (operator tables, known=()), and the
-# roofline with what it fixes folded in (no sliding layer: the usual model; or some: a
-# sliding-window model, whose steps a leap prices one by one). Made on first use, not at import:
-# a run needs one kind of the three, and each costs a parse and a compile (~10 ms).
+# `_stages`' scalar forms (one call, for a step; two stages for a leap's decode steps, with the
+# terms such a step has at zero taken out; the general two stages where lockstep_times asks),
+# made once per process for each kind a cost model asks for: any cost model (operator tables,
+# known=()), and the roofline with what it fixes folded in (no sliding layer: the usual model; or
+# some: a sliding-window model, whose steps a leap prices one by one). Made on first use, not at
+# import: a run needs two forms of one kind, and each costs a parse, its rewrites and a compile
+# (~10 ms, ~40M instructions).
 _ROOFLINE_FULL_ATTENTION = (("sliding_layers", 0), ("tables", False))
 _ROOFLINE_SLIDING = (("tables", False),)
 
 
 @functools.cache
-def _stages_scalar(known: tuple) -> tuple[Callable, Callable]:
-    return (scalar_form(CostModel._stages, _GENERATED, known=known),
-            scalar_form(CostModel._stages, _GENERATED, one_call=True, known=known))
+def _stages_scalar(known: tuple, one_call: bool = False, vanishing: bool = False) -> Callable:
+    """A scalar form of `_stages` (see scalar_form): the two stages, or `one_call`, with what `known`
+    fixes folded in, and with `vanishing` the terms it fixes at zero taken out (the decode-only form)."""
+    return scalar_form(CostModel._stages, _GENERATED, one_call=one_call, known=known, vanishing=vanishing)

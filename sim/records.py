@@ -189,26 +189,28 @@ class StepRecorder:
         if len(steps.data) >= self._chunk_bytes:
             self._flush()
 
-    def record_leap(self, *, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
+    def record_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
                     running: int, waiting: int, kv_used, kv_cached, slack, host, device,
                     waiting_last: Optional[int] = None) -> None:
         """Append the k decode-only steps of a leap (sim/core/fast/leap.py) as one row: step i starts
         where step i-1 ended, the first at `start_s`; the per-step sequences have k entries each.
         `waiting` is read at each step's end, as `record` does: the same for every step but the
         last, in flight when a request arrived (`waiting_last`, default `waiting`); when they
-        differ, the last step is a row of its own."""
+        differ, the last step is a row of its own. (Positional arguments: the simulator calls
+        this once a leap, and 14 keywords cost their matching at every call.)"""
         k = len(ends)
-        row = (first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
-        if waiting_last is not None and waiting_last != waiting:
-            last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
-                    rows, rows, 0, rows, 0, 0, 0)
-            new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
-        else:
-            new_rows = [row]
+        split = waiting_last is not None and waiting_last != waiting
         if k <= self.LONG_LEAP and type(ends) is list:
+            # (the rows packed straight from the values: no tuple or list of rows)
             buffer = self.rows
-            for row in new_rows:
-                buffer.data += buffer.pack(*row)
+            if not split:
+                buffer.data += buffer.pack(first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
+            else:
+                if k > 1:
+                    buffer.data += buffer.pack(first_step, k - 1, start_s, running, waiting, rows, rows, 0, rows,
+                                               0, 0, 0)
+                buffer.data += buffer.pack(first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running,
+                                           waiting_last, rows, rows, 0, rows, 0, 0, 0)
             steps = self.step_values
             steps.blocks += (len(steps.data), k)       # (the byte offset: len(steps) is a call)
             steps.data += steps.pack_block(k)(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached,
@@ -216,6 +218,13 @@ class StepRecorder:
             if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return
+        row = (first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
+        if split:
+            last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
+                    rows, rows, 0, rows, 0, 0, 0)
+            new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
+        else:
+            new_rows = [row]
         self._flush_buffers()
         self._steps.add({"end_s": np.asarray(ends, dtype=np.float64), "host_s": np.asarray(host, dtype=np.float64),
                          "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),

@@ -457,6 +457,12 @@ class Simulation:
         schedule, finish_step, record = sched.schedule, sched.finish_step, recorder.record
         step_time = self.cost_model.step_time
         fast, chained = self.fast, self._chained
+        # A decode-only step (no prompt tokens, no drafts) is priced by the leaps' decode pricer of
+        # its rows where one was made: the same function with its batch-size terms worked out once
+        # (`_decode_pricer`), so the same floats without working them out again.
+        cost = self.cost_model
+        decode_pricers = self._pricers if fast and cost.draft is None and cost.lora is None else {}
+        wake_s = cost.coefficients.wake_s
         inline = self._inline
         tier = sched.offload
         queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
@@ -508,7 +514,12 @@ class Simulation:
                 replica.wakeup = None
                 continue
             kv_used, kv_cached, slack = sched.kv_figures()
-            host, device = step_time(batch, now - last_end > IDLE_GAP_S)
+            if batch.prefills or batch.num_prefill_tokens or (price := decode_pricers.get(batch.num_decode)) is None:
+                host, device = step_time(batch, now - last_end > IDLE_GAP_S)
+            else:
+                host, device = price(batch.decode_ctx, batch.blocks_read)
+                if now - last_end > IDLE_GAP_S:
+                    host += wake_s           # (as step_time adds it)
             end = now + (host + device)      # as SimPy's timeout adds it
             if chained:
                 if end >= horizon:
@@ -548,10 +559,10 @@ class Simulation:
             else:
                 replica.busy_until = end
                 yield from sleep_until(env, end)
-            recorder.record_leap(first_step=plan.first_step, start_s=start, ends=ends, rows=plan.rows,
-                                 decode_ctx=ctx, blocks_read=blocks, running=running, waiting=waiting,
-                                 kv_used=used, kv_cached=cached, slack=slack, host=host, device=device,
-                                 waiting_last=len(sched.waiting))
+            # (first_step, start_s, ends, rows, decode_ctx, blocks_read, running, waiting, kv_used,
+            # kv_cached, slack, host, device, waiting_last: positional, once a leap)
+            recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running, waiting,
+                                 used, cached, slack, host, device, len(sched.waiting))
             finished = finish_leap(sched)
             if finished:
                 self._retire(env, replica, finished)

@@ -197,7 +197,7 @@ class LeapPlan:
         head, as the plan found it, does not start). The driver moves them to WAITING after it."""
         if not i and self.pending:
             self.settle(sched)                 # step t runs: its finishers go
-        if self.reach(i + 2) <= i + 1:
+        if len(self.walked) < i + 2 and self.reach(i + 2) <= i + 1:     # (counted already: it reaches)
             return                             # the plan ends at step i
         blocks += self.walked[i + 1]
         static = self.static_shape
@@ -299,17 +299,17 @@ def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], lis
         if plan.settled is None:           # (`timed` settles most)
             plan.settle(sched)
         done = 1
+    # (each list starts with the settled first step's figures, where there is one)
     if done == k:
-        figures: tuple[list[int], list[int], list[int]] = ([], [], [])
+        used0, cached0, slack0 = plan.settled
+        figures: tuple[list[int], list[int], list[int]] = ([used0], [cached0], [slack0])
     elif sched.cohort.takes_stretch_in_bulk and plan.static_shape is None:
         figures = _apply_bulk(sched, plan, done, k)
     else:
         figures = _apply_by_step(sched, plan, done, k)
-    if done:
-        (used, cached, slack), (used0, cached0, slack0) = figures, plan.settled
-        used.insert(0, used0)
-        cached.insert(0, cached0)
-        slack.insert(0, slack0)
+        if done:
+            for column, first in zip(figures, plan.settled):
+                column.insert(0, first)
     sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
     return figures
@@ -320,23 +320,36 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
     step-by-step calls would take them, and the blocks filled registered after
     (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
     the windows step by step); the figures follow from the crossings the plan counted and the
-    evictions the take made (and what the frees gave back)."""
+    evictions the take made (and what the frees gave back). After a settled first step (`done`),
+    whose figures the pool and the tokens still show (nothing ran since `settle` read them), each
+    list starts with them: the running sums' initial value is kept instead of inserted."""
     walked = plan.walked[done:k]
     cohort, kv = sched.cohort, sched.kv
-    used0, cached0, slack0 = sched.kv_figures()
+    used0, cached0, slack0 = plan.settled if done else sched.kv_figures()
     # per step, as running sums at C speed: the slack grows by block_size x the blocks crossed,
     # less one token per member
     growth = map(sub, map(mul, repeat(sched.block_size), walked), repeat(plan.members))
     slack = list(accumulate(growth, initial=slack0))
-    del slack[0]
+    if not done:
+        del slack[0]
     if cohort.per_group_tables:
         free, cached = cohort.advance_grouped(plan.first_step + done, k - done, kv)
         usable = kv.pool.usable_blocks
-        return [usable - f for f in free], cached, slack
+        used = [usable - f for f in free]
+        if done:
+            used.insert(0, used0)
+            cached.insert(0, cached0)
+        return used, cached, slack
     evicted = cohort.advance_many(plan.first_step + done, walked, kv)
     used = list(accumulate(walked, initial=used0))      # blocks used grow by the blocks crossed
-    del used[0]
-    cached = [cached0 - e for e in evicted] if evicted else [cached0] * len(walked)   # (counts so far)
+    if not done:
+        del used[0]
+    if evicted:                                         # (counts so far)
+        cached = [cached0 - e for e in evicted]
+        if done:
+            cached.insert(0, cached0)
+    else:
+        cached = [cached0] * (len(walked) + done)
     return used, cached, slack
 
 
