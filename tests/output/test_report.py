@@ -291,9 +291,9 @@ def test_figure_workers_draw_every_run_plot(views, tmp_path, processes):
     from sim.output.workers import FigureWorkers, can_fork_here, run_plot_names
 
     assert run_plot_names() == list(RUN_PLOTS)
+    forks = processes > 0 and can_fork_here()     # not with other threads (pytest-xdist's worker)
     with FigureWorkers(processes) as workers:
-        # 0, or a process with other threads (pytest-xdist's worker): drawn in this process
-        assert (workers.pool is not None) == (processes > 0 and can_fork_here())
+        assert (workers.pool is not None) == forks
         drawn = workers.draw(views, tmp_path, "continuous vs static: qwen2.5-0.5b on h100-sxm")
     assert list(drawn) == list(RUN_PLOTS)
     assert all(p.stat().st_size > 10_000 for p in drawn.values())
