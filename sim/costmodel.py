@@ -144,6 +144,14 @@ def pcie_collective(device: DeviceSpec, ranks: int, kind: str, c: "CostCoefficie
             ((simple_base + steps * simple_hop / staging) * scale, bytes_per_bus_byte / bus))
 
 
+def expert_kernel_share(columns: float, n_half: float) -> float:
+    """The share of the dense GEMMs' compute efficiency the fused-MoE kernel reaches on an expert
+    slice of `columns` columns per GPU: columns / (columns + n_half) (1 for n_half 0). Experts sliced
+    by tp get narrow (Qwen3-235B's 1536 over 8 GPUs: 192), and a grouped GEMM over many small
+    per-expert tiles keeps the tensor cores further from their peak than one large dense GEMM."""
+    return 1.0 if n_half <= 0 else columns / (columns + n_half)
+
+
 def expected_experts_touched(num_experts: int, top_k: int, tokens):
     """Distinct experts a step's `tokens` reach with uniform top-k routing: E (1 - (1 - k/E)^T).
     One token reads k experts, a large batch reads them all: what keeps MoE decode bandwidth-bound
@@ -180,6 +188,12 @@ class CostCoefficients:
     # expert parallelism: coefficient of variation of the experts' popularity (0 = uniform routing,
     # what the models' load-balancing losses train for; the statistical imbalance is modelled anyway)
     expert_load_cv: float = 0.0
+    # the fused-MoE kernel on a GPU's slice of each expert (moe_intermediate_size / the GPUs the
+    # experts are sliced over; whole experts under expert parallelism): the slice width, in columns,
+    # at which the routed experts' GEMMs reach half the dense GEMMs' compute efficiency, n / (n +
+    # expert_n_half) of it (Hockney's half-performance length; 0 = the dense efficiency). Streaming
+    # the touched experts' weights (decode) stays at bw_eff: bound by their bytes, not tile shapes
+    expert_n_half: float = 0.0
     # weight-only quantized GEMMs: dequantizing a weight for one tile of 64 batch rows costs this
     # share of the tile's 16-bit tensor-core work (0.25: whole tiles at 0.8 x the 16-bit rate, the
     # figure assumed before this term; small batches stay bound by the quantized bytes)
@@ -614,13 +628,15 @@ class CostModel:
             return
         gpus = self.tp * self.dp
         h, mi = m.hidden_size, m.moe_intermediate_size
-        self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
+        kernel = expert_kernel_share(mi if self.ep > 1 else mi / gpus, c.expert_n_half)
+        self._expert_pair_flop_s = 6 * h * mi / gpus / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff
+                                                       * kernel)
         self._expert_read_s = m.expert_bytes() / gpus / (bw * c.bw_eff)
         # weight-only experts: each touched expert's weights dequantized once, and again per further
         # WEIGHT_ONLY_TILE_ROWS of its tokens (about touched + pairs / tile tiles in all)
         expert_weights = part_params(m, "experts") / (m.num_layers * m.num_experts) / gpus
         self._expert_dequant_s = (c.dequant_overhead * expert_weights * 2 * WEIGHT_ONLY_TILE_ROWS
-                                  / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff)
+                                  / (gemm_peak_flops(self.device, m, "experts") * c.flops_eff * kernel)
                                   if weight_only(self.device, m, "experts") else 0.0)
         self._expert_imbalance = expert_imbalance(m.num_experts, m.num_experts_per_tok, self.ep, c.expert_load_cv)
         # The dp ranks' token exchange around the experts, by --all2all-backend (vllm/distributed/

@@ -832,7 +832,7 @@ class Scenario(StrictModel):
         description="per-request targets; goodput and SLO attainment count requests meeting every one set")
     cluster: Cluster = Field(default_factory=Cluster, description="replicas and the router")
     step_times: Literal["datasheet", "tables", "trained"] = Field(
-        default="datasheet",
+        default="trained",
         description="where device step times come from: datasheet (the roofline over catalog peaks) | "
                     "tables (measured operator latencies, the `tables` extra) | trained (the roofline with "
                     "coefficients fitted on public vLLM runs, docs/fidelity.md); a calibrated device.profile "

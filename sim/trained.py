@@ -61,8 +61,9 @@ def front_end_default(engine: str) -> float:
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
-# host time per step; tp all-reduce link terms; (V0) host time per sequence per step and per admitted prompt
-TERMS = ("step_host_s", "link_eff", "host_staging_eff", "seq_host_s", "prefill_seq_host_s")
+# host time per step; tp all-reduce link terms; (V1) the fused-MoE kernel's half-efficiency expert slice
+# width; (V0) host time per sequence per step and per admitted prompt
+TERMS = ("step_host_s", "link_eff", "host_staging_eff", "expert_n_half", "seq_host_s", "prefill_seq_host_s")
 # sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model
 
 

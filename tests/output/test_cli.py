@@ -20,7 +20,7 @@ def test_run_writes_every_output(tmp_path, capsys):
     assert manifest["calibrated"] is False and manifest["seed"] == 0
     assert manifest["scenario"]["workload"]["num_requests"] == 60
     printed = capsys.readouterr().out
-    assert "request throughput" in printed and "UNCALIBRATED" in printed
+    assert "request throughput" in printed and "trained profile" in printed     # the default step times
 
 
 def test_variants_get_a_folder_each_and_one_comparison(tmp_path, capsys):

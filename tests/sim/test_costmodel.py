@@ -88,3 +88,34 @@ def test_every_form_of_the_pricer_prices_alike_bit_for_bit():
                     continue
                 assert host.tolist() == one_by_one[:, 0].tolist(), (model.name, par)
                 assert device.tolist() == one_by_one[:, 1].tolist(), (model.name, par)
+
+
+def test_the_expert_kernel_term_slows_only_the_experts_and_more_as_tp_narrows_their_slices():
+    """expert_n_half: the fused-MoE kernel on an expert slice of n columns per GPU reaches
+    n / (n + expert_n_half) of the dense GEMMs' compute efficiency (0, the default:
+    the dense one, exactly); the slice is moe_intermediate_size over the GPUs the experts are sliced
+    over, a whole expert under expert parallelism. Dense layers and dense models are untouched."""
+    import pytest
+
+    from sim.core.catalog import get_device, get_model
+    from sim.costmodel import CostCoefficients, expert_kernel_share
+
+    h100, moe, dense = get_device("h100-sxm"), get_model("qwen3-30b-a3b"), get_model("llama-3.1-8b")
+    assert CostCoefficients().expert_n_half == 0 and expert_kernel_share(192.0, 0.0) == 1.0
+    slow = DeviceProfile(CostCoefficients(expert_n_half=256.0))
+    decodes = (64, 64, 0, 64 * 1024, 0, 0, 64 * 64)
+    prefill = (1, 0, 4096, 0, 4096, 4096 * 4097 // 2, 256)     # compute-bound experts
+    shares = []
+    for par in ({"tp": 1}, {"tp": 2}, {"tp": 4}, {"dp": 4, "ep": 4}):
+        base, kernel = CostModel(moe, h100, **par), CostModel(moe, h100, profile=slow, **par)
+        columns = moe.moe_intermediate_size / (1 if par.get("ep") else par.get("tp", 1) * par.get("dp", 1))
+        share = expert_kernel_share(columns, 256.0)
+        assert share == columns / (columns + 256.0)
+        assert kernel._expert_pair_flop_s == pytest.approx(base._expert_pair_flop_s / share, rel=1e-12)
+        assert kernel._expert_read_s == base._expert_read_s          # streaming: bound by the bytes
+        assert kernel._linear_weight_s == base._linear_weight_s and kernel._linear_flop_s == base._linear_flop_s
+        assert kernel.price(*prefill)[1] > base.price(*prefill)[1]
+        shares.append(share)
+    assert shares[0] > shares[1] > shares[2] and shares[3] == shares[0]     # whole experts under ep
+    for tp in (1, 2):
+        assert CostModel(dense, h100, tp=tp, profile=slow).price(*decodes) == CostModel(dense, h100, tp=tp).price(*decodes)

@@ -223,11 +223,26 @@ def test_every_class_parameter_is_physical():
             for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
                 assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (engine, gpu, eff)
             assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, (engine, gpu)
-            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s"):
+            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half"):
                 low, high = lodo.BOUNDS[term]
                 assert low * 0.999 <= p.get(term, low) <= high * 1.001, (engine, gpu, term)
         assert fitted["generic"] == {k: pytest.approx(v, rel=1e-4) for k, v in lodo.generic(
             {g: e["parameters"] for g, e in fitted["classes"].items()}).items()}
+
+
+def test_the_expert_kernel_term_is_fitted_only_where_a_moe_model_ran(runs):
+    """expert_n_half (the fused-MoE kernel's efficiency on the expert slices) acts on MoE models only,
+    so a V1 class with a MoE deployment fits it and one without does not; its link efficiency is left
+    to the tp all-reduces (V0 keeps the datasheet's efficiencies)."""
+    moe = [r for r in runs.values() if r.scenario.model.is_moe]
+    dense = [r for r in runs.values() if not r.scenario.model.is_moe]
+    assert lodo.parameter_acts("expert_n_half", moe[:1]) and not lodo.parameter_acts("expert_n_half", dense)
+    by_deployment = lodo.deployments(list(runs.values()))
+    for engine, fitted in FAMILY["engines"].items():
+        for gpu, entry in fitted["classes"].items():
+            has_moe = any(by_deployment[d][0].scenario.model.is_moe for d in entry["deployments"])
+            expected = engine == "v1" and has_moe and lodo.EXPERT_KERNEL_TERM
+            assert ("expert_n_half" in entry["parameters"]) == expected, (engine, gpu)
 
 
 def test_each_engine_generation_is_fitted_on_its_own_runs(runs):

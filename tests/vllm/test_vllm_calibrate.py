@@ -155,7 +155,7 @@ def test_cli_writes_a_loadable_profile_with_provenance(run_files, tmp_path, caps
     assert result.summary["step_time_source"] == "calibrated"
     assert result.manifest["cost_model"]["quality"] in ("ok", "poor")
     assert predict(validate_scenario({**DEPLOYMENT, "workload": scenario.workload.model_dump()})).summary[
-        "step_time_source"] == "datasheet"
+        "step_time_source"] == "trained"          # without the profile: the default step times
 
 
 def test_out_of_range_coefficients_and_large_errors_are_flagged():

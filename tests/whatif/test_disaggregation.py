@@ -249,6 +249,7 @@ def test_plan_finds_the_cheapest_split_that_meets_the_slos():
     raw = pd_scenario(decode={"device": "a100-80g"})
     raw["workload"] = {"num_requests": 120, "arrival": {"process": "poisson", "rate": 40},
                        "prompt_len": {"dist": "uniform", "min": 1500, "max": 2500}, "output_len": 30}
+    raw["step_times"] = "datasheet"        # the SLOs below were sized on datasheet step times
     base = PointTask(raw, ".", "test", ())
     slos = (SloTarget("ttft_p99", "ttft_s.p99", 0.6), SloTarget("tpot_p99", "tpot_s.p99", 0.03))
     prices = {"prefill": 0.8, "decode": 1.6}
