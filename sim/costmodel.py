@@ -268,14 +268,17 @@ def trained_profile(device_name: str, engine: str = "v1") -> DeviceProfile:
     """The trained family's profile for a catalog device under a vLLM engine generation
     (sim.core.vllm_versions.engine_generation): the coefficients fitted on that generation's runs of
     the device's class, else the generation's generic entry."""
-    from sim.trained import family, family_entry
+    from sim.trained import class_entry, family, family_entry
 
     fam = family()
     params, entry = family_entry(device_name, engine)
     gen = engine.upper()
+    single = class_entry(device_name, engine)
+    generic = f"the {gen} generic entry (geometric mean of the fitted classes)"
     how = (f"fitted on {entry['runs']} public vLLM {gen} runs of {len(entry['deployments'])} {device_name} "
-           "deployment(s)" if entry else
-           f"no public vLLM {gen} run on {device_name}: the {gen} generic entry (geometric mean of the fitted classes)")
+           "deployments" if entry else
+           f"one public vLLM {gen} deployment on {device_name}, a fit no held-out run tested: {generic}" if single
+           else f"no public vLLM {gen} run on {device_name}: {generic}")
     return DeviceProfile(trained_coefficients(params), calibrated=False,
                          source=f"trained v{fam['version']}: {how}", device_name=device_name,
                          fit={"method": "trained", "version": fam["version"], "engine": engine,
