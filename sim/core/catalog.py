@@ -273,8 +273,8 @@ class DeviceSpec(StrictModel):
     source: Optional[str] = Field(default=None, description="the datasheet the figures come from (a URL)")
     profile: Optional[Path] = Field(
         default=None,
-        description="a calibrated cost-model profile YAML (`simrun calibrate` writes one); datasheet "
-                    "defaults when unset")
+        description="a calibrated cost-model profile YAML (`simrun calibrate` writes one); unset: the "
+                    "scenario's `step_times` (default trained)")
 
     @model_validator(mode="before")
     @classmethod
