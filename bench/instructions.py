@@ -22,7 +22,10 @@ first, as an installed package has it. At 3000 requests fixed costs (imports) we
 `vidur-simrun-plots` is simrun with its plots and report.html as each tree draws them by default
 (KVTWIN_PLOT_WORKERS unset): the figure process it forks and any copies that forks are counted too (valgrind follows a fork and each
 process reports its own count; the line sums them), so it is the CPU work of all processes, not
-the time the user waits.
+the time the user waits. `vidur-simrun-terminal` is `vidur-simrun` without `--quiet`, its stdout and
+stderr on a pseudo-terminal (drained by a thread, as a terminal reads it): its excess over
+`vidur-simrun` is what the progress bar, the status lines and the results table cost (issue 26's
+progress-display target), a fixed cost beside a run that grows with its requests.
 """
 from __future__ import annotations
 
@@ -59,9 +62,11 @@ LINES = {
     "vidur-predict": ("vidur_llama2_70b", 3000, True, ()),
     "vidur-simrun": ("vidur_llama2_70b", 3000, True, ()),
     "vidur-simrun-plots": ("vidur_llama2_70b", 3000, True, ()),     # also the figure processes
+    "vidur-simrun-terminal": ("vidur_llama2_70b", 3000, True, ()),  # vidur-simrun on a terminal
 }
 # line -> the entry point its full run calls (the others: simulate() on the built workload)
-ENTRY = {"vidur-predict": "predict", "vidur-simrun": "simrun", "vidur-simrun-plots": "simrun-plots"}
+ENTRY = {"vidur-predict": "predict", "vidur-simrun": "simrun", "vidur-simrun-plots": "simrun-plots",
+         "vidur-simrun-terminal": "simrun-terminal"}
 
 # Run inside the measured tree: load the scenario, build the workload whole and a cost model (what a
 # process sets up once: trees from 6a78cb1 on generate the cost model's scalar forms on first use),
@@ -89,12 +94,21 @@ elif entry == "predict":
     predict(scenario)
 else:
     import tempfile
-    from sim.cli import main
     del requests
+    if entry == "simrun-terminal":      # stdout and stderr on a pseudo-terminal, read by a thread
+        import os, pty, threading
+        master, slave = pty.openpty()
+        def drain():                    # what a terminal does: read, so writes never block
+            while os.read(master, 65536):
+                pass
+        threading.Thread(target=drain, daemon=True).start()
+        sys.stdout = sys.stderr = open(slave, "w", buffering=1)
+    from sim.cli import main
     sets = [a for o in ["workload.num_requests=" + size, *overrides] for a in ("--set", o)]
     with tempfile.TemporaryDirectory() as out:
         plots = [] if entry == "simrun-plots" else ["--no-plots"]
-        code = main([path, *sets, *plots, "--quiet", "--out", out + "/run"])
+        quiet = [] if entry == "simrun-terminal" else ["--quiet"]
+        code = main([path, *sets, *plots, *quiet, "--out", out + "/run"])
     if code != 0:
         raise SystemExit(f"simrun exited {code}")
 """
