@@ -225,6 +225,10 @@ def sweep_only_main(points: int, jobs: int, repeat: int, out: str, baseline: Opt
     trees = {"sweep_measured": ROOT, **({"sweep_measured_baseline": baseline} if baseline else {})}
     for tree in trees.values():
         compile_bytecode(tree)
+    try:
+        result = json.loads(Path(out).read_text())
+    except (OSError, ValueError):
+        result = {"bench": "sim_speed", "machine": machine()}
     runs: dict[str, list[dict]] = {key: [] for key in trees}
     for _ in range(repeat):
         for key, tree in trees.items():
@@ -232,13 +236,8 @@ def sweep_only_main(points: int, jobs: int, repeat: int, out: str, baseline: Opt
             r = runs[key][-1]
             print(f"{key} ({tree}): {r['wall_s']} s wall, ideal {r['ideal_wall_s']} s, main process "
                   f"{r['main_process_cpu_s']} s CPU, workers {r['workers_cpu_s']} s; {r['uptime_before']}", flush=True)
-    try:
-        result = json.loads(Path(out).read_text())
-    except (OSError, ValueError):
-        result = {"bench": "sim_speed", "machine": machine()}
-    for key, tree in trees.items():
-        result[key] = median_run(runs[key]) | {"tree_commit": _commit(tree), "measured_at": machine()["when"]}
-    write_json(out, result)
+            result[key] = median_run(runs[key]) | {"tree_commit": _commit(tree), "measured_at": machine()["when"]}
+            write_json(out, result)          # after each run: a long run keeps what it measured
 
 
 def median_run(runs: list[dict]) -> dict:
