@@ -5,6 +5,8 @@
                             [--out bench/results/sim_speed.json]
   python bench/sim_speed.py --simrun vidur-100k [bench-1m-150 bench-1m-300] [--repeat 3] [--lean]
                             [--simrun-out bench/results/simrun_speed.json]
+  python bench/sim_speed.py --sweep-only [--sweep-points 100] [--sweep-jobs 2] [--repeat 3]
+                            [--sweep-baseline DIR] [--out bench/results/sim_speed.json]
 
 Four workloads, each predicted by both paths of the same code in the same process, so a
 change in the shared machine's load hits both (read the ratios, not the absolute seconds):
@@ -27,6 +29,10 @@ change in the shared machine's load hits both (read the ratios, not the absolute
          workload.arrival.rate=100,125,..,325 --set seed=0,..,9 --jobs 2` (100 points, their
          CSV, plots and page written), its wall clock and the CPU of its main process
          (imports, validation, gathering, files) and of its workers (the points) apart.
+With --sweep-only, the measured sweep alone, --repeat times (the run of median wall clock kept, every
+run's figures beside it, the machine's `uptime` before and after each), optionally alternating with
+another checkout's code (--sweep-baseline: a before/after at the same load); its row replaces
+`sweep_measured` in --out and the other rows stay.
 With --simrun (and nothing else run), the user's command instead: each case as a fresh
 `python -m sim.cli SCENARIO --set ... --quiet` process with plots and with --no-plots, and once
 with its progress bar drawn on a terminal (a pty), beside a fresh process that runs `simulate()`
@@ -51,6 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -189,15 +196,17 @@ def sweep_child(points: int, jobs: int, requests: int, out: Path) -> dict:
             "workers_cpu_s": round(_cpu(resource.RUSAGE_CHILDREN) - workers0, 2)}
 
 
-def measured_sweep(points: int, jobs: int, requests: int = 10_000) -> dict:
+def measured_sweep(points: int, jobs: int, requests: int = 10_000, tree: Path = ROOT) -> dict:
     """A real sweep in a fresh process (not forked from this one, which holds big runs); its
     wall clock from here, interpreter start-up included. `ideal_wall_s`: its main process's CPU
-    plus its workers' CPU shared by `jobs` cores: what idle cores would take."""
+    plus its workers' CPU shared by `jobs` cores: what idle cores would take. `tree`: the
+    checkout whose code runs it (its own bench/sim_speed.py's --sweep-child)."""
     with tempfile.TemporaryDirectory(prefix="sim_speed_sweep_") as tmp:
-        load = os.getloadavg()[0]
+        load, uptime = os.getloadavg()[0], _uptime()
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, __file__, "--sweep-child", str(points), str(jobs), str(requests),
-                              str(Path(tmp) / "sweep")], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, str(tree / "bench" / "sim_speed.py"), "--sweep-child", str(points),
+                              str(jobs), str(requests), str(Path(tmp) / "sweep")],
+                             capture_output=True, text=True, check=True)
         wall = time.perf_counter() - t0
     row = json.loads(out.stdout.strip().splitlines()[-1])
     return {"points": points, "jobs": jobs, "requests_per_point": requests,
@@ -205,7 +214,43 @@ def measured_sweep(points: int, jobs: int, requests: int = 10_000) -> dict:
             "wall_s": round(wall, 2), **row,
             "workers_cpu_s_per_point": round(row["workers_cpu_s"] / points, 3),
             "ideal_wall_s": round(row["main_process_cpu_s"] + row["workers_cpu_s"] / jobs, 1),
-            "load_average_before": round(load, 2), "load_average_after": round(os.getloadavg()[0], 2)}
+            "load_average_before": round(load, 2), "load_average_after": round(os.getloadavg()[0], 2),
+            "uptime_before": uptime, "uptime_after": _uptime()}
+
+
+def sweep_only_main(points: int, jobs: int, repeat: int, out: str, baseline: Optional[Path]) -> None:
+    """--sweep-only: the measured sweep `repeat` times (with `baseline`, that checkout's code too,
+    the two alternating: the same machine and load for both), the run of median wall clock as
+    `sweep_measured` (and `sweep_measured_baseline`) in `out`, whose other rows are kept."""
+    trees = {"sweep_measured": ROOT, **({"sweep_measured_baseline": baseline} if baseline else {})}
+    for tree in trees.values():
+        compile_bytecode(tree)
+    try:
+        result = json.loads(Path(out).read_text())
+    except (OSError, ValueError):
+        result = {"bench": "sim_speed", "machine": machine()}
+    runs: dict[str, list[dict]] = {key: [] for key in trees}
+    for _ in range(repeat):
+        for key, tree in trees.items():
+            runs[key].append(measured_sweep(points, jobs, tree=tree))
+            r = runs[key][-1]
+            print(f"{key} ({tree}): {r['wall_s']} s wall, ideal {r['ideal_wall_s']} s, main process "
+                  f"{r['main_process_cpu_s']} s CPU, workers {r['workers_cpu_s']} s; {r['uptime_before']}", flush=True)
+            result[key] = median_run(runs[key]) | {"tree_commit": _commit(tree), "measured_at": machine()["when"]}
+            write_json(out, result)          # after each run: a long run keeps what it measured
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall clock, with every run's wall and ideal wall beside it."""
+    middle = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
+    return {**middle, "runs": len(runs), "runs_wall_s": [r["wall_s"] for r in runs],
+            "runs_ideal_wall_s": [r["ideal_wall_s"] for r in runs],
+            "runs_main_process_cpu_s": [r["main_process_cpu_s"] for r in runs]}
+
+
+def _commit(tree: Path) -> str:
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "not a git checkout"
 
 
 # ----------------------------------------------------------------------------- the user's command
@@ -376,13 +421,13 @@ def simrun_main(cases: list[str], repeat: int, out: str, lean: bool = False) -> 
         write_json(out, result)               # after each case: a long run keeps what it measured
 
 
-def compile_bytecode() -> None:
+def compile_bytecode(tree: Path = ROOT) -> None:
     """Write this tree's bytecode (__pycache__, git-ignored) before timing, as an installed package
     has it: with PYTHONDONTWRITEBYTECODE set (this project's VMs set it) every fresh simrun process
     would otherwise compile ~100 of kvtwin's modules from source, ~0.8 G instructions (~0.25 s CPU)
     that a user's command never spends and that `simulate()` alone, timed without its start-up,
     does not count (docs/performance.md)."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "sim", "validate", "engine"], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "sim", "validate", "engine"], cwd=tree,
                    stdout=subprocess.DEVNULL, check=True)
 
 
@@ -414,6 +459,12 @@ def main() -> None:
                     help="points of the measured `simrun` sweep, 10k requests each (0: skip; above ten, "
                          "a multiple of ten: ten rates times points/10 seeds)")
     ap.add_argument("--sweep-jobs", type=int, default=2, help="worker processes of the measured sweep")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="measure only the `simrun` sweep (--sweep-points, --sweep-jobs), --repeat times, and "
+                         "replace its row in --out, keeping the others (nothing else runs)")
+    ap.add_argument("--sweep-baseline", type=Path, metavar="DIR",
+                    help="--sweep-only: also time the sweep with the checkout at DIR, alternating with this "
+                         "one (its row: sweep_measured_baseline)")
     ap.add_argument("--unchained", type=int, default=1_000_000,
                     help="quick requests to run once more with every arrival and step through SimPy's "
                          "events (Simulation.chain off; 0: skip)")
@@ -423,7 +474,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/sim_speed.json")
     ap.add_argument("--simrun", nargs="+", choices=sorted(SIMRUN_CASES),
                     help="time the user's command on these cases instead (nothing else runs)")
-    ap.add_argument("--repeat", type=int, default=3, help="--simrun: runs of each kind (medians)")
+    ap.add_argument("--repeat", type=int, default=3, help="--simrun, --sweep-only: runs of each kind (medians)")
     ap.add_argument("--simrun-out", default="bench/results/simrun_speed.json")
     ap.add_argument("--lean", action="store_true",
                     help="--simrun: only simulate() alone and the command with and without plots (no "
@@ -453,6 +504,9 @@ def main() -> None:
         return
     if args.sweep_points > len(SWEEP_RATES) and args.sweep_points % len(SWEEP_RATES):
         ap.error(f"--sweep-points {args.sweep_points}: above {len(SWEEP_RATES)}, a multiple of {len(SWEEP_RATES)}")
+    if args.sweep_only:
+        sweep_only_main(args.sweep_points, args.sweep_jobs, args.repeat, args.out, args.sweep_baseline)
+        return
     quick = ("workload.arrival.rate=300",)
     if args.child:
         if args.unchained_child:

@@ -109,6 +109,16 @@ def predict(scenario, name: Optional[str] = None,
     return RunResult(name or scenario.name, scenario, records, plan, cost_model, summary, req_cols, None, info)
 
 
+def warm_up(scenario) -> None:
+    """What a process's first `predict` of `scenario` does once and keeps, done ahead: the trained
+    family read, the cost model's generated price forms (sim.costmodel.scalar_form) and numpy's
+    random module imported (numpy imports it on first use). A sweep calls this before its worker
+    processes fork, so each inherits them instead of making them again (~0.1 s a worker)."""
+    if scenario.cluster.disaggregation is None:      # (its pools make their own cost models)
+        CostModel.for_scenario(scenario)
+    import numpy.random  # noqa: F401
+
+
 def _simulate(scenario, progress, manifest: bool, spill=None):
     """Run the scenario's workload, made as the run reaches it when synthetic (else built whole):
     the run lets each request go once its figures are recorded. With `manifest`, the workload's

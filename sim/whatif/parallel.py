@@ -31,17 +31,27 @@ def default_jobs() -> int:
 
 
 def parallel_map(func: Callable[[Any], Any], items: Sequence[Any], jobs: int = 1, ray: Optional[str] = None,
-                 label: str = "running", quiet: bool = False) -> list[Any]:
+                 label: str = "running", quiet: bool = False,
+                 when_idle: Optional[Callable[[], None]] = None) -> list[Any]:
     """[func(item) for item in items], on `jobs` local processes or, when `ray` is not None,
     as Ray tasks ('' starts a local Ray instance, else the cluster address). Results come
-    back in item order whatever order they finish in."""
+    back in item order whatever order they finish in.
+
+    `when_idle`: work of this process's own that can wait until a core is free, run once: on
+    local processes as soon as the items left are fewer than the workers (one has nothing
+    left to take: the tail of the map, when a core would otherwise sit idle); else after the
+    items (Ray's or this process's)."""
     items = list(items)
     if ray is not None:
-        return _map_on_ray(func, items, ray or None, label, quiet)
-    if jobs <= 1 or len(items) <= 1:
+        results = _map_on_ray(func, items, ray or None, label, quiet)
+    elif jobs <= 1 or len(items) <= 1:
         with progress_bar(label, len(items), quiet) as advance:
-            return [_advanced(func(item), advance) for item in items]
-    return _map_on_processes(func, items, min(jobs, len(items)), label, quiet)
+            results = [_advanced(func(item), advance) for item in items]
+    else:
+        return _map_on_processes(func, items, min(jobs, len(items)), label, quiet, when_idle)
+    if when_idle is not None:
+        when_idle()
+    return results
 
 
 def _advanced(result: Any, advance: Callable[[int], None]) -> Any:
@@ -49,7 +59,8 @@ def _advanced(result: Any, advance: Callable[[int], None]) -> Any:
     return result
 
 
-def _map_on_processes(func, items: list, jobs: int, label: str, quiet: bool) -> list:
+def _map_on_processes(func, items: list, jobs: int, label: str, quiet: bool,
+                      when_idle: Optional[Callable[[], None]] = None) -> list:
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from sim import stop
@@ -62,11 +73,16 @@ def _map_on_processes(func, items: list, jobs: int, label: str, quiet: bool) -> 
         # never inherit a lock that thread holds.
         futures = {pool.submit(func, item): i for i, item in enumerate(items)}
         results: list = [None] * len(items)
+        left = len(items)
         try:
             with progress_bar(label, len(items), quiet) as advance:
                 for future in as_completed(futures):
                     results[futures[future]] = future.result()
                     advance(1)
+                    left -= 1
+                    if when_idle is not None and left < jobs:    # a worker has nothing left to take
+                        when_idle()
+                        when_idle = None
         except BaseException:
             for future in futures:
                 future.cancel()

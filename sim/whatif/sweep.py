@@ -140,7 +140,6 @@ def run_point(task: PointTask) -> dict[str, Any]:
     A point whose model does not fit the device is a row with an `error`, not a failed
     sweep: "does not fit" is one of the answers a device sweep is asked for.
     """
-    from sim.output.run_files import write_run
     from sim.predict import predict
 
     scenario = task.scenario()
@@ -149,6 +148,7 @@ def run_point(task: PointTask) -> dict[str, Any]:
     except InsufficientMemoryError as e:
         return {"error": f"does not fit: {e}"}
     if task.out_dir:
+        from sim.output.run_files import write_run
         write_run(result, Path(task.out_dir), trace=task.trace, report=task.plots, steps=task.steps)
     return {**flatten(result.summary), **gpu_cost(scenario)}
 
@@ -214,9 +214,22 @@ def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: 
                          f"with --set 'variants={{}}'")
     points = sweep_points(axes, zipped)
     tasks = point_tasks(raw, base_dir, source, axes, points, outputs, trace, steps, plots)
-    import sim.predict  # noqa: F401  (imported once here, so forked workers inherit it, not import it each)
-    rows = parallel_map(run_point, tasks, jobs, ray, label=f"sweep ({len(points)} points)", quiet=quiet)
+    # imported and warmed once here, so forked workers inherit them, not make them each
+    from sim.predict import warm_up
+    warm_up(tasks[0].scenario())
+    rows = parallel_map(run_point, tasks, jobs, ray, label=f"sweep ({len(points)} points)", quiet=quiet,
+                        when_idle=lambda: ready_for_outputs(plots))
     return Sweep(axes, points, zipped, sweep_frame(axes, points, rows))
+
+
+def ready_for_outputs(plots: bool) -> None:
+    """What the sweep's files need in this process (pandas for the frame; with `plots`, matplotlib
+    and its font), loaded while the last points run and a core would otherwise be idle, instead of
+    after them (~1 s of one core: docs/performance.md)."""
+    import pandas  # noqa: F401
+    if plots:
+        from sim.output.workers import warm_up
+        warm_up()
 
 
 def sweep_frame(axes: Sequence[Axis], points: Sequence[Point], rows: Sequence[dict]) -> pd.DataFrame:

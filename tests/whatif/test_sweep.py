@@ -186,3 +186,14 @@ def test_ray_backend_gives_the_same_csv(scenario_file, tmp_path):
     finally:
         ray.shutdown()
         signal.signal(signal.SIGTERM, sigterm)
+
+
+def test_the_idle_work_runs_once_on_processes_and_in_one_process():
+    """parallel_map's `when_idle` (a sweep loads its output libraries there): once, and the results
+    still come back in item order."""
+    from sim.whatif.parallel import parallel_map
+
+    calls = []
+    assert parallel_map(abs, [-3, -1, -2], jobs=2, quiet=True, when_idle=lambda: calls.append("processes")) == [3, 1, 2]
+    assert parallel_map(abs, [-3, -1], jobs=1, quiet=True, when_idle=lambda: calls.append("here")) == [3, 1]
+    assert calls == ["processes", "here"]
