@@ -44,8 +44,8 @@ def family(path: Path = FAMILY_FILE) -> dict:
 # was never tested (the table predicts that deployment with the generic entry), and the three V1
 # ones sit on their search bounds: L4's compute scale fitted on Qwen2.5-0.5B alone, its floor 0.14,
 # priced Llama-3.1-8B's prefill at ~8 % of the L4's peak (the quickstart met none of its SLOs).
-# The same rule decides which classes the generic entry averages (validate/lodo.py generic): a fit on its
-# search bounds is no evidence of the generation's typical GPU either.
+# validate/lodo.py's generic can apply the same rule to the classes the generic entry averages
+# (GENERIC_OF_TESTED_CLASSES): a fit on its search bounds is no evidence of a typical GPU either.
 MIN_CLASS_DEPLOYMENTS = 2
 
 
