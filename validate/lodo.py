@@ -30,8 +30,8 @@ the family stores the value pooled over all of them (`front_end_s` of its engine
 default of a `step_times: trained` scenario.
 
 A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
-classes (`generic`; with GENERIC_OF_TESTED_CLASSES, of those fitted on two deployments or more:
-sim.trained.tested_class, the rule that also decides which classes price their own GPU): the engine generation, not the GPU, is what moves the host terms most (V0's
+classes fitted on two deployments or more (`generic`, GENERIC_OF_TESTED_CLASSES; sim.trained.tested_class,
+the rule that also decides which classes price their own GPU): the engine generation, not the GPU, is what moves the host terms most (V0's
 AccelMark runs need 1-2 ms per step where V1 needs a few hundred microseconds), so a V1 coefficient
 set from another GPU is closer than a V0 one of the same GPU.
 
@@ -115,9 +115,9 @@ EXPERT_KERNEL_TERM = True
 # scale 0.14, RTX 4090's and A100-40GB's 1.82, A100-40GB's link 0.14). Measured (docs/fidelity_log.md,
 # "The generic entry of tested classes only"): the V1 bands hold or improve (throughput 14.1 -> 11.3 %),
 # L4 and RTX 4090 held out improve, A100-40GB tp 8 loses 3-8 points and crosses two all-deployment
-# medians (TTFT p99 32.6 -> 33.0 %, TPOT p99 30.5 -> 31.5 %). False: every fitted class (the family as
-# committed).
-GENERIC_OF_TESTED_CLASSES = False
+# medians (TTFT p99 32.6 -> 33.0 %, TPOT p99 30.5 -> 31.5 %). False: every fitted class (the family
+# before this switch).
+GENERIC_OF_TESTED_CLASSES = True
 FIT_NAMES = {"v1": ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff")
              + (("expert_n_half",) if EXPERT_KERNEL_TERM else ()),
              "v0": (*V0_HOST, "link_eff", "host_staging_eff") if V0_POOLED_HOST else
