@@ -274,7 +274,7 @@ def trained_profile(device_name: str, engine: str = "v1") -> DeviceProfile:
     params, entry = family_entry(device_name, engine)
     gen = engine.upper()
     single = class_entry(device_name, engine)
-    generic = f"the {gen} generic entry (geometric mean of the fitted classes)"
+    generic = f"the {gen} generic entry (geometric mean of the classes of two deployments or more)"
     how = (f"fitted on {entry['runs']} public vLLM {gen} runs of {len(entry['deployments'])} {device_name} "
            "deployments" if entry else
            f"one public vLLM {gen} deployment on {device_name}, a fit no held-out run tested: {generic}" if single

@@ -44,7 +44,15 @@ def family(path: Path = FAMILY_FILE) -> dict:
 # was never tested (the table predicts that deployment with the generic entry), and the three V1
 # ones sit on their search bounds: L4's compute scale fitted on Qwen2.5-0.5B alone, its floor 0.14,
 # priced Llama-3.1-8B's prefill at ~8 % of the L4's peak (the quickstart met none of its SLOs).
+# validate/lodo.py's generic can apply the same rule to the classes the generic entry averages
+# (GENERIC_OF_TESTED_CLASSES): a fit on its search bounds is no evidence of a typical GPU either.
 MIN_CLASS_DEPLOYMENTS = 2
+
+
+def tested_class(deployment_count: int) -> bool:
+    """Does a class fitted on `deployment_count` deployments price its own GPU (and enter the
+    generation's generic entry)? Only where leave-one-deployment-out could test it: MIN_CLASS_DEPLOYMENTS."""
+    return deployment_count >= MIN_CLASS_DEPLOYMENTS
 
 
 def family_entry(device_name: str, engine: str) -> tuple[dict, Optional[dict]]:
@@ -56,7 +64,7 @@ def family_entry(device_name: str, engine: str) -> tuple[dict, Optional[dict]]:
         raise ValueError(f"the trained family has no fit for vLLM engine generation {engine!r} "
                          f"(it has {sorted(engines)})")
     entry = class_entry(device_name, engine)
-    if entry and len(entry["deployments"]) >= MIN_CLASS_DEPLOYMENTS:
+    if entry and tested_class(len(entry["deployments"])):
         return entry["parameters"], entry
     return engines[engine]["generic"], None
 

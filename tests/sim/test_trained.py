@@ -226,8 +226,9 @@ def test_every_class_parameter_is_physical():
             for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half"):
                 low, high = lodo.BOUNDS[term]
                 assert low * 0.999 <= p.get(term, low) <= high * 1.001, (engine, gpu, term)
+        counts = {g: len(e["deployments"]) for g, e in fitted["classes"].items()}
         assert fitted["generic"] == {k: pytest.approx(v, rel=1e-4) for k, v in lodo.generic(
-            {g: e["parameters"] for g, e in fitted["classes"].items()}).items()}
+            {g: e["parameters"] for g, e in fitted["classes"].items()}, counts).items()}
 
 
 def test_the_expert_kernel_term_is_fitted_only_where_a_moe_model_ran(runs):
@@ -483,3 +484,30 @@ def test_the_default_step_times_follow_the_validation():
     assert FAMILY["validation"]["trained_beats_datasheet_and_tables"] == wins
     expected = "trained" if wins and all(wins.values()) else "datasheet"
     assert Scenario.model_fields["step_times"].default == expected
+
+
+def test_the_generic_entry_can_average_the_classes_of_two_deployments_or_more(monkeypatch):
+    """validate.lodo.GENERIC_OF_TESTED_CLASSES: the generic entry (and a one-deployment class's fold)
+    leaves out the fits sim.trained.tested_class does not price with, which no held-out run tested;
+    where no class is tested, every class counts."""
+    from sim.trained import tested_class
+
+    params = {"a": {"compute_scale": 1.0}, "b": {"compute_scale": 4.0}, "lone": {"compute_scale": 0.125}}
+    counts = {"a": 3, "b": 2, "lone": 1}
+    assert [tested_class(n) for n in (1, 2, 3)] == [False, True, True]
+    monkeypatch.setattr(lodo, "GENERIC_OF_TESTED_CLASSES", True)
+    assert lodo.generic(params, counts)["compute_scale"] == pytest.approx(2.0)
+    assert lodo.generic({"lone": params["lone"]}, counts)["compute_scale"] == pytest.approx(0.125)
+    monkeypatch.setattr(lodo, "GENERIC_OF_TESTED_CLASSES", False)
+    assert lodo.generic(params, counts)["compute_scale"] == pytest.approx(0.5 ** (1 / 3))
+
+
+def test_a_generic_fold_names_its_profile(runs):
+    """A fold priced by the generic profile is kept under a --resume name carrying that profile (a
+    change of the other classes' fits or of the generic rule refits it); a refitted fold is not."""
+    all_runs = list(runs.values())
+    full = lodo.committed_params(FAMILY)
+    lone = lodo.fold_generic(all_runs, "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.23.0", full)
+    counts = lodo.class_deployments(all_runs, "v1")
+    assert lone == lodo.generic({g: p for g, p in full["v1"].items() if g != "l4"}, counts)
+    assert lodo.fold_generic(all_runs, "Qwen/Qwen2.5-0.5B-Instruct / L4 / tp 1 / vLLM 0.7.3", full) is None
