@@ -19,10 +19,14 @@ describes it for the manifest, then summarises) and `vidur-simrun` (simrun's ent
 `--no-plots --quiet`: also its imports and the data files). Their excess over vidur-leap is what
 that path adds to `simulate()` alone (issue 26's simrun ratio); each tree's bytecode is written
 first, as an installed package has it. At 3000 requests fixed costs (imports) weigh heavily.
-`vidur-simrun-plots` is simrun with its plots and report.html as each tree draws them by default
-(KVTWIN_PLOT_WORKERS unset): the figure process it forks and any copies that forks are counted too (valgrind follows a fork and each
-process reports its own count; the line sums them), so it is the CPU work of all processes, not
-the time the user waits. `vidur-simrun-terminal` is `vidur-simrun` without `--quiet`, its stdout and
+`vidur-simrun-plots` is simrun with its plots and report.html drawn in its own process
+(KVTWIN_PLOT_WORKERS=0): the plots' work, not the time the user waits. Not with figure processes:
+valgrind's count in a forked process starts from its parent's count at the fork (a child that
+does nothing reports ~98 % of its parent's), so summing the processes' counts counts the parent's
+work before each fork again. Until 7 December this line ran each tree's default figure processes
+and summed them, so its figures then (12,280M with two, 9,503M with one) over-count by about the
+parent's count at each fork and are not comparable; a tree without KVTWIN_PLOT_WORKERS (before
+7 December) still forks, and its count here is inflated the same way. `vidur-simrun-terminal` is `vidur-simrun` without `--quiet`, its stdout and
 stderr on a pseudo-terminal (drained by a thread, as a terminal reads it): its excess over
 `vidur-simrun` is what the progress bar, the status lines and the results table cost (issue 26's
 progress-display target), a fixed cost beside a run that grows with its requests.
@@ -61,7 +65,7 @@ LINES = {
     # imports and the data files of `--no-plots --quiet`).
     "vidur-predict": ("vidur_llama2_70b", 3000, True, ()),
     "vidur-simrun": ("vidur_llama2_70b", 3000, True, ()),
-    "vidur-simrun-plots": ("vidur_llama2_70b", 3000, True, ()),     # also the figure processes
+    "vidur-simrun-plots": ("vidur_llama2_70b", 3000, True, ()),     # the plots drawn in-process
     "vidur-simrun-terminal": ("vidur_llama2_70b", 3000, True, ()),  # vidur-simrun on a terminal
 }
 # line -> the entry point its full run calls (the others: simulate() on the built workload)
@@ -116,13 +120,9 @@ else:
 
 # Hash seeds fixed (set and dict orders repeat) and one thread per library: an idle BLAS or OpenMP
 # worker spins while waiting, and valgrind counts a spinning thread's instructions by its luck.
-# vidur-simrun-plots counts each tree's default figure processes (from 7 December one, set by no
-# core count; before, two on a machine with two cores or more).
-QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def without_plot_workers(env: dict) -> dict:
-    return {key: value for key, value in env.items() if key != "KVTWIN_PLOT_WORKERS"}
+# The figures are drawn in the measured process (no figure process: see vidur-simrun-plots).
+QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+             "KVTWIN_PLOT_WORKERS": "0"}
 
 
 def count(tree: Path, line: str, build_only: bool) -> int:
@@ -132,8 +132,9 @@ def count(tree: Path, line: str, build_only: bool) -> int:
             sys.executable, "-c", DRIVER, str(tree / "scenarios" / f"{name}.yaml"), str(size),
             "1" if fast else "0", "1" if build_only else "0", ENTRY.get(line, "simulate"), *overrides]
     out = subprocess.run(argv, cwd=tree, capture_output=True, text=True,
-                         env={**without_plot_workers(os.environ), **QUIET_ENV})
-    # one count per process: a run that forks (the figure processes) reports each, summed here
+                         env={**os.environ, **QUIET_ENV})
+    # one count per process: a tree that still forks figure processes reports each, summed here
+    # (over-counted: a forked process's count starts from its parent's at the fork)
     found = re.findall(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode != 0 or not found:
         raise SystemExit(f"{tree} {line}: the run failed:\n{out.stderr[-2000:]}")
