@@ -737,13 +737,19 @@ class CostModel:
         run = self.dp_padding.run_tokens([max(1, decodes + prefill_tokens)
                                           for _, decodes, prefill_tokens, *_ in shapes])
         gathered = sum(run)
-        wake = self.coefficients.wake_s if after_idle else 0.0
         times = []
         for (seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read), own in zip(shapes, run):
             host, device = self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, own, gathered)(
                 decode_ctx, blocks_read)
-            times.append((host + wake, device))
+            times.append((self.woken(host, after_idle), device))
         return times
+
+    def woken(self, host, after_idle):
+        """Host time of a step with the idle rule applied: the first step after the engine sat idle
+        (`IDLE_GAP_S`) takes `wake_s` more. The one place the rule lives: step_time, lockstep_times,
+        step_times (numpy columns: `after_idle` a bool array) and the simulator's decode steps priced
+        by a leap pricer all apply it here. (`host + wake_s * False` is `host + 0.0`: the same float.)"""
+        return host + self.coefficients.wake_s * after_idle
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
@@ -754,9 +760,7 @@ class CostModel:
             return self._speculative_step_time(batch, after_idle)
         host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                         batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx, batch.blocks_read)
-        if after_idle:
-            host += self.coefficients.wake_s
-        return host, device
+        return self.woken(host, after_idle), device
 
     def _lora_step_time(self, batch, after_idle: bool) -> tuple[float, float]:
         """A step with LoRA serving on (sim/lora.py): the step's price (with speculation's when it is
@@ -768,8 +772,7 @@ class CostModel:
             host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                             batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
                                             batch.blocks_read)
-            if after_idle:
-                host += self.coefficients.wake_s
+            host = self.woken(host, after_idle)
         if batch.lora is not None:
             device += self.lora.device_s(batch.lora)
         return host, device
@@ -789,9 +792,7 @@ class CostModel:
             device += head + spec * (self._sample_row_s + self.coefficients.sample_seq_s)
         if self.draft is not None:
             device += self.draft.device_s(batch)
-        if after_idle:
-            host += self.coefficients.wake_s
-        return host, device
+        return self.woken(host, after_idle), device
 
     def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
         """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
@@ -818,7 +819,7 @@ class CostModel:
             block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
             sizes = self._stages(np.maximum, np.minimum, block_size)
             host, device = sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
-        return host + self.coefficients.wake_s * after_idle(steps), device
+        return self.woken(host, after_idle(steps)), device
 
     def _stages(self, maximum, minimum, block_size):
         """The step price of the module docstring, written once, in two stages: `sizes(seqs,

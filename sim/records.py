@@ -155,6 +155,20 @@ class _Buffer:
                 for c, (name, kind) in enumerate(zip(self.names, self._format))}
 
 
+def _leap_rows(first_step: int, k: int, start_s: float, ends, rows: int, running: int, waiting: int,
+               waiting_last: Optional[int]) -> tuple[tuple, ...]:
+    """The PER_ROW rows of a leap of `k` decode-only steps of `rows` sequences (StepRecorder.record_leap):
+    one row, or, where the waiting count read at the last step's end differs (`waiting_last`), the
+    first k - 1 steps and the last step as a row of its own."""
+    if waiting_last is None or waiting_last == waiting:
+        return ((first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0),)
+    last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
+            rows, rows, 0, rows, 0, 0, 0)
+    if k == 1:
+        return (last,)
+    return ((first_step, k - 1, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0), last)
+
+
 class StepRecorder:
     """Collects the steps of one replica: a row per step, or per leap (see the module docstring).
 
@@ -199,18 +213,11 @@ class StepRecorder:
         differ, the last step is a row of its own. (Positional arguments: the simulator calls
         this once a leap, and 14 keywords cost their matching at every call.)"""
         k = len(ends)
-        split = waiting_last is not None and waiting_last != waiting
+        new_rows = _leap_rows(first_step, k, start_s, ends, rows, running, waiting, waiting_last)
         if k <= self.LONG_LEAP and type(ends) is list:
-            # (the rows packed straight from the values: no tuple or list of rows)
             buffer = self.rows
-            if not split:
-                buffer.data += buffer.pack(first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
-            else:
-                if k > 1:
-                    buffer.data += buffer.pack(first_step, k - 1, start_s, running, waiting, rows, rows, 0, rows,
-                                               0, 0, 0)
-                buffer.data += buffer.pack(first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running,
-                                           waiting_last, rows, rows, 0, rows, 0, 0, 0)
+            for row in new_rows:
+                buffer.data += buffer.pack(*row)
             steps = self.step_values
             steps.blocks += (len(steps.data), k)       # (the byte offset: len(steps) is a call)
             steps.data += steps.pack_block(k)(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached,
@@ -218,13 +225,6 @@ class StepRecorder:
             if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return
-        row = (first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
-        if split:
-            last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
-                    rows, rows, 0, rows, 0, 0, 0)
-            new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
-        else:
-            new_rows = [row]
         self._flush_buffers()
         self._steps.add({"end_s": np.asarray(ends, dtype=np.float64), "host_s": np.asarray(host, dtype=np.float64),
                          "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),
