@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.core.memory import cdiv
 from sim.core.request import Request
 
 
@@ -15,12 +14,6 @@ class StaticBatch:
     rows: int
     length: int
     first_step: int
-
-    def blocks_read(self, step: int, block_size: int) -> int:
-        """Blocks its rows walk at `step` (the forming step's prefill included): each attends the
-        padded prompt plus a token a step since the batch formed. (Batch.pad_static and a static
-        leap's steps, sim/core/fast/leap.py, both read it here.)"""
-        return self.rows * cdiv(self.length + step - self.first_step, block_size)
 
 
 _NO_DRAFTS: dict = {}      # (shared and never written: a step without speculation makes no dict)
@@ -177,11 +170,11 @@ class Batch:
             self.num_prefill_tokens = rows * length
             self.prefill_ctx = 0
             self.prefill_attn = rows * (length * (length + 1) // 2)
-            self.blocks_read = static.blocks_read(self.step, block_size)
+            self.blocks_read = rows * -(-length // block_size)
             return
         ctx = length + self.step - static.first_step     # every prompt was computed when the batch formed
         self.pad_rows = rows - len(self.decodes)
         self.num_decode = rows
         self.pad_len = ctx
         self.decode_ctx = rows * ctx
-        self.blocks_read = static.blocks_read(self.step, block_size)
+        self.blocks_read = rows * -(-ctx // block_size)

@@ -79,7 +79,7 @@ class LeapPlan:
         if sched.static:                   # every row of the padded batch attends the same length
             batch = sched.static_batch
             self.rows = batch.rows
-            self.static_shape = (batch, sched.block_size)      # (StaticBatch.blocks_read's arguments but the step)
+            self.static_shape = (batch.length - batch.first_step, sched.block_size)
             self._ctx0, self._ctx_per_step = self.rows * (batch.length - batch.first_step), self.rows
         else:                              # members' context at step t: cohort_computed + clock(t)
             self.rows = self.members
@@ -165,7 +165,7 @@ class LeapPlan:
                 if reached <= i:
                     return ends, hosts, devices, ctxs, reads, False    # the plan ends here
             blocks += walked[i]
-            read = blocks if static is None else static[0].blocks_read(step + i, static[1])
+            read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
             h, d = price(ctx, read)
             t = t + (h + d)
             if t >= horizon:
@@ -201,7 +201,7 @@ class LeapPlan:
             return                             # the plan ends at step i
         blocks += self.walked[i + 1]
         static = self.static_shape
-        read = blocks if static is None else static[0].blocks_read(self.first_step + i + 1, static[1])
+        read = blocks if static is None else self.rows * -(-(static[0] + self.first_step + i + 1) // static[1])
         h, d = price(ctx, read)
         ends, hosts, devices, ctxs, reads = columns
         ends.append(t + (h + d))
@@ -215,9 +215,9 @@ class LeapPlan:
         t = self.first_step
         ctx0, per = self._ctx0, self._ctx_per_step
         if self.static_shape is not None:
-            batch, bs = self.static_shape
+            offset, bs = self.static_shape
             return ([ctx0 + per * (t + i) for i in range(start, k)],
-                    [batch.blocks_read(t + i, bs) for i in range(start, k)])
+                    [self.rows * -(-(offset + t + i) // bs) for i in range(start, k)])
         # (members >= 1 a step: the context grows by a constant, a range does the list at C speed)
         ctx = list(range(ctx0 + per * (t + start), ctx0 + per * (t + k), per))
         walked = self.walked
