@@ -737,48 +737,58 @@ class CostModel:
         run = self.dp_padding.run_tokens([max(1, decodes + prefill_tokens)
                                           for _, decodes, prefill_tokens, *_ in shapes])
         gathered = sum(run)
-        wake = self.coefficients.wake_s if after_idle else 0.0
         times = []
         for (seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read), own in zip(shapes, run):
             host, device = self._sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, own, gathered)(
                 decode_ctx, blocks_read)
-            times.append((host + wake, device))
+            if after_idle:
+                host = self.woken(host)
+            times.append((host, device))
         return times
+
+    def woken(self, host, after_idle=True):
+        """Host time of a step that follows an idle engine (`IDLE_GAP_S`): `wake_s` more. The one
+        place the rule lives: step_time, lockstep_times, step_times (numpy columns, `after_idle` a
+        bool array per step: `host + 0.0` where it is False, the same float) and the simulator's
+        decode steps priced by a leap pricer. (A step's callers call it for idle steps alone: one
+        call fewer on every other step.)"""
+        return host + self.coefficients.wake_s * after_idle
 
     def step_time(self, batch, after_idle: bool = False) -> tuple[float, float]:
         """(host_s, device_s) for one step over `batch` (a scheduler Batch)."""
-        decodes = batch.num_decode          # includes a static batch's padding rows
         if self.lora is not None:           # LoRA (no leaps then: every step is a Batch)
-            return self._lora_step_time(batch, after_idle)
-        if self.draft is not None:          # speculative decoding (no leaps then: every step is a Batch)
-            return self._speculative_step_time(batch, after_idle)
-        host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
-                                        batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx, batch.blocks_read)
+            host, device = self._lora_step_time(batch)
+        elif self.draft is not None:        # speculative decoding (no leaps then: every step is a Batch)
+            host, device = self._speculative_step_time(batch)
+        else:
+            decodes = batch.num_decode      # includes a static batch's padding rows
+            host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
+                                            batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
+                                            batch.blocks_read)
         if after_idle:
-            host += self.coefficients.wake_s
+            host = self.woken(host)
         return host, device
 
-    def _lora_step_time(self, batch, after_idle: bool) -> tuple[float, float]:
-        """A step with LoRA serving on (sim/lora.py): the step's price (with speculation's when it is
-        on too), plus the adapters it copies into GPU slots and the punica kernels of every layer."""
+    def _lora_step_time(self, batch) -> tuple[float, float]:
+        """A step with LoRA serving on (sim/lora.py), before any wake-up: the step's price (with
+        speculation's when it is on too), plus the adapters it copies into GPU slots and the punica
+        kernels of every layer."""
         if self.draft is not None:
-            host, device = self._speculative_step_time(batch, after_idle)
+            host, device = self._speculative_step_time(batch)
         else:
             decodes = batch.num_decode
             host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                             batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
                                             batch.blocks_read)
-            if after_idle:
-                host += self.coefficients.wake_s
         if batch.lora is not None:
             device += self.lora.device_s(batch.lora)
         return host, device
 
-    def _speculative_step_time(self, batch, after_idle: bool) -> tuple[float, float]:
+    def _speculative_step_time(self, batch) -> tuple[float, float]:
         """A step with speculative decoding (sim/speculative.py): the target verifies each decode's
         drafts in the same forward, priced as that many more tokens (GEMMs, KV written and read)
         with their causal attention pairs, plus their rows of the LM head and the sampler; the
-        drafter's forwards follow on the device."""
+        drafter's forwards follow on the device. Before any wake-up."""
         decodes, spec = batch.num_decode, batch.spec_tokens
         seqs = decodes + len(batch.prefills)
         host, device = self._price_step(seqs, decodes, batch.num_prefill_tokens + spec, batch.prefill_ctx,
@@ -789,8 +799,6 @@ class CostModel:
             device += head + spec * (self._sample_row_s + self.coefficients.sample_seq_s)
         if self.draft is not None:
             device += self.draft.device_s(batch)
-        if after_idle:
-            host += self.coefficients.wake_s
         return host, device
 
     def price(self, seqs, decodes, prefill_tokens, decode_ctx, prefill_ctx, prefill_attn, blocks_read):
@@ -818,7 +826,7 @@ class CostModel:
             block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
             sizes = self._stages(np.maximum, np.minimum, block_size)
             host, device = sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
-        return host + self.coefficients.wake_s * after_idle(steps), device
+        return self.woken(host, after_idle(steps)), device
 
     def _stages(self, maximum, minimum, block_size):
         """The step price of the module docstring, written once, in two stages: `sizes(seqs,

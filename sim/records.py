@@ -155,6 +155,20 @@ class _Buffer:
                 for c, (name, kind) in enumerate(zip(self.names, self._format))}
 
 
+def _leap_rows(first_step: int, k: int, start_s: float, ends, rows: int, running: int, waiting: int,
+               waiting_last: Optional[int]) -> list[tuple]:
+    """The PER_ROW rows of a leap of `k` decode-only steps of `rows` sequences (StepRecorder.record_leap):
+    one, or, where the waiting count read at the last step's end (`waiting_last`) differs, the
+    first k - 1 steps and then the last step as a row of its own, starting where step k - 1 ended."""
+    if waiting_last is None or waiting_last == waiting:
+        return [(first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)]
+    last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last, rows, rows, 0, rows,
+            0, 0, 0)
+    if k == 1:
+        return [last]
+    return [(first_step, k - 1, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0), last]
+
+
 class StepRecorder:
     """Collects the steps of one replica: a row per step, or per leap (see the module docstring).
 
@@ -199,18 +213,15 @@ class StepRecorder:
         differ, the last step is a row of its own. (Positional arguments: the simulator calls
         this once a leap, and 14 keywords cost their matching at every call.)"""
         k = len(ends)
-        split = waiting_last is not None and waiting_last != waiting
         if k <= self.LONG_LEAP and type(ends) is list:
-            # (the rows packed straight from the values: no tuple or list of rows)
             buffer = self.rows
-            if not split:
+            if waiting_last is None or waiting_last == waiting:
+                # (the usual leap, packed straight from the values: a tuple or list of rows a leap
+                # counted ~1% more instructions at 150 req/s, bench/instructions.py bench-150)
                 buffer.data += buffer.pack(first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
             else:
-                if k > 1:
-                    buffer.data += buffer.pack(first_step, k - 1, start_s, running, waiting, rows, rows, 0, rows,
-                                               0, 0, 0)
-                buffer.data += buffer.pack(first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running,
-                                           waiting_last, rows, rows, 0, rows, 0, 0, 0)
+                for values in _leap_rows(first_step, k, start_s, ends, rows, running, waiting, waiting_last):
+                    buffer.data += buffer.pack(*values)
             steps = self.step_values
             steps.blocks += (len(steps.data), k)       # (the byte offset: len(steps) is a call)
             steps.data += steps.pack_block(k)(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached,
@@ -218,18 +229,12 @@ class StepRecorder:
             if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return
-        row = (first_step, k, start_s, running, waiting, rows, rows, 0, rows, 0, 0, 0)
-        if split:
-            last = (first_step + k - 1, 1, start_s if k == 1 else ends[k - 2], running, waiting_last,
-                    rows, rows, 0, rows, 0, 0, 0)
-            new_rows = [last] if k == 1 else [(*row[:1], k - 1, *row[2:]), last]
-        else:
-            new_rows = [row]
         self._flush_buffers()
         self._steps.add({"end_s": np.asarray(ends, dtype=np.float64), "host_s": np.asarray(host, dtype=np.float64),
                          "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),
                          "blocks_read": np.asarray(blocks_read), "kv_blocks_used": np.asarray(kv_used),
                          "kv_blocks_cached": np.asarray(kv_cached), "slack_tokens": np.asarray(slack)}, k)
+        new_rows = _leap_rows(first_step, k, start_s, ends, rows, running, waiting, waiting_last)
         table = np.array(new_rows, dtype=np.float64)
         self._rows.add({name: table[:, i] for i, name in enumerate(PER_ROW)}, len(new_rows))
         if self._steps.pending >= self.CHUNK:

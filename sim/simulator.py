@@ -462,7 +462,7 @@ class Simulation:
         # (`_decode_pricer`), so the same floats without working them out again.
         cost = self.cost_model
         decode_pricers = self._pricers if fast and cost.draft is None and cost.lora is None else {}
-        wake_s = cost.coefficients.wake_s
+        woken = cost.woken        # the idle rule (step_time applies it to the steps it prices)
         inline = self._inline
         tier = sched.offload
         queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
@@ -519,7 +519,7 @@ class Simulation:
             else:
                 host, device = price(batch.decode_ctx, batch.blocks_read)
                 if now - last_end > IDLE_GAP_S:
-                    host += wake_s           # (as step_time adds it)
+                    host = woken(host)
             end = now + (host + device)      # as SimPy's timeout adds it
             if chained:
                 if end >= horizon:

@@ -25,7 +25,7 @@ from typing import Optional
 from sim.core.kv.block_pool import ANON, NULL_BLOCK, BlockPool
 from sim.core.kv.blocks import NO_BLOCKS, KVCacheBlocks
 from sim.core.kv.single_type import FullAttentionManager, SlidingWindowManager, group_keys, group_salt
-from sim.core.memory import KVCacheGroups
+from sim.core.memory import KVCacheGroups, cdiv
 from sim.core.request import Request
 from sim.core.status import FINISHED
 
@@ -316,11 +316,11 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def blocks_needed_at_most(self, req: Request) -> int:
         """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
-        blocks = -(-req.max_len // self.block_size)      # (cdiv, inline: asked at each admission)
+        blocks = cdiv(req.max_len, self.block_size)
         g = self.groups
         if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
             return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
-                       g.num_groups * -(-req.prompt_len // self.block_size))
+                       g.num_groups * cdiv(req.prompt_len, self.block_size))
         return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
 
     def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
@@ -391,14 +391,14 @@ class HybridCoordinator(KVCacheCoordinator):
         held = len(req.blocks)
         num_hit = len(hit_blocks[0]) if hit_blocks else 0
         covered = req.num_computed + num_hit * bs + num_new_tokens
-        need = max(-(-(covered + lookahead_tokens) // bs) - held - num_hit, 0)     # (cdiv, inline)
+        need = max(cdiv(covered + lookahead_tokens, bs) - held - num_hit, 0)
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need * self.num_groups
         ref = self.pool.ref_cnt
         revived = 0                        # hit blocks now free (the null block's count is 1)
         for table in hit_blocks:
             revived += list(map(ref.__getitem__, table)).count(0)
-        gate = -(-gate_tokens // bs)
+        gate = cdiv(gate_tokens, bs)
         g = self.groups
         full = max(gate - held - num_hit, need)
         capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
