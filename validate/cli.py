@@ -25,7 +25,8 @@ def validate_main(argv: list[str]) -> int:
     scenario_args(p)
     add_device_args(p)
     p.add_argument("--profile", type=Path, help="a calibrated device profile (simrun calibrate writes one)")
-    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/validate/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg,
+                   help="output folder (default runs/validate/<scenario file name without .yaml>)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--offline", action="store_true", help="release every request at t=0")
     p.add_argument("--cold", action="store_true",

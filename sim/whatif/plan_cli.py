@@ -52,8 +52,10 @@ def plan_parser() -> argparse.ArgumentParser:
                    "decode engines (default 8)")
     add_parallel_args(p)
     plan_autoscale.add_args(p)
-    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
-                   "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<stem>/plan for "
+                   "the rate search, runs/<stem>/plan_replicas with --target-rate, plan_splits with "
+                   "--disaggregation, plan_autoscale with --autoscale; <stem>: the scenario file's "
+                   "name without .yaml)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--pessimistic", action="store_true",
                    help="answer with the bad edge of the error band: each SLO limit is divided by (1 + the "
