@@ -116,8 +116,11 @@ def calibrate_main(argv: list[str]) -> int:
     p.add_argument("--model", help="catalog model name, or a Hugging Face folder (config.json + weights)")
     p.add_argument("--scenario", type=Path, help="take model, device and engine settings from a scenario")
     p.add_argument("--catalog-device", help="the device catalog entry to fit (default: detected, or 'cpu')")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
-    p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a setting of the deployment, e.g. --set engine.max_model_len=4096 "
+                        "(repeatable)")
+    p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml; "
+                                            "with --from-vllm profiles/<device>_<model>_vllm.yaml)")
     p.add_argument("--from-vllm", nargs="+", type=Path, metavar="RESULT.json",
                    help="fit to measured `vllm bench serve --save-result --save-detailed` files of one "
                         "deployment (JSON or --append-result JSONL) instead of profiling the engine; "
