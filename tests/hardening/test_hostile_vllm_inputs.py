@@ -51,6 +51,16 @@ def test_from_vllm_values_that_used_to_crash_or_mislead(tmp_path, capsys):
     assert code == 2 and "names no model" in err
 
 
+@pytest.mark.parametrize("words, message", [
+    ("--max-model-len abc", "--max-model-len abc: 'abc': expected a whole number, e.g. 4096, 32k (32,000) or 32K"),
+    ("--max-num-seqs x4", "--max-num-seqs x4: 'x4': expected an integer"),
+    ("--gpu-memory-utilization high", "--gpu-memory-utilization high: 'high': expected a number, e.g. 0.9")])
+def test_a_value_that_is_no_number_says_what_the_flag_expects(tmp_path, capsys, words, message):
+    code, err, _ = from_vllm(tmp_path, capsys, "vllm serve tiny " + words)
+    assert code == 2 and message in err
+    assert "could not convert" not in err and "invalid literal" not in err     # not Python's own wording
+
+
 def test_a_5000_flag_command_lists_the_first_flags_and_counts_the_rest(tmp_path, capsys):
     command = "vllm serve tiny " + " ".join(f"--unknown-flag-{i} {i}" for i in range(5000))
     code, err, out = from_vllm(tmp_path, capsys, command)
