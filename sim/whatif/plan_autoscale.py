@@ -229,30 +229,19 @@ def check_flags(args: argparse.Namespace) -> None:
         raise PlanError(f"--bucket-s {args.bucket_s}: expected a positive number of seconds")
 
 
-def gpu_price(args, scenario) -> Optional[float]:
-    from sim.whatif.plan import PlanError
-    from sim.whatif.plan_args import parse_cost
-
-    prices = dict(parse_cost(c) for c in args.cost)
-    unknown = sorted(set(prices) - {scenario.device.name})
-    if unknown:
-        raise PlanError(f"--cost {unknown[0]}: --autoscale runs on the scenario's device ({scenario.device.name})")
-    return prices.get(scenario.device.name, scenario.device.cost_per_hour)
-
-
 def autoscale_main(args: argparse.Namespace) -> int:
     from sim.output.console import console, err_console
     from sim.output.run_dir import owned_run_folder
     from sim.output.setup import setup_manifest
     from sim.arrival_shape import shape_of
     from sim.whatif.plan import PlanError
-    from sim.whatif.plan_args import scenario_task
+    from sim.whatif.plan_args import scenario_device_price, scenario_task
 
     task, scenario = scenario_task(args)
     if scenario.cluster.autoscaling is None:
         raise PlanError(f"{args.scenario}: --autoscale needs cluster.autoscaling in the scenario (see "
                         f"docs/whatif/autoscaling.md)")
-    price = gpu_price(args, scenario)
+    price = scenario_device_price(args, scenario, "--autoscale")
     out = args.out or Path("runs") / args.scenario.stem / "plan_autoscale"
     t0 = time.monotonic()
     with owned_run_folder(out, force=args.force):
