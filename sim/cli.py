@@ -301,8 +301,8 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
     if not args.no_plots or args.trace:
         with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
-            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})"
-                 + (f"; view trace.json at {PERFETTO_HINT}" if args.trace else ""))
+            hint = f"; open trace.json at {PERFETTO_HINT}" if args.trace else ""   # inside (): " in 1.2 s" follows
+            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))}{hint})")
     elif not args.quiet:
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
 
