@@ -436,6 +436,30 @@ def _leading_environment(words: list[str]) -> tuple[list[tuple[str, str]], list[
     return env, words[i:]
 
 
+SECRET_FLAGS = ("--api-key", "--hf-token")
+SECRET_NAME = ("TOKEN", "KEY", "SECRET", "PASSWORD")     # in an environment variable's name: HF_TOKEN, ...
+REDACTED = "REDACTED"           # no character a shell would quote
+
+
+def without_secrets(command: str | list[str]) -> str | list[str]:
+    """The command with the values of --api-key, --hf-token and of environment variables named like
+    secrets (HF_TOKEN=..., VLLM_API_KEY=...) replaced by REDACTED: the command is echoed on screen
+    and into the scenario file, which is meant to be shared. Unchanged when it holds none."""
+    env, words = _leading_environment(_shell_words(command))
+    out = [f"{name}={REDACTED if value and any(s in name.upper() for s in SECRET_NAME) else value}"
+           for name, value in env]
+    for word in words:
+        flag, eq, _ = word.partition("=")
+        if flag in SECRET_FLAGS and eq:
+            word = f"{flag}={REDACTED}"
+        elif out and out[-1] in SECRET_FLAGS and not word.startswith("-"):
+            word = REDACTED
+        out.append(word)
+    if out == [f"{name}={value}" for name, value in env] + words:
+        return command                   # as given (`env`, quoting), when there is nothing to hide
+    return out if isinstance(command, list) else shlex.join(out)
+
+
 def environment(command: str | list[str]) -> list[tuple[str, str]]:
     """The NAME=value assignments before the vLLM command."""
     return _leading_environment(_shell_words(command))[0]
@@ -835,7 +859,7 @@ def from_vllm_main(argv: list[str]) -> int:
             difflib.get_close_matches(args.device, device_names(), n=1, cutoff=0.5)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise UserError(f"--device {args.device!r}: not in the catalog; {hint}(catalog: {', '.join(device_names())})")
-    command = args.command[0] if len(args.command) == 1 else args.command
+    command = without_secrets(args.command[0] if len(args.command) == 1 else args.command)
     result = translate(command, args.device, Path.cwd(), args.model_name, spec_metrics=args.spec_metrics)
     if args.vllm_version is not None:
         set_vllm_version(result, args.vllm_version)
