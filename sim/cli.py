@@ -213,7 +213,8 @@ def run_parser() -> argparse.ArgumentParser:
                     "prints as soon as the simulation ends; plots and report.html follow.",
         epilog=f"other commands: {', '.join(c for c in COMMANDS if c != 'run')} (simrun COMMAND -h)")
     scenario_args(p)
-    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<stem>, <stem> being "
+                   "the scenario file's name without .yaml; a sweep: runs/<stem>/sweep)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--no-plots", action="store_true",
                    help="write the data files (summary.json, CSVs, manifest) but no plots or report.html")
@@ -300,8 +301,8 @@ def write_outputs(results: dict, out: Path, args: argparse.Namespace, workers) -
     if not args.no_plots or args.trace:
         with StatusLine("writing plots and report.html", quiet=args.quiet) as done:
             files = write_reports(results, out, plots=not args.no_plots, trace=args.trace, workers=workers)
-            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))})"
-                 + (f"; view trace.json at {PERFETTO_HINT}" if args.trace else ""))
+            hint = f"; open trace.json at {PERFETTO_HINT}" if args.trace else ""   # inside (): " in 1.2 s" follows
+            done(f"wrote {out}/ ({', '.join(sorted({Path(f).name for f in files.values()}))}{hint})")
     elif not args.quiet:
         print(f"wrote {out}/ (summary.json, requests.csv, steps.csv, manifest.json; no plots: --no-plots)")
 

@@ -129,7 +129,8 @@ def bench_main(argv: list[str]) -> int:
     scenario_args(p)
     p.add_argument("--endpoint", required=True, help="server root URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the first of the endpoint's /v1/models)")
-    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/bench/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg,
+                   help="output folder (default runs/bench/<scenario file name without .yaml>)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait for its next streamed chunk")
@@ -174,7 +175,8 @@ def compare_main(argv: list[str]) -> int:
                         "--save-detailed) instead of the scenario's workload")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="exit 0 even when the file's workload differs from the scenario's")
-    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/compare/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg,
+                   help="output folder (default runs/compare/<scenario file name without .yaml>)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     series_args(p)
     args = p.parse_args(argv)

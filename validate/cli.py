@@ -25,7 +25,8 @@ def validate_main(argv: list[str]) -> int:
     scenario_args(p)
     add_device_args(p)
     p.add_argument("--profile", type=Path, help="a calibrated device profile (simrun calibrate writes one)")
-    p.add_argument("--out", type=out_folder_arg, help="output folder (default runs/validate/<scenario name>)")
+    p.add_argument("--out", type=out_folder_arg,
+                   help="output folder (default runs/validate/<scenario file name without .yaml>)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--offline", action="store_true", help="release every request at t=0")
     p.add_argument("--cold", action="store_true",
@@ -115,8 +116,11 @@ def calibrate_main(argv: list[str]) -> int:
     p.add_argument("--model", help="catalog model name, or a Hugging Face folder (config.json + weights)")
     p.add_argument("--scenario", type=Path, help="take model, device and engine settings from a scenario")
     p.add_argument("--catalog-device", help="the device catalog entry to fit (default: detected, or 'cpu')")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
-    p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a setting of the deployment, e.g. --set engine.max_model_len=4096 "
+                        "(repeatable)")
+    p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml; "
+                                            "with --from-vllm profiles/<device>_<model>_vllm.yaml)")
     p.add_argument("--from-vllm", nargs="+", type=Path, metavar="RESULT.json",
                    help="fit to measured `vllm bench serve --save-result --save-detailed` files of one "
                         "deployment (JSON or --append-result JSONL) instead of profiling the engine; "
@@ -161,7 +165,8 @@ def calibrate_main(argv: list[str]) -> int:
                           f"{q['p90_rel_error']:.1%} over {q['points']} points ({kinds})")
     console.print(f"host terms: median relative error {fit['host_median_rel_error']:.1%} over "
                   f"{fit['replayed_steps']} replayed steps")
-    console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out})")
+    # absolute: a relative path in --set resolves against the scenario file, not the working folder
+    console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out.resolve()})")
     return 0
 
 

@@ -675,7 +675,8 @@ def calibrate_from_vllm_main(args) -> int:
     if fit.warnings:
         err_console.print("[bold red]the profile is marked quality: poor; check the runs and the deployment "
                           "settings before trusting it[/]")
-    console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out})")
+    # absolute: a relative path in --set resolves against the scenario file, not the working folder
+    console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out.resolve()})")
     return 0
 
 

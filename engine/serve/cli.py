@@ -44,7 +44,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; "
                         "the rest are then aborted")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
     return p
 
 

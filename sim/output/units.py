@@ -86,6 +86,8 @@ def pct(fraction: Any, signed: bool = False) -> str:
         return format_value(v) + "%"
     size = abs(v)
     digits = 0 if size >= 100 or v == 0 else 1 if size >= 1 else 2 if size >= 0.01 else 3
+    while digits < 3 and size < 100 <= round(size, digits):    # 99.96% of requests is not "100.0%"
+        digits += 1
     text = f"{v:+.{digits}f}%" if signed else f"{v:.{digits}f}%"
     return text
 

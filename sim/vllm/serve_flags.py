@@ -35,6 +35,14 @@ from sim.vllm.kv_offload_flags import offloading_size
 
 # ----------------------------------------------------------------------------- value parsers
 
+def _number(text: str, expected: str) -> float:
+    """float(text), with an error saying what the flag expects instead of Python's own message."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{excerpt(text)}: {expected}") from None
+
+
 def _human_int(text: str) -> int:
     """vLLM's human_readable_int: 1k = 1000, 1K = 1024 (and m/M, g/G, t/T); 25.6k = 25600; plain integers."""
     units = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
@@ -44,6 +52,8 @@ def _human_int(text: str) -> int:
     number = text[:-1] if scale != 1 else text
     if "." in number and text[-1:] in "KMGT":
         raise ValueError(f"{excerpt(text)}: decimals only go with the decimal suffixes k, m, g, t (as vLLM reads it)")
+    if not _is_number(number):
+        raise ValueError(f"{excerpt(text)}: expected a whole number, e.g. 4096, 32k (32,000) or 32K (32,768)")
     value = float(number) * scale
     if not math.isfinite(value):         # 1e400 reads as inf: no int holds it
         raise ValueError(f"{excerpt(text)} is not a finite number")
@@ -56,11 +66,14 @@ def _int(text: str) -> int:
     """A plain integer flag; a 5,000-digit one is refused by its length, not by Python's digit limit."""
     if len(text.strip()) > 30:
         raise ValueError(f"{excerpt(text)} is not an integer of a sensible size")
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{excerpt(text)}: expected an integer") from None
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _number(text, "expected a number, e.g. 0.9")
     if not math.isfinite(value):
         raise ValueError(f"{excerpt(text)} is not a finite number")
     return value
@@ -172,7 +185,7 @@ def _unquoted_object(text: str) -> Optional[dict]:
 def _partial_prefills(text: str) -> int:
     """vLLM's engine arguments refuse any value but 1 (engine/arg_utils.py _check_feature_supported,
     0.12-0.21: NotImplementedError "Concurrent Partial Prefill is not supported")."""
-    value = int(text)
+    value = _int(text)
     if value != 1:
         raise ValueError("vLLM (0.12-0.21, engine/arg_utils.py) refuses it: \"Concurrent Partial Prefill is "
                          "not supported\"; only 1 starts")
@@ -421,6 +434,30 @@ def _leading_environment(words: list[str]) -> tuple[list[tuple[str, str]], list[
         else:
             break
     return env, words[i:]
+
+
+SECRET_FLAGS = ("--api-key", "--hf-token")
+SECRET_NAME = ("TOKEN", "KEY", "SECRET", "PASSWORD")     # in an environment variable's name: HF_TOKEN, ...
+REDACTED = "REDACTED"           # no character a shell would quote
+
+
+def without_secrets(command: str | list[str]) -> str | list[str]:
+    """The command with the values of --api-key, --hf-token and of environment variables named like
+    secrets (HF_TOKEN=..., VLLM_API_KEY=...) replaced by REDACTED: the command is echoed on screen
+    and into the scenario file, which is meant to be shared. Unchanged when it holds none."""
+    env, words = _leading_environment(_shell_words(command))
+    out = [f"{name}={REDACTED if value and any(s in name.upper() for s in SECRET_NAME) else value}"
+           for name, value in env]
+    for word in words:
+        flag, eq, _ = word.partition("=")
+        if flag in SECRET_FLAGS and eq:
+            word = f"{flag}={REDACTED}"
+        elif out and out[-1] in SECRET_FLAGS and not word.startswith("-"):
+            word = REDACTED
+        out.append(word)
+    if out == [f"{name}={value}" for name, value in env] + words:
+        return command                   # as given (`env`, quoting), when there is nothing to hide
+    return out if isinstance(command, list) else shlex.join(out)
 
 
 def environment(command: str | list[str]) -> list[tuple[str, str]]:
@@ -822,7 +859,7 @@ def from_vllm_main(argv: list[str]) -> int:
             difflib.get_close_matches(args.device, device_names(), n=1, cutoff=0.5)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise UserError(f"--device {args.device!r}: not in the catalog; {hint}(catalog: {', '.join(device_names())})")
-    command = args.command[0] if len(args.command) == 1 else args.command
+    command = without_secrets(args.command[0] if len(args.command) == 1 else args.command)
     result = translate(command, args.device, Path.cwd(), args.model_name, spec_metrics=args.spec_metrics)
     if args.vllm_version is not None:
         set_vllm_version(result, args.vllm_version)

@@ -388,24 +388,31 @@ class ReplicaPlan:
 
     @property
     def display_table(self) -> pd.DataFrame:
-        """The table for reading: latencies in ms, headroom in percent (files keep seconds and fractions)."""
-        from sim.output import units
-
-        frame = self.table.copy()
-        for column in frame.columns:
-            if column.startswith("$/"):
-                frame[column] = [units.money(v) for v in frame[column]]
-            elif column.endswith(" (s)"):
-                frame[column] = pd.to_numeric(frame[column], errors="coerce") * 1e3
-            elif column.endswith(" headroom"):
-                frame[column] = [None if v is None or pd.isna(v) else units.pct(v) for v in frame[column]]
-        return frame.rename(columns={c: c.replace(" (s)", " (ms)") for c in frame.columns})
+        return readable(self.table, fractions=lambda column: column.endswith(" headroom"))
 
     @property
     def probe_table(self) -> pd.DataFrame:
         rows = [{"device": c.device, "tp": c.tp, **row} for c, probes in zip(self.candidates, self.probes)
                 for row in probes]
         return probe_frame(rows, ["device", "tp", "replicas"])
+
+
+def readable(table: pd.DataFrame, fractions: Callable[[str], bool]) -> pd.DataFrame:
+    """A plan's table for reading: money as $0.80, latencies in ms, the `fractions` columns in percent
+    (the files keep dollars, seconds and fractions)."""
+    from sim.output import units
+
+    frame, names = table.copy(), {}
+    for column in frame.columns:
+        if column.startswith("$/") or column.endswith(" ($)"):
+            frame[column] = [units.money(v) for v in frame[column]]
+            names[column] = column.replace(" ($)", "")
+        elif column.endswith(" (s)") and column.split()[0] in ("TTFT", "TPOT", "ITL", "E2E"):
+            frame[column] = pd.to_numeric(frame[column], errors="coerce") * 1e3
+            names[column] = column.replace(" (s)", " (ms)")
+        elif fractions(column):
+            frame[column] = [None if v is None or pd.isna(v) else units.pct(v) for v in frame[column]]
+    return frame.rename(columns=names)
 
 
 def plan_replicas(base: PointTask, traffic: Traffic, slos: Sequence[SloTarget], target_rate: float,

@@ -98,21 +98,39 @@ def positive(value: float, flag: str) -> float:
 
 
 
-def candidates(args, scenario) -> list[Candidate]:
-    from sim.core.catalog import catalog_entry, device_names
+def catalog_device(flag: str, name: str) -> dict:
+    """The device's catalog entry, or an error naming the flag and the closest devices (as `--set device=`)."""
+    from sim.core.catalog import catalog_entry
 
+    try:
+        return catalog_entry("devices", name)
+    except KeyError as e:
+        raise PlanError(f"{flag}: {e.args[0]}") from None
+
+
+def candidates(args, scenario) -> list[Candidate]:
     names = [d.strip() for d in args.devices.split(",")] if args.devices else [scenario.device.name]
     prices = dict(parse_cost(c) for c in args.cost)
+    for name in prices:                  # a misspelt --cost device would leave the catalog price in use
+        catalog_device("--cost", name)
     out = []
     for name in names:
-        if name not in device_names():
-            raise PlanError(f"--devices: unknown device '{name}' (known: {', '.join(device_names())})")
-        price = prices.get(name, catalog_entry("devices", name).get("cost_per_hour"))
+        price = prices.get(name, catalog_device("--devices", name).get("cost_per_hour"))
         if price is None:
             raise PlanError(f"device '{name}' has no cost_per_hour in the catalog: pass --cost {name}=PRICE")
         out += [Candidate(name, tp, float(price)) for tp in tp_degrees(args.tp, scenario)]
     return out
 
+
+
+def scenario_device_price(args, scenario, search: str) -> Optional[float]:
+    """$/GPU-hour of the scenario's own device, the one the rate search and --autoscale run on: its
+    --cost, else the catalog's. A --cost for another device would be ignored, so it is an error."""
+    prices = dict(parse_cost(c) for c in args.cost)
+    other = sorted(set(prices) - {scenario.device.name})
+    if other:
+        raise PlanError(f"--cost {other[0]}: {search} runs on the scenario's device ({scenario.device.name})")
+    return prices.get(scenario.device.name, scenario.device.cost_per_hour)
 
 
 def parse_cost(text: str) -> tuple[str, float]:
@@ -121,7 +139,7 @@ def parse_cost(text: str) -> tuple[str, float]:
         price = float(value) if sep else -1.0
     except ValueError:
         price = -1.0
-    if price < 0:
+    if not 0 <= price < math.inf:        # nan and inf too: a price of nan printed as '—/hour'
         raise PlanError(f"--cost {text!r}: expected DEVICE=PRICE_PER_GPU_HOUR, e.g. --cost l4=0.7")
     return name.strip(), price
 

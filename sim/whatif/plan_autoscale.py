@@ -111,6 +111,13 @@ def comparison(runs: list[FleetRun], slo, price: Optional[float]) -> "pd.DataFra
     return pd.DataFrame(rows)
 
 
+def readable_comparison(table: "pd.DataFrame") -> "pd.DataFrame":
+    """comparison() for the screen and the page: $0.80, milliseconds, 99.96% (autoscale.csv keeps fractions)."""
+    from sim.whatif.plan import readable
+
+    return readable(table, fractions=lambda column: column == "SLO attainment")
+
+
 def replica_series(runs: list[FleetRun]) -> "pd.DataFrame":
     return pd.DataFrame([{"fleet": run.name, **row} for run in runs
                          for row in replicas_over_time(run.lives, run.end_s)])
@@ -182,7 +189,8 @@ def write_files(out: Path, runs: list[FleetRun], table, windows, shape, bucket_s
              "replicas": write_csv(out / "autoscale_replicas.csv", replica_series(runs)),
              "png": save_png(plot(runs, windows, shape, bucket_s, title), out / "autoscale.png")}
     files["html"] = write_page(out / "autoscale.html", title, [verdict(table)],
-                               [("Fleets", table), ("SLO attainment per window", windows)], {"fleets": files["png"]},
+                               [("Fleets", readable_comparison(table)), ("SLO attainment per window", windows)],
+                               {"fleets": files["png"]},
                                setup)
     return files
 
@@ -229,30 +237,19 @@ def check_flags(args: argparse.Namespace) -> None:
         raise PlanError(f"--bucket-s {args.bucket_s}: expected a positive number of seconds")
 
 
-def gpu_price(args, scenario) -> Optional[float]:
-    from sim.whatif.plan import PlanError
-    from sim.whatif.plan_args import parse_cost
-
-    prices = dict(parse_cost(c) for c in args.cost)
-    unknown = sorted(set(prices) - {scenario.device.name})
-    if unknown:
-        raise PlanError(f"--cost {unknown[0]}: --autoscale runs on the scenario's device ({scenario.device.name})")
-    return prices.get(scenario.device.name, scenario.device.cost_per_hour)
-
-
 def autoscale_main(args: argparse.Namespace) -> int:
     from sim.output.console import console, err_console
     from sim.output.run_dir import owned_run_folder
     from sim.output.setup import setup_manifest
     from sim.arrival_shape import shape_of
     from sim.whatif.plan import PlanError
-    from sim.whatif.plan_args import scenario_task
+    from sim.whatif.plan_args import scenario_device_price, scenario_task
 
     task, scenario = scenario_task(args)
     if scenario.cluster.autoscaling is None:
         raise PlanError(f"{args.scenario}: --autoscale needs cluster.autoscaling in the scenario (see "
                         f"docs/whatif/autoscaling.md)")
-    price = gpu_price(args, scenario)
+    price = scenario_device_price(args, scenario, "--autoscale")
     out = args.out or Path("runs") / args.scenario.stem / "plan_autoscale"
     t0 = time.monotonic()
     with owned_run_folder(out, force=args.force):
@@ -274,7 +271,7 @@ def autoscale_main(args: argparse.Namespace) -> int:
                     setup_manifest(scenario))
     if not args.quiet:
         from sim.output.run_table import print_frame
-        print_frame(table)
+        print_frame(readable_comparison(table))
         console.print(verdict(table))
         console.print(f"2 runs in {time.monotonic() - t0:.1f} s; wrote {out}/ (autoscale.csv, autoscale_slo.csv, "
                       f"autoscale_replicas.csv, autoscale.png, autoscale.html)")

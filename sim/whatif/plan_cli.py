@@ -11,9 +11,9 @@ from sim.scenario import scenario_args
 from sim.whatif import plan, plan_autoscale, plan_pd
 from sim.whatif.plan import (PlanError, RateCurve, SloTarget, Traffic, fill_curve, parse_slo, pessimistic_slos,
                              plan_replicas, scenario_band, scenario_slos, search_rate)
-from sim.whatif.plan_args import base_task, candidates, check_plan_flags, default_out, positive
+from sim.whatif.plan_args import base_task, candidates, check_plan_flags, default_out, positive, scenario_device_price
 from sim.whatif.plan_output import print_band, print_rate_plan, print_replica_plan, write_rate_plan, write_replica_plan
-from sim.whatif.sweep import PointTask
+from sim.whatif.sweep import PointTask, gpu_cost
 from sim.whatif.parallel import add_parallel_args, check_jobs
 
 
@@ -52,8 +52,10 @@ def plan_parser() -> argparse.ArgumentParser:
                    "decode engines (default 8)")
     add_parallel_args(p)
     plan_autoscale.add_args(p)
-    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<scenario>/plan "
-                   "for the rate search, runs/<scenario>/plan_replicas with --target-rate)")
+    p.add_argument("--out", type=out_folder_arg, default=None, help="output folder (default runs/<stem>/plan for "
+                   "the rate search, runs/<stem>/plan_replicas with --target-rate, plan_splits with "
+                   "--disaggregation, plan_autoscale with --autoscale; <stem>: the scenario file's "
+                   "name without .yaml)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
     p.add_argument("--pessimistic", action="store_true",
                    help="answer with the bad edge of the error band: each SLO limit is divided by (1 + the "
@@ -91,9 +93,13 @@ def search_main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     if args.target_rate is not None:                      # flag errors first, then the folder
         rate, targets = positive(args.target_rate, "--target-rate"), candidates(args, scenario)
+    else:
+        price = scenario_device_price(args, scenario, "the rate search")
     with owned_run_folder(out, force=args.force):         # checked before searching
         if args.target_rate is None:
             curve = run_rate_search(args, base, scenario, slos)
+            if args.cost:                                 # the probes priced the catalog's GPU hour
+                with_price(curve, gpu_cost(scenario, price))
             write_rate_plan(curve, out, scenario.name, setup_manifest(scenario))     # titled as run figures are
         else:
             plan = plan_replicas(base, Traffic.of(scenario), slos, rate, targets, args.max_replicas,
@@ -107,6 +113,14 @@ def search_main(args: argparse.Namespace) -> int:
         print_band(band, slos, args.pessimistic)
     return 0
 
+
+
+def with_price(curve: RateCurve, cost: dict) -> None:
+    """Every probe that ran at `cost` (gpus and cost_per_hour): its device and size are the scenario's
+    at every rate, so one price holds for all; a probe that did not fit (no gpus) stays as it is."""
+    for row in curve.rows:
+        if "gpus" in row:
+            row.update(cost)
 
 
 def run_rate_search(args, base: PointTask, scenario, slos: list[SloTarget]) -> RateCurve:

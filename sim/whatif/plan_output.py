@@ -181,7 +181,7 @@ def print_rate_plan(curve: RateCurve, out: Path, wall_s: float) -> None:
 
     print_frame(curve_table(curve, compact=True))
     console.print(rate_verdict(curve))
-    console.print(f"{len(curve.rows)} probes in {wall_s:.1f} s; wrote {out}/ (plan.csv, plan.png, plan.html)")
+    console.print(f"{probes_counted(len(curve.rows))} in {wall_s:.1f} s; wrote {out}/ (plan.csv, plan.png, plan.html)")
 
 
 
@@ -220,4 +220,9 @@ def print_replica_plan(plan: ReplicaPlan, out: Path, wall_s: float) -> None:
     print_frame(plan.display_table)
     console.print(replica_verdict(plan))
     probes = sum(len(p) for p in plan.probes)
-    console.print(f"{probes} probes in {wall_s:.1f} s; wrote {out}/ (plan.csv, plan_probes.csv, plan.png, plan.html)")
+    console.print(f"{probes_counted(probes)} in {wall_s:.1f} s; wrote {out}/ (plan.csv, plan_probes.csv, plan.png, "
+                  "plan.html)")
+
+
+def probes_counted(n: int) -> str:
+    return f"{n} probe" if n == 1 else f"{n} probes"

@@ -51,6 +51,30 @@ def test_from_vllm_values_that_used_to_crash_or_mislead(tmp_path, capsys):
     assert code == 2 and "names no model" in err
 
 
+@pytest.mark.parametrize("words, message", [
+    ("--max-model-len abc", "--max-model-len abc: 'abc': expected a whole number, e.g. 4096, 32k (32,000) or 32K"),
+    ("--max-num-seqs x4", "--max-num-seqs x4: 'x4': expected an integer"),
+    ("--gpu-memory-utilization high", "--gpu-memory-utilization high: 'high': expected a number, e.g. 0.9")])
+def test_a_value_that_is_no_number_says_what_the_flag_expects(tmp_path, capsys, words, message):
+    code, err, _ = from_vllm(tmp_path, capsys, "vllm serve tiny " + words)
+    assert code == 2 and message in err
+    assert "could not convert" not in err and "invalid literal" not in err     # not Python's own wording
+
+
+@pytest.mark.parametrize("as_words", [False, True])
+def test_secrets_in_the_command_are_neither_shown_nor_written(tmp_path, capsys, as_words):
+    """The command is echoed on screen and into a scenario file meant to be shared: --api-key,
+    --hf-token and HF_TOKEN-like environment values are replaced, the rest stays as given."""
+    command = "HF_TOKEN=hf_s1 vllm serve tiny --api-key sk-s2 --hf-token=hf_s3 --max-num-seqs 4"
+    code, shown, out = from_vllm(tmp_path, capsys, *(command.split() if as_words else [command]))
+    assert code == 0 and "engine.max_num_seqs = 4" in shown
+    text = out.read_text()
+    for secret in ("hf_s1", "sk-s2", "hf_s3"):
+        assert secret not in shown and secret not in text
+    assert text.splitlines()[0].endswith("from: HF_TOKEN=REDACTED vllm serve tiny --api-key REDACTED "
+                                         "--hf-token=REDACTED --max-num-seqs 4")
+
+
 def test_a_5000_flag_command_lists_the_first_flags_and_counts_the_rest(tmp_path, capsys):
     command = "vllm serve tiny " + " ".join(f"--unknown-flag-{i} {i}" for i in range(5000))
     code, err, out = from_vllm(tmp_path, capsys, command)

@@ -176,6 +176,7 @@ def test_summary_table_ratio_columns_compare_each_run_with_the_first(views):
 
 @pytest.mark.parametrize("value, kind, text", [
     (0.0038, "pct", "0.38%"), (0.477, "pct", "47.7%"), (1.0, "pct", "100%"), (0.031, "signed_pct", "+3.1%"),
+    (0.9996, "pct", "99.96%"), (0.99997, "pct", "99.997%"), (0.9994, "pct", "99.9%"),   # never "100.0%" below 1
     (-0.12, "signed_pct", "-12.0%"), (0.00186, "ms", "1.86"), (1.0889, "ms", "1,089"),
     (988065536, "gib", "0.92 GiB"), (73804677120, "gib", "68.7 GiB"), (13213, "count", "13,213"),
     (1.93, "ratio", "1.93x"), (1.0, "ratio", "1.00x"), (0.0348, "ratio", "0.035x"), (None, "ms", "—"), (float("nan"), "pct", "—"),

@@ -105,7 +105,7 @@ def test_cli_writes_a_loadable_scenario(tmp_path, capsys):
                "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--max-num-seqs", "32", "--api-key", "k"])
     assert rc == 0
     text = out.read_text()
-    assert "--api-key k: ignored" in text
+    assert "--api-key REDACTED: ignored" in text        # a secret is not written (without_secrets)
     scenario = load_scenario(out)
     assert scenario.model.name == "llama-3.1-8b" and scenario.max_num_seqs == 32
     assert main(["from-vllm", "--device", "h100-sxm", "--strict", "vllm serve tiny --new-thing"]) == 2

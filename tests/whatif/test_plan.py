@@ -164,6 +164,16 @@ def test_plan_rate_cli_writes_the_curve_and_marks_the_knee(scenario_file, tmp_pa
     assert (out / "plan.png").stat().st_size > 10_000 and (out / "plan.html").exists()
 
 
+def test_plan_rate_cli_prices_the_gpu_hour_with_cost(scenario_file, tmp_path, capsys):
+    """--cost used to be ignored by the rate search: the answer kept the catalog's $0.80 for an L4."""
+    out = tmp_path / "plan"
+    assert main(["plan", str(scenario_file), "--cost", "l4=2", "--tolerance", "0.3", "--out", str(out),
+                 "--jobs", "1"]) == 0
+    assert "1 GPU at $2.00/hour" in capsys.readouterr().out
+    curve = pd.read_csv(out / "plan.csv")
+    assert (curve["cost_per_hour"] == 2.0).all()
+
+
 def test_plan_replicas_cli_ranks_by_cost_with_prices_from_the_command_line(scenario_file, tmp_path):
     out = tmp_path / "plan"
     assert main(["plan", str(scenario_file), "--target-rate", "6", "--devices", "l4,h100-sxm",
@@ -177,6 +187,10 @@ def test_plan_replicas_cli_ranks_by_cost_with_prices_from_the_command_line(scena
     (["--set", "workload.arrival.rate=1,2"], "plan searches one scenario"),
     (["--set", "workload.arrival={process: offline}"], "needs synthetic arrivals with a rate"),
     (["--target-rate", "5", "--devices", "l5"], "unknown device 'l5'"),
+    (["--target-rate", "5", "--devices", "h100"], "--devices: unknown device 'h100'; did you mean 'h100-nvl'"),
+    (["--target-rate", "5", "--cost", "l44=1"], "--cost: unknown device 'l44'; did you mean 'l4'"),
+    (["--target-rate", "5", "--cost", "l4=nan"], "--cost 'l4=nan': expected DEVICE=PRICE"),
+    (["--cost", "h100-sxm=1"], "--cost h100-sxm: the rate search runs on the scenario's device (l4)"),
     (["--target-rate", "5", "--tp", "0"], "--tp '0'"),
     (["--target-rate", "5", "--cost", "l4"], "DEVICE=PRICE"),
     (["--devices", "h100-sxm"], "--devices applies to the replica search: give --target-rate"),
