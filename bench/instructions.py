@@ -67,9 +67,13 @@ LINES = {
     "vidur-simrun": ("vidur_llama2_70b", 3000, True, ()),
     "vidur-simrun-plots": ("vidur_llama2_70b", 3000, True, ()),     # the plots drawn in-process
     "vidur-simrun-terminal": ("vidur_llama2_70b", 3000, True, ()),  # vidur-simrun on a terminal
+    # predict() on bench-150's scenario and size (issue 26's 1M case: sampled lengths, shared
+    # prefixes): its excess over bench-150 is what predict adds there
+    "bench-predict": ("bench_sim_speed", 3000, True, ()),
 }
 # line -> the entry point its full run calls (the others: simulate() on the built workload)
-ENTRY = {"vidur-predict": "predict", "vidur-simrun": "simrun", "vidur-simrun-plots": "simrun-plots",
+ENTRY = {"vidur-predict": "predict", "bench-predict": "predict", "vidur-simrun": "simrun",
+         "vidur-simrun-plots": "simrun-plots",
          "vidur-simrun-terminal": "simrun-terminal"}
 
 # Run inside the measured tree: load the scenario, build the workload whole and a cost model (what a

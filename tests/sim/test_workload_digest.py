@@ -35,6 +35,22 @@ def test_columnar_text_is_repr(monkeypatch, with_arrow, k):
         assert text == _expected(described)
 
 
+@pytest.mark.parametrize("with_arrow", [True, False])
+def test_columnar_text_of_requests_with_different_numbers_of_segments(monkeypatch, with_arrow):
+    """A shared prefix only some conversations carry (bench_sim_speed: 80 %), a dynamic segment, a
+    multi-turn prompt: each segment slot's rows without it are left out, the text still repr's."""
+    if with_arrow:
+        pytest.importorskip("pyarrow")
+    else:
+        monkeypatch.setattr(columnar, "_pyarrow", lambda: None)
+    rng = random.Random(11)
+    described = [row for k in (0, 1, 2, 3) for row in _plain(rng, 200, k, ("a", None))]
+    rng.shuffle(described)
+    text = _columnar_text(described)
+    assert text is not None
+    assert text == _expected(described)
+
+
 @pytest.mark.parametrize("odd", [
     (1, None, 5, 5, None, 0, [(1, 2)]),                 # a follow-up turn: no arrival
     (1, 1.5, 5, 5, None, True, [(1, 2)]),               # a bool
@@ -53,7 +69,8 @@ def test_empty_batch():
     assert described_text([]) == b""
 
 
-@pytest.mark.parametrize("scenario", ["vidur_llama2_70b", "bench_prefix_reuse", "quickstart"])
+@pytest.mark.parametrize("scenario", ["vidur_llama2_70b", "bench_prefix_reuse", "quickstart",
+                                      "bench_sim_speed"])
 def test_digest_does_not_depend_on_the_columns(monkeypatch, scenario):
     """The manifest's digest is the same whether each batch's text is made from columns or by repr."""
     from sim.predict import WorkloadDescription
