@@ -765,11 +765,11 @@ def generic(params: dict[str, dict[str, float]], deployment_counts: dict[str, in
     run of that generation measured, or of one class's only deployment. With GENERIC_OF_TESTED_CLASSES,
     of those that price their own GPU only (sim.trained.tested_class of their `deployment_counts`:
     fitted on two deployments or more; every class where none is)."""
-    tested = {g: p for g, p in params.items() if tested_class(deployment_counts.get(g, 0))} or params
-    tested = tested if GENERIC_OF_TESTED_CLASSES else params
+    if GENERIC_OF_TESTED_CLASSES:
+        params = {g: p for g, p in params.items() if tested_class(deployment_counts.get(g, 0))} or params
     out = {}
     for n in NAMES:
-        values = [p[n] for p in tested.values() if n in p]
+        values = [p[n] for p in params.values() if n in p]
         if values:
             out[n] = float(np.exp(np.mean(np.log(values))))
     return out
