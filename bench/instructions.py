@@ -26,8 +26,9 @@ does nothing reports ~98 % of its parent's), so summing the processes' counts co
 work before each fork again. Until 7 December this line ran each tree's default figure processes
 and summed them, so its figures then (12,280M with two, 9,503M with one) over-count by about the
 parent's count at each fork and are not comparable; a tree without KVTWIN_PLOT_WORKERS (before
-7 December) still forks, and its count here is inflated the same way. `vidur-simrun-terminal` is `vidur-simrun` without `--quiet`, its stdout and
-stderr on a pseudo-terminal (drained by a thread, as a terminal reads it): its excess over
+7 December) still forks, and its count here is inflated the same way.
+`vidur-simrun-terminal` is `vidur-simrun` without `--quiet`, its stdout and stderr on a
+pseudo-terminal (drained by a thread, as a terminal reads it): its excess over
 `vidur-simrun` is what the progress bar, the status lines and the results table cost (issue 26's
 progress-display target), a fixed cost beside a run that grows with its requests.
 """

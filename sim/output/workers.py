@@ -6,9 +6,9 @@ prints its table without one), then draws report.RUN_PLOTS when the results come
 KVTWIN_PLOT_WORKERS=N sets the number of figure processes (default 1; 0 draws in the calling
 process, as happens where fork is not available or from a process that runs other threads);
 with N > 1 the figure process forks N - 1 copies, which draw their shares in parallel without
-importing matplotlib again. One is the default because each drawing process pays its own
-first-figure costs: two drew Vidur's run ~0.6 s sooner for ~3.7 G instructions (~30 % of the
-plots) more CPU (docs/performance.md). A sweep's plots are split the same way
+importing matplotlib again. One is the default: two drew Vidur's run ~0.6 s sooner, at a CPU cost
+not yet measured reliably, and in CPU time one figure process costs the same as drawing in the
+main process (docs/performance.md, "Figures from reductions"). A sweep's plots are split the same way
 (`in_forked_shares`), once its points are done, in N + 1 processes: the caller and N copies.
 
 A stop a signal asks for (sim/stop.py) is passed on to the figure process and from it to its
