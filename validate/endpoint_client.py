@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from sim.core.files import excerpt
 from sim.core.lazy import lazy_import
 from sim.core.request import Request
 
@@ -164,13 +165,17 @@ class Client:
     @staticmethod
     def _settle(trip: Trip, usage: Optional[dict]) -> None:
         if usage:
-            trip.tokens = usage.get("completion_tokens", trip.tokens)
+            if usage.get("completion_tokens") is not None:
+                trip.tokens = usage["completion_tokens"]
             trip.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         expected = trip.request.output_len
         if not trip.chunks:
             trip.fail("the stream carried no token")
         elif trip.tokens != expected:
             trip.fail(f"{trip.tokens} tokens returned, {expected} asked with ignore_eos")
+        elif trip.cached is not None and trip.cached > trip.request.prompt_len:
+            trip.fail(f"malformed stream: usage.prompt_tokens_details.cached_tokens is {trip.cached}, more "
+                      f"than the prompt's {trip.request.prompt_len} tokens")
         else:
             trip.status = "finished"
 
@@ -180,19 +185,56 @@ class MalformedStream(Exception):
 
 
 def sse_event(line: str) -> Any:
-    """A `data:` line's JSON object, or "[DONE]"; MalformedStream otherwise."""
+    """A `data:` line's JSON object, or "[DONE]"; MalformedStream otherwise, naming what is wrong:
+    the fields the client reads (choices, their token_ids, usage's token counts) are typed, so a
+    hostile or broken server fails its request with a reason, never the whole bench."""
     if not line.startswith("data:"):
-        raise MalformedStream(f"not a server-sent `data:` line: {line[:80]!r}")
+        raise MalformedStream(f"not a server-sent `data:` line: {excerpt(line, 80)}")
     data = line[5:].strip()
     if data == "[DONE]":
         return data
     try:
         event = json.loads(data)
-    except json.JSONDecodeError:
-        raise MalformedStream(f"event is not JSON: {data[:80]!r}") from None
+    except RecursionError:
+        raise MalformedStream("event is not JSON (it nests too deeply)") from None
+    except ValueError as e:      # JSONDecodeError, an integer over 4300 digits
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise MalformedStream(f"event is not JSON ({excerpt(reason, 60)[1:-1]}): {excerpt(data, 80)}") from None
     if not isinstance(event, dict) or not ({"choices", "usage", "error"} & set(event)):
-        raise MalformedStream(f"event has neither choices, usage nor error: {data[:80]!r}")
+        raise MalformedStream(f"event has neither choices, usage nor error: {excerpt(data, 80)}")
+    _check_choices(event.get("choices"))
+    _check_usage(event.get("usage"))
     return event
+
+
+def _check_choices(choices: Any) -> None:
+    if choices is None:
+        return
+    if not isinstance(choices, list):
+        raise MalformedStream(f"choices is {excerpt(choices)}, expected a list of choice objects")
+    for i, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            raise MalformedStream(f"choices[{i}] is {excerpt(choice)}, expected an object")
+        ids = choice.get("token_ids")
+        if ids is not None and not (isinstance(ids, list) and all(type(t) is int for t in ids)):
+            raise MalformedStream(f"choices[{i}].token_ids is {excerpt(ids)}, expected a list of token ids")
+
+
+def _check_usage(usage: Any) -> None:
+    if usage is None:
+        return
+    if not isinstance(usage, dict):
+        raise MalformedStream(f"usage is {excerpt(usage)}, expected an object")
+    details = usage.get("prompt_tokens_details")
+    if details is not None and not isinstance(details, dict):
+        raise MalformedStream(f"usage.prompt_tokens_details is {excerpt(details)}, expected an object")
+    for name, value in (("usage.completion_tokens", usage.get("completion_tokens")),
+                        ("usage.prompt_tokens_details.cached_tokens", (details or {}).get("cached_tokens"))):
+        if value is not None and not (type(value) is int and 0 <= value <= MAX_COUNT):
+            raise MalformedStream(f"{name} is {excerpt(value)}, expected a whole number >= 0")
+
+
+MAX_COUNT = 2**53          # token counts beyond this are no count a server could have made
 
 
 def error_message(body: Any) -> str:

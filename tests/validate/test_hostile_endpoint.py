@@ -1,0 +1,86 @@
+"""`simrun bench` against a hostile or broken endpoint: every answer it can give ends each
+request failed with a reason (or the bench with a clean error), never a traceback, a hang or a
+terminal driven by the server's text."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.scenario import validate_scenario
+from validate.bench import run_bench
+from validate.endpoint_client import BenchError
+
+from test_bench import fake_endpoint, small_raw   # noqa: E402 (tests/ is on sys.path under pytest)
+
+
+def _chunk(body) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+GOOD = _chunk({"choices": [{"index": 0, "text": "a"}]})
+
+# max_tokens -> what the stream carries before its usage and [DONE] (4 and 8, the smoke request, are well formed)
+HOSTILE_EVENTS = {
+    10: [_chunk({"choices": "abc"})],
+    11: [_chunk({"choices": [{"token_ids": 5}]})],
+    12: [GOOD, _chunk({"choices": [], "usage": [1]})],
+    13: [GOOD] * 13 + [_chunk({"choices": [], "usage": {"completion_tokens": 13,
+                                                       "prompt_tokens_details": {"cached_tokens": "lots"}}})],
+    14: ['data: {"choices": [{"x": ' + "9" * 5000 + '}]}\n\n'],
+    15: ['data: {"choices": ' + "[" * 100000 + "]" * 100000 + '}\n\n'],
+    16: [_chunk({"choices": [5]})],
+    17: [GOOD] * 17 + [_chunk({"choices": [], "usage": {"completion_tokens": True}})],
+    18: [GOOD] * 18 + [_chunk({"choices": [], "usage": {"completion_tokens": 18,
+                                                       "prompt_tokens_details": {"cached_tokens": -3}}})],
+    19: [GOOD] * 19 + [_chunk({"choices": [], "usage": {"completion_tokens": 19,
+                                                       "prompt_tokens_details": {"cached_tokens": 10**6}}})],
+}
+EXPECTED = {
+    10: "malformed stream: choices is 'abc', expected a list of choice objects",
+    11: "malformed stream: choices[0].token_ids is 5, expected a list of token ids",
+    12: "malformed stream: usage is [1], expected an object",
+    13: "malformed stream: usage.prompt_tokens_details.cached_tokens is 'lots', expected a whole number >= 0",
+    14: "malformed stream: event is not JSON (Exceeds the limit (4300 digits)",
+    15: "malformed stream: event is not JSON (it nests too deeply)",
+    16: "malformed stream: choices[0] is 5, expected an object",
+    17: "malformed stream: usage.completion_tokens is True, expected a whole number >= 0",
+    18: "malformed stream: usage.prompt_tokens_details.cached_tokens is -3, expected a whole number >= 0",
+    19: "malformed stream: usage.prompt_tokens_details.cached_tokens is 1000000, more than the prompt's 16",
+}
+
+
+def hostile_app(models_body: bytes = b'{"data": [{"id": "fake"}]}'):
+    from starlette.applications import Starlette
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(_request):
+        return Response(models_body, media_type="application/json")
+
+    async def completions(request):
+        n = (await request.json())["max_tokens"]
+
+        async def events():
+            for line in HOSTILE_EVENTS.get(n, [GOOD] * n):
+                yield line
+            if n not in HOSTILE_EVENTS:
+                yield _chunk({"choices": [], "usage": {"completion_tokens": n}})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+
+
+def test_malformed_events_fail_their_request_with_a_reason():
+    outputs = [4, *HOSTILE_EVENTS]
+    url, stop = fake_endpoint(hostile_app())
+    try:
+        measured = run_bench(validate_scenario(small_raw(outputs)), url, None, 10.0, 0.5)
+    finally:
+        stop()
+    frame = measured.requests.set_index("id")
+    assert frame["status"].tolist() == ["finished"] + ["failed"] * len(HOSTILE_EVENTS)
+    for i, n in enumerate(HOSTILE_EVENTS, start=1):
+        assert frame["reject_reason"][i].startswith(EXPECTED[n]), (n, frame["reject_reason"][i])
+    assert measured.summary["requests_failed"] == len(HOSTILE_EVENTS)
