@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sim.core.files import excerpt
+from sim.core.files import excerpt, printable
 from sim.core.lazy import lazy_import
 from sim.core.request import Request
 
@@ -76,14 +76,11 @@ class Client:
         except httpx.HTTPError as e:
             raise BenchError(f"cannot reach {self.base} ({type(e).__name__}: {e or 'no answer'}); "
                              f"is the server running?") from None
-        try:
-            cards = reply.json().get("data", []) if reply.status_code == 200 else []
-        except ValueError:
-            cards = []
+        cards = model_cards(reply.content) if reply.status_code == 200 else []
         if not cards and model is None:
             raise BenchError(f"{self.base}/v1/models answered HTTP {reply.status_code} without a model; "
                              f"pass --model NAME")
-        card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
+        card = next((c for c in cards if c["id"] == model), cards[0] if cards else {})
         self.model = model or card["id"]
         info = {"model": self.model, "root": card.get("root"), "max_model_len": card.get("max_model_len")}
         info["version"] = await self._version()
@@ -94,9 +91,10 @@ class Client:
 
         try:
             reply = await self.http.get("/version")
-            return reply.json().get("version") if reply.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            version = reply.json().get("version") if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, RecursionError, AttributeError):    # no version, or not an object
             return None
+        return printable(version, 100) if isinstance(version, str) else None
 
     async def reset_prefix_cache(self) -> str:
         """POST /reset_prefix_cache (ours; vLLM's when started with VLLM_SERVER_DEV_MODE=1): 'reset',
@@ -178,6 +176,29 @@ class Client:
                       f"than the prompt's {trip.request.prompt_len} tokens")
         else:
             trip.status = "finished"
+
+
+def model_cards(content: bytes) -> list[dict]:
+    """The model objects of a /v1/models answer (OpenAI's `{"data": [{"id": ...}, ...]}`), each
+    with a string id; BenchError naming what is wrong otherwise."""
+    try:
+        body = json.loads(content)
+    except (ValueError, RecursionError):
+        raise BenchError(f"/v1/models answered {excerpt(content, 80)}, which is not JSON") from None
+    if not isinstance(body, dict):
+        raise BenchError(f"/v1/models answered {excerpt(body)}, expected an object with a `data` list of models")
+    cards = body.get("data", [])
+    if not isinstance(cards, list):
+        raise BenchError(f"/v1/models: data is {excerpt(cards)}, expected a list of models")
+    for i, card in enumerate(cards):
+        if not (isinstance(card, dict) and isinstance(card.get("id"), str)):
+            raise BenchError(f"/v1/models: data[{i}] is {excerpt(card)}, expected an object with a string `id`")
+        if card.get("root") is not None and not isinstance(card["root"], str):
+            raise BenchError(f"/v1/models: data[{i}].root is {excerpt(card['root'])}, expected a string")
+        length = card.get("max_model_len")
+        if length is not None and not (type(length) is int and 1 <= length <= MAX_COUNT):
+            raise BenchError(f"/v1/models: data[{i}].max_model_len is {excerpt(length)}, expected a whole number")
+    return cards
 
 
 class MalformedStream(Exception):

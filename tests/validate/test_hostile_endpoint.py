@@ -84,3 +84,22 @@ def test_malformed_events_fail_their_request_with_a_reason():
     for i, n in enumerate(HOSTILE_EVENTS, start=1):
         assert frame["reject_reason"][i].startswith(EXPECTED[n]), (n, frame["reject_reason"][i])
     assert measured.summary["requests_failed"] == len(HOSTILE_EVENTS)
+
+
+@pytest.mark.parametrize("body, expected", [
+    (b"[1]", r"/v1/models answered \[1\], expected an object with a `data` list of models"),
+    (b"null", r"/v1/models answered None, expected an object"),
+    (b'{"data": 5}', r"/v1/models: data is 5, expected a list of models"),
+    (b'{"data": [5]}', r"/v1/models: data\[0\] is 5, expected an object with a string `id`"),
+    (b'{"data": [{"root": "x"}]}', r"/v1/models: data\[0\] is \{'root': 'x'\}, expected an object with a string `id`"),
+    (b'{"data": [{"id": {"a": 1}}]}', r"data\[0\] is \{'id': \{'a': 1\}\}, expected an object with a string `id`"),
+    (b'{"data": [{"id": "fake", "max_model_len": "NaN"}]}', r"data\[0\].max_model_len is 'NaN', expected a whole number"),
+    (b'{"data": [{"id": "fake", "root": 7}]}', r"data\[0\].root is 7, expected a string"),
+])
+def test_a_broken_model_list_is_a_clean_error(body, expected):
+    url, stop = fake_endpoint(hostile_app(body))
+    try:
+        with pytest.raises(BenchError, match=expected):
+            run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
+    finally:
+        stop()
