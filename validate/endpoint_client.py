@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from sim.core.files import excerpt, printable
 from sim.core.lazy import lazy_import
@@ -129,11 +130,9 @@ class Client:
                    "stream_options": {"include_usage": True}}
         trip.status, trip.sent = "sent", self.now()
         try:
-            async with self.http.stream("POST", "/v1/completions", json=payload) as reply:
-                if reply.status_code != 200:
-                    trip.fail(f"HTTP {reply.status_code}: {error_message(await reply.aread())}")
-                    return
-                await self._read_stream(reply, trip)
+            await asyncio.wait_for(self._exchange(trip, payload), REQUEST_DEADLINE_S)
+        except asyncio.TimeoutError:     # wait_for's; httpx's own timeouts are HTTPErrors
+            trip.fail(f"no [DONE] within {REQUEST_DEADLINE_S} s (a request's time limit, as vLLM bench's)")
         except MalformedStream as e:
             trip.fail(f"malformed stream: {e}")
         except httpx.HTTPError as e:
@@ -142,9 +141,22 @@ class Client:
             trip.fail("interrupted while in flight", status="aborted")
             raise
 
+    async def _exchange(self, trip: Trip, payload: dict) -> None:
+        async with self.http.stream("POST", "/v1/completions", json=payload) as reply:
+            if reply.status_code != 200:
+                body = await read_capped(reply, MAX_ERROR_BYTES)
+                trip.fail(f"HTTP {reply.status_code}: {error_message(body)}")
+                return
+            await self._read_stream(reply, trip)
+
     async def _read_stream(self, reply, trip: Trip) -> None:
         usage = None
-        async for line in reply.aiter_lines():
+        max_lines = 4 * trip.request.output_len + 1024      # a token is 2 lines; room for keep-alive comments
+        lines = 0
+        async for line in bounded_lines(reply):
+            lines += 1
+            if lines > max_lines:
+                raise MalformedStream(f"more than {max_lines} lines for {trip.request.output_len} tokens asked")
             if not line or line.startswith(":"):          # blank separators, SSE comments
                 continue
             event = sse_event(line)
@@ -256,19 +268,52 @@ def _check_usage(usage: Any) -> None:
 
 
 MAX_COUNT = 2**53          # token counts beyond this are no count a server could have made
+REQUEST_DEADLINE_S = 6 * 3600      # one request, start to [DONE]: vLLM bench's aiohttp total timeout
+MAX_LINE_CHARS = 2**20     # an event line (a chunk of one token is ~300 characters)
+MAX_ERROR_BYTES = 2**16    # what is read of an error answer's body
 
 
 def error_message(body: Any) -> str:
-    """The message of an OpenAI/vLLM error body, else the body itself (shortened)."""
+    """The message of an OpenAI/vLLM error body, else the body itself: shortened, with control
+    characters escaped (a server's text must not drive the terminal it is printed on)."""
     if isinstance(body, bytes):
         try:
             body = json.loads(body)
-        except ValueError:
-            return body.decode(errors="replace")[:300]
+        except (ValueError, RecursionError):
+            return printable(body.decode(errors="replace"), 300)
     if isinstance(body, dict):
         err = body.get("error", body)
-        return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-    return str(body)[:300]
+        body = err.get("message", err) if isinstance(err, dict) else err
+    return printable(body if isinstance(body, str) else excerpt(body, 300), 300)
+
+
+async def read_capped(reply, limit: int) -> bytes:
+    """At most `limit` bytes of a streamed reply's body (an error page can be endless)."""
+    chunks, size = [], 0
+    async for chunk in reply.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
+
+
+_LINE_BREAK = re.compile("\r\n|\r|\n")
+
+
+async def bounded_lines(reply) -> AsyncIterator[str]:
+    """The reply's lines (SSE's \\r\\n, \\r or \\n endings), MalformedStream once a line passes
+    MAX_LINE_CHARS: httpx's own aiter_lines holds an endless line in memory."""
+    buffer = ""
+    async for text in reply.aiter_text():
+        buffer += text
+        *lines, buffer = _LINE_BREAK.split(buffer)
+        if len(buffer) > MAX_LINE_CHARS or any(len(line) > MAX_LINE_CHARS for line in lines):
+            raise MalformedStream(f"a line of more than {MAX_LINE_CHARS} characters")
+        for line in lines:
+            yield line
+    if buffer:
+        yield buffer
 
 
 def normalise_endpoint(url: str) -> str:

@@ -3,6 +3,7 @@ request failed with a reason (or the bench with a clean error), never a tracebac
 terminal driven by the server's text."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -35,6 +36,7 @@ HOSTILE_EVENTS = {
                                                        "prompt_tokens_details": {"cached_tokens": -3}}})],
     19: [GOOD] * 19 + [_chunk({"choices": [], "usage": {"completion_tokens": 19,
                                                        "prompt_tokens_details": {"cached_tokens": 10**6}}})],
+    24: [_chunk({"error": {"message": "\x1b[2J\x1b]0;pwned\x07 boom\n"}})],
 }
 EXPECTED = {
     10: "malformed stream: choices is 'abc', expected a list of choice objects",
@@ -47,7 +49,36 @@ EXPECTED = {
     17: "malformed stream: usage.completion_tokens is True, expected a whole number >= 0",
     18: "malformed stream: usage.prompt_tokens_details.cached_tokens is -3, expected a whole number >= 0",
     19: "malformed stream: usage.prompt_tokens_details.cached_tokens is 1000000, more than the prompt's 16",
+    24: "server error: \\x1b[2J\\x1b]0;pwned\\x07 boom\\n",    # escaped: it must not drive the terminal
 }
+
+
+async def _pings():                 # 20: keep-alive comments, never a token
+    while True:
+        yield ": ping\n\n" * 64
+        await asyncio.sleep(0)
+
+
+async def _endless_line():          # 21: one line that never ends
+    yield 'data: {"choices": [{"text": "'
+    while True:
+        yield "a" * 65536
+        await asyncio.sleep(0)
+
+
+async def _endless_error():         # 22: HTTP 500 whose body never ends
+    while True:
+        yield "x" * 65536
+        await asyncio.sleep(0)
+
+
+async def _trickle():               # 23: a token chunk now and then, well within the per-chunk timeout
+    while True:
+        yield ": still here\n\n"
+        await asyncio.sleep(0.3)
+
+
+ENDLESS = {20: _pings, 21: _endless_line, 22: _endless_error, 23: _trickle}
 
 
 def hostile_app(models_body: bytes = b'{"data": [{"id": "fake"}]}'):
@@ -60,6 +91,9 @@ def hostile_app(models_body: bytes = b'{"data": [{"id": "fake"}]}'):
 
     async def completions(request):
         n = (await request.json())["max_tokens"]
+        if n in ENDLESS:
+            return StreamingResponse(ENDLESS[n](), status_code=500 if n == 22 else 200,
+                                     media_type="text/event-stream")
 
         async def events():
             for line in HOSTILE_EVENTS.get(n, [GOOD] * n):
@@ -103,3 +137,23 @@ def test_a_broken_model_list_is_a_clean_error(body, expected):
             run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
     finally:
         stop()
+
+
+def test_endless_and_huge_streams_are_cut_with_a_reason(monkeypatch):
+    """A stream is bounded in lines, line length, error-body size and total time. The total
+    (6 hours) is vLLM bench's own: vllm/benchmarks/lib/endpoint_request_func.py, AIOHTTP_TIMEOUT
+    = ClientTimeout(total=6 * 60 * 60) (v0.10); shortened here."""
+    from validate import endpoint_client
+
+    monkeypatch.setattr(endpoint_client, "REQUEST_DEADLINE_S", 2.0)
+    url, stop = fake_endpoint(hostile_app())
+    try:
+        measured = run_bench(validate_scenario(small_raw([4, 20, 21, 22, 23])), url, None, 10.0, 0.5)
+    finally:
+        stop()
+    reasons = measured.requests.set_index("id")["reject_reason"]
+    assert measured.requests["status"].tolist() == ["finished"] + ["failed"] * 4
+    assert reasons[1].startswith("malformed stream: more than 1104 lines for 20 tokens asked")
+    assert reasons[2] == "malformed stream: a line of more than 1048576 characters"
+    assert reasons[3].startswith("HTTP 500: " + "x" * 100) and reasons[3].endswith("...")
+    assert reasons[4] == "no [DONE] within 2.0 s (a request's time limit, as vLLM bench's)"
