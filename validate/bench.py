@@ -15,7 +15,8 @@ from typing import Callable, Optional
 
 from sim.core.lazy import lazy_import
 from sim.core.request import Request, make_request, stable_key
-from sim.vllm.timeseries import parse_prometheus, pool_blocks, series_on_run_clock, timeline_row
+from sim.vllm.timeseries import (parse_prometheus, pool_blocks, sample_problem, series_on_run_clock,
+                                 timeline_row)
 from validate.endpoint_client import BenchError, Client, Trip
 from validate.measured import Measured, apply_timeline, complete_frame, measured_summary
 
@@ -53,6 +54,8 @@ class Bench:
         self._gate: Optional[asyncio.Semaphore] = None
         self.probe_tokens = PROBE_TOKENS
         self.cache: dict = {}
+        self.refused_scrapes = 0               # /metrics samples no server state can have
+        self.first_refused: Optional[str] = None
 
     async def run(self) -> None:
         await self.smoke_check()
@@ -155,6 +158,11 @@ class Bench:
         if row is None:
             return False
         self.pool_blocks = pool_blocks(labels) or self.pool_blocks
+        problem = sample_problem(row)
+        if problem is not None:        # kept out of the timeline, counted in the manifest's notes
+            self.refused_scrapes += 1
+            self.first_refused = self.first_refused or problem
+            return True
         self.scraped.append({"t_s": self.client.now(), **row})
         return True
 
@@ -257,6 +265,11 @@ def endpoint_notes(scenario, server: dict, bench: Bench) -> list[str]:
     if bench.pool_blocks and bench.pool_blocks != planned:
         notes.append(f"the endpoint's KV pool holds {bench.pool_blocks} usable blocks, the prediction "
                      f"planned {planned}: compare KV usage (%), not block counts")
+    if bench.client.metrics_problem:
+        notes.append(f"the endpoint's /metrics was not read: {bench.client.metrics_problem}")
+    if bench.refused_scrapes:
+        notes.append(f"the endpoint's /metrics gave {bench.refused_scrapes} sample(s) no server state can have "
+                     f"(the first: {bench.first_refused}); they are not in the timeline")
     if not bench.scraped:
         notes.append("the endpoint offers no vLLM /metrics: no KV or queue timeline was measured")
     cache = bench.cache

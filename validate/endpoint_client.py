@@ -64,6 +64,7 @@ class Client:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.model: Optional[str] = None
         self.t0 = time.perf_counter()
+        self.metrics_problem: Optional[str] = None     # why /metrics was not read (once it happened)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -73,13 +74,15 @@ class Client:
         import httpx
 
         try:
-            reply = await self.http.get("/v1/models")
+            status, content = await self.get("/v1/models", MAX_PAGE_BYTES)
         except httpx.HTTPError as e:
             raise BenchError(f"cannot reach {self.base} ({type(e).__name__}: {e or 'no answer'}); "
                              f"is the server running?") from None
-        cards = model_cards(reply.content) if reply.status_code == 200 else []
+        except TooLarge as e:
+            raise BenchError(str(e)) from None
+        cards = model_cards(content) if status == 200 else []
         if not cards and model is None:
-            raise BenchError(f"{self.base}/v1/models answered HTTP {reply.status_code} without a model; "
+            raise BenchError(f"{self.base}/v1/models answered HTTP {status} without a model; "
                              f"pass --model NAME")
         card = next((c for c in cards if c["id"] == model), cards[0] if cards else {})
         self.model = model or card["id"]
@@ -91,9 +94,9 @@ class Client:
         import httpx
 
         try:
-            reply = await self.http.get("/version")
-            version = reply.json().get("version") if reply.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, RecursionError, AttributeError):    # no version, or not an object
+            status, content = await self.get("/version", MAX_PAGE_BYTES)
+            version = json.loads(content).get("version") if status == 200 else None
+        except (httpx.HTTPError, TooLarge, ValueError, RecursionError, AttributeError):   # none, or no object
             return None
         return printable(version, 100) if isinstance(version, str) else None
 
@@ -113,13 +116,32 @@ class Client:
         return f"refused (HTTP {reply.status_code}: {error_message(reply.content)})"
 
     async def metrics(self) -> Optional[str]:
+        """The /metrics page, or None (none offered, or one too large: `metrics_problem` says so)."""
         import httpx
 
         try:
-            reply = await self.http.get("/metrics", timeout=5.0)
+            status, content = await self.get("/metrics", MAX_METRICS_BYTES, timeout=5.0)
         except httpx.HTTPError:
             return None
-        return reply.text if reply.status_code == 200 else None
+        except TooLarge as e:
+            self.metrics_problem = str(e)
+            return None
+        return content.decode(errors="replace") if status == 200 else None
+
+    async def get(self, path: str, limit: int, timeout: Optional[float] = None) -> tuple[int, bytes]:
+        """GET `path`: (status, body), TooLarge past `limit` bytes or `timeout` seconds in all
+        (an endless page would otherwise be read forever: httpx's timeout is per read)."""
+        async def read() -> tuple[int, bytes]:
+            async with self.http.stream("GET", path) as reply:
+                body = await read_capped(reply, limit + 1)
+                return reply.status_code, body
+        try:
+            status, body = await asyncio.wait_for(read(), timeout or REQUEST_DEADLINE_S)
+        except asyncio.TimeoutError:
+            raise TooLarge(f"{path} answered for more than {timeout} s") from None
+        if len(body) > limit:
+            raise TooLarge(f"{path} answered more than {limit} bytes")
+        return status, body
 
     async def send(self, trip: Trip, prompt: list[int]) -> None:
         """One streamed completion; the trip records its chunk times or why it failed."""
@@ -213,6 +235,10 @@ def model_cards(content: bytes) -> list[dict]:
     return cards
 
 
+class TooLarge(Exception):
+    """A page of the endpoint passed its size or time bound."""
+
+
 class MalformedStream(Exception):
     """The endpoint answered 200 but its event stream is not OpenAI's."""
 
@@ -271,6 +297,8 @@ MAX_COUNT = 2**53          # token counts beyond this are no count a server coul
 REQUEST_DEADLINE_S = 6 * 3600      # one request, start to [DONE]: vLLM bench's aiohttp total timeout
 MAX_LINE_CHARS = 2**20     # an event line (a chunk of one token is ~300 characters)
 MAX_ERROR_BYTES = 2**16    # what is read of an error answer's body
+MAX_PAGE_BYTES = 2**24     # /v1/models, /version
+MAX_METRICS_BYTES = 2**25  # /metrics (vLLM's is ~100 KiB; many LoRA adapters or engines add to it)
 
 
 def error_message(body: Any) -> str:

@@ -105,7 +105,22 @@ def timeline_row(values: dict[str, list[float]]) -> Optional[dict[str, float]]:
 def pool_blocks(labels: dict[str, dict[str, str]]) -> int:
     """Usable KV blocks from vllm:cache_config_info (num_gpu_blocks includes the null block)."""
     blocks = labels.get("vllm:cache_config_info", {}).get("num_gpu_blocks")
-    return int(blocks) - 1 if blocks and blocks.isdigit() else 0
+    # ASCII digits only: '²'.isdigit() holds, and int('²') fails
+    if not (blocks and blocks.isascii() and blocks.isdigit() and len(blocks) <= 12):
+        return 0
+    return max(int(blocks) - 1, 0)
+
+
+def sample_problem(row: dict[str, float]) -> Optional[str]:
+    """Why a scrape row (timeline_row's columns) is no state a server can be in: a value that is
+    infinite or negative, or KV usage above 1 ("running = inf"); None when it is one (NaN: the
+    metric is absent)."""
+    for column, value in row.items():
+        if math.isnan(value):
+            continue
+        if not math.isfinite(value) or value < 0 or (column == "kv_usage" and value > 1):
+            return f"{column} = {value}"
+    return None
 
 
 def scrapes_frame(rows: list[dict]) -> pd.DataFrame:

@@ -157,3 +157,53 @@ def test_endless_and_huge_streams_are_cut_with_a_reason(monkeypatch):
     assert reasons[2] == "malformed stream: a line of more than 1048576 characters"
     assert reasons[3].startswith("HTTP 500: " + "x" * 100) and reasons[3].endswith("...")
     assert reasons[4] == "no [DONE] within 2.0 s (a request's time limit, as vLLM bench's)"
+
+
+def _with_metrics(app, metrics):
+    """`app` with a /metrics route answering `metrics()` (a string or an async generator)."""
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def route(_request):
+        body = metrics()
+        if isinstance(body, str):
+            return Response(body, media_type="text/plain")
+        return StreamingResponse(body, media_type="text/plain")
+    app.router.routes.append(Route("/metrics", route))
+    return app
+
+
+def test_hostile_metrics_samples_are_refused_and_noted():
+    scrapes = iter(range(10**6))
+
+    def metrics():        # every other scrape says infinity requests run; the pool size is no number
+        bad = next(scrapes) % 2
+        return (f"vllm:num_requests_running {'+Inf' if bad else '1'}\nvllm:kv_cache_usage_perc 0.5\n"
+                'vllm:cache_config_info{num_gpu_blocks="\u00b2"} 1\n')
+    url, stop = fake_endpoint(_with_metrics(hostile_app(), metrics))
+    try:
+        measured = run_bench(validate_scenario(small_raw([4, 4])), url, None, 10.0, 0.05)
+    finally:
+        stop()
+    assert (measured.requests["status"] == "finished").all()
+    assert measured.kv_blocks_total == 0                              # '²' is no block count
+    assert (measured.timeline["running"] == 1).all()                  # the +Inf samples are not in it
+    assert any(n.startswith("the endpoint's /metrics gave ") and "running = inf" in n
+               for n in measured.manifest["notes"]), measured.manifest["notes"]
+
+
+def test_an_endless_metrics_page_is_not_read_forever():
+    async def endless():
+        yield "vllm:num_requests_running 1\n"
+        while True:
+            yield "# " + "x" * 65534 + "\n"
+            await asyncio.sleep(0)
+    url, stop = fake_endpoint(_with_metrics(hostile_app(), endless))
+    try:
+        measured = run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
+    finally:
+        stop()
+    assert (measured.requests["status"] == "finished").all()
+    assert measured.timeline is None
+    assert any("/metrics answered more than 33554432 bytes" in n for n in measured.manifest["notes"]), \
+        measured.manifest["notes"]
