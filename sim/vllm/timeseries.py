@@ -157,8 +157,35 @@ def load_series(path: str | Path, year: Optional[int] = None) -> pd.DataFrame:
             frame = _scrapes(path, text)
         else:
             frame = _log(path, text, year)
+    _check_series(path, frame)
     frame.attrs["source"] = str(path)
     return frame
+
+
+MAX_SPAN_S = 30 * 86400      # as every duration of a scenario
+
+
+def _check_series(path: Path, frame: pd.DataFrame) -> None:
+    """UserError naming the file when a sample is no state a server can be in: a time that is
+    not finite or a span past 30 days (milliseconds read as seconds), a count or throughput that
+    is infinite or negative, KV usage outside 0..100 %. NaN is a metric the file lacks."""
+    t = frame["t_s"].to_numpy()
+    if not np.isfinite(t).all():
+        raise UserError(f"{path}: a sample's time is not a finite number of seconds")
+    if len(t) and t[-1] > MAX_SPAN_S:
+        raise UserError(f"{path}: the samples span {t[-1]:.6g} s, more than 30 days (times in milliseconds "
+                        f"read as seconds?)")
+    for column in SERIES_COLUMNS[1:]:
+        values = frame[column].to_numpy()
+        top = 100.0 if column == "kv_usage_pct" else math.inf
+        bad = ~np.isnan(values) & ~(np.isfinite(values) & (values >= 0) & (values <= top))
+        if column.endswith("_tps"):         # from counter growth: a counter reset (a restart) makes it < 0
+            bad = ~np.isnan(values) & ~np.isfinite(values)
+        if bad.any():
+            i = int(np.argmax(bad))
+            expected = "a finite number from 0 to 100" if column == "kv_usage_pct" else "a finite number >= 0"
+            raise UserError(f"{path}: the sample at t = {t[i]:.6g} s has {column} = {values[i]:.6g}, "
+                            f"expected {expected}")
 
 
 def _finish(frame: pd.DataFrame, t0_wall: Optional[float], kind: str) -> pd.DataFrame:
@@ -295,18 +322,38 @@ def _query_range(path: Path, text: str) -> pd.DataFrame:
     answers = data if isinstance(data, list) else [data]
     series: dict[float, dict[str, list[float]]] = {}
     for answer in answers:
-        results = (answer.get("data") or {}).get("result") if isinstance(answer, dict) else None
+        data = answer.get("data") if isinstance(answer, dict) else None
+        results = data.get("result") if isinstance(data, dict) else None
         if not isinstance(results, list):
             raise UserError(f"{path}: expected Prometheus query_range JSON ({{'data': {{'result': [...]}}}})")
-        for result in results:
-            name = str((result.get("metric") or {}).get("__name__", "")).removesuffix("_total")
-            for stamp, value in result.get("values") or []:
-                series.setdefault(float(stamp), {}).setdefault(name, []).append(float(value))
+        for i, result in enumerate(results):
+            for name, stamp, value in _range_samples(path, f"data.result[{i}]", result):
+                series.setdefault(stamp, {}).setdefault(name, []).append(value)
     rows = [{"t_s": t, **row} for t, values in series.items() if (row := timeline_row(values)) is not None]
     if not rows:
         raise UserError(f"{path}: the query_range answer holds none of vLLM's gauges (query "
                         f"vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc)")
     return _finish(scrapes_frame(rows), 0.0, "metrics")      # t_s is already seconds since the epoch
+
+
+def _range_samples(path: Path, where: str, result) -> Iterator[tuple[str, float, float]]:
+    """(metric name without `_total`, time, value) of one query_range result; UserError naming
+    the entry when it is not {metric: {__name__}, values: [[time, value], ...]}."""
+    if not isinstance(result, dict) or not isinstance(result.get("metric") or {}, dict):
+        raise UserError(f"{path}: {where} is {excerpt(result)}, expected an object with metric and values")
+    name = str((result.get("metric") or {}).get("__name__", "")).removesuffix("_total")
+    values = result.get("values") or []
+    if not isinstance(values, list):
+        raise UserError(f"{path}: {where}.values is {excerpt(values)}, expected a list of [time, value] pairs")
+    for j, pair in enumerate(values):
+        try:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError
+            stamp, value = float(pair[0]), float(pair[1])
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: {where}.values[{j}] is {excerpt(pair)}, expected [time, value] "
+                            f"(numbers)") from None
+        yield name, stamp, value
 
 
 def _bench_timeline(path: Path, text: str) -> pd.DataFrame:
