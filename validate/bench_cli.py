@@ -40,6 +40,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from sim.cli import positive_seconds
 from sim.errors import UserError
 from sim.extras import require
 from sim.output.console import err_console
@@ -132,9 +133,9 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--out", type=out_folder_arg,
                    help="output folder (default runs/bench/<scenario file name without .yaml>)")
     p.add_argument("--force", action="store_true", help="write into --out even if it holds files kvtwin did not write")
-    p.add_argument("--request-timeout", type=float, default=300.0,
+    p.add_argument("--request-timeout", type=positive_seconds, default=300.0,
                    help="seconds a request may wait for its next streamed chunk")
-    p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics samples")
+    p.add_argument("--scrape-interval", type=positive_seconds, default=0.5, help="seconds between /metrics samples")
     p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
                    help="an HTTP header sent with every request (repeatable)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY when set)")

@@ -3,6 +3,7 @@ port bound before the model build, uvicorn run with a drain on SIGINT/SIGTERM.""
 
 import argparse
 import errno
+import math
 import signal
 import sys
 from pathlib import Path
@@ -39,9 +40,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", type=Path, help="a tokenizer.json or a transformers folder: text prompts, "
                                                    "/v1/chat/completions and decoded answers (default: the "
                                                    "model folder's, when it has one)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative_number, default=0.0,
                    help="sampling temperature for every request (0 = greedy)")
-    p.add_argument("--shutdown-grace", type=float, default=10.0,
+    p.add_argument("--shutdown-grace", type=non_negative_number, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; "
                         "the rest are then aborted")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -168,6 +169,17 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a whole number >= 1")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    """argparse `type=` for --temperature and --shutdown-grace (float() takes 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a finite number >= 0")
     return value
 
 

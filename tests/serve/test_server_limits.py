@@ -218,3 +218,14 @@ def test_stream_options_values_must_be_booleans(options):
     assert f"stream_options.{key} must be true or false" in error.value.body()["error"]["message"]
     assert parse_body(json.dumps({"prompt": [1], "stream": True, "stream_options": {"include_usage": True}}).encode(),
                       served).include_usage
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "-1"),
+                                         ("--temperature", "inf"), ("--shutdown-grace", "nan"),
+                                         ("--shutdown-grace", "-5"), ("--shutdown-grace", "inf")])
+def test_serve_number_flags_are_finite_and_not_negative(flag, value, capsys):
+    from engine.serve.cli import serve_parser
+
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--model", "tiny", flag, value])
+    assert f"{flag}: {value!r} is not a finite number >= 0" in capsys.readouterr().err

@@ -207,3 +207,14 @@ def test_an_endless_metrics_page_is_not_read_forever():
     assert measured.timeline is None
     assert any("/metrics answered more than 33554432 bytes" in n for n in measured.manifest["notes"]), \
         measured.manifest["notes"]
+
+
+@pytest.mark.parametrize("flag, value", [("--request-timeout", "nan"), ("--request-timeout", "-1"),
+                                         ("--request-timeout", "0"), ("--scrape-interval", "nan"),
+                                         ("--scrape-interval", "0"), ("--scrape-interval", "inf")])
+def test_bench_time_flags_are_positive_and_finite(flag, value, capsys):
+    from sim.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "scenarios/serve_smoke.yaml", "--endpoint", "127.0.0.1:9", flag, value])
+    assert f"{flag}: {value!r}: expected a positive number of seconds" in capsys.readouterr().err
