@@ -83,6 +83,9 @@ def build_app(engine: EngineLoop, version: str, limits: Optional["ServeLimits"] 
             log.debug("client disconnected while sending its request body")
             return Response(status_code=499)
         params = await asyncio.to_thread(parse_body, body, served, parse)     # off the event loop
+        # again: others were read and parsed meanwhile; no await from here to track(), so the
+        # bound holds however many requests arrive together
+        waiting.check()
         stream = engine.submit(params)
         waiting.track(stream)
         reply = Completion(served.name, len(params.prompt), chat=params.chat, tokenizer=served.tokenizer)

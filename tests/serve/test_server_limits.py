@@ -229,3 +229,25 @@ def test_serve_number_flags_are_finite_and_not_negative(flag, value, capsys):
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--model", "tiny", flag, value])
     assert f"{flag}: {value!r} is not a finite number >= 0" in capsys.readouterr().err
+
+
+def test_waiting_queue_bound_holds_for_requests_that_arrive_together():
+    """Requests read and parsed at the same time (parsing runs on a worker thread) must not all
+    pass the --max-waiting check before any of them is counted."""
+    engine = StubEngine(hold=True)
+    with client(engine, max_waiting=2) as c:
+        async def fire():
+            import httpx
+
+            transport = httpx.ASGITransport(app=c.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
+                calls = [asyncio.ensure_future(ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
+                         for _ in range(6)]
+                while len(engine.submitted) + sum(call.done() for call in calls) < 6:
+                    await asyncio.sleep(0.01)
+                statuses = [call.result().status_code for call in calls if call.done()]
+                for call in calls:
+                    call.cancel()
+                return statuses
+        statuses = c.portal.call(fire)
+    assert len(engine.submitted) == 2 and statuses == [429] * 4
