@@ -211,6 +211,10 @@ async def _disconnected(request) -> None:
 def shutdown_report(drain: Optional[dict], counts: dict) -> str:
     served = f"{counts['finished']} finished, {counts['aborted']} aborted, {counts['rejected']} rejected"
     served += f", {counts['failed']} failed in total" if counts.get("failed") else " in total"
+    ended = sum(counts.get(k, 0) for k in ("finished", "aborted", "rejected", "failed"))
+    if counts.get("submitted", ended) != ended:      # the accounting every run checks
+        served += (f"; {counts['submitted'] - ended} of {counts['submitted']} request(s) submitted did not end "
+                   f"(a kvtwin bug: please report it)")
     if drain is None:
         return f"kvtwin serve: stopped; {served}"
     done = counts["finished"] - drain["finished"]

@@ -64,7 +64,8 @@ class EngineLoop:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[int, _Live] = {}
         self.ids = itertools.count()
-        self.counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0}
+        # every request submitted ends finished, aborted, rejected or failed (shutdown_report checks it)
+        self.counts = {"submitted": 0, "finished": 0, "aborted": 0, "rejected": 0, "failed": 0}
         self.error: Optional[BaseException] = None     # set when the engine went down
         self.failed_steps = self.consecutive_failures = 0
         self._batch = None                              # the step being run, for its failure
@@ -84,6 +85,7 @@ class EngineLoop:
 
     def submit(self, params: CompletionParams) -> Stream:
         req_id = next(self.ids)
+        self.counts["submitted"] += 1         # the one key this thread writes
         stream = Stream(self, req_id)
         req = Request(req_id, time.perf_counter(), [list(params.prompt)], params.max_tokens, [])
         if not params.ignore_eos:
@@ -193,7 +195,13 @@ class EngineLoop:
 
     def _apply(self, kind: str, arg) -> bool:
         if kind == "add":
-            self._add(arg)
+            try:
+                self._add(arg)
+            except Exception as e:              # answer it before the engine goes down (nothing hangs)
+                if arg.req.id not in self.live:
+                    self.counts["failed"] += 1
+                    self._post(arg, Event("error", message=f"engine error: {e!r}"))
+                raise
         elif kind == "abort" and arg in self.live:
             self._abort(self.live[arg], "aborted: the client went away")
         elif kind == "reset_prefix_cache":

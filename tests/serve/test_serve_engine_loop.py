@@ -120,3 +120,44 @@ def test_a_down_engine_answers_a_prefix_cache_reset_with_503():
         return e.value.status
 
     assert asyncio.run(main()) == 503
+
+
+class FailingAdmission:
+    """A scheduler whose add() raises (an injected bug); everything else is the real one's."""
+
+    def __init__(self, scheduler):
+        self.real = scheduler
+
+    def add(self, req):
+        raise RuntimeError("injected: the scheduler failed while admitting")
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_request_whose_admission_fails_is_answered_and_every_request_is_accounted():
+    """An error while the scheduler admits a request (it takes the engine down) still answers
+    that request, and the counts at stop add up to the requests submitted."""
+    scenario = load_scenario(SCENARIO, ["engine.max_model_len=64"])
+    runner = ModelRunner.from_scenario(scenario, "cpu")
+    served = ServedModel("m", "m", VOCAB, 64, 0.0, None)
+
+    async def main():
+        engine = EngineLoop(new_scheduler(scenario, runner.num_blocks), runner, served)
+        params = CompletionParams([1, 2, 3], 2, True, True, False)
+        engine.start(asyncio.get_running_loop())
+        first = engine.submit(params)
+        while not first.ended:
+            await asyncio.wait_for(first.next(), 30)
+
+        engine.scheduler = FailingAdmission(engine.scheduler)
+        second = engine.submit(params)
+        event = await asyncio.wait_for(second.next(), 30)
+        later = await asyncio.wait_for(engine.submit(params).next(), 30)
+        counts = await asyncio.to_thread(engine.stop)
+        return event, later, counts
+
+    event, later, counts = asyncio.run(main())
+    assert event.kind == "error" and "failed while admitting" in event.message
+    assert later.kind == "error" and "engine is down" in later.message
+    assert counts == {"submitted": 3, "finished": 1, "aborted": 0, "rejected": 0, "failed": 2}

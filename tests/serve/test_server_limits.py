@@ -251,3 +251,12 @@ def test_waiting_queue_bound_holds_for_requests_that_arrive_together():
                 return statuses
         statuses = c.portal.call(fire)
     assert len(engine.submitted) == 2 and statuses == [429] * 4
+
+
+def test_the_shutdown_report_checks_that_every_request_ended():
+    from engine.serve.app import shutdown_report
+
+    whole = {"submitted": 4, "finished": 3, "aborted": 0, "rejected": 1, "failed": 0}
+    assert shutdown_report(None, whole) == "kvtwin serve: stopped; 3 finished, 0 aborted, 1 rejected in total"
+    lost = shutdown_report(None, {**whole, "submitted": 6})
+    assert lost.endswith("; 2 of 6 request(s) submitted did not end (a kvtwin bug: please report it)")
