@@ -284,7 +284,7 @@ def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.n
             for row in reader:
                 if not row:
                     continue
-                if len(row) < len(header):
+                if len(row) != len(header):       # fewer, or an unquoted comma shifting the rest
                     raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
                                      f"{len(header)} (the header's columns)")
                 for out, c in zip(values, cols):

@@ -196,3 +196,12 @@ def test_an_hf_config_with_a_duplicate_key_is_refused(tmp_path):
     path.write_text(LLAMA_8B.read_text().rstrip().rstrip("}") + ', "hidden_size": 512}')
     with pytest.raises(ScenarioError, match=rf"{path}: duplicate key 'hidden_size'"):
         validate_scenario({"model": {"hf_config": str(path)}, "device": "h100-sxm"})
+
+
+def test_a_csv_row_with_more_fields_than_the_header_is_refused(tmp_path, capsys):
+    """An unquoted comma shifts the fields after it: the row's columns are no longer the header's."""
+    trace = tmp_path / "extra.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,12,3\n"
+                     "2023-11-16 18:17:04,1,200,3\n")
+    code, err = run_cli([trace_scenario(tmp_path, "azure", trace), "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{trace}:3: 4 fields, expected 3 (the header's columns)" in err, err
