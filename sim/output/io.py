@@ -18,6 +18,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     Every output write is a point where a run stops if a signal asked it to (sim/stop.py)."""
     stop.check()
     path = Path(path)
+    _check_inside(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -28,6 +29,33 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+_ROOTS: list[Path] = []      # the run folders being written (sim.output.run_dir): writes stay inside
+
+
+@contextmanager
+def confined_to(folder: str | Path) -> Iterator[None]:
+    """While open, every atomic write must land inside `folder` once links are followed: a link
+    in it (left there by someone else, kept by --force) cannot carry a write outside."""
+    _ROOTS.append(Path(folder).resolve())
+    try:
+        yield
+    finally:
+        _ROOTS.pop()
+
+
+def _check_inside(path: Path) -> None:
+    if not _ROOTS:
+        return
+    root = _ROOTS[-1]
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists() or p.is_symlink())
+    real = existing.resolve()
+    if real != root and root not in real.parents:
+        from sim.errors import UserError
+
+        raise UserError(f"{existing}: leads outside the output folder {root} (a link?); kvtwin does not "
+                        f"write through it: remove it, or pick another --out")
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from sim import stop
 from sim.errors import UserError
-from sim.output.io import write_json, write_text
+from sim.output.io import confined_to, write_json, write_text
 
 MARKER = ".kvtwin-run"
 INCOMPLETE = "INCOMPLETE"
@@ -175,7 +175,8 @@ def owned_run_folder(folder: Path, force: bool = False) -> Iterator[Path]:
         except OSError as e:
             raise OutputFolderError(f"{folder}: cannot prepare the output folder ({e.strerror or e})") from None
         try:
-            yield folder
+            with confined_to(folder):
+                yield folder
         except BaseException:
             # the run's worker processes have ended by now: drop any temp file a write of theirs left
             _remove_temp_files(folder, foreign)

@@ -202,3 +202,19 @@ def test_bench_checks_its_output_folder_before_measuring_and_marks_a_failed_run(
     monkeypatch.setattr(bench_cli, "write_comparison", lambda *a: (_ for _ in ()).throw(OSError("again")))
     assert main([*bench, "--out", str(out)]) == 2
     assert (out / INCOMPLETE).exists() and not (out / "comparison.csv").exists()
+
+
+def test_force_never_writes_through_a_link_to_a_folder_outside_out(tmp_path, capsys):
+    """--force writes beside foreign files, but a foreign link named like a variant's folder
+    must not carry the variant's files outside --out."""
+    scenario = tmp_path / "variants.yaml"
+    scenario.write_text(SMALL + "variants:\n  a: {seed: 1}\n  b: {seed: 2}\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a").symlink_to(outside)
+    code = main([str(scenario), "--out", str(out), "--force", "--quiet", "--no-plots"])
+    assert code == 2 and list(outside.iterdir()) == []
+    err = capsys.readouterr().err
+    assert f"{out / 'a'}" in err and "outside the output folder" in err, err
