@@ -109,6 +109,9 @@ def print_validation(name: str, result, folder: Path) -> None:
 
 # ----------------------------------------------------------------------------- calibrate
 
+PROFILE_HEADER = "# kvtwin device profile"      # the first words of every profile calibrate writes
+
+
 def calibrate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun calibrate",
                                 description="Profile the engine and fit the cost model; writes a device profile.")
@@ -121,6 +124,7 @@ def calibrate_main(argv: list[str]) -> int:
                         "(repeatable)")
     p.add_argument("--out", type=Path, help="profile YAML to write (default profiles/<device>_<model>.yaml; "
                                             "with --from-vllm profiles/<device>_<model>_vllm.yaml)")
+    p.add_argument("--force", action="store_true", help="replace --out even if kvtwin did not write it")
     p.add_argument("--from-vllm", nargs="+", type=Path, metavar="RESULT.json",
                    help="fit to measured `vllm bench serve --save-result --save-detailed` files of one "
                         "deployment (JSON or --append-result JSONL) instead of profiling the engine; "
@@ -132,6 +136,10 @@ def calibrate_main(argv: list[str]) -> int:
                    help="with --from-vllm: which run (0-based, in the order given) to keep out of the fit "
                         "and report (default: the last)")
     args = p.parse_args(argv)
+    if args.out is not None:             # before profiling or fitting, as from-vllm --out
+        from sim.output.run_dir import check_out_file
+
+        check_out_file(args.out, PROFILE_HEADER, force=args.force)
     if args.from_vllm:
         from validate.vllm_fit import calibrate_from_vllm_main
 

@@ -253,3 +253,19 @@ def test_series_must_pair_with_runs(run_files, capsys):
     code = main(["calibrate", "--from-vllm", str(run_files[0]), str(run_files[1]), "--catalog-device", "l4",
                  "--series", "a.log"])
     assert code == 2 and "--series: 1 files for 2 runs" in capsys.readouterr().err
+
+
+def test_cli_refuses_to_replace_a_file_it_did_not_write(run_files, tmp_path, capsys):
+    """--out is checked before the fit, as from-vllm's: a profile kvtwin wrote is replaced, any
+    other file (a scenario named by mistake) only with --force."""
+    from sim.cli import main
+
+    mine = tmp_path / "notes.yaml"
+    mine.write_text("my notes\n")
+    argv = ["calibrate", "--from-vllm", str(run_files[0]), "--catalog-device", "l4",
+            "--set", "engine.max_model_len=2048", "--set", "engine.max_num_seqs=64", "--out", str(mine)]
+    assert main(argv) == 2
+    assert "exists and kvtwin did not write it" in capsys.readouterr().err
+    assert mine.read_text() == "my notes\n"
+    assert main(argv + ["--force"]) == 0 and mine.read_text().startswith("# kvtwin device profile")
+    assert main(argv) == 0                       # its own profile is replaced without --force
