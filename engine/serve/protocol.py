@@ -107,6 +107,9 @@ def _check_body(body: Any, served: ServedModel, fields: tuple[str, ...]) -> None
         if name in body and body[name] not in allowed:
             raise ApiError(f"{name}={excerpt(body[name])} is not supported (allowed: "
                            f"{', '.join(repr(a) for a in allowed)})", param=name)
+    _flag(body, "return_token_ids")        # typed though it changes nothing: token_ids are always sent
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(f"user must be a string, got {excerpt(body['user'])}", param="user")
     model = body.get("model")
     if model is not None and model != served.name:
         shown = model if isinstance(model, str) and len(model) <= 100 else excerpt(model)

@@ -260,3 +260,15 @@ def test_the_shutdown_report_checks_that_every_request_ended():
     assert shutdown_report(None, whole) == "kvtwin serve: stopped; 3 finished, 0 aborted, 1 rejected in total"
     lost = shutdown_report(None, {**whole, "submitted": 6})
     assert lost.endswith("; 2 of 6 request(s) submitted did not end (a kvtwin bug: please report it)")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("return_token_ids", "yes", "return_token_ids must be true or false, got 'yes'"),
+    ("return_token_ids", {"a": [1]}, "return_token_ids must be true or false"),
+    ("user", 5, "user must be a string, got 5"),
+    ("user", ["a"], "user must be a string, got ['a']")])
+def test_accepted_fields_are_typed_too(field, value, message):
+    with client() as c:
+        r = post(c, {"prompt": [1], "max_tokens": 1, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert r.json()["error"]["message"].startswith(message)
