@@ -29,11 +29,16 @@ def spec_counters(text: str) -> tuple[float, float, dict[int, float]]:
             drafts += value
         elif name == ACCEPTED:
             accepted += value
-        elif name == PER_POS and labels.get("position", "").isdigit():
+        elif name == PER_POS and _is_position(labels.get("position", "")):
             pos = int(labels["position"])
             if pos < MAX_POSITIONS:
                 per_pos[pos] = per_pos.get(pos, 0.0) + value
     return drafts, accepted, per_pos
+
+
+def _is_position(label: str) -> bool:
+    # ASCII digits: '²'.isdigit() holds, and int('²') fails
+    return label.isascii() and label.isdigit() and len(label) <= 4
 
 
 def fitted_rates(drafts: float, accepted: float, per_pos: dict[int, float], k: int) -> list[float]:

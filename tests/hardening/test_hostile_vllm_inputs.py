@@ -167,3 +167,14 @@ def test_series_offset_must_be_finite(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["compare", str(SMOKE), "--vllm-result", str(path), "--series-offset", bad])
         assert exit_.value.code == 2 and "--series-offset" in capsys.readouterr().err
+
+
+def test_a_spec_metrics_scrape_with_a_non_ascii_position_is_not_a_crash():
+    """'²'.isdigit() holds and int('²') fails: such a position label is no position, and an
+    infinite counter is no count (both are left out of the fit)."""
+    from sim.vllm.spec_metrics import spec_counters
+
+    scrape = ('vllm:spec_decode_num_drafts_total 100\nvllm:spec_decode_num_accepted_tokens_total 150\n'
+              'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="\u00b2"} 80\n'
+              'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 70\n')
+    assert spec_counters(scrape) == (100.0, 150.0, {0: 70.0})
