@@ -74,8 +74,12 @@ def request_headers(lines: list[str], api_key: Optional[str]) -> dict[str, str]:
         name, sep, value = line.partition(":")
         if not sep or not name.strip() or any(c in line for c in "\r\n"):
             raise UserError(f"--header {line!r}: expected 'Name: value' on one line")
+        if not line.isascii():               # HTTP sends header values as ASCII
+            raise UserError(f"--header {line!r}: expected ASCII text")
         headers[name.strip()] = value.strip()
     key = api_key or os.environ.get("OPENAI_API_KEY")
+    if key and not key.isascii():
+        raise UserError("--api-key (or $OPENAI_API_KEY): expected ASCII text")
     if key and "Authorization" not in headers:
         headers["Authorization"] = f"Bearer {key}"
     return headers

@@ -59,9 +59,13 @@ class Client:
         import httpx
 
         self.base = normalise_endpoint(endpoint)
-        self.http = httpx.AsyncClient(
-            base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0), headers=headers or {},
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        try:
+            httpx.URL(self.base).copy_with(path="/v1/models")      # a bad port shows only when joined
+            self.http = httpx.AsyncClient(
+                base_url=self.base, timeout=httpx.Timeout(request_timeout, connect=10.0), headers=headers or {},
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        except httpx.InvalidURL as e:
+            raise BenchError(f"--endpoint {excerpt(endpoint)}: not a URL ({e})") from None
         self.model: Optional[str] = None
         self.t0 = time.perf_counter()
         self.metrics_problem: Optional[str] = None     # why /metrics was not read (once it happened)

@@ -218,3 +218,16 @@ def test_bench_time_flags_are_positive_and_finite(flag, value, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "scenarios/serve_smoke.yaml", "--endpoint", "127.0.0.1:9", flag, value])
     assert f"{flag}: {value!r}: expected a positive number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--endpoint", "http://[::1"], "--endpoint 'http://[::1': not a URL"),
+    (["--endpoint", "http://x:abc"], "--endpoint 'http://x:abc': not a URL"),
+    (["--endpoint", "127.0.0.1:9", "--header", "X-A: caf\udce9"], "--header 'X-A: caf\\udce9': "
+                                                                 "expected ASCII text")])
+def test_a_malformed_endpoint_or_header_is_a_clean_error(argv, message, capsys):
+    from sim.cli import main
+
+    assert main(["bench", "scenarios/serve_smoke.yaml", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
