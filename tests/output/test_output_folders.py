@@ -218,3 +218,15 @@ def test_force_never_writes_through_a_link_to_a_folder_outside_out(tmp_path, cap
     assert code == 2 and list(outside.iterdir()) == []
     err = capsys.readouterr().err
     assert f"{out / 'a'}" in err and "outside the output folder" in err, err
+
+
+def test_spilled_records_never_go_through_a_link_outside_out(tmp_path, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "records").symlink_to(outside)
+    code = main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet", "--no-plots",
+                 "--spill-records"])
+    assert code == 2 and list(outside.iterdir()) == []
+    assert "outside the output folder" in capsys.readouterr().err
