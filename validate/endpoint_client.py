@@ -17,6 +17,9 @@ from sim.core.request import Request
 np = lazy_import("numpy")
 
 
+REQUEST_DEADLINE_S = 6 * 3600      # one request, start to [DONE]: vLLM bench's aiohttp total timeout
+
+
 class BenchError(Exception):
     """The endpoint cannot be benchmarked (down, failing its smoke request)."""
 
@@ -78,7 +81,7 @@ class Client:
         import httpx
 
         try:
-            status, content = await self.get("/v1/models", MAX_PAGE_BYTES)
+            status, content = await self.fetch("/v1/models", MAX_PAGE_BYTES)
         except httpx.HTTPError as e:
             raise BenchError(f"cannot reach {self.base} ({type(e).__name__}: {e or 'no answer'}); "
                              f"is the server running?") from None
@@ -98,7 +101,7 @@ class Client:
         import httpx
 
         try:
-            status, content = await self.get("/version", MAX_PAGE_BYTES)
+            status, content = await self.fetch("/version", MAX_PAGE_BYTES)
             version = json.loads(content).get("version") if status == 200 else None
         except (httpx.HTTPError, TooLarge, ValueError, RecursionError, AttributeError):   # none, or no object
             return None
@@ -110,21 +113,22 @@ class Client:
         import httpx
 
         try:
-            reply = await self.http.post("/reset_prefix_cache", timeout=30.0)
-        except httpx.HTTPError as e:
+            status, content = await self.fetch("/reset_prefix_cache", MAX_ERROR_BYTES, timeout=30.0,
+                                               method="POST", cut=True)
+        except (httpx.HTTPError, TooLarge) as e:
             return f"failed ({type(e).__name__})"
-        if reply.status_code == 200:
+        if status == 200:
             return "reset"
-        if reply.status_code in (404, 405):
-            return f"not offered (HTTP {reply.status_code})"
-        return f"refused (HTTP {reply.status_code}: {error_message(reply.content)})"
+        if status in (404, 405):
+            return f"not offered (HTTP {status})"
+        return f"refused (HTTP {status}: {error_message(content)})"
 
     async def metrics(self) -> Optional[str]:
         """The /metrics page, or None (none offered, or one too large: `metrics_problem` says so)."""
         import httpx
 
         try:
-            status, content = await self.get("/metrics", MAX_METRICS_BYTES, timeout=5.0)
+            status, content = await self.fetch("/metrics", MAX_METRICS_BYTES, timeout=5.0)
         except httpx.HTTPError:
             return None
         except TooLarge as e:
@@ -132,15 +136,17 @@ class Client:
             return None
         return content.decode(errors="replace") if status == 200 else None
 
-    async def get(self, path: str, limit: int, timeout: Optional[float] = None) -> tuple[int, bytes]:
-        """GET `path`: (status, body), TooLarge past `limit` bytes or `timeout` seconds in all
-        (an endless page would otherwise be read forever: httpx's timeout is per read)."""
+    async def fetch(self, path: str, limit: int, timeout: float = REQUEST_DEADLINE_S, method: str = "GET",
+                  cut: bool = False) -> tuple[int, bytes]:
+        """(status, body) of `path`; TooLarge past `limit` bytes (or, with `cut`, the first `limit`
+        bytes) or past `timeout` seconds in all: an endless page would otherwise be read forever
+        (httpx's timeout is per read)."""
         async def read() -> tuple[int, bytes]:
-            async with self.http.stream("GET", path) as reply:
-                body = await read_capped(reply, limit + 1)
+            async with self.http.stream(method, path) as reply:
+                body = await read_capped(reply, limit if cut else limit + 1)
                 return reply.status_code, body
         try:
-            status, body = await asyncio.wait_for(read(), timeout or REQUEST_DEADLINE_S)
+            status, body = await asyncio.wait_for(read(), timeout)
         except asyncio.TimeoutError:
             raise TooLarge(f"{path} answered for more than {timeout} s") from None
         if len(body) > limit:
@@ -298,7 +304,6 @@ def _check_usage(usage: Any) -> None:
 
 
 MAX_COUNT = 2**53          # token counts beyond this are no count a server could have made
-REQUEST_DEADLINE_S = 6 * 3600      # one request, start to [DONE]: vLLM bench's aiohttp total timeout
 MAX_LINE_CHARS = 2**20     # an event line (a chunk of one token is ~300 characters)
 MAX_ERROR_BYTES = 2**16    # what is read of an error answer's body
 MAX_PAGE_BYTES = 2**24     # /v1/models, /version

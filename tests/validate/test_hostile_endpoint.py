@@ -231,3 +231,20 @@ def test_a_malformed_endpoint_or_header_is_a_clean_error(argv, message, capsys):
     assert main(["bench", "scenarios/serve_smoke.yaml", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_an_endless_prefix_cache_reset_answer_is_cut():
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    app = hostile_app()
+
+    async def reset(_request):
+        return StreamingResponse(_endless_error(), status_code=500)
+    app.router.routes.append(Route("/reset_prefix_cache", reset, methods=["POST"]))
+    url, stop = fake_endpoint(app)
+    try:
+        measured = run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
+    finally:
+        stop()
+    assert measured.manifest["prefix_cache"]["reset"].startswith("refused (HTTP 500: xxxxxxxx")
