@@ -228,13 +228,13 @@ def _log(path: Path, text: str, year: Optional[int]) -> pd.DataFrame:
     for line_no, line in enumerate(text.splitlines(), start=1):
         kind = _REQUEST_LINE.search(line)          # with vLLM's --enable-log-requests
         if kind:
-            stamp = _line_time(_ANSI.sub("", line), year)
+            stamp = _checked_time(path, line_no, _ANSI.sub("", line), year)
             if stamp is not None:
                 requests.setdefault(kind.group(1), []).append(stamp)
         if "Running:" not in line or "reqs" not in line:
             continue
         line = _ANSI.sub("", line)
-        stamp = _line_time(line, year)
+        stamp = _checked_time(path, line_no, line, year)
         if stamp is None:
             raise UserError(f"{path}:{line_no}: a stats line without a time (expected vLLM's "
                             f"'INFO MM-DD HH:MM:SS' or an ISO time)")
@@ -257,6 +257,14 @@ def _log(path: Path, text: str, year: Optional[int]) -> pd.DataFrame:
     # one line per request: "Added request" (the engine's) when the log has it, else "Received request"
     frame.attrs["request_walls"] = sorted(requests.get("Added request") or requests.get("Received request") or [])
     return frame
+
+
+def _checked_time(path: Path, line_no: int, line: str, year: int) -> Optional[float]:
+    """_line_time, with a time that is no date (month 13, 30 February) an error naming the line."""
+    try:
+        return _line_time(line, year)
+    except (ValueError, OverflowError) as e:
+        raise UserError(f"{path}:{line_no}: the time of this line is no date ({e})") from None
 
 
 def _line_time(line: str, year: int) -> Optional[float]:

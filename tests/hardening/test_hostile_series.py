@@ -34,6 +34,11 @@ BAD_FILES = {
                      r"the sample at t = 0 s has running = inf, expected a finite number >= 0"),
     "timeline_kv.csv": ("t_s,running,waiting,kv_usage\n0,1,1,7\n",
                         r"the sample at t = 0 s has kv_usage_pct = 700, expected a finite number from 0 to 100"),
+    "log_month_13.log": ("INFO 13-45 25:61:99 [loggers.py:123] Engine 000: Avg prompt throughput: 1.0 tokens/s, "
+                         "Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 5.0%\n",
+                         r":1: the time of this line is no date \(month must be in 1..12\)"),
+    "log_request_feb_30.log": ("INFO 02-30 10:00:00 [logger.py:40] Received request cmpl-1\n",
+                               r":1: the time of this line is no date \(day is out of range for month\)"),
 }
 
 
