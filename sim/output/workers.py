@@ -121,7 +121,7 @@ def frozen_heap() -> Iterator[None]:
 def figure_processes() -> int:
     """KVTWIN_PLOT_WORKERS (default 1): the processes that draw a run's figures beside the main one."""
     text = os.environ.get("KVTWIN_PLOT_WORKERS", "").strip() or "1"
-    if not text.isdigit() or int(text) > 64:
+    if not (text.isascii() and text.isdigit()) or int(text) > 64:
         from sim.errors import UserError
         raise UserError(f"KVTWIN_PLOT_WORKERS={text!r}: expected a whole number from 0 to 64")
     return int(text)

@@ -310,7 +310,7 @@ def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
     assert figure_processes() == 0 and plot_ways() == 1
     monkeypatch.setenv("KVTWIN_PLOT_WORKERS", "3")
     assert figure_processes() == 3 and plot_ways() == 4
-    for bad in ("two", "-1", "1000"):
+    for bad in ("two", "-1", "1000", "\u00b2"):          # "²".isdigit() holds, int("²") fails
         monkeypatch.setenv("KVTWIN_PLOT_WORKERS", bad)
         with pytest.raises(UserError, match="KVTWIN_PLOT_WORKERS"):
             figure_processes()
