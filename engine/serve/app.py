@@ -113,7 +113,7 @@ async def read_body(request, limit: int) -> bytes:
     """The body, or ApiError 413 once it is known to exceed `limit` bytes (without reading the rest)."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.strip().isdigit():
+        if not (declared.strip().isascii() and declared.strip().isdigit()):
             raise ApiError("Content-Length is not a number")
         if int(declared) > limit:
             raise ApiError(f"the request body is {int(declared)} bytes, more than the {limit} allowed", 413)

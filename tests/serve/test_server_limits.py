@@ -272,3 +272,17 @@ def test_accepted_fields_are_typed_too(field, value, message):
         r = post(c, {"prompt": [1], "max_tokens": 1, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert r.json()["error"]["message"].startswith(message)
+
+
+def test_a_content_length_of_non_ascii_digits_is_a_400():
+    """uvicorn's h11 refuses such a header before the app sees it; another server in front of
+    the app (or another ASGI server) may not: '²'.isdigit() holds and int('²') fails."""
+    from engine.serve.app import read_body
+    from engine.serve.protocol import ApiError
+
+    class Request:
+        headers = {"content-length": "\u00b2"}
+
+    with pytest.raises(ApiError, match="Content-Length is not a number") as caught:
+        asyncio.run(read_body(Request(), 100))
+    assert caught.value.status == 400
