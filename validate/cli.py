@@ -10,7 +10,6 @@ from sim.core.files import FileFormatError, read_yaml
 from sim.errors import UserError
 from sim.extras import require
 from sim.output.console import console, err_console
-from sim.names import folder_name
 from sim.output.run_dir import out_folder_arg, owned_run_folder
 from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
@@ -159,7 +158,9 @@ def calibrate_main(argv: list[str]) -> int:
                   f"as catalog device '{scenario.device.name}'")
     cal = calibrate(scenario, device, progress=None)
     # model and device names come from user files (an HF config's _name_or_path may hold '/')
-    out = args.out or Path("profiles") / f"{folder_name(scenario.device.name)}_{folder_name(scenario.model.name)}.yaml"
+    from validate.vllm_fit import default_profile_path
+
+    out = args.out or default_profile_path(scenario)
     write_profile(out, cal)
     write_csv(out.with_suffix(".samples.csv"), cal.samples)
     console.print(coefficients_table(cal.profile).to_string())

@@ -654,6 +654,14 @@ def deployment_scenario(args, runs: list[VllmResult]):
     return validate_scenario(apply_overrides(raw, args.overrides), base_dir=Path.cwd())
 
 
+def default_profile_path(scenario, suffix: str = "") -> Path:
+    """profiles/<device>_<model><suffix>.yaml for both calibrations; model and device names come
+    from user files (an HF config's _name_or_path may hold '/'): each becomes a plain name part."""
+    from sim.names import folder_name
+
+    return Path("profiles") / f"{folder_name(scenario.device.name)}_{folder_name(scenario.model.name)}{suffix}.yaml"
+
+
 def calibrate_from_vllm_main(args) -> int:
     from sim.output.console import console, err_console
     from sim.vllm.results import load_results
@@ -665,7 +673,7 @@ def calibrate_from_vllm_main(args) -> int:
                   f"to {len(runs)} measured vLLM run(s)")
     fit = calibrate_from_vllm(scenario, runs, hold_out=args.hold_out, series=series,
                               progress=lambda msg: err_console.print(f"  {msg}"))
-    out = args.out or Path("profiles") / f"{scenario.device.name}_{scenario.model.name}_vllm.yaml"
+    out = args.out or default_profile_path(scenario, "_vllm")
     write_vllm_profile(out, fit)
     console.print(fit_table(fit))
     for note in fit.notes:

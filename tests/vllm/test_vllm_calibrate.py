@@ -4,6 +4,7 @@ fit must recover the hidden efficiencies and predict the held-out run closely.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -269,3 +270,16 @@ def test_cli_refuses_to_replace_a_file_it_did_not_write(run_files, tmp_path, cap
     assert mine.read_text() == "my notes\n"
     assert main(argv + ["--force"]) == 0 and mine.read_text().startswith("# kvtwin device profile")
     assert main(argv) == 0                       # its own profile is replaced without --force
+
+
+def test_the_default_profile_path_is_one_file_in_profiles_whatever_the_names():
+    """Model names come from user files (an HF config's _name_or_path 'org/repo'): the default
+    --out of both calibrations is one plain file name in profiles/."""
+    from types import SimpleNamespace
+
+    from validate.vllm_fit import default_profile_path
+
+    scenario = SimpleNamespace(model=SimpleNamespace(name="org/../repo"), device=SimpleNamespace(name="l4"))
+    for suffix in ("", "_vllm"):
+        path = default_profile_path(scenario, suffix)
+        assert path.parent == Path("profiles") and path.name == f"l4_org_.._repo{suffix}.yaml"
