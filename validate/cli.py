@@ -108,9 +108,6 @@ def print_validation(name: str, result, folder: Path) -> None:
 
 # ----------------------------------------------------------------------------- calibrate
 
-PROFILE_HEADER = "# kvtwin device profile"      # the first words of every profile calibrate writes
-
-
 def calibrate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="simrun calibrate",
                                 description="Profile the engine and fit the cost model; writes a device profile.")
@@ -135,10 +132,6 @@ def calibrate_main(argv: list[str]) -> int:
                    help="with --from-vllm: which run (0-based, in the order given) to keep out of the fit "
                         "and report (default: the last)")
     args = p.parse_args(argv)
-    if args.out is not None:             # before profiling or fitting, as from-vllm --out
-        from sim.output.run_dir import check_out_file
-
-        check_out_file(args.out, PROFILE_HEADER, force=args.force)
     if args.from_vllm:
         from validate.vllm_fit import calibrate_from_vllm_main
 
@@ -154,13 +147,12 @@ def calibrate_main(argv: list[str]) -> int:
     device = pick_device(args.device)
     set_cpu_threads(device, args.threads)
     scenario = calibration_base(args, device)
+    from validate.vllm_fit import profile_out
+
+    out = profile_out(args, scenario)
     console.print(f"calibrating {scenario.model.name} ({scenario.model.dtype}) on {device} "
                   f"as catalog device '{scenario.device.name}'")
     cal = calibrate(scenario, device, progress=None)
-    # model and device names come from user files (an HF config's _name_or_path may hold '/')
-    from validate.vllm_fit import default_profile_path
-
-    out = args.out or default_profile_path(scenario)
     write_profile(out, cal)
     write_csv(out.with_suffix(".samples.csv"), cal.samples)
     console.print(coefficients_table(cal.profile).to_string())

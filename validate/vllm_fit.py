@@ -662,6 +662,19 @@ def default_profile_path(scenario, suffix: str = "") -> Path:
     return Path("profiles") / f"{folder_name(scenario.device.name)}_{folder_name(scenario.model.name)}{suffix}.yaml"
 
 
+PROFILE_HEADER = "# kvtwin device profile"      # the first words of every profile calibrate writes
+
+
+def profile_out(args, scenario, suffix: str = "") -> Path:
+    """--out, else the default path; checked before any profiling or fitting, as from-vllm's
+    --out: a file kvtwin did not write is replaced only with --force."""
+    from sim.output.run_dir import check_out_file
+
+    out = args.out or default_profile_path(scenario, suffix)
+    check_out_file(out, PROFILE_HEADER, force=args.force)
+    return out
+
+
 def calibrate_from_vllm_main(args) -> int:
     from sim.output.console import console, err_console
     from sim.vllm.results import load_results
@@ -669,11 +682,11 @@ def calibrate_from_vllm_main(args) -> int:
     runs = [run for path in args.from_vllm for run in load_results(path)]
     scenario = deployment_scenario(args, runs)
     series = load_series_args(args.series, runs) if args.series else None
+    out = profile_out(args, scenario, "_vllm")
     console.print(f"fitting {scenario.model.name} on {scenario.device.name} tp {scenario.parallelism.tp} "
                   f"to {len(runs)} measured vLLM run(s)")
     fit = calibrate_from_vllm(scenario, runs, hold_out=args.hold_out, series=series,
                               progress=lambda msg: err_console.print(f"  {msg}"))
-    out = args.out or default_profile_path(scenario, "_vllm")
     write_vllm_profile(out, fit)
     console.print(fit_table(fit))
     for note in fit.notes:
