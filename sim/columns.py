@@ -227,4 +227,6 @@ def _factorize(items: list) -> tuple[np.ndarray, list]:
     uniques = [v for v in distinct if not (v is None or v != v)]
     code = {v: -1 for v in distinct}
     code.update(zip(uniques, range(len(uniques))))
+    if len(code) == 1:                                # (one value throughout: a column of None, say)
+        return np.full(len(items), code[next(iter(code))], np.int64), uniques
     return np.fromiter(map(code.__getitem__, items), np.int64, len(items)), uniques
