@@ -29,6 +29,8 @@ _NEEDS_QUOTES = (",", '"', "\n", "\r")
 # Where pyarrow's float text is Python's repr (checked over millions of values, boundaries in
 # the tests): non-integral magnitudes in [1e-4, 1e9). Elsewhere repr is used.
 _ARROW_LOW, _ARROW_HIGH = 1e-4, 1e9
+_WHOLE_BELOW = 2.0 ** 53
+_DOT_ZERO = np.frombuffer(b".0", np.uint8)
 
 
 class Unsupported(Exception):
@@ -129,20 +131,32 @@ def float_cells(values: np.ndarray) -> np.ndarray:
     n = len(values)
     nan = np.isnan(values)
     arrow = _pyarrow()
+    magnitude = np.abs(values)
     if arrow is None:
         by_repr = ~nan
         block = np.zeros((n, 0), np.uint8)
     else:
-        magnitude = np.abs(values)
         by_repr = ~nan & ~((magnitude >= _ARROW_LOW) & (magnitude < _ARROW_HIGH) & (values != np.floor(values)))
         block = _arrow_block(arrow, values)
+    # A whole number below 2**53 (< 1e16: no exponent) is its integer's text and ".0" in repr, -0.0
+    # apart: a column of them (a run's host_s, all 0.0) is not formatted a value at a time.
+    whole = by_repr & (values == np.floor(values)) & (magnitude < _WHOLE_BELOW) & ~((values == 0) & np.signbit(values))
+    if whole.any():
+        digits = int_cells(values[whole].astype(np.int64))
+        block = _placed(block, whole, np.hstack([digits, np.full((len(digits), 2), _DOT_ZERO)]))
+        by_repr &= ~whole
     if by_repr.any():
-        texts = _text_block(list(map(float.__repr__, values[by_repr].tolist())))
-        if texts.shape[1] > block.shape[1]:
-            block = np.hstack([block, np.zeros((n, texts.shape[1] - block.shape[1]), np.uint8)])
-        block[by_repr] = 0
-        block[by_repr, :texts.shape[1]] = texts
+        block = _placed(block, by_repr, _text_block(list(map(float.__repr__, values[by_repr].tolist()))))
     block[nan] = 0
+    return block
+
+
+def _placed(block: np.ndarray, rows: np.ndarray, texts: np.ndarray) -> np.ndarray:
+    """`block` (widened where `texts` is wider) with the cells of `rows` replaced by `texts`."""
+    if texts.shape[1] > block.shape[1]:
+        block = np.hstack([block, np.zeros((len(block), texts.shape[1] - block.shape[1]), np.uint8)])
+    block[rows] = 0
+    block[rows, :texts.shape[1]] = texts
     return block
 
 
@@ -213,4 +227,6 @@ def _factorize(items: list) -> tuple[np.ndarray, list]:
     uniques = [v for v in distinct if not (v is None or v != v)]
     code = {v: -1 for v in distinct}
     code.update(zip(uniques, range(len(uniques))))
+    if len(code) == 1:                                # (one value throughout: a column of None, say)
+        return np.full(len(items), code[next(iter(code))], np.int64), uniques
     return np.fromiter(map(code.__getitem__, items), np.int64, len(items)), uniques

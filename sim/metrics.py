@@ -43,8 +43,12 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
-    """weighted_percentile at each q, sorting once (the ITL sample is a value per step: millions)."""
-    order = np.argsort(values, kind="stable")
+    """weighted_percentile at each q, sorting once (the ITL sample is a value per step: millions).
+    Any sort of the values gives the same figures: the value read at running weight k is the least v
+    whose weight at or below v exceeds k, whatever order ties take (the running weight is an exact
+    integer sum). So numpy's unstable sort, ~2x faster than the stable one (~0.8 s of a
+    million-request summary); -0.0 and 0.0 tie, as in exact_disk.py, and no gap is -0.0."""
+    order = np.argsort(values, kind="quicksort")
     # (the sorted values are read at the few ranks wanted only; the running weight in int32 where
     # the total fits: a million-request run's ITL sample has a value per step)
     fits = int(np.sum(weights, dtype=np.int64)) <= np.iinfo(np.int32).max

@@ -525,9 +525,20 @@ class RequestTable:
         names = np.array([None] + [t for t in self._tenants if t is not None], dtype=object)
         return names[self.sorted_column("tenant") + 1]
 
-    def reasons(self) -> list[Optional[str]]:
-        get = self._reasons.get
-        return [get(i) for i in self.sorted_column("id").tolist()]
+    def reasons(self) -> np.ndarray:
+        """Each request's rejection or abort reason (None for the rest), in id order, as objects:
+        looked up by id in numpy (a lookup a request was ~0.17 s of a million-request run)."""
+        out = np.full(len(self), None, dtype=object)
+        if not self._reasons or not len(out):
+            return out
+        keys = np.fromiter(self._reasons, np.int64, len(self._reasons))
+        order = np.argsort(keys)
+        keys, texts = keys[order], np.array(list(self._reasons.values()), dtype=object)[order]
+        ids = self.sorted_column("id").astype(np.int64)
+        at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+        hit = keys[at] == ids            # (a block of a spilled run holds some of the ids only)
+        out[hit] = texts[at[hit]]
+        return out
 
 
 RequestsLike = Union[RequestTable, list]
@@ -624,7 +635,7 @@ def request_columns(records: RunRecords, step_times: Optional[Callable[[int], di
                          else np.full(n, None, dtype=object) if none.all()
                          else np.where(none, np.nan, conversation)),
         "is_warmup": col("is_warmup").astype(bool),
-        "status": _STATUS_NAMES[col("status")], "reject_reason": np.array(table.reasons(), dtype=object),
+        "status": _STATUS_NAMES[col("status")], "reject_reason": table.reasons(),
         "arrival_s": col("arrival_s").astype(float),
         "prompt_tokens": col("prompt_tokens").astype(np.int64), "output_tokens": col("output_tokens").astype(np.int64),
         "cached_tokens": col("cached_tokens").astype(np.int64), "preemptions": col("preemptions").astype(np.int64),

@@ -12,14 +12,15 @@ from sim.output.io import write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-4, 9.999999999999999e-05, 1.2e-05, 0.00022419999999999997,
+EDGE_FLOATS = [0.0, -0.0, 1.0, -1.0, 2.0 ** 53 - 1, -(2.0 ** 53 - 1), 2.0 ** 53, 1e16 - 2, 9e15, 1e10, 12.0, -3.0, 0.5, 1e-4, 9.999999999999999e-05, 1.2e-05, 0.00022419999999999997,
                999999999.5, 1e9 + 0.5, 1e9, 1e15, 1e16, 1.5e16, 123456789.123, 0.1 + 0.2, 5e-324,
                1.7976931348623157e308, np.inf, -np.inf, np.nan, 13.199123556080494, -2.5e-7, 3.0e10 + 0.25]
 
 
 def _random_frame(rng: np.random.Generator, n: int) -> pd.DataFrame:
     magnitudes = 10 ** rng.uniform(-8, 18, n) * rng.choice([-1, 1], n)
-    floats = np.concatenate([EDGE_FLOATS, magnitudes, rng.random(n), np.round(rng.random(n) * 100, 2)])
+    floats = np.concatenate([EDGE_FLOATS, magnitudes, rng.random(n), np.round(rng.random(n) * 100, 2),
+                             np.round(magnitudes)])                        # whole numbers, every size
     m = len(floats)
     ints = rng.integers(-(2 ** 40), 2 ** 40, m)
     ints[:4] = [0, -1, np.iinfo(np.int64).max, np.iinfo(np.int64).min + 1]

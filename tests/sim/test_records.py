@@ -209,3 +209,24 @@ def test_simulating_does_not_import_pandas():
             "['workload.num_requests=50'])); print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_reasons_are_looked_up_by_id_in_any_block_of_the_table():
+    """`RequestTable.reasons` (numpy lookups) gives each row its id's reason, None elsewhere; a
+    block of a spilled run shares the whole table's reasons, most of them for ids not in it."""
+    from sim.records import RequestTable
+
+    scenario = busy_scenario(6, "workload.multi_turn={turns: 2, user_len: 30, think_time_s: 0.1}",
+                             "workload.prompt_len={dist: fixed, value: 5000}",
+                             "workload.warmup_requests=2")
+    records = simulate(scenario)[0]
+    frame = requests_frame(records)
+    by_id = dict(zip(frame["id"].tolist(), frame["reject_reason"].tolist()))
+    assert sum(r is not None for r in by_id.values()) == 6
+    table = records.requests
+    assert table.reasons().tolist() == [by_id[i] for i in table.sorted_column("id").astype(int).tolist()]
+    packed = table.take_packed()
+    block = table.with_columns({**{name: column[4:1:-1] for name, column in packed.items()},
+                                "run_steps": np.zeros(0, np.int64), "chunk_steps": np.zeros(0, np.int64)})
+    assert block.reasons().tolist() == [by_id[i] for i in block.sorted_column("id").astype(int).tolist()]
+    assert RequestTable().reasons().tolist() == []
