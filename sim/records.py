@@ -181,6 +181,9 @@ class StepRecorder:
 
     def __init__(self, replica: int = 0):
         self.replica = replica
+        # vLLM V0's async output processing (Scenario.tokens_after_next_host): a step's tokens reach
+        # the client when the next step has done its host work (`token_times`)
+        self.tokens_after_next_host = False
         self.rows = _Buffer(PER_ROW)            # rows and steps not yet packed
         self.step_values = _Buffer(PER_STEP)
         self._steps = _Columns(PER_STEP)
@@ -310,6 +313,18 @@ class StepRecorder:
             out = self._expand(name)
         if name in ("start_s", "end_s", "host_s", "device_s"):
             self._cache[name] = out
+        return out
+
+    def token_times(self) -> np.ndarray:
+        """When each step's tokens reach the client: its end, or under `tokens_after_next_host` its
+        end plus the host time of the step that starts at that end (a step followed by none, the
+        engine idle after it, delivers at its end: V0 drains its outputs when nothing is left)."""
+        end = self.step_column("end_s")
+        if not self.tokens_after_next_host or len(end) < 2:
+            return end
+        start, host = self.step_column("start_s"), self.step_column("host_s")
+        out = end.copy()
+        out[:-1] += np.where(start[1:] <= end[:-1], host[1:], 0.0)
         return out
 
     def _expand(self, name: str) -> np.ndarray:
@@ -669,14 +684,20 @@ class _RecorderTimes:
         self.rec = rec
 
     def __getitem__(self, name: str) -> np.ndarray:
+        if name == "token_s":
+            return self.rec.token_times()
         values = self.rec.step_column(name)
         return values if name in ("start_s", "end_s") else _prefix_sums(values)
 
 
+STEP_TIMES = ("start_s", "end_s", "token_s", "host_s", "device_s")
+
+
 def cumulated_step_times(rec: StepRecorder) -> dict[str, np.ndarray]:
-    """A replica's step start_s and end_s, and its running sums of host_s and device_s (index k =
-    the sum over steps < k): what a request's times are read from."""
-    return {name: _RecorderTimes(rec)[name] for name in ("start_s", "end_s", "host_s", "device_s")}
+    """A replica's step start_s and end_s, when each step's tokens reach the client (token_s:
+    StepRecorder.token_times), and its running sums of host_s and device_s (index k = the sum over
+    steps < k): what a request's times are read from."""
+    return {name: _RecorderTimes(rec)[name] for name in STEP_TIMES}
 
 
 def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
@@ -687,7 +708,7 @@ def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
 
 
 def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, chunks) -> None:
-    """`times[name]`: the replica's step column (start_s, end_s) or running sum (host_s, device_s)."""
+    """`times[name]`: the replica's step column (start_s, token_s) or running sum (host_s, device_s)."""
     def at(steps: np.ndarray, times: np.ndarray) -> np.ndarray:
         valid = steps >= 0
         res = np.full(len(steps), np.nan)
@@ -695,7 +716,7 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, ch
         return res
 
     col = table.sorted_column
-    end = times["end_s"]
+    end = times["token_s"]
     out["admitted_s"][idx] = at(col("admit_step")[idx].astype(np.int64), times["start_s"])
     out["first_token_s"][idx] = at(col("first_token_step")[idx].astype(np.int64), end)
     out["finish_s"][idx] = at(col("finish_step")[idx].astype(np.int64), end)
@@ -714,7 +735,8 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, ch
 def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pooled inter-token latencies as (values, integer weights), over `measured` request ids.
 
-    Within a run of consecutive emitting steps every gap is one step (end[k] - end[k-1]);
+    Within a run of consecutive emitting steps every gap is one step (end[k] - end[k-1], each step's
+    token time: StepRecorder.token_times);
     those are counted per step with a difference array instead of listed per token.
     Gaps between runs (after a preemption or a skipped step) are listed individually.
     """
@@ -730,7 +752,7 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
         idx = np.flatnonzero((replica == rec.replica) & keep)
         if not len(idx) or not len(rec):
             continue
-        end = rec.step_column("end_s")
+        end = rec.token_times()
         owner, a, b = _select(run_owner, idx, run_a, run_b)
         # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
         # float64 array, exact for counts; then reused for the gaps: millions of steps)

@@ -926,6 +926,17 @@ class Scenario(StrictModel):
         return on and e.batching == "continuous"
 
     @property
+    def tokens_after_next_host(self) -> bool:
+        """Does a token reach the client only when the engine's next step has done its host work
+        (vLLM V0's async output processing, sim/core/vllm_versions.py v0_async_output_processing)?
+        Then a step's tokens are delivered at its end plus the host time of the step that follows
+        at once (none: at its end); the steps themselves are priced as before (sim/records.py
+        StepRecorder.token_times)."""
+        e = self.engine
+        return (vllm_versions.has(e.vllm_version, "v0_async_output_processing") and not e.enforce_eager
+                and e.speculative_method is None and self.device.name != "cpu" and e.batching == "continuous")
+
+    @property
     def long_prefill_token_threshold(self) -> int:
         """vLLM's cap on one step's chunk of a prompt (0 = none): the setting, or 4 % of
         max_model_len when max_num_partial_prefills > 1 leaves it at 0 (config/scheduler.py)."""

@@ -73,7 +73,9 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
                         pool_class=BlockPool if block_ids else CountingBlockPool)
     config = replace(SchedulerConfig.from_scenario(scenario), lazy_decode=lazy_decode)
     sched = make_scheduler(config, kv, offload=offload_tier(scenario, plan, kv))
-    return Replica(index, sched, StepRecorder(index) if recorder is None else recorder)
+    recorder = StepRecorder(index) if recorder is None else recorder
+    recorder.tokens_after_next_host = scenario.tokens_after_next_host
+    return Replica(index, sched, recorder)
 
 
 LEAP_SCALAR_STEPS = 32     # a leap's first steps priced one by one (numpy for the rest of a long one)
@@ -187,6 +189,8 @@ class Simulation:
         self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         self._ended = RequestTable() if self.spill is None else self.spill.request_table()   # taken as each ends
+        if self.spill is not None:
+            self.spill.tokens_after_next_host = self.scenario.tokens_after_next_host
         first_turns = self._first_turns()
         self._layout = DPLayout.for_scenario(self.scenario)
         # With autoscaling the router sees only the ready, non-draining replicas (a list the

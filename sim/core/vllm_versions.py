@@ -55,6 +55,16 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # engine/arg_utils.py --performance-mode (balanced | interactivity | throughput); throughput
     # doubles the max_num_seqs and max_num_batched_tokens defaults.
     "performance_mode": ((0, 17), None),
+    # V0's async output processing (0.6.0 to the V0 engine's last release kvtwin models, 0.7.x):
+    # engine/llm_engine.py LLMEngine.step passes the previous step's output processing as
+    # `async_callback`, which worker/model_runner.py ModelRunner.execute_model calls after it
+    # launches the next step's forward; engine/async_llm_engine.py puts the outputs on the request
+    # streams from that processing (`process_request_outputs_callback`). A token reaches
+    # engine.generate's caller once the next step's host work is done, or at once when no request is
+    # left unfinished (the engine drains the queue). Off under --enforce-eager
+    # (platforms/cuda.py is_async_output_supported) and with speculative decoding (config.py
+    # ModelConfig.verify_async_output_proc).
+    "v0_async_output_processing": ((0, 6), (0, 8)),
 }
 
 # --all2all-backend's choices (config/parallel.py All2AllBackend): the release each came with.

@@ -38,8 +38,8 @@ import numpy as np
 from sim.core.status import FINISHED
 from sim.errors import UserError
 from sim.output.step_buckets import DEFAULT_INTERVAL_S
-from sim.records import REQUEST_FIELDS, RequestTable, RunRecords, StepRecorder, cumulated_step_times, \
-    requests_frame, select_owned
+from sim.records import REQUEST_FIELDS, STEP_TIMES, RequestTable, RunRecords, StepRecorder, \
+    cumulated_step_times, requests_frame, select_owned
 
 FOLDER = "records"            # the chunks' folder, under the run's --out
 BLOCK = 1 << 17               # request ids per block of requests.csv (bounded memory per block)
@@ -69,6 +69,7 @@ class RecordSpill:
         self.request_chunks: list[tuple[Path, int, int]] = []      # (file, lowest id, highest id)
         self.step_chunks: dict[int, list[Path]] = {}
         self.requests_csv: Optional[Path] = None                    # made by `summarise`
+        self.tokens_after_next_host = False     # the recorders' (Simulation sets it), for the steps read back
 
     # -- while the run records ---------------------------------------------------------
     def request_table(self) -> "SpilledRequestTable":
@@ -98,7 +99,9 @@ class RecordSpill:
     # -- reading back ------------------------------------------------------------------
     def recorder(self, replica: int) -> StepRecorder:
         """A replica's steps, loaded into an ordinary StepRecorder."""
-        return StepRecorder.of_chunks(replica, map(_loaded, self.step_chunks.get(replica, [])))
+        rec = StepRecorder.of_chunks(replica, map(_loaded, self.step_chunks.get(replica, [])))
+        rec.tokens_after_next_host = self.tokens_after_next_host
+        return rec
 
     def summarise(self, records: RunRecords, slo) -> dict:
         """The run's summary.json from its chunks; requests.csv is made on the way (`requests_csv`).
@@ -136,9 +139,9 @@ class RecordSpill:
         return self.folder / f"times-{replica:04d}-{name}.npy"
 
     def step_times(self, replica: int) -> dict:
-        """A replica's `cumulated_step_times` (start, end, running host and device sums), memory-mapped: only
+        """A replica's `cumulated_step_times` (start, end, token, running host and device sums), memory-mapped: only
         the pages a block reads are loaded, and they go when the block's maps are dropped."""
-        return {name: np.load(self._times_path(replica, name), mmap_mode="r") for name in _TIMES}
+        return {name: np.load(self._times_path(replica, name), mmap_mode="r") for name in STEP_TIMES}
 
     def write_steps_csv(self, path: Path, steps: str, interval_s: float) -> Path:
         """steps.csv of the kind `steps` as `write_data_files` writes it, replica by replica."""
@@ -154,9 +157,6 @@ class RecordSpill:
                 chunks = csv_chunks(columns)
                 _write_chunks(f, chunks, header=i == 0)
         return Path(path)
-
-
-_TIMES = ("start_s", "end_s", "host_s", "device_s")
 
 
 def _write_chunks(f, chunks: Iterator[bytes], header: bool) -> None:
@@ -380,7 +380,7 @@ class _RequestPass:
             stops.append(b + 1)
             same = owner[1:] == owner[:-1]
             if same.any():
-                end = self.spill.step_times(r)["end_s"]
+                end = self.spill.step_times(r)["token_s"]
                 self.between[r].append(end[a[1:][same]] - end[b[:-1][same]])
 
     def itl(self) -> dict:
@@ -395,7 +395,7 @@ class _RequestPass:
             if s.replica not in self.run_ends:
                 continue
             starts, stops = self.run_ends[s.replica]
-            end = np.asarray(self.spill.step_times(s.replica)["end_s"])
+            end = np.asarray(self.spill.step_times(s.replica)["token_s"])
             counts = (np.bincount(starts.read(0, len(starts)), minlength=len(end) + 1)
                       - np.bincount(stops.read(0, len(stops)), minlength=len(end) + 1))
             per_step = np.cumsum(counts)[1:len(end)]

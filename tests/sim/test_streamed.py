@@ -60,6 +60,8 @@ def files_of(scenario, out: Path, spilled: bool, steps: str) -> dict[str, bytes]
     # a CPU tier for the KV cache: its summary shares count every request's prompt tokens
     (("engine.num_blocks=400", "engine.kv_offload.backend=native", "engine.kv_offload.size_gib=1",
       "workload.num_requests=1500"), "aggregated"),
+    # vLLM V0: tokens delivered after the next step's host work (StepRecorder.token_times)
+    (("engine.vllm_version=0.7.3", "workload.num_requests=1500"), "aggregated"),
 ])
 def test_spilled_run_writes_the_in_memory_files_byte_for_byte(tmp_path, small_chunks, extra, steps):
     scenario = fleet(*extra)

@@ -1,0 +1,81 @@
+"""vLLM V0's async output processing: a step's tokens reach the client after the next step's host work.
+
+vLLM 0.7.3 (V0 engine): vllm/engine/llm_engine.py `LLMEngine.step` hands the processing of the
+step's outputs to the next step as `async_callback` (`async_callbacks`, `output_queue`), which
+vllm/worker/model_runner.py `ModelRunner.execute_model` calls right after it launches the next
+step's forward; vllm/engine/async_llm_engine.py puts the outputs on the request streams from that
+processing (`process_request_outputs_callback`), and when no request is left unfinished the engine
+drains the queue at once. vllm/platforms/cuda.py `is_async_output_supported` turns it off under
+--enforce-eager. AccelMark's TTFT (runners/nvidia_vllm_47f5d58e/runner.py) is the first output of
+`engine.generate` carrying a token, so it ends there.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sim.core.vllm_versions import has
+from sim.records import StepRecorder, requests_frame
+from sim.scenario import validate_scenario
+from sim.simulator import simulate
+
+
+def scenario(version="0.7.3", n=1, **engine):
+    return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm",
+                              "engine": {"num_blocks": 512, "max_model_len": 256, "vllm_version": version,
+                                         "front_end_s": 0, **engine},
+                              "workload": {"num_requests": n, "prompt_len": 64, "output_len": 4,
+                                           "arrival": {"process": "offline"}}})
+
+
+def run(s):
+    records = simulate(s)[0]
+    return requests_frame(records).sort_values("id").reset_index(drop=True), records.steps_frame()
+
+
+def test_the_releases_with_async_output_processing():
+    assert has("0.6.0", "v0_async_output_processing") and has("0.7.3", "v0_async_output_processing")
+    assert not has("0.5.5", "v0_async_output_processing")
+    assert not has("0.8.3", "v0_async_output_processing")          # V1 (kvtwin's V0 ends at 0.8)
+    assert scenario().tokens_after_next_host
+    assert not scenario(enforce_eager=True).tokens_after_next_host
+    assert not scenario("0.11.0").tokens_after_next_host
+
+
+def test_token_times_add_the_next_steps_host_time_where_one_follows_at_once():
+    rec = StepRecorder()
+    rec.tokens_after_next_host = True
+
+    class Batch:
+        def __init__(self, step):
+            self.step, self.num_decode, self.num_prefill_tokens = step, 1, 0
+            self.prefills, self.preempted, self.prefill_ctx, self.prefill_attn = [], [], 0, 0
+            self.decode_ctx, self.blocks_read = 1, 1
+
+    class Sched:
+        running, waiting = [1], []
+
+    for step, (start, end, host) in enumerate([(0.0, 1.0, 0.25), (1.0, 2.0, 0.5), (3.0, 4.0, 0.125)]):
+        rec.record(Batch(step), Sched(), start, end, host, (end - start) - host, 0, 0, 0)
+    # step 0 is followed at once by step 1 (its host 0.5); step 1 by nothing until 3.0; the last by none
+    assert rec.token_times().tolist() == [1.5, 2.0, 4.0]
+    rec.tokens_after_next_host = False
+    assert rec.token_times().tolist() == [1.0, 2.0, 4.0]
+
+
+def test_v0_first_token_waits_for_the_next_steps_host_work():
+    """One request on vLLM 0.7.3: its first token (prefill step) reaches the client when the
+    following decode step's host work is done; under --enforce-eager at the prefill's end. The
+    steps themselves are the same."""
+    on, on_steps = run(scenario())
+    off, off_steps = run(scenario(enforce_eager=True))
+    assert np.allclose(on_steps["end_s"], off_steps["end_s"])
+    assert on_steps["start_s"].iloc[1] == on_steps["end_s"].iloc[0]
+    assert on["ttft_s"][0] == off["ttft_s"][0] + on_steps["host_s"].iloc[1]
+    # the last token: no request left unfinished, so it is drained at its step's end
+    assert on["e2e_s"][0] == off["e2e_s"][0]
+
+
+def test_v1_releases_deliver_at_the_steps_end():
+    frame, steps = run(scenario("0.11.0"))
+    first = steps["end_s"].iloc[0]
+    assert frame["first_token_s"][0] == first
