@@ -934,7 +934,8 @@ class Scenario(StrictModel):
         StepRecorder.token_times)."""
         e = self.engine
         return (vllm_versions.has(e.vllm_version, "v0_async_output_processing") and not e.enforce_eager
-                and e.speculative_method is None and self.device.name != "cpu" and e.batching == "continuous")
+                and e.speculative_method is None and e.pipeline_parallel_size == 1
+                and self.device.name != "cpu" and e.batching == "continuous")
 
     @property
     def long_prefill_token_threshold(self) -> int:

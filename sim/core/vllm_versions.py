@@ -62,8 +62,8 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # streams from that processing (`process_request_outputs_callback`). A token reaches
     # engine.generate's caller once the next step's host work is done, or at once when no request is
     # left unfinished (the engine drains the queue). Off under --enforce-eager
-    # (platforms/cuda.py is_async_output_supported) and with speculative decoding (config.py
-    # ModelConfig.verify_async_output_proc).
+    # (platforms/cuda.py is_async_output_supported), with speculative decoding and with pipeline
+    # parallel > 1 (config.py ModelConfig.verify_async_output_proc, 0.7.3).
     "v0_async_output_processing": ((0, 6), (0, 8)),
 }
 

@@ -41,6 +41,12 @@ def test_the_releases_with_async_output_processing():
     assert not scenario("0.11.0").tokens_after_next_host
 
 
+def test_pipeline_parallel_turns_it_off():
+    """vllm/config.py ModelConfig.verify_async_output_proc (0.7.3): pipeline_parallel_size > 1
+    sets use_async_output_proc False, before the platform check."""
+    assert not scenario(pipeline_parallel_size=2).tokens_after_next_host
+
+
 def test_token_times_add_the_next_steps_host_time_where_one_follows_at_once():
     rec = StepRecorder()
     rec.tokens_after_next_host = True
