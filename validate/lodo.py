@@ -787,9 +787,16 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
     return {gpu: len(names) for gpu, names in per_class.items()}
 
 
-def _resumable(kind: str, name: str, compute: Callable):
+# How each engine generation's runs are replayed, as a revision: bumped whenever a change to the
+# simulator moves that generation's replays (1: V0's async output processing, 2026-12-07), so a
+# --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
+REPLAY_REVISION = {"v0": 1, "v1": 0}
+
+
+def _resumable(kind: str, name: str, compute: Callable, engine: str):
     """compute(), kept in the --resume folder as it finishes and read back from there when present
-    (a refit that was killed half way does not redo its finished class fits and folds)."""
+    (a refit that was killed half way does not redo its finished class fits and folds). The name
+    carries the engine's REPLAY_REVISION (none at 0, so the folders of earlier refits still match)."""
     import json
 
     from sim.output.io import write_text
@@ -797,6 +804,8 @@ def _resumable(kind: str, name: str, compute: Callable):
     folder = _FOLD_STATE.get("resume")
     if folder is None:
         return compute()
+    if REPLAY_REVISION[engine]:
+        name = f"{name} / replay {engine}.{REPLAY_REVISION[engine]}"
     path = Path(folder) / f"{kind}-{hashlib.sha1(name.encode()).hexdigest()[:16]}.json"
     if path.exists():
         stored = json.loads(path.read_text())
@@ -820,7 +829,7 @@ def _class_fit(key: tuple[str, str]) -> dict[str, float]:
         _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
 
-    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else ""), fit)
+    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else ""), fit, engine)
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, dict[str, float]]]:
@@ -919,7 +928,7 @@ def front_end_profile(run: Run) -> list[float]:
                 for c in FRONT_END_GRID]
 
     if run.id not in _PROFILES:
-        _PROFILES[run.id] = _resumable("frontend", f"{run.id} / {FRONT_END_GRID}", compute)
+        _PROFILES[run.id] = _resumable("frontend", f"{run.id} / {FRONT_END_GRID}", compute, run.engine)
     return _PROFILES[run.id]
 
 
@@ -959,7 +968,7 @@ def pooled_v0_host(runs: list[Run], without_model: Optional[str] = None, progres
                      + (f" without {without_model}" if without_model else ""))
             return fit_class(pool, names=V0_HOST)
 
-        _V0_HOSTS[memo] = _resumable("host", f"v0 without {without_model} / {digest}", fit)
+        _V0_HOSTS[memo] = _resumable("host", f"v0 without {without_model} / {digest}", fit, "v0")
     return dict(_V0_HOSTS[memo])
 
 
@@ -1008,7 +1017,7 @@ def _fold_rows(name: str) -> list[dict]:
     # its --resume name carries that profile, so a kept one is reused only while they hold
     priced_by = fold_generic(runs, name, full)
     key = name if priced_by is None else f"{name} / generic {sorted(priced_by.items())}"
-    return _resumable("fold", key, fold)
+    return _resumable("fold", key, fold, deployments(runs)[name][0].engine)
 
 
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,

@@ -326,6 +326,10 @@ def test_a_resumed_refit_reuses_the_folds_it_kept(runs, tmp_path, monkeypatch):
     monkeypatch.setattr(lodo, "fold_params", refit)
     again = lodo.lodo_table(list(runs.values()), full, only=[deployment], progress=lambda *_: None)
     pd.testing.assert_frame_equal(first, again)
+    # a change to how V1 runs are replayed (its REPLAY_REVISION) leaves the kept fold unused
+    monkeypatch.setitem(lodo.REPLAY_REVISION, "v1", lodo.REPLAY_REVISION["v1"] + 1)
+    with pytest.raises(AssertionError, match="a kept fold was refitted"):
+        lodo.lodo_table(list(runs.values()), full, only=[deployment], progress=lambda *_: None)
 
 
 def test_trained_step_times_load_the_class_profile_of_the_engine_generation_and_fall_back_to_generic():
