@@ -12,8 +12,8 @@ import platform
 import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, islice
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -200,38 +200,46 @@ class WorkloadDescription:
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
         self.lengths = LengthCounts()         # (counted: a list of ten million lengths would grow)
-        self._described: list[tuple] = []     # each request's figures, made text BATCH at a time
+        self._figures: list[tuple] = []       # each request's _FIGURES, made text BATCH at a time
+        self._segments: list[list] = []       # and its segments but the output (copied)
 
     def add(self, r: Request) -> None:
-        for _ in self.watch((r,)):
-            pass
+        self._describe((r,))
+        if len(self._figures) >= self.BATCH:
+            self._hash_described()
 
     def watch(self, requests: Iterable[Request]) -> Iterator[Request]:
-        """Each request, described before it is passed on. One loop with no call per request
-        (it runs beside the simulation on every request of a run: ~4% of simulate() was
-        spent in a per-request add() and its calls): each request's figures are kept as a tuple
-        of values the run does not change (its segments but the output, copied), and turned
-        into text, hashed and counted a batch at a time (`_hash_described`)."""
-        described, batch = self._described, self.BATCH
-        for r in requests:
-            segs = r.segments[:-1]
-            for s in segs:
-                if type(s) is not tuple:          # a literal segment: described by its hash
-                    segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segs]
-                    break
-            described.append((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs))
-            if len(described) >= batch:
-                self._hash_described()
-            yield r
+        """Each request, described before it is passed on. The stream is read BATCH requests at a
+        time (made that far ahead of the run, which has not seen them yet: the same figures), and
+        each batch described with no Python code run per request (the loop that took each request's
+        figures one by one cost ~2k instructions a request, ~1 % of the simulation it describes)."""
+        requests = iter(requests)
+        while True:
+            batch = list(islice(requests, self.BATCH))
+            if not batch:
+                return
+            self._describe(batch)
+            self._hash_described()
+            yield from batch
+
+    def _describe(self, requests) -> None:
+        """Keep each request's figures the run does not change (a tuple of _FIGURES) and its
+        segments but the output, copied (a literal segment by its length and hash)."""
+        self._figures += map(_FIGURES, requests)
+        segments = list(map(_BUT_OUTPUT, map(_SEGMENTS, requests)))
+        if set(map(type, chain.from_iterable(segments))) - {tuple}:
+            segments = list(map(_literals_hashed, segments))
+        self._segments += segments
 
     def _hash_described(self) -> None:
         """The batch's text (each request's tuple's repr, as one string) into the hash, and its
         prompt and output lengths into the counts."""
-        described = self._described
-        self.hash.update(described_text(described, columnar=self.lengths.count >= self.COLUMNAR_AFTER))
-        self.lengths.prompts.extend(map(itemgetter(2), described))
-        self.lengths.outputs.extend(map(itemgetter(3), described))
-        described.clear()
+        figures = self._figures
+        self.hash.update(_batch_text(figures, self._segments, columnar=self.lengths.count >= self.COLUMNAR_AFTER))
+        self.lengths.prompts.extend(map(itemgetter(2), figures))
+        self.lengths.outputs.extend(map(itemgetter(3), figures))
+        figures.clear()
+        self._segments.clear()
         self.lengths.fold_if_full()
 
     def hexdigest(self) -> str:
@@ -244,6 +252,30 @@ class WorkloadDescription:
                 "lengths": self.lengths.stats(), "notes": notes}
 
 
+# What the manifest's text holds of a request, read off it by C code (operator's getters mapped
+# over a batch): the figures the run does not change, then its segments but the output.
+_FIGURES = attrgetter("id", "arrival", "prompt_len", "output_len", "tenant", "priority")
+_SEGMENTS = attrgetter("segments")
+_BUT_OUTPUT = itemgetter(slice(None, -1))
+
+
+def _literals_hashed(segments: list) -> list:
+    """A request's segments with each literal one (a list of token ids) described by its hash."""
+    return [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segments]
+
+
+def _batch_text(figures: list[tuple], segments: list[list], columnar: bool) -> bytes:
+    """The text of the requests described by `figures` and `segments` (described_text's)."""
+    text = _columnar_text(figures, segments) if columnar else None
+    if text is None:
+        text = "".join(map(repr, map(tuple.__add__, figures, map(_one, segments)))).encode()
+    return text
+
+
+def _one(value) -> tuple:
+    return (value,)
+
+
 def described_text(described: list[tuple], columnar: bool = True) -> bytes:
     """`"".join(map(repr, described)).encode()`, the text hashed for a batch of requests. With
     `columnar` it is made column by column where every request has the plain form a synthetic
@@ -251,11 +283,10 @@ def described_text(described: list[tuple], columnar: bool = True) -> bytes:
     ~19k instructions a request (7k on the arrival's float alone, ~6% of the simulation the text
     describes), the columns ~12.7k. Their text is the CSV writer's (sim/columns.py), which
     is repr's; anything else is made tuple by tuple."""
-    text = _columnar_text(described) if columnar else None
-    return text if text is not None else "".join(map(repr, described)).encode()
+    return _batch_text([d[:6] for d in described], [d[6] for d in described], columnar)
 
 
-def _columnar_text(described: list[tuple]) -> Optional[bytes]:
+def _columnar_text(figures: list[tuple], segs: list[list]) -> Optional[bytes]:
     """The text of `described_text` from columns, or None where a request is not of the plain form.
     Requests may carry different numbers of keyed segments (a workload whose shared prefix only
     some conversations carry: ~1.5x simulate()'s instructions spent in repr where the batch fell
@@ -265,9 +296,9 @@ def _columnar_text(described: list[tuple]) -> Optional[bytes]:
 
     from sim.columns import bytes_block, float_cells, int_cells, joined_rows
 
-    if not described:
+    if not figures:
         return b""
-    ids, arrivals, prompts, outputs, tenants, priorities, segs = zip(*described)
+    ids, arrivals, prompts, outputs, tenants, priorities = zip(*figures)
     if any(set(map(type, col)) != {int} for col in (ids, prompts, outputs, priorities)) \
             or set(map(type, arrivals)) != {float} or set(map(type, segs)) != {list}:
         return None
@@ -277,7 +308,7 @@ def _columnar_text(described: list[tuple]) -> Optional[bytes]:
     numbers = list(chain.from_iterable(pairs))
     if numbers and set(map(type, numbers)) != {int}:
         return None
-    n = len(described)
+    n = len(figures)
     widths = np.fromiter(map(len, segs), np.int64, n)
     k = int(widths.max())                          # keyed segment slots: (key, length) pairs
     present = np.arange(k) < widths[:, None]       # (row, slot): does the row have that segment?
