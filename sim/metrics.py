@@ -43,8 +43,11 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs) -> list[float]:
-    """weighted_percentile at each q, sorting once (the ITL sample is a value per step: millions)."""
-    order = np.argsort(values, kind="stable")
+    """weighted_percentile at each q, sorting once (the ITL sample is a value per step: millions).
+    The sort need not be stable: equal values only trade places inside their run, whose running
+    weight at either end is the same, and any place inside it reads the same value (numpy's
+    quicksort, ~0.6x the stable sort's time on a 100k-request run's 1.9M values)."""
+    order = np.argsort(values)
     # (the sorted values are read at the few ranks wanted only; the running weight in int32 where
     # the total fits: a million-request run's ITL sample has a value per step)
     fits = int(np.sum(weights, dtype=np.int64)) <= np.iinfo(np.int32).max
