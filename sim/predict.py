@@ -294,7 +294,7 @@ def _columnar_text(figures: list[tuple], segs: list[list]) -> Optional[bytes]:
     NUL, which `joined_rows` drops."""
     import numpy as np
 
-    from sim.columns import bytes_block, float_cells, int_cells, joined_rows
+    from sim.columns import bytes_block, float_cells, joined_rows
 
     if not figures:
         return b""
@@ -322,20 +322,48 @@ def _columnar_text(figures: list[tuple], segs: list[list]) -> Optional[bytes]:
     arrival = np.array(arrivals, dtype=np.float64)
     if not np.isfinite(arrival).all():
         return None
-    table = np.array([repr(t).encode() for t in distinct], dtype="S")
-    tenant = bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
-    id_, prompt, output, priority = map(int_cells, columns)
+    if len(distinct) == 1:                         # (one tenant: its text, which every row carries)
+        tenant = repr(tenants[0]).encode()
+    else:
+        table = np.array([repr(t).encode() for t in distinct], dtype="S")
+        tenant = bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
+    id_, prompt, output, priority = map(_int_part, columns)
     parts = [b"(", id_, b", ", float_cells(arrival), b", ", prompt, b", ", output, b", ", tenant, b", ",
              priority, b", ["]
     for j in range(k):
-        slot = [b"(" if j == 0 else b", (", int_cells(pair_columns[:, j, 0]), b", ",
-                int_cells(pair_columns[:, j, 1]), b")"]
-        if present[:, j].all():
+        kept = present[:, j]
+        whole = kept.all()
+        slot = [b"(" if j == 0 else b", (", _int_part(pair_columns[:, j, 0], None if whole else kept), b", ",
+                _int_part(pair_columns[:, j, 1], None if whole else kept), b")"]
+        if whole:
             parts += slot
         else:
-            parts.append(_masked_block(slot, present[:, j]))
+            parts.append(_masked_block(slot, kept))
     parts.append(b"])")
-    return joined_rows(parts, n)
+    return joined_rows(_bytes_joined(parts), n)
+
+
+def _int_part(values: "np.ndarray", rows_read=None):
+    """A column's cells (`int_cells`), or the one text of its value where every row (of `rows_read`,
+    where given) holds the same: a part that every row carries (a workload's fixed lengths, its one
+    priority), not formatted row by row."""
+    from sim.columns import int_cells
+
+    read = values if rows_read is None else values[rows_read]
+    if len(read) and (read == read[0]).all():
+        return str(int(read[0])).encode()
+    return int_cells(values)
+
+
+def _bytes_joined(parts: list) -> list:
+    """`parts` with each run of bytes parts made one (fewer blocks to lay side by side)."""
+    out = []
+    for p in parts:
+        if isinstance(p, bytes) and out and isinstance(out[-1], bytes):
+            out[-1] += p
+        else:
+            out.append(p)
+    return out
 
 
 def _masked_block(parts: list, rows_kept) -> "np.ndarray":

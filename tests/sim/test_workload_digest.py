@@ -91,3 +91,20 @@ def test_digest_does_not_depend_on_the_columns(monkeypatch, scenario):
             described.add(r)
         digests.append(described.manifest([]))
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("with_arrow", [True, False])
+def test_columns_of_one_value_are_one_text(monkeypatch, with_arrow):
+    """A column whose every row holds one value (a fixed length, one priority, one tenant, a shared
+    prefix's key among the rows that carry it) goes in as that value's text, once: still repr's."""
+    if with_arrow:
+        pytest.importorskip("pyarrow")
+    else:
+        monkeypatch.setattr(columnar, "_pyarrow", lambda: None)
+    rng = random.Random(3)
+    described = []
+    for i, row in enumerate(_plain(rng, 300, 2, ("tenant é",))):
+        segs = [row[6][1], (77, 512)] if i % 3 else [row[6][1]]     # a second segment on two rows in three
+        described.append((row[0], row[1], 512, 128, row[4], -2, segs))
+    assert _by_columns(described) == _expected(described)
+    assert _by_columns(described[:1]) == _expected(described[:1])
