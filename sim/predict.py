@@ -200,12 +200,13 @@ class WorkloadDescription:
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
         self.lengths = LengthCounts()         # (counted: a list of ten million lengths would grow)
-        self._figures: list[tuple] = []       # each request's _FIGURES, made text BATCH at a time
+        # each request's FIGURES, a list per figure, made text BATCH requests at a time
+        self._figures: list[list] = [[] for _ in FIGURES]
         self._segments: list[list] = []       # and its segments but the output (copied)
 
     def add(self, r: Request) -> None:
         self._describe((r,))
-        if len(self._figures) >= self.BATCH:
+        if len(self._segments) >= self.BATCH:
             self._hash_described()
 
     def watch(self, requests: Iterable[Request]) -> Iterator[Request]:
@@ -223,9 +224,10 @@ class WorkloadDescription:
             yield from batch
 
     def _describe(self, requests) -> None:
-        """Keep each request's figures the run does not change (a tuple of _FIGURES) and its
+        """Keep each request's figures the run does not change (FIGURES, in columns) and its
         segments but the output, copied (a literal segment by its length and hash)."""
-        self._figures += map(_FIGURES, requests)
+        for column, figure in zip(self._figures, _FIGURE_GETTERS):
+            column += map(figure, requests)
         segments = list(map(_BUT_OUTPUT, map(_SEGMENTS, requests)))
         if set(map(type, chain.from_iterable(segments))) - {tuple}:
             segments = list(map(_literals_hashed, segments))
@@ -236,10 +238,10 @@ class WorkloadDescription:
         prompt and output lengths into the counts."""
         figures = self._figures
         self.hash.update(_batch_text(figures, self._segments, columnar=self.lengths.count >= self.COLUMNAR_AFTER))
-        self.lengths.prompts.extend(map(itemgetter(2), figures))
-        self.lengths.outputs.extend(map(itemgetter(3), figures))
-        figures.clear()
-        self._segments.clear()
+        self.lengths.prompts.extend(figures[2])
+        self.lengths.outputs.extend(figures[3])
+        for column in (*figures, self._segments):
+            column.clear()
         self.lengths.fold_if_full()
 
     def hexdigest(self) -> str:
@@ -254,7 +256,8 @@ class WorkloadDescription:
 
 # What the manifest's text holds of a request, read off it by C code (operator's getters mapped
 # over a batch): the figures the run does not change, then its segments but the output.
-_FIGURES = attrgetter("id", "arrival", "prompt_len", "output_len", "tenant", "priority")
+FIGURES = ("id", "arrival", "prompt_len", "output_len", "tenant", "priority")
+_FIGURE_GETTERS = tuple(map(attrgetter, FIGURES))
 _SEGMENTS = attrgetter("segments")
 _BUT_OUTPUT = itemgetter(slice(None, -1))
 
@@ -264,16 +267,19 @@ def _literals_hashed(segments: list) -> list:
     return [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segments]
 
 
-def _batch_text(figures: list[tuple], segments: list[list], columnar: bool) -> bytes:
-    """The text of the requests described by `figures` and `segments` (described_text's)."""
+def _batch_text(figures: list[list], segments: list[list], columnar: bool) -> bytes:
+    """The text of the requests described by `figures` (a list per figure) and `segments`: each
+    request's tuple (*figures, segments) as repr writes it (described_text's)."""
     text = _columnar_text(figures, segments) if columnar else None
     if text is None:
-        text = "".join(map(repr, map(tuple.__add__, figures, map(_one, segments)))).encode()
+        text = "".join(map(repr, zip(*figures, segments))).encode()
     return text
 
 
-def _one(value) -> tuple:
-    return (value,)
+def figure_columns(described: list[tuple]) -> tuple[list[list], list[list]]:
+    """Tuples (*FIGURES, segments) as `_batch_text`'s columns: (a list per figure, the segments)."""
+    columns = [list(column) for column in zip(*described)] or [[] for _ in range(len(FIGURES) + 1)]
+    return columns[:-1], columns[-1]
 
 
 def described_text(described: list[tuple], columnar: bool = True) -> bytes:
@@ -283,10 +289,10 @@ def described_text(described: list[tuple], columnar: bool = True) -> bytes:
     ~19k instructions a request (7k on the arrival's float alone, ~6% of the simulation the text
     describes), the columns ~12.7k. Their text is the CSV writer's (sim/columns.py), which
     is repr's; anything else is made tuple by tuple."""
-    return _batch_text([d[:6] for d in described], [d[6] for d in described], columnar)
+    return _batch_text(*figure_columns(described), columnar)
 
 
-def _columnar_text(figures: list[tuple], segs: list[list]) -> Optional[bytes]:
+def _columnar_text(figures: list[list], segs: list[list]) -> Optional[bytes]:
     """The text of `described_text` from columns, or None where a request is not of the plain form.
     Requests may carry different numbers of keyed segments (a workload whose shared prefix only
     some conversations carry: ~1.5x simulate()'s instructions spent in repr where the batch fell
@@ -296,10 +302,10 @@ def _columnar_text(figures: list[tuple], segs: list[list]) -> Optional[bytes]:
 
     from sim.columns import bytes_block, float_cells, joined_rows
 
-    if not figures:
+    if not segs:
         return b""
-    ids, arrivals, prompts, outputs, tenants, priorities = zip(*figures)
-    if any(set(map(type, col)) != {int} for col in (ids, prompts, outputs, priorities)) \
+    ids, arrivals, prompts, outputs, tenants, priorities = figures
+    if set(map(type, chain(ids, prompts, outputs, priorities))) != {int} \
             or set(map(type, arrivals)) != {float} or set(map(type, segs)) != {list}:
         return None
     pairs = list(chain.from_iterable(segs))
@@ -308,18 +314,19 @@ def _columnar_text(figures: list[tuple], segs: list[list]) -> Optional[bytes]:
     numbers = list(chain.from_iterable(pairs))
     if numbers and set(map(type, numbers)) != {int}:
         return None
-    n = len(figures)
+    n = len(segs)
     widths = np.fromiter(map(len, segs), np.int64, n)
     k = int(widths.max())                          # keyed segment slots: (key, length) pairs
     present = np.arange(k) < widths[:, None]       # (row, slot): does the row have that segment?
     try:
-        columns = [np.array(col, dtype=np.int64) for col in (ids, prompts, outputs, priorities)]
+        # (fromiter: ~0.75x np.array's instructions on a list of ints, which it first walks for a shape)
+        columns = np.fromiter(chain(ids, prompts, outputs, priorities), np.int64, 4 * n).reshape(4, n)
         pair_columns = np.zeros((n, k, 2), dtype=np.int64)
-        pair_columns[present] = np.array(numbers, dtype=np.int64).reshape(-1, 2)
+        pair_columns[present] = np.fromiter(numbers, np.int64, len(numbers)).reshape(-1, 2)
         distinct = {t: i for i, t in enumerate(dict.fromkeys(tenants))}
     except (OverflowError, TypeError):             # an int past int64, an unhashable tenant
         return None
-    arrival = np.array(arrivals, dtype=np.float64)
+    arrival = np.fromiter(arrivals, np.float64, n)
     if not np.isfinite(arrival).all():
         return None
     if len(distinct) == 1:                         # (one tenant: its text, which every row carries)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 import sim.columns as columnar
-from sim.predict import _columnar_text, described_text
+from sim.predict import _columnar_text, described_text, figure_columns
 
 
 def _plain(rng: random.Random, n: int, k: int, tenants=(None,)) -> list[tuple]:
@@ -17,7 +17,7 @@ def _plain(rng: random.Random, n: int, k: int, tenants=(None,)) -> list[tuple]:
 
 
 def _by_columns(described: list[tuple]):
-    return _columnar_text([d[:6] for d in described], [d[6] for d in described])
+    return _columnar_text(*figure_columns(described))
 
 
 def _expected(described: list[tuple]) -> bytes:
