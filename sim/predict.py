@@ -12,8 +12,7 @@ import platform
 import subprocess
 from dataclasses import dataclass, field
 from importlib import metadata
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -200,38 +199,54 @@ class WorkloadDescription:
     def __init__(self) -> None:
         self.hash = hashlib.sha256()
         self.lengths = LengthCounts()         # (counted: a list of ten million lengths would grow)
-        self._described: list[tuple] = []     # each request's figures, made text BATCH at a time
+        # each request's FIGURES, a list per figure, made text BATCH requests at a time
+        self._figures: list[list] = [[] for _ in FIGURES]
+        self._segments: list[list] = []       # and its segments but the output (copied)
 
     def add(self, r: Request) -> None:
-        for _ in self.watch((r,)):
-            pass
+        self._describe((r,))
+        if len(self._segments) >= self.BATCH:
+            self._hash_described()
 
     def watch(self, requests: Iterable[Request]) -> Iterator[Request]:
-        """Each request, described before it is passed on. One loop with no call per request
-        (it runs beside the simulation on every request of a run: ~4% of simulate() was
-        spent in a per-request add() and its calls): each request's figures are kept as a tuple
-        of values the run does not change (its segments but the output, copied), and turned
-        into text, hashed and counted a batch at a time (`_hash_described`)."""
-        described, batch = self._described, self.BATCH
-        for r in requests:
-            segs = r.segments[:-1]
-            for s in segs:
-                if type(s) is not tuple:          # a literal segment: described by its hash
-                    segs = [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segs]
-                    break
-            described.append((r.id, r.arrival, r.prompt_len, r.output_len, r.tenant, r.priority, segs))
-            if len(described) >= batch:
-                self._hash_described()
-            yield r
+        """Each request, described before it is passed on. The stream is read BATCH requests at a
+        time (made that far ahead of the run, which has not seen them yet: the same figures) and
+        described a batch at a time, a list per figure (no tuple a request, nothing to transpose)."""
+        requests = iter(requests)
+        while True:
+            batch = list(islice(requests, self.BATCH))
+            if not batch:
+                return
+            self._describe(batch)
+            self._hash_described()
+            yield from batch
+
+    def _describe(self, requests) -> None:
+        """Keep each request's figures the run does not change (FIGURES, in columns) and its
+        segments but the output, copied (a literal segment by its length and hash)."""
+        # (a comprehension a figure: Python 3.11's specialised read of a slot is cheaper than
+        # operator.attrgetter's generic lookup mapped over the batch, which counted more in total)
+        ids, arrivals, prompts, outputs, tenants, priorities = self._figures
+        ids += [r.id for r in requests]
+        arrivals += [r.arrival for r in requests]
+        prompts += [r.prompt_len for r in requests]
+        outputs += [r.output_len for r in requests]
+        tenants += [r.tenant for r in requests]
+        priorities += [r.priority for r in requests]
+        segments = [r.segments[:-1] for r in requests]
+        if set(map(type, chain.from_iterable(segments))) - {tuple}:
+            segments = list(map(_literals_hashed, segments))
+        self._segments += segments
 
     def _hash_described(self) -> None:
         """The batch's text (each request's tuple's repr, as one string) into the hash, and its
         prompt and output lengths into the counts."""
-        described = self._described
-        self.hash.update(described_text(described, columnar=self.lengths.count >= self.COLUMNAR_AFTER))
-        self.lengths.prompts.extend(map(itemgetter(2), described))
-        self.lengths.outputs.extend(map(itemgetter(3), described))
-        described.clear()
+        figures = self._figures
+        self.hash.update(_batch_text(figures, self._segments, columnar=self.lengths.count >= self.COLUMNAR_AFTER))
+        self.lengths.prompts.extend(figures[2])
+        self.lengths.outputs.extend(figures[3])
+        for column in (*figures, self._segments):
+            column.clear()
         self.lengths.fold_if_full()
 
     def hexdigest(self) -> str:
@@ -244,18 +259,42 @@ class WorkloadDescription:
                 "lengths": self.lengths.stats(), "notes": notes}
 
 
+# What the manifest's text holds of a request: the figures the run does not change (as
+# `_describe` reads them), then its segments but the output.
+FIGURES = ("id", "arrival", "prompt_len", "output_len", "tenant", "priority")
+
+
+def _literals_hashed(segments: list) -> list:
+    """A request's segments with each literal one (a list of token ids) described by its hash."""
+    return [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segments]
+
+
+def _batch_text(figures: list[list], segments: list[list], columnar: bool) -> bytes:
+    """The text of the requests described by `figures` (a list per figure) and `segments`: each
+    request's tuple (*figures, segments) as repr writes it (described_text's)."""
+    text = _columnar_text(figures, segments) if columnar else None
+    if text is None:
+        text = "".join(map(repr, zip(*figures, segments))).encode()
+    return text
+
+
+def figure_columns(described: list[tuple]) -> tuple[list[list], list[list]]:
+    """Tuples (*FIGURES, segments) as `_batch_text`'s columns: (a list per figure, the segments)."""
+    columns = [list(column) for column in zip(*described)] or [[] for _ in range(len(FIGURES) + 1)]
+    return columns[:-1], columns[-1]
+
+
 def described_text(described: list[tuple], columnar: bool = True) -> bytes:
     """`"".join(map(repr, described)).encode()`, the text hashed for a batch of requests. With
     `columnar` it is made column by column where every request has the plain form a synthetic
     workload gives (ints, a finite float arrival, the same number of keyed segments): repr spends
     ~19k instructions a request (7k on the arrival's float alone, ~6% of the simulation the text
-    describes), the columns ~12.7k. Their text is the CSV writer's (sim/columns.py), which
-    is repr's; anything else is made tuple by tuple."""
-    text = _columnar_text(described) if columnar else None
-    return text if text is not None else "".join(map(repr, described)).encode()
+    describes), the columns ~12.7k (fewer where a column holds one value: `_int_part`). Their text
+    is the CSV writer's (sim/columns.py), which is repr's; anything else is made tuple by tuple."""
+    return _batch_text(*figure_columns(described), columnar)
 
 
-def _columnar_text(described: list[tuple]) -> Optional[bytes]:
+def _columnar_text(figures: list[list], segs: list[list]) -> Optional[bytes]:
     """The text of `described_text` from columns, or None where a request is not of the plain form.
     Requests may carry different numbers of keyed segments (a workload whose shared prefix only
     some conversations carry: ~1.5x simulate()'s instructions spent in repr where the batch fell
@@ -263,12 +302,12 @@ def _columnar_text(described: list[tuple]) -> Optional[bytes]:
     NUL, which `joined_rows` drops."""
     import numpy as np
 
-    from sim.columns import bytes_block, float_cells, int_cells, joined_rows
+    from sim.columns import bytes_block, float_cells, joined_rows
 
-    if not described:
+    if not segs:
         return b""
-    ids, arrivals, prompts, outputs, tenants, priorities, segs = zip(*described)
-    if any(set(map(type, col)) != {int} for col in (ids, prompts, outputs, priorities)) \
+    ids, arrivals, prompts, outputs, tenants, priorities = figures
+    if set(map(type, chain(ids, prompts, outputs, priorities))) != {int} \
             or set(map(type, arrivals)) != {float} or set(map(type, segs)) != {list}:
         return None
     pairs = list(chain.from_iterable(segs))
@@ -277,34 +316,63 @@ def _columnar_text(described: list[tuple]) -> Optional[bytes]:
     numbers = list(chain.from_iterable(pairs))
     if numbers and set(map(type, numbers)) != {int}:
         return None
-    n = len(described)
+    n = len(segs)
     widths = np.fromiter(map(len, segs), np.int64, n)
     k = int(widths.max())                          # keyed segment slots: (key, length) pairs
     present = np.arange(k) < widths[:, None]       # (row, slot): does the row have that segment?
     try:
-        columns = [np.array(col, dtype=np.int64) for col in (ids, prompts, outputs, priorities)]
+        # (fromiter: ~0.75x np.array's instructions on a list of ints, which it first walks for a shape)
+        columns = np.fromiter(chain(ids, prompts, outputs, priorities), np.int64, 4 * n).reshape(4, n)
         pair_columns = np.zeros((n, k, 2), dtype=np.int64)
-        pair_columns[present] = np.array(numbers, dtype=np.int64).reshape(-1, 2)
+        pair_columns[present] = np.fromiter(numbers, np.int64, len(numbers)).reshape(-1, 2)
         distinct = {t: i for i, t in enumerate(dict.fromkeys(tenants))}
     except (OverflowError, TypeError):             # an int past int64, an unhashable tenant
         return None
-    arrival = np.array(arrivals, dtype=np.float64)
+    arrival = np.fromiter(arrivals, np.float64, n)
     if not np.isfinite(arrival).all():
         return None
-    table = np.array([repr(t).encode() for t in distinct], dtype="S")
-    tenant = bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
-    id_, prompt, output, priority = map(int_cells, columns)
+    if len(distinct) == 1:                         # (one tenant: its text, which every row carries)
+        tenant = repr(tenants[0]).encode()
+    else:
+        table = np.array([repr(t).encode() for t in distinct], dtype="S")
+        tenant = bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
+    id_, prompt, output, priority = map(_int_part, columns)
     parts = [b"(", id_, b", ", float_cells(arrival), b", ", prompt, b", ", output, b", ", tenant, b", ",
              priority, b", ["]
     for j in range(k):
-        slot = [b"(" if j == 0 else b", (", int_cells(pair_columns[:, j, 0]), b", ",
-                int_cells(pair_columns[:, j, 1]), b")"]
-        if present[:, j].all():
+        kept = present[:, j]
+        whole = kept.all()
+        slot = [b"(" if j == 0 else b", (", _int_part(pair_columns[:, j, 0], None if whole else kept), b", ",
+                _int_part(pair_columns[:, j, 1], None if whole else kept), b")"]
+        if whole:
             parts += slot
         else:
-            parts.append(_masked_block(slot, present[:, j]))
+            parts.append(_masked_block(slot, kept))
     parts.append(b"])")
-    return joined_rows(parts, n)
+    return joined_rows(_bytes_joined(parts), n)
+
+
+def _int_part(values: "np.ndarray", rows_read=None):
+    """A column's cells (`int_cells`), or the one text of its value where every row (of `rows_read`,
+    where given) holds the same: a part that every row carries (a workload's fixed lengths, its one
+    priority), not formatted row by row."""
+    from sim.columns import int_cells
+
+    read = values if rows_read is None else values[rows_read]
+    if len(read) and (read == read[0]).all():
+        return str(int(read[0])).encode()
+    return int_cells(values)
+
+
+def _bytes_joined(parts: list) -> list:
+    """`parts` with each run of bytes parts made one (fewer blocks to lay side by side)."""
+    out = []
+    for p in parts:
+        if isinstance(p, bytes) and out and isinstance(out[-1], bytes):
+            out[-1] += p
+        else:
+            out.append(p)
+    return out
 
 
 def _masked_block(parts: list, rows_kept) -> "np.ndarray":

@@ -5,7 +5,7 @@ import random
 import pytest
 
 import sim.columns as columnar
-from sim.predict import _columnar_text, described_text
+from sim.predict import _columnar_text, described_text, figure_columns
 
 
 def _plain(rng: random.Random, n: int, k: int, tenants=(None,)) -> list[tuple]:
@@ -14,6 +14,10 @@ def _plain(rng: random.Random, n: int, k: int, tenants=(None,)) -> list[tuple]:
     return [(i * rng.choice([1, -1, 977]), arrivals[i], rng.randint(0, 10 ** 6), rng.randint(1, 4096),
              rng.choice(tenants), rng.randint(-3, 3),
              [(rng.getrandbits(63), rng.randint(1, 8192)) for _ in range(k)]) for i in range(n)]
+
+
+def _by_columns(described: list[tuple]):
+    return _columnar_text(*figure_columns(described))
 
 
 def _expected(described: list[tuple]) -> bytes:
@@ -30,7 +34,7 @@ def test_columnar_text_is_repr(monkeypatch, with_arrow, k):
     rng = random.Random(k)
     for tenants in ((None,), ("a", "bé", "", "x,y'\"", None)):
         described = _plain(rng, 500, k, tenants)
-        text = _columnar_text(described)
+        text = _by_columns(described)
         assert text is not None
         assert text == _expected(described)
 
@@ -46,7 +50,7 @@ def test_columnar_text_of_requests_with_different_numbers_of_segments(monkeypatc
     rng = random.Random(11)
     described = [row for k in (0, 1, 2, 3) for row in _plain(rng, 200, k, ("a", None))]
     rng.shuffle(described)
-    text = _columnar_text(described)
+    text = _by_columns(described)
     assert text is not None
     assert text == _expected(described)
 
@@ -87,3 +91,20 @@ def test_digest_does_not_depend_on_the_columns(monkeypatch, scenario):
             described.add(r)
         digests.append(described.manifest([]))
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("with_arrow", [True, False])
+def test_columns_of_one_value_are_one_text(monkeypatch, with_arrow):
+    """A column whose every row holds one value (a fixed length, one priority, one tenant, a shared
+    prefix's key among the rows that carry it) goes in as that value's text, once: still repr's."""
+    if with_arrow:
+        pytest.importorskip("pyarrow")
+    else:
+        monkeypatch.setattr(columnar, "_pyarrow", lambda: None)
+    rng = random.Random(3)
+    described = []
+    for i, row in enumerate(_plain(rng, 300, 2, ("tenant é",))):
+        segs = [row[6][1], (77, 512)] if i % 3 else [row[6][1]]     # a second segment on two rows in three
+        described.append((row[0], row[1], 512, 128, row[4], -2, segs))
+    assert _by_columns(described) == _expected(described)
+    assert _by_columns(described[:1]) == _expected(described[:1])
