@@ -441,12 +441,11 @@ def invalid_reason(task: PointTask) -> Optional[str]:
 
 def scenario_band(scenario) -> Optional[dict]:
     """The typical error of the scenario's step-time source (sim/trained.py)."""
-    from sim.core.vllm_versions import engine_generation
     from sim.costmodel import CostModel
     from sim.trained import error_band
 
     cost = CostModel.for_scenario(scenario)
-    return error_band(cost.step_time_source, cost.profile, engine_generation(scenario.engine.vllm_version))
+    return error_band(cost.step_time_source, cost.profile, scenario.engine_generation)
 
 
 def band_metric(slo: SloTarget) -> str:
