@@ -425,5 +425,6 @@ def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, workl
         "cost_model": cost_model.describe(),
         "memory_plan": plan.to_dict(),
         "workload": workload,
+        "engine_generation": scenario.engine_generation,
         "scenario": scenario.model_dump(mode="json"),
     }

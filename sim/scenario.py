@@ -921,7 +921,7 @@ class Scenario(StrictModel):
         """Why the scenario runs its engine generation, in words (printed with the engine line)."""
         e = self.engine
         if e.vllm_engine != "auto":
-            return f"engine.vllm_engine {e.vllm_engine} (VLLM_USE_V1={'1' if e.vllm_engine == 'v1' else '0'})"
+            return f"engine.vllm_engine {e.vllm_engine}, as VLLM_USE_V1={'1' if e.vllm_engine == 'v1' else '0'} picks it"
         fallbacks = self.v1_fallbacks()
         if fallbacks and self.engine_generation == "v0":
             return f"vLLM {e.vllm_version} falls back to V0 for {fallbacks[0][0]}"
