@@ -153,20 +153,21 @@ class EngineConfig(StrictModel):
     max_num_seqs: Optional[int] = Field(
         default=None, ge=1, le=2**20,
         description="sequences per step; default as vLLM's API server: 1024 on >= 70 GiB GPUs that are not "
-                    "A100s, else 256; at most max_num_batched_tokens")
+                    "A100s, else 256 (V0: 256); at most max_num_batched_tokens")
     max_num_batched_tokens: Optional[int] = Field(
         default=None, ge=1, le=MAX_TOKENS,
         description="the token budget per step; default as vLLM's API server: 8192 on >= 70 GiB non-A100 "
-                    "GPUs, else 2048")
+                    "GPUs, else 2048 (V0: 2048); at least max_model_len without chunked prefill")
     max_model_len: Optional[int] = Field(
         default=None, ge=2, le=MAX_TOKENS,
         description="the longest request (prompt + output); default: the model's max_position_embeddings")
     chunked_prefill: bool = Field(
         default=True,
-        description="split long prompts over steps (vLLM V1's default)")
+        description="split long prompts over steps (vLLM V1's default; unset under V0: only for a context "
+                    "over 32K tokens without a sliding window, speculative decoding or LoRA)")
     prefix_caching: bool = Field(
         default=True,
-        description="reuse cached blocks of identical prefixes (vLLM V1's default)")
+        description="reuse cached blocks of identical prefixes (vLLM V1's default; unset under V0: off)")
     preemption: Literal["recompute"] = Field(
         default="recompute",
         description="what a preempted request loses: recompute (the only mode vLLM V1 supports)")
@@ -176,10 +177,12 @@ class EngineConfig(StrictModel):
     step_composition: Literal["mixed", "prefill_first"] = Field(
         default="mixed",
         description="mixed (vLLM V1: decodes and prefill chunks share a step) | prefill_first (vLLM V0, "
-                    "nano-vllm, Vidur)")
+                    "nano-vllm, Vidur); unset: the engine generation's (vllm_engine; V0 with chunked prefill "
+                    "mixes)")
     admission_watermark: float = Field(
         default=0.0, ge=0, lt=1,
-        description="fraction of blocks kept free when admitting a waiting request (V0: 0.01, V1: 0)")
+        description="fraction of blocks kept free when admitting a waiting request; unset: the engine "
+                    "generation's (V0: 0.01, V1: 0)")
     reserve_full_prompt: bool = Field(
         default=True,
         description="admit only if the blocks of the whole prompt are free now (vLLM's "
@@ -235,7 +238,7 @@ class EngineConfig(StrictModel):
                     "tokenization, the asyncio loop: sim/front_end.py), seconds; the requests queue first "
                     "come, first served over parallelism.api_servers processes (--api-server-count); 0 = no "
                     "front end; unset: on a vLLM server (continuous, paged) without a device profile the trained family's "
-                    "fitted value for vllm_version's engine generation, whatever step_times is, else 0 "
+                    "fitted value for the engine generation (vllm_engine), whatever step_times is, else 0 "
                     "(docs/fidelity.md)")
     enforce_eager: bool = Field(
         default=False,
