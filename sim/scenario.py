@@ -1228,7 +1228,8 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None,
                   seed: int | None = None) -> Scenario:
-    """Load, apply `--set` overrides and validate. Relative paths resolve against the file."""
+    """Load, apply `--set` overrides and validate. Relative paths in the file resolve against the file,
+    those given with --set against the working folder (parse_override)."""
     path = Path(path)
     raw = load_raw(path)
     if overrides:
@@ -1271,8 +1272,39 @@ def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- --set
 
+# The fields that hold a file path, from the scenario's top. A relative path in the file resolves against
+# the file; one given with --set against the working folder, where the user typed it.
+PATH_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("model", "hf_config"), ("model", "weights"), ("device", "profile"), ("workload", "trace", "path"),
+    ("workload", "dataset", "path"), ("workload", "dataset", "tokenizer"),
+    *(("workload", *dist, "file") for dist in (("prompt_len",), ("output_len",), ("shared_prefix", "length"),
+                                              ("multi_turn", "turns"), ("multi_turn", "user_len"))))
+
+
+def _paths_from_working_folder(keys: list[str], value: Any) -> Any:
+    """An override's value with the relative paths of PATH_FIELDS made absolute against the working
+    folder: at the field itself (--set device.profile=p.yaml) or inside a section set whole (--set
+    'model={hf_config: c.json}')."""
+    for field in PATH_FIELDS:
+        if tuple(keys) == field[:len(keys)]:
+            value = _absolute_at(value, field[len(keys):])
+    return value
+
+
+def _absolute_at(value: Any, rest: tuple[str, ...]) -> Any:
+    if rest:
+        if isinstance(value, dict) and rest[0] in value:
+            return {**value, rest[0]: _absolute_at(value[rest[0]], rest[1:])}
+        return value
+    if isinstance(value, str) and value.strip():
+        path = Path(value).expanduser()
+        return value if path.is_absolute() else str(Path.cwd() / path)
+    return value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'engine.block_size=32' -> (['engine', 'block_size'], 32); values parse as YAML scalars."""
+    """'engine.block_size=32' -> (['engine', 'block_size'], 32); values parse as YAML scalars, and a
+    relative file path (PATH_FIELDS) resolves against the working folder."""
     if "=" not in text:
         raise ScenarioError([f"--set {text!r}: expected PATH=VALUE, e.g. engine.block_size=32"])
     path, _, value = text.partition("=")
@@ -1285,7 +1317,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         if "not valid YAML" not in str(e):
             raise ScenarioError([str(e)]) from None   # duplicate keys, an alias bomb, deep nesting
         parsed = value                                 # plain text that only looks like YAML
-    return keys, parsed
+    return keys, _paths_from_working_folder(keys, parsed)
 
 
 def set_path(raw: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:
