@@ -894,6 +894,14 @@ class Scenario(StrictModel):
             if e.async_scheduling is True:
                 raise ValueError("engine.async_scheduling true: vLLM's V0 engine has no async scheduling "
                                  f"(engine generation v0: {self.engine_generation_why()})")
+            v1_only = next((name for name, on in (
+                ("engine.speculative", e.speculative is not None), ("engine.lora", e.lora is not None),
+                ("engine.kv_offload", e.kv_offload is not None),
+                ("cluster.disaggregation", self.cluster.disaggregation is not None)) if on), None)
+            if v1_only:
+                raise ValueError(f"{v1_only}: modelled on vLLM's V1 engine only, and this scenario runs V0 "
+                                 f"({self.engine_generation_why()}); set engine.vllm_engine: v1 where the "
+                                 f"release has V1, or leave {v1_only} out")
             unset = e.model_fields_set
             for name, value in self.v0_scheduler_defaults().items():
                 if name not in unset:

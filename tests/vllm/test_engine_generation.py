@@ -84,7 +84,12 @@ def test_invalid_generations_are_refused_naming_the_field():
                            "engine.vllm_engine v1: vLLM 0.9.1 refuses VLLM_USE_V1=1 with --scheduling-policy"),
                           ({"vllm_version": "0.9", "vllm_engine": "v0", "async_scheduling": True},
                            "V0 engine has no async scheduling"),
-                          ({"vllm_engine": "v2"}, "vllm_engine")):
+                          ({"vllm_engine": "v2"}, "vllm_engine"),
+                          # kvtwin models these on V1's engine only: named, not run on V0's scheduler
+                          ({"vllm_version": "0.7.3", "lora": {}}, "engine.lora: modelled on vLLM's V1 engine only"),
+                          ({"vllm_version": "0.8.0", "lora": {}}, "vLLM 0.8.0 falls back to V0 for LoRA"),
+                          ({"vllm_version": "0.9", "vllm_engine": "v0", "speculative": {"method": "eagle", "num_speculative_tokens": 3}},
+                           "engine.speculative: modelled on vLLM's V1 engine only")):
         with pytest.raises(ScenarioError, match=match):
             scenario(**engine)
 
