@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench._util import machine, write_json  # noqa: E402
 
-GPT_OSS = "model={hf_config: ../tests/data/hf_configs/openai__gpt-oss-20b.json}"
+# absolute: a --set path resolves against the working folder (it used to be the scenario file's)
+GPT_OSS = f"model={{hf_config: {ROOT / 'tests/data/hf_configs/openai__gpt-oss-20b.json'}}}"
 AS_FULL_ATTENTION = ("model.sliding_window=null", "model.layer_types=null")
 
 # line -> (scenario file, requests, fast path?, overrides): the lines of bench/sim_speed.py, smaller

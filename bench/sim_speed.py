@@ -83,7 +83,8 @@ SCENARIO_FILES = {"quickstart": "bench_sim_speed"}
 
 # Sliding-window models: the decode cohort on a grouped KV cache, leaps only while nobody waits.
 # (scenario file, label, overrides); each also run as full attention.
-GPT_OSS = "model={hf_config: ../tests/data/hf_configs/openai__gpt-oss-20b.json}"
+# absolute: a --set path resolves against the working folder (it used to be the scenario file's)
+GPT_OSS = f"model={{hf_config: {ROOT / 'tests/data/hf_configs/openai__gpt-oss-20b.json'}}}"
 SLIDING_WORKLOADS = (("whatif_sliding_window", "mistral-7b-v0.1, 8-12k-token prompts", ()),
                      ("bench_sim_speed", "gpt-oss-20b, ShareGPT-like at 40 req/s", (GPT_OSS, "workload.arrival.rate=40")))
 AS_FULL_ATTENTION = ("model.sliding_window=null", "model.layer_types=null")

@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 QUICK = "scenarios/quickstart.yaml"
-GPT_OSS = "model={hf_config: ../tests/data/hf_configs/openai__gpt-oss-20b.json}"   # alternate 128-token windows
+# absolute: a --set path resolves against the working folder (it used to be the scenario file's)
+GPT_OSS = f"model={{hf_config: {ROOT / 'tests/data/hf_configs/openai__gpt-oss-20b.json'}}}"   # alternate 128-token windows
 # (name, scenario, overrides). The scenario files that run in under ~20 s (not trace_azure_conv: its
 # trace is not in the repository), then variants that reach
 # the policy's other paths: static batching, contiguous allocation, prefill_first, priority, a small

@@ -64,7 +64,7 @@ QUESTIONS = (
     Question("rate_slo", "How much load does one replica take within the SLOs?",
              ("plan", "scenarios/whatif_rate_slo.yaml", "--slo", "ttft_p99=1", "--slo", "tpot_p99=0.1",
               "--curve", "6"),
-             table=("rate", "ok", "steady.served_rate", "ttft_s.p99", "tpot_s.p99", "failed")),
+             table=("rate", "ok", "steady.late_finish_rate", "ttft_s.p99", "tpot_s.p99", "failed")),
     Question("replicas", "How many GPUs, and which?",
              ("plan", "scenarios/whatif_replicas.yaml", "--target-rate", "20", "--devices",
               "l4,a100-80g,h100-sxm", "--tp", "1,2"),

@@ -266,7 +266,7 @@ def trained_coefficients(params: dict) -> CostCoefficients:
 
 def trained_profile(device_name: str, engine: str = "v1") -> DeviceProfile:
     """The trained family's profile for a catalog device under a vLLM engine generation
-    (sim.core.vllm_versions.engine_generation): the coefficients fitted on that generation's runs of
+    (Scenario.engine_generation): the coefficients fitted on that generation's runs of
     the device's class, else the generation's generic entry."""
     from sim.trained import class_entry, family, family_entry
 
@@ -484,9 +484,7 @@ class CostModel:
         if profile is None and scenario.device.profile:
             profile = DeviceProfile.load(scenario.device.profile)
         if profile is None and getattr(scenario, "step_times", "datasheet") == "trained":
-            from sim.core.vllm_versions import engine_generation
-
-            profile = trained_profile(scenario.device.name, engine_generation(scenario.engine.vllm_version))
+            profile = trained_profile(scenario.device.name, scenario.engine_generation)
         par = scenario.parallelism
         overlap = scenario.async_scheduling and scenario.device.name != "cpu"
         tables = None

@@ -38,7 +38,7 @@ NIXL_ABORT_REQUEST_TIMEOUT_S = 480.0
 # Engine settings both sides must share: the proxy sends one request to both, and NIXL reads block
 # for block (same layout: NixlConnector's compatibility hash covers the cache dtype).
 SHARED_ENGINE_FIELDS = ("block_size", "kv_cache_dtype", "max_model_len", "batching", "allocation",
-                        "vllm_version")
+                        "vllm_version", "vllm_engine")
 SIDES = ("prefill", "decode")
 
 
@@ -77,7 +77,7 @@ class Pool(StrictModel):
         default_factory=dict, max_length=64,
         description="engine fields that differ on this side (max_num_seqs, max_num_batched_tokens, "
                     "gpu_memory_utilization, ...); block_size, kv_cache_dtype, max_model_len, batching, "
-                    "allocation and vllm_version must match the scenario's")
+                    "allocation, vllm_version and vllm_engine must match the scenario's")
 
     @model_validator(mode="after")
     def _shared_fields(self) -> "Pool":

@@ -78,7 +78,6 @@ def front_end_s(scenario) -> float:
         return float(e.front_end_s)
     if e.batching != "continuous" or e.allocation != "paged" or scenario.device.profile:
         return 0.0
-    from sim.core.vllm_versions import engine_generation
     from sim.trained import front_end_default
 
-    return front_end_default(engine_generation(e.vllm_version))
+    return front_end_default(scenario.engine_generation)

@@ -27,7 +27,6 @@ from sim.disagg import pool_figures, simulate_disaggregated
 from sim.simulator import simulate
 from sim.workload import build_workload, stream_requests, warmup_notes
 from sim.trained import error_band
-from sim.core.vllm_versions import engine_generation
 
 pd = lazy_import("pandas")      # a frame of the requests or steps only where one is read
 
@@ -92,7 +91,7 @@ def predict(scenario, name: Optional[str] = None,
     summary["calibrated"] = cost_model.calibrated
     summary["step_time_source"] = cost_model.step_time_source
     summary["error_band"] = error_band(cost_model.step_time_source, cost_model.profile,
-                                       engine_generation(scenario.engine.vllm_version))
+                                       scenario.engine_generation)
     summary["memory"] = memory_summary(plan, scenario.max_model_len)
     if scenario.cluster.disaggregation is not None:
         summary["pools"] = pool_figures(records, pd.DataFrame(req_cols, copy=False))
@@ -494,5 +493,6 @@ def simulation_manifest(scenario, cost_model: CostModel, plan: MemoryPlan, workl
         "cost_model": cost_model.describe(),
         "memory_plan": plan.to_dict(),
         "workload": workload,
+        "engine_generation": scenario.engine_generation,
         "scenario": scenario.model_dump(mode="json"),
     }

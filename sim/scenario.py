@@ -153,20 +153,21 @@ class EngineConfig(StrictModel):
     max_num_seqs: Optional[int] = Field(
         default=None, ge=1, le=2**20,
         description="sequences per step; default as vLLM's API server: 1024 on >= 70 GiB GPUs that are not "
-                    "A100s, else 256; at most max_num_batched_tokens")
+                    "A100s, else 256 (V0: 256); at most max_num_batched_tokens")
     max_num_batched_tokens: Optional[int] = Field(
         default=None, ge=1, le=MAX_TOKENS,
         description="the token budget per step; default as vLLM's API server: 8192 on >= 70 GiB non-A100 "
-                    "GPUs, else 2048")
+                    "GPUs, else 2048 (V0: 2048); at least max_model_len without chunked prefill")
     max_model_len: Optional[int] = Field(
         default=None, ge=2, le=MAX_TOKENS,
         description="the longest request (prompt + output); default: the model's max_position_embeddings")
     chunked_prefill: bool = Field(
         default=True,
-        description="split long prompts over steps (vLLM V1's default)")
+        description="split long prompts over steps (vLLM V1's default; unset under V0: only for a context "
+                    "over 32K tokens without a sliding window, speculative decoding or LoRA)")
     prefix_caching: bool = Field(
         default=True,
-        description="reuse cached blocks of identical prefixes (vLLM V1's default)")
+        description="reuse cached blocks of identical prefixes (vLLM V1's default; unset under V0: off)")
     preemption: Literal["recompute"] = Field(
         default="recompute",
         description="what a preempted request loses: recompute (the only mode vLLM V1 supports)")
@@ -176,10 +177,12 @@ class EngineConfig(StrictModel):
     step_composition: Literal["mixed", "prefill_first"] = Field(
         default="mixed",
         description="mixed (vLLM V1: decodes and prefill chunks share a step) | prefill_first (vLLM V0, "
-                    "nano-vllm, Vidur)")
+                    "nano-vllm, Vidur); unset: the engine generation's (vllm_engine; V0 with chunked prefill "
+                    "mixes)")
     admission_watermark: float = Field(
         default=0.0, ge=0, lt=1,
-        description="fraction of blocks kept free when admitting a waiting request (V0: 0.01, V1: 0)")
+        description="fraction of blocks kept free when admitting a waiting request; unset: the engine "
+                    "generation's (V0: 0.01, V1: 0)")
     reserve_full_prompt: bool = Field(
         default=True,
         description="admit only if the blocks of the whole prompt are free now (vLLM's "
@@ -222,13 +225,20 @@ class EngineConfig(StrictModel):
         description="the vLLM release whose version-dependent behaviour applies (memory terms, async "
                     "default; the default is the release the memory terms were fitted on); major.minor "
                     "count, a patch or pre-release tail (0.10.1.1, 0.11.0rc2) is allowed")
+    vllm_engine: Literal["auto", "v0", "v1"] = Field(
+        default="auto",
+        description="vLLM's engine generation, as VLLM_USE_V1 picks it: auto (the release's default: V0 "
+                    "before 0.8.0; V1 from it, unless a feature V1 lacks in 0.8-0.10 makes vLLM fall back to "
+                    "V0) | v0 (VLLM_USE_V1=0; releases before 0.11.0) | v1 (VLLM_USE_V1=1; from 0.6.4). It "
+                    "decides the scheduler's defaults (V0: prefill-first steps, 1 % watermark, no prefix "
+                    "caching), the trained step-time entry and the error band (docs/vllm_semantics.md)")
     front_end_s: Optional[float] = Field(
         default=None, ge=0, le=1.0,
         description="vLLM's API-server time per request before it reaches the engine (HTTP, chat template, "
                     "tokenization, the asyncio loop: sim/front_end.py), seconds; the requests queue first "
                     "come, first served over parallelism.api_servers processes (--api-server-count); 0 = no "
                     "front end; unset: on a vLLM server (continuous, paged) without a device profile the trained family's "
-                    "fitted value for vllm_version's engine generation, whatever step_times is, else 0 "
+                    "fitted value for the engine generation (vllm_engine), whatever step_times is, else 0 "
                     "(docs/fidelity.md)")
     enforce_eager: bool = Field(
         default=False,
@@ -279,6 +289,9 @@ class EngineConfig(StrictModel):
             self.__dict__["gpu_memory_utilization"] = vllm_versions.default_gpu_memory_utilization(self.vllm_version)
         if "reserve_full_prompt" not in unset:
             self.__dict__["reserve_full_prompt"] = vllm_versions.has(self.vllm_version, "reserve_full_prompt")
+        problem = vllm_versions.generation_problem(self.vllm_version, self.vllm_engine)
+        if problem:
+            raise ValueError(f"vllm_engine {self.vllm_engine}: {problem}")
         if self.estimate_cudagraph_memory and not vllm_versions.has(self.vllm_version, "cudagraph_estimate_switch"):
             raise ValueError(f"estimate_cudagraph_memory: vLLM {self.vllm_version} has no "
                              f"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS (from 0.18); leave it unset")
@@ -863,6 +876,86 @@ class Scenario(StrictModel):
         return variants
 
     @model_validator(mode="after")
+    def _engine_generation(self) -> "Scenario":
+        """engine.vllm_engine against what the release does (vllm_versions.v1_fallbacks); a V0 engine's
+        scheduler fields left unset take V0's defaults (v0_scheduler_defaults)."""
+        e = self.engine
+        fallbacks = self.v1_fallbacks()
+        unsupported = [feature for feature, experimental in fallbacks if not experimental]
+        if e.vllm_engine == "v1" and unsupported:
+            raise ValueError(f"engine.vllm_engine v1: vLLM {e.vllm_version} refuses VLLM_USE_V1=1 with "
+                             f"{unsupported[0]} (engine/arg_utils.py _is_v1_supported_oracle: \"VLLM_USE_V1=1 is "
+                             f"not supported with ...\"); use auto or v0")
+        if e.vllm_engine == "auto" and fallbacks and vllm_versions.parse_release(e.vllm_version) >= \
+                vllm_versions.V0_REMOVED:
+            raise ValueError(f"{fallbacks[0][0]}: vLLM {e.vllm_version}'s V1 lacks it and its fallback, V0, is gone "
+                             f"(the API server refuses to start)")
+        if self.engine_generation == "v0":
+            if e.async_scheduling is True:
+                raise ValueError("engine.async_scheduling true: vLLM's V0 engine has no async scheduling "
+                                 f"(engine generation v0: {self.engine_generation_why()})")
+            v1_only = next((name for name, on in (
+                ("engine.speculative", e.speculative is not None), ("engine.lora", e.lora is not None),
+                ("engine.kv_offload", e.kv_offload is not None),
+                ("cluster.disaggregation", self.cluster.disaggregation is not None)) if on), None)
+            if v1_only:
+                raise ValueError(f"{v1_only}: modelled on vLLM's V1 engine only, and this scenario runs V0 "
+                                 f"({self.engine_generation_why()}); set engine.vllm_engine: v1 where the "
+                                 f"release has V1, or leave {v1_only} out")
+            unset = e.model_fields_set
+            for name, value in self.v0_scheduler_defaults().items():
+                if name not in unset:
+                    e.__dict__[name] = value     # (not assigned: an assignment would re-validate)
+        return self
+
+    def v1_fallbacks(self) -> list[tuple[str, bool]]:
+        """The scenario's features vLLM's V1 lacks in engine.vllm_version (vllm_versions.v1_fallbacks)."""
+        e = self.engine
+        return vllm_versions.v1_fallbacks(
+            e.vllm_version, device=self.device.name, scheduling_policy=e.scheduling_policy,
+            kv_cache_dtype=e.kv_cache_dtype, model_dtype=self.model.dtype,
+            partial_prefills=e.max_num_partial_prefills, long_prefill_threshold=e.long_prefill_token_threshold,
+            lora=e.lora is not None, pipeline_parallel=e.pipeline_parallel_size,
+            executor=e.distributed_executor_backend, speculative_method=e.speculative_method)
+
+    @property
+    def engine_generation(self) -> str:
+        """The vLLM engine generation the scenario runs ('v0' | 'v1'): engine.vllm_engine, or under auto
+        the release's default and the V0 fallback of 0.8-0.10 (sim/core/vllm_versions.py). Every
+        V0/V1-keyed rule reads this: the scheduler defaults, the trained step-time entry, the error band,
+        the front end's default."""
+        e = self.engine
+        falls_back = e.vllm_engine == "auto" and bool(self.v1_fallbacks())
+        return vllm_versions.engine_generation(e.vllm_version, e.vllm_engine, falls_back)
+
+    def engine_generation_why(self) -> str:
+        """Why the scenario runs its engine generation, in words (printed with the engine line)."""
+        e = self.engine
+        if e.vllm_engine != "auto":
+            return f"engine.vllm_engine {e.vllm_engine}, as VLLM_USE_V1={'1' if e.vllm_engine == 'v1' else '0'} picks it"
+        fallbacks = self.v1_fallbacks()
+        if fallbacks and self.engine_generation == "v0":
+            return f"vLLM {e.vllm_version} falls back to V0 for {fallbacks[0][0]}"
+        return f"vLLM {e.vllm_version}'s default"
+
+    def v0_scheduler_defaults(self) -> dict[str, Any]:
+        """vLLM V0's defaults for the scheduler fields, on a vLLM engine (continuous batching, paged
+        blocks): steps all prefills or all decodes, a 1 % block watermark on admission, no prefix
+        caching, and chunked prefill only for a context over 32K tokens without a sliding window,
+        speculative decoding or LoRA (then V0's chunked schedule mixes decodes and prefill chunks)
+        (vLLM 0.7.3 engine/arg_utils.py create_engine_config, 0.8-0.10 _set_default_args_v0;
+        core/scheduler.py; config.py CacheConfig). max_num_seqs and max_num_batched_tokens follow in
+        _default_limits."""
+        e = self.engine
+        if e.batching != "continuous" or e.allocation != "paged":
+            return {}
+        chunked = e.chunked_prefill if "chunked_prefill" in e.model_fields_set else (
+            self.max_model_len > 32768 and self.model.sliding_window is None and e.speculative is None
+            and e.speculative_method is None and e.lora is None)
+        return {"step_composition": "mixed" if chunked else "prefill_first", "admission_watermark": 0.01,
+                "prefix_caching": False, "chunked_prefill": chunked}
+
+    @model_validator(mode="after")
     def _kv_offload_fits(self) -> "Scenario":
         problem = offload_problem(self) if self.engine.kv_offload is not None else None
         if problem:
@@ -898,7 +991,11 @@ class Scenario(StrictModel):
     def _default_limits(self) -> tuple[int, int]:
         """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs): 8192 and 1024 on GPUs
         of at least 70 GiB (NVML's total) that are not A100s, else 2048 and 256 (engine/arg_utils.py
-        get_batch_defaults, 0.12-0.21), both doubled by --performance-mode throughput (from 0.17)."""
+        get_batch_defaults, 0.12-0.21), both doubled by --performance-mode throughput (from 0.17).
+        V0: 2048 and 256 (0.7.3 config.py SchedulerConfig, engine/arg_utils.py; 0.8-0.10
+        _set_default_args_v0), raised to max_model_len without chunked prefill."""
+        if self.engine_generation == "v0":
+            return 2048, 256
         tokens, seqs = (8192, 1024) if self._big_gpu() else (2048, 256)
         if self.engine.performance_mode == "throughput":
             tokens, seqs = 2 * tokens, 2 * seqs
@@ -1151,7 +1248,8 @@ def load_raw(path: str | Path) -> dict[str, Any]:
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None,
                   seed: int | None = None) -> Scenario:
-    """Load, apply `--set` overrides and validate. Relative paths resolve against the file."""
+    """Load, apply `--set` overrides and validate. Relative paths in the file resolve against the file,
+    those given with --set against the working folder (parse_override)."""
     path = Path(path)
     raw = load_raw(path)
     if overrides:
@@ -1194,8 +1292,39 @@ def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- --set
 
+# The fields that hold a file path, from the scenario's top. A relative path in the file resolves against
+# the file; one given with --set against the working folder, where the user typed it.
+PATH_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("model", "hf_config"), ("model", "weights"), ("device", "profile"), ("workload", "trace", "path"),
+    ("workload", "dataset", "path"), ("workload", "dataset", "tokenizer"),
+    *(("workload", *dist, "file") for dist in (("prompt_len",), ("output_len",), ("shared_prefix", "length"),
+                                              ("multi_turn", "turns"), ("multi_turn", "user_len"))))
+
+
+def _paths_from_working_folder(keys: list[str], value: Any) -> Any:
+    """An override's value with the relative paths of PATH_FIELDS made absolute against the working
+    folder: at the field itself (--set device.profile=p.yaml) or inside a section set whole (--set
+    'model={hf_config: c.json}')."""
+    for field in PATH_FIELDS:
+        if tuple(keys) == field[:len(keys)]:
+            value = _absolute_at(value, field[len(keys):])
+    return value
+
+
+def _absolute_at(value: Any, rest: tuple[str, ...]) -> Any:
+    if rest:
+        if isinstance(value, dict) and rest[0] in value:
+            return {**value, rest[0]: _absolute_at(value[rest[0]], rest[1:])}
+        return value
+    if isinstance(value, str) and value.strip():
+        path = Path(value).expanduser()
+        return value if path.is_absolute() else str(Path.cwd() / path)
+    return value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'engine.block_size=32' -> (['engine', 'block_size'], 32); values parse as YAML scalars."""
+    """'engine.block_size=32' -> (['engine', 'block_size'], 32); values parse as YAML scalars, and a
+    relative file path (PATH_FIELDS) resolves against the working folder."""
     if "=" not in text:
         raise ScenarioError([f"--set {text!r}: expected PATH=VALUE, e.g. engine.block_size=32"])
     path, _, value = text.partition("=")
@@ -1208,7 +1337,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         if "not valid YAML" not in str(e):
             raise ScenarioError([str(e)]) from None   # duplicate keys, an alias bomb, deep nesting
         parsed = value                                 # plain text that only looks like YAML
-    return keys, parsed
+    return keys, _paths_from_working_folder(keys, parsed)
 
 
 def set_path(raw: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:

@@ -93,7 +93,7 @@ TERMS = ("step_host_s", "link_eff", "host_staging_eff", "expert_n_half", "seq_ho
 def error_band(source: str, profile=None, engine: str = "v1") -> Optional[dict]:
     """How far a prediction of this step-time source is typically off, per summary metric:
     {"source", "basis", metric: {"typical", "deployments"}}; None when nothing validates it.
-    `engine` (sim.core.vllm_versions.engine_generation of the scenario's vllm_version): the band comes
+    `engine` (the scenario's Scenario.engine_generation): the band comes
     from the held-out deployments of that vLLM engine generation where the family validated any."""
     if source.startswith("calibrated"):
         return _calibrated_band(profile)

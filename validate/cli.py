@@ -166,7 +166,7 @@ def calibrate_main(argv: list[str]) -> int:
                           f"{q['p90_rel_error']:.1%} over {q['points']} points ({kinds})")
     console.print(f"host terms: median relative error {fit['host_median_rel_error']:.1%} over "
                   f"{fit['replayed_steps']} replayed steps")
-    # absolute: a relative path in --set resolves against the scenario file, not the working folder
+    # absolute: the hint works from any folder
     console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out.resolve()})")
     return 0
 

@@ -85,7 +85,7 @@ FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
 NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half",
          "seq_host_s", "prefill_seq_host_s")
-ENGINES = ("v1", "v0")       # vLLM engine generations (sim.core.vllm_versions.engine_generation)
+ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.engine_generation)
 # What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
 # with the API server: one host time per step (the richer variants validated worse held out). V0
 # runs the scheduler, input preparation, sampler output processing and detokenization of every
@@ -243,8 +243,9 @@ class Run:
 
     @property
     def engine(self) -> str:
-        """The vLLM engine generation (v0/v1) of the run's deployment."""
-        return deployment_engine(self.deployment)
+        """The vLLM engine generation (v0/v1) the run's scenario resolves (Scenario.engine_generation:
+        every public run is on its release's default engine, so it is also deployment_engine's)."""
+        return self.scenario.engine_generation
 
     @property
     def group(self) -> tuple[str, str]:
@@ -555,19 +556,6 @@ def _after_earlier_runs(requests: list, deployment: str, served: dict[tuple, int
                   for i, r in enumerate(requests)]
 
 
-def v0_engine(version: Optional[str], max_model_len: int) -> dict:
-    """vLLM V0's scheduler defaults for releases before 0.8 (V1 became the default in 0.8.0): a step
-    is all prefills or all decodes, a 1 % block watermark on admission, no chunked prefill below 32k
-    tokens (so the step budget is max(max_model_len, 2048)), no prefix caching, 256 sequences
-    (vLLM 0.7.3 vllm/config.py SchedulerConfig, vllm/engine/arg_utils.py EngineArgs)."""
-    from sim.core.vllm_versions import parse_version
-
-    if version is None or parse_version(version) >= (0, 8):
-        return {}
-    return {"step_composition": "prefill_first", "admission_watermark": 0.01, "chunked_prefill": False,
-            "prefix_caching": False, "max_num_batched_tokens": max(max_model_len, 2048), "max_num_seqs": 256}
-
-
 def _accelmark_run(e: dict) -> Run:
     """An AccelMark online level: its Poisson arrivals redrawn as its load generator drew them
     (random.Random(seed).expovariate(rate), after the draws of the earlier levels and repeats), its
@@ -592,8 +580,7 @@ def _accelmark_run(e: dict) -> Run:
                 "tpot_mean": m["tpot_s"]["median"], "tpot_p99": m["tpot_s"]["p99"],
                 "throughput": float(m["request_throughput"])}
     engine = {"vllm_version": d["vllm_version"], "max_model_len": d["max_model_len"], "dtype": d.get("dtype"),
-              "gpu_memory_utilization": d.get("gpu_memory_utilization"),
-              **v0_engine(d["vllm_version"], d["max_model_len"])}
+              "gpu_memory_utilization": d.get("gpu_memory_utilization")}     # V0's scheduler: the scenario's
     scenario = deployment_scenario(e["id"], d["model"], d["gpu"], d["tp"], engine,
                                    max(r.prompt_len + r.output_len for r in requests))
     notes = [f"{e['id']}: the first of {w['repeats']} repeats replayed; outputs at the measured mean {output}"]
@@ -1056,7 +1043,8 @@ def bands(table: pd.DataFrame) -> dict[str, dict[str, dict]]:
 
 
 def deployment_engine(deployment: str) -> str:
-    """The engine generation (v0/v1) of a deployment named by `_deployment_name`."""
+    """The engine generation (v0/v1) of a deployment named by `_deployment_name`: its release's default
+    (sim.core.vllm_versions.engine_generation under auto), which every public run used (Run.engine)."""
     from sim.core.vllm_versions import engine_generation
 
     stated = deployment.rsplit(" / vLLM ", 1)[-1]

@@ -10,9 +10,18 @@ from __future__ import annotations
 from typing import Optional
 
 Version = tuple[int, int]
+Release = tuple[int, int, int]
 
 # The version a scenario assumes when it names none (engine.vllm_version's default).
 DEFAULT_VERSION = "0.19"
+
+# vLLM's engine generations (engine.vllm_engine; docs/vllm_semantics.md "Engine generation"):
+V1_OPT_IN: Release = (0, 6, 4)       # vllm/envs.py VLLM_USE_V1 appears, default "0": V1 only with VLLM_USE_V1=1
+V1_DEFAULT: Release = (0, 8, 0)      # envs.py default "1": unset runs V1 unless engine/arg_utils.py's
+                                     # _is_v1_supported_oracle falls back to V0; VLLM_USE_V1=0 runs V0
+V0_REMOVED: Release = (0, 11, 0)     # engine/llm_engine.py is V1's; the API server asserts VLLM_USE_V1
+USE_V1_REMOVED: Release = (0, 11, 1)  # envs.py no longer has VLLM_USE_V1: setting it changes nothing
+ENGINE_SETTINGS = ("auto", "v0", "v1")
 
 # name: (first release with it, first release without it or None)
 BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
@@ -91,10 +100,108 @@ def parse_version(version: Optional[str]) -> Version:
     return (parts + [0, 0])[0], (parts + [0, 0])[1]
 
 
-def engine_generation(version: Optional[str]) -> str:
-    """'v0' for releases before 0.8.0 (where V1 became vLLM's default engine), else 'v1'; a version not
-    stated reads as DEFAULT_VERSION, a V1 release."""
-    return "v0" if parse_version(version) < (0, 8) else "v1"
+def parse_release(version: Optional[str]) -> Release:
+    """'0.10.1.1' -> (0, 10, 1); '0.11.0rc2' -> (0, 11, 0); '0.8' -> (0, 8, 0); None -> DEFAULT_VERSION.
+    Only the engine generations need the patch: V1 came in a patch release (0.6.4), VLLM_USE_V1 left
+    in one (0.11.1)."""
+    parts = []
+    for word in str(version or DEFAULT_VERSION).lstrip("v").split(".")[:3]:
+        digits = len(word) - len(word.lstrip("0123456789"))
+        if not digits:
+            break
+        parts.append(int(word[:digits]))
+        if digits < len(word):              # '0rc2': a pre-release tail ends the number
+            break
+    return tuple((parts + [0, 0, 0])[:3])
+
+
+def generation_problem(version: Optional[str], setting: str) -> Optional[str]:
+    """Why vLLM `version` cannot run engine generation `setting` (engine.vllm_engine: v0 | v1), or None."""
+    release = parse_release(version)
+    if setting == "v1" and release < V1_OPT_IN:
+        return (f"vLLM {version} has no V1 engine (VLLM_USE_V1 selects it from 0.6.4, vllm/envs.py); "
+                f"use auto or v0")
+    if setting == "v0" and release >= V0_REMOVED:
+        return (f"vLLM {version} has no V0 engine (removed in 0.11.0: 0.11.0's API server refuses "
+                f"VLLM_USE_V1=0, and from 0.11.1 the variable is not read); use auto or v1")
+    return None
+
+
+def reads_use_v1(version: Optional[str]) -> bool:
+    """Does vLLM `version` read the VLLM_USE_V1 environment variable (vllm/envs.py, 0.6.4 - 0.11.0)?"""
+    return V1_OPT_IN <= parse_release(version) < USE_V1_REMOVED
+
+
+def engine_generation(version: Optional[str], setting: str = "auto", falls_back: bool = False) -> str:
+    """The engine generation ('v0' | 'v1') vLLM `version` runs: `setting` v0 or v1 as VLLM_USE_V1=0 or 1
+    chose it (check generation_problem first), else the release's default: V0 before 0.8.0, V1 from it,
+    unless `falls_back` (the engine-args oracle found a feature V1 lacks in that release: v1_fallbacks)
+    while V0 still exists. A version not stated reads as DEFAULT_VERSION, a V1 release."""
+    if setting in ("v0", "v1"):
+        return setting
+    release = parse_release(version)
+    if release < V1_DEFAULT or (falls_back and release < V0_REMOVED):
+        return "v0"
+    return "v1"
+
+
+# Compute capability by catalog device, where vLLM 0.8-0.10's V1 oracle asks it: below 8.0 (no
+# FlashAttention) V1 is refused up to 0.10.1; an fp8 KV cache needs FlashAttention 3 (major 9) or, from
+# 0.10.0, a Blackwell data-center part (is_device_capability(100)). A device not named here counts as 8.x.
+COMPUTE_CAPABILITY_MAJOR = {"t4": 7, "h100-sxm": 9, "h100-pcie": 9, "h100-nvl": 9, "h200": 9, "h20": 9,
+                            "b200": 10, "gb200": 10}
+# Speculative methods 0.8.x-0.9.x's V1 ran (engine/arg_utils.py _is_v1_supported_oracle); kvtwin's `mtp`
+# is vLLM 0.9's deepseek_mtp. True: experimental there (VLLM_USE_V1 unset still falls back).
+_V1_SPEC_METHODS: dict[Release, dict[str, bool]] = {
+    (0, 8, 0): {"ngram": True},
+    (0, 8, 3): {"ngram": True, "eagle": True, "eagle3": True},
+    (0, 9, 0): {m: False for m in ("ngram", "medusa", "eagle", "eagle3", "mtp", "deepseek_mtp")},
+}
+
+
+def v1_fallbacks(version: Optional[str], *, device: str = "", scheduling_policy: str = "fcfs",
+                 kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16", partial_prefills: int = 1,
+                 long_prefill_threshold: int = 0, lora: bool = False, pipeline_parallel: int = 1,
+                 executor: Optional[str] = None, speculative_method: Optional[str] = None,
+                 ) -> list[tuple[str, bool]]:
+    """The features of a scenario that vLLM `version`'s V1 lacks, as engine/arg_utils.py
+    _is_v1_supported_oracle (0.8.0 - 0.11.0) finds them: (feature, experimental). With VLLM_USE_V1 unset
+    any of them makes vLLM run V0 (0.8 - 0.10; 0.11.0 has no V0 and refuses); with VLLM_USE_V1=1 an
+    unsupported one is refused ("VLLM_USE_V1=1 is not supported with ..."), an experimental one runs
+    on V1. Only the features kvtwin has fields for (docs/vllm_semantics.md lists the others)."""
+    r = parse_release(version)
+    if not V1_DEFAULT <= r < USE_V1_REMOVED:
+        return []
+    out: list[tuple[str, bool]] = []
+    if scheduling_policy != "fcfs" and r < (0, 9, 2):
+        out.append(("--scheduling-policy priority (engine.scheduling_policy)", False))
+    if partial_prefills > 1 or (long_prefill_threshold and r < (0, 8, 3)):
+        out.append(("Concurrent Partial Prefill (engine.max_num_partial_prefills, "
+                    "long_prefill_token_threshold before 0.8.3)", False))
+    major = COMPUTE_CAPABILITY_MAJOR.get(device, 8)
+    if major < 8 and r < (0, 10, 2):
+        out.append((f"Compute Capability < 8.0 (device {device})", False))
+    if kv_cache_dtype != "auto" and r < V0_REMOVED and not (
+            r >= (0, 8, 3) and (major == 9 or (major == 10 and r >= (0, 10, 0)))):
+        out.append((f"--kv-cache-dtype {kv_cache_dtype} (engine.kv_cache_dtype) on device {device or 'custom'}",
+                    False))
+    if model_dtype == "float32" and r < (0, 9, 2):
+        out.append(("--dtype float32 (model.dtype)", False))
+    if lora and r < (0, 8, 3):
+        out.append(("LoRA (engine.lora)", True))
+    if pipeline_parallel > 1:
+        if r < (0, 8, 3):
+            out.append(("pipeline parallel (engine.pipeline_parallel_size)", True))
+        elif (r < (0, 9, 0) and executor != "ray") or \
+                (r < (0, 9, 2) and executor not in ("ray", "mp", "external_launcher")) or executor == "uni":
+            out.append((f"pipeline parallel with executor {executor or 'unset'} "
+                        f"(engine.distributed_executor_backend)", False))
+    if speculative_method is not None and r < (0, 10, 0):
+        methods = next(m for first, m in sorted(_V1_SPEC_METHODS.items(), reverse=True) if r >= first)
+        if speculative_method not in methods or methods[speculative_method]:
+            out.append((f"speculative method {speculative_method} (engine.speculative)",
+                        methods.get(speculative_method, False)))
+    return out
 
 
 def has(version: Optional[str], name: str) -> bool:

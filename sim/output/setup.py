@@ -17,6 +17,7 @@ def setup_manifest(scenario) -> dict:
     from sim.costmodel import CostModel
 
     return {"kind": "prediction", "scenario": scenario.model_dump(mode="json"),
+            "engine_generation": scenario.engine_generation,
             "cost_model": CostModel.for_scenario(scenario).describe()}
 
 
@@ -31,17 +32,22 @@ def setup_fields(manifest: Mapping[str, Any]) -> list[tuple[str, str]]:
     fields = [("model", f"{model.get('name', '?')} ({model.get('dtype', '?')})"),
               ("device", f"{device.get('name', '?')}" + (f", tp={tp}" if tp else "")
                + (f", {replicas} replicas ({(s.get('cluster') or {}).get('router')})" if replicas > 1 else "")),
-              ("engine", engine_words(engine, (manifest.get("cost_model") or {}).get("async_scheduling"))),
+              ("engine", engine_words(engine, (manifest.get("cost_model") or {}).get("async_scheduling"),
+                                      manifest.get("engine_generation"))),
               ("workload", workload_words(s.get("workload") or {}, manifest)),
               ("SLOs", slo_words(s.get("slo") or {})),
               ("step times", step_time_source(manifest))]
     return fields
 
 
-def engine_words(engine: Mapping[str, Any], async_scheduling: Optional[bool] = None) -> str:
+def engine_words(engine: Mapping[str, Any], async_scheduling: Optional[bool] = None,
+                 generation: Optional[str] = None) -> str:
     """The engine settings that shape the schedule; `async_scheduling` is the resolved switch (the
-    scenario may say `auto`), named because it moves the figures (finished requests free late)."""
-    parts = [f"{engine.get('batching', '?')} batching", f"{engine.get('allocation', '?')} KV",
+    scenario may say `auto`), named because it moves the figures (finished requests free late);
+    `generation` the resolved vLLM engine generation, named when it is V0 (V1 is the default)."""
+    parts = ["vLLM V0 (prefill-first steps)" if engine.get("step_composition") == "prefill_first" else "vLLM V0"] \
+        if generation == "v0" else []
+    parts += [f"{engine.get('batching', '?')} batching", f"{engine.get('allocation', '?')} KV",
              f"block {engine.get('block_size', '?')}",
              "prefix caching " + ("on" if engine.get("prefix_caching") else "off")]
     if engine.get("kv_cache_dtype", "auto") != "auto":         # halves the KV pool's bytes per token

@@ -278,9 +278,20 @@ MODELLED = (
 
 # Environment variables a command may set before `vllm serve` (NAME=value words), the scenario field
 # each maps to and its parser; others are reported as ignored (ENV_IGNORED) or unknown.
+def _use_v1(text: str) -> str:
+    """VLLM_USE_V1 as vllm/envs.py reads it, bool(int(value)): 0 -> v0, any other integer -> v1."""
+    try:
+        return "v1" if int(text) else "v0"
+    except ValueError:
+        raise ValueError(f"{excerpt(text)} is not an integer (vLLM reads bool(int(VLLM_USE_V1)))") from None
+
+
 ENV_MODELLED: dict[str, tuple[str, Callable[[str], Any]]] = {
     # envs.py: "0" up to 0.19, "1" from 0.20; read by v1/worker/gpu_worker.py determine_available_memory
     "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": ("engine.estimate_cudagraph_memory", _bool),
+    # envs.py 0.6.4 - 0.11.0 (the engine generation: sim/core/vllm_versions.py); other releases do not
+    # read it, which use_v1_by_release settles once the release is known
+    "VLLM_USE_V1": ("engine.vllm_engine", _use_v1),
 }
 
 # Flags vLLM has that kvtwin leaves out, with why. True/False: whether the flag is a bare switch
@@ -325,7 +336,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--disable-custom-all-reduce": (True, "all-reduce kernel choice: calibrate the link terms on the same setting"),
     "--max-long-partial-prefills": (False, "vLLM V1 only checks it against --max-num-partial-prefills "
                                            "(which must be 1); its scheduler never reads it"),
-    "--num-scheduler-steps": (False, "V0 only; V1 (what kvtwin models) ignores it"),
+    "--num-scheduler-steps": (False, "V0's multi-step scheduling: not modelled (V1 ignores it)"),
     "--num-lookahead-slots": (False, "V0 only (speculative decoding); not modelled"),
     "--prefix-caching-hash-algo": (False, "which hash keys the blocks: no effect on hits or timing"),
     "--disable-sliding-window": (True, _NOT_MODELLED + " (full attention in every layer)"),
@@ -863,12 +874,14 @@ def from_vllm_main(argv: list[str]) -> int:
     result = translate(command, args.device, Path.cwd(), args.model_name, spec_metrics=args.spec_metrics)
     if args.vllm_version is not None:
         set_vllm_version(result, args.vllm_version)
+    use_v1_by_release(result)
     if args.strict and result.unknown:
         names = capped([printable(f, 100) for f, _ in result.unknown], "unknown flags", 10)
         raise UserError(f"unknown vLLM flag(s) {', '.join(names)} (--strict)")
     from sim.scenario import validate_scenario
 
-    validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
+    scenario = validate_scenario(result.raw, base_dir=Path.cwd(), source="the translated vLLM command")
+    result.remarks.append(f"vLLM engine: {scenario.engine_generation.upper()} ({scenario.engine_generation_why()})")
     kept = sections_to_keep(args.out, result.raw, args.force) if args.out is not None else {}
     added = lora_flags.workload_sections(result, kept)      # --lora-modules: workload.lora (unless kept)
     if result.lora_adapters:
@@ -892,6 +905,24 @@ def set_vllm_version(result: Translation, version: str) -> None:
 
     result.raw = set_path(result.raw, ["engine", "vllm_version"], version)
     result.mapped.append((f"--vllm-version {version}", "engine.vllm_version", version))
+
+
+def use_v1_by_release(result: Translation) -> None:
+    """VLLM_USE_V1 on a release that does not read it (before 0.6.4, or from 0.11.1 when vllm/envs.py
+    dropped it): no effect, so engine.vllm_engine stays auto and a remark says so. On a release that
+    reads it the mapped value stands, and validation refuses what vLLM refuses (VLLM_USE_V1=0 on
+    0.11.0; VLLM_USE_V1=1 with a feature V1 lacks)."""
+    from sim.core import vllm_versions
+
+    engine = result.raw.get("engine", {})
+    version = engine.get("vllm_version") or vllm_versions.DEFAULT_VERSION
+    if "vllm_engine" not in engine or vllm_versions.reads_use_v1(version):
+        return
+    del engine["vllm_engine"]
+    result.mapped = [(flag, fld, None if fld == "engine.vllm_engine" else value) for flag, fld, value in result.mapped]
+    result.remarks.append(f"VLLM_USE_V1: vLLM {version} does not read it (VLLM_USE_V1 exists from 0.6.4 to 0.11.0, "
+                          f"vllm/envs.py), so the release's default engine runs (engine.vllm_engine: auto, "
+                          f"{vllm_versions.engine_generation(version).upper()})")
 
 
 def async_scheduling_note(raw: dict) -> str:

@@ -129,11 +129,17 @@ def headroom(slo: SloTarget, row: dict) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- steady state
 
+# The column of SteadyState.late_finish_rate in plan's tables: not a "served" rate, which it can exceed.
+LATE_FINISH_COLUMN = "finished/s, 2nd half (req/s)"
+
+
 @dataclass(frozen=True)
 class SteadyState:
     ttft_growth: float      # seconds of median TTFT gained per second of arrivals, first to last third
     ttft_ratio: float       # median TTFT of the last third / of the first third
-    served_rate: float      # requests/s finished in the second half of the measured arrival window
+    # Requests/s that finished (any request) while the second half of the measured arrivals came in:
+    # a backlog from the first half drains into that window, so it can exceed the offered rate.
+    late_finish_rate: float
 
     @property
     def sustainable(self) -> bool:
@@ -377,7 +383,7 @@ class ReplicaPlan:
                          "$/hour": best and best["gpus"] * c.gpu_price,
                          "$/1M output tok": best and dollars_per_million_output_tokens(
                              {**best, "cost_per_hour": best["gpus"] * c.gpu_price}),
-                         "served (req/s)": best and best["steady.served_rate"],
+                         LATE_FINISH_COLUMN: best and best["steady.late_finish_rate"],
                          "TTFT p99 (s)": best and best["ttft_s.p99"],
                          "TPOT p99 (s)": best and best["tpot_s.p99"],
                          **{f"{slo.name} headroom": best and headroom(slo, best) for slo in self.slos},
@@ -441,12 +447,11 @@ def invalid_reason(task: PointTask) -> Optional[str]:
 
 def scenario_band(scenario) -> Optional[dict]:
     """The typical error of the scenario's step-time source (sim/trained.py)."""
-    from sim.core.vllm_versions import engine_generation
     from sim.costmodel import CostModel
     from sim.trained import error_band
 
     cost = CostModel.for_scenario(scenario)
-    return error_band(cost.step_time_source, cost.profile, engine_generation(scenario.engine.vllm_version))
+    return error_band(cost.step_time_source, cost.profile, scenario.engine_generation)
 
 
 def band_metric(slo: SloTarget) -> str:

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sim.core.lazy import lazy_import
-from sim.whatif.plan import (RateCurve, ReplicaPlan, SloTarget, band_metric, dollars_per_million_output_tokens,
-                             headroom, seconds)
+from sim.whatif.plan import (LATE_FINISH_COLUMN, RateCurve, ReplicaPlan, SloTarget, band_metric,
+                             dollars_per_million_output_tokens, headroom, seconds)
 from sim.output.run_table import print_frame
 from sim.whatif.sweep_output import save_png, write_page
 
@@ -34,7 +34,7 @@ def answer_economics(row: dict, slos: Sequence[SloTarget]) -> str:
     return "; ".join(parts)
 
 
-CURVE_COLUMNS = (("steady.served_rate", "served (req/s)", 1.0), ("ttft_s.p50", "TTFT p50 (ms)", 1e3),
+CURVE_COLUMNS = (("steady.late_finish_rate", LATE_FINISH_COLUMN, 1.0), ("ttft_s.p50", "TTFT p50 (ms)", 1e3),
                  ("ttft_s.p99", "TTFT p99 (ms)", 1e3), ("tpot_s.p99", "TPOT p99 (ms)", 1e3),
                  ("e2e_s.p99", "E2E p99 (ms)", 1e3))
 
@@ -74,8 +74,8 @@ def plot_rate_curve(curve: RateCurve, title: str = ""):
                 lat.axhline(slo.limit_s * 1e3, color=f"C{i}", lw=1, ls="--", alpha=0.7)
     lat.set_yscale("log")
     _finish_axes(lat, "Latency (dashed: SLOs, x: failing probes)", "latency (ms)", curve.knee)
-    served = pd.to_numeric(frame["steady.served_rate"], errors="coerce").to_numpy(float)
-    thr.plot(rate, served, "-o", ms=3, color="C0", label="served (2nd half of the arrivals)")
+    served = pd.to_numeric(frame["steady.late_finish_rate"], errors="coerce").to_numpy(float)
+    thr.plot(rate, served, "-o", ms=3, color="C0", label="finished/s in the 2nd half of the arrivals")
     thr.plot(rate[fail], served[fail], "x", color="C3", ms=7)
     thr.plot([0, rate.max()], [0, rate.max()], color="0.6", lw=1, label="offered")
     _finish_axes(thr, "Throughput", "requests / s", curve.knee)

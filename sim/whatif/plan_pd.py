@@ -93,7 +93,7 @@ class SplitPlan:
 
     @property
     def table(self) -> pd.DataFrame:
-        keep = ["split", "prefill", "decode", "gpus", "cost_per_hour", "ok", "failed", "steady.served_rate",
+        keep = ["split", "prefill", "decode", "gpus", "cost_per_hour", "ok", "failed", "steady.late_finish_rate",
                 "ttft_s.p99", "tpot_s.p99", "pools.prefill.utilization", "pools.decode.utilization",
                 "pools.transfers.transfer_s.p99", "pools.transfers.decode_wait_s.p99"]
         frame = pd.DataFrame(self.rows)

@@ -98,6 +98,27 @@ def test_relative_paths_resolve_against_the_scenario_file(tmp_path):
         s.workload.trace.path.resolve() == (tmp_path / "data" / "t.csv").resolve()
 
 
+def test_relative_paths_given_with_set_resolve_against_the_working_folder(tmp_path, monkeypatch):
+    """What a CLI user types is relative to where they typed it: `--set device.profile=p.yaml` from
+    the folder holding p.yaml, whatever folder the scenario file is in. A path in the file stays the
+    file's; an absolute one is kept; the same rule holds at the field and inside a section set whole."""
+    (tmp_path / "scenarios").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "scenarios" / "s.yaml").write_text(
+        "model: tiny\ndevice: cpu\nworkload:\n  trace: {format: azure, path: in_file.csv}\n")
+    monkeypatch.chdir(tmp_path / "work")
+    s = load_scenario(tmp_path / "scenarios" / "s.yaml")
+    assert s.workload.trace.path == tmp_path / "scenarios" / "in_file.csv"
+    s = load_scenario(tmp_path / "scenarios" / "s.yaml", ["workload.trace.path=typed.csv"])
+    assert s.workload.trace.path == tmp_path / "work" / "typed.csv"
+    s = load_scenario(tmp_path / "scenarios" / "s.yaml", ["workload.trace={format: azure, path: sub/t.csv}"])
+    assert s.workload.trace.path == tmp_path / "work" / "sub" / "t.csv"
+    s = load_scenario(tmp_path / "scenarios" / "s.yaml", [f"workload.trace.path={tmp_path / 'abs.csv'}"])
+    assert s.workload.trace.path == tmp_path / "abs.csv"
+    s = load_scenario(tmp_path / "scenarios" / "s.yaml", ["device=h100-sxm", "device.profile=p.yaml"])
+    assert Path(s.device.profile) == tmp_path / "work" / "p.yaml"           # not scenarios/p.yaml
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path):
     (tmp_path / "s.yaml").write_text("model: tiny\ndevice: [cpu\n")
     with pytest.raises(ScenarioError, match=r"line \d+, column \d+"):

@@ -89,7 +89,20 @@ def test_steady_state_accepts_an_easy_rate_and_rejects_an_overload(scenario_file
     fine, overloaded = state(1), state(20)         # a fifth of capacity; four times it
     assert fine.sustainable and abs(fine.ttft_growth) < 0.01 and fine.ttft_ratio < 1.5
     assert not overloaded.sustainable and overloaded.ttft_growth > 0.5 and overloaded.ttft_ratio > 2
-    assert fine.served_rate == pytest.approx(1, rel=0.15) and overloaded.served_rate < 8
+    assert fine.late_finish_rate == pytest.approx(1, rel=0.15) and overloaded.late_finish_rate < 8
+
+
+def test_the_late_finish_rate_counts_a_draining_backlog_and_can_exceed_the_offered_rate():
+    """steady_state's rate is finishes per second while the second half of the arrivals came in, not a
+    served rate: 61 requests offered at 1/s over 60 s, the first 30 stalled until the second half, finish
+    there with the second half's: 60 finishes between 30 s and 60 s, twice the offered rate."""
+    arrival = [float(i) for i in range(61)]
+    finish = [30.5 + i * 0.5 if i < 30 else a + 0.4 for i, a in enumerate(arrival)]
+    frame = pd.DataFrame({"status": "finished", "is_warmup": False, "arrival_s": arrival,
+                          "finish_s": finish, "ttft_s": [f - a for f, a in zip(finish, arrival)]})
+    state = steady_state(frame)
+    assert state.late_finish_rate == pytest.approx(60 / 30)
+    assert not hasattr(state, "served_rate")
 
 
 def test_traffic_keeps_the_arrival_window_at_every_rate():
