@@ -1030,7 +1030,8 @@ class Scenario(StrictModel):
         at once (none: at its end); the steps themselves are priced as before (sim/records.py
         StepRecorder.token_times)."""
         e = self.engine
-        return (vllm_versions.has(e.vllm_version, "v0_async_output_processing") and not e.enforce_eager
+        return (self.engine_generation == "v0" and vllm_versions.has(e.vllm_version, "v0_async_output_processing")
+                and not e.enforce_eager
                 and e.speculative_method is None and e.pipeline_parallel_size == 1
                 and self.device.name != "cpu" and e.batching == "continuous")
 

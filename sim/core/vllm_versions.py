@@ -64,7 +64,8 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # engine/arg_utils.py --performance-mode (balanced | interactivity | throughput); throughput
     # doubles the max_num_seqs and max_num_batched_tokens defaults.
     "performance_mode": ((0, 17), None),
-    # V0's async output processing (0.6.0 to the V0 engine's last release kvtwin models, 0.7.x):
+    # V0's async output processing (0.6.0 on, on the V0 engine: Scenario.tokens_after_next_host
+    # asks for the generation too, so 0.8-0.10 under VLLM_USE_V1=0 have it):
     # engine/llm_engine.py LLMEngine.step passes the previous step's output processing as
     # `async_callback`, which worker/model_runner.py ModelRunner.execute_model calls after it
     # launches the next step's forward; engine/async_llm_engine.py puts the outputs on the request
@@ -73,7 +74,7 @@ BEHAVIOURS: dict[str, tuple[Version, Optional[Version]]] = {
     # left unfinished (the engine drains the queue). Off under --enforce-eager
     # (platforms/cuda.py is_async_output_supported), with speculative decoding and with pipeline
     # parallel > 1 (config.py ModelConfig.verify_async_output_proc, 0.7.3).
-    "v0_async_output_processing": ((0, 6), (0, 8)),
+    "v0_async_output_processing": ((0, 6), None),
 }
 
 # --all2all-backend's choices (config/parallel.py All2AllBackend): the release each came with.

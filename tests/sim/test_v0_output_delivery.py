@@ -35,10 +35,13 @@ def run(s):
 def test_the_releases_with_async_output_processing():
     assert has("0.6.0", "v0_async_output_processing") and has("0.7.3", "v0_async_output_processing")
     assert not has("0.5.5", "v0_async_output_processing")
-    assert not has("0.8.3", "v0_async_output_processing")          # V1 (kvtwin's V0 ends at 0.8)
+    assert has("0.8.3", "v0_async_output_processing")               # the V0 engine of 0.8-0.10 has it
     assert scenario().tokens_after_next_host
     assert not scenario(enforce_eager=True).tokens_after_next_host
     assert not scenario("0.11.0").tokens_after_next_host
+    assert not scenario("0.9.2").tokens_after_next_host                  # V1 by default there
+    assert scenario("0.9.2", vllm_engine="v0").tokens_after_next_host    # VLLM_USE_V1=0: V0's engine
+    assert not scenario("0.7.3", vllm_engine="v1").tokens_after_next_host
 
 
 def test_pipeline_parallel_turns_it_off():
