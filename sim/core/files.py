@@ -341,7 +341,7 @@ def load_json(text: str, source: str | Path = "<text>", allow_nan: bool = False,
     with `allow_nan` (files another program wrote with Python's json, which writes them)."""
     try:
         value = json.loads(text, parse_int=_bounded_int, parse_constant=None if allow_nan else _no_constant,
-                           object_pairs_hook=_unique_keys)
+                           object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise JsonSyntaxError(f"{source}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})", e) from None
     except RecursionError:
@@ -362,12 +362,18 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class DuplicateKeyError(_JsonValueError):
+    pass
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook refusing a key given twice (DuplicateKeyError); also used by the
+    JSON Lines trace reader, which parses line by line without load_json's other checks."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
         duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _JsonValueError(f"duplicate key {excerpt(duplicate)} in one object; a key may appear once per object")
+        raise DuplicateKeyError(f"duplicate key {excerpt(duplicate)} in one object; a key may appear once per object")
     return obj
 
 

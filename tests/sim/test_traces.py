@@ -177,6 +177,9 @@ def test_mooncake_hash_ids_become_shared_512_token_segments(tmp_path):
     ('{"input_length": 10, "output_length": 5, "hash_ids": [0]}', r"mc.jsonl:2: missing 'timestamp'"),
     (mooncake_row(1, -3, 5, []), r"mc.jsonl:2: input_length is -3, expected a whole number"),
     (mooncake_row(1, 10, "5", [0]), r"mc.jsonl:2: output_length is '5', expected a whole number"),
+    # json keeps the last of two equal keys: which output length was meant is not known
+    ('{"timestamp": 1, "input_length": 10, "output_length": 5, "output_length": 7, "hash_ids": [0]}',
+     r"mc.jsonl:2: duplicate key 'output_length' in one object"),
 ])
 def test_malformed_mooncake_rows_name_file_and_line(tmp_path, row, message):
     path = write(tmp_path / "mc.jsonl", [mooncake_row(0, 10, 5, [0]), row])
