@@ -10,10 +10,12 @@ from sim.core.files import FileFormatError, read_yaml
 from sim.errors import UserError
 from sim.extras import require
 from sim.output.console import console, err_console
-from sim.output.run_dir import out_folder_arg, owned_run_folder
+from sim.output.run_dir import check_out_file, out_folder_arg, owned_run_folder
 from sim.scenario import scenario_args
 from sim.scenario import expand_variants, load_scenario, validate_scenario
 from sim.output.io import write_csv
+
+SAMPLES_HEADER = "kind,block_size,"    # the first columns of the probe samples calibrate writes (validate/calibrate.py)
 
 
 # ----------------------------------------------------------------------------- validate
@@ -150,11 +152,13 @@ def calibrate_main(argv: list[str]) -> int:
     from validate.vllm_fit import profile_out
 
     out = profile_out(args, scenario)
+    samples_out = out.with_suffix(".samples.csv")     # checked with the profile, before any profiling
+    check_out_file(samples_out, SAMPLES_HEADER, force=args.force)
     console.print(f"calibrating {scenario.model.name} ({scenario.model.dtype}) on {device} "
                   f"as catalog device '{scenario.device.name}'")
     cal = calibrate(scenario, device, progress=None)
     write_profile(out, cal)
-    write_csv(out.with_suffix(".samples.csv"), cal.samples)
+    write_csv(samples_out, cal.samples)
     console.print(coefficients_table(cal.profile).to_string())
     fit = cal.profile.fit
     for part in ("device_train", "device_held_out"):

@@ -696,7 +696,7 @@ def calibrate_from_vllm_main(args) -> int:
     if fit.warnings:
         err_console.print("[bold red]the profile is marked quality: poor; check the runs and the deployment "
                           "settings before trusting it[/]")
-    # absolute: a relative path in --set resolves against the scenario file, not the working folder
+    # absolute: the hint works from any folder
     console.print(f"wrote {out} (use it: simrun SCENARIO --set device.profile={out.resolve()})")
     return 0
 

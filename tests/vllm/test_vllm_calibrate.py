@@ -185,6 +185,27 @@ def test_cli_refuses_vllm_fit_flags_without_vllm_runs(flag, capsys):
     assert f"{flag[0]} applies to fits to vLLM runs" in capsys.readouterr().err
 
 
+def test_engine_calibration_refuses_a_samples_file_it_did_not_write(tmp_path, capsys, monkeypatch):
+    """The engine path writes <out>.samples.csv beside the profile: a file there that kvtwin did not
+    write is refused before any profiling (it was replaced silently), its own only replaced."""
+    from sim.cli import main
+    import validate.calibrate
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled before the output files were checked")
+
+    monkeypatch.setattr(validate.calibrate, "calibrate", no_profiling)
+    samples = tmp_path / "tiny.samples.csv"
+    samples.write_text("my,measurements\n1,2\n")
+    argv = ["calibrate", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path / "tiny.yaml")]
+    assert main(argv) == 2
+    assert "tiny.samples.csv: exists and kvtwin did not write it" in capsys.readouterr().err
+    assert samples.read_text() == "my,measurements\n1,2\n"
+    samples.write_text("kind,block_size,num_seqs\ndecode,16,1\n")     # one kvtwin wrote: replaced
+    with pytest.raises(AssertionError, match="profiled before"):
+        main(argv)
+
+
 def test_cli_fits_real_public_printouts(tmp_path, capsys):
     """Three public `benchmark_serving.py` printouts of one deployment (Qwen2-7B, A100 80GB, vLLM
     0.10.1.1; tests/data/vllm_public/bench_runs.yaml cites them): the fit runs on the runs' summaries,
