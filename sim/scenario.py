@@ -989,14 +989,18 @@ class Scenario(StrictModel):
         return min(budget, (self.engine.max_num_seqs or seqs) * self.max_model_len)
 
     def _default_limits(self) -> tuple[int, int]:
-        """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs): 8192 and 1024 on GPUs
-        of at least 70 GiB (NVML's total) that are not A100s, else 2048 and 256 (engine/arg_utils.py
-        get_batch_defaults, 0.12-0.21), both doubled by --performance-mode throughput (from 0.17).
-        V0: 2048 and 256 (0.7.3 config.py SchedulerConfig, engine/arg_utils.py; 0.8-0.10
-        _set_default_args_v0), raised to max_model_len without chunked prefill."""
+        """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs) for engine.vllm_version:
+        V1's by release (sim/core/vllm_versions.py v1_default_limits: from 0.9 8192 and 1024 on GPUs
+        of at least 70 GiB (NVML's total) that are not A100s, else 2048 and 256; earlier releases
+        tested the name or the memory alone, and up to 0.8.3 took 1024 sequences on every GPU), both
+        doubled by --performance-mode throughput (from 0.17). V0: 2048 and 256 (0.7.3 config.py
+        SchedulerConfig, engine/arg_utils.py; 0.8-0.10 _set_default_args_v0), raised to
+        max_model_len without chunked prefill."""
         if self.engine_generation == "v0":
             return 2048, 256
-        tokens, seqs = (8192, 1024) if self._big_gpu() else (2048, 256)
+        tokens, seqs = vllm_versions.v1_default_limits(
+            self.engine.vllm_version, memory_mib=self.device.memory_mib,
+            device_names=f"{self.device.name} {self.device.full_name or ''}")
         if self.engine.performance_mode == "throughput":
             tokens, seqs = 2 * tokens, 2 * seqs
         return tokens, seqs
@@ -1043,12 +1047,6 @@ class Scenario(StrictModel):
         if e.max_num_partial_prefills > 1 and e.long_prefill_token_threshold == 0:
             return int(self.max_model_len * 0.04)
         return e.long_prefill_token_threshold
-
-    def _big_gpu(self) -> bool:
-        """vLLM's test: NVML's total (the catalog's memory_mib) of at least 70 GiB and "a100" not in
-        the device name (engine/arg_utils.py get_batch_defaults)."""
-        names = f"{self.device.name} {self.device.full_name or ''}".lower()
-        return self.device.memory_mib >= 70 * 1024 and "a100" not in names
 
 
 # ----------------------------------------------------------------------------- loading

@@ -251,3 +251,35 @@ def dp_ranks_in_lockstep(version: Optional[str], is_moe: bool) -> bool:
 def default_api_servers(version: Optional[str], balanced_ranks: int) -> int:
     """--api-server-count unset: one API server per rank the servers balance (from 0.15), else 1."""
     return balanced_ranks if has(version, "api_servers_default_dp") else 1
+
+
+# V1's API-server defaults for max_num_batched_tokens and max_num_seqs, by release (engine/arg_utils.py;
+# docs/vllm_semantics.md "Scheduler limits" has the table with the LLM class's values). A "big" GPU
+# gets 8192 tokens and 1024 sequences, another 2048 and 256; releases differ in what counts as big
+# and in whether max_num_seqs follows the GPU at all.
+V1_LIMITS_OVERRIDE: Release = (0, 6, 5)    # _override_v1_engine_args appears (before: V0's EngineArgs
+                                           # and SchedulerConfig defaults, 2048 and 256)
+V1_BIG_GPU_BY_NAME: Release = (0, 7, 0)    # "h100" or "h200" in the device name (0.6.5-0.6.6: none is big)
+V1_SEQS_FOLLOW_GPU: Release = (0, 8, 4)    # before: max_num_seqs 1024 on every device (EngineArgs
+                                           # __post_init__ 0.6.5-0.7.x, _set_default_args_v1 0.8.0-0.8.3)
+V1_BIG_GPU_BY_MEMORY: Release = (0, 8, 5)  # device total memory >= 70 GiB instead of the name
+V1_A100_NOT_BIG: Release = (0, 9, 0)       # ... and "a100" not in the device name (to 0.21)
+
+
+def v1_default_limits(version: Optional[str], *, memory_mib: float, device_names: str) -> tuple[int, int]:
+    """vLLM `version`'s V1 API-server defaults (max_num_batched_tokens, max_num_seqs) on a GPU with
+    `memory_mib` in total (NVML's) and `device_names` (its names, any case), before the caps the
+    scenario applies (engine/arg_utils.py _override_v1_engine_args 0.6.5-0.7.x, _set_default_args_v1
+    0.8.0-0.10.x, _set_default_args 0.11.0, get_batch_defaults 0.11.1-0.21)."""
+    release = parse_release(version)
+    if release < V1_LIMITS_OVERRIDE:
+        return 2048, 256
+    names = device_names.lower()
+    if release < V1_BIG_GPU_BY_NAME:
+        big = False
+    elif release < V1_BIG_GPU_BY_MEMORY:
+        big = "h100" in names or "h200" in names
+    else:
+        big = memory_mib >= 70 * 1024 and (release < V1_A100_NOT_BIG or "a100" not in names)
+    tokens, seqs = (8192, 1024) if big else (2048, 256)
+    return tokens, (seqs if release >= V1_SEQS_FOLLOW_GPU else 1024)

@@ -223,3 +223,32 @@ def test_the_big_gpu_defaults_follow_vllms_name_and_memory_test():
     for device, is_big in big.items():
         s = validate_scenario({"model": "qwen3-0.6b", "device": device, "engine": {"max_model_len": 4096}})
         assert (s.max_num_batched_tokens, s.max_num_seqs) == ((8192, 1024) if is_big else (2048, 256)), device
+
+
+@pytest.mark.parametrize("version, engine, device, limits", [
+    ("0.6.4", "v1", "h100-sxm", (2048, 256)),    # no V1 override: EngineArgs 256, SchedulerConfig 2048
+    ("0.6.5", "v1", "h100-sxm", (2048, 1024)),   # _override_v1_engine_args: 2048 on any GPU
+    ("0.7.3", "v1", "h100-sxm", (8192, 1024)),   # "h100" or "h200" in the device name
+    ("0.7.3", "v1", "a100-40g", (2048, 1024)),   # max_num_seqs 1024 on every GPU (EngineArgs __post_init__)
+    ("0.8.3", "auto", "a100-40g", (2048, 1024)),  # _set_default_args_v1: default_max_num_seqs = 1024
+    ("0.8.3", "auto", "h20", (2048, 1024)),      # 96 GiB but named H20
+    ("0.8.4", "auto", "h20", (2048, 256)),       # max_num_seqs follows the name test too
+    ("0.8.4", "auto", "h200", (8192, 1024)),
+    ("0.8.5", "auto", "h20", (8192, 1024)),      # device total memory >= 70 GiB
+    ("0.8.5", "auto", "a100-80g", (8192, 1024)),  # ... an A100 80GB included
+    ("0.8.5", "auto", "mi300x", (8192, 1024)),
+    ("0.9.0", "auto", "a100-80g", (2048, 256)),  # "a100" not in the name, from 0.9.0 on
+    ("0.11.0", "auto", "h100-sxm", (8192, 1024)),
+    ("0.11.0", "auto", "l40s", (2048, 256)),
+])
+def test_v1_default_limits_follow_the_release(version, engine, device, limits):
+    """engine/arg_utils.py, V1's API-server (UsageContext.OPENAI_API_SERVER) defaults
+    (max_num_batched_tokens, max_num_seqs): 0.6.4 has no V1 override; 0.6.5-0.6.6
+    _override_v1_engine_args sets 2048 tokens and __post_init__ 1024 sequences; 0.7.0-0.7.3 tests
+    "h100"/"h200" in current_platform.get_device_name(); 0.8.0-0.8.3 _set_default_args_v1 the same
+    name test with default_max_num_seqs = 1024 on every GPU; 0.8.4 the name test for both; 0.8.5
+    get_device_total_memory() >= 70 * GiB_bytes; 0.9.0-0.11.0 also "a100" not in the name."""
+    s = validate_scenario({"model": "qwen3-0.6b", "device": device,
+                           "engine": {"max_model_len": 4096, "vllm_version": version, "vllm_engine": engine}})
+    assert s.engine_generation == "v1"
+    assert (s.max_num_batched_tokens, s.max_num_seqs) == limits
