@@ -152,12 +152,14 @@ class EngineConfig(StrictModel):
                     "default for vllm_version (0.9, 0.92 from 0.20)")
     max_num_seqs: Optional[int] = Field(
         default=None, ge=1, le=2**20,
-        description="sequences per step; default as vLLM's API server: 1024 on >= 70 GiB GPUs that are not "
-                    "A100s, else 256 (V0: 256); at most max_num_batched_tokens")
+        description="sequences per step; default as vLLM's API server for vllm_version: from 0.9 1024 on >= "
+                    "70 GiB non-A100 GPUs, else 256 (docs/vllm_semantics.md: earlier V1; V0: 256); "
+                    "at most max_num_batched_tokens")
     max_num_batched_tokens: Optional[int] = Field(
         default=None, ge=1, le=MAX_TOKENS,
-        description="the token budget per step; default as vLLM's API server: 8192 on >= 70 GiB non-A100 "
-                    "GPUs, else 2048 (V0: 2048); at least max_model_len without chunked prefill")
+        description="the token budget per step; default as vLLM's API server for vllm_version: from 0.9 8192 "
+                    "on >= 70 GiB non-A100 GPUs, else 2048 (docs/vllm_semantics.md: earlier V1; V0: 2048); "
+                    "at least max_model_len without chunked prefill")
     max_model_len: Optional[int] = Field(
         default=None, ge=2, le=MAX_TOKENS,
         description="the longest request (prompt + output); default: the model's max_position_embeddings")

@@ -247,7 +247,7 @@ def test_v1_default_limits_follow_the_release(version, engine, device, limits):
     _override_v1_engine_args sets 2048 tokens and __post_init__ 1024 sequences; 0.7.0-0.7.3 tests
     "h100"/"h200" in current_platform.get_device_name(); 0.8.0-0.8.3 _set_default_args_v1 the same
     name test with default_max_num_seqs = 1024 on every GPU; 0.8.4 the name test for both; 0.8.5
-    get_device_total_memory() >= 70 * GiB_bytes; 0.9.0-0.11.0 also "a100" not in the name."""
+    get_device_total_memory() >= 70 * GiB_bytes; 0.9.0-0.21 also "a100" not in the name."""
     s = validate_scenario({"model": "qwen3-0.6b", "device": device,
                            "engine": {"max_model_len": 4096, "vllm_version": version, "vllm_engine": engine}})
     assert s.engine_generation == "v1"
