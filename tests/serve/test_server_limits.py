@@ -130,23 +130,30 @@ def test_parsing_runs_off_the_event_loop(monkeypatch):
         assert result["r"].status_code == 200
 
 
+def on_app_loop(c, talk):
+    """`talk(post)` run on the test client's event loop, where `post()` sends one small completion
+    through the app in flight beside the others (the test client's own calls run one at a time)."""
+    async def run():
+        import httpx
+
+        transport = httpx.ASGITransport(app=c.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
+            return await talk(lambda: ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
+    return c.portal.call(run)
+
+
 def test_waiting_queue_bound_gives_429():
     engine = StubEngine(hold=True)
     with client(engine, max_waiting=2) as c:
-        async def fire():
-            import httpx
-
-            transport = httpx.ASGITransport(app=c.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
-                held = [asyncio.ensure_future(ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
-                        for _ in range(2)]
-                while len(engine.submitted) < 2:
-                    await asyncio.sleep(0.01)
-                third = await ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
-                for h in held:
-                    h.cancel()
-                return third
-        third = c.portal.call(fire)
+        async def fire(post):
+            held = [asyncio.ensure_future(post()) for _ in range(2)]
+            while len(engine.submitted) < 2:
+                await asyncio.sleep(0.01)
+            third = await post()
+            for h in held:
+                h.cancel()
+            return third
+        third = on_app_loop(c, fire)
         assert third.status_code == 429 and "max-waiting" in third.json()["error"]["message"]
 
 
@@ -236,20 +243,15 @@ def test_waiting_queue_bound_holds_for_requests_that_arrive_together():
     pass the --max-waiting check before any of them is counted."""
     engine = StubEngine(hold=True)
     with client(engine, max_waiting=2) as c:
-        async def fire():
-            import httpx
-
-            transport = httpx.ASGITransport(app=c.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
-                calls = [asyncio.ensure_future(ac.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}))
-                         for _ in range(6)]
-                while len(engine.submitted) + sum(call.done() for call in calls) < 6:
-                    await asyncio.sleep(0.01)
-                statuses = [call.result().status_code for call in calls if call.done()]
-                for call in calls:
-                    call.cancel()
-                return statuses
-        statuses = c.portal.call(fire)
+        async def fire(post):
+            calls = [asyncio.ensure_future(post()) for _ in range(6)]
+            while len(engine.submitted) + sum(call.done() for call in calls) < 6:
+                await asyncio.sleep(0.01)
+            statuses = [call.result().status_code for call in calls if call.done()]
+            for call in calls:
+                call.cancel()
+            return statuses
+        statuses = on_app_loop(c, fire)
     assert len(engine.submitted) == 2 and statuses == [429] * 4
 
 
