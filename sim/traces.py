@@ -77,8 +77,12 @@ class _Rows:
 
 
 def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozenset(),
-               decode_step_s: Optional[float] = None, serving: str = "the engine") -> LoadedTrace:
+               decode_step_s: Optional[float] = None, serving: str = "the engine",
+               vocab_size: Optional[int] = None) -> LoadedTrace:
     """Requests (ids 0..N-1 in arrival order) and notes on what was excluded and why.
+
+    A jsonl row's literal prompt ids must lie in 0 <= id < `vocab_size` (the model's; None, for a
+    caller with no model, checks only id >= 0): a real engine would index its embedding with them.
 
     A jsonl row's tenant gets a cache salt when it is in `salted_tenants`. With `decode_step_s`
     (a lone decode step of the `serving` model and device) a trace that would leave the engine
@@ -89,7 +93,7 @@ def load_trace(trace: Trace, seed: int, salted_tenants: frozenset[str] = frozens
     if problem:
         raise TraceError(f"{path}: {problem} (workload.trace.path)")
     reader = {"azure": _read_azure, "mooncake": _read_mooncake, "burstgpt": _read_burstgpt,
-              "jsonl": _read_jsonl, "csv": _read_generic_csv}[trace.format]
+              "jsonl": lambda p, t: _read_jsonl(p, t, vocab_size), "csv": _read_generic_csv}[trace.format]
     rows = reader(path, trace)
     check_plausible(path, rows.times, trace, rows.lines, rows.unit)
     kept, arrivals, notes = _select(rows, trace, seed)
@@ -437,7 +441,7 @@ def _keys(trace: Trace) -> dict[str, Optional[str]]:
     return keys
 
 
-def _read_jsonl(path: Path, trace: Trace) -> _Rows:
+def _read_jsonl(path: Path, trace: Trace, vocab_size: Optional[int] = None) -> _Rows:
     keys = _keys(trace)
     units: dict[str, str] = {}                 # per arrival key met (a row has arrival_s or timestamp)
     times, prompts, outputs, lines, literal, tenants, priorities = [], [], [], [], [], [], []
@@ -448,7 +452,7 @@ def _read_jsonl(path: Path, trace: Trace) -> _Rows:
         unit = units.get(arrival) or units.setdefault(arrival, time_unit(trace, arrival))
         times.append(_time(obj, arrival, where, f"the arrival as a finite number of {unit} ({named})")
                      * SECONDS_PER[unit])
-        tokens = _literal_prompt(obj, where, keys)
+        tokens = _literal_prompt(obj, where, keys, vocab_size)
         literal.append(tokens)
         prompts.append(len(tokens) if tokens is not None else _count(obj, keys["prompt_len"], where))
         outputs.append(_count(obj, keys["output_len"], where))
@@ -495,15 +499,22 @@ def _read_generic_csv(path: Path, trace: Trace) -> _Rows:
                  tenants=tenants, priorities=priorities, lines=lines, unit=unit)
 
 
-def _literal_prompt(obj: dict, where: str, keys: dict[str, Optional[str]]) -> Optional[list[int]]:
+def _literal_prompt(obj: dict, where: str, keys: dict[str, Optional[str]],
+                    vocab_size: Optional[int]) -> Optional[list[int]]:
     ids, length = keys["prompt"], keys["prompt_len"]
     if ids not in obj and length not in obj:
         raise TraceError(f"{where}: expected {ids!r} (token ids) or {length!r}")
     tokens = obj.get(ids)
     if tokens is None:
         return None
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < MAX_VALUE for t in tokens):
-        raise TraceError(f"{where}: {ids} is not a list of token ids, expected integers >= 0")
+    if not isinstance(tokens, list):
+        raise TraceError(f"{where}: {ids} is {excerpt(tokens, FILE_EXCERPT_CHARS)}, expected a list of token ids")
+    limit = MAX_VALUE if vocab_size is None else vocab_size
+    if not all(type(t) is int and 0 <= t < limit for t in tokens):
+        k, bad = next((k, t) for k, t in enumerate(tokens) if not (type(t) is int and 0 <= t < limit))
+        expected = ("integers >= 0" if vocab_size is None
+                    else f"0 <= id < vocab_size (the model's vocab_size is {vocab_size})")
+        raise TraceError(f"{where}: {ids}[{k}] is {excerpt(bad, FILE_EXCERPT_CHARS)}, expected a token id: {expected}")
     if length in obj and _count(obj, length, where) != len(tokens):     # logs often carry both
         raise TraceError(f"{where}: {ids} holds {len(tokens)} token ids but {length} is {excerpt(obj[length], FILE_EXCERPT_CHARS)}")
     return tokens

@@ -107,7 +107,7 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
     with gc_paused():
         if w.trace is not None:
             loaded = load_trace(w.trace, seed, _salted_tenants(w), _decode_step_s(scenario),
-                                f"{scenario.model.name} on {scenario.device.name}")
+                                f"{scenario.model.name} on {scenario.device.name}", scenario.model.vocab_size)
             built = BuiltWorkload(loaded.requests, loaded.notes + _ignored(w, "trace"))
         elif w.requests is not None:
             built = BuiltWorkload(_explicit_requests(w, seed), _ignored(w, "requests"))

@@ -205,3 +205,22 @@ def test_a_csv_row_with_more_fields_than_the_header_is_refused(tmp_path, capsys)
                      "2023-11-16 18:17:04,1,200,3\n")
     code, err = run_cli([trace_scenario(tmp_path, "azure", trace), "--out", tmp_path / "o"], capsys)
     assert code == 2 and f"{trace}:3: 4 fields, expected 3 (the header's columns)" in err, err
+
+
+def test_trace_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, capsys):
+    """A jsonl trace's literal prompt ids index the model's embedding: each must be
+    0 <= id < vocab_size (qwen2.5-0.5b: 151936). The error names file, line, field and entry."""
+    vocab = 151936
+    trace = tmp_path / "ids.jsonl"
+    scenario = trace_scenario(tmp_path, "jsonl", trace)
+    for bad, k in (([5, vocab], 1), ([-1, 3], 0), ([7, 8, 2**40], 2)):
+        trace.write_text(json.dumps({"arrival_s": 0, "prompt_len": 1, "output_len": 2}) + "\n"
+                         + json.dumps({"arrival_s": 1, "prompt": bad, "output_len": 2}) + "\n")
+        code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+        assert code == 2 and "Traceback" not in err, err
+        assert f"{trace}:2: prompt[{k}] is {bad[k]}, expected a token id: 0 <= id < vocab_size " \
+               f"(the model's vocab_size is {vocab})" in err, err
+    trace.write_text(json.dumps({"arrival_s": 0, "prompt": [0, vocab - 1], "output_len": 2}) + "\n")
+    from sim.workload import build_workload
+    from sim.scenario import load_scenario
+    assert build_workload(load_scenario(scenario)).requests[0].segments[0] == [0, vocab - 1]

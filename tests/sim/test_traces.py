@@ -214,7 +214,8 @@ def test_jsonl_request_log(tmp_path):
     ({"arrival_s": 1, "prompt_len": 5}, r"log.jsonl:1: missing 'output_len'"),
     ({"arrival_s": 1, "output_len": 2}, r"log.jsonl:1: expected 'prompt' \(token ids\) or 'prompt_len'"),
     ({"arrival_s": 1, "prompt_len": 5, "prompt": [1], "output_len": 2}, r"log.jsonl:1: prompt holds 1 token ids but prompt_len is 5"),
-    ({"arrival_s": 1, "prompt": [1, -1], "output_len": 2}, r"log.jsonl:1: prompt is not a list of token ids"),
+    ({"arrival_s": 1, "prompt": [1, -1], "output_len": 2}, r"log.jsonl:1: prompt\[1\] is -1, expected a token id: integers >= 0"),
+    ({"arrival_s": 1, "prompt": "1 2", "output_len": 2}, r"log.jsonl:1: prompt is '1 2', expected a list of token ids"),
     ({"arrival_s": None, "prompt_len": 5, "output_len": 2}, r"log.jsonl:1: arrival_s is None"),
     ({"arrival_s": 1, "prompt_len": 5, "output_len": 2, "tenant": 3}, r"log.jsonl:1: tenant is 3"),
 ])
