@@ -141,7 +141,9 @@ class EngineConfig(StrictModel):
         description="paged (vLLM) | contiguous (reserve per request up front)")
     block_size: int = Field(
         default=16, ge=1, le=1024,
-        description="tokens per KV block (vLLM's --block-size)")
+        description="tokens per KV block (vLLM's --block-size); with a paged pool and continuous batching, "
+                    "one vllm_version accepts: 8, 16, 32 before 0.6.4; 64 and 128 too from 0.6.4; 1 too from "
+                    "0.8.5; 256 too from 0.11.1; any size from 0.18")
     num_blocks: Optional[int] = Field(
         default=None, ge=2, le=2**32,
         description="the pool size including vLLM's null block 0 (--num-gpu-blocks-override); sized from "
@@ -1128,6 +1130,7 @@ def _cross_checks(s: Scenario) -> list[str]:
                         f"max_model_len ({s.max_model_len}), so without chunked_prefill a long prompt "
                         f"could never be scheduled")
     problems += _pool_size_checks(s)
+    problems += [p for p in [_block_size_problem(s.engine)] if p]
     problems += lora_problems(s)
     if s.cluster.disaggregation is not None:
         problems += disaggregation_problems(s)
@@ -1142,6 +1145,16 @@ def _cross_checks(s: Scenario) -> list[str]:
     if s.engine.batching == "static" and s.engine.step_composition != "mixed":
         problems.append("engine.step_composition: only 'mixed' applies to static batching")
     return problems
+
+
+def _block_size_problem(e: EngineConfig) -> Optional[str]:
+    """A block size vLLM's --block-size refuses at e.vllm_version (when the engine models vLLM:
+    continuous batching over a paged pool; static batching and contiguous allocation are kvtwin's)."""
+    choices = vllm_versions.block_size_choices(e.vllm_version)
+    if choices is None or e.block_size in choices or e.batching != "continuous" or e.allocation != "paged":
+        return None
+    return (f"engine.block_size: {e.block_size} is not a block size vLLM {e.vllm_version} accepts "
+            f"(--block-size: {', '.join(map(str, choices))}); any size >= 1 from vLLM 0.18")
 
 
 def _pool_size_checks(s: Scenario) -> list[str]:

@@ -205,6 +205,26 @@ def v1_fallbacks(version: Optional[str], *, device: str = "", scheduling_policy:
     return out
 
 
+# The values `vllm serve --block-size` accepts, by the first release with each set (argparse
+# `choices`; None: any integer). 0.6.0-0.8.4: engine/arg_utils.py `choices=[...]` (8, 16, 32 until
+# 0.6.3; 64 and 128 from 0.6.4); 0.8.5-0.17.x: config.py (0.10: config/cache.py) `BlockSize =
+# Literal[...]`, which get_kwargs turns into the flag's choices (1 from 0.8.5, 256 from 0.11.1);
+# 0.18 types block_size `int`, and only the attention backend chosen at start-up refuses a size.
+BLOCK_SIZE_CHOICES: dict[Release, Optional[tuple[int, ...]]] = {
+    (0, 0, 0): (8, 16, 32),
+    (0, 6, 4): (8, 16, 32, 64, 128),
+    (0, 8, 5): (1, 8, 16, 32, 64, 128),
+    (0, 11, 1): (1, 8, 16, 32, 64, 128, 256),
+    (0, 18, 0): None,
+}
+
+
+def block_size_choices(version: Optional[str]) -> Optional[tuple[int, ...]]:
+    """The block sizes vLLM `version`'s --block-size accepts (None: any)."""
+    release = parse_release(version)
+    return next(c for first, c in sorted(BLOCK_SIZE_CHOICES.items(), reverse=True) if release >= first)
+
+
 def has(version: Optional[str], name: str) -> bool:
     """Does vLLM `version` have behaviour `name` (a key of BEHAVIOURS)?"""
     first, gone = BEHAVIOURS[name]

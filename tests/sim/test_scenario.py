@@ -49,6 +49,35 @@ def test_bad_values_name_path_value_and_allowed(patch, expected):
     assert expected in errors_of({**BASE, **patch})
 
 
+@pytest.mark.parametrize("version, accepted, refused", [
+    ("0.6.3", (8, 16, 32), (1, 64, 128)),
+    ("0.7.3", (8, 16, 32, 64, 128), (1, 4, 24, 256)),
+    ("0.8.4", (8, 128), (1, 256)),
+    ("0.8.5", (1, 8, 128), (4, 256)),
+    ("0.10.2", (1, 8, 16, 32, 64, 128), (2, 4, 24, 256)),
+    ("0.11.0", (1, 128), (256,)),
+    ("0.11.1", (1, 256), (4, 512)),
+    ("0.17.1", (1, 256), (24, 512)),
+    ("0.18.0", (1, 4, 24, 512), ()),
+    ("0.19.0", (1, 4, 24, 1024), ())])
+def test_block_size_is_one_vllm_serve_accepts_at_vllm_version(version, accepted, refused):
+    """`vllm serve --block-size` takes argparse choices: `choices=[8, 16, 32]` (0.6.0-0.6.3) and
+    `[8, 16, 32, 64, 128]` (0.6.4-0.8.4) in vllm/engine/arg_utils.py; from 0.8.5 the choices come
+    from `BlockSize = Literal[1, 8, 16, 32, 64, 128]` (vllm/config.py 0.8.5-0.9.x,
+    vllm/config/cache.py 0.10.x-0.11.0), with 256 from 0.11.1 (config/cache.py, to 0.17.1); 0.18.0's
+    and 0.19.0's config/cache.py type `block_size: SkipValidation[int]`: any size (checked on each
+    wheel). kvtwin's own modes (static batching, contiguous allocation) take any size."""
+    for size in accepted:
+        validate_scenario({**BASE, "engine": {"vllm_version": version, "block_size": size}})
+    for size in refused:
+        msg = errors_of({**BASE, "engine": {"vllm_version": version, "block_size": size}})
+        assert f"engine.block_size: {size} is not a block size vLLM {version} accepts (--block-size: " in msg
+        for mode in ({"batching": "static"}, {"allocation": "contiguous"}):
+            validate_scenario({**BASE, "engine": {"vllm_version": version, "block_size": size, **mode}})
+    assert "(--block-size: 8, 16, 32, 64, 128); any size >= 1 from vLLM 0.18" in errors_of(
+        {**BASE, "engine": {"vllm_version": "0.7.3", "block_size": 4}})
+
+
 def test_several_problems_are_all_reported():
     msg = errors_of({**BASE, "engine": {"block_size": 0, "prefix_cachin": True}})
     assert "2 problems" in msg and "engine.block_size" in msg and "engine.prefix_cachin" in msg
