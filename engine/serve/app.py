@@ -36,7 +36,9 @@ def build_app(engine: EngineLoop, version: str, limits: Optional["ServeLimits"] 
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # 408 and 413 leave the body unread: close the connection rather than read on to the next request
+        closing = {"connection": "close"} if exc.status in (408, 413) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=closing)
 
     @app.get("/health")
     async def health():
@@ -78,7 +80,7 @@ def build_app(engine: EngineLoop, version: str, limits: Optional["ServeLimits"] 
             raise ApiError("the server is shutting down" if engine.drain else "the engine is down", 503)
         waiting.check()
         try:
-            body = await read_body(request, limits.max_body_bytes)
+            body = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
         except ClientDisconnect:           # the client left mid-body: nothing to answer, nothing to log
             log.debug("client disconnected while sending its request body")
             return Response(status_code=499)
@@ -105,12 +107,19 @@ def build_app(engine: EngineLoop, version: str, limits: Optional["ServeLimits"] 
 
 @dataclass(frozen=True)
 class ServeLimits:
+    """What one client may hold: the body (size, time to send it: the app) and connections
+    (how many, how long idle after an answer: uvicorn's, see uvicorn_config)."""
+
     max_body_bytes: int = 4 * 2**20       # a 128k-token prompt of 6-digit ids is about 1 MiB
     max_waiting: Optional[int] = None     # None: unbounded, as vLLM
+    body_timeout_s: float = 60.0          # a 4 MiB body at 1 Mbit/s takes ~34 s
+    limit_concurrency: int = 1024         # uvicorn: 503 once this many connections or requests are open
+    keep_alive_s: float = 5.0             # uvicorn's default: an idle connection closes after this
 
 
-async def read_body(request, limit: int) -> bytes:
-    """The body, or ApiError 413 once it is known to exceed `limit` bytes (without reading the rest)."""
+async def read_body(request, limit: int, timeout_s: float = ServeLimits.body_timeout_s) -> bytes:
+    """The body, or ApiError 413 once it is known to exceed `limit` bytes (without reading the rest),
+    or ApiError 408 when it has not all arrived within `timeout_s` (a slow or endless body)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.strip().isascii() and declared.strip().isdigit()):
@@ -118,11 +127,16 @@ async def read_body(request, limit: int) -> bytes:
         if int(declared) > limit:
             raise ApiError(f"the request body is {int(declared)} bytes, more than the {limit} allowed", 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(f"the request body is more than the {limit} bytes allowed", 413)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(f"the request body is more than the {limit} bytes allowed", 413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(f"the request body did not arrive within {timeout_s:g} s (--body-timeout); "
+                       f"{size} bytes came", 408) from None
     return b"".join(chunks)
 
 

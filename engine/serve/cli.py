@@ -31,6 +31,13 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0-65535 (0: any free port)")
     p.add_argument("--max-body-bytes", type=positive_int, default=ServeLimits.max_body_bytes,
                    help="larger request bodies get HTTP 413 (default %(default)s)")
+    p.add_argument("--body-timeout", type=positive_number, default=ServeLimits.body_timeout_s, metavar="S",
+                   help="a request body not all received within S seconds gets HTTP 408 (default %(default)s)")
+    p.add_argument("--limit-concurrency", type=positive_int, default=ServeLimits.limit_concurrency, metavar="N",
+                   help="uvicorn's limit: HTTP 503 for a request that arrives while N connections (its own "
+                        "included) or N requests are open (default %(default)s)")
+    p.add_argument("--timeout-keep-alive", type=positive_number, default=ServeLimits.keep_alive_s, metavar="S",
+                   help="close a connection idle S seconds after its last answer (default %(default)s)")
     p.add_argument("--max-waiting", type=positive_int, default=None,
                    help="answer HTTP 429 while this many requests wait for the engine (default: no limit)")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
@@ -71,8 +78,9 @@ def serve_main(argv: list[str]) -> int:
     print(f"kvtwin serve: {served.name} on {device}, {engine.runner.num_blocks} KV blocks of "
           f"{scenario.engine.block_size} tokens, max_model_len {served.max_model_len}; "
           f"listening on http://{_url_host(host)}:{port}", file=sys.stderr, flush=True)
-    limits = ServeLimits(args.max_body_bytes, args.max_waiting)
-    _run_http(build_app(engine, version, limits), engine, args, sock)
+    limits = ServeLimits(args.max_body_bytes, args.max_waiting, args.body_timeout, args.limit_concurrency,
+                         args.timeout_keep_alive)
+    _run_http(build_app(engine, version, limits), engine, args, limits, sock)
     return 0 if engine.error is None else 1
 
 
@@ -172,15 +180,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_number(text: str) -> float:
+    """argparse `type=` for the timeouts: finite and > 0."""
+    value = _number(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a finite number > 0")
+    return value
+
+
 def non_negative_number(text: str) -> float:
-    """argparse `type=` for --temperature and --shutdown-grace (float() takes 'nan' and 'inf')."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    """argparse `type=` for --temperature and --shutdown-grace."""
+    value = _number(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a finite number >= 0")
     return value
+
+
+def _number(text: str) -> float:
+    """float(text), NaN when it is none (float() takes 'nan' and 'inf': the callers refuse them)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 def bind_socket(host: str, port: int):
@@ -211,7 +232,19 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _run_http(app, engine: EngineLoop, args, sock=None) -> None:
+def uvicorn_config(app, limits: ServeLimits, host: str, port: int, log_level: str = "warning",
+                   shutdown_grace: float = 10.0):
+    """uvicorn's settings for the app: the connection bounds of `limits`, and a graceful-shutdown
+    backstop (the engine aborts what is left after the grace period, which ends those responses;
+    uvicorn's timeout is only for a connection that still hangs on)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.keep_alive_s,
+                          timeout_graceful_shutdown=shutdown_grace + 5)
+
+
+def _run_http(app, engine: EngineLoop, args, limits: ServeLimits, sock=None) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -219,10 +252,7 @@ def _run_http(app, engine: EngineLoop, args, sock=None) -> None:
             engine.begin_drain(signal.Signals(sig).name, args.shutdown_grace)
             super().handle_exit(sig, frame)
 
-    # The engine aborts what is left after the grace period, which ends those responses;
-    # uvicorn's own timeout is only a backstop for a connection that still hangs on.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+    config = uvicorn_config(app, limits, args.host, args.port, args.log_level, args.shutdown_grace)
     # uvicorn re-raises the signal it handled once it has shut down; by then the drain is
     # done and reported, so these handlers let the process exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -26,7 +26,8 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 class ApiError(Exception):
     """An error answered to the client (OpenAI's error object); the engine is unaffected."""
 
-    KINDS = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 413: "RequestEntityTooLargeError",
+    KINDS = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError", 409: "ConflictError",
+             413: "RequestEntityTooLargeError",
              429: "RateLimitError", 503: "ServiceUnavailableError", 500: "InternalServerError"}
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None):

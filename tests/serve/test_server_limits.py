@@ -288,3 +288,126 @@ def test_a_content_length_of_non_ascii_digits_is_a_400():
     with pytest.raises(ApiError, match="Content-Length is not a number") as caught:
         asyncio.run(read_body(Request(), 100))
     assert caught.value.status == 400
+
+
+# ----------------------------------------------------------------------------- what one client may hold
+
+def test_a_body_that_never_ends_gets_408_within_the_body_timeout():
+    """In process: the body's first bytes come, the rest never does; the app answers 408 and
+    asks to close the connection (the unread rest must not be read as the next request)."""
+    app = build_app(StubEngine(), "test", ServeLimits(body_timeout_s=0.05))
+    sent, chunks = [], [{"type": "http.request", "body": b'{"prompt": [1', "more_body": True}]
+
+    async def receive():
+        if chunks:
+            return chunks.pop()
+        await asyncio.Future()           # never: the client keeps the body open
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == 408 and "did not arrive within 0.05 s (--body-timeout); 13 bytes came" in error["message"]
+
+
+class LiveServer:
+    """The app under uvicorn, configured as `simrun serve` configures it, on a free port."""
+
+    def __init__(self, engine, limits: ServeLimits):
+        import uvicorn
+
+        from engine.serve.cli import bind_socket, uvicorn_config
+
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn_config(build_app(engine, "test", limits), limits, "127.0.0.1", self.port,
+                                log_level="critical", shutdown_grace=0)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        wait_for(lambda: self.server.started)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def connect(self) -> socket.socket:
+        conn = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        return conn
+
+
+def wait_for(condition, what="the server") -> None:
+    """Wait (up to a generous 30 s: a bound on a hang, not a timing assertion) until `condition()`."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never got there"
+        time.sleep(0.01)
+
+
+def request_bytes(body: bytes = b'{"prompt": [1], "max_tokens": 1}', length=None) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % (len(body) if length is None else length)) + body
+
+
+def read_until_closed(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def test_connections_past_limit_concurrency_get_503():
+    """uvicorn's limit_concurrency (h11_impl.py: 503 when `len(connections) >= limit` or as many
+    requests run): at 2, one connection holding a request leaves room for no other."""
+    engine = StubEngine(hold=True)
+    with LiveServer(engine, ServeLimits(limit_concurrency=2)) as live:
+        held = live.connect()
+        held.sendall(request_bytes())
+        wait_for(lambda: len(engine.submitted) == 1, "the first request")
+        second = live.connect()
+        second.sendall(request_bytes())
+        answer = read_until_closed(second)
+        assert answer.startswith(b"HTTP/1.1 503") and answer.endswith(b"Service Unavailable")
+        assert len(engine.submitted) == 1
+        held.close()
+        second.close()
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive_timeout():
+    with LiveServer(StubEngine(), ServeLimits(keep_alive_s=0.1)) as live:
+        conn = live.connect()
+        conn.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        answer = read_until_closed(conn)          # returns only once the server closes it
+        conn.close()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+
+
+def test_a_slow_body_over_the_wire_gets_408_and_the_connection_closes():
+    with LiveServer(StubEngine(), ServeLimits(body_timeout_s=0.1)) as live:
+        conn = live.connect()
+        conn.sendall(request_bytes(b'{"prompt": [1', length=1000))     # 13 of 1000 bytes, then nothing
+        answer = read_until_closed(conn)
+        conn.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"connection: close" in answer.lower()
+    assert b"did not arrive within 0.1 s" in answer
+
+
+@pytest.mark.parametrize("flag", ["--body-timeout", "--timeout-keep-alive"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_serve_timeouts_are_finite_and_positive(flag, value, capsys):
+    from engine.serve.cli import serve_parser
+
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--model", "tiny", flag, value])
+    assert f"{flag}: {value!r} is not a finite number > 0" in capsys.readouterr().err
+    args = serve_parser().parse_args(["--model", "tiny", flag, "2.5", "--limit-concurrency", "8"])
+    assert (getattr(args, flag[2:].replace("-", "_")), args.limit_concurrency) == (2.5, 8)
