@@ -17,7 +17,7 @@ from sim.core.lazy import lazy_import
 from sim.core.request import Request, make_request, stable_key
 from sim.vllm.timeseries import (parse_prometheus, pool_blocks, sample_problem, series_on_run_clock,
                                  timeline_row)
-from validate.endpoint_client import BenchError, Client, Trip
+from validate.endpoint_client import CLIENT_ERROR, BenchError, Client, Trip, client_error
 from validate.measured import Measured, apply_timeline, complete_frame, measured_summary
 
 np = lazy_import("numpy")      # on first use: `simrun bench -h` stays light
@@ -56,6 +56,7 @@ class Bench:
         self.cache: dict = {}
         self.refused_scrapes = 0               # /metrics samples no server state can have
         self.first_refused: Optional[str] = None
+        self.lost = 0                          # requests the run's accounting found never ended
 
     async def run(self) -> None:
         await self.smoke_check()
@@ -76,6 +77,7 @@ class Bench:
         finally:
             if scraper is not None:
                 scraper.cancel()
+        self._check_every_request_ended()
         if scraper is not None:                # one last sample: the counters' final values
             self._scrape_once(await self.client.metrics() or "")
 
@@ -132,12 +134,30 @@ class Bench:
             trip = self.trips[req.next_turn.id]
 
     async def _send(self, trip: Trip) -> None:
-        """Send now, or, with a concurrency cap, once a slot is free (TTFT counts from the send)."""
-        if self._gate is None:
-            await self.client.send(trip, self._prompt(trip.request))
-            return
-        async with self._gate:
-            await self.client.send(trip, self._prompt(trip.request))
+        """Send now, or, with a concurrency cap, once a slot is free (TTFT counts from the send).
+        An unexpected error fails this request with its reason; the run goes on."""
+        try:
+            if self._gate is None:
+                await self.client.send(trip, self._prompt(trip.request))
+                return
+            async with self._gate:
+                await self.client.send(trip, self._prompt(trip.request))
+        except Exception as e:       # noqa: BLE001 (Client.send catches its own; this is the rest)
+            trip.fail(client_error(e))
+
+    def _check_every_request_ended(self) -> None:
+        """The run's accounting: every request ends finished or failed with a reason. One still
+        unsent or in flight after every conversation returned was lost by the load generator."""
+        for trip in self.trips.values():
+            if trip.status not in ("finished", "failed", "aborted"):
+                trip.fail("never ended: the load generator lost it (a kvtwin bug: please report it)")
+                self.lost += 1
+        if self.lost:
+            self.say(f"WARNING: {self.lost} request(s) never ended (a kvtwin bug: please report it); "
+                     f"they count as failed")
+
+    def client_errors(self) -> list[Trip]:
+        return [t for t in self.trips.values() if t.status == "failed" and (t.error or "").startswith(CLIENT_ERROR)]
 
     def _skip_rest(self, req: Request) -> None:
         turn = req.next_turn
@@ -272,6 +292,13 @@ def endpoint_notes(scenario, server: dict, bench: Bench) -> list[str]:
                      f"(the first: {bench.first_refused}); they are not in the timeline")
     if not bench.scraped:
         notes.append("the endpoint offers no vLLM /metrics: no KV or queue timeline was measured")
+    errors = bench.client_errors()
+    if errors:
+        notes.append(f"{len(errors)} request(s) failed on a client error (an answer the client's checks do not "
+                     f"foresee, or a kvtwin bug); the first: request {errors[0].request.id}, {errors[0].error}")
+    if bench.lost:
+        notes.append(f"{bench.lost} request(s) never ended: the load generator lost them (a kvtwin bug: please "
+                     f"report it); they count as failed")
     cache = bench.cache
     if cache.get("warm_before") and cache.get("reset") != "reset":
         notes.append(f"the server's prefix cache was warm from an earlier run (the probe hit "

@@ -172,6 +172,8 @@ class Client:
         except asyncio.CancelledError:
             trip.fail("interrupted while in flight", status="aborted")
             raise
+        except Exception as e:           # noqa: BLE001 (an answer no check foresaw: this request fails, not the run)
+            trip.fail(client_error(e))
 
     async def _exchange(self, trip: Trip, payload: dict) -> None:
         async with self.http.stream("POST", "/v1/completions", json=payload) as reply:
@@ -220,6 +222,15 @@ class Client:
                       f"than the prompt's {trip.request.prompt_len} tokens")
         else:
             trip.status = "finished"
+
+
+CLIENT_ERROR = "client error"
+
+
+def client_error(e: Exception) -> str:
+    """The reason a request failed on an exception the client does not expect (its bug, or an
+    answer none of its checks foresaw), escaped and cut like server text."""
+    return f"{CLIENT_ERROR}: {type(e).__name__}: {printable(str(e) or repr(e), 200)}"
 
 
 def model_cards(content: bytes) -> list[dict]:

@@ -248,3 +248,64 @@ def test_an_endless_prefix_cache_reset_answer_is_cut():
     finally:
         stop()
     assert measured.manifest["prefix_cache"]["reset"].startswith("refused (HTTP 500: xxxxxxxx")
+
+
+def _odd_charset_app(charset: str):
+    """Answers well, except max_tokens 5: a stream whose Content-Type names a codec that is not a
+    text encoding (httpx looks the name up, finds it, and its decoder fails on the bytes)."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(_request):
+        return Response(b'{"data": [{"id": "fake"}]}', media_type="application/json")
+
+    async def completions(request):
+        n = (await request.json())["max_tokens"]
+
+        async def events():
+            for line in [GOOD] * n + [_chunk({"choices": [], "usage": {"completion_tokens": n}}), "data: [DONE]\n\n"]:
+                yield line
+        kind = f"text/event-stream; charset={charset}" if n == 5 else "text/event-stream"
+        return StreamingResponse(events(), headers={"content-type": kind})
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.mark.parametrize("charset", ["rot13", "base64"])
+def test_an_unexpected_client_error_fails_its_request_not_the_run(charset):
+    """An answer the client's checks do not foresee (here a charset that breaks httpx's text
+    decoder with a TypeError or ValueError, no stream or HTTP error) ends that request failed
+    with the reason; the other requests go on, and the manifest counts such failures."""
+    url, stop = fake_endpoint(_odd_charset_app(charset))
+    try:
+        measured = run_bench(validate_scenario(small_raw([4, 5, 6])), url, None, 10.0, 0.5)
+    finally:
+        stop()
+    frame = measured.requests.set_index("id")
+    assert frame["status"].tolist() == ["finished", "failed", "finished"]
+    assert frame["reject_reason"][1].startswith("client error: ")
+    assert measured.summary["requests_failed"] == 1 and measured.summary["requests_finished"] == 2
+    assert any(n.startswith("1 request(s) failed on a client error") for n in measured.manifest["notes"])
+
+
+def test_every_request_of_the_run_ends_and_the_run_checks_it(monkeypatch):
+    """A request the load generator loses (here: its conversation is never started) is not left
+    out: the run's accounting ends it failed with a reason and notes it."""
+    from validate.bench import Bench
+
+    conversation = Bench._conversation
+
+    async def lose_request_1(self, trip):
+        if trip.request.id != 1:
+            await conversation(self, trip)
+    monkeypatch.setattr(Bench, "_conversation", lose_request_1)
+    url, stop = fake_endpoint(hostile_app())
+    try:
+        measured = run_bench(validate_scenario(small_raw([4, 5, 6])), url, None, 10.0, 0.5)
+    finally:
+        stop()
+    frame = measured.requests.set_index("id")
+    assert frame["status"].tolist() == ["finished", "failed", "finished"]
+    assert frame["reject_reason"][1] == "never ended: the load generator lost it (a kvtwin bug: please report it)"
+    assert any(n.startswith("1 request(s) never ended") for n in measured.manifest["notes"])
