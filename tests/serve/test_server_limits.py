@@ -340,8 +340,7 @@ class LiveServer:
         self.thread.join(30)
 
     def connect(self) -> socket.socket:
-        conn = socket.create_connection(("127.0.0.1", self.port), timeout=30)
-        return conn
+        return socket.create_connection(("127.0.0.1", self.port), timeout=30)   # 30 s: a hang's bound
 
 
 def wait_for(condition, what="the server") -> None:
