@@ -96,7 +96,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         return req.max_len
 
     def blocks_needed_at_most(self, req: Request) -> int:
-        return (self.reserve_tokens(req) + self.block_size - 1) // self.block_size
+        return cdiv(self.reserve_tokens(req), self.block_size)
 
     def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """The longest run of cached full blocks at the start of the request, and its tokens."""
@@ -173,11 +173,11 @@ class UnitaryCoordinator(KVCacheCoordinator):
         if self.contiguous and held == 0:
             target = self.blocks_needed_at_most(req)
         else:
-            target = (covered + lookahead_tokens + bs - 1) // bs      # (cdiv, inline: once per allocation)
+            target = cdiv(covered + lookahead_tokens, bs)
         need = max(target - held - len(hit_blocks), 0)
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need
-        gate = max((gate_tokens + bs - 1) // bs - held - len(hit_blocks), need)
+        gate = max(cdiv(gate_tokens, bs) - held - len(hit_blocks), need)
         hit_in_free = self.pool.free_among(hit_blocks) if hit_blocks else 0
         return need, gate + hit_in_free + reserve_free
 
