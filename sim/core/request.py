@@ -279,7 +279,9 @@ class Request:
             seg = segs[seg_i]
             if isinstance(seg, tuple):      # fast path: whole blocks inside one keyed segment
                 key, length = seg
-                whole = min((length - off) // block_size, need)
+                whole = (length - off) // block_size
+                if whole > need:
+                    whole = need
                 if whole:
                     if run_base is None:
                         run_base, run_off = hash((parent, key, off)) >> 8, off

@@ -233,7 +233,8 @@ class DecodeCohort:
         """
         step, kv = batch.step, sched.kv
         n = len(self.members)              # (len(self) would call __len__)
-        others = list(sched.active)
+        active = sched.active
+        others = list(active) if active else []     # (most steps none: list({}) counts ~1k instructions)
         blocks = self.due_blocks(step)
         if others and n <= budget:
             blocks = self._others_blocks(sched, others, step, budget - n, blocks)

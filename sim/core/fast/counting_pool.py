@@ -48,7 +48,9 @@ class CountingBlockPool(BlockPool):
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         self.num_free -= n
-        fresh = min(n, self.num_blocks - self._fresh)
+        fresh = self.num_blocks - self._fresh         # (never taken yet; min(n, that) without the call)
+        if fresh > n:
+            fresh = n
         self._fresh += fresh
         if n > fresh:
             entries = self._pop_freed(n - fresh)
