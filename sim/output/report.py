@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 import matplotlib
@@ -282,13 +282,34 @@ PANELS_TEXT = "kvtwin panels"    # a PNG text: each axes' region in the image (t
 TITLE_ROOM = 0.4                 # inches above a top axes that hold its own title (the figure's is above)
 
 
+class Drawn(NamedTuple):
+    """A figure drawn: its pixels, and where each axes is in them (panel_boxes)."""
+
+    pixels: np.ndarray
+    boxes: list
+
+
+def draw_figure(fig: Figure, dpi: float = DPI) -> Drawn:
+    pixels = figure_pixels(fig, dpi)
+    return Drawn(pixels, panel_boxes(fig, *pixels.shape[:2]))
+
+
+def save_drawn(drawn: Drawn, path: str | Path, dpi: float = DPI) -> Path:
+    """The pixels written by sim/output/png.py, the panels' boxes as a PNG text (read_drawn)."""
+    return write_png(path, drawn.pixels, dpi, SOFTWARE, {PANELS_TEXT: json.dumps(drawn.boxes, separators=(",", ":"))})
+
+
+def read_drawn(path: str | Path) -> Drawn:
+    """A figure save_drawn wrote (by this process or another)."""
+    pixels, texts = read_png(path)
+    return Drawn(pixels, json.loads(texts[PANELS_TEXT]))
+
+
 def save_figure(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     """The figure drawn on matplotlib's Agg canvas at `dpi`, as fig.savefig(path, dpi=dpi) would,
     and written by sim/output/png.py (Pillow's PNG encoder cost as much as the drawing), with
-    where each axes is in it (panel_boxes)."""
-    pixels = figure_pixels(fig, dpi)
-    boxes = panel_boxes(fig, *pixels.shape[:2])
-    return write_png(path, pixels, dpi, SOFTWARE, {PANELS_TEXT: json.dumps(boxes, separators=(",", ":"))})
+    where each axes is in it."""
+    return save_drawn(draw_figure(fig, dpi), path, dpi)
 
 
 def panel_boxes(fig: Figure, height: int, width: int) -> list[list[int]]:
@@ -312,19 +333,13 @@ def panel_boxes(fig: Figure, height: int, width: int) -> list[list[int]]:
     return boxes
 
 
-def overview_pixels(out_dir: str | Path) -> np.ndarray:
-    """The overview's RGB pixels from the figures already written in out_dir: OVERVIEW_GRID's
-    panels cut out as drawn, a row's side by side from the left, under its first figure's title."""
-    out_dir = Path(out_dir)
-    figures = {name: read_png(out_dir / f"{name}.png") for row in OVERVIEW_GRID for name, _ in row}
-
-    def box(name: str, index: int) -> list[int]:
-        return json.loads(figures[name][1][PANELS_TEXT])[index]
-
-    rows = [[figures[name][0][top:bottom, left:right, :3] for name, index in row
-             for left, top, right, bottom in [box(name, index)]] for row in OVERVIEW_GRID]
+def overview_pixels(figures: Mapping[str, Drawn]) -> np.ndarray:
+    """The overview's RGB pixels from its figures as drawn: OVERVIEW_GRID's panels cut out, a
+    row's side by side from the left, under its first figure's title."""
+    rows = [[figures[name].pixels[top:bottom, left:right, :3] for name, index in row
+             for left, top, right, bottom in [figures[name].boxes[index]]] for row in OVERVIEW_GRID]
     first, index = OVERVIEW_GRID[0][0]
-    band = figures[first][0][:box(first, index)[1], :, :3]          # the figure title, centred in its figure
+    band = figures[first].pixels[:figures[first].boxes[index][1], :, :3]     # the figure title, centred in its figure
     heights = [max(cell.shape[0] for cell in row) for row in rows]
     width = max(sum(cell.shape[1] for cell in row) for row in rows)
     canvas = np.full((len(band) + sum(heights), width, 3), 255, dtype=np.uint8)
@@ -365,12 +380,17 @@ def titled(fig: Figure, title: str) -> Figure:
 def plot_run_figures(views: Mapping[str, RunView], out_dir: str | Path, title: str = "",
                      names: Optional[Iterable[str]] = None) -> dict[str, Path]:
     """Write each figure in `names` (default PLOTS'; RUN_FIGURES adds the overview) as
-    out_dir/<name>.png; returns {name: path}. The overview is made last, from the files of its
-    figures (drawn here or, by another process, already in out_dir)."""
+    out_dir/<name>.png; returns {name: path}. The overview is made last, from its figures as drawn
+    here or, drawn by another process, as written in out_dir."""
     out_dir = Path(out_dir)
     names = list(PLOTS if names is None else names)
-    drawn = {name: save_figure(titled(PLOTS[name](views), title), out_dir / f"{name}.png")
-             for name in names if name != OVERVIEW}
+    drawn, paths = {}, {}
+    for name in names:
+        if name != OVERVIEW:
+            drawn[name] = draw_figure(titled(PLOTS[name](views), title))
+            paths[name] = save_drawn(drawn[name], out_dir / f"{name}.png")
     if OVERVIEW in names:
-        drawn[OVERVIEW] = write_png(out_dir / f"{OVERVIEW}.png", overview_pixels(out_dir), DPI, SOFTWARE)
-    return {name: drawn[name] for name in names}
+        sources = {name: drawn[name] if name in drawn else read_drawn(out_dir / f"{name}.png")
+                   for row in OVERVIEW_GRID for name, _ in row}
+        paths[OVERVIEW] = write_png(out_dir / f"{OVERVIEW}.png", overview_pixels(sources), DPI, SOFTWARE)
+    return {name: paths[name] for name in names}

@@ -65,7 +65,9 @@ def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -
 def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[str], ways: int) -> dict[str, Path]:
     """Every figure in `names`, split `ways` ways over this process and forked copies of it (which
     inherit matplotlib, the fonts and the views); the overview, made of the others' panels, once
-    they are all written."""
+    they are all written (in one process: from the pixels it drew, not the files)."""
+    if ways <= 1:
+        return draw_share(views, out_dir, title, names)
     drawn = in_forked_shares([name for name in names if name != OVERVIEW], ways,
                              lambda share: draw_share(views, out_dir, title, share),
                              lambda name: Path(out_dir) / f"{name}.png")
