@@ -19,7 +19,7 @@ import numpy as np
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, MaxNLocator, ScalarFormatter
+from matplotlib.ticker import FuncFormatter, Locator, LogFormatterSciNotation, MaxNLocator, ScalarFormatter
 
 from sim.output import units
 from sim.output.png import read_png, write_png
@@ -75,11 +75,44 @@ def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", count
         if axis.get_scale() == "log" and type(axis.get_major_formatter()) is LogFormatterSciNotation:
             axis.set_major_formatter(PlainLogFormatter())
             axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
+    for axis in (ax.xaxis, ax.yaxis):
+        for get, put in ((axis.get_major_locator, axis.set_major_locator),
+                         (axis.get_minor_locator, axis.set_minor_locator)):
+            if not isinstance(get(), InView):          # (axes sharing an axis share its locators)
+                put(InView(get()))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
+
+
+class InView(Locator):
+    """Another locator's ticks inside the view only. matplotlib makes a tick (two marks, a grid
+    line, two labels) for every location a locator gives, drawn or not, and locators give one or
+    more beyond each end of the view: ~20 % of the figures' ticks, made and never drawn."""
+
+    def __init__(self, locator: Locator):
+        self.locator = locator
+
+    def set_axis(self, axis) -> None:
+        super().set_axis(axis)
+        self.locator.set_axis(axis)
+
+    def __call__(self):
+        ticks = np.asarray(self.locator())
+        low, high = sorted(self.axis.get_view_interval())
+        slack = 1e-9 * max(abs(low), abs(high), high - low)      # a tick on the view's edge is drawn
+        return ticks[(ticks >= low - slack) & (ticks <= high + slack)]
+
+    def tick_values(self, vmin, vmax):
+        return self.locator.tick_values(vmin, vmax)
+
+    def nonsingular(self, v0, v1):
+        return self.locator.nonsingular(v0, v1)
+
+    def view_limits(self, vmin, vmax):
+        return self.locator.view_limits(vmin, vmax)
 
 
 class PlainLogFormatter(LogFormatterSciNotation):
@@ -128,8 +161,9 @@ def plot_kv_blocks(views: Mapping[str, RunView]) -> Figure:
     lines = _kv_lines(views)
     for ax, (column, what, ls) in zip(axes, panels):
         _kv_panel(ax, views, lines, column, what, ls)
-    if len(axes) > 1:
+    if len(axes) > 1:                # the top panel keeps its time labels: the overview shows it alone
         axes[0].set_xlabel("")
+        axes[0].tick_params(labelbottom=True)
     return fig
 
 

@@ -509,6 +509,41 @@ def test_summary_text_is_the_summary_table_cell_for_cell(views, rejected):
             assert html_text_table(text) == html_table(frame)
 
 
+@pytest.mark.parametrize("scale", ["linear", "log"])
+def test_ticks_are_made_only_inside_the_view_and_draw_the_same(scale):
+    """InView: matplotlib makes no tick beyond the view (its locators give one or more at each
+    end), and the figure's pixels are those of the plain locators."""
+    from matplotlib.figure import Figure
+
+    from sim.output.report import InView, figure_pixels, finish_axes
+
+    def drawn(in_view):
+        fig = Figure(figsize=(4, 3))
+        ax = fig.subplots()
+        ax.plot([0.7, 3, 40, 2e4], [5, 1, 2e3, 3])
+        ax.set_xscale(scale)
+        ax.set_ylim(0, 2100)                 # a tick on the view's edge (0) is kept
+        finish_axes(ax, "t", "y", "x")
+        if not in_view:
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(axis.get_major_locator().locator)
+                axis.set_minor_locator(axis.get_minor_locator().locator)
+        return ax, figure_pixels(fig, 50)
+
+    ax, pixels = drawn(True)
+    plain_ax, plain = drawn(False)
+    assert isinstance(ax.xaxis.get_major_locator(), InView)
+    for axis, plain_axis in ((ax.xaxis, plain_ax.xaxis), (ax.yaxis, plain_ax.yaxis)):
+        low, high = sorted(axis.get_view_interval())
+        for locs, plain_locs in ((axis.get_majorticklocs(), plain_axis.get_majorticklocs()),
+                                 (axis.get_minorticklocs(), plain_axis.get_minorticklocs())):
+            assert ((locs >= low) & (locs <= high)).all()
+            assert list(locs) == [x for x in plain_locs if low <= x <= high]
+        assert len(axis.get_major_ticks()) < len(plain_axis.get_major_ticks())
+    assert ax.yaxis.get_majorticklocs()[0] == 0
+    assert np.array_equal(pixels, plain)
+
+
 def test_log_axes_label_decades_in_plain_text():
     from matplotlib.figure import Figure
 
