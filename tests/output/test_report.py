@@ -124,8 +124,10 @@ def test_latency_cdf_counts_only_finished_measured_requests(views):
 
 
 def test_all_rejected_run_renders_everything(rejected, views, tmp_path):
+    from sim.output.report import RUN_FIGURES
+
     for group in ({"rejected": rejected}, {"rejected": rejected, "continuous": views["continuous"]}):
-        figures = plot_run_figures(group, tmp_path)
+        figures = plot_run_figures(group, tmp_path, "", RUN_FIGURES)      # the overview without a title too
         for path in figures.values():
             assert_png(path)
         page = write_html_report(tmp_path / "report.html", "all rejected", group, figures, {}).read_text()
