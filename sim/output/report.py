@@ -10,18 +10,19 @@ small one. Data are in seconds; axes show milliseconds.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
 
 import numpy as np
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, MaxNLocator, ScalarFormatter
+from matplotlib.ticker import FuncFormatter, Locator, LogFormatterSciNotation, MaxNLocator, ScalarFormatter
 
 from sim.output import units
-from sim.output.png import write_png
+from sim.output.png import read_png, write_png
 from sim.output.pages import (CAPTIONS, CSS, SUMMARY_ROWS, html_figure, html_setup, html_table,  # noqa: F401
                               summary_table, write_html_page, write_html_report)
 from sim.output.trace import TRACE_MAX_REQUESTS, write_perfetto_trace  # noqa: F401
@@ -74,11 +75,44 @@ def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", count
         if axis.get_scale() == "log" and type(axis.get_major_formatter()) is LogFormatterSciNotation:
             axis.set_major_formatter(PlainLogFormatter())
             axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
+    for axis in (ax.xaxis, ax.yaxis):
+        for get, put in ((axis.get_major_locator, axis.set_major_locator),
+                         (axis.get_minor_locator, axis.set_minor_locator)):
+            if not isinstance(get(), InView):          # (axes sharing an axis share its locators)
+                put(InView(get()))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
+
+
+class InView(Locator):
+    """Another locator's ticks inside the view only. matplotlib makes a tick (two marks, a grid
+    line, two labels) for every location a locator gives, drawn or not, and locators give one or
+    more beyond each end of the view: ~20 % of the figures' ticks, made and never drawn."""
+
+    def __init__(self, locator: Locator):
+        self.locator = locator
+
+    def set_axis(self, axis) -> None:
+        super().set_axis(axis)
+        self.locator.set_axis(axis)
+
+    def __call__(self):
+        ticks = np.asarray(self.locator())
+        low, high = sorted(self.axis.get_view_interval())
+        slack = 1e-9 * max(abs(low), abs(high), high - low)      # a tick on the view's edge is drawn
+        return ticks[(ticks >= low - slack) & (ticks <= high + slack)]
+
+    def tick_values(self, vmin, vmax):
+        return self.locator.tick_values(vmin, vmax)
+
+    def nonsingular(self, v0, v1):
+        return self.locator.nonsingular(v0, v1)
+
+    def view_limits(self, vmin, vmax):
+        return self.locator.view_limits(vmin, vmax)
 
 
 class PlainLogFormatter(LogFormatterSciNotation):
@@ -127,8 +161,9 @@ def plot_kv_blocks(views: Mapping[str, RunView]) -> Figure:
     lines = _kv_lines(views)
     for ax, (column, what, ls) in zip(axes, panels):
         _kv_panel(ax, views, lines, column, what, ls)
-    if len(axes) > 1:
+    if len(axes) > 1:                # the top panel keeps its time labels: the overview shows it alone
         axes[0].set_xlabel("")
+        axes[0].tick_params(labelbottom=True)
     return fig
 
 
@@ -264,34 +299,94 @@ def plot_step_time(views: Mapping[str, RunView]) -> Figure:
     return fig
 
 
-def plot_overview(views: Mapping[str, RunView]) -> Figure:
-    """The run on one page: KV blocks used, the queue, tokens per step, TTFT and TPOT CDFs with
-    their SLOs, and step time."""
-    fig = Figure(figsize=(15, 8.4))
-    fig.subplots_adjust(left=0.055, right=0.99, bottom=0.07, top=0.9, wspace=0.24, hspace=0.42)
-    kv, queue, tokens, ttft, tpot, step = fig.subplots(2, 3).ravel()
-    _kv_panel(kv, views, _kv_lines(views), "kv_blocks_used", "used", "-")
-    draw_queue(queue, views)
-    draw_batch_tokens(tokens, views)
-    draw_latency_cdf(ttft, views, "TTFT", "ttft_s", "fraction of requests")
-    draw_latency_cdf(tpot, views, "TPOT", "tpot_s")
-    draw_step_timeline(step, views)
-    return fig
-
-
 PLOTS: dict[str, Callable[[Mapping[str, RunView]], Figure]] = {
     "kv_blocks": plot_kv_blocks, "queue": plot_queue, "batch_tokens": plot_batch_tokens,
     "latency_cdf": plot_latency_cdf, "step_time": plot_step_time,
 }
-# what `simrun` draws for a run: every plot above and the one-page overview
-RUN_PLOTS: dict[str, Callable[[Mapping[str, RunView]], Figure]] = {"overview": plot_overview, **PLOTS}
+# The run on one page: KV blocks used, the queue, tokens per step, TTFT and TPOT CDFs with their
+# SLOs, step time. Not drawn again: it is made of those panels of the figures above as they were
+# drawn (drawing its six axes a second time was ~30 % of the figures' CPU). Rows of (figure, axes).
+OVERVIEW = "overview"
+OVERVIEW_GRID = ((("kv_blocks", 0), ("queue", 0)),
+                 (("batch_tokens", 0), ("step_time", 0)),
+                 (("latency_cdf", 0), ("latency_cdf", 1)))
+# what `simrun` writes for a run: the overview and every plot above
+RUN_FIGURES = (OVERVIEW, *PLOTS)
+PANELS_TEXT = "kvtwin panels"    # a PNG text: each axes' region in the image (the overview's crops)
+TITLE_ROOM = 0.4                 # inches above a top axes that hold its own title (the figure's is above)
 
+
+class Drawn(NamedTuple):
+    """A figure drawn: its pixels, and where each axes is in them (panel_boxes)."""
+
+    pixels: np.ndarray
+    boxes: list
+
+
+def draw_figure(fig: Figure, dpi: float = DPI) -> Drawn:
+    pixels = figure_pixels(fig, dpi)
+    return Drawn(pixels, panel_boxes(fig, *pixels.shape[:2]))
+
+
+def save_drawn(drawn: Drawn, path: str | Path, dpi: float = DPI) -> Path:
+    """The pixels written by sim/output/png.py, the panels' boxes as a PNG text (read_drawn)."""
+    return write_png(path, drawn.pixels, dpi, SOFTWARE, {PANELS_TEXT: json.dumps(drawn.boxes, separators=(",", ":"))})
+
+
+def read_drawn(path: str | Path) -> Drawn:
+    """A figure save_drawn wrote (by this process or another)."""
+    pixels, texts = read_png(path)
+    return Drawn(pixels, json.loads(texts[PANELS_TEXT]))
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     """The figure drawn on matplotlib's Agg canvas at `dpi`, as fig.savefig(path, dpi=dpi) would,
-    and written by sim/output/png.py (Pillow's PNG encoder cost as much as the drawing)."""
-    return write_png(path, figure_pixels(fig, dpi), dpi, SOFTWARE)
+    and written by sim/output/png.py (Pillow's PNG encoder cost as much as the drawing), with
+    where each axes is in it."""
+    return save_drawn(draw_figure(fig, dpi), path, dpi)
+
+
+def panel_boxes(fig: Figure, height: int, width: int) -> list[list[int]]:
+    """Each axes' region in the figure's (height, width) pixels, [left, top, right, bottom] from
+    the top-left: its place in the grid and the labels around it (half the gap to a neighbour, the
+    margin at the figure's edge), and above a top axes its title but not the figure's."""
+    spots = [ax.get_position() for ax in fig.axes]
+    room = TITLE_ROOM / fig.get_figheight()
+    boxes = []
+    for spot in spots:
+        before = max((o.x1 for o in spots if o.x1 <= spot.x0), default=None)
+        after = min((o.x0 for o in spots if o.x0 >= spot.x1), default=None)
+        below = max((o.y1 for o in spots if o.y1 <= spot.y0), default=None)
+        above = min((o.y0 for o in spots if o.y0 >= spot.y1), default=None)
+        left = 0.0 if before is None else (before + spot.x0) / 2
+        right = 1.0 if after is None else (spot.x1 + after) / 2
+        bottom = 0.0 if below is None else (below + spot.y0) / 2
+        top = min(1.0, spot.y1 + room) if above is None else (spot.y1 + above) / 2
+        boxes.append([round(left * width), round((1 - top) * height), round(right * width),
+                      round((1 - bottom) * height)])
+    return boxes
+
+
+def overview_pixels(figures: Mapping[str, Drawn]) -> np.ndarray:
+    """The overview's RGB pixels from its figures as drawn: OVERVIEW_GRID's panels cut out, a
+    row's side by side from the left, under its first figure's title."""
+    rows = [[figures[name].pixels[top:bottom, left:right, :3] for name, index in row
+             for left, top, right, bottom in [figures[name].boxes[index]]] for row in OVERVIEW_GRID]
+    first, index = OVERVIEW_GRID[0][0]
+    band = figures[first].pixels[:figures[first].boxes[index][1], :, :3]     # the figure title, centred in its figure
+    heights = [max(cell.shape[0] for cell in row) for row in rows]
+    width = max(sum(cell.shape[1] for cell in row) for row in rows)
+    canvas = np.full((len(band) + sum(heights), width, 3), 255, dtype=np.uint8)
+    offset = max(0, (width - band.shape[1]) // 2)
+    canvas[:len(band), offset:offset + band.shape[1]] = band[:, :width]
+    y = len(band)
+    for row, height in zip(rows, heights):       # each row's panels side by side from the left
+        x = 0
+        for cell in row:
+            canvas[y:y + cell.shape[0], x:x + cell.shape[1]] = cell
+            x += cell.shape[1]
+        y += height
+    return canvas
 
 
 def figure_pixels(fig: Figure, dpi: float = DPI) -> np.ndarray:
@@ -317,8 +412,19 @@ def titled(fig: Figure, title: str) -> Figure:
 
 
 def plot_run_figures(views: Mapping[str, RunView], out_dir: str | Path, title: str = "",
-                     plots: Optional[Mapping[str, Callable]] = None) -> dict[str, Path]:
-    """Write every plot in `plots` (default PLOTS) as out_dir/<name>.png; returns {name: path}."""
+                     names: Optional[Iterable[str]] = None) -> dict[str, Path]:
+    """Write each figure in `names` (default PLOTS'; RUN_FIGURES adds the overview) as
+    out_dir/<name>.png; returns {name: path}. The overview is made last, from its figures as drawn
+    here or, drawn by another process, as written in out_dir."""
     out_dir = Path(out_dir)
-    plots = PLOTS if plots is None else plots
-    return {name: save_figure(titled(plot(views), title), out_dir / f"{name}.png") for name, plot in plots.items()}
+    names = list(PLOTS if names is None else names)
+    drawn, paths = {}, {}
+    for name in names:
+        if name != OVERVIEW:
+            drawn[name] = draw_figure(titled(PLOTS[name](views), title))
+            paths[name] = save_drawn(drawn[name], out_dir / f"{name}.png")
+    if OVERVIEW in names:
+        sources = {name: drawn[name] if name in drawn else read_drawn(out_dir / f"{name}.png")
+                   for row in OVERVIEW_GRID for name, _ in row}
+        paths[OVERVIEW] = write_png(out_dir / f"{OVERVIEW}.png", overview_pixels(sources), DPI, SOFTWARE)
+    return {name: paths[name] for name in names}

@@ -2,7 +2,7 @@
 
 `simrun` starts one figure process before it simulates: it imports matplotlib and loads fonts
 while the main process simulates (this module imports no plotting library, so the main process
-prints its table without one), then draws report.RUN_PLOTS when the results come.
+prints its table without one), then draws report.RUN_FIGURES when the results come.
 KVTWIN_PLOT_WORKERS=N sets the number of figure processes (default 1; 0 draws in the calling
 process, as happens where fork is not available or from a process that runs other threads);
 with N > 1 the figure process forks N - 1 copies, which draw their shares in parallel without
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from sim import stop
+
+OVERVIEW = "overview"     # (report.OVERVIEW: made of the other figures' panels)
 
 
 def warm_up() -> None:
@@ -55,16 +57,23 @@ def figure_process_start() -> None:
 
 
 def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
-    from sim.output.report import RUN_PLOTS, plot_run_figures
+    from sim.output.report import plot_run_figures
 
-    return plot_run_figures(views, out_dir, title, {name: RUN_PLOTS[name] for name in names})
+    return plot_run_figures(views, out_dir, title, names)
 
 
 def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[str], ways: int) -> dict[str, Path]:
     """Every figure in `names`, split `ways` ways over this process and forked copies of it (which
-    inherit matplotlib, the fonts and the views)."""
-    return in_forked_shares(names, ways, lambda share: draw_share(views, out_dir, title, share),
-                            lambda name: Path(out_dir) / f"{name}.png")
+    inherit matplotlib, the fonts and the views); the overview, made of the others' panels, once
+    they are all written (in one process: from the pixels it drew, not the files)."""
+    if ways <= 1:
+        return draw_share(views, out_dir, title, names)
+    drawn = in_forked_shares([name for name in names if name != OVERVIEW], ways,
+                             lambda share: draw_share(views, out_dir, title, share),
+                             lambda name: Path(out_dir) / f"{name}.png")
+    if OVERVIEW in names:
+        drawn.update(draw_share(views, out_dir, title, [OVERVIEW]))
+    return {name: drawn[name] for name in names}
 
 
 def in_forked_shares(names: Sequence[str], ways: int, draw: Callable[[list[str]], Mapping[str, Path]],
@@ -142,8 +151,8 @@ def can_fork_here() -> bool:
 
 
 def run_plot_names() -> list[str]:
-    # the same names as report.RUN_PLOTS, without importing matplotlib here
-    return ["overview", "kv_blocks", "queue", "batch_tokens", "latency_cdf", "step_time"]
+    # the same names as report.RUN_FIGURES, without importing matplotlib here
+    return [OVERVIEW, "kv_blocks", "queue", "batch_tokens", "latency_cdf", "step_time"]
 
 
 class FigureWorkers:

@@ -426,8 +426,8 @@ def test_money_reads_the_same_everywhere():
         ["$2.00", "$0.50", "$0.80", "$1.80", "$0.031", "$1,234.50"]
 
 
-def test_the_overview_marks_when_preemptions_happen():
-    from sim.output.report import plot_overview
+def test_the_queue_marks_when_preemptions_happen():
+    from sim.output.report import plot_queue
     from sim.output.run_files import view_of
     from sim.predict import predict
     from sim.scenario import load_scenario
@@ -435,7 +435,7 @@ def test_the_overview_marks_when_preemptions_happen():
     run = predict(load_scenario(ROOT / "scenarios/quickstart.yaml", ["workload.num_requests=300"]), "q")
     assert run.summary["preemptions"] > 0
     # the drawing process gets the view without its frames (RunView.drawable): the marks must survive that
-    fig = plot_overview({"q": view_of(run, "q").drawable()})
+    fig = plot_queue({"q": view_of(run, "q").drawable()})       # (a panel of the overview)
     marks = [line for ax in fig.axes for line in ax.get_lines() if "preemptions" in str(line.get_label())]
     assert len(marks) == 1 and f"({run.summary['preemptions']:,})" in marks[0].get_label()
     steps = run.steps[run.steps["preemptions"] > 0]["start_s"]

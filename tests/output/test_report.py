@@ -124,8 +124,10 @@ def test_latency_cdf_counts_only_finished_measured_requests(views):
 
 
 def test_all_rejected_run_renders_everything(rejected, views, tmp_path):
+    from sim.output.report import RUN_FIGURES
+
     for group in ({"rejected": rejected}, {"rejected": rejected, "continuous": views["continuous"]}):
-        figures = plot_run_figures(group, tmp_path)
+        figures = plot_run_figures(group, tmp_path, "", RUN_FIGURES)      # the overview without a title too
         for path in figures.values():
             assert_png(path)
         page = write_html_report(tmp_path / "report.html", "all rejected", group, figures, {}).read_text()
@@ -288,16 +290,21 @@ def test_perfetto_trace_caps_request_slices_and_says_so(views, tmp_path):
 
 @pytest.mark.parametrize("processes", [0, 1, 2])
 def test_figure_workers_draw_every_run_plot(views, tmp_path, processes):
-    from sim.output.report import RUN_PLOTS
+    from sim.output.png import read_png
+    from sim.output.report import RUN_FIGURES
     from sim.output.workers import FigureWorkers, can_fork_here, run_plot_names
 
-    assert run_plot_names() == list(RUN_PLOTS)
+    assert run_plot_names() == list(RUN_FIGURES)
     forks = processes > 0 and can_fork_here()     # not with other threads (pytest-xdist's worker)
     with FigureWorkers(processes) as workers:
         assert (workers.pool is not None) == forks
-        drawn = workers.draw(views, tmp_path, "continuous vs static: qwen2.5-0.5b on h100-sxm")
-    assert list(drawn) == list(RUN_PLOTS)
+        drawn = workers.draw(views, tmp_path / "here", "continuous vs static: qwen2.5-0.5b on h100-sxm")
+    assert list(drawn) == list(RUN_FIGURES)
     assert all(p.stat().st_size > 10_000 for p in drawn.values())
+    # the overview, made of panels drawn by other processes, is the one a single process makes
+    alone = plot_run_figures(views, tmp_path / "alone", "continuous vs static: qwen2.5-0.5b on h100-sxm",
+                             RUN_FIGURES)
+    assert np.array_equal(read_png(drawn["overview"])[0], read_png(alone["overview"])[0])
 
 
 def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
@@ -396,7 +403,7 @@ def test_drawable_views_carry_the_plotted_reductions_only(views, two_replicas, t
     """What a drawing process gets: no frames, every series the plots draw, the same figures."""
     import pickle
 
-    from sim.output.report import RUN_PLOTS
+    from sim.output.report import RUN_FIGURES
 
     for view in (*views.values(), two_replicas):
         light = RunView(view.label, view.summary, view.requests, view.steps, view.kv_blocks_total,
@@ -406,8 +413,8 @@ def test_drawable_views_carry_the_plotted_reductions_only(views, two_replicas, t
         for series in report_views.PLOT_SERIES:
             assert np.array_equal(light.series(*series)[1].to_numpy(), view.series(*series)[1].to_numpy())
         assert light.latency_cdf("ttft_s")[2] == len(view.measured["ttft_s"].dropna())
-    drawn = plot_run_figures({k: v.drawable() for k, v in views.items()}, tmp_path, "light", RUN_PLOTS)
-    assert set(drawn) == set(RUN_PLOTS)
+    drawn = plot_run_figures({k: v.drawable() for k, v in views.items()}, tmp_path, "light", RUN_FIGURES)
+    assert set(drawn) == set(RUN_FIGURES)
 
 
 # ----------------------------------------------------------------------------- files and tables without pandas
@@ -428,6 +435,72 @@ def test_png_writer_keeps_every_pixel(tmp_path, alpha):
     assert [p.name for p in tmp_path.iterdir()] == ["x.png"]     # written atomically
 
 
+def test_png_reader_gives_back_what_the_writer_wrote(tmp_path):
+    from sim.output.png import read_png, write_png
+
+    rng = np.random.default_rng(1)
+    for channels, alpha in ((4, 255), (4, 7), (3, None)):
+        pixels = rng.integers(0, 256, (29, 41, channels), dtype=np.uint8)
+        if alpha is not None:
+            pixels[..., 3] = alpha
+        got, texts = read_png(write_png(tmp_path / "x.png", pixels, 110, "kvtwin", {"kvtwin panels": "[[1,2,3,4]]"}))
+        want = pixels[..., :3] if channels == 3 or alpha == 255 else pixels        # opaque: stored as RGB
+        assert np.array_equal(got, want)
+        assert texts == {"Software": "kvtwin", "kvtwin panels": "[[1,2,3,4]]"}
+    (tmp_path / "y.png").write_bytes(b"GIF89a")
+    with pytest.raises(ValueError, match="not a PNG"):
+        read_png(tmp_path / "y.png")
+
+
+def test_panel_boxes_hold_each_axes_labels_and_title_and_no_neighbour(views, tmp_path):
+    """Each axes' box (what the overview cuts out) holds everything matplotlib drew for it (tick
+    labels, axis labels, title, legend) and none of another axes' or the figure title."""
+    from sim.output.report import DPI, figure_pixels, panel_boxes, titled
+
+    for name, plot in PLOTS.items():
+        fig = titled(plot(views), "continuous vs static: qwen2.5-0.5b on h100-sxm")
+        fig.dpi = DPI                                   # (the renderer below measures at the PNG's dpi)
+        pixels = figure_pixels(fig, DPI)
+        height, width = pixels.shape[:2]
+        boxes = panel_boxes(fig, height, width)
+        renderer = fig.canvas.get_renderer()
+        title, = (t.get_window_extent(renderer) for t in fig.findobj(match=lambda a: hasattr(a, "get_text"))
+                  if t.get_text() == fig.get_suptitle())
+        for ax, (left, top, right, bottom) in zip(fig.axes, boxes):
+            tight = ax.get_tightbbox(renderer)          # display pixels from the bottom-left
+            assert left <= tight.x0 and tight.x1 <= right + 1, name
+            assert top <= height - tight.y1 and height - tight.y0 <= bottom + 1, name
+            assert height - title.y0 <= top, name       # the figure title is left out
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1], name
+
+
+def test_the_overview_is_the_other_figures_panels_as_drawn(views, tmp_path):
+    """overview.png holds the panels of OVERVIEW_GRID cut from the written figures, pixel for
+    pixel (the same data, axes and labels as those figures), under the figure title."""
+    from sim.output.png import read_png
+    from sim.output.report import OVERVIEW_GRID, PANELS_TEXT, RUN_FIGURES
+
+    drawn = plot_run_figures(views, tmp_path, "continuous vs static", RUN_FIGURES)
+    overview, _ = read_png(drawn["overview"])
+    figures = {name: read_png(drawn[name]) for name in PLOTS}
+    first = json.loads(figures["kv_blocks"][1][PANELS_TEXT])[0]
+    y = first[1]                                              # the title band's height
+    assert np.array_equal(overview[:y, :figures["kv_blocks"][0].shape[1]].min(axis=(0, 1)), [0, 0, 0])  # text
+    for row in OVERVIEW_GRID:
+        x = 0
+        for name, index in row:
+            pixels, texts = figures[name]
+            left, top, right, bottom = json.loads(texts[PANELS_TEXT])[index]
+            panel = pixels[top:bottom, left:right, :3]
+            assert np.array_equal(overview[y:y + len(panel), x:x + panel.shape[1]], panel), name
+            x += panel.shape[1]
+        y += max(json.loads(figures[n][1][PANELS_TEXT])[i][3] - json.loads(figures[n][1][PANELS_TEXT])[i][1]
+                 for n, i in row)
+    assert y == len(overview)
+
+
 def test_summary_text_is_the_summary_table_cell_for_cell(views, rejected):
     from sim.output.pages import html_table, html_text_table, summary_text
 
@@ -436,6 +509,41 @@ def test_summary_text_is_the_summary_table_cell_for_cell(views, rejected):
             text, frame = summary_text(group, ratios), summary_table(group, ratios=ratios)
             assert text.frame().equals(frame)
             assert html_text_table(text) == html_table(frame)
+
+
+@pytest.mark.parametrize("scale", ["linear", "log"])
+def test_ticks_are_made_only_inside_the_view_and_draw_the_same(scale):
+    """InView: matplotlib makes no tick beyond the view (its locators give one or more at each
+    end), and the figure's pixels are those of the plain locators."""
+    from matplotlib.figure import Figure
+
+    from sim.output.report import InView, figure_pixels, finish_axes
+
+    def drawn(in_view):
+        fig = Figure(figsize=(4, 3))
+        ax = fig.subplots()
+        ax.plot([0.7, 3, 40, 2e4], [5, 1, 2e3, 3])
+        ax.set_xscale(scale)
+        ax.set_ylim(0, 2100)                 # a tick on the view's edge (0) is kept
+        finish_axes(ax, "t", "y", "x")
+        if not in_view:
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(axis.get_major_locator().locator)
+                axis.set_minor_locator(axis.get_minor_locator().locator)
+        return ax, figure_pixels(fig, 50)
+
+    ax, pixels = drawn(True)
+    plain_ax, plain = drawn(False)
+    assert isinstance(ax.xaxis.get_major_locator(), InView)
+    for axis, plain_axis in ((ax.xaxis, plain_ax.xaxis), (ax.yaxis, plain_ax.yaxis)):
+        low, high = sorted(axis.get_view_interval())
+        for locs, plain_locs in ((axis.get_majorticklocs(), plain_axis.get_majorticklocs()),
+                                 (axis.get_minorticklocs(), plain_axis.get_minorticklocs())):
+            assert ((locs >= low) & (locs <= high)).all()
+            assert list(locs) == [x for x in plain_locs if low <= x <= high]
+        assert len(axis.get_major_ticks()) < len(plain_axis.get_major_ticks())
+    assert ax.yaxis.get_majorticklocs()[0] == 0
+    assert np.array_equal(pixels, plain)
 
 
 def test_log_axes_label_decades_in_plain_text():

@@ -141,5 +141,5 @@ def test_figure_workers_and_their_forked_copies_get_the_stop(tmp_path):
             except stop.StopRequested:
                 sys.exit(130)
         sys.exit(0)
-    """, ["drawing-overview", "drawing-kv_blocks"])         # the worker's share and its copy's
+    """, ["drawing-kv_blocks", "drawing-queue"])         # the worker's share and its copy's
     assert code == 130, err[-2000:]
