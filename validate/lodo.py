@@ -206,6 +206,18 @@ ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts
 # SamplingParams), every other model 98-101 %. Replayed at the counted mean, Llama-2-7b generated a
 # fifth fewer tokens than it did, and its TPOT ((E2E - TTFT) / (output - 1)) read a fifth too slow.
 IGNORE_EOS_OUTPUT_IS_MAX_TOKENS = True   # False: the counted mean (the table before this fix)
+# A benchmark without ignore_eos sends max_tokens = its output length (vllm bench serve's chat payload
+# "max_completion_tokens": output_len, vllm/benchmarks/lib/endpoint_request_func.py 0.11.0) and vLLM
+# stops a request there or at the model's EOS, whichever comes first; a printed mean below that cap
+# says some requests stopped early. At one length for all, a closed-loop client's slots finish
+# together and send their next prompts together, so every prompt queues behind the others' prefills
+# (Mistral-7B on the RTX 4090, mean 100 of 128 tokens: TTFT +174 % at concurrency 4 held out, 63 ms
+# measured). With EOS_STOPPED_OUTPUTS a closed-loop bench run's measured requests keep that mean the
+# way it could arise (_output_lengths): a share of them stops at lengths spread below the cap, the
+# rest reach it. Closed-loop runs only: all at once, no slot waits on another's end, and the guessed
+# spread would only move TPOT p99 (its 1-3-token requests). Off until a refit adopts it
+# (docs/fidelity_log.md, h/fid33v1).
+EOS_STOPPED_OUTPUTS = False
 # An open-loop stage the server could not keep up with (completed requests per second below this
 # share of its send rate) has no steady state: its queue grows through the whole stage (inference-
 # sim's CodeLlama-34b reasoning stage: 3.2 of 4 req/s served, mean TTFT 120 s over 1200 s), which a
@@ -335,9 +347,10 @@ def bench_runs(logs: dict[str, dict], data_pass: int = LATEST_DATA_PASS) -> tupl
         engine["vllm_version"] = stated_version if stated_version[:1].isdigit() else None
         log = logs.get(e.get("startup_log_id") or "")
         blocks = (log or {}).get("printed", {}).get("num_gpu_blocks")
-        scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + output,
+        outputs = _output_lengths(e, n, output)
+        scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + max(outputs),
                                        blocks, concurrency, LINKS.get(e.get("startup_log_id") or ""))
-        requests = _with_template_prefix(_bench_requests(e, n, prompt, output, history), e)
+        requests = _with_template_prefix(_bench_requests(e, prompt, outputs, history), e)
         runs.append(Run(e["id"], _deployment_name(e["model"], e["gpu"]["model"], e["tp"], e.get("vllm_version")),
                         GPUS[e["gpu"]["model"]], scenario, requests, _bench_measured(m), e["source"]["url"],
                         centre="mean" if "mean_ttft_ms" in m else "median"))
@@ -353,7 +366,7 @@ def after_warmup(warm_tokens: int) -> float:
     return 1.0 + warm_tokens * 1e-3
 
 
-def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str, list]) -> list:
+def _bench_requests(e: dict, prompt: int, outputs: list[int], history: dict[str, list]) -> list:
     """The run's requests, all sent at once (a closed-loop client's cap is the scenario's). With
     BENCH_WARM_CACHE, a random-dataset run on a known server (its startup log, or the `server`
     its runs went to one after another) whose prompts recur across runs (_prompt_set) replays the
@@ -366,10 +379,11 @@ def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str
     from the LRU what they would have evicted (dennislee's 100 x 4096/4096 run streams 808k
     tokens through a 450k-token pool before its 100 x 1024/7168 run); then this run's test prompt
     (one output token: its real output only adds a request's KV to a pool that holds the run)."""
-    server, prompt_set = e.get("startup_log_id") or e.get("server"), _prompt_set(e)
+    server, prompt_set, n = e.get("startup_log_id") or e.get("server"), _prompt_set(e), len(outputs)
+    output = round(sum(outputs) / n)        # the printed mean: what this run adds to its server's history
     if not (BENCH_WARM_CACHE and server and prompt_set is not None):
         key = stable_key("public-run", e["id"])
-        return [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
+        return [make_request(i, 0.0, [(stable_key(key, i), prompt)], outputs[i]) for i in range(n)]
     earlier = history.setdefault(server, [])
     m = e["metrics"]      # how long the run took: printed, or its requests over its request rate
     duration = float(m.get("duration_s") or n / m["request_throughput"])
@@ -393,7 +407,27 @@ def _bench_requests(e: dict, n: int, prompt: int, output: int, history: dict[str
     earlier.append(dataset)
     requests = [make_request(j, at, seg, out, is_warmup=True) for j, (at, seg, out) in enumerate(warm)]
     start = sent + after_warmup(prompt if BENCH_EARLIER_OUTPUTS else sum(t for _, seg, _ in warm for _, t in seg))
-    return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), output) for i in range(n)]
+    return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), outputs[i])
+                       for i in range(n)]
+
+
+def _output_lengths(e: dict, n: int, output: int) -> list[int]:
+    """The output tokens of a bench run's n measured requests: `output` (the printed mean) each,
+    or with EOS_STOPPED_OUTPUTS, where a closed-loop run (max_concurrency) sent no ignore_eos and its
+    mean is below its cap (random_output_len, the max_tokens every request carried), the cap for
+    some and early stops for the others: a share 2 x (cap - mean) / cap of them, at lengths spread
+    evenly over [1, cap) (mean cap / 2; every one early, over [1, 2 x mean), where the mean is below
+    half the cap), in an order fixed by a seeded permutation. Their mean is the printed one within
+    rounding."""
+    cap = int(e["dataset"].get("random_output_len") or 0)
+    closed_loop = e.get("max_concurrency") is not None
+    if not (EOS_STOPPED_OUTPUTS and closed_loop and cap and not e["dataset"].get("ignore_eos") and 0 < output < cap):
+        return [output] * n
+    early = min(n, round(n * 2 * (cap - output) / cap))
+    top = cap - 1 if early < n else 2 * output - 1
+    lengths = np.full(n, cap, dtype=int)
+    lengths[:early] = np.round(np.linspace(1, top, early)).astype(int)
+    return [int(v) for v in lengths[np.random.default_rng(0).permutation(n)]]
 
 
 def _with_template_prefix(requests: list, e: dict) -> list:

@@ -7,6 +7,7 @@ errors are recomputed from each fold's stored coefficients (every figure within 
 10 %)), and two cheap folds are refitted from scratch."""
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from sim.core.request import make_request
 from sim.costmodel import CostCoefficients, CostModel, trained_coefficients, trained_profile
 from sim.trained import band_words, error_band, family
 from validate import lodo
@@ -136,6 +138,36 @@ def test_inference_perf_stages_replay_the_tokens_vllm_generated(runs):
     counted = entries["infsim-llama-2-7b-tp1-general-rate8"]["workload"]
     assert counted["output_len_mean"] < 0.9 * counted["shared_prefix"]["output_len"]
     assert lodo.stage_output_len({**counted, "ignore_eos": False}) == counted["output_len_mean"]
+
+
+def test_a_closed_loop_run_stopped_at_eos_can_replay_its_early_stops(runs, monkeypatch):
+    """`vllm bench serve` sends max_tokens = the run's output length (the openai-chat payload's
+    "max_completion_tokens": output_len, vllm/benchmarks/lib/endpoint_request_func.py, release 0.11.0
+    from the package registry) and, without --ignore-eos, vLLM ends a request there or at the model's
+    EOS, whichever comes first (vllm/sampling_params.py 0.11.0: ignore_eos False by default). The RTX
+    4090 page's Mistral-7B sweep averaged 100 of 128 tokens. At one length for all, a closed loop's
+    slots finish together and each prompt waits behind the others' prefills (TTFT +174 % at
+    concurrency 4 held out); with EOS_STOPPED_OUTPUTS (off until a refit adopts it) the mean is kept
+    with early stops below the cap, the slots drift apart and the waits go. Runs sent with
+    ignore_eos, and all-at-once runs, keep one length."""
+    entries = {e["id"]: e for e in yaml.safe_load(lodo.BENCH_FILE.read_text())["runs"]}
+    sweep, run = entries["mushfiq-rtx4090-mistral-7b-c4"], runs["mushfiq-rtx4090-mistral-7b-c4"]
+    assert {q.output_len for q in run.requests} == {100}, "off: the printed mean for every request"
+    monkeypatch.setattr(lodo, "EOS_STOPPED_OUTPUTS", True)
+    outputs = lodo._output_lengths(sweep, 300, 100)
+    assert outputs == lodo._output_lengths(sweep, 300, 100), "the same lengths every time"
+    assert max(outputs) == 128 and min(outputs) >= 1 and abs(np.mean(outputs) - 100) < 0.5
+    assert outputs.count(128) == 300 - round(300 * 2 * (128 - 100) / 128)
+    assert len(set(lodo._output_lengths(entries["wmx-l4-qwen2.5-0.5b-c4"], 80, 120))) == 1, "ignore_eos"
+    assert len(set(lodo._output_lengths(entries["gpustack-qwen3-32b-h100-03"], 500, 199))) == 1, "all at once"
+
+    def ttft(lengths):
+        spread = copy.copy(run)
+        spread.requests = [make_request(q.id, q.arrival, q.segments[:-1], n) for q, n in zip(run.requests, lengths)]
+        return lodo.predict(spread, CostCoefficients())["ttft_mean"]
+
+    assert ttft([100] * 300) > 2 * run.measured["ttft_mean"], "lockstep: every prompt queued"
+    assert ttft(outputs) < 0.7 * ttft([100] * 300)
 
 
 def test_an_overloaded_stage_is_left_out():
