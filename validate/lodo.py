@@ -197,6 +197,14 @@ FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its med
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
 BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
+# AccelMark's runner awaits AsyncLLMEngine.generate on the engine's own asyncio loop, so with V0's
+# async output processing a token reaches it when that loop wakes (the next step's end or the load
+# generator's next send: engine.client_in_process, Scenario.tokens_at_loop_wake), not once the next
+# step's host work is done. Refitted with it on 2026-12-07 (docs/fidelity_log.md, "V0's tokens and
+# AccelMark's asyncio loop"): TPOT mean improved, TTFT mean and p99 worsened and trained lost TTFT p99
+# to tables, the pooled V0 host profile unable to serve Qwen2.5-0.5B and the Llama models at once;
+# off until the V0 step price separates them. On: REPLAY_REVISION["v0"] moves to 2.
+ACCELMARK_CLIENT_IN_PROCESS = False
 # inference-perf's output count is its client tokenizer's count of the streamed text (inference_perf/
 # apis/completion.py process_response: tokenizer.count_tokens(output_text)), not the tokens vLLM
 # generated. With ignore_eos the engine generates exactly max_tokens (the shared_prefix output_len,
@@ -580,7 +588,8 @@ def _accelmark_run(e: dict) -> Run:
                 "tpot_mean": m["tpot_s"]["median"], "tpot_p99": m["tpot_s"]["p99"],
                 "throughput": float(m["request_throughput"])}
     engine = {"vllm_version": d["vllm_version"], "max_model_len": d["max_model_len"], "dtype": d.get("dtype"),
-              "gpu_memory_utilization": d.get("gpu_memory_utilization")}     # V0's scheduler: the scenario's
+              "gpu_memory_utilization": d.get("gpu_memory_utilization"),     # V0's scheduler: the scenario's
+              "client_in_process": ACCELMARK_CLIENT_IN_PROCESS}
     scenario = deployment_scenario(e["id"], d["model"], d["gpu"], d["tp"], engine,
                                    max(r.prompt_len + r.output_len for r in requests))
     notes = [f"{e['id']}: the first of {w['repeats']} repeats replayed; outputs at the measured mean {output}"]
@@ -775,9 +784,10 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
 
 
 # How each engine generation's runs are replayed, as a revision: bumped whenever a change to the
-# simulator moves that generation's replays (1: V0's async output processing, 2026-12-07), so a
-# --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
-REPLAY_REVISION = {"v0": 1, "v1": 0}
+# simulator moves that generation's replays (1: V0's async output processing, 2026-12-07; 2: its
+# tokens reach AccelMark's in-process client when the client's asyncio loop wakes, ACCELMARK_CLIENT_IN_PROCESS),
+# so a --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
+REPLAY_REVISION = {"v0": 2 if ACCELMARK_CLIENT_IN_PROCESS else 1, "v1": 0}
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):
