@@ -208,8 +208,8 @@ ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts
 # generator's next send: engine.client_in_process, Scenario.tokens_at_loop_wake), not once the next
 # step's host work is done. Refitted with it on 2026-12-07, with and without V0_EAGER_PREFILL
 # (docs/fidelity_log.md, "V0's TPOT over-prediction: eager prefill steps, and AccelMark's asyncio
-# loop"): TPOT mean improved, but trained lost TTFT p99 to tables both times (Llama-3-8B's queued
-# levels further over), so it stays off. On: REPLAY_REVISION["v0"] moves up by one.
+# loop"): TPOT mean improved, but trained lost TTFT p99 to tables both times (on the 16 deployments
+# tables covers), so it stays off. On: REPLAY_REVISION["v0"] moves up by one.
 ACCELMARK_CLIENT_IN_PROCESS = False
 # inference-perf's output count is its client tokenizer's count of the streamed text (inference_perf/
 # apis/completion.py process_response: tokenizer.count_tokens(output_text)), not the tokens vLLM
