@@ -6,6 +6,8 @@
       scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
                        + token_host_s x tokens; all of it synchronously, only its excess over the
                        device time with async scheduling (vLLM >= 0.14 on a GPU: Scenario.async_scheduling)
+      eager launches = layers x eager_layer_host_s on a step with a prefill (vLLM V0 runs those
+                       without CUDA graphs), only its excess over the device time (step_time)
       output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
                        only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
@@ -178,6 +180,10 @@ class CostCoefficients:
     seq_host_s: float = 3e-6          # per sequence per step on the host
     prefill_seq_host_s: float = 20e-6  # per prefill sequence (admission: prefix lookup, allocation)
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
+    # per layer of a step run eagerly, without a CUDA graph (V0's prefill steps): the host launching
+    # its kernels one by one; the GPU runs each as it comes, so only its excess over the step's
+    # device time shows (0: fitted for V0 only, validate/lodo.py V0_HOST)
+    eager_layer_host_s: float = 0.0
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
     link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
     # PCIe collectives (a DeviceSpec with interconnect: pcie): NCCL's latency table x this, and the
@@ -558,6 +564,9 @@ class CostModel:
             _ROOFLINE_SLIDING if self.model.num_sliding_layers else _ROOFLINE_FULL_ATTENTION
         self._known = known
         self._price_step = _stages_scalar(known, one_call=True)(self, max, min, self.block_size)
+        # vLLM V0 runs a step with a prefill without its CUDA graphs (vllm/worker/model_runner.py
+        # ModelInputForGPUBuilder: use_captured_graph only for a decode-only batch, 0.7.3)
+        self._eager_launch_s = c.eager_layer_host_s * m.num_layers
         # A leap's decode steps (`decode_pricer`): the two stages with the terms a decode-only step
         # has at zero taken out (no prompt tokens; on one GPU, or a per-token link with no latency,
         # no all-reduce). The general two stages, which only lockstep_times asks for (and operator
@@ -763,6 +772,8 @@ class CostModel:
             host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                             batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
                                             batch.blocks_read)
+        if self._eager_launch_s and batch.prefills:
+            host += max(self._eager_launch_s - device, 0.0)
         if after_idle:
             host = self.woken(host)
         return host, device
@@ -824,6 +835,8 @@ class CostModel:
             block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
             sizes = self._stages(np.maximum, np.minimum, block_size)
             host, device = sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
+        if self._eager_launch_s:           # (step_time's eager prefill launches)
+            host = host + np.where(seqs > decodes, np.maximum(self._eager_launch_s - device, 0.0), 0.0)
         return self.woken(host, after_idle(steps)), device
 
     def _stages(self, maximum, minimum, block_size):

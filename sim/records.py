@@ -182,8 +182,11 @@ class StepRecorder:
     def __init__(self, replica: int = 0):
         self.replica = replica
         # vLLM V0's async output processing (Scenario.tokens_after_next_host): a step's tokens reach
-        # the client when the next step has done its host work (`token_times`)
+        # the client when the next step has done its host work (`token_times`); with a client on the
+        # engine's own asyncio loop (Scenario.tokens_at_loop_wake), when that loop next wakes: the
+        # next step's end or an earlier one of `loop_wakes` (the run's sends, sorted)
         self.tokens_after_next_host = False
+        self.loop_wakes: Optional[np.ndarray] = None
         self.rows = _Buffer(PER_ROW)            # rows and steps not yet packed
         self.step_values = _Buffer(PER_STEP)
         self._steps = _Columns(PER_STEP)
@@ -318,13 +321,23 @@ class StepRecorder:
     def token_times(self) -> np.ndarray:
         """When each step's tokens reach the client: its end, or under `tokens_after_next_host` its
         end plus the host time of the step that starts at that end (a step followed by none, the
-        engine idle after it, delivers at its end: V0 drains its outputs when nothing is left)."""
+        engine idle after it, delivers at its end: V0 drains its outputs when nothing is left).
+        With `loop_wakes` (the client on the engine's asyncio loop), from then on the first of those
+        wakes before the next step's end, else that end."""
         end = self.step_column("end_s")
         if not self.tokens_after_next_host or len(end) < 2:
             return end
         start, host = self.step_column("start_s"), self.step_column("host_s")
+        follows = start[1:] <= end[:-1]
         out = end.copy()
-        out[:-1] += np.where(start[1:] <= end[:-1], host[1:], 0.0)
+        if self.loop_wakes is None:
+            out[:-1] += np.where(follows, host[1:], 0.0)
+            return out
+        ready, wakes = start[1:] + host[1:], self.loop_wakes
+        at = np.searchsorted(wakes, ready)
+        wake = wakes[np.minimum(at, len(wakes) - 1)] if len(wakes) else np.full(len(ready), np.inf)
+        woken = np.where(at < len(wakes), wake, np.inf)
+        out[:-1] = np.where(follows, np.minimum(woken, end[1:]), end[:-1])
         return out
 
     def _expand(self, name: str) -> np.ndarray:

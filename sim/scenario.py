@@ -244,6 +244,13 @@ class EngineConfig(StrictModel):
                     "front end; unset: on a vLLM server (continuous, paged) without a device profile the trained family's "
                     "fitted value for the engine generation (vllm_engine), whatever step_times is, else 0 "
                     "(docs/fidelity.md)")
+    client_in_process: bool = Field(
+        default=False,
+        description="the client awaits vLLM's AsyncLLMEngine.generate on its own asyncio loop, in the engine's "
+                    "process (a benchmark that embeds vLLM), not over HTTP: under V0's async output processing "
+                    "a token then reaches it when that loop next wakes, at the end of the next step or at a "
+                    "request's send, not once the next step's host work is done (docs/vllm_semantics.md); "
+                    "no effect on V1")
     enforce_eager: bool = Field(
         default=False,
         description="vLLM's --enforce-eager: no CUDA graphs, so none of their memory comes off the KV budget")
@@ -1042,6 +1049,19 @@ class Scenario(StrictModel):
                 and not e.enforce_eager
                 and e.speculative_method is None and e.pipeline_parallel_size == 1
                 and self.device.name != "cpu" and e.batching == "continuous")
+
+    @property
+    def tokens_at_loop_wake(self) -> bool:
+        """Under `tokens_after_next_host`, does a token wait further, for the client's asyncio loop to
+        wake (engine.client_in_process)? vLLM 0.7.3's AsyncLLMEngine runs each step in an executor
+        thread (vllm/executor/executor_base.py execute_model_async: make_async, run_in_executor), and
+        the previous step's outputs go on the request streams from that thread
+        (vllm/engine/async_llm_engine.py AsyncStream.put: asyncio.Queue.put_nowait, which schedules the
+        waiting generator without waking a loop blocked in select); the loop wakes when the step ends
+        (the executor future's call_soon_threadsafe) or at a timer (a load generator's next send).
+        `vllm serve`'s engine process sends them on its ZMQ socket from the callback instead
+        (vllm/engine/multiprocessing/engine.py _async_socket_engine_callback): the next step's host."""
+        return self.tokens_after_next_host and self.engine.client_in_process
 
     @property
     def long_prefill_token_threshold(self) -> int:

@@ -191,6 +191,8 @@ class Simulation:
         self._ended = RequestTable() if self.spill is None else self.spill.request_table()   # taken as each ends
         if self.spill is not None:
             self.spill.tokens_after_next_host = self.scenario.tokens_after_next_host
+        # the client's sends, where its asyncio loop is the engine's (Scenario.tokens_at_loop_wake)
+        self._sends: Optional[list[float]] = [] if self.scenario.tokens_at_loop_wake else None
         first_turns = self._first_turns()
         self._layout = DPLayout.for_scenario(self.scenario)
         # With autoscaling the router sees only the ready, non-draining replicas (a list the
@@ -215,6 +217,8 @@ class Simulation:
         for replica in self.replicas:
             replica.scheduler.check_accounting()
         self._check_every_request_ended()
+        if self._sends is not None:
+            self._wake_loops_at_sends(np.sort(np.asarray(self._sends, dtype=float)))
         return RunRecords(self._ended, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
@@ -224,6 +228,14 @@ class Simulation:
                                 **lora_meta([r.scheduler for r in self.replicas], self.cost_model.lora),
                                 **({} if self._autoscaler is None else {"autoscaling": self._autoscaler.timeline()}),
                                 **self._dp_meta()})
+
+    def _wake_loops_at_sends(self, sends: np.ndarray) -> None:
+        """A load generator on the engine's asyncio loop sleeps until each send: those timers wake
+        the loop, and a token waiting for it reaches the client then (StepRecorder.token_times)."""
+        for replica in self.replicas:
+            replica.recorder.loop_wakes = sends
+        if self.spill is not None:
+            self.spill.loop_wakes = sends
 
     def _recorder(self, index: int) -> Optional[StepRecorder]:
         return None if self.spill is None else self.spill.step_recorder(index)
@@ -425,6 +437,8 @@ class Simulation:
     def _route(self, req: Request) -> None:
         """Send a request to the router; one rejected at once (with the later turns of its
         conversation) has ended: its figures go into the records."""
+        if self._sends is not None:
+            self._sends.append(req.arrival)
         self._router.route(req)
         if req.status is REJECTED:
             turn: Optional[Request] = req

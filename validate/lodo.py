@@ -84,7 +84,7 @@ METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p9
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
 NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half",
-         "seq_host_s", "prefill_seq_host_s")
+         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s")
 ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.engine_generation)
 # What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
 # with the API server: one host time per step (the richer variants validated worse held out). V0
@@ -100,7 +100,12 @@ ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.en
 # host terms from one or two other models of the class and missed held out by up to +4657 % TTFT
 # (docs/fidelity_log.md, "V0 held out: the designs measured").
 V0_POOLED_HOST = True      # False: the first V0 design (all seven parameters fitted per class)
-V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s")
+# V0 runs a step with a prefill eagerly (CUDA graphs for decode-only batches alone: vllm/worker/
+# model_runner.py, 0.7.3): the host launches every layer's kernels, which a small model's prefill
+# does not hide (Qwen2.5-0.5B's steps are launch-bound, Llama-3's GEMMs cover them), priced by
+# eager_layer_host_s beyond the step's device time. False: the V0 host profile before this term.
+V0_EAGER_PREFILL = True
+V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
 V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff")
 # The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
 # H100 folds fitted link_eff 0.41-0.73, and the dense tp 2 / 4 deployments paid: CodeLlama-34b +11 %,
@@ -131,7 +136,8 @@ START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.
          # parameter per iteration) reaches the host times V0 runs show within its iterations, where
          # from V1's 150 us it stopped at 150 us x 2^3 = 1.2 ms after three
          "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
-                "prefill_seq_host_s": 1e-3, "link_eff": 1.0, "host_staging_eff": _BASE.host_staging_eff}}
+                "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6, "link_eff": 1.0,
+                "host_staging_eff": _BASE.host_staging_eff}}
 # V1 took three iterations until the expert term: they left the H100 folds' step host time anywhere
 # from 57 us to the 150 us x 2^3 = 1.2 ms the damping allows, and with the expert term a fold's cost
 # still fell by a third at the fourth iteration (Llama-2-70b's: 4.03 -> 2.88), its link between 0.5 and 1
@@ -143,7 +149,7 @@ ITERATIONS = {"v1": 6, "v0": 6}
 BOUNDS = {"compute_scale": (max(0.1, 0.05 / min(_BASE.flops_eff, _BASE.attn_flops_eff)),
                             1 / max(_BASE.flops_eff, _BASE.attn_flops_eff)),
           "memory_scale": (0.1, 1 / max(_BASE.bw_eff, _BASE.attn_bw_eff)), "step_host_s": (1e-6, 0.05),
-          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
+          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05), "eager_layer_host_s": (1e-7, 1e-3),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0),
           "expert_n_half": (8.0, 4096.0)}
 
@@ -197,6 +203,14 @@ FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its med
 BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
 BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
+# AccelMark's runner awaits AsyncLLMEngine.generate on the engine's own asyncio loop, so with V0's
+# async output processing a token reaches it when that loop wakes (the next step's end or the load
+# generator's next send: engine.client_in_process, Scenario.tokens_at_loop_wake), not once the next
+# step's host work is done. Refitted with it on 2026-12-07, with and without V0_EAGER_PREFILL
+# (docs/fidelity_log.md, "V0's TPOT over-prediction: eager prefill steps, and AccelMark's asyncio
+# loop"): TPOT mean improved, but trained lost TTFT p99 to tables both times (on the 16 deployments
+# tables covers), so it stays off. On: REPLAY_REVISION["v0"] moves up by one.
+ACCELMARK_CLIENT_IN_PROCESS = False
 # inference-perf's output count is its client tokenizer's count of the streamed text (inference_perf/
 # apis/completion.py process_response: tokenizer.count_tokens(output_text)), not the tokens vLLM
 # generated. With ignore_eos the engine generates exactly max_tokens (the shared_prefix output_len,
@@ -614,7 +628,8 @@ def _accelmark_run(e: dict) -> Run:
                 "tpot_mean": m["tpot_s"]["median"], "tpot_p99": m["tpot_s"]["p99"],
                 "throughput": float(m["request_throughput"])}
     engine = {"vllm_version": d["vllm_version"], "max_model_len": d["max_model_len"], "dtype": d.get("dtype"),
-              "gpu_memory_utilization": d.get("gpu_memory_utilization")}     # V0's scheduler: the scenario's
+              "gpu_memory_utilization": d.get("gpu_memory_utilization"),     # V0's scheduler: the scenario's
+              "client_in_process": ACCELMARK_CLIENT_IN_PROCESS}
     scenario = deployment_scenario(e["id"], d["model"], d["gpu"], d["tp"], engine,
                                    max(r.prompt_len + r.output_len for r in requests))
     notes = [f"{e['id']}: the first of {w['repeats']} repeats replayed; outputs at the measured mean {output}"]
@@ -809,9 +824,11 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
 
 
 # How each engine generation's runs are replayed, as a revision: bumped whenever a change to the
-# simulator moves that generation's replays (1: V0's async output processing, 2026-12-07), so a
-# --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
-REPLAY_REVISION = {"v0": 1, "v1": 0}
+# simulator moves that generation's replays (1: V0's async output processing, 2026-12-07; 2: its
+# tokens reach AccelMark's in-process client when the client's asyncio loop wakes, ACCELMARK_CLIENT_IN_PROCESS;
+# 3 / 4: V0's prefill steps launched eagerly, V0_EAGER_PREFILL, without / with it),
+# so a --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
+REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL, "v1": 0}
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):

@@ -70,6 +70,7 @@ class RecordSpill:
         self.step_chunks: dict[int, list[Path]] = {}
         self.requests_csv: Optional[Path] = None                    # made by `summarise`
         self.tokens_after_next_host = False     # the recorders' (Simulation sets it), for the steps read back
+        self.loop_wakes = None                  # likewise (StepRecorder.loop_wakes)
 
     # -- while the run records ---------------------------------------------------------
     def request_table(self) -> "SpilledRequestTable":
@@ -100,7 +101,7 @@ class RecordSpill:
     def recorder(self, replica: int) -> StepRecorder:
         """A replica's steps, loaded into an ordinary StepRecorder."""
         rec = StepRecorder.of_chunks(replica, map(_loaded, self.step_chunks.get(replica, [])))
-        rec.tokens_after_next_host = self.tokens_after_next_host
+        rec.tokens_after_next_host, rec.loop_wakes = self.tokens_after_next_host, self.loop_wakes
         return rec
 
     def summarise(self, records: RunRecords, slo) -> dict:

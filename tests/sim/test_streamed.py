@@ -62,6 +62,8 @@ def files_of(scenario, out: Path, spilled: bool, steps: str) -> dict[str, bytes]
       "workload.num_requests=1500"), "aggregated"),
     # vLLM V0: tokens delivered after the next step's host work (StepRecorder.token_times)
     (("engine.vllm_version=0.7.3", "workload.num_requests=1500"), "aggregated"),
+    # ... and to an in-process client when its asyncio loop wakes (StepRecorder.loop_wakes)
+    (("engine.vllm_version=0.7.3", "engine.client_in_process=true", "workload.num_requests=1500"), "aggregated"),
 ])
 def test_spilled_run_writes_the_in_memory_files_byte_for_byte(tmp_path, small_chunks, extra, steps):
     scenario = fleet(*extra)
