@@ -123,6 +123,7 @@ class DisaggSimulation(Simulation):
         self._next_arrival = math.inf
         self._follow_up_times: list[float] = []
         self._ended = RequestTable()
+        self._sends = None         # no client on the engine's loop: disaggregation is modelled on V1 only
         self._finished = 0
         first_turns = self._first_turns()
         scenarios = {side: pool_scenario(self.scenario, side) for side in SIDES}
