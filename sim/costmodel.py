@@ -8,7 +8,8 @@
                        device time with async scheduling (vLLM >= 0.14 on a GPU: Scenario.async_scheduling)
       eager launches = layers x eager_layer_host_s on a step vLLM V0 runs without its CUDA graphs
                        (one with a prefill; any under --enforce-eager; a decode batch above the
-                       largest captured size: v0_graph_max_batch), only its excess over the device time
+                       largest captured size, or with a context past max_seq_len_to_capture:
+                       CostModel.runs_eagerly), only its excess over the device time
       output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
                        only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
@@ -475,6 +476,11 @@ def v0_graph_max_batch(max_num_seqs: int, enforce_eager: bool) -> int:
     return next((size for size in V0_GRAPH_BATCH_SIZES if size >= max_num_seqs), V0_GRAPH_BATCH_SIZES[-1])
 
 
+# vLLM V0's default --max-seq-len-to-capture (engine/arg_utils.py EngineArgs, 0.7.3), capped at
+# max_model_len (config.py ModelConfig._verify_cuda_graph)
+V0_MAX_SEQ_LEN_TO_CAPTURE = 8192
+
+
 class CostModel:
     """Turns a Batch's composition into (host seconds, device seconds)."""
 
@@ -482,11 +488,14 @@ class CostModel:
                  profile: Optional[DeviceProfile] = None, dp: int = 1, ep: int = 1,
                  kv_cache_dtype: str = "auto", async_scheduling: bool = False, tables=None,
                  block_size: int = 16, all2all_backend: str = "allgather_reducescatter",
-                 dp_padding: Optional[DPPadding] = None, v0_graph_max_batch: Optional[int] = None):
+                 dp_padding: Optional[DPPadding] = None, v0_graph_max_batch: Optional[int] = None,
+                 v0_graph_max_context: Optional[int] = None):
         self.model, self.device, self.tp = model, device, tp
         # vLLM V0's largest decode batch that runs a captured CUDA graph (v0_graph_max_batch); None: not
         # a V0 engine, whose steps never pay eager_layer_host_s
         self.v0_graph_max_batch = v0_graph_max_batch
+        # and its longest decode context (max_seq_len_to_capture); None: no context is too long
+        self.v0_graph_max_context = v0_graph_max_context
         self.block_size = block_size  # for the blocks a sliding-window layer walks
         self.dp, self.ep, self.kv_cache_dtype = dp, ep, kv_cache_dtype
         self.all2all_backend = all2all_backend
@@ -520,13 +529,21 @@ class CostModel:
                     kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
                     block_size=scenario.engine.block_size, all2all_backend=par.all2all_backend,
                     dp_padding=DPPadding.for_scenario(scenario),
-                    v0_graph_max_batch=v0_graph_max_batch(scenario.max_num_seqs, scenario.engine.enforce_eager)
-                    if scenario.engine_generation == "v0" else None)
+                    **cls._v0_graphs(scenario))
         model.draft = DraftCost.for_scenario(scenario, model)
         c = model.coefficients
         model.lora = LoraCost.for_scenario(scenario, gemm_peak_flops(scenario.device, scenario.model.model_copy(
             update={"quantization": None})), c.flops_eff, c.bw_eff)
         return model
+
+    @staticmethod
+    def _v0_graphs(scenario) -> dict:
+        """A V0 scenario's CUDA graph limits (`runs_eagerly`); none for a V1 one."""
+        if scenario.engine_generation != "v0":
+            return {}
+        longest = min(V0_MAX_SEQ_LEN_TO_CAPTURE, scenario.max_model_len)
+        return {"v0_graph_max_batch": v0_graph_max_batch(scenario.max_num_seqs, scenario.engine.enforce_eager),
+                "v0_graph_max_context": longest if longest < scenario.max_model_len else None}
 
     @property
     def calibrated(self) -> bool:
@@ -587,6 +604,9 @@ class CostModel:
         # batch sizes (`runs_eagerly`); a V1 engine captures its own graphs, and never pays the term
         self._eager_launch_s = c.eager_layer_host_s * m.num_layers if self.v0_graph_max_batch is not None else 0.0
         self._graph_max_batch = self.v0_graph_max_batch or 0
+        # the context past which a decode step pays the launches; None where none can (sim/simulator.py
+        # then prices every step with step_time, and ends a leap before its longest context passes it)
+        self.eager_context = self.v0_graph_max_context if self._eager_launch_s else None
         # A leap's decode steps (`decode_pricer`): the two stages with the terms a decode-only step
         # has at zero taken out (no prompt tokens; on one GPU, or a per-token link with no latency,
         # no all-reduce). The general two stages, which only lockstep_times asks for (and operator
@@ -792,7 +812,9 @@ class CostModel:
             host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                             batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
                                             batch.blocks_read)
-        if self._eager_launch_s and self.runs_eagerly(len(batch.prefills), batch.num_decode):
+        if self._eager_launch_s and (self.runs_eagerly(len(batch.prefills), batch.num_decode)
+                                     or self.eager_context is not None and batch.decodes
+                                     and max(r.num_computed for r in batch.decodes) > self.eager_context):
             host += max(self._eager_launch_s - device, 0.0)
         if after_idle:
             host = self.woken(host)
@@ -838,8 +860,9 @@ class CostModel:
         """Does vLLM V0 run this step without its CUDA graphs (with numpy columns: per step)? Only a
         decode-only batch of at most the largest captured size runs one, and none under --enforce-eager
         (vllm/worker/model_runner.py ModelInputForGPUBuilder._use_captured_graph, 0.7.3; enforce_eager
-        captures no size: `_graph_max_batch` 0). (vLLM's third condition, a context longer than
-        max_seq_len_to_capture, is not modelled: docs/cost_model.md.)"""
+        captures no size: `_graph_max_batch` 0). Its third condition, a decode context longer than
+        max_seq_len_to_capture, needs the batch's longest context: step_time checks it
+        (`eager_context`), and the leaps stop short of it."""
         return (prefills > 0) | (decodes > self._graph_max_batch)
 
     def decode_pricer(self, rows: int):

@@ -1,8 +1,9 @@
 """vLLM V0 launches a step eagerly: `eager_layer_host_s` per layer, beyond the device time.
 
 vLLM 0.7.3 vllm/worker/model_runner.py `ModelInputForGPUBuilder._use_captured_graph`: a batch runs its
-captured CUDA graph only when it is decode-only, not under --enforce-eager, and no larger than
-max_batchsize_to_capture (vllm/config.py VllmConfig._set_cudagraph_sizes), so a V0 prefill step (V0's
+captured CUDA graph only when it is decode-only, not under --enforce-eager, no larger than
+max_batchsize_to_capture (vllm/config.py VllmConfig._set_cudagraph_sizes) and with no context past
+max_seq_len_to_capture, so a V0 prefill step (V0's
 steps are all prefills or all decodes), and any such step, launches every layer's kernels from Python
 one by one. The GPU runs each kernel as it is launched: the launches show only where they take
 longer than the kernels (a small model's prefill), not under a large model's GEMMs. The coefficient is
@@ -136,3 +137,45 @@ def test_leaps_and_the_one_by_one_path_agree_with_eager_decode_steps():
     decode = (frame["prefill_tokens"] == 0).to_numpy()
     assert decode.sum() > 1000
     assert (host == frame["host_s"].to_numpy()).all() and (host[decode] > plain_host[decode]).all()
+
+
+def long_context(requests, prompt_len, output_len, rate=None):
+    arrival = {"process": "poisson", "rate": rate} if rate else {"process": "offline"}
+    return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm",
+                              "engine": {"num_blocks": 8000, "max_model_len": 16384, "vllm_version": "0.7.3",
+                                         "front_end_s": 0},
+                              "workload": {"num_requests": requests, "arrival": arrival, "prompt_len": prompt_len,
+                                           "output_len": output_len}})
+
+
+def test_a_v0_decode_step_past_max_seq_len_to_capture_runs_eagerly():
+    """`_use_captured_graph` (vllm/worker/model_runner.py, 0.7.3) also wants the longest decode
+    sequence (seq_data.get_len(): the context this step attends) within max_seq_len_to_capture,
+    8192 by default (vllm/engine/arg_utils.py EngineArgs) and at most max_model_len
+    (vllm/config.py ModelConfig._verify_cuda_graph): past it a V0 decode step runs eagerly."""
+    s = long_context(1, 8180, 30)
+    assert cost(s, EAGER).v0_graph_max_context == 8192
+    assert cost(scenario(), EAGER).v0_graph_max_context is None        # max_model_len 2048: never past it
+    with_launches, _ = steps_of(s, EAGER)
+    without, _ = steps_of(s, 0.0)
+    decode = (with_launches["prefill_tokens"] == 0).to_numpy()
+    paid = (with_launches["host_s"] > without["host_s"]).to_numpy()
+    assert (paid[decode] == (with_launches["decode_ctx"].to_numpy()[decode] > 8192)).all()
+    assert paid[decode].sum() == 30 - 1 - (8192 - 8180)          # decode i attends 8180 + i
+
+
+def steps_of(s, eager, fast=True):
+    records = Simulation(s, build_requests(s), plan_memory(s), cost(s, eager), fast=fast).run()
+    return records.steps_frame(full=True), requests_frame(records)
+
+
+def test_leaps_stop_before_a_context_passes_max_seq_len_to_capture():
+    """The leaps end before the longest context passes max_seq_len_to_capture and leave the steps
+    past it to step_time: the same steps as the one-by-one path, bit for bit."""
+    s = long_context(40, {"dist": "uniform", "min": 7000, "max": 8150}, {"dist": "uniform", "min": 20, "max": 400},
+                     rate=20)
+    fast, _ = steps_of(s, EAGER)
+    reference, _ = steps_of(s, EAGER, fast=False)
+    assert fast.equals(reference)
+    plain, _ = steps_of(s, 0.0, fast=False)
+    assert len(plain) != len(fast) or not plain["host_s"].equals(fast["host_s"])
