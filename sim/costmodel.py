@@ -542,8 +542,13 @@ class CostModel:
         if scenario.engine_generation != "v0":
             return {}
         longest = min(V0_MAX_SEQ_LEN_TO_CAPTURE, scenario.max_model_len)
+        m, block = scenario.model, scenario.engine.block_size
+        # an all-sliding model's decode lengths are cut to its block-aligned window plus the last block's
+        # tokens first (worker/model_runner.py _compute_for_sliding_window, 0.7.3): none may pass
+        windowed = m.sliding_window and not m.num_full_layers and cdiv(m.sliding_window, block) * block + block - 1
+        passes = longest < scenario.max_model_len and not (windowed and windowed <= longest)
         return {"v0_graph_max_batch": v0_graph_max_batch(scenario.max_num_seqs, scenario.engine.enforce_eager),
-                "v0_graph_max_context": longest if longest < scenario.max_model_len else None}
+                "v0_graph_max_context": longest if passes else None}
 
     @property
     def calibrated(self) -> bool:

@@ -156,6 +156,13 @@ def test_a_v0_decode_step_past_max_seq_len_to_capture_runs_eagerly():
     s = long_context(1, 8180, 30)
     assert cost(s, EAGER).v0_graph_max_context == 8192
     assert cost(scenario(), EAGER).v0_graph_max_context is None        # max_model_len 2048: never past it
+    # an all-sliding model: its decode lengths are cut to the block-aligned window plus the last
+    # block's tokens first (vllm/worker/model_runner.py _compute_for_sliding_window, 0.7.3)
+    mistral = validate_scenario({"model": "mistral-7b-v0.1", "device": "h100-sxm",
+                                 "engine": {"max_model_len": 16384, "vllm_version": "0.7.3", "front_end_s": 0}})
+    assert mistral.engine_generation == "v0" and cost(mistral, EAGER).v0_graph_max_context is None
+    wide = mistral.model_copy(update={"model": mistral.model.model_copy(update={"sliding_window": 8180})})
+    assert cost(wide, EAGER).v0_graph_max_context == 8192             # 8192 + 15 can pass it
     with_launches, _ = steps_of(s, EAGER)
     without, _ = steps_of(s, 0.0)
     decode = (with_launches["prefill_tokens"] == 0).to_numpy()
