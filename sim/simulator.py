@@ -613,7 +613,11 @@ class Simulation:
         (the next routing): that step was scheduled before the routing in the one-by-one path
         too, and its finish comes after it, so the router sees the same states. (A step ending
         exactly at `horizon` is left out: which of the two comes first is SimPy's queue order.)"""
-        plan = plan_leap(sched, max_steps=self._graph_steps(sched))
+        plan = plan_leap(sched, max_steps=1 << 30)
+        if plan is not None and self.cost_model.eager_context is not None:
+            graph_steps = self._graph_steps(sched)
+            if graph_steps < plan.max_steps:        # (plan_leap reads the scheduler, changes nothing)
+                plan = plan_leap(sched, max_steps=graph_steps)
         if plan is None:
             return None
         price = self._pricers.get(plan.rows)
@@ -633,13 +637,10 @@ class Simulation:
         return plan, ends, hosts, devices, ctx, blocks
 
     def _graph_steps(self, sched: Scheduler) -> int:
-        """The most steps a leap may run: without end, but for a V0 engine whose decode steps run
-        eagerly past a context (`CostModel.eager_context`), only those before its longest member's
-        context passes it (each member's context grows by one a step; step_time prices the rest)."""
-        longest = self.cost_model.eager_context
-        if longest is None or not sched.cohort.members:
-            return 1 << 30
-        return longest - max(member.num_computed for member in sched.cohort.members)
+        """For a V0 engine whose decode steps run eagerly past a context (`CostModel.eager_context`):
+        the steps a leap may run before its longest member's context passes it (each member's
+        context grows by one a step; step_time prices the rest one by one)."""
+        return self.cost_model.eager_context - max(member.num_computed for member in sched.cohort.members)
 
     def _decode_pricer(self, rows: int, ctx: int, blocks: int):
         """The cost model's decode-only pricer for `rows` (made once per batch size and checked
