@@ -6,8 +6,10 @@
       scheduler host = step_host_s + seq_host_s x sequences + prefill_seq_host_s x prefill sequences
                        + token_host_s x tokens; all of it synchronously, only its excess over the
                        device time with async scheduling (vLLM >= 0.14 on a GPU: Scenario.async_scheduling)
-      eager launches = layers x eager_layer_host_s on a step with a prefill (vLLM V0 runs those
-                       without CUDA graphs), only its excess over the device time (step_time)
+      eager launches = layers x eager_layer_host_s on a step vLLM V0 runs without its CUDA graphs
+                       (one with a prefill; any under --enforce-eager; a decode batch above the
+                       largest captured size, or with a context past max_seq_len_to_capture:
+                       CostModel.runs_eagerly), only its excess over the device time
       output         = (detok_token_s + api_token_s) x sequences, in the API server's process:
                        only its excess over the engine's step shows
     device = step_device_s + layers x (layer_overhead_s
@@ -180,8 +182,8 @@ class CostCoefficients:
     seq_host_s: float = 3e-6          # per sequence per step on the host
     prefill_seq_host_s: float = 20e-6  # per prefill sequence (admission: prefix lookup, allocation)
     token_host_s: float = 0.1e-6      # per scheduled token (input ids, positions, slot mapping)
-    # per layer of a step run eagerly, without a CUDA graph (V0's prefill steps): the host launching
-    # its kernels one by one; the GPU runs each as it comes, so only its excess over the step's
+    # per layer of a step vLLM V0 runs eagerly, without a CUDA graph (CostModel.runs_eagerly): the
+    # host launching its kernels one by one; the GPU runs each as it comes, so only its excess over the step's
     # device time shows (0: fitted for V0 only, validate/lodo.py V0_HOST)
     eager_layer_host_s: float = 0.0
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
@@ -461,6 +463,24 @@ def _method_source(method) -> tuple[str, str]:
     return padding + textwrap.dedent(inspect.getsource(method)), inspect.getsourcefile(method)
 
 
+# vLLM V0's CUDA graph batch sizes (vllm/config.py VllmConfig._set_cudagraph_sizes, 0.7.3)
+V0_GRAPH_BATCH_SIZES = (1, 2, 4) + tuple(8 * i for i in range(1, 1025))
+
+
+def v0_graph_max_batch(max_num_seqs: int, enforce_eager: bool) -> int:
+    """vLLM V0's largest captured CUDA graph batch (model_runner.py max_batchsize_to_capture, 0.7.3):
+    the smallest of V0_GRAPH_BATCH_SIZES at least max_num_seqs, else the largest; none (0) under
+    --enforce-eager (vllm/config.py VllmConfig._set_cudagraph_sizes)."""
+    if enforce_eager:
+        return 0
+    return next((size for size in V0_GRAPH_BATCH_SIZES if size >= max_num_seqs), V0_GRAPH_BATCH_SIZES[-1])
+
+
+# vLLM V0's default --max-seq-len-to-capture (engine/arg_utils.py EngineArgs, 0.7.3), capped at
+# max_model_len (config.py ModelConfig._verify_cuda_graph)
+V0_MAX_SEQ_LEN_TO_CAPTURE = 8192
+
+
 class CostModel:
     """Turns a Batch's composition into (host seconds, device seconds)."""
 
@@ -468,8 +488,14 @@ class CostModel:
                  profile: Optional[DeviceProfile] = None, dp: int = 1, ep: int = 1,
                  kv_cache_dtype: str = "auto", async_scheduling: bool = False, tables=None,
                  block_size: int = 16, all2all_backend: str = "allgather_reducescatter",
-                 dp_padding: Optional[DPPadding] = None):
+                 dp_padding: Optional[DPPadding] = None, v0_graph_max_batch: Optional[int] = None,
+                 v0_graph_max_context: Optional[int] = None):
         self.model, self.device, self.tp = model, device, tp
+        # vLLM V0's largest decode batch that runs a captured CUDA graph (v0_graph_max_batch); None: not
+        # a V0 engine, whose steps never pay eager_layer_host_s
+        self.v0_graph_max_batch = v0_graph_max_batch
+        # and its longest decode context (max_seq_len_to_capture); None: no context is too long
+        self.v0_graph_max_context = v0_graph_max_context
         self.block_size = block_size  # for the blocks a sliding-window layer walks
         self.dp, self.ep, self.kv_cache_dtype = dp, ep, kv_cache_dtype
         self.all2all_backend = all2all_backend
@@ -502,12 +528,27 @@ class CostModel:
         model = cls(scenario.model, scenario.device, par.tp, profile, dp=par.dp, ep=par.ep,
                     kv_cache_dtype=scenario.engine.kv_cache_dtype, async_scheduling=overlap, tables=tables,
                     block_size=scenario.engine.block_size, all2all_backend=par.all2all_backend,
-                    dp_padding=DPPadding.for_scenario(scenario))
+                    dp_padding=DPPadding.for_scenario(scenario),
+                    **cls._v0_graphs(scenario))
         model.draft = DraftCost.for_scenario(scenario, model)
         c = model.coefficients
         model.lora = LoraCost.for_scenario(scenario, gemm_peak_flops(scenario.device, scenario.model.model_copy(
             update={"quantization": None})), c.flops_eff, c.bw_eff)
         return model
+
+    @staticmethod
+    def _v0_graphs(scenario) -> dict:
+        """A V0 scenario's CUDA graph limits (`runs_eagerly`); none for a V1 one."""
+        if scenario.engine_generation != "v0":
+            return {}
+        longest = min(V0_MAX_SEQ_LEN_TO_CAPTURE, scenario.max_model_len)
+        m, block = scenario.model, scenario.engine.block_size
+        # an all-sliding model's decode lengths are cut to its block-aligned window plus the last block's
+        # tokens first (worker/model_runner.py _compute_for_sliding_window, 0.7.3): none may pass
+        windowed = m.sliding_window and not m.num_full_layers and cdiv(m.sliding_window, block) * block + block - 1
+        passes = longest < scenario.max_model_len and not (windowed and windowed <= longest)
+        return {"v0_graph_max_batch": v0_graph_max_batch(scenario.max_num_seqs, scenario.engine.enforce_eager),
+                "v0_graph_max_context": longest if passes else None}
 
     @property
     def calibrated(self) -> bool:
@@ -564,9 +605,13 @@ class CostModel:
             _ROOFLINE_SLIDING if self.model.num_sliding_layers else _ROOFLINE_FULL_ATTENTION
         self._known = known
         self._price_step = _stages_scalar(known, one_call=True)(self, max, min, self.block_size)
-        # vLLM V0 runs a step with a prefill without its CUDA graphs (vllm/worker/model_runner.py
-        # ModelInputForGPUBuilder: use_captured_graph only for a decode-only batch, 0.7.3)
-        self._eager_launch_s = c.eager_layer_host_s * m.num_layers
+        # vLLM V0 runs a step without its CUDA graphs unless it is decode-only and within the captured
+        # batch sizes (`runs_eagerly`); a V1 engine captures its own graphs, and never pays the term
+        self._eager_launch_s = c.eager_layer_host_s * m.num_layers if self.v0_graph_max_batch is not None else 0.0
+        self._graph_max_batch = self.v0_graph_max_batch or 0
+        # the context past which a decode step pays the launches; None where none can (sim/simulator.py
+        # then prices every step with step_time, and ends a leap before its longest context passes it)
+        self.eager_context = self.v0_graph_max_context if self._eager_launch_s else None
         # A leap's decode steps (`decode_pricer`): the two stages with the terms a decode-only step
         # has at zero taken out (no prompt tokens; on one GPU, or a per-token link with no latency,
         # no all-reduce). The general two stages, which only lockstep_times asks for (and operator
@@ -772,7 +817,9 @@ class CostModel:
             host, device = self._price_step(decodes + len(batch.prefills), decodes, batch.num_prefill_tokens,
                                             batch.prefill_ctx, batch.prefill_attn, batch.decode_ctx,
                                             batch.blocks_read)
-        if self._eager_launch_s and batch.prefills:
+        if self._eager_launch_s and (self.runs_eagerly(len(batch.prefills), batch.num_decode)
+                                     or self.eager_context is not None and batch.decodes
+                                     and max(r.num_computed for r in batch.decodes) > self.eager_context):
             host += max(self._eager_launch_s - device, 0.0)
         if after_idle:
             host = self.woken(host)
@@ -814,12 +861,30 @@ class CostModel:
         """(host_s, device_s) of one step of this composition (STEP_SHAPE's order), before any wake-up."""
         return self._price_step(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn, decode_ctx, blocks_read)
 
+    def runs_eagerly(self, prefills, decodes):
+        """Does vLLM V0 run this step without its CUDA graphs (with numpy columns: per step)? Only a
+        decode-only batch of at most the largest captured size runs one, and none under --enforce-eager
+        (vllm/worker/model_runner.py ModelInputForGPUBuilder._use_captured_graph, 0.7.3; enforce_eager
+        captures no size: `_graph_max_batch` 0). Its third condition, a decode context longer than
+        max_seq_len_to_capture, needs the batch's longest context: step_time checks it
+        (`eager_context`), and the leaps stop short of it."""
+        return (prefills > 0) | (decodes > self._graph_max_batch)
+
     def decode_pricer(self, rows: int):
         """`price` of a decode-only step of `rows` sequences as a function of (decode context,
         blocks read), for a leap's steps (sim/simulator.py): the very same pricer with the
-        terms that depend on the batch's sizes alone worked out once."""
+        terms that depend on the batch's sizes alone worked out once; with step_time's eager
+        launches where `rows` runs eagerly (a property of the batch size alone)."""
         sizes = self._decode_sizes      # (None with operator tables: they fix no term)
-        return sizes(rows, rows, 0, 0, 0) if sizes is not None else self._sizes(rows, rows, 0, 0, 0)
+        price = sizes(rows, rows, 0, 0, 0) if sizes is not None else self._sizes(rows, rows, 0, 0, 0)
+        if not (self._eager_launch_s and self.runs_eagerly(0, rows)):
+            return price
+        launches = self._eager_launch_s
+
+        def eager_price(decode_ctx, blocks_read):
+            host, device = price(decode_ctx, blocks_read)
+            return host + max(launches - device, 0.0), device
+        return eager_price
 
     def step_times(self, steps) -> tuple[np.ndarray, np.ndarray]:
         """(host_s, device_s) arrays for recorded steps (a steps frame, or a dict of columns): the
@@ -835,8 +900,9 @@ class CostModel:
             block_size = np.asarray(steps["block_size"]) if "block_size" in steps else self.block_size
             sizes = self._stages(np.maximum, np.minimum, block_size)
             host, device = sizes(seqs, decodes, prefill_tokens, prefill_ctx, prefill_attn)(decode_ctx, blocks_read)
-        if self._eager_launch_s:           # (step_time's eager prefill launches)
-            host = host + np.where(seqs > decodes, np.maximum(self._eager_launch_s - device, 0.0), 0.0)
+        if self._eager_launch_s:           # (step_time's eager launches)
+            host = host + np.where(self.runs_eagerly(seqs - decodes, decodes),
+                                   np.maximum(self._eager_launch_s - device, 0.0), 0.0)
         return self.woken(host, after_idle(steps)), device
 
     def _stages(self, maximum, minimum, block_size):

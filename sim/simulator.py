@@ -479,7 +479,8 @@ class Simulation:
         # its rows where one was made: the same function with its batch-size terms worked out once
         # (`_decode_pricer`), so the same floats without working them out again.
         cost = self.cost_model
-        decode_pricers = self._pricers if fast and cost.draft is None and cost.lora is None else {}
+        decode_pricers = self._pricers if (fast and cost.draft is None and cost.lora is None
+                                           and cost.eager_context is None) else {}
         woken = cost.woken        # the idle rule (step_time applies it to the steps it prices)
         inline = self._inline
         tier = sched.offload
@@ -613,6 +614,10 @@ class Simulation:
         too, and its finish comes after it, so the router sees the same states. (A step ending
         exactly at `horizon` is left out: which of the two comes first is SimPy's queue order.)"""
         plan = plan_leap(sched, max_steps=1 << 30)
+        if plan is not None and self.cost_model.eager_context is not None:
+            graph_steps = self._graph_steps(sched)
+            if graph_steps < plan.max_steps:        # (plan_leap reads the scheduler, changes nothing)
+                plan = plan_leap(sched, max_steps=graph_steps)
         if plan is None:
             return None
         price = self._pricers.get(plan.rows)
@@ -630,6 +635,12 @@ class Simulation:
         if not ends:
             return None
         return plan, ends, hosts, devices, ctx, blocks
+
+    def _graph_steps(self, sched: Scheduler) -> int:
+        """For a V0 engine whose decode steps run eagerly past a context (`CostModel.eager_context`):
+        the steps a leap may run before its longest member's context passes it (each member's
+        context grows by one a step; step_time prices the rest one by one)."""
+        return self.cost_model.eager_context - max(member.num_computed for member in sched.cohort.members)
 
     def _decode_pricer(self, rows: int, ctx: int, blocks: int):
         """The cost model's decode-only pricer for `rows` (made once per batch size and checked

@@ -240,6 +240,7 @@ class StepShape:
 
     __slots__ = ("num_decode", "decode_ctx", "blocks_read")
     prefills = ()
+    decodes = ()        # (their contexts: within the CUDA graphs, where a leap stops: Simulation._graph_steps)
     num_prefill_tokens = prefill_ctx = prefill_attn = 0
 
     def __init__(self, rows: int, decode_ctx: int, blocks_read: int):
