@@ -202,6 +202,49 @@ def test_percentiles_taken_in_one_pass_equal_one_call_per_percentile():
         assert plain["mean"] == float(values.mean()) and weighted["max"] == float(values.max())
 
 
+def _weighted_ranks_by_one_sort(values, weights, ranks):
+    """The value at each running weight k of the sample sorted whole (the reference)."""
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order], dtype=np.int64)
+    return {k: values[order[np.searchsorted(cum, k, side="right")]] for k in ranks}
+
+
+def test_weighted_ranks_sorting_between_bounds_equal_one_whole_sort():
+    """A long sample's weighted ranks are read by sorting only the values between bounds from a
+    strided subsample (widened where they miss): the values are those of one sort of the whole
+    sample, bit for bit, also where the subsample misleads (values or weights that repeat with its
+    stride, weight on values it skips, ties across the bounds)."""
+    from sim import metrics
+
+    rng = np.random.default_rng(11)
+    size = 3 * metrics.SORTED_WHOLE + 5
+    step = size // metrics.SUBSAMPLE
+    stride = np.arange(size) % step == 0
+    samples = {
+        "ties": (np.round(rng.exponential(0.01, size), 3), rng.integers(0, 40, size)),
+        "unique": (rng.random(size), rng.integers(1, 3, size)),
+        # the subsample sees only the large values, the weight sits on the small ones
+        "strided values": (np.where(stride, 10.0 + rng.random(size), rng.random(size)),
+                           np.where(stride, 1, 1000)),
+        # the subsample's weights say nothing of the rest's
+        "strided weights": (rng.random(size), np.where(stride, 10**6, 0)),
+        "one value": (np.full(size, 0.25), rng.integers(0, 3, size)),
+        "weight at the top": (rng.random(size), np.where(np.arange(size) == size - 1, 10**7, 1)),
+    }
+    for name, (values, weights) in samples.items():
+        total = int(weights.sum())
+        ranks = sorted({0, 1, total // 2, int(0.9 * (total - 1)), int(0.99 * (total - 1)), total - 2, total - 1,
+                        *rng.integers(0, total, 20).tolist()})
+        got = metrics.weighted_ranks(values, weights, ranks)
+        want = _weighted_ranks_by_one_sort(values, weights, ranks)
+        assert set(got) == set(ranks), name
+        for k in ranks:
+            assert got[k] == want[k] and got[k].tobytes() == want[k].tobytes(), (name, k)
+        weighted = metrics.distribution(values, weights)
+        for q in metrics.PERCENTILES:
+            assert weighted[f"p{q}"] == _one_weighted_percentile(values, weights, q), (name, q)
+
+
 def test_simulating_does_not_import_pandas():
     """Frames are made only for files and the summary; a process that only simulates skips pandas."""
     import subprocess
