@@ -245,6 +245,27 @@ def test_weighted_ranks_sorting_between_bounds_equal_one_whole_sort():
             assert weighted[f"p{q}"] == _one_weighted_percentile(values, weights, q), (name, q)
 
 
+def test_selecting_owned_entries_by_lookup_equals_a_binary_search():
+    """select_owned renumbers owners by a table lookup: the entries and numbers a binary search in
+    the wanted positions gave, also for owners past the last wanted position or between them."""
+    from sim.records import select_owned
+
+    rng = np.random.default_rng(5)
+    for total, wanted in ((50, 0.3), (1000, 0.9), (1000, 1.0), (7, 0.0)):
+        idx = np.flatnonzero(rng.random(total) < wanted)
+        owner = rng.integers(0, total, 5 * total)
+        values = rng.random(len(owner))
+        if not len(idx):
+            got = select_owned(owner, idx, values)
+            assert len(got[0]) == 0 and len(got[1]) == 0
+            continue
+        pos = np.searchsorted(idx, owner)
+        keep = (pos < len(idx)) & (idx[np.minimum(pos, len(idx) - 1)] == owner)
+        got = select_owned(owner, idx, values)
+        assert got[0].tolist() == pos[keep].tolist() and got[1].tolist() == values[keep].tolist()
+        assert (idx[got[0]] == owner[keep]).all()
+
+
 def test_simulating_does_not_import_pandas():
     """Frames are made only for files and the summary; a process that only simulates skips pandas."""
     import subprocess
