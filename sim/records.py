@@ -714,9 +714,14 @@ def cumulated_step_times(rec: StepRecorder) -> dict[str, np.ndarray]:
 
 
 def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
-    """Entries whose owner is among `idx` (sorted positions), owners renumbered 0..len(idx)-1."""
-    pos = np.searchsorted(idx, owner)
-    keep = (pos < len(idx)) & (idx[np.minimum(pos, len(idx) - 1)] == owner)
+    """Entries whose owner is among `idx` (sorted positions), owners renumbered 0..len(idx)-1.
+    Owners (positions, never negative) renumbered by a table lookup, not a binary search in `idx`
+    (millions of runs: ~0.1 s of a 100k-request summary)."""
+    size = int(idx[-1]) + 1 if len(idx) else 0
+    number = np.full(size + 1, -1, dtype=np.int64)       # (the last entry: owners past idx[-1])
+    number[idx] = np.arange(len(idx))
+    pos = number[np.minimum(owner, size)]
+    keep = pos >= 0
     return (pos[keep], *(v[keep] for v in values))
 
 

@@ -202,6 +202,70 @@ def test_percentiles_taken_in_one_pass_equal_one_call_per_percentile():
         assert plain["mean"] == float(values.mean()) and weighted["max"] == float(values.max())
 
 
+def _weighted_ranks_by_one_sort(values, weights, ranks):
+    """The value at each running weight k of the sample sorted whole (the reference)."""
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order], dtype=np.int64)
+    return {k: values[order[np.searchsorted(cum, k, side="right")]] for k in ranks}
+
+
+def test_weighted_ranks_sorting_between_bounds_equal_one_whole_sort():
+    """A long sample's weighted ranks are read by sorting only the values between bounds from a
+    strided subsample (widened where they miss): the values are those of one sort of the whole
+    sample, bit for bit, also where the subsample misleads (values or weights that repeat with its
+    stride, weight on values it skips, ties across the bounds)."""
+    from sim import metrics
+
+    rng = np.random.default_rng(11)
+    size = 3 * metrics.SORTED_WHOLE + 5
+    step = size // metrics.SUBSAMPLE
+    stride = np.arange(size) % step == 0
+    samples = {
+        "ties": (np.round(rng.exponential(0.01, size), 3), rng.integers(0, 40, size)),
+        "unique": (rng.random(size), rng.integers(1, 3, size)),
+        # the subsample sees only the large values, the weight sits on the small ones
+        "strided values": (np.where(stride, 10.0 + rng.random(size), rng.random(size)),
+                           np.where(stride, 1, 1000)),
+        # the subsample's weights say nothing of the rest's
+        "strided weights": (rng.random(size), np.where(stride, 10**6, 0)),
+        "one value": (np.full(size, 0.25), rng.integers(0, 3, size)),
+        "weight at the top": (rng.random(size), np.where(np.arange(size) == size - 1, 10**7, 1)),
+    }
+    for name, (values, weights) in samples.items():
+        total = int(weights.sum())
+        ranks = sorted({0, 1, total // 2, int(0.9 * (total - 1)), int(0.99 * (total - 1)), total - 2, total - 1,
+                        *rng.integers(0, total, 20).tolist()})
+        got = metrics.weighted_ranks(values, weights, ranks)
+        want = _weighted_ranks_by_one_sort(values, weights, ranks)
+        assert set(got) == set(ranks), name
+        for k in ranks:
+            assert got[k] == want[k] and got[k].tobytes() == want[k].tobytes(), (name, k)
+        weighted = metrics.distribution(values, weights)
+        for q in metrics.PERCENTILES:
+            assert weighted[f"p{q}"] == _one_weighted_percentile(values, weights, q), (name, q)
+
+
+def test_selecting_owned_entries_by_lookup_equals_a_binary_search():
+    """select_owned renumbers owners by a table lookup: the entries and numbers a binary search in
+    the wanted positions gave, also for owners past the last wanted position or between them."""
+    from sim.records import select_owned
+
+    rng = np.random.default_rng(5)
+    for total, wanted in ((50, 0.3), (1000, 0.9), (1000, 1.0), (7, 0.0)):
+        idx = np.flatnonzero(rng.random(total) < wanted)
+        owner = rng.integers(0, total, 5 * total)
+        values = rng.random(len(owner))
+        if not len(idx):
+            got = select_owned(owner, idx, values)
+            assert len(got[0]) == 0 and len(got[1]) == 0
+            continue
+        pos = np.searchsorted(idx, owner)
+        keep = (pos < len(idx)) & (idx[np.minimum(pos, len(idx) - 1)] == owner)
+        got = select_owned(owner, idx, values)
+        assert got[0].tolist() == pos[keep].tolist() and got[1].tolist() == values[keep].tolist()
+        assert (idx[got[0]] == owner[keep]).all()
+
+
 def test_simulating_does_not_import_pandas():
     """Frames are made only for files and the summary; a process that only simulates skips pandas."""
     import subprocess
