@@ -85,6 +85,8 @@ def weighted_ranks(values: np.ndarray, weights: np.ndarray, ranks) -> dict[int, 
             if k in found:
                 out.update(found)
                 break
+            if lo == -np.inf and hi == np.inf:     # the whole sample: k is past its total weight
+                raise ValueError(f"weighted rank {k} is outside the sample's total weight")
             margin *= 4
     return out
 

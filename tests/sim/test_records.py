@@ -245,6 +245,18 @@ def test_weighted_ranks_sorting_between_bounds_equal_one_whole_sort():
             assert weighted[f"p{q}"] == _one_weighted_percentile(values, weights, q), (name, q)
 
 
+
+def test_a_weighted_rank_past_the_total_weight_is_an_error_not_an_endless_widening():
+    """The bounds widen until they hold, at worst to the whole sample; a rank no value holds (at or
+    past the total weight) would widen forever: it is refused."""
+    from sim import metrics
+
+    values = np.random.default_rng(1).random(metrics.SORTED_WHOLE + 1)
+    weights = np.ones(len(values), dtype=np.int64)
+    assert metrics.weighted_ranks(values, weights, [len(values) - 1])[len(values) - 1] == values.max()
+    with pytest.raises(ValueError, match="outside the sample's total weight"):
+        metrics.weighted_ranks(values, weights, [len(values)])
+
 def test_selecting_owned_entries_by_lookup_equals_a_binary_search():
     """select_owned renumbers owners by a table lookup: the entries and numbers a binary search in
     the wanted positions gave, also for owners past the last wanted position or between them."""
