@@ -126,17 +126,21 @@ async def read_body(request, limit: int, timeout_s: float = ServeLimits.body_tim
             raise ApiError("Content-Length is not a number")
         if int(declared) > limit:
             raise ApiError(f"the request body is {int(declared)} bytes, more than the {limit} allowed", 413)
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(f"the request body is more than the {limit} bytes allowed", 413)
-                chunks.append(chunk)
-    except TimeoutError:
+    chunks: list[bytes] = []
+
+    async def read_all() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(f"the request body is more than the {limit} bytes allowed", 413)
+            chunks.append(chunk)
+
+    try:      # (asyncio.wait_for, not asyncio.timeout: Python 3.10 is supported)
+        await asyncio.wait_for(read_all(), timeout_s)
+    except asyncio.TimeoutError:
         raise ApiError(f"the request body did not arrive within {timeout_s:g} s (--body-timeout); "
-                       f"{size} bytes came", 408) from None
+                       f"{sum(map(len, chunks))} bytes came", 408) from None
     return b"".join(chunks)
 
 
