@@ -106,13 +106,19 @@ def hostile_app(models_body: bytes = b'{"data": [{"id": "fake"}]}'):
     return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
 
 
-def test_malformed_events_fail_their_request_with_a_reason():
-    outputs = [4, *HOSTILE_EVENTS]
-    url, stop = fake_endpoint(hostile_app())
+def bench_against(app, outputs: list[int], scrape_s: float = 0.5):
+    """`simrun bench` of requests with these output lengths against `app` served on a free port
+    (10 s request timeout, metrics scraped every `scrape_s`), the endpoint stopped after."""
+    url, stop = fake_endpoint(app)
     try:
-        measured = run_bench(validate_scenario(small_raw(outputs)), url, None, 10.0, 0.5)
+        return run_bench(validate_scenario(small_raw(outputs)), url, None, 10.0, scrape_s)
     finally:
         stop()
+
+
+def test_malformed_events_fail_their_request_with_a_reason():
+    outputs = [4, *HOSTILE_EVENTS]
+    measured = bench_against(hostile_app(), outputs)
     frame = measured.requests.set_index("id")
     assert frame["status"].tolist() == ["finished"] + ["failed"] * len(HOSTILE_EVENTS)
     for i, n in enumerate(HOSTILE_EVENTS, start=1):
@@ -131,12 +137,8 @@ def test_malformed_events_fail_their_request_with_a_reason():
     (b'{"data": [{"id": "fake", "root": 7}]}', r"data\[0\].root is 7, expected a string"),
 ])
 def test_a_broken_model_list_is_a_clean_error(body, expected):
-    url, stop = fake_endpoint(hostile_app(body))
-    try:
-        with pytest.raises(BenchError, match=expected):
-            run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
-    finally:
-        stop()
+    with pytest.raises(BenchError, match=expected):
+        bench_against(hostile_app(body), [4])
 
 
 def test_endless_and_huge_streams_are_cut_with_a_reason(monkeypatch):
@@ -146,11 +148,7 @@ def test_endless_and_huge_streams_are_cut_with_a_reason(monkeypatch):
     from validate import endpoint_client
 
     monkeypatch.setattr(endpoint_client, "REQUEST_DEADLINE_S", 2.0)
-    url, stop = fake_endpoint(hostile_app())
-    try:
-        measured = run_bench(validate_scenario(small_raw([4, 20, 21, 22, 23])), url, None, 10.0, 0.5)
-    finally:
-        stop()
+    measured = bench_against(hostile_app(), [4, 20, 21, 22, 23])
     reasons = measured.requests.set_index("id")["reject_reason"]
     assert measured.requests["status"].tolist() == ["finished"] + ["failed"] * 4
     assert reasons[1].startswith("malformed stream: more than 1104 lines for 20 tokens asked")
@@ -180,11 +178,7 @@ def test_hostile_metrics_samples_are_refused_and_noted():
         bad = next(scrapes) % 2
         return (f"vllm:num_requests_running {'+Inf' if bad else '1'}\nvllm:kv_cache_usage_perc 0.5\n"
                 'vllm:cache_config_info{num_gpu_blocks="\u00b2"} 1\n')
-    url, stop = fake_endpoint(_with_metrics(hostile_app(), metrics))
-    try:
-        measured = run_bench(validate_scenario(small_raw([4, 4])), url, None, 10.0, 0.05)
-    finally:
-        stop()
+    measured = bench_against(_with_metrics(hostile_app(), metrics), [4, 4], scrape_s=0.05)
     assert (measured.requests["status"] == "finished").all()
     assert measured.kv_blocks_total == 0                              # '²' is no block count
     assert (measured.timeline["running"] == 1).all()                  # the +Inf samples are not in it
@@ -198,11 +192,7 @@ def test_an_endless_metrics_page_is_not_read_forever():
         while True:
             yield "# " + "x" * 65534 + "\n"
             await asyncio.sleep(0)
-    url, stop = fake_endpoint(_with_metrics(hostile_app(), endless))
-    try:
-        measured = run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
-    finally:
-        stop()
+    measured = bench_against(_with_metrics(hostile_app(), endless), [4])
     assert (measured.requests["status"] == "finished").all()
     assert measured.timeline is None
     assert any("/metrics answered more than 33554432 bytes" in n for n in measured.manifest["notes"]), \
@@ -242,11 +232,7 @@ def test_an_endless_prefix_cache_reset_answer_is_cut():
     async def reset(_request):
         return StreamingResponse(_endless_error(), status_code=500)
     app.router.routes.append(Route("/reset_prefix_cache", reset, methods=["POST"]))
-    url, stop = fake_endpoint(app)
-    try:
-        measured = run_bench(validate_scenario(small_raw([4])), url, None, 10.0, 0.5)
-    finally:
-        stop()
+    measured = bench_against(app, [4])
     assert measured.manifest["prefix_cache"]["reset"].startswith("refused (HTTP 500: xxxxxxxx")
 
 
@@ -277,11 +263,7 @@ def test_an_unexpected_client_error_fails_its_request_not_the_run(charset):
     """An answer the client's checks do not foresee (here a charset that breaks httpx's text
     decoder with a TypeError or ValueError, no stream or HTTP error) ends that request failed
     with the reason; the other requests go on, and the manifest counts such failures."""
-    url, stop = fake_endpoint(_odd_charset_app(charset))
-    try:
-        measured = run_bench(validate_scenario(small_raw([4, 5, 6])), url, None, 10.0, 0.5)
-    finally:
-        stop()
+    measured = bench_against(_odd_charset_app(charset), [4, 5, 6])
     frame = measured.requests.set_index("id")
     assert frame["status"].tolist() == ["finished", "failed", "finished"]
     assert frame["reject_reason"][1].startswith("client error: ")
@@ -300,11 +282,7 @@ def test_every_request_of_the_run_ends_and_the_run_checks_it(monkeypatch):
         if trip.request.id != 1:
             await conversation(self, trip)
     monkeypatch.setattr(Bench, "_conversation", lose_request_1)
-    url, stop = fake_endpoint(hostile_app())
-    try:
-        measured = run_bench(validate_scenario(small_raw([4, 5, 6])), url, None, 10.0, 0.5)
-    finally:
-        stop()
+    measured = bench_against(hostile_app(), [4, 5, 6])
     frame = measured.requests.set_index("id")
     assert frame["status"].tolist() == ["finished", "failed", "finished"]
     assert frame["reject_reason"][1] == "never ended: the load generator lost it (a kvtwin bug: please report it)"
