@@ -108,13 +108,15 @@ def build_app(engine: EngineLoop, version: str, limits: Optional["ServeLimits"] 
 @dataclass(frozen=True)
 class ServeLimits:
     """What one client may hold: the body (size, time to send it: the app) and connections
-    (how many, how long idle after an answer: uvicorn's, see uvicorn_config)."""
+    (how many, how long idle after an answer: uvicorn's; how long a request's headers may take:
+    see uvicorn_config)."""
 
     max_body_bytes: int = 4 * 2**20       # a 128k-token prompt of 6-digit ids is about 1 MiB
     max_waiting: Optional[int] = None     # None: unbounded, as vLLM
     body_timeout_s: float = 60.0          # a 4 MiB body at 1 Mbit/s takes ~34 s
     limit_concurrency: int = 1024         # uvicorn: 503 once this many connections or requests are open
     keep_alive_s: float = 5.0             # uvicorn's default: an idle connection closes after this
+    header_timeout_s: float = 20.0        # a request's line and headers (engine/serve/http_limits.py)
 
 
 async def read_body(request, limit: int, timeout_s: float = ServeLimits.body_timeout_s) -> bytes:

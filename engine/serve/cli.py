@@ -38,6 +38,9 @@ def serve_parser() -> argparse.ArgumentParser:
                         "included) or N requests are open (default %(default)s)")
     p.add_argument("--timeout-keep-alive", type=positive_number, default=ServeLimits.keep_alive_s, metavar="S",
                    help="close a connection idle S seconds after its last answer (default %(default)s)")
+    p.add_argument("--header-timeout", type=positive_number, default=ServeLimits.header_timeout_s, metavar="S",
+                   help="close a connection whose request line and headers are not all received within "
+                        "S seconds of its opening or its first byte after an answer (default %(default)s)")
     p.add_argument("--max-waiting", type=positive_int, default=None,
                    help="answer HTTP 429 while this many requests wait for the engine (default: no limit)")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
@@ -79,7 +82,7 @@ def serve_main(argv: list[str]) -> int:
           f"{scenario.engine.block_size} tokens, max_model_len {served.max_model_len}; "
           f"listening on http://{_url_host(host)}:{port}", file=sys.stderr, flush=True)
     limits = ServeLimits(args.max_body_bytes, args.max_waiting, args.body_timeout, args.limit_concurrency,
-                         args.timeout_keep_alive)
+                         args.timeout_keep_alive, args.header_timeout)
     _run_http(build_app(engine, version, limits), engine, args, limits, sock)
     return 0 if engine.error is None else 1
 
@@ -234,12 +237,16 @@ def _url_host(host: str) -> str:
 
 def uvicorn_config(app, limits: ServeLimits, host: str, port: int, log_level: str = "warning",
                    shutdown_grace: float = 10.0):
-    """uvicorn's settings for the app: the connection bounds of `limits`, and a graceful-shutdown
-    backstop (the engine aborts what is left after the grace period, which ends those responses;
-    uvicorn's timeout is only for a connection that still hangs on)."""
+    """uvicorn's settings for the app: the connection bounds of `limits` (the header timeout by
+    kvtwin's h11 protocol, which uvicorn lacks), and a graceful-shutdown backstop (the engine aborts
+    what is left after the grace period, which ends those responses; uvicorn's timeout is only for a
+    connection that still hangs on)."""
     import uvicorn
 
+    from engine.serve.http_limits import header_timeout_protocol
+
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=header_timeout_protocol(limits.header_timeout_s),
                           limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.keep_alive_s,
                           timeout_graceful_shutdown=shutdown_grace + 5)
 

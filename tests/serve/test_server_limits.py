@@ -356,6 +356,20 @@ def request_bytes(body: bytes = b'{"prompt": [1], "max_tokens": 1}', length=None
             b"content-length: %d\r\n\r\n" % (len(body) if length is None else length)) + body
 
 
+def read_one_response(conn: socket.socket) -> bytes:
+    """One whole response with a Content-Length (its head and body may arrive in several pieces)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536) or pytest.fail(f"closed after {data!r}")
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length:")))
+    while len(body) < length:
+        body += conn.recv(65536) or pytest.fail(f"closed after {data + body!r}")
+    assert len(body) == length, "more than one response arrived"
+    return head + b"\r\n\r\n" + body
+
+
 def read_until_closed(conn: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection."""
     data = b""
@@ -390,6 +404,52 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_timeout():
     assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
 
 
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout():
+    """uvicorn arms no timer before a connection's first request: without kvtwin's protocol this
+    connection would stay open (and hold a --limit-concurrency slot) until the client leaves."""
+    with LiveServer(StubEngine(), ServeLimits(header_timeout_s=0.1)) as live:
+        conn = live.connect()
+        assert read_until_closed(conn) == b""          # returns only once the server closes it
+        conn.close()
+
+
+def test_headers_trickling_in_are_cut_off_at_the_header_timeout():
+    """Bytes keep arriving, each one would reset uvicorn's keep-alive timer; the head's limit counts
+    from its first byte, so the connection closes with no request reaching the engine."""
+    engine = StubEngine()
+    with LiveServer(engine, ServeLimits(header_timeout_s=0.2)) as live:
+        conn = live.connect()
+        closed = False
+        for byte in request_bytes()[:40]:
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:                             # the server has closed it
+                closed = True
+                break
+            time.sleep(0.02)                            # 40 bytes over ~0.8 s, past the 0.2 s limit
+        if not closed:
+            assert read_until_closed(conn) == b""
+        conn.close()
+    assert engine.submitted == []
+
+
+def test_the_header_timeout_leaves_answered_and_kept_alive_requests_alone():
+    """A request whose head arrives in time is answered even when it outlives the head's limit, and
+    a kept-alive connection's next request gets its own limit from its first byte."""
+    with LiveServer(StubEngine(), ServeLimits(header_timeout_s=0.3, keep_alive_s=5)) as live:
+        conn = live.connect()
+        conn.sendall(request_bytes())
+        first = read_one_response(conn)
+        time.sleep(0.5)                                 # idle past the head's limit: keep-alive's turn
+        conn.sendall(request_bytes())
+        second = read_one_response(conn)
+        conn.sendall(b"GET /health HTTP/1.1\r\n")       # a head that never ends
+        rest = read_until_closed(conn)
+        conn.close()
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200")
+    assert rest == b""
+
+
 def test_a_slow_body_over_the_wire_gets_408_and_the_connection_closes():
     with LiveServer(StubEngine(), ServeLimits(body_timeout_s=0.1)) as live:
         conn = live.connect()
@@ -400,7 +460,7 @@ def test_a_slow_body_over_the_wire_gets_408_and_the_connection_closes():
     assert b"did not arrive within 0.1 s" in answer
 
 
-@pytest.mark.parametrize("flag", ["--body-timeout", "--timeout-keep-alive"])
+@pytest.mark.parametrize("flag", ["--body-timeout", "--timeout-keep-alive", "--header-timeout"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
 def test_serve_timeouts_are_finite_and_positive(flag, value, capsys):
     from engine.serve.cli import serve_parser
