@@ -307,6 +307,23 @@ def test_figure_workers_draw_every_run_plot(views, tmp_path, processes):
     assert np.array_equal(read_png(drawn["overview"])[0], read_png(alone["overview"])[0])
 
 
+def test_histogram_on_even_edges_counts_as_numpy_does_on_the_edges():
+    """views.histogram bins evenly spaced edges by their number and range (no sort): the counts of
+    np.histogram on the edges themselves, values on an edge included; other edges as given."""
+    from sim.output.views import histogram
+
+    rng = np.random.default_rng(7)
+    samples = [rng.exponential(80.0, 5000), np.round(rng.random(3000) * 50, 1), np.full(40, 12.5),
+               rng.random(1) * 3]
+    for values in samples:
+        edges = np.histogram_bin_edges(np.array([values.min(), values.max()]), bins=60)
+        for sample in (values, np.concatenate([values, edges, edges[:-1] + np.spacing(edges[:-1])])):
+            assert np.array_equal(histogram(sample, edges), np.histogram(sample, edges)[0])
+    uneven = np.array([0.0, 1.0, 10.0, 100.0])
+    values = np.array([0.5, 1.0, 5.0, 99.0, 100.0, 150.0])
+    assert histogram(values, uneven).tolist() == [1, 2, 2]
+
+
 def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
     from sim.errors import UserError
     from sim.output.workers import figure_processes, plot_ways
