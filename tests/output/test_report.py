@@ -324,6 +324,44 @@ def test_histogram_on_even_edges_counts_as_numpy_does_on_the_edges():
     assert histogram(values, uneven).tolist() == [1, 2, 2]
 
 
+def test_collector_paused_restores_the_collector_as_it_was():
+    import gc
+
+    from sim.output.workers import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()          # a caller's choice is kept
+    finally:
+        gc.enable()
+
+
+def test_figure_process_start_leaves_3d_importable_and_warns_nothing():
+    """The figure process imports matplotlib without its 3D toolkit, silently, and leaves the
+    toolkit importable and the collector on (a fresh process: this one has matplotlib already)."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys\n"
+            "from sim.output.workers import figure_process_start\n"
+            "figure_process_start()\n"
+            "assert 'mpl_toolkits.mplot3d' not in sys.modules and gc.isenabled()\n"
+            "from matplotlib.projections import get_projection_names\n"
+            "assert '3d' not in get_projection_names()\n"
+            "import mpl_toolkits.mplot3d\n")
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and not done.stderr, done.stderr
+
+
 def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
     from sim.errors import UserError
     from sim.output.workers import figure_processes, plot_ways
