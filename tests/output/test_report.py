@@ -615,3 +615,37 @@ def test_log_axes_label_decades_in_plain_text():
     figure_pixels(fig, 20)
     labels = {t.get_text() for t in ax.get_xticklabels() if t.get_text()}
     assert {"10⁰", "10¹", "10⁵"} <= labels and not any("$" in label for label in labels)
+
+
+@pytest.mark.parametrize("low, high", [(1.0, 3e3), (20.0, 80.0)])
+def test_minor_ticks_of_a_log_axis_drawn_as_one_line_look_the_same(low, high):
+    """MinorMarks: a log axis' unlabelled minor ticks are one line of marks, not a Tick each, with
+    the pixels of matplotlib's ticks; where minor ticks are labelled (under a decade) the axis
+    draws them itself."""
+    from matplotlib.figure import Figure
+
+    import sim.output.report as report
+
+    def drawn(marks):
+        fig = Figure(figsize=(8, 5))
+        axes = fig.subplots(1, 2)
+        for ax, log in zip(axes, ("x", "y")):
+            data = np.geomspace(low, high, 20)
+            ax.plot(data, data[::-1] if log == "y" else np.arange(20))
+            ax.set_xscale("log") if log == "x" else ax.set_yscale("log")
+            if marks:
+                report.finish_axes(ax, "t", "y", "x")
+            else:
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(report.MinorMarks, "add_to", classmethod(lambda cls, axis: None))
+                    report.finish_axes(ax, "t", "y", "x")
+        return axes, report.figure_pixels(fig, 60)
+
+    axes, pixels = drawn(True)
+    plain_axes, plain = drawn(False)
+    assert np.array_equal(pixels, plain)
+    for ax, plain_ax, axis in ((axes[0], plain_axes[0], "xaxis"), (axes[1], plain_axes[1], "yaxis")):
+        made, plain_made = len(getattr(ax, axis).minorTicks), len(getattr(plain_ax, axis).minorTicks)
+        labelled = any(t.label1.get_text() for t in getattr(plain_ax, axis).minorTicks)
+        assert plain_made > 5 and (made == plain_made if labelled else made == 1)
+        assert labelled == (high / low < 10)
