@@ -649,3 +649,21 @@ def test_minor_ticks_of_a_log_axis_drawn_as_one_line_look_the_same(low, high):
         labelled = any(t.label1.get_text() for t in getattr(plain_ax, axis).minorTicks)
         assert plain_made > 5 and (made == plain_made if labelled else made == 1)
         assert labelled == (high / low < 10)
+
+
+def test_big_numbers_on_either_axis_are_shortened():
+    """A CDF's x axis in ms reaches 600000 on an overloaded run: side by side, six-digit labels ran
+    together ("100000200000..."); both linear axes label 10,000 and up in thousands."""
+    from matplotlib.figure import Figure
+
+    from sim.output.report import figure_pixels, finish_axes
+
+    fig = Figure(figsize=(4, 3))
+    ax = fig.subplots()
+    ax.plot([0, 6e5], [0, 3e4])
+    finish_axes(ax, "t", "y", "x")
+    figure_pixels(fig, 40)
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        texts = [t.get_text() for t in labels if t.get_text()]
+        assert "600k" in texts or "30k" in texts
+        assert all(len(text) <= 4 for text in texts), texts
