@@ -100,7 +100,7 @@ class RunView:
 
     def step_ms_histogram(self, bins: np.ndarray) -> np.ndarray:
         """Steps per duration bin (ms)."""
-        return self._reduce(("step_ms_histogram", bins.tobytes()), lambda: np.histogram(self.step_ms(), bins)[0])
+        return self._reduce(("step_ms_histogram", bins.tobytes()), lambda: histogram(self.step_ms(), bins))
 
     def series(self, agg: Mapping[str, str], combine: str = "sum") -> tuple[np.ndarray, "Buckets"]:
         """timeline() of the steps (a 'step_ms' column is the step durations)."""
@@ -213,6 +213,18 @@ def step_ms_bins(views: Mapping[str, RunView], bins: int = 60) -> Optional[np.nd
     if not ranges:
         return None
     return np.histogram_bin_edges(np.array([min(lo for lo, _ in ranges), max(hi for _, hi in ranges)]), bins=bins)
+
+
+def histogram(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """np.histogram(values, edges)'s counts. Edges evenly spaced as np.histogram makes them (step_ms_bins'
+    are) are given as their number and range: numpy then bins in one pass instead of sorting every
+    value (a 100k-request run's 600k steps: ~40 ms), with the same counts (numpy corrects each
+    value's computed bin against the edges)."""
+    if len(edges) > 1:
+        counts, even = np.histogram(values, len(edges) - 1, range=(edges[0], edges[-1]))
+        if np.array_equal(even, edges):
+            return counts
+    return np.histogram(values, edges)[0]
 
 
 def drawable_views(views: Mapping[str, RunView]) -> dict[str, RunView]:

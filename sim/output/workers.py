@@ -33,33 +33,63 @@ def warm_up() -> None:
     figure process does this while the parent simulates; copies forked after it inherit the
     loaded font). One text measured, no figure drawn: drawing a small one here cost ~0.16 G
     instructions that the figures' own first drawing did not save (docs/performance.md)."""
-    import sim.output.report  # noqa: F401
-    from matplotlib.backends.backend_agg import RendererAgg
-    from matplotlib.font_manager import FontProperties
+    with collector_paused():
+        import sim.output.report  # noqa: F401
+        from matplotlib.backends.backend_agg import RendererAgg
+        from matplotlib.font_manager import FontProperties
 
-    RendererAgg(10, 10, 72).get_text_width_height_descent("warm-up", FontProperties(), ismath=False)
+        RendererAgg(10, 10, 72).get_text_width_height_descent("warm-up", FontProperties(), ismath=False)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while matplotlib is imported or draws. Both make objects by
+    the hundred thousand, few of them garbage, so the collector ran ~160 times over a run's figures
+    for ~7 % of the figure process's CPU; a figure's few MB of cycles (figure <-> canvas) wait for
+    the next collection after, or for the figure process's exit."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def figure_process_start() -> None:
     """What the figure process does first, while the parent simulates: matplotlib imported without
-    its Artist docstrings, then warm_up. matplotlib writes each Artist subclass's `set()`
-    docstring, a list of every property, as it imports (artist.kwdoc: ~30% of the import's
-    instructions, measured); a process that only draws never reads one, so there the list is left
-    empty. Only where matplotlib has not been imported yet, and only in this process."""
+    its Artist docstrings and without its 3D toolkit, then warm_up. matplotlib writes each Artist
+    subclass's `set()` docstring, a list of every property, as it imports (artist.kwdoc: ~30% of
+    the import's instructions, measured); a process that only draws never reads one, so there the
+    list is left empty. It also imports mpl_toolkits.mplot3d to offer a 3D projection, which no
+    figure here uses (~8 % of the rest of the import): matplotlib goes on without it when the import
+    fails, as it is made to here (its warning about that silenced), and the 3D toolkit stays
+    importable afterwards. Only where matplotlib has not been imported yet, and only in this process."""
     import sys
+    import warnings
 
     if "matplotlib.artist" not in sys.modules:
-        import matplotlib.artist
+        with collector_paused():
+            import matplotlib.artist
 
-        if callable(getattr(matplotlib.artist, "kwdoc", None)):
-            matplotlib.artist.kwdoc = lambda artist: ""
+            if callable(getattr(matplotlib.artist, "kwdoc", None)):
+                matplotlib.artist.kwdoc = lambda artist: ""
+            if "mpl_toolkits.mplot3d" not in sys.modules:
+                sys.modules["mpl_toolkits.mplot3d"] = None     # (an import then fails: Python's documented way)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message="Unable to import Axes3D")
+                        import matplotlib.projections  # noqa: F401
+                finally:
+                    del sys.modules["mpl_toolkits.mplot3d"]
     warm_up()
 
 
 def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
-    from sim.output.report import plot_run_figures
+    with collector_paused():
+        from sim.output.report import plot_run_figures
 
-    return plot_run_figures(views, out_dir, title, names)
+        return plot_run_figures(views, out_dir, title, names)
 
 
 def draw_in_parallel(views: Mapping, out_dir: str, title: str, names: Sequence[str], ways: int) -> dict[str, Path]:

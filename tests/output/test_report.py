@@ -307,6 +307,61 @@ def test_figure_workers_draw_every_run_plot(views, tmp_path, processes):
     assert np.array_equal(read_png(drawn["overview"])[0], read_png(alone["overview"])[0])
 
 
+def test_histogram_on_even_edges_counts_as_numpy_does_on_the_edges():
+    """views.histogram bins evenly spaced edges by their number and range (no sort): the counts of
+    np.histogram on the edges themselves, values on an edge included; other edges as given."""
+    from sim.output.views import histogram
+
+    rng = np.random.default_rng(7)
+    samples = [rng.exponential(80.0, 5000), np.round(rng.random(3000) * 50, 1), np.full(40, 12.5),
+               rng.random(1) * 3]
+    for values in samples:
+        edges = np.histogram_bin_edges(np.array([values.min(), values.max()]), bins=60)
+        for sample in (values, np.concatenate([values, edges, edges[:-1] + np.spacing(edges[:-1])])):
+            assert np.array_equal(histogram(sample, edges), np.histogram(sample, edges)[0])
+    uneven = np.array([0.0, 1.0, 10.0, 100.0])
+    values = np.array([0.5, 1.0, 5.0, 99.0, 100.0, 150.0])
+    assert histogram(values, uneven).tolist() == [1, 2, 2]
+
+
+def test_collector_paused_restores_the_collector_as_it_was():
+    import gc
+
+    from sim.output.workers import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()          # a caller's choice is kept
+    finally:
+        gc.enable()
+
+
+def test_figure_process_start_leaves_3d_importable_and_warns_nothing():
+    """The figure process imports matplotlib without its 3D toolkit, silently, and leaves the
+    toolkit importable and the collector on (a fresh process: this one has matplotlib already)."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys\n"
+            "from sim.output.workers import figure_process_start\n"
+            "figure_process_start()\n"
+            "assert 'mpl_toolkits.mplot3d' not in sys.modules and gc.isenabled()\n"
+            "from matplotlib.projections import get_projection_names\n"
+            "assert '3d' not in get_projection_names()\n"
+            "import mpl_toolkits.mplot3d\n")
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and not done.stderr, done.stderr
+
+
 def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
     from sim.errors import UserError
     from sim.output.workers import figure_processes, plot_ways
@@ -560,3 +615,55 @@ def test_log_axes_label_decades_in_plain_text():
     figure_pixels(fig, 20)
     labels = {t.get_text() for t in ax.get_xticklabels() if t.get_text()}
     assert {"10⁰", "10¹", "10⁵"} <= labels and not any("$" in label for label in labels)
+
+
+@pytest.mark.parametrize("low, high", [(1.0, 3e3), (20.0, 80.0)])
+def test_minor_ticks_of_a_log_axis_drawn_as_one_line_look_the_same(low, high):
+    """MinorMarks: a log axis' unlabelled minor ticks are one line of marks, not a Tick each, with
+    the pixels of matplotlib's ticks; where minor ticks are labelled (under a decade) the axis
+    draws them itself."""
+    from matplotlib.figure import Figure
+
+    import sim.output.report as report
+
+    def drawn(marks):
+        fig = Figure(figsize=(8, 5))
+        axes = fig.subplots(1, 2)
+        for ax, log in zip(axes, ("x", "y")):
+            data = np.geomspace(low, high, 20)
+            ax.plot(data, data[::-1] if log == "y" else np.arange(20))
+            ax.set_xscale("log") if log == "x" else ax.set_yscale("log")
+            if marks:
+                report.finish_axes(ax, "t", "y", "x")
+            else:
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(report.MinorMarks, "add_to", classmethod(lambda cls, axis: None))
+                    report.finish_axes(ax, "t", "y", "x")
+        return axes, report.figure_pixels(fig, 60)
+
+    axes, pixels = drawn(True)
+    plain_axes, plain = drawn(False)
+    assert np.array_equal(pixels, plain)
+    for ax, plain_ax, axis in ((axes[0], plain_axes[0], "xaxis"), (axes[1], plain_axes[1], "yaxis")):
+        made, plain_made = len(getattr(ax, axis).minorTicks), len(getattr(plain_ax, axis).minorTicks)
+        labelled = any(t.label1.get_text() for t in getattr(plain_ax, axis).minorTicks)
+        assert plain_made > 5 and (made == plain_made if labelled else made == 1)
+        assert labelled == (high / low < 10)
+
+
+def test_big_numbers_on_either_axis_are_shortened():
+    """A CDF's x axis in ms reaches 600000 on an overloaded run: side by side, six-digit labels ran
+    together ("100000200000..."); both linear axes label 10,000 and up in thousands."""
+    from matplotlib.figure import Figure
+
+    from sim.output.report import figure_pixels, finish_axes
+
+    fig = Figure(figsize=(4, 3))
+    ax = fig.subplots()
+    ax.plot([0, 6e5], [0, 3e4])
+    finish_axes(ax, "t", "y", "x")
+    figure_pixels(fig, 40)
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        texts = [t.get_text() for t in labels if t.get_text()]
+        assert "600k" in texts or "30k" in texts
+        assert all(len(text) <= 4 for text in texts), texts
