@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import defaultdict
+from functools import partial
 from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
@@ -475,10 +476,14 @@ class DecodeCohort:
                         for req in by_phase[(phase - i) % bs]:
                             req.blocks.append(anon)
             else:
-                self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
+                crossings = []
+                for i, w in enumerate(walked):
+                    if w:
+                        crossings.append(by_phase[(phase - i) % bs])
+                self._hand_out(crossings, blocks)
             if evicted_at:
-                ends = list(accumulate(walked))
-                evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
+                # (map, not a comprehension: one reading a local makes it a cell at every call)
+                evicted_by_step = list(map(partial(bisect_left, evicted_at), accumulate(walked)))
             kv.held_slots += bs * total
             self.blocks_walked += total
         if self._public_fillers:
