@@ -98,8 +98,9 @@ class DecodeCohort:
         self.window = layout.sliding_window
         # One table of blocks with no ids (CountingBlockPool): crossing members take theirs in any
         # order, and all alike, so `advance` and `advance_many` only count them: a member's table
-        # is written when read (`block_table`).
+        # is written when read (`block_table`; paged: a contiguous table is whole from admission).
         self.any_order = not self.per_group_tables and not self.named
+        self.tables_owed = self.any_order and self.paged
         self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
         self.private_blocks = layout.private_blocks   # members' private fills registered as such (kv/coordinator.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
@@ -165,7 +166,7 @@ class DecodeCohort:
         self.crossings[(1 - offset) % self.block_size] -= 1
         if self._joined:
             self._joined.pop(req, None)
-        if self.any_order:
+        if self.tables_owed:
             self.block_table(req)            # (its table written up to its context)
         runs, start, last = self.emission(req)
         req.__class__ = Request
@@ -188,7 +189,7 @@ class DecodeCohort:
         written up to its context when it is read (the one-by-one loop's table: one ANON per block
         since it joined), at the latest when it leaves."""
         blocks = _own_blocks(req)
-        if self.any_order:
+        if self.tables_owed:
             owed = -(-(req.cohort_computed + self.scheduled_step) // self.block_size) - len(blocks)
             if owed > 0:
                 blocks += [ANON] * owed
