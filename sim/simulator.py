@@ -79,6 +79,10 @@ def build_replica(index: int, scenario, plan: MemoryPlan, lazy_decode: bool = Tr
 
 
 LEAP_SCALAR_STEPS = 32     # a leap's first steps priced one by one (numpy for the rest of a long one)
+# A member finishing at the next step leaves a leap of one step, whose fixed work (plan, apply,
+# record) costs more than the one-by-one step (bench/instructions.py bench-150: 1,043.3M with such
+# leaps, 1,037.8M without; 1,044.2M without two-step ones too)
+LEAP_MIN_STEPS = 2
 # vLLM's data-parallel ranks all-reduce "any unfinished requests?" only every 32nd step
 # (DPEngineCoreProc._has_global_unfinished_reqs, vllm/v1/engine/core.py, 0.19)
 LOCKSTEP_CHECK_STEPS = 32
@@ -613,7 +617,7 @@ class Simulation:
         (the next routing): that step was scheduled before the routing in the one-by-one path
         too, and its finish comes after it, so the router sees the same states. (A step ending
         exactly at `horizon` is left out: which of the two comes first is SimPy's queue order.)"""
-        plan = plan_leap(sched, max_steps=1 << 30)
+        plan = plan_leap(sched, 1 << 30, LEAP_MIN_STEPS)
         if plan is not None and self.cost_model.eager_context is not None:
             graph_steps = self._graph_steps(sched)
             if graph_steps < plan.max_steps:        # (plan_leap reads the scheduler, changes nothing)

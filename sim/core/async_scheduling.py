@@ -21,6 +21,15 @@ class AsyncScheduling:
     holds_arrivals = True                   # (while `in_flight`: the leap planner asks)
     state = ("_finishing", "in_flight")     # the composed class's slots (make_scheduler)
 
+    def __init_subclass__(cls, **kwargs):
+        """The composed scheduler's (sim/core/scheduler_variants.py) next `schedule` and
+        `_free_finished` after this mixin, found once: `super()` makes a proxy and walks the MRO
+        at every call (Python 3.11), and these two run at every step and every finish."""
+        super().__init_subclass__(**kwargs)
+        after = cls.__mro__[cls.__mro__.index(AsyncScheduling) + 1:]
+        cls._next_schedule = next(c.__dict__["schedule"] for c in after if "schedule" in c.__dict__)
+        cls._next_free_finished = next(c.__dict__["_free_finished"] for c in after if "_free_finished" in c.__dict__)
+
     def __init__(self, config, kv, offload=None):
         super().__init__(config, kv, offload)
         self._finishing: list = []     # the last step's finishers, in `running` until the next pass ran
@@ -45,11 +54,11 @@ class AsyncScheduling:
         """The pass does not see the requests that arrived while the last step ran (`arriving`);
         they join WAITING after it, or at once when it finds nothing to run (vLLM's empty turn
         costs nothing and the next turn takes them)."""
-        batch = super().schedule()
+        batch = self._next_schedule()
         if self.arriving:
             self.take_arriving()
             if batch is None:
-                batch = super().schedule()
+                batch = self._next_schedule()
         self.in_flight = batch is not None
         return batch
 
@@ -93,7 +102,7 @@ class AsyncScheduling:
         """Free the finished requests in `_finishing` and take them out of RUNNING."""
         finishing, self._finishing = self._finishing, []
         self.pending_release = False
-        super()._free_finished(finishing)
+        self._next_free_finished(finishing)
 
     def check_accounting(self) -> None:
         if self.pending_release != bool(self._finishing):

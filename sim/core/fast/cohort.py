@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import defaultdict
+from functools import partial
 from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
@@ -46,6 +47,7 @@ from sim.core.request import Request
 
 _run_seq = attrgetter("run_seq")      # a request's position in the running list (a C-level sort key)
 _own_last_emit = Request.last_emit.__get__    # a member's own last_emit field (the property hides it)
+_own_blocks = Request.blocks.__get__          # a member's own block table (the property hides it)
 
 
 class CohortMember(Request):
@@ -73,6 +75,10 @@ class CohortMember(Request):
     def last_emit(self) -> int:
         return self.cohort.last_emit(self)
 
+    @property
+    def blocks(self) -> list:
+        return self.cohort.block_table(self)
+
 
 class DecodeCohort:
     def __init__(self, layout: CacheLayout):
@@ -91,8 +97,10 @@ class DecodeCohort:
         self.per_group_tables = layout.per_group_tables
         self.window = layout.sliding_window
         # One table of blocks with no ids (CountingBlockPool): crossing members take theirs in any
-        # order, so `advance` and `advance_many` hand them out inline, not through `_hand_out`.
+        # order, and all alike, so `advance` and `advance_many` only count them: a member's table
+        # is written when read (`block_table`; paged: a contiguous table is whole from admission).
         self.any_order = not self.per_group_tables and not self.named
+        self.tables_owed = self.any_order and self.paged
         self._joined: dict[Request, None] = {}   # (window) members yet to free what their join left
         self.private_blocks = layout.private_blocks   # members' private fills registered as such (kv/coordinator.py)
         self._public_fillers = 0      # members whose fills are mapped as they happen (caching only)
@@ -158,6 +166,8 @@ class DecodeCohort:
         self.crossings[(1 - offset) % self.block_size] -= 1
         if self._joined:
             self._joined.pop(req, None)
+        if self.tables_owed:
+            self.block_table(req)            # (its table written up to its context)
         runs, start, last = self.emission(req)
         req.__class__ = Request
         req.emit_runs, req.emit_start, req.last_emit = runs, start, last
@@ -172,6 +182,18 @@ class DecodeCohort:
                     req.num_registered = full
             else:
                 self._public_fillers -= 1
+
+    def block_table(self, req: Request) -> list:
+        """A member's block table (`Request.blocks`). Unnamed blocks (`any_order`) are all alike, so
+        the steps hand a crossing member none: the pool counts them, and the member's table is
+        written up to its context when it is read (the one-by-one loop's table: one ANON per block
+        since it joined), at the latest when it leaves."""
+        blocks = _own_blocks(req)
+        if self.tables_owed:
+            owed = -(-(req.cohort_computed + self.scheduled_step) // self.block_size) - len(blocks)
+            if owed > 0:
+                blocks += [ANON] * owed
+        return blocks
 
     def last_emit(self, req: Request) -> int:
         """The step of a member's latest token (it joined after emitting one)."""
@@ -334,10 +356,7 @@ class DecodeCohort:
         self.blocks_walked += len(crossing)
         if self.paged and crossing:
             blocks = kv.pool.get_new_blocks(len(crossing) * self.tables)
-            if self.any_order:             # (unnamed blocks: the take counts and evicts, every one is ANON)
-                for req in crossing:
-                    req.blocks.append(ANON)
-            else:
+            if not self.any_order:         # (unnamed blocks: the take counts and evicts; `block_table`)
                 self._hand_out((crossing,), blocks)
             kv.held_slots += bs * len(crossing)
         if self._public_fillers:
@@ -467,23 +486,21 @@ class DecodeCohort:
         if total:
             evicted_at: list[int] = []
             blocks = kv.pool.get_new_blocks(total, evicted_at)
-            phase = 1 - clock
-            if self.any_order:             # (unnamed blocks: the take counts and evicts, every one is ANON)
-                anon = ANON
+            if not self.any_order:         # (unnamed blocks: the take counts and evicts; `block_table`)
+                phase = 1 - clock
+                crossings = []
                 for i, w in enumerate(walked):
                     if w:
-                        for req in by_phase[(phase - i) % bs]:
-                            req.blocks.append(anon)
-            else:
-                self._hand_out([by_phase[(phase - i) % bs] for i, w in enumerate(walked) if w], blocks)
+                        crossings.append(by_phase[(phase - i) % bs])
+                self._hand_out(crossings, blocks)
             if evicted_at:
-                ends = list(accumulate(walked))
-                evicted_by_step = [bisect_left(evicted_at, end) for end in ends]
+                # (map, not a comprehension: one reading a local makes it a cell at every call)
+                evicted_by_step = list(map(partial(bisect_left, evicted_at), accumulate(walked)))
             kv.held_slots += bs * total
             self.blocks_walked += total
+        self.scheduled_step = step + len(walked) - 1 - self.offset   # (before the fills read members' tables)
         if self._public_fillers:
             self._register_fills(range(clock, clock + len(walked)), kv)
-        self.scheduled_step = step + len(walked) - 1 - self.offset
         return evicted_by_step
 
     @staticmethod

@@ -37,7 +37,8 @@ in bulk; equal, bit for bit, to pricing the steps one by one (same float operati
 from __future__ import annotations
 
 import math
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import sub
 from typing import Optional
 
 import numpy as np
@@ -340,15 +341,15 @@ def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[li
         slack.append(slack_tokens)
     if cohort.per_group_tables:
         free, cached = cohort.advance_grouped(plan.first_step + done, k - done, kv)
-        usable = kv.pool.usable_blocks
-        used = [usable - f for f in free]
+        # (maps, not comprehensions: one reading a local makes it a cell at every call)
+        used = list(map(sub, repeat(kv.pool.usable_blocks), free))
         if done:
             used.insert(0, used0)
             cached.insert(0, cached0)
         return used, cached, slack
     evicted = cohort.advance_many(plan.first_step + done, walked, kv)
     if evicted:                                         # (counts so far)
-        cached = [cached0 - e for e in evicted]
+        cached = list(map(sub, repeat(cached0), evicted))
         if done:
             cached.insert(0, cached0)
     else:
