@@ -129,6 +129,19 @@ class CountingBlockPool(BlockPool):
             self._queue += [EMPTY] * n
         self.num_free += n
 
+    def queue_unnamed(self, n: int) -> tuple[int, int]:
+        """free_unnamed, returning where the first of them joined the free queue (queue_mark before
+        it: one call for a window's usual free and its record)."""
+        queue = self._queue
+        mark = len(self._moves), self._base + len(queue)
+        if self.enable_caching:
+            queue += [CACHED] * n
+            self.num_cached_free += n
+        else:
+            queue += [EMPTY] * n
+        self.num_free += n
+        return mark
+
     def publish_queued(self, blocks: list[int], positions: list[int], hashes: list[int]) -> None:
         """Map free blocks with private content at these queue positions, in order (the unnamed
         ones among `blocks`: each gets an id where its CACHED entry was, staying free)."""
