@@ -120,6 +120,32 @@ class CountingBlockPool(BlockPool):
         self.num_free += len(entries)
         self.num_cached_free += len(entries) - entries.count(EMPTY)
 
+    def free_in_steps(self, blocks: list[int], ends: list[int]) -> tuple[list[int], list[int]]:
+        # (free_blocks' loop over the steps at once: one pass, the queue extended once)
+        queue = self._queue
+        content = CACHED if self.enable_caching else EMPTY
+        entries: list[int] = []
+        gained: list[int] = []
+        ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
+        start = 0
+        for end in ends:
+            for i in range(start, end):
+                block = blocks[i]
+                if block == ANON:
+                    entries.append(content)
+                else:                      # (_release, inline)
+                    left = ref[block] - 1
+                    ref[block] = left
+                    if not left:
+                        where[block] = at + len(entries)
+                        entries.append(block)
+            gained.append(len(entries))
+            start = end
+        queue += entries
+        self.num_free += len(entries)
+        self.num_cached_free += len(entries) - entries.count(EMPTY)
+        return gained, gained if self.enable_caching else [0] * len(gained)
+
     def free_unnamed(self, n: int) -> None:
         """free_blocks of n unnamed blocks (private content: CACHED; EMPTY without prefix caching)."""
         if self.enable_caching:

@@ -181,17 +181,20 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
-        ref = self.ref_cnt
+        ref, stale, where, push = self.ref_cnt, self._stale, self._where, heapq.heappush
+        revived = 0
         for block in blocks:
             count = ref[block]
             if not count:
-                if not self.enable_caching:
+                if where is None:          # (no positions kept: a pool without prefix caching)
                     raise AssertionError("cache hits in a pool without prefix caching")
-                heapq.heappush(self._stale, self._where[block])
-                self.num_free -= 1
-                self.num_cached_free -= 1
+                push(stale, where[block])
+                revived += 1
             ref[block] = count + 1
-        if len(self._stale) > self.compact_at and len(self._stale) * 2 > len(self._queue) - self._head:
+        if revived:                        # (the counts once a call: a sliding hit revives ~8 blocks)
+            self.num_free -= revived
+            self.num_cached_free -= revived
+        if len(stale) > self.compact_at and len(stale) * 2 > len(self._queue) - self._head:
             self._compact()
 
     def free_among(self, blocks: list[int]) -> int:
@@ -249,6 +252,21 @@ class BlockPool:
         queue += freed
         self.num_free += len(freed)
         self.num_cached_free += revivable
+
+    def free_in_steps(self, blocks: list[int], ends: list[int]) -> tuple[list[int], list[int]]:
+        """free_blocks of each step's blocks in turn (blocks[:ends[0]], then blocks[ends[0]:ends[1]],
+        ...); returns the free and the cached-free blocks gained by each step's end."""
+        free0, cached0 = self.num_free, self.num_cached_free
+        free: list[int] = []
+        cached: list[int] = []
+        start = 0
+        for end in ends:
+            if end > start:
+                self.free_blocks(blocks[start:end])
+                start = end
+            free.append(self.num_free - free0)
+            cached.append(self.num_cached_free - cached0)
+        return free, cached
 
     def track_positions(self) -> None:
         """Keep what queued_at needs to follow a free entry's position across compactions."""

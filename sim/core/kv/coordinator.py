@@ -551,14 +551,9 @@ class HybridCoordinator(KVCacheCoordinator):
         if gains is None:
             pool.free_blocks(removed)
             return
-        free0, cached0 = pool.num_free, pool.num_cached_free          # (step by step)
-        start = 0
-        for end in ends:
-            if end > start:
-                pool.free_blocks(removed[start:end])
-                start = end
-            gains[0].append(pool.num_free - free0)
-            gains[1].append(pool.num_cached_free - cached0)
+        freed, cached = pool.free_in_steps(removed, ends)   # (a named block joins only when no one holds it)
+        gains[0].extend(freed)
+        gains[1].extend(cached)
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish, in every group, the request's blocks that `num_tokens` tokens fill completely
@@ -573,7 +568,7 @@ class HybridCoordinator(KVCacheCoordinator):
             private = req.first_private_block(bs)
             if private < full:
                 public_end = private
-        tables = self._tables(req)
+        tables = req.group_tables or self._tables(req)
         if public_end > first:
             req.extend_block_hashes(public_end, bs)
             hashes = req.block_hashes[first:public_end]
