@@ -129,18 +129,18 @@ class CountingBlockPool(BlockPool):
         ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
         start = 0
         for end in ends:
-            for i in range(start, end):
-                block = blocks[i]
-                if block == ANON:
-                    entries.append(content)
-                else:                      # (_release, inline)
-                    left = ref[block] - 1
-                    ref[block] = left
-                    if not left:
-                        where[block] = at + len(entries)
-                        entries.append(block)
+            if end > start:
+                for block in blocks[start:end]:
+                    if block == ANON:
+                        entries.append(content)
+                    else:                  # (_release, inline)
+                        left = ref[block] - 1
+                        ref[block] = left
+                        if not left:
+                            where[block] = at + len(entries)
+                            entries.append(block)
+                start = end
             gained.append(len(entries))
-            start = end
         queue += entries
         self.num_free += len(entries)
         self.num_cached_free += len(entries) - entries.count(EMPTY)
@@ -219,7 +219,7 @@ class CountingBlockPool(BlockPool):
         unnamed = table.count(ANON)
         named = n - unnamed
         queue = self._queue
-        if table[named:].count(ANON) == unnamed:     # named blocks first (hits, a public prompt): usual
+        if not named or table[named:].count(ANON) == unnamed:     # named blocks first (hits, a public prompt): usual
             freed = self._release(table[named - 1::-1], len(queue) + unnamed) if named else []
             queue += [EMPTY] * (n - num_registered)
             queue += [CACHED] * (num_registered - named)

@@ -622,9 +622,23 @@ class HybridCoordinator(KVCacheCoordinator):
                 self._settle_private(req, window_freed)
             self.manager.held_slots -= len(req.blocks) * self.block_size
             registered, leases = req.num_registered, req.kv_lease
-            for g, table in enumerate(tables):
-                nulls = table[:registered].count(NULL_BLOCK)      # (none past the registered blocks)
-                self.pool.free_table(_held(table), registered - nulls, leases[g] if leases else None)
+            for g, (table, full) in enumerate(zip(tables, self.full_attention)):
+                if full:                   # (a full-attention table holds no null block)
+                    self.pool.free_table(table, registered, leases[g] if leases else None)
+                    continue
+                # (its null entries: none, or leading ones, behind the window or a hit's before it;
+                # counted once, over the registered blocks as the pool counts them)
+                nulls = table.count(NULL_BLOCK)
+                if not nulls:
+                    held = table
+                elif table[nulls - 1] == NULL_BLOCK:
+                    held = table[nulls:]
+                    if nulls > registered:
+                        nulls = registered
+                else:
+                    held = _held(table)
+                    nulls = table[:registered].count(NULL_BLOCK)
+                self.pool.free_table(held, registered - nulls, leases[g] if leases else None)
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0
