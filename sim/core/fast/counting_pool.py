@@ -146,18 +146,10 @@ class CountingBlockPool(BlockPool):
         self.num_cached_free += len(entries) - entries.count(EMPTY)
         return gained, gained if self.enable_caching else [0] * len(gained)
 
-    def free_unnamed(self, n: int) -> None:
-        """free_blocks of n unnamed blocks (private content: CACHED; EMPTY without prefix caching)."""
-        if self.enable_caching:
-            self._queue += [CACHED] * n
-            self.num_cached_free += n
-        else:
-            self._queue += [EMPTY] * n
-        self.num_free += n
-
-    def queue_unnamed(self, n: int) -> tuple[int, int]:
-        """free_unnamed, returning where the first of them joined the free queue (queue_mark before
-        it: one call for a window's usual free and its record)."""
+    def free_unnamed(self, n: int) -> tuple[int, int]:
+        """free_blocks of n unnamed blocks (private content: CACHED; EMPTY without prefix caching);
+        returns where the first of them joined the free queue (queue_mark before the free: a
+        window's usual free takes its record's mark and frees in one call)."""
         queue = self._queue
         mark = len(self._moves), self._base + len(queue)
         if self.enable_caching:

@@ -90,7 +90,8 @@ class BlockPool:
         # Each compaction's (first position it kept, the stale positions it dropped, sorted), kept
         # only once `track_positions` is called: a free entry's position, taken with queue_mark,
         # can then be followed across compactions (queued_at).
-        self._moves: Optional[list[tuple[int, list[int]]]] = None
+        self._moves: list[tuple[int, list[int]]] = []
+        self._tracking = False
 
     @property
     def usable_blocks(self) -> int:
@@ -209,7 +210,7 @@ class BlockPool:
 
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
-        if self._moves is not None:
+        if self._tracking:
             self._moves.append((self._base + self._head, sorted(self._stale)))
         live = self._freed_queue()
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
@@ -270,8 +271,7 @@ class BlockPool:
 
     def track_positions(self) -> None:
         """Keep what queued_at needs to follow a free entry's position across compactions."""
-        if self._moves is None:
-            self._moves = []
+        self._tracking = True
 
     def queue_mark(self) -> tuple[int, int]:
         """Where the next freed block joins the free queue: (compactions so far, position)."""

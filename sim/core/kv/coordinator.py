@@ -518,10 +518,9 @@ class HybridCoordinator(KVCacheCoordinator):
             self._free_removed(removed, free if track else None, ends, gains)
             return
         # (the usual free, unnamed blocks only: each joins the free queue, one a block)
-        if track:                          # (the queue has not moved since the call began)
-            free[0], free[1] = pool.queue_unnamed(len(removed))
-        else:
-            pool.free_unnamed(len(removed))
+        mark = pool.free_unnamed(len(removed))
+        if track:                          # (the queue had not moved since the call began)
+            free[0], free[1] = mark
         if gains is not None:
             gains[0].extend(ends)
             gains[1].extend(ends if pool.enable_caching else [0] * len(ends))
