@@ -156,11 +156,11 @@ def sliding_window_hit_run(cached: list[bool], block_size: int, window: int) -> 
     `first` are null); a run reaching block 0 counts even when shorter. (The scan is a search of
     the flags as bytes, at C speed: the last `need` cached blocks in a row, else the leading run.)
     """
-    need = blocks_for_tokens(window - 1, block_size)
+    need = blocks_for_tokens(window - 1, block_size) or 1     # (a window of one token: the last cached block)
     flags = bytes(cached)
-    first = flags.rfind(b"\x01" * max(need, 1))     # (a window of one token: the last cached block)
+    first = flags.rfind(b"\x01" * need)
     if first >= 0:
-        return first, first + max(need, 1)
+        return first, first + need
     leading = flags.find(b"\x00")
     return 0, len(flags) if leading < 0 else leading     # a run from block 0 shorter than the window
 

@@ -352,3 +352,42 @@ def test_a_window_free_of_private_then_named_blocks_queues_as_the_engines_pool(o
                 for b in pool.free_queue]
 
     assert queue_after(CountingBlockPool) == queue_after(BlockPool)
+
+
+@pytest.mark.parametrize("ends", [[5], [2, 2, 5], [0, 3, 3, 5], [1, 2, 3, 4, 5]])
+def test_a_stretch_of_window_frees_in_steps_is_its_steps_freed_in_turn(ends):
+    """free_in_steps (a decode stretch's window frees, each step's blocks in turn) gives the free
+    queue and the free and cached-free gains by each step's end that free_blocks called step by
+    step gives, on both pools: private blocks, a named block with a second holder (it joins only
+    at its last reference, freed twice) and steps that free nothing."""
+    def freed(pool_class, in_steps):
+        pool = pool_class(12)
+        table = pool.get_new_blocks(4)
+        if pool_class is CountingBlockPool:
+            named = pool.name(2)
+            private = [ANON, ANON]
+        else:
+            named, private = table[:2], table[2:]
+            pool.cache_private(private)
+        pool.cache_blocks(named, [5, 6])
+        pool.touch(named[:1])                          # named[0] has a second holder
+        blocks = [private[0], named[0], private[1], named[0], named[1]]
+        if in_steps:
+            gains = pool.free_in_steps(blocks, ends)
+        else:
+            free0, cached0, gains, start = pool.num_free, pool.num_cached_free, ([], []), 0
+            for end in ends:
+                pool.free_blocks(blocks[start:end])
+                start = end
+                gains[0].append(pool.num_free - free0)
+                gains[1].append(pool.num_cached_free - cached0)
+        pool.check_invariants()
+        hashes = pool.block_hash
+        return gains, [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b]
+                       else EMPTY for b in pool.free_queue]
+
+    expected = freed(BlockPool, in_steps=False)
+    assert expected[0][0][-1] == 4 and expected[1][-2:] == [5, 6]    # named[0] joined once, at its last free
+    for pool_class in (BlockPool, CountingBlockPool):
+        assert freed(pool_class, in_steps=True) == expected
+        assert freed(pool_class, in_steps=False) == expected

@@ -120,14 +120,45 @@ class CountingBlockPool(BlockPool):
         self.num_free += len(entries)
         self.num_cached_free += len(entries) - entries.count(EMPTY)
 
-    def free_unnamed(self, n: int) -> None:
-        """free_blocks of n unnamed blocks (private content: CACHED; EMPTY without prefix caching)."""
+    def free_in_steps(self, blocks: list[int], ends: list[int]) -> tuple[list[int], list[int]]:
+        # (free_blocks' loop over the steps at once: one pass, the queue extended once)
+        queue = self._queue
+        content = CACHED if self.enable_caching else EMPTY
+        entries: list[int] = []
+        gained: list[int] = []
+        ref, where, at = self.ref_cnt, self._where, self._base + len(queue)
+        start = 0
+        for end in ends:
+            if end > start:
+                for block in blocks[start:end]:
+                    if block == ANON:
+                        entries.append(content)
+                    else:                  # (_release, inline)
+                        left = ref[block] - 1
+                        ref[block] = left
+                        if not left:
+                            where[block] = at + len(entries)
+                            entries.append(block)
+                start = end
+            gained.append(len(entries))
+        queue += entries
+        self.num_free += len(entries)
+        self.num_cached_free += len(entries) - entries.count(EMPTY)
+        return gained, gained if self.enable_caching else [0] * len(gained)
+
+    def free_unnamed(self, n: int) -> tuple[int, int]:
+        """free_blocks of n unnamed blocks (private content: CACHED; EMPTY without prefix caching);
+        returns where the first of them joined the free queue (queue_mark before the free: a
+        window's usual free takes its record's mark and frees in one call)."""
+        queue = self._queue
+        mark = len(self._moves), self._base + len(queue)
         if self.enable_caching:
-            self._queue += [CACHED] * n
+            queue += [CACHED] * n
             self.num_cached_free += n
         else:
-            self._queue += [EMPTY] * n
+            queue += [EMPTY] * n
         self.num_free += n
+        return mark
 
     def publish_queued(self, blocks: list[int], positions: list[int], hashes: list[int]) -> None:
         """Map free blocks with private content at these queue positions, in order (the unnamed
@@ -180,7 +211,7 @@ class CountingBlockPool(BlockPool):
         unnamed = table.count(ANON)
         named = n - unnamed
         queue = self._queue
-        if table[named:].count(ANON) == unnamed:     # named blocks first (hits, a public prompt): usual
+        if not named or table[named:].count(ANON) == unnamed:     # named blocks first (hits, a public prompt): usual
             freed = self._release(table[named - 1::-1], len(queue) + unnamed) if named else []
             queue += [EMPTY] * (n - num_registered)
             queue += [CACHED] * (num_registered - named)

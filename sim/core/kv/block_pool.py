@@ -90,7 +90,8 @@ class BlockPool:
         # Each compaction's (first position it kept, the stale positions it dropped, sorted), kept
         # only once `track_positions` is called: a free entry's position, taken with queue_mark,
         # can then be followed across compactions (queued_at).
-        self._moves: Optional[list[tuple[int, list[int]]]] = None
+        self._moves: list[tuple[int, list[int]]] = []
+        self._tracking = False
 
     @property
     def usable_blocks(self) -> int:
@@ -181,17 +182,20 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cache-hit blocks, reviving those sitting in the free queue."""
-        ref = self.ref_cnt
+        ref, stale, where, push = self.ref_cnt, self._stale, self._where, heapq.heappush
+        revived = 0
         for block in blocks:
             count = ref[block]
             if not count:
-                if not self.enable_caching:
+                if where is None:          # (no positions kept: a pool without prefix caching)
                     raise AssertionError("cache hits in a pool without prefix caching")
-                heapq.heappush(self._stale, self._where[block])
-                self.num_free -= 1
-                self.num_cached_free -= 1
+                push(stale, where[block])
+                revived += 1
             ref[block] = count + 1
-        if len(self._stale) > self.compact_at and len(self._stale) * 2 > len(self._queue) - self._head:
+        if revived:                        # (the counts once a call: a sliding hit revives ~8 blocks)
+            self.num_free -= revived
+            self.num_cached_free -= revived
+        if len(stale) > self.compact_at and len(stale) * 2 > len(self._queue) - self._head:
             self._compact()
 
     def free_among(self, blocks: list[int]) -> int:
@@ -206,7 +210,7 @@ class BlockPool:
 
     def _compact(self) -> None:
         """Rebuild the queue without its stale entries (when they outnumber the live ones)."""
-        if self._moves is not None:
+        if self._tracking:
             self._moves.append((self._base + self._head, sorted(self._stale)))
         live = self._freed_queue()
         self._queue, self._head, self._base, self._stale = live, 0, 0, []
@@ -250,10 +254,24 @@ class BlockPool:
         self.num_free += len(freed)
         self.num_cached_free += revivable
 
+    def free_in_steps(self, blocks: list[int], ends: list[int]) -> tuple[list[int], list[int]]:
+        """free_blocks of each step's blocks in turn (blocks[:ends[0]], then blocks[ends[0]:ends[1]],
+        ...); returns the free and the cached-free blocks gained by each step's end."""
+        free0, cached0 = self.num_free, self.num_cached_free
+        free: list[int] = []
+        cached: list[int] = []
+        start = 0
+        for end in ends:
+            if end > start:
+                self.free_blocks(blocks[start:end])
+                start = end
+            free.append(self.num_free - free0)
+            cached.append(self.num_cached_free - cached0)
+        return free, cached
+
     def track_positions(self) -> None:
         """Keep what queued_at needs to follow a free entry's position across compactions."""
-        if self._moves is None:
-            self._moves = []
+        self._tracking = True
 
     def queue_mark(self) -> tuple[int, int]:
         """Where the next freed block joins the free queue: (compactions so far, position)."""

@@ -17,7 +17,7 @@ One departure, invisible to every lookup and figure: blocks only their own reque
 up (`private_blocks` of either coordinator) stay out of the hash map unless that request is
 preempted (with a window: also those its sliding groups freed that the pool still holds).
 
-The unitary coordinator's per-request paths take the lesser or greater of two ints with a
+Both coordinators' per-request paths take the lesser or greater of two ints with a
 comparison, not `min`/`max`: under CPython 3.11 a call to either costs ~1,200 instructions (it
 parses keywords), a comparison ~100, and each request passes here several times.
 """
@@ -331,12 +331,15 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def blocks_needed_at_most(self, req: Request) -> int:
         """Blocks of every group a request holds at its longest (a sliding group: at most the cap)."""
-        blocks = cdiv(req.max_len, self.block_size)
-        g = self.groups
+        bs, g = self.block_size, self.groups
+        blocks = cdiv(req.max_len, bs)
+        # (the lesser and greater by comparisons: see the module's docstring)
+        most = g.full_groups * blocks + g.sliding_groups * (blocks if blocks < self.sliding_cap else self.sliding_cap)
         if not self.sliding_admission_cap:     # vLLM 0.19's gate: the whole prompt in every group
-            return max(g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap),
-                       g.num_groups * cdiv(req.prompt_len, self.block_size))
-        return g.full_groups * blocks + g.sliding_groups * min(blocks, self.sliding_cap)
+            prompt = self.num_groups * cdiv(req.prompt_len, bs)
+            if prompt > most:
+                return prompt
+        return most
 
     def find_cached_prefix(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """Per group, the cached blocks a new request starts from (null where a sliding group
@@ -391,7 +394,8 @@ class HybridCoordinator(KVCacheCoordinator):
         self.manager.held_slots += (len(req.blocks) - held) * self.block_size
         if self.enable_caching:
             covered = req.num_computed + (len(hits[0]) if hits else 0) * self.block_size + num_new_tokens
-            self.register_full_blocks(req, min(covered, req.num_tokens))
+            known = req.num_tokens
+            self.register_full_blocks(req, covered if covered < known else known)
         return True
 
     def would_fit(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks, gate_tokens: int,
@@ -406,7 +410,9 @@ class HybridCoordinator(KVCacheCoordinator):
         held = len(req.blocks)
         num_hit = len(hit_blocks[0]) if hit_blocks else 0
         covered = req.num_computed + num_hit * bs + num_new_tokens
-        need = max(cdiv(covered + lookahead_tokens, bs) - held - num_hit, 0)
+        need = cdiv(covered + lookahead_tokens, bs) - held - num_hit
+        if need < 0:
+            need = 0
         if not (gate_tokens or reserve_free or hit_blocks):
             return need, need * self.num_groups
         ref = self.pool.ref_cnt
@@ -415,9 +421,13 @@ class HybridCoordinator(KVCacheCoordinator):
             revived += list(map(ref.__getitem__, table)).count(0)
         gate = cdiv(gate_tokens, bs)
         g = self.groups
-        full = max(gate - held - num_hit, need)
-        capped = min(gate, self.sliding_cap) if self.sliding_admission_cap else gate   # vLLM >= 0.20's cap
-        sliding = max(capped - held - num_hit, need)
+        full = gate - held - num_hit
+        if full < need:
+            full = need
+        capped = gate if not self.sliding_admission_cap or gate < self.sliding_cap else self.sliding_cap  # vLLM >= 0.20's cap
+        sliding = capped - held - num_hit
+        if sliding < need:
+            sliding = need
         return need, g.full_groups * full + g.sliding_groups * sliding + revived + reserve_free
 
     def append_slots(self, req: Request, num_new_tokens: int, lookahead_tokens: int = 0) -> bool:
@@ -457,52 +467,63 @@ class HybridCoordinator(KVCacheCoordinator):
         (`frees_behind_window`'s test, inline: a member's every 16th step or so comes here; so is
         SlidingWindowManager.remove_skipped_blocks' one-block case, a decode step's, with one
         sliding group.)"""
-        bs, first, one_window = self.block_size, self.sliding_ids[0], self._one_window
+        bs, first, one_window, null = self.block_size, self.sliding_ids[0], self._one_window, NULL_BLOCK
         removed: list[int] = []
         track = self._track_window_frees
         if track:                          # what each request freed: see _publish_window_freed
             free = [0, 0, removed, None]   # (where the free queue ends: filled in once anything is freed)
         ends = [] if gains is not None else None
         offsets = clock is not None        # (members' contexts as offsets from the cohort's clock)
-        edge = self.window - 1 - (clock or 0)
+        # a context c leaves (c - edge) // bs blocks behind the window (sliding_window_skipped_blocks);
+        # the nearest of them is table entry (c - edge - bs) // bs
+        edge = self.window - 1 - (clock or 0) + bs
         for reqs, ahead in steps:
             behind = edge - ahead
             for req in reqs:
-                # sliding_window_skipped_blocks, when > 0
-                skipped = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
-                if skipped <= 0:
+                last = ((req.cohort_computed if offsets else req.num_computed) - behind) // bs
+                if last < 0:
                     continue
                 table = req.group_tables[first]
-                last = skipped - 1
                 try:
                     block = table[last]
                 except IndexError:         # (no more than the request holds)
-                    skipped = len(table)
-                    last = skipped - 1
+                    last = len(table) - 1
                     if last < 0:
                         continue
                     block = table[last]
-                if block == NULL_BLOCK:
+                if not block:              # (NULL_BLOCK: freed already)
+                    continue
+                # (most visits: one block, its predecessor freed already; with last == 0, table[-1] is
+                # a held block, so the test fails and the general path frees it)
+                if one_window and not table[last - 1]:
+                    if track:
+                        req.window_frees.append((last, len(removed), free))
+                    removed.append(block)
+                    table[last] = null
                     continue
                 start = len(removed)
-                # (most calls: one block, its predecessor freed already; with last == 0, table[-1] is
-                # a held block, so the test fails and the general path frees it)
-                if table[last - 1] == NULL_BLOCK and one_window:
-                    removed.append(block)
-                    table[last] = NULL_BLOCK
-                    if track:
-                        req.window_frees.append((skipped, start, start + 1, free))
-                    continue
-                self._remove_behind(req.group_tables, skipped, removed)
+                self._remove_behind(req.group_tables, last + 1, removed)
                 if track:
-                    req.window_frees.append((skipped, start, len(removed), free))
+                    req.window_frees.append((last + 1, start, len(removed), free))
             if ends is not None:
                 ends.append(len(removed))
-        if removed:
+        if not removed:
+            if gains is not None:
+                gains[0].extend(ends)      # (all 0)
+                gains[1].extend(ends)
+            return
+        pool = self.pool
+        self.windowed_frees += len(removed)
+        if removed.count(ANON) < len(removed) or self.named:
             self._free_removed(removed, free if track else None, ends, gains)
-        elif gains is not None:
-            gains[0].extend(ends)          # (all 0)
-            gains[1].extend(ends)
+            return
+        # (the usual free, unnamed blocks only: each joins the free queue, one a block)
+        mark = pool.free_unnamed(len(removed))
+        if track:                          # (the queue had not moved since the call began)
+            free[0], free[1] = mark
+        if gains is not None:
+            gains[0].extend(ends)
+            gains[1].extend(ends if pool.enable_caching else [0] * len(ends))
 
     def _remove_behind(self, tables: list[list[int]], skipped: int, removed: list[int]) -> None:
         """Null every sliding table's entries before `skipped`, nearest first, back to the first
@@ -518,32 +539,20 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def _free_removed(self, removed: list[int], free: Optional[list], ends: Optional[list[int]],
                       gains: Optional[tuple[list[int], list[int]]]) -> None:
-        """Give the pool the blocks free_behind_windows removed (`ends`: where each step's end)."""
+        """Give the pool the blocks free_behind_windows removed when any is named or the pool names
+        every block (`ends`: where each step's end)."""
         pool = self.pool
-        self.windowed_frees += len(removed)
-        unnamed = removed.count(ANON) == len(removed)
         if free is not None:               # (the queue has not moved since the call began)
             free[0], free[1] = pool.queue_mark()
-            if not unnamed:                # (named blocks join only when no one holds them)
-                free[3] = list(map(pool.ref_cnt.__getitem__, removed))
+            free[3] = list(map(pool.ref_cnt.__getitem__, removed))   # (named blocks join only when no one holds them)
             if self.named:                 # (private ones registered unmarked: the cohort's fills)
                 pool.cache_private(removed)
-        if unnamed:                        # (each joins the free queue: one a block)
-            pool.free_unnamed(len(removed))
-            if gains is not None:
-                gains[0].extend(ends)
-                gains[1].extend(ends if pool.enable_caching else [0] * len(ends))
-        elif gains is None:
+        if gains is None:
             pool.free_blocks(removed)
-        else:                              # (a named block joins only when no one holds it: step by step)
-            free0, cached0 = pool.num_free, pool.num_cached_free
-            start = 0
-            for end in ends:
-                if end > start:
-                    pool.free_blocks(removed[start:end])
-                    start = end
-                gains[0].append(pool.num_free - free0)
-                gains[1].append(pool.num_cached_free - cached0)
+            return
+        freed, cached = pool.free_in_steps(removed, ends)   # (a named block joins only when no one holds it)
+        gains[0].extend(freed)
+        gains[1].extend(cached)
 
     def register_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish, in every group, the request's blocks that `num_tokens` tokens fill completely
@@ -553,8 +562,12 @@ class HybridCoordinator(KVCacheCoordinator):
         first = req.num_registered
         if full <= first:
             return
-        public_end = min(full, req.first_private_block(bs)) if self.private_blocks else full
-        tables = self._tables(req)
+        public_end = full
+        if self.private_blocks:
+            private = req.first_private_block(bs)
+            if private < full:
+                public_end = private
+        tables = req.group_tables or self._tables(req)
         if public_end > first:
             req.extend_block_hashes(public_end, bs)
             hashes = req.block_hashes[first:public_end]
@@ -608,9 +621,23 @@ class HybridCoordinator(KVCacheCoordinator):
                 self._settle_private(req, window_freed)
             self.manager.held_slots -= len(req.blocks) * self.block_size
             registered, leases = req.num_registered, req.kv_lease
-            for g, table in enumerate(tables):
-                nulls = table[:registered].count(NULL_BLOCK)      # (none past the registered blocks)
-                self.pool.free_table(_held(table), registered - nulls, leases[g] if leases else None)
+            for g, (table, full) in enumerate(zip(tables, self.full_attention)):
+                if full:                   # (a full-attention table holds no null block)
+                    self.pool.free_table(table, registered, leases[g] if leases else None)
+                    continue
+                # (its null entries: none, or leading ones, behind the window or a hit's before it;
+                # counted once, over the registered blocks as the pool counts them)
+                nulls = table.count(NULL_BLOCK)
+                if not nulls:
+                    held = table
+                elif table[nulls - 1] == NULL_BLOCK:
+                    held = table[nulls:]
+                    if nulls > registered:
+                        nulls = registered
+                else:
+                    held = _held(table)
+                    nulls = table[:registered].count(NULL_BLOCK)
+                self.pool.free_table(held, registered - nulls, leases[g] if leases else None)
         req.blocks = []
         req.group_tables = None
         req.num_registered = 0
@@ -635,15 +662,22 @@ class HybridCoordinator(KVCacheCoordinator):
         """Map a request's private blocks freed behind its windows that are still free. Each record
         of free_behind_windows: (skipped, where the request's blocks start and end in the free's
         list, the free: [compactions by then, the free queue's end then, the blocks freed, their
-        reference counts before it, or None if all were unnamed]); a request's blocks are each
-        sliding table's entries skipped - 1, skipped - 2, ..., table after table."""
+        reference counts before it, or None if all were unnamed]), or for a visit that freed one
+        block (its table entry, its place in the free's list, the free); a request's blocks are
+        each sliding table's entries skipped - 1, skipped - 2, ..., table after table."""
         pool, salts, sliding = self.pool, self.salts, self.sliding_ids
         first_private = req.first_private_block(self.block_size)
         hashes = req.block_hashes
         blocks: list[int] = []
         positions: list[int] = []
         keys: list[int] = []
-        for skipped, start, end, (epoch, at, removed, refs) in window_freed:
+        for record in window_freed:
+            if len(record) == 3:           # (one block: table entry `last`)
+                last, start, free = record
+                skipped, end = last + 1, start + 1
+            else:
+                skipped, start, end, free = record
+            epoch, at, removed, refs = free
             per_table = (end - start) // len(sliding)
             where = range(at + start, at + end) if refs is None else _queue_positions(removed, refs, at)[start:end]
             for i, (block, position) in enumerate(zip(removed[start:end], where)):
