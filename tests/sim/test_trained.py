@@ -183,7 +183,7 @@ def test_accelmark_outputs_stop_at_eos_or_max_tokens_around_the_published_mean(r
     the few-token requests lift the replayed TPOT p99 the way they lift the measured one."""
     entries = {e["id"]: e for e in yaml.safe_load(lodo.RATE_FILE.read_text())["runs"]
                if e["workload"]["client"] == "accelmark"}
-    assert lodo.ACCELMARK_EOS_STOPPED_OUTPUTS and lodo.REPLAY_REVISION["v0"] == 7
+    assert lodo.ACCELMARK_EOS_STOPPED_OUTPUTS and lodo.REPLAY_REVISION["v0"] == 8    # with the asyncio loop
     for run_id in ("accelmark-llama-3-8b-h100-tp1-qps5", "accelmark-qwen2.5-0.5b-t4-tp1-qps10"):
         w, run = entries[run_id]["workload"], runs[run_id]
         lengths = [q.output_len for q in run.requests]
