@@ -170,6 +170,39 @@ def test_a_closed_loop_run_stopped_at_eos_can_replay_its_early_stops(runs, monke
     assert ttft(outputs) < 0.7 * ttft([100] * 300)
 
 
+def test_accelmark_outputs_stop_at_eos_or_max_tokens_around_the_published_mean(runs):
+    """AccelMark's runner decodes greedily to max_tokens without ignore_eos
+    (https://github.com/FreedomIntelligence/AccelMark/blob/5797fc42745be2494e6213938d9e5afa0c6c5bef/runners/nvidia_vllm_47f5d58e/runner.py
+    `load_model`: SamplingParams(max_tokens=max_tokens, temperature=0.0)), so vLLM 0.7.3 ends each
+    request at the model's EOS or the cap; the results publish only the mean. Its TPOT is per
+    request, (total - TTFT) / max(output - 1, 1), pooled into percentiles
+    (https://github.com/FreedomIntelligence/AccelMark/blob/5797fc42745be2494e6213938d9e5afa0c6c5bef/loadgen/loadgen.py
+    `_run_online_async`): a request of a few tokens that waits out a V0 prefill step is its p99.
+    With ACCELMARK_EOS_STOPPED_OUTPUTS the replay keeps the mean with early stops below the cap
+    (`eos_stopped_lengths`), the same lengths on every GPU for one model's prompts (greedy), and
+    the few-token requests lift the replayed TPOT p99 the way they lift the measured one."""
+    entries = {e["id"]: e for e in yaml.safe_load(lodo.RATE_FILE.read_text())["runs"]
+               if e["workload"]["client"] == "accelmark"}
+    assert lodo.ACCELMARK_EOS_STOPPED_OUTPUTS and lodo.REPLAY_REVISION["v0"] == 8    # with the asyncio loop
+    for run_id in ("accelmark-llama-3-8b-h100-tp1-qps5", "accelmark-qwen2.5-0.5b-t4-tp1-qps10"):
+        w, run = entries[run_id]["workload"], runs[run_id]
+        lengths = [q.output_len for q in run.requests]
+        assert max(lengths) == w["max_tokens"] and min(lengths) == 1
+        assert abs(np.mean(lengths) - w["output_len_mean"]) < 1
+        assert lengths.count(w["max_tokens"]) == len(lengths) - round(len(lengths) * 2 * (
+            w["max_tokens"] - round(w["output_len_mean"])) / w["max_tokens"])
+    same_model = [runs[i] for i in ("accelmark-llama-3-8b-h100-tp1-qps5", "accelmark-llama-3-8b-l4-tp1-qps5")]
+    assert [q.output_len for q in same_model[0].requests] == [q.output_len for q in same_model[1].requests]
+
+    run = runs["accelmark-llama-3-8b-a100-40g-tp1-qps25"]      # measured TPOT p99 / p50: 2.0
+    mean = round(entries[run.id]["workload"]["output_len_mean"])
+    uniform = copy.copy(run)
+    uniform.requests = [make_request(q.id, q.arrival, q.segments[:-1], mean) for q in run.requests]
+    a100 = trained_coefficients(FAMILY["engines"]["v0"]["classes"]["a100-40g"]["parameters"])
+    spread, one = (lodo.predict(r, a100) for r in (run, uniform))
+    assert spread["tpot_p99"] > 1.3 * one["tpot_p99"], "the short requests' stalls make the tail"
+
+
 def test_an_overloaded_stage_is_left_out():
     """inference-sim's CodeLlama-34b reasoning stage served 3.2 of the 4 req/s it was sent (mean TTFT
     120 s: its queue grew for 1200 s), which no WINDOW_S replay reproduces; it is left out, as the
