@@ -231,17 +231,18 @@ class WorkloadDescription:
         if not n:
             return
         text = None
-        if self.lengths.count + n >= self.COLUMNAR_AFTER and {drawn.prompt_len.dtype.kind, drawn.output_len.dtype.kind,
+        prompt_len = drawn.prompt_len
+        if self.lengths.count + n >= self.COLUMNAR_AFTER and {prompt_len.dtype.kind, drawn.output_len.dtype.kind,
                                                               drawn.priority.dtype.kind} == {"i"}:
             ids = np.arange(drawn.first_id, drawn.first_id + n, dtype=np.int64)
-            columns = np.stack([ids, drawn.prompt_len, drawn.output_len, drawn.priority]).astype(np.int64)
+            columns = np.stack([ids, prompt_len, drawn.output_len, drawn.priority]).astype(np.int64)
             text = _text_of_columns(columns, drawn.arrival.astype(np.float64), drawn.tenant_names, drawn.tenant,
-                                    drawn.segments, drawn.present)
+                                    *drawn.segment_slots())
         if text is None:
             figures, segments = drawn.figures()
             text = _batch_text(figures, segments, columnar=False)
         self.hash.update(text)
-        self.lengths.extend(drawn.prompt_len, drawn.output_len)
+        self.lengths.extend(prompt_len, drawn.output_len)
 
     def _describe(self, requests) -> None:
         """Keep each request's figures the run does not change (FIGURES, in columns) and its

@@ -244,48 +244,63 @@ class DrawnRequests:
     """A chunk of a `describable` workload's requests as the arrays `_made_requests` makes them
     from, row by row: each request's id, arrival, prompt and output lengths, tenant, priority and
     prompt segments, the values its Request is made with (the manifest's description of the
-    workload, sim/predict.py, reads these instead of the Request objects)."""
+    workload, sim/predict.py, reads these instead of the Request objects). A request's prompt is
+    [its group's shared prefix, (user key, own length)], or [(user key, own length)] where its
+    group is -1."""
     first_id: int
     arrival: np.ndarray           # float64
-    prompt_len: np.ndarray        # int64: the segments' lengths summed
+    own_len: np.ndarray           # the user message's length
     output_len: np.ndarray
     tenant: np.ndarray            # an index into tenant_names
     tenant_names: list
     priority: np.ndarray
-    segments: np.ndarray          # (rows, slots, 2) int64: the prompt's (key, length) pairs in order
-    present: np.ndarray           # (rows, slots) bool: does the row have that slot's segment?
+    group: np.ndarray             # the shared prefix's index in `prefixes`, -1: none
+    prefixes: list                # (key, length) of each shared prefix
+    user_keys: list               # each request's user message key
 
     @classmethod
     def of_chunk(cls, lo: int, columns: tuple, user_keys: list, names: list, prefixes: list) -> "DrawnRequests":
-        """From a chunk of the draws' columns (`rows` order) starting at row `lo`: the prompt is
-        [shared prefix, user message] where the row has a prefix group, else [user message]."""
+        """From a chunk of the draws' columns (`rows` order) starting at row `lo`."""
         _, _, _, own, output, tenant, group, priority, start = columns
-        n = len(own)
-        user = np.stack([np.fromiter(user_keys, np.int64, n), own.astype(np.int64)], axis=1)
-        carries = group >= 0
-        if not carries.any():
-            segments, present, prompt = user[:, None, :], np.ones((n, 1), dtype=bool), own
-        else:
-            prefix = np.array(prefixes, dtype=np.int64)[np.where(carries, group, 0)]
-            segments = np.stack([np.where(carries[:, None], prefix, user), user], axis=1)
-            present = np.stack([np.ones(n, dtype=bool), carries], axis=1)
-            prompt = own + np.where(carries, prefix[:, 1], 0)
-        return cls(lo, start, prompt, output, tenant, names, priority, segments, present)
+        return cls(lo, start, own, output, tenant, names, priority, group, prefixes, user_keys)
 
     def __len__(self) -> int:
         return len(self.arrival)
 
+    @property
+    def prompt_len(self) -> np.ndarray:
+        """The prompt's segments' lengths summed."""
+        carries = self.group >= 0
+        if not carries.any():
+            return self.own_len
+        lengths = np.array([n for _, n in self.prefixes], dtype=np.int64)
+        return self.own_len + np.where(carries, lengths[np.where(carries, self.group, 0)], 0)
+
+    def segment_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """((rows, slots, 2) int64 of the prompt's (key, length) pairs in order, (rows, slots) bool:
+        does the row have that slot's segment?)."""
+        n = len(self)
+        user = np.stack([np.fromiter(self.user_keys, np.int64, n), self.own_len.astype(np.int64)], axis=1)
+        carries = self.group >= 0
+        if not carries.any():
+            return user[:, None, :], np.ones((n, 1), dtype=bool)
+        prefix = np.array(self.prefixes, dtype=np.int64)[np.where(carries, self.group, 0)]
+        return (np.stack([np.where(carries[:, None], prefix, user), user], axis=1),
+                np.stack([np.ones(n, dtype=bool), carries], axis=1))
+
     def figures(self) -> tuple[list[list], list[list]]:
         """(a list per figure: id, arrival, prompt_len, output_len, tenant, priority; each request's
-        prompt segments as a list of (key, length) tuples): the Python values its Request holds."""
+        prompt segments, a list of (key, length) tuples): the Python values its Request holds."""
         n = len(self)
-        names = self.tenant_names
+        names, tenant = self.tenant_names, self.tenant
+        tenants = [names[int(tenant[0])]] * n if (tenant == tenant[0]).all() else [names[t] for t in tenant.tolist()]
         figures = [list(range(self.first_id, self.first_id + n)), self.arrival.tolist(), self.prompt_len.tolist(),
-                   self.output_len.tolist(), [names[t] for t in self.tenant.tolist()], self.priority.tolist()]
-        pairs = self.segments.tolist()
-        segments = [[tuple(pair) for pair, kept in zip(row, keep) if kept]
-                    for row, keep in zip(pairs, self.present.tolist())]
-        return figures, segments
+                   self.output_len.tolist(), tenants, self.priority.tolist()]
+        users = list(zip(self.user_keys, self.own_len.tolist()))
+        if (self.group < 0).all():
+            return figures, [[user] for user in users]
+        prefixes = self.prefixes
+        return figures, [[prefixes[g], user] if g >= 0 else [user] for g, user in zip(self.group.tolist(), users)]
 
 
 LISTED_CHUNK = 65_536
