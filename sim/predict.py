@@ -223,26 +223,14 @@ class WorkloadDescription:
     def add_drawn(self, drawn: DrawnRequests) -> None:
         """A chunk of a synthetic stream's requests, described from the arrays they are made from
         (sim.workload.DrawnRequests, handed over before the requests are made): the text `watch`
-        makes from the Request objects, without a Python value read per request figure."""
-        import numpy as np
-
+        makes from the Request objects, without a Python value read per request figure. The text
+        is made BATCH requests at a time (a chunk's whole text and its blocks were ~20 MB at once)."""
         self._hash_described()                 # (in order after anything described before)
         n = len(drawn)
-        if not n:
-            return
-        text = None
-        prompt_len = drawn.prompt_len
-        if self.lengths.count + n >= self.COLUMNAR_AFTER and {prompt_len.dtype.kind, drawn.output_len.dtype.kind,
-                                                              drawn.priority.dtype.kind} == {"i"}:
-            ids = np.arange(drawn.first_id, drawn.first_id + n, dtype=np.int64)
-            columns = np.stack([ids, prompt_len, drawn.output_len, drawn.priority]).astype(np.int64)
-            text = _text_of_columns(columns, drawn.arrival.astype(np.float64), drawn.tenant_names, drawn.tenant,
-                                    *drawn.segment_slots())
-        if text is None:
-            figures, segments = drawn.figures()
-            text = _batch_text(figures, segments, columnar=False)
-        self.hash.update(text)
-        self.lengths.extend(prompt_len, drawn.output_len)
+        columnar = self.lengths.count + n >= self.COLUMNAR_AFTER
+        for start in range(0, n, self.BATCH):
+            self.hash.update(_drawn_text(drawn.rows(start, start + self.BATCH), columnar))
+        self.lengths.extend(drawn.prompt_len, drawn.output_len)
 
     def _describe(self, requests) -> None:
         """Keep each request's figures the run does not change (FIGURES, in columns) and its
@@ -285,6 +273,22 @@ class WorkloadDescription:
 # What the manifest's text holds of a request: the figures the run does not change (as
 # `_describe` reads them), then its segments but the output.
 FIGURES = ("id", "arrival", "prompt_len", "output_len", "tenant", "priority")
+
+
+def _drawn_text(drawn: DrawnRequests, columnar: bool) -> bytes:
+    """`_batch_text` of requests described by the arrays they are made from."""
+    import numpy as np
+
+    text = None
+    prompt_len = drawn.prompt_len
+    if columnar and {prompt_len.dtype.kind, drawn.output_len.dtype.kind, drawn.priority.dtype.kind} == {"i"}:
+        ids = np.arange(drawn.first_id, drawn.first_id + len(drawn), dtype=np.int64)
+        columns = np.stack([ids, prompt_len, drawn.output_len, drawn.priority]).astype(np.int64)
+        text = _text_of_columns(columns, drawn.arrival.astype(np.float64), drawn.tenant_names, drawn.tenant,
+                                *drawn.segment_slots())
+    if text is None:
+        text = _batch_text(*drawn.figures(), columnar=False)
+    return text
 
 
 def _literals_hashed(segments: list) -> list:

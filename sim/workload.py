@@ -267,6 +267,13 @@ class DrawnRequests:
     def __len__(self) -> int:
         return len(self.arrival)
 
+    def rows(self, start: int, stop: int) -> "DrawnRequests":
+        """Rows start..stop-1 of the chunk."""
+        cut = slice(start, stop)
+        return DrawnRequests(self.first_id + start, self.arrival[cut], self.own_len[cut], self.output_len[cut],
+                             self.tenant[cut], self.tenant_names, self.priority[cut], self.group[cut],
+                             self.prefixes, self.user_keys[cut])
+
     @property
     def prompt_len(self) -> np.ndarray:
         """The prompt's segments' lengths summed."""
