@@ -233,7 +233,7 @@ def _keyed_rows(draws, user_key, describe, names: list) -> Iterator[tuple]:
     """(user message key, *the draws' row) per request, a chunk of the draws at a time; each chunk
     goes to `describe` (as DrawnRequests) before its first row is given out."""
     for lo, columns in draws.chunks():
-        user_keys = list(map(user_key, range(lo, lo + len(columns[0]))))
+        user_keys = [user_key(i) for i in range(lo, lo + len(columns[0]))]   # (3.11 inlines these calls; map does not)
         if describe is not None:
             describe(DrawnRequests.of_chunk(lo, columns, user_keys, names, draws.prefixes))
         yield from zip(user_keys, *(column.tolist() for column in columns))
