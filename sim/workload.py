@@ -433,6 +433,7 @@ class _ChunkedDraws:
         return _listed(self.chunks())
 
     def chunks(self) -> Iterator[tuple[int, tuple]]:
+        """(first row, _WholeDraws' columns of its rows) LISTED_CHUNK rows at a time, drawn then."""
         w, seed, n = self.w, self.seed, self.count
         rho = 2.0 * math.sin(math.pi * w.length_correlation / 6.0)
         normals = (lambda rng, k: rng.standard_normal(k))          # noqa: E731
