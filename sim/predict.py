@@ -25,7 +25,7 @@ from sim.records import RunRecords, request_columns
 from sim.core.request import Request
 from sim.disagg import pool_figures, simulate_disaggregated
 from sim.simulator import simulate
-from sim.workload import build_workload, stream_requests, warmup_notes
+from sim.workload import DrawnRequests, build_workload, stream_requests, warmup_notes
 from sim.trained import error_band
 
 pd = lazy_import("pandas")      # a frame of the requests or steps only where one is read
@@ -121,15 +121,15 @@ def _simulate(scenario, progress, manifest: bool, spill=None):
     """Run the scenario's workload, made as the run reaches it when synthetic (else built whole):
     the run lets each request go once its figures are recorded. With `manifest`, the workload's
     manifest entry too."""
-    stream = stream_requests(scenario)
+    watcher = WorkloadDescription() if manifest else None
+    stream = stream_requests(scenario, describe=watcher.add_drawn if watcher is not None else None)
     if stream is None:
         workload = build_workload(scenario)
         stop.check()
         described = workload_manifest(workload.requests, workload.notes) if manifest else None
         return (*_run(scenario, workload.requests, progress, release=True, spill=spill), described)
     notes = warmup_notes(scenario.workload.warmup_requests, stream.count)
-    watcher = WorkloadDescription() if manifest else None
-    if watcher is not None:
+    if watcher is not None and not stream.described:     # (else described chunk by chunk as made)
         stream.requests = watcher.watch(stream.requests)
     records, plan, cost_model = _run(scenario, stream, progress, spill=spill)
     return records, plan, cost_model, watcher.manifest(notes) if watcher is not None else None
@@ -220,6 +220,18 @@ class WorkloadDescription:
             self._hash_described()
             yield from batch
 
+    def add_drawn(self, drawn: DrawnRequests) -> None:
+        """A chunk of a synthetic stream's requests, described from the arrays they are made from
+        (sim.workload.DrawnRequests, handed over before the requests are made): the text `watch`
+        makes from the Request objects, without a Python value read per request figure. The text
+        is made BATCH requests at a time (a chunk's whole text and its blocks were ~20 MB at once)."""
+        self._hash_described()                 # (in order after anything described before)
+        n = len(drawn)
+        columnar = self.lengths.count + n >= self.COLUMNAR_AFTER
+        for start in range(0, n, self.BATCH):
+            self.hash.update(_drawn_text(drawn.rows(start, start + self.BATCH), columnar))
+        self.lengths.extend(drawn.prompt_len, drawn.output_len)
+
     def _describe(self, requests) -> None:
         """Keep each request's figures the run does not change (FIGURES, in columns) and its
         segments but the output, copied (a literal segment by its length and hash)."""
@@ -263,6 +275,22 @@ class WorkloadDescription:
 FIGURES = ("id", "arrival", "prompt_len", "output_len", "tenant", "priority")
 
 
+def _drawn_text(drawn: DrawnRequests, columnar: bool) -> bytes:
+    """`_batch_text` of requests described by the arrays they are made from."""
+    import numpy as np
+
+    text = None
+    prompt_len = drawn.prompt_len
+    if columnar and {prompt_len.dtype.kind, drawn.output_len.dtype.kind, drawn.priority.dtype.kind} == {"i"}:
+        ids = np.arange(drawn.first_id, drawn.first_id + len(drawn), dtype=np.int64)
+        columns = np.stack([ids, prompt_len, drawn.output_len, drawn.priority]).astype(np.int64)
+        text = _text_of_columns(columns, drawn.arrival.astype(np.float64), drawn.tenant_names, drawn.tenant,
+                                *drawn.segment_slots())
+    if text is None:
+        text = _batch_text(*drawn.figures(), columnar=False)
+    return text
+
+
 def _literals_hashed(segments: list) -> list:
     """A request's segments with each literal one (a list of token ids) described by its hash."""
     return [s if isinstance(s, tuple) else ("lit", len(s), hash(tuple(s))) for s in segments]
@@ -301,8 +329,6 @@ def _columnar_text(figures: list[list], segs: list[list]) -> Optional[bytes]:
     NUL, which `joined_rows` drops."""
     import numpy as np
 
-    from sim.columns import bytes_block, float_cells, joined_rows
-
     if not segs:
         return b""
     ids, arrivals, prompts, outputs, tenants, priorities = figures
@@ -328,13 +354,29 @@ def _columnar_text(figures: list[list], segs: list[list]) -> Optional[bytes]:
     except (OverflowError, TypeError):             # an int past int64, an unhashable tenant
         return None
     arrival = np.fromiter(arrivals, np.float64, n)
+    codes = np.fromiter(map(distinct.__getitem__, tenants), np.int64, n) if len(distinct) > 1 else None
+    return _text_of_columns(columns, arrival, list(distinct), codes, pair_columns, present)
+
+
+def _text_of_columns(columns: "np.ndarray", arrival: "np.ndarray", tenants: list, tenant_codes,
+                     pair_columns: "np.ndarray", present: "np.ndarray") -> Optional[bytes]:
+    """The text of `described_text` from arrays: `columns` (4, rows) int64 of ids, prompt and output
+    lengths and priorities, the arrivals, each row's tenant (`tenants[tenant_codes]`; codes None:
+    every row's is tenants[0]), the (rows, slots, 2) segment pairs and which slots a row has. None
+    where an arrival is not finite (repr's text is then made tuple by tuple)."""
+    import numpy as np
+
+    from sim.columns import bytes_block, float_cells, joined_rows
+
+    n = len(arrival)
     if not np.isfinite(arrival).all():
         return None
-    if len(distinct) == 1:                         # (one tenant: its text, which every row carries)
-        tenant = repr(tenants[0]).encode()
+    if tenant_codes is None or (tenant_codes == tenant_codes[0]).all():   # (its text, which every row carries)
+        tenant = repr(tenants[0 if tenant_codes is None else int(tenant_codes[0])]).encode()
     else:
-        table = np.array([repr(t).encode() for t in distinct], dtype="S")
-        tenant = bytes_block(table[np.fromiter(map(distinct.__getitem__, tenants), np.int64, n)])
+        table = np.array([repr(t).encode() for t in tenants], dtype="S")
+        tenant = bytes_block(table[tenant_codes])
+    k = pair_columns.shape[1]
     id_, prompt, output, priority = map(_int_part, columns)
     parts = [b"(", id_, b", ", float_cells(arrival), b", ", prompt, b", ", output, b", ", tenant, b", ",
              priority, b", ["]
@@ -408,6 +450,14 @@ class LengthCounts:
     def add(self, prompt_len: int, output_len: int) -> None:
         self.prompts.append(prompt_len)
         self.outputs.append(output_len)
+        self.fold_if_full()
+
+    def extend(self, prompt_lens: "np.ndarray", output_lens: "np.ndarray") -> None:
+        """The lengths of a chunk of requests, as arrays."""
+        import numpy as np
+
+        self.prompts.frombytes(np.ascontiguousarray(prompt_lens, dtype=np.int64).tobytes())
+        self.outputs.frombytes(np.ascontiguousarray(output_lens, dtype=np.int64).tobytes())
         self.fold_if_full()
 
     def fold_if_full(self) -> None:

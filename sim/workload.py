@@ -44,7 +44,7 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -74,15 +74,19 @@ class StreamedWorkload:
     requests: Iterator[Request]
     count: int
     min_think: float        # the shortest think time before a follow-up turn (inf: none)
+    described: bool = False  # each chunk went to `stream_requests`' `describe` before it was made
 
 
-def stream_requests(scenario: Scenario) -> Optional[StreamedWorkload]:
+def stream_requests(scenario: Scenario, describe: Optional[Callable[["DrawnRequests"], None]] = None
+                    ) -> Optional[StreamedWorkload]:
     """The workload as a stream when it is synthetic; None for traces, data sets and explicit
-    requests (build those whole)."""
+    requests (build those whole). With `describe`, a workload whose requests `DrawnRequests` can
+    list (see `describable`) hands it each chunk of requests, as arrays, before it makes them
+    (`described` is then True): the manifest's description without reading every Request."""
     w = scenario.workload
     if w.trace is not None or w.requests is not None or w.dataset is not None:
         return None
-    stream = _synthetic_stream(w, scenario.seed)
+    stream = _synthetic_stream(w, scenario.seed, describe if describable(w) else None)
     if w.lora is not None:
         stream.requests = assign_adapters(stream.requests, w.lora, scenario.seed)
     if w.warmup_requests:
@@ -171,14 +175,21 @@ def _synthetic_requests(w: Workload, seed: int) -> list[Request]:
     return list(_synthetic_stream(w, seed).requests)
 
 
-def _synthetic_stream(w: Workload, seed: int) -> StreamedWorkload:
+def _synthetic_stream(w: Workload, seed: int, describe=None) -> StreamedWorkload:
     """The random draws made (whole, or set up to be drawn a chunk at a time); the Request objects
     made as the stream is read."""
     draws = _ChunkedDraws(w, seed) if drawn_in_chunks(w) else _WholeDraws(w, seed)
-    return StreamedWorkload(_made_requests(w, seed, draws), draws.count, draws.min_think)
+    return StreamedWorkload(_made_requests(w, seed, draws, describe), draws.count, draws.min_think,
+                            describe is not None)
 
 
-def _made_requests(w: Workload, seed: int, draws) -> Iterator[Request]:
+def describable(w: Workload) -> bool:
+    """Synthetic workloads whose requests `DrawnRequests` lists from the draws: single turns with
+    no dynamic segment (a prompt of [shared prefix, user message] or [user message])."""
+    return w.multi_turn is None and w.dynamic_segment is None
+
+
+def _made_requests(w: Workload, seed: int, draws, describe=None) -> Iterator[Request]:
     # A conversation's turns are made together (and linked) before its first is given out:
     # a first turn rejected at once rejects the later ones, which must exist by then.
     tenants = w.tenants or []
@@ -190,8 +201,9 @@ def _made_requests(w: Workload, seed: int, draws) -> Iterator[Request]:
     prefixes, think = draws.prefixes, draws.think
     prev: Optional[Request] = None
     turns: list[Request] = []
-    for i, (c, first, last, own_len, out_len, t, g, priority, start) in enumerate(draws.rows()):
-        user = (user_key(i), own_len)
+    rows = _keyed_rows(draws, user_key, describe, names)
+    for i, (key, c, first, last, own_len, out_len, t, g, priority, start) in enumerate(rows):
+        user = (key, own_len)
         if first:
             tenant, salted, arrival = names[t], salted_of[t], start
             prompt = [prefixes[g], user] if g >= 0 else [user]
@@ -215,6 +227,87 @@ def _made_requests(w: Workload, seed: int, draws) -> Iterator[Request]:
             turns.append(req)
             yield from turns
             turns = []
+
+
+def _keyed_rows(draws, user_key, describe, names: list) -> Iterator[tuple]:
+    """(user message key, *the draws' row) per request, a chunk of the draws at a time; each chunk
+    goes to `describe` (as DrawnRequests) before its first row is given out."""
+    for lo, columns in draws.chunks():
+        user_keys = [user_key(i) for i in range(lo, lo + len(columns[0]))]   # (3.11 inlines these calls; map does not)
+        if describe is not None:
+            describe(DrawnRequests.of_chunk(lo, columns, user_keys, names, draws.prefixes))
+        yield from zip(user_keys, *(column.tolist() for column in columns))
+
+
+@dataclass
+class DrawnRequests:
+    """A chunk of a `describable` workload's requests as the arrays `_made_requests` makes them
+    from, row by row: each request's id, arrival, prompt and output lengths, tenant, priority and
+    prompt segments, the values its Request is made with (the manifest's description of the
+    workload, sim/predict.py, reads these instead of the Request objects). A request's prompt is
+    [its group's shared prefix, (user key, own length)], or [(user key, own length)] where its
+    group is -1."""
+    first_id: int
+    arrival: np.ndarray           # float64
+    own_len: np.ndarray           # the user message's length
+    output_len: np.ndarray
+    tenant: np.ndarray            # an index into tenant_names
+    tenant_names: list
+    priority: np.ndarray
+    group: np.ndarray             # the shared prefix's index in `prefixes`, -1: none
+    prefixes: list                # (key, length) of each shared prefix
+    user_keys: list               # each request's user message key
+
+    @classmethod
+    def of_chunk(cls, lo: int, columns: tuple, user_keys: list, names: list, prefixes: list) -> "DrawnRequests":
+        """From a chunk of the draws' columns (`rows` order) starting at row `lo`."""
+        _, _, _, own, output, tenant, group, priority, start = columns
+        return cls(lo, start, own, output, tenant, names, priority, group, prefixes, user_keys)
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    def rows(self, start: int, stop: int) -> "DrawnRequests":
+        """Rows start..stop-1 of the chunk."""
+        cut = slice(start, stop)
+        return DrawnRequests(self.first_id + start, self.arrival[cut], self.own_len[cut], self.output_len[cut],
+                             self.tenant[cut], self.tenant_names, self.priority[cut], self.group[cut],
+                             self.prefixes, self.user_keys[cut])
+
+    @property
+    def prompt_len(self) -> np.ndarray:
+        """The prompt's segments' lengths summed."""
+        carries = self.group >= 0
+        if not carries.any():
+            return self.own_len
+        lengths = np.array([n for _, n in self.prefixes], dtype=np.int64)
+        return self.own_len + np.where(carries, lengths[np.where(carries, self.group, 0)], 0)
+
+    def segment_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """((rows, slots, 2) int64 of the prompt's (key, length) pairs in order, (rows, slots) bool:
+        does the row have that slot's segment?)."""
+        n = len(self)
+        user = np.stack([np.fromiter(self.user_keys, np.int64, n), self.own_len.astype(np.int64)], axis=1)
+        carries = self.group >= 0
+        if not carries.any():
+            return user[:, None, :], np.ones((n, 1), dtype=bool)
+        prefix = np.array(self.prefixes, dtype=np.int64)[np.where(carries, self.group, 0)]
+        return (np.stack([np.where(carries[:, None], prefix, user), user], axis=1),
+                np.stack([np.ones(n, dtype=bool), carries], axis=1))
+
+    def figures(self) -> tuple[list[list], list[list]]:
+        """(a list per figure: id, arrival, prompt_len, output_len, tenant, priority; each request's
+        prompt segments, a list of (key, length) tuples): the Python values its Request holds."""
+        n = len(self)
+        names, tenant = self.tenant_names, self.tenant
+        tenants = [names[int(tenant[0])]] * n if (tenant == tenant[0]).all() else [names[t] for t in tenant.tolist()]
+        figures = [list(range(self.first_id, self.first_id + n)), self.arrival.tolist(), self.prompt_len.tolist(),
+                   self.output_len.tolist(), tenants, self.priority.tolist()]
+        users = list(zip(self.user_keys, self.own_len.tolist()))
+        if (self.group < 0).all():
+            return figures, [[user] for user in users]
+        prefixes = self.prefixes
+        return figures, [[prefixes[g], user] if g >= 0 else [user] for g, user in zip(self.group.tolist(), users)]
 
 
 LISTED_CHUNK = 65_536
@@ -243,15 +336,18 @@ class _WholeDraws:
         follow_ups = np.flatnonzero(~self.opening)
         self.min_think = min(self.think[i - 1] for i in follow_ups.tolist()) if len(follow_ups) else math.inf
 
-    def rows(self) -> Iterator[tuple]:
-        """(conversation, first turn, last turn, own prompt part, output length, tenant index,
-        prefix group, priority, conversation start) per request."""
+    def chunks(self) -> Iterator[tuple[int, tuple]]:
+        """(first row, the columns of `rows`) LISTED_CHUNK rows at a time."""
         for lo in range(0, self.count, LISTED_CHUNK):
             hi = lo + LISTED_CHUNK
             c = self.conv[lo:hi]
-            yield from zip(*(column.tolist() for column in (
-                c, self.opening[lo:hi], self.closing[lo:hi], self.own[lo:hi], self.output[lo:hi],
-                self.tenant_of[c], self.group[c], self.priority_of[c], self.starts[c])))
+            yield lo, (c, self.opening[lo:hi], self.closing[lo:hi], self.own[lo:hi], self.output[lo:hi],
+                       self.tenant_of[c], self.group[c], self.priority_of[c], self.starts[c])
+
+    def rows(self) -> Iterator[tuple]:
+        """(conversation, first turn, last turn, own prompt part, output length, tenant index,
+        prefix group, priority, conversation start) per request."""
+        return _listed(self.chunks())
 
 
 def drawn_in_chunks(w: Workload) -> bool:
@@ -334,6 +430,10 @@ class _ChunkedDraws:
             yield times
 
     def rows(self) -> Iterator[tuple]:
+        return _listed(self.chunks())
+
+    def chunks(self) -> Iterator[tuple[int, tuple]]:
+        """(first row, _WholeDraws' columns of its rows) LISTED_CHUNK rows at a time, drawn then."""
         w, seed, n = self.w, self.seed, self.count
         rho = 2.0 * math.sin(math.pi * w.length_correlation / 6.0)
         normals = (lambda rng, k: rng.standard_normal(k))          # noqa: E731
@@ -358,9 +458,14 @@ class _ChunkedDraws:
                 group = np.where(carry_rng.random(k) < w.shared_prefix.fraction, chosen, -1)
             conv = np.arange(lo, lo + k)
             ones = np.ones(k, dtype=bool)
-            yield from zip(*(column.tolist() for column in (
-                conv, ones, ones, own, output, _draw(tenant_rng, k, tenants),
-                group, _priorities_drawn(w, priority_rng, k), starts)))
+            yield lo, (conv, ones, ones, own, output, _draw(tenant_rng, k, tenants),
+                       group, _priorities_drawn(w, priority_rng, k), starts)
+
+
+def _listed(chunks: Iterator[tuple[int, tuple]]) -> Iterator[tuple]:
+    """The rows of the draws' chunks as Python values (as tolist gives them)."""
+    for _, columns in chunks:
+        yield from zip(*(column.tolist() for column in columns))
 
 
 def _conversations(w: Workload, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -113,10 +113,12 @@ def test_a_hidden_package_is_named_in_a_warning(tmp_path):
 def test_a_run_imports_no_numpy_ma_in_the_main_process(tmp_path, plots):
     """np.percentile and np.unique import numpy.ma on first use (~15 ms a run, for nothing masked):
     the summary and the figures' reductions avoid both (the figure process imports it, through
-    matplotlib). Same figures: tests/sim/test_exact_disk.py holds the percentiles to numpy's."""
+    matplotlib). Same figures: tests/sim/test_exact_disk.py holds the percentiles to numpy's.
+    Nor pandas (~0.4 s: pa.array and pa.scalar import it) nor pyarrow.compute (~0.2 G instructions):
+    the CSV writer calls pyarrow's kernels through pyarrow._compute (sim/columns.py)."""
     args = ["scenarios/quickstart.yaml", "--set", "workload.num_requests=30", "--quiet",
             "--out", str(tmp_path / "run"), *([] if plots else ["--no-plots"])]
-    probe = PROBE.replace("%r" % (HEAVY,), "('numpy.ma',)")
+    probe = PROBE.replace("%r" % (HEAVY,), "('numpy.ma', 'pandas', 'pyarrow.compute')")
     out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=ROOT,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "KVTWIN_PLOT_WORKERS": "2"},
                          timeout=300)

@@ -108,3 +108,67 @@ def test_columns_of_one_value_are_one_text(monkeypatch, with_arrow):
         described.append((row[0], row[1], 512, 128, row[4], -2, segs))
     assert _by_columns(described) == _expected(described)
     assert _by_columns(described[:1]) == _expected(described[:1])
+
+
+_DRAWN_SCENARIO = """
+name: drawn
+model: qwen2.5-0.5b
+device: h100-sxm
+engine: {prefix_caching: true, max_model_len: 4096}
+workload:
+  num_requests: 700
+  arrival: {process: ARRIVAL, rate: 50}
+  prompt_len: {dist: sharegpt}
+  output_len: {dist: uniform, min: 1, max: 300}
+  shared_prefix: {groups: 3, length: 128, fraction: FRACTION}
+  tenants:
+    - {name: alpha, share: 0.7, salt: true}
+    - {name: "b'é", share: 0.3}
+  priorities: {values: [0, -2, 9]}
+"""
+
+
+@pytest.mark.parametrize("with_arrow", [True, False])
+@pytest.mark.parametrize("arrival, fraction", [("poisson", 0.6), ("vidur_poisson", 0.0), ("offline", 1.0)])
+@pytest.mark.parametrize("columnar_after", [0, 10 ** 9])
+def test_drawn_requests_describe_as_the_made_requests(tmp_path, monkeypatch, with_arrow, arrival, fraction,
+                                                       columnar_after):
+    """A single-turn synthetic stream describes each chunk from the arrays its requests are made
+    from (sim.workload.DrawnRequests, WorkloadDescription.add_drawn): the manifest's workload entry
+    is the one `watch` gives on the made requests, chunks of the draws crossing its batches, by
+    columns and by repr, with and without pyarrow; tenants, priorities and a shared prefix some
+    requests carry (a chunk drawn whole, `_WholeDraws`, with vidur_poisson arrivals)."""
+    import sim.workload as wl
+    from sim.predict import WorkloadDescription
+    from sim.scenario import load_scenario
+
+    if with_arrow:
+        pytest.importorskip("pyarrow")
+    else:
+        monkeypatch.setattr(columnar, "_pyarrow", lambda: None)
+    monkeypatch.setattr(wl, "LISTED_CHUNK", 256)
+    monkeypatch.setattr(WorkloadDescription, "BATCH", 100)
+    monkeypatch.setattr(WorkloadDescription, "COLUMNAR_AFTER", columnar_after)
+    path = tmp_path / "drawn.yaml"
+    path.write_text(_DRAWN_SCENARIO.replace("ARRIVAL", arrival).replace("FRACTION", str(fraction)))
+    scenario = load_scenario(path)
+    watched, drawn = WorkloadDescription(), WorkloadDescription()
+    requests = list(watched.watch(wl.stream_requests(scenario).requests))
+    stream = wl.stream_requests(scenario, describe=drawn.add_drawn)
+    assert stream.described
+    made = list(stream.requests)
+    assert [(r.id, r.arrival, r.segments) for r in made] == [(r.id, r.arrival, r.segments) for r in requests]
+    assert drawn.manifest([]) == watched.manifest([])
+    assert drawn.lengths.count == len(made) == 700
+
+
+def test_streams_not_drawn_as_arrays_are_watched():
+    """A multi-turn or dynamic-segment workload is not described from the draws: `described` is
+    False and the caller watches the made requests."""
+    from sim.scenario import load_scenario
+    from sim.workload import describable, stream_requests
+
+    for name in ("seed_prefix_timestamp", "whatif_kv_offload"):
+        scenario = load_scenario(f"scenarios/{name}.yaml", ["workload.num_requests=50"])
+        assert not describable(scenario.workload)
+        assert not stream_requests(scenario, describe=lambda drawn: None).described
