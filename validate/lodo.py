@@ -105,6 +105,15 @@ V0_POOLED_HOST = True      # False: the first V0 design (all seven parameters fi
 # does not hide (Qwen2.5-0.5B's steps are launch-bound, Llama-3's GEMMs cover them), priced by
 # eager_layer_host_s beyond the step's device time. False: the V0 host profile before this term.
 V0_EAGER_PREFILL = True
+# A physical bound on it, measured and left off: one layer of vLLM 0.7.3's LlamaDecoderLayer /
+# Qwen2DecoderLayer forward (vllm/model_executor/models/llama.py, qwen2.py) launches about a dozen kernels,
+# tens of microseconds each at most, so V0_EAGER_LAUNCH_CAP bounds the term at 200 us per layer (the
+# search bound is 1 ms). Fitted free on pools whose Llama and Mixtral prefills hide it, the term reaches
+# 0.7-1.0 ms per layer and a held-out Qwen2.5-0.5B pays 19-48 ms per prefill step, more than its measured
+# mean TTFT; refitted with the bound (docs/fidelity_log.md, h/fid35), the pools put that time on each
+# admitted prompt instead and the Llama-3-8B folds lost more than the Qwen2.5-0.5B ones gained (trained's
+# all-deployment TTFT mean 20.1 -> 24.7 %, TTFT p99 24.3 -> 32.5 %). On: REPLAY_REVISION["v0"] + 8.
+V0_EAGER_LAUNCH_CAP = False
 V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
 V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff")
 # The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
@@ -149,7 +158,8 @@ ITERATIONS = {"v1": 6, "v0": 6}
 BOUNDS = {"compute_scale": (max(0.1, 0.05 / min(_BASE.flops_eff, _BASE.attn_flops_eff)),
                             1 / max(_BASE.flops_eff, _BASE.attn_flops_eff)),
           "memory_scale": (0.1, 1 / max(_BASE.bw_eff, _BASE.attn_bw_eff)), "step_host_s": (1e-6, 0.05),
-          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05), "eager_layer_host_s": (1e-7, 1e-3),
+          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
+          "eager_layer_host_s": (1e-7, 200e-6 if V0_EAGER_LAUNCH_CAP else 1e-3),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0),
           "expert_n_half": (8.0, 4096.0)}
 
@@ -857,9 +867,11 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
 # simulator moves that generation's replays (1: V0's async output processing, 2026-12-07; 2: its
 # tokens reach AccelMark's in-process client when the client's asyncio loop wakes, ACCELMARK_CLIENT_IN_PROCESS;
 # 3 / 4: V0's prefill steps launched eagerly, V0_EAGER_PREFILL, without / with it; 7: AccelMark's
-# outputs stopped at EOS or the cap, ACCELMARK_EOS_STOPPED_OUTPUTS, on top of 3; 8: all three),
+# outputs stopped at EOS or the cap, ACCELMARK_EOS_STOPPED_OUTPUTS, on top of 3; 8: all three; + 8: the
+# V0 fits' eager-launch bound, V0_EAGER_LAUNCH_CAP, which moves the fits, not the replays),
 # so a --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
-REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL + 4 * ACCELMARK_EOS_STOPPED_OUTPUTS,
+REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL + 4 * ACCELMARK_EOS_STOPPED_OUTPUTS
+                   + 8 * V0_EAGER_LAUNCH_CAP,
                    "v1": 0}
 
 
