@@ -139,6 +139,9 @@ class _Buffer:
         """The columns as arrays, in entry order."""
         width, n = len(self.names), len(self)
         doubles, integers = np.frombuffer(self.data, dtype="<f8"), np.frombuffer(self.data, dtype="<i8")
+        if not self.blocks:         # entries side by side: each column a strided view (`_Columns` copies it)
+            return {name: (doubles if kind == "d" else integers).reshape(n, width)[:, c]
+                    for c, (name, kind) in enumerate(zip(self.names, self._format))}
         # entry i's value of column c is value first[i] + c * stride[i] of the buffer: an entry packed
         # alone holds its columns side by side; in a block of k entries from entry s, entry s + j's
         # value of column c is at s * width + c * k + j
