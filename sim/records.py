@@ -18,8 +18,8 @@ Both are kept in columns, not objects (so a million requests fit in well under 2
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
-from itertools import chain
 from struct import Struct
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -139,6 +139,9 @@ class _Buffer:
         """The columns as arrays, in entry order."""
         width, n = len(self.names), len(self)
         doubles, integers = np.frombuffer(self.data, dtype="<f8"), np.frombuffer(self.data, dtype="<i8")
+        if not self.blocks:         # entries side by side: each column a strided view (`_Columns` copies it)
+            return {name: (doubles if kind == "d" else integers).reshape(n, width)[:, c]
+                    for c, (name, kind) in enumerate(zip(self.names, self._format))}
         # entry i's value of column c is value first[i] + c * stride[i] of the buffer: an entry packed
         # alone holds its columns side by side; in a block of k entries from entry s, entry s + j's
         # value of column c is at s * width + c * k + j
@@ -407,6 +410,9 @@ _REQUEST_FIELDS = ("id", "replica", "priority", "conversation", "is_warmup", "st
                    "first_token_step", "finish_step", "tenant", "runs", "chunks")
 _REQUEST_FLOATS = ("arrival_s",)
 _NO_CONVERSATION = -(2 ** 62)
+# a request's figures packed as `RequestTable.add` takes them, and the same as a numpy record
+_REQUEST_ROW = Struct("<" + "".join("d" if name in _REQUEST_FLOATS else "q" for name in _REQUEST_FIELDS))
+_REQUEST_DTYPE = np.dtype([(name, "<f8" if name in _REQUEST_FLOATS else "<i8") for name in _REQUEST_FIELDS])
 
 
 class RequestTable:
@@ -415,12 +421,16 @@ class RequestTable:
     CHUNK = 65_536
 
     def __init__(self) -> None:
-        self._buffer: list[tuple] = []
+        # Requests not yet packed into columns, each as its figures packed (_REQUEST_ROW) and its
+        # runs' and chunks' steps as int64: converted while the request's objects are at hand (a
+        # list of tuples and ints converted at pack time read them scattered over the heap).
+        self._buffer: list[bytes] = []
+        self._pack_row = _REQUEST_ROW.pack
         self._cols = _Columns(_REQUEST_FIELDS, _REQUEST_FLOATS)
         self._runs: list[np.ndarray] = []       # flattened (first, last) step pairs, request by request
-        self._run_buffer: list[int] = []
+        self._run_buffer = array("q")
         self._chunk_steps: list[np.ndarray] = []
-        self._chunk_buffer: list[int] = []
+        self._chunk_buffer = array("q")
         self._tenants: dict[Optional[str], int] = {None: -1}
         self._reasons: dict[int, str] = {}      # request id -> reason (rejected and aborted ones)
         self._order: Optional[np.ndarray] = None
@@ -434,16 +444,15 @@ class RequestTable:
         if not finished:
             chunks = ()                 # only a finished request's chunk steps count (host/device split)
         tenant = self._tenants.setdefault(req.tenant, len(self._tenants) - 1)
-        self._buffer.append((req.id, req.replica, req.priority,
-                             _NO_CONVERSATION if req.conversation is None else req.conversation,
-                             req.is_warmup, int(req.status), np.nan if req.arrival is None else req.arrival,
-                             req.prompt_len, req.num_output, req.num_cached_tokens, req.num_preemptions,
-                             req.admit_step, req.first_token_step, req.finish_step, tenant,
-                             len(runs) // 2, len(chunks)))
+        self._buffer.append(self._pack_row(
+            req.id, req.replica, req.priority, _NO_CONVERSATION if req.conversation is None else req.conversation,
+            req.is_warmup, req.status, np.nan if req.arrival is None else req.arrival, req.prompt_len,
+            req.num_output, req.num_cached_tokens, req.num_preemptions, req.admit_step, req.first_token_step,
+            req.finish_step, tenant, len(runs) // 2, len(chunks)))
         if runs:
-            self._run_buffer += runs
+            self._run_buffer.extend(runs)
         if chunks:
-            self._chunk_buffer += chunks
+            self._chunk_buffer.extend(chunks)
         if req.reject_reason is not None:
             self._reasons[req.id] = req.reject_reason
         self.count += 1
@@ -457,22 +466,18 @@ class RequestTable:
 
     def _pack(self) -> None:
         if self._buffer:
-            table = self._buffer
+            table = np.frombuffer(b"".join(self._buffer), dtype=_REQUEST_DTYPE)
             self._buffer = []
-            # exact: every integer here is below 2**53 (flat, at C speed: np.array on the rows
-            # took twice as long, finding their shape)
-            values = np.fromiter(chain.from_iterable(table), np.float64,
-                                 len(table) * len(_REQUEST_FIELDS)).reshape(len(table), -1)
-            self._cols.add({name: values[:, i] for i, name in enumerate(_REQUEST_FIELDS)}, len(table))
-            self._cols.pack()
+            self._cols.add({name: table[name] for name in _REQUEST_FIELDS}, len(table))
+            self._cols.pack()       # (copies: nothing keeps the joined bytes)
             self._order = None          # (ids were added: made again when asked; else kept, not
                                         # sorted again for each of a summary's ~20 columns)
         if self._run_buffer:
-            self._runs.append(_compact(np.asarray(self._run_buffer, dtype=np.int64)))
-            self._run_buffer = []
+            self._runs.append(_compact(np.frombuffer(self._run_buffer, dtype=np.int64)))    # (a copy)
+            self._run_buffer = array("q")
         if self._chunk_buffer:
-            self._chunk_steps.append(_compact(np.asarray(self._chunk_buffer, dtype=np.int64)))
-            self._chunk_buffer = []
+            self._chunk_steps.append(_compact(np.frombuffer(self._chunk_buffer, dtype=np.int64)))
+            self._chunk_buffer = array("q")
 
     def __len__(self) -> int:
         return self.count

@@ -49,7 +49,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
-from sim.core.request import Request, Segment, make_request, stable_key, stable_keys
+from sim.core.request import Request, Segment, make_request, output_keys, stable_key, stable_keys, tenant_salt
 from sim.lora import assign_adapters
 from sim.scenario import Arrival, DynamicSegment, LengthDist, Scenario, SharedPrefix, Tenant, Workload
 from sim.traces import load_trace
@@ -194,8 +194,9 @@ def _made_requests(w: Workload, seed: int, draws, describe=None) -> Iterator[Req
     # a first turn rejected at once rejects the later ones, which must exist by then.
     tenants = w.tenants or []
     names = [t.name for t in tenants] or [None]       # (tenant_of is all 0 without tenants)
-    salted_of = [bool(t.salt) for t in tenants] or [False]
-    user_key = stable_keys("user", seed)
+    # (make_request's salt and output key, looked up once: ~2k instructions a request)
+    salt_of = [tenant_salt(t.name) if t.salt else 0 for t in tenants] or [0]
+    user_key, output_key = stable_keys("user", seed), output_keys(seed)
     multi_turn = w.multi_turn is not None
     dynamic = w.dynamic_segment
     prefixes, think = draws.prefixes, draws.think
@@ -205,15 +206,15 @@ def _made_requests(w: Workload, seed: int, draws, describe=None) -> Iterator[Req
     for i, (key, c, first, last, own_len, out_len, t, g, priority, start) in enumerate(rows):
         user = (key, own_len)
         if first:
-            tenant, salted, arrival = names[t], salted_of[t], start
+            tenant, salt, arrival = names[t], salt_of[t], start
             prompt = [prefixes[g], user] if g >= 0 else [user]
             if dynamic is not None:
                 _add_dynamic(prompt, dynamic, seed, c)
         else:
             arrival = None
             prompt = prev.segments + [user]
-        req = make_request(i, arrival, prompt, out_len, seed, tenant, salted, priority,
-                           own_prompt_tokens=own_len)   # its user key is its own
+        req = Request(i, arrival, prompt, out_len, (output_key(i), out_len), tenant, salt, priority, False)
+        req.own_prompt_tokens = own_len     # its user key is its own
         if not first:
             prev.next_turn, prev.think_time = req, think[i - 1]
         if multi_turn:

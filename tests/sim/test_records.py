@@ -309,3 +309,40 @@ def test_reasons_are_looked_up_by_id_in_any_block_of_the_table():
                                 "run_steps": np.zeros(0, np.int64), "chunk_steps": np.zeros(0, np.int64)})
     assert block.reasons().tolist() == [by_id[i] for i in block.sorted_column("id").astype(int).tolist()]
     assert RequestTable().reasons().tolist() == []
+
+
+def test_ended_requests_keep_every_figure_exactly_across_packs():
+    """An ended request's figures are packed as it is taken (integers as 64-bit integers, the
+    arrival as a double) and its runs' and chunks' steps into integer arrays: ids past 2**31, a
+    missing arrival (NaN) and conversation, numpy scalars, runs and chunk steps come back
+    unchanged and in order over several packs; a request that did not finish keeps no chunk."""
+    from sim.core.request import Request
+    from sim.core.status import FINISHED, REJECTED
+    from sim.records import RequestTable
+
+    class Small(RequestTable):
+        CHUNK = 3                          # pack every few requests
+
+    table, big = Small(), 2 ** 40 + 3
+    requests = []
+    for i in range(8):
+        req = Request(big + i if i % 2 else i, None if i == 5 else np.float64(0.5 * i), [(7, 10 + i)], 4 + i,
+                      (9, 4 + i), tenant="t" if i % 3 else None)
+        req.status, req.num_output, req.admit_step = (REJECTED if i == 4 else FINISHED), 4 + i, np.int64(big)
+        req.conversation = None if i % 2 else i
+        req.emit_runs, req.chunk_steps = [big + i, big + i + 2] * (i % 3), [i, big]
+        req.is_warmup = i == 0
+        table.add(req)
+        requests.append(req)
+    packed = table.take_packed()
+    assert packed["id"].tolist() == [r.id for r in requests]
+    arrivals = packed["arrival_s"]
+    assert np.isnan(arrivals[5]) and np.delete(arrivals, 5).tolist() == [0.5 * i for i in range(8) if i != 5]
+    assert packed["conversation"].tolist() == [-(2 ** 62) if i % 2 else i for i in range(8)]
+    assert packed["prompt_tokens"].tolist() == [10 + i for i in range(8)]
+    assert packed["admit_step"].tolist() == [big] * 8
+    assert packed["is_warmup"].tolist() == [1] + [0] * 7
+    assert packed["runs"].tolist() == [i % 3 for i in range(8)]
+    assert packed["run_steps"].tolist() == [s for r in requests for s in r.emit_runs]
+    assert packed["chunks"].tolist() == [0 if i == 4 else 2 for i in range(8)]
+    assert packed["chunk_steps"].tolist() == [s for i in range(8) if i != 4 for s in (i, big)]
