@@ -4,7 +4,7 @@ class fit's residuals (validate/lodo.py fit_class: every fit run predicted under
   python bench/lodo_memory.py [--group v0/h200] [--evaluations 40] [--out bench/results/lodo_memory.json]
 
 A refit runs thousands of such evaluations in one process; the RSS must stay flat over them. (It
-grew by the simulations' KV pools and records, kept in reference cycles that sim.workload.gc_paused
+grew by the simulations' KV pools and records, kept in reference cycles that sim.core.collector.gc_paused
 left to rare full collections: 13.7 GB in a refit before the cycles were broken.) The automatic
 collector runs as in a refit: no gc.collect() here.
 """

@@ -34,9 +34,10 @@ from sim.routers.factory import make_router
 from sim.autoscale import Autoscaler
 from sim.core.scheduler import Scheduler, SchedulerConfig
 from sim.core.scheduler_variants import make_scheduler
+from sim.core.collector import gc_paused
 from sim.core.lora import lora_meta
 from sim.core.speculative import speculative_meta
-from sim.workload import StreamedWorkload, build_requests, gc_paused, stream_requests
+from sim.workload import StreamedWorkload, build_requests, stream_requests
 
 
 @dataclass

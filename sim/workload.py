@@ -38,16 +38,15 @@ All sources: the first `warmup_requests` requests of the list are marked warm-up
 from __future__ import annotations
 
 import csv
-import gc
 import math
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from sim.core.collector import gc_paused
 from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, output_keys, stable_key, stable_keys, tenant_salt
 from sim.lora import assign_adapters
@@ -131,25 +130,6 @@ def _decode_step_s(scenario: Scenario) -> float:
 
     p = scenario.parallelism
     return weight_bytes_per_gpu(scenario.model, p.tp, p.dp) / (scenario.device.hbm_gbps * 1e9)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Building (and simulating) 100k requests allocates millions of small objects, none of
-    them in a cycle; the cyclic collector's repeated passes over them cost more than the work."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            # Everything allocated meanwhile sits in the youngest generation, so the first
-            # collection after re-enabling would walk all of it (~10% of a run). Move it to the
-            # oldest generation instead, as surviving a collection would: any cycle in it is
-            # still collected, by the next full collection.
-            gc.freeze()
-            gc.enable()
-            gc.unfreeze()
 
 
 def _stream(seed: int, purpose: str) -> np.random.Generator:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from sim import stop
+from sim.core.collector import gc_paused
 
 OVERVIEW = "overview"     # (report.OVERVIEW: made of the other figures' panels)
 
@@ -33,27 +34,12 @@ def warm_up() -> None:
     figure process does this while the parent simulates; copies forked after it inherit the
     loaded font). One text measured, no figure drawn: drawing a small one here cost ~0.16 G
     instructions that the figures' own first drawing did not save (docs/performance.md)."""
-    with collector_paused():
+    with gc_paused():
         import sim.output.report  # noqa: F401
         from matplotlib.backends.backend_agg import RendererAgg
         from matplotlib.font_manager import FontProperties
 
         RendererAgg(10, 10, 72).get_text_width_height_descent("warm-up", FontProperties(), ismath=False)
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while matplotlib is imported or draws. Both make objects by
-    the hundred thousand, few of them garbage, so the collector ran ~160 times over a run's figures
-    for ~7 % of the figure process's CPU; a figure's few MB of cycles (figure <-> canvas) wait for
-    the next collection after, or for the figure process's exit."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def figure_process_start() -> None:
@@ -69,7 +55,7 @@ def figure_process_start() -> None:
     import warnings
 
     if "matplotlib.artist" not in sys.modules:
-        with collector_paused():
+        with gc_paused():
             import matplotlib.artist
 
             if callable(getattr(matplotlib.artist, "kwdoc", None)):
@@ -86,7 +72,7 @@ def figure_process_start() -> None:
 
 
 def draw_share(views: Mapping, out_dir: str, title: str, names: Sequence[str]) -> dict[str, Path]:
-    with collector_paused():
+    with gc_paused():
         from sim.output.report import plot_run_figures
 
         return plot_run_figures(views, out_dir, title, names)

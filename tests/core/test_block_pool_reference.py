@@ -290,9 +290,7 @@ def test_a_shared_block_two_requests_free_at_once_joins_where_its_last_reference
         assert _queue_positions(freed, refs, 10) == [None, 10, 11, 12]
         pool.free_blocks(freed)
         pool.check_invariants()
-        hashes = pool.block_hash
-        return [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b] else EMPTY
-                for b in pool.free_queue]
+        return free_queue_view(pool)
 
     assert queue_after(BlockPool) == queue_after(CountingBlockPool)
     assert queue_after(BlockPool)[-3:] == [CACHED, 5, CACHED]
@@ -328,28 +326,41 @@ def test_block_hashes_follow_content_not_segment_layout_within_a_run():
     assert not set(a.block_hashes) & set(c.block_hashes)
 
 
+def two_named_two_private(pool_class, size: int):
+    """A pool of `size` blocks holding one table of four: two named blocks (hashes 5 and 6; the
+    first with a second holder) and two private ones, as either pool names them."""
+    pool = pool_class(size)
+    table = pool.get_new_blocks(4)
+    if pool_class is CountingBlockPool:
+        named = pool.name(2)
+        private = [ANON, ANON]
+    else:
+        named, private = table[:2], table[2:]
+        pool.cache_private(private)
+    pool.cache_blocks(named, [5, 6])
+    pool.touch(named[:1])                          # named[0] has a second holder
+    return pool, named, private
+
+
+def free_queue_view(pool) -> list:
+    """The free queue as both pools can be compared: a named block by its hash, private and
+    cached blocks as CACHED, empty ones as EMPTY."""
+    hashes = pool.block_hash
+    return [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b] else EMPTY
+            for b in pool.free_queue]
+
+
 @pytest.mark.parametrize("order", [(1, 2, 0, 0, 3), (0, 0, 3), (1, 2, 3, 0, 0), (1, 0, 2, 0)])
 def test_a_window_free_of_private_then_named_blocks_queues_as_the_engines_pool(order):
     """A window free mixing private blocks and named ones (a window passing a hit: private first,
     then named, or any other mix) queues in CountingBlockPool what BlockPool queues, a named
     block freed twice in one call joining once, where its last reference goes."""
     def queue_after(pool_class):
-        pool = pool_class(10)
-        table = pool.get_new_blocks(4)
-        if pool_class is CountingBlockPool:
-            named = pool.name(2)
-            private = [ANON, ANON]
-        else:
-            named, private = table[:2], table[2:]
-            pool.cache_private(private)
-        pool.cache_blocks(named, [5, 6])
-        pool.touch(named[:1])                          # named[0] has a second holder
+        pool, named, private = two_named_two_private(pool_class, 10)
         blocks = {0: named[0], 1: private[0], 2: private[1], 3: named[1]}
         pool.free_blocks([blocks[i] for i in order])
         pool.check_invariants()
-        hashes = pool.block_hash
-        return [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b] else EMPTY
-                for b in pool.free_queue]
+        return free_queue_view(pool)
 
     assert queue_after(CountingBlockPool) == queue_after(BlockPool)
 
@@ -361,16 +372,7 @@ def test_a_stretch_of_window_frees_in_steps_is_its_steps_freed_in_turn(ends):
     step gives, on both pools: private blocks, a named block with a second holder (it joins only
     at its last reference, freed twice) and steps that free nothing."""
     def freed(pool_class, in_steps):
-        pool = pool_class(12)
-        table = pool.get_new_blocks(4)
-        if pool_class is CountingBlockPool:
-            named = pool.name(2)
-            private = [ANON, ANON]
-        else:
-            named, private = table[:2], table[2:]
-            pool.cache_private(private)
-        pool.cache_blocks(named, [5, 6])
-        pool.touch(named[:1])                          # named[0] has a second holder
+        pool, named, private = two_named_two_private(pool_class, 12)
         blocks = [private[0], named[0], private[1], named[0], named[1]]
         if in_steps:
             gains = pool.free_in_steps(blocks, ends)
@@ -382,9 +384,7 @@ def test_a_stretch_of_window_frees_in_steps_is_its_steps_freed_in_turn(ends):
                 gains[0].append(pool.num_free - free0)
                 gains[1].append(pool.num_cached_free - cached0)
         pool.check_invariants()
-        hashes = pool.block_hash
-        return gains, [b if b in (CACHED, EMPTY) else CACHED if hashes[b] is PRIVATE else hashes[b] if hashes[b]
-                       else EMPTY for b in pool.free_queue]
+        return gains, free_queue_view(pool)
 
     expected = freed(BlockPool, in_steps=False)
     assert expected[0][0][-1] == 4 and expected[1][-2:] == [5, 6]    # named[0] joined once, at its last free

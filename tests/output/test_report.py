@@ -324,18 +324,18 @@ def test_histogram_on_even_edges_counts_as_numpy_does_on_the_edges():
     assert histogram(values, uneven).tolist() == [1, 2, 2]
 
 
-def test_collector_paused_restores_the_collector_as_it_was():
+def test_gc_paused_restores_the_collector_as_it_was():
     import gc
 
-    from sim.output.workers import collector_paused
+    from sim.core.collector import gc_paused
 
     assert gc.isenabled()
-    with collector_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
     try:
-        with collector_paused():
+        with gc_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()          # a caller's choice is kept
     finally:

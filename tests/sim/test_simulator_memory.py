@@ -1,6 +1,6 @@
 """A finished simulation is freed by reference counting alone, as soon as its caller drops it.
 
-Simulation.run pauses the cyclic collector (sim.workload.gc_paused) and then moves everything the
+Simulation.run pauses the cyclic collector (sim.core.collector.gc_paused) and then moves everything the
 run made to the oldest generation, whose full collections come rarely. Anything of a run kept in
 a reference cycle therefore stays until one: a LODO refit (validate/lodo.py), thousands of
 simulations in one process, grew to 13.7 GB of KV pools and schedulers that way. These tests run

@@ -45,7 +45,7 @@ class KVCacheCoordinator:
         # (its held_slots: slots held over all requests, the cohort's too). A weak proxy: the
         # manager holds this coordinator's bound methods, and a strong reference back would make
         # a cycle that keeps the whole pool alive until a full collection (which, after
-        # sim.workload.gc_paused, comes rarely: a LODO refit grew to 13 GB of pools)
+        # sim.core.collector.gc_paused, comes rarely: a LODO refit grew to 13 GB of pools)
         self.manager = weakref.proxy(manager)
         self.pool = pool
         self.block_size = block_size
