@@ -339,6 +339,35 @@ def test_v0_classes_share_one_host_profile():
     assert not any({"compute_scale", "memory_scale"} & set(c["parameters"]) for c in classes.values())
 
 
+@pytest.mark.parametrize("sensitivity, prior, lo, hi", [
+    (0.1, True, 0.99, 1.1),     # device-bound runs barely show the host: the pooled speed stays
+    (1.0, True, 1.5, 1.7),      # host-bound runs pin it: mostly their own 2x
+    (0.1, False, 1.9, 2.1),     # no prior: the faint signal alone sets it
+])
+def test_a_v0_class_speed_is_pulled_to_the_pooled_profile_as_far_as_its_runs_leave_it_open(
+        runs, monkeypatch, sensitivity, prior, lo, hi):
+    """V0_HOST_PRIOR: a class's machine speed (host_scale over the pooled V0 host profile) takes a
+    Gaussian prior on its log, centred on the pooled profile, as one more residual of the class fit.
+    Replays stubbed so that the two runs of a deployment want 2x the pooled host time, with their
+    metrics moving as host_time ** sensitivity (a device-bound model's ~50 ms steps hide a host's
+    ~3 ms: small; a 0.5B model's steps are host time: ~1): the weak signal keeps about the pooled
+    speed, the strong one keeps most of its own, and without the prior both reach 2x."""
+    monkeypatch.setattr(lodo, "V0_HOST_PRIOR", prior)
+    group = [r for r in runs.values() if r.deployment == "meta-llama/Meta-Llama-3-8B-Instruct / L4 / tp 1 / vLLM 0.7.3"]
+    pooled = {"step_host_s": 2e-3, "seq_host_s": 50e-6, "prefill_seq_host_s": 0.3e-3, "eager_layer_host_s": 0.5e-3}
+
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0):
+        factor = (coefficients.step_host_s / (2 * pooled["step_host_s"])) ** sensitivity
+        return {m: v * factor for m, v in run.measured.items()}
+
+    monkeypatch.setattr(lodo, "predict", stub)
+    fitted = lodo.fit_class(group, fixed=pooled, names=lodo.V0_CLASS_FIT)
+    assert lo <= fitted["step_host_s"] / pooled["step_host_s"] <= hi
+    assert fitted["seq_host_s"] / pooled["seq_host_s"] == pytest.approx(fitted["step_host_s"] / pooled["step_host_s"])
+    # the prior moves the class fits, not the replays: their --resume names, not REPLAY_REVISION
+    assert bool(lodo._fit_tag("v0")) == prior and lodo._fit_tag("v1") == ""
+
+
 @pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
 def test_recorded_lodo_errors_still_hold(run_id, runs):
     """Each run's datasheet and trained errors, recomputed with its fold's stored coefficients."""
