@@ -633,6 +633,8 @@ class CostModel:
         equal to decodes, no prompt tokens), as `_Known` pairs."""
         zeros = (("prefill_tokens", 0), ("prefill_ctx", 0), ("prefill_attn", 0), ("pairs", 0.0),
                  ("other_kv", 0), ("prefill_setup", 0.0))
+        if self.model.num_sliding_layers:  # (the sliding layers' prompt terms: no prompt, no pair)
+            zeros += (("window_pairs", 0.0), ("window_other_kv", 0))
         if self._allreduce_per_token and self._allreduce_token_s == 0.0:
             zeros += (("allreduce", 0.0),)
         if self._allreduce_fixed_s == 0.0:
