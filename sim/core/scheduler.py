@@ -196,10 +196,12 @@ class Scheduler:
             others = cohort.take_step(self, batch, budget)
             if others is None:         # some member might not get its token: it dissolved
                 self.active = dict.fromkeys(self.running)
-            else:
+                cohort.sync(batch.step)
+            else:                      # (take_step advanced the cohort's clock to the step: synced)
                 budget -= batch.cohort_size
                 candidates = others
-        cohort.sync(batch.step)
+        else:
+            cohort.sync(batch.step)
         if select is not None:
             candidates = select(candidates)
         return self._schedule_each(candidates, budget, batch) if candidates else budget
@@ -354,7 +356,7 @@ class Scheduler:
             n = cap
         if not self.config.chunked_prefill and n > budget:
             return None
-        return min(n, budget)
+        return budget if budget < n else n     # (min(n, budget) without the call: ~1,200 instructions)
 
     def head_would_start(self, budget: int, batch_empty: bool, free_blocks: int) -> bool:
         """Would the waiting pass admit its head with `budget` tokens left and `free_blocks` free?
