@@ -257,7 +257,8 @@ class DecodeCohort:
         n = len(self.members)              # (len(self) would call __len__)
         active = sched.active
         others = list(active) if active else []     # (most steps none: list({}) counts ~1k instructions)
-        blocks = self.due_blocks(step)
+        # (due_blocks(step), inline: a call every step)
+        blocks = self.crossings[(step - self.offset) % self.block_size] * self.tables if self.paged else 0
         if others and n <= budget:
             blocks = self._others_blocks(sched, others, step, budget - n, blocks)
         if n > budget or blocks is None or blocks > kv.pool.num_free:
@@ -313,9 +314,11 @@ class DecodeCohort:
         due = self._finish.pop(clock, None)
         if due is None:                    # most steps
             return []
-        finished = [req for req, gen in due if req.cohort_gen == gen]
-        for req in finished:
-            self.leave(req)
+        finished = []                      # (a loop: a comprehension makes a function and a frame a call)
+        for req, gen in due:
+            if req.cohort_gen == gen:      # (leave moves only its own request's generation on)
+                self.leave(req)
+                finished.append(req)
         return finished
 
     def _crossing(self, step: int) -> dict[Request, None]:
