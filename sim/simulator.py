@@ -23,7 +23,7 @@ from sim.costmodel import IDLE_GAP_S, CostModel
 from sim.dp import DPGroup, DPLayout, DPLoadBalancer, engine_peak_running
 from sim.core.kv import BlockPool, KVCacheManager, new_kv_manager
 from sim.core.fast.counting_pool import CountingBlockPool
-from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, finish_leap, plan_leap
+from sim.core.fast.leap import LeapPlan, StepShape, apply_leap, plan_leap
 from sim.front_end import FrontEnd
 from sim.core.memory import MemoryPlan, check_block_pool_supports, plan_memory
 from sim.core.offload import offload_meta, offload_tier
@@ -492,17 +492,22 @@ class Simulation:
         queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled
+        waited = True             # SimPy's clock may have moved since `clock` read it
         while True:
             # Where nothing else can act before the next arrival (`_chained`), steps and leaps run
             # back to back without waiting for SimPy's clock (`now` runs ahead): the replica takes
             # the arrivals due by each of its ends itself, and SimPy's clock only where it sleeps.
-            clock = env.now
+            # (So a chained loop reads the clock, a property, only after it slept: idle, below.)
+            if waited:
+                clock = env.now
+                waited = not chained
             now = last_end if last_end > clock else clock
             # (chained: no follow-up turn, no other replica, no client queue; the next arrival it is)
             horizon = (self._next_arrival if chained else self._next_route_time(replica)) if fast else math.inf
             # A request that arrived during the last step is most likely admitted now: no leap.
+            # (plan_leap finds none while arrivals wait to join WAITING, async: not asked then)
             if (fast and now == last_end and len(queue) <= seen_waiting
-                    and horizon > now):
+                    and horizon > now and not sched.arriving):
                 leap = self._plan_leap(sched, now, horizon)
                 if leap is not None:
                     seen_waiting = len(queue)
@@ -514,6 +519,7 @@ class Simulation:
             batch = schedule()
             seen_waiting = len(queue) - arrived
             if batch is None:
+                waited = True
                 if now > env.now:            # catch up before sleeping
                     yield from sleep_until(env, now)
                 if tier is not None and tier.loading:       # asleep until a load ends or a request comes
@@ -587,7 +593,7 @@ class Simulation:
             # kv_cached, slack, host, device, waiting_last: positional, once a leap)
             recorder.record_leap(plan.first_step, start, ends, plan.rows, ctx, blocks, running, waiting,
                                  used, cached, slack, host, device, len(sched.waiting))
-            finished = finish_leap(sched)
+            finished = sched.finish_cohort_step(sched.step - 1)     # (finish_leap, inline: a call a leap)
             if finished:
                 self._retire(env, replica, finished)
             if not chained:
