@@ -14,6 +14,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Callable, ClassVar, Iterator, Optional, Union
 
 import numpy as np
@@ -425,7 +426,7 @@ class Simulation:
         turns = [r.think_time for r in self.requests if r.next_turn is not None]
         self._min_think = min(turns) if turns else math.inf
         self._num_requests = len(self.requests)
-        queue = deque(r for r in self.requests if r.arrival is not None)
+        queue = deque([r for r in self.requests if r.arrival is not None])    # (a generator resumes per item)
         if self.release:
             self.requests.clear()
         return _drain(queue)
@@ -723,8 +724,9 @@ class Simulation:
 
 
 def _drain(queue: deque) -> Iterator[Request]:
-    while queue:
-        yield queue.popleft()
+    """The queue's requests, each popped as it is taken (a C-level iterator: no generator to
+    resume per request)."""
+    return map(deque.popleft, repeat(queue, len(queue)))
 
 
 class _Arrivals:
