@@ -209,14 +209,12 @@ class DecodeCohort:
         pauses = self.pauses
         i = req.cohort_pause_index
         j = bisect_left(pauses, last, i)       # the pauses it sat through before its latest token
-        if j > i:
-            sat_out = pauses[i:j]
-            starts = [start, *[p + 1 for p in sat_out]]
+        if j > i:                              # (a loop: two comprehensions made two functions a call)
             runs = list(runs)
-            for a, b in zip(starts, [p - 1 for p in sat_out]):
-                if a <= b:                     # back-to-back pauses leave no run between them
-                    runs += (a, b)
-            start = starts[-1]
+            for p in pauses[i:j]:              # a run up to the step before each pause, the next after it
+                if start <= p - 1:             # back-to-back pauses leave no run between them
+                    runs += (start, p - 1)
+                start = p + 1
         return runs, start, last
 
     # -- the clock ---------------------------------------------------------------------------
