@@ -196,11 +196,10 @@ class Scheduler:
             others = cohort.take_step(self, batch, budget)
             if others is None:         # some member might not get its token: it dissolved
                 self.active = dict.fromkeys(self.running)
-                cohort.sync(batch.step)
-            else:                      # (take_step advanced the cohort's clock to the step: synced)
+            else:
                 budget -= batch.cohort_size
                 candidates = others
-        else:
+        if not batch.cohort_size:      # (else take_step's advance moved the cohort's clock to the step)
             cohort.sync(batch.step)
         if select is not None:
             candidates = select(candidates)
@@ -317,8 +316,7 @@ class Scheduler:
         req.status = RUNNING
         req.num_computed = hit_tokens
         self.tokens_held += hit_tokens
-        self._run_seq += 1
-        req.run_seq = self._run_seq
+        req.run_seq = self._run_seq = self._run_seq + 1
         self.running.append(req)
         self.active[req] = None
         batch.admitted.append(req)
