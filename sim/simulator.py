@@ -421,6 +421,8 @@ class Simulation:
         if isinstance(self.requests, StreamedWorkload):
             stream, self.requests, self.release = self.requests, [], True
             self._num_requests, self._min_think = stream.count, stream.min_think
+            if stream.min_think == math.inf:        # no follow-up turn: each request arrives on its own
+                return stream.requests              # (no generator to resume per request)
             return (r for r in stream.requests if r.arrival is not None)
         # A finish on one replica can send a follow-up turn to another after its think time.
         turns = [r.think_time for r in self.requests if r.next_turn is not None]
