@@ -65,7 +65,8 @@ class PrefillFirst:
     def _compose(self, batch, budget: int) -> None:
         # (the cohort's members are decodes: the one-by-one requests are `active`)
         candidates = self.active if self.cohort.members else self.running
-        budget = self._schedule_each(_prefills(candidates), budget, batch)
+        if candidates:                 # (most steps none outside the cohort: no calls)
+            budget = self._schedule_each(_prefills(candidates), budget, batch)
         if not batch.preempted:
             budget = self._schedule_waiting(batch, budget)
         if batch.decodes or batch.prefills:     # a prefill step: the decodes wait; the cohort sits it out intact
@@ -81,4 +82,4 @@ class PrefillFirst:
             n = cap
         if n > budget and (not batch_empty or not self.config.chunked_prefill):
             return None
-        return min(n, budget)
+        return budget if budget < n else n     # (min(n, budget) without the call: ~1,200 instructions)

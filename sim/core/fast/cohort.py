@@ -209,14 +209,12 @@ class DecodeCohort:
         pauses = self.pauses
         i = req.cohort_pause_index
         j = bisect_left(pauses, last, i)       # the pauses it sat through before its latest token
-        if j > i:
-            sat_out = pauses[i:j]
-            starts = [start, *[p + 1 for p in sat_out]]
+        if j > i:                              # (a loop: two comprehensions made two functions a call)
             runs = list(runs)
-            for a, b in zip(starts, [p - 1 for p in sat_out]):
-                if a <= b:                     # back-to-back pauses leave no run between them
-                    runs += (a, b)
-            start = starts[-1]
+            for p in pauses[i:j]:              # a run up to the step before each pause, the next after it
+                if start <= p - 1:             # back-to-back pauses leave no run between them
+                    runs += (start, p - 1)
+                start = p + 1
         return runs, start, last
 
     # -- the clock ---------------------------------------------------------------------------
@@ -257,7 +255,8 @@ class DecodeCohort:
         n = len(self.members)              # (len(self) would call __len__)
         active = sched.active
         others = list(active) if active else []     # (most steps none: list({}) counts ~1k instructions)
-        blocks = self.due_blocks(step)
+        # (due_blocks(step), inline: a call every step)
+        blocks = self.crossings[(step - self.offset) % self.block_size] * self.tables if self.paged else 0
         if others and n <= budget:
             blocks = self._others_blocks(sched, others, step, budget - n, blocks)
         if n > budget or blocks is None or blocks > kv.pool.num_free:
@@ -313,9 +312,11 @@ class DecodeCohort:
         due = self._finish.pop(clock, None)
         if due is None:                    # most steps
             return []
-        finished = [req for req, gen in due if req.cohort_gen == gen]
-        for req in finished:
-            self.leave(req)
+        finished = []                      # (a loop: a comprehension makes a function and a frame a call)
+        for req, gen in due:
+            if req.cohort_gen == gen:      # (leave moves only its own request's generation on)
+                self.leave(req)
+                finished.append(req)
         return finished
 
     def _crossing(self, step: int) -> dict[Request, None]:
