@@ -65,7 +65,10 @@ def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.45")
 
 
-def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
+def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False,
+                legend_columns: int = 0) -> None:
+    """Title, labels, tick formats and the legend: inside the axes where it hides least
+    (`loc="best"`), or with `legend_columns` under the x label in that many columns (legend_under)."""
     # y given: matplotlib then skips measuring every tick label to lift the title above an x axis
     # drawn on top, which no figure here has (the same place, ~3% of the drawing)
     ax.set_title(title, y=1.0)
@@ -90,8 +93,32 @@ def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", count
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
+    if legend_columns:
+        legend_under(ax, legend_columns)
+    elif ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
+
+
+LEGEND_ROW = 0.18        # inches a row of a "small" legend takes
+LEGEND_ROOM = 0.2        # inches the legend's frame and the gap above it take
+
+
+def legend_under(ax, columns: int) -> None:
+    """The axes' legend under its x label, `columns` entries a row, the figure made taller by the
+    rows (its axes keep their size): for a panel whose series and marks fill it, where the legend
+    would hide data anywhere inside (the queue's preemption marks run along its top)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    fig = ax.figure
+    room = LEGEND_ROOM + LEGEND_ROW * -(-len(handles) // columns)
+    width, height = fig.get_size_inches()
+    bottom, top = fig.subplotpars.bottom * height, (1 - fig.subplotpars.top) * height     # (inches)
+    fig.set_size_inches(width, height + room)
+    fig.subplots_adjust(bottom=(bottom + room) / (height + room), top=1 - top / (height + room))
+    spot = ax.get_position()
+    ax.legend(handles, labels, fontsize="small", ncol=columns, loc="upper center",
+              bbox_to_anchor=((spot.x0 + spot.x1) / 2, room / (height + room)), bbox_transform=fig.transFigure)
 
 
 class InView(Locator):
@@ -248,8 +275,10 @@ def draw_queue(ax, views: Mapping[str, RunView]) -> None:
         mark_preemptions(ax, v, colour, label)
     if not any(v.num_steps for v in views.values()):
         _note(ax, "no steps recorded")
+    # the legend under the panel (a run's entries a row, or a column each): inside, it hid the
+    # preemption marks along the top or the series, which fill the panel
     finish_axes(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
-                counts=True)
+                counts=True, legend_columns=len(views) if len(views) > 1 else 3)
 
 
 

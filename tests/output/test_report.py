@@ -667,3 +667,23 @@ def test_big_numbers_on_either_axis_are_shortened():
         texts = [t.get_text() for t in labels if t.get_text()]
         assert "600k" in texts or "30k" in texts
         assert all(len(text) <= 4 for text in texts), texts
+
+
+def test_the_queue_legend_sits_under_its_panel_inside_the_figure(views):
+    """The queue panel's series and preemption marks fill it, so its legend goes under the x label
+    (a run's entries a row, or a run a column), where it hides nothing, and the figure grows to
+    hold it."""
+    from sim.output.report import DPI, figure_pixels, plot_queue, titled
+
+    for shown in (views, {"continuous": views["continuous"]}):
+        fig = titled(plot_queue(shown), "a title")
+        fig.dpi = DPI
+        figure_pixels(fig, DPI)
+        renderer = fig.canvas.get_renderer()
+        ax, = fig.axes
+        legend = ax.get_legend().get_window_extent(renderer)
+        labels = ax.xaxis.label.get_window_extent(renderer)
+        assert 0 <= legend.y0 and legend.y1 <= labels.y0, shown.keys()           # under the x label
+        assert 0 <= legend.x0 and legend.x1 <= fig.bbox.width
+        assert len(ax.get_legend().get_texts()) == len(ax.get_legend_handles_labels()[0])
+        assert fig.get_figheight() > 4                                        # (new_figure's 4 in)
