@@ -25,7 +25,7 @@ from matplotlib.ticker import (FuncFormatter, Locator, LogFormatterSciNotation, 
                                ScalarFormatter)
 
 from sim.output import units
-from sim.output.png import read_png, write_png
+from sim.output.png import copy_channels, read_png, write_png
 from sim.output.pages import (CAPTIONS, CSS, SUMMARY_ROWS, html_figure, html_setup, html_table,  # noqa: F401
                               summary_table, write_html_page, write_html_report)
 from sim.output.trace import TRACE_MAX_REQUESTS, write_perfetto_trace  # noqa: F401
@@ -458,12 +458,12 @@ def overview_pixels(figures: Mapping[str, Drawn]) -> np.ndarray:
     width = max(sum(cell.shape[1] for cell in row) for row in rows)
     canvas = np.full((len(band) + sum(heights), width, 3), 255, dtype=np.uint8)
     offset = max(0, (width - band.shape[1]) // 2)
-    canvas[:len(band), offset:offset + band.shape[1]] = band[:, :width]
+    copy_channels(canvas[:len(band), offset:offset + band.shape[1]], band[:, :width])
     y = len(band)
     for row, height in zip(rows, heights):       # each row's panels side by side from the left
         x = 0
         for cell in row:
-            canvas[y:y + cell.shape[0], x:x + cell.shape[1]] = cell
+            copy_channels(canvas[y:y + cell.shape[0], x:x + cell.shape[1]], cell)
             x += cell.shape[1]
         y += height
     return canvas
