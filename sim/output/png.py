@@ -31,7 +31,9 @@ def png_bytes(rgba: np.ndarray, dpi: float, software: str = "", texts: Optional[
     height, width, channels = rgba.shape
     opaque = channels == 3 or rgba.size == 0 or int(rgba[..., 3].min()) == 255     # (one pass, no mask array)
     pixels = rgba[..., :3] if opaque else rgba
-    rows = np.ascontiguousarray(pixels).reshape(height, -1)      # (numpy subtracts contiguous rows fastest)
+    if not pixels.flags.c_contiguous:                             # (numpy subtracts contiguous rows fastest)
+        pixels = copy_channels(np.empty(pixels.shape, dtype=np.uint8), pixels)
+    rows = pixels.reshape(height, -1)
     filtered = np.empty((height, rows.shape[1] + 1), dtype=np.uint8)
     filtered[:1, 0] = FILTER_NONE
     filtered[:1, 1:] = rows[:1]
@@ -45,6 +47,14 @@ def png_bytes(rgba: np.ndarray, dpi: float, software: str = "", texts: Optional[
         parts.append(_chunk(b"tEXt", key.encode("latin-1") + b"\0" + text.encode("latin-1", "replace")))
     parts += [_chunk(b"IDAT", zlib.compress(filtered, LEVEL)), _chunk(b"IEND", b"")]
     return b"".join(parts)
+
+
+def copy_channels(out: np.ndarray, pixels: np.ndarray) -> np.ndarray:
+    """out[...] = pixels, a channel at a time: numpy copies a view with a 3-byte last axis (RGB of
+    RGBA pixels) in an inner loop of 3 bytes, ~5x the time of the 3 channels' long strided loops."""
+    for channel in range(pixels.shape[-1]):
+        out[..., channel] = pixels[..., channel]
+    return out
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:

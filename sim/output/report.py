@@ -25,7 +25,7 @@ from matplotlib.ticker import (FuncFormatter, Locator, LogFormatterSciNotation, 
                                ScalarFormatter)
 
 from sim.output import units
-from sim.output.png import read_png, write_png
+from sim.output.png import copy_channels, read_png, write_png
 from sim.output.pages import (CAPTIONS, CSS, SUMMARY_ROWS, html_figure, html_setup, html_table,  # noqa: F401
                               summary_table, write_html_page, write_html_report)
 from sim.output.trace import TRACE_MAX_REQUESTS, write_perfetto_trace  # noqa: F401
@@ -65,12 +65,19 @@ def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.45")
 
 
-def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False) -> None:
+def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", counts: bool = False,
+                legend_columns: int = 0) -> None:
+    """Title, labels, tick formats and the legend: inside the axes where it hides least
+    (`loc="best"`), or with `legend_columns` under the x label in that many columns (legend_under)."""
     # y given: matplotlib then skips measuring every tick label to lift the title above an x axis
     # drawn on top, which no figure here has (the same place, ~3% of the drawing)
     ax.set_title(title, y=1.0)
-    if counts:
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    # at most 6 intervals on a linear y axis (matplotlib's own default took up to 9 on these
+    # panels: 0, 6, ..., 54); round steps, whole numbers for counts. Each tick is made and drawn
+    # as two marks, a grid line and two labels (~3 % of drawing the figures for the ticks left out).
+    # Ticks placed by hand (a FixedLocator: metric names) are kept.
+    if ax.yaxis.get_scale() == "linear" and (counts or isinstance(ax.yaxis.get_major_locator(), MaxNLocator)):
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10], integer=counts))
     # shorten big numbers on a numeric axis (600000 ms side by side ran together on a CDF's x axis),
     # but never replace tick labels set by hand (metric names)
     for axis in (ax.xaxis, ax.yaxis):
@@ -90,8 +97,32 @@ def finish_axes(ax, title: str, ylabel: str, xlabel: str = "run time (s)", count
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
+    if legend_columns:
+        legend_under(ax, legend_columns)
+    elif ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", loc="best")
+
+
+LEGEND_ROW = 0.18        # inches a row of a "small" legend takes
+LEGEND_ROOM = 0.2        # inches the legend's frame and the gap above it take
+
+
+def legend_under(ax, columns: int) -> None:
+    """The axes' legend under its x label, `columns` entries a row, the figure made taller by the
+    rows (its axes keep their size): for a panel whose series and marks fill it, where the legend
+    would hide data anywhere inside (the queue's preemption marks run along its top)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    fig = ax.figure
+    room = LEGEND_ROOM + LEGEND_ROW * -(-len(handles) // columns)
+    width, height = fig.get_size_inches()
+    bottom, top = fig.subplotpars.bottom * height, (1 - fig.subplotpars.top) * height     # (inches)
+    fig.set_size_inches(width, height + room)
+    fig.subplots_adjust(bottom=(bottom + room) / (height + room), top=1 - top / (height + room))
+    spot = ax.get_position()
+    ax.legend(handles, labels, fontsize="small", ncol=columns, loc="upper center",
+              bbox_to_anchor=((spot.x0 + spot.x1) / 2, room / (height + room)), bbox_transform=fig.transFigure)
 
 
 class InView(Locator):
@@ -248,8 +279,10 @@ def draw_queue(ax, views: Mapping[str, RunView]) -> None:
         mark_preemptions(ax, v, colour, label)
     if not any(v.num_steps for v in views.values()):
         _note(ax, "no steps recorded")
+    # the legend under the panel (a run's entries a row, or a column each): inside, it hid the
+    # preemption marks along the top or the series, which fill the panel
     finish_axes(ax, "Running and waiting requests (bucket max)", "requests" + _across_replicas(views),
-                counts=True)
+                counts=True, legend_columns=len(views) if len(views) > 1 else 3)
 
 
 
@@ -429,24 +462,32 @@ def overview_pixels(figures: Mapping[str, Drawn]) -> np.ndarray:
     width = max(sum(cell.shape[1] for cell in row) for row in rows)
     canvas = np.full((len(band) + sum(heights), width, 3), 255, dtype=np.uint8)
     offset = max(0, (width - band.shape[1]) // 2)
-    canvas[:len(band), offset:offset + band.shape[1]] = band[:, :width]
+    copy_channels(canvas[:len(band), offset:offset + band.shape[1]], band[:, :width])
     y = len(band)
     for row, height in zip(rows, heights):       # each row's panels side by side from the left
         x = 0
         for cell in row:
-            canvas[y:y + cell.shape[0], x:x + cell.shape[1]] = cell
+            copy_channels(canvas[y:y + cell.shape[0], x:x + cell.shape[1]], cell)
             x += cell.shape[1]
         y += height
     return canvas
 
 
+# Text set without the font's hinting: for every glyph laid out or drawn, FreeType ran the font's
+# TrueType hinting program (a bytecode interpreter: ~9 % of drawing simrun's figures); unhinted,
+# each glyph is its outline at its exact place: a little softer at this size.
+DRAWING_RC = {"text.hinting": "no_hinting"}
+
+
 def figure_pixels(fig: Figure, dpi: float = DPI) -> np.ndarray:
-    """The figure drawn on matplotlib's Agg canvas at `dpi`: (height, width, 4) uint8 RGBA."""
+    """The figure drawn on matplotlib's Agg canvas at `dpi` (with DRAWING_RC): (height, width, 4)
+    uint8 RGBA."""
     shown_dpi = fig.dpi
     fig.dpi = dpi
     try:
         canvas = FigureCanvasAgg(fig)
-        canvas.draw()
+        with matplotlib.rc_context(DRAWING_RC):
+            canvas.draw()
         return np.asarray(canvas.buffer_rgba())
     finally:
         fig.dpi = shown_dpi

@@ -354,12 +354,42 @@ def test_figure_process_start_leaves_3d_importable_and_warns_nothing():
             "assert 'mpl_toolkits.mplot3d' not in sys.modules and gc.isenabled()\n"
             "from matplotlib.projections import get_projection_names\n"
             "assert '3d' not in get_projection_names()\n"
-            "import mpl_toolkits.mplot3d\n")
+            "import mpl_toolkits.mplot3d\n"
+            # a module the figures never read is imported but not run (a lazy module's type), and
+            # runs when read (an import statement reads it too)
+            "import types\n"
+            "assert type(sys.modules['fontTools.agl']) is not types.ModuleType\n"
+            "assert sys.modules['fontTools.agl'].toUnicode('A') == 'A'\n"
+            "assert type(sys.modules['fontTools.agl']) is types.ModuleType\n")
     from pathlib import Path
 
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0 and not done.stderr, done.stderr
+
+
+def test_imported_lazily_runs_a_module_when_first_read_and_only_within(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    from sim.output.workers import imported_lazily
+
+    for name in ("lazy_probe_a", "lazy_probe_b"):
+        (tmp_path / f"{name}.py").write_text("import pathlib\n"
+                                             "pathlib.Path(__file__).with_suffix('.ran').touch()\n"
+                                             "VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        with imported_lazily(frozenset({"lazy_probe_a", "lazy_probe_b"})):
+            import lazy_probe_a
+        assert not (tmp_path / "lazy_probe_a.ran").exists()       # imported, not run
+        assert lazy_probe_a.VALUE == 42 and (tmp_path / "lazy_probe_a.ran").exists()
+        import lazy_probe_b                                       # outside: an ordinary import
+        assert (tmp_path / "lazy_probe_b.ran").exists()
+    finally:
+        for name in ("lazy_probe_a", "lazy_probe_b"):
+            sys.modules.pop(name, None)
 
 
 def test_one_figure_process_by_default_and_a_bad_setting_is_named(monkeypatch):
@@ -667,3 +697,23 @@ def test_big_numbers_on_either_axis_are_shortened():
         texts = [t.get_text() for t in labels if t.get_text()]
         assert "600k" in texts or "30k" in texts
         assert all(len(text) <= 4 for text in texts), texts
+
+
+def test_the_queue_legend_sits_under_its_panel_inside_the_figure(views):
+    """The queue panel's series and preemption marks fill it, so its legend goes under the x label
+    (a run's entries a row, or a run a column), where it hides nothing, and the figure grows to
+    hold it."""
+    from sim.output.report import DPI, figure_pixels, plot_queue, titled
+
+    for shown in (views, {"continuous": views["continuous"]}):
+        fig = titled(plot_queue(shown), "a title")
+        fig.dpi = DPI
+        figure_pixels(fig, DPI)
+        renderer = fig.canvas.get_renderer()
+        ax, = fig.axes
+        legend = ax.get_legend().get_window_extent(renderer)
+        labels = ax.xaxis.label.get_window_extent(renderer)
+        assert 0 <= legend.y0 and legend.y1 <= labels.y0, shown.keys()           # under the x label
+        assert 0 <= legend.x0 and legend.x1 <= fig.bbox.width
+        assert len(ax.get_legend().get_texts()) == len(ax.get_legend_handles_labels()[0])
+        assert fig.get_figheight() > 4                                        # (new_figure's 4 in)
