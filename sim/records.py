@@ -795,21 +795,23 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
         owner, a, b = _select(run_owner, idx, run_a, run_b)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         between = end[a[1:][same]] - end[b[:-1][same]]
+        steps, tail = len(end) - 1, len(between)
         # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
-        # float64 array, exact for counts; then reused for the gaps: millions of steps)
+        # float64 array, exact for counts; then reused for the gaps: millions of steps). Its tail
+        # holds the gaps between runs (weight 1), so one mask reads the replica's sample out of it
+        # (a value per step: ~70 MB at a million requests, not copied again by a concatenate)
         ones = np.ones(len(a))
         work = np.bincount(np.concatenate([a + 1, b + 1]), weights=np.concatenate([ones, -ones]),
-                           minlength=len(end) + 1)
-        per_step = np.cumsum(work, out=work)[1:len(end)]
-        emitting = per_step > 0
-        # the replica's sample, the gaps within runs then those between, written in place (no
-        # sample-sized part copied again: a value per step, ~70 MB at a million requests)
-        m = int(np.count_nonzero(emitting))
-        weight = np.ones(m + len(between), dtype=np.int32)
-        np.compress(emitting, per_step, out=weight[:m])
-        value = np.empty(m + len(between))
-        np.compress(emitting, np.subtract(end[1:], end[:-1], out=work[:len(end) - 1]), out=value[:m])
-        value[m:] = between
+                           minlength=len(end) + max(tail, 1))
+        np.cumsum(work, out=work)
+        work[len(end):len(end) + tail] = 1.0
+        kept = np.empty(steps + tail, dtype=bool)
+        np.greater(work[1:len(end)], 0, out=kept[:steps])
+        kept[steps:] = True
+        weight = work[1:len(end) + tail][kept].astype(np.int32)
+        np.subtract(end[1:], end[:-1], out=work[:steps])
+        work[steps:steps + tail] = between
+        value = work[:steps + tail][kept]
         values.append(value)
         weights.append(weight)
     if not values:
