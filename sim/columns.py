@@ -55,13 +55,27 @@ def csv_chunks(columns: Mapping[str, np.ndarray]) -> Optional[Iterator[bytes]]:
 def _chunks(names: list[str], arrays: list[np.ndarray], texts: list) -> Iterator[bytes]:
     yield (",".join(names) + "\n").encode()
     n = len(arrays[0])
+    fixed = [_one_cell(values) if text is None else None for values, text in zip(arrays, texts)]
     for start in range(0, n, CHUNK_ROWS):
         stop = min(n, start + CHUNK_ROWS)
         blocks = []
-        for i, (values, text) in enumerate(zip(arrays, texts)):
-            blocks.append(_cells(values[start:stop], text, start, stop))
+        for i, (values, text, cell) in enumerate(zip(arrays, texts, fixed)):
+            blocks.append(_cells(values[start:stop], text, start, stop) if cell is None
+                          else np.broadcast_to(cell, (stop - start, cell.shape[1])))
             blocks.append(np.full((stop - start, 1), _COMMA if i < len(arrays) - 1 else _NEWLINE, np.uint8))
         yield np.hstack(blocks).tobytes().replace(b"\0", b"")
+
+
+def _one_cell(values: np.ndarray) -> Optional[np.ndarray]:
+    """The (1, width) cell of a number or bool column holding one value throughout, bit for bit
+    (0.0 and -0.0 are two), else None: its text made once, not row by row (a run's replica,
+    priority, preemptions and host_s: ~8 % of requests.csv's formatting at a million rows)."""
+    if len(values) < 2:
+        return None
+    bits = values.view(np.int64) if values.dtype.kind == "f" else values      # (floats: float64)
+    if bits[0] != bits[-1] or not (bits == bits[0]).all():
+        return None
+    return _cells(values[:1], None, 0, 1)
 
 
 def joined_rows(parts: list, rows: int) -> bytes:

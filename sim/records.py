@@ -434,6 +434,7 @@ class RequestTable:
         self._tenants: dict[Optional[str], int] = {None: -1}
         self._reasons: dict[int, str] = {}      # request id -> reason (rejected and aborted ones)
         self._order: Optional[np.ndarray] = None
+        self._emit_runs: Optional[tuple] = None     # (emit_runs, made once for its two readers)
         self.count = 0
 
     def add(self, req: Request) -> None:
@@ -472,6 +473,7 @@ class RequestTable:
             self._cols.pack()       # (copies: nothing keeps the joined bytes)
             self._order = None          # (ids were added: made again when asked; else kept, not
                                         # sorted again for each of a summary's ~20 columns)
+            self._emit_runs = None
         if self._run_buffer:
             self._runs.append(_compact(np.frombuffer(self._run_buffer, dtype=np.int64)))    # (a copy)
             self._run_buffer = array("q")
@@ -495,7 +497,7 @@ class RequestTable:
         packed["chunk_steps"] = _joined(self._chunk_steps)
         cols.chunks = {name: [] for name in cols.names}
         self._runs, self._chunk_steps = [], []
-        self._order = None
+        self._order = self._emit_runs = None
         return packed
 
     def with_columns(self, columns: dict[str, np.ndarray]) -> "RequestTable":
@@ -525,8 +527,12 @@ class RequestTable:
         return self.column(name)[self.order]
 
     def emit_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(owner position in id order, first step, last step) of every run of emitting steps."""
-        return self._flat(self._runs, "runs", 2)
+        """(owner position in id order, first step, last step) of every run of emitting steps; kept
+        until requests are added (the request columns and the ITL sample both read them)."""
+        self._pack()
+        if self._emit_runs is None:
+            self._emit_runs = self._flat(self._runs, "runs", 2)
+        return self._emit_runs
 
     def chunk_steps(self) -> tuple[np.ndarray, np.ndarray]:
         """(owner position in id order, step) of every prefill chunk that emitted nothing."""
@@ -614,15 +620,15 @@ class RunRecords:
         names = list(names)
         recs = self.recorders
         out = {n: _joined([r.step_column(n) for r in recs]) for n in names}
-        out["replica"] = (np.concatenate([np.full(len(r), r.replica, dtype=np.int32) for r in recs])
-                          if recs else np.zeros(0, dtype=np.int64))
+        out["replica"] = (_joined([np.broadcast_to(np.int32(r.replica), len(r)) for r in recs])
+                          if recs else np.zeros(0, dtype=np.int64))     # (one replica's: a read-only view)
         return out
 
     def row_series(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """PER_ROW columns over every replica, plus 'replica' and each row's step count 'steps'."""
         recs = self.recorders
         out = {n: _joined([r.row_column(n) for r in recs]) for n in (*names, "steps")}
-        out["replica"] = (np.concatenate([np.full(r.num_rows, r.replica, dtype=np.int64) for r in recs])
+        out["replica"] = (_joined([np.broadcast_to(np.int64(r.replica), r.num_rows) for r in recs])
                           if recs else np.zeros(0, dtype=np.int64))
         return out
 
@@ -634,9 +640,11 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _prefix_sums(values: np.ndarray) -> np.ndarray:
-    """Index k: the sum of values[:k] (np.cumsum's own additions, written after a leading 0)."""
-    out = np.empty(len(values) + 1)
+def _prefix_sums(values: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Index k: the sum of values[:k] (np.cumsum's own additions, written after a leading 0), into
+    `out` where it is given and of that length."""
+    if out is None or len(out) != len(values) + 1:
+        out = np.empty(len(values) + 1)
     out[0] = 0.0
     np.cumsum(values, out=out[1:])
     return out
@@ -696,16 +704,22 @@ def request_columns(records: RunRecords, step_times: Optional[Callable[[int], di
 
 class _RecorderTimes:
     """A recorder's step times as `cumulated_step_times` gives them, each made when first asked for
-    and not kept (one column at a time: a million-request run has millions of steps)."""
+    and not kept (one column at a time: a million-request run has millions of steps). The running
+    sums are written into one array, each over the one before (read each before asking for the
+    next): a million-request run's second sum then faults in no fresh ~70 MB."""
 
     def __init__(self, rec: StepRecorder):
         self.rec = rec
+        self._running: Optional[np.ndarray] = None
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name == "token_s":
             return self.rec.token_times()
         values = self.rec.step_column(name)
-        return values if name in ("start_s", "end_s") else _prefix_sums(values)
+        if name in ("start_s", "end_s"):
+            return values
+        self._running = _prefix_sums(values, self._running)
+        return self._running
 
 
 STEP_TIMES = ("start_s", "end_s", "token_s", "host_s", "device_s")
@@ -715,7 +729,7 @@ def cumulated_step_times(rec: StepRecorder) -> dict[str, np.ndarray]:
     """A replica's step start_s and end_s, when each step's tokens reach the client (token_s:
     StepRecorder.token_times), and its running sums of host_s and device_s (index k = the sum over
     steps < k): what a request's times are read from."""
-    return {name: _RecorderTimes(rec)[name] for name in STEP_TIMES}
+    return {name: _RecorderTimes(rec)[name] for name in STEP_TIMES}     # (one each: none overwritten)
 
 
 def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
@@ -723,6 +737,8 @@ def _select(owner: np.ndarray, idx: np.ndarray, *values: np.ndarray):
     Owners (positions, never negative) renumbered by a table lookup, not a binary search in `idx`
     (millions of runs: ~0.1 s of a 100k-request summary)."""
     size = int(idx[-1]) + 1 if len(idx) else 0
+    if len(idx) == size and (not len(owner) or int(owner.max()) < size):
+        return (owner, *values)         # idx is every position up to size, owning every entry: as they are
     number = np.full(size + 1, -1, dtype=np.int64)       # (the last entry: owners past idx[-1])
     number[idx] = np.arange(len(idx))
     pos = number[np.minimum(owner, size)]
@@ -777,23 +793,30 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
             continue
         end = rec.token_times()
         owner, a, b = _select(run_owner, idx, run_a, run_b)
-        # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
-        # float64 array, exact for counts; then reused for the gaps: millions of steps)
-        ones = np.ones(len(a))
-        work = np.bincount(np.concatenate([a + 1, b + 1]), weights=np.concatenate([ones, -ones]),
-                           minlength=len(end) + 1)
-        per_step = np.cumsum(work, out=work)[1:len(end)]
-        emitting = per_step > 0
-        weights.append(per_step[emitting].astype(np.int32))
-        gaps = np.subtract(end[1:], end[:-1], out=work[:len(end) - 1])
-        values.append(gaps[emitting])
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         between = end[a[1:][same]] - end[b[:-1][same]]
-        values.append(between)
-        weights.append(np.ones(len(between), dtype=np.int32))
+        steps, tail = len(end) - 1, len(between)
+        # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
+        # float64 array, exact for counts; then reused for the gaps: millions of steps). Its tail
+        # holds the gaps between runs (weight 1), so one mask reads the replica's sample out of it
+        # (a value per step: ~70 MB at a million requests, not copied again by a concatenate)
+        ones = np.ones(len(a))
+        work = np.bincount(np.concatenate([a + 1, b + 1]), weights=np.concatenate([ones, -ones]),
+                           minlength=len(end) + max(tail, 1))
+        np.cumsum(work, out=work)
+        work[len(end):len(end) + tail] = 1.0
+        kept = np.empty(steps + tail, dtype=bool)
+        np.greater(work[1:len(end)], 0, out=kept[:steps])
+        kept[steps:] = True
+        weight = work[1:len(end) + tail][kept].astype(np.int32)
+        np.subtract(end[1:], end[:-1], out=work[:steps])
+        work[steps:steps + tail] = between
+        value = work[:steps + tail][kept]
+        values.append(value)
+        weights.append(weight)
     if not values:
         return np.zeros(0), np.zeros(0, dtype=np.int64)
-    return np.concatenate(values), np.concatenate(weights)
+    return _joined(values), _joined(weights)
 
 
 # Public names for a spilled run's records, read back block by block (sim/output/streamed.py).

@@ -62,8 +62,9 @@ class StepBuckets:
             values = self.rec.row_column(column).astype(np.int64)
             if how == "max":                                    # the rows each bucket overlaps
                 return np.maximum(np.maximum.reduceat(values, self.first_rows), values[self.last_rows])
-            total = self._running_row_sum(values, self.firsts + self.counts) - \
-                self._running_row_sum(values, self.firsts)
+            before = self._whole_rows_sums(values)
+            total = self._running_row_sum(values, before, self.firsts + self.counts) - \
+                self._running_row_sum(values, before, self.firsts)
         else:
             raise ValueError(f"step column {column!r}: not recorded")
         return self._finish(total, how)
@@ -75,9 +76,15 @@ class StepBuckets:
             return total / self.counts
         raise ValueError(f"bucket reduction {how!r}: expected 'sum', 'mean' or 'max'")
 
-    def _running_row_sum(self, values: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """Sum of a per-row value over steps [0, at) (integers: exact)."""
-        before = np.r_[0, np.cumsum(values * self.row_steps)]       # over whole rows before row r
+    def _whole_rows_sums(self, values: np.ndarray) -> np.ndarray:
+        """Index r: the sum of a per-row value over the steps of the rows before row r (integers:
+        exact; made once a column for both ends of the buckets)."""
+        before = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(values * self.row_steps, out=before[1:])
+        return before
+
+    def _running_row_sum(self, values: np.ndarray, before: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Sum of a per-row value over steps [0, at) (`before`: _whole_rows_sums of `values`)."""
         row = np.minimum(np.searchsorted(self.row_ends, at, side="right"), len(values) - 1)
         row_start = self.row_ends[row] - self.row_steps[row]
         inside = np.clip(at - row_start, 0, self.row_steps[row])

@@ -46,6 +46,30 @@ def test_csv_is_pandas_byte_for_byte(tmp_path, monkeypatch, with_arrow):
     assert (tmp_path / "fast.csv").read_bytes() == frame.to_csv(index=False).encode()
 
 
+@pytest.mark.parametrize("with_arrow", [True, False])
+def test_columns_of_one_value_are_pandas_byte_for_byte(tmp_path, monkeypatch, with_arrow):
+    """A number or bool column holding one value throughout is formatted once (`_one_cell`), bit for
+    bit: 0.0 beside -0.0, or a last row that differs, is not one value; the same bytes as pandas."""
+    if with_arrow:
+        pytest.importorskip("pyarrow")
+    else:
+        monkeypatch.setattr(columnar, "_pyarrow", lambda: None)
+    monkeypatch.setattr(columnar, "CHUNK_ROWS", 700)             # several chunks
+    n = 2000
+    last_differs = np.full(n, 0.5)
+    last_differs[-1] = 0.25
+    frame = pd.DataFrame({"zero": np.zeros(n), "minus_zero": np.full(n, -0.0), "nan": np.full(n, np.nan),
+                          "zeros_signed": np.where(np.arange(n) == n // 2, -0.0, 0.0), "last": last_differs,
+                          "big": np.full(n, 1e300), "tiny": np.full(n, 1.2e-05), "whole": np.full(n, 3.0),
+                          "int": np.full(n, -7, np.int64), "u8": np.full(n, 200, np.uint8),
+                          "true": np.ones(n, bool), "ids": np.arange(n)})
+    assert columnar._one_cell(frame["zeros_signed"].to_numpy()) is None
+    assert columnar._one_cell(frame["last"].to_numpy()) is None
+    assert columnar._one_cell(frame["int"].to_numpy()) is not None
+    write_csv(tmp_path / "one.csv", frame)
+    assert (tmp_path / "one.csv").read_bytes() == frame.to_csv(index=False).encode()
+
+
 def test_empty_and_all_missing_columns(tmp_path):
     for frame in (pd.DataFrame({"a": np.zeros(0), "b": np.zeros(0, int)}),
                   pd.DataFrame({"a": [np.nan] * 3, "b": [1, 2, 3], "c": [None] * 3})):

@@ -259,12 +259,14 @@ def test_a_weighted_rank_past_the_total_weight_is_an_error_not_an_endless_wideni
 
 def test_selecting_owned_entries_by_lookup_equals_a_binary_search():
     """select_owned renumbers owners by a table lookup: the entries and numbers a binary search in
-    the wanted positions gave, also for owners past the last wanted position or between them."""
+    the wanted positions gave, also for owners past the last wanted position or between them, and
+    where every position up to the last is wanted (the entries then as they are)."""
     from sim.records import select_owned
 
     rng = np.random.default_rng(5)
-    for total, wanted in ((50, 0.3), (1000, 0.9), (1000, 1.0), (7, 0.0)):
-        idx = np.flatnonzero(rng.random(total) < wanted)
+    cases = ((50, 0.3, 50), (1000, 0.9, 1000), (1000, 1.0, 1000), (7, 0.0, 7), (1000, 1.0, 600))
+    for total, wanted, first_positions in cases:      # (the last: owners past every wanted position)
+        idx = np.flatnonzero(rng.random(first_positions) < wanted)
         owner = rng.integers(0, total, 5 * total)
         values = rng.random(len(owner))
         if not len(idx):
