@@ -188,6 +188,11 @@ class CostCoefficients:
     eager_layer_host_s: float = 0.0
     wake_s: float = 0.0               # extra time of the first step after the engine sat idle
     link_eff: float = 1.0             # fraction of the datasheet link bandwidth tp all-reduces reach
+    # seconds of one tp all-reduce's fixed latency on an NVLink / generic link (not PCIe: NCCL's
+    # table, pcie_latency_scale), apart from its bandwidth: a decode step's all-reduces are small
+    # and latency-bound, a prefill's large and bandwidth-bound. 0: the device's link_latency_s over
+    # link_eff (one efficiency pricing both)
+    allreduce_latency_s: float = 0.0
     # PCIe collectives (a DeviceSpec with interconnect: pcie): NCCL's latency table x this, and the
     # speed of a ring step staged through host memory (GPUs without peer-to-peer access) relative to
     # a direct one: two PCIe crossings for one, so half (an assumption for the fit to learn)
@@ -599,7 +604,8 @@ class CostModel:
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
-            self._allreduce_fixed_s = 2 * self.device.link_latency_s / c.link_eff
+            self._allreduce_fixed_s = (2 * c.allreduce_latency_s if c.allreduce_latency_s
+                                       else 2 * self.device.link_latency_s / c.link_eff)
         # the scalar forms, with the branches the roofline fixes taken (operator tables: none fixed)
         known = () if self.tables is not None else \
             _ROOFLINE_SLIDING if self.model.num_sliding_layers else _ROOFLINE_FULL_ATTENTION

@@ -85,9 +85,10 @@ def front_end_default(engine: str) -> float:
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
 # host time per step; tp all-reduce link terms; (V1) the fused-MoE kernel's half-efficiency expert slice
-# width; (V0) host time per sequence per step and per admitted prompt
+# width; (V0) host time per sequence per step and per admitted prompt, and (V0_LINK_LATENCY) an NVLink
+# all-reduce's own latency
 TERMS = ("step_host_s", "link_eff", "host_staging_eff", "expert_n_half", "seq_host_s", "prefill_seq_host_s",
-         "eager_layer_host_s")
+         "eager_layer_host_s", "allreduce_latency_s")
 # sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model
 
 

@@ -15,6 +15,7 @@ Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 
                      reaches half the dense GEMMs' compute efficiency (sim.costmodel.expert_kernel_share)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
     seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
+    allreduce_latency_s (V0, V0_LINK_LATENCY: off) an NVLink all-reduce's own latency, apart from link_eff
 each bounded to its physical range (no efficiency above 1). V0's three host terms are one profile
 fitted on all V0 classes pooled times a per-class machine speed (pooled_v0_host, V0_CLASS_FIT), its
 efficiencies the datasheet's. Two richer variants were tried and
@@ -84,7 +85,7 @@ METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p9
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
 NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half",
-         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s")
+         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s", "allreduce_latency_s")
 ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.engine_generation)
 # What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
 # with the API server: one host time per step (the richer variants validated worse held out). V0
@@ -127,8 +128,20 @@ V0_EAGER_LAUNCH_CAP = False
 # Qwen2.5-0.5B on H100 loses (+29 -> +120 %) and the all-deployment TTFT p99 band 24.3 -> 28.9 %.
 V0_HOST_PRIOR = False
 V0_HOST_PRIOR_SIGMA = 1.0
+# One link efficiency divided both an NVLink all-reduce's fixed latency and its bandwidth term, so a
+# decode step's small all-reduces (latency-bound) and a prefill's large ones (bandwidth-bound) were fitted
+# to one value: Llama-3-70B on eight A100 40GB needs a link of 0.265 to keep up with its prefills at 25
+# req/s, which makes every decode 12-27 % too fast, and its own runs' 0.157 leaves that run +479 % TTFT
+# (docs/fidelity_log.md, h/v0link). V0_LINK_LATENCY fits a V0 class's per-collective all-reduce latency
+# (allreduce_latency_s, on NVLink / generic links: PCIe has NCCL's table) apart from link_eff, which then
+# prices bandwidth only. Only the class fits move (their --resume names carry it: _fit_tag). Refitted
+# (docs/fidelity_log.md, h/v0lat) and left off: in Llama-3-70B's A100 40GB fold Mixtral's runs alone put
+# their slower (unmodelled in V0) expert GEMMs on the link's bandwidth (0.045, latency 20 us), which
+# Llama-3-70B's twice wider all-reduces pay: +191 -> +1224 % TTFT, V0's TTFT mean band 19.9 -> 29.3 %;
+# its own runs fit the latency at the 30 us bound and still leave decode 16-31 % too fast.
+V0_LINK_LATENCY = False
 V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
-V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff")
+V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
 # The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
 # H100 folds fitted link_eff 0.41-0.73, and the dense tp 2 / 4 deployments paid: CodeLlama-34b +11 %,
 # Llama-2-70b +13 % E2E held out), so V1 prices the fused-MoE kernel on its expert slices apart
@@ -147,9 +160,14 @@ EXPERT_KERNEL_TERM = True
 GENERIC_OF_TESTED_CLASSES = True
 FIT_NAMES = {"v1": ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff")
              + (("expert_n_half",) if EXPERT_KERNEL_TERM else ()),
-             "v0": (*V0_HOST, "link_eff", "host_staging_eff") if V0_POOLED_HOST else
-             ("compute_scale", "memory_scale", *V0_HOST, "link_eff", "host_staging_eff")}
+             "v0": (*V0_HOST, *V0_CLASS_FIT[1:]) if V0_POOLED_HOST else
+             ("compute_scale", "memory_scale", *V0_HOST, *V0_CLASS_FIT[1:])}
 _BASE = CostCoefficients()
+# An NVLink all-reduce's fixed latency: a few microseconds (vLLM's custom all-reduce, one kernel) to
+# about thirty (NCCL's ring across eight GPUs, its launch included); started at the catalog's default
+# link latency (sim.core.catalog DEFAULT_LINK_LATENCY_US)
+ALLREDUCE_LATENCY_BOUNDS_S = (3e-6, 30e-6)
+ALLREDUCE_LATENCY_START_S = 10e-6
 # expert_n_half starts at 64 columns, the order of the tile widths of vLLM's fused_moe default configurations
 START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.step_host_s, "link_eff": 1.0,
                 "host_staging_eff": _BASE.host_staging_eff, "expert_n_half": 64.0},
@@ -159,7 +177,7 @@ START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.
          # from V1's 150 us it stopped at 150 us x 2^3 = 1.2 ms after three
          "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
                 "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6, "link_eff": 1.0,
-                "host_staging_eff": _BASE.host_staging_eff}}
+                "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S}}
 # V1 took three iterations until the expert term: they left the H100 folds' step host time anywhere
 # from 57 us to the 150 us x 2^3 = 1.2 ms the damping allows, and with the expert term a fold's cost
 # still fell by a third at the fourth iteration (Llama-2-70b's: 4.03 -> 2.88), its link between 0.5 and 1
@@ -174,7 +192,7 @@ BOUNDS = {"compute_scale": (max(0.1, 0.05 / min(_BASE.flops_eff, _BASE.attn_flop
           "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
           "eager_layer_host_s": (1e-7, 200e-6 if V0_EAGER_LAUNCH_CAP else 1e-3),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0),
-          "expert_n_half": (8.0, 4096.0)}
+          "expert_n_half": (8.0, 4096.0), "allreduce_latency_s": ALLREDUCE_LATENCY_BOUNDS_S}
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
           "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
@@ -846,11 +864,14 @@ def _with_fixed(fitted: dict[str, float], fixed: dict[str, float]) -> dict[str, 
 
 
 def parameter_acts(name: str, runs: list[Run]) -> bool:
-    """Does the parameter change any of these runs? (the link terms need tp > 1, host staging a
-    PCIe device without peer-to-peer access, the expert kernel term a MoE model)"""
+    """Does the parameter change any of these runs? (the link terms need tp > 1, an all-reduce's own
+    latency a device that is not PCIe, host staging a PCIe device without peer-to-peer access, the
+    expert kernel term a MoE model)"""
     tp = [r for r in runs if r.scenario.parallelism.tp > 1]
     if name == "link_eff":
         return bool(tp)
+    if name == "allreduce_latency_s":
+        return any(getattr(r.scenario.device, "interconnect", None) != "pcie" for r in tp)
     if name == "host_staging_eff":
         return any(getattr(r.scenario.device, "interconnect", None) == "pcie"
                    and not getattr(r.scenario.device, "peer_to_peer", True) for r in tp)
@@ -901,7 +922,10 @@ REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL 
 def _fit_tag(engine: str) -> str:
     """What a class fit's --resume name adds for the fit options that move the class fits but neither
     the replays (REPLAY_REVISION) nor the pooled V0 host profile (kept, so a refit reuses those)."""
-    return f" / host prior {V0_HOST_PRIOR_SIGMA:g}" if engine == "v0" and V0_POOLED_HOST and V0_HOST_PRIOR else ""
+    if engine != "v0" or not V0_POOLED_HOST:
+        return ""
+    return ((f" / host prior {V0_HOST_PRIOR_SIGMA:g}" if V0_HOST_PRIOR else "")
+            + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else ""))
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):

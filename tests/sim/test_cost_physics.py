@@ -104,6 +104,39 @@ def test_pcie_collective_coefficients_are_the_fits_handles():
     assert tuned._tp_allreduce(min)(big) == pytest.approx(2 * base._tp_allreduce(min)(big), rel=0.02)
 
 
+def test_an_nvlink_all_reduce_latency_is_its_own_term():
+    """allreduce_latency_s prices an NVLink all-reduce's fixed latency apart from link_eff, which then
+    prices its bandwidth only: a one-row decode step's all-reduces (latency-bound) move with it, a
+    large batch's bytes do not. At its default (0) the latency is the device's over link_eff, as before."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile
+
+    a100, model = get_device("a100-40g"), get_model("llama-3.1-70b")
+    free = a100.model_copy(update={"interconnect": None, "link_gbps": 1e15, "link_latency_us": 0.0})
+
+    def allreduce(tokens: int, **coefficients) -> float:
+        """Seconds one layer's two all-reduces add to a decode step of `tokens` rows."""
+        step = (tokens, tokens, 0, tokens * 500, 0, 0, tokens * 32)
+        base = CostModel(model, a100, tp=8)
+        paid = CostModel(model, a100, tp=8, profile=DeviceProfile(replace(base.coefficients, **coefficients)))
+        return (paid.price(*step)[1] - CostModel(model, free, tp=8).price(*step)[1]) / model.num_layers
+
+    bytes_s = 0.25 * 300e9 / (2 * 7 / 8)           # link_eff x NVLink, over the ring's traffic per byte
+    one_efficiency = allreduce(1, link_eff=0.25)
+    assert one_efficiency == pytest.approx(2 * (10e-6 / 0.25 + model.hidden_size * 2 / bytes_s), rel=1e-6)
+    own_latency = allreduce(1, link_eff=0.25, allreduce_latency_s=5e-6)
+    assert own_latency == pytest.approx(2 * (5e-6 + model.hidden_size * 2 / bytes_s), rel=1e-6)
+    big = 1024                                     # the bandwidth share: the same under either latency
+    assert allreduce(big, link_eff=0.25, allreduce_latency_s=5e-6) - own_latency == pytest.approx(
+        allreduce(big, link_eff=0.25) - one_efficiency, rel=1e-9)
+    # a PCIe card keeps NCCL's table (pcie_latency_scale): the term does not reach it
+    l40s = get_device("l40s")
+    plain = CostModel(LLAMA, l40s, tp=4)
+    tuned = CostModel(LLAMA, l40s, tp=4, profile=DeviceProfile(replace(plain.coefficients, allreduce_latency_s=5e-6)))
+    assert tuned.price(1, 1, 0, 500, 0, 0, 32) == plain.price(1, 1, 0, 500, 0, 0, 32)
+
+
 # ----------------------------------------------------------------------------- data-parallel MoE
 
 def moe_dp(dp: int = 2, model: str = "qwen3-30b-a3b", **workload):

@@ -288,7 +288,7 @@ def test_every_class_parameter_is_physical():
             for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
                 assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (engine, gpu, eff)
             assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, (engine, gpu)
-            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half"):
+            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half", "allreduce_latency_s"):
                 low, high = lodo.BOUNDS[term]
                 assert low * 0.999 <= p.get(term, low) <= high * 1.001, (engine, gpu, term)
         counts = {g: len(e["deployments"]) for g, e in fitted["classes"].items()}
@@ -366,6 +366,44 @@ def test_a_v0_class_speed_is_pulled_to_the_pooled_profile_as_far_as_its_runs_lea
     assert fitted["seq_host_s"] / pooled["seq_host_s"] == pytest.approx(fitted["step_host_s"] / pooled["step_host_s"])
     # the prior moves the class fits, not the replays: their --resume names, not REPLAY_REVISION
     assert bool(lodo._fit_tag("v0")) == prior and lodo._fit_tag("v1") == ""
+
+
+@pytest.mark.parametrize("wanted_s, lo, hi", [
+    (12e-6, 11e-6, 13e-6),     # within the physical range: the runs' own latency
+    (1e-6, 2.99e-6, 3.01e-6),  # below a few microseconds: held at the bound
+    (200e-6, 29.9e-6, 30.1e-6),  # what one link efficiency gave 0.157 (64 us): held at ~30 us
+])
+def test_a_v0_class_fits_its_nvlink_all_reduce_latency_within_a_physical_range(runs, monkeypatch, wanted_s, lo, hi):
+    """V0_LINK_LATENCY: a V0 class with tp > 1 runs on NVLink fits the per-collective all-reduce
+    latency (allreduce_latency_s) apart from link_eff, bounded to a few to ~30 microseconds per
+    collective. Replays stubbed so that Llama-3-70B's runs on eight A100 40GB want `wanted_s`."""
+    group = [r for r in runs.values()
+             if r.deployment == "meta-llama/Meta-Llama-3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.7.3"]
+    assert group and lodo.parameter_acts("allreduce_latency_s", group)
+
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0):
+        factor = (coefficients.allreduce_latency_s / wanted_s) ** 0.5
+        return {m: v * factor for m, v in run.measured.items()}
+
+    monkeypatch.setattr(lodo, "predict", stub)
+    fitted = lodo.fit_class(group, fixed={"link_eff": 0.2}, names=("allreduce_latency_s",), max_iterations=12)
+    assert lo <= fitted["allreduce_latency_s"] <= hi and fitted["link_eff"] == 0.2
+
+
+def test_the_all_reduce_latency_acts_on_nvlink_tp_runs_only(runs):
+    """PCIe cards keep NCCL's latency table (pcie_latency_scale), one GPU has no all-reduce: the term
+    is fitted where a class has tp > 1 runs on NVLink, in the V0 class fits only (V1 never fits it),
+    and the class fits' --resume names carry the switch."""
+    by_gpu = lambda gpu, tp: [r for r in runs.values() if r.gpu_class == gpu and r.scenario.parallelism.tp == tp
+                              and r.engine == "v0"]
+    assert lodo.parameter_acts("allreduce_latency_s", by_gpu("h200", 8))
+    assert not lodo.parameter_acts("allreduce_latency_s", by_gpu("rtx-a6000", 8) + by_gpu("rtx-4090", 8))
+    assert not lodo.parameter_acts("allreduce_latency_s", by_gpu("a100-40g", 1))
+    assert "allreduce_latency_s" not in lodo.FIT_NAMES["v1"]
+    assert ("allreduce_latency_s" in lodo.V0_CLASS_FIT) == lodo.V0_LINK_LATENCY == ("link latency" in lodo._fit_tag("v0"))
+    assert "link latency" not in lodo._fit_tag("v1")
+    low, high = lodo.BOUNDS["allreduce_latency_s"]
+    assert 1e-6 <= low < lodo.ALLREDUCE_LATENCY_START_S < high <= 30e-6
 
 
 @pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
