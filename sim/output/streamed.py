@@ -71,6 +71,7 @@ class RecordSpill:
         self.requests_csv: Optional[Path] = None                    # made by `summarise`
         self.tokens_after_next_host = False     # the recorders' (Simulation sets it), for the steps read back
         self.loop_wakes = None                  # likewise (StepRecorder.loop_wakes)
+        self.delivered: dict = {}               # likewise, by replica (StepRecorder.delivered)
 
     # -- while the run records ---------------------------------------------------------
     def request_table(self) -> "SpilledRequestTable":
@@ -102,6 +103,7 @@ class RecordSpill:
         """A replica's steps, loaded into an ordinary StepRecorder."""
         rec = StepRecorder.of_chunks(replica, map(_loaded, self.step_chunks.get(replica, [])))
         rec.tokens_after_next_host, rec.loop_wakes = self.tokens_after_next_host, self.loop_wakes
+        rec.delivered = self.delivered.get(replica)
         return rec
 
     def summarise(self, records: RunRecords, slo) -> dict:

@@ -191,18 +191,20 @@ def test_the_public_vllm_replays_go_through_the_api_server_and_a_fold_never_fits
     assert lodo.predict(v0, CostCoefficients(), front_end_s=0.004) == lodo.predict(v0, CostCoefficients())
 
     seen = []
-    grid = np.array(lodo.FRONT_END_GRID)
+    service, token = np.meshgrid(lodo.FRONT_END_GRID, lodo.token_grid(), indexing="ij")
 
     def profile(run):
         seen.append(run.deployment)
-        return list((grid - 0.0042) ** 2)          # every run's loss lowest at 4.2 ms
+        # every run's loss lowest at 4.2 ms per request and 30 us per streamed token
+        return list(((service - 0.0042) ** 2 + (token - 30e-6) ** 2).ravel())
 
     monkeypatch.setattr(lodo, "front_end_profile", profile)
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
     held = chat.deployment
-    assert lodo.pooled_front_end(runs, held) == pytest.approx(0.0042, abs=1e-6)
+    assert lodo.pooled_front_end(runs, held) == pytest.approx((0.0042, 30e-6 if lodo.FRONT_END_TOKEN else 0.0),
+                                                              abs=1e-7)
     assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
-    low, high = lodo.FRONT_END_BOUNDS
-    monkeypatch.setattr(lodo, "front_end_profile", lambda run: list(-grid))    # lowest past the grid's end
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: list(-(service + token).ravel()))   # past the grid's end
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert low <= lodo.pooled_front_end(runs) <= high
+    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_BOUNDS[1], lodo.FRONT_END_TOKEN_BOUNDS[1]
+                                           if lodo.FRONT_END_TOKEN else 0.0)
