@@ -43,7 +43,7 @@ class FrontEnd:
     """`servers` API-server processes taking requests first come, first served, `service_s` each,
     and streaming each step's outputs at `token_s` per request given a token (0: none priced)."""
 
-    __slots__ = ("service_s", "token_s", "_free", "_jobs", "_order", "_done")
+    __slots__ = ("service_s", "token_s", "_free", "_jobs", "_done")
 
     def __init__(self, servers: int, service_s: float, token_s: float = 0.0):
         if servers < 1:
@@ -54,8 +54,7 @@ class FrontEnd:
             raise ValueError(f"front-end time per token {token_s!r} s outside [0, {MAX_FRONT_END_TOKEN_S}]")
         self.service_s, self.token_s = service_s, token_s
         self._free = [0.0] * servers      # a heap: when each server is next free
-        self._jobs: list = []             # a heap of output jobs not served yet: (due, order, s, replica)
-        self._order = 0                   # (ties at one due time: in the order reported)
+        self._jobs: list = []             # a heap of output jobs not served yet: (due, replica, seconds)
         self._done: dict[int, list] = {}  # per replica, in its steps' order: when each step's job is done
 
     def admit(self, t: float) -> float:
@@ -72,14 +71,13 @@ class FrontEnd:
         their output jobs (served at the next `admit` after them, or by `delivered`)."""
         seconds = tokens * self.token_s
         for end in ends:
-            heapq.heappush(self._jobs, (end, self._order, seconds, replica))
-            self._order += 1
+            heapq.heappush(self._jobs, (end, replica, seconds))      # (one due time: the lower replica first)
 
     def _serve(self, until: float) -> None:
         """Serve the output jobs due by `until`, in order, each on the server free first."""
         jobs, free, done = self._jobs, self._free, self._done
         while jobs and jobs[0][0] <= until:
-            due, _, seconds, replica = heapq.heappop(jobs)
+            due, replica, seconds = heapq.heappop(jobs)
             start = free[0]
             end = (due if due > start else start) + seconds
             heapq.heapreplace(free, end)

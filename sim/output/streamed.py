@@ -141,8 +141,9 @@ class RecordSpill:
 
     def _stored_as(self, name: str) -> str:
         """The saved column a step time is read from: token_s is end_s itself unless tokens wait
-        for the next step's host work (not written twice: a million-request run has millions of steps)."""
-        return "end_s" if name == "token_s" and not self.tokens_after_next_host else name
+        for the next step's host work or the API server's streaming (not written twice: a
+        million-request run has millions of steps)."""
+        return "end_s" if name == "token_s" and not (self.tokens_after_next_host or self.delivered) else name
 
     def _times_path(self, replica: int, name: str) -> Path:
         return self.folder / f"times-{replica:04d}-{self._stored_as(name)}.npy"
