@@ -21,10 +21,12 @@ engine step's EngineCoreOutputs off the ZMQ socket and runs `OutputProcessor.pro
 them (vllm/v1/engine/output_processor.py: per request its detokenizer's `update` and a RequestOutput
 put on the request's queue), and each request's `chat_completion_stream_generator`
 (vllm/entrypoints/openai/serving_chat.py) then serializes one SSE chunk for it, all on the asyncio
-loop that also takes new requests. kvtwin prices a step's outputs as one job of (requests given a
-token) x `token_s` on that loop, due at the step's end (`outputs`): first come, first served with
-the intake, on the server free first. It delays the intake of the requests handed over after it,
-and the step's tokens reach the client when it is done (`delivered`, StepRecorder.token_times).
+loop that also takes new requests. kvtwin prices a step's outputs as one job of (requests in the
+step: a prefill chunk that ends no prompt, which vLLM sends nothing for, counted too) x `token_s`
+on that loop, due at the step's end (`outputs`): first come, first served with the intake, on the
+server free first (vLLM yields the loop between slices of VLLM_V1_OUTPUT_PROC_CHUNK_SIZE outputs;
+kvtwin's job is one piece). It delays the intake of the requests handed over after it, and the
+step's tokens reach the client when it is done (`delivered`, StepRecorder.token_times).
 A job is served only once every job due before the next intake is known (`admit` serves those due
 by its time; the simulator reports a step when it is planned, a leap's steps at once), so a leap
 and its steps one by one give the same answer.
@@ -41,7 +43,7 @@ MAX_FRONT_END_TOKEN_S = 0.01   # and per streamed token: 10 ms is 100 tokens/s t
 
 class FrontEnd:
     """`servers` API-server processes taking requests first come, first served, `service_s` each,
-    and streaming each step's outputs at `token_s` per request given a token (0: none priced)."""
+    and streaming each step's outputs at `token_s` per request in the step (0: none priced)."""
 
     __slots__ = ("service_s", "token_s", "_free", "_jobs", "_done")
 
@@ -67,7 +69,7 @@ class FrontEnd:
         return end
 
     def outputs(self, replica: int, ends, tokens: int) -> None:
-        """Steps of `replica` (in its order) ending at `ends`, each giving `tokens` requests a token:
+        """Steps of `replica` (in its order) ending at `ends`, each of `tokens` requests:
         their output jobs (served at the next `admit` after them, or by `delivered`)."""
         seconds = tokens * self.token_s
         for end in ends:

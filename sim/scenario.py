@@ -248,7 +248,7 @@ class EngineConfig(StrictModel):
         default=None, ge=0, le=0.01,
         description="vLLM's API-server time per streamed token on the same loop (the output handler's "
                     "detokenization and one SSE chunk per request per step: sim/front_end.py), seconds; each "
-                    "step's outputs hold the loop for (requests given a token) x this, delaying the intake "
+                    "step's outputs hold the loop for (requests in the step) x this, delaying the intake "
                     "after them and the tokens' delivery; only with a front end (front_end_s above 0); unset: "
                     "as front_end_s, the trained family's fitted value on a vLLM server, else 0")
     client_in_process: bool = Field(

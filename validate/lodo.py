@@ -28,7 +28,7 @@ pooled over every API-server deployment (host CPU physics, not the GPU's), fitte
 the held-out deployment's runs (pooled_front_end) and used by all three sources' cells of that fold;
 the family stores the value pooled over all of them (`front_end_s` of its engine entry), the
 default of a `step_times: trained` scenario. The same loop streams every step's outputs
-(engine.front_end_token_s, per request given a token: FRONT_END_TOKEN), fitted jointly with it.
+(engine.front_end_token_s, per request in each step: FRONT_END_TOKEN), fitted jointly with it.
 
 A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
 classes fitted on two deployments or more (`generic`, GENERIC_OF_TESTED_CLASSES; sim.trained.tested_class,
@@ -281,7 +281,7 @@ FRONT_END = True           # False: no front end in any replay (the table before
 FRONT_END_GRID = tuple(ms * 1e-3 for ms in (0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 13, 16, 20))
 FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s through one API server
 # The same loop's streaming (sim/front_end.py, engine.front_end_token_s): each engine step's outputs
-# hold it for (requests given a token) x a time per token (vLLM 0.11.0 vllm/v1/engine/async_llm.py
+# hold it for (requests in the step) x a time per token (vLLM 0.11.0 vllm/v1/engine/async_llm.py
 # output_handler -> OutputProcessor.process_outputs, one SSE chunk per request in
 # serving_chat.py chat_completion_stream_generator), delaying the intake behind them and the tokens'
 # delivery. Fitted with the intake time on a grid of both (each run's profile is
