@@ -286,7 +286,9 @@ FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s throu
 # serving_chat.py chat_completion_stream_generator), delaying the intake behind them and the tokens'
 # delivery. Fitted with the intake time on a grid of both (each run's profile is
 # FRONT_END_GRID x FRONT_END_TOKEN_GRID), each refined by a parabola along its own axis.
-FRONT_END_TOKEN = True     # False: intake only (the table before the streaming term); on: REPLAY_REVISION["v1"] 1
+# A replay with a streaming time of 0 is the intake-only replay of before, so no REPLAY_REVISION moves:
+# a class fit's and a fold's --resume names carry their streaming time where it is above 0.
+FRONT_END_TOKEN = True     # False: intake only (the table before the streaming term)
 FRONT_END_TOKEN_GRID = tuple(us * 1e-6 for us in (0, 10, 20, 40, 80, 160))
 FRONT_END_TOKEN_BOUNDS = (0.0, FRONT_END_TOKEN_GRID[-1])     # 160 us: ~6k tokens/s through one loop
 
@@ -884,12 +886,12 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
 # tokens reach AccelMark's in-process client when the client's asyncio loop wakes, ACCELMARK_CLIENT_IN_PROCESS;
 # 3 / 4: V0's prefill steps launched eagerly, V0_EAGER_PREFILL, without / with it; 7: AccelMark's
 # outputs stopped at EOS or the cap, ACCELMARK_EOS_STOPPED_OUTPUTS, on top of 3; 8: all three; + 8: the
-# V0 fits' eager-launch bound, V0_EAGER_LAUNCH_CAP, which moves the fits, not the replays; V1 1: the
-# API server's streaming of every step's outputs, FRONT_END_TOKEN),
+# V0 fits' eager-launch bound, V0_EAGER_LAUNCH_CAP, which moves the fits, not the replays; V1: the
+# API server's streaming, FRONT_END_TOKEN, moves none: its fits' names carry its time),
 # so a --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
 REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL + 4 * ACCELMARK_EOS_STOPPED_OUTPUTS
                    + 8 * V0_EAGER_LAUNCH_CAP,
-                   "v1": int(FRONT_END_TOKEN)}
+                   "v1": 0}
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):
@@ -1131,7 +1133,15 @@ def _fold_rows(name: str) -> list[dict]:
     # its --resume name carries that profile, so a kept one is reused only while they hold
     priced_by = fold_generic(runs, name, full)
     key = name if priced_by is None else f"{name} / generic {sorted(priced_by.items())}"
-    return _resumable("fold", key, fold, deployments(runs)[name][0].engine)
+    # and its streaming time where it has one (0: the replays of before FRONT_END_TOKEN, whose folds
+    # are reused; its rows then say 0)
+    token = pooled_front_end(runs, name, progress)[1]
+    rows = _resumable("fold", key + (f" / per token {token:.6g}" if token else ""), fold, deployments(runs)[name][0].engine)
+    if FRONT_END_TOKEN:
+        for row in rows:
+            if "fold front_end_s" in row:
+                row.setdefault("fold front_end_token_s", 0.0)
+    return rows
 
 
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
