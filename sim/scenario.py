@@ -250,7 +250,7 @@ class EngineConfig(StrictModel):
                     "detokenization and one SSE chunk per request per step: sim/front_end.py), seconds; each "
                     "step's outputs hold the loop for (requests in the step) x this, delaying the intake "
                     "after them and the tokens' delivery; only with a front end (front_end_s above 0); unset: "
-                    "as front_end_s, the trained family's fitted value on a vLLM server, else 0")
+                    "as front_end_s, the trained family's fitted value on a vLLM server (none adopted yet), else 0")
     client_in_process: bool = Field(
         default=False,
         description="the client awaits vLLM's AsyncLLMEngine.generate on its own asyncio loop, in the engine's "
