@@ -15,38 +15,80 @@ and one service time make it a closed-form recurrence (start = max(arrival, prev
 it needs no SimPy process per request. 0 = no front end (kvtwin's own engine, which the engine
 replays drive in-process, has no HTTP server).
 
-What it does not price: the per-token streaming work of the same loop (the output handler's
-detokenization, `vllm/v1/engine/output_processor.py` `process_outputs`, and one SSE chunk per token in
-`chat_completion_stream_generator`), which competes with intake on the same loop (docs/fidelity.md
-"The API-server front end" says why it is left out).
+The same loop streams the outputs (`token_s`, engine.front_end_token_s): AsyncLLM's output handler
+task (vllm 0.11.0 vllm/v1/engine/async_llm.py `_run_output_handler`: `output_handler`) takes each
+engine step's EngineCoreOutputs off the ZMQ socket and runs `OutputProcessor.process_outputs` over
+them (vllm/v1/engine/output_processor.py: per request its detokenizer's `update` and a RequestOutput
+put on the request's queue), and each request's `chat_completion_stream_generator`
+(vllm/entrypoints/openai/serving_chat.py) then serializes one SSE chunk for it, all on the asyncio
+loop that also takes new requests. kvtwin prices a step's outputs as one job of (requests in the
+step: a prefill chunk that ends no prompt, which vLLM sends nothing for, counted too) x `token_s`
+on that loop, due at the step's end (`outputs`): first come, first served with the intake, on the
+server free first (vLLM yields the loop between slices of VLLM_V1_OUTPUT_PROC_CHUNK_SIZE outputs;
+kvtwin's job is one piece). It delays the intake of the requests handed over after it, and the
+step's tokens reach the client when it is done (`delivered`, StepRecorder.token_times).
+A job is served only once every job due before the next intake is known (`admit` serves those due
+by its time; the simulator reports a step when it is planned, a leap's steps at once), so a leap
+and its steps one by one give the same answer.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Optional
 
 MAX_FRONT_END_S = 1.0      # the scenario field's bound: a second per request is no API server's
+MAX_FRONT_END_TOKEN_S = 0.01   # and per streamed token: 10 ms is 100 tokens/s through one loop
 
 
 class FrontEnd:
-    """`servers` API-server processes taking requests first come, first served, `service_s` each."""
+    """`servers` API-server processes taking requests first come, first served, `service_s` each,
+    and streaming each step's outputs at `token_s` per request in the step (0: none priced)."""
 
-    __slots__ = ("service_s", "_free")
+    __slots__ = ("service_s", "token_s", "_free", "_jobs", "_done")
 
-    def __init__(self, servers: int, service_s: float):
+    def __init__(self, servers: int, service_s: float, token_s: float = 0.0):
         if servers < 1:
             raise ValueError(f"a front end needs at least one API server, got {servers}")
         if not 0 < service_s <= MAX_FRONT_END_S:
             raise ValueError(f"front-end service time {service_s!r} s outside (0, {MAX_FRONT_END_S}]")
-        self.service_s = service_s
+        if not 0 <= token_s <= MAX_FRONT_END_TOKEN_S:
+            raise ValueError(f"front-end time per token {token_s!r} s outside [0, {MAX_FRONT_END_TOKEN_S}]")
+        self.service_s, self.token_s = service_s, token_s
         self._free = [0.0] * servers      # a heap: when each server is next free
+        self._jobs: list = []             # a heap of output jobs not served yet: (due, replica, seconds)
+        self._done: dict[int, list] = {}  # per replica, in its steps' order: when each step's job is done
 
     def admit(self, t: float) -> float:
         """A request handed over at `t` (calls in order of t): when it leaves for the engine."""
+        if self._jobs:
+            self._serve(t)
         free = self._free[0]
         end = (t if t > free else free) + self.service_s
         heapq.heapreplace(self._free, end)
         return end
+
+    def outputs(self, replica: int, ends, tokens: int) -> None:
+        """Steps of `replica` (in its order) ending at `ends`, each of `tokens` requests:
+        their output jobs (served at the next `admit` after them, or by `delivered`)."""
+        seconds = tokens * self.token_s
+        for end in ends:
+            heapq.heappush(self._jobs, (end, replica, seconds))      # (one due time: the lower replica first)
+
+    def _serve(self, until: float) -> None:
+        """Serve the output jobs due by `until`, in order, each on the server free first."""
+        jobs, free, done = self._jobs, self._free, self._done
+        while jobs and jobs[0][0] <= until:
+            due, replica, seconds = heapq.heappop(jobs)
+            start = free[0]
+            end = (due if due > start else start) + seconds
+            heapq.heapreplace(free, end)
+            done.setdefault(replica, []).append(end)
+
+    def delivered(self, replica: int) -> list:
+        """When each of `replica`'s steps' tokens reach the client (after the run: every job served)."""
+        self._serve(math.inf)
+        return self._done.get(replica, [])
 
     @classmethod
     def for_scenario(cls, scenario) -> Optional["FrontEnd"]:
@@ -60,7 +102,7 @@ class FrontEnd:
 
         layout = DPLayout.for_scenario(scenario)
         groups = max(1, layout.dp // max(1, layout.group_size))
-        return cls(layout.api_servers * groups * scenario.cluster.replicas, service)
+        return cls(layout.api_servers * groups * scenario.cluster.replicas, service, front_end_token_s(scenario))
 
 
 def front_end_s(scenario) -> float:
@@ -81,3 +123,17 @@ def front_end_s(scenario) -> float:
     from sim.trained import front_end_default
 
     return front_end_default(scenario.engine_generation)
+
+
+def front_end_token_s(scenario) -> float:
+    """engine.front_end_token_s resolved as front_end_s is (the family's `front_end_token_s` for the
+    engine generation where unset on a vLLM server without a device profile, else 0); only a
+    scenario with a front end (front_end_s above 0) streams through it."""
+    e = scenario.engine
+    if e.front_end_token_s is not None:
+        return float(e.front_end_token_s)
+    if e.batching != "continuous" or e.allocation != "paged" or scenario.device.profile:
+        return 0.0
+    from sim.trained import front_end_token_default
+
+    return front_end_token_default(scenario.engine_generation)

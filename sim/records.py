@@ -190,6 +190,8 @@ class StepRecorder:
         # next step's end or an earlier one of `loop_wakes` (the run's sends, sorted)
         self.tokens_after_next_host = False
         self.loop_wakes: Optional[np.ndarray] = None
+        # per step, when the API server has streamed its tokens (sim/front_end.py FrontEnd.outputs)
+        self.delivered: Optional[np.ndarray] = None
         self.rows = _Buffer(PER_ROW)            # rows and steps not yet packed
         self.step_values = _Buffer(PER_STEP)
         self._steps = _Columns(PER_STEP)
@@ -326,7 +328,10 @@ class StepRecorder:
         end plus the host time of the step that starts at that end (a step followed by none, the
         engine idle after it, delivers at its end: V0 drains its outputs when nothing is left).
         With `loop_wakes` (the client on the engine's asyncio loop), from then on the first of those
-        wakes before the next step's end, else that end."""
+        wakes before the next step's end, else that end. With `delivered` (the API server's streaming
+        of each step's outputs), those times."""
+        if self.delivered is not None:
+            return self.delivered
         end = self.step_column("end_s")
         if not self.tokens_after_next_host or len(end) < 2:
             return end

@@ -244,6 +244,13 @@ class EngineConfig(StrictModel):
                     "front end; unset: on a vLLM server (continuous, paged) without a device profile the trained family's "
                     "fitted value for the engine generation (vllm_engine), whatever step_times is, else 0 "
                     "(docs/fidelity.md)")
+    front_end_token_s: Optional[float] = Field(
+        default=None, ge=0, le=0.01,
+        description="vLLM's API-server time per streamed token on the same loop (the output handler's "
+                    "detokenization and one SSE chunk per request per step: sim/front_end.py), seconds; each "
+                    "step's outputs hold the loop for (requests in the step) x this, delaying the intake "
+                    "after them and the tokens' delivery; only with a front end (front_end_s above 0); unset: "
+                    "as front_end_s, the trained family's fitted value on a vLLM server (none adopted yet), else 0")
     client_in_process: bool = Field(
         default=False,
         description="the client awaits vLLM's AsyncLLMEngine.generate on its own asyncio loop, in the engine's "

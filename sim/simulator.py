@@ -192,6 +192,7 @@ class Simulation:
         self.replicas = [build_replica(i, self.scenario, self.plan, self.fast, self.block_ids, self._recorder(i))
                          for i in range(self.scenario.cluster.replicas * self.scenario.parallelism.dp)]
         self._next_arrival = math.inf
+        self._streams: Optional[FrontEnd] = None     # set with the arrivals (`_start_arrivals`)
         self._pricers: dict = {}                     # rows -> the cost model's decode pricer
         self._follow_up_times: list[float] = []      # heap: when pending follow-up turns reach the router
         self._ended = RequestTable() if self.spill is None else self.spill.request_table()   # taken as each ends
@@ -225,6 +226,8 @@ class Simulation:
         self._check_every_request_ended()
         if self._sends is not None:
             self._wake_loops_at_sends(np.sort(np.asarray(self._sends, dtype=float)))
+        if self._streams is not None:
+            self._deliver_through(self._streams)
         return RunRecords(self._ended, [r.recorder for r in self.replicas],
                           kv_blocks_total=self.plan.usable_blocks,
                           block_size=self.scenario.engine.block_size,
@@ -243,6 +246,15 @@ class Simulation:
         if self.spill is not None:
             self.spill.loop_wakes = sends
 
+    def _deliver_through(self, front: FrontEnd) -> None:
+        """Each step's tokens reach the client when the API server has streamed them (FrontEnd.outputs)."""
+        for replica in self.replicas:
+            delivered = np.asarray(front.delivered(replica.index), dtype=float)
+            if self.spill is None:
+                replica.recorder.delivered = delivered
+            else:
+                self.spill.delivered[replica.index] = delivered
+
     def _recorder(self, index: int) -> Optional[StepRecorder]:
         return None if self.spill is None else self.spill.step_recorder(index)
 
@@ -255,6 +267,9 @@ class Simulation:
         follow-up turn sends at a time of the run's own, the request waits in `_front_exits`
         for the one process that routes each as it leaves (`_front_end_exits`)."""
         front = FrontEnd.for_scenario(self.scenario)
+        # the front end that streams each step's outputs (engine.front_end_token_s above 0): the
+        # engine loops report their steps to it as they plan them (`outputs`)
+        self._streams = front if front is not None and front.token_s > 0 else None
         self._front_exits: deque = deque()       # (when it leaves the front end, request)
         in_stream = front is not None and self.scenario.workload.max_concurrency is None \
             and self._min_think == math.inf
@@ -395,8 +410,10 @@ class Simulation:
             figures = [rank.scheduler.kv_figures() for rank in ranks]
             times = lockstep_times(batches, now - last_end > IDLE_GAP_S)
             duration = max(host + device for host, device in times)
-            for rank in ranks:
+            for rank, batch in zip(ranks, batches):
                 rank.busy_until = now + duration
+                if self._streams is not None and batch is not None:
+                    self._streams.outputs(rank.index, (now + duration,), batch.num_seqs)
             yield env.timeout(duration)
             end = last_end = env.now
             wave_steps += 1
@@ -498,6 +515,7 @@ class Simulation:
                                            and cost.eager_context is None) else {}
         woken = cost.woken        # the idle rule (step_time applies it to the steps it prices)
         inline = self._inline
+        streams = self._streams
         tier = sched.offload
         queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
         last_end = float("-inf")
@@ -561,6 +579,8 @@ class Simulation:
                 if now - last_end > IDLE_GAP_S:
                     host = woken(host)
             end = now + (host + device)      # as SimPy's timeout adds it
+            if streams is not None:
+                streams.outputs(replica.index, (end,), batch.num_seqs)
             if chained:
                 if end >= horizon:
                     self._next_arrival = inline.deliver(end)
@@ -583,6 +603,8 @@ class Simulation:
         start = now
         while True:
             plan, ends, host, device, ctx, blocks = leap
+            if self._streams is not None:
+                self._streams.outputs(replica.index, ends, plan.rows)
             waiting = len(sched.waiting)
             used, cached, slack = apply_leap(sched, plan, len(ends))
             running = len(sched.running)     # (after an async release at the leap's first step)
@@ -739,12 +761,17 @@ class _Arrivals:
     each of its own events instead, a request due exactly then first, as the process's timeout,
     queued earlier, would have. With a `front_end` (sim/front_end.py) a request is due where it
     leaves the API servers, `front_end.admit(arrival)` taken in arrival order; its arrival, which its
-    latencies count from, stays the client's."""
+    latencies count from, stays the client's. Where the front end streams the steps' outputs too
+    (`token_s`), the admission waits for the handover itself (a first due time, when nothing is
+    sent): by then every step ending before it has been reported, whether the engine took it one by
+    one or in a leap, and the intake queues behind those steps' outputs."""
 
     def __init__(self, requests: Iterator[Request], send: Callable[[Request], None],
                  front_end: Optional[FrontEnd] = None):
         self._requests, self._send = requests, send
         self._admit = None if front_end is None else front_end.admit
+        self._staged = front_end is not None and front_end.token_s > 0
+        self._at_handover = False        # (staged) due at the head's handover, not yet admitted
         self._time = 0.0                 # the arrival process's clock (SimPy's starts at 0)
         self._handed = 0.0               # (front end) the latest arrival handed to it
         self._head = next(requests, None)
@@ -756,7 +783,8 @@ class _Arrivals:
         t, target = self._time, req.arrival
         if self._admit is not None:
             handed = self._handed = target if target > self._handed else self._handed
-            target = self._target = self._admit(handed)
+            self._at_handover = self._staged
+            target = self._target = handed if self._staged else self._admit(handed)
         return t + (target - t) if target > t else t
 
     def next_delay(self) -> float:
@@ -766,6 +794,12 @@ class _Arrivals:
     def deliver(self, now: float) -> float:
         """Send every request due by `now`; returns when the next one is due (inf: none left)."""
         while self.next_time <= now:
+            if self._at_handover:
+                self._at_handover = False
+                t = self._time = self.next_time
+                target = self._target = self._admit(self._handed)
+                self.next_time = t + (target - t) if target > t else t
+                continue
             self._time, req = self.next_time, self._head
             self._head = next(self._requests, None)
             self._send(req)

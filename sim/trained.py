@@ -81,6 +81,12 @@ def front_end_default(engine: str) -> float:
     return float(family()["engines"].get(engine, {}).get("front_end_s", 0.0))
 
 
+
+def front_end_token_default(engine: str) -> float:
+    """The API-server time per streamed token (engine.front_end_token_s unset on a vLLM server) the
+    family fitted for vLLM engine generation `engine`: 0 where it has none."""
+    return float(family()["engines"].get(engine, {}).get("front_end_token_s", 0.0))
+
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming

@@ -28,7 +28,8 @@ coefficient carries: each replay of such a run takes a front end (engine.front_e
 pooled over every API-server deployment (host CPU physics, not the GPU's), fitted per fold without
 the held-out deployment's runs (pooled_front_end) and used by all three sources' cells of that fold;
 the family stores the value pooled over all of them (`front_end_s` of its engine entry), the
-default of a `step_times: trained` scenario.
+default of a `step_times: trained` scenario. The same loop streams every step's outputs
+(engine.front_end_token_s, per request in each step: FRONT_END_TOKEN), fitted jointly with it.
 
 A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
 classes fitted on two deployments or more (`generic`, GENERIC_OF_TESTED_CLASSES; sim.trained.tested_class,
@@ -310,6 +311,22 @@ OVERLOADED_SERVED_SHARE = 0.9
 FRONT_END = True           # False: no front end in any replay (the table before issue 25's front-end term)
 FRONT_END_GRID = tuple(ms * 1e-3 for ms in (0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 13, 16, 20))
 FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s through one API server
+# The same loop's streaming (sim/front_end.py, engine.front_end_token_s): each engine step's outputs
+# hold it for (requests in the step) x a time per token (vLLM 0.11.0 vllm/v1/engine/async_llm.py
+# output_handler -> OutputProcessor.process_outputs, one SSE chunk per request in
+# serving_chat.py chat_completion_stream_generator), delaying the intake behind them and the tokens'
+# delivery. Fitted with the intake time on a grid of both (each run's profile is
+# FRONT_END_GRID x FRONT_END_TOKEN_GRID), each refined by a parabola along its own axis.
+# A replay with a streaming time of 0 is the intake-only replay of before, so no REPLAY_REVISION moves:
+# a class fit's and a fold's --resume names carry their streaming time where it is above 0.
+# Refitted on a grid to 160 us (docs/fidelity_log.md, "The API server's streaming"): the V1 held-out
+# medians improved (trained TTFT 20.4 -> 15.4 %, TPOT 12.1 -> 7.8 %), but only through the six folds
+# that landed at the grid's bound, while the pool of all deployments stayed at 0 per token (so every
+# shipped prediction unchanged and its band narrower): the pooled loss falls further past the bound
+# (1.5 ms and 400 us: 12.09 against 15.22), so the grid needs extending and a refit before this is on.
+FRONT_END_TOKEN = False    # False: intake only (the table before the streaming term)
+FRONT_END_TOKEN_GRID = tuple(us * 1e-6 for us in (0, 10, 20, 40, 80, 160))
+FRONT_END_TOKEN_BOUNDS = (0.0, FRONT_END_TOKEN_GRID[-1])     # 160 us: ~6k tokens/s through one loop
 
 
 @dataclass
@@ -756,15 +773,18 @@ def deployments(runs: list[Run]) -> dict[str, list[Run]]:
 # ----------------------------------------------------------------------------- predicting a run
 
 def predict(run: Run, coefficients: Optional[CostCoefficients] = None, step_times: str = "datasheet",
-            profile: Optional[DeviceProfile] = None, front_end_s: float = 0.0) -> dict[str, float]:
-    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s`: the
-    API-server time per request of a run sent through one (Run.api_server; FRONT_END)."""
+            profile: Optional[DeviceProfile] = None, front_end_s: float = 0.0,
+            front_end_token_s: float = 0.0) -> dict[str, float]:
+    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s` and
+    `front_end_token_s`: the API-server time per request and per streamed token of a run sent
+    through one (Run.api_server; FRONT_END, FRONT_END_TOKEN)."""
     scenario = run.scenario
     front_end_s = front_end_s if run.api_server and FRONT_END else 0.0
     if step_times != "datasheet" or front_end_s:
         scenario = scenario.model_copy(deep=True)
         scenario.step_times = step_times
         scenario.engine.front_end_s = front_end_s
+        scenario.engine.front_end_token_s = front_end_token_s if front_end_s and FRONT_END_TOKEN else 0.0
     profile = profile or (DeviceProfile(coefficients) if coefficients is not None else None)
     cost = CostModel.for_scenario(scenario, profile)
     for r in run.requests:
@@ -814,10 +834,12 @@ def fit_runs(runs: list[Run]) -> list[Run]:
 
 def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None, fixed: Optional[dict[str, float]] = None,
-              names: Optional[tuple[str, ...]] = None, front_end_s: float = 0.0) -> dict[str, float]:
+              names: Optional[tuple[str, ...]] = None, front_end_s: float = 0.0,
+              front_end_token_s: float = 0.0) -> dict[str, float]:
     """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally. The
     runs are of one engine generation, whose parameters, start and iterations the fit takes, and
-    are replayed with `front_end_s` (the pooled API-server time: pooled_front_end).
+    are replayed with `front_end_s` and `front_end_token_s` (the pooled API-server times:
+    pooled_front_end).
     `fixed`: parameters held at given values (returned with the fitted ones); `names`: the
     parameters fitted (default: the generation's FIT_NAMES less the fixed ones), where `host_scale`
     multiplies the fixed V0 host terms (the machine's CPU speed over the pooled host profile)."""
@@ -834,7 +856,8 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
 
     def all_residuals(x: np.ndarray) -> np.ndarray:
         coeffs = trained_coefficients(_with_fixed(dict(zip(names, np.exp(x))), fixed))
-        data = [v for run in train for v in residuals(run, predict(run, coeffs, front_end_s=front_end_s))]
+        data = [v for run in train for v in residuals(run, predict(run, coeffs, front_end_s=front_end_s,
+                                                                   front_end_token_s=front_end_token_s))]
         return np.array(data + prior_residuals(dict(zip(names, x))))
 
     lower = np.log([BOUNDS[n][0] for n in names])
@@ -912,7 +935,8 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
 # tokens reach AccelMark's in-process client when the client's asyncio loop wakes, ACCELMARK_CLIENT_IN_PROCESS;
 # 3 / 4: V0's prefill steps launched eagerly, V0_EAGER_PREFILL, without / with it; 7: AccelMark's
 # outputs stopped at EOS or the cap, ACCELMARK_EOS_STOPPED_OUTPUTS, on top of 3; 8: all three; + 8: the
-# V0 fits' eager-launch bound, V0_EAGER_LAUNCH_CAP, which moves the fits, not the replays),
+# V0 fits' eager-launch bound, V0_EAGER_LAUNCH_CAP, which moves the fits, not the replays; V1: the
+# API server's streaming, FRONT_END_TOKEN, moves none: its fits' names carry its time),
 # so a --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
 REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL + 4 * ACCELMARK_EOS_STOPPED_OUTPUTS
                    + 8 * V0_EAGER_LAUNCH_CAP,
@@ -953,19 +977,20 @@ def _resumable(kind: str, name: str, compute: Callable, engine: str):
 
 def _class_fit(key: tuple[str, str]) -> dict[str, float]:
     engine, gpu = key
-    front = pooled_front_end(_FOLD_STATE["runs"])
+    front, token = pooled_front_end(_FOLD_STATE["runs"])
 
     def fit() -> dict[str, float]:
         group = [r for r in _FOLD_STATE["runs"] if r.group == key]
         _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
                                 f"{len(deployments(group))} deployments")
-        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT, front_end_s=front)
-                  if engine == "v0" and V0_POOLED_HOST else fit_class(group, front_end_s=front))
+        fronted = {"front_end_s": front, "front_end_token_s": token}
+        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT, **fronted)
+                  if engine == "v0" and V0_POOLED_HOST else fit_class(group, **fronted))
         _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
 
-    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else "") + _fit_tag(engine),
-                      fit, engine)
+    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else "")
+                      + (f" per token {token:.6g}" if token else "") + _fit_tag(engine), fit, engine)
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, dict[str, float]]]:
@@ -996,7 +1021,7 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
 
 
 def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, float]]],
-                progress=print, front_end_s: float = 0.0) -> dict[str, float]:
+                progress=print, front_end_s: float = 0.0, front_end_token_s: float = 0.0) -> dict[str, float]:
     """The trained parameters that predict deployment `held`: its (engine generation, GPU class)
     refitted without it; with no other deployment there, the generic profile of the generation's
     other classes (`generic`: what `step_times: trained` gives that GPU). A V0
@@ -1008,8 +1033,8 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
     host = pooled_v0_host(runs, deployment_model(held), progress) if engine == "v0" and V0_POOLED_HOST else None
     if rest:
         progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
-        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, front_end_s=front_end_s) if host
-                else fit_class(rest, front_end_s=front_end_s))
+        fronted = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s}
+        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, **fronted) if host else fit_class(rest, **fronted))
     progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
     return {**fold_generic(runs, held, full), **(host or {})}
 
@@ -1037,43 +1062,55 @@ def _runs_digest(runs: list[Run]) -> str:
 _FRONT_ENDS: dict = {}     # pooled_front_end's fits in this process, by (left-out deployment, runs)
 
 
-def pooled_front_end(runs: list[Run], without: Optional[str] = None, progress=print) -> float:
-    """The API-server time per request (FRONT_END) fitted on the fit runs (fit_runs) sent through
-    an API server, of every deployment but `without` (a fold's: its runs never reach it): the
-    value minimising the summed squared residuals at the datasheet coefficients over
-    FRONT_END_GRID, refined by the parabola through the best grid point and its neighbours."""
+def token_grid() -> tuple[float, ...]:
+    """The streaming times the front end's profiles are taken at (just 0 without FRONT_END_TOKEN)."""
+    return FRONT_END_TOKEN_GRID if FRONT_END_TOKEN else (0.0,)
+
+
+def pooled_front_end(runs: list[Run], without: Optional[str] = None, progress=print) -> tuple[float, float]:
+    """The API-server time per request and per streamed token (FRONT_END, FRONT_END_TOKEN) fitted
+    on the fit runs (fit_runs) sent through an API server, of every deployment but `without` (a
+    fold's: its runs never reach it): the pair minimising the summed squared residuals at the
+    datasheet coefficients over the grid FRONT_END_GRID x token_grid(), each refined by the parabola
+    through the best grid point and its neighbours along its own axis."""
     if not FRONT_END:
-        return 0.0
+        return 0.0, 0.0
     pool = [r for r in fit_runs([r for r in runs if r.api_server]) if r.deployment != without]
     memo = (without, _runs_digest(pool))
     if memo not in _FRONT_ENDS:
         if not pool:
-            return 0.0
+            return 0.0, 0.0
         if without is None:
             progress(f"the front end's profile over {len(pool)} runs of {len(deployments(pool))} deployments")
-        loss = np.sum([front_end_profile(r) for r in pool], axis=0)
-        _FRONT_ENDS[memo] = _parabola_min(np.array(FRONT_END_GRID), loss)
+        loss = np.sum([np.reshape(front_end_profile(r), (len(FRONT_END_GRID), -1)) for r in pool], axis=0)
+        i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
+        service = _parabola_min(np.array(FRONT_END_GRID), loss[:, j], FRONT_END_BOUNDS)
+        token = _parabola_min(np.array(token_grid()), loss[i, :], FRONT_END_TOKEN_BOUNDS) if loss.shape[1] > 1 else 0.0
+        _FRONT_ENDS[memo] = (service, token)
     return _FRONT_ENDS[memo]
 
 
 def front_end_profile(run: Run) -> list[float]:
-    """The run's summed squared residuals at the datasheet coefficients with each FRONT_END_GRID
-    value (kept in the --resume folder: every fold sums the same ones)."""
+    """The run's summed squared residuals at the datasheet coefficients at each point of the grid
+    FRONT_END_GRID x token_grid(), row by row (kept in the --resume folder: every fold sums the
+    same ones)."""
     def compute() -> list[float]:
-        return [float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=c)))))
-                for c in FRONT_END_GRID]
+        return [float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=c,
+                                                              front_end_token_s=t)))))
+                for c in FRONT_END_GRID for t in token_grid()]
 
+    grid = f"{FRONT_END_GRID}" + (f" x {FRONT_END_TOKEN_GRID}" if FRONT_END_TOKEN else "")
     if run.id not in _PROFILES:
-        _PROFILES[run.id] = _resumable("frontend", f"{run.id} / {FRONT_END_GRID}", compute, run.engine)
+        _PROFILES[run.id] = _resumable("frontend", f"{run.id} / {grid}", compute, run.engine)
     return _PROFILES[run.id]
 
 
 _PROFILES: dict = {}       # front_end_profile's in this process, by run id
 
 
-def _parabola_min(x: np.ndarray, y: np.ndarray) -> float:
+def _parabola_min(x: np.ndarray, y: np.ndarray, bounds: tuple[float, float] = FRONT_END_BOUNDS) -> float:
     """The minimum of y(x) sampled on a grid: the lowest point, moved to the vertex of the parabola
-    through it and its two neighbours where that is a minimum between them; within FRONT_END_BOUNDS."""
+    through it and its two neighbours where that is a minimum between them; within `bounds`."""
     i = int(np.argmin(y))
     best = float(x[i])
     if 0 < i < len(x) - 1:
@@ -1083,7 +1120,7 @@ def _parabola_min(x: np.ndarray, y: np.ndarray) -> float:
         b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
         if a > 0:
             best = min(max(-b / (2 * a), float(x0)), float(x2))
-    low, high = FRONT_END_BOUNDS
+    low, high = bounds
     return float(min(max(best, low), high))
 
 
@@ -1122,18 +1159,18 @@ def tables_cover(run: Run) -> bool:
     return True
 
 
-def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0) -> dict:
+def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0, front_end_token_s: float = 0.0) -> dict:
     """The run's errors under each source, all replayed with the fold's front end."""
     measured = sum(not r.is_warmup for r in run.requests)
     row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": measured,
            "source": run.source}
-    fe = front_end_s
-    row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients(), front_end_s=fe)).items()})
+    fe = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s}
+    row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients(), **fe)).items()})
     if tables_cover(run):
         row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables",
-                                                                     front_end_s=fe)).items()})
+                                                                     **fe)).items()})
     trained = trained_coefficients(params)
-    row.update({f"trained {k}": v for k, v in errors(run, predict(run, trained, front_end_s=fe)).items()})
+    row.update({f"trained {k}": v for k, v in errors(run, predict(run, trained, **fe)).items()})
     return row
 
 
@@ -1141,10 +1178,11 @@ def _fold_rows(name: str) -> list[dict]:
     runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
 
     def fold() -> list[dict]:
-        front = pooled_front_end(runs, name, progress)
-        params = fold_params(runs, name, full, progress, front)
-        front_col = {"fold front_end_s": front} if FRONT_END else {}
-        return [{**run_rows(run, params, front if run.api_server else 0.0),
+        front, token = pooled_front_end(runs, name, progress)
+        params = fold_params(runs, name, full, progress, front, token)
+        front_col = {"fold front_end_s": front, **({"fold front_end_token_s": token} if FRONT_END_TOKEN else {})} \
+            if FRONT_END else {}
+        return [{**run_rows(run, params, *((front, token) if run.api_server else (0.0, 0.0))),
                  **{f"fold {k}": v for k, v in params.items()},
                  **(front_col if run.api_server else {})}
                 for run in deployments(runs)[name]]
@@ -1153,8 +1191,17 @@ def _fold_rows(name: str) -> list[dict]:
     # its --resume name carries that profile, so a kept one is reused only while they hold
     priced_by = fold_generic(runs, name, full)
     engine = deployments(runs)[name][0].engine
-    key = (name if priced_by is None else f"{name} / generic {sorted(priced_by.items())}") + _fit_tag(engine)
-    return _resumable("fold", key, fold, engine)
+    key = name if priced_by is None else f"{name} / generic {sorted(priced_by.items())}"
+    # and its streaming time where it has one (0: the replays of before FRONT_END_TOKEN, whose folds
+    # are reused; its rows then say 0)
+    token = pooled_front_end(runs, name, progress)[1]
+    key += (f" / per token {token:.6g}" if token else "") + _fit_tag(engine)
+    rows = _resumable("fold", key, fold, engine)
+    if FRONT_END_TOKEN:
+        for row in rows:
+            if "fold front_end_s" in row:
+                row.setdefault("fold front_end_token_s", 0.0)
+    return rows
 
 
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
@@ -1244,7 +1291,7 @@ def write_family(full: dict[str, dict[str, dict[str, float]]], table: pd.DataFra
                    "and generation (tests/data/vllm_public)"),
         "parameters": {engine: list(FIT_NAMES[engine]) for engine in ENGINES},
         "engines": {engine: _engine_entry(full.get(engine, {}), [r for r in runs if r.engine == engine], engine,
-                                          pooled_front_end(runs))
+                                          *pooled_front_end(runs))
                     for engine in ENGINES if full.get(engine)},
         "sources": sorted({r.source for r in runs}),
         "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
@@ -1268,10 +1315,12 @@ def write_bands(table: pd.DataFrame, path: Path = FAMILY_FILE) -> Path:
     return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
 
 
-def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: str, front_end_s: float = 0.0) -> dict:
+def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: str, front_end_s: float = 0.0,
+                  front_end_token_s: float = 0.0) -> dict:
     """One engine generation's classes (parameters, deployments, runs), its generic profile and,
-    where its runs went through vLLM's API server, the pooled front-end time per request (the
-    default engine.front_end_s of a vLLM server of that generation: sim.trained.front_end_default)."""
+    where its runs went through vLLM's API server, the pooled front-end time per request and per
+    streamed token (the defaults engine.front_end_s and front_end_token_s of a vLLM server of that
+    generation: sim.trained.front_end_default, front_end_token_default)."""
     entry = {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
                                "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
                                "runs": sum(1 for r in runs if r.gpu_class == gpu)}
@@ -1279,6 +1328,8 @@ def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: 
              "generic": {k: float(f"{v:.5g}") for k, v in generic(params, class_deployments(runs, engine)).items()}}
     if FRONT_END and any(r.api_server for r in runs):
         entry["front_end_s"] = float(f"{front_end_s:.5g}")
+        if FRONT_END_TOKEN:
+            entry["front_end_token_s"] = float(f"{front_end_token_s:.5g}")
     return entry
 
 

@@ -71,6 +71,7 @@ class RecordSpill:
         self.requests_csv: Optional[Path] = None                    # made by `summarise`
         self.tokens_after_next_host = False     # the recorders' (Simulation sets it), for the steps read back
         self.loop_wakes = None                  # likewise (StepRecorder.loop_wakes)
+        self.delivered: dict = {}               # likewise, by replica (StepRecorder.delivered)
 
     # -- while the run records ---------------------------------------------------------
     def request_table(self) -> "SpilledRequestTable":
@@ -102,6 +103,7 @@ class RecordSpill:
         """A replica's steps, loaded into an ordinary StepRecorder."""
         rec = StepRecorder.of_chunks(replica, map(_loaded, self.step_chunks.get(replica, [])))
         rec.tokens_after_next_host, rec.loop_wakes = self.tokens_after_next_host, self.loop_wakes
+        rec.delivered = self.delivered.get(replica)
         return rec
 
     def summarise(self, records: RunRecords, slo) -> dict:
@@ -139,8 +141,9 @@ class RecordSpill:
 
     def _stored_as(self, name: str) -> str:
         """The saved column a step time is read from: token_s is end_s itself unless tokens wait
-        for the next step's host work (not written twice: a million-request run has millions of steps)."""
-        return "end_s" if name == "token_s" and not self.tokens_after_next_host else name
+        for the next step's host work or the API server's streaming (not written twice: a
+        million-request run has millions of steps)."""
+        return "end_s" if name == "token_s" and not (self.tokens_after_next_host or self.delivered) else name
 
     def _times_path(self, replica: int, name: str) -> Path:
         return self.folder / f"times-{replica:04d}-{self._stored_as(name)}.npy"

@@ -9,12 +9,20 @@ all on the process's one asyncio loop; `--api-server-count` (vllm/entrypoints/cl
 many such processes take requests (`run_multi_api_server`, SO_REUSEPORT in
 vllm/entrypoints/openai/api_server.py). kvtwin prices them as a FIFO over that many servers with
 one service time per request before the router.
+
+The same loop streams the outputs (engine.front_end_token_s), in vLLM 0.11.0 (the wheel from the
+package registry): AsyncLLM's output handler task (vllm/v1/engine/async_llm.py `_run_output_handler`)
+takes each engine step's outputs off the engine core's socket and runs
+`OutputProcessor.process_outputs` (vllm/v1/engine/output_processor.py: per request its detokenizer's
+`update` and a RequestOutput put on the request's queue), and each request's
+`chat_completion_stream_generator` (vllm/entrypoints/openai/serving_chat.py) writes one SSE chunk
+(`chunk.model_dump_json`) per output, on that one loop.
 """
 from __future__ import annotations
 
 import pytest
 
-from sim.front_end import FrontEnd, front_end_s
+from sim.front_end import FrontEnd, front_end_s, front_end_token_s
 from sim.errors import ScenarioError
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
@@ -23,20 +31,22 @@ from sim.simulator import Simulation, simulate
 SERVICE = 0.25          # exact in binary: the recurrence's sums are exact too
 
 
-def scenario(front=None, n=8, **workload):
+def scenario(front=None, n=8, token=None, **workload):
     engine = {"num_blocks": 512, "max_model_len": 256}
     if front is not None:
         engine["front_end_s"] = front
+    if token is not None:
+        engine["front_end_token_s"] = token
     return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine,
                               "workload": {"num_requests": n, "prompt_len": 16, "output_len": 4,
                                            "arrival": {"process": "offline"}, **workload}})
 
 
-def frame(s, chain=True):
+def frame(s, chain=True, fast=True):
     old = Simulation.chain
     Simulation.chain = chain
     try:
-        return requests_frame(simulate(s)[0]).sort_values("id").reset_index(drop=True)
+        return requests_frame(simulate(s, fast=fast)[0]).sort_values("id").reset_index(drop=True)
     finally:
         Simulation.chain = old
 
@@ -191,18 +201,127 @@ def test_the_public_vllm_replays_go_through_the_api_server_and_a_fold_never_fits
     assert lodo.predict(v0, CostCoefficients(), front_end_s=0.004) == lodo.predict(v0, CostCoefficients())
 
     seen = []
-    grid = np.array(lodo.FRONT_END_GRID)
+    service, token = np.meshgrid(lodo.FRONT_END_GRID, lodo.token_grid(), indexing="ij")
 
     def profile(run):
         seen.append(run.deployment)
-        return list((grid - 0.0042) ** 2)          # every run's loss lowest at 4.2 ms
+        # every run's loss lowest at 4.2 ms per request and 30 us per streamed token
+        return list(((service - 0.0042) ** 2 + (token - 30e-6) ** 2).ravel())
 
     monkeypatch.setattr(lodo, "front_end_profile", profile)
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
     held = chat.deployment
-    assert lodo.pooled_front_end(runs, held) == pytest.approx(0.0042, abs=1e-6)
+    assert lodo.pooled_front_end(runs, held) == pytest.approx((0.0042, 30e-6 if lodo.FRONT_END_TOKEN else 0.0),
+                                                              abs=1e-7)
     assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
-    low, high = lodo.FRONT_END_BOUNDS
-    monkeypatch.setattr(lodo, "front_end_profile", lambda run: list(-grid))    # lowest past the grid's end
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: list(-(service + token).ravel()))   # past the grid's end
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert low <= lodo.pooled_front_end(runs) <= high
+    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_BOUNDS[1], lodo.FRONT_END_TOKEN_BOUNDS[1]
+                                           if lodo.FRONT_END_TOKEN else 0.0)
+
+
+TOKEN = 2 ** -7          # per streamed token, exact in binary
+
+
+def test_a_steps_outputs_hold_the_loop_first_come_first_served_with_the_intake():
+    """One API server: a step's outputs are one job of (requests given a token) x token_s on the
+    loop, served in time order with the intake (the output handler and the request handlers share
+    vLLM's asyncio loop: vllm 0.11.0 vllm/v1/engine/async_llm.py `_run_output_handler`,
+    vllm/v1/engine/output_processor.py `process_outputs`, vllm/entrypoints/openai/serving_chat.py
+    `chat_completion_stream_generator`). Outputs due before a handover delay its intake; outputs
+    due after it wait for it; the tokens reach the client when their job is done."""
+    front = FrontEnd(1, SERVICE, TOKEN)
+    front.outputs(0, (1.0,), 32)                      # 32 tokens x 1/128 s from t=1
+    assert front.admit(1.0) == 1.5                    # due at the handover: served first, 1.0-1.25
+    front.outputs(0, [2.0, 2.125], 16)                # a leap's two steps, one job each
+    front.outputs(1, (2.0,), 8)                       # another replica's step, same end: after replica 0's
+    assert front.admit(1.875) == 2.125                # handed over before them: not delayed
+    assert front.admit(2.2) == 2.125 + 0.125 + 0.0625 + 0.125 + SERVICE     # behind the three jobs
+    assert front.delivered(0) == [2.25 - 1, 2.25, 2.4375] and front.delivered(1) == [2.3125]
+    assert FrontEnd(1, SERVICE).token_s == 0.0
+    for bad in (-1e-6, 0.02, float("nan")):
+        with pytest.raises(ValueError, match="time per token"):
+            FrontEnd(1, SERVICE, bad)
+
+
+def test_the_token_field_is_bounded_and_named():
+    for bad in (-0.001, 0.02, float("inf"), "fast"):
+        with pytest.raises(ScenarioError, match="engine.front_end_token_s"):
+            scenario(SERVICE, token=bad)
+    assert scenario(SERVICE, token=0.01).engine.front_end_token_s == 0.01
+
+
+def test_a_burst_takes_its_intake_first_and_its_tokens_wait_behind_it():
+    """All at once through one server: every handover (t=0) precedes every step's outputs, so the
+    intake is N x c as without streaming, and the first tokens reach the client only after the
+    last intake, each step's job after the previous one's."""
+    n = 4
+    plain, streamed = frame(scenario(SERVICE, n)), frame(scenario(SERVICE, n, token=TOKEN))
+    assert (plain["ttft_s"].iloc[:n - 1] < n * SERVICE).all()      # each first token right after its intake
+    assert (streamed["ttft_s"] > n * SERVICE).all()
+    # the first request's first token: its prefill step's job (one token) after the 4 intakes
+    assert streamed["ttft_s"].min() == n * SERVICE + TOKEN
+    assert (streamed["e2e_s"] > plain["e2e_s"]).all() and (streamed["status"] == plain["status"]).all()
+
+
+def test_outputs_before_a_handover_delay_its_intake():
+    """Two requests 0.26 s apart: the first one's 4 output jobs (1/128 s each, back to back from
+    its prefill step's end just after 0.25 s, its decode steps being shorter) still hold the loop
+    at its handover, so the second's intake starts when they are done."""
+    gaps = {"arrival": {"process": "fixed", "rate": 1 / 0.26}}
+    plain, streamed = frame(scenario(SERVICE, 2, **gaps)), frame(scenario(SERVICE, 2, token=TOKEN, **gaps))
+    assert streamed["arrival_s"].equals(plain["arrival_s"])
+    first, second = plain["arrival_s"]
+    prefilled = first + plain["ttft_s"].iloc[0]            # the first one's prefill step's end
+    assert first + SERVICE < prefilled < second < prefilled + 4 * TOKEN
+    assert plain["ttft_s"].iloc[1] < SERVICE + 0.01        # without streaming: the loop is free at once
+    assert second + streamed["ttft_s"].iloc[1] > prefilled + 4 * TOKEN + SERVICE
+
+
+@pytest.mark.parametrize("workload", [
+    {"arrival": {"process": "poisson", "rate": 40}},
+    {"arrival": {"process": "offline"}},
+    {"arrival": {"process": "offline"}, "max_concurrency": 8},
+])
+def test_leaps_chains_and_single_steps_stream_alike(workload):
+    """The simulator reports each step's outputs as it plans it and a leap's steps at once; the
+    loop serves a job only once every step due before the next handover is known, so the chained,
+    the step-by-step (SimPy-clocked) and the reference (no leaps) paths give the same figures."""
+    raw = {"model": "qwen2.5-0.5b", "device": "h100-sxm", "seed": 3,
+           "engine": {"num_blocks": 2048, "max_model_len": 1024, "front_end_s": 0.002, "front_end_token_s": 2e-4},
+           "workload": {"num_requests": 120, "prompt_len": 64, "output_len": 120, **workload}}
+    s = validate_scenario(raw)
+    a, b, c = frame(s), frame(s, chain=False), frame(s, fast=False)
+    cols = ["arrival_s", "ttft_s", "e2e_s", "tpot_s"]
+    assert a[cols].equals(b[cols]) and a[cols].equals(c[cols])
+    off = frame(validate_scenario({**raw, "engine": {**raw["engine"], "front_end_token_s": 0.0}}))
+    assert (a["e2e_s"] > off["e2e_s"]).all()
+
+
+def test_a_token_time_of_zero_changes_nothing(monkeypatch):
+    """0 (or unset with no fitted value) reports no outputs: the records of the intake-only front end."""
+    import sim.trained
+
+    monkeypatch.setattr(sim.trained, "front_end_token_default", lambda engine: 0.0)
+    poisson = {"arrival": {"process": "poisson", "rate": 50}}
+    assert frame(scenario(SERVICE, 5, **poisson)).equals(frame(scenario(SERVICE, 5, token=0.0, **poisson)))
+    assert FrontEnd.for_scenario(scenario(SERVICE, token=0.0)).token_s == 0.0
+
+
+def test_the_token_default_follows_the_front_ends_rule(monkeypatch, tmp_path):
+    """Unset: the family's fitted value on a vLLM server (continuous, paged) without a device
+    profile, else 0; a set value wins."""
+    import sim.trained
+
+    monkeypatch.setattr(sim.trained, "front_end_token_default", lambda engine: {"v1": 4e-5, "v0": 0.0}[engine])
+
+    def made(engine=None, **raw):
+        return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine or {}, **raw})
+
+    assert front_end_token_s(made()) == 4e-5 == front_end_token_s(made(step_times="datasheet"))
+    assert front_end_token_s(made({"batching": "static"})) == 0.0
+    assert front_end_token_s(made({"vllm_version": "0.7.3"})) == 0.0
+    assert front_end_token_s(made({"front_end_token_s": 1e-5})) == 1e-5
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("coefficients: {}\n")
+    assert front_end_token_s(made(device={"base": "h100-sxm", "profile": str(profile)})) == 0.0
