@@ -356,7 +356,7 @@ def test_a_v0_class_speed_is_pulled_to_the_pooled_profile_as_far_as_its_runs_lea
     group = [r for r in runs.values() if r.deployment == "meta-llama/Meta-Llama-3-8B-Instruct / L4 / tp 1 / vLLM 0.7.3"]
     pooled = {"step_host_s": 2e-3, "seq_host_s": 50e-6, "prefill_seq_host_s": 0.3e-3, "eager_layer_host_s": 0.5e-3}
 
-    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0):
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0):
         factor = (coefficients.step_host_s / (2 * pooled["step_host_s"])) ** sensitivity
         return {m: v * factor for m, v in run.measured.items()}
 
@@ -381,7 +381,7 @@ def test_a_v0_class_fits_its_nvlink_all_reduce_latency_within_a_physical_range(r
              if r.deployment == "meta-llama/Meta-Llama-3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.7.3"]
     assert group and lodo.parameter_acts("allreduce_latency_s", group)
 
-    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0):
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0):
         factor = (coefficients.allreduce_latency_s / wanted_s) ** 0.5
         return {m: v * factor for m, v in run.measured.items()}
 
