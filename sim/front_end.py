@@ -115,25 +115,25 @@ def front_end_s(scenario) -> float:
     it at 0: the calibration replays without it and fits the server's own host and API-server terms
     (validate/vllm_fit.py). kvtwin's own engine has no API server: its replays set 0
     (validate/run.py `synchronous`)."""
-    e = scenario.engine
-    if e.front_end_s is not None:
-        return float(e.front_end_s)
-    if e.batching != "continuous" or e.allocation != "paged" or scenario.device.profile:
-        return 0.0
-    from sim.trained import front_end_default
-
-    return front_end_default(scenario.engine_generation)
+    return _resolved(scenario, "front_end_s")
 
 
 def front_end_token_s(scenario) -> float:
     """engine.front_end_token_s resolved as front_end_s is (the family's `front_end_token_s` for the
     engine generation where unset on a vLLM server without a device profile, else 0); only a
     scenario with a front end (front_end_s above 0) streams through it."""
+    return _resolved(scenario, "front_end_token_s")
+
+
+def _resolved(scenario, name: str) -> float:
+    """engine.`name` where set; unset, the family's fitted value on a vLLM server (continuous
+    batching over a paged pool) without a device profile, else 0."""
     e = scenario.engine
-    if e.front_end_token_s is not None:
-        return float(e.front_end_token_s)
+    value = getattr(e, name)
+    if value is not None:
+        return float(value)
     if e.batching != "continuous" or e.allocation != "paged" or scenario.device.profile:
         return 0.0
-    from sim.trained import front_end_token_default
+    from sim.trained import front_end_default
 
-    return front_end_token_default(scenario.engine_generation)
+    return front_end_default(scenario.engine_generation, name)

@@ -74,18 +74,13 @@ def class_entry(device_name: str, engine: str) -> Optional[dict]:
     return family()["engines"].get(engine, {}).get("classes", {}).get(device_name)
 
 
-def front_end_default(engine: str) -> float:
-    """The API-server time per request (engine.front_end_s unset on a vLLM server) the family fitted
-    for vLLM engine generation `engine`: 0 where it has none (V0: no V0 run went through an API server).
-    A family file that cannot be read raises, as it does for the step-time parameters."""
-    return float(family()["engines"].get(engine, {}).get("front_end_s", 0.0))
+def front_end_default(engine: str, name: str = "front_end_s") -> float:
+    """The API-server time the family fitted for vLLM engine generation `engine` (the default of
+    engine.`name` unset on a vLLM server): per request (front_end_s) or per streamed token
+    (front_end_token_s), 0 where it has none (V0: no V0 run went through an API server). A family
+    file that cannot be read raises, as it does for the step-time parameters."""
+    return float(family()["engines"].get(engine, {}).get(name, 0.0))
 
-
-
-def front_end_token_default(engine: str) -> float:
-    """The API-server time per streamed token (engine.front_end_token_s unset on a vLLM server) the
-    family fitted for vLLM engine generation `engine`: 0 where it has none."""
-    return float(family()["engines"].get(engine, {}).get("front_end_token_s", 0.0))
 
 # The trained parameters and what each scales (operator kinds; the rest are datasheet facts):
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute

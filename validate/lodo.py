@@ -1320,7 +1320,7 @@ def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: 
     """One engine generation's classes (parameters, deployments, runs), its generic profile and,
     where its runs went through vLLM's API server, the pooled front-end time per request and per
     streamed token (the defaults engine.front_end_s and front_end_token_s of a vLLM server of that
-    generation: sim.trained.front_end_default, front_end_token_default)."""
+    generation: sim.trained.front_end_default)."""
     entry = {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
                                "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
                                "runs": sum(1 for r in runs if r.gpu_class == gpu)}

@@ -106,7 +106,7 @@ def test_zero_is_no_front_end_and_changes_nothing(monkeypatch):
     import sim.trained
 
     assert FrontEnd.for_scenario(scenario(0.0)) is None
-    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: 0.0)
+    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine, name="front_end_s": 0.0)
     unset, zero = frame(scenario(None, 5, arrival={"process": "poisson", "rate": 50})), \
         frame(scenario(0.0, 5, arrival={"process": "poisson", "rate": 50}))
     assert unset.equals(zero)
@@ -118,7 +118,8 @@ def test_the_default_is_the_families_value_on_a_vllm_server_whatever_the_step_ti
     (validate/lodo.py replays); static batching and V0 (no fitted value) get 0; a set value wins."""
     import sim.trained
 
-    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: {"v1": 0.003, "v0": 0.0}[engine])
+    monkeypatch.setattr(sim.trained, "front_end_default",
+                        lambda engine, name="front_end_s": {"v1": 0.003, "v0": 0.0}[engine] if name == "front_end_s" else 0.0)
 
     def made(engine=None, step_times="trained"):
         return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine or {},
@@ -139,7 +140,8 @@ def test_a_calibrated_profile_and_its_fit_run_without_the_pooled_front_end(monke
     import sim.trained
     from validate.vllm_fit import without_default_front_end
 
-    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine: 0.003)
+    monkeypatch.setattr(sim.trained, "front_end_default",
+                        lambda engine, name="front_end_s": 0.003 if name == "front_end_s" else 0.0)
     profile = tmp_path / "mine.yaml"
     profile.write_text("coefficients: {}\n")
     raw = {"model": "qwen2.5-0.5b", "device": {"base": "h100-sxm", "profile": str(profile)}}
@@ -302,7 +304,7 @@ def test_a_token_time_of_zero_changes_nothing(monkeypatch):
     """0 (or unset with no fitted value) reports no outputs: the records of the intake-only front end."""
     import sim.trained
 
-    monkeypatch.setattr(sim.trained, "front_end_token_default", lambda engine: 0.0)
+    monkeypatch.setattr(sim.trained, "front_end_default", lambda engine, name="front_end_s": 0.0)
     poisson = {"arrival": {"process": "poisson", "rate": 50}}
     assert frame(scenario(SERVICE, 5, **poisson)).equals(frame(scenario(SERVICE, 5, token=0.0, **poisson)))
     assert FrontEnd.for_scenario(scenario(SERVICE, token=0.0)).token_s == 0.0
@@ -313,7 +315,8 @@ def test_the_token_default_follows_the_front_ends_rule(monkeypatch, tmp_path):
     profile, else 0; a set value wins."""
     import sim.trained
 
-    monkeypatch.setattr(sim.trained, "front_end_token_default", lambda engine: {"v1": 4e-5, "v0": 0.0}[engine])
+    monkeypatch.setattr(sim.trained, "front_end_default",
+                        lambda engine, name: {"v1": 4e-5, "v0": 0.0}[engine] if name == "front_end_token_s" else 0.0)
 
     def made(engine=None, **raw):
         return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine or {}, **raw})
