@@ -11,8 +11,9 @@ Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 
     memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff) (V1)
     step_host_s      host time per engine step (scheduling, input preparation, launches)
     link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
-    expert_n_half    (V1, classes with MoE runs) the expert slice width at which the fused-MoE kernel
-                     reaches half the dense GEMMs' compute efficiency (sim.costmodel.expert_kernel_share)
+    expert_n_half    (V1, and V0 with V0_EXPERT_KERNEL: off; classes with MoE runs) the expert slice width
+                     at which the fused-MoE kernel reaches half the dense GEMMs' compute efficiency
+                     (sim.costmodel.expert_kernel_share)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
     seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
     allreduce_latency_s (V0, V0_LINK_LATENCY: off) an NVLink all-reduce's own latency, apart from link_eff
@@ -141,8 +142,17 @@ V0_HOST_PRIOR_SIGMA = 1.0
 # Llama-3-70B's twice wider all-reduces pay: +191 -> +1224 % TTFT, V0's TTFT mean band 19.9 -> 29.3 %;
 # its own runs fit the latency at the 30 us bound and still leave decode 16-31 % too fast.
 V0_LINK_LATENCY = False
+# V0 priced no fused-MoE kernel slowdown (expert_n_half was fitted for V1 only), so in a V0 class the one
+# link efficiency carried Mixtral's slower expert GEMMs too, and the dense tp 8 model of the class paid
+# for them on every all-reduce (Llama-3-70B on eight A100 40GB, fitted on Mixtral's runs: +191 % TTFT
+# held out; docs/fidelity_log.md, h/v0lat). V0 ran the same Triton fused_moe kernel (vLLM 0.7.3
+# vllm/model_executor/layers/fused_moe/fused_moe.py, the release of every V0 run), so V0_EXPERT_KERNEL
+# fits a V0 class's expert_n_half beside its link (classes with MoE runs: parameter_acts). Only the class
+# fits move (their --resume names carry it: _fit_tag).
+V0_EXPERT_KERNEL = False
 V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
-V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
+V0_CLASS_FIT = (("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
+                + (("expert_n_half",) if V0_EXPERT_KERNEL else ()))
 # The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
 # H100 folds fitted link_eff 0.41-0.73, and the dense tp 2 / 4 deployments paid: CodeLlama-34b +11 %,
 # Llama-2-70b +13 % E2E held out), so V1 prices the fused-MoE kernel on its expert slices apart
@@ -178,7 +188,8 @@ START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.
          # from V1's 150 us it stopped at 150 us x 2^3 = 1.2 ms after three
          "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
                 "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6, "link_eff": 1.0,
-                "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S}}
+                "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S,
+                "expert_n_half": 64.0}}
 # V1 took three iterations until the expert term: they left the H100 folds' step host time anywhere
 # from 57 us to the 150 us x 2^3 = 1.2 ms the damping allows, and with the expert term a fold's cost
 # still fell by a third at the fourth iteration (Llama-2-70b's: 4.03 -> 2.88), its link between 0.5 and 1
@@ -949,7 +960,8 @@ def _fit_tag(engine: str) -> str:
     if engine != "v0" or not V0_POOLED_HOST:
         return ""
     return ((f" / host prior {V0_HOST_PRIOR_SIGMA:g}" if V0_HOST_PRIOR else "")
-            + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else ""))
+            + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else "")
+            + (f" / experts {BOUNDS['expert_n_half']}" if V0_EXPERT_KERNEL else ""))
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):
