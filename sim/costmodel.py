@@ -124,8 +124,10 @@ NCCL_PCIE_RING_US = {"LL": (6.6, 1.0), "Simple": (8.4, 5.7)}
 # NCCL's PCIe link bandwidth (src/graph/topo.cc): lanes x speed / 80, i.e. 12 / 24 / 48 GB/s for
 # Gen3 / 4 / 5 x16: three quarters of the nominal figure.
 NCCL_PCIE_EFF = 0.75
-# vLLM's custom all-reduce handles messages below this (custom_all_reduce.py max_size, 0.19)
+# vLLM's custom all-reduce handles messages below this (custom_all_reduce.py max_size, 0.7.3 and 0.19)
+# on 2, 4, 6 or 8 GPUs (_SUPPORTED_WORLD_SIZES) with peer-to-peer access, all pairs on NVLink beyond two
 CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+CUSTOM_ALLREDUCE_WORLD_SIZES = (2, 4, 6, 8)
 
 
 def pcie_collective(device: DeviceSpec, ranks: int, kind: str, c: "CostCoefficients") -> tuple:
@@ -193,6 +195,11 @@ class CostCoefficients:
     # and latency-bound, a prefill's large and bandwidth-bound. 0: the device's link_latency_s over
     # link_eff (one efficiency pricing both)
     allreduce_latency_s: float = 0.0
+    # vLLM's custom all-reduce on an NVLink / generic link (messages under CUSTOM_ALLREDUCE_MAX_BYTES:
+    # a decode step's, not a long prefill's): the share of the datasheet link bandwidth its one- or
+    # two-shot kernel reaches, apart from NCCL's ring (link_eff, the larger messages). 0: every message
+    # at link_eff (one efficiency for both)
+    custom_allreduce_eff: float = 0.0
     # PCIe collectives (a DeviceSpec with interconnect: pcie): NCCL's latency table x this, and the
     # speed of a ring step staged through host memory (GPUs without peer-to-peer access) relative to
     # a direct one: two PCIe crossings for one, so half (an assumption for the fit to learn)
@@ -600,10 +607,14 @@ class CostModel:
         self._sample_row_s = m.vocab_size * 4 * 2 / (bw * c.bw_eff)
         self._allreduce_token_s = self._allreduce_fixed_s = 0.0     # tp 1, or PCIe (_tp_allreduce)
         self._allreduce_per_token = tp == 1 or self.device.interconnect != "pcie"
+        self._custom_allreduce_token_s = 0.0      # (an NVLink custom all-reduce priced apart: _tp_allreduce)
         if tp > 1 and self.device.interconnect != "pcie":
             link = self.device.link_gbps * 1e9
             ring = 2 * (tp - 1) / tp
             self._allreduce_token_s = 2 * ring * h * s / (link * c.link_eff)   # two all-reduces per layer
+            if c.custom_allreduce_eff and tp in CUSTOM_ALLREDUCE_WORLD_SIZES:
+                self._allreduce_per_token = False
+                self._custom_allreduce_token_s = 2 * ring * h * s / (link * c.custom_allreduce_eff)
             self._allreduce_fixed_s = (2 * c.allreduce_latency_s if c.allreduce_latency_s
                                        else 2 * self.device.link_latency_s / c.link_eff)
         # the scalar forms, with the branches the roofline fixes taken (operator tables: none fixed)
@@ -653,11 +664,19 @@ class CostModel:
         with the faster of its LL and Simple protocols (`pcie_collective`), or vLLM's custom
         all-reduce (custom_all_reduce.py, 0.19), which runs on PCIe for exactly two GPUs with
         peer-to-peer access and messages under 8 MiB: one kernel reading the peer's data directly,
-        priced at LL's handshake latency and the full bandwidth."""
+        priced at LL's handshake latency and the full bandwidth. On NVLink with custom_allreduce_eff
+        set, messages under 8 MiB at that efficiency and larger ones at link_eff (NCCL's ring)."""
         token_s = self._allreduce_token_s
         if self._allreduce_per_token:
             return lambda tokens: tokens * token_s
         token_bytes = self.model.hidden_size * self.model.dtype_bytes
+        if self.device.interconnect != "pcie":       # NVLink: custom_allreduce_eff below the custom kernel's size
+            custom_s, custom_below = self._custom_allreduce_token_s, CUSTOM_ALLREDUCE_MAX_BYTES / token_bytes
+
+            def custom_or_ring(tokens):
+                small = tokens < custom_below
+                return tokens * (small * custom_s + (1 - small) * token_s)
+            return custom_or_ring
         (ll_fixed, ll_byte), (simple_fixed, simple_byte) = pcie_collective(self.device, self.tp, "all_reduce",
                                                                          self.coefficients)
         ll_fixed, ll_token = 2 * ll_fixed, 2 * ll_byte * token_bytes          # two per layer

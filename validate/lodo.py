@@ -11,11 +11,13 @@ Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 
     memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff) (V1)
     step_host_s      host time per engine step (scheduling, input preparation, launches)
     link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
-    expert_n_half    (V1, classes with MoE runs) the expert slice width at which the fused-MoE kernel
-                     reaches half the dense GEMMs' compute efficiency (sim.costmodel.expert_kernel_share)
+    expert_n_half    (V1, and V0 with V0_EXPERT_KERNEL: off; classes with MoE runs) the expert slice width
+                     at which the fused-MoE kernel reaches half the dense GEMMs' compute efficiency
+                     (sim.costmodel.expert_kernel_share)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
     seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
     allreduce_latency_s (V0, V0_LINK_LATENCY: off) an NVLink all-reduce's own latency, apart from link_eff
+    custom_allreduce_eff (V0, V0_CUSTOM_ALLREDUCE: off) vLLM's custom all-reduce (NVLink, under 8 MiB) apart
 each bounded to its physical range (no efficiency above 1). V0's three host terms are one profile
 fitted on all V0 classes pooled times a per-class machine speed (pooled_v0_host, V0_CLASS_FIT), its
 efficiencies the datasheet's. Two richer variants were tried and
@@ -65,7 +67,7 @@ from sim.core.catalog import ModelSpec, get_device, get_model
 from sim.core.hf_config import model_fields_from_hf_config
 from sim.core.memory import vllm_memory_plan
 from sim.core.request import make_request, stable_key
-from sim.costmodel import CostCoefficients, CostModel, DeviceProfile, trained_coefficients
+from sim.costmodel import CUSTOM_ALLREDUCE_WORLD_SIZES, CostCoefficients, CostModel, DeviceProfile, trained_coefficients
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
 from sim.simulator import Simulation
@@ -86,7 +88,7 @@ METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p9
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
 NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half",
-         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s", "allreduce_latency_s")
+         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff")
 ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.engine_generation)
 # What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
 # with the API server: one host time per step (the richer variants validated worse held out). V0
@@ -141,8 +143,35 @@ V0_HOST_PRIOR_SIGMA = 1.0
 # Llama-3-70B's twice wider all-reduces pay: +191 -> +1224 % TTFT, V0's TTFT mean band 19.9 -> 29.3 %;
 # its own runs fit the latency at the 30 us bound and still leave decode 16-31 % too fast.
 V0_LINK_LATENCY = False
+# V0 priced no fused-MoE kernel slowdown (expert_n_half was fitted for V1 only), so in a V0 class the one
+# link efficiency carried Mixtral's slower expert GEMMs too, and the dense tp 8 model of the class paid
+# for them on every all-reduce (Llama-3-70B on eight A100 40GB, fitted on Mixtral's runs: +191 % TTFT
+# held out; docs/fidelity_log.md, h/v0lat). V0 ran the same Triton fused_moe kernel (vLLM 0.7.3
+# vllm/model_executor/layers/fused_moe/fused_moe.py, the release of every V0 run), so V0_EXPERT_KERNEL
+# fits a V0 class's expert_n_half beside its link (classes with MoE runs: parameter_acts). Only the class
+# fits move (their --resume names carry it and its start: _fit_tag). Refitted (docs/fidelity_log.md,
+# h/v0moe) and left off: ShareGPT prompts at tp 8 keep Mixtral's expert GEMMs weight-bound in most steps,
+# where the term does not act, and fitted to convergence Llama-3-70B's A100 40GB fold puts it at 8-95
+# columns (no slowdown) with the link where it was (0.11-0.12; +685-717 % TTFT at 25 req/s). The refit's
+# gain there (+191 -> -12 % TTFT) was a six-iteration fit stopped short (training cost 0.317 against 0.097).
+V0_EXPERT_KERNEL = False
+# vLLM runs an all-reduce under 8 MiB (a decode step's; a long prefill's goes to NCCL) with its own custom
+# kernel on 2, 4, 6 or 8 GPUs that are all NVLink peers (vllm/distributed/device_communicators/
+# custom_all_reduce.py and cuda_communicator.py, 0.7.3: should_custom_ar, max_size 8192 * 1024), so one link
+# efficiency priced two kernels: the runs of Llama-3-70B on eight A100 40GB want decode's all-reduce dearer
+# per token than its prefill's (docs/fidelity_log.md, h/v0lat). V0_CUSTOM_ALLREDUCE fits a V0 class's
+# custom_allreduce_eff (sim.costmodel: messages under CUSTOM_ALLREDUCE_MAX_BYTES) beside link_eff (NCCL's
+# ring, the larger ones), in classes with tp 2-8 runs on NVLink (parameter_acts). Only the class fits move.
+# Refitted (docs/fidelity_log.md, h/v0moe; twelve iterations: V0_CLASS_ITERATIONS) and left off: Llama-3-70B's
+# A100 40GB fold, fitted on Mixtral's runs, puts the slow time on the small messages (custom 0.047, link
+# 0.47): its TTFT mends (+191 -> +38 %) and its decode is priced dearer (TPOT +26 -> +38 %), while Mixtral's
+# fold, fitted on Llama-3-70B's runs, wants the opposite split (link 0.10, custom 1.0); the all-deployment
+# TTFT mean 20.1 -> 21.3 % and throughput 10.5 -> 11.3 %, V0's TPOT mean 13.8 -> 15.8 %.
+V0_CUSTOM_ALLREDUCE = False
 V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
-V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
+V0_CLASS_FIT = (("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
+                + (("expert_n_half",) if V0_EXPERT_KERNEL else ())
+                + (("custom_allreduce_eff",) if V0_CUSTOM_ALLREDUCE else ()))
 # The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
 # H100 folds fitted link_eff 0.41-0.73, and the dense tp 2 / 4 deployments paid: CodeLlama-34b +11 %,
 # Llama-2-70b +13 % E2E held out), so V1 prices the fused-MoE kernel on its expert slices apart
@@ -178,11 +207,16 @@ START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.
          # from V1's 150 us it stopped at 150 us x 2^3 = 1.2 ms after three
          "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
                 "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6, "link_eff": 1.0,
-                "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S}}
+                "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S,
+                "expert_n_half": 64.0, "custom_allreduce_eff": 1.0}}
 # V1 took three iterations until the expert term: they left the H100 folds' step host time anywhere
 # from 57 us to the 150 us x 2^3 = 1.2 ms the damping allows, and with the expert term a fold's cost
 # still fell by a third at the fourth iteration (Llama-2-70b's: 4.03 -> 2.88), its link between 0.5 and 1
 ITERATIONS = {"v1": 6, "v0": 6}
+# A V0 class fit's iterations (the pooled host profile keeps ITERATIONS["v0"]): with a second link term
+# (V0_CUSTOM_ALLREDUCE) six stopped short, Llama-3-70B's A100 40GB fold at a cost above the nested fit
+# with one link efficiency (0.117 against 0.097), where twelve reach 0.072 (docs/fidelity_log.md, h/v0moe)
+V0_CLASS_ITERATIONS = 6
 # (lower, upper): an efficiency stays within 0.05 .. 1 (tests/sim/test_trained.py: a compute scale of 0.1
 # gave prefill attention 3.5 %: the lone V1 L4 class fitted 0.12 once its replays had the front end),
 # a host term within 1 us .. 50 ms (per sequence: 0.1 us .. 1 ms), the experts' half-efficiency width within
@@ -193,7 +227,8 @@ BOUNDS = {"compute_scale": (max(0.1, 0.05 / min(_BASE.flops_eff, _BASE.attn_flop
           "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
           "eager_layer_host_s": (1e-7, 200e-6 if V0_EAGER_LAUNCH_CAP else 1e-3),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0),
-          "expert_n_half": (8.0, 4096.0), "allreduce_latency_s": ALLREDUCE_LATENCY_BOUNDS_S}
+          "expert_n_half": (8.0, 4096.0), "allreduce_latency_s": ALLREDUCE_LATENCY_BOUNDS_S,
+          "custom_allreduce_eff": (0.01, 1.0)}
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
           "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
@@ -895,6 +930,9 @@ def parameter_acts(name: str, runs: list[Run]) -> bool:
         return bool(tp)
     if name == "allreduce_latency_s":
         return any(getattr(r.scenario.device, "interconnect", None) != "pcie" for r in tp)
+    if name == "custom_allreduce_eff":
+        return any(getattr(r.scenario.device, "interconnect", None) != "pcie"
+                   and r.scenario.parallelism.tp in CUSTOM_ALLREDUCE_WORLD_SIZES for r in tp)
     if name == "host_staging_eff":
         return any(getattr(r.scenario.device, "interconnect", None) == "pcie"
                    and not getattr(r.scenario.device, "peer_to_peer", True) for r in tp)
@@ -949,7 +987,10 @@ def _fit_tag(engine: str) -> str:
     if engine != "v0" or not V0_POOLED_HOST:
         return ""
     return ((f" / host prior {V0_HOST_PRIOR_SIGMA:g}" if V0_HOST_PRIOR else "")
-            + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else ""))
+            + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else "")
+            + (f" / experts {BOUNDS['expert_n_half']} from {START['v0']['expert_n_half']:g}" if V0_EXPERT_KERNEL else "")
+            + (f" / custom all-reduce {BOUNDS['custom_allreduce_eff']}" if V0_CUSTOM_ALLREDUCE else "")
+            + (f" / {V0_CLASS_ITERATIONS} iterations" if V0_CLASS_ITERATIONS != ITERATIONS["v0"] else ""))
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):
@@ -984,7 +1025,8 @@ def _class_fit(key: tuple[str, str]) -> dict[str, float]:
         _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
                                 f"{len(deployments(group))} deployments")
         fronted = {"front_end_s": front, "front_end_token_s": token}
-        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT, **fronted)
+        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT,
+                            max_iterations=V0_CLASS_ITERATIONS, **fronted)
                   if engine == "v0" and V0_POOLED_HOST else fit_class(group, **fronted))
         _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
@@ -1034,7 +1076,8 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
     if rest:
         progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
         fronted = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s}
-        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, **fronted) if host else fit_class(rest, **fronted))
+        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, max_iterations=V0_CLASS_ITERATIONS, **fronted)
+                if host else fit_class(rest, **fronted))
     progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
     return {**fold_generic(runs, held, full), **(host or {})}
 

@@ -137,6 +137,44 @@ def test_an_nvlink_all_reduce_latency_is_its_own_term():
     assert tuned.price(1, 1, 0, 500, 0, 0, 32) == plain.price(1, 1, 0, 500, 0, 0, 32)
 
 
+def test_vllms_custom_all_reduce_on_nvlink_is_priced_apart_from_nccls_ring():
+    """custom_allreduce_eff prices the all-reduces vLLM's custom kernel runs on NVLink: messages under
+    its max_size of 8 MiB on 2, 4, 6 or 8 GPUs (vllm/distributed/device_communicators/custom_all_reduce.py,
+    0.7.3 and 0.19: `should_custom_ar`, `_SUPPORTED_WORLD_SIZES`; cuda_communicator.py `all_reduce` tries
+    it before pynccl); larger ones stay NCCL's ring at link_eff. Llama-3.1-70B's rows are 16 KiB, so a
+    step of 511 rows is under the size, one of 512 at it. At its default (0) every message is at link_eff."""
+    from dataclasses import replace
+
+    from sim.costmodel import CUSTOM_ALLREDUCE_MAX_BYTES, DeviceProfile
+
+    a100, model = get_device("a100-40g"), get_model("llama-3.1-70b")
+    free = a100.model_copy(update={"interconnect": None, "link_gbps": 1e15, "link_latency_us": 0.0})
+    row_bytes = model.hidden_size * 2
+    below = CUSTOM_ALLREDUCE_MAX_BYTES // row_bytes - 1
+    assert below == 511
+
+    def allreduce(tokens: int, **coefficients) -> float:
+        """Seconds one layer's two all-reduces add to a decode step of `tokens` rows."""
+        step = (tokens, tokens, 0, tokens * 500, 0, 0, tokens * 32)
+        base = CostModel(model, a100, tp=8)
+        paid = CostModel(model, a100, tp=8, profile=DeviceProfile(replace(base.coefficients, **coefficients)))
+        return (paid.price(*step)[1] - CostModel(model, free, tp=8).price(*step)[1]) / model.num_layers
+
+    def expected(tokens: int, efficiency: float) -> float:
+        return 2 * (10e-6 / 0.5 + tokens * row_bytes * (2 * 7 / 8) / (efficiency * 300e9))
+
+    for tokens in (1, below):
+        assert allreduce(tokens, link_eff=0.5, custom_allreduce_eff=0.1) == pytest.approx(expected(tokens, 0.1), rel=1e-6)
+        assert allreduce(tokens, link_eff=0.5) == pytest.approx(expected(tokens, 0.5), rel=1e-6)
+    for tokens in (below + 1, 4096):
+        assert allreduce(tokens, link_eff=0.5, custom_allreduce_eff=0.1) == pytest.approx(expected(tokens, 0.5), rel=1e-6)
+    # PCIe keeps its own custom / NCCL choice (tp 2 with peer-to-peer only): the term does not reach it
+    l40s = get_device("l40s")
+    plain = CostModel(LLAMA, l40s, tp=4)
+    tuned = CostModel(LLAMA, l40s, tp=4, profile=DeviceProfile(replace(plain.coefficients, custom_allreduce_eff=0.1)))
+    assert tuned.price(1, 1, 0, 500, 0, 0, 32) == plain.price(1, 1, 0, 500, 0, 0, 32)
+
+
 # ----------------------------------------------------------------------------- data-parallel MoE
 
 def moe_dp(dp: int = 2, model: str = "qwen3-30b-a3b", **workload):

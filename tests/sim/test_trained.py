@@ -288,6 +288,7 @@ def test_every_class_parameter_is_physical():
             for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
                 assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (engine, gpu, eff)
             assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, (engine, gpu)
+            assert 0 < p.get("custom_allreduce_eff", 1.0) <= 1.0, (engine, gpu)
             for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half", "allreduce_latency_s"):
                 low, high = lodo.BOUNDS[term]
                 assert low * 0.999 <= p.get(term, low) <= high * 1.001, (engine, gpu, term)
@@ -307,7 +308,7 @@ def test_the_expert_kernel_term_is_fitted_only_where_a_moe_model_ran(runs):
     for engine, fitted in FAMILY["engines"].items():
         for gpu, entry in fitted["classes"].items():
             has_moe = any(by_deployment[d][0].scenario.model.is_moe for d in entry["deployments"])
-            expected = engine == "v1" and has_moe and lodo.EXPERT_KERNEL_TERM
+            expected = has_moe and (lodo.EXPERT_KERNEL_TERM if engine == "v1" else lodo.V0_EXPERT_KERNEL)
             assert ("expert_n_half" in entry["parameters"]) == expected, (engine, gpu)
 
 
@@ -404,6 +405,27 @@ def test_the_all_reduce_latency_acts_on_nvlink_tp_runs_only(runs):
     assert "link latency" not in lodo._fit_tag("v1")
     low, high = lodo.BOUNDS["allreduce_latency_s"]
     assert 1e-6 <= low < lodo.ALLREDUCE_LATENCY_START_S < high <= 30e-6
+
+
+def test_v0s_expert_kernel_and_custom_all_reduce_terms_are_fitted_where_they_act(runs):
+    """V0_EXPERT_KERNEL: a V0 class with a MoE run fits expert_n_half (vLLM 0.7.3 ran Mixtral through the
+    same Triton fused_moe kernel as V1: vllm/model_executor/layers/fused_moe/fused_moe.py); V0_CUSTOM_ALLREDUCE:
+    one with tp 2-8 runs on NVLink fits vLLM's custom all-reduce apart from NCCL's ring (custom_all_reduce.py,
+    0.7.3: `_SUPPORTED_WORLD_SIZES` [2, 4, 6, 8], off across PCIe beyond two GPUs: `full_nvlink`). Each switch
+    enters the V0 class fits and their --resume names, never V1's."""
+    by_gpu = lambda gpu, tp: [r for r in runs.values() if r.gpu_class == gpu and r.scenario.parallelism.tp == tp
+                              and r.engine == "v0"]
+    assert lodo.parameter_acts("custom_allreduce_eff", by_gpu("h200", 8))
+    assert lodo.parameter_acts("custom_allreduce_eff", by_gpu("a100-40g", 8))
+    assert not lodo.parameter_acts("custom_allreduce_eff", by_gpu("rtx-a6000", 8) + by_gpu("rtx-4090", 8))
+    assert not lodo.parameter_acts("custom_allreduce_eff", by_gpu("a100-40g", 1))
+    assert lodo.parameter_acts("expert_n_half", by_gpu("a100-40g", 8))
+    assert not lodo.parameter_acts("expert_n_half", by_gpu("a100-40g", 1))
+    for switch, name, tag in (("V0_EXPERT_KERNEL", "expert_n_half", "experts"),
+                              ("V0_CUSTOM_ALLREDUCE", "custom_allreduce_eff", "custom all-reduce")):
+        assert (name in lodo.V0_CLASS_FIT) == getattr(lodo, switch) == (tag in lodo._fit_tag("v0")), switch
+        assert tag not in lodo._fit_tag("v1")
+    assert "custom_allreduce_eff" not in lodo.FIT_NAMES["v1"]
 
 
 @pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
