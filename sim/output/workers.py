@@ -42,6 +42,35 @@ def warm_up() -> None:
         RendererAgg(10, 10, 72).get_text_width_height_descent("warm-up", FontProperties(), ismath=False)
 
 
+@contextmanager
+def fonts_made_in_memory() -> Iterator[None]:
+    """Within: a font matplotlib opens from a file (ft2font.FT2Font given a path) is made from the
+    file's bytes, read at once, instead. Given a path, FT2Font reads the font through a Python file
+    object, a seek and a read (system calls outside the file object's buffer) each time FreeType
+    asks for a piece: at every glyph it loads and, for every text laid out, the shaper's tables.
+    From memory a text's layout takes ~1/3 of the time (DejaVu Sans, measured); the same bytes, so
+    the same glyphs. Only where nothing reads a font's file name (FT2Font.fname: a file object
+    here), as a PDF or PS backend would: the figure process, which draws PNGs only."""
+    import io
+
+    import matplotlib.font_manager  # noqa: F401  (its font list read, or made, first: that reads fname)
+    from matplotlib import ft2font
+
+    from_file = ft2font.FT2Font
+
+    def from_memory(filename, *args, **kwargs):
+        if isinstance(filename, (str, bytes, os.PathLike)):
+            with open(filename, "rb") as file:
+                filename = io.BytesIO(file.read())
+        return from_file(filename, *args, **kwargs)
+
+    ft2font.FT2Font = from_memory
+    try:
+        yield
+    finally:
+        ft2font.FT2Font = from_file
+
+
 # Modules matplotlib's import reaches (from PIL, dateutil, fontTools and the standard library) that
 # drawing the run's figures never reads: each was made lazy alone and the figures drawn (Vidur and
 # quickstart), and these stayed unexecuted with the same pixels. ~9 % of the figure process's import.
@@ -85,7 +114,8 @@ def figure_process_start() -> None:
     list is left empty. It also imports mpl_toolkits.mplot3d to offer a 3D projection, which no
     figure here uses (~8 % of the rest of the import): matplotlib goes on without it when the import
     fails, as it is made to here (its warning about that silenced), and the 3D toolkit stays
-    importable afterwards. Only where matplotlib has not been imported yet, and only in this process."""
+    importable afterwards. The figures' font is made from its file's bytes in memory
+    (fonts_made_in_memory). Only where matplotlib has not been imported yet, and only in this process."""
     import sys
     import warnings
 
@@ -103,7 +133,8 @@ def figure_process_start() -> None:
                         import matplotlib.projections  # noqa: F401
                 finally:
                     del sys.modules["mpl_toolkits.mplot3d"]
-            warm_up()
+            with fonts_made_in_memory():     # (warm_up makes the figures' font: get_font keeps it)
+                warm_up()
     else:
         warm_up()
 

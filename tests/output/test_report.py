@@ -368,6 +368,30 @@ def test_figure_process_start_leaves_3d_importable_and_warns_nothing():
     assert done.returncode == 0 and not done.stderr, done.stderr
 
 
+def test_a_font_made_in_memory_draws_the_same_glyphs_and_only_within():
+    """workers.fonts_made_in_memory (warm_up makes the figures' font there): FT2Font given a path
+    is made from the file's bytes in memory, not read through a file object as FreeType asks, and
+    lays out and renders a text to the same pixels; FT2Font is matplotlib's own again outside."""
+    from matplotlib import ft2font
+    from matplotlib.font_manager import FontProperties, findfont
+
+    from sim.output.workers import fonts_made_in_memory
+
+    path = findfont(FontProperties())
+    with fonts_made_in_memory():
+        in_memory = ft2font.FT2Font(path)
+    from_file = ft2font.FT2Font(path)
+    assert isinstance(ft2font.FT2Font, type) and type(in_memory) is ft2font.FT2Font
+    assert hasattr(in_memory.fname, "getbuffer") and not hasattr(from_file.fname, "getbuffer")   # (bytes in memory)
+    assert in_memory.family_name == from_file.family_name
+    for font in (in_memory, from_file):
+        font.set_size(11, 110)
+        font.set_text("Tokens per step (10k), p99 TTFT", 0.0)
+        font.draw_glyphs_to_bitmap()
+    assert in_memory.get_width_height() == from_file.get_width_height()
+    assert np.array_equal(np.asarray(in_memory.get_image()), np.asarray(from_file.get_image()))
+
+
 def test_imported_lazily_runs_a_module_when_first_read_and_only_within(tmp_path, monkeypatch):
     import importlib
     import sys
