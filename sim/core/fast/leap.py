@@ -287,7 +287,8 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
         max_steps = int(to_finish)
     if max_steps < min_steps or max_steps < 1:
         return None
-    first = cohort.due_blocks(t)           # blocks the members take at the first step
+    # blocks the members take at the first step (due_blocks(t), inline: a call every plan)
+    first = cohort.crossings[clock % cohort.block_size] * cohort.tables if cohort.paged else 0
     free = kv.pool.num_free
     if first > free or sched.waiting and _head_starts(sched, members, free - first):
         return None
