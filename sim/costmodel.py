@@ -963,7 +963,9 @@ class CostModel:
         allreduce_token = self._allreduce_token_s if self._allreduce_per_token else None
         head_flop, head_weight, sample_row, sample_seq = (self._head_flop_s, self._head_weight_s, self._sample_row_s,
                                                           c.sample_seq_s)
-        step_device, layers = c.step_device_s, m.num_layers
+        # (the layer count as a float: the same products, but a float by a float, which CPython 3.11
+        # specialises, where an int by a float takes the generic path, at every priced step)
+        step_device, layers = c.step_device_s, float(m.num_layers)
         full_layers, sliding_layers, window = m.num_full_layers, m.num_sliding_layers, m.sliding_window
         window_blocks = cdiv(window - 1, block_size) + 1 if sliding_layers else None
 

@@ -132,8 +132,12 @@ class _Buffer:
         second's, ...): `buffer.blocks += (len(buffer.data), k)`, then `buffer.data += pack(*column, ...)`."""
         pack = self._packs.get(k)
         if pack is None:
-            pack = self._packs[k] = Struct("<" + "".join(f"{k}{kind}" for kind in self._format)).pack
+            pack = self._packs[k] = self._block_pack(k)
         return pack
+
+    def _block_pack(self, k: int) -> Callable:
+        # (its own method: a generator reading `k` in pack_block made `k` a cell at every call, a leap)
+        return Struct("<" + "".join(f"{k}{kind}" for kind in self._format)).pack
 
     def take(self) -> dict[str, np.ndarray]:
         """The columns as arrays, in entry order."""
@@ -240,6 +244,15 @@ class StepRecorder:
             if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return
+        self._record_long_leap(first_step, start_s, ends, rows, decode_ctx, blocks_read, running, waiting, kv_used,
+                               kv_cached, slack, host, device, waiting_last)
+
+    def _record_long_leap(self, first_step: int, start_s: float, ends, rows: int, decode_ctx, blocks_read,
+                          running: int, waiting: int, kv_used, kv_cached, slack, host, device,
+                          waiting_last: Optional[int]) -> None:
+        """`record_leap` of a long leap (or one priced with numpy): its columns as arrays. (A method
+        of its own: the comprehension below made `table` a cell at every call of record_leap.)"""
+        k = len(ends)
         self._flush_buffers()
         self._steps.add({"end_s": np.asarray(ends, dtype=np.float64), "host_s": np.asarray(host, dtype=np.float64),
                          "device_s": np.asarray(device, dtype=np.float64), "decode_ctx": np.asarray(decode_ctx),

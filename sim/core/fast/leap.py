@@ -154,40 +154,54 @@ class LeapPlan:
         devices: list[float] = []
         ctxs: list[int] = []
         reads: list[int] = []
-        walked, per, step = self.walked, self._ctx_per_step, self.first_step
-        ctx = self._ctx0 + per * step
-        blocks = self._walked_before
-        static = self.static_shape
+        per = self._ctx_per_step
+        ctx = self._ctx0 + per * self.first_step
+        if self.static_shape is None:
+            blocks, crossed = self._walked_before, self.walked
+        else:
+            blocks, crossed = self._static_reads(most)
         t = start
-        reached = 0
-        for i in range(most):
-            if i >= reached:
-                reached = self.reach(most)     # (a pending plan: step t alone until it settles)
-                if reached <= i:
-                    return ends, hosts, devices, ctxs, reads, False    # the plan ends here
-            blocks += walked[i]
-            read = blocks if static is None else self.rows * -(-(static[0] + step + i) // static[1])
-            h, d = price(ctx, read)
-            t = t + (h + d)
-            if t >= horizon:
-                if t > horizon:                # the step in flight when the horizon comes
-                    ends.append(t)
-                    hosts.append(h)
-                    devices.append(d)
-                    ctxs.append(ctx)
-                    reads.append(read)
-                    if held_over:
-                        self._held_over_step(sched, price, i, t, ctx + per, blocks, (ends, hosts, devices, ctxs, reads))
-                return ends, hosts, devices, ctxs, reads, False
-            ends.append(t)
-            hosts.append(h)
-            devices.append(d)
-            ctxs.append(ctx)
-            reads.append(read)
-            ctx += per
-            if not i and self.pending:
+        done = 0
+        reached = self.reach(most)     # (a pending plan: step t alone until it settles)
+        while True:
+            # (the steps counted so far; each step's blocks read are the last step's plus what it
+            # crossed: no index, no test of how far the plan reaches, per step)
+            for walked in crossed[done:reached]:
+                blocks += walked
+                h, d = price(ctx, blocks)
+                t = t + (h + d)
+                if t >= horizon:
+                    if t > horizon:            # the step in flight when the horizon comes
+                        ends.append(t)
+                        hosts.append(h)
+                        devices.append(d)
+                        ctxs.append(ctx)
+                        reads.append(blocks)
+                        if held_over:
+                            self._held_over_step(sched, price, len(ends) - 1, t, ctx + per, blocks,
+                                                 (ends, hosts, devices, ctxs, reads))
+                    return ends, hosts, devices, ctxs, reads, False
+                ends.append(t)
+                hosts.append(h)
+                devices.append(d)
+                ctxs.append(ctx)
+                reads.append(blocks)
+                ctx += per
+            if self.pending and self.settled is None and ends:
                 self.settle(sched)             # step t runs: its finishers go, the plan goes on
-        return ends, hosts, devices, ctxs, reads, self.reach(most + 1) > most
+                done = 1
+                reached = self.reach(most)
+                continue
+            return ends, hosts, devices, ctxs, reads, reached == most and self.reach(most + 1) > most
+
+    def _static_reads(self, most: int) -> tuple[int, list[int]]:
+        """A static batch's blocks read before its first step and what each of its first `most`
+        steps adds: every row walks cdiv(padded length, block_size) blocks (`timed`'s steps add
+        these up, to the same integers)."""
+        offset, bs = self.static_shape
+        t, rows = self.first_step, self.rows
+        reads = [rows * -(-(offset + t + i) // bs) for i in range(-1, most)]
+        return reads[0], [b - a for a, b in zip(reads, reads[1:])]
 
     def _held_over_step(self, sched: Scheduler, price, i: int, t: float, ctx: int, blocks: int,
                         columns: tuple) -> None:
@@ -273,7 +287,8 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
         max_steps = int(to_finish)
     if max_steps < min_steps or max_steps < 1:
         return None
-    first = cohort.due_blocks(t)           # blocks the members take at the first step
+    # blocks the members take at the first step (due_blocks(t), inline: a call every plan)
+    first = cohort.crossings[clock % cohort.block_size] * cohort.tables if cohort.paged else 0
     free = kv.pool.num_free
     if first > free or sched.waiting and _head_starts(sched, members, free - first):
         return None

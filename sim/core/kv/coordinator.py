@@ -112,7 +112,9 @@ class UnitaryCoordinator(KVCacheCoordinator):
         # (FullAttentionManager.find_longest_cache_hit of the one group, inline: group 0's keys are
         # the hashes themselves, looked up at C speed)
         hits = list(map(self.pool.cached.get, req.block_hashes[:max_blocks]))
-        if None in hits:
+        # (a miss is None, a hit a block id >= 1, never NULL_BLOCK: all() tests each for truth at C
+        # speed, where `None in hits` compared None with each id, a rich comparison each)
+        if not all(hits):
             del hits[hits.index(None):]
             if not hits:
                 return NO_BLOCKS, 0
