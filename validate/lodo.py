@@ -327,7 +327,9 @@ FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s throu
 # (docs/fidelity_log.md, "The API server's streaming"): the V1 held-out medians improved through six
 # folds at the grid's bound while the pooled default stayed at 0; on a grid to 480 us the pool took
 # 378 us a token and a loop that fell behind the engine for good (inference-sim's Llama-2-7B +4683 %
-# TTFT): what the merge removes.
+# TTFT): what the merge removes. Refitted with it (docs/fidelity_log.md, "streaming in rounds"): the
+# pool went to every bound's corner (0.5 ms, 240 us, 1 ms), V1 TPOT better, the all-deployment TPOT
+# p99 worse (26.6 -> 26.9 %) and CodeLlama-34b's TTFT +2 -> +31 %: off.
 FRONT_END_TOKEN = False    # False: intake only (the table before the streaming term)
 FRONT_END_STREAM_INTAKE_GRID = tuple(ms * 1e-3 for ms in (0.5, 1, 1.5, 2, 2.5))
 FRONT_END_TOKEN_GRID = tuple(us * 1e-6 for us in (0, 20, 40, 80, 160, 240))
