@@ -423,3 +423,14 @@ def test_the_token_and_step_defaults_follow_the_front_ends_rule(monkeypatch, tmp
     assert front_end_step_s(made()) == 3e-4 and front_end_step_s(made({"vllm_version": "0.7.3"})) == 0.0
     assert front_end_step_s(made({"front_end_step_s": 1e-4})) == 1e-4
     assert front_end_step_s(made(device={"base": "h100-sxm", "profile": str(profile)})) == 0.0
+
+
+def test_the_streaming_fits_resume_names_mark_the_merged_rounds():
+    """validate/lodo.py: a class fit's or fold's --resume name carries the streaming times and the
+    rounds' mark (a fit made under the job-per-step streaming, named " per token T", is never
+    handed back), and nothing without streaming (the intake-only fits of before are reused)."""
+    from validate import lodo
+
+    assert lodo._stream_tag(0.0, 0.0) == ""
+    assert lodo._stream_tag(160e-6, 0.0) == " per token 0.00016 per step 0 (merged streaming)"
+    assert lodo._stream_tag(0.0, 1e-3) != lodo._stream_tag(1e-3, 0.0)
