@@ -248,8 +248,17 @@ class EngineConfig(StrictModel):
         default=None, ge=0, le=0.01,
         description="vLLM's API-server time per streamed token on the same loop (the output handler's "
                     "detokenization and one SSE chunk per request per step: sim/front_end.py), seconds; each "
-                    "step's outputs hold the loop for (requests in the step) x this, delaying the intake "
-                    "after them and the tokens' delivery; only with a front end (front_end_s above 0); unset: "
+                    "step's outputs hold the loop for (requests in the step) x this (steps already due when "
+                    "the loop reaches them: one chunk per request, as vLLM's collectors merge them), delaying "
+                    "the intake after them and the tokens' delivery; only with a front end (front_end_s above "
+                    "0); unset: as front_end_s, the trained family's fitted value on a vLLM server (none adopted "
+                    "yet), else 0")
+    front_end_step_s: Optional[float] = Field(
+        default=None, ge=0, le=0.01,
+        description="vLLM's API-server time per engine step's outputs on the same loop (the output handler's "
+                    "pass over one step's message: sim/front_end.py), seconds, added to each step's streaming "
+                    "job; a replica's steps already due when the loop reaches them stream as one job (one "
+                    "chunk per request, this per step); only with a front end (front_end_s above 0); unset: "
                     "as front_end_s, the trained family's fitted value on a vLLM server (none adopted yet), else 0")
     client_in_process: bool = Field(
         default=False,

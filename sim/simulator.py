@@ -267,9 +267,9 @@ class Simulation:
         follow-up turn sends at a time of the run's own, the request waits in `_front_exits`
         for the one process that routes each as it leaves (`_front_end_exits`)."""
         front = FrontEnd.for_scenario(self.scenario)
-        # the front end that streams each step's outputs (engine.front_end_token_s above 0): the
-        # engine loops report their steps to it as they plan them (`outputs`)
-        self._streams = front if front is not None and front.token_s > 0 else None
+        # the front end that streams each step's outputs (engine.front_end_token_s or front_end_step_s
+        # above 0): the engine loops report their steps to it as they plan them (`outputs`)
+        self._streams = front if front is not None and front.streams else None
         self._front_exits: deque = deque()       # (when it leaves the front end, request)
         in_stream = front is not None and self.scenario.workload.max_concurrency is None \
             and self._min_think == math.inf
@@ -762,7 +762,7 @@ class _Arrivals:
     queued earlier, would have. With a `front_end` (sim/front_end.py) a request is due where it
     leaves the API servers, `front_end.admit(arrival)` taken in arrival order; its arrival, which its
     latencies count from, stays the client's. Where the front end streams the steps' outputs too
-    (`token_s`), the admission waits for the handover itself (a first due time, when nothing is
+    (`FrontEnd.streams`), the admission waits for the handover itself (a first due time, when nothing is
     sent): by then every step ending before it has been reported, whether the engine took it one by
     one or in a leap, and the intake queues behind those steps' outputs."""
 
@@ -770,7 +770,7 @@ class _Arrivals:
                  front_end: Optional[FrontEnd] = None):
         self._requests, self._send = requests, send
         self._admit = None if front_end is None else front_end.admit
-        self._staged = front_end is not None and front_end.token_s > 0
+        self._staged = front_end is not None and front_end.streams
         self._at_handover = False        # (staged) due at the head's handover, not yet admitted
         self._time = 0.0                 # the arrival process's clock (SimPy's starts at 0)
         self._handed = 0.0               # (front end) the latest arrival handed to it

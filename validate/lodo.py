@@ -31,7 +31,8 @@ pooled over every API-server deployment (host CPU physics, not the GPU's), fitte
 the held-out deployment's runs (pooled_front_end) and used by all three sources' cells of that fold;
 the family stores the value pooled over all of them (`front_end_s` of its engine entry), the
 default of a `step_times: trained` scenario. The same loop streams every step's outputs
-(engine.front_end_token_s, per request in each step: FRONT_END_TOKEN), fitted jointly with it.
+(engine.front_end_token_s per request in each step and front_end_step_s per step: FRONT_END_TOKEN),
+fitted jointly with it.
 
 A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
 classes fitted on two deployments or more (`generic`, GENERIC_OF_TESTED_CLASSES; sim.trained.tested_class,
@@ -346,22 +347,30 @@ OVERLOADED_SERVED_SHARE = 0.9
 FRONT_END = True           # False: no front end in any replay (the table before issue 25's front-end term)
 FRONT_END_GRID = tuple(ms * 1e-3 for ms in (0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 13, 16, 20))
 FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s through one API server
-# The same loop's streaming (sim/front_end.py, engine.front_end_token_s): each engine step's outputs
-# hold it for (requests in the step) x a time per token (vLLM 0.11.0 vllm/v1/engine/async_llm.py
-# output_handler -> OutputProcessor.process_outputs, one SSE chunk per request in
-# serving_chat.py chat_completion_stream_generator), delaying the intake behind them and the tokens'
-# delivery. Fitted with the intake time on a grid of both (each run's profile is
-# FRONT_END_GRID x FRONT_END_TOKEN_GRID), each refined by a parabola along its own axis.
-# A replay with a streaming time of 0 is the intake-only replay of before, so no REPLAY_REVISION moves:
-# a class fit's and a fold's --resume names carry their streaming time where it is above 0.
-# Refitted on a grid to 160 us (docs/fidelity_log.md, "The API server's streaming"): the V1 held-out
-# medians improved (trained TTFT 20.4 -> 15.4 %, TPOT 12.1 -> 7.8 %), but only through the six folds
-# that landed at the grid's bound, while the pool of all deployments stayed at 0 per token (so every
-# shipped prediction unchanged and its band narrower): the pooled loss falls further past the bound
-# (1.5 ms and 400 us: 12.09 against 15.22), so the grid needs extending and a refit before this is on.
+# The same loop's streaming (sim/front_end.py, engine.front_end_token_s and front_end_step_s): each
+# engine step's outputs hold it for a time per step plus (requests in the step) x a time per token
+# (vLLM 0.11.0 vllm/v1/engine/async_llm.py output_handler -> OutputProcessor.process_outputs, one SSE
+# chunk per request in serving_chat.py chat_completion_stream_generator), a replica's steps already
+# due when the loop reaches them as one job (one chunk per request: RequestOutputCollector merges),
+# delaying the intake behind them and the tokens' delivery. Fitted with the intake time on a grid of
+# all three: each run's profile is FRONT_END_GRID at no streaming plus FRONT_END_STREAM_INTAKE_GRID
+# x FRONT_END_TOKEN_GRID x FRONT_END_STEP_GRID, the best point refined by a parabola along each axis.
+# A replay with no streaming is the intake-only replay of before, so no REPLAY_REVISION moves: a
+# class fit's and a fold's --resume names carry their streaming times where one is above 0
+# (_stream_tag), for the deployments that went through an API server only (V0's never did).
+# Refitted on a grid to 160 us with the first-come-first-served streaming before the merge
+# (docs/fidelity_log.md, "The API server's streaming"): the V1 held-out medians improved through six
+# folds at the grid's bound while the pooled default stayed at 0; on a grid to 480 us the pool took
+# 378 us a token and a loop that fell behind the engine for good (inference-sim's Llama-2-7B +4683 %
+# TTFT): what the merge removes. Refitted with it (docs/fidelity_log.md, "streaming in rounds"): the
+# pool went to every bound's corner (0.5 ms, 240 us, 1 ms), V1 TPOT better, the all-deployment TPOT
+# p99 worse (26.6 -> 26.9 %) and CodeLlama-34b's TTFT +2 -> +31 %: off.
 FRONT_END_TOKEN = False    # False: intake only (the table before the streaming term)
-FRONT_END_TOKEN_GRID = tuple(us * 1e-6 for us in (0, 10, 20, 40, 80, 160))
-FRONT_END_TOKEN_BOUNDS = (0.0, FRONT_END_TOKEN_GRID[-1])     # 160 us: ~6k tokens/s through one loop
+FRONT_END_STREAM_INTAKE_GRID = tuple(ms * 1e-3 for ms in (0.5, 1, 1.5, 2, 2.5))
+FRONT_END_TOKEN_GRID = tuple(us * 1e-6 for us in (0, 20, 40, 80, 160, 240))
+FRONT_END_TOKEN_BOUNDS = (0.0, FRONT_END_TOKEN_GRID[-1])     # 240 us: a pydantic SSE chunk and its detokenization
+FRONT_END_STEP_GRID = tuple(ms * 1e-3 for ms in (0, 0.2, 0.5, 1))
+FRONT_END_STEP_BOUNDS = (0.0, FRONT_END_STEP_GRID[-1])       # 1 ms: one step's message, stats and logging
 
 
 @dataclass
@@ -809,10 +818,10 @@ def deployments(runs: list[Run]) -> dict[str, list[Run]]:
 
 def predict(run: Run, coefficients: Optional[CostCoefficients] = None, step_times: str = "datasheet",
             profile: Optional[DeviceProfile] = None, front_end_s: float = 0.0,
-            front_end_token_s: float = 0.0) -> dict[str, float]:
-    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s` and
-    `front_end_token_s`: the API-server time per request and per streamed token of a run sent
-    through one (Run.api_server; FRONT_END, FRONT_END_TOKEN)."""
+            front_end_token_s: float = 0.0, front_end_step_s: float = 0.0) -> dict[str, float]:
+    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s`,
+    `front_end_token_s` and `front_end_step_s`: the API-server time per request, per streamed token
+    and per engine step's outputs of a run sent through one (Run.api_server; FRONT_END, FRONT_END_TOKEN)."""
     scenario = run.scenario
     front_end_s = front_end_s if run.api_server and FRONT_END else 0.0
     if step_times != "datasheet" or front_end_s:
@@ -820,6 +829,7 @@ def predict(run: Run, coefficients: Optional[CostCoefficients] = None, step_time
         scenario.step_times = step_times
         scenario.engine.front_end_s = front_end_s
         scenario.engine.front_end_token_s = front_end_token_s if front_end_s and FRONT_END_TOKEN else 0.0
+        scenario.engine.front_end_step_s = front_end_step_s if front_end_s and FRONT_END_TOKEN else 0.0
     profile = profile or (DeviceProfile(coefficients) if coefficients is not None else None)
     cost = CostModel.for_scenario(scenario, profile)
     for r in run.requests:
@@ -870,11 +880,11 @@ def fit_runs(runs: list[Run]) -> list[Run]:
 def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None, fixed: Optional[dict[str, float]] = None,
               names: Optional[tuple[str, ...]] = None, front_end_s: float = 0.0,
-              front_end_token_s: float = 0.0) -> dict[str, float]:
+              front_end_token_s: float = 0.0, front_end_step_s: float = 0.0) -> dict[str, float]:
     """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally. The
     runs are of one engine generation, whose parameters, start and iterations the fit takes, and
-    are replayed with `front_end_s` and `front_end_token_s` (the pooled API-server times:
-    pooled_front_end).
+    are replayed with `front_end_s`, `front_end_token_s` and `front_end_step_s` (the pooled
+    API-server times: pooled_front_end).
     `fixed`: parameters held at given values (returned with the fitted ones); `names`: the
     parameters fitted (default: the generation's FIT_NAMES less the fixed ones), where `host_scale`
     multiplies the fixed V0 host terms (the machine's CPU speed over the pooled host profile)."""
@@ -892,7 +902,8 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
     def all_residuals(x: np.ndarray) -> np.ndarray:
         coeffs = trained_coefficients(_with_fixed(dict(zip(names, np.exp(x))), fixed))
         data = [v for run in train for v in residuals(run, predict(run, coeffs, front_end_s=front_end_s,
-                                                                   front_end_token_s=front_end_token_s))]
+                                                                   front_end_token_s=front_end_token_s,
+                                                                   front_end_step_s=front_end_step_s))]
         return np.array(data + prior_residuals(dict(zip(names, x))))
 
     lower = np.log([BOUNDS[n][0] for n in names])
@@ -1018,13 +1029,15 @@ def _resumable(kind: str, name: str, compute: Callable, engine: str):
 
 def _class_fit(key: tuple[str, str]) -> dict[str, float]:
     engine, gpu = key
-    front, token = pooled_front_end(_FOLD_STATE["runs"])
+    front, token, step = pooled_front_end(_FOLD_STATE["runs"])
+    group = [r for r in _FOLD_STATE["runs"] if r.group == key]
+    if not any(r.api_server for r in group):
+        front = token = step = 0.0        # (V0: replayed without a front end, so fitted alike whatever it is)
 
     def fit() -> dict[str, float]:
-        group = [r for r in _FOLD_STATE["runs"] if r.group == key]
         _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
                                 f"{len(deployments(group))} deployments")
-        fronted = {"front_end_s": front, "front_end_token_s": token}
+        fronted = {"front_end_s": front, "front_end_token_s": token, "front_end_step_s": step}
         params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT,
                             max_iterations=V0_CLASS_ITERATIONS, **fronted)
                   if engine == "v0" and V0_POOLED_HOST else fit_class(group, **fronted))
@@ -1032,7 +1045,17 @@ def _class_fit(key: tuple[str, str]) -> dict[str, float]:
         return params
 
     return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else "")
-                      + (f" per token {token:.6g}" if token else "") + _fit_tag(engine), fit, engine)
+                      + _stream_tag(token, step) + _fit_tag(engine), fit, engine)
+
+
+def _stream_tag(token: float, step: float) -> str:
+    """What a class fit's and a fold's --resume names add for the API server's streaming times:
+    nothing without streaming (the replays of before FRONT_END_TOKEN, whose fits are reused), else
+    both times and the merged model's mark (a fit made under the first-come-first-served streaming
+    before it, named " per token T", is never handed back)."""
+    if not token and not step:
+        return ""
+    return f" per token {token:.6g} per step {step:.6g} (merged streaming)"
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, dict[str, float]]]:
@@ -1040,6 +1063,9 @@ def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, di
     {engine: {gpu: parameters}}."""
     keys = sorted({r.group for r in runs})
     _FOLD_STATE.update(runs=runs, progress=progress)
+    if FRONT_END:                                    # the runs' front-end profiles, `jobs` at a time
+        pool = fit_runs([r for r in runs if r.api_server])
+        _PROFILES.update(zip([r.id for r in pool], _map(front_end_profile, pool, jobs)))
     pooled_front_end(runs, progress=progress)       # once, before the class fits (forked ones share it)
     if V0_POOLED_HOST and any(engine == "v0" for engine, _ in keys):
         pooled_v0_host(runs, progress=progress)      # once, before the class fits (forked ones share it)
@@ -1063,7 +1089,8 @@ def _map(fn: Callable, items: list, jobs: int) -> list:
 
 
 def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, float]]],
-                progress=print, front_end_s: float = 0.0, front_end_token_s: float = 0.0) -> dict[str, float]:
+                progress=print, front_end_s: float = 0.0, front_end_token_s: float = 0.0,
+                front_end_step_s: float = 0.0) -> dict[str, float]:
     """The trained parameters that predict deployment `held`: its (engine generation, GPU class)
     refitted without it; with no other deployment there, the generic profile of the generation's
     other classes (`generic`: what `step_times: trained` gives that GPU). A V0
@@ -1075,7 +1102,8 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
     host = pooled_v0_host(runs, deployment_model(held), progress) if engine == "v0" and V0_POOLED_HOST else None
     if rest:
         progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
-        fronted = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s}
+        fronted = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s,
+                   "front_end_step_s": front_end_step_s}
         return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, max_iterations=V0_CLASS_ITERATIONS, **fronted)
                 if host else fit_class(rest, **fronted))
     progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
@@ -1105,46 +1133,58 @@ def _runs_digest(runs: list[Run]) -> str:
 _FRONT_ENDS: dict = {}     # pooled_front_end's fits in this process, by (left-out deployment, runs)
 
 
-def token_grid() -> tuple[float, ...]:
-    """The streaming times the front end's profiles are taken at (just 0 without FRONT_END_TOKEN)."""
-    return FRONT_END_TOKEN_GRID if FRONT_END_TOKEN else (0.0,)
-
-
-def pooled_front_end(runs: list[Run], without: Optional[str] = None, progress=print) -> tuple[float, float]:
-    """The API-server time per request and per streamed token (FRONT_END, FRONT_END_TOKEN) fitted
-    on the fit runs (fit_runs) sent through an API server, of every deployment but `without` (a
-    fold's: its runs never reach it): the pair minimising the summed squared residuals at the
-    datasheet coefficients over the grid FRONT_END_GRID x token_grid(), each refined by the parabola
-    through the best grid point and its neighbours along its own axis."""
+def pooled_front_end(runs: list[Run], without: Optional[str] = None,
+                     progress=print) -> tuple[float, float, float]:
+    """The API-server time per request, per streamed token and per step's outputs (FRONT_END,
+    FRONT_END_TOKEN) fitted on the fit runs (fit_runs) sent through an API server, of every
+    deployment but `without` (a fold's: its runs never reach it): the point of the runs' summed
+    profiles (front_end_profile) with the least summed squared residuals at the datasheet
+    coefficients, refined by the parabola through it and its neighbours along each axis."""
     if not FRONT_END:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     pool = [r for r in fit_runs([r for r in runs if r.api_server]) if r.deployment != without]
     memo = (without, _runs_digest(pool))
     if memo not in _FRONT_ENDS:
         if not pool:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         if without is None:
             progress(f"the front end's profile over {len(pool)} runs of {len(deployments(pool))} deployments")
-        loss = np.sum([np.reshape(front_end_profile(r), (len(FRONT_END_GRID), -1)) for r in pool], axis=0)
-        i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
-        service = _parabola_min(np.array(FRONT_END_GRID), loss[:, j], FRONT_END_BOUNDS)
-        token = _parabola_min(np.array(token_grid()), loss[i, :], FRONT_END_TOKEN_BOUNDS) if loss.shape[1] > 1 else 0.0
-        _FRONT_ENDS[memo] = (service, token)
+        profiles = [front_end_profile(r) for r in pool]
+        intake = np.sum([p[0] for p in profiles], axis=0)
+        i = int(np.argmin(intake))
+        best = (_parabola_min(np.array(FRONT_END_GRID), intake, FRONT_END_BOUNDS), 0.0, 0.0)
+        if FRONT_END_TOKEN:
+            joint = np.sum([p[1] for p in profiles], axis=0)
+            if joint.min() < intake[i]:
+                a, b, c = np.unravel_index(int(np.argmin(joint)), joint.shape)
+                best = (_parabola_min(np.array(FRONT_END_STREAM_INTAKE_GRID), joint[:, b, c], FRONT_END_BOUNDS),
+                        _parabola_min(np.array(FRONT_END_TOKEN_GRID), joint[a, :, c], FRONT_END_TOKEN_BOUNDS),
+                        _parabola_min(np.array(FRONT_END_STEP_GRID), joint[a, b, :], FRONT_END_STEP_BOUNDS))
+        _FRONT_ENDS[memo] = best
     return _FRONT_ENDS[memo]
 
 
-def front_end_profile(run: Run) -> list[float]:
-    """The run's summed squared residuals at the datasheet coefficients at each point of the grid
-    FRONT_END_GRID x token_grid(), row by row (kept in the --resume folder: every fold sums the
-    same ones)."""
-    def compute() -> list[float]:
-        return [float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=c,
-                                                              front_end_token_s=t)))))
-                for c in FRONT_END_GRID for t in token_grid()]
+def front_end_profile(run: Run) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """The run's summed squared residuals at the datasheet coefficients without streaming at each
+    point of FRONT_END_GRID, and (FRONT_END_TOKEN) with it at each point of
+    FRONT_END_STREAM_INTAKE_GRID x FRONT_END_TOKEN_GRID x FRONT_END_STEP_GRID (the points without
+    streaming taken from the first); each kept in the --resume folder: every fold sums the same ones."""
+    def loss(service: float, token: float = 0.0, step: float = 0.0) -> float:
+        return float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=service,
+                                                              front_end_token_s=token, front_end_step_s=step)))))
 
-    grid = f"{FRONT_END_GRID}" + (f" x {FRONT_END_TOKEN_GRID}" if FRONT_END_TOKEN else "")
     if run.id not in _PROFILES:
-        _PROFILES[run.id] = _resumable("frontend", f"{run.id} / {grid}", compute, run.engine)
+        intake = _resumable("frontend", f"{run.id} / {FRONT_END_GRID}",
+                            lambda: [loss(c) for c in FRONT_END_GRID], run.engine)
+        joint = None
+        if FRONT_END_TOKEN:
+            without = dict(zip(FRONT_END_GRID, intake))
+            grid = (FRONT_END_STREAM_INTAKE_GRID, FRONT_END_TOKEN_GRID, FRONT_END_STEP_GRID)
+            joint = _resumable("frontend", f"{run.id} / merged streaming {grid}",
+                               lambda: [without[c] if not t and not k else loss(c, t, k)
+                                        for c in grid[0] for t in grid[1] for k in grid[2]], run.engine)
+            joint = np.reshape(joint, tuple(len(g) for g in grid))
+        _PROFILES[run.id] = (np.array(intake), joint)
     return _PROFILES[run.id]
 
 
@@ -1202,12 +1242,13 @@ def tables_cover(run: Run) -> bool:
     return True
 
 
-def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0, front_end_token_s: float = 0.0) -> dict:
+def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0, front_end_token_s: float = 0.0,
+             front_end_step_s: float = 0.0) -> dict:
     """The run's errors under each source, all replayed with the fold's front end."""
     measured = sum(not r.is_warmup for r in run.requests)
     row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": measured,
            "source": run.source}
-    fe = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s}
+    fe = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s, "front_end_step_s": front_end_step_s}
     row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients(), **fe)).items()})
     if tables_cover(run):
         row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables",
@@ -1221,11 +1262,12 @@ def _fold_rows(name: str) -> list[dict]:
     runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
 
     def fold() -> list[dict]:
-        front, token = pooled_front_end(runs, name, progress)
-        params = fold_params(runs, name, full, progress, front, token)
-        front_col = {"fold front_end_s": front, **({"fold front_end_token_s": token} if FRONT_END_TOKEN else {})} \
-            if FRONT_END else {}
-        return [{**run_rows(run, params, *((front, token) if run.api_server else (0.0, 0.0))),
+        fronted = pooled_front_end(runs, name, progress)
+        params = fold_params(runs, name, full, progress, *fronted)
+        front_col = {"fold front_end_s": fronted[0],
+                     **({"fold front_end_token_s": fronted[1], "fold front_end_step_s": fronted[2]}
+                        if FRONT_END_TOKEN else {})} if FRONT_END else {}
+        return [{**run_rows(run, params, *(fronted if run.api_server else (0.0, 0.0, 0.0))),
                  **{f"fold {k}": v for k, v in params.items()},
                  **(front_col if run.api_server else {})}
                 for run in deployments(runs)[name]]
@@ -1235,15 +1277,18 @@ def _fold_rows(name: str) -> list[dict]:
     priced_by = fold_generic(runs, name, full)
     engine = deployments(runs)[name][0].engine
     key = name if priced_by is None else f"{name} / generic {sorted(priced_by.items())}"
-    # and its streaming time where it has one (0: the replays of before FRONT_END_TOKEN, whose folds
-    # are reused; its rows then say 0)
-    token = pooled_front_end(runs, name, progress)[1]
-    key += (f" / per token {token:.6g}" if token else "") + _fit_tag(engine)
+    # and its streaming times where it has any and went through an API server (none: the replays of
+    # before FRONT_END_TOKEN, whose folds are reused; its rows then say 0)
+    if any(r.api_server for r in deployments(runs)[name]):
+        tag = _stream_tag(*pooled_front_end(runs, name, progress)[1:])
+        key += f" /{tag}" if tag else ""
+    key += _fit_tag(engine)
     rows = _resumable("fold", key, fold, engine)
     if FRONT_END_TOKEN:
         for row in rows:
             if "fold front_end_s" in row:
                 row.setdefault("fold front_end_token_s", 0.0)
+                row.setdefault("fold front_end_step_s", 0.0)
     return rows
 
 
@@ -1359,11 +1404,11 @@ def write_bands(table: pd.DataFrame, path: Path = FAMILY_FILE) -> Path:
 
 
 def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: str, front_end_s: float = 0.0,
-                  front_end_token_s: float = 0.0) -> dict:
+                  front_end_token_s: float = 0.0, front_end_step_s: float = 0.0) -> dict:
     """One engine generation's classes (parameters, deployments, runs), its generic profile and,
     where its runs went through vLLM's API server, the pooled front-end time per request and per
-    streamed token (the defaults engine.front_end_s and front_end_token_s of a vLLM server of that
-    generation: sim.trained.front_end_default)."""
+    streamed token and per step's outputs (the defaults engine.front_end_s, front_end_token_s and
+    front_end_step_s of a vLLM server of that generation: sim.trained.front_end_default)."""
     entry = {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
                                "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
                                "runs": sum(1 for r in runs if r.gpu_class == gpu)}
@@ -1373,6 +1418,7 @@ def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: 
         entry["front_end_s"] = float(f"{front_end_s:.5g}")
         if FRONT_END_TOKEN:
             entry["front_end_token_s"] = float(f"{front_end_token_s:.5g}")
+            entry["front_end_step_s"] = float(f"{front_end_step_s:.5g}")
     return entry
 
 

@@ -10,19 +10,23 @@ many such processes take requests (`run_multi_api_server`, SO_REUSEPORT in
 vllm/entrypoints/openai/api_server.py). kvtwin prices them as a FIFO over that many servers with
 one service time per request before the router.
 
-The same loop streams the outputs (engine.front_end_token_s), in vLLM 0.11.0 (the wheel from the
-package registry): AsyncLLM's output handler task (vllm/v1/engine/async_llm.py `_run_output_handler`)
-takes each engine step's outputs off the engine core's socket and runs
-`OutputProcessor.process_outputs` (vllm/v1/engine/output_processor.py: per request its detokenizer's
-`update` and a RequestOutput put on the request's queue), and each request's
-`chat_completion_stream_generator` (vllm/entrypoints/openai/serving_chat.py) writes one SSE chunk
-(`chunk.model_dump_json`) per output, on that one loop.
+The same loop streams the outputs (engine.front_end_token_s, engine.front_end_step_s), in vLLM
+0.11.0 (the wheel from the package registry): AsyncLLM's output handler task
+(vllm/v1/engine/async_llm.py `_run_output_handler`) takes each engine step's outputs off the engine
+core's socket and runs `OutputProcessor.process_outputs` (vllm/v1/engine/output_processor.py: per
+request its detokenizer's `update` and a RequestOutput put in the request's RequestOutputCollector),
+and each request's `chat_completion_stream_generator` (vllm/entrypoints/openai/serving_chat.py), a
+task of its own woken by that collector, writes one SSE chunk (`chunk.model_dump_json`) per output
+it takes, on that one loop. A collector merges what is put into it before its stream runs
+(`RequestOutputCollector.put`, the same in vLLM 0.19.1), and the handler drains every queued step
+before it yields (`await self.outputs_queue.get()` in core_client.py `get_output_async` returns at
+once while one is queued): steps due before the loop reaches them stream as one chunk per request.
 """
 from __future__ import annotations
 
 import pytest
 
-from sim.front_end import FrontEnd, front_end_s, front_end_token_s
+from sim.front_end import FrontEnd, front_end_s, front_end_step_s, front_end_token_s
 from sim.errors import ScenarioError
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
@@ -203,23 +207,38 @@ def test_the_public_vllm_replays_go_through_the_api_server_and_a_fold_never_fits
     assert lodo.predict(v0, CostCoefficients(), front_end_s=0.004) == lodo.predict(v0, CostCoefficients())
 
     seen = []
-    service, token = np.meshgrid(lodo.FRONT_END_GRID, lodo.token_grid(), indexing="ij")
+    intake = np.array(lodo.FRONT_END_GRID)
+    service, token, step = np.meshgrid(lodo.FRONT_END_STREAM_INTAKE_GRID, lodo.FRONT_END_TOKEN_GRID,
+                                       lodo.FRONT_END_STEP_GRID, indexing="ij")
 
-    def profile(run):
+    def profile(run, best=(0.0042, 0.0, 0.0)):
         seen.append(run.deployment)
-        # every run's loss lowest at 4.2 ms per request and 30 us per streamed token
-        return list(((service - 0.0042) ** 2 + (token - 30e-6) ** 2).ravel())
+        # every run's loss lowest at `best`: per request, per streamed token, per step
+        return ((intake - best[0]) ** 2 + best[1] ** 2 + best[2] ** 2,
+                (service - best[0]) ** 2 + (token - best[1]) ** 2 + (step - best[2]) ** 2)
 
     monkeypatch.setattr(lodo, "front_end_profile", profile)
+    for streaming in (False, True):
+        monkeypatch.setattr(lodo, "FRONT_END_TOKEN", streaming)
+        monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
+        held = chat.deployment
+        assert lodo.pooled_front_end(runs, held) == pytest.approx((0.0042, 0.0, 0.0), abs=1e-7)
+        assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
+    # the joint grid's minimum, refined along each axis, where it beats the intake alone
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: profile(run, (0.0017, 30e-6, 0.3e-3)))
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    held = chat.deployment
-    assert lodo.pooled_front_end(runs, held) == pytest.approx((0.0042, 30e-6 if lodo.FRONT_END_TOKEN else 0.0),
-                                                              abs=1e-7)
-    assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
-    monkeypatch.setattr(lodo, "front_end_profile", lambda run: list(-(service + token).ravel()))   # past the grid's end
+    assert lodo.pooled_front_end(runs) == pytest.approx((0.0017, 30e-6, 0.3e-3), abs=1e-9)
+    monkeypatch.setattr(lodo, "FRONT_END_TOKEN", False)       # streaming off: the intake's own minimum
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_BOUNDS[1], lodo.FRONT_END_TOKEN_BOUNDS[1]
-                                           if lodo.FRONT_END_TOKEN else 0.0)
+    assert lodo.pooled_front_end(runs) == pytest.approx((0.0017, 0.0, 0.0), abs=1e-9)
+    monkeypatch.setattr(lodo, "FRONT_END_TOKEN", True)        # past the grid's ends: its bounds
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: (-intake, -(service + token + step)))
+    monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
+    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_BOUNDS[1], 0.0, 0.0)     # the intake grid's end is lower
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: (0 * intake, -(service + token + step)))
+    monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
+    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_STREAM_INTAKE_GRID[-1], lodo.FRONT_END_TOKEN_BOUNDS[1],
+                                           lodo.FRONT_END_STEP_BOUNDS[1])
 
 
 TOKEN = 2 ** -7          # per streamed token, exact in binary
@@ -231,25 +250,76 @@ def test_a_steps_outputs_hold_the_loop_first_come_first_served_with_the_intake()
     vLLM's asyncio loop: vllm 0.11.0 vllm/v1/engine/async_llm.py `_run_output_handler`,
     vllm/v1/engine/output_processor.py `process_outputs`, vllm/entrypoints/openai/serving_chat.py
     `chat_completion_stream_generator`). Outputs due before a handover delay its intake; outputs
-    due after it wait for it; the tokens reach the client when their job is done."""
+    due after it wait for it; the tokens reach the client when their job is done. Steps of a replica
+    due by the time the loop reaches them stream as one job, one chunk per request (vllm 0.11.0
+    output_processor.py `RequestOutputCollector.put` merges the outputs its stream has not taken)."""
     front = FrontEnd(1, SERVICE, TOKEN)
     front.outputs(0, (1.0,), 32)                      # 32 tokens x 1/128 s from t=1
     assert front.admit(1.0) == 1.5                    # due at the handover: served first, 1.0-1.25
-    front.outputs(0, [2.0, 2.125], 16)                # a leap's two steps, one job each
+    front.outputs(0, [2.0, 2.125], 16)                # a leap's two steps
     front.outputs(1, (2.0,), 8)                       # another replica's step, same end: after replica 0's
     assert front.admit(1.875) == 2.125                # handed over before them: not delayed
-    assert front.admit(2.2) == 2.125 + 0.125 + 0.0625 + 0.125 + SERVICE     # behind the three jobs
-    assert front.delivered(0) == [2.25 - 1, 2.25, 2.4375] and front.delivered(1) == [2.3125]
-    assert FrontEnd(1, SERVICE).token_s == 0.0
+    # the loop reaches replica 0's outputs at 2.125, when both its steps are due: one job of 16
+    # chunks, then replica 1's, then the intake
+    assert front.admit(2.2) == 2.125 + 0.125 + 0.0625 + SERVICE
+    assert front.delivered(0) == [1.25, 2.25, 2.25] and front.delivered(1) == [2.3125]
+    assert FrontEnd(1, SERVICE).token_s == 0.0 and not FrontEnd(1, SERVICE).streams
     for bad in (-1e-6, 0.02, float("nan")):
         with pytest.raises(ValueError, match="time per token"):
             FrontEnd(1, SERVICE, bad)
+        with pytest.raises(ValueError, match="time per step"):
+            FrontEnd(1, SERVICE, 0.0, bad)
 
 
-def test_the_token_field_is_bounded_and_named():
+def test_the_handlers_pass_over_each_step_is_priced_per_step_and_never_merged():
+    """engine.front_end_step_s: the output handler's pass over one step's message (vllm 0.11.0
+    vllm/v1/engine/async_llm.py `output_handler`: `get_output_async`, `process_outputs` over the
+    step's outputs, its IterationStats and `logger_manager.record`, once per EngineCoreOutputs)
+    is paid per step, merged or not; alone (no time per token) it streams too."""
+    step = 2 ** -7
+    front = FrontEnd(1, SERVICE, TOKEN, step)
+    front.outputs(0, [1.0, 1.125, 1.25], 8)           # three steps of 8 requests
+    assert front.admit(1.0) == 1.0 + step + 8 * TOKEN + SERVICE     # the first step alone: the others not due yet
+    assert front.admit(2.0) == 2.0 + SERVICE                        # the other two merged, done by then
+    # the intake ended at 1.3125 + step; the two steps' job then: two passes, 8 chunks
+    assert front.delivered(0) == [1.0 + step + 0.0625] + [1.3125 + step + 2 * step + 0.0625] * 2
+    alone = FrontEnd(1, SERVICE, 0.0, step)
+    assert alone.streams
+    alone.outputs(0, (1.0,), 100)
+    assert alone.admit(1.0) == 1.0 + step + SERVICE
+
+
+def test_a_loop_slower_than_the_engine_streams_fewer_larger_chunks_and_its_intake_waits_boundedly():
+    """A step of 100 requests every 10 ms whose streaming takes 100 ms (1 ms a chunk): first come,
+    first served with a job per step, the loop would fall 90 ms further behind every step and the
+    intake behind it with no bound. vLLM's loop does not: while it is busy the steps' outputs
+    accumulate in each request's RequestOutputCollector (vllm 0.11.0 and 0.19.1
+    vllm/v1/engine/output_processor.py `put`: merged when the producer gets ahead of the consumer)
+    and its stream then writes them as one chunk (vllm/entrypoints/openai/serving_chat.py
+    `chat_completion_stream_generator` takes one merged RequestOutput), so every request handed
+    over waits for at most the job in progress and one more."""
+    front = FrontEnd(1, 0.001, 0.001)
+    waits, due = [], []
+    for i in range(400):                               # a handover every 50 ms for 20 s
+        t = i * 0.05
+        steps = [t - 0.05 + k * 0.01 for k in range(1, 6)] if i else []
+        front.outputs(0, steps, 100)
+        due += steps
+        waits.append(front.admit(t) - t)
+    # at most the round in progress and the next one (100 ms each) and a few intakes; no growth
+    assert max(waits) <= 2 * 0.1 + 0.005
+    assert max(waits[200:]) <= max(waits[:200]) + 1e-9
+    done = front.delivered(0)
+    assert len(done) == len(due) and max(d - t for d, t in zip(done, due)) <= 0.3
+
+
+def test_the_token_and_step_fields_are_bounded_and_named():
     for bad in (-0.001, 0.02, float("inf"), "fast"):
         with pytest.raises(ScenarioError, match="engine.front_end_token_s"):
             scenario(SERVICE, token=bad)
+        with pytest.raises(ScenarioError, match="engine.front_end_step_s"):
+            validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm",
+                               "engine": {"front_end_s": SERVICE, "front_end_step_s": bad}})
     assert scenario(SERVICE, token=0.01).engine.front_end_token_s == 0.01
 
 
@@ -267,17 +337,18 @@ def test_a_burst_takes_its_intake_first_and_its_tokens_wait_behind_it():
 
 
 def test_outputs_before_a_handover_delay_its_intake():
-    """Two requests 0.26 s apart: the first one's 4 output jobs (1/128 s each, back to back from
-    its prefill step's end just after 0.25 s, its decode steps being shorter) still hold the loop
-    at its handover, so the second's intake starts when they are done."""
+    """Two requests 0.26 s apart: the first one's outputs (its prefill step's, 1/128 s from its
+    end just after 0.25 s, then its three decode steps', shorter than that and so all due when the
+    loop is free again: one merged chunk, 1/128 s) still hold the loop at its handover, so the
+    second's intake starts when they are done."""
     gaps = {"arrival": {"process": "fixed", "rate": 1 / 0.26}}
     plain, streamed = frame(scenario(SERVICE, 2, **gaps)), frame(scenario(SERVICE, 2, token=TOKEN, **gaps))
     assert streamed["arrival_s"].equals(plain["arrival_s"])
     first, second = plain["arrival_s"]
     prefilled = first + plain["ttft_s"].iloc[0]            # the first one's prefill step's end
-    assert first + SERVICE < prefilled < second < prefilled + 4 * TOKEN
+    assert first + SERVICE < prefilled < second < prefilled + 2 * TOKEN
     assert plain["ttft_s"].iloc[1] < SERVICE + 0.01        # without streaming: the loop is free at once
-    assert second + streamed["ttft_s"].iloc[1] > prefilled + 4 * TOKEN + SERVICE
+    assert second + streamed["ttft_s"].iloc[1] >= prefilled + 2 * TOKEN + SERVICE
 
 
 @pytest.mark.parametrize("workload", [
@@ -285,19 +356,38 @@ def test_outputs_before_a_handover_delay_its_intake():
     {"arrival": {"process": "offline"}},
     {"arrival": {"process": "offline"}, "max_concurrency": 8},
 ])
-def test_leaps_chains_and_single_steps_stream_alike(workload):
+@pytest.mark.parametrize("token", [2e-4, 3e-3])
+def test_leaps_chains_and_single_steps_stream_alike(workload, token):
     """The simulator reports each step's outputs as it plans it and a leap's steps at once; the
-    loop serves a job only once every step due before the next handover is known, so the chained,
-    the step-by-step (SimPy-clocked) and the reference (no leaps) paths give the same figures."""
+    loop serves a round only once every step due before the next handover is known (a step due by
+    a round's start and reported after it joins that round), so the chained, the step-by-step
+    (SimPy-clocked) and the reference (no leaps) paths give the same figures, the loop keeping up
+    (2e-4 s a chunk) or not (3e-3 s: a step's chunks outlast it, rounds merge several steps)."""
     raw = {"model": "qwen2.5-0.5b", "device": "h100-sxm", "seed": 3,
-           "engine": {"num_blocks": 2048, "max_model_len": 1024, "front_end_s": 0.002, "front_end_token_s": 2e-4},
+           "engine": {"num_blocks": 2048, "max_model_len": 1024, "front_end_s": 0.002, "front_end_token_s": token,
+                      "front_end_step_s": 1e-4},
            "workload": {"num_requests": 120, "prompt_len": 64, "output_len": 120, **workload}}
     s = validate_scenario(raw)
     a, b, c = frame(s), frame(s, chain=False), frame(s, fast=False)
     cols = ["arrival_s", "ttft_s", "e2e_s", "tpot_s"]
     assert a[cols].equals(b[cols]) and a[cols].equals(c[cols])
-    off = frame(validate_scenario({**raw, "engine": {**raw["engine"], "front_end_token_s": 0.0}}))
+    off = frame(validate_scenario({**raw, "engine": {**raw["engine"], "front_end_token_s": 0.0,
+                                                     "front_end_step_s": 0.0}}))
     assert (a["e2e_s"] > off["e2e_s"]).all()
+
+
+def test_a_poisson_run_whose_loop_cannot_stream_every_step_keeps_a_bounded_ttft():
+    """40 requests/s of 120 tokens each on a 0.5B model (steps well under a millisecond) with 3 ms a
+    chunk: a job per step, first come, first served, would put every handover behind a growing
+    backlog (tens of running requests x 3 ms per sub-millisecond step); with the chunks a stream
+    has not written merged (vllm 0.11.0 vllm/v1/engine/output_processor.py
+    `RequestOutputCollector.put`) the last requests wait no longer than the first ones."""
+    raw = {"model": "qwen2.5-0.5b", "device": "h100-sxm", "seed": 3,
+           "engine": {"num_blocks": 2048, "max_model_len": 1024, "front_end_s": 0.002, "front_end_token_s": 3e-3},
+           "workload": {"num_requests": 120, "prompt_len": 64, "output_len": 120,
+                        "arrival": {"process": "poisson", "rate": 40}}}
+    ttft = frame(validate_scenario(raw))["ttft_s"]
+    assert ttft.max() < 0.25 and ttft.iloc[-30:].median() < 1.5 * ttft.iloc[:30].median()
 
 
 def test_a_token_time_of_zero_changes_nothing(monkeypatch):
@@ -310,13 +400,14 @@ def test_a_token_time_of_zero_changes_nothing(monkeypatch):
     assert FrontEnd.for_scenario(scenario(SERVICE, token=0.0)).token_s == 0.0
 
 
-def test_the_token_default_follows_the_front_ends_rule(monkeypatch, tmp_path):
+def test_the_token_and_step_defaults_follow_the_front_ends_rule(monkeypatch, tmp_path):
     """Unset: the family's fitted value on a vLLM server (continuous, paged) without a device
     profile, else 0; a set value wins."""
     import sim.trained
 
     monkeypatch.setattr(sim.trained, "front_end_default",
-                        lambda engine, name: {"v1": 4e-5, "v0": 0.0}[engine] if name == "front_end_token_s" else 0.0)
+                        lambda engine, name: {"front_end_token_s": {"v1": 4e-5, "v0": 0.0},
+                                              "front_end_step_s": {"v1": 3e-4, "v0": 0.0}}.get(name, {}).get(engine, 0.0))
 
     def made(engine=None, **raw):
         return validate_scenario({"model": "qwen2.5-0.5b", "device": "h100-sxm", "engine": engine or {}, **raw})
@@ -328,3 +419,18 @@ def test_the_token_default_follows_the_front_ends_rule(monkeypatch, tmp_path):
     profile = tmp_path / "mine.yaml"
     profile.write_text("coefficients: {}\n")
     assert front_end_token_s(made(device={"base": "h100-sxm", "profile": str(profile)})) == 0.0
+    # the handler's time per step: the same rule (one resolver, sim/front_end.py `_resolved`)
+    assert front_end_step_s(made()) == 3e-4 and front_end_step_s(made({"vllm_version": "0.7.3"})) == 0.0
+    assert front_end_step_s(made({"front_end_step_s": 1e-4})) == 1e-4
+    assert front_end_step_s(made(device={"base": "h100-sxm", "profile": str(profile)})) == 0.0
+
+
+def test_the_streaming_fits_resume_names_mark_the_merged_rounds():
+    """validate/lodo.py: a class fit's or fold's --resume name carries the streaming times and the
+    rounds' mark (a fit made under the job-per-step streaming, named " per token T", is never
+    handed back), and nothing without streaming (the intake-only fits of before are reused)."""
+    from validate import lodo
+
+    assert lodo._stream_tag(0.0, 0.0) == ""
+    assert lodo._stream_tag(160e-6, 0.0) == " per token 0.00016 per step 0 (merged streaming)"
+    assert lodo._stream_tag(0.0, 1e-3) != lodo._stream_tag(1e-3, 0.0)

@@ -64,8 +64,9 @@ def files_of(scenario, out: Path, spilled: bool, steps: str) -> dict[str, bytes]
     (("engine.vllm_version=0.7.3", "workload.num_requests=1500"), "aggregated"),
     # ... and to an in-process client when its asyncio loop wakes (StepRecorder.loop_wakes)
     (("engine.vllm_version=0.7.3", "engine.client_in_process=true", "workload.num_requests=1500"), "aggregated"),
-    # the API server's loop streaming every step's outputs (StepRecorder.delivered), pooled over the replicas
-    (("engine.front_end_s=0.002", "engine.front_end_token_s=0.00005", "workload.num_requests=1500"), "aggregated"),
+    # the API server's loop streaming the steps' outputs in rounds (StepRecorder.delivered), pooled over the replicas
+    (("engine.front_end_s=0.002", "engine.front_end_token_s=0.00005", "engine.front_end_step_s=0.0002",
+      "workload.num_requests=1500"), "aggregated"),
 ])
 def test_spilled_run_writes_the_in_memory_files_byte_for_byte(tmp_path, small_chunks, extra, steps):
     scenario = fleet(*extra)

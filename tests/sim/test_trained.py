@@ -357,7 +357,8 @@ def test_a_v0_class_speed_is_pulled_to_the_pooled_profile_as_far_as_its_runs_lea
     group = [r for r in runs.values() if r.deployment == "meta-llama/Meta-Llama-3-8B-Instruct / L4 / tp 1 / vLLM 0.7.3"]
     pooled = {"step_host_s": 2e-3, "seq_host_s": 50e-6, "prefill_seq_host_s": 0.3e-3, "eager_layer_host_s": 0.5e-3}
 
-    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0):
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0,
+             front_end_step_s=0.0):
         factor = (coefficients.step_host_s / (2 * pooled["step_host_s"])) ** sensitivity
         return {m: v * factor for m, v in run.measured.items()}
 
@@ -382,7 +383,8 @@ def test_a_v0_class_fits_its_nvlink_all_reduce_latency_within_a_physical_range(r
              if r.deployment == "meta-llama/Meta-Llama-3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.7.3"]
     assert group and lodo.parameter_acts("allreduce_latency_s", group)
 
-    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0):
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0,
+             front_end_step_s=0.0):
         factor = (coefficients.allreduce_latency_s / wanted_s) ** 0.5
         return {m: v * factor for m, v in run.measured.items()}
 
@@ -434,9 +436,9 @@ def test_recorded_lodo_errors_still_hold(run_id, runs):
     row = TABLE.set_index("run").loc[run_id]
     run = runs[run_id]
     params = {n: float(row[f"fold {n}"]) for n in lodo.NAMES if pd.notna(row.get(f"fold {n}"))}
-    # the fold's API-server times per request and per streamed token (every source's replay)
+    # the fold's API-server times per request, per streamed token and per step (every source's replay)
     front = {name: float(row[f"fold {name}"]) if pd.notna(row.get(f"fold {name}")) else 0.0
-             for name in ("front_end_s", "front_end_token_s")}
+             for name in ("front_end_s", "front_end_token_s", "front_end_step_s")}
     now = {f"datasheet {k}": v for k, v in lodo.errors(run, lodo.predict(run, CostCoefficients(), **front)).items()}
     trained = trained_coefficients(params)
     now.update({f"trained {k}": v for k, v in lodo.errors(run, lodo.predict(run, trained, **front)).items()})
