@@ -118,6 +118,10 @@ class DecodeCohort:
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
         # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/fast/leap.py).
         self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
+        # Phases whose group may not be in running order (a member joined behind one admitted after
+        # it): the others are, as members join in running order and leaving keeps the order, so a
+        # window's frees read them as they are (no sort a step: `_freeing_in_running_order`).
+        self._unordered: set[int] = set()
         # The same groups counted by the clocks at which they cross: crossings[c % block_size] members
         # start a block at clock c (the leap planner reads a stretch's crossings as a slice of it).
         self.crossings = [0] * self.block_size
@@ -139,7 +143,10 @@ class DecodeCohort:
         req.cohort_gen += 1
         req.__class__ = CohortMember
         self.members[req] = None
-        self.by_phase[offset % bs][req] = None
+        phase = self.by_phase[offset % bs]
+        if phase and next(reversed(phase)).run_seq > req.run_seq:
+            self._unordered.add(offset % bs)
+        phase[req] = None
         self.crossings[(1 - offset) % bs] += 1
         if self.window is not None:
             self._joined[req] = None
@@ -162,7 +169,10 @@ class DecodeCohort:
         computed, output = offset + self.scheduled_step, req.cohort_output + self.finished_step
         self.ctx_offset_sum -= offset
         self.blocks_walked -= -(-computed // self.block_size)
-        del self.by_phase[offset % self.block_size][req]
+        phase = self.by_phase[offset % self.block_size]
+        del phase[req]
+        if not phase and self._unordered:
+            self._unordered.discard(offset % self.block_size)
         self.crossings[(1 - offset) % self.block_size] -= 1
         if self._joined:
             self._joined.pop(req, None)
@@ -344,13 +354,9 @@ class DecodeCohort:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         if self.window is not None:        # before the clock moves: members' contexts before the token
-            freeing = self.by_phase[(self.window - clock) % self.block_size]     # (freeing(step), inline)
-            if self._joined:
-                freeing = {**freeing, **self._joined}
-                self._joined = {}
-            if freeing:                    # (in running order: _in_running_order, inline)
-                kv.free_behind_windows(((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, 0),),
-                                       clock=self.scheduled_step)
+            freeing = self._freeing_in_running_order(clock)
+            if freeing:
+                kv.free_behind_windows(((freeing, 0),), clock=self.scheduled_step)
         self.scheduled_step = clock
         bs = self.block_size
         crossing = self.by_phase[(1 - clock) % bs]
@@ -393,6 +399,18 @@ class DecodeCohort:
                 for req in self._in_running_order(crossing):
                     for table, block in zip(req.group_tables, blocks):     # (zip stops at the tables' end)
                         table.append(block)
+
+    def _freeing_in_running_order(self, clock: int):
+        """The members that may free behind their window at `clock`, in running order: `freeing`'s,
+        with those that joined since the last step (a prefill may have left several)."""
+        phase = (self.window - clock) % self.block_size
+        freeing = self.by_phase[phase]
+        if self._joined:
+            freeing = {**freeing, **self._joined}
+            self._joined = {}
+        elif len(freeing) < 2 or phase not in self._unordered:
+            return freeing
+        return sorted(freeing, key=_run_seq)
 
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order (members
@@ -449,13 +467,16 @@ class DecodeCohort:
             # then (the clock moves step by step; `num_computed` reads the stretch's start until the end)
             window, start, ahead = self.window, self.scheduled_step, 0
             steps_freeing = []
+            unordered = self._unordered
             for c in range(clock, clock + steps):
-                freeing = by_phase[(window - c) % bs]
-                if self._joined:               # (members that joined since the last step: a prefill may have left several)
-                    freeing = {**freeing, **self._joined}
+                phase = (window - c) % bs
+                freeing = by_phase[phase]
+                if self._joined:               # (_freeing_in_running_order, inline: a call a step)
+                    freeing = sorted({**freeing, **self._joined}, key=_run_seq)
                     self._joined = {}
-                # (_in_running_order, inline: a call a step)
-                steps_freeing.append((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, ahead))
+                elif len(freeing) > 1 and phase in unordered:
+                    freeing = sorted(freeing, key=_run_seq)
+                steps_freeing.append((freeing, ahead))
                 ahead = c - start              # (the context before the token at c + 1)
             kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
         else:
