@@ -118,9 +118,10 @@ class DecodeCohort:
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
         # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/fast/leap.py).
         self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
-        # Phases whose group may not be in running order (a member joined behind one admitted after
-        # it): the others are, as members join in running order and leaving keeps the order, so a
-        # window's frees read them as they are (no sort a step: `_freeing_in_running_order`).
+        # (window) Phases whose group may not be in running order (a member joined behind one
+        # admitted after it): the others are, as members join in running order and leaving keeps
+        # the order, so a window's frees read them as they are (no sort a step:
+        # `_freeing_in_running_order`).
         self._unordered: set[int] = set()
         # The same groups counted by the clocks at which they cross: crossings[c % block_size] members
         # start a block at clock c (the leap planner reads a stretch's crossings as a slice of it).
@@ -144,12 +145,12 @@ class DecodeCohort:
         req.__class__ = CohortMember
         self.members[req] = None
         phase = self.by_phase[offset % bs]
-        if phase and next(reversed(phase)).run_seq > req.run_seq:
-            self._unordered.add(offset % bs)
+        if self.window is not None:
+            if phase and next(reversed(phase)).run_seq > req.run_seq:
+                self._unordered.add(offset % bs)
+            self._joined[req] = None
         phase[req] = None
         self.crossings[(1 - offset) % bs] += 1
-        if self.window is not None:
-            self._joined[req] = None
         self.ctx_offset_sum += offset
         self.blocks_walked += -(-computed // bs)
         finish = self.finished_step + req.output_len - output        # on the cohort's clock
