@@ -487,9 +487,13 @@ class DecodeCohort:
         # and the hashes evicted by then
         per_table = self.tables
         ends = list(accumulate(walked))
+        if not evicted_at:                 # (most stretches: nothing evicted; one loop, not two comprehensions)
+            free, cached = [], []
+            for end, f, r in zip(ends, free_after, cached_after):
+                free.append(free0 - end * per_table + f)
+                cached.append(cached0 + r)
+            return free, cached
         free = [free0 - end * per_table + f for end, f in zip(ends, free_after)]
-        if not evicted_at:                 # (most stretches: nothing evicted)
-            return free, [cached0 + r for r in cached_after]
         evicted = [bisect_left(evicted_at, end * per_table) for end in ends]
         return free, [cached0 - e + r for e, r in zip(evicted, cached_after)]
 
