@@ -611,3 +611,14 @@ def test_a_cohort_frees_behind_its_windows_in_running_order_whatever_order_its_m
             cohort.advance(step, kv)
     assert [req.group_tables[sliding][:2] for req in reqs] == [[NULL_BLOCK] * 2] * 3
     assert kv.pool.free_queue[-6:] == [table[0] for table in held] + [table[1] for table in held]
+
+
+def test_the_decode_cohort_keeps_its_attributes_where_cpython_reads_them_fastest():
+    """CPython 3.11 caps a class's shared instance keys (SHARED_KEYS_MAX_SIZE, Objects/dictobject.c):
+    under this project's 3.11.7 an instance with 30 attributes or more reads each `self.` attribute
+    ~18 instructions dearer than with 29 (valgrind, a loop of reads), and a 30th attribute on
+    DecodeCohort cost 13.7M more instructions on bench/instructions.py's mistral-sliding line (+3 %).
+    A new attribute must replace one, or go where it is read (the layout, a member)."""
+    sched = scheduler(hybrid(8), num_blocks=64, block_size=4)
+    assert sched.cohort.window is not None
+    assert len(vars(sched.cohort)) < 30

@@ -120,8 +120,9 @@ class DecodeCohort:
         self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
         # (window) Phases whose group may not be in running order (a member joined behind one
         # admitted after it): the others are, as members join in running order and leaving keeps
-        # the order, so a window's frees read them as they are (no sort a step:
-        # `_freeing_in_running_order`).
+        # the order, so a window's frees read them as they are (no sort a step: `advance`).
+        # (29 attributes: from the 30th, CPython 3.11 keeps an instance's attributes in a dict of
+        # its own and every `self.` read costs more, +3 % of Mistral v0.1's line; a test holds it.)
         self._unordered: set[int] = set()
         # The same groups counted by the clocks at which they cross: crossings[c % block_size] members
         # start a block at clock c (the leap planner reads a stretch's crossings as a slice of it).
@@ -355,7 +356,13 @@ class DecodeCohort:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         if self.window is not None:        # before the clock moves: members' contexts before the token
-            freeing = self._freeing_in_running_order(clock)
+            phase = (self.window - clock) % self.block_size     # (freeing(step), inline, in running order)
+            freeing = self.by_phase[phase]
+            if self._joined:               # (members that joined since the last step: a prefill may have left several)
+                freeing = sorted({**freeing, **self._joined}, key=_run_seq)
+                self._joined = {}
+            elif len(freeing) > 1 and phase in self._unordered:
+                freeing = sorted(freeing, key=_run_seq)
             if freeing:
                 kv.free_behind_windows(((freeing, 0),), clock=self.scheduled_step)
         self.scheduled_step = clock
@@ -400,18 +407,6 @@ class DecodeCohort:
                 for req in self._in_running_order(crossing):
                     for table, block in zip(req.group_tables, blocks):     # (zip stops at the tables' end)
                         table.append(block)
-
-    def _freeing_in_running_order(self, clock: int):
-        """The members that may free behind their window at `clock`, in running order: `freeing`'s,
-        with those that joined since the last step (a prefill may have left several)."""
-        phase = (self.window - clock) % self.block_size
-        freeing = self.by_phase[phase]
-        if self._joined:
-            freeing = {**freeing, **self._joined}
-            self._joined = {}
-        elif len(freeing) < 2 or phase not in self._unordered:
-            return freeing
-        return sorted(freeing, key=_run_seq)
 
     def _register_fills(self, clocks: range, kv) -> None:
         """Publish the blocks the members' tokens complete at these clocks, in step order (members
@@ -472,7 +467,7 @@ class DecodeCohort:
             for c in range(clock, clock + steps):
                 phase = (window - c) % bs
                 freeing = by_phase[phase]
-                if self._joined:               # (_freeing_in_running_order, inline: a call a step)
+                if self._joined:               # (as in `advance`, inline: a call a step)
                     freeing = sorted({**freeing, **self._joined}, key=_run_seq)
                     self._joined = {}
                 elif len(freeing) > 1 and phase in unordered:
