@@ -119,8 +119,9 @@ class DecodeCohort:
         # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/fast/leap.py).
         self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
         # (window) Phases whose group may not be in running order (a member joined behind one
-        # admitted after it): the others are, as members join in running order and leaving keeps
-        # the order, so a window's frees read them as they are (no sort a step: `advance`).
+        # admitted after it; a phase stays marked, sorted at each of its frees as before): the
+        # others are, as members join in running order and leaving keeps the order, so a window's
+        # frees read them as they are (no sort a step: `advance`).
         # (29 attributes: from the 30th, CPython 3.11 keeps an instance's attributes in a dict of
         # its own and every `self.` read costs more, +3 % of Mistral v0.1's line; a test holds it.)
         self._unordered: set[int] = set()
@@ -171,10 +172,7 @@ class DecodeCohort:
         computed, output = offset + self.scheduled_step, req.cohort_output + self.finished_step
         self.ctx_offset_sum -= offset
         self.blocks_walked -= -(-computed // self.block_size)
-        phase = self.by_phase[offset % self.block_size]
-        del phase[req]
-        if not phase and self._unordered:
-            self._unordered.discard(offset % self.block_size)
+        del self.by_phase[offset % self.block_size][req]
         self.crossings[(1 - offset) % self.block_size] -= 1
         if self._joined:
             self._joined.pop(req, None)
