@@ -589,9 +589,11 @@ def test_a_stretch_of_window_frees_in_one_call_is_the_calls_step_by_step(countin
 @pytest.mark.parametrize("join_order", [(0, 1, 2), (2, 0, 1)], ids=["in-running-order", "out-of-order"])
 def test_a_cohort_frees_behind_its_windows_in_running_order_whatever_order_its_members_joined(join_order, stretch):
     """At a step, the blocks a decode cohort's members leave behind their windows join the free
-    queue in the running list's order (vLLM frees them as its scheduler walks the running
-    requests). A phase group keeps its members in the order they joined, which is that order
-    unless one joined behind a member admitted after it: then the group is sorted."""
+    queue in the running list's order: vLLM 0.19's Scheduler.schedule walks `self.running` in order
+    (vllm/v1/core/sched/scheduler.py) and KVCacheManager.allocate_slots frees each request's blocks
+    behind its window first (`coordinator.remove_skipped_blocks`, vllm/v1/core/kv_cache_manager.py).
+    A phase group keeps its members in the order they joined, which is that order unless one joined
+    behind a member admitted after it: then the group is sorted."""
     sched = scheduler(hybrid(8), num_blocks=64, block_size=4)       # a window of 2 blocks of 4 tokens
     kv, cohort = sched.kv, sched.cohort
     reqs = [make_request(i, 0.0, [(10 + i, 12)], 40) for i in range(3)]
