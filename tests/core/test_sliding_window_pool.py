@@ -583,3 +583,44 @@ def test_a_stretch_of_window_frees_in_one_call_is_the_calls_step_by_step(countin
     assert stepwise == run(True)
     assert stepwise == run(True, clock=37)
     assert stepwise[0][0][-1] > stepwise[0][0][0] > 0 and stepwise[3] > 0
+
+
+@pytest.mark.parametrize("stretch", [False, True], ids=["step-by-step", "stretch"])
+@pytest.mark.parametrize("join_order", [(0, 1, 2), (2, 0, 1)], ids=["in-running-order", "out-of-order"])
+def test_a_cohort_frees_behind_its_windows_in_running_order_whatever_order_its_members_joined(join_order, stretch):
+    """At a step, the blocks a decode cohort's members leave behind their windows join the free
+    queue in the running list's order: vLLM 0.19's Scheduler.schedule walks `self.running` in order
+    (vllm/v1/core/sched/scheduler.py) and KVCacheManager.allocate_slots frees each request's blocks
+    behind its window first (`coordinator.remove_skipped_blocks`, vllm/v1/core/kv_cache_manager.py).
+    A phase group keeps its members in the order they joined, which is that order unless one joined
+    behind a member admitted after it: then the group is sorted."""
+    sched = scheduler(hybrid(8), num_blocks=64, block_size=4)       # a window of 2 blocks of 4 tokens
+    kv, cohort = sched.kv, sched.cohort
+    reqs = [make_request(i, 0.0, [(10 + i, 12)], 40) for i in range(3)]
+    for seq, req in enumerate(reqs, 1):
+        req.run_seq = seq
+        _compute(kv, req, 12)
+        req.num_output = 1                 # (its prefill emitted its first token)
+    cohort.sync(0)
+    for i in join_order:
+        cohort.join(reqs[i], 0)            # one phase: each frees a block at the same steps
+    sliding = kv.coordinator.sliding_ids[0]
+    held = [list(req.group_tables[sliding]) for req in reqs]
+    if stretch:                            # (a leap's four steps at once)
+        cohort.advance_grouped(1, 4, kv)
+    else:                                  # its first step frees what the prefill left behind, the 4th the next block
+        for step in range(1, 5):
+            cohort.advance(step, kv)
+    assert [req.group_tables[sliding][:2] for req in reqs] == [[NULL_BLOCK] * 2] * 3
+    assert kv.pool.free_queue[-6:] == [table[0] for table in held] + [table[1] for table in held]
+
+
+def test_the_decode_cohort_keeps_its_attributes_where_cpython_reads_them_fastest():
+    """CPython 3.11 caps a class's shared instance keys (SHARED_KEYS_MAX_SIZE, Objects/dictobject.c):
+    under this project's 3.11.7 an instance with 30 attributes or more reads each `self.` attribute
+    ~18 instructions dearer than with 29 (valgrind, a loop of reads), and a 30th attribute on
+    DecodeCohort cost 13.7M more instructions on bench/instructions.py's mistral-sliding line (+3 %).
+    A new attribute must replace one, or go where it is read (the layout, a member)."""
+    sched = scheduler(hybrid(8), num_blocks=64, block_size=4)
+    assert sched.cohort.window is not None
+    assert len(vars(sched.cohort)) < 30

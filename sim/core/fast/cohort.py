@@ -118,6 +118,13 @@ class DecodeCohort:
         # cross (start a block) and fill (complete one) on the same steps, with no per-member events:
         # at clock c, phase (1 - c) % block_size crosses into a new block (read by sim/core/fast/leap.py).
         self.by_phase: list[dict[Request, None]] = [{} for _ in range(self.block_size)]
+        # (window) Phases whose group may not be in running order (a member joined behind one
+        # admitted after it; a phase stays marked, sorted at each of its frees as before): the
+        # others are, as members join in running order and leaving keeps the order, so a window's
+        # frees read them as they are (no sort a step: `advance`).
+        # (29 attributes: from the 30th, CPython 3.11 keeps an instance's attributes in a dict of
+        # its own and every `self.` read costs more, +3 % of Mistral v0.1's line; a test holds it.)
+        self._unordered: set[int] = set()
         # The same groups counted by the clocks at which they cross: crossings[c % block_size] members
         # start a block at clock c (the leap planner reads a stretch's crossings as a slice of it).
         self.crossings = [0] * self.block_size
@@ -139,10 +146,13 @@ class DecodeCohort:
         req.cohort_gen += 1
         req.__class__ = CohortMember
         self.members[req] = None
-        self.by_phase[offset % bs][req] = None
-        self.crossings[(1 - offset) % bs] += 1
+        phase = self.by_phase[offset % bs]
         if self.window is not None:
+            if phase and next(reversed(phase)).run_seq > req.run_seq:
+                self._unordered.add(offset % bs)
             self._joined[req] = None
+        phase[req] = None
+        self.crossings[(1 - offset) % bs] += 1
         self.ctx_offset_sum += offset
         self.blocks_walked += -(-computed // bs)
         finish = self.finished_step + req.output_len - output        # on the cohort's clock
@@ -344,13 +354,15 @@ class DecodeCohort:
         """Schedule one token for every member at `step`, handling the members' block boundaries."""
         clock = step - self.offset
         if self.window is not None:        # before the clock moves: members' contexts before the token
-            freeing = self.by_phase[(self.window - clock) % self.block_size]     # (freeing(step), inline)
-            if self._joined:
-                freeing = {**freeing, **self._joined}
+            phase = (self.window - clock) % self.block_size     # (freeing(step), inline, in running order)
+            freeing = self.by_phase[phase]
+            if self._joined:               # (members that joined since the last step: a prefill may have left several)
+                freeing = sorted({**freeing, **self._joined}, key=_run_seq)
                 self._joined = {}
-            if freeing:                    # (in running order: _in_running_order, inline)
-                kv.free_behind_windows(((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, 0),),
-                                       clock=self.scheduled_step)
+            elif len(freeing) > 1 and phase in self._unordered:
+                freeing = sorted(freeing, key=_run_seq)
+            if freeing:
+                kv.free_behind_windows(((freeing, 0),), clock=self.scheduled_step)
         self.scheduled_step = clock
         bs = self.block_size
         crossing = self.by_phase[(1 - clock) % bs]
@@ -449,13 +461,16 @@ class DecodeCohort:
             # then (the clock moves step by step; `num_computed` reads the stretch's start until the end)
             window, start, ahead = self.window, self.scheduled_step, 0
             steps_freeing = []
+            unordered = self._unordered
             for c in range(clock, clock + steps):
-                freeing = by_phase[(window - c) % bs]
-                if self._joined:               # (members that joined since the last step: a prefill may have left several)
-                    freeing = {**freeing, **self._joined}
+                phase = (window - c) % bs
+                freeing = by_phase[phase]
+                if self._joined:               # (as in `advance`, inline: a call a step)
+                    freeing = sorted({**freeing, **self._joined}, key=_run_seq)
                     self._joined = {}
-                # (_in_running_order, inline: a call a step)
-                steps_freeing.append((sorted(freeing, key=_run_seq) if len(freeing) > 1 else freeing, ahead))
+                elif len(freeing) > 1 and phase in unordered:
+                    freeing = sorted(freeing, key=_run_seq)
+                steps_freeing.append((freeing, ahead))
                 ahead = c - start              # (the context before the token at c + 1)
             kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
         else:
@@ -465,9 +480,13 @@ class DecodeCohort:
         # and the hashes evicted by then
         per_table = self.tables
         ends = list(accumulate(walked))
+        if not evicted_at:                 # (most stretches: nothing evicted; one loop, not two comprehensions)
+            free, cached = [], []
+            for end, f, r in zip(ends, free_after, cached_after):
+                free.append(free0 - end * per_table + f)
+                cached.append(cached0 + r)
+            return free, cached
         free = [free0 - end * per_table + f for end, f in zip(ends, free_after)]
-        if not evicted_at:                 # (most stretches: nothing evicted)
-            return free, [cached0 + r for r in cached_after]
         evicted = [bisect_left(evicted_at, end * per_table) for end in ends]
         return free, [cached0 - e + r for e, r in zip(evicted, cached_after)]
 

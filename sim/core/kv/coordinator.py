@@ -326,7 +326,8 @@ class HybridCoordinator(KVCacheCoordinator):
         tables = req.group_tables
         if tables is None:
             req.blocks = []
-            tables = req.group_tables = [req.blocks] + [[] for _ in range(self.num_groups - 1)]
+            tables = req.group_tables = [req.blocks, []] if self.num_groups == 2 else \
+                [req.blocks] + [[] for _ in range(self.num_groups - 1)]    # (a hybrid's two groups: no comprehension)
             if self._track_window_frees:
                 req.window_frees = []
         return tables
@@ -359,7 +360,7 @@ class HybridCoordinator(KVCacheCoordinator):
                                                                         self.window, self.block_size)
         if not length:
             return NO_BLOCKS, 0
-        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        hits: list = [None] * self.num_groups      # (every group's hit set below)
         for g, table in zip(self.full_ids, full):
             hits[g] = table[:length]
         lookup = pool.cached.get
@@ -383,8 +384,9 @@ class HybridCoordinator(KVCacheCoordinator):
         tables = self._tables(req)
         held = len(req.blocks)
         if hits:                               # every group's hits first: no allocation may evict them
-            leases = [pool.touch_shared(table) if full else pool.touch(_held(table))     # (touch: None)
-                      for table, full in zip(hits, self.full_attention)]
+            leases = []                        # (a loop, not a comprehension: a function and a frame a call)
+            for table, full in zip(hits, self.full_attention):
+                leases.append(pool.touch_shared(table) if full else pool.touch(_held(table)))     # (touch: None)
             if leases.count(None) < len(leases):
                 req.kv_lease = leases
             for table, hit_table in zip(tables, hits):
