@@ -1113,8 +1113,8 @@ def _forked_outcomes(fn: Callable, items: list, jobs: int) -> list[tuple[bool, o
     """(True, fn(item)) or (False, what went wrong) per item, each item in a fresh forked process
     (nothing one fit leaves behind reaches the next: workers once grew to ~13 GB over their folds,
     finished simulations kept in reference cycles, see sim.simulator.Simulation._drop_callbacks;
-    the out-of-memory killer took them), `jobs` at a time. multiprocessing.Pool is not used: its
-    map waits forever for the result of a worker that was killed."""
+    the out-of-memory killer took them), `jobs` at a time. Not multiprocessing.Pool: its map waits
+    forever for the result of a worker that was killed (CPython gh-66587)."""
     import multiprocessing
     import signal
     from multiprocessing.connection import wait
