@@ -1021,6 +1021,8 @@ def _resumable(kind: str, name: str, compute: Callable, engine: str):
     if path.exists():
         stored = json.loads(path.read_text())
         if stored["name"] == name:
+            if stored["value"] is None:
+                raise FitError(f"{path}: {kind} {name!r} was kept with no value (null): delete the file to refit it")
             return stored["value"]
     value = compute()
     write_text(path, json.dumps({"name": name, "value": value}))
@@ -1065,27 +1067,100 @@ def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, di
     _FOLD_STATE.update(runs=runs, progress=progress)
     if FRONT_END:                                    # the runs' front-end profiles, `jobs` at a time
         pool = fit_runs([r for r in runs if r.api_server])
-        _PROFILES.update(zip([r.id for r in pool], _map(front_end_profile, pool, jobs)))
+        _PROFILES.update(zip([r.id for r in pool], _map(front_end_profile, pool, jobs, "front-end profile of run",
+                                                         tuple, lambda r: r.id)))
     pooled_front_end(runs, progress=progress)       # once, before the class fits (forked ones share it)
     if V0_POOLED_HOST and any(engine == "v0" for engine, _ in keys):
         pooled_v0_host(runs, progress=progress)      # once, before the class fits (forked ones share it)
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for (engine, gpu), params in zip(keys, _map(_class_fit, keys, jobs)):
+    for (engine, gpu), params in zip(keys, _map(_class_fit, keys, jobs, "class fit", dict, "/".join)):
         out.setdefault(engine, {})[gpu] = params
     return out
 
 
-def _map(fn: Callable, items: list, jobs: int) -> list:
-    """fn over items, in `jobs` forked processes (they share the loaded runs) when more than one."""
-    if jobs > 1 and len(items) > 1:
-        import multiprocessing
+class FitError(RuntimeError):
+    """A class fit, fold or front-end profile that did not give back its result, named."""
 
-        # a fresh fork per item: nothing one fit leaves behind reaches the next (workers once grew
-        # to ~13 GB over their folds, finished simulations kept in reference cycles: see
-        # sim.simulator.Simulation._drop_callbacks; the out-of-memory killer took them)
-        with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
-            return pool.map(fn, items, chunksize=1)
-    return [fn(i) for i in items]
+
+def _map(fn: Callable, items: list, jobs: int, kind: str, expected: type, name: Callable = str) -> list:
+    """fn over items, in `jobs` forked processes (they share the loaded runs) when more than one.
+    Every result is accounted for: one that is not an `expected` (None: a fit that came back with
+    nothing) or whose process raised or died (the out-of-memory killer) is reported as
+    "{kind} {name(item)}: what happened", all such at once after the others have finished (each
+    kept in the --resume folder), as one FitError; never passed on, never waited for forever."""
+    if jobs > 1 and len(items) > 1:
+        outcomes = _forked_outcomes(fn, items, jobs)
+    else:
+        outcomes = []
+        for item in items:
+            try:
+                outcomes.append((True, fn(item)))
+            except Exception as e:      # raised here as it is (its own traceback), the item named
+                e.add_note(f"in {kind} {name(item)}")
+                raise
+    failed = []
+    for item, (ok, value) in zip(items, outcomes):
+        if ok and not isinstance(value, expected):
+            ok, value = False, f"gave back {value!r:.200} where a {expected.__name__} was expected"
+        if not ok:
+            failed.append(f"{kind} {name(item)}: {value}")
+    if failed:
+        raise FitError(f"{len(failed)} of {len(items)} {kind}s failed (the others finished):\n" + "\n".join(failed))
+    return [value for _, value in outcomes]
+
+
+def _forked_outcomes(fn: Callable, items: list, jobs: int) -> list[tuple[bool, object]]:
+    """(True, fn(item)) or (False, what went wrong) per item, each item in a fresh forked process
+    (nothing one fit leaves behind reaches the next: workers once grew to ~13 GB over their folds,
+    finished simulations kept in reference cycles, see sim.simulator.Simulation._drop_callbacks;
+    the out-of-memory killer took them), `jobs` at a time. Not multiprocessing.Pool: its map waits
+    forever for the result of a worker that was killed (CPython gh-66587)."""
+    import multiprocessing
+    import signal
+    from multiprocessing.connection import wait
+
+    context = multiprocessing.get_context("fork")
+    outcomes: dict[int, tuple[bool, object]] = {}
+    waiting, running = list(enumerate(items)), {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                i, item = waiting.pop(0)
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(target=_give_back, args=(fn, item, writer), daemon=True)
+                process.start()
+                writer.close()           # the child's copy is the only one left: its end is our EOF
+                running[reader] = (i, process)
+            for reader in wait(list(running)):
+                i, process = running.pop(reader)
+                try:
+                    outcomes[i] = reader.recv()
+                except (EOFError, OSError):      # no result, or part of one: the process died
+                    process.join()
+                    killed = ": killed, by the out-of-memory killer?" if process.exitcode == -signal.SIGKILL else ""
+                    outcomes[i] = (False, f"its process ended (exit code {process.exitcode}{killed}) without "
+                                          "giving back a result")
+                reader.close()
+                process.join()
+    finally:
+        for _, process in running.values():       # interrupted: stop the fits still running
+            process.terminate()
+            process.join()
+    return [outcomes[i] for i in range(len(items))]
+
+
+def _give_back(fn: Callable, item, writer) -> None:
+    """In a forked process: send (True, fn(item)), or (False, the traceback) where it raised."""
+    import traceback
+
+    try:
+        outcome = (True, fn(item))
+    except Exception:
+        outcome = (False, traceback.format_exc())
+    try:
+        writer.send(outcome)
+    except Exception:                # a result that does not pickle
+        writer.send((False, traceback.format_exc()))
 
 
 def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, float]]],
@@ -1302,7 +1377,11 @@ def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optiona
         pooled_front_end(runs, name, progress)      # before the folds (forked ones share them)
     for model in sorted({deployment_model(n) for n in names if V0_POOLED_HOST and deployment_engine(n) == "v0"}):
         pooled_v0_host(runs, model, progress)        # before the folds (forked ones share them)
-    parts = _map(_fold_rows, names, jobs)
+    parts = _map(_fold_rows, names, jobs, "fold", list)
+    for name, rows in zip(names, parts):            # one row per run: a fold never drops or adds one
+        if len(rows) != len(deployments(runs)[name]):
+            raise FitError(f"fold {name}: {len(rows)} rows for its {len(deployments(runs)[name])} runs (kept in "
+                           "the --resume folder from other runs? delete its file to refit it)")
     return pd.DataFrame([row for part in parts for row in part])
 
 
