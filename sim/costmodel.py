@@ -22,8 +22,9 @@
 
 Quantized weights change the bytes read and the GEMM peak (gemm_peak_flops), weight-only ones add
 their dequantization per tile of batch rows (weight_only); an MoE layer adds
-max(routed FLOPs, bytes of the experts the batch touches), scaled for the busiest GPU under expert
-parallelism (expert_imbalance), and the dp token exchange (moe_layer_time); data-parallel MoE
+max(routed FLOPs, bytes of the experts the batch touches) (plus expert_serial_share x the smaller),
+scaled for the busiest GPU under expert parallelism (expert_imbalance), and the dp token exchange
+(moe_layer_time); data-parallel MoE
 ranks step together (lockstep_times); sliding-window layers read at most the window; PCIe
 collectives follow NCCL's ring model (pcie_collective). docs/cost_model.md walks through it all.
 
@@ -214,6 +215,11 @@ class CostCoefficients:
     # expert_n_half) of it (Hockney's half-performance length; 0 = the dense efficiency). Streaming
     # the touched experts' weights (decode) stays at bw_eff: bound by their bytes, not tile shapes
     expert_n_half: float = 0.0
+    # the fused-MoE kernel's overlap of its expert GEMMs' compute with their weight reads: this share
+    # of the smaller of the two is added to the larger (0: the roofline's maximum, full overlap; 1:
+    # their sum). vLLM's Triton fused_moe runs each expert's rows in tiles of BLOCK_SIZE_M (16-64 at
+    # decode sizes), streaming the expert's whole weight slice through every tile's K loop
+    expert_serial_share: float = 0.0
     # weight-only quantized GEMMs: dequantizing a weight for one tile of 64 batch rows costs this
     # share of the tile's 16-bit tensor-core work (0.25: whole tiles at 0.8 x the 16-bit rate, the
     # figure assumed before this term; small batches stay bound by the quantized bytes)
@@ -775,6 +781,7 @@ class CostModel:
         comm_token, comm_fixed, pcie = self._moe_comm_token_s, self._moe_comm_fixed_s, self._moe_exchange_pcie
 
         noise, skew, z = self._expert_imbalance
+        serial = self.coefficients.expert_serial_share
 
         def moe(tokens, gathered=None):
             # every rank's tokens reach the experts: with unequal ranks (no padding) the exchange
@@ -793,11 +800,14 @@ class CostModel:
                 # the experts a GPU must read: Binomial(E / ep, q) of its own, q = touched / E
                 hit = maximum(touched, top_k) / experts
                 read = read * minimum(1 + z * ((1 - hit) * ep / (experts * hit)) ** 0.5, 1 / hit)
+            experts_s = maximum(compute, read)
+            if serial:                  # the part of the smaller the kernel does not hide
+                experts_s = experts_s + serial * minimum(compute, read)
             if pcie is not None:        # the exchange's collectives, NCCL's faster protocol
                 (ll_fixed, ll_token), (simple_fixed, simple_token) = pcie
-                return maximum(compute, read) + minimum(ll_fixed + share * ll_token, simple_fixed + share * simple_token)
+                return experts_s + minimum(ll_fixed + share * ll_token, simple_fixed + share * simple_token)
             fixed = comm_fixed * (share > 0)
-            return maximum(compute, read) + share * comm_token + fixed
+            return experts_s + share * comm_token + fixed
         return moe
 
     def lockstep_times(self, batches, after_idle: bool = False) -> list[tuple[float, float]]:

@@ -87,9 +87,10 @@ SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
 # host time per step; tp all-reduce link terms; (V1) the fused-MoE kernel's half-efficiency expert slice
 # width; (V0) host time per sequence per step and per admitted prompt, and (V0_LINK_LATENCY) an NVLink
-# all-reduce's own latency, (V0_CUSTOM_ALLREDUCE) vLLM's custom all-reduce apart from NCCL's ring
+# all-reduce's own latency, (V0_CUSTOM_ALLREDUCE) vLLM's custom all-reduce apart from NCCL's ring,
+# (V0_EXPERT_SERIAL) the share of the expert GEMMs' compute or weight reads the fused-MoE kernel leaves unhidden
 TERMS = ("step_host_s", "link_eff", "host_staging_eff", "expert_n_half", "seq_host_s", "prefill_seq_host_s",
-         "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff")
+         "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff", "expert_serial_share")
 # sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model
 
 

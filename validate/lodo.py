@@ -18,6 +18,8 @@ Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 
     seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
     allreduce_latency_s (V0, V0_LINK_LATENCY: off) an NVLink all-reduce's own latency, apart from link_eff
     custom_allreduce_eff (V0, V0_CUSTOM_ALLREDUCE: off) vLLM's custom all-reduce (NVLink, under 8 MiB) apart
+    expert_serial_share (V0, V0_EXPERT_SERIAL: off; classes with MoE runs) the share of the expert GEMMs'
+                     smaller time (compute or weight reads) the fused-MoE kernel does not overlap
 each bounded to its physical range (no efficiency above 1). V0's three host terms are one profile
 fitted on all V0 classes pooled times a per-class machine speed (pooled_v0_host, V0_CLASS_FIT), its
 efficiencies the datasheet's. Two richer variants were tried and
@@ -89,7 +91,8 @@ METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p9
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
 NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half",
-         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff")
+         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff",
+         "expert_serial_share")
 ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.engine_generation)
 # What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
 # with the API server: one host time per step (the richer variants validated worse held out). V0
@@ -169,10 +172,26 @@ V0_EXPERT_KERNEL = False
 # fold, fitted on Llama-3-70B's runs, wants the opposite split (link 0.10, custom 1.0); the all-deployment
 # TTFT mean 20.1 -> 21.3 % and throughput 10.5 -> 11.3 %, V0's TPOT mean 13.8 -> 15.8 %.
 V0_CUSTOM_ALLREDUCE = False
+# Mixtral's V0 runs want expert time that grows with load (fold coefficients, no refit: TPOT +12 % at
+# 2 req/s, -29 % at 40 req/s; docs/fidelity_log.md, h/v0moe), which a roofline maximum of the expert
+# GEMMs' compute and weight reads cannot give where the reads dominate (Mixtral at tp 8: up to ~1100
+# token-expert pairs a step). vLLM 0.7.3's fused_moe (vllm/model_executor/layers/fused_moe/fused_moe.py)
+# pads each expert's rows to BLOCK_SIZE_M (moe_align_block_size; 16-128 in the A100 40GB / H100 configs for
+# E=8, N=1792), which stays below the ~140 rows per expert where compute passes the reads, so padding alone
+# moves no maximum; V0_EXPERT_SERIAL fits the share of the smaller time the kernel does not
+# hide (expert_serial_share: time = max + share x min) in V0 classes with MoE runs (parameter_acts).
+# Only the class fits move (their --resume names carry it and its start: _fit_tag). Refitted with twelve
+# class iterations (docs/fidelity_log.md, h/moemix) and left off: Mixtral is every V0 class's only MoE model,
+# so its own folds never fit the term (held out it is priced as before); the A100 40GB class puts it at 1
+# (the sum) and Llama-3-70B's fold mends (link 0.11 -> 0.16: TTFT +191 -> +111 %, TPOT +26 -> +2 %), but the
+# tp 1 Qwen2.5-0.5B folds move (RTX A6000 TTFT -14 -> -30 %): all-deployment TTFT mean 20.1 -> 21.3 %, p99
+# 24.3 -> 28.4 %.
+V0_EXPERT_SERIAL = False
 V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
 V0_CLASS_FIT = (("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
                 + (("expert_n_half",) if V0_EXPERT_KERNEL else ())
-                + (("custom_allreduce_eff",) if V0_CUSTOM_ALLREDUCE else ()))
+                + (("custom_allreduce_eff",) if V0_CUSTOM_ALLREDUCE else ())
+                + (("expert_serial_share",) if V0_EXPERT_SERIAL else ()))
 # The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
 # H100 folds fitted link_eff 0.41-0.73, and the dense tp 2 / 4 deployments paid: CodeLlama-34b +11 %,
 # Llama-2-70b +13 % E2E held out), so V1 prices the fused-MoE kernel on its expert slices apart
@@ -209,7 +228,7 @@ START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.
          "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
                 "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6, "link_eff": 1.0,
                 "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S,
-                "expert_n_half": 64.0, "custom_allreduce_eff": 1.0}}
+                "expert_n_half": 64.0, "custom_allreduce_eff": 1.0, "expert_serial_share": 0.3}}
 # V1 took three iterations until the expert term: they left the H100 folds' step host time anywhere
 # from 57 us to the 150 us x 2^3 = 1.2 ms the damping allows, and with the expert term a fold's cost
 # still fell by a third at the fourth iteration (Llama-2-70b's: 4.03 -> 2.88), its link between 0.5 and 1
@@ -229,7 +248,7 @@ BOUNDS = {"compute_scale": (max(0.1, 0.05 / min(_BASE.flops_eff, _BASE.attn_flop
           "eager_layer_host_s": (1e-7, 200e-6 if V0_EAGER_LAUNCH_CAP else 1e-3),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0),
           "expert_n_half": (8.0, 4096.0), "allreduce_latency_s": ALLREDUCE_LATENCY_BOUNDS_S,
-          "custom_allreduce_eff": (0.01, 1.0)}
+          "custom_allreduce_eff": (0.01, 1.0), "expert_serial_share": (0.01, 1.0)}
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
           "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
@@ -947,7 +966,7 @@ def parameter_acts(name: str, runs: list[Run]) -> bool:
     if name == "host_staging_eff":
         return any(getattr(r.scenario.device, "interconnect", None) == "pcie"
                    and not getattr(r.scenario.device, "peer_to_peer", True) for r in tp)
-    if name == "expert_n_half":
+    if name in ("expert_n_half", "expert_serial_share"):
         return any(r.scenario.model.is_moe for r in runs)
     return True
 
@@ -1001,6 +1020,8 @@ def _fit_tag(engine: str) -> str:
             + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else "")
             + (f" / experts {BOUNDS['expert_n_half']} from {START['v0']['expert_n_half']:g}" if V0_EXPERT_KERNEL else "")
             + (f" / custom all-reduce {BOUNDS['custom_allreduce_eff']}" if V0_CUSTOM_ALLREDUCE else "")
+            + (f" / expert serial {BOUNDS['expert_serial_share']} from {START['v0']['expert_serial_share']:g}"
+               if V0_EXPERT_SERIAL else "")
             + (f" / {V0_CLASS_ITERATIONS} iterations" if V0_CLASS_ITERATIONS != ITERATIONS["v0"] else ""))
 
 

@@ -343,6 +343,48 @@ def test_imbalance_slows_expert_parallel_moe_layers_only():
     assert CostModel(model, h100, dp=4, ep=4, profile=skewed).moe_layer_time(4096) > whole.moe_layer_time(4096)
 
 
+def test_fused_moe_serial_share_adds_part_of_the_smaller_expert_time():
+    """vLLM 0.7.3's Triton fused MoE (vllm/model_executor/layers/fused_moe/fused_moe.py,
+    `moe_align_block_size`, `invoke_fused_moe_kernel`) pads each expert's routed rows to a multiple
+    of BLOCK_SIZE_M and runs one program per BLOCK_SIZE_M x BLOCK_SIZE_N tile, whose K loop streams
+    that expert's weight slice (configs/E=8,N=1792,device_name=NVIDIA_A100-SXM4-40GB.json and
+    ..._H100_80GB_HBM3.json, Mixtral-8x7B at tp 8: BLOCK_SIZE_M 16-128 up to M = 4096). Even padded
+    to 128 rows per expert, Mixtral's GEMMs stay below the weight reads on A100 40GB and H100, so the
+    roofline's maximum is the reads; `expert_serial_share` adds that share of the smaller time (the
+    compute the kernel does not hide behind its loads), which grows with the batch."""
+    from dataclasses import replace
+
+    from sim.costmodel import DeviceProfile, gemm_peak_flops
+
+    mixtral = get_model("mixtral-8x7b")
+    for device in (get_device("a100-40g"), get_device("h100-sxm")):
+        plain = CostModel(mixtral, device, tp=8)
+        c = plain.coefficients
+        assert c.expert_serial_share == 0.0                      # the default: the roofline's maximum
+
+        def with_share(share: float) -> CostModel:
+            return CostModel(mixtral, device, tp=8, profile=DeviceProfile(replace(c, expert_serial_share=share)))
+        full, half = with_share(1.0), with_share(0.5)
+        pair_s = 6 * mixtral.hidden_size * mixtral.moe_intermediate_size / 8 / (
+            gemm_peak_flops(device, mixtral, "experts") * c.flops_eff)
+        padded_tokens = 128 * mixtral.num_experts // mixtral.num_experts_per_tok   # 128 rows per expert
+        assert padded_tokens * mixtral.num_experts_per_tok * pair_s < plain.moe_layer_time(padded_tokens)
+        for tokens in (1, 16, 256):
+            compute = tokens * mixtral.num_experts_per_tok * pair_s
+            added = full.moe_layer_time(tokens) - plain.moe_layer_time(tokens)
+            assert added == pytest.approx(compute, rel=1e-9)       # the sum of compute and reads
+            assert half.moe_layer_time(tokens) - plain.moe_layer_time(tokens) == pytest.approx(added / 2)
+        # a decode step's device time: the layers' share of it, and more at a larger batch
+        step = lambda cost, n: cost.price(n, n, 0, n * 300, 0, 0, n * 20)[1]   # noqa: E731
+        assert step(full, 256) - step(plain, 256) == pytest.approx(
+            mixtral.num_layers * 256 * mixtral.num_experts_per_tok * pair_s, rel=1e-9)
+        assert step(full, 256) - step(plain, 256) > 100 * (step(full, 1) - step(plain, 1))
+    dense = get_model("llama-3.1-8b")                             # a dense model has no expert term
+    serial = DeviceProfile(replace(CostModel(dense, get_device("h100-sxm")).coefficients, expert_serial_share=1.0))
+    assert (CostModel(dense, get_device("h100-sxm"), profile=serial).price(8, 8, 0, 800, 0, 0, 64)
+            == CostModel(dense, get_device("h100-sxm")).price(8, 8, 0, 800, 0, 0, 64))
+
+
 # ----------------------------------------------------------------------------- weight-only GEMMs
 
 def quantized_llama(method: str = "awq"):

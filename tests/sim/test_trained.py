@@ -411,7 +411,8 @@ def test_the_all_reduce_latency_acts_on_nvlink_tp_runs_only(runs):
 
 def test_v0s_expert_kernel_and_custom_all_reduce_terms_are_fitted_where_they_act(runs):
     """V0_EXPERT_KERNEL: a V0 class with a MoE run fits expert_n_half (vLLM 0.7.3 ran Mixtral through the
-    same Triton fused_moe kernel as V1: vllm/model_executor/layers/fused_moe/fused_moe.py); V0_CUSTOM_ALLREDUCE:
+    same Triton fused_moe kernel as V1: vllm/model_executor/layers/fused_moe/fused_moe.py), and
+    V0_EXPERT_SERIAL the share of that kernel's compute or weight reads it does not overlap; V0_CUSTOM_ALLREDUCE:
     one with tp 2-8 runs on NVLink fits vLLM's custom all-reduce apart from NCCL's ring (custom_all_reduce.py,
     0.7.3: `_SUPPORTED_WORLD_SIZES` [2, 4, 6, 8], off across PCIe beyond two GPUs: `full_nvlink`). Each switch
     enters the V0 class fits and their --resume names, never V1's."""
@@ -423,8 +424,11 @@ def test_v0s_expert_kernel_and_custom_all_reduce_terms_are_fitted_where_they_act
     assert not lodo.parameter_acts("custom_allreduce_eff", by_gpu("a100-40g", 1))
     assert lodo.parameter_acts("expert_n_half", by_gpu("a100-40g", 8))
     assert not lodo.parameter_acts("expert_n_half", by_gpu("a100-40g", 1))
+    assert lodo.parameter_acts("expert_serial_share", by_gpu("a100-40g", 8))
+    assert not lodo.parameter_acts("expert_serial_share", by_gpu("a100-40g", 1))
     for switch, name, tag in (("V0_EXPERT_KERNEL", "expert_n_half", "experts"),
-                              ("V0_CUSTOM_ALLREDUCE", "custom_allreduce_eff", "custom all-reduce")):
+                              ("V0_CUSTOM_ALLREDUCE", "custom_allreduce_eff", "custom all-reduce"),
+                              ("V0_EXPERT_SERIAL", "expert_serial_share", "expert serial")):
         assert (name in lodo.V0_CLASS_FIT) == getattr(lodo, switch) == (tag in lodo._fit_tag("v0")), switch
         assert tag not in lodo._fit_tag("v1")
     assert "custom_allreduce_eff" not in lodo.FIT_NAMES["v1"]
