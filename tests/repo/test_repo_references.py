@@ -146,3 +146,34 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert missing_docs(bad, tmp_path) == ["m.py: names docs/nope.md, which does not exist"]
     assert broken_links(page, tmp_path) == ["docs/a.md: link b.md has no file in the repository",
                                             "docs/a.md: link #gone has no such heading"]
+
+
+LEFTOVER_SUFFIXES = (".orig", ".rej")                 # what `patch` and a merge tool leave beside a file
+CONFLICT_MARKER = re.compile(r"^(?:<{7}|>{7}) ", re.M)
+
+
+def leftovers(root: Path) -> list[str]:
+    """Files a patch or merge left behind, and text files still holding conflict markers."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        out += [f"{(Path(folder) / n).relative_to(root).as_posix()}: a patch's or merge's leftover"
+                for n in sorted(files) if n.endswith(LEFTOVER_SUFFIXES)]
+    for path in text_files(root):
+        if CONFLICT_MARKER.search(path.read_text(errors="replace")):
+            out.append(f"{path.relative_to(root).as_posix()}: a merge conflict's markers")
+    return out
+
+
+def test_no_merge_or_patch_leftovers():
+    problems = leftovers(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_leftover_scan_finds_both_kinds(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "log.md.orig").write_text("old\n")
+    (tmp_path / "docs" / "log.md").write_text("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> branch\n")
+    (tmp_path / "docs" / "fine.md").write_text("a table rule\n=======\n")
+    assert sorted(leftovers(tmp_path)) == ["docs/log.md.orig: a patch's or merge's leftover",
+                                           "docs/log.md: a merge conflict's markers"]
