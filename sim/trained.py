@@ -76,8 +76,8 @@ def class_entry(device_name: str, engine: str) -> Optional[dict]:
 
 def front_end_default(engine: str, name: str = "front_end_s") -> float:
     """The API-server time the family fitted for vLLM engine generation `engine` (the default of
-    engine.`name` unset on a vLLM server): per request (front_end_s) or per streamed token
-    (front_end_token_s), 0 where it has none (V0: no V0 run went through an API server). A family
+    engine.`name` unset on a vLLM server): per request (front_end_s), per streamed token
+    (front_end_token_s) or per engine step's outputs (front_end_step_s), 0 where it has none (V0: no V0 run went through an API server). A family
     file that cannot be read raises, as it does for the step-time parameters."""
     return float(family()["engines"].get(engine, {}).get(name, 0.0))
 
