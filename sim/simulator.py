@@ -511,12 +511,15 @@ class Simulation:
         # its rows where one was made: the same function with its batch-size terms worked out once
         # (`_decode_pricer`), so the same floats without working them out again.
         cost = self.cost_model
-        decode_pricers = self._pricers if (fast and cost.draft is None and cost.lora is None
-                                           and cost.eager_context is None) else {}
+        plain = fast and cost.draft is None and cost.lora is None and cost.eager_context is None
+        decode_pricers = self._pricers if plain else {}
         woken = cost.woken        # the idle rule (step_time applies it to the steps it prices)
         inline = self._inline
         streams = self._streams
         tier = sched.offload
+        # Nothing here reads a step's rows but a CPU tier, LoRA, a drafter and V0's eager check: the
+        # cohort's members, ~25 a step, are not copied into each step's Batch.decodes without them.
+        sched.lists_members = not (plain and tier is None and sched.lora is None)
         queue = sched.waiting     # (its len() is a C call; the scheduler's num_waiting a property)
         last_end = float("-inf")
         seen_waiting = 0          # requests waiting when this replica last scheduled

@@ -37,7 +37,9 @@ class Batch:
 
     def __init__(self, step: int):
         self.step = step
-        self.decodes: list[Request] = []   # cohort members first, then decodes scheduled one by one
+        # cohort members first (where the scheduler lists them: Scheduler.lists_members), then
+        # decodes scheduled one by one
+        self.decodes: list[Request] = []
         self.cohort_size = 0
         # Decode rows computed: len(decodes) + pad_rows, kept as they change (the cost model and
         # the recorder read it every step; a property read is a call)
@@ -130,13 +132,18 @@ class Batch:
         req.num_computed = start + n
 
     def remove(self, req: Request, block_size: int) -> int:
-        """Take a request back out (it was preempted after being scheduled); returns its tokens."""
+        """Take a request back out (it was preempted after being scheduled); returns its tokens.
+        A cohort member, scheduled with the cohort, is taken out before it leaves: `decodes` lists
+        the members only where the scheduler lists them (Scheduler.lists_members)."""
         ctx = req.num_computed
-        if req in self.decodes:
-            i = self.decodes.index(req)
-            del self.decodes[i]
+        if req.cohort is not None or req in self.decodes:
+            if req in self.decodes:
+                i = self.decodes.index(req)
+                del self.decodes[i]
+                self.cohort_size -= i < self.cohort_size
+            else:                            # an unlisted member
+                self.cohort_size -= 1
             self.num_decode -= 1
-            self.cohort_size -= i < self.cohort_size
             n = 1
             drafted = self.spec_drafts.pop(req, 0) if self.spec_drafts else 0
             if drafted:                      # (a decode verifying drafts: its context is its own token's)

@@ -43,7 +43,7 @@ class Scheduler:
     # (slots: attribute reads stay cheap on the hot paths, however many attributes there are)
     __slots__ = ("config", "kv", "block_size", "lazy", "cohort", "waiting", "running", "active", "step",
                  "num_added", "num_finished", "num_rejected", "num_aborted", "num_preemptions", "tokens_held",
-                 "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks",
+                 "_run_seq", "_empty_preempted", "_returned", "_usable_blocks", "_watermark_blocks", "lists_members",
                  "prefill_cap", "static_batch", "pending_release", "arriving", "offload", "spec", "lora")
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, offload: Optional[CpuTier] = None):
@@ -62,8 +62,7 @@ class Scheduler:
         # Running requests outside the decode cohort, in admission order (usually a few prefills).
         self.active: dict[Request, None] = {}
         self.step = 0
-        self.num_added = self.num_finished = self.num_rejected = self.num_aborted = 0
-        self.num_preemptions = 0
+        self.num_added = self.num_finished = self.num_rejected = self.num_aborted = self.num_preemptions = 0
         self.tokens_held = 0           # sum of num_computed over running requests
         self._run_seq = 0
         self._empty_preempted: list[Request] = []
@@ -77,6 +76,7 @@ class Scheduler:
         self.arriving: list[Request] = []    # added while a step ran, not yet WAITING (async)
         self.offload = offload         # the CPU tier (OffloadScheduling)
         self.spec = self.lora = None   # SpecScheduling's drafts, LoraScheduling's slots
+        self.lists_members = True      # Batch.decodes lists the cohort's members (Batch.remove; the simulator: off)
 
     # -- intake --------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -173,11 +173,11 @@ class Scheduler:
         batch = Batch(self.step)
         self._empty_preempted = []
         self._compose(batch, self.config.max_num_batched_tokens)
-        if not (batch.decodes or batch.prefills):
+        if not (batch.num_decode or batch.prefills):     # (num_decode: the members, listed or not)
             self._empty_preempted = batch.preempted
             return None
         # (draft tokens count until their rejection rolls them back)
-        self.tokens_held += batch.num_prefill_tokens + len(batch.decodes) + batch.spec_tokens
+        self.tokens_held += batch.num_prefill_tokens + batch.num_decode + batch.spec_tokens
         self.step += 1
         return batch
 
@@ -262,14 +262,14 @@ class Scheduler:
                 return True
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
+        scheduled_now = 0              # (a member scheduled with the cohort, listed or not, is taken out first)
+        if victim in batch.decodes or victim in batch.prefills or victim.cohort is not None and batch.cohort_size:
+            scheduled_now = batch.remove(victim, self.block_size)
+            self._returned += scheduled_now
         if victim.cohort is not None:
             self.cohort.leave(victim)
         self.running.remove(victim)
         self.active.pop(victim, None)
-        scheduled_now = 0
-        if victim in batch.decodes or victim in batch.prefills:
-            scheduled_now = batch.remove(victim, self.block_size)
-            self._returned += scheduled_now
         self.tokens_held -= victim.num_computed - scheduled_now
         self.kv.free(victim)
         victim.num_computed = 0
@@ -286,7 +286,7 @@ class Scheduler:
             req = waiting.peek()
             if self._skip_head(req):
                 continue
-            admission = self._admission(req, budget, not (batch.decodes or batch.prefills))
+            admission = self._admission(req, budget, not (batch.num_decode or batch.prefills))
             if admission is None:
                 break
             scheduled = self._admit(req, admission, batch)
@@ -378,7 +378,7 @@ class Scheduler:
         length by the runner, so one length test covers scripted and live requests.
         """
         step = batch.step
-        emitted = batch.decodes[batch.cohort_size:]       # the members emit through the cohort
+        emitted = batch.decodes[batch.cohort_size if self.lists_members else 0:]    # (members: the cohort's)
         for r in batch.prefills:           # a prefill emits once its prompt is all computed
             if r.num_computed >= r.prompt_len + r.num_output:
                 emitted.append(r)

@@ -74,9 +74,18 @@ def build(case, lazy, block_ids=True):
 def step_view(batch, sched, content=False):
     """Everything a step decides, in a form two schedulers can be compared on."""
     return (batch.num_decode, batch.decode_ctx, batch.num_prefill_tokens, batch.prefill_ctx, batch.prefill_attn,
-            batch.blocks_read, sorted(r.id for r in batch.reqs), [r.id for r in batch.preempted],
+            batch.blocks_read, rows_of(batch, sched), [r.id for r in batch.preempted],
             [r.id for r in batch.admitted], sched.kv.num_used_blocks, sched.slack_tokens,
             pool_view(sched.kv.pool, content))
+
+
+def rows_of(batch, sched) -> list:
+    """The ids of a step's requests, its cohort members too where the scheduler does not list them
+    in the batch (Scheduler.lists_members: every member is scheduled with the cohort, or none)."""
+    rows = [r.id for r in batch.reqs]
+    if not sched.lists_members and batch.cohort_size:
+        rows += [r.id for r in sched.cohort.members]
+    return sorted(rows)
 
 
 def by_content(*scheds):
@@ -167,10 +176,12 @@ def step_both(fast, slow, tick) -> bool:
     return True
 
 
-def run_pair(case, max_steps=5000, fast_ids=True, slow_ids=True):
+def run_pair(case, max_steps=5000, fast_ids=True, slow_ids=True, lists_members=True):
     """Drive the fast and the one-by-one scheduler in lockstep (their pools with or without ids
-    for every block); returns the number of steps."""
+    for every block; the fast one's batches listing its cohort's members or not, as the
+    simulator's); returns the number of steps."""
     (fast, fast_reqs), (slow, slow_reqs) = build(case, True, fast_ids), build(case, False, slow_ids)
+    fast.lists_members = lists_members
     last_arrival = max(r[0] for r in case["requests"])
     tick = steps = cohort_steps = 0
     while tick <= last_arrival or fast.has_unfinished() or slow.has_unfinished():
@@ -211,6 +222,45 @@ def test_fast_paths_match_the_one_by_one_loop(chunk, ids):
     """The cohort against the one-by-one loop, with the engine's pool (ids for every block), the
     simulator's (CountingBlockPool), and one of each (then compared by content)."""
     run_seeds(SEEDS[chunk::6], random_case, lambda case: run_pair(case, fast_ids=ids[0], slow_ids=ids[1]))
+
+
+def test_batches_that_do_not_list_the_members_schedule_the_same_steps():
+    """The simulator's scheduler does not copy the cohort's members into each Batch.decodes
+    (Scheduler.lists_members off): every step's counts, rows (the members added back), preemptions
+    and the pool still match the one-by-one loop's."""
+    run_seeds(SEEDS, random_case, lambda case: run_pair(case, fast_ids=False, slow_ids=True, lists_members=False))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_member_preempted_after_the_cohort_was_scheduled_leaves_the_same_batch_listed_or_not(async_scheduling):
+    """A cohort step leaves no room for a preemption in its pass (take_step counts every block the
+    step takes), so the differential runs never preempt a member the step scheduled; should a
+    pass ever do it, the batch takes it out the same whether it listed the members or not
+    (Batch.remove of an unlisted member): counts, rows, tokens given back and held."""
+    case = dict(num_blocks=60, block_size=4, caching=False, allocation="paged",
+                config=dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, batching="continuous",
+                            chunked_prefill=True, policy="fcfs", step_composition="mixed", admission_watermark=0.0,
+                            async_scheduling=async_scheduling),
+                requests=[(0, 0, 5, 30, 0, 0), (0, 0, 7, 30, 0, 0), (0, 0, 3, 30, 0, 0)])
+    views = []
+    for lists in (True, False):
+        sched, reqs = build(case, True, block_ids=False)
+        sched.lists_members = lists
+        for r in reqs:
+            sched.add(r)
+        for _ in range(3):                 # prefills, then the three decode in the cohort
+            sched.finish_step(sched.schedule())
+        batch = sched.schedule()
+        assert batch.cohort_size == 3
+        victim = reqs[1]
+        sched._preempt(victim, batch)
+        views.append((batch.num_decode, batch.cohort_size, batch.decode_ctx, batch.blocks_read,
+                      rows_of(batch, sched), [r.id for r in batch.preempted], sched._take_returned(),
+                      sched.tokens_held, sched.slack_tokens))
+        sched.finish_step(batch)
+        assert victim.num_computed == 0 and victim not in sched.running
+    assert views[0] == views[1]
+    assert views[0][1] == 2 and views[0][6] == 1
 
 
 def run_leaps_pair(case, max_ticks=5000, fast_ids=True, slow_ids=True):

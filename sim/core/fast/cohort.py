@@ -273,7 +273,8 @@ class DecodeCohort:
             self.dissolve()
             return None
         self.advance(step, kv)
-        batch.decodes.extend(self.members)
+        if sched.lists_members:
+            batch.decodes.extend(self.members)
         batch.num_decode += n
         batch.cohort_size = n
         batch.decode_ctx += self.ctx_offset_sum + n * self.scheduled_step
