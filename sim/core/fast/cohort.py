@@ -37,7 +37,7 @@ import heapq
 from bisect import bisect_left
 from collections import defaultdict
 from functools import partial
-from itertools import accumulate
+from itertools import accumulate, chain
 from operator import attrgetter
 from typing import Optional
 
@@ -458,20 +458,21 @@ class DecodeCohort:
         cached_after: list[int] = []
         if self.window is not None:
             # each step's freeing members, with how far their contexts are past their `num_computed`
-            # then (the clock moves step by step; `num_computed` reads the stretch's start until the end)
-            window, start, ahead = self.window, self.scheduled_step, 0
-            steps_freeing = []
-            unordered = self._unordered
-            for c in range(clock, clock + steps):
-                phase = (window - c) % bs
-                freeing = by_phase[phase]
-                if self._joined:               # (as in `advance`, inline: a call a step)
-                    freeing = sorted({**freeing, **self._joined}, key=_run_seq)
-                    self._joined = {}
-                elif len(freeing) > 1 and phase in unordered:
-                    freeing = sorted(freeing, key=_run_seq)
-                steps_freeing.append((freeing, ahead))
-                ahead = c - start              # (the context before the token at c + 1)
+            # then (the clock moves step by step; `num_computed` reads the stretch's start until the end):
+            # by_phase[(window - c) % bs] for c in the stretch, a slice of `cycle` as the crossings
+            first = (clock - self.window - 1) % bs
+            end = first + steps
+            freeing = cycle[first:end] if end <= bs else (cycle * (1 + (end - 1) // bs))[first:end]
+            if self._joined:               # (as in `advance`: a prefill may have left several)
+                freeing[0] = sorted({**freeing[0], **self._joined}, key=_run_seq)
+                self._joined = {}
+            for phase in self._unordered:  # (its steps in the stretch; a list sorted above stays so)
+                for i in range((self.window - phase - clock) % bs, steps, bs):
+                    if len(freeing[i]) > 1:
+                        freeing[i] = sorted(freeing[i], key=_run_seq)
+            ahead = clock - 1 - self.scheduled_step       # (the context before the token at c + 1)
+            aheads = range(ahead, ahead + steps)          # (0 at the stretch's first step)
+            steps_freeing = zip(freeing, chain((0,), aheads[1:]) if ahead else aheads)
             kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
         else:
             free_after = cached_after = [0] * steps
