@@ -37,7 +37,7 @@ import heapq
 from bisect import bisect_left
 from collections import defaultdict
 from functools import partial
-from itertools import accumulate, chain
+from itertools import accumulate
 from operator import attrgetter
 from typing import Optional
 
@@ -470,10 +470,9 @@ class DecodeCohort:
                 for i in range((self.window - phase - clock) % bs, steps, bs):
                     if len(freeing[i]) > 1:
                         freeing[i] = sorted(freeing[i], key=_run_seq)
-            ahead = clock - 1 - self.scheduled_step       # (the context before the token at c + 1)
-            aheads = range(ahead, ahead + steps)          # (0 at the stretch's first step)
-            steps_freeing = zip(freeing, chain((0,), aheads[1:]) if ahead else aheads)
-            kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
+            # (the stretch starts at the step after the scheduled one: its i-th step's contexts are
+            # i tokens past what `num_computed` reads until the end)
+            kv.free_behind_windows(zip(freeing, range(steps)), (free_after, cached_after), clock=self.scheduled_step)
         else:
             free_after = cached_after = [0] * steps
         self.scheduled_step = clock + steps - 1
