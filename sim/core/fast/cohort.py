@@ -459,21 +459,21 @@ class DecodeCohort:
         cached_after: list[int] = []
         if self.window is not None:
             # each step's freeing members, with how far their contexts are past their `num_computed`
-            # then (the clock moves step by step; `num_computed` reads the stretch's start until the end)
-            window, start, ahead = self.window, self.scheduled_step, 0
-            steps_freeing = []
-            unordered = self._unordered
-            for c in range(clock, clock + steps):
-                phase = (window - c) % bs
-                freeing = by_phase[phase]
-                if self._joined:               # (as in `advance`, inline: a call a step)
-                    freeing = sorted({**freeing, **self._joined}, key=_run_seq)
-                    self._joined = {}
-                elif len(freeing) > 1 and phase in unordered:
-                    freeing = sorted(freeing, key=_run_seq)
-                steps_freeing.append((freeing, ahead))
-                ahead = c - start              # (the context before the token at c + 1)
-            kv.free_behind_windows(steps_freeing, (free_after, cached_after), clock=self.scheduled_step)
+            # then (the clock moves step by step; `num_computed` reads the stretch's start until the end):
+            # by_phase[(window - c) % bs] for c in the stretch, a slice of `cycle` as the crossings
+            first = (clock - self.window - 1) % bs
+            end = first + steps
+            freeing = cycle[first:end] if end <= bs else (cycle * (1 + (end - 1) // bs))[first:end]
+            if self._joined:               # (as in `advance`: a prefill may have left several)
+                freeing[0] = sorted({**freeing[0], **self._joined}, key=_run_seq)
+                self._joined = {}
+            for phase in self._unordered:  # (its steps in the stretch; a list sorted above stays so)
+                for i in range((self.window - phase - clock) % bs, steps, bs):
+                    if len(freeing[i]) > 1:
+                        freeing[i] = sorted(freeing[i], key=_run_seq)
+            # (the stretch starts at the step after the scheduled one: its i-th step's contexts are
+            # i tokens past what `num_computed` reads until the end)
+            kv.free_behind_windows(zip(freeing, range(steps)), (free_after, cached_after), clock=self.scheduled_step)
         else:
             free_after = cached_after = [0] * steps
         self.scheduled_step = clock + steps - 1
