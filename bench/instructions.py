@@ -31,6 +31,14 @@ parent's count at each fork and are not comparable; a tree without KVTWIN_PLOT_W
 pseudo-terminal (drained by a thread, as a terminal reads it): its excess over
 `vidur-simrun` is what the progress bar, the status lines and the results table cost (issue 26's
 progress-display target), a fixed cost beside a run that grows with its requests.
+`sweep-task` is one sweep point as a worker process runs it (`sim.whatif.sweep.run_point`: the
+point's scenario validated from the raw mapping, `predict` without a manifest, which makes the
+workload as a stream, simulates and summarises, the row flattened; the task and the row pickled as
+the process pool sends them), on sweep-point's scenario and size: its set-up run also makes the
+sweep's task, warms up as `run_sweep` does before its workers fork, and runs one small point at
+another seed (a worker's first-use work, made once for its ~50 points), so its excess over
+sweep-point is what a point adds to `simulate()` alone. The worker's page faults (its memory
+between points, sim.whatif.parallel.keep_freed_memory) are kernel work, which no count here sees.
 """
 from __future__ import annotations
 
@@ -57,6 +65,8 @@ LINES = {
     "bench-leap": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=300",)),
     "bench-one-by-one": ("bench_sim_speed", 1000, False, ("workload.arrival.rate=300",)),
     "sweep-point": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=200",)),
+    # one sweep point as a worker runs it (sim.whatif.sweep.run_point), beside sweep-point's simulate()
+    "sweep-task": ("bench_sim_speed", 3000, True, ("workload.arrival.rate=200",)),
     "bench-150": ("bench_sim_speed", 3000, True, ()),       # its own 150 req/s: arrivals cut most leaps
     "mistral-sliding": ("whatif_sliding_window", 200, True, ()),
     "gpt-oss-sliding": ("bench_sim_speed", 500, True, (GPT_OSS, "workload.arrival.rate=40")),
@@ -76,7 +86,9 @@ LINES = {
 # line -> the entry point its full run calls (the others: simulate() on the built workload)
 ENTRY = {"vidur-predict": "predict", "bench-predict": "predict", "vidur-simrun": "simrun",
          "vidur-simrun-plots": "simrun-plots",
-         "vidur-simrun-terminal": "simrun-terminal"}
+         "vidur-simrun-terminal": "simrun-terminal", "sweep-task": "sweep-task"}
+# lines whose set-up run does more than the common one (the DRIVER's `sweep-task` set-up)
+OWN_SET_UP = {"sweep-task"}
 
 # Run inside the measured tree: load the scenario, build the workload whole and a cost model (what a
 # process sets up once: trees from 6a78cb1 on generate the cost model's scalar forms on first use),
@@ -94,10 +106,28 @@ path, size, fast, build_only, entry, *overrides = sys.argv[1:]
 scenario = load_scenario(path, [f"workload.num_requests={size}", *overrides])
 requests = build_requests(scenario)
 CostModel.for_scenario(scenario)    # a process's one-off set-up (the cost model's generated forms) in both runs
+if entry == "sweep-task":
+    # a worker's state when a point reaches it: the sweep's tasks made, sim.predict.warm_up before
+    # the fork, and a first point run (a small one at another seed: what a worker makes on first
+    # use is made once for its ~50 points), in both runs; the full run adds one point's task, its
+    # pickled trip to the worker and its row's back
+    import pickle
+    from pathlib import Path
+    from sim.predict import warm_up
+    from sim.scenario import parse_override
+    from sim.whatif.sweep import PointTask, base_raw, run_point
+    del requests
+    raw = base_raw(Path(path), [f"workload.num_requests={size}"], None)
+    settings = tuple((".".join(keys), value) for keys, value in map(parse_override, overrides))
+    task = PointTask(raw, str(Path(path).parent), path, settings, label="point")
+    warm_up(task.scenario())
+    run_point(PointTask(raw, task.base_dir, path, settings + (("seed", 1), ("workload.num_requests", 50)), "warm"))
 if build_only == "1":
     pass
 elif entry == "simulate":
     records, _, _ = simulate(scenario, requests, fast=fast == "1", release=True)
+elif entry == "sweep-task":
+    pickle.dumps(run_point(pickle.loads(pickle.dumps(task))))
 elif entry == "predict":
     from sim.predict import predict
     del requests
@@ -154,7 +184,7 @@ def set_up_count(tree: Path, line: str) -> int:
     """The build-only run's count, shared by the lines whose set-up is the same (vidur-leap and
     the user's lines on its scenario)."""
     name, size, _, overrides = LINES[line]
-    key = (tree, name, size, overrides)
+    key = (tree, name, size, overrides, line if line in OWN_SET_UP else None)
     if key not in _set_up_counts:
         _set_up_counts[key] = count(tree, line, build_only=True)
     return _set_up_counts[key]

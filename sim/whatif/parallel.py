@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -67,7 +68,7 @@ def _map_on_processes(func, items: list, jobs: int, label: str, quiet: bool,
 
     # A stop a signal asks for goes on to the workers (each stops at its next check, sim/stop.py);
     # the points not started are cancelled, and leaving `with` waits for the workers to end.
-    with ProcessPoolExecutor(max_workers=jobs, initializer=stop.in_worker) as pool, \
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_worker_started) as pool, \
             stop.forwarding(stop.forward_to_pool(pool)):
         # Submit before the progress bar starts its refresh thread: forked workers then
         # never inherit a lock that thread holds.
@@ -88,6 +89,39 @@ def _map_on_processes(func, items: list, jobs: int, label: str, quiet: bool,
                 future.cancel()
             raise
     return results
+
+
+def _worker_started() -> None:
+    """Initializer of a local worker process: a stop reaches it (sim/stop.py), and the memory
+    one item frees is kept for the next."""
+    from sim import stop
+
+    stop.in_worker()
+    keep_freed_memory()
+
+
+# glibc's mallopt parameters (malloc.h) and the values a worker runs with: free heap kept up to
+# 256 MiB (default 128 KiB), and blocks below 32 MiB (glibc's largest allowed on 64 bits) taken
+# from the heap rather than mapped and unmapped one by one
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_FREE_BYTES, MAPPED_FROM_BYTES = 256 << 20, 32 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep what this process frees for its next allocations, instead of
+    handing it back to the kernel: by default it trims the top of its heap beyond 128 KiB free and
+    unmaps each freed block past its mmap threshold, so every sweep point of a worker faulted its
+    working memory in afresh (~4k page faults a 10k-request point, zeroed by the kernel: its system
+    CPU). A worker then holds its largest point's memory between points, which each point reaches
+    anyway. False where the C library is not glibc or refuses the values."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    mallopt = ctypes.CDLL(None).mallopt
+    kept = mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
+    mapped = mallopt(M_MMAP_THRESHOLD, MAPPED_FROM_BYTES)
+    return bool(kept and mapped)
 
 
 def _map_on_ray(func, items: list, address: Optional[str], label: str, quiet: bool) -> list:
