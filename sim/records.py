@@ -559,23 +559,21 @@ class RequestTable:
 
     def _flat(self, parts: list, count_name: str, width: int):
         self._pack()
-        flat = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        counts = self.column(count_name)
-        rank = np.empty(len(counts), dtype=np.int64)
-        rank[self.order] = np.arange(len(counts))          # recording position -> id-order position
-        owner = np.repeat(rank, counts)
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        counts = self.column(count_name).astype(np.int64)
+        in_id_order = counts[self.order]
         # every owner's entries together, owners in id order (the order the rows list them): each
         # owner's block moved from its recording place to its place in id order (a stable sort of
-        # `owner`, without sorting)
-        counts = counts.astype(np.int64)
-        in_id_order = counts[self.order]
-        moved = np.repeat((np.cumsum(counts) - counts)[self.order] - (np.cumsum(in_id_order) - in_id_order),
-                          in_id_order)
-        by_owner = moved + np.arange(len(moved))
-        values = flat.reshape(-1, width)[by_owner]
+        # the owners, without sorting); the owners then read 0, 0, ..., 1, ... by their counts.
+        # (Millions of entries at 100k requests: each array here is fresh memory, paid by the page)
+        by_owner = np.repeat((np.cumsum(counts) - counts)[self.order] - (np.cumsum(in_id_order) - in_id_order),
+                             in_id_order)
+        by_owner += np.arange(len(by_owner))
+        owner = np.repeat(np.arange(len(counts)), in_id_order)
+        values = flat.reshape(-1, width)[by_owner].astype(np.int64, copy=False)
         if width == 1:
-            return owner[by_owner], values[:, 0]
-        return owner[by_owner], values[:, 0], values[:, 1]
+            return owner, values[:, 0]
+        return owner, values[:, 0], values[:, 1]
 
     def tenants(self) -> np.ndarray:
         """Tenant names (None where a request has none), in id order."""
@@ -813,23 +811,19 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
         owner, a, b = _select(run_owner, idx, run_a, run_b)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         between = end[a[1:][same]] - end[b[:-1][same]]
-        steps, tail = len(end) - 1, len(between)
-        # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
-        # float64 array, exact for counts; then reused for the gaps: millions of steps). Its tail
-        # holds the gaps between runs (weight 1), so one mask reads the replica's sample out of it
-        # (a value per step: ~70 MB at a million requests, not copied again by a concatenate)
-        ones = np.ones(len(a))
-        work = np.bincount(np.concatenate([a + 1, b + 1]), weights=np.concatenate([ones, -ones]),
-                           minlength=len(end) + max(tail, 1))
-        np.cumsum(work, out=work)
-        work[len(end):len(end) + tail] = 1.0
-        kept = np.empty(steps + tail, dtype=bool)
-        np.greater(work[1:len(end)], 0, out=kept[:steps])
-        kept[steps:] = True
-        weight = work[1:len(end) + tail][kept].astype(np.int32)
-        np.subtract(end[1:], end[:-1], out=work[:steps])
-        work[steps:steps + tail] = between
-        value = work[:steps + tail][kept]
+        # runs holding step i and step i + 1 (the requests emitting the gap after step i): +1 at
+        # each run's first step, -1 at its last, summed, in integers (the counts a float64
+        # difference array gave, exactly: no array as long as the steps and the gaps together,
+        # ~0.1 GB at 100k requests, fresh memory whose pages were the cost). The gaps between runs
+        # follow the steps' gaps, weight 1 each
+        steps = len(end) - 1
+        emitting = np.bincount(a, minlength=len(end))[:len(end)]
+        emitting -= np.bincount(b, minlength=len(end))[:len(end)]
+        np.cumsum(emitting, out=emitting)
+        kept = emitting[:steps] > 0
+        weight = np.ones(int(np.count_nonzero(kept)) + len(between), dtype=np.int32)
+        weight[:len(weight) - len(between)] = emitting[:steps][kept]
+        value = np.concatenate([np.subtract(end[1:], end[:-1])[kept], between])
         values.append(value)
         weights.append(weight)
     if not values:
