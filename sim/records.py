@@ -559,16 +559,14 @@ class RequestTable:
 
     def _flat(self, parts: list, count_name: str, width: int):
         self._pack()
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        flat = _joined(parts)
         counts = self.column(count_name).astype(np.int64)
         in_id_order = counts[self.order]
         # every owner's entries together, owners in id order (the order the rows list them): each
         # owner's block moved from its recording place to its place in id order (a stable sort of
         # the owners, without sorting); the owners then read 0, 0, ..., 1, ... by their counts.
         # (Millions of entries at 100k requests: each array here is fresh memory, paid by the page)
-        by_owner = np.repeat((np.cumsum(counts) - counts)[self.order] - (np.cumsum(in_id_order) - in_id_order),
-                             in_id_order)
-        by_owner += np.arange(len(by_owner))
+        by_owner = _block_positions((np.cumsum(counts) - counts)[self.order], in_id_order)
         owner = np.repeat(np.arange(len(counts)), in_id_order)
         values = flat.reshape(-1, width)[by_owner].astype(np.int64, copy=False)
         if width == 1:
@@ -654,6 +652,22 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype=np.int64)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _block_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """starts[0], starts[0] + 1, ... (lengths[0] of them), then starts[1], ...: each block's
+    positions one after another, as one running sum of steps of 1 that jumps at each block's first
+    entry (one array: a repeat of the starts plus an arange made two more of the same length)."""
+    total = int(lengths.sum())
+    steps = np.ones(total, dtype=np.int64)
+    if not total:
+        return steps
+    nonempty = lengths > 0
+    starts, lengths = starts[nonempty], lengths[nonempty]
+    first = np.cumsum(lengths) - lengths                  # each block's first entry
+    steps[first[0]] = starts[0]
+    steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(steps, out=steps)
 
 
 def _prefix_sums(values: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
