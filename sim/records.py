@@ -793,10 +793,14 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, ch
     chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
     done = col("status")[idx] == int(Status.FINISHED)
     # a request's host (device) time: its runs of steps and its chunk steps, from the run's running
-    # sum (one column at a time: a million-request run has millions of steps)
+    # sum (one column at a time: a million-request run has millions of steps). Each run's sum is
+    # read into the same two arrays for both columns (fresh memory is paid by the page)
+    after, until, since = b + 1, np.empty(len(a)), np.empty(len(a))
     for name in ("host_s", "device_s"):
         running = times[name]
-        total = np.bincount(owner, weights=running[b + 1] - running[a], minlength=len(idx))
+        np.take(running, after, out=until, mode="clip")      # (valid steps: "clip" takes no copy of `out`)
+        np.take(running, a, out=since, mode="clip")
+        total = np.bincount(owner, weights=np.subtract(until, since, out=until), minlength=len(idx))
         total += np.bincount(chunk_owner, weights=running[chunk_step + 1] - running[chunk_step], minlength=len(idx))
         out[name][idx] = np.where(done, total, np.nan)
 
