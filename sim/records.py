@@ -828,20 +828,25 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
         end = rec.token_times()
         owner, a, b = _select(run_owner, idx, run_a, run_b)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
-        between = end[a[1:][same]] - end[b[:-1][same]]
         # runs holding step i and step i + 1 (the requests emitting the gap after step i): +1 at
         # each run's first step, -1 at its last, summed, in integers (the counts a float64
         # difference array gave, exactly: no array as long as the steps and the gaps together,
-        # ~0.1 GB at 100k requests, fresh memory whose pages were the cost). The gaps between runs
-        # follow the steps' gaps, weight 1 each
+        # ~0.1 GB at 100k requests, fresh memory whose pages were the cost)
         steps = len(end) - 1
         emitting = np.bincount(a, minlength=len(end))[:len(end)]
         emitting -= np.bincount(b, minlength=len(end))[:len(end)]
         np.cumsum(emitting, out=emitting)
         kept = emitting[:steps] > 0
-        weight = np.ones(int(np.count_nonzero(kept)) + len(between), dtype=np.int32)
-        weight[:len(weight) - len(between)] = emitting[:steps][kept]
-        value = np.concatenate([np.subtract(end[1:], end[:-1])[kept], between])
+        # the sample: the kept steps' gaps, then the gaps between runs (weight 1 each), each
+        # written in place
+        emitted = int(np.count_nonzero(kept))
+        value = np.empty(emitted + int(np.count_nonzero(same)))
+        np.compress(kept, np.subtract(end[1:], end[:-1]), out=value[:emitted])
+        between = value[emitted:]
+        np.take(end, a[1:][same], out=between, mode="clip")     # (valid steps: "clip" takes no copy of `out`)
+        between -= end[b[:-1][same]]
+        weight = np.ones(len(value), dtype=np.int32)
+        weight[:emitted] = emitting[:steps][kept]
         values.append(value)
         weights.append(weight)
     if not values:
