@@ -568,7 +568,7 @@ class RequestTable:
         # (Millions of entries at 100k requests: each array here is fresh memory, paid by the page)
         by_owner = _block_positions((np.cumsum(counts) - counts)[self.order], in_id_order)
         owner = np.repeat(np.arange(len(counts)), in_id_order)
-        values = flat.reshape(-1, width)[by_owner].astype(np.int64, copy=False)
+        values = flat.reshape(-1, width)[by_owner]       # (as recorded: int32 where every step fits)
         if width == 1:
             return owner, values[:, 0]
         return owner, values[:, 0], values[:, 1]
