@@ -565,7 +565,7 @@ class RequestTable:
         # every owner's entries together, owners in id order (the order the rows list them): each
         # owner's block moved from its recording place to its place in id order (a stable sort of
         # the owners, without sorting); the owners then read 0, 0, ..., 1, ... by their counts.
-        # (Millions of entries at 100k requests: each array here is fresh memory, paid by the page)
+        # (1.5M runs at 100k requests: as few arrays of them as it takes)
         by_owner = _block_positions((np.cumsum(counts) - counts)[self.order], in_id_order)
         owner = np.repeat(np.arange(len(counts)), in_id_order)
         values = flat.reshape(-1, width)[by_owner]       # (as recorded: int32 where every step fits)
@@ -793,8 +793,8 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, ch
     chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
     done = col("status")[idx] == int(Status.FINISHED)
     # a request's host (device) time: its runs of steps and its chunk steps, from the run's running
-    # sum (one column at a time: a million-request run has millions of steps). Each run's sum is
-    # read into the same two arrays for both columns (fresh memory is paid by the page)
+    # sum (one column at a time: a million-request run has millions of steps), read into the same
+    # two arrays for both columns
     after, until, since = b + 1, np.empty(len(a)), np.empty(len(a))
     for name in ("host_s", "device_s"):
         running = times[name]
@@ -829,9 +829,8 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
         owner, a, b = _select(run_owner, idx, run_a, run_b)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
         # runs holding step i and step i + 1 (the requests emitting the gap after step i): +1 at
-        # each run's first step, -1 at its last, summed, in integers (the counts a float64
-        # difference array gave, exactly: no array as long as the steps and the gaps together,
-        # ~0.1 GB at 100k requests, fresh memory whose pages were the cost)
+        # each run's first step, -1 at its last, summed, in integers (exactly the counts a float64
+        # difference array gave, without an array as long as the steps and the gaps together)
         steps = len(end) - 1
         emitting = np.bincount(a, minlength=len(end))[:len(end)]
         emitting -= np.bincount(b, minlength=len(end))[:len(end)]
