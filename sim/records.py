@@ -559,23 +559,19 @@ class RequestTable:
 
     def _flat(self, parts: list, count_name: str, width: int):
         self._pack()
-        flat = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        counts = self.column(count_name)
-        rank = np.empty(len(counts), dtype=np.int64)
-        rank[self.order] = np.arange(len(counts))          # recording position -> id-order position
-        owner = np.repeat(rank, counts)
+        flat = _joined(parts)
+        counts = self.column(count_name).astype(np.int64)
+        in_id_order = counts[self.order]
         # every owner's entries together, owners in id order (the order the rows list them): each
         # owner's block moved from its recording place to its place in id order (a stable sort of
-        # `owner`, without sorting)
-        counts = counts.astype(np.int64)
-        in_id_order = counts[self.order]
-        moved = np.repeat((np.cumsum(counts) - counts)[self.order] - (np.cumsum(in_id_order) - in_id_order),
-                          in_id_order)
-        by_owner = moved + np.arange(len(moved))
-        values = flat.reshape(-1, width)[by_owner]
+        # the owners, without sorting); the owners then read 0, 0, ..., 1, ... by their counts.
+        # (1.5M runs at 100k requests: as few arrays of them as it takes)
+        by_owner = _block_positions((np.cumsum(counts) - counts)[self.order], in_id_order)
+        owner = np.repeat(np.arange(len(counts)), in_id_order)
+        values = flat.reshape(-1, width)[by_owner]       # (as recorded: int32 where every step fits)
         if width == 1:
-            return owner[by_owner], values[:, 0]
-        return owner[by_owner], values[:, 0], values[:, 1]
+            return owner, values[:, 0]
+        return owner, values[:, 0], values[:, 1]
 
     def tenants(self) -> np.ndarray:
         """Tenant names (None where a request has none), in id order."""
@@ -656,6 +652,22 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype=np.int64)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _block_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """starts[0], starts[0] + 1, ... (lengths[0] of them), then starts[1], ...: each block's
+    positions one after another, as one running sum of steps of 1 that jumps at each block's first
+    entry (one array: a repeat of the starts plus an arange made two more of the same length)."""
+    total = int(lengths.sum())
+    steps = np.ones(total, dtype=np.int64)
+    if not total:
+        return steps
+    nonempty = lengths > 0
+    starts, lengths = starts[nonempty], lengths[nonempty]
+    first = np.cumsum(lengths) - lengths                  # each block's first entry
+    steps[first[0]] = starts[0]
+    steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(steps, out=steps)
 
 
 def _prefix_sums(values: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -781,10 +793,14 @@ def _fill_times(out: dict, idx: np.ndarray, table: RequestTable, times, runs, ch
     chunk_owner, chunk_step = _select(chunks[0], idx, chunks[1])
     done = col("status")[idx] == int(Status.FINISHED)
     # a request's host (device) time: its runs of steps and its chunk steps, from the run's running
-    # sum (one column at a time: a million-request run has millions of steps)
+    # sum (one column at a time: a million-request run has millions of steps), read into the same
+    # two arrays for both columns
+    after, until, since = b + 1, np.empty(len(a)), np.empty(len(a))
     for name in ("host_s", "device_s"):
         running = times[name]
-        total = np.bincount(owner, weights=running[b + 1] - running[a], minlength=len(idx))
+        np.take(running, after, out=until, mode="clip")      # (valid steps: "clip" takes no copy of `out`)
+        np.take(running, a, out=since, mode="clip")
+        total = np.bincount(owner, weights=np.subtract(until, since, out=until), minlength=len(idx))
         total += np.bincount(chunk_owner, weights=running[chunk_step + 1] - running[chunk_step], minlength=len(idx))
         out[name][idx] = np.where(done, total, np.nan)
 
@@ -812,24 +828,24 @@ def itl_samples(records: RunRecords, measured: np.ndarray) -> tuple[np.ndarray, 
         end = rec.token_times()
         owner, a, b = _select(run_owner, idx, run_a, run_b)
         same = owner[1:] == owner[:-1]                       # consecutive runs of one request
-        between = end[a[1:][same]] - end[b[:-1][same]]
-        steps, tail = len(end) - 1, len(between)
-        # requests emitting in each step: +1 where a run starts, -1 after it ends, summed (one
-        # float64 array, exact for counts; then reused for the gaps: millions of steps). Its tail
-        # holds the gaps between runs (weight 1), so one mask reads the replica's sample out of it
-        # (a value per step: ~70 MB at a million requests, not copied again by a concatenate)
-        ones = np.ones(len(a))
-        work = np.bincount(np.concatenate([a + 1, b + 1]), weights=np.concatenate([ones, -ones]),
-                           minlength=len(end) + max(tail, 1))
-        np.cumsum(work, out=work)
-        work[len(end):len(end) + tail] = 1.0
-        kept = np.empty(steps + tail, dtype=bool)
-        np.greater(work[1:len(end)], 0, out=kept[:steps])
-        kept[steps:] = True
-        weight = work[1:len(end) + tail][kept].astype(np.int32)
-        np.subtract(end[1:], end[:-1], out=work[:steps])
-        work[steps:steps + tail] = between
-        value = work[:steps + tail][kept]
+        # runs holding step i and step i + 1 (the requests emitting the gap after step i): +1 at
+        # each run's first step, -1 at its last, summed, in integers (exactly the counts a float64
+        # difference array gave, without an array as long as the steps and the gaps together)
+        steps = len(end) - 1
+        emitting = np.bincount(a, minlength=len(end))[:len(end)]
+        emitting -= np.bincount(b, minlength=len(end))[:len(end)]
+        np.cumsum(emitting, out=emitting)
+        kept = emitting[:steps] > 0
+        # the sample: the kept steps' gaps, then the gaps between runs (weight 1 each), each
+        # written in place
+        emitted = int(np.count_nonzero(kept))
+        value = np.empty(emitted + int(np.count_nonzero(same)))
+        np.compress(kept, np.subtract(end[1:], end[:-1]), out=value[:emitted])
+        between = value[emitted:]
+        np.take(end, a[1:][same], out=between, mode="clip")     # (valid steps: "clip" takes no copy of `out`)
+        between -= end[b[:-1][same]]
+        weight = np.ones(len(value), dtype=np.int32)
+        weight[:emitted] = emitting[:steps][kept]
         values.append(value)
         weights.append(weight)
     if not values:

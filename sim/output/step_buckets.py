@@ -46,6 +46,7 @@ class StepBuckets:
         self.row_steps = row_steps
         self.first_rows = np.searchsorted(self.row_ends, self.firsts, side="right")
         self.last_rows = np.searchsorted(self.row_ends, lasts, side="right")
+        self._rows: dict[bool, tuple] = {}       # (_rows_at)
 
     def reduce(self, column, how: str) -> np.ndarray:
         """Per bucket: 'sum', 'mean' or 'max' over the bucket's steps of a recorded column, or of
@@ -63,8 +64,8 @@ class StepBuckets:
             if how == "max":                                    # the rows each bucket overlaps
                 return np.maximum(np.maximum.reduceat(values, self.first_rows), values[self.last_rows])
             before = self._whole_rows_sums(values)
-            total = self._running_row_sum(values, before, self.firsts + self.counts) - \
-                self._running_row_sum(values, before, self.firsts)
+            total = self._running_row_sum(values, before, *self._rows_at(ends=True)) - \
+                self._running_row_sum(values, before, *self._rows_at(ends=False))
         else:
             raise ValueError(f"step column {column!r}: not recorded")
         return self._finish(total, how)
@@ -83,11 +84,22 @@ class StepBuckets:
         np.cumsum(values * self.row_steps, out=before[1:])
         return before
 
-    def _running_row_sum(self, values: np.ndarray, before: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """Sum of a per-row value over steps [0, at) (`before`: _whole_rows_sums of `values`)."""
-        row = np.minimum(np.searchsorted(self.row_ends, at, side="right"), len(values) - 1)
-        row_start = self.row_ends[row] - self.row_steps[row]
-        inside = np.clip(at - row_start, 0, self.row_steps[row])
+    def _rows_at(self, ends: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(the row holding step `at`, that row's steps before `at`) where `at` is each bucket's
+        end (its first step): found once, the same for each column summed (the search was ~40 % of
+        the timeline steps.csv's reductions)."""
+        found = self._rows.get(ends)
+        if found is None:
+            at = self.firsts + self.counts if ends else self.firsts
+            row = np.minimum(np.searchsorted(self.row_ends, at, side="right"), len(self.row_steps) - 1)
+            row_start = self.row_ends[row] - self.row_steps[row]
+            found = self._rows[ends] = (row, np.clip(at - row_start, 0, self.row_steps[row]))
+        return found
+
+    @staticmethod
+    def _running_row_sum(values: np.ndarray, before: np.ndarray, row: np.ndarray, inside: np.ndarray) -> np.ndarray:
+        """Sum of a per-row value over steps [0, at) (`before`: _whole_rows_sums of `values`; `row`
+        and `inside`: `_rows_at`'s of `at`)."""
         return before[row] + values[row] * inside
 
     def first_step(self) -> np.ndarray:

@@ -348,3 +348,33 @@ def test_ended_requests_keep_every_figure_exactly_across_packs():
     assert packed["run_steps"].tolist() == [s for r in requests for s in r.emit_runs]
     assert packed["chunks"].tolist() == [0 if i == 4 else 2 for i in range(8)]
     assert packed["chunk_steps"].tolist() == [s for i in range(8) if i != 4 for s in (i, big)]
+
+
+def test_emit_runs_and_chunk_steps_list_each_requests_own_in_id_order():
+    """`RequestTable.emit_runs` and `chunk_steps` move each request's entries from where it was
+    recorded (in the order requests end) to its place in id order, keeping their own order:
+    requests ended out of id order over several packs, some with no run or no chunk, step
+    numbers that fit 32 bits in one pack and not in another."""
+    from sim.core.request import Request
+    from sim.core.status import FINISHED
+    from sim.records import RequestTable
+
+    class Small(RequestTable):
+        CHUNK = 3                          # pack every few requests
+
+    table, big = Small(), 2 ** 40
+    ended = [5, 0, 7, 2, 3, 6, 1, 4]       # ids, in the order they end
+    runs = {i: [(10 * i + k, 10 * i + k + 1 + (big if i == 6 else 0)) for k in range(i % 3)] for i in ended}
+    chunks = {i: [100 + i] * (i % 2) for i in ended}
+    for i in ended:
+        req = Request(i, 0.1 * i, [(7, 10)], 4, (9, 4))
+        req.status = FINISHED
+        req.emit_runs = [s for run in runs[i] for s in run]
+        req.chunk_steps = chunks[i]
+        table.add(req)
+    owner, first, last = table.emit_runs()
+    assert owner.tolist() == [i for i in range(8) for _ in runs[i]]
+    assert list(zip(first.tolist(), last.tolist())) == [run for i in range(8) for run in runs[i]]
+    owner, steps = table.chunk_steps()
+    assert owner.tolist() == [i for i in range(8) for _ in chunks[i]]
+    assert steps.tolist() == [s for i in range(8) for s in chunks[i]]
