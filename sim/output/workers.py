@@ -241,12 +241,11 @@ def run_plot_names() -> list[str]:
 
 class FigureWorkers:
     def __init__(self, workers: Optional[int] = None) -> None:
-        import multiprocessing
-
         self.workers = figure_processes() if workers is None else workers
         self.pool = None
         self._forwarding = ExitStack()
         if self.workers >= 1 and can_fork_here():      # else draw here
+            import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),

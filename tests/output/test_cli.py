@@ -84,6 +84,41 @@ def test_no_plots_writes_the_data_only(tmp_path, capsys):
     assert "no plots: --no-plots" in printed
 
 
+def test_start_up_pauses_the_collector_and_the_run_finds_it_on(tmp_path, monkeypatch):
+    """run_main reads the scenario with the cyclic collector paused (start-up makes long-lived
+    objects, no garbage), and leaves it enabled for the run and after: after `-h` and an error too.
+    Fails if the pause is dropped, or if it outlives start-up (a sweep, a serve would grow)."""
+    import gc
+
+    import pytest
+
+    import sim.predict
+    import sim.scenario
+
+    seen = {}
+    load, predict = sim.scenario.load_scenario, sim.predict.predict
+
+    def loading(*args, **kw):
+        seen["loading"] = gc.isenabled()
+        return load(*args, **kw)
+
+    def predicting(*args, **kw):
+        seen["predicting"] = gc.isenabled()
+        return predict(*args, **kw)
+
+    monkeypatch.setattr(sim.scenario, "load_scenario", loading)
+    monkeypatch.setattr(sim.predict, "predict", predicting)
+    assert gc.isenabled()
+    assert main([str(SCENARIOS / "quickstart.yaml"), "--out", str(tmp_path / "q"),
+                 "--set", "workload.num_requests=5", "--no-plots", "--quiet"]) == 0
+    assert seen == {"loading": False, "predicting": True} and gc.isenabled()
+    with pytest.raises(SystemExit):
+        main(["run", "-h"])
+    assert gc.isenabled()
+    assert main([str(SCENARIOS / "quickstart.yaml"), "--set", "engine.block_size=0"]) == 2
+    assert gc.isenabled()
+
+
 def test_rejected_requests_are_called_out_and_miss_the_slo(tmp_path, capsys):
     scenario = tmp_path / "rej.yaml"
     scenario.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nengine: {max_model_len: 1024}\n"

@@ -90,6 +90,24 @@ def test_every_form_of_the_pricer_prices_alike_bit_for_bit():
                 assert device.tolist() == one_by_one[:, 1].tolist(), (model.name, par)
 
 
+def test_the_generated_forms_are_parsed_from_the_lines_inspect_finds():
+    """The scalar forms are parsed from each method's lines, found from its code's positions
+    (sim.costmodel._method_source), not by tokenizing as `inspect.getsource` does: the same text,
+    placed at the method's own line numbers. Fails if a method's last statement leaves no
+    position (the text would end early) or the lines move."""
+    import inspect
+    import textwrap
+
+    from sim.costmodel import _GENERATED, _method_source
+
+    for name in sorted(_GENERATED):
+        method = getattr(CostModel, name)
+        text, filename = _method_source(method)
+        first = method.__code__.co_firstlineno
+        assert text[:first - 1] == "\n" * (first - 1) and filename == inspect.getsourcefile(method), name
+        assert text[first - 1:] == textwrap.dedent(inspect.getsource(method)), name
+
+
 def test_the_expert_kernel_term_slows_only_the_experts_and_more_as_tp_narrows_their_slices():
     """expert_n_half: the fused-MoE kernel on an expert slice of n columns per GPU reaches
     n / (n + expert_n_half) of the dense GEMMs' compute efficiency (0, the default:
