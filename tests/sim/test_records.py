@@ -378,3 +378,28 @@ def test_emit_runs_and_chunk_steps_list_each_requests_own_in_id_order():
     owner, steps = table.chunk_steps()
     assert owner.tolist() == [i for i in range(8) for _ in chunks[i]]
     assert steps.tolist() == [s for i in range(8) for s in chunks[i]]
+
+
+def test_the_itl_sample_takes_about_one_array_of_the_steps_at_its_peak():
+    """`itl_samples` runs over every step of a run (8.5M at a million requests on
+    bench_sim_speed.yaml): its peak fresh memory sets the summary's, so the largest run's peak RSS.
+    A float64 difference array reused for the counts and the gaps, plus the sample, is ~24 bytes a
+    step; integer counts in fresh step-long arrays took ~43 (+126 MB at 1M, found and reverted on
+    7 December). tracemalloc counts numpy's allocations, so the figure is exact, not timed."""
+    import tracemalloc
+
+    from sim.records import itl_samples
+
+    records, _, _ = simulate(busy_scenario(2000, "workload.arrival.rate=150"))
+    ids = records.requests.sorted_column("id")
+    steps = sum(len(r) for r in records.recorders)
+    itl_samples(records, ids)                    # (the emit runs are made once and kept)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        values, _ = itl_samples(records, ids)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert steps > 10_000 and len(values) > steps / 2
+    assert peak < 30 * steps, f"{peak / steps:.1f} bytes a step at the peak"
