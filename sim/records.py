@@ -657,7 +657,7 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 def _block_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """starts[0], starts[0] + 1, ... (lengths[0] of them), then starts[1], ...: each block's
     positions one after another, as one running sum of steps of 1 that jumps at each block's first
-    entry (one array: a repeat of the starts plus an arange made two more of the same length)."""
+    entry: one array of that length, where a repeat of the starts plus an arange made three."""
     total = int(lengths.sum())
     steps = np.ones(total, dtype=np.int64)
     if not total:

@@ -136,8 +136,9 @@ class Batch:
         A cohort member, scheduled with the cohort, is taken out before it leaves: `decodes` lists
         the members only where the scheduler lists them (Scheduler.lists_members)."""
         ctx = req.num_computed
-        if req.cohort is not None or req in self.decodes:
-            if req in self.decodes:
+        listed = req in self.decodes
+        if listed or req.cohort is not None:
+            if listed:
                 i = self.decodes.index(req)
                 del self.decodes[i]
                 self.cohort_size -= i < self.cohort_size
