@@ -50,42 +50,12 @@ class LeapPlan:
     """Up to `max_steps` pure decode steps from `first_step`; step k's shape on demand.
 
     `max_steps` is first the bound set by the members' next finish; the steps whose blocks
-    the pool can still give are counted lazily (`reach`), as far as a driver asks."""
+    the pool can still give are counted lazily (`reach`), as far as a driver asks. (`plan_leap`
+    makes it, from what it read of the scheduler: the cohort's `clock` at the first step, the
+    pool's `free` blocks.)"""
 
-    __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "settled", "_ctx0", "_ctx_per_step",
+    __slots__ = ("first_step", "max_steps", "rows", "members", "pending", "settled", "_first_ctx",
                  "walked", "_walked_before", "static_shape", "_clock", "_crossings", "_tables", "_free", "_taken", "_limit")
-
-    def __init__(self, sched: Scheduler, max_steps: int, members: int, clock: int, free: int):
-        """(`plan_leap` makes it: `members`, the cohort's `clock` at the first step and the pool's
-        `free` blocks are what it read.)"""
-        cohort = sched.cohort
-        self.first_step = sched.step
-        self.max_steps = max_steps
-        self.members = members
-        self.walked: list[int] = []       # blocks the members start walking at each step
-        self._walked_before = cohort.blocks_walked
-        self._clock = clock
-        self._crossings = cohort.crossings     # (the cohort's: no member joins or leaves during the plan)
-        self._tables = cohort.tables       # blocks a crossing member takes (a grouped cache: one per table)
-        self._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
-        self._taken = 0
-        self._limit = max_steps            # lowered where the pool runs out
-        # Async scheduling: the last step's finishers are released after step t's pass. Until
-        # `settle` has run it (and re-checked the waiting head), the plan is step t alone.
-        self.pending = sched.pending_release
-        self.settled: Optional[tuple[int, int, int]] = None     # step t's KV figures once settled
-        if self.pending:
-            self._limit = 1
-        if sched.static:                   # every row of the padded batch attends the same length
-            batch = sched.static_batch
-            self.rows = batch.rows
-            self.static_shape = (batch.length - batch.first_step, sched.block_size)
-            self._ctx0, self._ctx_per_step = self.rows * (batch.length - batch.first_step), self.rows
-        else:                              # members' context at step t: cohort_computed + clock(t)
-            self.rows = self.members
-            self.static_shape = None
-            self._ctx0 = cohort.ctx_offset_sum - self.members * cohort.offset
-            self._ctx_per_step = self.members
 
     def reach(self, k: int) -> int:
         """How many of the first k steps can run (their blocks are free); counts them on demand."""
@@ -120,7 +90,7 @@ class LeapPlan:
         The plan then reaches past step t unless the waiting head would start at t + 1."""
         if not self.pending or self.settled is not None:
             return
-        if sched.step != self.first_step or (not self.walked and self.reach(1) != 1):
+        if sched.step != self.first_step:  # (its blocks are counted: `plan_leap` counts step t's)
             raise AssertionError("settle: the plan's first step is not the scheduler's next one")
         t, cohort, kv = self.first_step, sched.cohort, sched.kv
         cohort.advance(t, kv)
@@ -154,8 +124,8 @@ class LeapPlan:
         devices: list[float] = []
         ctxs: list[int] = []
         reads: list[int] = []
-        per = self._ctx_per_step
-        ctx = self._ctx0 + per * self.first_step
+        per = self.rows                    # (every row's context grows by one a step)
+        ctx = self._first_ctx
         if self.static_shape is None:
             blocks, crossed = self._walked_before, self.walked
         else:
@@ -228,13 +198,13 @@ class LeapPlan:
     def shapes(self, k: int, start: int = 0) -> tuple[list[int], list[int]]:
         """(decode context, blocks read) of steps start .. k-1 (k <= reach(k))."""
         t = self.first_step
-        ctx0, per = self._ctx0, self._ctx_per_step
+        ctx0, per = self._first_ctx, self.rows
         if self.static_shape is not None:
             offset, bs = self.static_shape
-            return ([ctx0 + per * (t + i) for i in range(start, k)],
+            return ([ctx0 + per * i for i in range(start, k)],
                     [self.rows * -(-(offset + t + i) // bs) for i in range(start, k)])
         # (members >= 1 a step: the context grows by a constant, a range does the list at C speed)
-        ctx = list(range(ctx0 + per * (t + start), ctx0 + per * (t + k), per))
+        ctx = list(range(ctx0 + per * start, ctx0 + per * k, per))
         walked = self.walked
         blocks = list(accumulate(walked[start:k], initial=self._walked_before + sum(walked[:start])))
         del blocks[0]
@@ -288,11 +258,40 @@ def plan_leap(sched: Scheduler, max_steps: int, min_steps: int = 1) -> Optional[
     if max_steps < min_steps or max_steps < 1:
         return None
     # blocks the members take at the first step (due_blocks(t), inline: a call every plan)
-    first = cohort.crossings[clock % cohort.block_size] * cohort.tables if cohort.paged else 0
+    crossing = cohort.crossings[clock % cohort.block_size]
+    first = crossing * cohort.tables if cohort.paged else 0
     free = kv.pool.num_free
     if first > free or sched.waiting and _head_starts(sched, members, free - first):
         return None
-    return LeapPlan(sched, max_steps, members, clock, free)
+    # The plan, made here from what was read above (no __init__ to read it all again: a plan a leap)
+    plan = _new_plan(LeapPlan)
+    plan.first_step, plan.max_steps, plan.members = t, max_steps, members
+    # blocks the members start walking at each step, the first step's counted here (`reach` goes
+    # on from it: a pending plan, step t alone until settled, asks no more)
+    plan.walked = [crossing]
+    plan._walked_before, plan._clock = cohort.blocks_walked, clock
+    plan._crossings, plan._tables = cohort.crossings, cohort.tables    # (no member joins or leaves during the plan)
+    plan._free = free if cohort.paged else math.inf    # (a contiguous pool holds its blocks already)
+    plan._taken = first
+    # Async scheduling: the last step's finishers are released after step t's pass. Until `settle`
+    # has run it (and re-checked the waiting head), the plan is step t alone (`_limit`, lowered
+    # where the pool runs out).
+    plan.pending = pending = sched.pending_release
+    plan._limit = 1 if pending else max_steps
+    plan.settled = None                    # step t's KV figures once settled
+    if sched.static:                       # every row of the padded batch attends the same length
+        batch = sched.static_batch
+        plan.rows = rows = batch.rows
+        plan.static_shape = (batch.length - batch.first_step, sched.block_size)
+        plan._first_ctx = rows * (batch.length - batch.first_step + t)
+    else:                                  # members' context at step t: cohort_computed + clock(t)
+        plan.rows = members
+        plan.static_shape = None
+        plan._first_ctx = cohort.ctx_offset_sum + members * clock
+    return plan
+
+
+_new_plan = object.__new__     # (LeapPlan's instances come from plan_leap alone)
 
 
 def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
@@ -309,71 +308,74 @@ def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
 
 def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
     """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
-    Call `finish_leap` once they have run."""
+    Call `finish_leap` once they have run.
+
+    A paged pool (most leaps) takes steps done .. k-1's blocks in one go, in the order the
+    step-by-step calls would take them, and registers the blocks filled after
+    (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
+    the windows step by step); the figures follow from the crossings the plan counted and the
+    evictions the take made (and what the frees gave back). After a settled first step (`done`),
+    whose figures the pool and the tokens still show (nothing ran since `settle` read them), each
+    list starts with them: the running sums' initial value is kept instead of inserted. (Inline,
+    not a function of its own: a call a leap.) Static and contiguous batches, and a leap of its
+    settled first step alone, go step by step (`_apply_by_step`)."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
+    cohort = sched.cohort
     done = 0                               # steps already scheduled (a settled first step)
     if plan.pending:
         if plan.settled is None:           # (`timed` settles most)
             plan.settle(sched)
         done = 1
-    # (each list starts with the settled first step's figures, where there is one)
-    if done == k:
-        used0, cached0, slack0 = plan.settled
-        figures: tuple[list[int], list[int], list[int]] = ([used0], [cached0], [slack0])
-    elif sched.cohort.takes_stretch_in_bulk and plan.static_shape is None:
-        figures = _apply_bulk(sched, plan, done, k)
-    else:
+    if done == k or plan.static_shape is not None or not cohort.takes_stretch_in_bulk:
         figures = _apply_by_step(sched, plan, done, k)
-        if done:
-            for column, first in zip(figures, plan.settled):
-                column.insert(0, first)
+    else:
+        walked = plan.walked[done:k]
+        used0, cached0, slack0 = plan.settled if done else sched.kv_figures()
+        # per step, as running sums: the blocks used grow by the blocks crossed, the slack by
+        # block_size x those, less one token per member. (One loop: itertools' accumulate over map
+        # and repeat counted ~3x its instructions on a 5-step leap, and ~1.1x on long ones.)
+        bs, members = sched.block_size, plan.members
+        used, slack = ([used0], [slack0]) if done else ([], [])
+        blocks_used, slack_tokens = used0, slack0
+        for crossed in walked:
+            blocks_used += crossed
+            slack_tokens += bs * crossed - members
+            used.append(blocks_used)
+            slack.append(slack_tokens)
+        if cohort.per_group_tables:
+            figures = _advance_grouped(sched, plan, done, k, used0, cached0, slack)
+        else:
+            evicted = cohort.advance_many(plan.first_step + done, walked, sched.kv)
+            if evicted:                                         # (counts so far)
+                cached = list(map(sub, repeat(cached0), evicted))
+                if done:
+                    cached.insert(0, cached0)
+            else:
+                cached = [cached0] * (len(walked) + done)
+            figures = used, cached, slack
     sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
     return figures
 
 
-def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
-    """A paged pool: steps done .. k-1 of the leap, their blocks taken in one go, in the order the
-    step-by-step calls would take them, and the blocks filled registered after
-    (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
-    the windows step by step); the figures follow from the crossings the plan counted and the
-    evictions the take made (and what the frees gave back). After a settled first step (`done`),
-    whose figures the pool and the tokens still show (nothing ran since `settle` read them), each
-    list starts with them: the running sums' initial value is kept instead of inserted."""
-    walked = plan.walked[done:k]
-    cohort, kv = sched.cohort, sched.kv
-    used0, cached0, slack0 = plan.settled if done else sched.kv_figures()
-    # per step, as running sums: the blocks used grow by the blocks crossed, the slack by
-    # block_size x those, less one token per member. (One loop: itertools' accumulate over map
-    # and repeat counted ~3x its instructions on a 5-step leap, and ~1.1x on long ones.)
-    bs, members = sched.block_size, plan.members
-    used, slack = ([used0], [slack0]) if done else ([], [])
-    blocks_used, slack_tokens = used0, slack0
-    for crossed in walked:
-        blocks_used += crossed
-        slack_tokens += bs * crossed - members
-        used.append(blocks_used)
-        slack.append(slack_tokens)
-    if cohort.per_group_tables:
-        free, cached = cohort.advance_grouped(plan.first_step + done, k - done, kv)
-        # (maps, not comprehensions: one reading a local makes it a cell at every call)
-        used = list(map(sub, repeat(kv.pool.usable_blocks), free))
-        if done:
-            used.insert(0, used0)
-            cached.insert(0, cached0)
-        return used, cached, slack
-    evicted = cohort.advance_many(plan.first_step + done, walked, kv)
-    if evicted:                                         # (counts so far)
-        cached = list(map(sub, repeat(cached0), evicted))
-        if done:
-            cached.insert(0, cached0)
-    else:
-        cached = [cached0] * (len(walked) + done)
+def _advance_grouped(sched: Scheduler, plan: LeapPlan, done: int, k: int, used0: int, cached0: int,
+                     slack: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """`apply_leap`'s take with a table per KV cache group: the blocks used and cached follow from
+    the free and cached-free blocks `advance_grouped` counts after each step (the frees behind the
+    windows give some back)."""
+    kv = sched.kv
+    free, cached = sched.cohort.advance_grouped(plan.first_step + done, k - done, kv)
+    # (maps, not comprehensions: one reading a local makes it a cell at every call)
+    used = list(map(sub, repeat(kv.pool.usable_blocks), free))
+    if done:
+        used.insert(0, used0)
+        cached.insert(0, cached0)
     return used, cached, slack
 
 
 def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
-    """Steps done .. k-1 of the leap, each through the cohort, as the one-step path does."""
+    """Steps done .. k-1 of the leap, each through the cohort, as the one-step path does (none
+    where the leap is its settled first step alone: then its figures alone)."""
     cohort, kv, pool = sched.cohort, sched.kv, sched.kv.pool
     used, cached, slack = [], [], []
     t = plan.first_step
@@ -395,6 +397,9 @@ def _apply_by_step(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple
         cached.append(cached_now)
         slack.append(kv.held_slots - held)
     cohort.scheduled_step = t + k - 1 - cohort.offset
+    if done:                               # (the settled first step's figures first)
+        for column, first in zip((used, cached, slack), plan.settled):
+            column.insert(0, first)
     return used, cached, slack
 
 
