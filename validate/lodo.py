@@ -194,7 +194,12 @@ V0_EXPERT_SERIAL = False
 # one share on the V0 runs of the MoE deployments pooled across GPUs (pooled_expert_share: a fold's
 # without its held-out deployment, so Mixtral on one GPU is priced by its runs on the others), over the
 # pooled host profile at the datasheet efficiencies (no class factors: they are fitted over the share,
-# as pooled_v0_host is fitted without them), and every V0 class fit and fold holds it fixed.
+# as pooled_v0_host is fitted without them), and every V0 class fit and fold holds it fixed. Refitted
+# (docs/fidelity_log.md, h/moepool) and left off: the share comes out at 1 (0.70 without the RTX 4090 runs),
+# the datasheet links letting the A100 40GB and RTX 4090 runs' slow all-reduces pin it there; Mixtral on
+# A100 40GB (TPOT -14 -> -7 %) and Llama-3-70B's fold there (TTFT +191 -> +123 %) mend, Mixtral on RTX
+# A6000 (TTFT p99 -24 -> +122 %) and its class's Qwen2.5-0.5B fold (TTFT -14 -> -32 %) lose: all-deployment
+# TTFT mean 20.1 -> 21.3 %, p99 24.3 -> 25.6 %.
 V0_EXPERT_POOLED = False
 # The pooled share's grid (a parabola through the lowest point and its neighbours: _parabola_min): the damped
 # solver's 5 % probes from 0.3 see the replays' step jumps, not the trend, and stopped where they started
