@@ -239,8 +239,8 @@ class StepRecorder:
                     buffer.data += buffer.pack(*values)
             steps = self.step_values
             steps.blocks += (len(steps.data), k)       # (the byte offset: len(steps) is a call)
-            pack = steps._packs.get(k) or steps.pack_block(k)     # (the call only for a new k: a leap)
-            steps.data += pack(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached, *slack)
+            steps.data += steps.pack_block(k)(*ends, *host, *device, *decode_ctx, *blocks_read, *kv_used, *kv_cached,
+                                              *slack)
             if len(steps.data) >= self._chunk_bytes:
                 self._flush()
             return

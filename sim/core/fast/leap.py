@@ -308,59 +308,61 @@ def _head_starts(sched: Scheduler, members: int, free_after_first: int) -> bool:
 
 def apply_leap(sched: Scheduler, plan: LeapPlan, k: int) -> tuple[list[int], list[int], list[int]]:
     """Schedule the plan's first k steps: (kv blocks used, cached-free, slack tokens) after each.
-    Call `finish_leap` once they have run.
-
-    A paged pool (most leaps) takes steps done .. k-1's blocks in one go, in the order the
-    step-by-step calls would take them, and registers the blocks filled after
-    (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
-    the windows step by step); the figures follow from the crossings the plan counted and the
-    evictions the take made (and what the frees gave back). After a settled first step (`done`),
-    whose figures the pool and the tokens still show (nothing ran since `settle` read them), each
-    list starts with them: the running sums' initial value is kept instead of inserted. (Inline,
-    not a function of its own: a call a leap.) Static and contiguous batches, and a leap of its
-    settled first step alone, go step by step (`_apply_by_step`)."""
+    Call `finish_leap` once they have run. A paged pool (most leaps) takes them in one go
+    (`_apply_bulk`); static and contiguous batches, and a leap of its settled first step alone,
+    go step by step (`_apply_by_step`)."""
     assert 1 <= k <= plan.max_steps and sched.step == plan.first_step
-    cohort = sched.cohort
     done = 0                               # steps already scheduled (a settled first step)
     if plan.pending:
         if plan.settled is None:           # (`timed` settles most)
             plan.settle(sched)
         done = 1
-    if done == k or plan.static_shape is not None or not cohort.takes_stretch_in_bulk:
+    if done == k or plan.static_shape is not None or not sched.cohort.takes_stretch_in_bulk:
         figures = _apply_by_step(sched, plan, done, k)
     else:
-        walked = plan.walked[done:k]
-        used0, cached0, slack0 = plan.settled if done else sched.kv_figures()
-        # per step, as running sums: the blocks used grow by the blocks crossed, the slack by
-        # block_size x those, less one token per member. (One loop: itertools' accumulate over map
-        # and repeat counted ~3x its instructions on a 5-step leap, and ~1.1x on long ones.)
-        bs, members = sched.block_size, plan.members
-        used, slack = ([used0], [slack0]) if done else ([], [])
-        blocks_used, slack_tokens = used0, slack0
-        for crossed in walked:
-            blocks_used += crossed
-            slack_tokens += bs * crossed - members
-            used.append(blocks_used)
-            slack.append(slack_tokens)
-        if cohort.per_group_tables:
-            figures = _advance_grouped(sched, plan, done, k, used0, cached0, slack)
-        else:
-            evicted = cohort.advance_many(plan.first_step + done, walked, sched.kv)
-            if evicted:                                         # (counts so far)
-                cached = list(map(sub, repeat(cached0), evicted))
-                if done:
-                    cached.insert(0, cached0)
-            else:
-                cached = [cached0] * (len(walked) + done)
-            figures = used, cached, slack
+        figures = _apply_bulk(sched, plan, done, k)
     sched.tokens_held += plan.members * (k - done)
     sched.step = plan.first_step + k
     return figures
 
 
+def _apply_bulk(sched: Scheduler, plan: LeapPlan, done: int, k: int) -> tuple[list[int], list[int], list[int]]:
+    """A paged pool: steps done .. k-1 of the leap, their blocks taken in one go, in the order the
+    step-by-step calls would take them, and the blocks filled registered after
+    (DecodeCohort.advance_many; with a table per group, `advance_grouped`, which then frees behind
+    the windows step by step); the figures follow from the crossings the plan counted and the
+    evictions the take made (and what the frees gave back). After a settled first step (`done`),
+    whose figures the pool and the tokens still show (nothing ran since `settle` read them), each
+    list starts with them: the running sums' initial value is kept instead of inserted."""
+    cohort = sched.cohort
+    walked = plan.walked[done:k]
+    used0, cached0, slack0 = plan.settled if done else sched.kv_figures()
+    # per step, as running sums: the blocks used grow by the blocks crossed, the slack by
+    # block_size x those, less one token per member. (One loop: itertools' accumulate over map
+    # and repeat counted ~3x its instructions on a 5-step leap, and ~1.1x on long ones.)
+    bs, members = sched.block_size, plan.members
+    used, slack = ([used0], [slack0]) if done else ([], [])
+    blocks_used, slack_tokens = used0, slack0
+    for crossed in walked:
+        blocks_used += crossed
+        slack_tokens += bs * crossed - members
+        used.append(blocks_used)
+        slack.append(slack_tokens)
+    if cohort.per_group_tables:
+        return _advance_grouped(sched, plan, done, k, used0, cached0, slack)
+    evicted = cohort.advance_many(plan.first_step + done, walked, sched.kv)
+    if evicted:                                         # (counts so far)
+        cached = list(map(sub, repeat(cached0), evicted))
+        if done:
+            cached.insert(0, cached0)
+    else:
+        cached = [cached0] * (len(walked) + done)
+    return used, cached, slack
+
+
 def _advance_grouped(sched: Scheduler, plan: LeapPlan, done: int, k: int, used0: int, cached0: int,
                      slack: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """`apply_leap`'s take with a table per KV cache group: the blocks used and cached follow from
+    """`_apply_bulk`'s take with a table per KV cache group: the blocks used and cached follow from
     the free and cached-free blocks `advance_grouped` counts after each step (the frees behind the
     windows give some back)."""
     kv = sched.kv
