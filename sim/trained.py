@@ -44,8 +44,8 @@ def family(path: Path = FAMILY_FILE) -> dict:
 # was never tested (the table predicts that deployment with the generic entry), and the three V1
 # ones sit on their search bounds: L4's compute scale fitted on Qwen2.5-0.5B alone, its floor 0.14,
 # priced Llama-3.1-8B's prefill at ~8 % of the L4's peak (the quickstart met none of its SLOs).
-# validate/lodo.py's generic can apply the same rule to the classes the generic entry averages
-# (GENERIC_OF_TESTED_CLASSES): a fit on its search bounds is no evidence of a typical GPU either.
+# validate/lodo.py's generic applies the same rule to the classes the generic entry averages: a fit
+# on its search bounds is no evidence of a typical GPU either.
 MIN_CLASS_DEPLOYMENTS = 2
 
 
@@ -86,9 +86,10 @@ def front_end_default(engine: str, name: str = "front_end_s") -> float:
 SCALED = {"compute_scale": ("flops_eff", "attn_flops_eff"),  # GEMM and prefill-attention compute
           "memory_scale": ("bw_eff", "attn_bw_eff")}           # weight and KV streaming
 # host time per step; tp all-reduce link terms; (V1) the fused-MoE kernel's half-efficiency expert slice
-# width; (V0) host time per sequence per step and per admitted prompt, and (V0_LINK_LATENCY) an NVLink
-# all-reduce's own latency, (V0_CUSTOM_ALLREDUCE) vLLM's custom all-reduce apart from NCCL's ring,
-# (V0_EXPERT_SERIAL) the share of the expert GEMMs' compute or weight reads the fused-MoE kernel leaves unhidden
+# width; (V0) host time per sequence per step, per admitted prompt and per eagerly launched layer. A family
+# may also carry an NVLink all-reduce's own latency, vLLM's custom all-reduce apart from NCCL's ring and the
+# share of the expert GEMMs' time the fused-MoE kernel leaves unhidden (sim.costmodel), which validate/lodo.py
+# fitted once and did not adopt (see its list after FIT_NAMES)
 TERMS = ("step_host_s", "link_eff", "host_staging_eff", "expert_n_half", "seq_host_s", "prefill_seq_host_s",
          "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff", "expert_serial_share")
 # sim.costmodel applies them (trained_coefficients, trained_profile): this module holds no cost model

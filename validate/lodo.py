@@ -11,22 +11,17 @@ Gauss-Newton on log errors): a V1 scenario never uses coefficients fitted on V0 
     memory_scale     x the streaming efficiencies (weights bw_eff, KV reads attn_bw_eff) (V1)
     step_host_s      host time per engine step (scheduling, input preparation, launches)
     link_eff         tp all-reduce link efficiency (classes with tp > 1 runs)
-    expert_n_half    (V1, and V0 with V0_EXPERT_KERNEL: off; classes with MoE runs) the expert slice width
-                     at which the fused-MoE kernel reaches half the dense GEMMs' compute efficiency
-                     (sim.costmodel.expert_kernel_share)
+    expert_n_half    (V1; classes with MoE runs) the expert slice width at which the fused-MoE kernel
+                     reaches half the dense GEMMs' compute efficiency (sim.costmodel.expert_kernel_share)
     host_staging_eff PCIe all-reduce staged through host memory (classes with such runs)
-    seq_host_s, prefill_seq_host_s  (V0 only) host time per sequence per step, per admitted prompt
-    allreduce_latency_s (V0, V0_LINK_LATENCY: off) an NVLink all-reduce's own latency, apart from link_eff
-    custom_allreduce_eff (V0, V0_CUSTOM_ALLREDUCE: off) vLLM's custom all-reduce (NVLink, under 8 MiB) apart
-    expert_serial_share (V0, V0_EXPERT_SERIAL: off; classes with MoE runs) the share of the expert GEMMs'
-                     smaller time (compute or weight reads) the fused-MoE kernel does not overlap;
-                     with V0_EXPERT_POOLED (off) one value pooled over the MoE runs of every V0 class
-                     (pooled_expert_share), held fixed by the class fits
-each bounded to its physical range (no efficiency above 1). V0's three host terms are one profile
+    seq_host_s, prefill_seq_host_s, eager_layer_host_s  (V0 only) host time per sequence per step, per
+                     admitted prompt, per layer of a step with a prefill (launched eagerly)
+each bounded to its physical range (no efficiency above 1). V0's host terms are one profile
 fitted on all V0 classes pooled times a per-class machine speed (pooled_v0_host, V0_CLASS_FIT), its
 efficiencies the datasheet's. Two richer variants were tried and
 validated worse held out (docs/fidelity.md): separate GEMM / attention / weight scales, and the
 same with a pseudo-Huber loss; more parameters per class fitted the other deployments' quirks.
+The terms tried since and not adopted are listed after FIT_NAMES below.
 
 Every public V1 run went through vLLM's API server, whose time per request before the engine
 (HTTP, chat template, tokenization, its asyncio loop: sim/front_end.py) no step-time
@@ -34,15 +29,14 @@ coefficient carries: each replay of such a run takes a front end (engine.front_e
 pooled over every API-server deployment (host CPU physics, not the GPU's), fitted per fold without
 the held-out deployment's runs (pooled_front_end) and used by all three sources' cells of that fold;
 the family stores the value pooled over all of them (`front_end_s` of its engine entry), the
-default of a `step_times: trained` scenario. The same loop streams every step's outputs
-(engine.front_end_token_s per request in each step and front_end_step_s per step: FRONT_END_TOKEN),
-fitted jointly with it.
+default of a `step_times: trained` scenario. The replays stream no outputs through that loop
+(engine.front_end_token_s and front_end_step_s 0).
 
 A GPU with no measured run of a generation takes the geometric mean of that generation's fitted
-classes fitted on two deployments or more (`generic`, GENERIC_OF_TESTED_CLASSES; sim.trained.tested_class,
-the rule that also decides which classes price their own GPU): the engine generation, not the GPU, is what moves the host terms most (V0's
-AccelMark runs need 1-2 ms per step where V1 needs a few hundred microseconds), so a V1 coefficient
-set from another GPU is closer than a V0 one of the same GPU.
+classes fitted on two deployments or more (`generic`; sim.trained.tested_class, the rule that also
+decides which classes price their own GPU): the engine generation, not the GPU, is what moves the
+host terms most (V0's AccelMark runs need 1-2 ms per step where V1 needs a few hundred
+microseconds), so a V1 coefficient set from another GPU is closer than a V0 one of the same GPU.
 
 LODO: for each deployment, its (generation, class) is refitted without any of its runs (one left with
 no other deployment falls back to `generic` of the generation's other classes), and that profile predicts the
@@ -72,7 +66,7 @@ from sim.core.catalog import ModelSpec, get_device, get_model
 from sim.core.hf_config import model_fields_from_hf_config
 from sim.core.memory import vllm_memory_plan
 from sim.core.request import make_request, stable_key
-from sim.costmodel import CUSTOM_ALLREDUCE_WORLD_SIZES, CostCoefficients, CostModel, DeviceProfile, trained_coefficients
+from sim.costmodel import CostCoefficients, CostModel, DeviceProfile, trained_coefficients
 from sim.records import requests_frame
 from sim.scenario import validate_scenario
 from sim.simulator import Simulation
@@ -93,8 +87,7 @@ METRICS = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99", "e2e_mean", "e2e_p9
 FIT_METRICS = ("ttft_mean", "tpot_mean", "e2e_mean", "throughput")
 SOURCES = ("datasheet", "tables", "trained")
 NAMES = ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half",
-         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s", "allreduce_latency_s", "custom_allreduce_eff",
-         "expert_serial_share")
+         "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s")
 ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.engine_generation)
 # What each engine generation's fit learns. V1's engine core runs in its own process, overlapped
 # with the API server: one host time per step (the richer variants validated worse held out). V0
@@ -106,135 +99,45 @@ ENGINES = ("v1", "v0")       # vLLM engine generations (sim.scenario.Scenario.en
 # same Python, not the GPU's: V0's host profile (V0_HOST) is fitted once on the V0 runs of every GPU
 # class pooled (pooled_v0_host), and a V0 class fits only how fast its machine runs it (host_scale,
 # a factor on the pooled profile) and its tp link terms (V0_CLASS_FIT); its GEMM and streaming
-# efficiencies stay the datasheet's. Fitting all seven per class (the first V0 design) learned the
-# host terms from one or two other models of the class and missed held out by up to +4657 % TTFT
-# (docs/fidelity_log.md, "V0 held out: the designs measured").
-V0_POOLED_HOST = True      # False: the first V0 design (all seven parameters fitted per class)
+# efficiencies stay the datasheet's. Fitting all seven per class learned the host terms from one or
+# two other models of the class and missed held out by up to +4657 % TTFT (docs/fidelity_log.md,
+# "V0 held out: the designs measured").
 # V0 runs a step with a prefill eagerly (CUDA graphs for decode-only batches alone: vllm/worker/
 # model_runner.py, 0.7.3): the host launches every layer's kernels, which a small model's prefill
 # does not hide (Qwen2.5-0.5B's steps are launch-bound, Llama-3's GEMMs cover them), priced by
-# eager_layer_host_s beyond the step's device time. False: the V0 host profile before this term.
-V0_EAGER_PREFILL = True
-# A physical bound on it, measured and left off: one layer of vLLM 0.7.3's LlamaDecoderLayer /
-# Qwen2DecoderLayer forward (vllm/model_executor/models/llama.py, qwen2.py) launches about a dozen kernels,
-# tens of microseconds each at most, so V0_EAGER_LAUNCH_CAP bounds the term at 200 us per layer (the
-# search bound is 1 ms). Fitted free on pools whose Llama and Mixtral prefills hide it, the term reaches
-# 0.7-1.0 ms per layer and a held-out Qwen2.5-0.5B pays 19-48 ms per prefill step, more than its measured
-# mean TTFT; refitted with the bound (docs/fidelity_log.md, h/fid35), the pools put that time on each
-# admitted prompt instead and the Llama-3-8B folds lost more than the Qwen2.5-0.5B ones gained (trained's
-# all-deployment TTFT mean 20.1 -> 24.7 %, TTFT p99 24.3 -> 32.5 %). On: REPLAY_REVISION["v0"] + 8.
-V0_EAGER_LAUNCH_CAP = False
-# A V0 class's machine speed (host_scale) is learned from the class's other models, and a model whose
-# steps are device-bound barely shows it: in a fold of a two-deployment class one model pins it (L4's,
-# from Llama-3-8B's ~50 ms weight-streaming decode steps, came out 2.0x the pooled profile, and a held-out
-# Qwen2.5-0.5B, whose steps are host-bound, paid +306 % TTFT). V0_HOST_PRIOR puts a Gaussian prior on
-# log host_scale, centred on the pooled profile (1) with a standard deviation of V0_HOST_PRIOR_SIGMA
-# (one e-fold), as one more residual of the class fit: a machine whose runs move little with its host
-# speed keeps about the pooled one, one whose runs show it (Qwen2.5-0.5B's, H100's Llama-3-8B) keeps its
-# own. Only the class fits move (their --resume names carry it: _fit_tag), not the replays. Refitted
-# (docs/fidelity_log.md, h/v0link) and left off: L4 (+306 -> +86 % TTFT) and RTX 6000 Ada (+50 -> -0) mend,
-# but H100's Llama-3-8B runs show its fast host no more clearly than RTX 6000 Ada's show a slow one, so
-# Qwen2.5-0.5B on H100 loses (+29 -> +120 %) and the all-deployment TTFT p99 band 24.3 -> 28.9 %.
-V0_HOST_PRIOR = False
-V0_HOST_PRIOR_SIGMA = 1.0
-# One link efficiency divided both an NVLink all-reduce's fixed latency and its bandwidth term, so a
-# decode step's small all-reduces (latency-bound) and a prefill's large ones (bandwidth-bound) were fitted
-# to one value: Llama-3-70B on eight A100 40GB needs a link of 0.265 to keep up with its prefills at 25
-# req/s, which makes every decode 12-27 % too fast, and its own runs' 0.157 leaves that run +479 % TTFT
-# (docs/fidelity_log.md, h/v0link). V0_LINK_LATENCY fits a V0 class's per-collective all-reduce latency
-# (allreduce_latency_s, on NVLink / generic links: PCIe has NCCL's table) apart from link_eff, which then
-# prices bandwidth only. Only the class fits move (their --resume names carry it: _fit_tag). Refitted
-# (docs/fidelity_log.md, h/v0lat) and left off: in Llama-3-70B's A100 40GB fold Mixtral's runs alone put
-# their slower (unmodelled in V0) expert GEMMs on the link's bandwidth (0.045, latency 20 us), which
-# Llama-3-70B's twice wider all-reduces pay: +191 -> +1224 % TTFT, V0's TTFT mean band 19.9 -> 29.3 %;
-# its own runs fit the latency at the 30 us bound and still leave decode 16-31 % too fast.
-V0_LINK_LATENCY = False
-# V0 priced no fused-MoE kernel slowdown (expert_n_half was fitted for V1 only), so in a V0 class the one
-# link efficiency carried Mixtral's slower expert GEMMs too, and the dense tp 8 model of the class paid
-# for them on every all-reduce (Llama-3-70B on eight A100 40GB, fitted on Mixtral's runs: +191 % TTFT
-# held out; docs/fidelity_log.md, h/v0lat). V0 ran the same Triton fused_moe kernel (vLLM 0.7.3
-# vllm/model_executor/layers/fused_moe/fused_moe.py, the release of every V0 run), so V0_EXPERT_KERNEL
-# fits a V0 class's expert_n_half beside its link (classes with MoE runs: parameter_acts). Only the class
-# fits move (their --resume names carry it and its start: _fit_tag). Refitted (docs/fidelity_log.md,
-# h/v0moe) and left off: ShareGPT prompts at tp 8 keep Mixtral's expert GEMMs weight-bound in most steps,
-# where the term does not act, and fitted to convergence Llama-3-70B's A100 40GB fold puts it at 8-95
-# columns (no slowdown) with the link where it was (0.11-0.12; +685-717 % TTFT at 25 req/s). The refit's
-# gain there (+191 -> -12 % TTFT) was a six-iteration fit stopped short (training cost 0.317 against 0.097).
-V0_EXPERT_KERNEL = False
-# vLLM runs an all-reduce under 8 MiB (a decode step's; a long prefill's goes to NCCL) with its own custom
-# kernel on 2, 4, 6 or 8 GPUs that are all NVLink peers (vllm/distributed/device_communicators/
-# custom_all_reduce.py and cuda_communicator.py, 0.7.3: should_custom_ar, max_size 8192 * 1024), so one link
-# efficiency priced two kernels: the runs of Llama-3-70B on eight A100 40GB want decode's all-reduce dearer
-# per token than its prefill's (docs/fidelity_log.md, h/v0lat). V0_CUSTOM_ALLREDUCE fits a V0 class's
-# custom_allreduce_eff (sim.costmodel: messages under CUSTOM_ALLREDUCE_MAX_BYTES) beside link_eff (NCCL's
-# ring, the larger ones), in classes with tp 2-8 runs on NVLink (parameter_acts). Only the class fits move.
-# Refitted (docs/fidelity_log.md, h/v0moe; twelve iterations: V0_CLASS_ITERATIONS) and left off: Llama-3-70B's
-# A100 40GB fold, fitted on Mixtral's runs, puts the slow time on the small messages (custom 0.047, link
-# 0.47): its TTFT mends (+191 -> +38 %) and its decode is priced dearer (TPOT +26 -> +38 %), while Mixtral's
-# fold, fitted on Llama-3-70B's runs, wants the opposite split (link 0.10, custom 1.0); the all-deployment
-# TTFT mean 20.1 -> 21.3 % and throughput 10.5 -> 11.3 %, V0's TPOT mean 13.8 -> 15.8 %.
-V0_CUSTOM_ALLREDUCE = False
-# Mixtral's V0 runs want expert time that grows with load (fold coefficients, no refit: TPOT +12 % at
-# 2 req/s, -29 % at 40 req/s; docs/fidelity_log.md, h/v0moe), which a roofline maximum of the expert
-# GEMMs' compute and weight reads cannot give where the reads dominate (Mixtral at tp 8: up to ~1100
-# token-expert pairs a step). vLLM 0.7.3's fused_moe (vllm/model_executor/layers/fused_moe/fused_moe.py)
-# pads each expert's rows to BLOCK_SIZE_M (moe_align_block_size; 16-128 in the A100 40GB / H100 configs for
-# E=8, N=1792), which stays below the ~140 rows per expert where compute passes the reads, so padding alone
-# moves no maximum; V0_EXPERT_SERIAL fits the share of the smaller time the kernel does not
-# hide (expert_serial_share: time = max + share x min) in V0 classes with MoE runs (parameter_acts).
-# Only the class fits move (their --resume names carry it and its start: _fit_tag). Refitted with twelve
-# class iterations (docs/fidelity_log.md, h/moemix) and left off: Mixtral is every V0 class's only MoE model,
-# so its own folds never fit the term (held out it is priced as before); the A100 40GB class puts it at 1
-# (the sum) and Llama-3-70B's fold mends (link 0.11 -> 0.16: TTFT +191 -> +111 %, TPOT +26 -> +2 %), but the
-# tp 1 Qwen2.5-0.5B folds move (RTX A6000 TTFT -14 -> -30 %): all-deployment TTFT mean 20.1 -> 21.3 %, p99
-# 24.3 -> 28.4 %.
-V0_EXPERT_SERIAL = False
-# The share is a property of vLLM 0.7.3's kernel, not of a GPU class, and fitted per class Mixtral (every
-# V0 class's only MoE model) never met it held out (docs/fidelity_log.md, h/moemix). V0_EXPERT_POOLED fits
-# one share on the V0 runs of the MoE deployments pooled across GPUs (pooled_expert_share: a fold's
-# without its held-out deployment, so Mixtral on one GPU is priced by its runs on the others), over the
-# pooled host profile at the datasheet efficiencies (no class factors: they are fitted over the share,
-# as pooled_v0_host is fitted without them), and every V0 class fit and fold holds it fixed. Refitted
-# (docs/fidelity_log.md, h/moepool) and left off: the share comes out at 1 (0.70 without the RTX 4090 runs),
-# the datasheet links letting the A100 40GB and RTX 4090 runs' slow all-reduces pin it there; Mixtral on
-# A100 40GB (TPOT -14 -> -7 %) and Llama-3-70B's fold there (TTFT +191 -> +123 %) mend, Mixtral on RTX
-# A6000 (TTFT p99 -24 -> +122 %) and its class's Qwen2.5-0.5B fold (TTFT -14 -> -32 %) lose: all-deployment
-# TTFT mean 20.1 -> 21.3 %, p99 24.3 -> 25.6 %.
-V0_EXPERT_POOLED = False
-# The pooled share's grid (a parabola through the lowest point and its neighbours: _parabola_min): the damped
-# solver's 5 % probes from 0.3 see the replays' step jumps, not the trend, and stopped where they started
-EXPERT_SHARE_GRID = tuple(i / 10 for i in range(11))
-V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s") + (("eager_layer_host_s",) if V0_EAGER_PREFILL else ())
-V0_CLASS_FIT = (("host_scale", "link_eff", "host_staging_eff") + (("allreduce_latency_s",) if V0_LINK_LATENCY else ())
-                + (("expert_n_half",) if V0_EXPERT_KERNEL else ())
-                + (("custom_allreduce_eff",) if V0_CUSTOM_ALLREDUCE else ())
-                + (("expert_serial_share",) if V0_EXPERT_SERIAL else ()))
-# The MoE models' experts: one link efficiency per class carried their slower expert GEMMs too (the V1
-# H100 folds fitted link_eff 0.41-0.73, and the dense tp 2 / 4 deployments paid: CodeLlama-34b +11 %,
-# Llama-2-70b +13 % E2E held out), so V1 prices the fused-MoE kernel on its expert slices apart
-# (expert_n_half: a slowdown growing as tp narrows the slices, acting on MoE models only) and the link
-# is left to what the tp > 1 runs' all-reduces show. False: the family before this term.
-EXPERT_KERNEL_TERM = True
-
-# The generic entry of a generation (a GPU no run of it measured, or a class of one deployment) averages
-# the classes that price their own GPU only (sim.trained.tested_class: two deployments or more), not
-# the one-deployment fits no held-out run tested, which sit on their search bounds (V1 L4's compute
-# scale 0.14, RTX 4090's and A100-40GB's 1.82, A100-40GB's link 0.14). Measured (docs/fidelity_log.md,
-# "The generic entry of tested classes only"): the V1 bands hold or improve (throughput 14.1 -> 11.3 %),
-# L4 and RTX 4090 held out improve, A100-40GB tp 8 loses 3-8 points and crosses two all-deployment
-# medians (TTFT p99 32.6 -> 33.0 %, TPOT p99 30.5 -> 31.5 %). False: every fitted class (the family
-# before this switch).
-GENERIC_OF_TESTED_CLASSES = True
-FIT_NAMES = {"v1": ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff")
-             + (("expert_n_half",) if EXPERT_KERNEL_TERM else ()),
-             "v0": (*V0_HOST, *V0_CLASS_FIT[1:]) if V0_POOLED_HOST else
-             ("compute_scale", "memory_scale", *V0_HOST, *V0_CLASS_FIT[1:])}
+# eager_layer_host_s beyond the step's device time (docs/fidelity_log.md, "V0's TPOT
+# over-prediction: eager prefill steps, and AccelMark's asyncio loop").
+V0_HOST = ("step_host_s", "seq_host_s", "prefill_seq_host_s", "eager_layer_host_s")
+V0_CLASS_FIT = ("host_scale", "link_eff", "host_staging_eff")
+# V1 prices the fused-MoE kernel on its expert slices apart (expert_n_half: a slowdown growing as tp
+# narrows the slices, acting on MoE models only), so the link is left to what the tp > 1 runs'
+# all-reduces show: one link efficiency per class carried the slower expert GEMMs too, and the dense
+# tp 2 / 4 deployments paid (CodeLlama-34b +11 %, Llama-2-70b +13 % E2E held out; docs/fidelity_log.md,
+# "The fused-MoE expert term: the link left to the all-reduces").
+FIT_NAMES = {"v1": ("compute_scale", "memory_scale", "step_host_s", "link_eff", "host_staging_eff", "expert_n_half"),
+             "v0": (*V0_HOST, *V0_CLASS_FIT[1:])}
+# Tried, refitted held out and not adopted (each validated worse; docs/fidelity.md, "Known misses"):
+# validate/lodo.py at commit aecfbe0 still runs each one behind the switch named here, and the
+# docs/fidelity_log.md heading given measured it.
+#   V0_EAGER_LAUNCH_CAP  eager_layer_host_s bounded at 200 us per layer: "A physical bound on the eager
+#                        launches, refitted and not adopted"
+#   V0_HOST_PRIOR        a Gaussian prior on a V0 class's log host_scale: "A prior on the V0 class machine
+#                        speed, refitted and not adopted"
+#   V0_LINK_LATENCY      a V0 class's NVLink all-reduce latency (allreduce_latency_s) apart from link_eff:
+#                        "An NVLink all-reduce latency of its own, refitted and not adopted"
+#   V0_EXPERT_KERNEL, V0_CUSTOM_ALLREDUCE  expert_n_half per V0 class; vLLM's custom all-reduce
+#                        (custom_allreduce_eff) apart from NCCL's ring: "V0's MoE expert kernel and vLLM's
+#                        custom all-reduce, refitted and not adopted" (with twelve class iterations)
+#   V0_EXPERT_SERIAL     the fused-MoE kernel's unhidden share (expert_serial_share) per V0 class:
+#                        "2026-12-07, 18:00 UTC (h/moemix): the fused-MoE kernel's unhidden share, ..."
+#   V0_EXPERT_POOLED     that share pooled across GPUs (pooled_expert_share): "2026-12-07, 22:10 UTC
+#                        (h/moepool): the fused-MoE kernel's unhidden share pooled across GPUs, ..."
+#   EOS_STOPPED_OUTPUTS  a closed-loop bench run's outputs stopped at EOS below its cap: "A closed loop
+#                        at one output length: the RTX 4090 sweep's TTFT (a replay switch, off)"
+#   FRONT_END_TOKEN      the API server's streaming (front_end_token_s, front_end_step_s), fitted with the
+#                        intake: "The API server's streaming: modelled, refitted to 160 us, not adopted",
+#                        "The API server's streaming in rounds: refitted, not adopted"
 _BASE = CostCoefficients()
-# An NVLink all-reduce's fixed latency: a few microseconds (vLLM's custom all-reduce, one kernel) to
-# about thirty (NCCL's ring across eight GPUs, its launch included); started at the catalog's default
-# link latency (sim.core.catalog DEFAULT_LINK_LATENCY_US)
-ALLREDUCE_LATENCY_BOUNDS_S = (3e-6, 30e-6)
-ALLREDUCE_LATENCY_START_S = 10e-6
 # expert_n_half starts at 64 columns, the order of the tile widths of vLLM's fused_moe default configurations
 START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.step_host_s, "link_eff": 1.0,
                 "host_staging_eff": _BASE.host_staging_eff, "expert_n_half": 64.0},
@@ -242,18 +145,12 @@ START = {"v1": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": _BASE.
          # order of its per-step Python work); started there, the damped solver (at most x2 per
          # parameter per iteration) reaches the host times V0 runs show within its iterations, where
          # from V1's 150 us it stopped at 150 us x 2^3 = 1.2 ms after three
-         "v0": {"compute_scale": 1.0, "memory_scale": 1.0, "step_host_s": 1e-3, "seq_host_s": 30e-6,
-                "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6, "link_eff": 1.0,
-                "host_staging_eff": _BASE.host_staging_eff, "allreduce_latency_s": ALLREDUCE_LATENCY_START_S,
-                "expert_n_half": 64.0, "custom_allreduce_eff": 1.0, "expert_serial_share": 0.3}}
+         "v0": {"step_host_s": 1e-3, "seq_host_s": 30e-6, "prefill_seq_host_s": 1e-3, "eager_layer_host_s": 100e-6,
+                "link_eff": 1.0, "host_staging_eff": _BASE.host_staging_eff}}
 # V1 took three iterations until the expert term: they left the H100 folds' step host time anywhere
 # from 57 us to the 150 us x 2^3 = 1.2 ms the damping allows, and with the expert term a fold's cost
 # still fell by a third at the fourth iteration (Llama-2-70b's: 4.03 -> 2.88), its link between 0.5 and 1
 ITERATIONS = {"v1": 6, "v0": 6}
-# A V0 class fit's iterations (the pooled host profile keeps ITERATIONS["v0"]): with a second link term
-# (V0_CUSTOM_ALLREDUCE) six stopped short, Llama-3-70B's A100 40GB fold at a cost above the nested fit
-# with one link efficiency (0.117 against 0.097), where twelve reach 0.072 (docs/fidelity_log.md, h/v0moe)
-V0_CLASS_ITERATIONS = 6
 # (lower, upper): an efficiency stays within 0.05 .. 1 (tests/sim/test_trained.py: a compute scale of 0.1
 # gave prefill attention 3.5 %: the lone V1 L4 class fitted 0.12 once its replays had the front end),
 # a host term within 1 us .. 50 ms (per sequence: 0.1 us .. 1 ms), the experts' half-efficiency width within
@@ -261,11 +158,9 @@ V0_CLASS_ITERATIONS = 6
 BOUNDS = {"compute_scale": (max(0.1, 0.05 / min(_BASE.flops_eff, _BASE.attn_flops_eff)),
                             1 / max(_BASE.flops_eff, _BASE.attn_flops_eff)),
           "memory_scale": (0.1, 1 / max(_BASE.bw_eff, _BASE.attn_bw_eff)), "step_host_s": (1e-6, 0.05),
-          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05),
-          "eager_layer_host_s": (1e-7, 200e-6 if V0_EAGER_LAUNCH_CAP else 1e-3),
+          "seq_host_s": (1e-7, 1e-3), "prefill_seq_host_s": (1e-6, 0.05), "eager_layer_host_s": (1e-7, 1e-3),
           "link_eff": (0.01, 1.0), "host_staging_eff": (0.05, 1.0), "host_scale": (0.05, 20.0),
-          "expert_n_half": (8.0, 4096.0), "allreduce_latency_s": ALLREDUCE_LATENCY_BOUNDS_S,
-          "custom_allreduce_eff": (0.01, 1.0), "expert_serial_share": (0.01, 1.0)}
+          "expert_n_half": (8.0, 4096.0)}
 
 MODELS = {"Qwen/Qwen2-7B-Instruct": "qwen2.5-7b",          # Qwen2-7B: the Qwen2.5-7B shape
           "Qwen/Qwen3-32B": "hf:Qwen__Qwen3-32B-FP8",       # the FP8 checkpoint's shape, served in bf16
@@ -314,57 +209,7 @@ WINDOW_S = 40.0          # a constant-rate stage is replayed over its first WIND
 WARMUP_RATE = 50.0       # req/s of the warm-up pass that fills the prefix cache before a later stage
 MAX_WINDOW_REQUESTS = 600
 FIT_RUNS_PER_DEPLOYMENT = 2   # the fit sees a deployment's cheapest and its median-cost run
-BENCH_WARM_CACHE = True      # replay benchmark_serving's warm prefix cache (_bench_requests, _after_earlier_runs)
-BENCH_EARLIER_OUTPUTS = True  # the server's earlier runs replayed with their outputs, one after another
 ACCELMARK_REPEATS_REPLAYED = 1   # of an AccelMark level's repeats (same prompts, fresh arrivals): the first
-# AccelMark's runner awaits AsyncLLMEngine.generate on the engine's own asyncio loop, so with V0's
-# async output processing a token reaches it when that loop wakes (the next step's end or the load
-# generator's next send: engine.client_in_process, Scenario.tokens_at_loop_wake), not once the next
-# step's host work is done. Refitted with it on 2026-12-07, with and without V0_EAGER_PREFILL
-# (docs/fidelity_log.md, "V0's TPOT over-prediction: eager prefill steps, and AccelMark's asyncio
-# loop"): TPOT mean improved, but trained lost TTFT p99 to tables both times (on the 16 deployments
-# tables covers), so it stayed off. Refitted a third time with ACCELMARK_EOS_STOPPED_OUTPUTS (the
-# few-token requests now carry the TTFT and TPOT tails): every all-deployment band but throughput
-# improved and trained beats both on every metric (docs/fidelity_log.md, h/fid34), so it is on.
-# On: REPLAY_REVISION["v0"] moves up by one.
-ACCELMARK_CLIENT_IN_PROCESS = True
-# inference-perf's output count is its client tokenizer's count of the streamed text (inference_perf/
-# apis/completion.py process_response: tokenizer.count_tokens(output_text)), not the tokens vLLM
-# generated. With ignore_eos the engine generates exactly max_tokens (the shared_prefix output_len,
-# shared_prefix_datagen.py: CompletionAPIData(max_tokens=self.output_len)), and the text drops what
-# detokenization skips: Llama-2-7b's stages count 194-210 of their 247-251 tokens (the EOS tokens a
-# base model keeps emitting are special tokens, skip_special_tokens=True by default in vLLM's
-# SamplingParams), every other model 98-101 %. Replayed at the counted mean, Llama-2-7b generated a
-# fifth fewer tokens than it did, and its TPOT ((E2E - TTFT) / (output - 1)) read a fifth too slow.
-IGNORE_EOS_OUTPUT_IS_MAX_TOKENS = True   # False: the counted mean (the table before this fix)
-# A benchmark without ignore_eos sends max_tokens = its output length (vllm bench serve's chat payload
-# "max_completion_tokens": output_len, vllm/benchmarks/lib/endpoint_request_func.py 0.11.0) and vLLM
-# stops a request there or at the model's EOS, whichever comes first; a printed mean below that cap
-# says some requests stopped early. At one length for all, a closed-loop client's slots finish
-# together and send their next prompts together, so every prompt queues behind the others' prefills
-# (Mistral-7B on the RTX 4090, mean 100 of 128 tokens: TTFT +174 % at concurrency 4 held out, 63 ms
-# measured). With EOS_STOPPED_OUTPUTS a closed-loop bench run's measured requests keep that mean the
-# way it could arise (_output_lengths): a share of them stops at lengths spread below the cap, the
-# rest reach it. Closed-loop runs only: all at once, no slot waits on another's end, and the guessed
-# spread would only move TPOT p99 (its 1-3-token requests). Off until a refit adopts it
-# (docs/fidelity_log.md, h/fid33v1).
-EOS_STOPPED_OUTPUTS = False
-# AccelMark's runner decodes greedily to max_tokens 512 (suite F: 256) without ignore_eos
-# (runners/nvidia_vllm_47f5d58e/runner.py: SamplingParams(max_tokens=max_tokens, temperature=0.0)), so
-# each request stops at the model's EOS or the cap; the result files publish only the mean (the
-# offline scenario's tokens over its requests), not the per-request lengths. Its TPOT is per request,
-# (total - TTFT) / max(output - 1, 1), pooled into p50/p90/p99 (loadgen/loadgen.py
-# _run_online_async): a request of a few tokens that waits out one of V0's prefill steps (every
-# decode stalls behind it) reads many times the median, and that short tail is the measured p99. At
-# the mean for all (False), every request decodes ~300 steps and averages its stalls away: V0's TPOT
-# p99 held out was -44 % (signed median, 25 deployments). With it, the replay keeps the published
-# mean with early stops spread below the cap (eos_stopped_lengths, what EOS_STOPPED_OUTPUTS gives a
-# closed loop); the same lengths for every deployment of a model, as greedy decoding of the same
-# prompts gives. Refitted with it (docs/fidelity_log.md, "AccelMark's output lengths, and TPOT p99"):
-# V0's signed TPOT p99 -20 %, the all-deployment TTFT / TTFT p99 / TPOT p99 bands 2.7-5.9 points
-# lower, TPOT mean and throughput 1.9 and 1.5 higher; with ACCELMARK_CLIENT_IN_PROCESS too, every band
-# lower but throughput's (+0.4). On: REPLAY_REVISION["v0"] moves up by four.
-ACCELMARK_EOS_STOPPED_OUTPUTS = True
 # An open-loop stage the server could not keep up with (completed requests per second below this
 # share of its send rate) has no steady state: its queue grows through the whole stage (inference-
 # sim's CodeLlama-34b reasoning stage: 3.2 of 4 req/s served, mean TTFT 120 s over 1200 s), which a
@@ -379,34 +224,10 @@ OVERLOADED_SERVED_SHARE = 0.9
 # (pooled_front_end), fitted per fold without the held-out deployment's runs, at the datasheet
 # coefficients (what every source shares), on FRONT_END_GRID (each run's residuals at every grid
 # value computed once; a fold's loss is their sum over the other deployments), refined between grid
-# points by a parabola, bounded to FRONT_END_BOUNDS. Every source's cells of a fold use that value.
-FRONT_END = True           # False: no front end in any replay (the table before issue 25's front-end term)
+# points by a parabola, bounded to FRONT_END_BOUNDS. Every source's cells of a fold use that value
+# (docs/fidelity_log.md, "The API-server front end: a fitted term, held small by the runs' TPOT").
 FRONT_END_GRID = tuple(ms * 1e-3 for ms in (0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 13, 16, 20))
 FRONT_END_BOUNDS = (0.0, 0.02)     # s per request: 20 ms is 50 requests/s through one API server
-# The same loop's streaming (sim/front_end.py, engine.front_end_token_s and front_end_step_s): each
-# engine step's outputs hold it for a time per step plus (requests in the step) x a time per token
-# (vLLM 0.11.0 vllm/v1/engine/async_llm.py output_handler -> OutputProcessor.process_outputs, one SSE
-# chunk per request in serving_chat.py chat_completion_stream_generator), a replica's steps already
-# due when the loop reaches them as one job (one chunk per request: RequestOutputCollector merges),
-# delaying the intake behind them and the tokens' delivery. Fitted with the intake time on a grid of
-# all three: each run's profile is FRONT_END_GRID at no streaming plus FRONT_END_STREAM_INTAKE_GRID
-# x FRONT_END_TOKEN_GRID x FRONT_END_STEP_GRID, the best point refined by a parabola along each axis.
-# A replay with no streaming is the intake-only replay of before, so no REPLAY_REVISION moves: a
-# class fit's and a fold's --resume names carry their streaming times where one is above 0
-# (_stream_tag), for the deployments that went through an API server only (V0's never did).
-# Refitted on a grid to 160 us with the first-come-first-served streaming before the merge
-# (docs/fidelity_log.md, "The API server's streaming"): the V1 held-out medians improved through six
-# folds at the grid's bound while the pooled default stayed at 0; on a grid to 480 us the pool took
-# 378 us a token and a loop that fell behind the engine for good (inference-sim's Llama-2-7B +4683 %
-# TTFT): what the merge removes. Refitted with it (docs/fidelity_log.md, "streaming in rounds"): the
-# pool went to every bound's corner (0.5 ms, 240 us, 1 ms), V1 TPOT better, the all-deployment TPOT
-# p99 worse (26.6 -> 26.9 %) and CodeLlama-34b's TTFT +2 -> +31 %: off.
-FRONT_END_TOKEN = False    # False: intake only (the table before the streaming term)
-FRONT_END_STREAM_INTAKE_GRID = tuple(ms * 1e-3 for ms in (0.5, 1, 1.5, 2, 2.5))
-FRONT_END_TOKEN_GRID = tuple(us * 1e-6 for us in (0, 20, 40, 80, 160, 240))
-FRONT_END_TOKEN_BOUNDS = (0.0, FRONT_END_TOKEN_GRID[-1])     # 240 us: a pydantic SSE chunk and its detokenization
-FRONT_END_STEP_GRID = tuple(ms * 1e-3 for ms in (0, 0.2, 0.5, 1))
-FRONT_END_STEP_BOUNDS = (0.0, FRONT_END_STEP_GRID[-1])       # 1 ms: one step's message, stats and logging
 
 
 @dataclass
@@ -422,7 +243,7 @@ class Run:
     stage_count: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     centre: str = "mean"                 # "median": the source publishes medians, compared with kvtwin's medians
-    api_server: bool = True              # sent over HTTP to vLLM's API server (FRONT_END); AccelMark: in-process
+    api_server: bool = True              # sent over HTTP to vLLM's API server (pooled_front_end); AccelMark: in-process
 
     @property
     def engine(self) -> str:
@@ -518,10 +339,9 @@ def bench_runs(logs: dict[str, dict], data_pass: int = LATEST_DATA_PASS) -> tupl
         engine["vllm_version"] = stated_version if stated_version[:1].isdigit() else None
         log = logs.get(e.get("startup_log_id") or "")
         blocks = (log or {}).get("printed", {}).get("num_gpu_blocks")
-        outputs = _output_lengths(e, n, output)
-        scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + max(outputs),
+        scenario = deployment_scenario(e["id"], e["model"], e["gpu"]["model"], e["tp"], engine, prompt + output,
                                        blocks, concurrency, LINKS.get(e.get("startup_log_id") or ""))
-        requests = _with_template_prefix(_bench_requests(e, prompt, outputs, history), e)
+        requests = _with_template_prefix(_bench_requests(e, prompt, output, n, history), e)
         runs.append(Run(e["id"], _deployment_name(e["model"], e["gpu"]["model"], e["tp"], e.get("vllm_version")),
                         GPUS[e["gpu"]["model"]], scenario, requests, _bench_measured(m), e["source"]["url"],
                         centre="mean" if "mean_ttft_ms" in m else "median"))
@@ -537,24 +357,26 @@ def after_warmup(warm_tokens: int) -> float:
     return 1.0 + warm_tokens * 1e-3
 
 
-def _bench_requests(e: dict, prompt: int, outputs: list[int], history: dict[str, list]) -> list:
-    """The run's requests, all sent at once (a closed-loop client's cap is the scenario's). With
-    BENCH_WARM_CACHE, a random-dataset run on a known server (its startup log, or the `server`
-    its runs went to one after another) whose prompts recur across runs (_prompt_set) replays the
-    prefix cache that server held when the run started. vLLM's benchmark client sends the first
-    prompt once ("initial single prompt test run") before the benchmark, and the random dataset's
-    prompt i is (offset_i + i + arange(length)) % vocab, so prompts of one set and index share
-    their first tokens whatever their length. The server's earlier runs are replayed first as they
-    ran (BENCH_EARLIER_OUTPUTS; warm-up requests, not measured): each all at once with its printed
-    mean output, the next one its measured duration plus 1 s later, so their outputs' KV evicts
+def _bench_requests(e: dict, prompt: int, output: int, n: int, history: dict[str, list]) -> list:
+    """The run's n requests of `output` tokens (its printed mean), all sent at once (a closed-loop
+    client's cap is the scenario's). A random-dataset run on a known server (its startup log, or the
+    `server` its runs went to one after another) whose prompts recur across runs (_prompt_set) replays
+    the prefix cache that server held when the run started (docs/fidelity_log.md, "TTFT on the V1
+    deployments tables covers: three replay details, not a coefficient"). vLLM's benchmark client
+    sends the first prompt once ("initial single prompt test run") before the benchmark, and the
+    random dataset's prompt i is (offset_i + i + arange(length)) % vocab, so prompts of one set and
+    index share their first tokens whatever their length. The server's earlier runs are replayed
+    first as they ran (warm-up requests, not measured): each all at once with its printed mean
+    output, the next one its measured duration plus 1 s later, so their outputs' KV evicts
     from the LRU what they would have evicted (dennislee's 100 x 4096/4096 run streams 808k
-    tokens through a 450k-token pool before its 100 x 1024/7168 run); then this run's test prompt
-    (one output token: its real output only adds a request's KV to a pool that holds the run)."""
-    server, prompt_set, n = e.get("startup_log_id") or e.get("server"), _prompt_set(e), len(outputs)
-    output = round(sum(outputs) / n)        # the printed mean: what this run adds to its server's history
-    if not (BENCH_WARM_CACHE and server and prompt_set is not None):
+    tokens through a 450k-token pool before its 100 x 1024/7168 run; docs/fidelity_log.md, "The L4
+    sweep and the earlier runs' outputs: two more replay fixes, and time outside the engine"); then
+    this run's test prompt (one output token: its real output only adds a request's KV to a pool
+    that holds the run)."""
+    server, prompt_set = e.get("startup_log_id") or e.get("server"), _prompt_set(e)
+    if not (server and prompt_set is not None):
         key = stable_key("public-run", e["id"])
-        return [make_request(i, 0.0, [(stable_key(key, i), prompt)], outputs[i]) for i in range(n)]
+        return [make_request(i, 0.0, [(stable_key(key, i), prompt)], output) for i in range(n)]
     earlier = history.setdefault(server, [])
     m = e["metrics"]      # how long the run took: printed, or its requests over its request rate
     duration = float(m.get("duration_s") or n / m["request_throughput"])
@@ -568,30 +390,15 @@ def _bench_requests(e: dict, prompt: int, outputs: list[int], history: dict[str,
         return [(stable_key("public-server", server, identity, i, lo), hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
     warm, sent = [], 0.0        # (arrival, segments, output tokens) of each warm-up request
-    for identity, count, length, out, took in earlier:
-        if BENCH_EARLIER_OUTPUTS:      # as it ran: all at once, its outputs, then its measured duration
-            warm += [(sent, segments(identity, length, i), out) for i in range(count)]
-            sent += after_warmup(0) + took
-        else:
-            warm += [(0.0, segments(identity, length, i), 1) for i in range(count)]
+    for identity, count, length, out, took in earlier:     # as it ran: all at once, then its duration
+        warm += [(sent, segments(identity, length, i), out) for i in range(count)]
+        sent += after_warmup(0) + took
     warm.append((sent, segments(prompt_set, prompt, 0), 1))
     earlier.append(dataset)
     requests = [make_request(j, at, seg, out, is_warmup=True) for j, (at, seg, out) in enumerate(warm)]
-    start = sent + after_warmup(prompt if BENCH_EARLIER_OUTPUTS else sum(t for _, seg, _ in warm for _, t in seg))
-    return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), outputs[i])
+    start = sent + after_warmup(prompt)
+    return requests + [make_request(len(warm) + i, start, segments(prompt_set, prompt, i), output)
                        for i in range(n)]
-
-
-def _output_lengths(e: dict, n: int, output: int) -> list[int]:
-    """The output tokens of a bench run's n measured requests: `output` (the printed mean) each,
-    or with EOS_STOPPED_OUTPUTS, where a closed-loop run (max_concurrency) sent no ignore_eos and its
-    mean is below its cap (random_output_len, the max_tokens every request carried),
-    eos_stopped_lengths."""
-    cap = int(e["dataset"].get("random_output_len") or 0)
-    closed_loop = e.get("max_concurrency") is not None
-    if not (EOS_STOPPED_OUTPUTS and closed_loop and cap and not e["dataset"].get("ignore_eos") and 0 < output < cap):
-        return [output] * n
-    return eos_stopped_lengths(n, output, cap)
 
 
 def eos_stopped_lengths(n: int, mean: int, cap: int) -> list[int]:
@@ -721,7 +528,7 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS, skipped: Optional[dict[str, int
         if w.get("per_request_file"):
             result = load_results(PUBLIC / w["per_request_file"])[0]
             requests, notes = to_requests(result)
-            if BENCH_WARM_CACHE and w["client"] == "benchmark_serving.py" and d.get("enable_prefix_caching"):
+            if w["client"] == "benchmark_serving.py" and d.get("enable_prefix_caching"):
                 requests = _after_earlier_runs(requests, _deployment_name(d["model"], d["gpu"], d["tp"],
                                                                           d.get("vllm_version")), served)
             longest = max(r.prompt_len + r.output_len for r in requests)
@@ -736,9 +543,14 @@ def rate_runs(data_pass: int = LATEST_DATA_PASS, skipped: Optional[dict[str, int
 
 
 def stage_output_len(w: dict) -> float:
-    """The tokens vLLM generated per request of an inference-perf stage: max_tokens under ignore_eos
-    (IGNORE_EOS_OUTPUT_IS_MAX_TOKENS), else the client's count of the streamed text."""
-    if IGNORE_EOS_OUTPUT_IS_MAX_TOKENS and w.get("ignore_eos"):
+    """The tokens vLLM generated per request of an inference-perf stage: max_tokens under ignore_eos,
+    else the client's count of the streamed text. inference-perf's output count is its client
+    tokenizer's count of the streamed text (inference_perf/apis/completion.py process_response), which
+    drops what detokenization skips (the EOS tokens a base model keeps emitting are special tokens):
+    Llama-2-7b's stages count 194-210 of their 247-251 tokens, so at the counted mean its TPOT read a
+    fifth too slow (docs/fidelity_log.md, "E2E held out: what inference-perf's runs generated, and one
+    overloaded stage")."""
+    if w.get("ignore_eos"):
         return float(w["shared_prefix"]["output_len"])
     return float(w["output_len_mean"])
 
@@ -752,7 +564,7 @@ def _rate_skip(w: dict, m: dict) -> Optional[str]:
 
 
 def _after_earlier_runs(requests: list, deployment: str, served: dict[tuple, int]) -> list:
-    """A benchmark_serving run replayed with the prefix cache its server held (BENCH_WARM_CACHE):
+    """A benchmark_serving run replayed with the prefix cache its server held:
     its "initial single prompt test run" sent the first prompt before the benchmark, and a run of the
     same dataset at the same seed on the same server before it (surajssd's Llama-3.3-70B runs at
     1, 4, 16 and inf req/s, one minute apart, the same 200 ShareGPT prompts: the same lengths in
@@ -772,8 +584,15 @@ def _after_earlier_runs(requests: list, deployment: str, served: dict[tuple, int
 def _accelmark_run(e: dict) -> Run:
     """An AccelMark online level: its Poisson arrivals redrawn as its load generator drew them
     (random.Random(seed).expovariate(rate), after the draws of the earlier levels and repeats), its
-    dataset's prompts (token counts plus the chat template, or scaled for another tokenizer), every
-    output the measured mean (greedy decoding stops at EOS), and its medians compared with kvtwin's."""
+    dataset's prompts (token counts plus the chat template, or scaled for another tokenizer), and its
+    medians compared with kvtwin's. Its runner decodes greedily to max_tokens without ignore_eos
+    (runners/nvidia_vllm_47f5d58e/runner.py), so each request stops at EOS or the cap and the results
+    publish only the mean: the replay keeps that mean with early stops spread below the cap
+    (eos_stopped_lengths, the same for every GPU of a model), whose few-token requests carry the
+    measured TPOT p99 (docs/fidelity_log.md, "AccelMark's output lengths, and TPOT p99"). Its client
+    awaits AsyncLLMEngine.generate on the engine's own asyncio loop, so a token reaches it when that
+    loop wakes (engine.client_in_process; docs/fidelity_log.md, "V0's TPOT over-prediction: eager
+    prefill steps, and AccelMark's asyncio loop", adopted with the early stops in h/fid34)."""
     import json
     import random
 
@@ -784,8 +603,8 @@ def _accelmark_run(e: dict) -> Run:
     counts = json.loads((PUBLIC / w["input_tokens_file"]).read_text())["input_tokens"][:w["num_requests"]]
     prompts = [max(1, round(c * w.get("input_scale", 1.0)) + w.get("template_tokens", 0)) for c in counts]
     output = max(1, min(round(w["output_len_mean"]), w["max_tokens"]))
-    outputs = (eos_stopped_lengths(len(prompts), output, w["max_tokens"]) if ACCELMARK_EOS_STOPPED_OUTPUTS
-               and not w.get("ignore_eos") else [output] * len(prompts))
+    outputs = (eos_stopped_lengths(len(prompts), output, w["max_tokens"]) if not w.get("ignore_eos")
+               else [output] * len(prompts))
     key, t, requests = stable_key("accelmark", e["id"]), 0.0, []
     for repeat in range(ACCELMARK_REPEATS_REPLAYED):
         for i, prompt in enumerate(prompts):
@@ -796,7 +615,7 @@ def _accelmark_run(e: dict) -> Run:
                 "throughput": float(m["request_throughput"])}
     engine = {"vllm_version": d["vllm_version"], "max_model_len": d["max_model_len"], "dtype": d.get("dtype"),
               "gpu_memory_utilization": d.get("gpu_memory_utilization"),     # V0's scheduler: the scenario's
-              "client_in_process": ACCELMARK_CLIENT_IN_PROCESS}
+              "client_in_process": True}
     scenario = deployment_scenario(e["id"], d["model"], d["gpu"], d["tp"], engine,
                                    max(r.prompt_len + r.output_len for r in requests))
     spread = f"stopped at EOS or at {w['max_tokens']}, their mean" if len(set(outputs)) > 1 else "at"
@@ -853,19 +672,16 @@ def deployments(runs: list[Run]) -> dict[str, list[Run]]:
 # ----------------------------------------------------------------------------- predicting a run
 
 def predict(run: Run, coefficients: Optional[CostCoefficients] = None, step_times: str = "datasheet",
-            profile: Optional[DeviceProfile] = None, front_end_s: float = 0.0,
-            front_end_token_s: float = 0.0, front_end_step_s: float = 0.0) -> dict[str, float]:
-    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s`,
-    `front_end_token_s` and `front_end_step_s`: the API-server time per request, per streamed token
-    and per engine step's outputs of a run sent through one (Run.api_server; FRONT_END, FRONT_END_TOKEN)."""
+            profile: Optional[DeviceProfile] = None, front_end_s: float = 0.0) -> dict[str, float]:
+    """The run's metrics as kvtwin predicts them (same keys as Run.measured); `front_end_s`: the
+    API-server time per request of a run sent through one (Run.api_server), which streams no outputs."""
     scenario = run.scenario
-    front_end_s = front_end_s if run.api_server and FRONT_END else 0.0
+    front_end_s = front_end_s if run.api_server else 0.0
     if step_times != "datasheet" or front_end_s:
         scenario = scenario.model_copy(deep=True)
         scenario.step_times = step_times
         scenario.engine.front_end_s = front_end_s
-        scenario.engine.front_end_token_s = front_end_token_s if front_end_s and FRONT_END_TOKEN else 0.0
-        scenario.engine.front_end_step_s = front_end_step_s if front_end_s and FRONT_END_TOKEN else 0.0
+        scenario.engine.front_end_token_s = scenario.engine.front_end_step_s = 0.0
     profile = profile or (DeviceProfile(coefficients) if coefficients is not None else None)
     cost = CostModel.for_scenario(scenario, profile)
     for r in run.requests:
@@ -915,12 +731,10 @@ def fit_runs(runs: list[Run]) -> list[Run]:
 
 def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None, fixed: Optional[dict[str, float]] = None,
-              names: Optional[tuple[str, ...]] = None, front_end_s: float = 0.0,
-              front_end_token_s: float = 0.0, front_end_step_s: float = 0.0) -> dict[str, float]:
+              names: Optional[tuple[str, ...]] = None, front_end_s: float = 0.0) -> dict[str, float]:
     """Least squares on log(predicted / measured) of FIT_METRICS, every run weighted equally. The
     runs are of one engine generation, whose parameters, start and iterations the fit takes, and
-    are replayed with `front_end_s`, `front_end_token_s` and `front_end_step_s` (the pooled
-    API-server times: pooled_front_end).
+    are replayed with `front_end_s` (the pooled API-server time: pooled_front_end).
     `fixed`: parameters held at given values (returned with the fitted ones); `names`: the
     parameters fitted (default: the generation's FIT_NAMES less the fixed ones), where `host_scale`
     multiplies the fixed V0 host terms (the machine's CPU speed over the pooled host profile)."""
@@ -937,25 +751,13 @@ def fit_class(runs: list[Run], max_iterations: Optional[int] = None,
 
     def all_residuals(x: np.ndarray) -> np.ndarray:
         coeffs = trained_coefficients(_with_fixed(dict(zip(names, np.exp(x))), fixed))
-        data = [v for run in train for v in residuals(run, predict(run, coeffs, front_end_s=front_end_s,
-                                                                   front_end_token_s=front_end_token_s,
-                                                                   front_end_step_s=front_end_step_s))]
-        return np.array(data + prior_residuals(dict(zip(names, x))))
+        return np.array([v for run in train for v in residuals(run, predict(run, coeffs, front_end_s=front_end_s))])
 
     lower = np.log([BOUNDS[n][0] for n in names])
     upper = np.log([BOUNDS[n][1] for n in names])
     x0 = np.log([START[engine].get(n, 1.0) for n in names])
     x = levenberg_marquardt(all_residuals, x0, lower, upper, max_iterations or ITERATIONS[engine], progress)
     return _with_fixed(dict(zip(names, map(float, np.exp(x)))), fixed)
-
-
-def prior_residuals(log_params: dict[str, float]) -> list[float]:
-    """The class fit's prior terms (V0_HOST_PRIOR), in the units of a run's residuals: a machine speed
-    one V0_HOST_PRIOR_SIGMA (in log) off the pooled profile costs what one run off by a factor e on
-    every fitted metric does."""
-    if V0_HOST_PRIOR and "host_scale" in log_params:
-        return [log_params["host_scale"] / V0_HOST_PRIOR_SIGMA]
-    return []
 
 
 def _with_fixed(fitted: dict[str, float], fixed: dict[str, float]) -> dict[str, float]:
@@ -969,32 +771,27 @@ def _with_fixed(fitted: dict[str, float], fixed: dict[str, float]) -> dict[str, 
 
 
 def parameter_acts(name: str, runs: list[Run]) -> bool:
-    """Does the parameter change any of these runs? (the link terms need tp > 1, an all-reduce's own
-    latency a device that is not PCIe, host staging a PCIe device without peer-to-peer access, the
-    expert kernel term a MoE model)"""
+    """Does the parameter change any of these runs? (the link terms need tp > 1, host staging a PCIe
+    device without peer-to-peer access, the expert kernel term a MoE model)"""
     tp = [r for r in runs if r.scenario.parallelism.tp > 1]
     if name == "link_eff":
         return bool(tp)
-    if name == "allreduce_latency_s":
-        return any(getattr(r.scenario.device, "interconnect", None) != "pcie" for r in tp)
-    if name == "custom_allreduce_eff":
-        return any(getattr(r.scenario.device, "interconnect", None) != "pcie"
-                   and r.scenario.parallelism.tp in CUSTOM_ALLREDUCE_WORLD_SIZES for r in tp)
     if name == "host_staging_eff":
         return any(getattr(r.scenario.device, "interconnect", None) == "pcie"
                    and not getattr(r.scenario.device, "peer_to_peer", True) for r in tp)
-    if name in ("expert_n_half", "expert_serial_share"):
+    if name == "expert_n_half":
         return any(r.scenario.model.is_moe for r in runs)
     return True
 
 
 def generic(params: dict[str, dict[str, float]], deployment_counts: dict[str, int]) -> dict[str, float]:
     """The geometric mean of the fitted classes (of one engine generation): the profile of a GPU no
-    run of that generation measured, or of one class's only deployment. With GENERIC_OF_TESTED_CLASSES,
-    of those that price their own GPU only (sim.trained.tested_class of their `deployment_counts`:
-    fitted on two deployments or more; every class where none is)."""
-    if GENERIC_OF_TESTED_CLASSES:
-        params = {g: p for g, p in params.items() if tested_class(deployment_counts.get(g, 0))} or params
+    run of that generation measured, or of one class's only deployment. Of those that price their
+    own GPU only (sim.trained.tested_class of their `deployment_counts`: fitted on two deployments or
+    more; every class where none is), not the one-deployment fits no held-out run tested, which sit on
+    their search bounds (docs/fidelity_log.md, "The generic entry of tested classes only": the V1
+    bands hold or improve, throughput 14.1 -> 11.3 %)."""
+    params = {g: p for g, p in params.items() if tested_class(deployment_counts.get(g, 0))} or params
     out = {}
     for n in NAMES:
         values = [p[n] for p in params.values() if n in p]
@@ -1016,31 +813,12 @@ def class_deployments(runs: list[Run], engine: str) -> dict[str, int]:
 
 
 # How each engine generation's runs are replayed, as a revision: bumped whenever a change to the
-# simulator moves that generation's replays (1: V0's async output processing, 2026-12-07; 2: its
-# tokens reach AccelMark's in-process client when the client's asyncio loop wakes, ACCELMARK_CLIENT_IN_PROCESS;
-# 3 / 4: V0's prefill steps launched eagerly, V0_EAGER_PREFILL, without / with it; 7: AccelMark's
-# outputs stopped at EOS or the cap, ACCELMARK_EOS_STOPPED_OUTPUTS, on top of 3; 8: all three; + 8: the
-# V0 fits' eager-launch bound, V0_EAGER_LAUNCH_CAP, which moves the fits, not the replays; V1: the
-# API server's streaming, FRONT_END_TOKEN, moves none: its fits' names carry its time),
-# so a --resume folder seeded from an earlier refit never hands back a fit made under the old replay.
-REPLAY_REVISION = {"v0": 1 + ACCELMARK_CLIENT_IN_PROCESS + 2 * V0_EAGER_PREFILL + 4 * ACCELMARK_EOS_STOPPED_OUTPUTS
-                   + 8 * V0_EAGER_LAUNCH_CAP,
-                   "v1": 0}
-
-
-def _fit_tag(engine: str) -> str:
-    """What a class fit's --resume name adds for the fit options that move the class fits but neither
-    the replays (REPLAY_REVISION) nor the pooled V0 host profile (kept, so a refit reuses those)."""
-    if engine != "v0" or not V0_POOLED_HOST:
-        return ""
-    return ((f" / host prior {V0_HOST_PRIOR_SIGMA:g}" if V0_HOST_PRIOR else "")
-            + (f" / link latency {ALLREDUCE_LATENCY_BOUNDS_S}" if V0_LINK_LATENCY else "")
-            + (f" / experts {BOUNDS['expert_n_half']} from {START['v0']['expert_n_half']:g}" if V0_EXPERT_KERNEL else "")
-            + (f" / custom all-reduce {BOUNDS['custom_allreduce_eff']}" if V0_CUSTOM_ALLREDUCE else "")
-            + (f" / expert serial {BOUNDS['expert_serial_share']} from {START['v0']['expert_serial_share']:g}"
-               if V0_EXPERT_SERIAL else "")
-            + (f" / {V0_CLASS_ITERATIONS} iterations" if V0_CLASS_ITERATIONS != ITERATIONS["v0"] else "")
-            + (f" / pooled expert serial {EXPERT_SHARE_GRID}" if V0_EXPERT_POOLED else ""))
+# simulator moves that generation's replays, so a --resume folder seeded from an earlier refit never
+# hands back a fit made under the old replay. V0's 8 adds up what it took: 1, V0's async output
+# processing (2026-12-07); + 1, AccelMark's in-process client woken by its asyncio loop; + 2, V0's
+# prefill steps launched eagerly; + 4, AccelMark's outputs stopped at EOS or the cap (the sum is
+# kept: the names of the fits in a --resume folder carry it).
+REPLAY_REVISION = {"v0": 8, "v1": 0}
 
 
 def _resumable(kind: str, name: str, compute: Callable, engine: str):
@@ -1070,33 +848,20 @@ def _resumable(kind: str, name: str, compute: Callable, engine: str):
 
 def _class_fit(key: tuple[str, str]) -> dict[str, float]:
     engine, gpu = key
-    front, token, step = pooled_front_end(_FOLD_STATE["runs"])
+    front = pooled_front_end(_FOLD_STATE["runs"])
     group = [r for r in _FOLD_STATE["runs"] if r.group == key]
     if not any(r.api_server for r in group):
-        front = token = step = 0.0        # (V0: replayed without a front end, so fitted alike whatever it is)
+        front = 0.0        # (V0: replayed without a front end, so fitted alike whatever it is)
 
     def fit() -> dict[str, float]:
         _FOLD_STATE["progress"](f"fitting {engine} {gpu} on {len(fit_runs(group))} runs of "
                                 f"{len(deployments(group))} deployments")
-        fronted = {"front_end_s": front, "front_end_token_s": token, "front_end_step_s": step}
-        params = (fit_class(group, fixed=v0_fixed(_FOLD_STATE["runs"]), names=V0_CLASS_FIT,
-                            max_iterations=V0_CLASS_ITERATIONS, **fronted)
-                  if engine == "v0" and V0_POOLED_HOST else fit_class(group, **fronted))
+        params = (fit_class(group, fixed=pooled_v0_host(_FOLD_STATE["runs"]), names=V0_CLASS_FIT, front_end_s=front)
+                  if engine == "v0" else fit_class(group, front_end_s=front))
         _FOLD_STATE["progress"](f"  {engine} {gpu}: {params}")
         return params
 
-    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else "")
-                      + _stream_tag(token, step) + _fit_tag(engine), fit, engine)
-
-
-def _stream_tag(token: float, step: float) -> str:
-    """What a class fit's and a fold's --resume names add for the API server's streaming times:
-    nothing without streaming (the replays of before FRONT_END_TOKEN, whose fits are reused), else
-    both times and the merged model's mark (a fit made under the first-come-first-served streaming
-    before it, named " per token T", is never handed back)."""
-    if not token and not step:
-        return ""
-    return f" per token {token:.6g} per step {step:.6g} (merged streaming)"
+    return _resumable("class", f"{engine}/{gpu}" + (f" front end {front:.6g}" if front else ""), fit, engine)
 
 
 def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, dict[str, dict[str, float]]]:
@@ -1104,13 +869,12 @@ def class_params(runs: list[Run], progress=print, jobs: int = 1) -> dict[str, di
     {engine: {gpu: parameters}}."""
     keys = sorted({r.group for r in runs})
     _FOLD_STATE.update(runs=runs, progress=progress)
-    if FRONT_END:                                    # the runs' front-end profiles, `jobs` at a time
-        pool = fit_runs([r for r in runs if r.api_server])
-        _PROFILES.update(zip([r.id for r in pool], _map(front_end_profile, pool, jobs, "front-end profile of run",
-                                                         tuple, lambda r: r.id)))
+    pool = fit_runs([r for r in runs if r.api_server])      # the runs' front-end profiles, `jobs` at a time
+    _PROFILES.update(zip([r.id for r in pool], _map(front_end_profile, pool, jobs, "front-end profile of run",
+                                                     np.ndarray, lambda r: r.id)))
     pooled_front_end(runs, progress=progress)       # once, before the class fits (forked ones share it)
-    if V0_POOLED_HOST and any(engine == "v0" for engine, _ in keys):
-        v0_fixed(runs, progress=progress)            # once, before the class fits (forked ones share it)
+    if any(engine == "v0" for engine, _ in keys):
+        pooled_v0_host(runs, progress=progress)      # once, before the class fits (forked ones share it)
     out: dict[str, dict[str, dict[str, float]]] = {}
     for (engine, gpu), params in zip(keys, _map(_class_fit, keys, jobs, "class fit", dict, "/".join)):
         out.setdefault(engine, {})[gpu] = params
@@ -1203,8 +967,7 @@ def _give_back(fn: Callable, item, writer) -> None:
 
 
 def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, float]]],
-                progress=print, front_end_s: float = 0.0, front_end_token_s: float = 0.0,
-                front_end_step_s: float = 0.0) -> dict[str, float]:
+                progress=print, front_end_s: float = 0.0) -> dict[str, float]:
     """The trained parameters that predict deployment `held`: its (engine generation, GPU class)
     refitted without it; with no other deployment there, the generic profile of the generation's
     other classes (`generic`: what `step_times: trained` gives that GPU). A V0
@@ -1213,13 +976,11 @@ def fold_params(runs: list[Run], held: str, full: dict[str, dict[str, dict[str, 
     key = deployments(runs)[held][0].group
     engine, gpu = key
     rest = [r for r in runs if r.group == key and r.deployment != held]
-    host = v0_fixed(runs, held, progress) if engine == "v0" and V0_POOLED_HOST else None
+    host = pooled_v0_host(runs, deployment_model(held), progress) if engine == "v0" else None
     if rest:
         progress(f"fold {held}: refitting {engine} {gpu} on {len(deployments(rest))} other deployments")
-        fronted = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s,
-                   "front_end_step_s": front_end_step_s}
-        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, max_iterations=V0_CLASS_ITERATIONS, **fronted)
-                if host else fit_class(rest, **fronted))
+        return (fit_class(rest, fixed=host, names=V0_CLASS_FIT, front_end_s=front_end_s)
+                if host else fit_class(rest, front_end_s=front_end_s))
     progress(f"fold {held}: no other {engine} {gpu} deployment; the generic {engine} profile of the other classes")
     return {**fold_generic(runs, held, full), **(host or {})}
 
@@ -1247,58 +1008,32 @@ def _runs_digest(runs: list[Run]) -> str:
 _FRONT_ENDS: dict = {}     # pooled_front_end's fits in this process, by (left-out deployment, runs)
 
 
-def pooled_front_end(runs: list[Run], without: Optional[str] = None,
-                     progress=print) -> tuple[float, float, float]:
-    """The API-server time per request, per streamed token and per step's outputs (FRONT_END,
-    FRONT_END_TOKEN) fitted on the fit runs (fit_runs) sent through an API server, of every
-    deployment but `without` (a fold's: its runs never reach it): the point of the runs' summed
-    profiles (front_end_profile) with the least summed squared residuals at the datasheet
-    coefficients, refined by the parabola through it and its neighbours along each axis."""
-    if not FRONT_END:
-        return 0.0, 0.0, 0.0
+def pooled_front_end(runs: list[Run], without: Optional[str] = None, progress=print) -> float:
+    """The API-server time per request fitted on the fit runs (fit_runs) sent through an API server,
+    of every deployment but `without` (a fold's: its runs never reach it): the point of the runs'
+    summed profiles (front_end_profile) with the least summed squared residuals at the datasheet
+    coefficients, refined by the parabola through it and its neighbours."""
     pool = [r for r in fit_runs([r for r in runs if r.api_server]) if r.deployment != without]
     memo = (without, _runs_digest(pool))
     if memo not in _FRONT_ENDS:
         if not pool:
-            return 0.0, 0.0, 0.0
+            return 0.0
         if without is None:
             progress(f"the front end's profile over {len(pool)} runs of {len(deployments(pool))} deployments")
-        profiles = [front_end_profile(r) for r in pool]
-        intake = np.sum([p[0] for p in profiles], axis=0)
-        i = int(np.argmin(intake))
-        best = (_parabola_min(np.array(FRONT_END_GRID), intake, FRONT_END_BOUNDS), 0.0, 0.0)
-        if FRONT_END_TOKEN:
-            joint = np.sum([p[1] for p in profiles], axis=0)
-            if joint.min() < intake[i]:
-                a, b, c = np.unravel_index(int(np.argmin(joint)), joint.shape)
-                best = (_parabola_min(np.array(FRONT_END_STREAM_INTAKE_GRID), joint[:, b, c], FRONT_END_BOUNDS),
-                        _parabola_min(np.array(FRONT_END_TOKEN_GRID), joint[a, :, c], FRONT_END_TOKEN_BOUNDS),
-                        _parabola_min(np.array(FRONT_END_STEP_GRID), joint[a, b, :], FRONT_END_STEP_BOUNDS))
-        _FRONT_ENDS[memo] = best
+        intake = np.sum([front_end_profile(r) for r in pool], axis=0)
+        _FRONT_ENDS[memo] = _parabola_min(np.array(FRONT_END_GRID), intake, FRONT_END_BOUNDS)
     return _FRONT_ENDS[memo]
 
 
-def front_end_profile(run: Run) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """The run's summed squared residuals at the datasheet coefficients without streaming at each
-    point of FRONT_END_GRID, and (FRONT_END_TOKEN) with it at each point of
-    FRONT_END_STREAM_INTAKE_GRID x FRONT_END_TOKEN_GRID x FRONT_END_STEP_GRID (the points without
-    streaming taken from the first); each kept in the --resume folder: every fold sums the same ones."""
-    def loss(service: float, token: float = 0.0, step: float = 0.0) -> float:
-        return float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=service,
-                                                              front_end_token_s=token, front_end_step_s=step)))))
+def front_end_profile(run: Run) -> np.ndarray:
+    """The run's summed squared residuals at the datasheet coefficients at each point of
+    FRONT_END_GRID, kept in the --resume folder: every fold sums the same ones."""
+    def loss(service: float) -> float:
+        return float(np.sum(np.square(residuals(run, predict(run, CostCoefficients(), front_end_s=service)))))
 
     if run.id not in _PROFILES:
-        intake = _resumable("frontend", f"{run.id} / {FRONT_END_GRID}",
-                            lambda: [loss(c) for c in FRONT_END_GRID], run.engine)
-        joint = None
-        if FRONT_END_TOKEN:
-            without = dict(zip(FRONT_END_GRID, intake))
-            grid = (FRONT_END_STREAM_INTAKE_GRID, FRONT_END_TOKEN_GRID, FRONT_END_STEP_GRID)
-            joint = _resumable("frontend", f"{run.id} / merged streaming {grid}",
-                               lambda: [without[c] if not t and not k else loss(c, t, k)
-                                        for c in grid[0] for t in grid[1] for k in grid[2]], run.engine)
-            joint = np.reshape(joint, tuple(len(g) for g in grid))
-        _PROFILES[run.id] = (np.array(intake), joint)
+        _PROFILES[run.id] = np.array(_resumable("frontend", f"{run.id} / {FRONT_END_GRID}",
+                                                lambda: [loss(c) for c in FRONT_END_GRID], run.engine))
     return _PROFILES[run.id]
 
 
@@ -1342,45 +1077,6 @@ def pooled_v0_host(runs: list[Run], without_model: Optional[str] = None, progres
     return dict(_V0_HOSTS[memo])
 
 
-_EXPERT_SHARES: dict = {}  # pooled_expert_share's fits in this process, by (left-out deployment, runs, host)
-
-
-def pooled_expert_share(runs: list[Run], host: dict[str, float], without: Optional[str] = None,
-                        progress=print) -> Optional[float]:
-    """The fused-MoE kernel's unhidden share (expert_serial_share, V0_EXPERT_POOLED) fitted on the V0
-    runs of every MoE deployment but `without` (a fold's held-out one), at the V0 host profile `host`
-    and the datasheet efficiencies; None where no such run is left. Kept per process and in the
-    --resume folder, named by its runs and its host profile."""
-    pool = [r for r in runs if r.engine == "v0" and r.scenario.model.is_moe and r.deployment != without]
-    if not pool:
-        return None
-    digest = _runs_digest(pool)
-    memo = (without, digest, tuple(sorted(host.items())))
-    if memo not in _EXPERT_SHARES:
-        def fit() -> float:
-            progress(f"pooling the expert serial share over {len(deployments(pool))} MoE deployments"
-                     + (f" without {without}" if without else ""))
-            train = fit_runs(pool)
-            losses = [sum(float(np.sum(np.square(residuals(run, predict(run, coefficients)))))
-                          for run in train)
-                      for coefficients in (trained_coefficients({**host, "expert_serial_share": share})
-                                           for share in EXPERT_SHARE_GRID)]
-            return _parabola_min(np.array(EXPERT_SHARE_GRID), np.array(losses), (0.0, 1.0))
-
-        name = (f"v0 expert serial share without {without} / {digest} / {EXPERT_SHARE_GRID} "
-                f"/ host {sorted(host.items())}")
-        _EXPERT_SHARES[memo] = _resumable("share", name, fit, "v0")
-    return _EXPERT_SHARES[memo]
-
-
-def v0_fixed(runs: list[Run], held: Optional[str] = None, progress=print) -> dict[str, float]:
-    """What a V0 class fit holds fixed: the pooled host profile (without the model of `held`, a fold's
-    held-out deployment) and, with V0_EXPERT_POOLED, the pooled expert serial share (without `held`)."""
-    host = pooled_v0_host(runs, deployment_model(held) if held else None, progress)
-    share = pooled_expert_share(runs, host, held, progress) if V0_EXPERT_POOLED else None
-    return host if share is None else {**host, "expert_serial_share": share}
-
-
 # ----------------------------------------------------------------------------- the table
 
 def tables_cover(run: Run) -> bool:
@@ -1395,13 +1091,12 @@ def tables_cover(run: Run) -> bool:
     return True
 
 
-def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0, front_end_token_s: float = 0.0,
-             front_end_step_s: float = 0.0) -> dict:
+def run_rows(run: Run, params: dict[str, float], front_end_s: float = 0.0) -> dict:
     """The run's errors under each source, all replayed with the fold's front end."""
     measured = sum(not r.is_warmup for r in run.requests)
     row = {"run": run.id, "deployment": run.deployment, "gpu": run.gpu_class, "requests": measured,
            "source": run.source}
-    fe = {"front_end_s": front_end_s, "front_end_token_s": front_end_token_s, "front_end_step_s": front_end_step_s}
+    fe = {"front_end_s": front_end_s}
     row.update({f"datasheet {k}": v for k, v in errors(run, predict(run, CostCoefficients(), **fe)).items()})
     if tables_cover(run):
         row.update({f"tables {k}": v for k, v in errors(run, predict(run, CostCoefficients(), "tables",
@@ -1415,14 +1110,11 @@ def _fold_rows(name: str) -> list[dict]:
     runs, full, progress = _FOLD_STATE["runs"], _FOLD_STATE["full"], _FOLD_STATE["progress"]
 
     def fold() -> list[dict]:
-        fronted = pooled_front_end(runs, name, progress)
-        params = fold_params(runs, name, full, progress, *fronted)
-        front_col = {"fold front_end_s": fronted[0],
-                     **({"fold front_end_token_s": fronted[1], "fold front_end_step_s": fronted[2]}
-                        if FRONT_END_TOKEN else {})} if FRONT_END else {}
-        return [{**run_rows(run, params, *(fronted if run.api_server else (0.0, 0.0, 0.0))),
+        front = pooled_front_end(runs, name, progress)
+        params = fold_params(runs, name, full, progress, front)
+        return [{**run_rows(run, params, front if run.api_server else 0.0),
                  **{f"fold {k}": v for k, v in params.items()},
-                 **(front_col if run.api_server else {})}
+                 **({"fold front_end_s": front} if run.api_server else {})}
                 for run in deployments(runs)[name]]
 
     # a fold priced by the generic profile depends on the other classes' fits and the generic rule:
@@ -1430,19 +1122,7 @@ def _fold_rows(name: str) -> list[dict]:
     priced_by = fold_generic(runs, name, full)
     engine = deployments(runs)[name][0].engine
     key = name if priced_by is None else f"{name} / generic {sorted(priced_by.items())}"
-    # and its streaming times where it has any and went through an API server (none: the replays of
-    # before FRONT_END_TOKEN, whose folds are reused; its rows then say 0)
-    if any(r.api_server for r in deployments(runs)[name]):
-        tag = _stream_tag(*pooled_front_end(runs, name, progress)[1:])
-        key += f" /{tag}" if tag else ""
-    key += _fit_tag(engine)
-    rows = _resumable("fold", key, fold, engine)
-    if FRONT_END_TOKEN:
-        for row in rows:
-            if "fold front_end_s" in row:
-                row.setdefault("fold front_end_token_s", 0.0)
-                row.setdefault("fold front_end_step_s", 0.0)
-    return rows
+    return _resumable("fold", key, fold, engine)
 
 
 def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optional[list[str]] = None,
@@ -1453,8 +1133,8 @@ def lodo_table(runs: list[Run], full: dict[str, dict[str, float]], only: Optiona
     _FOLD_STATE.update(runs=runs, full=full, progress=progress)
     for name in names:
         pooled_front_end(runs, name, progress)      # before the folds (forked ones share them)
-    for name in [n for n in names if V0_POOLED_HOST and deployment_engine(n) == "v0"]:
-        v0_fixed(runs, name, progress)               # before the folds (forked ones share them)
+    for name in [n for n in names if deployment_engine(n) == "v0"]:
+        pooled_v0_host(runs, deployment_model(name), progress)    # before the folds (forked ones share them)
     parts = _map(_fold_rows, names, jobs, "fold", list)
     for name, rows in zip(names, parts):            # one row per run: a fold never drops or adds one
         if len(rows) != len(deployments(runs)[name]):
@@ -1536,7 +1216,7 @@ def write_family(full: dict[str, dict[str, dict[str, float]]], table: pd.DataFra
                    "and generation (tests/data/vllm_public)"),
         "parameters": {engine: list(FIT_NAMES[engine]) for engine in ENGINES},
         "engines": {engine: _engine_entry(full.get(engine, {}), [r for r in runs if r.engine == engine], engine,
-                                          *pooled_front_end(runs))
+                                          pooled_front_end(runs))
                     for engine in ENGINES if full.get(engine)},
         "sources": sorted({r.source for r in runs}),
         "validation": {"method": "leave one deployment out", "deployments": len(deps), "runs": len(runs),
@@ -1560,22 +1240,18 @@ def write_bands(table: pd.DataFrame, path: Path = FAMILY_FILE) -> Path:
     return write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=120))
 
 
-def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: str, front_end_s: float = 0.0,
-                  front_end_token_s: float = 0.0, front_end_step_s: float = 0.0) -> dict:
+def _engine_entry(params: dict[str, dict[str, float]], runs: list[Run], engine: str,
+                  front_end_s: float = 0.0) -> dict:
     """One engine generation's classes (parameters, deployments, runs), its generic profile and,
-    where its runs went through vLLM's API server, the pooled front-end time per request and per
-    streamed token and per step's outputs (the defaults engine.front_end_s, front_end_token_s and
-    front_end_step_s of a vLLM server of that generation: sim.trained.front_end_default)."""
+    where its runs went through vLLM's API server, the pooled front-end time per request (the
+    default engine.front_end_s of a vLLM server of that generation: sim.trained.front_end_default)."""
     entry = {"classes": {gpu: {"parameters": {k: float(f"{v:.5g}") for k, v in p.items()},
                                "deployments": sorted({r.deployment for r in runs if r.gpu_class == gpu}),
                                "runs": sum(1 for r in runs if r.gpu_class == gpu)}
                          for gpu, p in sorted(params.items())},
              "generic": {k: float(f"{v:.5g}") for k, v in generic(params, class_deployments(runs, engine)).items()}}
-    if FRONT_END and any(r.api_server for r in runs):
+    if any(r.api_server for r in runs):
         entry["front_end_s"] = float(f"{front_end_s:.5g}")
-        if FRONT_END_TOKEN:
-            entry["front_end_token_s"] = float(f"{front_end_token_s:.5g}")
-            entry["front_end_step_s"] = float(f"{front_end_step_s:.5g}")
     return entry
 
 

@@ -208,37 +208,23 @@ def test_the_public_vllm_replays_go_through_the_api_server_and_a_fold_never_fits
 
     seen = []
     intake = np.array(lodo.FRONT_END_GRID)
-    service, token, step = np.meshgrid(lodo.FRONT_END_STREAM_INTAKE_GRID, lodo.FRONT_END_TOKEN_GRID,
-                                       lodo.FRONT_END_STEP_GRID, indexing="ij")
 
-    def profile(run, best=(0.0042, 0.0, 0.0)):
+    def profile(run, best=0.0042):
         seen.append(run.deployment)
-        # every run's loss lowest at `best`: per request, per streamed token, per step
-        return ((intake - best[0]) ** 2 + best[1] ** 2 + best[2] ** 2,
-                (service - best[0]) ** 2 + (token - best[1]) ** 2 + (step - best[2]) ** 2)
+        return (intake - best) ** 2         # every run's loss lowest at `best` per request
 
     monkeypatch.setattr(lodo, "front_end_profile", profile)
-    for streaming in (False, True):
-        monkeypatch.setattr(lodo, "FRONT_END_TOKEN", streaming)
-        monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-        held = chat.deployment
-        assert lodo.pooled_front_end(runs, held) == pytest.approx((0.0042, 0.0, 0.0), abs=1e-7)
-        assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
-    # the joint grid's minimum, refined along each axis, where it beats the intake alone
-    monkeypatch.setattr(lodo, "front_end_profile", lambda run: profile(run, (0.0017, 30e-6, 0.3e-3)))
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert lodo.pooled_front_end(runs) == pytest.approx((0.0017, 30e-6, 0.3e-3), abs=1e-9)
-    monkeypatch.setattr(lodo, "FRONT_END_TOKEN", False)       # streaming off: the intake's own minimum
+    held = chat.deployment
+    assert lodo.pooled_front_end(runs, held) == pytest.approx(0.0042, abs=1e-7)
+    assert seen and held not in seen and all(lodo.deployment_engine(d) == "v1" for d in seen)
+    # between grid points: the parabola's vertex; past the grid's end: its bound
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: profile(run, 0.0017))
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert lodo.pooled_front_end(runs) == pytest.approx((0.0017, 0.0, 0.0), abs=1e-9)
-    monkeypatch.setattr(lodo, "FRONT_END_TOKEN", True)        # past the grid's ends: its bounds
-    monkeypatch.setattr(lodo, "front_end_profile", lambda run: (-intake, -(service + token + step)))
+    assert lodo.pooled_front_end(runs) == pytest.approx(0.0017, abs=1e-9)
+    monkeypatch.setattr(lodo, "front_end_profile", lambda run: -intake)
     monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_BOUNDS[1], 0.0, 0.0)     # the intake grid's end is lower
-    monkeypatch.setattr(lodo, "front_end_profile", lambda run: (0 * intake, -(service + token + step)))
-    monkeypatch.setattr(lodo, "_FRONT_ENDS", {})
-    assert lodo.pooled_front_end(runs) == (lodo.FRONT_END_STREAM_INTAKE_GRID[-1], lodo.FRONT_END_TOKEN_BOUNDS[1],
-                                           lodo.FRONT_END_STEP_BOUNDS[1])
+    assert lodo.pooled_front_end(runs) == lodo.FRONT_END_BOUNDS[1]
 
 
 TOKEN = 2 ** -7          # per streamed token, exact in binary
@@ -423,14 +409,3 @@ def test_the_token_and_step_defaults_follow_the_front_ends_rule(monkeypatch, tmp
     assert front_end_step_s(made()) == 3e-4 and front_end_step_s(made({"vllm_version": "0.7.3"})) == 0.0
     assert front_end_step_s(made({"front_end_step_s": 1e-4})) == 1e-4
     assert front_end_step_s(made(device={"base": "h100-sxm", "profile": str(profile)})) == 0.0
-
-
-def test_the_streaming_fits_resume_names_mark_the_merged_rounds():
-    """validate/lodo.py: a class fit's or fold's --resume name carries the streaming times and the
-    rounds' mark (a fit made under the job-per-step streaming, named " per token T", is never
-    handed back), and nothing without streaming (the intake-only fits of before are reused)."""
-    from validate import lodo
-
-    assert lodo._stream_tag(0.0, 0.0) == ""
-    assert lodo._stream_tag(160e-6, 0.0) == " per token 0.00016 per step 0 (merged streaming)"
-    assert lodo._stream_tag(0.0, 1e-3) != lodo._stream_tag(1e-3, 0.0)

@@ -76,7 +76,7 @@ def test_replayed_runs_start_with_the_prefix_cache_their_server_held(runs):
     assert measured[0] in warm and not set(measured[1:]) & set(warm)
     surajssd = "surajssd-llama-3.3-70b-a100-40g-tp8-"
     assert len(split(runs[surajssd + "qps01"])[0]) == 1 and len(split(runs[surajssd + "qps04"])[0]) == 200
-    # the earlier runs as they ran (validate/lodo.py BENCH_EARLIER_OUTPUTS): all at once, with their
+    # the earlier runs as they ran (validate/lodo.py _bench_requests): all at once, with their
     # outputs, one run after the other's measured duration, so run 24's 100 x (4096 + 3977) tokens
     # pass through the 450k-token pool and evict what the runs before it cached
     warm = [q for q in runs["dennislee-test2-25"].requests if q.is_warmup]
@@ -140,36 +140,6 @@ def test_inference_perf_stages_replay_the_tokens_vllm_generated(runs):
     assert lodo.stage_output_len({**counted, "ignore_eos": False}) == counted["output_len_mean"]
 
 
-def test_a_closed_loop_run_stopped_at_eos_can_replay_its_early_stops(runs, monkeypatch):
-    """`vllm bench serve` sends max_tokens = the run's output length (the openai-chat payload's
-    "max_completion_tokens": output_len, vllm/benchmarks/lib/endpoint_request_func.py, release 0.11.0
-    from the package registry) and, without --ignore-eos, vLLM ends a request there or at the model's
-    EOS, whichever comes first (vllm/sampling_params.py 0.11.0: ignore_eos False by default). The RTX
-    4090 page's Mistral-7B sweep averaged 100 of 128 tokens. At one length for all, a closed loop's
-    slots finish together and each prompt waits behind the others' prefills (TTFT +174 % at
-    concurrency 4 held out); with EOS_STOPPED_OUTPUTS (off until a refit adopts it) the mean is kept
-    with early stops below the cap, the slots drift apart and the waits go. Runs sent with
-    ignore_eos, and all-at-once runs, keep one length."""
-    entries = {e["id"]: e for e in yaml.safe_load(lodo.BENCH_FILE.read_text())["runs"]}
-    sweep, run = entries["mushfiq-rtx4090-mistral-7b-c4"], runs["mushfiq-rtx4090-mistral-7b-c4"]
-    assert {q.output_len for q in run.requests} == {100}, "off: the printed mean for every request"
-    monkeypatch.setattr(lodo, "EOS_STOPPED_OUTPUTS", True)
-    outputs = lodo._output_lengths(sweep, 300, 100)
-    assert outputs == lodo._output_lengths(sweep, 300, 100), "the same lengths every time"
-    assert max(outputs) == 128 and min(outputs) >= 1 and abs(np.mean(outputs) - 100) < 0.5
-    assert outputs.count(128) == 300 - round(300 * 2 * (128 - 100) / 128)
-    assert len(set(lodo._output_lengths(entries["wmx-l4-qwen2.5-0.5b-c4"], 80, 120))) == 1, "ignore_eos"
-    assert len(set(lodo._output_lengths(entries["gpustack-qwen3-32b-h100-03"], 500, 199))) == 1, "all at once"
-
-    def ttft(lengths):
-        spread = copy.copy(run)
-        spread.requests = [make_request(q.id, q.arrival, q.segments[:-1], n) for q, n in zip(run.requests, lengths)]
-        return lodo.predict(spread, CostCoefficients())["ttft_mean"]
-
-    assert ttft([100] * 300) > 2 * run.measured["ttft_mean"], "lockstep: every prompt queued"
-    assert ttft(outputs) < 0.7 * ttft([100] * 300)
-
-
 def test_accelmark_outputs_stop_at_eos_or_max_tokens_around_the_published_mean(runs):
     """AccelMark's runner decodes greedily to max_tokens without ignore_eos
     (https://github.com/FreedomIntelligence/AccelMark/blob/5797fc42745be2494e6213938d9e5afa0c6c5bef/runners/nvidia_vllm_47f5d58e/runner.py
@@ -178,12 +148,12 @@ def test_accelmark_outputs_stop_at_eos_or_max_tokens_around_the_published_mean(r
     request, (total - TTFT) / max(output - 1, 1), pooled into percentiles
     (https://github.com/FreedomIntelligence/AccelMark/blob/5797fc42745be2494e6213938d9e5afa0c6c5bef/loadgen/loadgen.py
     `_run_online_async`): a request of a few tokens that waits out a V0 prefill step is its p99.
-    With ACCELMARK_EOS_STOPPED_OUTPUTS the replay keeps the mean with early stops below the cap
+    The replay keeps the mean with early stops below the cap
     (`eos_stopped_lengths`), the same lengths on every GPU for one model's prompts (greedy), and
     the few-token requests lift the replayed TPOT p99 the way they lift the measured one."""
     entries = {e["id"]: e for e in yaml.safe_load(lodo.RATE_FILE.read_text())["runs"]
                if e["workload"]["client"] == "accelmark"}
-    assert lodo.ACCELMARK_EOS_STOPPED_OUTPUTS and lodo.REPLAY_REVISION["v0"] == 8    # with the asyncio loop
+    assert lodo.REPLAY_REVISION["v0"] == 8    # with the asyncio loop and the eager prefill steps
     for run_id in ("accelmark-llama-3-8b-h100-tp1-qps5", "accelmark-qwen2.5-0.5b-t4-tp1-qps10"):
         w, run = entries[run_id]["workload"], runs[run_id]
         lengths = [q.output_len for q in run.requests]
@@ -288,8 +258,7 @@ def test_every_class_parameter_is_physical():
             for eff in ("flops_eff", "attn_flops_eff", "attn_bw_eff", "bw_eff"):
                 assert 0.05 < getattr(c, eff) <= 1.0 + 1e-9, (engine, gpu, eff)
             assert 0 < p.get("link_eff", 1.0) <= 1.0 and 0 < p.get("host_staging_eff", 0.5) <= 1.0, (engine, gpu)
-            assert 0 < p.get("custom_allreduce_eff", 1.0) <= 1.0, (engine, gpu)
-            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half", "allreduce_latency_s"):
+            for term in ("step_host_s", "seq_host_s", "prefill_seq_host_s", "expert_n_half"):
                 low, high = lodo.BOUNDS[term]
                 assert low * 0.999 <= p.get(term, low) <= high * 1.001, (engine, gpu, term)
         counts = {g: len(e["deployments"]) for g, e in fitted["classes"].items()}
@@ -308,7 +277,7 @@ def test_the_expert_kernel_term_is_fitted_only_where_a_moe_model_ran(runs):
     for engine, fitted in FAMILY["engines"].items():
         for gpu, entry in fitted["classes"].items():
             has_moe = any(by_deployment[d][0].scenario.model.is_moe for d in entry["deployments"])
-            expected = has_moe and (lodo.EXPERT_KERNEL_TERM if engine == "v1" else lodo.V0_EXPERT_KERNEL)
+            expected = has_moe and engine == "v1"
             assert ("expert_n_half" in entry["parameters"]) == expected, (engine, gpu)
 
 
@@ -330,8 +299,6 @@ def test_v0_classes_share_one_host_profile():
     generator) between GPU steps (vllm/engine/llm_engine.py step(), 0.7.3), not the GPU's: every V0
     class prices the pooled host profile times its machine's speed, so the per-step, per-sequence
     and per-admitted-prompt terms keep one ratio across classes; the efficiencies stay the datasheet's."""
-    if not lodo.V0_POOLED_HOST:
-        pytest.skip("the first V0 design: every parameter fitted per class")
     classes = FAMILY["engines"]["v0"]["classes"]
     ratios = [(p["seq_host_s"] / p["step_host_s"], p["prefill_seq_host_s"] / p["step_host_s"])
               for p in (c["parameters"] for c in classes.values())]
@@ -340,98 +307,24 @@ def test_v0_classes_share_one_host_profile():
     assert not any({"compute_scale", "memory_scale"} & set(c["parameters"]) for c in classes.values())
 
 
-@pytest.mark.parametrize("sensitivity, prior, lo, hi", [
-    (0.1, True, 0.99, 1.1),     # device-bound runs barely show the host: the pooled speed stays
-    (1.0, True, 1.5, 1.7),      # host-bound runs pin it: mostly their own 2x
-    (0.1, False, 1.9, 2.1),     # no prior: the faint signal alone sets it
-])
-def test_a_v0_class_speed_is_pulled_to_the_pooled_profile_as_far_as_its_runs_leave_it_open(
-        runs, monkeypatch, sensitivity, prior, lo, hi):
-    """V0_HOST_PRIOR: a class's machine speed (host_scale over the pooled V0 host profile) takes a
-    Gaussian prior on its log, centred on the pooled profile, as one more residual of the class fit.
-    Replays stubbed so that the two runs of a deployment want 2x the pooled host time, with their
-    metrics moving as host_time ** sensitivity (a device-bound model's ~50 ms steps hide a host's
-    ~3 ms: small; a 0.5B model's steps are host time: ~1): the weak signal keeps about the pooled
-    speed, the strong one keeps most of its own, and without the prior both reach 2x."""
-    monkeypatch.setattr(lodo, "V0_HOST_PRIOR", prior)
+def test_a_v0_class_fits_its_machine_speed_over_the_pooled_host_profile(runs, monkeypatch):
+    """A V0 class fits host_scale, one factor on every term of the pooled V0 host profile (its
+    machine's CPU running the same Python loop). Replays stubbed so that the two runs of a
+    deployment want 2x the pooled host time, their metrics moving as host_time ** 0.1 (a
+    device-bound model's ~50 ms steps hide a host's ~3 ms): the fit reaches 2x on every term."""
     group = [r for r in runs.values() if r.deployment == "meta-llama/Meta-Llama-3-8B-Instruct / L4 / tp 1 / vLLM 0.7.3"]
     pooled = {"step_host_s": 2e-3, "seq_host_s": 50e-6, "prefill_seq_host_s": 0.3e-3, "eager_layer_host_s": 0.5e-3}
 
-    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0,
-             front_end_step_s=0.0):
-        factor = (coefficients.step_host_s / (2 * pooled["step_host_s"])) ** sensitivity
+    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0):
+        factor = (coefficients.step_host_s / (2 * pooled["step_host_s"])) ** 0.1
         return {m: v * factor for m, v in run.measured.items()}
 
     monkeypatch.setattr(lodo, "predict", stub)
     fitted = lodo.fit_class(group, fixed=pooled, names=lodo.V0_CLASS_FIT)
-    assert lo <= fitted["step_host_s"] / pooled["step_host_s"] <= hi
-    assert fitted["seq_host_s"] / pooled["seq_host_s"] == pytest.approx(fitted["step_host_s"] / pooled["step_host_s"])
-    # the prior moves the class fits, not the replays: their --resume names, not REPLAY_REVISION
-    assert bool(lodo._fit_tag("v0")) == prior and lodo._fit_tag("v1") == ""
-
-
-@pytest.mark.parametrize("wanted_s, lo, hi", [
-    (12e-6, 11e-6, 13e-6),     # within the physical range: the runs' own latency
-    (1e-6, 2.99e-6, 3.01e-6),  # below a few microseconds: held at the bound
-    (200e-6, 29.9e-6, 30.1e-6),  # what one link efficiency gave 0.157 (64 us): held at ~30 us
-])
-def test_a_v0_class_fits_its_nvlink_all_reduce_latency_within_a_physical_range(runs, monkeypatch, wanted_s, lo, hi):
-    """V0_LINK_LATENCY: a V0 class with tp > 1 runs on NVLink fits the per-collective all-reduce
-    latency (allreduce_latency_s) apart from link_eff, bounded to a few to ~30 microseconds per
-    collective. Replays stubbed so that Llama-3-70B's runs on eight A100 40GB want `wanted_s`."""
-    group = [r for r in runs.values()
-             if r.deployment == "meta-llama/Meta-Llama-3-70B-Instruct / A100-SXM4-40GB / tp 8 / vLLM 0.7.3"]
-    assert group and lodo.parameter_acts("allreduce_latency_s", group)
-
-    def stub(run, coefficients=None, step_times="datasheet", profile=None, front_end_s=0.0, front_end_token_s=0.0,
-             front_end_step_s=0.0):
-        factor = (coefficients.allreduce_latency_s / wanted_s) ** 0.5
-        return {m: v * factor for m, v in run.measured.items()}
-
-    monkeypatch.setattr(lodo, "predict", stub)
-    fitted = lodo.fit_class(group, fixed={"link_eff": 0.2}, names=("allreduce_latency_s",), max_iterations=12)
-    assert lo <= fitted["allreduce_latency_s"] <= hi and fitted["link_eff"] == 0.2
-
-
-def test_the_all_reduce_latency_acts_on_nvlink_tp_runs_only(runs):
-    """PCIe cards keep NCCL's latency table (pcie_latency_scale), one GPU has no all-reduce: the term
-    is fitted where a class has tp > 1 runs on NVLink, in the V0 class fits only (V1 never fits it),
-    and the class fits' --resume names carry the switch."""
-    by_gpu = lambda gpu, tp: [r for r in runs.values() if r.gpu_class == gpu and r.scenario.parallelism.tp == tp
-                              and r.engine == "v0"]
-    assert lodo.parameter_acts("allreduce_latency_s", by_gpu("h200", 8))
-    assert not lodo.parameter_acts("allreduce_latency_s", by_gpu("rtx-a6000", 8) + by_gpu("rtx-4090", 8))
-    assert not lodo.parameter_acts("allreduce_latency_s", by_gpu("a100-40g", 1))
-    assert "allreduce_latency_s" not in lodo.FIT_NAMES["v1"]
-    assert ("allreduce_latency_s" in lodo.V0_CLASS_FIT) == lodo.V0_LINK_LATENCY == ("link latency" in lodo._fit_tag("v0"))
-    assert "link latency" not in lodo._fit_tag("v1")
-    low, high = lodo.BOUNDS["allreduce_latency_s"]
-    assert 1e-6 <= low < lodo.ALLREDUCE_LATENCY_START_S < high <= 30e-6
-
-
-def test_v0s_expert_kernel_and_custom_all_reduce_terms_are_fitted_where_they_act(runs):
-    """V0_EXPERT_KERNEL: a V0 class with a MoE run fits expert_n_half (vLLM 0.7.3 ran Mixtral through the
-    same Triton fused_moe kernel as V1: vllm/model_executor/layers/fused_moe/fused_moe.py), and
-    V0_EXPERT_SERIAL the share of that kernel's compute or weight reads it does not overlap; V0_CUSTOM_ALLREDUCE:
-    one with tp 2-8 runs on NVLink fits vLLM's custom all-reduce apart from NCCL's ring (custom_all_reduce.py,
-    0.7.3: `_SUPPORTED_WORLD_SIZES` [2, 4, 6, 8], off across PCIe beyond two GPUs: `full_nvlink`). Each switch
-    enters the V0 class fits and their --resume names, never V1's."""
-    by_gpu = lambda gpu, tp: [r for r in runs.values() if r.gpu_class == gpu and r.scenario.parallelism.tp == tp
-                              and r.engine == "v0"]
-    assert lodo.parameter_acts("custom_allreduce_eff", by_gpu("h200", 8))
-    assert lodo.parameter_acts("custom_allreduce_eff", by_gpu("a100-40g", 8))
-    assert not lodo.parameter_acts("custom_allreduce_eff", by_gpu("rtx-a6000", 8) + by_gpu("rtx-4090", 8))
-    assert not lodo.parameter_acts("custom_allreduce_eff", by_gpu("a100-40g", 1))
-    assert lodo.parameter_acts("expert_n_half", by_gpu("a100-40g", 8))
-    assert not lodo.parameter_acts("expert_n_half", by_gpu("a100-40g", 1))
-    assert lodo.parameter_acts("expert_serial_share", by_gpu("a100-40g", 8))
-    assert not lodo.parameter_acts("expert_serial_share", by_gpu("a100-40g", 1))
-    for switch, name, tag in (("V0_EXPERT_KERNEL", "expert_n_half", "experts"),
-                              ("V0_CUSTOM_ALLREDUCE", "custom_allreduce_eff", "custom all-reduce"),
-                              ("V0_EXPERT_SERIAL", "expert_serial_share", "expert serial")):
-        assert (name in lodo.V0_CLASS_FIT) == getattr(lodo, switch) == (tag in lodo._fit_tag("v0")), switch
-        assert tag not in lodo._fit_tag("v1")
-    assert "custom_allreduce_eff" not in lodo.FIT_NAMES["v1"]
+    assert 1.9 <= fitted["step_host_s"] / pooled["step_host_s"] <= 2.1
+    for term in lodo.V0_HOST:
+        assert fitted[term] / pooled[term] == pytest.approx(fitted["step_host_s"] / pooled["step_host_s"]), term
+    assert "host_scale" not in fitted
 
 
 @pytest.mark.parametrize("run_id", TABLE.loc[TABLE["requests"] <= CHEAP, "run"].tolist())
@@ -440,9 +333,8 @@ def test_recorded_lodo_errors_still_hold(run_id, runs):
     row = TABLE.set_index("run").loc[run_id]
     run = runs[run_id]
     params = {n: float(row[f"fold {n}"]) for n in lodo.NAMES if pd.notna(row.get(f"fold {n}"))}
-    # the fold's API-server times per request, per streamed token and per step (every source's replay)
-    front = {name: float(row[f"fold {name}"]) if pd.notna(row.get(f"fold {name}")) else 0.0
-             for name in ("front_end_s", "front_end_token_s", "front_end_step_s")}
+    # the fold's API-server time per request (every source's replay)
+    front = {"front_end_s": float(row["fold front_end_s"]) if pd.notna(row.get("fold front_end_s")) else 0.0}
     now = {f"datasheet {k}": v for k, v in lodo.errors(run, lodo.predict(run, CostCoefficients(), **front)).items()}
     trained = trained_coefficients(params)
     now.update({f"trained {k}": v for k, v in lodo.errors(run, lodo.predict(run, trained, **front)).items()})
@@ -463,7 +355,7 @@ def test_a_fold_is_reproducible_and_never_sees_its_deployment(deployment, runs, 
     now = lodo.lodo_table(all_runs, full, only=[deployment], progress=lambda *_: None).set_index("run")
     assert deployment not in seen
     assert {lodo.deployment_engine(d) for d in seen} <= {lodo.deployment_engine(deployment)}
-    if lodo.deployment_engine(deployment) == "v0" and lodo.V0_POOLED_HOST:   # host: pooled over the other models
+    if lodo.deployment_engine(deployment) == "v0":   # host: pooled over the other models
         assert lodo.deployment_model(deployment) not in {lodo.deployment_model(d) for d in seen}
     recorded = TABLE.set_index("run").loc[now.index]
     for col in [c for c in now.columns if c.startswith(("trained ", "fold "))]:
@@ -650,20 +542,17 @@ def test_the_default_step_times_follow_the_validation():
     assert Scenario.model_fields["step_times"].default == expected
 
 
-def test_the_generic_entry_can_average_the_classes_of_two_deployments_or_more(monkeypatch):
-    """validate.lodo.GENERIC_OF_TESTED_CLASSES: the generic entry (and a one-deployment class's fold)
-    leaves out the fits sim.trained.tested_class does not price with, which no held-out run tested;
-    where no class is tested, every class counts."""
+def test_the_generic_entry_averages_the_classes_of_two_deployments_or_more():
+    """validate.lodo.generic: the generic entry (and a one-deployment class's fold) leaves out the
+    fits sim.trained.tested_class does not price with, which no held-out run tested; where no class
+    is tested, every class counts."""
     from sim.trained import tested_class
 
     params = {"a": {"compute_scale": 1.0}, "b": {"compute_scale": 4.0}, "lone": {"compute_scale": 0.125}}
     counts = {"a": 3, "b": 2, "lone": 1}
     assert [tested_class(n) for n in (1, 2, 3)] == [False, True, True]
-    monkeypatch.setattr(lodo, "GENERIC_OF_TESTED_CLASSES", True)
     assert lodo.generic(params, counts)["compute_scale"] == pytest.approx(2.0)
     assert lodo.generic({"lone": params["lone"]}, counts)["compute_scale"] == pytest.approx(0.125)
-    monkeypatch.setattr(lodo, "GENERIC_OF_TESTED_CLASSES", False)
-    assert lodo.generic(params, counts)["compute_scale"] == pytest.approx(0.5 ** (1 / 3))
 
 
 def test_a_generic_fold_names_its_profile(runs):
