@@ -190,6 +190,18 @@ def test_a_boolean_is_not_a_number_in_a_scenario(tmp_path, field):
         load_text(tmp_path, SMALL.replace("model: qwen2.5-0.5b", "model: {base: qwen2.5-0.5b}"), overrides=[f"{field}=true"])
 
 
+@pytest.mark.parametrize("field, value, where", [
+    ("workload.prompt_len", "{dist: empirical, values: [100, true]}", r"workload.prompt_len: values\[1\]"),
+    ("workload.priorities", "{values: [0, 1], weights: [1, false]}", r"workload.priorities: weights\[1\]"),
+    ("engine.speculative", "{method: eagle, num_speculative_tokens: 2, acceptance_rates: [0.7, true]}",
+     r"engine.speculative: acceptance_rates\[1\]"),
+])
+def test_a_boolean_is_not_a_number_in_a_list_of_numbers(tmp_path, field, value, where):
+    # pydantic reads `true` in a list[int] as 1: an empirical length of one token, a weight of 1
+    with pytest.raises(ScenarioError, match=rf"{where}: (true|false) is a boolean, expected a number"):
+        load_text(tmp_path, SMALL, overrides=[f"{field}={value}"])
+
+
 def test_a_fixed_pool_beside_weights_that_cannot_fit_is_refused_as_without_it(tmp_path, capsys):
     from sim.core.memory import InsufficientMemoryError, plan_memory
 
