@@ -660,18 +660,18 @@ class Dataset(StrictModel):
         description="sharegpt: vLLM's length filter (drops prompts or outputs < 4 tokens, prompts > 1024, "
                     "pairs > 2048)")
     think_time_s: float = Field(
-        default=0.0, ge=0,
+        default=0.0, ge=0, le=MAX_DURATION_S,
         description="sharegpt with turns: all: the pause before a follow-up, s")
-    input_len: int = Field(default=1024, ge=1, description="random / sonnet: input tokens")
+    input_len: int = Field(default=1024, ge=1, le=MAX_TOKENS, description="random / sonnet: input tokens")
     output_len: Optional[int] = Field(
-        default=None, ge=1,
+        default=None, ge=1, le=MAX_TOKENS,
         description="random (default 128) / sonnet (150): output tokens; sharegpt: overrides the answers' "
                     "lengths")
     range_ratio: float = Field(
         default=0.0, ge=0, lt=1,
         description="random: lengths uniform in [L(1 - r), L(1 + r)]")
     prefix_len: int = Field(
-        default=0, ge=0,
+        default=0, ge=0, le=MAX_TOKENS,
         description="random / sonnet: tokens every request shares at its start")
 
     @model_validator(mode="after")

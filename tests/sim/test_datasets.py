@@ -113,6 +113,18 @@ def test_dataset_errors_name_the_problem(data, tmp_path):
         build_workload(small_vocab)
 
 
+SHAREGPT_TURNS = {"format": "sharegpt", "path": "sharegpt_small.json", "tokenizer": "tokenizer.json", "turns": "all"}
+
+
+@pytest.mark.parametrize("dataset, field, value", [
+    ({"format": "random"}, "input_len", 2**27 + 1), ({"format": "random"}, "output_len", 10**17),
+    ({"format": "random"}, "prefix_len", 10**20), (SHAREGPT_TURNS, "think_time_s", 1e300)])
+def test_dataset_lengths_and_think_time_are_bounded_as_every_other(data, dataset, field, value):
+    # unbounded, a think time of 1e300 s printed "1e-299 req/s" and a numpy overflow warning
+    with pytest.raises(ScenarioError, match=rf"workload.dataset.{field}: Input should be less than or equal to"):
+        _scenario(data, {**dataset, field: value})
+
+
 def test_a_transformers_folder_brings_its_chat_template(tmp_path):
     transformers = pytest.importorskip("transformers")
     from sim.datasets import text_tokenizer
