@@ -680,7 +680,22 @@ class Dataset(StrictModel):
             raise ValueError(f"dataset format '{self.format}' needs path and tokenizer")
         if self.format == "random" and (self.path is not None or self.tokenizer is not None):
             raise ValueError("the random dataset reads no file: remove path and tokenizer")
+        # Set and not at its default (a manifest's dump lists every field): a setting the format
+        # never reads would change nothing, while its writer expects it to
+        for name, formats in DATASET_FIELD_FORMATS.items():
+            if (self.format not in formats and name in self.model_fields_set
+                    and getattr(self, name) != type(self).model_fields[name].default):
+                raise ValueError(f"{name} applies to the {' and '.join(formats)} format, not {self.format}; "
+                                 f"remove it")
+        if self.turns == "first" and self.think_time_s:
+            raise ValueError("think_time_s is the pause before a conversation's follow-up: it needs turns: all")
         return self
+
+
+# The dataset fields that only some formats read (output_len is read by every format).
+DATASET_FIELD_FORMATS = {"turns": ("sharegpt",), "filter": ("sharegpt",), "think_time_s": ("sharegpt",),
+                         "input_len": ("random", "sonnet"), "prefix_len": ("random", "sonnet"),
+                         "range_ratio": ("random",)}
 
 
 SYNTHETIC_ONLY = {"num_requests", "duration_s", "arrival", "prompt_len", "output_len",
