@@ -137,8 +137,6 @@ def calibrate_main(argv: list[str]) -> int:
     if args.from_vllm:
         from validate.vllm_fit import calibrate_from_vllm_main
 
-        if args.hold_out is None:
-            args.hold_out = -1
         return calibrate_from_vllm_main(args)
     for flag, given in (("--series", args.series), ("--hold-out", args.hold_out is not None)):
         if given:
