@@ -30,6 +30,7 @@ from sim.lora import LoraConfig, WorkloadLora, scenario_problems as lora_problem
 from sim.lora import scenario_reserved_bytes as lora_reserved_bytes
 from sim.autoscale import Autoscaling, autoscaling_problems
 from sim.arrival_shape import MAX_STEPS, Diurnal, RateStep, check_shape, shape_of
+from sim.core.strict import refuse_unread
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -464,6 +465,7 @@ class Arrival(StrictModel):
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
         check_shape(self)
+        refuse_unread(self, "process", {"cv": ("gamma",), "seed": ("vidur_poisson",)})
         if self.rate_schedule is not None or self.diurnal is not None:
             return self
         if self.process == "offline" and self.ramp_up is not None:
@@ -487,6 +489,11 @@ class SharedPrefix(StrictModel):
         default="uniform",
         description="which prefix a request gets: uniform | zipf")
     zipf_s: float = Field(default=1.0, gt=0, le=100, description="zipf: the exponent")
+
+    @model_validator(mode="after")
+    def _zipf_s_read(self) -> "SharedPrefix":
+        refuse_unread(self, "popularity", {"zipf_s": ("zipf",)})
+        return self
 
 
 class DynamicSegment(StrictModel):
@@ -680,13 +687,7 @@ class Dataset(StrictModel):
             raise ValueError(f"dataset format '{self.format}' needs path and tokenizer")
         if self.format == "random" and (self.path is not None or self.tokenizer is not None):
             raise ValueError("the random dataset reads no file: remove path and tokenizer")
-        # Set and not at its default (a manifest's dump lists every field): a setting the format
-        # never reads would change nothing, while its writer expects it to
-        for name, formats in DATASET_FIELD_FORMATS.items():
-            if (self.format not in formats and name in self.model_fields_set
-                    and getattr(self, name) != type(self).model_fields[name].default):
-                raise ValueError(f"{name} applies to the {' and '.join(formats)} format, not {self.format}; "
-                                 f"remove it")
+        refuse_unread(self, "format", DATASET_FIELD_FORMATS)
         if self.turns == "first" and self.think_time_s:
             raise ValueError("think_time_s is the pause before a conversation's follow-up: it needs turns: all")
         return self
@@ -847,6 +848,7 @@ class Cluster(StrictModel):
 
     @model_validator(mode="after")
     def _router_section_used(self):
+        refuse_unread(self, "router", {"load_bound": ("prefix_aware",)})
         for section in DEPLOYED_ROUTERS:
             settings = getattr(self, section)
             # (a section at its defaults, as a manifest dump writes every one, changes nothing)

@@ -35,6 +35,18 @@ class StrictModel(BaseModel):
         return data
 
 
+def refuse_unread(model: BaseModel, selector: str, readers: dict[str, tuple[str, ...]]) -> None:
+    """ValueError for a field that the model's `selector` (its format, process, router) never reads,
+    set away from its default: it would change nothing while its writer expects it to (`cv` on a
+    poisson process). At its default it passes, since a resolved scenario dump lists every field.
+    `readers` maps each such field to the selector values that read it."""
+    mode = getattr(model, selector)
+    for name, modes in readers.items():
+        if (mode not in modes and name in model.model_fields_set
+                and getattr(model, name) != type(model).model_fields[name].default):
+            raise ValueError(f"{name} is read only with {selector} {' or '.join(modes)}, not {mode}; remove it")
+
+
 _NUMERIC_FIELDS: dict[type, tuple[str, ...]] = {}
 _NUMBERS = {int, float}
 

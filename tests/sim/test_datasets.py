@@ -127,12 +127,12 @@ def test_dataset_lengths_and_think_time_are_bounded_as_every_other(data, dataset
 
 @pytest.mark.parametrize("dataset, message", [
     ({"format": "sharegpt", "path": "sharegpt_small.json", "tokenizer": "tokenizer.json", "input_len": 3000},
-     "input_len applies to the random and sonnet format, not sharegpt"),
-    ({"format": "random", "turns": "all"}, "turns applies to the sharegpt format, not random"),
+     "input_len is read only with format random or sonnet, not sharegpt; remove it"),
+    ({"format": "random", "turns": "all"}, "turns is read only with format sharegpt, not random"),
     ({"format": "sonnet", "path": "sonnet_small.txt", "tokenizer": "tokenizer.json", "range_ratio": 0.5},
-     "range_ratio applies to the random format, not sonnet"),
+     "range_ratio is read only with format random, not sonnet"),
     ({"format": "text", "path": "prompts.txt", "tokenizer": "tokenizer.json", "filter": False},
-     "filter applies to the sharegpt format, not text"),
+     "filter is read only with format sharegpt, not text"),
     ({"format": "sharegpt", "path": "sharegpt_small.json", "tokenizer": "tokenizer.json", "think_time_s": 5},
      "think_time_s is the pause before a conversation's follow-up: it needs turns: all"),
 ])
