@@ -11,6 +11,7 @@ import argparse
 import copy
 import difflib
 import functools
+import re
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -1323,7 +1324,31 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
         raw = apply_overrides(raw, overrides, source=str(path))
     if seed is not None:
         raw["seed"] = seed
-    return validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path))
+    try:
+        return validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path))
+    except ScenarioError as e:
+        if not overrides:
+            raise
+        raise ScenarioError(blame_overrides(e.problems, overrides), e.source) from None
+
+
+def blame_overrides(problems: list[str], overrides: list[str]) -> list[str]:
+    """Each problem about a field that a --set wrote (or the section it wrote into) says so: the
+    file named before it does not hold that value, and a search of it would find nothing."""
+    keys = [text.partition("=")[0].strip() for text in overrides]
+
+    def wrote(key: str, problem: str) -> bool:
+        field, _, text = problem.partition(": ")
+        if field == key or field.startswith((key + ".", key + "[")):
+            return True
+        # a section's own check ("engine: max_num_seqs: true is ...") names the field in its text
+        return key.startswith(field + ".") and re.search(rf"\b{re.escape(key.rpartition('.')[2])}\b", text) is not None
+
+    out = []
+    for problem in problems:
+        blamed = next((key for key in reversed(keys) if wrote(key, problem)), None)    # the last --set wins
+        out.append(problem if blamed is None else f"{problem} (given by --set {blamed})")
+    return out
 
 
 def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[str, Scenario]:
