@@ -1351,21 +1351,23 @@ def blame_overrides(problems: list[str], overrides: list[str]) -> list[str]:
     return out
 
 
-def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[str, Scenario]:
-    """{variant name: full scenario}; a scenario without variants maps its own name to itself."""
+def expand_variants(scenario: Scenario, base_dir: Path | None = None,
+                    source: str | None = None) -> dict[str, Scenario]:
+    """{variant name: full scenario}; a scenario without variants maps its own name to itself.
+    `source` (the scenario file) heads an error, as load_scenario's do."""
     if not scenario.variants:
         return {scenario.name: scenario}
     base = scenario.model_dump(exclude={"variants"}, exclude_unset=True)
     out = {}
     for name, patch in scenario.variants.items():
         if not isinstance(patch, dict):
-            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {excerpt(patch)}"])
+            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {excerpt(patch)}"], source)
         merged = deep_merge(base, patch)
         merged["name"] = f"{scenario.name}/{name}"
         try:
             out[name] = validate_scenario(merged, base_dir=base_dir)
         except ScenarioError as e:
-            raise ScenarioError([f"variants.{name}.{p}" for p in e.problems]) from None
+            raise ScenarioError([f"variants.{name}.{p}" for p in e.problems], source) from None
     return out
 
 

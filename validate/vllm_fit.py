@@ -655,7 +655,7 @@ def deployment_scenario(args, runs: list[VllmResult]):
 
     if args.scenario:
         scenario = load_scenario(args.scenario, args.overrides)
-        return next(iter(expand_variants(scenario, args.scenario.parent.resolve()).values()))
+        return next(iter(expand_variants(scenario, args.scenario.parent.resolve(), source=str(args.scenario)).values()))
     model = args.model
     if model is None:
         ids = {r.model for r in runs}
