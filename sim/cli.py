@@ -266,7 +266,7 @@ def run_main(argv: list[str]) -> int:
     check_sweep_flags(args)
     with gc_paused():
         scenario = load_scenario(args.scenario, args.overrides, args.seed)
-        variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
+        variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve(), source=str(args.scenario))
         import sim.predict  # noqa: F401  (imported before the workers fork, so they inherit it)
     out = args.out or Path("runs") / args.scenario.stem
     if args.spill_records:

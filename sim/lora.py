@@ -24,6 +24,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from sim.core.catalog import ModelSpec, StrictModel
+from sim.core.strict import refuse_unread
 from sim.core.lora import TARGET_MODULES, LoraStep, adapter_bytes, lora_layer_groups, reserved_bytes
 from sim.core.request import stable_key
 
@@ -106,6 +107,7 @@ class WorkloadLora(StrictModel):
 
     @model_validator(mode="after")
     def _ranks(self) -> "WorkloadLora":
+        refuse_unread(self, "distribution", {"zipf_s": ("zipf",)})
         ranks = self.rank if isinstance(self.rank, list) else [self.rank]
         if isinstance(self.rank, list) and len(self.rank) != self.num_adapters:
             raise ValueError(f"rank lists {len(self.rank)} ranks for num_adapters {self.num_adapters}: give one "

@@ -11,6 +11,7 @@ import argparse
 import copy
 import difflib
 import functools
+import re
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -30,6 +31,7 @@ from sim.lora import LoraConfig, WorkloadLora, scenario_problems as lora_problem
 from sim.lora import scenario_reserved_bytes as lora_reserved_bytes
 from sim.autoscale import Autoscaling, autoscaling_problems
 from sim.arrival_shape import MAX_STEPS, Diurnal, RateStep, check_shape, shape_of
+from sim.core.strict import refuse_unread
 from sim.core.catalog import (MAX_DEVICE_MIB, DeviceSpec, ModelSpec, StrictModel, catalog_entry,
                          model_fields_from_hf_config)
 
@@ -464,6 +466,7 @@ class Arrival(StrictModel):
     @model_validator(mode="after")
     def _needs_rate(self) -> "Arrival":
         check_shape(self)
+        refuse_unread(self, "process", {"cv": ("gamma",), "seed": ("vidur_poisson",)})
         if self.rate_schedule is not None or self.diurnal is not None:
             return self
         if self.process == "offline" and self.ramp_up is not None:
@@ -487,6 +490,11 @@ class SharedPrefix(StrictModel):
         default="uniform",
         description="which prefix a request gets: uniform | zipf")
     zipf_s: float = Field(default=1.0, gt=0, le=100, description="zipf: the exponent")
+
+    @model_validator(mode="after")
+    def _zipf_s_read(self) -> "SharedPrefix":
+        refuse_unread(self, "popularity", {"zipf_s": ("zipf",)})
+        return self
 
 
 class DynamicSegment(StrictModel):
@@ -660,18 +668,18 @@ class Dataset(StrictModel):
         description="sharegpt: vLLM's length filter (drops prompts or outputs < 4 tokens, prompts > 1024, "
                     "pairs > 2048)")
     think_time_s: float = Field(
-        default=0.0, ge=0,
+        default=0.0, ge=0, le=MAX_DURATION_S,
         description="sharegpt with turns: all: the pause before a follow-up, s")
-    input_len: int = Field(default=1024, ge=1, description="random / sonnet: input tokens")
+    input_len: int = Field(default=1024, ge=1, le=MAX_TOKENS, description="random / sonnet: input tokens")
     output_len: Optional[int] = Field(
-        default=None, ge=1,
+        default=None, ge=1, le=MAX_TOKENS,
         description="random (default 128) / sonnet (150): output tokens; sharegpt: overrides the answers' "
                     "lengths")
     range_ratio: float = Field(
         default=0.0, ge=0, lt=1,
         description="random: lengths uniform in [L(1 - r), L(1 + r)]")
     prefix_len: int = Field(
-        default=0, ge=0,
+        default=0, ge=0, le=MAX_TOKENS,
         description="random / sonnet: tokens every request shares at its start")
 
     @model_validator(mode="after")
@@ -680,7 +688,16 @@ class Dataset(StrictModel):
             raise ValueError(f"dataset format '{self.format}' needs path and tokenizer")
         if self.format == "random" and (self.path is not None or self.tokenizer is not None):
             raise ValueError("the random dataset reads no file: remove path and tokenizer")
+        refuse_unread(self, "format", DATASET_FIELD_FORMATS)
+        if self.turns == "first" and self.think_time_s:
+            raise ValueError("think_time_s is the pause before a conversation's follow-up: it needs turns: all")
         return self
+
+
+# The dataset fields that only some formats read (output_len is read by every format).
+DATASET_FIELD_FORMATS = {"turns": ("sharegpt",), "filter": ("sharegpt",), "think_time_s": ("sharegpt",),
+                         "input_len": ("random", "sonnet"), "prefix_len": ("random", "sonnet"),
+                         "range_ratio": ("random",)}
 
 
 SYNTHETIC_ONLY = {"num_requests", "duration_s", "arrival", "prompt_len", "output_len",
@@ -832,6 +849,7 @@ class Cluster(StrictModel):
 
     @model_validator(mode="after")
     def _router_section_used(self):
+        refuse_unread(self, "router", {"load_bound": ("prefix_aware",)})
         for section in DEPLOYED_ROUTERS:
             settings = getattr(self, section)
             # (a section at its defaults, as a manifest dump writes every one, changes nothing)
@@ -1306,24 +1324,50 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None,
         raw = apply_overrides(raw, overrides, source=str(path))
     if seed is not None:
         raw["seed"] = seed
-    return validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path))
+    try:
+        return validate_scenario(raw, base_dir=path.parent.resolve(), source=str(path))
+    except ScenarioError as e:
+        if not overrides:
+            raise
+        raise ScenarioError(blame_overrides(e.problems, overrides), e.source) from None
 
 
-def expand_variants(scenario: Scenario, base_dir: Path | None = None) -> dict[str, Scenario]:
-    """{variant name: full scenario}; a scenario without variants maps its own name to itself."""
+def blame_overrides(problems: list[str], overrides: list[str]) -> list[str]:
+    """Each problem about a field that a --set wrote (or the section it wrote into) says so: the
+    file named before it does not hold that value, and a search of it would find nothing."""
+    keys = [text.partition("=")[0].strip() for text in overrides]
+
+    def wrote(key: str, problem: str) -> bool:
+        field, _, text = problem.partition(": ")
+        if field == key or field.startswith((key + ".", key + "[")):
+            return True
+        # a section's own check ("engine: max_num_seqs: true is ...") names the field in its text
+        return key.startswith(field + ".") and re.search(rf"\b{re.escape(key.rpartition('.')[2])}\b", text) is not None
+
+    out = []
+    for problem in problems:
+        blamed = next((key for key in reversed(keys) if wrote(key, problem)), None)    # the last --set wins
+        out.append(problem if blamed is None else f"{problem} (given by --set {blamed})")
+    return out
+
+
+def expand_variants(scenario: Scenario, base_dir: Path | None = None,
+                    source: str | None = None) -> dict[str, Scenario]:
+    """{variant name: full scenario}; a scenario without variants maps its own name to itself.
+    `source` (the scenario file) heads an error, as load_scenario's do."""
     if not scenario.variants:
         return {scenario.name: scenario}
     base = scenario.model_dump(exclude={"variants"}, exclude_unset=True)
     out = {}
     for name, patch in scenario.variants.items():
         if not isinstance(patch, dict):
-            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {excerpt(patch)}"])
+            raise ScenarioError([f"variants.{name}: expected a mapping of overrides, got {excerpt(patch)}"], source)
         merged = deep_merge(base, patch)
         merged["name"] = f"{scenario.name}/{name}"
         try:
             out[name] = validate_scenario(merged, base_dir=base_dir)
         except ScenarioError as e:
-            raise ScenarioError([f"variants.{name}.{p}" for p in e.problems]) from None
+            raise ScenarioError([f"variants.{name}.{p}" for p in e.problems], source) from None
     return out
 
 

@@ -44,7 +44,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.core.files import FILE_EXCERPT_CHARS, DuplicateKeyError, excerpt, file_problem, open_text, unique_keys
+from sim.core.files import (FILE_EXCERPT_CHARS, DuplicateKeyError, check_csv_header, check_csv_row, excerpt,
+                             file_problem, open_text, unique_keys)
 from sim.core.request import Request, Segment, make_request, stable_key
 from sim.scenario import MAX_REQUESTS, Trace
 
@@ -282,15 +283,14 @@ def _read_csv(path: Path, needed: list[str]) -> tuple[dict[str, list[str]], np.n
             if missing:
                 raise TraceError(f"{path}:1: missing column {', '.join(map(repr, missing))} "
                                  f"(found {len(header)} columns: {_names(header)}; expected {needed})")
+            check_csv_header(path, header, needed, TraceError)
             cols = [header.index(c) for c in needed]
             values: list[list[str]] = [[] for _ in needed]
             lines = []
             for row in reader:
                 if not row:
                     continue
-                if len(row) != len(header):       # fewer, or an unquoted comma shifting the rest
-                    raise TraceError(f"{path}:{reader.line_num}: {len(row)} fields, expected "
-                                     f"{len(header)} (the header's columns)")
+                check_csv_row(path, reader.line_num, row, header, TraceError)
                 for out, c in zip(values, cols):
                     out.append(row[c])
                 lines.append(reader.line_num)

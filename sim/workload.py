@@ -47,7 +47,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from sim.core.collector import gc_paused
-from sim.core.files import FILE_EXCERPT_CHARS, excerpt, open_text
+from sim.core.files import FILE_EXCERPT_CHARS, check_csv_header, check_csv_row, excerpt, open_text
 from sim.core.request import Request, Segment, make_request, output_keys, stable_key, stable_keys, tenant_salt
 from sim.lora import assign_adapters
 from sim.scenario import Arrival, DynamicSegment, LengthDist, Scenario, SharedPrefix, Tenant, Workload
@@ -697,12 +697,19 @@ def _read_lengths(path: Path, column: Optional[str], where: str) -> np.ndarray:
             items = [(n, text.strip()) for n, text in enumerate(f, start=1) if text.strip()]
         else:
             expected = f"a whole number >= 0 in column {column!r}"
-            reader = csv.DictReader(f)
+            reader = csv.reader(f)
             try:
-                if column not in (reader.fieldnames or []):
+                header = next(reader, [])
+                if column not in header:
                     raise WorkloadError(f"{path}:1: no column {excerpt(column)} (columns: "
-                                        f"{excerpt(', '.join(reader.fieldnames or [])[:200], 3 * FILE_EXCERPT_CHARS)}; {where}.column)")
-                items = [(reader.line_num, (row[column] or "").strip()) for row in reader]
+                                        f"{excerpt(', '.join(header)[:200], 3 * FILE_EXCERPT_CHARS)}; {where}.column)")
+                check_csv_header(path, header, [column], WorkloadError)
+                index = header.index(column)
+                items = []
+                for row in reader:
+                    if row:        # csv.DictReader's rule: a blank line is no row
+                        check_csv_row(path, reader.line_num, row, header, WorkloadError)
+                        items.append((reader.line_num, row[index].strip()))
             except csv.Error as e:     # a field over csv's 128 KiB limit, a NUL byte
                 raise WorkloadError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
     if not items:

@@ -58,7 +58,7 @@ def _single_scenario(args):
     from sim.scenario import expand_variants, load_scenario
 
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
-    variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
+    variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve(), source=str(args.scenario))
     if len(variants) > 1:
         raise UserError(f"{args.scenario} has variants ({', '.join(variants)}); a measurement is of one "
                         f"configuration: write the variant as its own scenario")

@@ -41,7 +41,7 @@ def validate_main(argv: list[str]) -> int:
     device = pick_device(args.device)
     set_cpu_threads(device, args.threads)
     scenario = load_scenario(args.scenario, args.overrides, args.seed)
-    variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve())
+    variants = expand_variants(scenario, base_dir=args.scenario.parent.resolve(), source=str(args.scenario))
     out = args.out or Path("runs") / "validate" / args.scenario.stem
     tolerances = load_tolerances(args.tolerances)
     failures = []
@@ -137,8 +137,6 @@ def calibrate_main(argv: list[str]) -> int:
     if args.from_vllm:
         from validate.vllm_fit import calibrate_from_vllm_main
 
-        if args.hold_out is None:
-            args.hold_out = -1
         return calibrate_from_vllm_main(args)
     for flag, given in (("--series", args.series), ("--hold-out", args.hold_out is not None)):
         if given:
@@ -179,7 +177,7 @@ def calibration_base(args, device: str):
     """The scenario calibration profiles: --scenario, else the model on the detected device."""
     if args.scenario:
         scenario = load_scenario(args.scenario, args.overrides)
-        return next(iter(expand_variants(scenario, args.scenario.parent.resolve()).values()))
+        return next(iter(expand_variants(scenario, args.scenario.parent.resolve(), source=str(args.scenario)).values()))
     if not args.model:
         raise UserError("give --model NAME (or --scenario FILE)")
     catalog_device = args.catalog_device or ("cpu" if device == "cpu" else catalog_device_for_cuda())

@@ -523,14 +523,32 @@ def without_default_front_end(scenario):
     return copy
 
 
-def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int] = -1,
+def held_out_run(hold_out: Optional[int], runs: int) -> Optional[int]:
+    """The index of the run kept out of the fit: `hold_out` (--hold-out, 0-based), by default the
+    last of two or more runs, none of one. An index past the runs is an error (it wrapped around:
+    --hold-out 5 of two runs held out run 1), as is one for a single run (it was ignored)."""
+    from sim.errors import UserError
+
+    if hold_out is None:
+        return runs - 1 if runs >= 2 else None
+    if runs < 2:
+        raise UserError(f"--hold-out {hold_out}: one run given, and a fit keeps a run out only of two or more")
+    if not 0 <= hold_out < runs:
+        raise UserError(f"--hold-out {hold_out}: expected a run index from 0 to {runs - 1} "
+                        f"({runs} runs, in the order given)")
+    return hold_out
+
+
+def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int] = None,
                         base: Optional[CostCoefficients] = None, seed: int = 0,
                         progress: Optional[Callable[[str], None]] = None, max_iterations: int = 20,
                         series: Optional[list] = None, polish_evaluations: int = 80) -> VllmFit:
-    """Fit a profile to the runs (see the module docstring); `hold_out` indexes the run kept out;
-    `series[i]` (or None) is run i's measured running/waiting/KV % (sim.vllm.timeseries.load_series)."""
+    """Fit a profile to the runs (see the module docstring); `hold_out` indexes the run kept out
+    (`held_out_run`); `series[i]` (or None) is run i's measured running/waiting/KV %
+    (sim.vllm.timeseries.load_series)."""
     if not runs:
         raise ValueError("calibrate --from-vllm needs at least one result file")
+    held = held_out_run(hold_out, len(runs))
     scenario = without_default_front_end(scenario)
     base = base or CostCoefficients()
     replays = [Replay.of(r, seed) for r in runs]
@@ -539,7 +557,6 @@ def calibrate_from_vllm(scenario, runs: list[VllmResult], hold_out: Optional[int
             replay.series = curve
             replay.measured = {**replay.measured, **series_measured(curve)}
     labels = [r.source for r in runs]
-    held = None if len(runs) < 2 or hold_out is None else hold_out % len(runs)
     train = [r for i, r in enumerate(replays) if i != held]
     metrics = METRICS + ("duration_s",) + SERIES_METRICS if len(runs) >= 2 else ("tpot_s",)
     names = ["compute_scale", "memory_scale"] + (["link_eff"] if scenario.parallelism.tp > 1 else [])
@@ -638,7 +655,7 @@ def deployment_scenario(args, runs: list[VllmResult]):
 
     if args.scenario:
         scenario = load_scenario(args.scenario, args.overrides)
-        return next(iter(expand_variants(scenario, args.scenario.parent.resolve()).values()))
+        return next(iter(expand_variants(scenario, args.scenario.parent.resolve(), source=str(args.scenario)).values()))
     model = args.model
     if model is None:
         ids = {r.model for r in runs}

@@ -172,12 +172,12 @@ def _max_tokens(value: Any, prompt_len: int, max_model_len: int) -> int:
     if type(value) is not int:
         raise ApiError(f"max_tokens must be an integer, got {excerpt(value)}", param="max_tokens")
     if value < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {value}", param="max_tokens")
-    if prompt_len + value > max_model_len:
+        raise ApiError(f"max_tokens must be at least 1, got {excerpt(value)}", param="max_tokens")
+    if prompt_len + value > max_model_len:       # vLLM's words; a 4,000-digit value quoted cut short
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {prompt_len + value} tokens ({prompt_len} in the prompt, {value} in the "
-                       f"completion). Please reduce the length of the prompt or completion.",
-                       param="max_tokens")
+                       f"requested {excerpt(prompt_len + value)} tokens ({prompt_len} in the prompt, "
+                       f"{excerpt(value)} in the completion). Please reduce the length of the prompt or "
+                       f"completion.", param="max_tokens")
     return value
 
 

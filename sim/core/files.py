@@ -165,6 +165,25 @@ def _size(n: int) -> str:
     return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
 
 
+def check_csv_header(path: str | Path, header: list[str], read: list[str],
+                     error: type[ValueError] = FileFormatError) -> None:
+    """`error` naming `path` when a column it reads (`read`) is named twice in `header`:
+    csv.DictReader would take the last, an index lookup the first, and neither says so."""
+    for name in read:
+        where = [i + 1 for i, h in enumerate(header) if h == name]
+        if len(where) > 1:
+            raise error(f"{path}:1: column {excerpt(name, FILE_EXCERPT_CHARS)} appears "
+                        f"{len(where)} times (columns {', '.join(map(str, where))}); expected one column of each name")
+
+
+def check_csv_row(path: str | Path, line: int, row: list[str], header: list[str],
+                  error: type[ValueError] = FileFormatError) -> None:
+    """`error` naming `path:line` when the row has fewer or more fields than the header: an
+    unquoted comma shifts every column after it."""
+    if len(row) != len(header):
+        raise error(f"{path}:{line}: {len(row)} fields, expected {len(header)} (the header's columns)")
+
+
 @contextmanager
 def open_text(path: str | Path, what: str = "file", gzip_ok: bool = False,
               max_bytes: int | None = None) -> Iterator[TextIO]:

@@ -135,7 +135,7 @@ def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     for hf_key, ours in DIRECT.items():
         if cfg.get(hf_key) is not None:
             fields[ours] = cfg[hf_key]
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    dtype = _dtype(cfg)
     if dtype is not None:
         fields["dtype"] = dtype
     if "num_kv_heads" not in fields and "num_heads" in fields:
@@ -176,6 +176,17 @@ def _separate_quant_config(folder: Path, config_file: Path, cfg: dict[str, Any])
             "separate file (ModelOpt's hf_quant_config.json); set model.quantization explicitly "
             "(e.g. {method: fp8, scales: tensor}) rather than planning 16-bit weights")
     return None
+
+
+def _dtype(cfg: dict) -> Any:
+    """The weights' dtype: `dtype` (transformers 4.56 on) or `torch_dtype` (before). Two that differ
+    are refused: transformers keeps `dtype`, an older reader `torch_dtype`, and the file alone
+    cannot say which its writer meant."""
+    old, new = cfg.get("torch_dtype"), cfg.get("dtype")
+    if old is not None and new is not None and old != new:
+        raise UnsupportedConfigError(f"torch_dtype {excerpt(old)} and dtype {excerpt(new)} differ; expected one "
+                                     f"dtype (transformers keeps dtype, older readers torch_dtype)")
+    return new if new is not None else old
 
 
 def _refuse_unknown_keys(cfg: dict[str, Any]) -> None:

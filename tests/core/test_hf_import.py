@@ -114,6 +114,14 @@ def test_fields_that_change_memory_or_cost_are_refused_by_name(extra, field):
         fields_from_config({**BASE, **extra})
 
 
+def test_torch_dtype_and_dtype_that_differ_are_refused_and_either_alone_is_read():
+    """transformers (4.56 on) keeps `dtype` when both are given; kvtwin read `torch_dtype` silently."""
+    with pytest.raises(UnsupportedConfigError, match="torch_dtype 'bfloat16' and dtype 'float32' differ"):
+        fields_from_config({**BASE, "torch_dtype": "bfloat16", "dtype": "float32"})
+    assert fields_from_config({**BASE, "dtype": "float32"})["dtype"] == "float32"
+    assert fields_from_config({**BASE, "torch_dtype": "float16", "dtype": "float16"})["dtype"] == "float16"
+
+
 def test_compressed_tensors_schemes():
     group = {"quant_method": "compressed-tensors", "ignore": ["lm_head"], "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},

@@ -207,6 +207,36 @@ def test_a_csv_row_with_more_fields_than_the_header_is_refused(tmp_path, capsys)
     assert code == 2 and f"{trace}:3: 4 fields, expected 3 (the header's columns)" in err, err
 
 
+def length_scenario(tmp_path, lengths: Path) -> Path:
+    path = tmp_path / "s.yaml"
+    path.write_text("model: qwen2.5-0.5b\ndevice: h100-sxm\nworkload: {num_requests: 3, output_len: 4, "
+                    f"prompt_len: {{dist: empirical, file: {lengths}, column: len}}}}\n")
+    return path
+
+
+def test_a_length_file_row_with_more_fields_than_the_header_is_refused_as_in_a_trace(tmp_path, capsys):
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text("id,len\n1,100\n2,1,200\n")      # read as 1: the comma in 1,200 shifts it
+    code, err = run_cli([length_scenario(tmp_path, lengths), "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{lengths}:3: 3 fields, expected 2 (the header's columns)" in err, err
+
+
+@pytest.mark.parametrize("kind", ["trace", "lengths"])
+def test_a_csv_column_named_twice_is_refused_not_picked(tmp_path, capsys, kind):
+    """A trace read the first of two prompt_len columns, a length file (csv.DictReader) the last."""
+    if kind == "trace":
+        csv_file = tmp_path / "twice.csv"
+        csv_file.write_text("timestamp,prompt_len,output_len,prompt_len\n0,100,10,5\n")
+        scenario, column = trace_scenario(tmp_path, "csv", csv_file), "prompt_len"
+    else:
+        csv_file = tmp_path / "twice_lengths.csv"
+        csv_file.write_text("len,len\n100,5\n")
+        scenario, column = length_scenario(tmp_path, csv_file), "len"
+    code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and f"{csv_file}:1: column '{column}' appears 2 times (columns " in err, err
+    assert "Traceback" not in err
+
+
 def test_trace_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, capsys):
     """A jsonl trace's literal prompt ids index the model's embedding: each must be
     0 <= id < vocab_size (qwen2.5-0.5b: 151936). The error names file, line, field and entry."""

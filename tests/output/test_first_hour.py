@@ -189,6 +189,30 @@ def test_a_parameter_the_distribution_does_not_use_is_an_error(length, unused):
     assert "its parameters:" in text
 
 
+@pytest.mark.parametrize("override, message", [
+    ("workload.arrival.cv=5", "workload.arrival: cv is read only with process gamma, not poisson; remove it"),
+    ("workload.arrival.seed=7", "workload.arrival: seed is read only with process vidur_poisson, not poisson"),
+    ("workload.shared_prefix.zipf_s=3",
+     "workload.shared_prefix: zipf_s is read only with popularity zipf, not uniform"),
+    ("cluster.load_bound=3", "cluster: load_bound is read only with router prefix_aware, not round_robin"),
+])
+def test_a_parameter_of_a_mode_not_chosen_is_an_error(tmp_path, capsys, override, message):
+    """Each ran exactly as without it (cv on a poisson process, a zipf exponent on uniform popularity)."""
+    from sim.cli import main
+
+    code = main([str(ROOT / "scenarios/quickstart.yaml"), "--set", "cluster.replicas=2", "--set", override,
+                 "--no-plots", "--quiet", "--out", str(tmp_path / "q")])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_lora_zipf_exponent_with_uniform_adapters_is_an_error():
+    from sim.scenario import ScenarioError, validate_scenario
+
+    with pytest.raises(ScenarioError, match="workload.lora: zipf_s is read only with distribution zipf, not uniform"):
+        validate_scenario({"model": "tiny", "device": "cpu", "engine": {"lora": {"max_loras": 2}},
+                           "workload": {"lora": {"num_adapters": 4, "zipf_s": 2.0}}})
+
+
 def test_set_mean_on_the_default_sharegpt_is_refused(tmp_path, capsys):
     from sim.cli import main
 

@@ -23,6 +23,14 @@ def test_parse_completion_defaults_follow_vllm():
         parse_completion({"prompt": [True, 2]}, SERVED)         # a bool is not a token id
 
 
+@pytest.mark.parametrize("max_tokens", [10**3999, -10**3999], ids=["huge", "huge_negative"])
+def test_a_4000_digit_max_tokens_is_quoted_cut_short(max_tokens):
+    # below Python's 4,300-digit bound, so it parses: the answer echoed it whole, twice (8 KB)
+    with pytest.raises(ApiError) as refused:
+        parse_completion({"prompt": [1, 2, 3], "max_tokens": max_tokens}, SERVED)
+    assert refused.value.param == "max_tokens" and len(str(refused.value)) < 400, len(str(refused.value))
+
+
 def _served_with_tokenizer():
     pytest.importorskip("tokenizers")
     from sim.datasets import text_tokenizer

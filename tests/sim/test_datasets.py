@@ -113,6 +113,37 @@ def test_dataset_errors_name_the_problem(data, tmp_path):
         build_workload(small_vocab)
 
 
+SHAREGPT_TURNS = {"format": "sharegpt", "path": "sharegpt_small.json", "tokenizer": "tokenizer.json", "turns": "all"}
+
+
+@pytest.mark.parametrize("dataset, field, value", [
+    ({"format": "random"}, "input_len", 2**27 + 1), ({"format": "random"}, "output_len", 10**17),
+    ({"format": "random"}, "prefix_len", 10**20), (SHAREGPT_TURNS, "think_time_s", 1e300)])
+def test_dataset_lengths_and_think_time_are_bounded_as_every_other(data, dataset, field, value):
+    # unbounded, a think time of 1e300 s printed "1e-299 req/s" and a numpy overflow warning
+    with pytest.raises(ScenarioError, match=rf"workload.dataset.{field}: Input should be less than or equal to"):
+        _scenario(data, {**dataset, field: value})
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ({"format": "sharegpt", "path": "sharegpt_small.json", "tokenizer": "tokenizer.json", "input_len": 3000},
+     "input_len is read only with format random or sonnet, not sharegpt; remove it"),
+    ({"format": "random", "turns": "all"}, "turns is read only with format sharegpt, not random"),
+    ({"format": "sonnet", "path": "sonnet_small.txt", "tokenizer": "tokenizer.json", "range_ratio": 0.5},
+     "range_ratio is read only with format random, not sonnet"),
+    ({"format": "text", "path": "prompts.txt", "tokenizer": "tokenizer.json", "filter": False},
+     "filter is read only with format sharegpt, not text"),
+    ({"format": "sharegpt", "path": "sharegpt_small.json", "tokenizer": "tokenizer.json", "think_time_s": 5},
+     "think_time_s is the pause before a conversation's follow-up: it needs turns: all"),
+])
+def test_a_dataset_field_its_format_never_reads_is_an_error(data, dataset, message):
+    # it ran as if unset: input_len 3000 on a sharegpt set gave the same prediction as none
+    with pytest.raises(ScenarioError, match=rf"workload.dataset: {message}"):
+        _scenario(data, dataset)
+    at_default = {k: v for k, v in dataset.items() if k in ("format", "path", "tokenizer")}
+    _scenario(data, {**at_default, "input_len": 1024, "turns": "first", "filter": True, "range_ratio": 0.0})
+
+
 def test_a_transformers_folder_brings_its_chat_template(tmp_path):
     transformers = pytest.importorskip("transformers")
     from sim.datasets import text_tokenizer

@@ -171,6 +171,17 @@ def test_variants_merge_over_the_base_and_validate_with_their_path():
         expand_variants(bad)
 
 
+def test_a_variant_error_names_the_scenario_file(tmp_path, capsys):
+    # it printed "error: variants.x.engine.blok_size: unknown key ..." and no file
+    from sim.cli import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text("model: tiny\ndevice: cpu\nworkload: {num_requests: 2, prompt_len: 8, output_len: 2}\n"
+                    "variants: {x: {engine: {blok_size: 1}}}\n")
+    assert main([str(path), "--out", str(tmp_path / "o"), "--quiet", "--no-plots"]) == 2
+    assert f"error: {path}: variants.x.engine.blok_size: unknown key" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "scenarios").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_every_shipped_scenario_round_trips_through_its_manifest_dump(path):

@@ -190,6 +190,32 @@ def test_a_boolean_is_not_a_number_in_a_scenario(tmp_path, field):
         load_text(tmp_path, SMALL.replace("model: qwen2.5-0.5b", "model: {base: qwen2.5-0.5b}"), overrides=[f"{field}=true"])
 
 
+@pytest.mark.parametrize("field, value, where", [
+    ("workload.prompt_len", "{dist: empirical, values: [100, true]}", r"workload.prompt_len: values\[1\]"),
+    ("workload.priorities", "{values: [0, 1], weights: [1, false]}", r"workload.priorities: weights\[1\]"),
+    ("engine.speculative", "{method: eagle, num_speculative_tokens: 2, acceptance_rates: [0.7, true]}",
+     r"engine.speculative: acceptance_rates\[1\]"),
+])
+def test_a_boolean_is_not_a_number_in_a_list_of_numbers(tmp_path, field, value, where):
+    # pydantic reads `true` in a list[int] as 1: an empirical length of one token, a weight of 1
+    with pytest.raises(ScenarioError, match=rf"{where}: (true|false) is a boolean, expected a number"):
+        load_text(tmp_path, SMALL, overrides=[f"{field}={value}"])
+
+
+def test_a_problem_a_set_wrote_says_so_and_one_from_the_file_does_not(tmp_path, capsys):
+    # the error named only the file, which holds no engine.blok_size to find
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(SMALL)
+    code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", "engine.blok_size=32"], capsys)
+    assert code == 2 and f"{scenario}: engine.blok_size: unknown key" in err
+    assert err.rstrip().endswith("(given by --set engine.blok_size)"), err
+    code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", "engine.max_num_seqs=true"], capsys)
+    assert code == 2 and "max_num_seqs: true is a boolean, expected a number (given by --set engine.max_num_seqs)" in err
+    scenario.write_text(SMALL.replace("num_blocks: 256", "num_blocks: 256, max_num_seqs: true"))
+    code, err = run_cli([scenario, "--out", tmp_path / "o", "--set", "engine.block_size=32"], capsys)
+    assert code == 2 and "max_num_seqs: true is a boolean" in err and "given by --set" not in err, err
+
+
 def test_a_fixed_pool_beside_weights_that_cannot_fit_is_refused_as_without_it(tmp_path, capsys):
     from sim.core.memory import InsufficientMemoryError, plan_memory
 

@@ -185,6 +185,23 @@ def test_cli_refuses_vllm_fit_flags_without_vllm_runs(flag, capsys):
     assert f"{flag[0]} applies to fits to vLLM runs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("files, hold_out, message", [
+    (2, "5", "--hold-out 5: expected a run index from 0 to 1 (2 runs, in the order given)"),
+    (2, "-1", "--hold-out -1: expected a run index from 0 to 1"),
+    (1, "0", "--hold-out 0: one run given, and a fit keeps a run out only of two or more"),
+])
+def test_a_hold_out_index_that_names_no_run_is_an_error(run_files, tmp_path, capsys, files, hold_out, message):
+    """--hold-out 5 of two runs wrapped around (run 1 held out) and --hold-out of a single run was
+    ignored, both without a word."""
+    from sim.cli import main
+
+    argv = ["calibrate", "--from-vllm", *map(str, run_files[:files]), "--model", "qwen2.5-0.5b",
+            "--catalog-device", "l4", "--hold-out", hold_out, "--out", str(tmp_path / "p.yaml")]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()
+
+
 def test_engine_calibration_refuses_a_samples_file_it_did_not_write(tmp_path, capsys, monkeypatch):
     """The engine path writes <out>.samples.csv beside the profile: a file there that kvtwin did not
     write is refused before any profiling (it was replaced silently), its own only replaced."""
