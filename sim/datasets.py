@@ -4,10 +4,12 @@ them into requests with the workload's arrivals).
 
 Tokenizer: a `tokenizer.json` (or a folder holding one) through the `tokenizers` package, or a
 transformers folder (AutoTokenizer, local files only). Every text of a file is tokenized once:
-the token ids are cached beside the file in `<file>.kvtwin-tokens-<digest>.npz`, the digest
-covering the file's and the tokenizer's bytes, so an edit to either makes a new cache. The
-cache is written atomically (a temporary file, then a rename); a folder that cannot be written
-only costs the caching (noted). Texts are tokenized as they are: no chat template (vLLM's
+the token ids are cached in kvtwin's cache folder (token_cache_dir: KVTWIN_CACHE_DIR, else
+$XDG_CACHE_HOME/kvtwin, else ~/.cache/kvtwin) as `tokens/<digest>.npz`, the digest covering the
+file's and the tokenizer's bytes, so an edit to either makes a new cache. Not beside the data
+set: a path a scenario names decides what is read, never where anything is written. The cache
+is written atomically (a temporary file, then a rename); a folder that cannot be written only
+costs the caching (noted). Texts are tokenized as they are: no chat template (vLLM's
 `completions` backend sends them so; the chat backend adds the model's template on the server).
 """
 from __future__ import annotations
@@ -160,26 +162,36 @@ def _digest(files: list[Path]) -> str:
 
 def tokenized(path: Path, texts: list[str], tokenizer: Path, selection: str = "all") -> tuple[list[list[int]], list[str], int]:
     """The token ids of `texts` (the texts of `path` that `selection` names, in a fixed order), from
-    the cache beside the file when it matches, else encoded and cached. Returns (ids, notes,
-    vocabulary size). The cache is one .npz: every id as int32 and each text's start offset."""
+    the token cache when it matches, else encoded and cached. Returns (ids, notes, vocabulary
+    size). The cache is one .npz: every id as int32 and each text's start offset."""
     encode, tok_digest, vocab = load_tokenizer(tokenizer)
     digest = hashlib.sha256(_read_bytes(path, "data set (workload.dataset.path)", MAX_DATASET_BYTES)
                             + tok_digest.encode() + selection.encode()).hexdigest()
-    cache = path.with_name(f"{path.name}.kvtwin-tokens-{digest[:16]}.npz")
+    cache = token_cache_dir() / "tokens" / f"{digest[:32]}.npz"
     cached = _read_cache(cache, digest, len(texts), max_cache_ids(texts))
     if cached is not None:
-        return cached, [f"{path}: token ids from the cache {cache.name}"], vocab
+        return cached, [f"{path}: token ids from the cache {cache}"], vocab
     ids = encode(texts) if texts else []
     notes = [f"{path}: {len(texts)} texts tokenized with {tokenizer}"]
     offsets = np.cumsum([0] + [len(t) for t in ids], dtype=np.int64)
     flat = np.fromiter((i for t in ids for i in t), dtype=np.int32, count=int(offsets[-1]))
     try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
         _write_atomically(cache, lambda f: np.savez(f, version=CACHE_VERSION, digest=digest, ids=flat,
                                                     offsets=offsets))
-        notes.append(f"token ids cached in {cache.name}")
+        notes.append(f"token ids cached in {cache}")
     except OSError as e:
         notes.append(f"token ids not cached ({cache.parent} is not writable: {e.strerror})")
     return ids, notes, vocab
+
+
+def token_cache_dir() -> Path:
+    """kvtwin's cache folder: KVTWIN_CACHE_DIR, else $XDG_CACHE_HOME/kvtwin, else ~/.cache/kvtwin
+    (the XDG base-directory convention). Chosen by the user's environment, never by a scenario."""
+    if os.environ.get("KVTWIN_CACHE_DIR"):
+        return Path(os.environ["KVTWIN_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "kvtwin"   # (XDG: absolute only)
 
 
 def max_cache_ids(texts: list[str]) -> int:

@@ -18,11 +18,18 @@ tokenizers = pytest.importorskip("tokenizers")
 
 
 @pytest.fixture
-def data(tmp_path):
-    """A writable copy (the token cache is written beside the file)."""
+def data(tmp_path, monkeypatch):
+    """A copy of the data sets, with a token cache folder of its own (cache_of)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
     for name in ("sharegpt_small.json", "prompts.txt", "sonnet_small.txt", "tokenizer.json"):
-        shutil.copy(DATA / name, tmp_path / name)
-    return tmp_path
+        shutil.copy(DATA / name, folder / name)
+    monkeypatch.setenv("KVTWIN_CACHE_DIR", str(tmp_path / "cache"))
+    return folder
+
+
+def cache_of(data: Path) -> list[Path]:
+    return sorted((data.parent / "cache" / "tokens").glob("*.npz"))
 
 
 def _scenario(data: Path, dataset: dict, **workload):
@@ -44,9 +51,8 @@ def test_sharegpt_first_turns_are_vllms_prompt_and_answer_length(data):
     assert len(built.requests) == 20
     for r in built.requests:
         assert (tuple(r.segments[0]), r.output_len) in pairs and r.next_turn is None
-    assert any("kvtwin-tokens" in n or "tokenized" in n for n in built.notes)
-    cache = list(data.glob("sharegpt_small.json.kvtwin-tokens-*.npz"))
-    assert len(cache) == 1
+    assert any("tokenized" in n for n in built.notes)
+    assert len(cache_of(data)) == 1
     again = build_workload(s)                              # the second build reads the cache
     assert any("from the cache" in n for n in again.notes)
     assert [r.segments for r in again.requests] == [r.segments for r in built.requests]
@@ -200,7 +206,7 @@ def test_a_token_cache_larger_than_its_data_set_can_need_is_refused_by_name(data
 
     s = _scenario(data, {"format": "text", "path": "prompts.txt", "tokenizer": "tokenizer.json"})
     build_workload(s)
-    (cache,) = data.glob("prompts.txt.kvtwin-tokens-*.npz")
+    (cache,) = cache_of(data)
     with zipfile.ZipFile(cache) as archive:
         members = {name: archive.read(name) for name in archive.namelist()}
     # np.load would allocate this header's 8 TiB up front
@@ -208,11 +214,37 @@ def test_a_token_cache_larger_than_its_data_set_can_need_is_refused_by_name(data
     with zipfile.ZipFile(cache, "w") as archive:
         for name, content in members.items():
             archive.writestr(name, content)
-    with pytest.raises(WorkloadError, match=r"kvtwin-tokens-\w+\.npz: its ids\.npy declares a \(2199023255552,\)"):
+    with pytest.raises(WorkloadError, match=r"tokens/\w+\.npz: its ids\.npy declares a \(2199023255552,\)"):
         build_workload(s)
     cache.write_bytes(b"PK" + b"\0" * (64 << 20))                      # bigger than any cache of this set
-    with pytest.raises(WorkloadError, match=r"kvtwin-tokens-\w+\.npz: 64\.0 MiB, more than"):
+    with pytest.raises(WorkloadError, match=r"tokens/\w+\.npz: 64\.0 MiB, more than"):
         build_workload(s)
     cache.write_bytes(b"damaged")                                    # small and unreadable: rebuilt
     assert not any("from the cache" in n for n in build_workload(s).notes)
     assert any("from the cache" in n for n in build_workload(s).notes)
+
+
+# ----------------------------------------------------------------------------- where the cache lies
+
+def test_the_token_cache_is_written_to_kvtwins_cache_folder_never_beside_the_data_set(data):
+    """A scenario names the data set's path: that decides what is read, never where a file is
+    written (docs/security.md). The data set's folder is left as it was."""
+    before = sorted(p.name for p in data.iterdir())
+    s = _scenario(data, {"format": "text", "path": "prompts.txt", "tokenizer": "tokenizer.json"})
+    notes = build_workload(s).notes
+    assert sorted(p.name for p in data.iterdir()) == before
+    (cache,) = cache_of(data)
+    assert any(str(cache) in n for n in notes)
+
+
+def test_the_cache_folder_follows_kvtwin_cache_dir_then_xdg_cache_home_then_the_home_folder(tmp_path, monkeypatch):
+    from sim.datasets import token_cache_dir
+
+    monkeypatch.setenv("KVTWIN_CACHE_DIR", str(tmp_path / "mine"))
+    assert token_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("KVTWIN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert token_cache_dir() == tmp_path / "xdg" / "kvtwin"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")            # the XDG spec: ignored unless absolute
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert token_cache_dir() == tmp_path / "home" / ".cache" / "kvtwin"
