@@ -670,7 +670,7 @@ class Dataset(StrictModel):
     think_time_s: float = Field(
         default=0.0, ge=0, le=MAX_DURATION_S,
         description="sharegpt with turns: all: the pause before a follow-up, s")
-    input_len: int = Field(default=1024, ge=1, le=MAX_TOKENS, description="random / sonnet: input tokens")
+    input_len: int = Field(default=1024, ge=1, le=MAX_TOKENS, description="random / sonnet (550): input tokens")
     output_len: Optional[int] = Field(
         default=None, ge=1, le=MAX_TOKENS,
         description="random (default 128) / sonnet (150): output tokens; sharegpt: overrides the answers' "
@@ -680,7 +680,16 @@ class Dataset(StrictModel):
         description="random: lengths uniform in [L(1 - r), L(1 + r)]")
     prefix_len: int = Field(
         default=0, ge=0, le=MAX_TOKENS,
-        description="random / sonnet: tokens every request shares at its start")
+        description="random / sonnet (200): tokens every request shares at its start")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sonnet_defaults(cls, data: Any) -> Any:
+        """vLLM's sonnet set defaults to 550 input and 200 shared tokens, not random's 1024 and 0:
+        written into the model, so a resolved dump (the manifest's) reads back the same prompts."""
+        if isinstance(data, dict) and data.get("format") == "sonnet":
+            data = {"input_len": SONNET_INPUT_LEN, "prefix_len": SONNET_PREFIX_LEN, **data}
+        return data
 
     @model_validator(mode="after")
     def _needs(self) -> "Dataset":
@@ -694,6 +703,7 @@ class Dataset(StrictModel):
         return self
 
 
+SONNET_INPUT_LEN, SONNET_PREFIX_LEN = 550, 200     # vLLM 0.19 vllm/benchmarks/datasets.py: --sonnet-input-len, --sonnet-prefix-len
 # The dataset fields that only some formats read (output_len is read by every format).
 DATASET_FIELD_FORMATS = {"turns": ("sharegpt",), "filter": ("sharegpt",), "think_time_s": ("sharegpt",),
                          "input_len": ("random", "sonnet"), "prefix_len": ("random", "sonnet"),

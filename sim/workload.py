@@ -818,11 +818,9 @@ def _random_set(ds, seed: int, rng: np.random.Generator):
 def _sonnet_set(ds, base: list[int], lines: list[list[int]], rng: np.random.Generator):
     """vLLM's sonnet set: the base prompt, the poem's first lines (about prefix_len tokens, shared),
     then lines drawn at random until about input_len tokens; fixed output length (150)."""
-    input_len = ds.input_len if "input_len" in ds.model_fields_set else 550
-    prefix_len = ds.prefix_len if "prefix_len" in ds.model_fields_set else 200
     mean_line = float(np.mean([len(line) for line in lines]))
-    n_input = max(round((input_len - len(base)) / mean_line), 1)
-    n_prefix = min(max(round((prefix_len - len(base)) / mean_line), 0), n_input)
+    n_input = max(round((ds.input_len - len(base)) / mean_line), 1)
+    n_prefix = min(max(round((ds.prefix_len - len(base)) / mean_line), 0), n_input)
     head = base + [t for line in lines[:n_prefix] for t in line]
     output = ds.output_len or 150
 

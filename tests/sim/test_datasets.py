@@ -104,6 +104,20 @@ def test_sonnet_shares_its_head_and_sizes_prompts(data):
     assert predict(s).summary["prefix_hit_rate"] > 0.2
 
 
+@pytest.mark.parametrize("fmt, extra", [("sonnet", {"path": "sonnet_small.txt", "tokenizer": "tokenizer.json"}),
+                                         ("random", {})])
+def test_a_dataset_at_its_format_defaults_rebuilds_the_same_requests_from_its_resolved_dump(data, fmt, extra):
+    """The manifest records the resolved scenario (every field): read back, it must give the same
+    workload. sonnet's defaults (550 input, 200 shared tokens) differ from the schema's (random's
+    1024 and 0): the dump listed 1024 and 0 where 550 and 200 had been used (found by h/audit)."""
+    s = _scenario(data, {"format": fmt, **extra}, arrival={"process": "fixed", "rate": 50})
+    again = validate_scenario(s.model_dump(mode="json"), base_dir=data)
+    first, second = build_workload(s).requests, build_workload(again).requests
+    assert [(r.prompt_len, r.output_len) for r in first] == [(r.prompt_len, r.output_len) for r in second]
+    if fmt == "sonnet":
+        assert abs(np.mean([r.prompt_len for r in first]) - 550) < 60
+
+
 def test_dataset_errors_name_the_problem(data, tmp_path):
     with pytest.raises(ScenarioError, match="needs path and tokenizer"):
         _scenario(data, {"format": "sharegpt", "path": "sharegpt_small.json"})
