@@ -469,8 +469,9 @@ class Arrival(StrictModel):
         refuse_unread(self, "process", {"cv": ("gamma",), "seed": ("vidur_poisson",)})
         if self.rate_schedule is not None or self.diurnal is not None:
             return self
-        if self.process == "offline" and self.ramp_up is not None:
-            raise ValueError("ramp_up needs an arrival process (poisson, gamma or fixed), not offline")
+        if self.process in ("offline", "vidur_poisson") and self.ramp_up is not None:
+            # (vidur_poisson is Vidur's constant-rate stream; a ramp drew numpy's exponential gaps instead)
+            raise ValueError(f"ramp_up needs an arrival process (poisson, gamma or fixed), not {self.process}")
         if self.process != "offline" and self.rate is None and self.ramp_up is None:
             raise ValueError(f"arrival process '{self.process}' needs a rate (requests per second)")
         return self

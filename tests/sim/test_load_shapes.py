@@ -53,6 +53,14 @@ def test_linear_and_exponential_ramp_up_follow_vllm():
     assert gaps[:100].mean() > 5 * gaps[-100:].mean()          # the rate rises a hundredfold
 
 
+@pytest.mark.parametrize("process", ["offline", "vidur_poisson"])
+def test_ramp_up_needs_a_process_that_draws_its_gaps(process):
+    # vidur_poisson is Vidur's constant-rate stream from its own seed: with a ramp it silently drew
+    # numpy's exponential gaps instead (found by h/audit)
+    with pytest.raises(ValueError, match=f"ramp_up needs an arrival process \\(poisson, gamma or fixed\\), not {process}"):
+        _scenario(arrival={"process": process, "ramp_up": {"strategy": "linear", "start_rps": 1, "end_rps": 2}})
+
+
 def test_ramp_up_needs_a_request_count():
     with pytest.raises(ValueError, match="ramp_up needs num_requests"):
         validate_scenario({"model": "tiny", "device": "cpu", "workload": {
