@@ -25,7 +25,7 @@ from sim.records import RunRecords, request_columns
 from sim.core.request import Request
 from sim.disagg import pool_figures, simulate_disaggregated
 from sim.simulator import simulate
-from sim.workload import DrawnRequests, build_workload, stream_requests, warmup_notes
+from sim.workload import DrawnRequests, build_workload, stream_requests, unread_settings, warmup_notes
 from sim.trained import error_band
 
 pd = lazy_import("pandas")      # a frame of the requests or steps only where one is read
@@ -128,7 +128,7 @@ def _simulate(scenario, progress, manifest: bool, spill=None):
         stop.check()
         described = workload_manifest(workload.requests, workload.notes) if manifest else None
         return (*_run(scenario, workload.requests, progress, release=True, spill=spill), described)
-    notes = warmup_notes(scenario.workload.warmup_requests, stream.count)
+    notes = warmup_notes(scenario.workload.warmup_requests, stream.count) + unread_settings(scenario)
     if watcher is not None and not stream.described:     # (else described chunk by chunk as made)
         stream.requests = watcher.watch(stream.requests)
     records, plan, cost_model = _run(scenario, stream, progress, spill=spill)

@@ -121,7 +121,23 @@ def build_workload(scenario: Scenario) -> BuiltWorkload:
     if w.lora is not None:
         built.requests = list(assign_adapters(built.requests, w.lora, seed))
     _mark_warmup(built, w.warmup_requests)
+    built.notes += unread_settings(scenario)
     return built
+
+
+def unread_settings(scenario: Scenario) -> list[str]:
+    """Notes for settings the chosen mode never reads that the schema lets pass, because a sweep over
+    the modes keeps them (`process=offline,poisson` with one rate, `scheduling_policy=fcfs,priority`
+    with one set of priorities): said beside the results, not dropped silently."""
+    w, notes = scenario.workload, []
+    if w.arrival.process == "offline" and w.arrival.rate is not None:
+        notes.append(f"workload.arrival.rate {w.arrival.rate:g} is not read with process offline "
+                     f"(every request is sent at t=0)")
+    prioritised = w.priorities is not None or any(r.priority for r in w.requests or ())
+    if prioritised and scenario.engine.scheduling_policy == "fcfs":
+        notes.append("request priorities are not read with engine.scheduling_policy fcfs (first come, first "
+                     "served); set it to priority to use them")
+    return notes
 
 
 def _decode_step_s(scenario: Scenario) -> float:

@@ -363,6 +363,25 @@ def test_synthetic_settings_beside_explicit_requests_are_errors():
         scenario(requests=EXPLICIT, num_requests=5, shared_prefix={"groups": 2})
 
 
+def test_settings_the_chosen_mode_never_reads_are_noted_not_dropped():
+    """A rate with offline arrivals and priorities under fcfs pass the schema (a sweep over the modes
+    keeps them) but change nothing: the run says so beside its results (found by h/audit)."""
+    from sim.predict import predict
+
+    offline = scenario(num_requests=4, arrival={"process": "offline", "rate": 3})
+    assert any("arrival.rate 3 is not read with process offline" in n for n in build_workload(offline).notes)
+    fcfs = validate_scenario({"model": "tiny", "device": "cpu", "engine": {"scheduling_policy": "fcfs"},
+                              "workload": {"num_requests": 4, "arrival": {"process": "poisson", "rate": 2},
+                                           "priorities": {"values": [0, 1]}}})
+    streamed = predict(fcfs).manifest["workload"]["notes"]            # the synthetic stream's path
+    assert any("priorities are not read with engine.scheduling_policy fcfs" in n for n in streamed)
+    explicit = validate_scenario({"model": "tiny", "device": "cpu", "workload": {"requests": [
+        {"arrival_s": 0, "prompt_len": 8, "output_len": 2, "priority": 1}]}})
+    assert any("priorities are not read" in n for n in build_workload(explicit).notes)
+    used = fcfs.model_copy(update={"engine": fcfs.engine.model_copy(update={"scheduling_policy": "priority"})})
+    assert not build_workload(used).notes and not build_workload(scenario(num_requests=4)).notes
+
+
 def test_warmup_marks_the_first_requests():
     requests = build(num_requests=10, warmup_requests=3, arrival={"process": "poisson", "rate": 1})
     assert [r.is_warmup for r in requests] == [True] * 3 + [False] * 7
