@@ -312,6 +312,9 @@ def _check_metrics(metrics: dict, source: str) -> None:
             raise VllmResultError(f"{source}: field '{key}' = {excerpt(value)}; expected a finite number >= 0")
         if key in COUNT_KEYS and value != int(value):
             raise VllmResultError(f"{source}: field '{key}' = {excerpt(value)}; expected a whole number")
+    if metrics.get("completed") and metrics.get("duration") == 0:     # (the throughputs divide by it)
+        raise VllmResultError(f"{source}: field 'duration' = 0 with {int(metrics['completed'])} completed requests; "
+                              f"expected the benchmark's length in seconds, > 0")
 
 
 def _check_per_request(per_request: dict, source: str) -> None:

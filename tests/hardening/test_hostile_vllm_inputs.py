@@ -109,6 +109,8 @@ BAD_RESULTS = {
     "more gaps than tokens": (mutated(itls__0=[0.01] * 30), r"itls\[0\] holds 30 gaps but output_lens\[0\] is 8"),
     "completed -1": (mutated(completed=-1), r"field 'completed' = -1; expected a finite number >= 0"),
     "duration -10": (mutated(duration=-10), r"field 'duration' = -10; expected a finite number >= 0"),
+    "duration 0": (mutated(duration=0), r"field 'duration' = 0 with 4 completed requests; expected the "
+                                        r"benchmark's length in seconds, > 0"),
     "completed disagrees": (mutated(completed=3), r"completed = 3 but 4 of the 4 requests"),
     "input_lens 10^12": (mutated(input_lens__0=10**12), r"input_lens\[0\] = 1000000000000; expected a whole number of tokens"),
     "max_concurrency abc": (mutated(max_concurrency="abc"), r"max_concurrency = 'abc'; expected a whole number"),
