@@ -230,3 +230,20 @@ def test_spilled_records_never_go_through_a_link_outside_out(tmp_path, capsys):
                  "--spill-records"])
     assert code == 2 and list(outside.iterdir()) == []
     assert "outside the output folder" in capsys.readouterr().err
+
+
+def test_spilled_scratch_files_never_write_through_a_link(tmp_path):
+    """A --spill-records run's scratch columns (records/*.bin) and cumulated step times
+    (records/times-*.npy) are files it writes too: a foreign link named like one, kept by
+    --force, is replaced, never written through (its target keeps its bytes)."""
+    out = tmp_path / "out"
+    (out / "records").mkdir(parents=True)
+    victims = {name: tmp_path / f"victim-{name}" for name in ("steps-duration.bin", "times-0000-end_s.npy")}
+    for name, victim in victims.items():
+        victim.write_text("not kvtwin's")
+        (out / "records" / name).symlink_to(victim)
+    code = main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet", "--no-plots",
+                 "--spill-records"])
+    assert code == 0
+    assert [v.read_text() for v in victims.values()] == ["not kvtwin's"] * 2
+    assert not (out / "records" / "times-0000-end_s.npy").is_symlink()
