@@ -162,8 +162,10 @@ class DisaggSimulation(Simulation):
     # -- the proxy ----------------------------------------------------------------------------
     def route(self, req: Request) -> None:
         """The proxy: the prefill leg to a prefill engine (the client's request waits for it)."""
-        reason = self._decode_reject_reason(req)
         leg = prefill_leg(req)
+        reason = None
+        if self.pools["prefill"][0].scheduler.refusal(leg) is None:    # (else the prefill engine refuses it)
+            reason = self._decode_reject_reason(req)
         if reason is None:
             self._routers["prefill"].route(leg)
             reason = leg.reject_reason and f"prefill engine: {leg.reject_reason}"
@@ -174,12 +176,10 @@ class DisaggSimulation(Simulation):
         self._legs[leg] = req
 
     def _decode_reject_reason(self, req: Request) -> Optional[str]:
-        """A request no decode engine could ever hold (the proxy would get the decode engine's error)."""
-        replica = self.pools["decode"][0]
-        need, usable = replica.kv.blocks_needed_at_most(req), replica.kv.pool.usable_blocks
-        if need > usable:
-            return f"decode engine: needs {need} KV blocks at full length but the pool has {usable} usable blocks"
-        return None
+        """Why no decode engine would take the request (longer than its max_model_len, or than its
+        pool): the proxy gets that engine's error, before any KV is read for it."""
+        reason = self.pools["decode"][0].scheduler.refusal(req)
+        return reason and f"decode engine: {reason}"
 
     # -- the engines --------------------------------------------------------------------------
     def _pool_loop(self, env: simpy.Environment, replica: Replica, cost_model: CostModel):

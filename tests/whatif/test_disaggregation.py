@@ -229,6 +229,22 @@ def test_rejections_carry_the_side_that_refused():
     assert result.summary["pools"]["transfers"]["transfers"] == 2
 
 
+def test_a_request_only_the_decode_engine_refuses_is_rejected_before_it_takes_blocks():
+    """Prompt 4090 + max_tokens 1 fits the prefill engine's max_model_len 4096; prompt + 20 output
+    tokens does not fit the decode engine's. The proxy gets the decode engine's refusal: the request
+    is rejected with it, and no KV stays allocated (it was refused only after its read, with its
+    128 blocks left held: 'decode engine 1 still holds 256 KV blocks after the run'; found by
+    h/audit2)."""
+    requests = [{"arrival_s": 0.0, "prompt_len": 100, "output_len": 10},
+                {"arrival_s": 0.0, "prompt_len": 4090, "output_len": 20}]
+    result = predict(validate_scenario(pd_scenario(requests=requests)))
+    df = result.requests.set_index("id")
+    assert df["status"].tolist() == ["finished", "rejected"]
+    assert df.loc[1, "reject_reason"] == ("decode engine: prompt (4090) + max output (20) = 4110 tokens exceeds "
+                                          "max_model_len 4096")
+    assert result.summary["requests_finished"] + result.summary["requests_rejected"] == 2
+
+
 def test_summary_has_per_pool_figures_and_runs_are_deterministic():
     a = predict(validate_scenario(pd_scenario()))
     b = predict(validate_scenario(pd_scenario()))
