@@ -467,7 +467,7 @@ class _RequestFigures:
         self.offered += int((~warm).sum())
         self.rejected += int((status[~warm] == "rejected").sum())
         self.aborted += int((status[~warm] == "aborted").sum())
-        self.rejections.append(frame.loc[status == "rejected", ["status", "reject_reason"]])
+        self.rejections.append(frame.loc[(status == "rejected") & ~warm, ["status", "reject_reason"]])
         self.prompt_all += int(frame["prompt_tokens"].sum())
         if not len(measured):
             return
