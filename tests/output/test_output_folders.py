@@ -232,6 +232,20 @@ def test_spilled_records_never_go_through_a_link_outside_out(tmp_path, capsys):
     assert "outside the output folder" in capsys.readouterr().err
 
 
+def test_a_foreign_file_beside_a_kvtwin_run_is_not_blamed_on_an_old_kvtwin(tmp_path, capsys):
+    """The hint '(a run of a kvtwin without output markers?)' is for a folder with a manifest.json
+    and no marker; beside a marked run a foreign file is just that (found by h/audit2)."""
+    out = tmp_path / "out"
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "holds files kvtwin did not write (notes.txt)" in err and "without output markers" not in err, err
+    (out / ".kvtwin-run").unlink()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]) == 2
+    assert "without output markers" in capsys.readouterr().err
+
+
 def test_spilled_scratch_files_never_write_through_a_link(tmp_path):
     """A --spill-records run's scratch columns (records/*.bin) and cumulated step times
     (records/times-*.npy) are files it writes too: a foreign link named like one, kept by
