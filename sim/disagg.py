@@ -39,6 +39,7 @@ from sim.core.memory import check_block_pool_supports, plan_memory
 from sim.core.request import Request
 from sim.core.status import REJECTED
 from sim.disagg_config import SIDES, transfer_shard_bytes
+from sim.errors import UserError
 from sim.scenario import pool_scenario
 from sim.records import RequestTable, RunRecords
 from sim.router import reject_follow_ups
@@ -147,6 +148,7 @@ class DisaggSimulation(Simulation):
         self._autoscaler = None      # (no autoscaling with P/D: refused by the scenario checks)
         self._start_arrivals(env, first_turns)
         env.run()
+        self._check_no_decode_stall()
         for replica in self.replicas:
             replica.scheduler.check_accounting()
         self._check_every_request_ended()
@@ -160,8 +162,10 @@ class DisaggSimulation(Simulation):
     # -- the proxy ----------------------------------------------------------------------------
     def route(self, req: Request) -> None:
         """The proxy: the prefill leg to a prefill engine (the client's request waits for it)."""
-        reason = self._decode_reject_reason(req)
         leg = prefill_leg(req)
+        reason = None
+        if self.pools["prefill"][0].scheduler.refusal(leg) is None:    # (else the prefill engine refuses it)
+            reason = self._decode_reject_reason(req)
         if reason is None:
             self._routers["prefill"].route(leg)
             reason = leg.reject_reason and f"prefill engine: {leg.reject_reason}"
@@ -172,12 +176,10 @@ class DisaggSimulation(Simulation):
         self._legs[leg] = req
 
     def _decode_reject_reason(self, req: Request) -> Optional[str]:
-        """A request no decode engine could ever hold (the proxy would get the decode engine's error)."""
-        replica = self.pools["decode"][0]
-        need, usable = replica.kv.blocks_needed_at_most(req), replica.kv.pool.usable_blocks
-        if need > usable:
-            return f"decode engine: needs {need} KV blocks at full length but the pool has {usable} usable blocks"
-        return None
+        """Why no decode engine would take the request (longer than its max_model_len, or than its
+        pool): the proxy gets that engine's error, before any KV is read for it."""
+        reason = self.pools["decode"][0].scheduler.refusal(req)
+        return reason and f"decode engine: {reason}"
 
     # -- the engines --------------------------------------------------------------------------
     def _pool_loop(self, env: simpy.Environment, replica: Replica, cost_model: CostModel):
@@ -297,6 +299,23 @@ class DisaggSimulation(Simulation):
         self._retire(env, replica, finished)
 
     # -- checks and figures -------------------------------------------------------------------
+    def _check_no_decode_stall(self) -> None:
+        """The clock ran out with requests still waiting on a decode engine that runs none: the head
+        of its queue (a request it preempted, or one whose read timed out) needs blocks that reads
+        queued behind it hold. (Here a read's blocks are allocated as soon as they fit, not in the
+        waiting pass's order as vLLM allocates them, so a small decode pool can end this way.)"""
+        for replica in self.pools["decode"]:
+            sched = replica.scheduler
+            if sched.waiting and not sched.running:
+                head = sched.waiting.peek()
+                raise UserError(
+                    f"decode engine {replica.index} stalled with {len(sched.waiting)} requests waiting and none "
+                    f"running: request {head.id} at its head needs KV blocks, and {replica.kv.num_used_blocks} of "
+                    f"its {replica.kv.pool.usable_blocks} usable blocks are held by received prompts queued behind "
+                    f"it (a limit of kvtwin's P/D model); give the decode pool more KV "
+                    f"blocks (cluster.disaggregation.decode.engine.num_blocks or gpu_memory_utilization, "
+                    f"engine.num_blocks) or shorter outputs")
+
     def _check_transfers_ended(self) -> None:
         left = len(self._transfers) + len(self._legs) + sum(map(len, self._awaiting.values()))
         if left:

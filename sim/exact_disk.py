@@ -20,6 +20,7 @@ tests/sim/test_exact_disk.py holds each to numpy and to metrics.distribution on 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -36,7 +37,7 @@ class DiskColumn:
     def __init__(self, path: Path, dtype) -> None:
         self.path, self.dtype = Path(path), np.dtype(dtype)
         self.length = 0
-        self._file = open(self.path, "wb")
+        self._file = create_fresh(self.path)
 
     def __len__(self) -> int:
         return self.length
@@ -70,6 +71,15 @@ class DiskColumn:
     def unlink(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def create_fresh(path: Path):
+    """`path` opened for writing as a new regular file: whatever was there goes first, so a link
+    named like a scratch file (one that `--force` kept in an output folder) is replaced, never
+    written through, and O_NOFOLLOW | O_EXCL refuse one that appears meanwhile."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return os.fdopen(fd, "wb")
 
 
 Reader = Callable[[int, int], np.ndarray]

@@ -298,10 +298,12 @@ class _Steps:
 
 
 def rejection_reasons(requests) -> list[dict[str, Any]]:
-    """[{reason (its numbers as N), count}] over rejected requests (warm-up included), most first.
-    A list, so a sweep's flattened table keeps fixed columns. (pandas' counting, for its order of
-    ties, made only when something was rejected.)"""
+    """[{reason (its numbers as N), count}] over rejected requests, most first; warm-up requests
+    are left out, as from requests_rejected. A list, so a sweep's flattened table keeps fixed
+    columns. (pandas' counting, for its order of ties, made only when something was rejected.)"""
     rejected = np.asarray(requests["status"]) == "rejected"
+    if "is_warmup" in requests:
+        rejected &= ~np.asarray(requests["is_warmup"]).astype(bool)
     if not rejected.any():
         return []
     reasons = pd.Series(np.asarray(requests["reject_reason"], dtype=object)[rejected]).fillna("unknown")

@@ -12,6 +12,9 @@ MAX_NAME = 100
 _ALLOWED = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=,@-]*")
 # Suffixes of the files kvtwin writes into a run folder: a variant folder must not take one.
 _OUTPUT_SUFFIXES = (".json", ".csv", ".html", ".png", ".yaml", ".tmp")
+# ... nor the name of one without a suffix: the marker of a run not finished (sim/output/run_dir.py),
+# in any case (a case-insensitive file system has one name for both)
+_OUTPUT_NAMES = ("incomplete",)
 
 
 def name_problem(name: object) -> str | None:
@@ -27,6 +30,8 @@ def name_problem(name: object) -> str | None:
                 f"with a symbol other than _; e.g. {folder_name(name)!r})")
     if name.lower().endswith(_OUTPUT_SUFFIXES):
         return f"ends like a file kvtwin writes ({' '.join(_OUTPUT_SUFFIXES)}); pick another name"
+    if name.lower() in _OUTPUT_NAMES:
+        return "the name of a file kvtwin writes into a run folder; pick another name"
     return None
 
 
@@ -34,4 +39,4 @@ def folder_name(text: str) -> str:
     """A safe stand-in for `text`: unsafe characters become '_', bounded length, never empty."""
     safe = re.sub(r"[^A-Za-z0-9._+=,@-]", "_", str(text))[:MAX_NAME - 1]
     safe = re.sub(r"^[^A-Za-z0-9_]", "_", safe) or "_"
-    return safe + "_" if safe.lower().endswith(_OUTPUT_SUFFIXES) else safe
+    return safe + "_" if safe.lower().endswith(_OUTPUT_SUFFIXES) or safe.lower() in _OUTPUT_NAMES else safe

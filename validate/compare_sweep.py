@@ -20,7 +20,7 @@ import pandas as pd
 from sim.output.console import console, err_console
 from sim.output.io import write_csv
 from validate.comparison_output import print_banner
-from validate.vllm_result import file_workload_scenario, workload_mismatches
+from validate.vllm_result import file_workload_scenario, model_mismatches, workload_mismatches
 
 # (label, summary section, statistic, vLLM key); latencies in ms in vLLM's file, s in ours
 LATENCIES = (("TTFT mean", "ttft_s", "mean", "mean_ttft_ms"), ("TTFT p50", "ttft_s", "p50", "median_ttft_ms"),
@@ -51,7 +51,8 @@ def scenario_at_run(scenario, run, use_file_workload: bool):
         update["max_concurrency"] = run.max_concurrency
     at_rate = scenario.model_copy(update={"workload": w.model_copy(update=update)})
     data = {**run.config, **run.metrics, **run.per_request}
-    notes = [f"{run.source}: {n}" for n in workload_mismatches(data, at_rate, run.detailed)]
+    mismatches = model_mismatches(data, at_rate) + workload_mismatches(data, at_rate, run.detailed)
+    notes = [f"{run.source}: {n}" for n in mismatches]
     if run.max_concurrency is not None and "max_concurrency" not in update:
         notes.append(f"{run.source}: the run capped concurrency at {run.max_concurrency}; the prediction does not")
     return at_rate, notes

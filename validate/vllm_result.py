@@ -39,6 +39,7 @@ def read_vllm_result(path: Path, scenario, run=None, file_workload: bool = False
     if notes:
         notes.append("the file's workload is not the scenario's: until they match, this comparison means "
                      "nothing (--use-file-workload replays the file's own requests)")
+    notes = model_mismatches(data, scenario) + notes
     meta_keys = ("date", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
                  "burstiness", "max_concurrency", "duration", "completed", "failed")
     manifest = {"kind": "vLLM benchmark result", "file": run.source, "per_request": detailed,
@@ -153,6 +154,27 @@ def _aggregate_summary(data: dict) -> dict:
             "goodput": data.get("request_goodput"),
             "ttft_s": dist("ttft"), "tpot_s": dist("tpot"), "itl_s": dist("itl"), "e2e_s": dist("e2el"),
             "partial": bool(failed), "per_request": False}
+
+
+def model_mismatches(data: dict, scenario) -> list[str]:
+    """The file's model_id, when it names a catalog model (its hf_id, or the base model of it) other
+    than the scenario's: the comparison would set one model's prediction against another's
+    measurement. An id the catalog does not know (a fine-tune, a local path) says nothing."""
+    from sim.core.files import excerpt
+    from sim.vllm.serve_flags import catalog_model
+
+    model_id = data.get("model_id")
+    if not isinstance(model_id, str) or not model_id:
+        return []
+    try:
+        theirs = catalog_model(model_id, None)
+    except UserError:
+        return []
+    ours = scenario.model.name
+    if not isinstance(theirs, str) or theirs == ours:
+        return []
+    return [f"the file measured {excerpt(model_id, 80)} (catalog {theirs}), the scenario models {ours}: this "
+            f"comparison means nothing until the scenario's model is the file's (model: {theirs})"]
 
 
 def workload_mismatches(data: dict, scenario, detailed: bool) -> list[str]:

@@ -266,7 +266,13 @@ MAX_INT_DIGITS = 100
 def load_yaml(text: str, source: str | Path = "<text>") -> Any:
     """yaml.safe_load with duplicate keys, alias bombs, recursive aliases and deep nesting refused
     (FileFormatError)."""
-    loader = _StrictLoader(text)
+    try:
+        loader = _StrictLoader(text)       # (PyYAML's reader refuses control characters here, not in the parse)
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        shown = repr(chr(e.character)) if isinstance(e.character, int) else repr(e.character)
+        raise FileFormatError(f"{source}:{line}: the character {shown} is not allowed in YAML "
+                              f"(a control character; write it escaped in a double-quoted string)") from None
     loader.source = source
     try:
         try:

@@ -82,7 +82,7 @@ class Scheduler:
     def add(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason when it can never run. Returns accepted."""
         self.num_added += 1
-        reason = self._reject_reason(req)
+        reason = self.refusal(req)
         if reason:
             req.status = REJECTED
             req.reject_reason = reason
@@ -95,7 +95,7 @@ class Scheduler:
     def _enqueue(self, req: Request) -> None:
         self.waiting.add(req)
 
-    def _reject_reason(self, req: Request) -> Optional[str]:
+    def refusal(self, req: Request) -> Optional[str]:       # why add() rejects req (P/D's proxy asks too)
         limit = self.config.max_model_len
         if req.prompt_len >= limit:
             return f"prompt of {req.prompt_len} tokens leaves no room for output within max_model_len {limit}"

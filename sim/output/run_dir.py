@@ -130,7 +130,8 @@ def check_out_folder(folder: Path, force: bool = False) -> set[str]:
     _, foreign = _owned_and_foreign(folder, _files(folder))
     if foreign and not force:
         shown = ", ".join(sorted(foreign)[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        older = " (a run of a kvtwin without output markers?)" if (folder / "manifest.json").is_file() else ""
+        unmarked = (folder / "manifest.json").is_file() and _read_marker(folder) is None
+        older = " (a run of a kvtwin without output markers?)" if unmarked else ""
         raise OutputFolderError(f"{folder}: holds files kvtwin did not write ({shown}){older}; pick another "
                                 f"--out, empty it, or pass --force to write beside them")
     return foreign

@@ -134,11 +134,15 @@ def _pool_bytes_words(memory: Mapping[str, Any], manifest: Mapping[str, Any]) ->
 
 
 def rejection_reasons(requests) -> Counter:
-    """reason -> count over rejected (and aborted) requests of a requests frame or columns."""
+    """reason -> count over rejected (and aborted) requests of a requests frame or columns, warm-up
+    requests left out (as from the summary's counts and SLO attainment)."""
     import numpy as np
 
     status = np.asarray(requests["status"], dtype=object)
-    gone = np.flatnonzero((status == "rejected") | (status == "aborted"))
+    ended = (status == "rejected") | (status == "aborted")
+    if "is_warmup" in requests:
+        ended &= ~np.asarray(requests["is_warmup"]).astype(bool)
+    gone = np.flatnonzero(ended)
     if not len(gone):
         return Counter()
     reasons = (np.asarray(requests["reject_reason"], dtype=object)[gone] if "reject_reason" in requests

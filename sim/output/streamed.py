@@ -132,10 +132,13 @@ class RecordSpill:
     def _step_pass(self, replica: int, steps: "_StepFigures") -> "_StepSeries":
         """A replica's step times, cumulated once and saved for the requests' blocks; its summary
         figures taken (steps)."""
+        from sim.output.io import atomic_path
+
         rec = self.recorder(replica)
         for name, values in cumulated_step_times(rec).items():
             if self._stored_as(name) == name:
-                np.save(self._times_path(replica, name), values)
+                with atomic_path(self._times_path(replica, name)) as tmp, open(tmp, "wb") as f:
+                    np.save(f, values)
         steps.add(rec)
         return _StepSeries(rec)
 
@@ -464,7 +467,7 @@ class _RequestFigures:
         self.offered += int((~warm).sum())
         self.rejected += int((status[~warm] == "rejected").sum())
         self.aborted += int((status[~warm] == "aborted").sum())
-        self.rejections.append(frame.loc[status == "rejected", ["status", "reject_reason"]])
+        self.rejections.append(frame.loc[(status == "rejected") & ~warm, ["status", "reject_reason"]])
         self.prompt_all += int(frame["prompt_tokens"].sum())
         if not len(measured):
             return

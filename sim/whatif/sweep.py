@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from sim.core.files import printable
 from sim.core.lazy import lazy_import
 from sim.core.memory import InsufficientMemoryError
 from sim.names import folder_name
@@ -77,6 +78,9 @@ def is_sweep(overrides: Sequence[str]) -> bool:
     return bool(split_sets(overrides)[1])
 
 
+POINT_SHOWN = 120       # characters of a point's settings an error quotes (a swept value can be long)
+
+
 @dataclass(frozen=True)
 class Point:
     """One combination of swept values (aligned with the sweep's axes)."""
@@ -104,7 +108,7 @@ def sweep_points(axes: Sequence[Axis], zipped: bool = False) -> list[Point]:
               for i, row in enumerate(index_rows)]
     repeated = next((texts for texts, n in Counter(p.texts for p in points).items() if n > 1), None)
     if repeated:
-        shown = ", ".join(f"{a.path}={t}" for a, t in zip(axes, repeated))
+        shown = printable(", ".join(f"{a.path}={t}" for a, t in zip(axes, repeated)), POINT_SHOWN)
         raise SweepError(f"the point {shown} comes more than once: give each value once"
                          + ("" if zipped else " (to repeat a value alongside others, use --zip)"))
     return points
@@ -130,7 +134,7 @@ class PointTask:
         raw = self.raw
         for dotted, value in self.settings:
             raw = set_path(raw, dotted.split("."), value)
-        where = f"{self.source} (at {self.label})" if self.label else self.source
+        where = f"{self.source} (at {printable(self.label, POINT_SHOWN)})" if self.label else self.source
         return validate_scenario(raw, base_dir=Path(self.base_dir), source=where)
 
 

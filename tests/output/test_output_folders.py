@@ -230,3 +230,34 @@ def test_spilled_records_never_go_through_a_link_outside_out(tmp_path, capsys):
                  "--spill-records"])
     assert code == 2 and list(outside.iterdir()) == []
     assert "outside the output folder" in capsys.readouterr().err
+
+
+def test_a_foreign_file_beside_a_kvtwin_run_is_not_blamed_on_an_old_kvtwin(tmp_path, capsys):
+    """The hint '(a run of a kvtwin without output markers?)' is for a folder with a manifest.json
+    and no marker; beside a marked run a foreign file is just that (found by h/audit2)."""
+    out = tmp_path / "out"
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "holds files kvtwin did not write (notes.txt)" in err and "without output markers" not in err, err
+    (out / ".kvtwin-run").unlink()
+    assert main([str(small_scenario(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]) == 2
+    assert "without output markers" in capsys.readouterr().err
+
+
+def test_spilled_scratch_files_never_write_through_a_link(tmp_path):
+    """A --spill-records run's scratch columns (records/*.bin) and cumulated step times
+    (records/times-*.npy) are files it writes too: a foreign link named like one, kept by
+    --force, is replaced, never written through (its target keeps its bytes)."""
+    out = tmp_path / "out"
+    (out / "records").mkdir(parents=True)
+    victims = {name: tmp_path / f"victim-{name}" for name in ("steps-duration.bin", "times-0000-end_s.npy")}
+    for name, victim in victims.items():
+        victim.write_text("not kvtwin's")
+        (out / "records" / name).symlink_to(victim)
+    code = main([str(small_scenario(tmp_path)), "--out", str(out), "--force", "--quiet", "--no-plots",
+                 "--spill-records"])
+    assert code == 0
+    assert [v.read_text() for v in victims.values()] == ["not kvtwin's"] * 2
+    assert not (out / "records" / "times-0000-end_s.npy").is_symlink()

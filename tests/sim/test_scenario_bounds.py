@@ -175,6 +175,21 @@ def test_recursive_aliases_in_a_scenario_and_in_set_are_clean_errors(tmp_path, c
     assert code == 2 and "--set engine.block_size:1: a recursive alias" in err
 
 
+def test_a_control_character_in_a_scenario_or_a_set_is_a_clean_error(tmp_path, capsys):
+    """PyYAML's reader refuses control characters while the loader is built, before the parse: a
+    bell in a scenario or an escape in a --set value raised ReaderError with a traceback (found by
+    h/audit2). The error names the line and shows the character escaped, never raw."""
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(SMALL + "name: a\x07b\n")
+    code, err = run_cli([scenario, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{scenario}:5: " in err and "'\\x07'" in err and "\x07" not in err, err
+    scenario.write_text(SMALL)
+    for argv in (["--set", "name=b\x1b[31m"], ["--set", "name=a,b\x1b[31m"]):
+        code, err = run_cli([scenario, "--out", tmp_path / "o", *argv], capsys)
+        assert code == 2 and "--set name:1: " in err and "'\\x1b'" in err and "\x1b" not in err, err
+
+
 def test_twenty_thousand_unknown_keys_print_a_short_error(tmp_path, capsys):
     path = tmp_path / "s.yaml"
     path.write_text(SMALL + "".join(f"unknown_{i}: 1\n" for i in range(20_000)))

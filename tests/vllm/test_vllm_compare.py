@@ -43,6 +43,21 @@ def test_file_workload_replays_the_files_requests(tmp_path, capsys):
     assert json.loads((out / "measured" / "manifest.json").read_text())["notes"] == []
 
 
+def test_a_file_of_another_catalog_model_is_a_mismatch(tmp_path, capsys):
+    """The file's model_id names the model it measured: a catalog model other than the scenario's
+    is a mismatch even when the file's own requests are replayed (it was compared without a word;
+    found by h/audit2). An id the catalog does not know (a fine-tune, a local path) is no evidence."""
+    data = _result(20.0)
+    for model_id, code in (("meta-llama/Llama-3.1-8B-Instruct", 1), ("meta-llama/Llama-3.1-8B", 1),
+                           ("my-org/tiny-finetune", 0)):
+        path = tmp_path / "r.json"
+        path.write_text(json.dumps({**data, "model_id": model_id}))
+        assert main(["compare", str(SCENARIO), *NO_PREFIX, "--vllm-result", str(path), "--out",
+                     str(tmp_path / "o"), "--force", "--use-file-workload"]) == code, model_id
+        err = capsys.readouterr().err
+        assert (f"the file measured '{model_id}' (catalog llama-3.1-8b), the scenario models tiny" in err) == bool(code), err
+
+
 def test_allow_mismatch_exits_zero(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(_result(20.0, **{"workload.prompt_len": 200})))

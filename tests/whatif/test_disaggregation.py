@@ -200,6 +200,23 @@ def test_a_read_that_times_out_is_recomputed_on_the_decode_engine():
     assert decode[decode["replica"] == 1]["prefill_tokens"].max() > 1
 
 
+def test_a_decode_pool_that_stalls_is_a_clean_error_not_a_lost_request():
+    """A decode pool of 70 blocks with outputs that outgrow it: a decode request preempts itself and
+    waits at the head of the queue for blocks that reads behind it took (kvtwin allocates a read's
+    blocks as soon as they fit, not in the waiting pass's order; found by h/audit2). The run
+    ended with an AssertionError ('60 of 60 requests never ended'); now the stall is a UserError
+    that names the engine and what to change."""
+    from sim.errors import UserError
+
+    raw = pd_scenario(decode={"engine": {"num_blocks": 70}})
+    raw["engine"]["max_model_len"] = 1024
+    raw["workload"]["output_len"] = {"dist": "uniform", "min": 100, "max": 200}
+    with pytest.raises(UserError) as e:
+        run(raw)
+    message = str(e.value)
+    assert "decode engine 1 stalled" in message and "engine.num_blocks" in message, message
+
+
 def test_rejections_carry_the_side_that_refused():
     requests = [{"arrival_s": 0.0, "prompt_len": 100, "output_len": 10},
                 {"arrival_s": 0.0, "prompt_len": 5000, "output_len": 10},        # beyond max_model_len
@@ -210,6 +227,22 @@ def test_rejections_carry_the_side_that_refused():
     assert df.loc[1, "reject_reason"].startswith("prefill engine: prompt of 5000 tokens")
     assert result.summary["requests_finished"] + result.summary["requests_rejected"] == 3
     assert result.summary["pools"]["transfers"]["transfers"] == 2
+
+
+def test_a_request_only_the_decode_engine_refuses_is_rejected_before_it_takes_blocks():
+    """Prompt 4090 + max_tokens 1 fits the prefill engine's max_model_len 4096; prompt + 20 output
+    tokens does not fit the decode engine's. The proxy gets the decode engine's refusal: the request
+    is rejected with it, and no KV stays allocated (it was refused only after its read, with its
+    128 blocks left held: 'decode engine 1 still holds 256 KV blocks after the run'; found by
+    h/audit2)."""
+    requests = [{"arrival_s": 0.0, "prompt_len": 100, "output_len": 10},
+                {"arrival_s": 0.0, "prompt_len": 4090, "output_len": 20}]
+    result = predict(validate_scenario(pd_scenario(requests=requests)))
+    df = result.requests.set_index("id")
+    assert df["status"].tolist() == ["finished", "rejected"]
+    assert df.loc[1, "reject_reason"] == ("decode engine: prompt (4090) + max output (20) = 4110 tokens exceeds "
+                                          "max_model_len 4096")
+    assert result.summary["requests_finished"] + result.summary["requests_rejected"] == 2
 
 
 def test_summary_has_per_pool_figures_and_runs_are_deterministic():

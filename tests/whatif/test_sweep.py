@@ -107,6 +107,18 @@ def test_a_bad_value_names_the_field_and_the_point(scenario_file):
     assert "(at engine.block_size=0): engine.block_size:" in str(e.value)
 
 
+def test_the_point_an_error_names_is_quoted_short(scenario_file):
+    """Errors quote input as a short excerpt: a 5,000-character swept value made a 5,000-character
+    '(at name=xxxx...)' (found by h/audit2), and a repeated one a 10,000-character line."""
+    long = "x" * 5000
+    with pytest.raises(ScenarioError) as e:
+        sweep_of(scenario_file, [f"name={long},b"])
+    assert "(at name=xxx" in str(e.value) and len(str(e.value)) < 500
+    with pytest.raises(SweepError) as e:
+        sweep_points(split_sets([f"name={long},{long}"])[1])
+    assert "more than once" in str(e.value) and len(str(e.value)) < 500
+
+
 def test_a_point_that_does_not_fit_is_a_row_with_an_error(scenario_file):
     frame = sweep_of(scenario_file, ["model=llama-3.1-8b,llama-3.1-70b"]).frame
     assert frame.columns[-1] == "error"
