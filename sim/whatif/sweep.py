@@ -209,21 +209,43 @@ def point_folder(point: Point, axes: Sequence[Axis]) -> str:
     return f"{point.index:03d}_" + folder_name(parts)
 
 
-def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
-              jobs: int = 1, ray: Optional[str] = None, outputs: Optional[Path] = None,
-              trace: bool = False, quiet: bool = False, steps: str = "timeline", plots: bool = True) -> Sweep:
+@dataclass(frozen=True)
+class SweepPlan:
+    """A sweep's points, each validated: what runs, known before any output folder is made."""
+    axes: list[Axis]
+    points: list[Point]
+    tasks: list[PointTask]
+    zipped: bool
+
+
+def plan_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
+               outputs: Optional[Path] = None, trace: bool = False, steps: str = "timeline",
+               plots: bool = True) -> SweepPlan:
     if raw.get("variants"):
         raise SweepError(f"{source} has variants ({', '.join(raw['variants'])}); a sweep runs one "
                          f"scenario: sweep the field the variants change instead, or drop them "
                          f"with --set 'variants={{}}'")
     points = sweep_points(axes, zipped)
-    tasks = point_tasks(raw, base_dir, source, axes, points, outputs, trace, steps, plots)
+    return SweepPlan(axes, points, point_tasks(raw, base_dir, source, axes, points, outputs, trace, steps, plots),
+                     zipped)
+
+
+def run_sweep(raw: dict, base_dir: Path, source: str, axes: list[Axis], zipped: bool = False,
+              jobs: int = 1, ray: Optional[str] = None, outputs: Optional[Path] = None,
+              trace: bool = False, quiet: bool = False, steps: str = "timeline", plots: bool = True) -> Sweep:
+    plan = plan_sweep(raw, base_dir, source, axes, zipped, outputs, trace, steps, plots)
+    return run_planned_sweep(plan, jobs, ray, quiet, plots)
+
+
+def run_planned_sweep(plan: SweepPlan, jobs: int = 1, ray: Optional[str] = None, quiet: bool = False,
+                      plots: bool = True) -> Sweep:
+    axes, points, tasks = plan.axes, plan.points, plan.tasks
     # imported and warmed once here, so forked workers inherit them, not make them each
     from sim.predict import warm_up
     warm_up(tasks[0].scenario())
     rows = parallel_map(run_point, tasks, jobs, ray, label=f"sweep ({len(points)} points)", quiet=quiet,
                         when_idle=lambda: ready_for_outputs(plots))
-    return Sweep(axes, points, zipped, sweep_frame(axes, points, rows))
+    return Sweep(axes, points, plan.zipped, sweep_frame(axes, points, rows))
 
 
 def ready_for_outputs(plots: bool) -> None:

@@ -9,7 +9,7 @@ from typing import Optional
 from sim.output.run_dir import owned_run_folder
 from sim.scenario import validate_scenario
 from sim.whatif.parallel import add_parallel_args, check_jobs
-from sim.whatif.sweep import SweepError, base_raw, run_sweep, split_sets
+from sim.whatif.sweep import SweepError, base_raw, plan_sweep, run_planned_sweep, split_sets
 
 
 
@@ -37,11 +37,13 @@ def sweep_main(args: argparse.Namespace) -> int:
     raw = base_raw(args.scenario, plain, args.seed)
     out = args.out or Path("runs") / args.scenario.stem / "sweep"
     t0 = time.monotonic()
+    plots = not getattr(args, "no_plots", False)
+    # every point validated before the folder is made: a bad point leaves no INCOMPLETE behind
+    plan = plan_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
+                      out / "points" if args.point_outputs else None, args.trace, steps, plots)
+    jobs = check_jobs(args.jobs)
     with owned_run_folder(out, force=getattr(args, "force", False)):
-        plots = not getattr(args, "no_plots", False)
-        sweep = run_sweep(raw, args.scenario.parent.resolve(), str(args.scenario), axes, args.zip,
-                          check_jobs(args.jobs), args.ray, out / "points" if args.point_outputs else None,
-                          args.trace, args.quiet, steps, plots)
+        sweep = run_planned_sweep(plan, jobs, args.ray, args.quiet, plots)
         # titled by the scenario's name, as its run figures are (the folder keeps the file's stem)
         write_sweep(sweep, out, f"kvtwin sweep: {raw.get('name') or 'scenario'}", sweep_setup(raw, args.scenario),
                     plots)

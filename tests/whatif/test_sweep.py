@@ -177,6 +177,19 @@ def test_point_run_flags_without_point_outputs_are_an_error(scenario_file, tmp_p
     assert f"{' '.join(flag)} applies to each point's own run files: add --point-outputs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["--set", "engine.block_size=16,banana"], "engine.block_size"),
+    (["--set", "engine.block_size=16,16"], "comes more than once"),
+    (["--set", "engine.block_size=16,32", "--jobs", "0"], "--jobs")])
+def test_a_sweep_that_cannot_run_leaves_no_output_folder(scenario_file, tmp_path, capsys, sets, message):
+    """Every point is validated (and --jobs checked) before the folder is made: a bad point left a
+    new folder holding only INCOMPLETE and the run marker (found by h/audit2)."""
+    out = tmp_path / "out"
+    assert main([str(scenario_file), *sets, "--out", str(out), "--quiet"]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_sweep_flags_without_a_sweep_are_an_error(scenario_file, tmp_path, capsys):
     assert main([str(scenario_file), "--zip", "--out", str(tmp_path), "--quiet"]) == 2
     assert "--zip applies to sweeps" in capsys.readouterr().err
