@@ -160,6 +160,7 @@ def model_mismatches(data: dict, scenario) -> list[str]:
     """The file's model_id, when it names a catalog model (its hf_id, or the base model of it) other
     than the scenario's: the comparison would set one model's prediction against another's
     measurement. An id the catalog does not know (a fine-tune, a local path) says nothing."""
+    from sim.core.catalog import get_model
     from sim.core.files import excerpt
     from sim.vllm.serve_flags import catalog_model
 
@@ -171,8 +172,8 @@ def model_mismatches(data: dict, scenario) -> list[str]:
     except UserError:
         return []
     ours = scenario.model.name
-    if not isinstance(theirs, str) or theirs == ours:
-        return []
+    if not isinstance(theirs, str) or theirs == ours or get_model(theirs).hf_id == scenario.model.hf_id:
+        return []        # (the same checkpoint under a name of the scenario's own: `model: {base: ..., name: ...}`)
     return [f"the file measured {excerpt(model_id, 80)} (catalog {theirs}), the scenario models {ours}: this "
             f"comparison means nothing until the scenario's model is the file's (model: {theirs})"]
 

@@ -60,6 +60,15 @@ def test_a_file_of_another_catalog_model_is_a_mismatch(tmp_path, capsys):
         assert (f"the file measured '{model_id}' (catalog llama-3.1-8b), the scenario models tiny" in flat) == bool(code), err
 
 
+def test_a_catalog_checkpoint_under_the_scenarios_own_model_name_is_no_mismatch():
+    from sim.scenario import validate_scenario
+    from validate.vllm_result import model_mismatches
+
+    renamed = validate_scenario({"model": {"base": "llama-3.1-8b", "name": "my-8b"}, "device": "h100-sxm"})
+    assert model_mismatches({"model_id": "meta-llama/Llama-3.1-8B-Instruct"}, renamed) == []
+    assert model_mismatches({"model_id": "Qwen/Qwen2.5-7B-Instruct"}, renamed)
+
+
 def test_allow_mismatch_exits_zero(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(_result(20.0, **{"workload.prompt_len": 200})))
